@@ -1,0 +1,70 @@
+// The exported C API of the page codec.  This is the one place where internal
+// results become the caller's: each entry clears the thread's error text,
+// checks the KVXFER_* environment, and catches every exception (none is
+// expected; std::bad_alloc is the realistic one).
+#include <new>
+
+#include "codec/codec.h"
+#include "common/error.h"
+#include "common/params.h"
+
+namespace {
+
+template <typename F>
+kvxfer_result_t api_call(const char* name, F&& body) {
+  kvxfer::clear_error();
+  try {
+    KVXFER_CHECK(kvxfer::params::validate());
+    return body();
+  } catch (const std::bad_alloc&) {
+    return kvxfer::set_error(KVXFER_ERR_OUT_OF_MEMORY, "%s: out of memory", name);
+  } catch (const std::exception& e) {
+    return kvxfer::set_error(KVXFER_ERR_INTERNAL, "%s: unexpected exception: %s", name, e.what());
+  } catch (...) {
+    return kvxfer::set_error(KVXFER_ERR_INTERNAL, "%s: unexpected exception", name);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+kvxfer_result_t kvxfer_get_version(int* version) {
+  return api_call(__func__, [&] {
+    KVXFER_REQUIRE(version != nullptr, "version is NULL");
+    *version = KVXFER_VERSION_CODE;
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_page_max_size(const kvxfer_codec_config_t* config, int64_t num_tokens,
+                                     int32_t num_channels, size_t* anchor_bytes,
+                                     size_t* residual_bytes) {
+  return api_call(__func__, [&] {
+    return kvxfer::codec::max_sizes(config, num_tokens, num_channels, anchor_bytes, residual_bytes);
+  });
+}
+
+kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kvxfer_page_id_t* id,
+                                   const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
+                                   size_t* anchor_len, void* residual, size_t residual_cap,
+                                   size_t* residual_len) {
+  return api_call(__func__, [&] {
+    return kvxfer::codec::encode_page(config, id, src, anchor, anchor_cap, anchor_len, residual,
+                                      residual_cap, residual_len);
+  });
+}
+
+kvxfer_result_t kvxfer_page_decode(const void* anchor, size_t anchor_len, const void* residual,
+                                   size_t residual_len, const kvxfer_page_id_t* expect,
+                                   const kvxfer_page_layout_t* dst) {
+  return api_call(__func__, [&] {
+    return kvxfer::codec::decode_page(anchor, anchor_len, residual, residual_len, expect, dst);
+  });
+}
+
+kvxfer_result_t kvxfer_page_inspect(const void* section, size_t len, kvxfer_page_info_t* info) {
+  return api_call(__func__, [&] { return kvxfer::codec::inspect_section(section, len, info); });
+}
+
+}  // extern "C"

@@ -1,0 +1,178 @@
+#include "codec/codebook.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "codec/detmath.h"
+
+namespace kvxfer::codec {
+
+bool valid_chunk_tokens(int c) { return c == 16 || c == 32 || c == 64 || c == 128; }
+
+uint8_t Codebook::encode(float z) const {
+  const float v = sign_magnitude ? std::fabs(z) : z;
+  unsigned q = 0;
+  while (q < thresholds.size() && v >= thresholds[q]) ++q;
+  if (sign_magnitude && z < 0.0f) q |= 0x80u;
+  return static_cast<uint8_t>(q);
+}
+
+namespace {
+
+// Inverse alpha-law (Lynx Eq. 5 solved for |z|): the |z| at which Y = y.
+double alpha_law_inverse(double alpha, double y) {
+  if (alpha == 0.0) return y / 127.0;
+  return detmath::expm1(y / 127.0 * detmath::log1p(alpha)) / alpha;
+}
+
+// Bin of code `c` in z: [lo, hi].
+void code_bin(const Codebook& cb, unsigned c, double* lo, double* hi) {
+  const auto& t = cb.thresholds;
+  if (cb.sign_magnitude) {
+    const unsigned q = c & 0x7Fu;
+    const double mlo = q == 0 ? 0.0 : t[q - 1];
+    const double mhi = q == 127 ? 1.0 : t[q];
+    if (c & 0x80u) {
+      *lo = -mhi;
+      *hi = -mlo;
+    } else {
+      *lo = mlo;
+      *hi = mhi;
+    }
+  } else {
+    const unsigned last = (1u << cb.code_bits) - 1;
+    *lo = c == 0 ? -1.0 : t[c - 1];
+    *hi = c == last ? 1.0 : t[c];
+  }
+}
+
+void build_tables(Codebook* cb) {
+  const unsigned ncodes = 1u << cb->code_bits;
+  double mhw = 0.0;
+  for (unsigned c = 0; c < ncodes; ++c) {
+    double lo, hi;
+    code_bin(*cb, c, &lo, &hi);
+    cb->recon_full[c] = static_cast<float>(0.5 * (lo + hi));
+    if (0.5 * (hi - lo) > mhw) mhw = 0.5 * (hi - lo);
+  }
+  cb->max_half_width_full = mhw;
+
+  // An anchor is the run of codes sharing the top A bits.  In both code
+  // layouts that run is contiguous in z, so its bin is [lo(first), hi(last)]
+  // for positive runs; min/max covers the mirrored negative runs too.
+  const unsigned nanchors = 1u << cb->anchor_bits;
+  const unsigned run = 1u << cb->residual_bits;
+  double ahw = 0.0;
+  for (unsigned a = 0; a < nanchors; ++a) {
+    double lo = 2.0, hi = -2.0;
+    for (unsigned c = a * run; c < (a + 1) * run; ++c) {
+      double l, h;
+      code_bin(*cb, c, &l, &h);
+      lo = std::min(lo, l);
+      hi = std::max(hi, h);
+    }
+    cb->recon_anchor[a] = static_cast<float>(0.5 * (lo + hi));
+    if (0.5 * (hi - lo) > ahw) ahw = 0.5 * (hi - lo);
+  }
+  cb->max_half_width_anchor = ahw;
+
+  // Fast-path lookup: smallest power-of-two cell count with <= 1 threshold
+  // strictly inside every cell.
+  const auto& t = cb->thresholds;
+  const double dom_lo = cb->sign_magnitude ? 0.0 : -1.0;
+  for (int lg = 4; lg <= 22; ++lg) {
+    const double n = std::ldexp(1.0, lg);
+    const int origin = cb->sign_magnitude ? 0 : (1 << lg);
+    const int cells = static_cast<int>((1.0 - dom_lo) * n) + 1;
+    std::vector<int32_t> base(cells);
+    std::vector<float> next(cells);
+    bool ok = true;
+    size_t k = 0;
+    for (int i = 0; i < cells && ok; ++i) {
+      const double start = (i - origin) / n, end = (i - origin + 1) / n;
+      while (k < t.size() && t[k] <= start) ++k;
+      base[i] = static_cast<int32_t>(k);
+      next[i] = k < t.size() ? t[k] : std::numeric_limits<float>::infinity();
+      if (k + 1 < t.size() && t[k + 1] < end) ok = false;
+    }
+    if (ok) {
+      cb->lut_log2 = lg;
+      cb->lut_origin = origin;
+      cb->lut_base = std::move(base);
+      cb->lut_next = std::move(next);
+      return;
+    }
+  }
+  // Unreachable for alpha <= kMaxAlpha (the finest bin is wider than 2^-22).
+  std::abort();
+}
+
+std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits) {
+  auto cb = std::make_unique<Codebook>();
+  std::memset(cb->recon_full, 0, sizeof(cb->recon_full));
+  std::memset(cb->recon_anchor, 0, sizeof(cb->recon_anchor));
+  cb->codec = codec;
+  cb->alpha = codec == KVXFER_CODEC_LYNX ? alpha : 0.0f;
+  cb->code_bits = codec == KVXFER_CODEC_INT4 ? 4 : 8;
+  cb->anchor_bits = anchor_bits;
+  cb->residual_bits = cb->code_bits - anchor_bits;
+  cb->sign_magnitude = codec == KVXFER_CODEC_LYNX;
+  if (cb->sign_magnitude) {
+    // q = round(Y) = #{k : Y >= k + 1/2} = #{k : |z| >= g(k + 1/2)}.
+    for (int k = 0; k < 127; ++k)
+      cb->thresholds.push_back(static_cast<float>(alpha_law_inverse(cb->alpha, k + 0.5)));
+  } else {
+    // q = round((z + 1)/2 * (L - 1)): thresholds halfway between levels.
+    const int levels = 1 << cb->code_bits;
+    for (int k = 0; k + 1 < levels; ++k)
+      cb->thresholds.push_back(static_cast<float>(-1.0 + (2.0 * k + 1.0) / (levels - 1)));
+  }
+  build_tables(cb.get());
+  return cb;
+}
+
+}  // namespace
+
+const Codebook* get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why) {
+  switch (codec) {
+    case KVXFER_CODEC_LYNX:
+      if (!(alpha >= 0.0f && alpha <= kMaxAlpha)) {
+        *why = "alpha must be in [0, 1000]";
+        return nullptr;
+      }
+      [[fallthrough]];
+    case KVXFER_CODEC_INT8:
+      if (anchor_bits < 2 || anchor_bits > 6) {
+        *why = "anchor_bits must be 2..6 for LYNX and INT8";
+        return nullptr;
+      }
+      break;
+    case KVXFER_CODEC_INT4:
+      if (anchor_bits != 4) {
+        *why = "anchor_bits must be 4 for INT4 (anchor only)";
+        return nullptr;
+      }
+      break;
+    default:
+      *why = "codec has no codebook";
+      return nullptr;
+  }
+  static std::mutex mu;
+  static std::map<std::tuple<int, uint32_t, int>, std::unique_ptr<Codebook>> cache;
+  uint32_t abits = 0;
+  const float a = codec == KVXFER_CODEC_LYNX && alpha != 0.0f ? alpha : 0.0f;  // -0 == +0
+  std::memcpy(&abits, &a, sizeof(abits));
+  std::lock_guard<std::mutex> lk(mu);
+  auto& slot = cache[std::make_tuple(static_cast<int>(codec), abits, anchor_bits)];
+  if (!slot) slot = make_codebook(codec, a, anchor_bits);
+  return slot.get();
+}
+
+}  // namespace kvxfer::codec

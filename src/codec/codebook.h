@@ -1,0 +1,70 @@
+// The scalar quantizers of every kvxfer codec, defined by tables.
+//
+// This file is the one place where the Lynx formulas live (docs/FORMAT.md
+// derives and cites each one):
+//   alpha-law magnitude (Lynx, Algorithm 1, Eq. 5):
+//       Y(|z|) = ln(1 + alpha*|z|) / ln(1 + alpha) * (2^7 - 1),  q = round(Y)
+//   its inverse, used for bin edges:
+//       g(y) = ((1 + alpha)^(y/127) - 1) / alpha          (alpha = 0: y / 127)
+//   anchor / residual split of the 8-bit sign-magnitude code (Lynx Eq. 9,
+//   with the +7 bias removed, docs/FORMAT.md "Split"):
+//       anchor = code >> R,  residual = code & (2^R - 1),  code = anchor << R | residual
+//   uniform asymmetric baselines (min/max per channel per chunk):
+//       q = round((z + 1) / 2 * (2^b - 1))
+//
+// A code is decided by counting float thresholds (no libm at encode time):
+//   sign-magnitude:  s = (z < 0),  q = #{k : |z| >= T[k]},  code = s << 7 | q
+//   uniform:         code = #{k : z >= T[k]}
+// Every code, and every anchor (a run of codes), is reconstructed at the centre
+// of its bin in z.  Tables are computed with codec/detmath (bit-reproducible)
+// and shared verbatim with the fast CPU path and the CUDA kernels.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvxfer/kvxfer.h"
+
+namespace kvxfer::codec {
+
+struct Codebook {
+  kvxfer_codec_t codec;
+  float alpha;          // 0 unless LYNX
+  int code_bits;        // 8 (LYNX, INT8) or 4 (INT4)
+  int anchor_bits;      // A
+  int residual_bits;    // R = code_bits - A
+  bool sign_magnitude;  // LYNX: sign bit + 7-bit alpha-law magnitude
+  std::vector<float> thresholds;  // ascending; 127 (LYNX) or 2^b - 1 (uniform)
+  float recon_full[256];          // z value of each code (bin centre)
+  float recon_anchor[64];         // z value of each anchor (centre of its bins)
+  double max_half_width_full;     // max over codes of half the bin width (z units)
+  double max_half_width_anchor;   // same over anchors
+
+  // Fast-path lookup (codec/fast*.cc).  The domain (|z| in [0,1] for
+  // sign-magnitude, z in [-1,1] for uniform) is cut into cells of width
+  // 2^-lut_log2; cell i = floor(v * 2^lut_log2) + lut_origin.  Each cell holds at
+  // most one threshold (checked when built), so
+  //     code_of(v) = lut_base[i] + (v >= lut_next[i]).
+  int lut_log2;
+  int lut_origin;                 // 0, or 2^lut_log2 for the signed domain
+  std::vector<int32_t> lut_base;  // #{k : T[k] <= start of cell i}
+  std::vector<float> lut_next;    // T[lut_base[i]], or +inf
+
+  /** The definition: the code of a normalised value z in [-1, 1]. */
+  uint8_t encode(float z) const;
+};
+
+/**
+ * Returns the codebook for (codec, alpha, anchor_bits), built once and cached
+ * for the life of the process (the pointer stays valid).  Thread-safe.
+ * Returns nullptr with *why set for an invalid combination or for BF16 (which
+ * has no codebook).
+ */
+const Codebook* get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why);
+
+/** Valid ranges, shared by config validation and header parsing. */
+constexpr float kMaxAlpha = 1000.0f;
+bool valid_chunk_tokens(int c);
+
+}  // namespace kvxfer::codec

@@ -1,0 +1,36 @@
+// Internal C++ entry points of the page codec (the C API in api/codec_api.cc
+// wraps these).  All return kvxfer_result_t and never throw.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvxfer/kvxfer.h"
+
+namespace kvxfer::codec {
+
+/** Which CPU path runs the quantizing codecs.  All produce identical bytes. */
+enum class Impl { AUTO, REFERENCE, SCALAR, AVX2 };
+
+/** Resolves AUTO/AVX2 against the CPU and KVXFER_CODEC_IMPL. */
+kvxfer_result_t resolve_impl(Impl requested, Impl* out);
+
+kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg);
+
+kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t num_tokens, int32_t num_channels,
+                          size_t* anchor_bytes, size_t* residual_bytes);
+
+/** threads <= 0: KVXFER_CODEC_THREADS (0 there = one per core). */
+kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                            const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
+                            size_t* anchor_len, void* residual, size_t residual_cap,
+                            size_t* residual_len, Impl impl = Impl::AUTO, int threads = 0);
+
+kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* residual,
+                            size_t residual_len, const kvxfer_page_id_t* expect,
+                            const kvxfer_page_layout_t* dst, Impl impl = Impl::AUTO,
+                            int threads = 0);
+
+kvxfer_result_t inspect_section(const void* section, size_t len, kvxfer_page_info_t* info);
+
+}  // namespace kvxfer::codec

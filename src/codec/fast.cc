@@ -1,0 +1,217 @@
+// Fast CPU page codec: chunks in parallel (OpenMP), rows through SIMD row
+// kernels, table lookups instead of threshold searches.  Produces the same
+// bytes as codec/reference.cc (tests/codec_test.cc checks it exhaustively).
+#include "codec/fast.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+namespace kvxfer::codec::fast {
+
+namespace {
+
+bool minmax_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, float* mn, float* mx) {
+  bool ok = true;
+  for (int32_t c = 0; c < H; ++c) {
+    const float x = load_elem(row, c, dt);
+    ok &= std::isfinite(x);
+    if (x < mn[c]) mn[c] = x;
+    if (x > mx[c]) mx[c] = x;
+  }
+  return ok;
+}
+
+void encode_row_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                       const float* d, const Codebook& cb, uint8_t* codes) {
+  const float n = static_cast<float>(1 << cb.lut_log2);
+  for (int32_t c = 0; c < H; ++c) {
+    const float z = normalise(load_elem(row, c, dt), Affine{m[c], d[c]});
+    if (cb.sign_magnitude) {
+      const float a = std::fabs(z);
+      const int i = static_cast<int>(a * n);
+      const int q = cb.lut_base[i] + (a >= cb.lut_next[i]);
+      codes[c] = static_cast<uint8_t>(q | (z < 0.0f ? 0x80 : 0));
+    } else {
+      const int i = static_cast<int>(std::floor(z * n)) + cb.lut_origin;
+      codes[c] = static_cast<uint8_t>(cb.lut_base[i] + (z >= cb.lut_next[i]));
+    }
+  }
+}
+
+void decode_row_scalar(const uint8_t* idx, int32_t H, const float* m, const float* d,
+                       const float* table, kvxfer_dtype_t dt, uint8_t* row) {
+  for (int32_t c = 0; c < H; ++c) store_elem(row, c, dt, denormalise(table[idx[c]], Affine{m[c], d[c]}));
+}
+
+// Sequential bit-field writer/reader over a byte-aligned region.
+struct BitWriter {
+  uint8_t* out;
+  uint64_t acc = 0;
+  unsigned n = 0;
+  void put(unsigned v, unsigned w) {
+    acc |= static_cast<uint64_t>(v) << n;
+    n += w;
+    while (n >= 8) {
+      *out++ = static_cast<uint8_t>(acc);
+      acc >>= 8;
+      n -= 8;
+    }
+  }
+  void flush() {
+    if (n > 0) *out++ = static_cast<uint8_t>(acc);
+  }
+};
+struct BitReader {
+  const uint8_t* in;
+  uint64_t acc = 0;
+  unsigned n = 0;
+  unsigned get(unsigned w) {
+    while (n < w) {
+      acc |= static_cast<uint64_t>(*in++) << n;
+      n += 8;
+    }
+    const unsigned v = static_cast<unsigned>(acc & ((1u << w) - 1));
+    acc >>= w;
+    n -= w;
+    return v;
+  }
+};
+
+int thread_count(int requested, int64_t chunks, int64_t elems) {
+  if (elems < (1 << 16) || chunks < 2) return 1;  // not worth waking threads
+  const int t = requested > 0 ? requested : omp_get_max_threads();
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(t, chunks)));
+}
+
+}  // namespace
+
+const RowKernels& scalar_kernels() {
+  static const RowKernels k{minmax_scalar, encode_row_scalar, decode_row_scalar};
+  return k;
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
+  const RowKernels& K = avx2 ? avx2_kernels() : scalar_kernels();
+  const PageHeader& h = *job.hdr;
+  const int64_t T = static_cast<int64_t>(h.num_tokens);
+  const int32_t H = static_cast<int32_t>(h.num_channels);
+  const int C = h.chunk_tokens;
+  const unsigned A = job.cb->anchor_bits, R = job.cb->residual_bits;
+  const auto dt = static_cast<kvxfer_dtype_t>(h.src_dtype);
+  const int64_t chunks = (T + C - 1) / C;
+  std::atomic<bool> nonfinite{false}, need_fp32{false};
+
+#pragma omp parallel num_threads(thread_count(threads, chunks, T * H))
+  {
+    std::vector<float> mn(H), mx(H), m(H), d(H);
+    std::vector<uint8_t> codes(H);
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < chunks; ++k) {
+      if (nonfinite.load(std::memory_order_relaxed)) continue;
+      const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
+      bool ok = true;
+      for (int32_t c = 0; c < H; ++c) mn[c] = mx[c] = load_elem(job.src.row(t0), c, dt);
+      for (int64_t t = t0; t < t1 && ok; ++t) ok = K.minmax(job.src.row(t), dt, H, mn.data(), mx.data());
+      if (!ok) {
+        nonfinite = true;
+        continue;
+      }
+      for (int32_t c = 0; c < H; ++c) {
+        canonical_minmax(&mn[c], &mx[c]);
+        Affine a{0.0f, 0.0f};
+        if (!chunk_affine(mn[c], mx[c], job.meta_fp32, &a)) need_fp32 = true;
+        m[c] = a.m;
+        d[c] = a.d;
+        put_affine(job.meta, k * H + c, job.meta_fp32, a);
+      }
+      if (need_fp32.load(std::memory_order_relaxed)) continue;
+      // Chunk k starts at element t0*H; t0 is a multiple of 16, so both bit
+      // streams start on a byte boundary here.
+      BitWriter wa{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
+      BitWriter wr{job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8};
+      for (int64_t t = t0; t < t1; ++t) {
+        K.encode_row(job.src.row(t), dt, H, m.data(), d.data(), *job.cb, codes.data());
+        if (A == 4 && R == 4 && (H & 1) == 0) {
+          uint8_t* pa = wa.out + (static_cast<uint64_t>(t - t0) * H) / 2;
+          uint8_t* pr = wr.out + (static_cast<uint64_t>(t - t0) * H) / 2;
+          for (int32_t c = 0; c < H; c += 2) {
+            pa[c / 2] = static_cast<uint8_t>((codes[c] >> 4) | (codes[c + 1] & 0xF0));
+            pr[c / 2] = static_cast<uint8_t>((codes[c] & 0x0F) | (codes[c + 1] << 4));
+          }
+        } else {
+          for (int32_t c = 0; c < H; ++c) {
+            wa.put(codes[c] >> R, A);
+            if (R > 0) wr.put(codes[c] & ((1u << R) - 1), R);
+          }
+        }
+      }
+      wa.flush();
+      if (R > 0) wr.flush();
+    }
+  }
+  if (nonfinite) return EncodeStatus::NONFINITE;
+  if (need_fp32) return EncodeStatus::NEED_FP32;
+  return EncodeStatus::OK;
+}
+
+void decode(const DecodeJob& job, bool avx2, int threads) {
+  const RowKernels& K = avx2 ? avx2_kernels() : scalar_kernels();
+  const PageHeader& h = *job.hdr;
+  const int64_t T = static_cast<int64_t>(h.num_tokens);
+  const int32_t H = static_cast<int32_t>(h.num_channels);
+  const int C = h.chunk_tokens;
+  const unsigned A = job.cb->anchor_bits, R = job.cb->residual_bits;
+  const bool full = job.residuals != nullptr;
+  const float* table = full ? job.cb->recon_full : job.cb->recon_anchor;
+  const int64_t chunks = (T + C - 1) / C;
+
+#pragma omp parallel num_threads(thread_count(threads, chunks, T * H))
+  {
+    std::vector<float> m(H), d(H);
+    std::vector<uint8_t> idx(H);
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < chunks; ++k) {
+      const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
+      for (int32_t c = 0; c < H; ++c) {
+        const Affine a = get_affine(job.meta, k * H + c, job.meta_fp32);
+        m[c] = a.m;
+        d[c] = a.d;
+      }
+      BitReader ra{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
+      BitReader rr{full ? job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8 : nullptr};
+      for (int64_t t = t0; t < t1; ++t) {
+        if (A == 4 && (H & 1) == 0 && (!full || R == 4)) {
+          const uint8_t* pa = ra.in + (static_cast<uint64_t>(t - t0) * H) / 2;
+          const uint8_t* pr = full ? rr.in + (static_cast<uint64_t>(t - t0) * H) / 2 : nullptr;
+          for (int32_t c = 0; c < H; c += 2) {
+            const uint8_t a = pa[c / 2];
+            if (full) {
+              const uint8_t r = pr[c / 2];
+              idx[c] = static_cast<uint8_t>((a << 4) | (r & 0x0F));
+              idx[c + 1] = static_cast<uint8_t>((a & 0xF0) | (r >> 4));
+            } else {
+              idx[c] = a & 0x0F;
+              idx[c + 1] = a >> 4;
+            }
+          }
+        } else {
+          for (int32_t c = 0; c < H; ++c) {
+            const unsigned a = ra.get(A);
+            idx[c] = static_cast<uint8_t>(full ? (a << R) | (R > 0 ? rr.get(R) : 0u) : a);
+          }
+        }
+        K.decode_row(idx.data(), H, m.data(), d.data(), table, job.dst.l->dtype, job.dst.row(t));
+      }
+    }
+  }
+}
+
+}  // namespace kvxfer::codec::fast

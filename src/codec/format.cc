@@ -1,0 +1,218 @@
+#include "codec/format.h"
+
+#include <xxhash.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "codec/codebook.h"
+#include "common/error.h"
+
+namespace kvxfer::codec {
+
+namespace {
+
+// Little-endian field codecs: the wire order is explicit, independent of the host.
+template <typename T>
+void put(uint8_t*& p, T v) {
+  uint64_t u = 0;
+  std::memcpy(&u, &v, sizeof(T));
+  for (size_t i = 0; i < sizeof(T); ++i) *p++ = static_cast<uint8_t>(u >> (8 * i));
+}
+template <typename T>
+T get(const uint8_t*& p) {
+  uint64_t u = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) u |= static_cast<uint64_t>(*p++) << (8 * i);
+  T v;
+  std::memcpy(&v, &u, sizeof(T));
+  return v;
+}
+
+constexpr size_t kChecksumOffset = 72;
+
+uint64_t compute_checksum(const uint8_t* section, uint64_t payload_bytes) {
+  uint8_t hdr[kHeaderBytes];
+  std::memcpy(hdr, section, kHeaderBytes);
+  std::memset(hdr + kChecksumOffset, 0, 8);
+  const XXH64_hash_t seed = XXH3_64bits(hdr, kHeaderBytes);
+  return XXH3_64bits_withSeed(section + kHeaderBytes, payload_bytes, seed);
+}
+
+uint64_t ceil_div8(uint64_t bits) { return (bits + 7) / 8; }
+
+}  // namespace
+
+size_t dtype_size(kvxfer_dtype_t dtype) { return dtype == KVXFER_DTYPE_FP32 ? 4 : 2; }
+
+PayloadSizes payload_sizes(const PageHeader& h) {
+  PayloadSizes s;
+  const uint64_t n = h.num_tokens * h.num_channels;
+  if (h.flags & FLAG_RAW) {
+    s.anchor_codes = n * dtype_size(static_cast<kvxfer_dtype_t>(h.src_dtype));
+  } else if (h.codec == KVXFER_CODEC_BF16) {
+    s.anchor_codes = n * 2;
+  } else {
+    const uint64_t chunks = (h.num_tokens + h.chunk_tokens - 1) / h.chunk_tokens;
+    s.meta_bytes = chunks * h.num_channels * 2 * ((h.flags & FLAG_META_FP32) ? 4 : 2);
+    s.anchor_codes = ceil_div8(n * h.anchor_bits);
+    s.residual_codes = ceil_div8(n * (h.code_bits - h.anchor_bits));
+  }
+  return s;
+}
+
+void write_header(const PageHeader& h, uint8_t* out) {
+  uint8_t* p = out;
+  put(p, h.magic);
+  put(p, h.version);
+  put(p, h.header_bytes);
+  put(p, h.section);
+  put(p, h.codec);
+  put(p, h.flags);
+  put(p, h.src_dtype);
+  put(p, h.chunk_tokens);
+  put(p, h.code_bits);
+  put(p, h.anchor_bits);
+  put(p, h.kind);
+  put(p, h.alpha);
+  put(p, h.layer);
+  put(p, h.num_channels);
+  put(p, h.reserved);
+  put(p, h.token_begin);
+  put(p, h.num_tokens);
+  put(p, h.stream_id);
+  put(p, h.payload_bytes);
+  put(p, h.link);
+  put(p, h.checksum);
+}
+
+void seal_section(uint8_t* section) {
+  const uint8_t* p = section + 56;  // payload_bytes
+  const uint64_t payload = get<uint64_t>(p);
+  uint8_t* q = section + kChecksumOffset;
+  put(q, compute_checksum(section, payload));
+}
+
+kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
+  if (buf == nullptr) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "section pointer is NULL");
+  if (len < kHeaderBytes)
+    return set_error(KVXFER_ERR_TRUNCATED, "section is %zu bytes, shorter than the %zu-byte header",
+                     len, kHeaderBytes);
+  const uint8_t* base = static_cast<const uint8_t*>(buf);
+  const uint8_t* p = base;
+  PageHeader h;
+  h.magic = get<uint32_t>(p);
+  h.version = get<uint16_t>(p);
+  h.header_bytes = get<uint16_t>(p);
+  h.section = get<uint8_t>(p);
+  h.codec = get<uint8_t>(p);
+  h.flags = get<uint8_t>(p);
+  h.src_dtype = get<uint8_t>(p);
+  h.chunk_tokens = get<uint8_t>(p);
+  h.code_bits = get<uint8_t>(p);
+  h.anchor_bits = get<uint8_t>(p);
+  h.kind = get<uint8_t>(p);
+  h.alpha = get<float>(p);
+  h.layer = get<uint32_t>(p);
+  h.num_channels = get<uint32_t>(p);
+  h.reserved = get<uint32_t>(p);
+  h.token_begin = get<int64_t>(p);
+  h.num_tokens = get<uint64_t>(p);
+  h.stream_id = get<uint64_t>(p);
+  h.payload_bytes = get<uint64_t>(p);
+  h.link = get<uint64_t>(p);
+  h.checksum = get<uint64_t>(p);
+
+#define CORRUPT_IF(cond, ...) \
+  if (cond) return set_error(KVXFER_ERR_CORRUPT, __VA_ARGS__)
+  CORRUPT_IF(h.magic != kMagic, "bad magic 0x%08x (not a kvxfer page section)", h.magic);
+  CORRUPT_IF(h.version != kWireVersion, "wire version %u, this build reads version %u",
+             h.version, kWireVersion);
+  CORRUPT_IF(h.header_bytes != kHeaderBytes, "header_bytes %u, expected %zu", h.header_bytes,
+             kHeaderBytes);
+  CORRUPT_IF(h.section != SECTION_ANCHOR && h.section != SECTION_RESIDUAL, "bad section kind %u",
+             h.section);
+  CORRUPT_IF(h.codec > KVXFER_CODEC_BF16, "bad codec %u", h.codec);
+  CORRUPT_IF(h.flags & ~(FLAG_RAW | FLAG_META_FP32), "unknown flags 0x%02x", h.flags);
+  CORRUPT_IF(h.src_dtype > KVXFER_DTYPE_FP32, "bad source dtype %u", h.src_dtype);
+  CORRUPT_IF(!valid_chunk_tokens(h.chunk_tokens), "bad chunk_tokens %u", h.chunk_tokens);
+  CORRUPT_IF(h.kind > KVXFER_KV_VALUE, "bad K/V kind %u", h.kind);
+  CORRUPT_IF(h.reserved != 0, "reserved field is %u, must be 0", h.reserved);
+  CORRUPT_IF(h.num_channels == 0 || h.num_channels > kMaxChannels, "bad num_channels %u",
+             h.num_channels);
+  CORRUPT_IF(h.num_tokens > kMaxTokens, "bad num_tokens %llu", (unsigned long long)h.num_tokens);
+  CORRUPT_IF(h.token_begin < 0, "negative token_begin %lld", (long long)h.token_begin);
+  CORRUPT_IF(h.section == SECTION_ANCHOR && h.link != 0, "anchor section with a link");
+  switch (h.codec) {
+    case KVXFER_CODEC_LYNX:
+    case KVXFER_CODEC_INT8:
+      CORRUPT_IF(h.code_bits != 8 || h.anchor_bits < 2 || h.anchor_bits > 6,
+                 "bad bit split %u/%u", h.code_bits, h.anchor_bits);
+      break;
+    case KVXFER_CODEC_INT4:
+      CORRUPT_IF(h.code_bits != 4 || h.anchor_bits != 4, "bad bit split %u/%u", h.code_bits,
+                 h.anchor_bits);
+      break;
+    default:  // BF16
+      CORRUPT_IF(h.code_bits != 0 || h.anchor_bits != 0, "bad bit split %u/%u", h.code_bits,
+                 h.anchor_bits);
+      CORRUPT_IF(h.flags & FLAG_META_FP32, "BF16 page with a metadata flag");
+  }
+  if (h.codec == KVXFER_CODEC_LYNX) {
+    CORRUPT_IF(!(h.alpha >= 0.0f && h.alpha <= kMaxAlpha), "bad alpha %g", (double)h.alpha);
+  } else {
+    CORRUPT_IF(std::memcmp(&h.alpha, "\0\0\0\0", 4) != 0, "alpha set on a non-LYNX page");
+  }
+  CORRUPT_IF((h.flags & FLAG_RAW) && (h.flags & FLAG_META_FP32), "raw page with a metadata flag");
+#undef CORRUPT_IF
+
+  const PayloadSizes sizes = payload_sizes(h);
+  const uint64_t expect =
+      h.section == SECTION_ANCHOR ? sizes.anchor_payload() : sizes.residual_codes;
+  if (h.payload_bytes != expect)
+    return set_error(KVXFER_ERR_CORRUPT, "payload_bytes %llu, but the header fields imply %llu",
+                     (unsigned long long)h.payload_bytes, (unsigned long long)expect);
+  const uint64_t total = kHeaderBytes + h.payload_bytes;
+  if (len < total)
+    return set_error(KVXFER_ERR_TRUNCATED, "section truncated: %zu of %llu bytes", len,
+                     (unsigned long long)total);
+  if (len > total)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                     "section length %zu exceeds the %llu bytes its header describes", len,
+                     (unsigned long long)total);
+  const uint64_t sum = compute_checksum(base, h.payload_bytes);
+  if (sum != h.checksum)
+    return set_error(KVXFER_ERR_CORRUPT,
+                     "checksum mismatch on %s section of layer %u %c tokens [%lld, +%llu): "
+                     "stored %016llx, computed %016llx",
+                     h.section == SECTION_ANCHOR ? "anchor" : "residual", h.layer,
+                     h.kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)h.token_begin,
+                     (unsigned long long)h.num_tokens, (unsigned long long)h.checksum,
+                     (unsigned long long)sum);
+  *out = h;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t check_pair(const PageHeader& a, const PageHeader& r) {
+  if (a.section != SECTION_ANCHOR)
+    return set_error(KVXFER_ERR_MISMATCH, "first section is not an anchor section");
+  if (r.section != SECTION_RESIDUAL)
+    return set_error(KVXFER_ERR_MISMATCH, "second section is not a residual section");
+  const bool same = a.codec == r.codec && a.flags == r.flags && a.src_dtype == r.src_dtype &&
+                    a.chunk_tokens == r.chunk_tokens && a.code_bits == r.code_bits &&
+                    a.anchor_bits == r.anchor_bits && a.kind == r.kind &&
+                    std::memcmp(&a.alpha, &r.alpha, 4) == 0 && a.layer == r.layer &&
+                    a.num_channels == r.num_channels && a.token_begin == r.token_begin &&
+                    a.num_tokens == r.num_tokens && a.stream_id == r.stream_id;
+  if (!same || r.link != a.checksum)
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "residual section (layer %u %c tokens [%lld, +%llu), stream %llu) does not "
+                     "belong to anchor section (layer %u %c tokens [%lld, +%llu), stream %llu)%s",
+                     r.layer, r.kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)r.token_begin,
+                     (unsigned long long)r.num_tokens, (unsigned long long)r.stream_id, a.layer,
+                     a.kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)a.token_begin,
+                     (unsigned long long)a.num_tokens, (unsigned long long)a.stream_id,
+                     same ? " (link checksum differs)" : "");
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace kvxfer::codec

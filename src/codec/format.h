@@ -1,0 +1,98 @@
+// Page wire format, version 1 (docs/FORMAT.md, "Wire format").
+//
+// A page becomes two sections, each = 80-byte header + payload:
+//   anchor   section: header | metadata [chunk][channel]{offset, half_range} | packed anchors
+//   residual section: header | packed residuals
+// All integers little-endian.  Codes are packed LSB-first in a bit stream in
+// page order (token-major, e = t*H + h); with 4-bit fields that is two per
+// byte, the even element in the low nibble.  The checksum is XXH3-64 of the
+// payload seeded with XXH3-64 of the header (checksum field zero).  A residual
+// names its anchor through `link` = the anchor's checksum.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kvxfer/kvxfer.h"
+
+namespace kvxfer::codec {
+
+constexpr uint32_t kMagic = 0x5058564Bu;  // bytes "KVXP"
+constexpr uint16_t kWireVersion = 1;
+constexpr size_t kHeaderBytes = 80;
+constexpr uint32_t kMaxChannels = 1u << 20;
+constexpr uint64_t kMaxTokens = 1ull << 32;
+
+enum SectionKind : uint8_t { SECTION_ANCHOR = 1, SECTION_RESIDUAL = 2 };
+enum HeaderFlags : uint8_t { FLAG_RAW = 1u << 0, FLAG_META_FP32 = 1u << 1 };
+
+/** Host-side view of a section header.  Field order = wire order. */
+struct PageHeader {
+  // offset 0
+  uint32_t magic = kMagic;
+  uint16_t version = kWireVersion;
+  uint16_t header_bytes = kHeaderBytes;
+  // offset 8
+  uint8_t section = SECTION_ANCHOR;
+  uint8_t codec = KVXFER_CODEC_LYNX;
+  uint8_t flags = 0;
+  uint8_t src_dtype = KVXFER_DTYPE_BF16;
+  uint8_t chunk_tokens = 32;
+  uint8_t code_bits = 8;
+  uint8_t anchor_bits = 4;
+  uint8_t kind = KVXFER_KV_KEY;
+  // offset 16
+  float alpha = 0.0f;
+  uint32_t layer = 0;
+  uint32_t num_channels = 0;
+  uint32_t reserved = 0;
+  // offset 32
+  int64_t token_begin = 0;
+  uint64_t num_tokens = 0;
+  uint64_t stream_id = 0;
+  uint64_t payload_bytes = 0;
+  uint64_t link = 0;
+  uint64_t checksum = 0;  // offset 72
+};
+
+/** Sizes of each part of a page's payloads, derived from header fields. */
+struct PayloadSizes {
+  uint64_t meta_bytes = 0;      // anchor section: per-(chunk, channel) metadata
+  uint64_t anchor_codes = 0;    // anchor section: packed anchors / raw / bf16 values
+  uint64_t residual_codes = 0;  // residual section
+  uint64_t anchor_payload() const { return meta_bytes + anchor_codes; }
+};
+
+/**
+ * Computes payload sizes from the codec fields of `h` (codec, flags,
+ * src_dtype, chunk_tokens, code/anchor bits, num_tokens, num_channels), which
+ * must already be valid.
+ */
+PayloadSizes payload_sizes(const PageHeader& h);
+
+/** Bytes of one element of `dtype` (2 or 4). */
+size_t dtype_size(kvxfer_dtype_t dtype);
+
+/** Serialises `h` into 80 bytes at `out`. */
+void write_header(const PageHeader& h, uint8_t* out);
+
+/** Computes the checksum of a section whose header is already written and stores it. */
+void seal_section(uint8_t* section);
+
+/**
+ * Parses and fully validates one section of exactly `len` bytes: every
+ * header field, the payload size implied by them, and the checksum.  Does not
+ * look inside the payload.  Errors: TRUNCATED (len shorter than the header or
+ * than header + payload), INVALID_ARGUMENT (len longer than the section),
+ * CORRUPT (a field out of range, inconsistent fields, bad checksum).
+ */
+kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* h);
+
+/**
+ * Checks that `res` is the residual section of anchor `anc`: every identity
+ * and codec field equal, and res.link == anc.checksum.  Errors: MISMATCH.
+ */
+kvxfer_result_t check_pair(const PageHeader& anc, const PageHeader& res);
+
+}  // namespace kvxfer::codec

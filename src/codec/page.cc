@@ -1,0 +1,394 @@
+// Page encode/decode orchestration: validation, header, choice of metadata
+// precision, raw fallback, BF16 passthrough, and dispatch to a CPU path.
+#include "codec/page.h"
+
+#include <algorithm>
+#include <cinttypes>
+
+#include "codec/codec.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/params.h"
+
+namespace kvxfer::codec {
+
+kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out) {
+  KVXFER_REQUIRE(l != nullptr, "%s layout is NULL", what);
+  KVXFER_REQUIRE(l->dtype == KVXFER_DTYPE_BF16 || l->dtype == KVXFER_DTYPE_FP16 ||
+                     l->dtype == KVXFER_DTYPE_FP32,
+                 "%s dtype %d is not BF16, FP16 or FP32", what, static_cast<int>(l->dtype));
+  KVXFER_REQUIRE(l->num_channels >= 1 && static_cast<uint32_t>(l->num_channels) <= kMaxChannels,
+                 "%s num_channels %d outside [1, %u]", what, l->num_channels, kMaxChannels);
+  KVXFER_REQUIRE(l->num_tokens >= 0 && static_cast<uint64_t>(l->num_tokens) <= kMaxTokens,
+                 "%s num_tokens %" PRId64 " outside [0, 2^32]", what, l->num_tokens);
+  KVXFER_REQUIRE(l->block_size >= 1, "%s block_size %d must be >= 1", what, l->block_size);
+  KVXFER_REQUIRE(l->row_stride >= l->num_channels,
+                 "%s row_stride %" PRId64 " is smaller than num_channels %d", what, l->row_stride,
+                 l->num_channels);
+  KVXFER_REQUIRE(l->first_token >= 0, "%s first_token %" PRId64 " is negative", what,
+                 l->first_token);
+  if (l->num_tokens > 0) {
+    KVXFER_REQUIRE(l->blocks != nullptr, "%s block list is NULL", what);
+    const int64_t first = l->first_token / l->block_size;
+    const int64_t last = (l->first_token + l->num_tokens - 1) / l->block_size;
+    KVXFER_REQUIRE(last < l->num_blocks,
+                   "%s needs blocks up to index %" PRId64 " but num_blocks is %" PRId64, what,
+                   last, l->num_blocks);
+    for (int64_t b = first; b <= last; ++b)
+      KVXFER_REQUIRE(l->blocks[b] != nullptr, "%s block %" PRId64 " is NULL", what, b);
+  }
+  out->l = l;
+  out->elem = dtype_size(l->dtype);
+  return KVXFER_SUCCESS;
+}
+
+bool find_nonfinite(const Layout& src, int64_t T, int32_t H, int64_t* t, int32_t* h, float* v) {
+  for (int64_t i = 0; i < T; ++i) {
+    const uint8_t* row = src.row(i);
+    for (int32_t c = 0; c < H; ++c) {
+      const float x = load_elem(row, c, src.l->dtype);
+      if (!std::isfinite(x)) {
+        *t = i;
+        *h = c;
+        *v = x;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+kvxfer_result_t resolve_impl(Impl requested, Impl* out) {
+  Impl impl = requested;
+  if (impl == Impl::AUTO) {
+    const std::string& p = params::CodecImpl();
+    impl = p == "reference" ? Impl::REFERENCE : p == "scalar" ? Impl::SCALAR
+         : p == "avx2"      ? Impl::AVX2
+                            : Impl::AUTO;
+    if (impl == Impl::AUTO) impl = fast::cpu_has_avx2() ? Impl::AVX2 : Impl::SCALAR;
+  }
+  if (impl == Impl::AVX2 && !fast::cpu_has_avx2())
+    return set_error(KVXFER_ERR_UNSUPPORTED, "the AVX2 codec path was requested but this CPU "
+                                             "lacks AVX2/F16C");
+  *out = impl;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
+  KVXFER_REQUIRE(cfg != nullptr, "codec config is NULL");
+  KVXFER_REQUIRE(cfg->magic == KVXFER_CONFIG_MAGIC && cfg->size == sizeof(kvxfer_codec_config_t),
+                 "codec config was not initialised with KVXFER_CODEC_CONFIG_INITIALIZER "
+                 "(size %zu, magic 0x%08x)", cfg->size, cfg->magic);
+  KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
+                 "codec config from header version %u, library is %d", cfg->version,
+                 KVXFER_VERSION_CODE);
+  KVXFER_REQUIRE(cfg->codec >= KVXFER_CODEC_LYNX && cfg->codec <= KVXFER_CODEC_BF16,
+                 "unknown codec %d", static_cast<int>(cfg->codec));
+  KVXFER_REQUIRE(valid_chunk_tokens(cfg->chunk_tokens), "chunk_tokens %d is not 16, 32, 64 or 128",
+                 cfg->chunk_tokens);
+  KVXFER_REQUIRE(cfg->nonfinite == KVXFER_NONFINITE_ERROR || cfg->nonfinite == KVXFER_NONFINITE_RAW,
+                 "unknown nonfinite policy %d", static_cast<int>(cfg->nonfinite));
+  if (cfg->codec != KVXFER_CODEC_BF16) {
+    std::string why;
+    if (get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why) == nullptr)
+      return set_error(KVXFER_ERR_INVALID_ARGUMENT, "codec config: %s (alpha %g, anchor_bits %d)",
+                       why.c_str(), static_cast<double>(cfg->alpha), cfg->anchor_bits);
+  }
+  return KVXFER_SUCCESS;
+}
+
+namespace {
+
+// Header fields of a page before any data is seen.
+PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id,
+                       int64_t T, int32_t H, kvxfer_dtype_t src_dtype) {
+  PageHeader h;
+  h.codec = static_cast<uint8_t>(cfg.codec);
+  h.src_dtype = static_cast<uint8_t>(src_dtype);
+  h.chunk_tokens = static_cast<uint8_t>(cfg.chunk_tokens);
+  switch (cfg.codec) {
+    case KVXFER_CODEC_LYNX:
+      h.alpha = cfg.alpha == 0.0f ? 0.0f : cfg.alpha;  // no -0 on the wire
+      [[fallthrough]];
+    case KVXFER_CODEC_INT8:
+      h.code_bits = 8;
+      h.anchor_bits = static_cast<uint8_t>(cfg.anchor_bits);
+      break;
+    case KVXFER_CODEC_INT4:
+      h.code_bits = 4;
+      h.anchor_bits = 4;
+      break;
+    default:
+      h.code_bits = 0;
+      h.anchor_bits = 0;
+  }
+  h.kind = static_cast<uint8_t>(id.kind);
+  h.layer = id.layer;
+  h.num_channels = static_cast<uint32_t>(H);
+  h.token_begin = id.token_begin;
+  h.num_tokens = static_cast<uint64_t>(T);
+  h.stream_id = id.stream_id;
+  return h;
+}
+
+int effective_threads(int threads) {
+  if (threads > 0) return threads;
+  const int64_t p = params::CodecThreads();
+  return p > 0 ? static_cast<int>(p) : 0;  // 0: OpenMP default (one per core)
+}
+
+}  // namespace
+
+kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H,
+                          size_t* anchor_bytes, size_t* residual_bytes) {
+  KVXFER_CHECK(validate_config(cfg));
+  KVXFER_REQUIRE(anchor_bytes != nullptr && residual_bytes != nullptr, "NULL size output");
+  KVXFER_REQUIRE(T >= 0 && static_cast<uint64_t>(T) <= kMaxTokens, "num_tokens %" PRId64
+                 " outside [0, 2^32]", T);
+  KVXFER_REQUIRE(H >= 1 && static_cast<uint32_t>(H) <= kMaxChannels,
+                 "num_channels %d outside [1, %u]", H, kMaxChannels);
+  kvxfer_page_id_t id{};
+  PageHeader h = make_header(*cfg, id, T, H, KVXFER_DTYPE_FP32);
+  if (cfg->codec != KVXFER_CODEC_BF16) h.flags = FLAG_META_FP32;
+  PayloadSizes s = payload_sizes(h);
+  uint64_t anchor = s.anchor_payload();
+  if (cfg->nonfinite == KVXFER_NONFINITE_RAW) {
+    h.flags = FLAG_RAW;
+    anchor = std::max<uint64_t>(anchor, payload_sizes(h).anchor_payload());
+  }
+  *anchor_bytes = kHeaderBytes + anchor;
+  *residual_bytes = kHeaderBytes + s.residual_codes;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                            const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
+                            size_t* anchor_len, void* residual, size_t residual_cap,
+                            size_t* residual_len, Impl impl, int threads) {
+  KVXFER_CHECK(validate_config(cfg));
+  KVXFER_REQUIRE(id != nullptr, "page id is NULL");
+  KVXFER_REQUIRE(id->kind == KVXFER_KV_KEY || id->kind == KVXFER_KV_VALUE, "bad K/V kind %d",
+                 static_cast<int>(id->kind));
+  KVXFER_REQUIRE(id->token_begin >= 0, "negative token_begin %" PRId64, id->token_begin);
+  KVXFER_REQUIRE(anchor != nullptr && residual != nullptr && anchor_len != nullptr &&
+                     residual_len != nullptr,
+                 "NULL output buffer or length");
+  *anchor_len = 0;
+  *residual_len = 0;
+  Layout lay;
+  KVXFER_CHECK(validate_layout(src, "source", &lay));
+  KVXFER_CHECK(resolve_impl(impl, &impl));
+  const int64_t T = src->num_tokens;
+  const int32_t H = src->num_channels;
+  PageHeader h = make_header(*cfg, *id, T, H, src->dtype);
+  uint8_t* anc = static_cast<uint8_t*>(anchor);
+  uint8_t* res = static_cast<uint8_t*>(residual);
+
+  auto sizes_fit = [&](const PageHeader& hh) -> kvxfer_result_t {
+    const PayloadSizes s = payload_sizes(hh);
+    if (anchor_cap < kHeaderBytes + s.anchor_payload() ||
+        residual_cap < kHeaderBytes + s.residual_codes)
+      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
+                       "page needs %llu anchor and %llu residual bytes; buffers hold %zu and %zu "
+                       "(size them with kvxfer_page_max_size)",
+                       (unsigned long long)(kHeaderBytes + s.anchor_payload()),
+                       (unsigned long long)(kHeaderBytes + s.residual_codes), anchor_cap,
+                       residual_cap);
+    return KVXFER_SUCCESS;
+  };
+
+  bool raw = false;
+  if (cfg->codec == KVXFER_CODEC_BF16) {
+    int64_t bt;
+    int32_t bc;
+    float bv;
+    if (find_nonfinite(lay, T, H, &bt, &bc, &bv)) {
+      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
+        return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
+                         std::isnan(bv) ? "NaN" : "Inf", id->layer,
+                         id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin + bt, bc);
+      raw = true;
+    }
+  } else {
+    std::string why;
+    const Codebook* cb = get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
+    EncodeJob job{cb, &h, lay, false, nullptr, nullptr, nullptr};
+    EncodeStatus st = EncodeStatus::NEED_FP32;
+    for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
+      // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
+      job.meta_fp32 = attempt == 1;
+      h.flags = job.meta_fp32 ? FLAG_META_FP32 : 0;
+      KVXFER_CHECK(sizes_fit(h));
+      const PayloadSizes s = payload_sizes(h);
+      job.meta = anc + kHeaderBytes;
+      job.anchors = job.meta + s.meta_bytes;
+      job.residuals = res + kHeaderBytes;
+      st = impl == Impl::REFERENCE ? reference::encode(job)
+                                   : fast::encode(job, impl == Impl::AVX2, effective_threads(threads));
+      if (st == EncodeStatus::NEED_FP32)
+        KVXFER_INFO(LOG_CODEC, "layer %u %c tokens [%" PRId64 ", +%" PRId64
+                    "): range exceeds binary16, using fp32 metadata",
+                    id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
+    }
+    if (st == EncodeStatus::NONFINITE) {
+      int64_t bt = 0;
+      int32_t bc = 0;
+      float bv = 0;
+      find_nonfinite(lay, T, H, &bt, &bc, &bv);
+      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
+        return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
+                         std::isnan(bv) ? "NaN" : "Inf", id->layer,
+                         id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin + bt, bc);
+      raw = true;
+    } else if (st != EncodeStatus::OK) {
+      return set_error(KVXFER_ERR_INTERNAL, "encoder failed with fp32 metadata");
+    }
+  }
+
+  if (raw || cfg->codec == KVXFER_CODEC_BF16) {
+    // Lossless raw fallback (input dtype) or BF16 passthrough: values go in
+    // the anchor section; the residual section is empty.
+    h.flags = raw ? FLAG_RAW : 0;
+    KVXFER_CHECK(sizes_fit(h));
+    if (raw)
+      KVXFER_WARN(LOG_CODEC, "layer %u %c tokens [%" PRId64 ", +%" PRId64
+                  "): non-finite input, page stored raw (lossless, not progressive)",
+                  id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
+    uint8_t* out = anc + kHeaderBytes;
+    const kvxfer_dtype_t odt = raw ? src->dtype : KVXFER_DTYPE_BF16;
+    const size_t osz = dtype_size(odt);
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t* row = lay.row(t);
+      uint8_t* orow = out + static_cast<size_t>(t) * H * osz;
+      if (odt == src->dtype)
+        std::memcpy(orow, row, static_cast<size_t>(H) * osz);
+      else
+        for (int32_t c = 0; c < H; ++c) store_elem(orow, c, odt, load_elem(row, c, src->dtype));
+    }
+  }
+
+  const PayloadSizes s = payload_sizes(h);
+  h.section = SECTION_ANCHOR;
+  h.payload_bytes = s.anchor_payload();
+  h.link = 0;
+  write_header(h, anc);
+  seal_section(anc);
+  const uint8_t* p = anc + 72;
+  uint64_t anchor_sum = 0;
+  for (int i = 0; i < 8; ++i) anchor_sum |= static_cast<uint64_t>(p[i]) << (8 * i);
+  h.section = SECTION_RESIDUAL;
+  h.payload_bytes = s.residual_codes;
+  h.link = anchor_sum;
+  write_header(h, res);
+  seal_section(res);
+  *anchor_len = kHeaderBytes + s.anchor_payload();
+  *residual_len = kHeaderBytes + s.residual_codes;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* residual,
+                            size_t residual_len, const kvxfer_page_id_t* expect,
+                            const kvxfer_page_layout_t* dst, Impl impl, int threads) {
+  PageHeader ah, rh;
+  KVXFER_CHECK(parse_section(anchor, anchor_len, &ah));
+  if (ah.section != SECTION_ANCHOR)
+    return set_error(KVXFER_ERR_MISMATCH, "the anchor argument holds a residual section");
+  if (residual != nullptr) {
+    KVXFER_CHECK(parse_section(residual, residual_len, &rh));
+    KVXFER_CHECK(check_pair(ah, rh));
+  } else {
+    KVXFER_REQUIRE(residual_len == 0, "residual is NULL but residual_len is %zu", residual_len);
+  }
+  if (expect != nullptr &&
+      (expect->layer != ah.layer || static_cast<uint8_t>(expect->kind) != ah.kind ||
+       expect->token_begin != ah.token_begin || expect->stream_id != ah.stream_id))
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "section is layer %u %c tokens from %lld stream %llu; expected layer %u %c "
+                     "tokens from %lld stream %llu",
+                     ah.layer, ah.kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)ah.token_begin,
+                     (unsigned long long)ah.stream_id, expect->layer,
+                     expect->kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)expect->token_begin,
+                     (unsigned long long)expect->stream_id);
+  Layout lay;
+  KVXFER_CHECK(validate_layout(dst, "destination", &lay));
+  if (static_cast<uint64_t>(dst->num_tokens) != ah.num_tokens ||
+      static_cast<uint32_t>(dst->num_channels) != ah.num_channels)
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "page is %llu tokens x %u channels; destination is %lld x %d",
+                     (unsigned long long)ah.num_tokens, ah.num_channels,
+                     (long long)dst->num_tokens, dst->num_channels);
+  KVXFER_CHECK(resolve_impl(impl, &impl));
+
+  const int64_t T = dst->num_tokens;
+  const int32_t H = dst->num_channels;
+  const uint8_t* payload = static_cast<const uint8_t*>(anchor) + kHeaderBytes;
+  if ((ah.flags & FLAG_RAW) || ah.codec == KVXFER_CODEC_BF16) {
+    const kvxfer_dtype_t sdt =
+        (ah.flags & FLAG_RAW) ? static_cast<kvxfer_dtype_t>(ah.src_dtype) : KVXFER_DTYPE_BF16;
+    const size_t ssz = dtype_size(sdt);
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t* srow = payload + static_cast<size_t>(t) * H * ssz;
+      uint8_t* row = lay.row(t);
+      if (sdt == dst->dtype)
+        std::memcpy(row, srow, static_cast<size_t>(H) * ssz);
+      else
+        for (int32_t c = 0; c < H; ++c) store_elem(row, c, dst->dtype, load_elem(srow, c, sdt));
+    }
+    return KVXFER_SUCCESS;
+  }
+
+  // Validate every metadata entry before writing anything: finite offset,
+  // finite non-negative half-range (a checksum-valid section can still be
+  // hostile).
+  const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
+  const int64_t entries = static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * H;
+  for (int64_t i = 0; i < entries; ++i) {
+    const Affine a = get_affine(payload, i, fp32);
+    if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
+      return set_error(KVXFER_ERR_CORRUPT,
+                       "metadata entry %lld (chunk %lld, channel %lld) is invalid: offset %g, "
+                       "half-range %g",
+                       (long long)i, (long long)(i / H), (long long)(i % H), (double)a.m,
+                       (double)a.d);
+  }
+  const PayloadSizes s = payload_sizes(ah);
+  std::string why;
+  DecodeJob job{get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why),
+                &ah,
+                lay,
+                fp32,
+                payload,
+                payload + s.meta_bytes,
+                residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr};
+  if (job.cb == nullptr) return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header");
+  if (impl == Impl::REFERENCE)
+    reference::decode(job);
+  else
+    fast::decode(job, impl == Impl::AVX2, effective_threads(threads));
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t inspect_section(const void* section, size_t len, kvxfer_page_info_t* info) {
+  KVXFER_REQUIRE(info != nullptr, "info is NULL");
+  PageHeader h;
+  KVXFER_CHECK(parse_section(section, len, &h));
+  info->is_residual = h.section == SECTION_RESIDUAL;
+  info->codec = static_cast<kvxfer_codec_t>(h.codec);
+  info->raw_fallback = (h.flags & FLAG_RAW) != 0;
+  info->alpha = h.alpha;
+  info->chunk_tokens = h.chunk_tokens;
+  info->anchor_bits = h.anchor_bits;
+  info->residual_bits = h.code_bits - h.anchor_bits;
+  info->src_dtype = static_cast<kvxfer_dtype_t>(h.src_dtype);
+  info->meta_fp32 = (h.flags & FLAG_META_FP32) != 0;
+  info->id.layer = h.layer;
+  info->id.kind = static_cast<kvxfer_kv_kind_t>(h.kind);
+  info->id.token_begin = h.token_begin;
+  info->id.stream_id = h.stream_id;
+  info->num_tokens = static_cast<int64_t>(h.num_tokens);
+  info->num_channels = static_cast<int32_t>(h.num_channels);
+  info->section_bytes = kHeaderBytes + h.payload_bytes;
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace kvxfer::codec

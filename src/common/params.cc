@@ -1,0 +1,136 @@
+#include "common/params.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace kvxfer::params {
+
+bool parse_int(const char* text, int64_t lo, int64_t hi, int64_t* out, std::string* why) {
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text, &end, 0);
+  if (end == text || *end != '\0' || errno == ERANGE) {
+    *why = "is not an integer";
+    return false;
+  }
+  if (v < lo || v > hi) {
+    *why = "is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+bool parse_enum(const char* text, const char* choices, std::string* out, std::string* why) {
+  std::string all(choices);
+  size_t start = 0;
+  while (start <= all.size()) {
+    size_t bar = all.find('|', start);
+    if (bar == std::string::npos) bar = all.size();
+    std::string choice = all.substr(start, bar - start);
+    if (strcasecmp(choice.c_str(), text) == 0) {
+      *out = choice;
+      return true;
+    }
+    start = bar + 1;
+  }
+  *why = std::string("is not one of ") + choices;
+  return false;
+}
+
+namespace {
+
+struct Bad {
+  std::mutex mu;
+  std::string first;  // "KVXFER_X='v' is not ..."
+};
+Bad& bad() {
+  static Bad b;
+  return b;
+}
+void record_bad(const char* env, const char* text, const std::string& why) {
+  std::lock_guard<std::mutex> lk(bad().mu);
+  if (bad().first.empty()) bad().first = std::string(env) + "='" + text + "' " + why;
+}
+
+}  // namespace
+
+// Each accessor reads its variable exactly once (function-local static).  The
+// ENV log line is written after the value is cached, so logging (which reads
+// KVXFER_DEBUG through these same accessors) never recurses into itself.
+#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc)                              \
+  int64_t Name() {                                                                 \
+    static const int64_t value = [] {                                              \
+      const char* t = std::getenv(env);                                            \
+      int64_t v = def;                                                             \
+      std::string why;                                                             \
+      if (t != nullptr && !parse_int(t, lo, hi, &v, &why)) {                       \
+        record_bad(env, t, why);                                                   \
+        v = def;                                                                   \
+      }                                                                            \
+      return v;                                                                    \
+    }();                                                                           \
+    static std::once_flag logged;                                                  \
+    std::call_once(logged, [] {                                                    \
+      if (std::getenv(env) != nullptr)                                             \
+        KVXFER_INFO(LOG_ENV, "%s set by environment to %lld", env, (long long)value); \
+    });                                                                            \
+    return value;                                                                  \
+  }
+#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc)                            \
+  const std::string& Name() {                                                      \
+    static const std::string value = [] {                                          \
+      const char* t = std::getenv(env);                                            \
+      std::string v = def, why;                                                    \
+      if (t != nullptr && !parse_enum(t, choices, &v, &why)) {                     \
+        record_bad(env, t, why);                                                   \
+        v = def;                                                                   \
+      }                                                                            \
+      return v;                                                                    \
+    }();                                                                           \
+    static std::once_flag logged;                                                  \
+    if (std::strcmp(env, "KVXFER_DEBUG") != 0)                                     \
+      std::call_once(logged, [] {                                                  \
+        if (std::getenv(env) != nullptr)                                           \
+          KVXFER_INFO(LOG_ENV, "%s set by environment to %s", env, value.c_str()); \
+      });                                                                          \
+    return value;                                                                  \
+  }
+#define KVXFER_PARAM_STRING(Name, env, def, doc)                                   \
+  const std::string& Name() {                                                      \
+    static const std::string value = [] {                                          \
+      const char* t = std::getenv(env);                                            \
+      return std::string(t != nullptr ? t : def);                                  \
+    }();                                                                           \
+    return value;                                                                  \
+  }
+#include "common/params.def"
+#undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_ENUM
+#undef KVXFER_PARAM_STRING
+
+kvxfer_result_t validate() {
+  // Touch every accessor so each variable is parsed.
+#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) (void)Name();
+#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc) (void)Name();
+#define KVXFER_PARAM_STRING(Name, env, def, doc) (void)Name();
+#include "common/params.def"
+#undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_ENUM
+#undef KVXFER_PARAM_STRING
+  uint32_t mask = 0;
+  std::string why;
+  if (!parse_log_subsys(DebugSubsys().c_str(), &mask, &why))
+    record_bad("KVXFER_DEBUG_SUBSYS", DebugSubsys().c_str(), why);
+  std::lock_guard<std::mutex> lk(bad().mu);
+  if (!bad().first.empty())
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s", bad().first.c_str());
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace kvxfer::params

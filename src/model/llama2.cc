@@ -1,0 +1,593 @@
+// Reference llama2.c runner; see llama2.h.  The arithmetic follows
+// karpathy/llama2.c run.c operation by operation (float32, same summation
+// order), batched over tokens.
+#include "model/llama2.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <new>
+#include <sstream>
+
+namespace kvxfer::model {
+namespace {
+
+void set_error(std::string* error, const std::string& msg) {
+  if (error != nullptr) *error = msg;
+}
+
+// Work (multiply-adds) below which a parallel region costs more than it saves.
+constexpr std::int64_t kParallelWork = 1 << 15;
+
+// out[t][i] = sum_j w[i][j] * x[t][j]; x: [n_rows][n_in], w: [n_out][n_in],
+// out: [n_rows][n_out].  One thread per output element, j ascending.
+void matmul(float* out, const float* x, const float* w, int n_rows, int n_in, int n_out) {
+  const std::int64_t work = static_cast<std::int64_t>(n_rows) * n_in * n_out;
+#pragma omp parallel for collapse(2) schedule(static) if (work >= kParallelWork)
+  for (int t = 0; t < n_rows; ++t) {
+    for (int i = 0; i < n_out; ++i) {
+      const float* wr = w + static_cast<std::size_t>(i) * n_in;
+      const float* xr = x + static_cast<std::size_t>(t) * n_in;
+      float val = 0.0f;
+      for (int j = 0; j < n_in; ++j) val += wr[j] * xr[j];
+      out[static_cast<std::size_t>(t) * n_out + i] = val;
+    }
+  }
+}
+
+// Row-wise RMSNorm: o = weight * (x / sqrt(mean(x^2) + 1e-5)).
+void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size) {
+#pragma omp parallel for schedule(static) if (static_cast<std::int64_t>(n_rows) * size >= kParallelWork)
+  for (int t = 0; t < n_rows; ++t) {
+    const float* xr = x + static_cast<std::size_t>(t) * size;
+    float* orow = o + static_cast<std::size_t>(t) * size;
+    float ss = 0.0f;
+    for (int j = 0; j < size; ++j) ss += xr[j] * xr[j];
+    ss /= static_cast<float>(size);
+    ss += 1e-5f;
+    ss = 1.0f / std::sqrt(ss);
+    for (int j = 0; j < size; ++j) orow[j] = weight[j] * (ss * xr[j]);
+  }
+}
+
+void softmax(float* x, int size) {
+  float max_val = x[0];
+  for (int i = 1; i < size; ++i)
+    if (x[i] > max_val) max_val = x[i];
+  float sum = 0.0f;
+  for (int i = 0; i < size; ++i) {
+    x[i] = std::exp(x[i] - max_val);
+    sum += x[i];
+  }
+  for (int i = 0; i < size; ++i) x[i] /= sum;
+}
+
+// A run of keys/values of one layer: `count` rows, channel offset already
+// applied by the caller via the KV head.
+struct Segment {
+  const float* k;
+  const float* v;
+  std::size_t k_stride;
+  std::size_t v_stride;
+  int count;
+};
+
+// One query head against up to two segments (in order).  q, out: head_size
+// floats; kv_off: channel offset of the KV head; scores: scratch, >= total.
+void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+                 int n_segs, float* scores, float* out) {
+  const float inv_scale = std::sqrt(static_cast<float>(head_size));
+  int n = 0;
+  for (int s = 0; s < n_segs; ++s) {
+    for (int t = 0; t < segs[s].count; ++t) {
+      const float* k = segs[s].k + static_cast<std::size_t>(t) * segs[s].k_stride + kv_off;
+      float score = 0.0f;
+      for (int i = 0; i < head_size; ++i) score += q[i] * k[i];
+      scores[n++] = score / inv_scale;
+    }
+  }
+  softmax(scores, n);
+  for (int i = 0; i < head_size; ++i) out[i] = 0.0f;
+  n = 0;
+  for (int s = 0; s < n_segs; ++s) {
+    for (int t = 0; t < segs[s].count; ++t) {
+      const float* v = segs[s].v + static_cast<std::size_t>(t) * segs[s].v_stride + kv_off;
+      const float a = scores[n++];
+      for (int i = 0; i < head_size; ++i) out[i] += a * v[i];
+    }
+  }
+}
+
+bool host_is_little_endian() {
+  const std::uint32_t one = 1;
+  unsigned char b;
+  std::memcpy(&b, &one, 1);
+  return b == 1;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// KVCache
+// ---------------------------------------------------------------------------
+KVCache::KVCache(int n_layers, int kv_dim)
+    : n_layers_(n_layers < 0 ? 0 : n_layers),
+      kv_dim_(kv_dim < 0 ? 0 : kv_dim),
+      k_(static_cast<std::size_t>(n_layers_)),
+      v_(static_cast<std::size_t>(n_layers_)) {}
+
+void KVCache::resize(int n_tokens) {
+  if (n_tokens < 0) n_tokens = 0;
+  const std::size_t n = static_cast<std::size_t>(n_tokens) * static_cast<std::size_t>(kv_dim_);
+  for (int l = 0; l < n_layers_; ++l) {
+    k_[l].resize(n, 0.0f);
+    v_[l].resize(n, 0.0f);
+  }
+  n_tokens_ = n_tokens;
+}
+
+void KVCache::reserve(int n_tokens) {
+  if (n_tokens <= 0) return;
+  const std::size_t n = static_cast<std::size_t>(n_tokens) * static_cast<std::size_t>(kv_dim_);
+  for (int l = 0; l < n_layers_; ++l) {
+    k_[l].reserve(n);
+    v_[l].reserve(n);
+  }
+}
+
+KVView KVCache::view(int n_tokens) const {
+  KVView view;
+  view.n_tokens = (n_tokens < 0 || n_tokens > n_tokens_) ? n_tokens_ : n_tokens;
+  view.layers.resize(static_cast<std::size_t>(n_layers_));
+  for (int l = 0; l < n_layers_; ++l) {
+    view.layers[l].k = k_[l].data();
+    view.layers[l].v = v_[l].data();
+    view.layers[l].k_stride = static_cast<std::size_t>(kv_dim_);
+    view.layers[l].v_stride = static_cast<std::size_t>(kv_dim_);
+  }
+  return view;
+}
+
+// ---------------------------------------------------------------------------
+// Loading
+// ---------------------------------------------------------------------------
+std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) {
+  if (!host_is_little_endian()) {
+    set_error(error, "llama2 checkpoint loader requires a little-endian host");
+    return nullptr;
+  }
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) {
+    set_error(error, "cannot open llama2 checkpoint '" + path + "'");
+    return nullptr;
+  }
+  const std::streamoff file_size_off = in.tellg();
+  if (file_size_off < 0) {
+    set_error(error, "cannot determine the size of '" + path + "'");
+    return nullptr;
+  }
+  const std::uint64_t file_size = static_cast<std::uint64_t>(file_size_off);
+  constexpr std::uint64_t kHeaderBytes = 7 * sizeof(std::int32_t);
+  if (file_size < kHeaderBytes) {
+    std::ostringstream os;
+    os << "'" << path << "' is too small for a llama2.c header (" << file_size
+       << " bytes, need at least " << kHeaderBytes << ")";
+    set_error(error, os.str());
+    return nullptr;
+  }
+  in.seekg(0);
+  std::int32_t h[7];
+  if (!in.read(reinterpret_cast<char*>(h), sizeof(h))) {
+    set_error(error, "cannot read the header of '" + path + "'");
+    return nullptr;
+  }
+
+  // Validate the header before trusting any size derived from it.
+  std::ostringstream hdr;
+  hdr << "dim=" << h[0] << " hidden_dim=" << h[1] << " n_layers=" << h[2] << " n_heads=" << h[3]
+      << " n_kv_heads=" << h[4] << " vocab_size=" << h[5] << " seq_len=" << h[6];
+  auto bad_header = [&](const std::string& why) {
+    set_error(error, "bad llama2.c header in '" + path + "' (" + hdr.str() + "): " + why);
+    return nullptr;
+  };
+  const std::int32_t dim = h[0], hidden = h[1], n_layers = h[2], n_heads = h[3],
+                     n_kv_heads = h[4], vocab_raw = h[5], seq_len = h[6];
+  if (dim <= 0 || hidden <= 0 || n_layers <= 0 || n_heads <= 0 || n_kv_heads <= 0 ||
+      seq_len <= 0 || vocab_raw == 0)
+    return bad_header("all fields must be positive (vocab_size may be negative, not zero)");
+  if (vocab_raw == std::numeric_limits<std::int32_t>::min())
+    return bad_header("vocab_size out of range");
+  const std::int32_t vocab = vocab_raw < 0 ? -vocab_raw : vocab_raw;
+  if (dim > (1 << 16) || hidden > (1 << 18) || n_layers > 1024 || seq_len > (1 << 20) ||
+      vocab > (1 << 22))
+    return bad_header("a dimension exceeds the supported limits");
+  if (dim % n_heads != 0) return bad_header("dim is not a multiple of n_heads");
+  if (n_kv_heads > n_heads || n_heads % n_kv_heads != 0)
+    return bad_header("n_heads is not a multiple of n_kv_heads");
+  const std::int32_t head_size = dim / n_heads;
+  if (head_size % 2 != 0) return bad_header("head_size must be even for RoPE");
+
+  const std::uint64_t D = static_cast<std::uint64_t>(dim), Hd = static_cast<std::uint64_t>(hidden),
+                      L = static_cast<std::uint64_t>(n_layers),
+                      V = static_cast<std::uint64_t>(vocab), S = static_cast<std::uint64_t>(seq_len),
+                      KV = static_cast<std::uint64_t>(n_kv_heads) * static_cast<std::uint64_t>(head_size),
+                      HS = static_cast<std::uint64_t>(head_size);
+  std::uint64_t n_floats = 0;
+  n_floats += V * D;                    // token_embedding
+  n_floats += L * D;                    // rms_att
+  n_floats += L * D * D;                // wq
+  n_floats += L * KV * D;               // wk
+  n_floats += L * KV * D;               // wv
+  n_floats += L * D * D;                // wo
+  n_floats += L * D;                    // rms_ffn
+  n_floats += L * Hd * D;               // w1
+  n_floats += L * D * Hd;               // w2
+  n_floats += L * Hd * D;               // w3
+  n_floats += D;                        // rms_final
+  n_floats += S * HS;                   // freq_cis_real + freq_cis_imag (S * HS/2 each)
+  if (vocab_raw < 0) n_floats += V * D;  // separate classifier
+  const std::uint64_t expected = kHeaderBytes + n_floats * sizeof(float);
+  if (file_size != expected) {
+    std::ostringstream os;
+    os << "'" << path << "' has " << file_size << " bytes but its header (" << hdr.str()
+       << ") implies " << expected << " bytes"
+       << (file_size < expected ? " (file truncated?)" : " (trailing data or wrong format)");
+    set_error(error, os.str());
+    return nullptr;
+  }
+
+  std::unique_ptr<Model> m(new (std::nothrow) Model());
+  if (!m) {
+    set_error(error, "out of memory");
+    return nullptr;
+  }
+  try {
+    m->data_.resize(static_cast<std::size_t>(n_floats));
+  } catch (const std::bad_alloc&) {
+    set_error(error, "out of memory allocating the weights of '" + path + "'");
+    return nullptr;
+  }
+  if (!in.read(reinterpret_cast<char*>(m->data_.data()),
+               static_cast<std::streamsize>(n_floats * sizeof(float)))) {
+    set_error(error, "short read of the weights of '" + path + "'");
+    return nullptr;
+  }
+
+  Config& c = m->cfg_;
+  c.dim = dim;
+  c.hidden_dim = hidden;
+  c.n_layers = n_layers;
+  c.n_heads = n_heads;
+  c.n_kv_heads = n_kv_heads;
+  c.vocab_size = vocab;
+  c.seq_len = seq_len;
+  c.shared_classifier = vocab_raw > 0;
+
+  const float* p = m->data_.data();
+  Weights& w = m->w_;
+  w.token_embedding = p; p += V * D;
+  w.rms_att = p;         p += L * D;
+  w.wq = p;              p += L * D * D;
+  w.wk = p;              p += L * KV * D;
+  w.wv = p;              p += L * KV * D;
+  w.wo = p;              p += L * D * D;
+  w.rms_ffn = p;         p += L * D;
+  w.w1 = p;              p += L * Hd * D;
+  w.w2 = p;              p += L * D * Hd;
+  w.w3 = p;              p += L * Hd * D;
+  w.rms_final = p;       p += D;
+  p += S * HS;  // freq_cis tables (RoPE is computed on the fly, as in run.c)
+  w.wcls = c.shared_classifier ? w.token_embedding : p;
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------
+bool Model::check_view(const KVView& view, std::string* error) const {
+  if (view.n_tokens < 0) {
+    set_error(error, "KV view has a negative token count");
+    return false;
+  }
+  if (view.n_tokens == 0) return true;  // layers may be empty or null
+  if (static_cast<int>(view.layers.size()) != cfg_.n_layers) {
+    std::ostringstream os;
+    os << "KV view has " << view.layers.size() << " layers, the model has " << cfg_.n_layers;
+    set_error(error, os.str());
+    return false;
+  }
+  const std::size_t kv_dim = static_cast<std::size_t>(cfg_.kv_dim());
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    const KVLayerView& lv = view.layers[l];
+    if (lv.k == nullptr || lv.v == nullptr) {
+      set_error(error, "KV view layer " + std::to_string(l) + " has a null pointer");
+      return false;
+    }
+    if (lv.k_stride < kv_dim || lv.v_stride < kv_dim) {
+      set_error(error, "KV view layer " + std::to_string(l) + " has a row stride below kv_dim " +
+                           std::to_string(kv_dim));
+      return false;
+    }
+  }
+  return true;
+}
+
+bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView& view,
+                    KVCache* tail, int logits_rows, std::vector<float>* logits,
+                    std::vector<float>* queries, std::string* error) const {
+  const Config& c = cfg_;
+  if (tokens.empty()) {
+    set_error(error, "no tokens to run");
+    return false;
+  }
+  if (tail == nullptr) {
+    set_error(error, "tail cache is null");
+    return false;
+  }
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.vocab_size) {
+      set_error(error, "token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                           " is outside [0, " + std::to_string(c.vocab_size) + ")");
+      return false;
+    }
+  }
+  if (!check_view(view, error)) return false;
+  if (tail->n_layers() == 0 && tail->n_tokens() == 0) {
+    *tail = make_cache();
+  } else if (tail->n_layers() != c.n_layers || tail->kv_dim() != c.kv_dim()) {
+    set_error(error, "tail cache shape (" + std::to_string(tail->n_layers()) + " layers, kv_dim " +
+                         std::to_string(tail->kv_dim()) + ") does not match the model");
+    return false;
+  }
+  const int n_view = view.n_tokens;
+  const int n_tail0 = tail->n_tokens();
+  if (start_pos != n_view + n_tail0) {
+    set_error(error, "position " + std::to_string(start_pos) + " != view tokens (" +
+                         std::to_string(n_view) + ") + tail tokens (" + std::to_string(n_tail0) +
+                         ")");
+    return false;
+  }
+  const int T = static_cast<int>(tokens.size());
+  if (static_cast<std::int64_t>(start_pos) + T > c.seq_len) {
+    set_error(error, "positions up to " + std::to_string(static_cast<std::int64_t>(start_pos) + T - 1) +
+                         " exceed seq_len " + std::to_string(c.seq_len));
+    return false;
+  }
+
+  const int dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, hs = c.head_size();
+  const int kv_mul = c.kv_group();
+  const std::size_t TD = static_cast<std::size_t>(T) * dim;
+  std::vector<float> x(TD), xb(TD), xb2(TD), q(TD);
+  std::vector<float> hb(static_cast<std::size_t>(T) * hidden), hb2(hb.size());
+  if (queries != nullptr) queries->assign(static_cast<std::size_t>(c.n_layers) * TD, 0.0f);
+
+  for (int t = 0; t < T; ++t)
+    std::memcpy(&x[static_cast<std::size_t>(t) * dim],
+                w_.token_embedding + static_cast<std::size_t>(tokens[t]) * dim, dim * sizeof(float));
+
+  // RoPE tables for the positions of this pass (cos/sin of pos * freq, as run.c).
+  std::vector<float> rope_cos(static_cast<std::size_t>(T) * (hs / 2)), rope_sin(rope_cos.size());
+  for (int t = 0; t < T; ++t) {
+    const int pos = start_pos + t;
+    for (int i = 0; i < hs; i += 2) {
+      const float freq = 1.0f / std::pow(10000.0f, static_cast<float>(i) / static_cast<float>(hs));
+      const float val = static_cast<float>(pos) * freq;
+      rope_cos[static_cast<std::size_t>(t) * (hs / 2) + i / 2] = std::cos(val);
+      rope_sin[static_cast<std::size_t>(t) * (hs / 2) + i / 2] = std::sin(val);
+    }
+  }
+
+  tail->resize(n_tail0 + T);
+  int max_keys = n_view + n_tail0 + T;
+
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::size_t lD = static_cast<std::size_t>(l) * dim;
+    rmsnorm(xb.data(), x.data(), w_.rms_att + lD, T, dim);
+    float* kt = tail->k(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
+    float* vt = tail->v(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
+    matmul(q.data(), xb.data(), w_.wq + lD * dim, T, dim, dim);
+    matmul(kt, xb.data(), w_.wk + static_cast<std::size_t>(l) * kv_dim * dim, T, dim, kv_dim);
+    matmul(vt, xb.data(), w_.wv + static_cast<std::size_t>(l) * kv_dim * dim, T, dim, kv_dim);
+
+    for (int t = 0; t < T; ++t) {
+      float* qr = &q[static_cast<std::size_t>(t) * dim];
+      float* kr = kt + static_cast<std::size_t>(t) * kv_dim;
+      const float* cs = &rope_cos[static_cast<std::size_t>(t) * (hs / 2)];
+      const float* sn = &rope_sin[static_cast<std::size_t>(t) * (hs / 2)];
+      for (int i = 0; i < dim; i += 2) {
+        const float fcr = cs[(i % hs) / 2], fci = sn[(i % hs) / 2];
+        const int rotn = i < kv_dim ? 2 : 1;
+        for (int r = 0; r < rotn; ++r) {
+          float* vec = r == 0 ? qr : kr;
+          const float v0 = vec[i], v1 = vec[i + 1];
+          vec[i] = v0 * fcr - v1 * fci;
+          vec[i + 1] = v0 * fci + v1 * fcr;
+        }
+      }
+    }
+    if (queries != nullptr)
+      std::memcpy(queries->data() + static_cast<std::size_t>(l) * TD, q.data(), TD * sizeof(float));
+
+    // Attention: query t sees the view, the tail rows before this pass and
+    // this pass's rows 0..t.
+    const KVLayerView lv = n_view > 0 ? view.layers[l] : KVLayerView{};
+    const float* tail_k = tail->k(l);
+    const float* tail_v = tail->v(l);
+    const std::int64_t att_work = static_cast<std::int64_t>(T) * c.n_heads * max_keys * hs;
+#pragma omp parallel if (att_work >= kParallelWork)
+    {
+      std::vector<float> scores(static_cast<std::size_t>(max_keys));
+#pragma omp for collapse(2) schedule(static)
+      for (int t = 0; t < T; ++t) {
+        for (int h = 0; h < c.n_heads; ++h) {
+          Segment segs[2] = {
+              {lv.k, lv.v, lv.k_stride, lv.v_stride, n_view},
+              {tail_k, tail_v, static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
+               n_tail0 + t + 1},
+          };
+          const std::size_t off = static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
+          attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, 2,
+                      scores.data(), &xb2[off]);
+        }
+      }
+    }
+
+    matmul(xb.data(), xb2.data(), w_.wo + lD * dim, T, dim, dim);
+    for (std::size_t i = 0; i < TD; ++i) x[i] += xb[i];
+
+    // SwiGLU feed-forward.
+    rmsnorm(xb.data(), x.data(), w_.rms_ffn + lD, T, dim);
+    const std::size_t lH = static_cast<std::size_t>(l) * hidden * dim;
+    matmul(hb.data(), xb.data(), w_.w1 + lH, T, dim, hidden);
+    matmul(hb2.data(), xb.data(), w_.w3 + lH, T, dim, hidden);
+    for (std::size_t i = 0; i < hb.size(); ++i) {
+      float val = hb[i];
+      val *= (1.0f / (1.0f + std::exp(-val)));
+      val *= hb2[i];
+      hb[i] = val;
+    }
+    matmul(xb.data(), hb.data(), w_.w2 + lH, T, hidden, dim);
+    for (std::size_t i = 0; i < TD; ++i) x[i] += xb[i];
+  }
+
+  if (logits != nullptr && logits_rows != 0) {
+    const int first = logits_rows == 1 ? T - 1 : 0;
+    const int n = T - first;
+    rmsnorm(xb.data(), x.data() + static_cast<std::size_t>(first) * dim, w_.rms_final, n, dim);
+    logits->assign(static_cast<std::size_t>(n) * c.vocab_size, 0.0f);
+    matmul(logits->data(), xb.data(), w_.wcls, n, dim, c.vocab_size);
+  }
+  return true;
+}
+
+bool Model::prefill(const std::vector<int>& tokens, const PrefillOptions& options,
+                    PrefillResult* out, std::string* error) const {
+  if (out == nullptr) {
+    set_error(error, "prefill output is null");
+    return false;
+  }
+  KVCache cache = make_cache();
+  std::vector<float> logits, queries;
+  if (!forward(tokens, 0, KVView{}, &cache, options.all_logits ? 2 : 1, &logits,
+               options.record_queries ? &queries : nullptr, error))
+    return false;
+  out->kv = std::move(cache);
+  const std::size_t V = static_cast<std::size_t>(cfg_.vocab_size);
+  out->last_logits.assign(logits.end() - static_cast<std::ptrdiff_t>(V), logits.end());
+  if (options.all_logits)
+    out->all_logits = std::move(logits);
+  else
+    out->all_logits.clear();
+  out->queries = std::move(queries);
+  return true;
+}
+
+bool Model::decode_step(int token, int pos, const KVView& view, KVCache* tail,
+                        std::vector<float>* logits, std::string* error) const {
+  std::vector<float> tmp;
+  if (!forward({token}, pos, view, tail, 1, logits != nullptr ? logits : &tmp, nullptr, error))
+    return false;
+  return true;
+}
+
+bool Model::verify(const std::vector<int>& draft, int start_pos, const KVView& view,
+                   KVCache* tail, std::vector<float>* logits, std::string* error) const {
+  std::vector<float> tmp;
+  return forward(draft, start_pos, view, tail, 2, logits != nullptr ? logits : &tmp, nullptr,
+                 error);
+}
+
+bool Model::attention_outputs(const float* queries, int n_q, int q_pos0, const KVView& view,
+                              float* out, std::string* error) const {
+  if (!check_view(view, error)) return false;
+  if (n_q > 0 && static_cast<int>(view.layers.size()) != cfg_.n_layers) {
+    set_error(error, "KV view has no layers");
+    return false;
+  }
+  const AttentionShape shape{cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_size()};
+  const std::size_t per_layer = static_cast<std::size_t>(n_q > 0 ? n_q : 0) * cfg_.dim;
+  for (int l = 0; l < cfg_.n_layers && n_q > 0; ++l) {
+    if (!attention(shape, view.layers[l], view.n_tokens, queries + l * per_layer, 0, n_q, q_pos0,
+                   out + l * per_layer, error))
+      return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Free helpers
+// ---------------------------------------------------------------------------
+bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_tokens,
+               const float* q, std::size_t q_stride, int n_q, int q_pos0, float* out,
+               std::string* error) {
+  if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.head_size <= 0 ||
+      shape.n_heads % shape.n_kv_heads != 0) {
+    set_error(error, "invalid attention shape");
+    return false;
+  }
+  if (n_q < 0 || q_pos0 < 0 || n_kv_tokens < 0 ||
+      static_cast<std::int64_t>(q_pos0) + n_q > n_kv_tokens) {
+    set_error(error, "queries at positions [" + std::to_string(q_pos0) + ", " +
+                         std::to_string(static_cast<std::int64_t>(q_pos0) + n_q) +
+                         ") need keys beyond the " + std::to_string(n_kv_tokens) + " available");
+    return false;
+  }
+  if (n_q == 0) return true;
+  const std::size_t dq = static_cast<std::size_t>(shape.n_heads) * shape.head_size;
+  const std::size_t kv_dim = static_cast<std::size_t>(shape.n_kv_heads) * shape.head_size;
+  if (q == nullptr || out == nullptr || kv.k == nullptr || kv.v == nullptr) {
+    set_error(error, "attention: null buffer");
+    return false;
+  }
+  if (kv.k_stride < kv_dim || kv.v_stride < kv_dim) {
+    set_error(error, "attention: KV row stride below kv_dim");
+    return false;
+  }
+  if (q_stride == 0) q_stride = dq;
+  if (q_stride < dq) {
+    set_error(error, "attention: query row stride below n_heads*head_size");
+    return false;
+  }
+  const int kv_mul = shape.n_heads / shape.n_kv_heads;
+  const int max_keys = q_pos0 + n_q;
+  const std::int64_t work =
+      static_cast<std::int64_t>(n_q) * shape.n_heads * max_keys * shape.head_size;
+#pragma omp parallel if (work >= kParallelWork)
+  {
+    std::vector<float> scores(static_cast<std::size_t>(max_keys));
+#pragma omp for collapse(2) schedule(dynamic, 4)
+    for (int i = 0; i < n_q; ++i) {
+      for (int h = 0; h < shape.n_heads; ++h) {
+        const Segment seg{kv.k, kv.v, kv.k_stride, kv.v_stride, q_pos0 + i + 1};
+        const std::size_t hoff = static_cast<std::size_t>(h) * shape.head_size;
+        attend_head(q + static_cast<std::size_t>(i) * q_stride + hoff, shape.head_size,
+                    static_cast<std::size_t>(h / kv_mul) * shape.head_size, &seg, 1,
+                    scores.data(), out + static_cast<std::size_t>(i) * dq + hoff);
+      }
+    }
+  }
+  return true;
+}
+
+double vnmse(const float* ref, const float* approx, std::size_t n) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(approx[i]) - static_cast<double>(ref[i]);
+    num += d * d;
+    den += static_cast<double>(ref[i]) * static_cast<double>(ref[i]);
+  }
+  if (den == 0.0) return num == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return num / den;
+}
+
+int argmax(const float* x, std::size_t n) {
+  if (n == 0) return -1;
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < n; ++i)
+    if (x[i] > x[best]) best = i;
+  return static_cast<int>(best);
+}
+
+}  // namespace kvxfer::model

@@ -1,0 +1,235 @@
+// Reference model runner for llama2.c checkpoints (Llama-2 architecture).
+//
+// Used by the benchmarks, tests and examples to produce *real* KV caches and
+// queries, and to measure how a modified (e.g. quantized/dequantized) KV cache
+// changes attention outputs and next-token logits.  Not part of the shipped
+// library; it does not depend on kvxfer_core.
+//
+// Architecture (as in karpathy/llama2.c run.c): RMSNorm (eps 1e-5), grouped-
+// query attention, RoPE on adjacent pairs (2i, 2i+1) inside each head with
+// frequency 10000^(-2i/head_size), scores scaled by 1/sqrt(head_size), SwiGLU
+// feed-forward w2(silu(w1 x) * w3 x).  All arithmetic is float32 with the
+// same summation order as run.c.
+//
+// Data layout used throughout:
+//   * K and V of one layer: float32, row-major [token][kv_dim] where
+//     kv_dim = n_kv_heads * head_size and channel = kv_head * head_size + d
+//     (heads outermost).  K rows are stored *after* RoPE.
+//   * queries / attention outputs of one layer: float32 [pos][n_heads*head_size]
+//     (= [pos][dim]), channel = head * head_size + d; queries after RoPE.
+//
+// Errors: no exception crosses this API (except std::bad_alloc on memory
+// exhaustion).  Functions return bool and, on failure, write a message to
+// *error when error != nullptr; outputs are then unspecified, but a caller-
+// owned tail cache is left unmodified.
+//
+// Threading: a loaded Model is immutable; all const member functions may be
+// called concurrently from several threads, provided each call has its own
+// tail cache and output buffers.  Internally, matrix products and attention
+// are parallelised with OpenMP over independent output elements; every output
+// element is computed by one thread in a fixed order, so results are bit-
+// identical regardless of the number of threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvxfer::model {
+
+// The 7-int32 llama2.c header.  vocab_size is stored positive;
+// shared_classifier records the sign it had in the file (positive = the
+// classifier reuses the token embedding; negative = a separate wcls follows).
+struct Config {
+  int dim = 0;         // model width
+  int hidden_dim = 0;  // FFN width
+  int n_layers = 0;
+  int n_heads = 0;     // query heads
+  int n_kv_heads = 0;  // key/value heads (GQA: n_heads % n_kv_heads == 0)
+  int vocab_size = 0;
+  int seq_len = 0;     // maximum number of positions
+  bool shared_classifier = true;
+
+  int head_size() const { return dim / n_heads; }
+  int kv_dim() const { return n_kv_heads * head_size(); }
+  int kv_group() const { return n_heads / n_kv_heads; }  // query heads per KV head
+};
+
+// Read-only view of one layer's K and V: row t of K starts at k + t*k_stride
+// (float32, kv_dim elements), likewise for V.  Strides are in elements and
+// must be >= kv_dim.  The view does not own the memory.
+struct KVLayerView {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  std::size_t k_stride = 0;
+  std::size_t v_stride = 0;
+};
+
+// Read-only view of a KV cache: positions [0, n_tokens) of every layer.
+// Built from a KVCache (KVCache::view) or from external buffers, e.g. a
+// dequantized copy.  The viewed memory must stay alive and unchanged while
+// the view is used.
+struct KVView {
+  int n_tokens = 0;
+  std::vector<KVLayerView> layers;  // size n_layers
+};
+
+// Owning KV cache: per layer, K and V as float32 row-major [n_tokens][kv_dim]
+// (contiguous, row stride kv_dim).  Used both for the prefill result and for
+// the small mutable "tail" of decode_step/verify.  Appending (done by the
+// model) may reallocate: pointers and views obtained earlier are invalidated
+// by any call that changes n_tokens.  Not thread-safe for concurrent mutation.
+class KVCache {
+ public:
+  KVCache() = default;
+  KVCache(int n_layers, int kv_dim);
+
+  int n_layers() const { return n_layers_; }
+  int kv_dim() const { return kv_dim_; }
+  int n_tokens() const { return n_tokens_; }
+  bool empty() const { return n_tokens_ == 0; }
+
+  // Layer base pointers ([n_tokens][kv_dim]); valid until n_tokens changes.
+  float* k(int layer) { return k_[layer].data(); }
+  float* v(int layer) { return v_[layer].data(); }
+  const float* k(int layer) const { return k_[layer].data(); }
+  const float* v(int layer) const { return v_[layer].data(); }
+
+  // Sets n_tokens; new rows are zero.  Shrinking (truncate) discards the
+  // last rows, e.g. rejected speculative tokens.
+  void resize(int n_tokens);
+  void truncate(int n_tokens) {
+    if (n_tokens < n_tokens_) resize(n_tokens);
+  }
+  void clear() { resize(0); }
+  void reserve(int n_tokens);
+
+  // View of the first n_tokens positions (all of them when n_tokens < 0).
+  KVView view(int n_tokens = -1) const;
+
+ private:
+  int n_layers_ = 0;
+  int kv_dim_ = 0;
+  int n_tokens_ = 0;
+  std::vector<std::vector<float>> k_, v_;
+};
+
+struct PrefillOptions {
+  bool record_queries = false;  // fill PrefillResult::queries
+  bool all_logits = false;      // fill PrefillResult::all_logits
+};
+
+struct PrefillResult {
+  KVCache kv;                      // positions 0..n-1
+  std::vector<float> last_logits;  // [vocab_size], logits after the last token
+  std::vector<float> all_logits;   // [n][vocab_size] if requested, else empty
+  std::vector<float> queries;      // [n_layers][n][dim] (after RoPE) if requested
+};
+
+class Model {
+ public:
+  // Loads a llama2.c checkpoint (legacy "version 0" format: 7 int32 header,
+  // then float32 weights, little-endian).  The header is validated and the
+  // file size must equal exactly the size it implies.  Returns nullptr and
+  // sets *error on failure.
+  static std::unique_ptr<Model> load(const std::string& path, std::string* error);
+
+  const Config& config() const { return cfg_; }
+
+  // An empty cache shaped for this model (n_layers x kv_dim, 0 tokens).
+  KVCache make_cache() const { return KVCache(cfg_.n_layers, cfg_.kv_dim()); }
+
+  // Runs tokens at positions 0..n-1 in one batched pass (causal).  1 <= n <=
+  // seq_len; every token in [0, vocab_size).
+  bool prefill(const std::vector<int>& tokens, const PrefillOptions& options,
+               PrefillResult* out, std::string* error) const;
+
+  // One decoding step: `token` at position `pos`, attending to positions
+  // [0, view.n_tokens) read through `view`, then to the tail rows (positions
+  // view.n_tokens .. pos-1), then to itself.  Requirements:
+  //   pos == view.n_tokens + tail->n_tokens(), pos < seq_len.
+  // Appends this token's K/V to *tail (a default-constructed tail is shaped
+  // automatically).  logits: resized to [vocab_size].  The view must not
+  // point into *tail.
+  //
+  // Speculative decoding without copying the prefix: draft with
+  // view = approximate KV and a draft tail; verify with view = full KV and a
+  // separate verify tail; then truncate() the tails to the accepted length.
+  bool decode_step(int token, int pos, const KVView& view, KVCache* tail,
+                   std::vector<float>* logits, std::string* error) const;
+
+  // Batched verification: runs draft[i] at position start_pos + i for all i in
+  // ONE pass, each attending to the view, the existing tail rows and the
+  // draft tokens before it (causal).  Same requirements as decode_step with
+  // pos = start_pos; appends draft.size() rows to *tail.  logits: resized to
+  // [draft.size()][vocab_size]; row i equals what decode_step would return
+  // for draft[i] after decoding draft[0..i-1] on the same view.  (Typically
+  // draft[0] is the last accepted token, so row i scores draft[i+1].)
+  bool verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
+              std::vector<float>* logits, std::string* error) const;
+
+  // Attention outputs of recorded queries against a (possibly modified) view,
+  // for every layer: queries and out are [n_layers][n_q][dim]; query i of a
+  // layer is at position q_pos0 + i and attends to keys 0..q_pos0+i of the
+  // view (requires q_pos0 + n_q <= view.n_tokens).  out excludes the wo
+  // projection (it is the per-head softmax(q k^T/sqrt(hs)) v, concatenated).
+  bool attention_outputs(const float* queries, int n_q, int q_pos0, const KVView& view,
+                         float* out, std::string* error) const;
+
+ private:
+  struct Weights {
+    const float* token_embedding;  // [vocab][dim]
+    const float* rms_att;          // [L][dim]
+    const float* wq;               // [L][dim][dim]
+    const float* wk;               // [L][kv_dim][dim]
+    const float* wv;               // [L][kv_dim][dim]
+    const float* wo;               // [L][dim][dim]
+    const float* rms_ffn;          // [L][dim]
+    const float* w1;               // [L][hidden][dim]
+    const float* w2;               // [L][dim][hidden]
+    const float* w3;               // [L][hidden][dim]
+    const float* rms_final;        // [dim]
+    const float* wcls;             // [vocab][dim]
+  };
+
+  Model() = default;
+  bool check_view(const KVView& view, std::string* error) const;
+  // Batched forward of tokens at positions start_pos.. over view + tail.
+  // logits_rows: 0 = none, 1 = last row only, 2 = all rows.
+  bool forward(const std::vector<int>& tokens, int start_pos, const KVView& view, KVCache* tail,
+               int logits_rows, std::vector<float>* logits, std::vector<float>* queries,
+               std::string* error) const;
+
+  Config cfg_;
+  std::vector<float> data_;  // all float32 weights of the file
+  Weights w_{};
+};
+
+// Shape of a (GQA) attention computation.
+struct AttentionShape {
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int head_size = 0;
+};
+
+// Causal attention of one layer: q is [n_q][n_heads*head_size] with row
+// stride q_stride (elements; 0 = n_heads*head_size); query i is at position
+// q_pos0 + i and attends to keys [0, q_pos0 + i] of kv (so q_pos0 + n_q <=
+// n_kv_tokens is required).  Query head h uses KV head h / (n_heads /
+// n_kv_heads).  out: [n_q][n_heads*head_size] contiguous, the per-head
+// softmax(q k^T / sqrt(head_size)) v.  Deterministic; parallel over queries
+// and heads.
+bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_tokens,
+               const float* q, std::size_t q_stride, int n_q, int q_pos0, float* out,
+               std::string* error);
+
+// vNMSE = ||approx - ref||^2 / ||ref||^2, accumulated in double (0 when both
+// are zero; +inf when only ref is zero).
+double vnmse(const float* ref, const float* approx, std::size_t n);
+
+// Index of the largest element (first one on ties); -1 when n == 0.
+int argmax(const float* x, std::size_t n);
+
+}  // namespace kvxfer::model
