@@ -1,1 +1,204 @@
+// The scalar quantizers: exhaustive code/split checks and hand-computed values.
 #include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "codec/codebook.h"
+#include "codec/detmath.h"
+#include "codec/page.h"
+
+namespace kvxfer::codec {
+namespace {
+
+struct CbCase {
+  kvxfer_codec_t codec;
+  float alpha;
+  int anchor_bits;
+};
+
+std::vector<CbCase> all_codebooks() {
+  std::vector<CbCase> v;
+  for (float alpha : {0.0f, 5.0f, 20.0f, 100.0f, 255.0f, 1000.0f})
+    for (int a = 2; a <= 6; ++a) v.push_back({KVXFER_CODEC_LYNX, alpha, a});
+  for (int a = 2; a <= 6; ++a) v.push_back({KVXFER_CODEC_INT8, 0.0f, a});
+  v.push_back({KVXFER_CODEC_INT4, 0.0f, 4});
+  return v;
+}
+
+const Codebook* cb_of(const CbCase& c) {
+  std::string why;
+  const Codebook* cb = get_codebook(c.codec, c.alpha, c.anchor_bits, &why);
+  EXPECT_NE(cb, nullptr) << why;
+  return cb;
+}
+
+TEST(Codebook, EveryCodeSplitsAndMergesExactly) {
+  for (const auto& c : all_codebooks()) {
+    const Codebook* cb = cb_of(c);
+    const unsigned R = cb->residual_bits, ncodes = 1u << cb->code_bits;
+    for (unsigned code = 0; code < ncodes; ++code) {
+      // Through the bit stream, at an odd offset, next to other fields.
+      uint8_t abuf[8] = {0}, rbuf[8] = {0};
+      put_bits(abuf, 3 * cb->anchor_bits, cb->anchor_bits, code >> R);
+      if (R) put_bits(rbuf, 5 * R, R, code & ((1u << R) - 1));
+      const unsigned a = get_bits(abuf, 3 * cb->anchor_bits, cb->anchor_bits);
+      const unsigned r = R ? get_bits(rbuf, 5 * R, R) : 0;
+      ASSERT_EQ((a << R) | r, code) << "codec " << c.codec << " A=" << c.anchor_bits;
+      ASSERT_LT(a, 1u << cb->anchor_bits);
+    }
+  }
+}
+
+TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
+  for (const auto& c : all_codebooks()) {
+    const Codebook* cb = cb_of(c);
+    const unsigned ncodes = 1u << cb->code_bits, R = cb->residual_bits;
+    for (unsigned code = 0; code < ncodes; ++code) {
+      const float r = cb->recon_full[code];
+      ASSERT_GE(r, -1.0f);
+      ASSERT_LE(r, 1.0f);
+      ASSERT_EQ(cb->encode(r), code) << "codec " << c.codec << " alpha " << c.alpha << " code " << code;
+      // The anchor value lies in the union of its codes' bins: it encodes to a
+      // code with the same anchor.
+      ASSERT_EQ(cb->encode(cb->recon_anchor[code >> R]) >> R, code >> R);
+    }
+  }
+}
+
+TEST(Codebook, FastLookupEqualsThresholdCountOnEveryBoundary) {
+  // Every threshold, its float neighbours, and a dense sweep.
+  for (const auto& c : all_codebooks()) {
+    const Codebook* cb = cb_of(c);
+    std::vector<float> probes = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 1e-45f};
+    for (float t : cb->thresholds)
+      for (float v : {t, std::nextafter(t, 2.0f), std::nextafter(t, -2.0f)}) {
+        probes.push_back(v);
+        probes.push_back(-v);
+      }
+    for (int i = 0; i <= 20000; ++i) probes.push_back(-1.0f + i / 10000.0f);
+    const float n = static_cast<float>(1 << cb->lut_log2);
+    for (float z : probes) {
+      if (!(z >= -1.0f && z <= 1.0f)) continue;
+      unsigned fastq;
+      if (cb->sign_magnitude) {
+        const float a = std::fabs(z);
+        const int i = static_cast<int>(a * n);
+        fastq = static_cast<unsigned>(cb->lut_base[i] + (a >= cb->lut_next[i])) | (z < 0.0f ? 0x80u : 0u);
+      } else {
+        const int i = static_cast<int>(std::floor(z * n)) + cb->lut_origin;
+        fastq = static_cast<unsigned>(cb->lut_base[i] + (z >= cb->lut_next[i]));
+      }
+      ASSERT_EQ(fastq, cb->encode(z)) << "z=" << z << " codec " << c.codec << " alpha " << c.alpha;
+    }
+  }
+}
+
+TEST(Codebook, LynxMatchesAlphaLawFormula) {
+  // q = round(ln(1 + alpha |z|) / ln(1 + alpha) * 127), computed here with libm
+  // in double.  Points within 1e-6 of a rounding tie are skipped (there the
+  // float threshold table is the definition).
+  for (float alpha : {5.0f, 20.0f, 100.0f, 255.0f}) {
+    const Codebook* cb = get_codebook(KVXFER_CODEC_LYNX, alpha, 4, nullptr);
+    for (int i = 0; i <= 4000; ++i) {
+      const float z = -1.0f + i / 2000.0f;
+      const double y = std::log1p(alpha * std::fabs(static_cast<double>(z))) / std::log1p(alpha) * 127.0;
+      if (std::fabs(y - std::floor(y) - 0.5) < 1e-6) continue;
+      const unsigned q = static_cast<unsigned>(std::floor(y + 0.5));
+      ASSERT_EQ(cb->encode(z), q | (z < 0 ? 0x80u : 0u)) << "alpha " << alpha << " z " << z;
+    }
+  }
+  // alpha = 0 is linear: z = 0.5 is the tie 63.5, rounded up.
+  const Codebook* lin = get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, nullptr);
+  EXPECT_EQ(lin->encode(0.5f), 64u);
+  EXPECT_EQ(lin->encode(-0.5f), 0x80u | 64u);
+  EXPECT_EQ(lin->encode(1.0f), 127u);
+  EXPECT_EQ(lin->encode(0.0f), 0u);
+}
+
+TEST(Codebook, UniformBaselinesMatchHandComputedValues) {
+  // Asymmetric min/max INT8 on a channel 0..15: m = d = 7.5, so
+  // q = round((x - 0) / 15 * 255) = 17 x.
+  const Codebook* i8 = get_codebook(KVXFER_CODEC_INT8, 0.0f, 4, nullptr);
+  const Codebook* i4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, nullptr);
+  for (int x = 0; x < 16; ++x) {
+    const float z = (x - 7.5f) / 7.5f;
+    EXPECT_EQ(i8->encode(z), 17u * x);
+    EXPECT_EQ(i4->encode(z), static_cast<unsigned>(x));
+    // Interior codes reconstruct at the textbook level min + q * scale.
+    if (x > 0 && x < 15) {
+      EXPECT_FLOAT_EQ(7.5f + 7.5f * i8->recon_full[17 * x], static_cast<float>(x));
+      EXPECT_FLOAT_EQ(7.5f + 7.5f * i4->recon_full[x], static_cast<float>(x));
+    }
+  }
+  // End codes reconstruct at the centre of their half-width bins.
+  EXPECT_FLOAT_EQ(i8->recon_full[0], static_cast<float>(-1.0 + 0.5 / 255));
+  EXPECT_FLOAT_EQ(i8->recon_full[255], static_cast<float>(1.0 - 0.5 / 255));
+  EXPECT_FLOAT_EQ(i4->recon_full[0], static_cast<float>(-1.0 + 0.5 / 15));
+  // INT8 4+4 anchor a covers codes [16a, 16a+15]: centre of [lo, hi].
+  for (int a = 1; a < 15; ++a)
+    EXPECT_FLOAT_EQ(i8->recon_anchor[a], static_cast<float>(-1.0 + (32.0 * a + 15.0) / 255.0)) << a;
+  EXPECT_FLOAT_EQ(i8->recon_anchor[0], static_cast<float>(0.5 * (-1.0 + (-1.0 + 31.0 / 255.0))));
+  // Half widths: INT8 step 2/255 -> 1/255; INT4 1/15.
+  EXPECT_NEAR(i8->max_half_width_full, 1.0 / 255, 1e-7);
+  EXPECT_NEAR(i4->max_half_width_full, 1.0 / 15, 1e-7);
+  EXPECT_NEAR(i8->max_half_width_anchor, 16.0 / 255, 1e-6);
+}
+
+TEST(Codebook, LynxAnchorIsSignPlusTopMagnitudeBits) {
+  const Codebook* cb = get_codebook(KVXFER_CODEC_LYNX, 100.0f, 4, nullptr);
+  for (unsigned code = 0; code < 256; ++code) {
+    const unsigned a = code >> 4;
+    EXPECT_EQ(a >> 3, code >> 7);              // sign bit
+    EXPECT_EQ(a & 7u, (code & 0x7Fu) >> 4);    // top 3 of 7 magnitude bits
+    // Anchor-only value has the code's sign and sits inside the anchor's range.
+    if (code & 0x80u) EXPECT_LT(cb->recon_anchor[a], 0.0f);
+    else EXPECT_GT(cb->recon_anchor[a], 0.0f);
+  }
+  // Symmetric: anchor of -z is the mirror of anchor of z.
+  for (unsigned a = 0; a < 8; ++a) EXPECT_EQ(cb->recon_anchor[a], -cb->recon_anchor[a | 8]);
+}
+
+TEST(Codebook, RejectsInvalidParameters) {
+  std::string why;
+  EXPECT_EQ(get_codebook(KVXFER_CODEC_LYNX, -1.0f, 4, &why), nullptr);
+  EXPECT_EQ(get_codebook(KVXFER_CODEC_LYNX, NAN, 4, &why), nullptr);
+  EXPECT_EQ(get_codebook(KVXFER_CODEC_LYNX, 2000.0f, 4, &why), nullptr);
+  EXPECT_EQ(get_codebook(KVXFER_CODEC_LYNX, 20.0f, 1, &why), nullptr);
+  EXPECT_EQ(get_codebook(KVXFER_CODEC_LYNX, 20.0f, 7, &why), nullptr);
+  EXPECT_EQ(get_codebook(KVXFER_CODEC_INT4, 0.0f, 3, &why), nullptr);
+  EXPECT_EQ(get_codebook(KVXFER_CODEC_BF16, 0.0f, 4, &why), nullptr);
+  EXPECT_FALSE(why.empty());
+}
+
+TEST(DetMath, MatchesLibmClosely) {
+  for (double x : {0.0, 1e-9, 1e-3, 0.5, 1.0, 5.0, 20.0, 100.0, 255.0, 1000.0})
+    EXPECT_NEAR(detmath::log1p(x), std::log1p(x), 1e-14 * (1 + std::log1p(x))) << x;
+  for (double x : {-3.0, -1e-4, 0.0, 1e-6, 0.01, 0.3, 1.0, 5.5, 6.9})
+    EXPECT_NEAR(detmath::expm1(x), std::expm1(x), 1e-13 * std::max(1e-300, std::fabs(std::expm1(x)))) << x;
+}
+
+TEST(Conversions, Fp16AndBf16RoundTripAndRoundToNearestEven) {
+  // Every binary16 value widens and narrows back to itself.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const uint16_t v = static_cast<uint16_t>(h);
+    if ((v & 0x7C00u) == 0x7C00u && (v & 0x3FFu)) continue;  // NaN payloads
+    ASSERT_EQ(f32_to_f16(f16_to_f32(v)), v) << std::hex << h;
+    ASSERT_EQ(f32_to_bf16(bf16_to_f32(v)), v) << std::hex << h;
+  }
+  // Ties to even, overflow, subnormals (hand-computed bit patterns).
+  EXPECT_EQ(f32_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3C00u);  // tie -> even (down)
+  EXPECT_EQ(f32_to_f16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02u);  // tie -> even (up)
+  EXPECT_EQ(f32_to_f16(65504.0f), 0x7BFFu);
+  EXPECT_EQ(f32_to_f16(65520.0f), 0x7C00u);
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -24)), 0x0001u);
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -25)), 0x0000u);                      // tie -> even 0
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.5f, -25)), 0x0001u);
+  EXPECT_EQ(f32_to_bf16(1.0f + std::ldexp(1.0f, -8)), 0x3F80u);             // tie -> even
+  EXPECT_EQ(f32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82u);
+  EXPECT_EQ(f32_to_f16_up(1.0f + std::ldexp(1.0f, -12)), 0x3C01u);
+  EXPECT_EQ(f32_to_f16_up(1.0f), 0x3C00u);
+  EXPECT_EQ(f32_to_f16_up(70000.0f), 0x7C00u);
+}
+
+}  // namespace
+}  // namespace kvxfer::codec

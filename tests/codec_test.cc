@@ -1,1 +1,372 @@
+// Page codec: fast paths byte-identical to the reference, reconstruction
+// within the documented bound, and every bad input rejected clearly.
 #include <gtest/gtest.h>
+
+#include <cinttypes>
+#include <limits>
+
+#include "test_util.h"
+
+namespace kvxfer::codec {
+namespace {
+
+using test::config;
+using test::PagedBuffer;
+
+std::vector<Impl> fast_impls() {
+  std::vector<Impl> v{Impl::SCALAR};
+  if (fast::cpu_has_avx2()) v.push_back(Impl::AVX2);
+  return v;
+}
+
+// Checks every decoded element against the documented bound, using the
+// metadata stored in the anchor section.
+void expect_within_bound(const PagedBuffer& src, const PagedBuffer& out, const std::vector<uint8_t>& anchor,
+                         bool full, const char* what) {
+  PageHeader h;
+  ASSERT_EQ(parse_section(anchor.data(), anchor.size(), &h), KVXFER_SUCCESS) << last_error();
+  const Codebook* cb = get_codebook(static_cast<kvxfer_codec_t>(h.codec), h.alpha, h.anchor_bits, nullptr);
+  ASSERT_NE(cb, nullptr);
+  const bool fp32 = h.flags & FLAG_META_FP32;
+  const int32_t H = src.layout.num_channels;
+  double worst = 0;
+  for (int64_t t = 0; t < src.layout.num_tokens; ++t)
+    for (int32_t c = 0; c < H; ++c) {
+      const Affine a = get_affine(anchor.data() + kHeaderBytes, (t / h.chunk_tokens) * H + c, fp32);
+      const double x = src.get(t, c), xh = out.get(t, c);
+      const double bound = error_bound(*cb, full, a, out.layout.dtype, xh);
+      ASSERT_LE(std::fabs(x - xh), bound)
+          << what << ": token " << t << " channel " << c << " x=" << x << " x_hat=" << xh << " m=" << a.m
+          << " d=" << a.d;
+      if (a.d > 0) worst = std::max(worst, std::fabs(x - xh) / (a.d * (full ? cb->max_half_width_full
+                                                                             : cb->max_half_width_anchor)));
+    }
+  // The bound is tight: some element comes close to it (not a vacuous check).
+  if (src.layout.num_tokens * H > 1000) {
+    EXPECT_GT(worst, 0.5) << what;
+  }
+}
+
+struct Shape {
+  int64_t T;
+  int32_t H;
+  int32_t block;
+};
+
+// Every codec and parameter combination, several shapes (T not a multiple
+// of the chunk or the block, T < chunk, odd H), three dtypes: the fast paths
+// produce the reference's bytes, and decoding stays within the bound.
+TEST(PageCodec, FastPathsAreByteIdenticalToReferenceForEveryParameterCombination) {
+  std::vector<kvxfer_codec_config_t> cfgs;
+  for (int chunk : {16, 32, 64, 128}) {
+    for (float alpha : {0.0f, 5.0f, 20.0f, 100.0f, 255.0f})
+      for (int a = 2; a <= 6; ++a) cfgs.push_back(config(KVXFER_CODEC_LYNX, alpha, chunk, a));
+    for (int a = 2; a <= 6; ++a) cfgs.push_back(config(KVXFER_CODEC_INT8, 0, chunk, a));
+    cfgs.push_back(config(KVXFER_CODEC_INT4, 0, chunk));
+  }
+  const Shape shapes[] = {{1, 8, 16}, {37, 24, 16}, {130, 33, 7}};
+  uint64_t seed = 1;
+  for (const auto& cfg : cfgs)
+    for (const Shape& s : shapes)
+      for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
+        PagedBuffer src(s.T, s.H, dt, s.block);
+        test::fill_kv_like(&src, seed++);
+        const auto ref = test::encode(cfg, src, Impl::REFERENCE);
+        ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+        for (Impl impl : fast_impls()) {
+          const auto f = test::encode(cfg, src, impl, {3, KVXFER_KV_VALUE, 1000, 42}, 2);
+          ASSERT_EQ(f.rc, KVXFER_SUCCESS);
+          const long da = test::first_diff(ref.anchor, f.anchor), dr = test::first_diff(ref.residual, f.residual);
+          ASSERT_EQ(da, -1) << "anchor differs: ref " << test::hex(ref.anchor, da) << " fast "
+                            << test::hex(f.anchor, da) << " codec " << cfg.codec << " alpha " << cfg.alpha
+                            << " A " << cfg.anchor_bits << " C " << cfg.chunk_tokens << " T " << s.T;
+          ASSERT_EQ(dr, -1) << "residual differs: ref " << test::hex(ref.residual, dr) << " fast "
+                            << test::hex(f.residual, dr);
+        }
+        for (bool full : {false, true}) {
+          PagedBuffer out_ref(s.T, s.H, dt, 5, 0, 2);
+          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), full ? ref.residual.data() : nullptr,
+                                full ? ref.residual.size() : 0, nullptr, &out_ref.layout, Impl::REFERENCE),
+                    KVXFER_SUCCESS)
+              << last_error();
+          for (Impl impl : fast_impls()) {
+            PagedBuffer out(s.T, s.H, dt, 5, 0, 2);
+            ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), full ? ref.residual.data() : nullptr,
+                                  full ? ref.residual.size() : 0, nullptr, &out.layout, impl, 2),
+                      KVXFER_SUCCESS);
+            ASSERT_EQ(test::first_diff(out_ref.bytes(), out.bytes()), -1) << "decoded bytes differ";
+          }
+          expect_within_bound(src, out_ref, ref.anchor, full, full ? "full" : "anchor");
+        }
+      }
+}
+
+TEST(PageCodec, AdversarialPagesAreByteIdentical) {
+  // Values on and next to bin thresholds, ties, zeros of both signs, huge and
+  // tiny magnitudes, constant channels.
+  const auto cfg = config(KVXFER_CODEC_LYNX, 100.0f, 16);
+  const Codebook* cb = get_codebook(KVXFER_CODEC_LYNX, 100.0f, 4, nullptr);
+  PagedBuffer src(64, 40, KVXFER_DTYPE_FP32, 16);
+  std::mt19937 rng(7);
+  for (int64_t t = 0; t < 64; ++t)
+    for (int32_t c = 0; c < 40; ++c) {
+      float v;
+      switch (c % 8) {
+        case 0: v = (t == 0) ? -1.0f : (t == 1 ? 1.0f : cb->thresholds[rng() % 127] * ((rng() & 1) ? 1 : -1)); break;
+        case 1: v = (t & 1) ? 0.0f : -0.0f; break;
+        case 2: v = 3.25f; break;                                  // constant channel
+        case 3: v = std::ldexp(1.0f, -140) * static_cast<float>(rng() % 5); break;  // denormals
+        case 4: v = 1e30f * ((rng() & 1) ? 1.0f : -1.0f); break;    // forces fp32 metadata
+        case 5: v = std::nextafter(cb->thresholds[t % 127], 0.0f); break;
+        case 6: v = static_cast<float>(t % 3) - 1.0f; break;
+        default: v = static_cast<float>(rng()) / static_cast<float>(rng.max()) - 0.5f;
+      }
+      src.set(t, c, v);
+    }
+  const auto ref = test::encode(cfg, src, Impl::REFERENCE);
+  ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+  kvxfer_page_info_t info;
+  ASSERT_EQ(inspect_section(ref.anchor.data(), ref.anchor.size(), &info), KVXFER_SUCCESS);
+  EXPECT_EQ(info.meta_fp32, 1);  // 1e30 exceeds binary16
+  for (Impl impl : fast_impls()) {
+    const auto f = test::encode(cfg, src, impl);
+    ASSERT_EQ(test::first_diff(ref.anchor, f.anchor), -1);
+    ASSERT_EQ(test::first_diff(ref.residual, f.residual), -1);
+  }
+  PagedBuffer out(64, 40, KVXFER_DTYPE_FP32);
+  ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), ref.residual.data(), ref.residual.size(),
+                        nullptr, &out.layout),
+            KVXFER_SUCCESS);
+  expect_within_bound(src, out, ref.anchor, true, "adversarial full");
+  // Constant channel: zero range, reconstructed exactly.
+  for (int64_t t = 0; t < 64; ++t) EXPECT_EQ(out.get(t, 2), 3.25f);
+}
+
+TEST(PageCodec, LargePageManyThreadsMatchesReference) {
+  const auto cfg = config(KVXFER_CODEC_LYNX, 20.0f, 32);
+  PagedBuffer src(1000, 256, KVXFER_DTYPE_BF16, 16, 0, 0);
+  test::fill_kv_like(&src, 99);
+  const auto ref = test::encode(cfg, src, Impl::REFERENCE);
+  for (Impl impl : fast_impls()) {
+    for (int threads : {1, 2, 3}) {
+      const auto f = test::encode(cfg, src, impl, {3, KVXFER_KV_VALUE, 1000, 42}, threads);
+      ASSERT_EQ(test::first_diff(ref.anchor, f.anchor), -1) << threads;
+      ASSERT_EQ(test::first_diff(ref.residual, f.residual), -1) << threads;
+    }
+  }
+}
+
+TEST(PageCodec, Fp16MetadataWhenRangeFitsAndBitsPerElement) {
+  const auto cfg = config(KVXFER_CODEC_LYNX, 20.0f, 32);
+  PagedBuffer src(64, 128, KVXFER_DTYPE_BF16);
+  test::fill_kv_like(&src, 5);
+  const auto e = test::encode(cfg, src, Impl::AUTO);
+  ASSERT_EQ(e.rc, KVXFER_SUCCESS);
+  // 80-byte header + 2 chunks x 128 channels x 2 x fp16 + 64*128 4-bit anchors.
+  EXPECT_EQ(e.anchor.size(), 80u + 2 * 128 * 4 + 64 * 128 / 2);
+  EXPECT_EQ(e.residual.size(), 80u + 64 * 128 / 2);
+}
+
+TEST(PageCodec, BF16PassthroughIsLosslessForBf16Input) {
+  const auto cfg = config(KVXFER_CODEC_BF16);
+  PagedBuffer src(45, 20, KVXFER_DTYPE_BF16, 8);
+  test::fill_kv_like(&src, 11);
+  const auto e = test::encode(cfg, src, Impl::AUTO);
+  ASSERT_EQ(e.rc, KVXFER_SUCCESS);
+  EXPECT_EQ(e.anchor.size(), 80u + 45 * 20 * 2);
+  EXPECT_EQ(e.residual.size(), 80u);
+  PagedBuffer out(45, 20, KVXFER_DTYPE_BF16, 3, 1, 0);
+  ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), e.residual.data(), e.residual.size(), nullptr,
+                        &out.layout),
+            KVXFER_SUCCESS);
+  EXPECT_EQ(out.bytes(), src.bytes());
+}
+
+// ---------------------------------------------------------------------------
+// Bad input
+// ---------------------------------------------------------------------------
+
+TEST(PageCodecBadInput, NaNAndInfAreErrorsNamingLayerTokenChannel) {
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4, KVXFER_CODEC_BF16})
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity()})
+      for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AUTO}) {
+        PagedBuffer src(50, 16, KVXFER_DTYPE_FP32);
+        test::fill_kv_like(&src, 3);
+        src.set(41, 7, bad);
+        const auto e = test::encode(config(codec), src, impl, {6, KVXFER_KV_KEY, 200, 0});
+        ASSERT_EQ(e.rc, KVXFER_ERR_NONFINITE);
+        const std::string msg = last_error();
+        EXPECT_NE(msg.find(std::isnan(bad) ? "NaN" : "Inf"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("layer 6 K, token 241, channel 7"), std::string::npos) << msg;
+        EXPECT_EQ(e.anchor.size(), 0u);
+      }
+}
+
+TEST(PageCodecBadInput, NonFiniteRawFallbackIsLossless) {
+  for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
+    auto cfg = config(KVXFER_CODEC_LYNX);
+    cfg.nonfinite = KVXFER_NONFINITE_RAW;
+    PagedBuffer src(40, 12, dt);
+    test::fill_kv_like(&src, 4);
+    src.set(3, 2, std::numeric_limits<float>::quiet_NaN());
+    src.set(39, 11, -std::numeric_limits<float>::infinity());
+    const auto e = test::encode(cfg, src, Impl::AUTO);
+    ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+    kvxfer_page_info_t info;
+    ASSERT_EQ(inspect_section(e.anchor.data(), e.anchor.size(), &info), KVXFER_SUCCESS);
+    EXPECT_EQ(info.raw_fallback, 1);
+    PagedBuffer out(40, 12, dt, 16, 0, 0);
+    // Anchor-only already restores a raw page completely.
+    ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), nullptr, 0, nullptr, &out.layout), KVXFER_SUCCESS);
+    EXPECT_EQ(out.bytes(), src.bytes());
+    ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), e.residual.data(), e.residual.size(), nullptr,
+                          &out.layout),
+              KVXFER_SUCCESS);
+    EXPECT_EQ(out.bytes(), src.bytes());
+  }
+}
+
+TEST(PageCodecBadInput, ConstantChannelsAndHugeAndDenormalValues) {
+  struct Case {
+    const char* name;
+    float base, spread;
+    bool fp32_meta;
+  };
+  const Case cases[] = {{"constant", 2.5f, 0.0f, false},
+                        {"huge", 3e37f, 1e37f, true},
+                        {"beyond fp16", 7e4f, 10.0f, true},
+                        {"denormal", 0.0f, 1e-40f, false},
+                        {"tiny normal", 1e-30f, 1e-31f, false}};
+  for (const auto& k : cases)
+    for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4}) {
+      PagedBuffer src(40, 9, KVXFER_DTYPE_FP32);
+      std::mt19937 rng(1);
+      for (int64_t t = 0; t < 40; ++t)
+        for (int32_t c = 0; c < 9; ++c)
+          src.set(t, c, k.base + k.spread * (static_cast<float>(rng() % 1000) / 500.0f - 1.0f));
+      const auto cfg = config(codec, 100.0f);
+      const auto e = test::encode(cfg, src, Impl::REFERENCE);
+      ASSERT_EQ(e.rc, KVXFER_SUCCESS) << k.name << ": " << last_error();
+      kvxfer_page_info_t info;
+      ASSERT_EQ(inspect_section(e.anchor.data(), e.anchor.size(), &info), KVXFER_SUCCESS);
+      EXPECT_EQ(info.meta_fp32, k.fp32_meta ? 1 : 0) << k.name;
+      for (Impl impl : fast_impls()) {
+        const auto f = test::encode(cfg, src, impl);
+        ASSERT_EQ(test::first_diff(e.anchor, f.anchor), -1) << k.name;
+        ASSERT_EQ(test::first_diff(e.residual, f.residual), -1) << k.name;
+      }
+      for (bool full : {false, true}) {
+        PagedBuffer out(40, 9, KVXFER_DTYPE_FP32);
+        ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), full ? e.residual.data() : nullptr,
+                              full ? e.residual.size() : 0, nullptr, &out.layout),
+                  KVXFER_SUCCESS);
+        expect_within_bound(src, out, e.anchor, full, k.name);
+        if (k.spread == 0.0f) EXPECT_EQ(out.bytes(), src.bytes()) << "constant channel must be exact";
+      }
+    }
+}
+
+TEST(PageCodecBadInput, EmptyAndShortPages) {
+  const auto cfg = config(KVXFER_CODEC_LYNX, 20.0f, 64);
+  // T = 0: a valid, empty page (header-only sections).
+  PagedBuffer empty(0, 16, KVXFER_DTYPE_BF16);
+  const auto e0 = test::encode(cfg, empty, Impl::AUTO);
+  ASSERT_EQ(e0.rc, KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(e0.anchor.size(), 80u);
+  EXPECT_EQ(e0.residual.size(), 80u);
+  PagedBuffer out0(0, 16, KVXFER_DTYPE_BF16);
+  EXPECT_EQ(decode_page(e0.anchor.data(), e0.anchor.size(), e0.residual.data(), e0.residual.size(), nullptr,
+                        &out0.layout),
+            KVXFER_SUCCESS);
+  // T smaller than one chunk.
+  PagedBuffer small(5, 16, KVXFER_DTYPE_BF16);
+  test::fill_kv_like(&small, 8);
+  const auto e5 = test::encode(cfg, small, Impl::AUTO);
+  ASSERT_EQ(e5.rc, KVXFER_SUCCESS);
+  PagedBuffer out5(5, 16, KVXFER_DTYPE_BF16);
+  ASSERT_EQ(decode_page(e5.anchor.data(), e5.anchor.size(), e5.residual.data(), e5.residual.size(), nullptr,
+                        &out5.layout),
+            KVXFER_SUCCESS);
+  expect_within_bound(small, out5, e5.anchor, true, "T<C");
+}
+
+TEST(PageCodecBadInput, WrongDtypeStrideBlocksAndBuffers) {
+  const auto cfg = config(KVXFER_CODEC_LYNX);
+  PagedBuffer src(40, 16, KVXFER_DTYPE_BF16);
+  test::fill_kv_like(&src, 2);
+  auto expect_invalid = [&](kvxfer_page_layout_t l, const char* needle) {
+    size_t al, rl;
+    std::vector<uint8_t> a(1 << 16), r(1 << 16);
+    kvxfer_page_id_t id{0, KVXFER_KV_KEY, 0, 0};
+    EXPECT_EQ(encode_page(&cfg, &id, &l, a.data(), a.size(), &al, r.data(), r.size(), &rl),
+              KVXFER_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(last_error()).find(needle), std::string::npos) << last_error();
+  };
+  kvxfer_page_layout_t l = src.layout;
+  l.dtype = static_cast<kvxfer_dtype_t>(7);
+  expect_invalid(l, "dtype");
+  l = src.layout;
+  l.row_stride = 15;
+  expect_invalid(l, "row_stride");
+  l = src.layout;
+  l.num_blocks = 2;
+  expect_invalid(l, "num_blocks");
+  l = src.layout;
+  l.block_size = 0;
+  expect_invalid(l, "block_size");
+  l = src.layout;
+  l.num_channels = 0;
+  expect_invalid(l, "num_channels");
+  l = src.layout;
+  std::vector<void*> holes(src.ptrs);
+  holes[2] = nullptr;
+  l.blocks = holes.data();
+  expect_invalid(l, "block 2 is NULL");
+
+  // Output buffers one byte too small.
+  size_t amax, rmax, al = 7, rl = 7;
+  ASSERT_EQ(max_sizes(&cfg, 40, 16, &amax, &rmax), KVXFER_SUCCESS);
+  const auto ok = test::encode(cfg, src, Impl::AUTO);
+  std::vector<uint8_t> a(amax), r(rmax);
+  kvxfer_page_id_t id{0, KVXFER_KV_KEY, 0, 0};
+  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), ok.anchor.size() - 1, &al, r.data(), rmax, &rl),
+            KVXFER_ERR_BUFFER_TOO_SMALL);
+  EXPECT_EQ(al, 0u);
+  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), amax, &al, r.data(), ok.residual.size() - 1, &rl),
+            KVXFER_ERR_BUFFER_TOO_SMALL);
+
+  // Destination of the wrong shape.
+  PagedBuffer wrong(41, 16, KVXFER_DTYPE_BF16);
+  EXPECT_EQ(decode_page(ok.anchor.data(), ok.anchor.size(), nullptr, 0, nullptr, &wrong.layout),
+            KVXFER_ERR_MISMATCH);
+  PagedBuffer wrongh(40, 17, KVXFER_DTYPE_BF16);
+  EXPECT_EQ(decode_page(ok.anchor.data(), ok.anchor.size(), nullptr, 0, nullptr, &wrongh.layout),
+            KVXFER_ERR_MISMATCH);
+}
+
+TEST(PageCodecBadInput, InvalidConfigs) {
+  PagedBuffer src(8, 8, KVXFER_DTYPE_BF16);
+  auto bad = [&](kvxfer_codec_config_t c) { return test::encode(c, src, Impl::AUTO).rc; };
+  auto c = config(KVXFER_CODEC_LYNX);
+  c.chunk_tokens = 48;
+  EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+  c = config(KVXFER_CODEC_LYNX);
+  c.alpha = -1;
+  EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+  c = config(KVXFER_CODEC_LYNX);
+  c.anchor_bits = 7;
+  EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+  c = config(KVXFER_CODEC_LYNX);
+  c.magic = 0;
+  EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+  c = config(KVXFER_CODEC_LYNX);
+  c.size = 8;
+  EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+  c = config(KVXFER_CODEC_LYNX);
+  c.codec = static_cast<kvxfer_codec_t>(9);
+  EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+}
+
+}  // namespace
+}  // namespace kvxfer::codec

@@ -172,6 +172,23 @@ inline float denormalise(float r, const Affine& a) {
   return a.m + t;
 }
 
+/**
+ * The documented per-element error bound (docs/FORMAT.md, "Error bound"):
+ *     |x - x_hat| <= d * (W/2 + 2^-21) + 2^-23 * |m| + rho(dtype) * |x_hat| + sigma(dtype)
+ * W/2 is the largest half bin width of the codebook (full codes or anchors);
+ * 2^-21 d + 2^-23 |m| covers the float roundings of normalise/denormalise;
+ * rho, sigma cover rounding the output to the destination dtype (bf16 2^-8,
+ * 1e-38; fp16 2^-11, 2^-25; fp32 0, 0).
+ */
+inline double error_bound(const Codebook& cb, bool full, const Affine& a, kvxfer_dtype_t out,
+                          double xhat) {
+  const double hw = full ? cb.max_half_width_full : cb.max_half_width_anchor;
+  double b = a.d * (hw + std::ldexp(1.0, -21)) + std::ldexp(1.0, -23) * std::fabs(a.m);
+  if (out == KVXFER_DTYPE_BF16) b += std::ldexp(1.0, -8) * std::fabs(xhat) + 1e-38;
+  if (out == KVXFER_DTYPE_FP16) b += std::ldexp(1.0, -11) * std::fabs(xhat) + std::ldexp(1.0, -25);
+  return b;
+}
+
 // Metadata entries: [chunk][channel]{m, d}, binary16 or binary32.
 inline void put_affine(uint8_t* meta, int64_t idx, bool fp32, const Affine& a) {
   if (fp32) {
