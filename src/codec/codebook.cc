@@ -26,7 +26,7 @@ uint8_t Codebook::encode(float z) const {
 
 namespace {
 
-// Inverse alpha-law (Lynx Eq. 5 solved for |z|): the |z| at which Y = y.
+// Inverse of the alpha-law (Lynx Algorithm 1, companding step): the |z| at which Y = y.
 double alpha_law_inverse(double alpha, double y) {
   if (alpha == 0.0) return y / 127.0;
   return detmath::expm1(y / 127.0 * detmath::log1p(alpha)) / alpha;

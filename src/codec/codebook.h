@@ -2,7 +2,7 @@
 //
 // This file is the one place where the Lynx formulas live (docs/FORMAT.md
 // derives and cites each one):
-//   alpha-law magnitude (Lynx, Algorithm 1, Eq. 5):
+//   alpha-law magnitude (Lynx, Algorithm 1, companding step):
 //       Y(|z|) = ln(1 + alpha*|z|) / ln(1 + alpha) * (2^7 - 1),  q = round(Y)
 //   its inverse, used for bin edges:
 //       g(y) = ((1 + alpha)^(y/127) - 1) / alpha          (alpha = 0: y / 127)
