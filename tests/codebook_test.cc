@@ -76,18 +76,9 @@ TEST(Codebook, FastLookupEqualsThresholdCountOnEveryBoundary) {
         probes.push_back(-v);
       }
     for (int i = 0; i <= 20000; ++i) probes.push_back(-1.0f + i / 10000.0f);
-    const float n = static_cast<float>(1 << cb->lut_log2);
     for (float z : probes) {
       if (!(z >= -1.0f && z <= 1.0f)) continue;
-      unsigned fastq;
-      if (cb->sign_magnitude) {
-        const float a = std::fabs(z);
-        const int i = static_cast<int>(a * n);
-        fastq = static_cast<unsigned>(cb->lut_base[i] + (a >= cb->lut_next[i])) | (z < 0.0f ? 0x80u : 0u);
-      } else {
-        const int i = static_cast<int>(std::floor(z * n)) + cb->lut_origin;
-        fastq = static_cast<unsigned>(cb->lut_base[i] + (z >= cb->lut_next[i]));
-      }
+      const unsigned fastq = cb->encode_lut(z);
       ASSERT_EQ(fastq, cb->encode(z)) << "z=" << z << " codec " << c.codec << " alpha " << c.alpha;
     }
   }

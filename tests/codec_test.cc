@@ -262,7 +262,9 @@ TEST(PageCodecBadInput, ConstantChannelsAndHugeAndDenormalValues) {
                               full ? e.residual.size() : 0, nullptr, &out.layout),
                   KVXFER_SUCCESS);
         expect_within_bound(src, out, e.anchor, full, k.name);
-        if (k.spread == 0.0f) EXPECT_EQ(out.bytes(), src.bytes()) << "constant channel must be exact";
+        if (k.spread == 0.0f) {
+          EXPECT_EQ(out.bytes(), src.bytes()) << "constant channel must be exact";
+        }
       }
     }
 }
@@ -352,8 +354,15 @@ TEST(PageCodecBadInput, InvalidConfigs) {
   c.chunk_tokens = 48;
   EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
   c = config(KVXFER_CODEC_LYNX);
-  c.alpha = -1;
+  c.alpha = -2;
   EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+  c.alpha = 1000.5f;
+  EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+  c.alpha = KVXFER_ALPHA_AUTO;  // the one negative value that is valid
+  EXPECT_EQ(bad(c), KVXFER_SUCCESS);
+  c = config(KVXFER_CODEC_INT8);
+  c.alpha = KVXFER_ALPHA_AUTO;  // alpha is ignored by the uniform codecs
+  EXPECT_EQ(bad(c), KVXFER_SUCCESS);
   c = config(KVXFER_CODEC_LYNX);
   c.anchor_bits = 7;
   EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
@@ -366,6 +375,116 @@ TEST(PageCodecBadInput, InvalidConfigs) {
   c = config(KVXFER_CODEC_LYNX);
   c.codec = static_cast<kvxfer_codec_t>(9);
   EXPECT_EQ(bad(c), KVXFER_ERR_INVALID_ARGUMENT);
+}
+
+// ---------------------------------------------------------------------------
+// alpha = auto (docs/FORMAT.md section 2.6)
+// ---------------------------------------------------------------------------
+
+struct PageErrors {
+  double full = 0, anchor = 0;
+};
+
+// Squared error of whole pages encoded with `alpha`, through the real codec.
+PageErrors page_errors(const std::vector<PagedBuffer*>& pages, float alpha) {
+  PageErrors e;
+  for (const PagedBuffer* p : pages) {
+    const auto enc = test::encode(config(KVXFER_CODEC_LYNX, alpha, 32), *p, Impl::AUTO);
+    EXPECT_EQ(enc.rc, KVXFER_SUCCESS);
+    for (bool full : {false, true}) {
+      PagedBuffer out(p->layout.num_tokens, p->layout.num_channels, KVXFER_DTYPE_FP32);
+      EXPECT_EQ(decode_page(enc.anchor.data(), enc.anchor.size(), full ? enc.residual.data() : nullptr,
+                            full ? enc.residual.size() : 0, nullptr, &out.layout),
+                KVXFER_SUCCESS);
+      for (int64_t t = 0; t < p->layout.num_tokens; ++t)
+        for (int32_t c = 0; c < p->layout.num_channels; ++c) {
+          const double d = static_cast<double>(p->get(t, c)) - out.get(t, c);
+          (full ? e.full : e.anchor) += d * d;
+        }
+    }
+  }
+  return e;
+}
+
+// Two fixed page sets: KV-like Laplacian data, and symmetric sparse spikes
+// (each chunk-channel holds one +50 and one -50, the rest ~N(0, 0.3)), where
+// the bulk sits at z ~ 0 and companding pays.
+std::vector<std::unique_ptr<PagedBuffer>> calibration_set(bool spiky) {
+  std::vector<std::unique_ptr<PagedBuffer>> v;
+  std::mt19937 rng(spiky ? 17 : 23);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (int i = 0; i < 3; ++i) {
+    // 256 tokens = 8 chunks of 32: the calibration sample is the whole page.
+    auto p = std::make_unique<PagedBuffer>(256, 24, KVXFER_DTYPE_FP32);
+    if (spiky) {
+      for (int64_t t = 0; t < 256; ++t)
+        for (int32_t c = 0; c < 24; ++c)
+          p->set(t, c, (t % 32 == c % 32) ? 50.0f : (t % 32 == (c + 16) % 32) ? -50.0f : 0.3f * n(rng));
+    } else {
+      test::fill_kv_like(p.get(), 100 + i);
+    }
+    v.push_back(std::move(p));
+  }
+  return v;
+}
+
+TEST(AlphaAuto, RuleIsTheDocumentedArgminAndNeverWorseThanLinear) {
+  for (bool spiky : {false, true}) {
+    auto set = calibration_set(spiky);
+    std::vector<kvxfer_page_layout_t> layouts;
+    std::vector<PagedBuffer*> pages;
+    for (auto& p : set) {
+      layouts.push_back(p->layout);
+      pages.push_back(p.get());
+    }
+    auto cfg = config(KVXFER_CODEC_LYNX, KVXFER_ALPHA_AUTO, 32);
+    float chosen = -5;
+    std::vector<CalibrationError> errs;
+    ASSERT_EQ(calibrate_alpha(&cfg, layouts.data(), static_cast<int32_t>(layouts.size()), &chosen, &errs),
+              KVXFER_SUCCESS);
+    // The calibration errors are the real codec's errors on these pages.
+    for (const auto& ce : errs) {
+      const PageErrors pe = page_errors(pages, ce.alpha);
+      EXPECT_NEAR(ce.full, pe.full, 1e-6 * pe.full + 1e-12) << ce.alpha;
+      EXPECT_NEAR(ce.anchor, pe.anchor, 1e-6 * pe.anchor + 1e-12) << ce.alpha;
+    }
+    // Brute force of the documented rule.
+    size_t best = 0;
+    for (size_t i = 1; i < errs.size(); ++i)
+      if (errs[i].full <= errs[0].full && errs[i].anchor < errs[best].anchor) best = i;
+    EXPECT_EQ(chosen, errs[best].alpha);
+    // No worse than alpha = 0 at either precision; never dominated by alpha = 255.
+    const PageErrors a = page_errors(pages, chosen), z = page_errors(pages, 0.0f),
+                     m = page_errors(pages, 255.0f);
+    EXPECT_LE(a.full, z.full);
+    EXPECT_LE(a.anchor, z.anchor);
+    EXPECT_FALSE(m.full < a.full && m.anchor < a.anchor);
+    if (spiky) {
+      EXPECT_GT(chosen, 0.0f) << "companding must win on sparse spikes";
+      EXPECT_LT(a.anchor, 0.9 * z.anchor);
+    }
+    // Encoding with alpha = auto records the chosen value in the header.
+    const auto enc = test::encode(cfg, *set[0], Impl::AUTO);
+    ASSERT_EQ(enc.rc, KVXFER_SUCCESS);
+    kvxfer_page_info_t info;
+    ASSERT_EQ(inspect_section(enc.anchor.data(), enc.anchor.size(), &info), KVXFER_SUCCESS);
+    float single = -5;
+    ASSERT_EQ(calibrate_alpha(&cfg, &set[0]->layout, 1, &single), KVXFER_SUCCESS);
+    EXPECT_EQ(info.alpha, single);
+  }
+}
+
+TEST(AlphaAuto, RejectsBadCalibrationInput) {
+  auto cfg = config(KVXFER_CODEC_INT8);
+  PagedBuffer p(8, 8, KVXFER_DTYPE_BF16);
+  float a;
+  EXPECT_EQ(calibrate_alpha(&cfg, &p.layout, 1, &a), KVXFER_ERR_INVALID_ARGUMENT);
+  cfg = config(KVXFER_CODEC_LYNX);
+  EXPECT_EQ(calibrate_alpha(&cfg, &p.layout, 0, &a), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(calibrate_alpha(&cfg, nullptr, 1, &a), KVXFER_ERR_INVALID_ARGUMENT);
+  kvxfer_page_layout_t bad = p.layout;
+  bad.row_stride = 1;
+  EXPECT_EQ(calibrate_alpha(&cfg, &bad, 1, &a), KVXFER_ERR_INVALID_ARGUMENT);
 }
 
 }  // namespace

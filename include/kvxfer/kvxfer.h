@@ -113,6 +113,13 @@ typedef enum {
 #define KVXFER_CONFIG_MAGIC 0x6b767866u /* 'kvxf' */
 
 /**
+ * Value of kvxfer_codec_config_t.alpha that lets the LYNX encoder choose alpha
+ * for each page from its own data (see kvxfer_codec_calibrate_alpha; the
+ * chosen value is recorded in the page header).
+ */
+#define KVXFER_ALPHA_AUTO (-1.0f)
+
+/**
  * Codec parameters.  Initialise with KVXFER_CODEC_CONFIG_INITIALIZER, then
  * change fields.  `size`, `magic` and `version` let the library reject a
  * struct from an incompatible header.
@@ -122,7 +129,8 @@ typedef struct {
   uint32_t magic;       /**< KVXFER_CONFIG_MAGIC */
   uint32_t version;     /**< KVXFER_VERSION_CODE of the header used */
   kvxfer_codec_t codec; /**< default KVXFER_CODEC_LYNX */
-  float alpha;          /**< alpha-law parameter, 0 (linear) to 1000; LYNX only */
+  float alpha;          /**< alpha-law parameter, 0 (linear, the default) to 1000, or
+                             KVXFER_ALPHA_AUTO; LYNX only.  docs/FORMAT.md 2.6 says why 0. */
   int32_t chunk_tokens; /**< C: tokens per normalisation chunk, 16, 32, 64 or 128 */
   int32_t anchor_bits;  /**< A: 2..6 for LYNX and INT8 (residual = 8 - A); 4 for INT4 */
   kvxfer_nonfinite_policy_t nonfinite; /**< default KVXFER_NONFINITE_ERROR */
@@ -131,7 +139,7 @@ typedef struct {
 #define KVXFER_CODEC_CONFIG_INITIALIZER                                        \
   {                                                                            \
     sizeof(kvxfer_codec_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE,   \
-        KVXFER_CODEC_LYNX, 20.0f, 32, 4, KVXFER_NONFINITE_ERROR                \
+        KVXFER_CODEC_LYNX, 0.0f, 32, 4, KVXFER_NONFINITE_ERROR                 \
   }
 
 /**
@@ -209,6 +217,23 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
 kvxfer_result_t kvxfer_page_decode(const void* anchor, size_t anchor_len, const void* residual,
                                    size_t residual_len, const kvxfer_page_id_t* expect,
                                    const kvxfer_page_layout_t* dst);
+
+/**
+ * Chooses the LYNX alpha for a set of calibration pages (e.g. a few pages of
+ * one layer's K, or V), by the rule of docs/FORMAT.md section 2.6:
+ *   candidates A = {0, 1, 2, 5, 10, 20, 50, 100, 255};
+ *   E_full(a), E_anchor(a) = squared reconstruction error (fp32) over a
+ *   deterministic sample of at most 8 chunks per page;
+ *   alpha = argmin_{a in A, E_full(a) <= E_full(0)} E_anchor(a)   (ties: smaller a).
+ * So the choice is never worse than linear (alpha = 0) at either precision on
+ * the calibration data.  config->alpha is ignored; chunk_tokens and
+ * anchor_bits are used.  Non-finite elements are skipped.
+ * pages: array of num_pages >= 1 layouts (read only).  alpha: output.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (config not LYNX, bad layout).
+ */
+kvxfer_result_t kvxfer_codec_calibrate_alpha(const kvxfer_codec_config_t* config,
+                                             const kvxfer_page_layout_t* pages, int32_t num_pages,
+                                             float* alpha);
 
 /** What a section header says (after full validation, checksum included). */
 typedef struct {

@@ -63,6 +63,15 @@ kvxfer_result_t kvxfer_page_decode(const void* anchor, size_t anchor_len, const 
   });
 }
 
+kvxfer_result_t kvxfer_codec_calibrate_alpha(const kvxfer_codec_config_t* config,
+                                             const kvxfer_page_layout_t* pages, int32_t num_pages,
+                                             float* alpha) {
+  return api_call(__func__, [&] {
+    KVXFER_CHECK(kvxfer::codec::validate_config(config));
+    return kvxfer::codec::calibrate_alpha(config, pages, num_pages, alpha);
+  });
+}
+
 kvxfer_result_t kvxfer_page_inspect(const void* section, size_t len, kvxfer_page_info_t* info) {
   return api_call(__func__, [&] { return kvxfer::codec::inspect_section(section, len, info); });
 }

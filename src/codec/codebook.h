@@ -20,6 +20,7 @@
 // and shared verbatim with the fast CPU path and the CUDA kernels.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -53,6 +54,18 @@ struct Codebook {
 
   /** The definition: the code of a normalised value z in [-1, 1]. */
   uint8_t encode(float z) const;
+
+  /** Same code as encode(z), by one cell lookup and one comparison (fast paths). */
+  uint8_t encode_lut(float z) const {
+    const float n = static_cast<float>(1 << lut_log2);
+    if (sign_magnitude) {
+      const float a = std::fabs(z);
+      const int i = static_cast<int>(a * n);
+      return static_cast<uint8_t>((lut_base[i] + (a >= lut_next[i])) | (z < 0.0f ? 0x80 : 0));
+    }
+    const int i = static_cast<int>(std::floor(z * n)) + lut_origin;
+    return static_cast<uint8_t>(lut_base[i] + (z >= lut_next[i]));
+  }
 };
 
 /**

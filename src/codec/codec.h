@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kvxfer/kvxfer.h"
 
@@ -30,6 +31,24 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
                             size_t residual_len, const kvxfer_page_id_t* expect,
                             const kvxfer_page_layout_t* dst, Impl impl = Impl::AUTO,
                             int threads = 0);
+
+/** Candidate alphas of the auto rule (docs/FORMAT.md section 2.6). */
+constexpr float kAlphaCandidates[] = {0.0f, 1.0f, 2.0f, 5.0f, 10.0f, 20.0f, 50.0f, 100.0f, 255.0f};
+constexpr int kCalibrationChunksPerPage = 8;
+
+/** Squared reconstruction errors of one candidate on the calibration sample. */
+struct CalibrationError {
+  float alpha;
+  double full, anchor;
+};
+
+/**
+ * The alpha=auto rule.  `errors`, if non-NULL, receives the error of every
+ * candidate (for tests and benchmarks).
+ */
+kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_page_layout_t* pages,
+                                int32_t num_pages, float* alpha,
+                                std::vector<CalibrationError>* errors = nullptr);
 
 kvxfer_result_t inspect_section(const void* section, size_t len, kvxfer_page_info_t* info);
 

@@ -26,19 +26,7 @@ bool minmax_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, float* mn, 
 
 void encode_row_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                        const float* d, const Codebook& cb, uint8_t* codes) {
-  const float n = static_cast<float>(1 << cb.lut_log2);
-  for (int32_t c = 0; c < H; ++c) {
-    const float z = normalise(load_elem(row, c, dt), Affine{m[c], d[c]});
-    if (cb.sign_magnitude) {
-      const float a = std::fabs(z);
-      const int i = static_cast<int>(a * n);
-      const int q = cb.lut_base[i] + (a >= cb.lut_next[i]);
-      codes[c] = static_cast<uint8_t>(q | (z < 0.0f ? 0x80 : 0));
-    } else {
-      const int i = static_cast<int>(std::floor(z * n)) + cb.lut_origin;
-      codes[c] = static_cast<uint8_t>(cb.lut_base[i] + (z >= cb.lut_next[i]));
-    }
-  }
+  for (int32_t c = 0; c < H; ++c) codes[c] = cb.encode_lut(normalise(load_elem(row, c, dt), Affine{m[c], d[c]}));
 }
 
 void decode_row_scalar(const uint8_t* idx, int32_t H, const float* m, const float* d,

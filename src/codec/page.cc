@@ -90,7 +90,8 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
                  "unknown nonfinite policy %d", static_cast<int>(cfg->nonfinite));
   if (cfg->codec != KVXFER_CODEC_BF16) {
     std::string why;
-    if (get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why) == nullptr)
+    const bool autoa = cfg->codec == KVXFER_CODEC_LYNX && cfg->alpha == KVXFER_ALPHA_AUTO;
+    if (get_codebook(cfg->codec, autoa ? 0.0f : cfg->alpha, cfg->anchor_bits, &why) == nullptr)
       return set_error(KVXFER_ERR_INVALID_ARGUMENT, "codec config: %s (alpha %g, anchor_bits %d)",
                        why.c_str(), static_cast<double>(cfg->alpha), cfg->anchor_bits);
   }
@@ -178,6 +179,12 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   Layout lay;
   KVXFER_CHECK(validate_layout(src, "source", &lay));
   KVXFER_CHECK(resolve_impl(impl, &impl));
+  kvxfer_codec_config_t chosen = *cfg;
+  if (cfg->codec == KVXFER_CODEC_LYNX && cfg->alpha == KVXFER_ALPHA_AUTO) {
+    KVXFER_CHECK(calibrate_alpha(cfg, src, 1, &chosen.alpha));
+    KVXFER_TRACE(LOG_CODEC, "alpha=auto chose %g", static_cast<double>(chosen.alpha));
+  }
+  cfg = &chosen;
   const int64_t T = src->num_tokens;
   const int32_t H = src->num_channels;
   PageHeader h = make_header(*cfg, *id, T, H, src->dtype);
