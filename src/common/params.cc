@@ -115,7 +115,8 @@ void record_bad(const char* env, const char* text, const std::string& why) {
 #undef KVXFER_PARAM_STRING
 
 kvxfer_result_t validate() {
-  // Touch every accessor so each variable is parsed.
+  // Every value is read once, so the verdict is computed once too.
+  static const std::string problem = [] {
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) (void)Name();
 #define KVXFER_PARAM_ENUM(Name, env, def, choices, doc) (void)Name();
 #define KVXFER_PARAM_STRING(Name, env, def, doc) (void)Name();
@@ -123,13 +124,15 @@ kvxfer_result_t validate() {
 #undef KVXFER_PARAM_INT
 #undef KVXFER_PARAM_ENUM
 #undef KVXFER_PARAM_STRING
-  uint32_t mask = 0;
-  std::string why;
-  if (!parse_log_subsys(DebugSubsys().c_str(), &mask, &why))
-    record_bad("KVXFER_DEBUG_SUBSYS", DebugSubsys().c_str(), why);
-  std::lock_guard<std::mutex> lk(bad().mu);
-  if (!bad().first.empty())
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s", bad().first.c_str());
+    uint32_t mask = 0;
+    std::string why;
+    if (!parse_log_subsys(DebugSubsys().c_str(), &mask, &why))
+      record_bad("KVXFER_DEBUG_SUBSYS", DebugSubsys().c_str(), why);
+    std::lock_guard<std::mutex> lk(bad().mu);
+    return bad().first;
+  }();
+  if (!problem.empty())
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s", problem.c_str());
   return KVXFER_SUCCESS;
 }
 
