@@ -1,1 +1,876 @@
-int main(){return 0;}
+// codec_perf: throughput and wire size of the CPU page codec, in the
+// nccl-tests dialect.  Every column and formula is defined in
+// docs/PERFORMANCE.md; run with no arguments for the default report.
+//
+// Table 1 (throughput): for each dataset x dtype x codec x path, the median
+// time of encoding / decoding every page of the dataset once, as GB/s of input
+// KV and as a ratio to memcpy of the same bytes between the same buffers.
+// With -c 1 each fast path's sections and decoded pages are compared byte for
+// byte with the reference path's (#wrong).
+//
+// Table 2 (bits per element): anchor / residual / total / metadata bits per
+// element of every codec parameter set, from the actual encoded section sizes.
+#include "codec/codec.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "codec/page.h"
+#include "common/error.h"
+#include "common/params.h"
+#include "kvxfer/kvxfer.h"
+#include "model/llama2.h"
+#include "model/synthetic_kv.h"
+#include "perf/common/harness.h"
+
+namespace {
+
+namespace kc = kvxfer::codec;
+namespace km = kvxfer::model;
+namespace kp = kvxfer::perf;
+using nlohmann::json;
+
+constexpr int kBlockSize = 16;  // tokens per block of the source/destination pools (vLLM default)
+
+// ---------------------------------------------------------------------------
+// Options
+// ---------------------------------------------------------------------------
+struct Options {
+  kp::CommonOptions common;
+  std::string dtypes = "bf16";
+  std::string codecs = "lynx,lynx-auto,int8,int4,bf16";
+  std::string datasets = "real,synth";
+  int64_t tokens = 4096;  // synthetic page tokens
+  int threads = 0;        // multi-threaded row; 0 = KVXFER_CODEC_THREADS, else every usable CPU
+  int bits = 1;           // print the bits-per-element table
+  std::string model_path = std::string(KVXFER_SHARED_DATA_DIR) + "/stories260K.bin";
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  while (b <= s.size()) {
+    size_t e = s.find(',', b);
+    if (e == std::string::npos) e = s.size();
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
+const char* dtype_name(kvxfer_dtype_t d) {
+  return d == KVXFER_DTYPE_BF16 ? "bf16" : d == KVXFER_DTYPE_FP16 ? "fp16" : "fp32";
+}
+const char* codec_name(kvxfer_codec_t c) {
+  switch (c) {
+    case KVXFER_CODEC_LYNX: return "lynx";
+    case KVXFER_CODEC_INT8: return "int8";
+    case KVXFER_CODEC_INT4: return "int4";
+    default: return "bf16";
+  }
+}
+const char* impl_name(kc::Impl i) {
+  switch (i) {
+    case kc::Impl::REFERENCE: return "reference";
+    case kc::Impl::SCALAR: return "scalar";
+    case kc::Impl::AVX2: return "avx2";
+    default: return "auto";
+  }
+}
+
+/** Prints a failed kvxfer call with the library's error text; returns false. */
+bool report_failure(const std::string& what, kvxfer_result_t r) {
+  std::fprintf(stderr, "codec_perf: %s failed: %s (%d): %s\n", what.c_str(),
+               kvxfer_get_error_string(r), static_cast<int>(r), kvxfer::last_error());
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+// Datasets: float32 pages, converted to each dtype in a paged pool.
+// ---------------------------------------------------------------------------
+struct FloatPage {
+  kvxfer_page_id_t id;
+  std::vector<float> data;  // [T][H]
+};
+
+struct Dataset {
+  std::string name;
+  std::string description;
+  int64_t T = 0;
+  int32_t H = 0;
+  std::vector<FloatPage> pages;
+  json info;
+};
+
+/**
+ * stories260K: greedy generation of T-1 tokens from BOS (token 1), then one
+ * prefill over the T tokens; every layer's K (after RoPE) and V is a page.
+ */
+bool make_real(const Options& o, Dataset* ds) {
+  std::string err;
+  std::unique_ptr<km::Model> m = km::Model::load(o.model_path, &err);
+  if (!m) {
+    std::fprintf(stderr, "codec_perf: cannot load %s: %s\n", o.model_path.c_str(), err.c_str());
+    return false;
+  }
+  const km::Config& c = m->config();
+  const int T = c.seq_len;
+  std::vector<int> toks{1};
+  km::KVCache tail;
+  std::vector<float> logits;
+  for (int pos = 0; pos + 1 < T; ++pos) {
+    if (!m->decode_step(toks[pos], pos, km::KVView{}, &tail, &logits, &err)) {
+      std::fprintf(stderr, "codec_perf: model decode_step failed: %s\n", err.c_str());
+      return false;
+    }
+    toks.push_back(km::argmax(logits.data(), logits.size()));
+  }
+  km::PrefillResult pre;
+  if (!m->prefill(toks, km::PrefillOptions{}, &pre, &err)) {
+    std::fprintf(stderr, "codec_perf: model prefill failed: %s\n", err.c_str());
+    return false;
+  }
+  ds->name = "real";
+  ds->T = T;
+  ds->H = c.kv_dim();
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int kind = 0; kind < 2; ++kind) {
+      FloatPage p;
+      p.id = kvxfer_page_id_t{static_cast<uint32_t>(l), static_cast<kvxfer_kv_kind_t>(kind), 0, 0};
+      const float* src = kind == 0 ? pre.kv.k(l) : pre.kv.v(l);
+      p.data.assign(src, src + static_cast<size_t>(T) * ds->H);
+      ds->pages.push_back(std::move(p));
+    }
+  std::string first;
+  for (int i = 0; i < 12 && i < T; ++i) first += (i ? " " : "") + std::to_string(toks[i]);
+  ds->description = kp::strprintf(
+      "stories260K prefill of %d tokens greedy-generated from BOS (ids %s ...), "
+      "%d layers x K,V = %zu pages of %d tokens x %d channels (%d KV heads x %d head_dim)",
+      T, first.c_str(), c.n_layers, ds->pages.size(), T, ds->H, c.n_kv_heads, c.head_size());
+  ds->info = {{"source", "stories260K.bin"},
+              {"model_path", o.model_path},
+              {"tokens", "greedy from BOS (1), then prefill"},
+              {"first_ids", first},
+              {"n_layers", c.n_layers},
+              {"n_kv_heads", c.n_kv_heads},
+              {"head_dim", c.head_size()}};
+  return true;
+}
+
+/** Llama-3-8B-like synthetic KV: layer 0 K and V, T tokens x 8 heads x 128. */
+bool make_synth(const Options& o, int64_t T, Dataset* ds) {
+  km::SyntheticKVSpec spec;
+  spec.seed = 1;
+  spec.n_kv_heads = 8;
+  spec.head_dim = 128;
+  spec.rope_theta = 500000.0f;  // Llama-3
+  ds->name = "synth";
+  ds->T = T;
+  ds->H = spec.row_channels();
+  std::string err;
+  for (int kind = 0; kind < 2; ++kind) {
+    FloatPage p;
+    p.id = kvxfer_page_id_t{0, static_cast<kvxfer_kv_kind_t>(kind), 0, 0};
+    p.data.resize(static_cast<size_t>(T) * ds->H);
+    if (!km::fill_synthetic_kv(spec, 0, kind == 0 ? km::KVKind::kKey : km::KVKind::kValue, 0, T,
+                               p.data.data(), 0, &err)) {
+      std::fprintf(stderr, "codec_perf: synthetic KV failed: %s\n", err.c_str());
+      return false;
+    }
+    ds->pages.push_back(std::move(p));
+  }
+  (void)o;
+  ds->description = kp::strprintf(
+      "synthetic Llama-3-8B-like KV (model/synthetic_kv.h, seed %" PRIu64
+      ", rope_theta 500000, %d outlier key pairs at %gx), layer 0 K,V = 2 pages of %" PRId64
+      " tokens x %d channels (8 KV heads x 128 head_dim)",
+      spec.seed, spec.key_outlier_pairs, static_cast<double>(spec.key_outlier_ratio), T, ds->H);
+  ds->info = {{"source", "model/synthetic_kv.h"},
+              {"seed", spec.seed},
+              {"rope_theta", 500000.0},
+              {"layer", 0},
+              {"n_kv_heads", 8},
+              {"head_dim", 128},
+              {"key_outlier_pairs", spec.key_outlier_pairs},
+              {"key_outlier_ratio", spec.key_outlier_ratio}};
+  return true;
+}
+
+/**
+ * A dataset's pages in one dtype, as a runtime would hold them: one pool of
+ * kBlockSize-token blocks (row stride = H, so a block is contiguous), blocks
+ * handed to pages in a fixed pseudo-random order.
+ */
+struct Pool {
+  int64_t T = 0;
+  int32_t H = 0;
+  kvxfer_dtype_t dtype = KVXFER_DTYPE_BF16;
+  size_t elem = 2;
+  size_t block_bytes = 0;
+  std::vector<uint8_t> storage;
+  std::vector<std::vector<void*>> blocks;  // per page
+  std::vector<kvxfer_page_layout_t> layouts;
+
+  Pool(size_t npages, int64_t T_, int32_t H_, kvxfer_dtype_t dt, uint64_t seed)
+      : T(T_), H(H_), dtype(dt), elem(kc::dtype_size(dt)) {
+    const int64_t nbp = (T + kBlockSize - 1) / kBlockSize;
+    block_bytes = static_cast<size_t>(kBlockSize) * H * elem;
+    const size_t total = npages * static_cast<size_t>(nbp);
+    storage.assign(total * block_bytes, 0);
+    std::vector<size_t> perm(total);
+    for (size_t i = 0; i < total; ++i) perm[i] = i;
+    uint64_t s = seed;
+    for (size_t i = total; i > 1; --i) {  // Fisher-Yates with splitmix64
+      uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      std::swap(perm[i - 1], perm[z % i]);
+    }
+    blocks.resize(npages);
+    layouts.resize(npages);
+    for (size_t p = 0; p < npages; ++p) {
+      for (int64_t b = 0; b < nbp; ++b)
+        blocks[p].push_back(storage.data() + perm[p * nbp + b] * block_bytes);
+      kvxfer_page_layout_t& l = layouts[p];
+      l.blocks = blocks[p].data();
+      l.num_blocks = nbp;
+      l.block_size = kBlockSize;
+      l.row_stride = H;
+      l.first_token = 0;
+      l.num_tokens = T;
+      l.num_channels = H;
+      l.dtype = dt;
+    }
+  }
+  size_t page_bytes() const { return static_cast<size_t>(T) * H * elem; }
+  uint8_t* row(size_t p, int64_t t) const {
+    return static_cast<uint8_t*>(blocks[p][t / kBlockSize]) + (t % kBlockSize) * H * elem;
+  }
+  void fill(size_t p, const std::vector<float>& v) {
+    for (int64_t t = 0; t < T; ++t)
+      for (int32_t c = 0; c < H; ++c) kc::store_elem(row(p, t), c, dtype, v[t * H + c]);
+  }
+  std::vector<uint8_t> gather(size_t p) const {
+    std::vector<uint8_t> out(page_bytes());
+    for (int64_t t = 0; t < T; ++t) std::memcpy(&out[t * H * elem], row(p, t), H * elem);
+    return out;
+  }
+  void poison() { std::memset(storage.data(), 0xA5, storage.size()); }
+};
+
+// ---------------------------------------------------------------------------
+// One codec / path measurement.
+// ---------------------------------------------------------------------------
+struct CodecCase {
+  std::string name;
+  std::string params;
+  kvxfer_codec_config_t cfg;
+};
+
+CodecCase make_case(kvxfer_codec_t codec, float alpha, int chunk, int anchor_bits) {
+  CodecCase c{codec_name(codec), "", KVXFER_CODEC_CONFIG_INITIALIZER};
+  c.cfg.codec = codec;
+  c.cfg.alpha = alpha;
+  c.cfg.chunk_tokens = chunk;
+  c.cfg.anchor_bits = codec == KVXFER_CODEC_INT4 ? 4 : anchor_bits;
+  switch (codec) {
+    case KVXFER_CODEC_LYNX:
+      c.params = alpha == KVXFER_ALPHA_AUTO
+                     ? kp::strprintf("auto/c%d/%d+%d", chunk, anchor_bits, 8 - anchor_bits)
+                     : kp::strprintf("a%g/c%d/%d+%d", static_cast<double>(alpha), chunk,
+                                     anchor_bits, 8 - anchor_bits);
+      break;
+    case KVXFER_CODEC_INT8:
+      c.params = kp::strprintf("c%d/%d+%d", chunk, anchor_bits, 8 - anchor_bits);
+      break;
+    case KVXFER_CODEC_INT4: c.params = kp::strprintf("c%d/4+0", chunk); break;
+    default: c.params = "-";
+  }
+  return c;
+}
+
+struct Path {
+  std::string name;
+  kc::Impl impl;
+  int threads;
+  bool reference;
+};
+
+struct Encodings {
+  std::vector<std::vector<uint8_t>> anc, res;
+  std::vector<size_t> al, rl;
+  size_t anchor_total() const {
+    size_t s = 0;
+    for (size_t x : al) s += x;
+    return s;
+  }
+  size_t residual_total() const {
+    size_t s = 0;
+    for (size_t x : rl) s += x;
+    return s;
+  }
+};
+
+struct Expected {
+  Encodings enc;
+  std::vector<std::vector<uint8_t>> full, anchor;  // decoded pages, page order
+};
+
+uint64_t count_wrong(const uint8_t* a, size_t na, const uint8_t* b, size_t nb) {
+  uint64_t w = na > nb ? na - nb : nb - na;
+  for (size_t i = 0, n = std::min(na, nb); i < n; ++i) w += a[i] != b[i];
+  return w;
+}
+
+struct RowResult {
+  kp::Stats enc, dec_full, dec_anchor;
+  int64_t wrong = -1;  // -1: not checked
+  size_t anchor_bytes = 0, residual_bytes = 0;
+};
+
+bool alloc_encodings(const kvxfer_codec_config_t& cfg, const Dataset& ds, Encodings* e) {
+  size_t amax = 0, rmax = 0;
+  kvxfer_result_t r = kc::max_sizes(&cfg, ds.T, ds.H, &amax, &rmax);
+  if (r < 0) return report_failure("max_sizes", r);
+  const size_t n = ds.pages.size();
+  e->anc.assign(n, std::vector<uint8_t>(amax));
+  e->res.assign(n, std::vector<uint8_t>(rmax));
+  e->al.assign(n, 0);
+  e->rl.assign(n, 0);
+  return true;
+}
+
+/** Times encode, full decode and anchor-only decode of every page on one path. */
+bool run_path(const Options& o, const Dataset& ds, const CodecCase& cc, const Path& path, Pool* src,
+              Pool* dst, Expected* expected, RowResult* out) {
+  Encodings e;
+  if (!alloc_encodings(cc.cfg, ds, &e)) return false;
+  const size_t np = ds.pages.size();
+  const std::string what = cc.name + " " + cc.params + " " + path.name;
+  auto encode_all = [&]() {
+    for (size_t p = 0; p < np; ++p) {
+      kvxfer_result_t r = kc::encode_page(
+          &cc.cfg, &ds.pages[p].id, &src->layouts[p], e.anc[p].data(), e.anc[p].size(), &e.al[p],
+          e.res[p].data(), e.res[p].size(), &e.rl[p], path.impl, path.threads);
+      if (r < 0) return report_failure("encode (" + what + ")", r);
+    }
+    return true;
+  };
+  auto decode_all = [&](bool full) {
+    for (size_t p = 0; p < np; ++p) {
+      kvxfer_result_t r = kc::decode_page(
+          e.anc[p].data(), e.al[p], full ? e.res[p].data() : nullptr, full ? e.rl[p] : 0,
+          &ds.pages[p].id, &dst->layouts[p], path.impl, path.threads);
+      if (r < 0)
+        return report_failure(std::string(full ? "full" : "anchor") + " decode (" + what + ")", r);
+    }
+    return true;
+  };
+  const int w = o.common.warmup, n = o.common.iters;
+  const bool check = o.common.check != 0;
+  if (!kp::time_loop(w, n, encode_all, &out->enc)) return false;
+  out->anchor_bytes = e.anchor_total();
+  out->residual_bytes = e.residual_total();
+
+  std::vector<std::vector<uint8_t>> full, anchor;
+  dst->poison();
+  if (!kp::time_loop(
+          w, n, [&] { return decode_all(true); }, &out->dec_full))
+    return false;
+  if (check)
+    for (size_t p = 0; p < np; ++p) full.push_back(dst->gather(p));
+  dst->poison();
+  if (!kp::time_loop(
+          w, n, [&] { return decode_all(false); }, &out->dec_anchor))
+    return false;
+  if (check)
+    for (size_t p = 0; p < np; ++p) anchor.push_back(dst->gather(p));
+
+  if (!check) return true;
+  if (path.reference) {
+    expected->enc = std::move(e);
+    expected->full = std::move(full);
+    expected->anchor = std::move(anchor);
+    return true;
+  }
+  uint64_t wrong = 0;
+  for (size_t p = 0; p < np; ++p) {
+    wrong +=
+        count_wrong(e.anc[p].data(), e.al[p], expected->enc.anc[p].data(), expected->enc.al[p]);
+    wrong +=
+        count_wrong(e.res[p].data(), e.rl[p], expected->enc.res[p].data(), expected->enc.rl[p]);
+    wrong += count_wrong(full[p].data(), full[p].size(), expected->full[p].data(),
+                         expected->full[p].size());
+    wrong += count_wrong(anchor[p].data(), anchor[p].size(), expected->anchor[p].data(),
+                         expected->anchor[p].size());
+  }
+  out->wrong = static_cast<int64_t>(wrong);
+  return true;
+}
+
+bool memcpy_baseline(const Options& o, Pool* src, Pool* dst, kp::Stats* out) {
+  const size_t np = src->layouts.size();
+  const int64_t nbp = src->layouts.empty() ? 0 : src->layouts[0].num_blocks;
+  return kp::time_loop(
+      o.common.warmup, o.common.iters,
+      [&] {
+        for (size_t p = 0; p < np; ++p)
+          for (int64_t b = 0; b < nbp; ++b) {
+            const int64_t rows = std::min<int64_t>(kBlockSize, src->T - b * kBlockSize);
+            std::memcpy(dst->blocks[p][b], src->blocks[p][b],
+                        static_cast<size_t>(rows) * src->H * src->elem);
+          }
+        return true;
+      },
+      out);
+}
+
+// ---------------------------------------------------------------------------
+// Bits per element.
+// ---------------------------------------------------------------------------
+struct BitsRow {
+  std::string codec, alpha, chunk, split;
+  double anchor = 0, residual = 0, total = 0, meta = 0;
+  int code_bits = 0;
+  size_t anchor_bytes = 0, residual_bytes = 0;
+  int meta_fp32_pages = 0;
+};
+
+/** Encodes every page with cfg; sums the section sizes. */
+bool measure_sizes(const kvxfer_codec_config_t& cfg, const Dataset& ds, const Pool& src,
+                   size_t* abytes, size_t* rbytes, int* meta_fp32) {
+  Encodings e;
+  if (!alloc_encodings(cfg, ds, &e)) return false;
+  *abytes = *rbytes = 0;
+  *meta_fp32 = 0;
+  for (size_t p = 0; p < ds.pages.size(); ++p) {
+    kvxfer_result_t r =
+        kc::encode_page(&cfg, &ds.pages[p].id, &src.layouts[p], e.anc[p].data(), e.anc[p].size(),
+                        &e.al[p], e.res[p].data(), e.res[p].size(), &e.rl[p], kc::Impl::AUTO, 0);
+    if (r < 0) return report_failure("encode (bits table)", r);
+    kvxfer_page_info_t info;
+    r = kc::inspect_section(e.anc[p].data(), e.al[p], &info);
+    if (r < 0) return report_failure("inspect (bits table)", r);
+    *meta_fp32 += info.meta_fp32;
+    *abytes += e.al[p];
+    *rbytes += e.rl[p];
+  }
+  return true;
+}
+
+bool bits_table(const Dataset& ds, const Pool& src, std::vector<BitsRow>* rows) {
+  const double elems = static_cast<double>(ds.T) * ds.H * static_cast<double>(ds.pages.size());
+  auto finish = [&](BitsRow r, size_t a, size_t res, int fp32) {
+    r.anchor_bytes = a;
+    r.residual_bytes = res;
+    r.meta_fp32_pages = fp32;
+    r.anchor = 8.0 * static_cast<double>(a) / elems;
+    r.residual = 8.0 * static_cast<double>(res) / elems;
+    r.total = r.anchor + r.residual;
+    r.meta = r.total - r.code_bits;
+    rows->push_back(r);
+  };
+  const int chunks[] = {16, 32, 64, 128};
+  const float alphas[] = {0.0f, 5.0f, 20.0f, 100.0f, 255.0f};
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8})
+    for (int C : chunks)
+      for (int A = 2; A <= 6; ++A) {
+        BitsRow base{codec_name(codec), "-", std::to_string(C), kp::strprintf("%d+%d", A, 8 - A)};
+        base.code_bits = 8;
+        if (codec == KVXFER_CODEC_INT8) {
+          size_t a, r;
+          int f;
+          if (!measure_sizes(make_case(codec, 0, C, A).cfg, ds, src, &a, &r, &f)) return false;
+          finish(base, a, r, f);
+          continue;
+        }
+        // Alpha changes codes, not sizes: one row "*" when all alphas agree.
+        std::vector<size_t> as, rs;
+        std::vector<int> fs;
+        for (float al : alphas) {
+          size_t a, r;
+          int f;
+          if (!measure_sizes(make_case(codec, al, C, A).cfg, ds, src, &a, &r, &f)) return false;
+          as.push_back(a);
+          rs.push_back(r);
+          fs.push_back(f);
+        }
+        bool same = true;
+        for (size_t i = 1; i < as.size(); ++i) same &= as[i] == as[0] && rs[i] == rs[0];
+        if (same) {
+          base.alpha = "*";
+          finish(base, as[0], rs[0], fs[0]);
+        } else {
+          for (size_t i = 0; i < as.size(); ++i) {
+            BitsRow b = base;
+            b.alpha = kp::strprintf("%g", static_cast<double>(alphas[i]));
+            finish(b, as[i], rs[i], fs[i]);
+          }
+        }
+      }
+  for (int C : chunks) {
+    BitsRow base{"int4", "-", std::to_string(C), "4+0"};
+    base.code_bits = 4;
+    size_t a, r;
+    int f;
+    if (!measure_sizes(make_case(KVXFER_CODEC_INT4, 0, C, 4).cfg, ds, src, &a, &r, &f))
+      return false;
+    finish(base, a, r, f);
+  }
+  {
+    BitsRow base{"bf16", "-", "-", "16+0"};
+    base.code_bits = 16;
+    size_t a, r;
+    int f;
+    if (!measure_sizes(make_case(KVXFER_CODEC_BF16, 0, 32, 4).cfg, ds, src, &a, &r, &f))
+      return false;
+    finish(base, a, r, f);
+  }
+  return true;
+}
+
+std::string fmt2(double v) { return kp::strprintf("%.2f", v); }
+std::string fmt4(double v) { return kp::strprintf("%.4f", v); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "codec_perf: CPU page codec throughput and bits per element "
+      "(columns defined in docs/PERFORMANCE.md)"};
+  kp::add_common_options(&app, &o.common);
+  app.add_option("-d,--dtype", o.dtypes,
+                 "source/destination dtypes: comma list of bf16,fp16,fp32, or all")
+      ->capture_default_str();
+  app.add_option("--codec", o.codecs,
+                 "codecs of the throughput table: comma list of lynx,lynx-auto,int8,int4,bf16, or all")
+      ->capture_default_str();
+  app.add_option("--dataset", o.datasets, "comma list of real,synth")->capture_default_str();
+  auto* tok_opt = app.add_option("--tokens", o.tokens, "tokens per synthetic page (--quick: 1024)")
+                      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+                      ->capture_default_str();
+  app.add_option("-t,--threads", o.threads,
+                 "threads of the multi-threaded row; 0 = KVXFER_CODEC_THREADS if set, else every "
+                 "usable CPU")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--bits", o.bits, "1: print the bits-per-element table, 0: skip it")
+      ->check(CLI::Range(0, 1))
+      ->capture_default_str();
+  app.add_option("--model", o.model_path, "llama2.c checkpoint of the real dataset")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  if (o.common.quick) {
+    if (app.count("-w") == 0) o.common.warmup = 1;
+    if (app.count("-n") == 0) o.common.iters = 3;
+    if (tok_opt->count() == 0) o.tokens = 1024;
+  }
+  std::vector<kvxfer_dtype_t> dtypes;
+  for (const std::string& d : split(o.dtypes == "all" ? "bf16,fp16,fp32" : o.dtypes)) {
+    if (d == "bf16")
+      dtypes.push_back(KVXFER_DTYPE_BF16);
+    else if (d == "fp16")
+      dtypes.push_back(KVXFER_DTYPE_FP16);
+    else if (d == "fp32")
+      dtypes.push_back(KVXFER_DTYPE_FP32);
+    else {
+      std::fprintf(stderr, "codec_perf: unknown dtype '%s' (bf16, fp16, fp32, all)\n", d.c_str());
+      return 2;
+    }
+  }
+  std::vector<CodecCase> cases;
+  const kvxfer_codec_config_t defaults = KVXFER_CODEC_CONFIG_INITIALIZER;
+  for (const std::string& c :
+       split(o.codecs == "all" ? "lynx,lynx-auto,int8,int4,bf16" : o.codecs)) {
+    if (c == "lynx")  // the library's default alpha (docs/FORMAT.md 2.6)
+      cases.push_back(make_case(KVXFER_CODEC_LYNX, defaults.alpha, 32, 4));
+    else if (c == "lynx-auto")  // per-page alpha calibration included in the encode time
+      cases.push_back(make_case(KVXFER_CODEC_LYNX, KVXFER_ALPHA_AUTO, 32, 4));
+    else if (c == "int8")
+      cases.push_back(make_case(KVXFER_CODEC_INT8, 0.0f, 32, 4));
+    else if (c == "int4")
+      cases.push_back(make_case(KVXFER_CODEC_INT4, 0.0f, 32, 4));
+    else if (c == "bf16")
+      cases.push_back(make_case(KVXFER_CODEC_BF16, 0.0f, 32, 4));
+    else {
+      std::fprintf(stderr, "codec_perf: unknown codec '%s' (lynx, lynx-auto, int8, int4, bf16, all)\n",
+                   c.c_str());
+      return 2;
+    }
+  }
+  std::vector<std::string> ds_names = split(o.datasets);
+  for (const std::string& d : ds_names)
+    if (d != "real" && d != "synth") {
+      std::fprintf(stderr, "codec_perf: unknown dataset '%s' (real, synth)\n", d.c_str());
+      return 2;
+    }
+  if (dtypes.empty() || ds_names.empty()) {
+    std::fprintf(stderr, "codec_perf: nothing to run\n");
+    return 2;
+  }
+
+  kvxfer_result_t vr = kvxfer::params::validate();
+  if (vr < 0) {
+    report_failure("KVXFER_* environment check", vr);
+    return 2;
+  }
+  const kp::MachineInfo mach = kp::machine_info();
+  const std::vector<kp::Setting> settings = kp::kvxfer_settings();
+  kp::print_preamble(stdout, "codec_perf", mach, settings);
+
+  // Paths: reference, scalar and avx2 on one thread, then the library's
+  // default path (KVXFER_CODEC_IMPL, auto = avx2 when present) on N threads.
+  // -t wins; else KVXFER_CODEC_THREADS when set (> 0); else every usable CPU.
+  const int mt = o.threads > 0 ? o.threads
+                 : kvxfer::params::CodecThreads() > 0
+                     ? static_cast<int>(kvxfer::params::CodecThreads())
+                     : std::max(1, mach.usable_cpus);
+  kc::Impl best;
+  if (kvxfer_result_t r = kc::resolve_impl(kc::Impl::AUTO, &best); r < 0) {
+    report_failure("resolve_impl", r);
+    return 2;
+  }
+  std::vector<Path> paths{{"reference", kc::Impl::REFERENCE, 1, true},
+                          {"scalar", kc::Impl::SCALAR, 1, false}};
+  if (kc::fast::cpu_has_avx2()) paths.push_back({"avx2", kc::Impl::AVX2, 1, false});
+  paths.push_back({impl_name(best), best, mt, false});
+
+  std::printf("# Options: -w %d -n %d -c %d -d %s --codec %s --dataset %s --tokens %" PRId64
+              " -t %d%s | time = median of -n iterations, steady_clock | block %d tokens\n",
+              o.common.warmup, o.common.iters, o.common.check, o.dtypes.c_str(), o.codecs.c_str(),
+              o.datasets.c_str(), o.tokens, mt, o.common.quick ? " --quick" : "", kBlockSize);
+  std::fflush(stdout);
+
+  std::vector<Dataset> datasets;
+  for (const std::string& name : ds_names) {
+    Dataset ds;
+    if (!(name == "real" ? make_real(o, &ds) : make_synth(o, o.tokens, &ds))) return 2;
+    std::printf("# Dataset %-5s: %s\n", ds.name.c_str(), ds.description.c_str());
+    datasets.push_back(std::move(ds));
+  }
+  std::printf("#\n");
+
+  // ---- Table 1: throughput ------------------------------------------------
+  kp::Table table({{"dataset", 7},
+                   {"codec", 5},
+                   {"params", 11},
+                   {"size(B)", 10},
+                   {"pages", 5},
+                   {"tokens", 6},
+                   {"H", 5},
+                   {"dtype", 5},
+                   {"path", 9},
+                   {"threads", 7},
+                   {"memcpy_GB/s", 7},
+                   {"enc_time(us)", 10},
+                   {"enc_GB/s", 7},
+                   {"enc/memcpy", 7},
+                   {"dec_full_GB/s", 7},
+                   {"dec_full/memcpy", 7},
+                   {"dec_anchor_GB/s", 7},
+                   {"dec_anchor/memcpy", 7},
+                   {"#wrong", 6}});
+  std::printf("%s\n", table.header().c_str());
+  std::fflush(stdout);
+
+  json jrows = json::array();
+  uint64_t total_wrong = 0;
+  double sum_enc = 0, sum_full = 0, sum_anchor = 0;
+  int nrows = 0;
+  bool ok = true;
+  std::map<std::string, std::unique_ptr<Pool>> bits_src;  // first dtype's pool per dataset
+
+  for (const Dataset& ds : datasets) {
+    for (kvxfer_dtype_t dt : dtypes) {
+      auto src = std::make_unique<Pool>(ds.pages.size(), ds.T, ds.H, dt, 0x5eed0001);
+      Pool dst(ds.pages.size(), ds.T, ds.H, dt, 0x5eed0002);
+      for (size_t p = 0; p < ds.pages.size(); ++p) src->fill(p, ds.pages[p].data);
+      const double bytes = static_cast<double>(src->page_bytes()) * ds.pages.size();
+      kp::Stats mc;
+      memcpy_baseline(o, src.get(), &dst, &mc);
+      const double mc_gbps = kp::gbps(bytes, mc.median_us);
+      for (const CodecCase& cc : cases) {
+        Expected expected;
+        for (const Path& path : paths) {
+          RowResult rr;
+          if (!run_path(o, ds, cc, path, src.get(), &dst, &expected, &rr)) {
+            ok = false;
+            break;
+          }
+          const double e = kp::gbps(bytes, rr.enc.median_us);
+          const double f = kp::gbps(bytes, rr.dec_full.median_us);
+          const double a = kp::gbps(bytes, rr.dec_anchor.median_us);
+          std::printf(
+              "%s\n",
+              table
+                  .row({ds.name, cc.name, cc.params, std::to_string(static_cast<uint64_t>(bytes)),
+                        std::to_string(ds.pages.size()), std::to_string(ds.T), std::to_string(ds.H),
+                        dtype_name(dt), path.name, std::to_string(path.threads), fmt2(mc_gbps),
+                        kp::strprintf("%.1f", rr.enc.median_us), fmt2(e), fmt4(e / mc_gbps),
+                        fmt2(f), fmt4(f / mc_gbps), fmt2(a), fmt4(a / mc_gbps),
+                        rr.wrong < 0 ? "N/A" : std::to_string(rr.wrong)})
+                  .c_str());
+          std::fflush(stdout);
+          if (rr.wrong > 0) total_wrong += static_cast<uint64_t>(rr.wrong);
+          sum_enc += e / mc_gbps;
+          sum_full += f / mc_gbps;
+          sum_anchor += a / mc_gbps;
+          ++nrows;
+          json params = {{"alpha", cc.cfg.alpha},
+                         {"chunk_tokens", cc.cfg.chunk_tokens},
+                         {"anchor_bits", cc.cfg.anchor_bits}};
+          jrows.push_back({{"dataset", ds.name},
+                           {"codec", cc.name},
+                           {"params", cc.params},
+                           {"config", params},
+                           {"dtype", dtype_name(dt)},
+                           {"path", path.name},
+                           {"threads", path.threads},
+                           {"bytes", static_cast<uint64_t>(bytes)},
+                           {"pages", ds.pages.size()},
+                           {"tokens", ds.T},
+                           {"channels", ds.H},
+                           {"anchor_bytes", rr.anchor_bytes},
+                           {"residual_bytes", rr.residual_bytes},
+                           {"memcpy", kp::to_json(mc)},
+                           {"memcpy_gbps", mc_gbps},
+                           {"encode", kp::to_json(rr.enc)},
+                           {"encode_gbps", e},
+                           {"encode_ratio", e / mc_gbps},
+                           {"decode_full", kp::to_json(rr.dec_full)},
+                           {"decode_full_gbps", f},
+                           {"decode_full_ratio", f / mc_gbps},
+                           {"decode_anchor", kp::to_json(rr.dec_anchor)},
+                           {"decode_anchor_gbps", a},
+                           {"decode_anchor_ratio", a / mc_gbps},
+                           {"wrong", rr.wrong < 0 ? json(nullptr) : json(rr.wrong)}});
+        }
+        if (!ok) break;
+      }
+      if (!ok) break;
+      if (bits_src.count(ds.name) == 0) bits_src[ds.name] = std::move(src);
+    }
+    if (!ok) break;
+  }
+
+  const double avg_enc = nrows ? sum_enc / nrows : 0, avg_full = nrows ? sum_full / nrows : 0,
+               avg_anchor = nrows ? sum_anchor / nrows : 0;
+  std::printf("# Wrong bytes : %" PRIu64 " %s\n", total_wrong,
+              o.common.check == 0 ? "(not checked)"
+              : total_wrong == 0  ? "OK"
+                                  : "FAILED");
+  std::printf("# Avg encode ratio to memcpy       : %.3f  (mean over %d rows)\n", avg_enc, nrows);
+  std::printf("# Avg full decode ratio to memcpy  : %.3f\n", avg_full);
+  std::printf("# Avg anchor decode ratio to memcpy: %.3f\n", avg_anchor);
+  std::printf("#\n");
+  std::fflush(stdout);
+
+  // ---- Table 2: bits per element ------------------------------------------
+  json jbits = json::array();
+  if (ok && o.bits) {
+    kp::Table bt({{"dataset", 7},
+                  {"tokens", 6},
+                  {"H", 5},
+                  {"dtype", 5},
+                  {"codec", 5},
+                  {"alpha", 5},
+                  {"chunk", 5},
+                  {"A+R", 4},
+                  {"anchor_b/e", 8},
+                  {"residual_b/e", 8},
+                  {"total_b/e", 8},
+                  {"meta_b/e", 8}});
+    std::printf(
+        "# Bits per element on the wire (section bytes * 8 / (pages * tokens * H); "
+        "alpha '*' = same sizes for alpha 0,5,20,100,255)\n");
+    std::printf("%s\n", bt.header().c_str());
+    for (const Dataset& ds : datasets) {
+      const Pool& src = *bits_src.at(ds.name);
+      std::vector<BitsRow> rows;
+      if (!bits_table(ds, src, &rows)) {
+        ok = false;
+        break;
+      }
+      for (const BitsRow& r : rows) {
+        std::printf("%s\n", bt.row({ds.name, std::to_string(ds.T), std::to_string(ds.H),
+                                    dtype_name(src.dtype), r.codec, r.alpha, r.chunk, r.split,
+                                    fmt4(r.anchor), fmt4(r.residual), fmt4(r.total), fmt4(r.meta)})
+                                .c_str());
+        jbits.push_back({{"dataset", ds.name},
+                         {"tokens", ds.T},
+                         {"channels", ds.H},
+                         {"pages", ds.pages.size()},
+                         {"dtype", dtype_name(src.dtype)},
+                         {"codec", r.codec},
+                         {"alpha", r.alpha},
+                         {"chunk", r.chunk},
+                         {"split", r.split},
+                         {"code_bits", r.code_bits},
+                         {"anchor_bytes", r.anchor_bytes},
+                         {"residual_bytes", r.residual_bytes},
+                         {"anchor_bits_per_elem", r.anchor},
+                         {"residual_bits_per_elem", r.residual},
+                         {"total_bits_per_elem", r.total},
+                         {"meta_bits_per_elem", r.meta},
+                         {"meta_fp32_pages", r.meta_fp32_pages}});
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  if (!o.common.json_path.empty()) {
+    json ds_json = json::array();
+    for (const Dataset& ds : datasets) {
+      json d = ds.info;
+      d["name"] = ds.name;
+      d["description"] = ds.description;
+      d["tokens"] = ds.T;
+      d["channels"] = ds.H;
+      d["pages"] = ds.pages.size();
+      ds_json.push_back(d);
+    }
+    json j = {{"tool", "codec_perf"},
+              {"kvxfer_version", KVXFER_VERSION_CODE},
+              {"machine", kp::to_json(mach)},
+              {"settings", kp::to_json(settings)},
+              {"options",
+               {{"warmup_iters", o.common.warmup},
+                {"iters", o.common.iters},
+                {"check", o.common.check},
+                {"dtype", o.dtypes},
+                {"codec", o.codecs},
+                {"dataset", o.datasets},
+                {"tokens", o.tokens},
+                {"threads", mt},
+                {"quick", o.common.quick},
+                {"block_size", kBlockSize},
+                {"time_statistic", "median"}}},
+              {"datasets", ds_json},
+              {"throughput", jrows},
+              {"bits", jbits},
+              {"summary",
+               {{"ok", ok && total_wrong == 0},
+                {"wrong_bytes", total_wrong},
+                {"avg_encode_ratio", avg_enc},
+                {"avg_decode_full_ratio", avg_full},
+                {"avg_decode_anchor_ratio", avg_anchor},
+                {"rows", nrows}}}};
+    std::string err;
+    if (!kp::write_json_file(o.common.json_path, j, &err)) {
+      std::fprintf(stderr, "codec_perf: %s\n", err.c_str());
+      return 2;
+    }
+    std::printf("# JSON written to %s\n", o.common.json_path.c_str());
+  }
+  if (!ok) return 2;
+  return total_wrong > 0 ? 1 : 0;
+}

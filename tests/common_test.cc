@@ -1,1 +1,455 @@
+// Tests of src/common: the KVXFER_* parameter parsers, the log subsystem
+// parser, the per-thread error text, the error strings, and (in child
+// processes, since parameters are read once per process) how malformed
+// environment variables fail API calls and what a log line looks like.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "kvxfer/kvxfer.h"
+
+namespace kvxfer {
+namespace {
+
+constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+
+// ---------------------------------------------------------------------------
+// params::parse_int
+// ---------------------------------------------------------------------------
+
+bool ParseInt(const char* text, int64_t lo, int64_t hi, int64_t* out, std::string* why = nullptr) {
+  std::string w;
+  bool ok = params::parse_int(text, lo, hi, out, &w);
+  if (why != nullptr) *why = w;
+  if (!ok) {
+    EXPECT_FALSE(w.empty()) << "no reason given for rejecting '" << text << "'";
+  }
+  return ok;
+}
+
+TEST(ParseInt, Decimal) {
+  int64_t v = -1;
+  ASSERT_TRUE(ParseInt("0", 0, 1024, &v));
+  EXPECT_EQ(v, 0);
+  ASSERT_TRUE(ParseInt("42", 0, 1024, &v));
+  EXPECT_EQ(v, 42);
+  ASSERT_TRUE(ParseInt("+17", 0, 1024, &v));
+  EXPECT_EQ(v, 17);
+  ASSERT_TRUE(ParseInt("-7", -10, 10, &v));
+  EXPECT_EQ(v, -7);
+}
+
+TEST(ParseInt, Hex) {
+  int64_t v = -1;
+  ASSERT_TRUE(ParseInt("0x10", 0, 1024, &v));
+  EXPECT_EQ(v, 16);
+  ASSERT_TRUE(ParseInt("0X1f", 0, 1024, &v));
+  EXPECT_EQ(v, 31);
+  ASSERT_TRUE(ParseInt("0x7fffffffffffffff", kMin, kMax, &v));
+  EXPECT_EQ(v, kMax);
+  EXPECT_FALSE(ParseInt("0x", 0, 1024, &v));  // no digits after the prefix
+  EXPECT_FALSE(ParseInt("0xg1", 0, 1024, &v));
+}
+
+TEST(ParseInt, BoundsAreInclusive) {
+  int64_t v = -1;
+  ASSERT_TRUE(ParseInt("0", 0, 1024, &v));
+  EXPECT_EQ(v, 0);
+  ASSERT_TRUE(ParseInt("1024", 0, 1024, &v));
+  EXPECT_EQ(v, 1024);
+
+  std::string why;
+  v = 99;
+  EXPECT_FALSE(ParseInt("1025", 0, 1024, &v, &why));
+  EXPECT_EQ(why, "is outside [0, 1024]");
+  EXPECT_EQ(v, 99) << "out must be untouched on failure";
+  EXPECT_FALSE(ParseInt("-1", 0, 1024, &v, &why));
+  EXPECT_EQ(why, "is outside [0, 1024]");
+  EXPECT_EQ(v, 99);
+  EXPECT_FALSE(ParseInt("0x401", 0, 1024, &v));
+
+  ASSERT_TRUE(ParseInt("-9223372036854775808", kMin, kMax, &v));
+  EXPECT_EQ(v, kMin);
+  ASSERT_TRUE(ParseInt("9223372036854775807", kMin, kMax, &v));
+  EXPECT_EQ(v, kMax);
+}
+
+TEST(ParseInt, Junk) {
+  for (const char* text : {"abc", "12abc", "1.5", "1e3", "5 ", "--5", "+", "-", "four", "0x10z"}) {
+    int64_t v = 99;
+    std::string why;
+    EXPECT_FALSE(ParseInt(text, kMin, kMax, &v, &why)) << "'" << text << "'";
+    EXPECT_EQ(why, "is not an integer") << "'" << text << "'";
+    EXPECT_EQ(v, 99) << "'" << text << "'";
+  }
+}
+
+TEST(ParseInt, Overflow) {
+  for (const char* text : {"9223372036854775808", "-9223372036854775809",
+                           "99999999999999999999999999", "0x10000000000000000"}) {
+    int64_t v = 99;
+    std::string why;
+    EXPECT_FALSE(ParseInt(text, kMin, kMax, &v, &why)) << text;
+    EXPECT_EQ(why, "is not an integer") << text;
+    EXPECT_EQ(v, 99) << text;
+  }
+}
+
+TEST(ParseInt, Empty) {
+  int64_t v = 99;
+  std::string why;
+  EXPECT_FALSE(ParseInt("", kMin, kMax, &v, &why));
+  EXPECT_EQ(why, "is not an integer");
+  EXPECT_EQ(v, 99);
+}
+
+// ---------------------------------------------------------------------------
+// params::parse_enum
+// ---------------------------------------------------------------------------
+
+constexpr const char* kImpls = "auto|avx2|scalar|reference";
+
+TEST(ParseEnum, ExactMatchEveryPosition) {
+  for (const char* c : {"auto", "avx2", "scalar", "reference"}) {
+    std::string out, why;
+    ASSERT_TRUE(params::parse_enum(c, kImpls, &out, &why)) << c;
+    EXPECT_EQ(out, c);
+  }
+}
+
+TEST(ParseEnum, CaseInsensitiveReturnsCanonicalSpelling) {
+  std::string out, why;
+  ASSERT_TRUE(params::parse_enum("AVX2", kImpls, &out, &why));
+  EXPECT_EQ(out, "avx2");
+  ASSERT_TRUE(params::parse_enum("ReFeReNcE", kImpls, &out, &why));
+  EXPECT_EQ(out, "reference");
+  ASSERT_TRUE(params::parse_enum("info", "NONE|VERSION|WARN|INFO|TRACE", &out, &why));
+  EXPECT_EQ(out, "INFO");
+}
+
+TEST(ParseEnum, Unknown) {
+  for (const char* text : {"sse", "", "av", "avx2 ", " avx2", "auto|avx2", "avx512"}) {
+    std::string out = "untouched", why;
+    EXPECT_FALSE(params::parse_enum(text, kImpls, &out, &why)) << "'" << text << "'";
+    EXPECT_EQ(why, "is not one of auto|avx2|scalar|reference") << "'" << text << "'";
+    EXPECT_EQ(out, "untouched") << "'" << text << "'";
+  }
+}
+
+// ---------------------------------------------------------------------------
+// parse_log_subsys
+// ---------------------------------------------------------------------------
+
+TEST(ParseLogSubsys, Lists) {
+  uint32_t m = 0;
+  std::string why;
+  ASSERT_TRUE(parse_log_subsys("INIT", &m, &why));
+  EXPECT_EQ(m, uint32_t{LOG_INIT});
+  ASSERT_TRUE(parse_log_subsys("CODEC,NET", &m, &why));
+  EXPECT_EQ(m, uint32_t{LOG_CODEC | LOG_NET});
+  ASSERT_TRUE(parse_log_subsys("env,Model,init", &m, &why));
+  EXPECT_EQ(m, uint32_t{LOG_ENV | LOG_MODEL | LOG_INIT});
+  ASSERT_TRUE(parse_log_subsys("NET,NET", &m, &why));
+  EXPECT_EQ(m, uint32_t{LOG_NET});
+  ASSERT_TRUE(parse_log_subsys("ALL", &m, &why));
+  EXPECT_EQ(m, ~0u);
+  ASSERT_TRUE(parse_log_subsys("CODEC,ALL", &m, &why));
+  EXPECT_EQ(m, ~0u);
+}
+
+TEST(ParseLogSubsys, CaretInverts) {
+  uint32_t m = 0;
+  std::string why;
+  ASSERT_TRUE(parse_log_subsys("^CODEC", &m, &why));
+  EXPECT_EQ(m, ~uint32_t{LOG_CODEC});
+  EXPECT_EQ(m & LOG_CODEC, 0u);
+  EXPECT_NE(m & LOG_NET, 0u);
+  ASSERT_TRUE(parse_log_subsys("^INIT,ENV", &m, &why));
+  EXPECT_EQ(m, ~uint32_t{LOG_INIT | LOG_ENV});
+  ASSERT_TRUE(parse_log_subsys("^ALL", &m, &why));
+  EXPECT_EQ(m, 0u);
+}
+
+TEST(ParseLogSubsys, UnknownNameIsAnError) {
+  struct Case {
+    const char* text;
+    const char* name;
+  };
+  for (const Case& c :
+       {Case{"FOO", "'FOO'"}, Case{"INIT,BOGUS", "'BOGUS'"}, Case{"^CODEC,NETT", "'NETT'"},
+        Case{"INIT,,NET", "''"}, Case{"INIT,", "''"}, Case{"", "''"}, Case{"CODEC^", "'CODEC^'"}}) {
+    uint32_t m = 0x1234;
+    std::string why;
+    EXPECT_FALSE(parse_log_subsys(c.text, &m, &why)) << "'" << c.text << "'";
+    EXPECT_NE(why.find("unknown subsystem"), std::string::npos) << why;
+    EXPECT_NE(why.find(c.name), std::string::npos) << why;
+    EXPECT_EQ(m, 0x1234u) << "mask must be untouched on failure";
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Per-thread error text
+// ---------------------------------------------------------------------------
+
+TEST(Error, SetLastClear) {
+  clear_error();
+  EXPECT_STREQ(last_error(), "");
+  EXPECT_EQ(set_error(KVXFER_ERR_CORRUPT, "bad %s at %d", "checksum", 7), KVXFER_ERR_CORRUPT);
+  EXPECT_STREQ(last_error(), "bad checksum at 7");
+  EXPECT_STREQ(kvxfer_get_last_error(), "bad checksum at 7");
+  EXPECT_EQ(set_error(KVXFER_ERR_TRUNCATED, "second"), KVXFER_ERR_TRUNCATED);
+  EXPECT_STREQ(last_error(), "second") << "the last error replaces the previous one";
+  clear_error();
+  EXPECT_STREQ(last_error(), "");
+  EXPECT_STREQ(kvxfer_get_last_error(), "");
+}
+
+TEST(Error, LongMessageIsTruncatedNotOverflowed) {
+  std::string big(5000, 'x');
+  set_error(KVXFER_ERR_INTERNAL, "%s", big.c_str());
+  const std::string got = last_error();
+  EXPECT_GT(got.size(), 100u);
+  EXPECT_LT(got.size(), big.size());
+  EXPECT_EQ(got, std::string(got.size(), 'x'));
+  clear_error();
+}
+
+TEST(Error, PerThread) {
+  clear_error();
+  set_error(KVXFER_ERR_MISMATCH, "main thread error");
+  std::string seen_first, seen_after;
+  std::thread t([&] {
+    seen_first = last_error();
+    set_error(KVXFER_ERR_SYSTEM, "worker thread error");
+    seen_after = kvxfer_get_last_error();
+  });
+  t.join();
+  EXPECT_EQ(seen_first, "") << "a new thread must not see another thread's error";
+  EXPECT_EQ(seen_after, "worker thread error");
+  EXPECT_STREQ(last_error(), "main thread error") << "the worker must not overwrite main's error";
+  clear_error();
+}
+
+TEST(Error, ApiCallsClearAndSetTheText) {
+  set_error(KVXFER_ERR_CORRUPT, "stale");
+  int version = 0;
+  ASSERT_EQ(kvxfer_get_version(&version), KVXFER_SUCCESS);
+  EXPECT_EQ(version, KVXFER_VERSION_CODE);
+  EXPECT_STREQ(kvxfer_get_last_error(), "") << "a successful call clears the error text";
+  EXPECT_EQ(kvxfer_get_version(nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::strstr(kvxfer_get_last_error(), "version is NULL"), nullptr)
+      << kvxfer_get_last_error();
+}
+
+TEST(Error, EveryCodeHasADistinctString) {
+  const std::string unknown = kvxfer_get_error_string(static_cast<kvxfer_result_t>(12345));
+  EXPECT_FALSE(unknown.empty());
+  std::set<std::string> seen;
+  int count = 0;
+  for (int r = KVXFER_RESULT_MIN; r <= KVXFER_IN_PROGRESS; ++r, ++count) {
+    const char* s = kvxfer_get_error_string(static_cast<kvxfer_result_t>(r));
+    ASSERT_NE(s, nullptr) << r;
+    EXPECT_GT(std::strlen(s), 0u) << r;
+    EXPECT_NE(unknown, s) << "code " << r << " has no string of its own";
+    EXPECT_TRUE(seen.insert(s).second) << "code " << r << " repeats '" << s << "'";
+  }
+  EXPECT_EQ(count, 1 - KVXFER_RESULT_MIN + 1);
+  EXPECT_STREQ(kvxfer_get_error_string(KVXFER_SUCCESS), "success");
+  for (int r : {KVXFER_RESULT_MIN - 1, KVXFER_IN_PROGRESS + 1, -1000, 1000}) {
+    const char* s = kvxfer_get_error_string(static_cast<kvxfer_result_t>(r));
+    ASSERT_NE(s, nullptr);
+    EXPECT_EQ(unknown, s) << r;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// params.def: every declared default is valid, and docs/PARAMETERS.md covers it
+// ---------------------------------------------------------------------------
+
+TEST(Params, DeclaredDefaultsAreValid) {
+  int n = 0;
+#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc)     \
+  {                                                       \
+    ++n;                                                  \
+    EXPECT_LE(int64_t{lo}, int64_t{def}) << env;          \
+    EXPECT_LE(int64_t{def}, int64_t{hi}) << env;          \
+    EXPECT_STRNE(doc, "") << env;                         \
+    EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env; \
+  }
+#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc)                           \
+  {                                                                               \
+    ++n;                                                                          \
+    std::string v, why;                                                           \
+    EXPECT_TRUE(params::parse_enum(def, choices, &v, &why)) << env << " " << why; \
+    EXPECT_EQ(v, def) << env << ": default must use the canonical spelling";      \
+    EXPECT_STRNE(doc, "") << env;                                                 \
+    EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env;                         \
+  }
+#define KVXFER_PARAM_STRING(Name, env, def, doc)          \
+  {                                                       \
+    ++n;                                                  \
+    EXPECT_STRNE(doc, "") << env;                         \
+    EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env; \
+  }
+#include "common/params.def"
+#undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_ENUM
+#undef KVXFER_PARAM_STRING
+  EXPECT_GT(n, 0);
+  uint32_t mask = 0;
+  std::string why;
+  EXPECT_TRUE(parse_log_subsys("ALL", &mask, &why)) << "KVXFER_DEBUG_SUBSYS default";
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string RepoRoot() {
+  std::string here = __FILE__;  // <repo>/tests/common_test.cc (CMake passes absolute paths)
+  return here.substr(0, here.rfind("/tests/"));
+}
+
+TEST(Params, DocumentedInParametersMd) {
+  const std::string path = RepoRoot() + "/docs/PARAMETERS.md";
+  const std::string doc = ReadFile(path);
+  ASSERT_FALSE(doc.empty()) << "cannot read " << path;
+  auto documented = [&](const char* env, const std::string& def) {
+    // Each variable has a section headed "### `KVXFER_X`" that states its
+    // default as "Default: `value`" (or "Default: (empty)").
+    const std::string head = std::string("### `") + env + "`";
+    size_t at = doc.find(head);
+    EXPECT_NE(at, std::string::npos) << env << " has no section in " << path;
+    if (at == std::string::npos) return;
+    size_t end = doc.find("\n### ", at + head.size());
+    const std::string section = doc.substr(at, end == std::string::npos ? end : end - at);
+    const std::string want = def.empty() ? "Default: (empty)" : "Default: `" + def + "`";
+    EXPECT_NE(section.find(want), std::string::npos) << env << ": its section must say " << want;
+  };
+#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) documented(env, std::to_string(def));
+#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc) documented(env, def);
+#define KVXFER_PARAM_STRING(Name, env, def, doc) documented(env, def);
+#include "common/params.def"
+#undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_ENUM
+#undef KVXFER_PARAM_STRING
+}
+
+// ---------------------------------------------------------------------------
+// The environment, in child processes: parameters are read once per process,
+// so each case sets its variables in a freshly started child ("threadsafe"
+// death tests re-execute the test binary) and reports through its exit code.
+// ---------------------------------------------------------------------------
+
+// In the child: sets `env`=`value`, makes an API call, and exits 0 when it
+// fails with KVXFER_ERR_INVALID_ARGUMENT naming the variable and its value.
+[[noreturn]] void ExpectMalformed(const char* env, const char* value) {
+  setenv(env, value, 1);
+  int version = 0;
+  kvxfer_result_t r = kvxfer_get_version(&version);
+  const std::string text = kvxfer_get_last_error();
+  std::fprintf(stderr, "result %d: %s\n", static_cast<int>(r), text.c_str());
+  const bool ok = r == KVXFER_ERR_INVALID_ARGUMENT &&
+                  text.find(std::string(env) + "='" + value + "'") != std::string::npos &&
+                  text.find("malformed environment") != std::string::npos;
+  // Every later call fails the same way.
+  kvxfer_result_t again = kvxfer_get_version(&version);
+  std::_Exit(ok && again == KVXFER_ERR_INVALID_ARGUMENT ? 0 : 1);
+}
+
+class Environment : public ::testing::Test {
+ protected:
+  void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
+};
+
+TEST_F(Environment, MalformedIntFailsEveryCall) {
+  EXPECT_EXIT(ExpectMalformed("KVXFER_CODEC_THREADS", "lots"), ::testing::ExitedWithCode(0),
+              "KVXFER_CODEC_THREADS='lots' is not an integer");
+  EXPECT_EXIT(ExpectMalformed("KVXFER_CODEC_THREADS", "2000"), ::testing::ExitedWithCode(0),
+              "KVXFER_CODEC_THREADS='2000' is outside \\[0, 1024\\]");
+}
+
+TEST_F(Environment, MalformedEnumFailsEveryCall) {
+  EXPECT_EXIT(ExpectMalformed("KVXFER_CODEC_IMPL", "sse9"), ::testing::ExitedWithCode(0),
+              "KVXFER_CODEC_IMPL='sse9' is not one of auto\\|avx2\\|scalar\\|reference");
+  EXPECT_EXIT(ExpectMalformed("KVXFER_DEBUG", "LOUD"), ::testing::ExitedWithCode(0),
+              "KVXFER_DEBUG='LOUD'");
+}
+
+TEST_F(Environment, MalformedSubsysFailsEveryCall) {
+  EXPECT_EXIT(ExpectMalformed("KVXFER_DEBUG_SUBSYS", "INIT,DISK"), ::testing::ExitedWithCode(0),
+              "KVXFER_DEBUG_SUBSYS='INIT,DISK' names an unknown subsystem 'DISK'");
+}
+
+TEST_F(Environment, WellFormedValuesAreAccepted) {
+  EXPECT_EXIT(
+      {
+        setenv("KVXFER_CODEC_THREADS", "0x2", 1);
+        setenv("KVXFER_CODEC_IMPL", "SCALAR", 1);
+        setenv("KVXFER_DEBUG", "none", 1);
+        setenv("KVXFER_DEBUG_SUBSYS", "^net,model", 1);
+        int version = 0;
+        kvxfer_result_t r = kvxfer_get_version(&version);
+        std::fprintf(stderr, "result %d: %s\n", static_cast<int>(r), kvxfer_get_last_error());
+        std::_Exit(r == KVXFER_SUCCESS && params::CodecThreads() == 2 &&
+                           params::CodecImpl() == "scalar" && params::Debug() == "NONE"
+                       ? 0
+                       : 1);
+      },
+      ::testing::ExitedWithCode(0), "result 0");
+}
+
+// The documented log line: host:pid:tid [kvxfer] SUBSYS LEVEL message, written
+// to KVXFER_DEBUG_FILE with %p expanded; an ENV line for each variable set.
+TEST_F(Environment, LogLineFormatAndDebugFile) {
+  const std::string dir = ::testing::TempDir();
+  EXPECT_EXIT(
+      {
+        const std::string pattern = dir + "kvxfer-common-test-%p.log";
+        const std::string path = dir + "kvxfer-common-test-" + std::to_string(getpid()) + ".log";
+        setenv("KVXFER_DEBUG", "INFO", 1);
+        setenv("KVXFER_DEBUG_SUBSYS", "ENV,CODEC", 1);
+        setenv("KVXFER_DEBUG_FILE", pattern.c_str(), 1);
+        setenv("KVXFER_CODEC_THREADS", "3", 1);
+        int version = 0;
+        kvxfer_result_t r = kvxfer_get_version(&version);
+        KVXFER_INFO(LOG_CODEC, "codec line %d", 42);
+        KVXFER_INFO(LOG_NET, "net line is filtered out");
+        KVXFER_WARN(LOG_MODEL, "model line is filtered out");
+        const std::string log = ReadFile(path);
+        std::remove(path.c_str());
+        std::fprintf(stderr, "result %d, log:\n%s", static_cast<int>(r), log.c_str());
+        const std::string pid = std::to_string(getpid());
+        const std::regex env_line("(^|\n)[^:\n]+:" + pid +
+                                  ":[0-9]+ \\[kvxfer\\] ENV INFO KVXFER_CODEC_THREADS set by "
+                                  "environment to 3\n");
+        const std::regex codec_line("(^|\n)[^:\n]+:" + pid +
+                                    ":[0-9]+ \\[kvxfer\\] CODEC INFO codec line 42\n");
+        const bool ok = r == KVXFER_SUCCESS && std::regex_search(log, env_line) &&
+                        std::regex_search(log, codec_line) &&
+                        log.find("filtered out") == std::string::npos;
+        std::_Exit(ok ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "result 0");
+}
+
+}  // namespace
+}  // namespace kvxfer

@@ -38,6 +38,10 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
     const auto dt = pages[p].dtype;
     const int64_t chunks = (T + C - 1) / C;
     const int64_t samples = std::min<int64_t>(chunks, kCalibrationChunksPerPage);
+    // The sample: every finite chunk-channel of up to 8 evenly spaced chunks,
+    // with the affine map the encoder would store for it.
+    std::vector<float> xs;
+    std::vector<Affine> as;
     std::vector<float> x(static_cast<size_t>(C));
     for (int64_t s = 0; s < samples; ++s) {
       const int64_t k = s * chunks / samples;  // evenly spaced, deterministic
@@ -56,17 +60,24 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
         canonical_minmax(&mn, &mx);
         Affine a{0.0f, 0.0f};
         if (!chunk_affine(mn, mx, false, &a)) chunk_affine(mn, mx, true, &a);
-        for (int i = 0; i < ncand; ++i) {
-          const Codebook& cb = *cbs[i];
-          for (int64_t j = 0; j < t1 - t0; ++j) {
-            const uint8_t code = cb.encode_lut(normalise(x[j], a));
-            const double ef = static_cast<double>(denormalise(cb.recon_full[code], a)) - x[j];
-            const double ea =
-                static_cast<double>(denormalise(cb.recon_anchor[code >> cb.residual_bits], a)) - x[j];
-            err[i].full += ef * ef;
-            err[i].anchor += ea * ea;
-          }
-        }
+        xs.insert(xs.end(), x.begin(), x.begin() + (t1 - t0));
+        as.insert(as.end(), static_cast<size_t>(t1 - t0), a);
+      }
+    }
+    // Each candidate: codes, this page's anchor table (as the encoder builds
+    // it, from the code histogram), then the squared errors.
+    std::vector<uint8_t> codes(xs.size());
+    for (int i = 0; i < ncand; ++i) {
+      const Codebook& cb = *cbs[i];
+      uint64_t hist[256] = {0};
+      for (size_t j = 0; j < xs.size(); ++j) ++hist[codes[j] = cb.encode_lut(normalise(xs[j], as[j]))];
+      float table[64];
+      anchor_table_from_histogram(cb, hist, table);
+      for (size_t j = 0; j < xs.size(); ++j) {
+        const double ef = static_cast<double>(denormalise(cb.recon_full[codes[j]], as[j])) - xs[j];
+        const double ea = static_cast<double>(denormalise(table[codes[j] >> cb.residual_bits], as[j])) - xs[j];
+        err[i].full += ef * ef;
+        err[i].anchor += ea * ea;
       }
     }
   }

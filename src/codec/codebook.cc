@@ -79,6 +79,8 @@ void build_tables(Codebook* cb) {
       hi = std::max(hi, h);
     }
     cb->recon_anchor[a] = static_cast<float>(0.5 * (lo + hi));
+    cb->anchor_lo[a] = static_cast<float>(lo);  // bin edges are floats already
+    cb->anchor_hi[a] = static_cast<float>(hi);
     if (0.5 * (hi - lo) > ahw) ahw = 0.5 * (hi - lo);
   }
   cb->max_half_width_anchor = ahw;
@@ -118,6 +120,8 @@ std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int a
   auto cb = std::make_unique<Codebook>();
   std::memset(cb->recon_full, 0, sizeof(cb->recon_full));
   std::memset(cb->recon_anchor, 0, sizeof(cb->recon_anchor));
+  std::memset(cb->anchor_lo, 0, sizeof(cb->anchor_lo));
+  std::memset(cb->anchor_hi, 0, sizeof(cb->anchor_hi));
   cb->codec = codec;
   cb->alpha = codec == KVXFER_CODEC_LYNX ? alpha : 0.0f;
   cb->code_bits = codec == KVXFER_CODEC_INT4 ? 4 : 8;
@@ -139,6 +143,26 @@ std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int a
 }
 
 }  // namespace
+
+void anchor_table_from_histogram(const Codebook& cb, const uint64_t* hist, float* table) {
+  const unsigned nanchors = 1u << cb.anchor_bits, run = 1u << cb.residual_bits;
+  for (unsigned a = 0; a < nanchors; ++a) {
+    double num = 0.0, den = 0.0;
+    for (unsigned c = a * run; c < (a + 1) * run; ++c) {
+      num = num + static_cast<double>(hist[c]) * cb.recon_full[c];
+      den = den + static_cast<double>(hist[c]);
+    }
+    float v = den > 0.0 ? static_cast<float>(num / den) : cb.recon_anchor[a];
+    v = std::min(std::max(v, cb.anchor_lo[a]), cb.anchor_hi[a]);
+    table[a] = v;
+  }
+}
+
+bool anchor_table_valid(const Codebook& cb, const float* table) {
+  for (unsigned a = 0; a < (1u << cb.anchor_bits); ++a)
+    if (!(table[a] >= cb.anchor_lo[a] && table[a] <= cb.anchor_hi[a])) return false;  // NaN fails
+  return true;
+}
 
 const Codebook* get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why) {
   switch (codec) {

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "codec/codec_math.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::codec {
@@ -41,6 +42,7 @@ struct Codebook {
   float recon_anchor[64];         // z value of each anchor (centre of its bins)
   double max_half_width_full;     // max over codes of half the bin width (z units)
   double max_half_width_anchor;   // same over anchors
+  float anchor_lo[64], anchor_hi[64];  // bin of each anchor in z (union of its codes' bins)
 
   // Fast-path lookup (codec/fast*.cc).  The domain (|z| in [0,1] for
   // sign-magnitude, z in [-1,1] for uniform) is cut into cells of width
@@ -57,14 +59,7 @@ struct Codebook {
 
   /** Same code as encode(z), by one cell lookup and one comparison (fast paths). */
   uint8_t encode_lut(float z) const {
-    const float n = static_cast<float>(1 << lut_log2);
-    if (sign_magnitude) {
-      const float a = std::fabs(z);
-      const int i = static_cast<int>(a * n);
-      return static_cast<uint8_t>((lut_base[i] + (a >= lut_next[i])) | (z < 0.0f ? 0x80 : 0));
-    }
-    const int i = static_cast<int>(std::floor(z * n)) + lut_origin;
-    return static_cast<uint8_t>(lut_base[i] + (z >= lut_next[i]));
+    return codec::encode_lut(lut_base.data(), lut_next.data(), lut_log2, lut_origin, sign_magnitude, z);
   }
 };
 
@@ -75,6 +70,29 @@ struct Codebook {
  * has no codebook).
  */
 const Codebook* get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why);
+
+/**
+ * True if pages of this codebook carry a per-page anchor table: the split
+ * codecs (LYNX, INT8 with R > 0).  INT4 (anchor only) keeps textbook
+ * bin-centre reconstruction.
+ */
+inline bool has_anchor_table(const Codebook& cb) { return cb.residual_bits > 0; }
+
+/**
+ * The per-page anchor reconstruction table (docs/FORMAT.md section 2.4): the
+ * value of anchor a is the mean of the full-precision values of the page's
+ * elements whose anchor is a,
+ *     table[a] = sum_{c : c >> R == a} hist[c] * recon_full[c] / sum hist[c],
+ * or the bin centre recon_anchor[a] when no element has anchor a.  `hist` is
+ * the page's histogram of full codes (integers: independent of the order in
+ * which threads or GPU blocks count them); the sums run in ascending code
+ * order in double, so every path computes the same float.  The result is
+ * clamped to the anchor's bin.
+ */
+void anchor_table_from_histogram(const Codebook& cb, const uint64_t* hist, float* table);
+
+/** True if every entry is finite and inside its anchor's bin (decoder check). */
+bool anchor_table_valid(const Codebook& cb, const float* table);
 
 /** Valid ranges, shared by config validation and header parsing. */
 constexpr float kMaxAlpha = 1000.0f;

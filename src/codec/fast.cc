@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <vector>
 
 namespace kvxfer::codec::fast {
@@ -96,12 +97,14 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
   const auto dt = static_cast<kvxfer_dtype_t>(h.src_dtype);
   const int64_t chunks = (T + C - 1) / C;
   std::atomic<bool> nonfinite{false}, need_fp32{false};
+  std::mutex hist_mu;
 
 #pragma omp parallel num_threads(thread_count(threads, chunks, T * H))
   {
     std::vector<float> mn(H), mx(H), m(H), d(H);
     std::vector<uint8_t> codes(H);
-#pragma omp for schedule(static)
+    uint64_t hist[256] = {0};
+#pragma omp for schedule(static) nowait
     for (int64_t k = 0; k < chunks; ++k) {
       if (nonfinite.load(std::memory_order_relaxed)) continue;
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
@@ -127,6 +130,7 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       BitWriter wr{job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8};
       for (int64_t t = t0; t < t1; ++t) {
         K.encode_row(job.src.row(t), dt, H, m.data(), d.data(), *job.cb, codes.data());
+        for (int32_t c = 0; c < H; ++c) ++hist[codes[c]];
         if (A == 4 && R == 4 && (H & 1) == 0) {
           uint8_t* pa = wa.out + (static_cast<uint64_t>(t - t0) * H) / 2;
           uint8_t* pr = wr.out + (static_cast<uint64_t>(t - t0) * H) / 2;
@@ -144,6 +148,9 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       wa.flush();
       if (R > 0) wr.flush();
     }
+    // Integer counts: the merged histogram does not depend on thread order.
+    std::lock_guard<std::mutex> lk(hist_mu);
+    for (int c = 0; c < 256; ++c) job.hist[c] += hist[c];
   }
   if (nonfinite) return EncodeStatus::NONFINITE;
   if (need_fp32) return EncodeStatus::NEED_FP32;
@@ -158,7 +165,7 @@ void decode(const DecodeJob& job, bool avx2, int threads) {
   const int C = h.chunk_tokens;
   const unsigned A = job.cb->anchor_bits, R = job.cb->residual_bits;
   const bool full = job.residuals != nullptr;
-  const float* table = full ? job.cb->recon_full : job.cb->recon_anchor;
+  const float* table = full ? job.cb->recon_full : job.anchor_table;
   const int64_t chunks = (T + C - 1) / C;
 
 #pragma omp parallel num_threads(thread_count(threads, chunks, T * H))

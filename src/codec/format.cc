@@ -56,6 +56,7 @@ PayloadSizes payload_sizes(const PageHeader& h) {
     s.meta_bytes = chunks * h.num_channels * 2 * ((h.flags & FLAG_META_FP32) ? 4 : 2);
     s.anchor_codes = ceil_div8(n * h.anchor_bits);
     s.residual_codes = ceil_div8(n * (h.code_bits - h.anchor_bits));
+    if (h.code_bits > h.anchor_bits) s.table_bytes = 4ull << h.anchor_bits;
   }
   return s;
 }

@@ -2,6 +2,7 @@
 //
 // A page becomes two sections, each = 80-byte header + payload:
 //   anchor   section: header | metadata [chunk][channel]{offset, half_range} | packed anchors
+//                      | anchor table (2^A float32; split codecs only)
 //   residual section: header | packed residuals
 // All integers little-endian.  Codes are packed LSB-first in a bit stream in
 // page order (token-major, e = t*H + h); with 4-bit fields that is two per
@@ -60,8 +61,10 @@ struct PageHeader {
 struct PayloadSizes {
   uint64_t meta_bytes = 0;      // anchor section: per-(chunk, channel) metadata
   uint64_t anchor_codes = 0;    // anchor section: packed anchors / raw / bf16 values
+  uint64_t table_bytes = 0;     // anchor section, last: per-page anchor table (2^A x f32)
   uint64_t residual_codes = 0;  // residual section
-  uint64_t anchor_payload() const { return meta_bytes + anchor_codes; }
+  uint64_t anchor_payload() const { return meta_bytes + anchor_codes + table_bytes; }
+  uint64_t table_offset() const { return meta_bytes + anchor_codes; }
 };
 
 /**

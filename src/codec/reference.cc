@@ -36,6 +36,7 @@ EncodeStatus encode(const EncodeJob& job) {
       // Lines 6-9: companding, 8-bit code, anchor/residual split.
       for (int64_t t = t0; t < t1; ++t) {
         const uint8_t code = job.cb->encode(normalise(load_elem(job.src.row(t), c, dt), a));
+        ++job.hist[code];
         const uint64_t e = static_cast<uint64_t>(t) * H + c;
         put_bits(job.anchors, e * A, A, code >> R);
         if (R > 0) put_bits(job.residuals, e * R, R, code & ((1u << R) - 1));
@@ -63,7 +64,7 @@ void decode(const DecodeJob& job) {
         const unsigned code = (anchor << R) | (R > 0 ? get_bits(job.residuals, e * R, R) : 0u);
         r = job.cb->recon_full[code];
       } else {
-        r = job.cb->recon_anchor[anchor];
+        r = job.anchor_table[anchor];
       }
       store_elem(row, c, dt, denormalise(r, a));
     }

@@ -1,0 +1,123 @@
+// Shared harness of the kvxfer perf binaries (perf/codec_perf, perf/kvxfer_perf).
+//
+// What it gives a benchmark, in the nccl-tests dialect:
+//   * the common flags (-w warmup iterations, -n timed iterations, -c check,
+//     -J JSON file, --quick) registered on a CLI11 app;
+//   * a timing loop over std::chrono::steady_clock that reports the median
+//     (and mean/min/max) of the timed iterations;
+//   * a fixed-width table: header lines start with '#', data rows with ' ',
+//     columns right-aligned and separated by two spaces, so the output reads
+//     like nccl-tests and parses with awk;
+//   * the preamble: one line for the machine (CPU model, CPUs, AVX2/F16C) and
+//     one for the KVXFER_* settings in effect;
+//   * a JSON writer (nlohmann_json).
+// Formulas are defined in docs/PERFORMANCE.md.  Nothing here asserts on time.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace kvxfer::perf {
+
+// ---------------------------------------------------------------------------
+// Flags shared by every perf binary.
+// ---------------------------------------------------------------------------
+struct CommonOptions {
+  int warmup = 1;         // -w: untimed iterations before timing
+  int iters = 5;          // -n: timed iterations; the median is reported
+  int check = 1;          // -c: 1 = verify results bit-exactly, 0 = skip
+  std::string json_path;  // -J: write every result to this file
+  bool quick = false;     // --quick: smaller problem, fewer iterations
+};
+
+/** Registers -w/--warmup_iters, -n/--iters, -c/--check, -J/--json, --quick. */
+void add_common_options(CLI::App* app, CommonOptions* opt);
+
+// ---------------------------------------------------------------------------
+// Timing.
+// ---------------------------------------------------------------------------
+struct Stats {
+  int iters = 0;
+  double median_us = 0, mean_us = 0, min_us = 0, max_us = 0;
+};
+
+/** Median (mean of the two middle values for an even count), mean, min, max. */
+Stats summarize(std::vector<double> samples_us);
+
+/**
+ * Runs `fn` `warmup` times untimed, then `iters` times, timing each call
+ * with std::chrono::steady_clock.  Stops at the first call that returns
+ * false and returns false (the caller reports why).  iters must be >= 1.
+ */
+bool time_loop(int warmup, int iters, const std::function<bool()>& fn, Stats* out);
+
+/** Throughput in GB/s (10^9 bytes per second) of `bytes` processed in `us`. */
+inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 : 0.0; }
+
+nlohmann::json to_json(const Stats& s);
+
+// ---------------------------------------------------------------------------
+// Fixed-width table.
+// ---------------------------------------------------------------------------
+class Table {
+ public:
+  struct Column {
+    std::string name;
+    int width = 0;  // minimum width; the name's length wins if larger
+  };
+  explicit Table(std::vector<Column> cols);
+
+  /** The header line: '#' then every column name right-aligned. */
+  std::string header() const;
+  /** A data row: ' ' then every cell right-aligned (cells.size() == columns). */
+  std::string row(const std::vector<std::string>& cells) const;
+  size_t columns() const { return cols_.size(); }
+
+ private:
+  std::vector<Column> cols_;
+};
+
+/** printf into a std::string. */
+std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// ---------------------------------------------------------------------------
+// Machine and settings.
+// ---------------------------------------------------------------------------
+struct MachineInfo {
+  std::string host;
+  std::string cpu_model;  // first "model name" of /proc/cpuinfo, "unknown" if absent
+  int logical_cpus = 0;   // std::thread::hardware_concurrency()
+  int usable_cpus = 0;    // CPUs in this process's affinity mask
+  bool avx2 = false;
+  bool f16c = false;
+};
+MachineInfo machine_info();
+
+/** One KVXFER_* parameter (common/params.def) with its effective value. */
+struct Setting {
+  std::string name;
+  std::string value;
+  bool from_env = false;  // set in the environment (else the default)
+};
+std::vector<Setting> kvxfer_settings();
+
+/**
+ * Prints the preamble:
+ *   # <tool>: kvxfer <version> on <host>
+ *   # CPU: <model> | <n> logical CPUs (<m> usable) | AVX2 yes/no, F16C yes/no
+ *   # Settings: KVXFER_X=v ... (* = set in the environment)
+ */
+void print_preamble(FILE* out, const char* tool, const MachineInfo& m,
+                    const std::vector<Setting>& settings);
+
+nlohmann::json to_json(const MachineInfo& m);
+nlohmann::json to_json(const std::vector<Setting>& s);
+
+/** Writes `j` (indented) to `path`; false and *error on failure. */
+bool write_json_file(const std::string& path, const nlohmann::json& j, std::string* error);
+
+}  // namespace kvxfer::perf
