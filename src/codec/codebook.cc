@@ -145,17 +145,10 @@ std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int a
 }  // namespace
 
 void anchor_table_from_histogram(const Codebook& cb, const uint64_t* hist, float* table) {
-  const unsigned nanchors = 1u << cb.anchor_bits, run = 1u << cb.residual_bits;
-  for (unsigned a = 0; a < nanchors; ++a) {
-    double num = 0.0, den = 0.0;
-    for (unsigned c = a * run; c < (a + 1) * run; ++c) {
-      num = num + static_cast<double>(hist[c]) * cb.recon_full[c];
-      den = den + static_cast<double>(hist[c]);
-    }
-    float v = den > 0.0 ? static_cast<float>(num / den) : cb.recon_anchor[a];
-    v = std::min(std::max(v, cb.anchor_lo[a]), cb.anchor_hi[a]);
-    table[a] = v;
-  }
+  // One definition of the arithmetic, shared with the CUDA kernels.
+  for (unsigned a = 0; a < (1u << cb.anchor_bits); ++a)
+    table[a] = anchor_table_entry(hist, cb.recon_full, cb.recon_anchor[a], cb.anchor_lo[a],
+                                  cb.anchor_hi[a], a, static_cast<unsigned>(cb.residual_bits));
 }
 
 bool anchor_table_valid(const Codebook& cb, const float* table) {

@@ -219,9 +219,11 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   } else {
     std::string why;
     const Codebook* cb = get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
-    EncodeJob job{cb, &h, lay, false, nullptr, nullptr, nullptr};
+    uint64_t hist[256];
+    EncodeJob job{cb, &h, lay, false, nullptr, nullptr, nullptr, hist};
     EncodeStatus st = EncodeStatus::NEED_FP32;
     for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
+      std::fill(hist, hist + 256, 0);
       // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
       job.meta_fp32 = attempt == 1;
       h.flags = job.meta_fp32 ? FLAG_META_FP32 : 0;
@@ -249,6 +251,12 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
       raw = true;
     } else if (st != EncodeStatus::OK) {
       return set_error(KVXFER_ERR_INTERNAL, "encoder failed with fp32 metadata");
+    } else if (has_anchor_table(*cb)) {
+      // Per-page anchor table, last in the anchor payload (docs/FORMAT.md 2.4).
+      float table[64];
+      anchor_table_from_histogram(*cb, hist, table);
+      uint8_t* out = anc + kHeaderBytes + payload_sizes(h).table_offset();
+      for (unsigned a = 0; a < (1u << cb->anchor_bits); ++a) put_f32_le(out + 4 * a, table[a]);
     }
   }
 
@@ -360,14 +368,25 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   }
   const PayloadSizes s = payload_sizes(ah);
   std::string why;
-  DecodeJob job{get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why),
+  const Codebook* cb = get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
+  if (cb == nullptr) return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
+  float table[64];
+  const float* anchor_table = cb->recon_anchor;
+  if (has_anchor_table(*cb)) {
+    for (unsigned a = 0; a < (1u << cb->anchor_bits); ++a)
+      table[a] = get_f32_le(payload + s.table_offset() + 4 * a);
+    if (!anchor_table_valid(*cb, table))
+      return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
+    anchor_table = table;
+  }
+  DecodeJob job{cb,
                 &ah,
                 lay,
                 fp32,
                 payload,
                 payload + s.meta_bytes,
-                residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr};
-  if (job.cb == nullptr) return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header");
+                residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr,
+                anchor_table};
   if (impl == Impl::REFERENCE)
     reference::decode(job);
   else

@@ -9,65 +9,16 @@
 #include <cstring>
 
 #include "codec/codebook.h"
+#include "codec/codec_math.h"
 #include "codec/format.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::codec {
 
-// ---------------------------------------------------------------------------
-// Exact dtype conversions (IEEE-754 binary16 / bfloat16 <-> binary32).
-// Widening is exact.  Narrowing rounds to nearest, ties to even, overflows to
-// infinity and keeps subnormals, exactly as the F16C instructions and CUDA's
-// __float2half_rn / __float2bfloat16_rn do.
-// ---------------------------------------------------------------------------
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-inline uint16_t f32_to_bf16(float f) {
-  const uint32_t u = f32_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  if (exp == 0x1F) return bits_f32(sign | 0x7F800000u | (man << 13));
-  if (exp != 0) return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
-  // subnormal: man * 2^-24, exact in float
-  const float v = static_cast<float>(man) * 5.9604644775390625e-8f;
-  return sign ? -v : v;
-}
-inline uint16_t f32_to_f16(float f) {
-  const uint32_t u = f32_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7E00u;           // NaN
-  if (a >= 0x477FF000u) return sign | 0x7C00u;          // rounds to >= 65520: inf
-  if (a >= 0x38800000u) {                               // normal half (>= 2^-14)
-    const uint32_t r = a - 0x38000000u;                 // rebias exponent 127 -> 15
-    return sign | static_cast<uint16_t>((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
-  }
-  if (a < 0x33000000u) return sign;                     // < 2^-25: rounds to 0
-  // subnormal half: value = a * 2^24 units of 2^-24, rounded to nearest even
-  const uint32_t e = a >> 23, m = (a & 0x7FFFFFu) | 0x800000u;
-  const uint32_t shift = 126 - e;                       // 14..24 (e in 102..112)
-  const uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-  return sign | static_cast<uint16_t>(q + (rem > half || (rem == half && (q & 1u))));
-}
-/** Smallest binary16 >= f, for finite f >= 0 (may be +inf). */
-inline uint16_t f32_to_f16_up(float f) {
-  uint16_t h = f32_to_f16(f);
-  if (f16_to_f32(h) < f) ++h;  // next binary16 up (0x7BFF + 1 = +inf)
-  return h;
-}
+// Exact dtype conversions (f32_bits, bits_f32, bf16_to_f32, f32_to_bf16,
+// f16_to_f32, f32_to_f16, f32_to_f16_up), Affine, canonical_minmax,
+// chunk_affine, normalise, denormalise and the LUT encode live in
+// codec/codec_math.h, shared with the CUDA kernels (kernels/).
 
 inline float load_elem(const uint8_t* row, int64_t i, kvxfer_dtype_t dt) {
   switch (dt) {
@@ -121,68 +72,21 @@ struct Layout {
 /** Validates a layout; `what` names it in the message ("source", "destination"). */
 kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out);
 
-// ---------------------------------------------------------------------------
-// Lynx Algorithm 1, normalisation (lines 2-5).  Per-channel normalisation
-// followed by per-chunk normalisation composes into one affine map per
-// (chunk, channel); we store that map directly (docs/FORMAT.md "Metadata"):
-//     m = (min + max) / 2,   d = max |x - m|,   z = (x - m) / d  in [-1, 1]
-// m is the centre that minimises max |x - m| (so d is as small as it can be).
-// With fp16 metadata, m is rounded to nearest and d is recomputed against the
-// rounded m and rounded up, so |z| <= 1 still holds for every x of the chunk.
-// ---------------------------------------------------------------------------
-struct Affine {
-  float m, d;
-};
-
-/** min/max with a canonical +0 for zeros (so -0/+0 order does not matter). */
-inline void canonical_minmax(float* mn, float* mx) {
-  *mn = *mn + 0.0f;
-  *mx = *mx + 0.0f;
-}
-
-/**
- * The affine map of one (chunk, channel) from its finite min and max.  With
- * fp32 == false the result is representable in binary16; returns false if it
- * is not (range beyond 65504), in which case the page must use fp32 metadata.
- */
-inline bool chunk_affine(float mn, float mx, bool fp32, Affine* a) {
-  float m = 0.5f * mn + 0.5f * mx;  // halves first: no overflow
-  if (!fp32) {
-    const uint16_t mh = f32_to_f16(m);
-    m = f16_to_f32(mh);
-    if (std::isinf(m)) return false;
-  }
-  float d = std::fmax(mx - m, m - mn) + 0.0f;
-  if (std::isinf(d)) return false;
-  if (!fp32) {
-    d = f16_to_f32(f32_to_f16_up(d));
-    if (std::isinf(d)) return false;
-  }
-  a->m = m;
-  a->d = d;
-  return true;
-}
-
-/** z = (x - m) / d; 0 for a zero range.  Division, not a reciprocal: exact rounding. */
-inline float normalise(float x, const Affine& a) { return a.d > 0.0f ? (x - a.m) / a.d : 0.0f; }
-
-/** x = m + d * r (two roundings, never fused). */
-inline float denormalise(float r, const Affine& a) {
-  const float t = a.d * r;
-  return a.m + t;
-}
-
 /**
  * The documented per-element error bound (docs/FORMAT.md, "Error bound"):
- *     |x - x_hat| <= d * (W/2 + 2^-21) + 2^-23 * |m| + rho(dtype) * |x_hat| + sigma(dtype)
- * W/2 is the largest half bin width of the codebook (full codes or anchors);
+ *     |x - x_hat| <= d * (w + 2^-21) + 2^-23 * |m| + rho(dtype) * |x_hat| + sigma(dtype)
+ * w is the largest half bin width W/2 of the full codes, or for anchor-only
+ * decoding the largest anchor bin width W (per-page table) or W/2 (INT4);
  * 2^-21 d + 2^-23 |m| covers the float roundings of normalise/denormalise;
  * rho, sigma cover rounding the output to the destination dtype (bf16 2^-8,
  * 1e-38; fp16 2^-11, 2^-25; fp32 0, 0).
  */
 inline double error_bound(const Codebook& cb, bool full, const Affine& a, kvxfer_dtype_t out,
                           double xhat) {
-  const double hw = full ? cb.max_half_width_full : cb.max_half_width_anchor;
+  // Anchor values from a per-page table lie anywhere inside their bin: the
+  // whole width W, not W/2, bounds them.
+  const double hw = full ? cb.max_half_width_full
+                         : (has_anchor_table(cb) ? 2.0 : 1.0) * cb.max_half_width_anchor;
   double b = a.d * (hw + std::ldexp(1.0, -21)) + std::ldexp(1.0, -23) * std::fabs(a.m);
   if (out == KVXFER_DTYPE_BF16) b += std::ldexp(1.0, -8) * std::fabs(xhat) + 1e-38;
   if (out == KVXFER_DTYPE_FP16) b += std::ldexp(1.0, -11) * std::fabs(xhat) + std::ldexp(1.0, -25);
@@ -215,6 +119,17 @@ inline Affine get_affine(const uint8_t* meta, int64_t idx, bool fp32) {
   return a;
 }
 
+/** Little-endian float32 (the anchor table's wire encoding). */
+inline void put_f32_le(uint8_t* p, float v) {
+  const uint32_t u = f32_bits(v);
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(u >> (8 * i));
+}
+inline float get_f32_le(const uint8_t* p) {
+  uint32_t u = 0;
+  for (int i = 0; i < 4; ++i) u |= static_cast<uint32_t>(p[i]) << (8 * i);
+  return bits_f32(u);
+}
+
 // ---------------------------------------------------------------------------
 // Bit stream: field e of width w occupies bits [e*w, (e+1)*w), LSB first.
 // ---------------------------------------------------------------------------
@@ -239,6 +154,7 @@ struct EncodeJob {
   uint8_t* meta;      // anchor payload start
   uint8_t* anchors;   // after metadata
   uint8_t* residuals; // residual payload start (may be unused)
+  uint64_t* hist;     // [256] zeroed; the encoder adds the count of every full code
 };
 
 enum class EncodeStatus { OK, NEED_FP32, NONFINITE };
@@ -251,6 +167,7 @@ struct DecodeJob {
   const uint8_t* meta;
   const uint8_t* anchors;
   const uint8_t* residuals;  // nullptr: anchor-only
+  const float* anchor_table; // anchor-only values: the page's table, or cb->recon_anchor
 };
 
 namespace reference {

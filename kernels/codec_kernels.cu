@@ -1,0 +1,581 @@
+// CUDA kernels of the page codec (docs/GPU.md).  They reproduce the bytes of
+// codec/reference.cc: the same element math (codec/codec_math.h, compiled for
+// the device), the same float tables (uploaded verbatim), the same bit layout
+// (docs/FORMAT.md section 4.2).
+//
+// Encode, two mappings:
+//  - fused (the usual case, H*A and H*R multiples of 8, e.g. any H % 8 == 0):
+//    one block per (chunk, 256 channels).  Pass 1: one thread per channel
+//    scans the chunk's rows for min/max (x < mn, x > mx, then canonical +0,
+//    as the reference), computes chunk_affine and writes the metadata entry.
+//    Pass 2: each thread takes an octet (8 consecutive channels of one row),
+//    computes 8 codes with the LUT and writes A anchor bytes and R residual
+//    bytes.  Because every row and every octet starts on a byte boundary of
+//    both bit streams, no two threads share a byte.
+//  - general (any H): kernel 1 is pass 1 over (chunk, channel); kernel 2 gives
+//    each thread 8 consecutive elements of the token-major stream (they may
+//    span rows and chunks), which are exactly A anchor bytes and R residual
+//    bytes; metadata comes back from the payload just written.
+// Both encoders count the page's full codes (shared-memory histogram per
+// block, merged with 64-bit atomics: integer sums, independent of order); one
+// more block then computes the per-page anchor table of the split codecs
+// (FORMAT.md 2.4) with codec::anchor_table_entry and writes it last in the
+// anchor payload.
+// Decode: one thread per 8 consecutive elements of the stream, likewise; the
+// anchor-only values of the split codecs come from the page's anchor table.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "codec/codebook.h"
+#include "codec_kernels.cuh"
+#include "common/error.h"
+
+namespace kvxfer::cuda {
+
+using detail::KCodebook;
+using detail::KLayout;
+
+namespace {
+
+constexpr int kGroup = 256;    // channels per block of the fused encoder (= threads)
+constexpr int kThreads = 256;  // threads per block of the other kernels
+constexpr int kMaxChunk = 128;
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+
+__global__ void k_reset_status(DeviceStatus* st) {
+  if (threadIdx.x == 0) {
+    st->flags = 0;
+    st->reserved = 0;
+    st->first_bad = ~0ull;
+  }
+  for (unsigned i = threadIdx.x; i < 256; i += blockDim.x) st->hist[i] = 0;
+}
+
+// Per-block histogram of full codes, merged into DeviceStatus::hist.  Integer
+// counts: the sum does not depend on the order of blocks or threads.
+__device__ __forceinline__ void hist_zero(unsigned int* sh) {
+  for (unsigned i = threadIdx.x; i < 256; i += blockDim.x) sh[i] = 0;
+}
+__device__ __forceinline__ void hist_flush(const unsigned int* sh, DeviceStatus* st) {
+  for (unsigned i = threadIdx.x; i < 256; i += blockDim.x)
+    if (sh[i] != 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(&st->hist[i]),
+                static_cast<unsigned long long>(sh[i]));
+}
+
+/**
+ * Pass 1 for one (chunk, channel): min/max, non-finite check, affine,
+ * metadata.  Returns false (and reports) if the entry is unusable.
+ */
+template <int DT>
+__device__ __forceinline__ bool chunk_channel_affine(const KLayout& L, const uint8_t* const* rows,
+                                                     int64_t t0, int nrows, int64_t k, int64_t c,
+                                                     bool fp32, uint8_t* meta, DeviceStatus* st,
+                                                     codec::Affine* out) {
+  float mn = detail::load_x<DT>(rows[0], c), mx = mn;
+  for (int r = 0; r < nrows; ++r) {
+    const float x = detail::load_x<DT>(rows[r], c);
+    if (codec::f32_nonfinite(x)) {
+      detail::report_nonfinite(st, t0 + r, c, L.H, x);
+      return false;
+    }
+    if (x < mn) mn = x;
+    if (x > mx) mx = x;
+  }
+  codec::canonical_minmax(&mn, &mx);
+  codec::Affine a{0.0f, 0.0f};
+  if (!codec::chunk_affine(mn, mx, fp32, &a)) {
+    atomicOr(reinterpret_cast<unsigned int*>(&st->flags), STATUS_NEED_FP32);
+    return false;
+  }
+  detail::put_meta(meta, k * L.H + c, fp32, a);
+  *out = a;
+  return true;
+}
+
+/** Fused encoder: block = (chunk blockIdx.x, channels [blockIdx.y*256, +256)). */
+template <int DT>
+__global__ void __launch_bounds__(kGroup)
+    k_encode_fused(KLayout L, KCodebook cb, int C, int fp32, uint8_t* __restrict__ meta,
+                   uint8_t* __restrict__ anchors, uint8_t* __restrict__ residuals,
+                   DeviceStatus* st) {
+  __shared__ const uint8_t* rows[kMaxChunk];
+  __shared__ float sm[kGroup], sd[kGroup];
+  __shared__ unsigned int hist[256];
+  __shared__ int skip;
+  const int64_t k = blockIdx.x;
+  const int64_t t0 = k * C;
+  const int nrows = static_cast<int>(detail::imin(C, L.T - t0));
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kGroup;
+  const int ng = static_cast<int>(detail::imin(kGroup, L.H - c0));
+  if (threadIdx.x == 0) skip = 0;
+  for (int r = threadIdx.x; r < nrows; r += blockDim.x) rows[r] = detail::row_ptr(L, t0 + r);
+  hist_zero(hist);
+  __syncthreads();
+
+  if (static_cast<int>(threadIdx.x) < ng) {
+    codec::Affine a{0.0f, 0.0f};
+    if (!chunk_channel_affine<DT>(L, rows, t0, nrows, k, c0 + threadIdx.x, fp32 != 0, meta, st, &a))
+      skip = 1;
+    sm[threadIdx.x] = a.m;
+    sd[threadIdx.x] = a.d;
+  }
+  __syncthreads();
+  if (skip) return;  // the host re-encodes (fp32 metadata) or reports the error
+
+  const int A = cb.A, R = cb.R;
+  const unsigned rmask = (1u << R) - 1u;
+  const int noct = (ng + 7) / 8;
+  const int items = nrows * noct;
+  for (int i = threadIdx.x; i < items; i += blockDim.x) {
+    const int r = i / noct, o = i - r * noct;
+    const int cl = o * 8;
+    const int n = ng - cl < 8 ? ng - cl : 8;
+    const int64_t c = c0 + cl;
+    const uint8_t* row = rows[r];
+    float x[8];
+    if (n == 8) {
+      detail::load_x8<DT>(row, c, x);
+    } else {
+      for (int j = 0; j < n; ++j) x[j] = detail::load_x<DT>(row, c + j);
+    }
+    uint64_t acc_a = 0, acc_r = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (j < n) {
+        const uint8_t code = detail::code_of(cb, x[j], codec::Affine{sm[cl + j], sd[cl + j]});
+        atomicAdd(&hist[code], 1u);
+        acc_a |= static_cast<uint64_t>(code >> R) << (j * A);
+        acc_r |= static_cast<uint64_t>(code & rmask) << (j * R);
+      }
+    }
+    // Element e = t*H + c starts on a byte boundary of both streams (H*A, H*R
+    // and c*A, c*R are multiples of 8), and n*A, n*R are whole bytes too.
+    const uint64_t e = static_cast<uint64_t>(t0 + r) * static_cast<uint64_t>(L.H) + c;
+    detail::store_bytes(anchors + e * A / 8, acc_a, n * A / 8);
+    if (R > 0) detail::store_bytes(residuals + e * R / 8, acc_r, n * R / 8);
+  }
+  __syncthreads();
+  hist_flush(hist, st);
+}
+
+/** General encoder, kernel 1: metadata of (chunk blockIdx.x, channel). */
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+    k_encode_meta(KLayout L, int C, int fp32, uint8_t* __restrict__ meta, DeviceStatus* st) {
+  __shared__ const uint8_t* rows[kMaxChunk];
+  const int64_t k = blockIdx.x;
+  const int64_t t0 = k * C;
+  const int nrows = static_cast<int>(detail::imin(C, L.T - t0));
+  for (int r = threadIdx.x; r < nrows; r += blockDim.x) rows[r] = detail::row_ptr(L, t0 + r);
+  __syncthreads();
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (c >= L.H) return;
+  codec::Affine a;
+  chunk_channel_affine<DT>(L, rows, t0, nrows, k, c, fp32 != 0, meta, st, &a);
+}
+
+/** General encoder, kernel 2: thread j encodes elements [8j, 8j+8) of the stream. */
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+    k_encode_codes(KLayout L, KCodebook cb, int C, int fp32, const uint8_t* __restrict__ meta,
+                   uint8_t* __restrict__ anchors, uint8_t* __restrict__ residuals,
+                   DeviceStatus* st) {
+  // Metadata may be missing (non-finite input, fp16 overflow): then the host
+  // discards this attempt, and garbage metadata must not index the LUT.  The
+  // flags were set by the previous kernel: the same value for every thread.
+  if (*reinterpret_cast<const volatile uint32_t*>(&st->flags) &
+      (STATUS_NEED_FP32 | STATUS_NONFINITE))
+    return;
+  __shared__ unsigned int hist[256];
+  hist_zero(hist);
+  __syncthreads();
+  const int A = cb.A, R = cb.R;
+  const unsigned rmask = (1u << R) - 1u;
+  const uint64_t total = static_cast<uint64_t>(L.T) * static_cast<uint64_t>(L.H);
+  const uint64_t octets = (total + 7) / 8;
+  for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < octets;
+       j += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t e0 = j * 8;
+    const int n = static_cast<int>(detail::umin(8, total - e0));
+    int64_t t = static_cast<int64_t>(e0 / L.H);
+    int64_t c = static_cast<int64_t>(e0 - static_cast<uint64_t>(t) * L.H);
+    const uint8_t* row = detail::row_ptr(L, t);
+    uint64_t acc_a = 0, acc_r = 0;
+    for (int i = 0; i < n; ++i) {
+      const codec::Affine a = detail::get_meta(meta, (t / C) * L.H + c, fp32 != 0);
+      const uint8_t code = detail::code_of(cb, detail::load_x<DT>(row, c), a);
+      atomicAdd(&hist[code], 1u);
+      acc_a |= static_cast<uint64_t>(code >> R) << (i * A);
+      acc_r |= static_cast<uint64_t>(code & rmask) << (i * R);
+      if (++c == L.H && i + 1 < n) {
+        c = 0;
+        row = detail::row_ptr(L, ++t);
+      }
+    }
+    detail::store_bytes(anchors + j * A, acc_a, (n * A + 7) / 8);
+    if (R > 0) detail::store_bytes(residuals + j * R, acc_r, (n * R + 7) / 8);
+  }
+  __syncthreads();
+  hist_flush(hist, st);
+}
+
+/**
+ * The per-page anchor table (split codecs), last in the anchor payload:
+ * entry a by codec::anchor_table_entry from the merged histogram, written as
+ * little-endian float32 (any alignment).  One block of 64 threads.
+ */
+__global__ void k_anchor_table(KCodebook cb, uint8_t* __restrict__ out, const DeviceStatus* st) {
+  if (*reinterpret_cast<const volatile uint32_t*>(&st->flags) &
+      (STATUS_NEED_FP32 | STATUS_NONFINITE))
+    return;
+  const unsigned a = threadIdx.x;
+  if (a >= (1u << cb.A)) return;
+  const float v = codec::anchor_table_entry(st->hist, cb.recon_full, cb.recon_anchor[a],
+                                            cb.anchor_lo[a], cb.anchor_hi[a], a, cb.R);
+  detail::store_bytes(out + 4 * a, codec::f32_bits(v), 4);
+}
+
+/** Finds non-finite elements (BF16 codec): grid-stride over rows, channels across threads. */
+template <int DT>
+__global__ void __launch_bounds__(kThreads) k_scan_nonfinite(KLayout L, DeviceStatus* st) {
+  for (int64_t t = blockIdx.x; t < L.T; t += gridDim.x) {
+    const uint8_t* row = detail::row_ptr(L, t);
+    for (int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; c < L.H;
+         c += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+      const float x = detail::load_x<DT>(row, c);
+      if (codec::f32_nonfinite(x)) detail::report_nonfinite(st, t, c, L.H, x);
+    }
+  }
+}
+
+/** Page -> T*H contiguous values: bit copy (ODT == DT) or round to ODT. */
+template <int DT, int ODT>
+__global__ void __launch_bounds__(kThreads) k_pack_values(KLayout L, uint8_t* __restrict__ out) {
+  for (int64_t t = blockIdx.x; t < L.T; t += gridDim.x) {
+    const uint8_t* row = detail::row_ptr(L, t);
+    uint8_t* orow = out + static_cast<uint64_t>(t) * L.H * (ODT == KVXFER_DTYPE_FP32 ? 4 : 2);
+    for (int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; c < L.H;
+         c += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+      if constexpr (DT == ODT) {
+        if constexpr (DT == KVXFER_DTYPE_FP32)
+          reinterpret_cast<uint32_t*>(orow)[c] = reinterpret_cast<const uint32_t*>(row)[c];
+        else
+          reinterpret_cast<uint16_t*>(orow)[c] = reinterpret_cast<const uint16_t*>(row)[c];
+      } else {
+        detail::store_x<ODT>(orow, c, detail::load_x<DT>(row, c));
+      }
+    }
+  }
+}
+
+/** T*H contiguous values of SDT -> page of DT (bit copy when equal). */
+template <int SDT, int DT>
+__global__ void __launch_bounds__(kThreads)
+    k_unpack_values(const uint8_t* __restrict__ in, KLayout L) {
+  for (int64_t t = blockIdx.x; t < L.T; t += gridDim.x) {
+    uint8_t* row = detail::row_ptr(L, t);
+    const uint8_t* irow = in + static_cast<uint64_t>(t) * L.H * (SDT == KVXFER_DTYPE_FP32 ? 4 : 2);
+    for (int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; c < L.H;
+         c += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+      if constexpr (SDT == DT) {
+        if constexpr (DT == KVXFER_DTYPE_FP32)
+          reinterpret_cast<uint32_t*>(row)[c] = reinterpret_cast<const uint32_t*>(irow)[c];
+        else
+          reinterpret_cast<uint16_t*>(row)[c] = reinterpret_cast<const uint16_t*>(irow)[c];
+      } else {
+        detail::store_x<DT>(row, c, detail::load_x<SDT>(irow, c));
+      }
+    }
+  }
+}
+
+/** Decode, step 1: every metadata entry finite with d >= 0, else STATUS_BAD_META. */
+__global__ void __launch_bounds__(kThreads)
+    k_check_meta(const uint8_t* __restrict__ meta, uint64_t entries, int fp32, KCodebook cb,
+                 const uint8_t* __restrict__ table, DeviceStatus* st) {
+  bool bad = false;
+  // The anchor table (split codecs): every entry finite and inside its
+  // anchor's bin, as codec::anchor_table_valid.
+  if (table != nullptr && blockIdx.x == 0 && threadIdx.x < (1u << cb.A)) {
+    const unsigned a = threadIdx.x;
+    const float v = codec::bits_f32(static_cast<uint32_t>(detail::load_bytes(table + 4 * a, 4)));
+    if (!(v >= cb.anchor_lo[a] && v <= cb.anchor_hi[a])) bad = true;  // NaN fails
+  }
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < entries;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const codec::Affine a = detail::get_meta(meta, static_cast<int64_t>(i), fp32 != 0);
+    if (codec::f32_nonfinite(a.m) || codec::f32_nonfinite(a.d) || !(a.d >= 0.0f)) bad = true;
+  }
+  if (bad) atomicOr(reinterpret_cast<unsigned int*>(&st->flags), STATUS_BAD_META);
+}
+
+/** Decode, step 2: thread j decodes elements [8j, 8j+8) (anchor-only when residuals == NULL). */
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+    k_decode(KLayout L, KCodebook cb, int C, int fp32, const uint8_t* __restrict__ meta,
+             const uint8_t* __restrict__ anchors, const uint8_t* __restrict__ residuals,
+             const uint8_t* __restrict__ anchor_table, const DeviceStatus* st) {
+  // Values by index: recon_full (full), the page's anchor table (anchor-only,
+  // split codecs) or recon_anchor (anchor-only, INT4).
+  __shared__ float table[256];
+  const bool full = residuals != nullptr;
+  const int A = cb.A, R = cb.R;
+  const int nt = full ? (1 << (A + R)) : (1 << A);
+  for (int i = threadIdx.x; i < nt; i += blockDim.x)
+    table[i] =
+        full ? cb.recon_full[i]
+        : anchor_table != nullptr
+            ? codec::bits_f32(static_cast<uint32_t>(detail::load_bytes(anchor_table + 4 * i, 4)))
+            : cb.recon_anchor[i];
+  __syncthreads();
+  // Hostile metadata: nothing is written (as the CPU decoder validates first).
+  if (*reinterpret_cast<const volatile uint32_t*>(&st->flags) & STATUS_BAD_META) return;
+  const unsigned amask = (1u << A) - 1u, rmask = (1u << R) - 1u;
+  const uint64_t total = static_cast<uint64_t>(L.T) * static_cast<uint64_t>(L.H);
+  const uint64_t octets = (total + 7) / 8;
+  for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < octets;
+       j += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t e0 = j * 8;
+    const int n = static_cast<int>(detail::umin(8, total - e0));
+    const uint64_t acc_a = detail::load_bytes(anchors + j * A, (n * A + 7) / 8);
+    const uint64_t acc_r =
+        full && R > 0 ? detail::load_bytes(residuals + j * R, (n * R + 7) / 8) : 0;
+    int64_t t = static_cast<int64_t>(e0 / L.H);
+    int64_t c = static_cast<int64_t>(e0 - static_cast<uint64_t>(t) * L.H);
+    uint8_t* row = detail::row_ptr(L, t);
+    for (int i = 0; i < n; ++i) {
+      const codec::Affine a = detail::get_meta(meta, (t / C) * L.H + c, fp32 != 0);
+      const unsigned an = static_cast<unsigned>(acc_a >> (i * A)) & amask;
+      const unsigned idx =
+          full ? (an << R) | (static_cast<unsigned>(acc_r >> (i * R)) & rmask) : an;
+      detail::store_x<DT>(row, c, codec::denormalise(table[idx], a));
+      if (++c == L.H && i + 1 < n) {
+        c = 0;
+        row = detail::row_ptr(L, ++t);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Launch helpers
+// ---------------------------------------------------------------------------
+
+KLayout klayout(const kvxfer_page_layout_t* l) {
+  KLayout k;
+  k.blocks = l->blocks;
+  k.block_size = l->block_size;
+  k.row_stride_bytes = l->row_stride * static_cast<int64_t>(codec::dtype_size(l->dtype));
+  k.first_token = l->first_token;
+  k.T = l->num_tokens;
+  k.H = l->num_channels;
+  return k;
+}
+
+KCodebook kcodebook(const DeviceCodebook& d) {
+  return KCodebook{d.lut_base,       d.lut_next,    d.recon_full,   d.recon_anchor,
+                   d.anchor_lo,      d.anchor_hi,   d.lut_log2,     d.lut_origin,
+                   d.sign_magnitude, d.anchor_bits, d.residual_bits};
+}
+
+kvxfer_result_t launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return set_error(KVXFER_ERR_SYSTEM, "CUDA launch of %s failed: %s", what,
+                     cudaGetErrorString(e));
+  return KVXFER_SUCCESS;
+}
+
+// Grid for grid-stride loops over `work` items of kThreads threads.
+unsigned grid_for(uint64_t work) {
+  const uint64_t blocks = (work + kThreads - 1) / kThreads;
+  // At most 2^24 blocks: a block then handles at most 2^28 elements of a
+  // 2^52-element page, so its 32-bit shared histogram cannot overflow.
+  return static_cast<unsigned>(std::max<uint64_t>(1, std::min<uint64_t>(blocks, 1u << 24)));
+}
+
+// Grid of the row kernels: x over rows (grid-stride), y over channel tiles.
+dim3 row_grid(int64_t T, int32_t H) {
+  const unsigned y = static_cast<unsigned>(std::min<int64_t>((H + kThreads - 1) / kThreads, 65535));
+  const unsigned x = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(T, 1 << 20)));
+  return dim3(x, y);
+}
+
+template <typename F>
+kvxfer_result_t by_dtype(kvxfer_dtype_t dt, F&& f) {
+  switch (dt) {
+    case KVXFER_DTYPE_BF16: return f(std::integral_constant<int, KVXFER_DTYPE_BF16>{});
+    case KVXFER_DTYPE_FP16: return f(std::integral_constant<int, KVXFER_DTYPE_FP16>{});
+    case KVXFER_DTYPE_FP32: return f(std::integral_constant<int, KVXFER_DTYPE_FP32>{});
+  }
+  return set_error(KVXFER_ERR_INVALID_ARGUMENT, "bad dtype %d", static_cast<int>(dt));
+}
+
+bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+
+}  // namespace
+
+kvxfer_result_t launch_reset_status(DeviceStatus* status, cudaStream_t stream) {
+  KVXFER_REQUIRE(status != nullptr && aligned8(status), "device status is NULL or misaligned");
+  KVXFER_LAUNCH(1, 256, stream, k_reset_status)(status);
+  return launched("reset_status");
+}
+
+kvxfer_result_t read_status(const DeviceStatus* status, DeviceStatus* out, cudaStream_t stream) {
+  cudaError_t e =
+      cudaMemcpyAsync(out, status, sizeof(DeviceStatus), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess)
+    return set_error(KVXFER_ERR_SYSTEM, "reading the device status failed: %s",
+                     cudaGetErrorString(e));
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t launch_encode(const DeviceCodebook& cb, const kvxfer_page_layout_t* src,
+                              int chunk_tokens, bool meta_fp32, uint8_t* anchor_payload,
+                              uint8_t* residual_payload, DeviceStatus* status,
+                              cudaStream_t stream) {
+  KVXFER_CHECK(validate_device_layout(src, "source"));
+  KVXFER_REQUIRE(codec::valid_chunk_tokens(chunk_tokens), "chunk_tokens %d", chunk_tokens);
+  KVXFER_REQUIRE(cb.lut_base != nullptr, "device codebook not uploaded");
+  KVXFER_REQUIRE(anchor_payload != nullptr && aligned8(anchor_payload),
+                 "anchor payload is NULL or not 8-byte aligned");
+  KVXFER_REQUIRE(cb.residual_bits == 0 || (residual_payload != nullptr),
+                 "residual payload is NULL");
+  KVXFER_REQUIRE(status != nullptr && aligned8(status), "device status is NULL or misaligned");
+  const int64_t T = src->num_tokens;
+  const int32_t H = src->num_channels;
+  const int64_t chunks = (T + chunk_tokens - 1) / chunk_tokens;
+  KVXFER_REQUIRE(chunks <= 0x7FFFFFFF, "too many chunks");
+  const int A = cb.anchor_bits, R = cb.residual_bits;
+  const uint64_t meta_bytes = static_cast<uint64_t>(chunks) * H * (meta_fp32 ? 8 : 4);
+  const uint64_t anchor_codes = (static_cast<uint64_t>(T) * H * A + 7) / 8;
+  uint8_t* meta = anchor_payload;
+  uint8_t* anchors = anchor_payload + meta_bytes;
+  const KLayout L = klayout(src);
+  const KCodebook K = kcodebook(cb);
+  if (T > 0) {
+    const bool fused =
+        (static_cast<int64_t>(H) * A) % 8 == 0 && (static_cast<int64_t>(H) * R) % 8 == 0;
+    KVXFER_CHECK(by_dtype(src->dtype, [&](auto dt) -> kvxfer_result_t {
+      constexpr int DT = decltype(dt)::value;
+      if (fused) {
+        const dim3 grid(static_cast<unsigned>(chunks),
+                        static_cast<unsigned>((H + kGroup - 1) / kGroup));
+        KVXFER_LAUNCH(grid, kGroup, stream, k_encode_fused<DT>)
+        (L, K, chunk_tokens, meta_fp32, meta, anchors, residual_payload, status);
+        return launched("encode_fused");
+      }
+      const dim3 grid(static_cast<unsigned>(chunks),
+                      static_cast<unsigned>((H + kThreads - 1) / kThreads));
+      KVXFER_LAUNCH(grid, kThreads, stream, k_encode_meta<DT>)
+      (L, chunk_tokens, meta_fp32, meta, status);
+      KVXFER_CHECK(launched("encode_meta"));
+      const uint64_t octets = (static_cast<uint64_t>(T) * H + 7) / 8;
+      KVXFER_LAUNCH(grid_for(octets), kThreads, stream, k_encode_codes<DT>)
+      (L, K, chunk_tokens, meta_fp32, meta, anchors, residual_payload, status);
+      return launched("encode_codes");
+    }));
+  }
+  // Split codecs: the per-page anchor table, last in the anchor payload (also
+  // for T = 0, where it holds the bin centres).
+  if (R > 0) {
+    KVXFER_LAUNCH(1, 64, stream, k_anchor_table)(K, anchors + anchor_codes, status);
+    KVXFER_CHECK(launched("anchor_table"));
+  }
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t launch_scan_nonfinite(const kvxfer_page_layout_t* src, DeviceStatus* status,
+                                      cudaStream_t stream) {
+  KVXFER_CHECK(validate_device_layout(src, "source"));
+  if (src->num_tokens == 0) return KVXFER_SUCCESS;
+  const KLayout L = klayout(src);
+  return by_dtype(src->dtype, [&](auto dt) -> kvxfer_result_t {
+    constexpr int DT = decltype(dt)::value;
+    KVXFER_LAUNCH(row_grid(L.T, L.H), kThreads, stream, k_scan_nonfinite<DT>)(L, status);
+    return launched("scan_nonfinite");
+  });
+}
+
+kvxfer_result_t launch_pack_values(const kvxfer_page_layout_t* src, kvxfer_dtype_t out_dtype,
+                                   uint8_t* payload, cudaStream_t stream) {
+  KVXFER_CHECK(validate_device_layout(src, "source"));
+  KVXFER_REQUIRE(out_dtype == src->dtype || out_dtype == KVXFER_DTYPE_BF16,
+                 "values are packed as the source dtype or as bf16");
+  KVXFER_REQUIRE(payload != nullptr && aligned8(payload), "payload is NULL or misaligned");
+  if (src->num_tokens == 0) return KVXFER_SUCCESS;
+  const KLayout L = klayout(src);
+  const dim3 grid = row_grid(L.T, L.H);
+  return by_dtype(src->dtype, [&](auto dt) -> kvxfer_result_t {
+    constexpr int DT = decltype(dt)::value;
+    if (out_dtype == src->dtype)
+      KVXFER_LAUNCH(grid, kThreads, stream, k_pack_values<DT, DT>)(L, payload);
+    else
+      KVXFER_LAUNCH(grid, kThreads, stream, k_pack_values<DT, KVXFER_DTYPE_BF16>)(L, payload);
+    return launched("pack_values");
+  });
+}
+
+kvxfer_result_t launch_unpack_values(const uint8_t* payload, kvxfer_dtype_t in_dtype,
+                                     const kvxfer_page_layout_t* dst, cudaStream_t stream) {
+  KVXFER_CHECK(validate_device_layout(dst, "destination"));
+  KVXFER_REQUIRE(payload != nullptr && aligned8(payload), "payload is NULL or misaligned");
+  if (dst->num_tokens == 0) return KVXFER_SUCCESS;
+  const KLayout L = klayout(dst);
+  const dim3 grid = row_grid(L.T, L.H);
+  return by_dtype(dst->dtype, [&](auto dt) -> kvxfer_result_t {
+    constexpr int DT = decltype(dt)::value;
+    return by_dtype(in_dtype, [&](auto sdt) -> kvxfer_result_t {
+      constexpr int SDT = decltype(sdt)::value;
+      KVXFER_LAUNCH(grid, kThreads, stream, k_unpack_values<SDT, DT>)(payload, L);
+      return launched("unpack_values");
+    });
+  });
+}
+
+kvxfer_result_t launch_decode(const codec::PageHeader& h, const DeviceCodebook& cb,
+                              const uint8_t* anchor_payload, const uint8_t* residual_payload,
+                              const kvxfer_page_layout_t* dst, DeviceStatus* status,
+                              cudaStream_t stream) {
+  KVXFER_CHECK(validate_device_layout(dst, "destination"));
+  KVXFER_REQUIRE(cb.lut_base != nullptr, "device codebook not uploaded");
+  KVXFER_REQUIRE(static_cast<uint64_t>(dst->num_tokens) == h.num_tokens &&
+                     static_cast<uint32_t>(dst->num_channels) == h.num_channels,
+                 "destination is not the page's shape");
+  KVXFER_REQUIRE(h.anchor_bits == cb.anchor_bits && h.code_bits == cb.code_bits,
+                 "codebook does not match the header");
+  KVXFER_REQUIRE(!(h.flags & codec::FLAG_RAW) && h.codec != KVXFER_CODEC_BF16,
+                 "raw and BF16 sections decode with launch_unpack_values");
+  KVXFER_REQUIRE(anchor_payload != nullptr && aligned8(anchor_payload),
+                 "anchor payload is NULL or not 8-byte aligned");
+  KVXFER_REQUIRE(status != nullptr && aligned8(status), "device status is NULL or misaligned");
+  const int64_t T = dst->num_tokens;
+  const int32_t H = dst->num_channels;
+  if (T == 0) return KVXFER_SUCCESS;
+  const bool fp32 = (h.flags & codec::FLAG_META_FP32) != 0;
+  const codec::PayloadSizes s = codec::payload_sizes(h);
+  const uint64_t entries = (static_cast<uint64_t>(T) + h.chunk_tokens - 1) / h.chunk_tokens * H;
+  const KLayout L = klayout(dst);
+  const KCodebook K = kcodebook(cb);
+  const uint8_t* table = s.table_bytes > 0 ? anchor_payload + s.table_offset() : nullptr;
+  KVXFER_LAUNCH(grid_for(entries), kThreads, stream, k_check_meta)
+  (anchor_payload, entries, fp32, K, table, status);
+  KVXFER_CHECK(launched("check_meta"));
+  const uint64_t octets = (static_cast<uint64_t>(T) * H + 7) / 8;
+  return by_dtype(dst->dtype, [&](auto dt) -> kvxfer_result_t {
+    constexpr int DT = decltype(dt)::value;
+    KVXFER_LAUNCH(grid_for(octets), kThreads, stream, k_decode<DT>)
+    (L, K, h.chunk_tokens, fp32, anchor_payload, anchor_payload + s.meta_bytes, residual_payload,
+     table, status);
+    return launched("decode");
+  });
+}
+
+}  // namespace kvxfer::cuda

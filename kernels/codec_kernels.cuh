@@ -1,0 +1,168 @@
+// Device helpers of the codec kernels (kernels/codec_kernels.cu): the page
+// layout, element loads/stores, metadata entries and bit packing.  The element
+// math itself is codec/codec_math.h, shared verbatim with the CPU paths.
+#pragma once
+
+#include <cstdint>
+
+#include "codec/codec_math.h"
+#include "kvxfer/kvxfer.h"
+#include "kvxfer_kernels.h"
+
+// Kernel launch on a stream: KVXFER_LAUNCH(grid, block, stream, kernel)(args...).
+// A macro so that kernels/emu (a CPU emulation used to exercise the kernels on
+// machines without a GPU) can run the same source.
+#ifndef KVXFER_LAUNCH
+#define KVXFER_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<(grid), (block), 0, (stream)>>>
+#endif
+
+namespace kvxfer::cuda::detail {
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ uint64_t umin(uint64_t a, uint64_t b) { return a < b ? a : b; }
+
+/** A page layout as the kernels see it (a device block table). */
+struct KLayout {
+  void* const* blocks;       // device array of device block pointers
+  int64_t block_size;        // tokens per block
+  int64_t row_stride_bytes;  // bytes between consecutive tokens of a block
+  int64_t first_token;
+  int64_t T;
+  int32_t H;
+};
+
+/** Tables and widths of a codebook, by value in kernel parameters. */
+struct KCodebook {
+  const int32_t* __restrict__ base;
+  const float* __restrict__ next;
+  const float* __restrict__ recon_full;
+  const float* __restrict__ recon_anchor;
+  const float* __restrict__ anchor_lo;
+  const float* __restrict__ anchor_hi;
+  int lut_log2, lut_origin, sign_magnitude;
+  int A, R;  // anchor / residual bits
+};
+
+__device__ __forceinline__ uint8_t* row_ptr(const KLayout& L, int64_t t) {
+  const int64_t u = L.first_token + t;
+  return static_cast<uint8_t*>(L.blocks[u / L.block_size]) +
+         (u % L.block_size) * L.row_stride_bytes;
+}
+
+template <int DT>
+__device__ __forceinline__ float load_x(const uint8_t* row, int64_t c) {
+  if constexpr (DT == KVXFER_DTYPE_BF16) {
+    return codec::bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[c]);
+  } else if constexpr (DT == KVXFER_DTYPE_FP16) {
+    return codec::f16_to_f32(reinterpret_cast<const uint16_t*>(row)[c]);
+  } else {
+    return reinterpret_cast<const float*>(row)[c];
+  }
+}
+
+/**
+ * Loads 8 consecutive elements starting at channel c (a full octet) into x,
+ * with one or two 16-byte loads when the address allows, else one by one.
+ */
+template <int DT>
+__device__ __forceinline__ void load_x8(const uint8_t* row, int64_t c, float* x) {
+  constexpr int es = DT == KVXFER_DTYPE_FP32 ? 4 : 2;
+  const uint8_t* p = row + c * es;
+  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+    if constexpr (es == 2) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint16_t lo = static_cast<uint16_t>(w[i]), hi = static_cast<uint16_t>(w[i] >> 16);
+        if constexpr (DT == KVXFER_DTYPE_BF16) {
+          x[2 * i] = codec::bf16_to_f32(lo);
+          x[2 * i + 1] = codec::bf16_to_f32(hi);
+        } else {
+          x[2 * i] = codec::f16_to_f32(lo);
+          x[2 * i + 1] = codec::f16_to_f32(hi);
+        }
+      }
+    } else {
+      const float4 a = reinterpret_cast<const float4*>(p)[0];
+      const float4 b = reinterpret_cast<const float4*>(p)[1];
+      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+      x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = load_x<DT>(row, c + i);
+  }
+}
+
+/** Stores v into element c of a row of dtype DT, rounded as codec::store_elem does. */
+template <int DT>
+__device__ __forceinline__ void store_x(uint8_t* row, int64_t c, float v) {
+  if constexpr (DT == KVXFER_DTYPE_BF16) {
+    reinterpret_cast<uint16_t*>(row)[c] = codec::f32_to_bf16(v);
+  } else if constexpr (DT == KVXFER_DTYPE_FP16) {
+    reinterpret_cast<uint16_t*>(row)[c] = codec::f32_to_f16(v);
+  } else {
+    reinterpret_cast<float*>(row)[c] = v;
+  }
+}
+
+// Metadata entries [chunk][channel]{m, d}: 2 x binary16 (4 bytes) or 2 x
+// binary32 (8 bytes), little-endian, as codec::put_affine / get_affine.
+__device__ __forceinline__ void put_meta(uint8_t* meta, int64_t idx, bool fp32, codec::Affine a) {
+  if (fp32) {
+    reinterpret_cast<float2*>(meta)[idx] = make_float2(a.m, a.d);
+  } else {
+    reinterpret_cast<uint32_t*>(meta)[idx] = static_cast<uint32_t>(codec::f32_to_f16(a.m)) |
+                                             (static_cast<uint32_t>(codec::f32_to_f16(a.d)) << 16);
+  }
+}
+__device__ __forceinline__ codec::Affine get_meta(const uint8_t* meta, int64_t idx, bool fp32) {
+  if (fp32) {
+    const float2 v = reinterpret_cast<const float2*>(meta)[idx];
+    return codec::Affine{v.x, v.y};
+  }
+  const uint32_t v = reinterpret_cast<const uint32_t*>(meta)[idx];
+  return codec::Affine{codec::f16_to_f32(static_cast<uint16_t>(v)),
+                       codec::f16_to_f32(static_cast<uint16_t>(v >> 16))};
+}
+
+/** Writes the low `nbytes` (1..8) bytes of v, little-endian, at p (any alignment). */
+__device__ __forceinline__ void store_bytes(uint8_t* p, uint64_t v, int nbytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (nbytes == 8 && (a & 7u) == 0) {
+    *reinterpret_cast<uint64_t*>(p) = v;
+  } else if (nbytes == 4 && (a & 3u) == 0) {
+    *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(v);
+  } else if (nbytes == 2 && (a & 1u) == 0) {
+    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(v);
+  } else {
+    for (int i = 0; i < nbytes; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+  }
+}
+/** Reads `nbytes` (1..8) bytes at p, little-endian. */
+__device__ __forceinline__ uint64_t load_bytes(const uint8_t* p, int nbytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (nbytes == 4 && (a & 3u) == 0) return *reinterpret_cast<const uint32_t*>(p);
+  if (nbytes == 8 && (a & 7u) == 0) return *reinterpret_cast<const uint64_t*>(p);
+  uint64_t v = 0;
+  for (int i = 0; i < nbytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+/** The code of one element: codec_math's encode_lut on the uploaded tables. */
+__device__ __forceinline__ uint8_t code_of(const KCodebook& cb, float x, codec::Affine a) {
+  return codec::encode_lut(cb.base, cb.next, cb.lut_log2, cb.lut_origin, cb.sign_magnitude != 0,
+                           codec::normalise(x, a));
+}
+
+/** Records a non-finite element: the flag, and the first one in token-major order. */
+__device__ __forceinline__ void report_nonfinite(DeviceStatus* st, int64_t t, int64_t c, int64_t H,
+                                                 float x) {
+  atomicOr(reinterpret_cast<unsigned int*>(&st->flags), STATUS_NONFINITE);
+  const unsigned long long key =
+      (static_cast<unsigned long long>(t * H + c) << 1) | (codec::f32_isinf(x) ? 1ull : 0ull);
+  atomicMin(reinterpret_cast<unsigned long long*>(&st->first_bad), key);
+}
+
+}  // namespace kvxfer::cuda::detail

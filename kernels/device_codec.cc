@@ -1,0 +1,415 @@
+// Host side of the GPU page codec: codebook upload, scratch, the page-level
+// encode/decode for device pages (same contract and bytes as codec/page.cc),
+// and the high-priority anchor stream.  Headers and checksums are written here
+// on the host, with codec::write_header / codec::seal_section, once the
+// payloads are in host memory (docs/GPU.md).
+#include <cuda_runtime.h>
+
+#include <cinttypes>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "codec/codebook.h"
+#include "codec/codec.h"
+#include "codec/page.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "kvxfer_kernels.h"
+
+namespace kvxfer::cuda {
+
+namespace {
+
+kvxfer_result_t cuda_error(cudaError_t e, const char* what) {
+  return set_error(e == cudaErrorMemoryAllocation ? KVXFER_ERR_OUT_OF_MEMORY : KVXFER_ERR_SYSTEM,
+                   "%s failed: %s", what, cudaGetErrorString(e));
+}
+#define KVXFER_CUDA(call)                                              \
+  do {                                                                 \
+    const cudaError_t kvxfer_e_ = (call);                              \
+    if (kvxfer_e_ != cudaSuccess) return cuda_error(kvxfer_e_, #call); \
+  } while (0)
+
+// Header fields of a page before any data is seen (as codec/page.cc).
+codec::PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id,
+                              int64_t T, int32_t H, kvxfer_dtype_t src_dtype) {
+  codec::PageHeader h;
+  h.codec = static_cast<uint8_t>(cfg.codec);
+  h.src_dtype = static_cast<uint8_t>(src_dtype);
+  h.chunk_tokens = static_cast<uint8_t>(cfg.chunk_tokens);
+  switch (cfg.codec) {
+    case KVXFER_CODEC_LYNX:
+      h.alpha = cfg.alpha == 0.0f ? 0.0f : cfg.alpha;  // no -0 on the wire
+      [[fallthrough]];
+    case KVXFER_CODEC_INT8:
+      h.code_bits = 8;
+      h.anchor_bits = static_cast<uint8_t>(cfg.anchor_bits);
+      break;
+    case KVXFER_CODEC_INT4:
+      h.code_bits = 4;
+      h.anchor_bits = 4;
+      break;
+    default: h.code_bits = 0; h.anchor_bits = 0;
+  }
+  h.kind = static_cast<uint8_t>(id.kind);
+  h.layer = id.layer;
+  h.num_channels = static_cast<uint32_t>(H);
+  h.token_begin = id.token_begin;
+  h.num_tokens = static_cast<uint64_t>(T);
+  h.stream_id = id.stream_id;
+  return h;
+}
+
+kvxfer_result_t nonfinite_error(const DeviceStatus& st, const kvxfer_page_id_t& id, int32_t H) {
+  const uint64_t e = st.first_bad >> 1;
+  return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
+                   (st.first_bad & 1) ? "Inf" : "NaN", id.layer,
+                   id.kind == KVXFER_KV_KEY ? 'K' : 'V',
+                   id.token_begin + static_cast<int64_t>(e / H), static_cast<int32_t>(e % H));
+}
+
+}  // namespace
+
+kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char* what) {
+  KVXFER_REQUIRE(l != nullptr, "%s layout is NULL", what);
+  KVXFER_REQUIRE(l->dtype == KVXFER_DTYPE_BF16 || l->dtype == KVXFER_DTYPE_FP16 ||
+                     l->dtype == KVXFER_DTYPE_FP32,
+                 "%s dtype %d is not BF16, FP16 or FP32", what, static_cast<int>(l->dtype));
+  KVXFER_REQUIRE(
+      l->num_channels >= 1 && static_cast<uint32_t>(l->num_channels) <= codec::kMaxChannels,
+      "%s num_channels %d outside [1, %u]", what, l->num_channels, codec::kMaxChannels);
+  KVXFER_REQUIRE(l->num_tokens >= 0 && static_cast<uint64_t>(l->num_tokens) <= codec::kMaxTokens,
+                 "%s num_tokens %" PRId64 " outside [0, 2^32]", what, l->num_tokens);
+  KVXFER_REQUIRE(l->block_size >= 1, "%s block_size %d must be >= 1", what, l->block_size);
+  KVXFER_REQUIRE(l->row_stride >= l->num_channels,
+                 "%s row_stride %" PRId64 " is smaller than num_channels %d", what, l->row_stride,
+                 l->num_channels);
+  KVXFER_REQUIRE(l->first_token >= 0, "%s first_token %" PRId64 " is negative", what,
+                 l->first_token);
+  if (l->num_tokens > 0) {
+    KVXFER_REQUIRE(l->blocks != nullptr, "%s block table is NULL", what);
+    const int64_t last = (l->first_token + l->num_tokens - 1) / l->block_size;
+    KVXFER_REQUIRE(last < l->num_blocks,
+                   "%s needs blocks up to index %" PRId64 " but num_blocks is %" PRId64, what, last,
+                   l->num_blocks);
+  }
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) {
+  KVXFER_REQUIRE(cb != nullptr && out != nullptr, "NULL codebook");
+  int dev = 0;
+  KVXFER_CUDA(cudaGetDevice(&dev));
+  static std::mutex mu;
+  static std::map<std::pair<const codec::Codebook*, int>, DeviceCodebook> cache;
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = cache.find({cb, dev});
+  if (it != cache.end()) {
+    *out = it->second;
+    return KVXFER_SUCCESS;
+  }
+  // One allocation, the CPU's tables verbatim: recon_full[256] | recon_anchor[64] |
+  // anchor_lo[64] | anchor_hi[64] | lut_next[cells] | lut_base[cells].
+  constexpr size_t kFixed = 256 + 3 * 64;  // floats before lut_next
+  const size_t cells = cb->lut_base.size();
+  const size_t bytes = kFixed * sizeof(float) + cells * (sizeof(float) + sizeof(int32_t));
+  std::string host(bytes, '\0');
+  char* p = host.data();
+  std::memcpy(p, cb->recon_full, 256 * sizeof(float));
+  std::memcpy(p + 256 * sizeof(float), cb->recon_anchor, 64 * sizeof(float));
+  std::memcpy(p + 320 * sizeof(float), cb->anchor_lo, 64 * sizeof(float));
+  std::memcpy(p + 384 * sizeof(float), cb->anchor_hi, 64 * sizeof(float));
+  std::memcpy(p + kFixed * sizeof(float), cb->lut_next.data(), cells * sizeof(float));
+  std::memcpy(p + (kFixed + cells) * sizeof(float), cb->lut_base.data(), cells * sizeof(int32_t));
+  void* d = nullptr;
+  KVXFER_CUDA(cudaMalloc(&d, bytes));
+  const cudaError_t e = cudaMemcpy(d, p, bytes, cudaMemcpyHostToDevice);
+  if (e != cudaSuccess) {
+    cudaFree(d);
+    return cuda_error(e, "cudaMemcpy(codebook)");
+  }
+  const auto* f = static_cast<const float*>(d);
+  DeviceCodebook dc;
+  dc.recon_full = f;
+  dc.recon_anchor = f + 256;
+  dc.anchor_lo = f + 320;
+  dc.anchor_hi = f + 384;
+  dc.lut_next = f + kFixed;
+  dc.lut_base = reinterpret_cast<const int32_t*>(f + kFixed + cells);
+  dc.lut_log2 = cb->lut_log2;
+  dc.lut_origin = cb->lut_origin;
+  dc.sign_magnitude = cb->sign_magnitude ? 1 : 0;
+  dc.code_bits = cb->code_bits;
+  dc.anchor_bits = cb->anchor_bits;
+  dc.residual_bits = cb->residual_bits;
+  cache.emplace(std::make_pair(cb, dev), dc);  // kept for the life of the process, as the CPU cache
+  *out = dc;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t alloc_scratch(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H,
+                              DeviceScratch* out) {
+  KVXFER_REQUIRE(out != nullptr, "NULL scratch");
+  *out = DeviceScratch{};
+  size_t a = 0, r = 0;
+  KVXFER_CHECK(codec::max_sizes(cfg, T, H, &a, &r));
+  DeviceScratch s;
+  s.anchor_cap = a - codec::kHeaderBytes;
+  s.residual_cap = r - codec::kHeaderBytes;
+  cudaError_t e = cudaMalloc(&s.anchor_payload, s.anchor_cap > 0 ? s.anchor_cap : 8);
+  if (e == cudaSuccess)
+    e = cudaMalloc(&s.residual_payload, s.residual_cap > 0 ? s.residual_cap : 8);
+  if (e == cudaSuccess) e = cudaMalloc(&s.status, sizeof(DeviceStatus));
+  if (e != cudaSuccess) {
+    free_scratch(&s);
+    return cuda_error(e, "cudaMalloc(scratch)");
+  }
+  *out = s;
+  return KVXFER_SUCCESS;
+}
+
+void free_scratch(DeviceScratch* s) {
+  if (s == nullptr) return;
+  cudaFree(s->anchor_payload);
+  cudaFree(s->residual_payload);
+  cudaFree(s->status);
+  *s = DeviceScratch{};
+}
+
+kvxfer_result_t create_anchor_stream(cudaStream_t* out) {
+  KVXFER_REQUIRE(out != nullptr, "NULL stream output");
+  int least = 0, greatest = 0;
+  KVXFER_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  KVXFER_CUDA(cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, greatest));
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                                   const kvxfer_page_layout_t* src, const DeviceScratch& scratch,
+                                   void* anchor, size_t anchor_cap, size_t* anchor_len,
+                                   void* residual, size_t residual_cap, size_t* residual_len,
+                                   cudaStream_t stream) {
+  KVXFER_CHECK(codec::validate_config(cfg));
+  KVXFER_REQUIRE(id != nullptr, "page id is NULL");
+  KVXFER_REQUIRE(id->kind == KVXFER_KV_KEY || id->kind == KVXFER_KV_VALUE, "bad K/V kind %d",
+                 static_cast<int>(id->kind));
+  KVXFER_REQUIRE(id->token_begin >= 0, "negative token_begin %" PRId64, id->token_begin);
+  KVXFER_REQUIRE(
+      anchor != nullptr && residual != nullptr && anchor_len != nullptr && residual_len != nullptr,
+      "NULL output buffer or length");
+  *anchor_len = 0;
+  *residual_len = 0;
+  KVXFER_CHECK(validate_device_layout(src, "source"));
+  KVXFER_REQUIRE(scratch.anchor_payload != nullptr && scratch.residual_payload != nullptr &&
+                     scratch.status != nullptr,
+                 "device scratch not allocated (alloc_scratch)");
+  if (cfg->codec == KVXFER_CODEC_LYNX && cfg->alpha == KVXFER_ALPHA_AUTO)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "alpha=auto is not available on the GPU path; calibrate on the host "
+                     "(kvxfer_codec_calibrate_alpha) and pass the chosen alpha");
+  const int64_t T = src->num_tokens;
+  const int32_t H = src->num_channels;
+  codec::PageHeader h = make_header(*cfg, *id, T, H, src->dtype);
+  auto* anc = static_cast<uint8_t*>(anchor);
+  auto* res = static_cast<uint8_t*>(residual);
+
+  auto sizes_fit = [&](const codec::PageHeader& hh) -> kvxfer_result_t {
+    const codec::PayloadSizes s = codec::payload_sizes(hh);
+    if (anchor_cap < codec::kHeaderBytes + s.anchor_payload() ||
+        residual_cap < codec::kHeaderBytes + s.residual_codes)
+      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
+                       "page needs %llu anchor and %llu residual bytes; buffers hold %zu and %zu "
+                       "(size them with kvxfer_page_max_size)",
+                       (unsigned long long)(codec::kHeaderBytes + s.anchor_payload()),
+                       (unsigned long long)(codec::kHeaderBytes + s.residual_codes), anchor_cap,
+                       residual_cap);
+    if (scratch.anchor_cap < s.anchor_payload() || scratch.residual_cap < s.residual_codes)
+      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
+                       "page needs %llu anchor and %llu residual payload bytes on the device; "
+                       "the scratch holds %zu and %zu (alloc_scratch)",
+                       (unsigned long long)s.anchor_payload(), (unsigned long long)s.residual_codes,
+                       scratch.anchor_cap, scratch.residual_cap);
+    return KVXFER_SUCCESS;
+  };
+
+  bool raw = false;
+  DeviceStatus st{};
+  if (cfg->codec == KVXFER_CODEC_BF16) {
+    KVXFER_CHECK(launch_reset_status(scratch.status, stream));
+    KVXFER_CHECK(launch_scan_nonfinite(src, scratch.status, stream));
+    KVXFER_CHECK(read_status(scratch.status, &st, stream));
+    if (st.flags & STATUS_NONFINITE) {
+      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR) return nonfinite_error(st, *id, H);
+      raw = true;
+    }
+  } else {
+    std::string why;
+    const codec::Codebook* cb = codec::get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
+    if (cb == nullptr)
+      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
+    DeviceCodebook dcb;
+    KVXFER_CHECK(upload_codebook(cb, &dcb));
+    st.flags = STATUS_NEED_FP32;
+    for (int attempt = 0; attempt < 2 && st.flags == STATUS_NEED_FP32; ++attempt) {
+      // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
+      const bool fp32 = attempt == 1;
+      h.flags = fp32 ? codec::FLAG_META_FP32 : 0;
+      KVXFER_CHECK(sizes_fit(h));
+      KVXFER_CHECK(launch_reset_status(scratch.status, stream));
+      KVXFER_CHECK(launch_encode(dcb, src, cfg->chunk_tokens, fp32, scratch.anchor_payload,
+                                 scratch.residual_payload, scratch.status, stream));
+      KVXFER_CHECK(read_status(scratch.status, &st, stream));
+      if (st.flags & STATUS_NONFINITE) st.flags = STATUS_NONFINITE;  // decides, whatever else
+      if (st.flags == STATUS_NEED_FP32)
+        KVXFER_INFO(LOG_CODEC,
+                    "layer %u %c tokens [%" PRId64 ", +%" PRId64
+                    "): range exceeds binary16, using fp32 metadata",
+                    id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
+    }
+    if (st.flags == STATUS_NONFINITE) {
+      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR) return nonfinite_error(st, *id, H);
+      raw = true;
+    } else if (st.flags != 0) {
+      return set_error(KVXFER_ERR_INTERNAL, "encoder failed with fp32 metadata");
+    }
+  }
+
+  if (raw || cfg->codec == KVXFER_CODEC_BF16) {
+    // Lossless raw fallback (input dtype) or BF16 passthrough: values go in
+    // the anchor section; the residual section is empty.
+    h.flags = raw ? codec::FLAG_RAW : 0;
+    KVXFER_CHECK(sizes_fit(h));
+    if (raw)
+      KVXFER_WARN(LOG_CODEC,
+                  "layer %u %c tokens [%" PRId64 ", +%" PRId64
+                  "): non-finite input, page stored raw (lossless, not progressive)",
+                  id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
+    KVXFER_CHECK(launch_pack_values(src, raw ? src->dtype : KVXFER_DTYPE_BF16,
+                                    scratch.anchor_payload, stream));
+  }
+
+  // Payloads to the host, then headers and checksums on the host.
+  const codec::PayloadSizes s = codec::payload_sizes(h);
+  if (s.anchor_payload() > 0)
+    KVXFER_CUDA(cudaMemcpyAsync(anc + codec::kHeaderBytes, scratch.anchor_payload,
+                                s.anchor_payload(), cudaMemcpyDeviceToHost, stream));
+  if (s.residual_codes > 0)
+    KVXFER_CUDA(cudaMemcpyAsync(res + codec::kHeaderBytes, scratch.residual_payload,
+                                s.residual_codes, cudaMemcpyDeviceToHost, stream));
+  KVXFER_CUDA(cudaStreamSynchronize(stream));
+  h.section = codec::SECTION_ANCHOR;
+  h.payload_bytes = s.anchor_payload();
+  h.link = 0;
+  codec::write_header(h, anc);
+  codec::seal_section(anc);
+  uint64_t anchor_sum = 0;
+  for (int i = 0; i < 8; ++i) anchor_sum |= static_cast<uint64_t>(anc[72 + i]) << (8 * i);
+  h.section = codec::SECTION_RESIDUAL;
+  h.payload_bytes = s.residual_codes;
+  h.link = anchor_sum;
+  codec::write_header(h, res);
+  codec::seal_section(res);
+  *anchor_len = codec::kHeaderBytes + s.anchor_payload();
+  *residual_len = codec::kHeaderBytes + s.residual_codes;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const void* residual,
+                                   size_t residual_len, const kvxfer_page_id_t* expect,
+                                   const kvxfer_page_layout_t* dst, const DeviceScratch& scratch,
+                                   cudaStream_t stream) {
+  codec::PageHeader ah, rh;
+  KVXFER_CHECK(codec::parse_section(anchor, anchor_len, &ah));
+  if (ah.section != codec::SECTION_ANCHOR)
+    return set_error(KVXFER_ERR_MISMATCH, "the anchor argument holds a residual section");
+  if (residual != nullptr) {
+    KVXFER_CHECK(codec::parse_section(residual, residual_len, &rh));
+    KVXFER_CHECK(codec::check_pair(ah, rh));
+  } else {
+    KVXFER_REQUIRE(residual_len == 0, "residual is NULL but residual_len is %zu", residual_len);
+  }
+  if (expect != nullptr &&
+      (expect->layer != ah.layer || static_cast<uint8_t>(expect->kind) != ah.kind ||
+       expect->token_begin != ah.token_begin || expect->stream_id != ah.stream_id))
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "section is layer %u %c tokens from %lld stream %llu; expected layer %u %c "
+                     "tokens from %lld stream %llu",
+                     ah.layer, ah.kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)ah.token_begin,
+                     (unsigned long long)ah.stream_id, expect->layer,
+                     expect->kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)expect->token_begin,
+                     (unsigned long long)expect->stream_id);
+  KVXFER_CHECK(validate_device_layout(dst, "destination"));
+  if (static_cast<uint64_t>(dst->num_tokens) != ah.num_tokens ||
+      static_cast<uint32_t>(dst->num_channels) != ah.num_channels)
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "page is %llu tokens x %u channels; destination is %lld x %d",
+                     (unsigned long long)ah.num_tokens, ah.num_channels, (long long)dst->num_tokens,
+                     dst->num_channels);
+  KVXFER_REQUIRE(scratch.anchor_payload != nullptr && scratch.residual_payload != nullptr &&
+                     scratch.status != nullptr,
+                 "device scratch not allocated (alloc_scratch)");
+  const codec::PayloadSizes s = codec::payload_sizes(ah);
+  if (scratch.anchor_cap < s.anchor_payload() ||
+      (residual != nullptr && scratch.residual_cap < s.residual_codes))
+    return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
+                     "page needs %llu anchor and %llu residual payload bytes on the device; the "
+                     "scratch holds %zu and %zu",
+                     (unsigned long long)s.anchor_payload(), (unsigned long long)s.residual_codes,
+                     scratch.anchor_cap, scratch.residual_cap);
+
+  const auto* payload = static_cast<const uint8_t*>(anchor) + codec::kHeaderBytes;
+  if ((ah.flags & codec::FLAG_RAW) || ah.codec == KVXFER_CODEC_BF16) {
+    const kvxfer_dtype_t sdt = (ah.flags & codec::FLAG_RAW)
+                                   ? static_cast<kvxfer_dtype_t>(ah.src_dtype)
+                                   : KVXFER_DTYPE_BF16;
+    if (s.anchor_payload() > 0)
+      KVXFER_CUDA(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
+                                  cudaMemcpyHostToDevice, stream));
+    return launch_unpack_values(scratch.anchor_payload, sdt, dst, stream);
+  }
+
+  // Validate every metadata entry before writing anything (as codec/page.cc).
+  const bool fp32 = (ah.flags & codec::FLAG_META_FP32) != 0;
+  const int64_t entries =
+      static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) *
+      dst->num_channels;
+  for (int64_t i = 0; i < entries; ++i) {
+    const codec::Affine a = codec::get_affine(payload, i, fp32);
+    if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
+      return set_error(KVXFER_ERR_CORRUPT,
+                       "metadata entry %lld (chunk %lld, channel %lld) is invalid: offset %g, "
+                       "half-range %g",
+                       (long long)i, (long long)(i / dst->num_channels),
+                       (long long)(i % dst->num_channels), (double)a.m, (double)a.d);
+  }
+  std::string why;
+  const codec::Codebook* cb =
+      codec::get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
+  if (cb == nullptr)
+    return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
+  if (codec::has_anchor_table(*cb)) {
+    float table[64];
+    for (unsigned a = 0; a < (1u << cb->anchor_bits); ++a)
+      table[a] = codec::get_f32_le(payload + s.table_offset() + 4 * a);
+    if (!codec::anchor_table_valid(*cb, table))
+      return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
+  }
+  DeviceCodebook dcb;
+  KVXFER_CHECK(upload_codebook(cb, &dcb));
+  if (s.anchor_payload() > 0)
+    KVXFER_CUDA(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
+                                cudaMemcpyHostToDevice, stream));
+  if (residual != nullptr && s.residual_codes > 0)
+    KVXFER_CUDA(cudaMemcpyAsync(scratch.residual_payload,
+                                static_cast<const uint8_t*>(residual) + codec::kHeaderBytes,
+                                s.residual_codes, cudaMemcpyHostToDevice, stream));
+  KVXFER_CHECK(launch_reset_status(scratch.status, stream));
+  return launch_decode(ah, dcb, scratch.anchor_payload,
+                       residual != nullptr ? scratch.residual_payload : nullptr, dst,
+                       scratch.status, stream);
+}
+
+}  // namespace kvxfer::cuda

@@ -1,0 +1,233 @@
+// The element math of the page codec, one definition for the CPU paths
+// (compiled by g++) and the CUDA kernels (compiled by nvcc): dtype
+// conversions, the per-(chunk, channel) affine normalisation and the table
+// lookup that turns a normalised value into a code (docs/FORMAT.md, sections
+// 2.1, 2.2 and 3 "Exactness").
+//
+// Rules that keep both sides bit-identical:
+//   - conversions are pure integer bit manipulation (no libm, no intrinsics);
+//   - no std:: function that is not callable on the device: fabs is a sign-bit
+//     mask, isinf/isfinite compare exponent bits, fmax is an explicit
+//     comparison, floor is an integer truncation with a correction;
+//   - every float operation is one correctly rounded IEEE-754 binary32
+//     operation.  The CPU is compiled with -ffp-contract=off; on the device the
+//     same operations are spelled __fadd_rn/__fsub_rn/__fmul_rn/__fdiv_rn,
+//     which are never contracted into an FMA and are exact-rounding whatever
+//     --fmad or -prec-div say (the kernels are also built with --fmad=false
+//     -prec-div=true -ftz=false, kernels/CMakeLists.txt).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define KVXFER_HD __host__ __device__
+#else
+#define KVXFER_HD
+#endif
+
+namespace kvxfer::codec {
+
+// ---------------------------------------------------------------------------
+// One correctly rounded binary32 operation each, never fused.
+// ---------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__)
+KVXFER_HD inline float f_add(float a, float b) { return __fadd_rn(a, b); }
+KVXFER_HD inline float f_sub(float a, float b) { return __fsub_rn(a, b); }
+KVXFER_HD inline float f_mul(float a, float b) { return __fmul_rn(a, b); }
+KVXFER_HD inline float f_div(float a, float b) { return __fdiv_rn(a, b); }
+KVXFER_HD inline double d_add(double a, double b) { return __dadd_rn(a, b); }
+KVXFER_HD inline double d_mul(double a, double b) { return __dmul_rn(a, b); }
+KVXFER_HD inline double d_div(double a, double b) { return __ddiv_rn(a, b); }
+#else
+KVXFER_HD inline float f_add(float a, float b) { return a + b; }
+KVXFER_HD inline float f_sub(float a, float b) { return a - b; }
+KVXFER_HD inline float f_mul(float a, float b) { return a * b; }
+KVXFER_HD inline float f_div(float a, float b) { return a / b; }
+KVXFER_HD inline double d_add(double a, double b) { return a + b; }
+KVXFER_HD inline double d_mul(double a, double b) { return a * b; }
+KVXFER_HD inline double d_div(double a, double b) { return a / b; }
+#endif
+
+// ---------------------------------------------------------------------------
+// Exact dtype conversions (IEEE-754 binary16 / bfloat16 <-> binary32).
+// Widening is exact.  Narrowing rounds to nearest, ties to even, overflows to
+// infinity and keeps subnormals, exactly as the F16C instructions and CUDA's
+// __float2half_rn / __float2bfloat16_rn do.  The kernels use these functions,
+// not the CUDA intrinsics, so both sides run the same integer code.
+// ---------------------------------------------------------------------------
+KVXFER_HD inline uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+KVXFER_HD inline float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+/** True for +-inf and NaN (std::isfinite's negation, by exponent bits). */
+KVXFER_HD inline bool f32_nonfinite(float f) { return (f32_bits(f) & 0x7F800000u) == 0x7F800000u; }
+/** True for +-inf only (std::isinf). */
+KVXFER_HD inline bool f32_isinf(float f) { return (f32_bits(f) & 0x7FFFFFFFu) == 0x7F800000u; }
+/** |f| (std::fabs): clears the sign bit. */
+KVXFER_HD inline float f32_abs(float f) { return bits_f32(f32_bits(f) & 0x7FFFFFFFu); }
+/** std::fmax up to the sign of an equal pair of zeros (callers canonicalise zeros). */
+KVXFER_HD inline float f32_max(float a, float b) {
+  if (a != a) return b;  // fmax ignores a NaN operand
+  if (b != b) return a;
+  return a > b ? a : b;
+}
+
+KVXFER_HD inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+KVXFER_HD inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+    return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+KVXFER_HD inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0x1F) return bits_f32(sign | 0x7F800000u | (man << 13));
+  if (exp != 0) return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+  // subnormal: man * 2^-24, exact in float
+  const float v = f_mul(static_cast<float>(man), 5.9604644775390625e-8f);
+  return sign ? -v : v;
+}
+KVXFER_HD inline uint16_t f32_to_f16(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;   // NaN
+  if (a >= 0x477FF000u) return sign | 0x7C00u;  // rounds to >= 65520: inf
+  if (a >= 0x38800000u) {                       // normal half (>= 2^-14)
+    const uint32_t r = a - 0x38000000u;         // rebias exponent 127 -> 15
+    return sign | static_cast<uint16_t>((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
+  }
+  if (a < 0x33000000u) return sign;  // < 2^-25: rounds to 0
+  // subnormal half: value = a * 2^24 units of 2^-24, rounded to nearest even
+  const uint32_t e = a >> 23, m = (a & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126 - e;  // 14..24 (e in 102..112)
+  const uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return sign | static_cast<uint16_t>(q + (rem > half || (rem == half && (q & 1u))));
+}
+/** Smallest binary16 >= f, for finite f >= 0 (may be +inf). */
+KVXFER_HD inline uint16_t f32_to_f16_up(float f) {
+  uint16_t h = f32_to_f16(f);
+  if (f16_to_f32(h) < f) ++h;  // next binary16 up (0x7BFF + 1 = +inf)
+  return h;
+}
+
+// ---------------------------------------------------------------------------
+// Lynx Algorithm 1, normalisation (lines 2-5).  Per-channel normalisation
+// followed by per-chunk normalisation composes into one affine map per
+// (chunk, channel); we store that map directly (docs/FORMAT.md "Metadata"):
+//     m = (min + max) / 2,   d = max |x - m|,   z = (x - m) / d  in [-1, 1]
+// m is the centre that minimises max |x - m| (so d is as small as it can be).
+// With fp16 metadata, m is rounded to nearest and d is recomputed against the
+// rounded m and rounded up, so |z| <= 1 still holds for every x of the chunk.
+// ---------------------------------------------------------------------------
+struct Affine {
+  float m, d;
+};
+
+/** min/max with a canonical +0 for zeros (so -0/+0 order does not matter). */
+KVXFER_HD inline void canonical_minmax(float* mn, float* mx) {
+  *mn = f_add(*mn, 0.0f);
+  *mx = f_add(*mx, 0.0f);
+}
+
+/**
+ * The affine map of one (chunk, channel) from its finite min and max.  With
+ * fp32 == false the result is representable in binary16; returns false if it
+ * is not (range beyond 65504), in which case the page must use fp32 metadata.
+ */
+KVXFER_HD inline bool chunk_affine(float mn, float mx, bool fp32, Affine* a) {
+  float m = f_add(f_mul(0.5f, mn), f_mul(0.5f, mx));  // halves first: no overflow
+  if (!fp32) {
+    const uint16_t mh = f32_to_f16(m);
+    m = f16_to_f32(mh);
+    if (f32_isinf(m)) return false;
+  }
+  float d = f_add(f32_max(f_sub(mx, m), f_sub(m, mn)), 0.0f);
+  if (f32_isinf(d)) return false;
+  if (!fp32) {
+    d = f16_to_f32(f32_to_f16_up(d));
+    if (f32_isinf(d)) return false;
+  }
+  a->m = m;
+  a->d = d;
+  return true;
+}
+
+/** z = (x - m) / d; 0 for a zero range.  Division, not a reciprocal: exact rounding. */
+KVXFER_HD inline float normalise(float x, const Affine& a) {
+  return a.d > 0.0f ? f_div(f_sub(x, a.m), a.d) : 0.0f;
+}
+
+/** x = m + d * r (two roundings, never fused). */
+KVXFER_HD inline float denormalise(float r, const Affine& a) {
+  const float t = f_mul(a.d, r);
+  return f_add(a.m, t);
+}
+
+/**
+ * The code of a normalised value z in [-1, 1] by one cell lookup and one
+ * comparison (docs/FORMAT.md section 3, item 3); equal to Codebook::encode(z).
+ * `base` / `next` are Codebook::lut_base / lut_next (on the device: verbatim
+ * copies of them).  The domain (|z| for sign-magnitude, z otherwise) is cut
+ * into cells of width 2^-lut_log2; cell i = floor(v * 2^lut_log2) + lut_origin.
+ * Scaling by a power of two is exact, so the cell index is too; the floor is
+ * an integer truncation corrected for negative non-integers (|v| <= 2^22).
+ */
+KVXFER_HD inline uint8_t encode_lut(const int32_t* base, const float* next, int lut_log2,
+                                    int lut_origin, bool sign_magnitude, float z) {
+  const float n = static_cast<float>(1 << lut_log2);
+  if (sign_magnitude) {
+    const float a = f32_abs(z);
+    const int i = static_cast<int>(f_mul(a, n));  // a >= 0: truncation is the floor
+    return static_cast<uint8_t>((base[i] + (a >= next[i])) | (z < 0.0f ? 0x80 : 0));
+  }
+  const float v = f_mul(z, n);
+  int i = static_cast<int>(v);
+  if (static_cast<float>(i) > v) --i;  // floor for negative non-integers
+  i += lut_origin;
+  return static_cast<uint8_t>(base[i] + (z >= next[i]));
+}
+
+/**
+ * Entry `a` of the per-page anchor table (docs/FORMAT.md section 2.4) from the
+ * page's histogram of full codes: the mean of recon_full over the codes of
+ * anchor a, or the bin centre `centre` when no element has anchor a, clamped
+ * to the anchor's bin [lo, hi].  The arithmetic of
+ * codec::anchor_table_from_histogram (codebook.cc), operation for operation:
+ * sums in double in ascending code order (uint64 -> double is exact up to
+ * 2^53 elements), one division, one rounding to float, then
+ * std::max(v, lo) and std::min(v, hi).  The GPU encoder computes the table
+ * with this function.
+ */
+KVXFER_HD inline float anchor_table_entry(const uint64_t* hist, const float* recon_full,
+                                          float centre, float lo, float hi, unsigned a,
+                                          unsigned R) {
+  const unsigned run = 1u << R;
+  double num = 0.0, den = 0.0;
+  for (unsigned c = a * run; c < (a + 1) * run; ++c) {
+    num = d_add(num, d_mul(static_cast<double>(hist[c]), static_cast<double>(recon_full[c])));
+    den = d_add(den, static_cast<double>(hist[c]));
+  }
+  float v = den > 0.0 ? static_cast<float>(d_div(num, den)) : centre;
+  v = v < lo ? lo : v;  // std::max(v, lo)
+  v = hi < v ? hi : v;  // std::min(v, hi)
+  return v;
+}
+
+}  // namespace kvxfer::codec
