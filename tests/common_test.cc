@@ -399,6 +399,15 @@ TEST_F(Environment, MalformedSubsysFailsEveryCall) {
               "KVXFER_DEBUG_SUBSYS='INIT,DISK' names an unknown subsystem 'DISK'");
 }
 
+TEST_F(Environment, MalformedRateFailsEveryCall) {
+  // Checked by params::validate() like every other variable, not only when a
+  // link is created.
+  EXPECT_EXIT(ExpectMalformed("KVXFER_RATE_LIMIT", "fast"), ::testing::ExitedWithCode(0),
+              "KVXFER_RATE_LIMIT='fast'");
+  EXPECT_EXIT(ExpectMalformed("KVXFER_RATE_LIMIT", "25gb"), ::testing::ExitedWithCode(0),
+              "KVXFER_RATE_LIMIT='25gb'");
+}
+
 TEST_F(Environment, WellFormedValuesAreAccepted) {
   EXPECT_EXIT(
       {

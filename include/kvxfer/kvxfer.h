@@ -52,7 +52,8 @@ typedef enum {
   KVXFER_ERR_SYSTEM = -9,           /**< an OS call failed (errno in the message) */
   KVXFER_ERR_INTERNAL = -10,        /**< a bug in kvxfer; please report it */
   KVXFER_ERR_OUT_OF_MEMORY = -11,
-  KVXFER_RESULT_MIN = -11 /**< the most negative code; the count is 1 - KVXFER_RESULT_MIN + 1 */
+  KVXFER_ERR_TIMEOUT = -12,         /**< no progress within KVXFER_TIMEOUT_MS (peer dead or silent) */
+  KVXFER_RESULT_MIN = -12 /**< the most negative code; codes run from KVXFER_RESULT_MIN to 1 */
 } kvxfer_result_t;
 
 /** Static, never-NULL description of a result code ("invalid argument"). */

@@ -1,0 +1,340 @@
+// The one libfabric layer, shared by the kvxfer transport (kvxfer_send/recv)
+// and the NCCL net plugin.  It knows nothing about pages: it moves opaque byte
+// buffers between two peers over reliable-datagram (FI_EP_RDM) endpoints.
+//
+//   Domain    fi_info + fabric + domain, with provider selection
+//             (KVXFER_OFI_PROVIDER, or auto: tcp;ofi_rxm first).
+//   Endpoint  one RDM endpoint with its own CQ and AV and a traffic class
+//             (tx_attr.tclass); raw tagged send/recv/cancel and CQ polling.
+//   Link      a point-to-point connection to ONE peer made of one Endpoint per
+//             TrafficClass (anchor, residual).  Adds chunking, a send scheduler
+//             that always posts anchor chunks before residual chunks, a bound on
+//             residual bytes in flight, a shared token-bucket rate limiter,
+//             DSCP marking of the provider's sockets, and timeouts.
+//
+// Every libfabric object is owned by a unique_ptr whose deleter calls fi_close
+// (fi_freeinfo for fi_info).  Every function returns kvxfer_result_t; detail
+// goes to the thread's last error (common/error.h).  Nothing here throws.
+//
+// Threading: a Domain, its Endpoints and a Link are driven by one thread at a
+// time (FI_THREAD_DOMAIN).  Different Links may be driven by different threads.
+// docs/TRANSPORT.md describes the design and the measurements behind it.
+#pragma once
+
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "kvxfer/kvxfer.h"
+#include "transport/rate_limiter.h"
+
+namespace kvxfer::transport {
+
+// ---------------------------------------------------------------------------
+// RAII for libfabric objects.
+// ---------------------------------------------------------------------------
+/** Closes any fid-derived libfabric object (fid_fabric, fid_domain, ...). */
+/** fi_close() with a WARN when it fails (a close must never throw or abort). */
+void close_fid(fid_t f, const char* what) noexcept;
+inline const char* fid_kind(fid_fabric*) { return "fabric"; }
+inline const char* fid_kind(fid_domain*) { return "domain"; }
+inline const char* fid_kind(fid_cq*) { return "cq"; }
+inline const char* fid_kind(fid_av*) { return "av"; }
+inline const char* fid_kind(fid_ep*) { return "ep"; }
+template <typename T>
+struct FidCloser {
+  void operator()(T* p) const noexcept {
+    if (p != nullptr) close_fid(&p->fid, fid_kind(p));
+  }
+};
+struct InfoDeleter {
+  void operator()(fi_info* p) const noexcept { fi_freeinfo(p); }
+};
+using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
+using FabricPtr = std::unique_ptr<fid_fabric, FidCloser<fid_fabric>>;
+using DomainPtr = std::unique_ptr<fid_domain, FidCloser<fid_domain>>;
+using CqPtr = std::unique_ptr<fid_cq, FidCloser<fid_cq>>;
+using AvPtr = std::unique_ptr<fid_av, FidCloser<fid_av>>;
+using EpPtr = std::unique_ptr<fid_ep, FidCloser<fid_ep>>;
+
+/** The libfabric API version this layer asks for. */
+constexpr uint32_t kFiVersion = FI_VERSION(1, 17);
+
+// ---------------------------------------------------------------------------
+// Traffic classes
+// ---------------------------------------------------------------------------
+enum class TrafficClass : int { kAnchor = 0, kResidual = 1 };
+constexpr int kNumClasses = 2;
+inline int idx(TrafficClass c) { return static_cast<int>(c); }
+const char* class_name(TrafficClass c);
+
+/**
+ * Maps a KVXFER_*_TC name (UNSPEC, DSCP, LABEL, BEST_EFFORT, LOW_LATENCY,
+ * DEDICATED_ACCESS, BULK_DATA, SCAVENGER, NETWORK_CTRL; case-insensitive) to
+ * the tx_attr.tclass value.  "DSCP" gives FI_TC_DSCP | dscp.  False if the
+ * name is unknown or dscp is outside 0..63.
+ */
+bool tclass_from_name(const std::string& name, int dscp, uint32_t* out);
+/** Human-readable form of a tclass value ("BULK_DATA", "DSCP(46)", "0x1234"). */
+std::string tclass_to_string(uint32_t tclass);
+
+// ---------------------------------------------------------------------------
+// Domain: provider selection, fabric and domain
+// ---------------------------------------------------------------------------
+/** Providers tried, in order, when none is named (see docs/TRANSPORT.md). */
+const std::vector<std::string>& auto_providers();
+
+class Domain {
+ public:
+  /**
+   * Opens the first RDM provider that offers tagged messages without memory
+   * registration.  `provider` "" = auto_providers() in order; otherwise that
+   * provider exactly (for example "tcp;ofi_rxm"), and its absence is an error.
+   * `node` is the local address to bind ("127.0.0.1"); "" = provider default.
+   */
+  static kvxfer_result_t open(const std::string& provider, const std::string& node,
+                              std::shared_ptr<Domain>* out);
+
+  const fi_info* info() const { return info_.get(); }
+  fid_domain* fid() const { return domain_.get(); }
+  /** The provider as libfabric names it, e.g. "tcp;ofi_rxm". */
+  const std::string& provider() const { return provider_; }
+
+ private:
+  Domain() = default;
+  InfoPtr info_;
+  FabricPtr fabric_;
+  DomainPtr domain_;
+  std::string provider_;
+};
+
+// ---------------------------------------------------------------------------
+// Endpoint: one RDM endpoint, its CQ and its AV
+// ---------------------------------------------------------------------------
+/** One completion read from an Endpoint's CQ. */
+struct CqEvent {
+  void* context = nullptr;  // the context passed to post_*
+  size_t len = 0;           // bytes received (receives)
+  uint64_t tag = 0;
+  int err = 0;  // 0, or a positive FI_E* code (FI_ECANCELED, FI_ETRUNC, ...)
+  int prov_errno = 0;
+};
+
+class Endpoint {
+ public:
+  /** Opens an endpoint on `domain` whose tx_attr.tclass is `tclass`. */
+  static kvxfer_result_t open(std::shared_ptr<Domain> domain, uint32_t tclass,
+                              std::unique_ptr<Endpoint>* out);
+  ~Endpoint() { close(); }
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  /** The local address (fi_getname), an opaque blob for the peer's insert_peer(). */
+  const std::vector<uint8_t>& name() const { return name_; }
+  /** fi_av_insert of a peer's name() blob. */
+  kvxfer_result_t insert_peer(const void* addr, size_t len, fi_addr_t* out);
+
+  // Posting: KVXFER_SUCCESS, KVXFER_IN_PROGRESS when the provider's queue is
+  // full (-FI_EAGAIN: poll the CQ, then post again), or an error.  `ctx` must
+  // stay valid until its completion is read or the endpoint is closed; it
+  // must start with a struct fi_context2.
+  kvxfer_result_t post_send(const void* buf, size_t len, fi_addr_t dest, uint64_t tag, void* ctx);
+  kvxfer_result_t post_recv(void* buf, size_t len, uint64_t tag, void* ctx);
+  /** Asks the provider to cancel a posted receive (fi_cancel); a cancelled
+   *  operation completes with err = FI_ECANCELED. */
+  kvxfer_result_t cancel(void* ctx);
+  /** Reads up to `max` completions (successes and errors); never blocks. */
+  kvxfer_result_t poll(CqEvent* out, size_t max, size_t* n);
+  /** Closes EP, AV and CQ (in that order).  Afterwards the provider no longer
+   *  touches any posted buffer or context.  Idempotent. */
+  void close();
+  bool is_open() const { return ep_ != nullptr; }
+
+  uint32_t tclass() const { return tclass_; }
+  const fi_info* info() const { return info_.get(); }
+  const Domain& domain() const { return *domain_; }
+
+ private:
+  Endpoint() = default;
+  std::shared_ptr<Domain> domain_;
+  InfoPtr info_;  // the domain's info with this endpoint's tclass
+  CqPtr cq_;
+  AvPtr av_;
+  EpPtr ep_;  // declared last: closed first
+  uint32_t tclass_ = 0;
+  std::vector<uint8_t> name_;
+};
+
+// ---------------------------------------------------------------------------
+// Link: one peer, one endpoint per traffic class
+// ---------------------------------------------------------------------------
+struct LinkConfig {
+  std::string provider;  // "" = auto
+  std::string node;      // local address to bind; "" = provider default
+  std::array<uint32_t, kNumClasses> tclass{FI_TC_LOW_LATENCY, FI_TC_BULK_DATA};
+  std::array<int, kNumClasses> dscp{46, 8};  // -1 = do not mark sockets (still inspected)
+  size_t chunk_bytes = 256 * 1024;           // messages are split into chunks of at most this
+  size_t residual_inflight_bytes = 1 << 20;  // residual bytes posted and not completed
+  size_t max_posted_chunks = 64;             // per class: bounds the provider's queues
+  size_t recv_window_chunks = 16;            // data receives posted ahead, per message
+  int64_t timeout_ms = 30000;                // inactivity timeout of every operation
+  std::shared_ptr<RateLimiter> limiter;      // null = no rate limit
+
+  /** Fills every field from the KVXFER_* parameters (node stays ""). */
+  static kvxfer_result_t from_params(LinkConfig* out);
+};
+
+/** A finished operation (success or error), as returned by Link::poll(). */
+struct Completion {
+  uint64_t op_id = 0;
+  uint64_t tag = 0;
+  TrafficClass cls = TrafficClass::kAnchor;
+  bool is_send = false;
+  kvxfer_result_t status = KVXFER_SUCCESS;
+  std::string error;  // why it failed ("" on success)
+  size_t bytes = 0;   // bytes sent / received
+  Clock::time_point posted, done;
+};
+
+/** What DSCP marking found and did, per class (see docs/TRANSPORT.md). */
+struct DscpReport {
+  bool supported = false;                           // the provider's addresses are sockaddrs
+  std::array<int, kNumClasses> sockets{};           // sockets of this link's endpoints marked
+  std::array<int, kNumClasses> tos_before{-1, -1};  // IP_TOS found on the first one
+  std::array<int, kNumClasses> tos_after{-1, -1};   // IP_TOS read back after marking
+  std::array<int, kNumClasses> nodelay{-1, -1};     // TCP_NODELAY the provider chose
+  std::string note;
+};
+
+struct LinkStats {
+  std::array<uint64_t, kNumClasses> chunks_posted{};
+  std::array<uint64_t, kNumClasses> bytes_posted{};
+  size_t max_residual_inflight = 0;  // high-water mark of residual bytes in flight
+};
+
+class Link {
+ public:
+  /** Largest user tag; tags of messages in flight on one class must differ. */
+  static constexpr uint64_t kMaxTag = (uint64_t{1} << 40) - 2;
+
+  /** Opens the domain and one endpoint per class.  Non-blocking. */
+  static kvxfer_result_t create(const LinkConfig& cfg, std::unique_ptr<Link>* out);
+  /** Cancels everything in flight (see abort()) and closes all objects. */
+  ~Link();
+  Link(const Link&) = delete;
+  Link& operator=(const Link&) = delete;
+
+  /** This side's address: an opaque blob to hand to the peer's connect(). */
+  const std::vector<uint8_t>& local_address() const { return address_; }
+  /**
+   * Inserts the peer's blob and starts the handshake (one empty "hello" each
+   * way on each class).  Non-blocking: sends queue until ready(); receives can
+   * be posted at once.  Fails if the blob is malformed or names another
+   * provider.  The handshake is bound by the timeout like every operation.
+   */
+  kvxfer_result_t connect(const void* blob, size_t len);
+  bool ready() const { return ready_; }
+  bool failed() const { return failed_; }
+
+  /**
+   * Queues a message (any size, 0 included) on class `c`.  `buf` must stay
+   * valid until its completion.  Matched to the peer's post_recv with the same
+   * class and tag; tags (<= kMaxTag) of messages in flight on a class must be
+   * distinct.  *op receives an id reported back in Completion::op_id.
+   */
+  kvxfer_result_t post_send(TrafficClass c, const void* buf, size_t len, uint64_t tag,
+                            uint64_t* op);
+  /** Posts a receive of at most `cap` bytes; a longer message fails it with
+   *  KVXFER_ERR_BUFFER_TOO_SMALL (and is drained, so the sender completes). */
+  kvxfer_result_t post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag, uint64_t* op);
+
+  /**
+   * Drives everything: reads both CQs (anchor first), finishes the handshake,
+   * posts receives and send chunks (anchor first), enforces timeouts.  Never
+   * blocks.  Returns KVXFER_SUCCESS, or the error that failed the link.
+   */
+  kvxfer_result_t progress();
+  /** progress(), then appends every finished operation to *out; returns the count. */
+  size_t poll(std::vector<Completion>* out);
+
+  /**
+   * Fails the link: closes both endpoints (the provider stops touching every
+   * posted buffer), and every operation not yet reported finishes with an
+   * error naming `why`.  Idempotent.  Later posts fail.
+   */
+  void abort(const char* why);
+
+  /** Operations posted and not yet returned by poll(). */
+  size_t ops_in_flight() const;
+  const std::string& provider() const { return domain_->provider(); }
+  const LinkConfig& config() const { return cfg_; }
+  const DscpReport& dscp_report() const { return dscp_; }
+  const LinkStats& stats() const { return stats_; }
+  /** When progress() would have something to do again (rate limiter); now if busy. */
+  Clock::time_point next_deadline() const { return next_wake_; }
+
+ private:
+  struct Op;
+  struct Ctx;
+  Link() = default;
+
+  kvxfer_result_t handle_event(TrafficClass c, const CqEvent& ev, Clock::time_point now);
+  kvxfer_result_t on_send_done(Ctx* ctx, const CqEvent& ev, Clock::time_point now);
+  kvxfer_result_t on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_point now);
+  kvxfer_result_t schedule_sends(Clock::time_point now);
+  kvxfer_result_t post_recvs(Clock::time_point now);
+  kvxfer_result_t check_timeouts(Clock::time_point now);
+  kvxfer_result_t post_hellos();
+  void mark_sockets();
+  void fail_recv(Op* op, kvxfer_result_t code, const std::string& why, Clock::time_point now);
+  void finish(Op* op, kvxfer_result_t code, const std::string& why, Clock::time_point now);
+  void maybe_release(Op* op);
+  Ctx* new_ctx(Op* op, TrafficClass c, int kind, uint32_t index, size_t bytes);
+  void free_ctx(Ctx* ctx);
+  kvxfer_result_t fail_link(kvxfer_result_t code, const std::string& why);
+  void abort_with(kvxfer_result_t code, const std::string& why);
+
+  LinkConfig cfg_;
+  std::shared_ptr<Domain> domain_;
+  std::array<std::unique_ptr<Endpoint>, kNumClasses> ep_;
+  std::array<fi_addr_t, kNumClasses> peer_{FI_ADDR_UNSPEC, FI_ADDR_UNSPEC};
+  std::vector<uint8_t> address_;
+  std::array<std::vector<uint8_t>, kNumClasses> peer_name_;
+
+  bool connecting_ = false, ready_ = false, failed_ = false;
+  kvxfer_result_t fail_code_ = KVXFER_SUCCESS;
+  std::string fail_why_;
+  Clock::time_point connect_started_, ready_at_;
+  int hello_pending_ = 0;
+  std::array<uint64_t, kNumClasses> hello_buf_{};
+  std::array<uint64_t, kNumClasses> hello_out_{};
+  std::array<bool, kNumClasses> hello_unsent_{};
+
+  uint64_t next_op_id_ = 1;
+  std::unordered_map<uint64_t, std::unique_ptr<Op>> ops_;
+  std::array<std::deque<Op*>, kNumClasses> send_queue_;  // sends with chunks left to post
+  std::array<std::deque<Op*>, kNumClasses> recv_queue_;  // receives with posts left to make
+  std::unordered_set<Ctx*> live_;                        // contexts the provider holds
+  std::array<size_t, kNumClasses> posted_chunks_{};      // send chunks in flight
+  std::array<size_t, kNumClasses> inflight_bytes_{};     // send bytes in flight
+  std::array<size_t, kNumClasses> posted_recvs_{};       // receives in flight
+  std::deque<Completion> done_;
+  Clock::time_point next_wake_;
+  Clock::time_point last_timeout_scan_;
+  Clock::time_point last_send_activity_, last_recv_activity_;  // any chunk on the link
+
+  DscpReport dscp_;
+  LinkStats stats_;
+};
+
+}  // namespace kvxfer::transport
