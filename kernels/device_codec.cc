@@ -7,6 +7,8 @@
 
 #include <cinttypes>
 #include <cstring>
+#include <deque>
+#include <tuple>
 #include <map>
 #include <mutex>
 #include <string>
@@ -103,10 +105,17 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   KVXFER_REQUIRE(cb != nullptr && out != nullptr, "NULL codebook");
   int dev = 0;
   KVXFER_CUDA(cudaGetDevice(&dev));
+  // Keyed by the codebook's identity, never by its address: a host codebook
+  // dropped from the CPU cache may be freed and its address reused.
+  using Key = std::tuple<int, uint32_t, int, int>;
+  uint32_t abits = 0;
+  std::memcpy(&abits, &cb->alpha, sizeof(abits));
+  const Key key{static_cast<int>(cb->codec), abits, cb->anchor_bits, dev};
   static std::mutex mu;
-  static std::map<std::pair<const codec::Codebook*, int>, DeviceCodebook> cache;
+  static std::map<Key, DeviceCodebook> cache;
+  static std::deque<Key> order;
   std::lock_guard<std::mutex> lk(mu);
-  auto it = cache.find({cb, dev});
+  auto it = cache.find(key);
   if (it != cache.end()) {
     *out = it->second;
     return KVXFER_SUCCESS;
@@ -133,6 +142,7 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   }
   const auto* f = static_cast<const float*>(d);
   DeviceCodebook dc;
+  dc.mem = std::shared_ptr<void>(d, [](void* q) { cudaFree(q); });
   dc.recon_full = f;
   dc.recon_anchor = f + 256;
   dc.anchor_lo = f + 320;
@@ -145,7 +155,12 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   dc.code_bits = cb->code_bits;
   dc.anchor_bits = cb->anchor_bits;
   dc.residual_bits = cb->residual_bits;
-  cache.emplace(std::make_pair(cb, dev), dc);  // kept for the life of the process, as the CPU cache
+  cache.emplace(key, dc);
+  order.push_back(key);
+  if (order.size() > codec::kCodebookCacheSize) {  // bounded, as the CPU cache
+    cache.erase(order.front());
+    order.pop_front();
+  }
   *out = dc;
   return KVXFER_SUCCESS;
 }
@@ -247,11 +262,11 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
     }
   } else {
     std::string why;
-    const codec::Codebook* cb = codec::get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
+    const codec::CodebookRef cb = codec::get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
     if (cb == nullptr)
       return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
     DeviceCodebook dcb;
-    KVXFER_CHECK(upload_codebook(cb, &dcb));
+    KVXFER_CHECK(upload_codebook(cb.get(), &dcb));
     st.flags = STATUS_NEED_FP32;
     for (int attempt = 0; attempt < 2 && st.flags == STATUS_NEED_FP32; ++attempt) {
       // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
@@ -386,7 +401,7 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
                        (long long)(i % dst->num_channels), (double)a.m, (double)a.d);
   }
   std::string why;
-  const codec::Codebook* cb =
+  const codec::CodebookRef cb =
       codec::get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
   if (cb == nullptr)
     return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
@@ -398,7 +413,7 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
       return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
   }
   DeviceCodebook dcb;
-  KVXFER_CHECK(upload_codebook(cb, &dcb));
+  KVXFER_CHECK(upload_codebook(cb.get(), &dcb));
   if (s.anchor_payload() > 0)
     KVXFER_CUDA(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
                                 cudaMemcpyHostToDevice, stream));

@@ -27,6 +27,8 @@
 #include <cstdint>
 
 #include "codec/format.h"
+#include <memory>
+
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::codec {
@@ -38,9 +40,12 @@ namespace kvxfer::cuda {
 /**
  * Device copy of one codebook's tables: the float/int tables the CPU built
  * (codec::get_codebook), copied verbatim, never recomputed on the device.
- * Obtained from upload_codebook; valid for the life of the process.
+ * Obtained from upload_codebook.  `mem` owns the device allocation: the
+ * tables stay valid while any copy of this struct lives, even after the
+ * bounded cache has dropped them.
  */
 struct DeviceCodebook {
+  std::shared_ptr<void> mem;
   const int32_t* lut_base = nullptr;    // Codebook::lut_base
   const float* lut_next = nullptr;      // Codebook::lut_next
   const float* recon_full = nullptr;    // Codebook::recon_full[256]
@@ -51,7 +56,11 @@ struct DeviceCodebook {
   int32_t code_bits = 0, anchor_bits = 0, residual_bits = 0;
 };
 
-/** Uploads (once per codebook and device, then cached) the tables of `cb` to the current device. */
+/**
+ * Uploads the tables of `cb` to the current device, once per codebook
+ * identity (codec, alpha, anchor bits) and device.  The cache keeps at most
+ * codec::kCodebookCacheSize entries per process, like the CPU cache.
+ */
 kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out);
 
 /** Outcome of the kernels, in device memory (8-byte aligned). */

@@ -25,16 +25,16 @@ std::vector<CbCase> all_codebooks() {
   return v;
 }
 
-const Codebook* cb_of(const CbCase& c) {
+CodebookRef cb_of(const CbCase& c) {
   std::string why;
-  const Codebook* cb = get_codebook(c.codec, c.alpha, c.anchor_bits, &why);
+  const CodebookRef cb = get_codebook(c.codec, c.alpha, c.anchor_bits, &why);
   EXPECT_NE(cb, nullptr) << why;
   return cb;
 }
 
 TEST(Codebook, EveryCodeSplitsAndMergesExactly) {
   for (const auto& c : all_codebooks()) {
-    const Codebook* cb = cb_of(c);
+    const CodebookRef cb = cb_of(c);
     const unsigned R = cb->residual_bits, ncodes = 1u << cb->code_bits;
     for (unsigned code = 0; code < ncodes; ++code) {
       // Through the bit stream, at an odd offset, next to other fields.
@@ -51,7 +51,7 @@ TEST(Codebook, EveryCodeSplitsAndMergesExactly) {
 
 TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
   for (const auto& c : all_codebooks()) {
-    const Codebook* cb = cb_of(c);
+    const CodebookRef cb = cb_of(c);
     const unsigned ncodes = 1u << cb->code_bits, R = cb->residual_bits;
     for (unsigned code = 0; code < ncodes; ++code) {
       const float r = cb->recon_full[code];
@@ -68,7 +68,7 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
 TEST(Codebook, FastLookupEqualsThresholdCountOnEveryBoundary) {
   // Every threshold, its float neighbours, and a dense sweep.
   for (const auto& c : all_codebooks()) {
-    const Codebook* cb = cb_of(c);
+    const CodebookRef cb = cb_of(c);
     std::vector<float> probes = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 1e-45f};
     for (float t : cb->thresholds)
       for (float v : {t, std::nextafter(t, 2.0f), std::nextafter(t, -2.0f)}) {
@@ -89,7 +89,7 @@ TEST(Codebook, LynxMatchesAlphaLawFormula) {
   // in double.  Points within 1e-6 of a rounding tie are skipped (there the
   // float threshold table is the definition).
   for (float alpha : {5.0f, 20.0f, 100.0f, 255.0f}) {
-    const Codebook* cb = get_codebook(KVXFER_CODEC_LYNX, alpha, 4, nullptr);
+    const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, alpha, 4, nullptr);
     for (int i = 0; i <= 4000; ++i) {
       const float z = -1.0f + i / 2000.0f;
       const double y = std::log1p(alpha * std::fabs(static_cast<double>(z))) / std::log1p(alpha) * 127.0;
@@ -99,7 +99,7 @@ TEST(Codebook, LynxMatchesAlphaLawFormula) {
     }
   }
   // alpha = 0 is linear: z = 0.5 is the tie 63.5, rounded up.
-  const Codebook* lin = get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, nullptr);
+  const CodebookRef lin = get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, nullptr);
   EXPECT_EQ(lin->encode(0.5f), 64u);
   EXPECT_EQ(lin->encode(-0.5f), 0x80u | 64u);
   EXPECT_EQ(lin->encode(1.0f), 127u);
@@ -109,8 +109,8 @@ TEST(Codebook, LynxMatchesAlphaLawFormula) {
 TEST(Codebook, UniformBaselinesMatchHandComputedValues) {
   // Asymmetric min/max INT8 on a channel 0..15: m = d = 7.5, so
   // q = round((x - 0) / 15 * 255) = 17 x.
-  const Codebook* i8 = get_codebook(KVXFER_CODEC_INT8, 0.0f, 4, nullptr);
-  const Codebook* i4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, nullptr);
+  const CodebookRef i8 = get_codebook(KVXFER_CODEC_INT8, 0.0f, 4, nullptr);
+  const CodebookRef i4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, nullptr);
   for (int x = 0; x < 16; ++x) {
     const float z = (x - 7.5f) / 7.5f;
     EXPECT_EQ(i8->encode(z), 17u * x);
@@ -136,7 +136,7 @@ TEST(Codebook, UniformBaselinesMatchHandComputedValues) {
 }
 
 TEST(Codebook, LynxAnchorIsSignPlusTopMagnitudeBits) {
-  const Codebook* cb = get_codebook(KVXFER_CODEC_LYNX, 100.0f, 4, nullptr);
+  const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, 100.0f, 4, nullptr);
   for (unsigned code = 0; code < 256; ++code) {
     const unsigned a = code >> 4;
     EXPECT_EQ(a >> 3, code >> 7);              // sign bit

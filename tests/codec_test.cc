@@ -25,7 +25,7 @@ void expect_within_bound(const PagedBuffer& src, const PagedBuffer& out, const s
                          bool full, const char* what) {
   PageHeader h;
   ASSERT_EQ(parse_section(anchor.data(), anchor.size(), &h), KVXFER_SUCCESS) << last_error();
-  const Codebook* cb = get_codebook(static_cast<kvxfer_codec_t>(h.codec), h.alpha, h.anchor_bits, nullptr);
+  const CodebookRef cb = get_codebook(static_cast<kvxfer_codec_t>(h.codec), h.alpha, h.anchor_bits, nullptr);
   ASSERT_NE(cb, nullptr);
   const bool fp32 = h.flags & FLAG_META_FP32;
   const int32_t H = src.layout.num_channels;
@@ -105,7 +105,7 @@ TEST(PageCodec, AdversarialPagesAreByteIdentical) {
   // Values on and next to bin thresholds, ties, zeros of both signs, huge and
   // tiny magnitudes, constant channels.
   const auto cfg = config(KVXFER_CODEC_LYNX, 100.0f, 16);
-  const Codebook* cb = get_codebook(KVXFER_CODEC_LYNX, 100.0f, 4, nullptr);
+  const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, 100.0f, 4, nullptr);
   PagedBuffer src(64, 40, KVXFER_DTYPE_FP32, 16);
   std::mt19937 rng(7);
   for (int64_t t = 0; t < 64; ++t)

@@ -19,10 +19,10 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
   KVXFER_REQUIRE(valid_chunk_tokens(cfg->chunk_tokens), "chunk_tokens %d is not 16, 32, 64 or 128",
                  cfg->chunk_tokens);
   const int ncand = static_cast<int>(sizeof(kAlphaCandidates) / sizeof(kAlphaCandidates[0]));
-  std::vector<const Codebook*> cbs;
+  std::vector<CodebookRef> cbs;
   for (float a : kAlphaCandidates) {
     std::string why;
-    const Codebook* cb = get_codebook(KVXFER_CODEC_LYNX, a, cfg->anchor_bits, &why);
+    const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, a, cfg->anchor_bits, &why);
     if (cb == nullptr) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "calibration: %s", why.c_str());
     cbs.push_back(cb);
   }

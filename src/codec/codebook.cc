@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -157,7 +158,7 @@ bool anchor_table_valid(const Codebook& cb, const float* table) {
   return true;
 }
 
-const Codebook* get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why) {
+CodebookRef get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why) {
   switch (codec) {
     case KVXFER_CODEC_LYNX:
       if (!(alpha >= 0.0f && alpha <= kMaxAlpha)) {
@@ -181,15 +182,29 @@ const Codebook* get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits,
       *why = "codec has no codebook";
       return nullptr;
   }
+  using Key = std::tuple<int, uint32_t, int>;
   static std::mutex mu;
-  static std::map<std::tuple<int, uint32_t, int>, std::unique_ptr<Codebook>> cache;
+  static std::map<Key, CodebookRef> cache;
+  static std::deque<Key> order;  // insertion order, oldest first
   uint32_t abits = 0;
   const float a = codec == KVXFER_CODEC_LYNX && alpha != 0.0f ? alpha : 0.0f;  // -0 == +0
   std::memcpy(&abits, &a, sizeof(abits));
+  const Key key = std::make_tuple(static_cast<int>(codec), abits, anchor_bits);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  CodebookRef made = make_codebook(codec, a, anchor_bits);  // built outside the lock
   std::lock_guard<std::mutex> lk(mu);
-  auto& slot = cache[std::make_tuple(static_cast<int>(codec), abits, anchor_bits)];
-  if (!slot) slot = make_codebook(codec, a, anchor_bits);
-  return slot.get();
+  auto ins = cache.emplace(key, made);
+  if (!ins.second) return ins.first->second;  // another thread built it first
+  order.push_back(key);
+  if (order.size() > kCodebookCacheSize) {
+    cache.erase(order.front());
+    order.pop_front();
+  }
+  return made;
 }
 
 }  // namespace kvxfer::codec

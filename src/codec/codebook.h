@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -63,13 +64,20 @@ struct Codebook {
   }
 };
 
+/** Shared ownership: a codebook lives while a caller holds it or the cache keeps it. */
+using CodebookRef = std::shared_ptr<const Codebook>;
+
+/** Most codebooks the process-wide cache keeps (the oldest is dropped first). */
+constexpr size_t kCodebookCacheSize = 64;
+
 /**
- * Returns the codebook for (codec, alpha, anchor_bits), built once and cached
- * for the life of the process (the pointer stays valid).  Thread-safe.
- * Returns nullptr with *why set for an invalid combination or for BF16 (which
- * has no codebook).
+ * Returns the codebook for (codec, alpha, anchor_bits), built on first use.
+ * Thread-safe.  The cache holds at most kCodebookCacheSize entries, so a peer
+ * that sends pages with ever-new alphas cannot grow memory without bound; a
+ * dropped codebook is freed when its last user releases it.  Returns nullptr
+ * with *why set for an invalid combination or for BF16 (no codebook).
  */
-const Codebook* get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why);
+CodebookRef get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why);
 
 /**
  * True if pages of this codebook carry a per-page anchor table: the split

@@ -218,9 +218,9 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     }
   } else {
     std::string why;
-    const Codebook* cb = get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
+    const CodebookRef cb = get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
     uint64_t hist[256];
-    EncodeJob job{cb, &h, lay, false, nullptr, nullptr, nullptr, hist};
+    EncodeJob job{cb.get(), &h, lay, false, nullptr, nullptr, nullptr, hist};
     EncodeStatus st = EncodeStatus::NEED_FP32;
     for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
       std::fill(hist, hist + 256, 0);
@@ -368,7 +368,7 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   }
   const PayloadSizes s = payload_sizes(ah);
   std::string why;
-  const Codebook* cb = get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
+  const CodebookRef cb = get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
   if (cb == nullptr) return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
   float table[64];
   const float* anchor_table = cb->recon_anchor;
@@ -379,7 +379,7 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
       return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
     anchor_table = table;
   }
-  DecodeJob job{cb,
+  DecodeJob job{cb.get(),
                 &ah,
                 lay,
                 fp32,
