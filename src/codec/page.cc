@@ -27,6 +27,16 @@ kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what,
                  l->num_channels);
   KVXFER_REQUIRE(l->first_token >= 0, "%s first_token %" PRId64 " is negative", what,
                  l->first_token);
+  // Every row address must be computable without overflow: the token range
+  // ends below 2^62, and a block's byte size (block_size * row_stride * elem)
+  // fits in 2^62 too.
+  constexpr int64_t kLimit = int64_t{1} << 62;
+  KVXFER_REQUIRE(l->first_token <= kLimit - l->num_tokens,
+                 "%s token range [%" PRId64 ", +%" PRId64 ") overflows", what, l->first_token,
+                 l->num_tokens);
+  KVXFER_REQUIRE(l->row_stride <= kLimit / l->block_size / 4,
+                 "%s block of %d rows of stride %" PRId64 " overflows the address space", what,
+                 l->block_size, l->row_stride);
   if (l->num_tokens > 0) {
     KVXFER_REQUIRE(l->blocks != nullptr, "%s block list is NULL", what);
     const int64_t first = l->first_token / l->block_size;
