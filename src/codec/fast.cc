@@ -3,6 +3,7 @@
 // bytes as codec/reference.cc (tests/codec_test.cc checks it exhaustively).
 #include "codec/fast.h"
 
+#include <cpuid.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -83,7 +84,12 @@ const RowKernels& scalar_kernels() {
 }
 
 bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C through CPUID: clang 14's __builtin_cpu_supports does not know "f16c".
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+    return f16c && __builtin_cpu_supports("avx2");
+  }();
   return has;
 }
 

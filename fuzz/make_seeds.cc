@@ -1,0 +1,171 @@
+// Writes the seed corpus of page_decode_fuzz: valid (anchor, residual) pairs
+// of every codec, several shapes, raw fallback, fp32 metadata, the empty page,
+// and a few deliberately mismatched pairs, framed as fuzz/fuzz_input.h says.
+//   make_fuzz_seeds <output dir>
+// The committed copies live in tests/data/fuzz/ (seed-*), where
+// tests/format_test.cc replays them.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "codec/codec.h"
+#include "codec/page.h"
+#include "common/error.h"
+#include "fuzz_input.h"
+
+namespace {
+
+using namespace kvxfer;
+
+struct Page {
+  std::vector<uint8_t> anchor, residual;
+};
+
+// Deterministic KV-like values (LCG), optionally with a NaN or huge values.
+bool encode(kvxfer_codec_t codec, float alpha, int chunk, int abits, int64_t T, int32_t H,
+            kvxfer_dtype_t dt, uint32_t seed, float scale, bool nan, Page* out,
+            kvxfer_page_id_t id = {7, KVXFER_KV_VALUE, 4096, 0x1234}) {
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = codec;
+  cfg.alpha = alpha;
+  cfg.chunk_tokens = chunk;
+  cfg.anchor_bits = abits;
+  cfg.nonfinite = KVXFER_NONFINITE_RAW;
+  const size_t es = codec::dtype_size(dt);
+  std::vector<uint8_t> buf(static_cast<size_t>(T * H) * es + 1);
+  void* block = buf.data();
+  kvxfer_page_layout_t l{&block, 1, static_cast<int32_t>(T > 0 ? T : 1), H, 0, T, H, dt};
+  uint32_t s = seed;
+  for (int64_t t = 0; t < T; ++t)
+    for (int32_t c = 0; c < H; ++c) {
+      s = s * 1664525u + 1013904223u;
+      const float u = static_cast<float>(s >> 8) / 16777216.0f - 0.5f;
+      float v = scale * (0.3f * static_cast<float>(c % 5) + u * (c % 7 == 3 ? 20.0f : 1.0f));
+      if (nan && t == T / 2 && c == H / 2) v = NAN;
+      codec::store_elem(buf.data() + static_cast<size_t>(t * H) * es, c, dt, v);
+    }
+  size_t amax = 0, rmax = 0;
+  if (codec::max_sizes(&cfg, T, H, &amax, &rmax) != KVXFER_SUCCESS) return false;
+  out->anchor.assign(amax, 0);
+  out->residual.assign(rmax, 0);
+  size_t al = 0, rl = 0;
+  const kvxfer_result_t r =
+      codec::encode_page(&cfg, &id, &l, out->anchor.data(), amax, &al, out->residual.data(), rmax,
+                         &rl, codec::Impl::REFERENCE, 1);
+  if (r != KVXFER_SUCCESS) {
+    std::fprintf(stderr, "encode failed: %s\n", last_error());
+    return false;
+  }
+  out->anchor.resize(al);
+  out->residual.resize(rl);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s <output dir>\n", argv[0]);
+    return 2;
+  }
+  const std::string dir = argv[1];
+  int written = 0, failed = 0;
+  auto emit = [&](const std::string& name, uint8_t mode, const std::vector<uint8_t>& a,
+                  const std::vector<uint8_t>& r) {
+    const auto bytes = fuzz::join_fuzz_input(mode, a, r);
+    const std::string path = dir + "/seed-" + name;
+    FILE* f = std::fopen(path.c_str(), "wb");
+    if (f == nullptr || std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) {
+      std::perror(path.c_str());
+      ++failed;
+    } else {
+      ++written;
+    }
+    if (f) std::fclose(f);
+  };
+  // Reseal both sections by default so that mutations reach the payload checks.
+  const uint8_t kReseal = fuzz::MODE_RESEAL_ANCHOR | fuzz::MODE_RESEAL_RESIDUAL;
+  struct Case {
+    const char* name;
+    kvxfer_codec_t codec;
+    float alpha;
+    int chunk, abits;
+    int64_t T;
+    int32_t H;
+    kvxfer_dtype_t dt;
+    float scale;
+    bool nan;
+    uint8_t mode;
+  };
+  const Case cases[] = {
+      {"lynx-a20-c16-A4-bf16", KVXFER_CODEC_LYNX, 20.0f, 16, 4, 20, 6, KVXFER_DTYPE_BF16, 1, false,
+       kReseal | 0},
+      {"lynx-a0-c32-A2-fp16", KVXFER_CODEC_LYNX, 0.0f, 32, 2, 33, 5, KVXFER_DTYPE_FP16, 1, false,
+       kReseal | 1},
+      {"lynx-a1000-c64-A6-fp32", KVXFER_CODEC_LYNX, 1000.0f, 64, 6, 17, 3, KVXFER_DTYPE_FP32, 1,
+       false, kReseal | 2},
+      {"lynx-a5-c128-A3-oddH", KVXFER_CODEC_LYNX, 5.0f, 128, 3, 9, 7, KVXFER_DTYPE_BF16, 1, false,
+       kReseal | fuzz::MODE_SMALL_BLOCKS | 1},
+      {"lynx-a255-c16-A5-expect", KVXFER_CODEC_LYNX, 255.0f, 16, 5, 18, 4, KVXFER_DTYPE_FP16, 1,
+       false, kReseal | fuzz::MODE_EXPECT | 2},
+      {"int8-c16-A2", KVXFER_CODEC_INT8, 0.0f, 16, 2, 19, 4, KVXFER_DTYPE_FP32, 1, false,
+       kReseal | 0},
+      {"int8-c32-A4-evenH", KVXFER_CODEC_INT8, 0.0f, 32, 4, 40, 8, KVXFER_DTYPE_BF16, 1, false,
+       kReseal | fuzz::MODE_SMALL_BLOCKS | 2},
+      {"int8-c64-A6", KVXFER_CODEC_INT8, 0.0f, 64, 6, 7, 9, KVXFER_DTYPE_FP16, 1, false,
+       kReseal | 1},
+      {"int4-c16-evenH", KVXFER_CODEC_INT4, 0.0f, 16, 4, 33, 10, KVXFER_DTYPE_BF16, 1, false,
+       kReseal | 0},
+      {"int4-c32-oddH", KVXFER_CODEC_INT4, 0.0f, 32, 4, 5, 3, KVXFER_DTYPE_FP32, 1, false,
+       kReseal | 2},
+      {"bf16-passthrough", KVXFER_CODEC_BF16, 0.0f, 32, 0, 6, 5, KVXFER_DTYPE_FP32, 1, false,
+       kReseal | 1},
+      {"bf16-passthrough-to-bf16", KVXFER_CODEC_BF16, 0.0f, 16, 0, 4, 4, KVXFER_DTYPE_BF16, 1,
+       false, kReseal | 0},
+      {"raw-bf16", KVXFER_CODEC_LYNX, 20.0f, 32, 4, 5, 4, KVXFER_DTYPE_BF16, 1, true, kReseal | 2},
+      {"raw-fp16", KVXFER_CODEC_INT8, 0.0f, 16, 4, 6, 3, KVXFER_DTYPE_FP16, 1, true, kReseal | 0},
+      {"raw-fp32", KVXFER_CODEC_INT4, 0.0f, 64, 4, 3, 5, KVXFER_DTYPE_FP32, 1, true, kReseal | 1},
+      {"raw-bf16-codec", KVXFER_CODEC_BF16, 0.0f, 32, 0, 4, 3, KVXFER_DTYPE_FP16, 1, true,
+       kReseal | 2},
+      {"lynx-meta-fp32", KVXFER_CODEC_LYNX, 20.0f, 16, 4, 17, 4, KVXFER_DTYPE_FP32, 1e30f, false,
+       kReseal | 2},
+      {"int8-meta-fp32-to-fp16", KVXFER_CODEC_INT8, 0.0f, 16, 3, 16, 4, KVXFER_DTYPE_FP32, 1e20f,
+       false, kReseal | 1},
+      {"lynx-empty-page", KVXFER_CODEC_LYNX, 20.0f, 32, 4, 0, 4, KVXFER_DTYPE_BF16, 1, false,
+       kReseal | 0},
+      {"lynx-empty-page-1M-channels", KVXFER_CODEC_LYNX, 20.0f, 32, 4, 0, 1 << 20,
+       KVXFER_DTYPE_BF16, 1, false, kReseal | 0},
+      {"lynx-one-token", KVXFER_CODEC_LYNX, 100.0f, 32, 4, 1, 1, KVXFER_DTYPE_BF16, 1, false,
+       kReseal | 0},
+      {"lynx-no-reseal", KVXFER_CODEC_LYNX, 20.0f, 32, 4, 12, 4, KVXFER_DTYPE_BF16, 1, false, 0},
+  };
+  for (const Case& c : cases) {
+    Page p;
+    if (!encode(c.codec, c.alpha, c.chunk, c.abits, c.T, c.H, c.dt, 0x9e3779b9u ^ written, c.scale,
+                c.nan, &p)) {
+      ++failed;
+      continue;
+    }
+    emit(c.name, c.mode, p.anchor, p.residual);
+  }
+  // Anchor only (no residual part), and pairs that do not belong together.
+  Page a, b, same_id_other_data;
+  if (encode(KVXFER_CODEC_LYNX, 20.0f, 16, 4, 20, 6, KVXFER_DTYPE_BF16, 1, 1, false, &a) &&
+      encode(KVXFER_CODEC_LYNX, 20.0f, 16, 4, 20, 6, KVXFER_DTYPE_BF16, 2, 1, false, &b,
+             {8, KVXFER_KV_KEY, 0, 0}) &&
+      encode(KVXFER_CODEC_LYNX, 20.0f, 16, 4, 20, 6, KVXFER_DTYPE_BF16, 3, 1, false,
+             &same_id_other_data)) {
+    emit("anchor-only", kReseal, a.anchor, {});
+    emit("mismatch-other-page", 0, a.anchor, b.residual);
+    emit("mismatch-same-id-other-data", fuzz::MODE_RESEAL_ANCHOR, a.anchor,
+         same_id_other_data.residual);
+    emit("swapped-sections", 0, a.residual, a.anchor);
+    emit("anchor-twice", 0, a.anchor, a.anchor);
+  } else {
+    ++failed;
+  }
+  std::printf("wrote %d seeds to %s (%d failures)\n", written, dir.c_str(), failed);
+  return failed ? 1 : 0;
+}
