@@ -8,10 +8,10 @@
 #include <cinttypes>
 #include <cstring>
 #include <deque>
-#include <tuple>
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "codec/codebook.h"
@@ -262,7 +262,8 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
     }
   } else {
     std::string why;
-    const codec::CodebookRef cb = codec::get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
+    const codec::CodebookRef cb =
+        codec::get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
     if (cb == nullptr)
       return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
     DeviceCodebook dcb;

@@ -25,10 +25,9 @@
 
 #include <cstddef>
 #include <cstdint>
-
-#include "codec/format.h"
 #include <memory>
 
+#include "codec/format.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::codec {

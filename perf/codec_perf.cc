@@ -550,8 +550,9 @@ int main(int argc, char** argv) {
   app.add_option("-d,--dtype", o.dtypes,
                  "source/destination dtypes: comma list of bf16,fp16,fp32, or all")
       ->capture_default_str();
-  app.add_option("--codec", o.codecs,
-                 "codecs of the throughput table: comma list of lynx,lynx-auto,int8,int4,bf16, or all")
+  app.add_option(
+         "--codec", o.codecs,
+         "codecs of the throughput table: comma list of lynx,lynx-auto,int8,int4,bf16, or all")
       ->capture_default_str();
   app.add_option("--dataset", o.datasets, "comma list of real,synth")->capture_default_str();
   auto* tok_opt = app.add_option("--tokens", o.tokens, "tokens per synthetic page (--quick: 1024)")
@@ -602,7 +603,8 @@ int main(int argc, char** argv) {
     else if (c == "bf16")
       cases.push_back(make_case(KVXFER_CODEC_BF16, 0.0f, 32, 4));
     else {
-      std::fprintf(stderr, "codec_perf: unknown codec '%s' (lynx, lynx-auto, int8, int4, bf16, all)\n",
+      std::fprintf(stderr,
+                   "codec_perf: unknown codec '%s' (lynx, lynx-auto, int8, int4, bf16, all)\n",
                    c.c_str());
       return 2;
     }

@@ -1,9 +1,10 @@
 // The scalar quantizers: exhaustive code/split checks and hand-computed values.
+#include "codec/codebook.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-#include "codec/codebook.h"
 #include "codec/detmath.h"
 #include "codec/page.h"
 
@@ -57,7 +58,8 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
       const float r = cb->recon_full[code];
       ASSERT_GE(r, -1.0f);
       ASSERT_LE(r, 1.0f);
-      ASSERT_EQ(cb->encode(r), code) << "codec " << c.codec << " alpha " << c.alpha << " code " << code;
+      ASSERT_EQ(cb->encode(r), code)
+          << "codec " << c.codec << " alpha " << c.alpha << " code " << code;
       // The anchor value lies in the union of its codes' bins: it encodes to a
       // code with the same anchor.
       ASSERT_EQ(cb->encode(cb->recon_anchor[code >> R]) >> R, code >> R);
@@ -92,7 +94,8 @@ TEST(Codebook, LynxMatchesAlphaLawFormula) {
     const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, alpha, 4, nullptr);
     for (int i = 0; i <= 4000; ++i) {
       const float z = -1.0f + i / 2000.0f;
-      const double y = std::log1p(alpha * std::fabs(static_cast<double>(z))) / std::log1p(alpha) * 127.0;
+      const double y =
+          std::log1p(alpha * std::fabs(static_cast<double>(z))) / std::log1p(alpha) * 127.0;
       if (std::fabs(y - std::floor(y) - 0.5) < 1e-6) continue;
       const unsigned q = static_cast<unsigned>(std::floor(y + 0.5));
       ASSERT_EQ(cb->encode(z), q | (z < 0 ? 0x80u : 0u)) << "alpha " << alpha << " z " << z;
@@ -139,11 +142,13 @@ TEST(Codebook, LynxAnchorIsSignPlusTopMagnitudeBits) {
   const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, 100.0f, 4, nullptr);
   for (unsigned code = 0; code < 256; ++code) {
     const unsigned a = code >> 4;
-    EXPECT_EQ(a >> 3, code >> 7);              // sign bit
-    EXPECT_EQ(a & 7u, (code & 0x7Fu) >> 4);    // top 3 of 7 magnitude bits
+    EXPECT_EQ(a >> 3, code >> 7);            // sign bit
+    EXPECT_EQ(a & 7u, (code & 0x7Fu) >> 4);  // top 3 of 7 magnitude bits
     // Anchor-only value has the code's sign and sits inside the anchor's range.
-    if (code & 0x80u) EXPECT_LT(cb->recon_anchor[a], 0.0f);
-    else EXPECT_GT(cb->recon_anchor[a], 0.0f);
+    if (code & 0x80u)
+      EXPECT_LT(cb->recon_anchor[a], 0.0f);
+    else
+      EXPECT_GT(cb->recon_anchor[a], 0.0f);
   }
   // Symmetric: anchor of -z is the mirror of anchor of z.
   for (unsigned a = 0; a < 8; ++a) EXPECT_EQ(cb->recon_anchor[a], -cb->recon_anchor[a | 8]);
@@ -165,7 +170,9 @@ TEST(DetMath, MatchesLibmClosely) {
   for (double x : {0.0, 1e-9, 1e-3, 0.5, 1.0, 5.0, 20.0, 100.0, 255.0, 1000.0})
     EXPECT_NEAR(detmath::log1p(x), std::log1p(x), 1e-14 * (1 + std::log1p(x))) << x;
   for (double x : {-3.0, -1e-4, 0.0, 1e-6, 0.01, 0.3, 1.0, 5.5, 6.9})
-    EXPECT_NEAR(detmath::expm1(x), std::expm1(x), 1e-13 * std::max(1e-300, std::fabs(std::expm1(x)))) << x;
+    EXPECT_NEAR(detmath::expm1(x), std::expm1(x),
+                1e-13 * std::max(1e-300, std::fabs(std::expm1(x))))
+        << x;
 }
 
 TEST(Conversions, Fp16AndBf16RoundTripAndRoundToNearestEven) {
@@ -177,14 +184,14 @@ TEST(Conversions, Fp16AndBf16RoundTripAndRoundToNearestEven) {
     ASSERT_EQ(f32_to_bf16(bf16_to_f32(v)), v) << std::hex << h;
   }
   // Ties to even, overflow, subnormals (hand-computed bit patterns).
-  EXPECT_EQ(f32_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3C00u);  // tie -> even (down)
+  EXPECT_EQ(f32_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3C00u);      // tie -> even (down)
   EXPECT_EQ(f32_to_f16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3C02u);  // tie -> even (up)
   EXPECT_EQ(f32_to_f16(65504.0f), 0x7BFFu);
   EXPECT_EQ(f32_to_f16(65520.0f), 0x7C00u);
   EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -24)), 0x0001u);
-  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -25)), 0x0000u);                      // tie -> even 0
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -25)), 0x0000u);  // tie -> even 0
   EXPECT_EQ(f32_to_f16(std::ldexp(1.5f, -25)), 0x0001u);
-  EXPECT_EQ(f32_to_bf16(1.0f + std::ldexp(1.0f, -8)), 0x3F80u);             // tie -> even
+  EXPECT_EQ(f32_to_bf16(1.0f + std::ldexp(1.0f, -8)), 0x3F80u);  // tie -> even
   EXPECT_EQ(f32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82u);
   EXPECT_EQ(f32_to_f16_up(1.0f + std::ldexp(1.0f, -12)), 0x3C01u);
   EXPECT_EQ(f32_to_f16_up(1.0f), 0x3C00u);

@@ -21,11 +21,12 @@ std::vector<Impl> fast_impls() {
 
 // Checks every decoded element against the documented bound, using the
 // metadata stored in the anchor section.
-void expect_within_bound(const PagedBuffer& src, const PagedBuffer& out, const std::vector<uint8_t>& anchor,
-                         bool full, const char* what) {
+void expect_within_bound(const PagedBuffer& src, const PagedBuffer& out,
+                         const std::vector<uint8_t>& anchor, bool full, const char* what) {
   PageHeader h;
   ASSERT_EQ(parse_section(anchor.data(), anchor.size(), &h), KVXFER_SUCCESS) << last_error();
-  const CodebookRef cb = get_codebook(static_cast<kvxfer_codec_t>(h.codec), h.alpha, h.anchor_bits, nullptr);
+  const CodebookRef cb =
+      get_codebook(static_cast<kvxfer_codec_t>(h.codec), h.alpha, h.anchor_bits, nullptr);
   ASSERT_NE(cb, nullptr);
   const bool fp32 = h.flags & FLAG_META_FP32;
   const int32_t H = src.layout.num_channels;
@@ -36,10 +37,11 @@ void expect_within_bound(const PagedBuffer& src, const PagedBuffer& out, const s
       const double x = src.get(t, c), xh = out.get(t, c);
       const double bound = error_bound(*cb, full, a, out.layout.dtype, xh);
       ASSERT_LE(std::fabs(x - xh), bound)
-          << what << ": token " << t << " channel " << c << " x=" << x << " x_hat=" << xh << " m=" << a.m
-          << " d=" << a.d;
-      if (a.d > 0) worst = std::max(worst, std::fabs(x - xh) / (a.d * (full ? cb->max_half_width_full
-                                                                             : cb->max_half_width_anchor)));
+          << what << ": token " << t << " channel " << c << " x=" << x << " x_hat=" << xh
+          << " m=" << a.m << " d=" << a.d;
+      if (a.d > 0)
+        worst = std::max(worst, std::fabs(x - xh) / (a.d * (full ? cb->max_half_width_full
+                                                                 : cb->max_half_width_anchor)));
     }
   // The bound is tight: some element comes close to it (not a vacuous check).
   if (src.layout.num_tokens * H > 1000) {
@@ -76,22 +78,26 @@ TEST(PageCodec, FastPathsAreByteIdenticalToReferenceForEveryParameterCombination
         for (Impl impl : fast_impls()) {
           const auto f = test::encode(cfg, src, impl, {3, KVXFER_KV_VALUE, 1000, 42}, 2);
           ASSERT_EQ(f.rc, KVXFER_SUCCESS);
-          const long da = test::first_diff(ref.anchor, f.anchor), dr = test::first_diff(ref.residual, f.residual);
+          const long da = test::first_diff(ref.anchor, f.anchor),
+                     dr = test::first_diff(ref.residual, f.residual);
           ASSERT_EQ(da, -1) << "anchor differs: ref " << test::hex(ref.anchor, da) << " fast "
-                            << test::hex(f.anchor, da) << " codec " << cfg.codec << " alpha " << cfg.alpha
-                            << " A " << cfg.anchor_bits << " C " << cfg.chunk_tokens << " T " << s.T;
+                            << test::hex(f.anchor, da) << " codec " << cfg.codec << " alpha "
+                            << cfg.alpha << " A " << cfg.anchor_bits << " C " << cfg.chunk_tokens
+                            << " T " << s.T;
           ASSERT_EQ(dr, -1) << "residual differs: ref " << test::hex(ref.residual, dr) << " fast "
                             << test::hex(f.residual, dr);
         }
         for (bool full : {false, true}) {
           PagedBuffer out_ref(s.T, s.H, dt, 5, 0, 2);
-          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), full ? ref.residual.data() : nullptr,
-                                full ? ref.residual.size() : 0, nullptr, &out_ref.layout, Impl::REFERENCE),
+          ASSERT_EQ(decode_page(
+                        ref.anchor.data(), ref.anchor.size(), full ? ref.residual.data() : nullptr,
+                        full ? ref.residual.size() : 0, nullptr, &out_ref.layout, Impl::REFERENCE),
                     KVXFER_SUCCESS)
               << last_error();
           for (Impl impl : fast_impls()) {
             PagedBuffer out(s.T, s.H, dt, 5, 0, 2);
-            ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), full ? ref.residual.data() : nullptr,
+            ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                  full ? ref.residual.data() : nullptr,
                                   full ? ref.residual.size() : 0, nullptr, &out.layout, impl, 2),
                       KVXFER_SUCCESS);
             ASSERT_EQ(test::first_diff(out_ref.bytes(), out.bytes()), -1) << "decoded bytes differ";
@@ -112,11 +118,14 @@ TEST(PageCodec, AdversarialPagesAreByteIdentical) {
     for (int32_t c = 0; c < 40; ++c) {
       float v;
       switch (c % 8) {
-        case 0: v = (t == 0) ? -1.0f : (t == 1 ? 1.0f : cb->thresholds[rng() % 127] * ((rng() & 1) ? 1 : -1)); break;
+        case 0:
+          v = (t == 0) ? -1.0f
+                       : (t == 1 ? 1.0f : cb->thresholds[rng() % 127] * ((rng() & 1) ? 1 : -1));
+          break;
         case 1: v = (t & 1) ? 0.0f : -0.0f; break;
-        case 2: v = 3.25f; break;                                  // constant channel
+        case 2: v = 3.25f; break;  // constant channel
         case 3: v = std::ldexp(1.0f, -140) * static_cast<float>(rng() % 5); break;  // denormals
-        case 4: v = 1e30f * ((rng() & 1) ? 1.0f : -1.0f); break;    // forces fp32 metadata
+        case 4: v = 1e30f * ((rng() & 1) ? 1.0f : -1.0f); break;  // forces fp32 metadata
         case 5: v = std::nextafter(cb->thresholds[t % 127], 0.0f); break;
         case 6: v = static_cast<float>(t % 3) - 1.0f; break;
         default: v = static_cast<float>(rng()) / static_cast<float>(rng.max()) - 0.5f;
@@ -134,8 +143,8 @@ TEST(PageCodec, AdversarialPagesAreByteIdentical) {
     ASSERT_EQ(test::first_diff(ref.residual, f.residual), -1);
   }
   PagedBuffer out(64, 40, KVXFER_DTYPE_FP32);
-  ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), ref.residual.data(), ref.residual.size(),
-                        nullptr, &out.layout),
+  ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), ref.residual.data(),
+                        ref.residual.size(), nullptr, &out.layout),
             KVXFER_SUCCESS);
   expect_within_bound(src, out, ref.anchor, true, "adversarial full");
   // Constant channel: zero range, reconstructed exactly.
@@ -177,8 +186,8 @@ TEST(PageCodec, BF16PassthroughIsLosslessForBf16Input) {
   EXPECT_EQ(e.anchor.size(), 80u + 45 * 20 * 2);
   EXPECT_EQ(e.residual.size(), 80u);
   PagedBuffer out(45, 20, KVXFER_DTYPE_BF16, 3, 1, 0);
-  ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), e.residual.data(), e.residual.size(), nullptr,
-                        &out.layout),
+  ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), e.residual.data(), e.residual.size(),
+                        nullptr, &out.layout),
             KVXFER_SUCCESS);
   EXPECT_EQ(out.bytes(), src.bytes());
 }
@@ -188,9 +197,11 @@ TEST(PageCodec, BF16PassthroughIsLosslessForBf16Input) {
 // ---------------------------------------------------------------------------
 
 TEST(PageCodecBadInput, NaNAndInfAreErrorsNamingLayerTokenChannel) {
-  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4, KVXFER_CODEC_BF16})
-    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                      -std::numeric_limits<float>::infinity()})
+  for (kvxfer_codec_t codec :
+       {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4, KVXFER_CODEC_BF16})
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity()})
       for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AUTO}) {
         PagedBuffer src(50, 16, KVXFER_DTYPE_FP32);
         test::fill_kv_like(&src, 3);
@@ -219,10 +230,11 @@ TEST(PageCodecBadInput, NonFiniteRawFallbackIsLossless) {
     EXPECT_EQ(info.raw_fallback, 1);
     PagedBuffer out(40, 12, dt, 16, 0, 0);
     // Anchor-only already restores a raw page completely.
-    ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), nullptr, 0, nullptr, &out.layout), KVXFER_SUCCESS);
+    ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), nullptr, 0, nullptr, &out.layout),
+              KVXFER_SUCCESS);
     EXPECT_EQ(out.bytes(), src.bytes());
-    ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), e.residual.data(), e.residual.size(), nullptr,
-                          &out.layout),
+    ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), e.residual.data(), e.residual.size(),
+                          nullptr, &out.layout),
               KVXFER_SUCCESS);
     EXPECT_EQ(out.bytes(), src.bytes());
   }
@@ -279,8 +291,8 @@ TEST(PageCodecBadInput, EmptyAndShortPages) {
   EXPECT_EQ(e0.anchor.size(), 80u + 16 * 4);  // header + anchor table (bin centres)
   EXPECT_EQ(e0.residual.size(), 80u);
   PagedBuffer out0(0, 16, KVXFER_DTYPE_BF16);
-  EXPECT_EQ(decode_page(e0.anchor.data(), e0.anchor.size(), e0.residual.data(), e0.residual.size(), nullptr,
-                        &out0.layout),
+  EXPECT_EQ(decode_page(e0.anchor.data(), e0.anchor.size(), e0.residual.data(), e0.residual.size(),
+                        nullptr, &out0.layout),
             KVXFER_SUCCESS);
   // T smaller than one chunk.
   PagedBuffer small(5, 16, KVXFER_DTYPE_BF16);
@@ -288,8 +300,8 @@ TEST(PageCodecBadInput, EmptyAndShortPages) {
   const auto e5 = test::encode(cfg, small, Impl::AUTO);
   ASSERT_EQ(e5.rc, KVXFER_SUCCESS);
   PagedBuffer out5(5, 16, KVXFER_DTYPE_BF16);
-  ASSERT_EQ(decode_page(e5.anchor.data(), e5.anchor.size(), e5.residual.data(), e5.residual.size(), nullptr,
-                        &out5.layout),
+  ASSERT_EQ(decode_page(e5.anchor.data(), e5.anchor.size(), e5.residual.data(), e5.residual.size(),
+                        nullptr, &out5.layout),
             KVXFER_SUCCESS);
   expect_within_bound(small, out5, e5.anchor, true, "T<C");
 }
@@ -333,10 +345,12 @@ TEST(PageCodecBadInput, WrongDtypeStrideBlocksAndBuffers) {
   const auto ok = test::encode(cfg, src, Impl::AUTO);
   std::vector<uint8_t> a(amax), r(rmax);
   kvxfer_page_id_t id{0, KVXFER_KV_KEY, 0, 0};
-  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), ok.anchor.size() - 1, &al, r.data(), rmax, &rl),
-            KVXFER_ERR_BUFFER_TOO_SMALL);
+  EXPECT_EQ(
+      encode_page(&cfg, &id, &src.layout, a.data(), ok.anchor.size() - 1, &al, r.data(), rmax, &rl),
+      KVXFER_ERR_BUFFER_TOO_SMALL);
   EXPECT_EQ(al, 0u);
-  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), amax, &al, r.data(), ok.residual.size() - 1, &rl),
+  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), amax, &al, r.data(),
+                        ok.residual.size() - 1, &rl),
             KVXFER_ERR_BUFFER_TOO_SMALL);
 
   // Destination of the wrong shape.
@@ -394,9 +408,10 @@ PageErrors page_errors(const std::vector<PagedBuffer*>& pages, float alpha) {
     EXPECT_EQ(enc.rc, KVXFER_SUCCESS);
     for (bool full : {false, true}) {
       PagedBuffer out(p->layout.num_tokens, p->layout.num_channels, KVXFER_DTYPE_FP32);
-      EXPECT_EQ(decode_page(enc.anchor.data(), enc.anchor.size(), full ? enc.residual.data() : nullptr,
-                            full ? enc.residual.size() : 0, nullptr, &out.layout),
-                KVXFER_SUCCESS);
+      EXPECT_EQ(
+          decode_page(enc.anchor.data(), enc.anchor.size(), full ? enc.residual.data() : nullptr,
+                      full ? enc.residual.size() : 0, nullptr, &out.layout),
+          KVXFER_SUCCESS);
       for (int64_t t = 0; t < p->layout.num_tokens; ++t)
         for (int32_t c = 0; c < p->layout.num_channels; ++c) {
           const double d = static_cast<double>(p->get(t, c)) - out.get(t, c);
@@ -420,7 +435,10 @@ std::vector<std::unique_ptr<PagedBuffer>> calibration_set(bool spiky) {
     if (spiky) {
       for (int64_t t = 0; t < 256; ++t)
         for (int32_t c = 0; c < 24; ++c)
-          p->set(t, c, (t % 32 == c % 32) ? 50.0f : (t % 32 == (c + 16) % 32) ? -50.0f : 3.0f * n(rng));
+          p->set(t, c,
+                 (t % 32 == c % 32)          ? 50.0f
+                 : (t % 32 == (c + 16) % 32) ? -50.0f
+                                             : 3.0f * n(rng));
     } else {
       test::fill_kv_like(p.get(), 100 + i);
     }
@@ -441,8 +459,9 @@ TEST(AlphaAuto, RuleIsTheDocumentedArgminAndNeverWorseThanLinear) {
     auto cfg = config(KVXFER_CODEC_LYNX, KVXFER_ALPHA_AUTO, 32);
     float chosen = -5;
     std::vector<CalibrationError> errs;
-    ASSERT_EQ(calibrate_alpha(&cfg, layouts.data(), static_cast<int32_t>(layouts.size()), &chosen, &errs),
-              KVXFER_SUCCESS);
+    ASSERT_EQ(
+        calibrate_alpha(&cfg, layouts.data(), static_cast<int32_t>(layouts.size()), &chosen, &errs),
+        KVXFER_SUCCESS);
     // The calibration errors are the real codec's errors on these pages.
     for (const auto& ce : errs) {
       const PageErrors pe = page_errors(pages, ce.alpha);

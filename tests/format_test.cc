@@ -646,12 +646,13 @@ TEST(WireFormat, ManyDistinctAlphasDoNotGrowMemoryWithoutBound) {
   for (int i = 0; i < 2000; ++i) {
     // Each page really is encoded with its own alpha, so its anchor table
     // fits that alpha's bins and the decode succeeds.
-    const Pair p = small_pair(config(KVXFER_CODEC_LYNX, 500.0f + 0.01f * static_cast<float>(i), 16, 4), 11, kId);
+    const Pair p = small_pair(
+        config(KVXFER_CODEC_LYNX, 500.0f + 0.01f * static_cast<float>(i), 16, 4), 11, kId);
     ASSERT_EQ(decode_page(p.anchor.data(), p.anchor.size(), nullptr, 0, nullptr, dst.layout()),
-              KVXFER_SUCCESS) << last_error();
+              KVXFER_SUCCESS)
+        << last_error();
   }
-  EXPECT_LT(rss_kb() - before, 64 * 1024)
-      << "KB of memory kept after coding 2000 distinct alphas";
+  EXPECT_LT(rss_kb() - before, 64 * 1024) << "KB of memory kept after coding 2000 distinct alphas";
 }
 
 // ---------------------------------------------------------------------------

@@ -397,8 +397,9 @@ TEST_F(GpuCodec, HostileMetadataWritesNothing) {
                      cudaMemcpyHostToDevice));
   std::string why;
   cuda::DeviceCodebook dcb;
-  ASSERT_EQ(cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, &why).get(), &dcb),
-            KVXFER_SUCCESS);
+  ASSERT_EQ(
+      cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, &why).get(), &dcb),
+      KVXFER_SUCCESS);
   ASSERT_EQ(cuda::launch_reset_status(sc.status, stream_), KVXFER_SUCCESS);
   ASSERT_EQ(
       cuda::launch_decode(h, dcb, sc.anchor_payload, nullptr, &ddst.layout, sc.status, stream_),
@@ -440,8 +441,9 @@ TEST_F(GpuCodec, AnchorTableOutsideItsBinWritesNothing) {
                      cudaMemcpyHostToDevice));
   std::string why;
   cuda::DeviceCodebook dcb;
-  ASSERT_EQ(cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, 5.0f, 4, &why).get(), &dcb),
-            KVXFER_SUCCESS);
+  ASSERT_EQ(
+      cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, 5.0f, 4, &why).get(), &dcb),
+      KVXFER_SUCCESS);
   ASSERT_EQ(cuda::launch_reset_status(sc.status, stream_), KVXFER_SUCCESS);
   ASSERT_EQ(
       cuda::launch_decode(h, dcb, sc.anchor_payload, nullptr, &ddst.layout, sc.status, stream_),

@@ -34,9 +34,9 @@ const km::Model* model(std::string* why) {
   return m.get();
 }
 
-#define REQUIRE_MODEL(m)                                                                  \
-  std::string load_error_;                                                                \
-  const km::Model* m = model(&load_error_);                                               \
+#define REQUIRE_MODEL(m)                                                                      \
+  std::string load_error_;                                                                    \
+  const km::Model* m = model(&load_error_);                                                   \
   ASSERT_NE(m, nullptr) << "cannot load the test model " << kModelPath << ": " << load_error_ \
                         << " (the reference checkpoint must be present; not skipping)"
 
@@ -237,11 +237,13 @@ TEST(Llama2, ExternalViewIsReallyUsed) {
   ASSERT_TRUE(m->prefill(prompt(n), opt, &rq, &err)) << err;
   ASSERT_EQ(rq.queries.size(), static_cast<std::size_t>(L) * n * 64);
   std::vector<float> o_ref(rq.queries.size()), o_hat(rq.queries.size());
-  ASSERT_TRUE(m->attention_outputs(rq.queries.data(), n, 0, rq.kv.view(), o_ref.data(), &err)) << err;
+  ASSERT_TRUE(m->attention_outputs(rq.queries.data(), n, 0, rq.kv.view(), o_ref.data(), &err))
+      << err;
   ASSERT_TRUE(m->attention_outputs(rq.queries.data(), n, 0, ext, o_hat.data(), &err)) << err;
   const std::size_t per_layer = static_cast<std::size_t>(n) * 64;
   for (int l = 0; l < L; ++l) {
-    const double e = km::vnmse(o_ref.data() + l * per_layer, o_hat.data() + l * per_layer, per_layer);
+    const double e =
+        km::vnmse(o_ref.data() + l * per_layer, o_hat.data() + l * per_layer, per_layer);
     if (l == 2)
       EXPECT_GT(e, 1e-4);
     else
@@ -249,8 +251,7 @@ TEST(Llama2, ExternalViewIsReallyUsed) {
   }
   // Queries at position 0 attend only to key 0, so the output is V row 0.
   for (int h = 0; h < 8; ++h)
-    for (int d = 0; d < 8; ++d)
-      EXPECT_EQ(o_ref[h * 8 + d], rq.kv.v(0)[(h / 2) * 8 + d]);
+    for (int d = 0; d < 8; ++d) EXPECT_EQ(o_ref[h * 8 + d], rq.kv.v(0)[(h / 2) * 8 + d]);
 }
 
 TEST(Llama2, DeterministicAcrossThreadCounts) {
@@ -268,7 +269,8 @@ TEST(Llama2, DeterministicAcrossThreadCounts) {
   ASSERT_TRUE(m->prefill(toks, opt, &r4, &err)) << err;
   omp_set_num_threads(saved);
   EXPECT_EQ(0, std::memcmp(r1.last_logits.data(), r4.last_logits.data(), 512 * sizeof(float)));
-  EXPECT_EQ(0, std::memcmp(r1.queries.data(), r4.queries.data(), r1.queries.size() * sizeof(float)));
+  EXPECT_EQ(0,
+            std::memcmp(r1.queries.data(), r4.queries.data(), r1.queries.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(r1.kv.k(4), r4.kv.k(4), 200 * 32 * sizeof(float)));
 }
 

@@ -22,8 +22,8 @@ struct PagedBuffer {
   std::vector<void*> ptrs;
   kvxfer_page_layout_t layout{};
 
-  PagedBuffer(int64_t T, int32_t H, kvxfer_dtype_t dt, int32_t block_size = 16, int64_t stride_pad = 3,
-              int64_t first_token = 5) {
+  PagedBuffer(int64_t T, int32_t H, kvxfer_dtype_t dt, int32_t block_size = 16,
+              int64_t stride_pad = 3, int64_t first_token = 5) {
     layout.dtype = dt;
     layout.num_tokens = T;
     layout.num_channels = H;
@@ -85,8 +85,8 @@ inline Encoded encode(const kvxfer_codec_config_t& cfg, const PagedBuffer& src, 
   e.anchor.assign(amax, 0xEE);
   e.residual.assign(rmax, 0xEE);
   size_t al = 0, rl = 0;
-  e.rc = codec::encode_page(&cfg, &id, &src.layout, e.anchor.data(), amax, &al, e.residual.data(), rmax,
-                            &rl, impl, threads);
+  e.rc = codec::encode_page(&cfg, &id, &src.layout, e.anchor.data(), amax, &al, e.residual.data(),
+                            rmax, &rl, impl, threads);
   e.anchor.resize(al);
   e.residual.resize(rl);
   return e;

@@ -52,8 +52,8 @@ typedef enum {
   KVXFER_ERR_SYSTEM = -9,           /**< an OS call failed (errno in the message) */
   KVXFER_ERR_INTERNAL = -10,        /**< a bug in kvxfer; please report it */
   KVXFER_ERR_OUT_OF_MEMORY = -11,
-  KVXFER_ERR_TIMEOUT = -12,         /**< no progress within KVXFER_TIMEOUT_MS (peer dead or silent) */
-  KVXFER_RESULT_MIN = -12 /**< the most negative code; codes run from KVXFER_RESULT_MIN to 1 */
+  KVXFER_ERR_TIMEOUT = -12, /**< no progress within KVXFER_TIMEOUT_MS (peer dead or silent) */
+  KVXFER_RESULT_MIN = -12   /**< the most negative code; codes run from KVXFER_RESULT_MIN to 1 */
 } kvxfer_result_t;
 
 /** Static, never-NULL description of a result code ("invalid argument"). */
@@ -75,11 +75,7 @@ kvxfer_result_t kvxfer_get_version(int* version);
 /* ------------------------------------------------------------------------ */
 
 /** Element type of a KV page in memory. */
-typedef enum {
-  KVXFER_DTYPE_BF16 = 0,
-  KVXFER_DTYPE_FP16 = 1,
-  KVXFER_DTYPE_FP32 = 2
-} kvxfer_dtype_t;
+typedef enum { KVXFER_DTYPE_BF16 = 0, KVXFER_DTYPE_FP16 = 1, KVXFER_DTYPE_FP32 = 2 } kvxfer_dtype_t;
 
 /** Which tensor of the layer a page belongs to. */
 typedef enum { KVXFER_KV_KEY = 0, KVXFER_KV_VALUE = 1 } kvxfer_kv_kind_t;
@@ -137,10 +133,10 @@ typedef struct {
   kvxfer_nonfinite_policy_t nonfinite; /**< default KVXFER_NONFINITE_ERROR */
 } kvxfer_codec_config_t;
 
-#define KVXFER_CODEC_CONFIG_INITIALIZER                                        \
-  {                                                                            \
-    sizeof(kvxfer_codec_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE,   \
-        KVXFER_CODEC_LYNX, 0.0f, 32, 4, KVXFER_NONFINITE_ERROR                 \
+#define KVXFER_CODEC_CONFIG_INITIALIZER                                                         \
+  {                                                                                             \
+    sizeof(kvxfer_codec_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, KVXFER_CODEC_LYNX, \
+        0.0f, 32, 4, KVXFER_NONFINITE_ERROR                                                     \
   }
 
 /**
@@ -157,13 +153,13 @@ typedef struct {
  * writes (decode) the rows named above, nothing else.
  */
 typedef struct {
-  void* const* blocks;   /**< array of num_blocks block base pointers */
+  void* const* blocks; /**< array of num_blocks block base pointers */
   int64_t num_blocks;
-  int32_t block_size;    /**< tokens per block */
-  int64_t row_stride;    /**< elements between consecutive tokens of a block */
-  int64_t first_token;   /**< offset of the page's first token in the block list */
-  int64_t num_tokens;    /**< T */
-  int32_t num_channels;  /**< H = kv_heads * head_dim */
+  int32_t block_size;   /**< tokens per block */
+  int64_t row_stride;   /**< elements between consecutive tokens of a block */
+  int64_t first_token;  /**< offset of the page's first token in the block list */
+  int64_t num_tokens;   /**< T */
+  int32_t num_channels; /**< H = kv_heads * head_dim */
   kvxfer_dtype_t dtype;
 } kvxfer_page_layout_t;
 
@@ -238,9 +234,9 @@ kvxfer_result_t kvxfer_codec_calibrate_alpha(const kvxfer_codec_config_t* config
 
 /** What a section header says (after full validation, checksum included). */
 typedef struct {
-  int32_t is_residual;   /**< 0 anchor section, 1 residual section */
+  int32_t is_residual; /**< 0 anchor section, 1 residual section */
   kvxfer_codec_t codec;
-  int32_t raw_fallback;  /**< 1 if the page was stored raw (non-finite input) */
+  int32_t raw_fallback; /**< 1 if the page was stored raw (non-finite input) */
   float alpha;
   int32_t chunk_tokens;
   int32_t anchor_bits;
@@ -250,7 +246,7 @@ typedef struct {
   kvxfer_page_id_t id;
   int64_t num_tokens;
   int32_t num_channels;
-  size_t section_bytes;  /**< total bytes of this section, header included */
+  size_t section_bytes; /**< total bytes of this section, header included */
 } kvxfer_page_info_t;
 
 /** Validates one section (header, sizes, checksum) and describes it. */

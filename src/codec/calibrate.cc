@@ -12,7 +12,8 @@
 namespace kvxfer::codec {
 
 kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_page_layout_t* pages,
-                                int32_t num_pages, float* alpha, std::vector<CalibrationError>* errors) {
+                                int32_t num_pages, float* alpha,
+                                std::vector<CalibrationError>* errors) {
   KVXFER_REQUIRE(cfg != nullptr && alpha != nullptr, "NULL config or output");
   KVXFER_REQUIRE(cfg->codec == KVXFER_CODEC_LYNX, "alpha calibration needs the LYNX codec");
   KVXFER_REQUIRE(pages != nullptr && num_pages >= 1, "need at least one calibration page");
@@ -23,7 +24,8 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
   for (float a : kAlphaCandidates) {
     std::string why;
     const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, a, cfg->anchor_bits, &why);
-    if (cb == nullptr) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "calibration: %s", why.c_str());
+    if (cb == nullptr)
+      return set_error(KVXFER_ERR_INVALID_ARGUMENT, "calibration: %s", why.c_str());
     cbs.push_back(cb);
   }
   std::vector<CalibrationError> err(ncand);
@@ -70,12 +72,14 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
     for (int i = 0; i < ncand; ++i) {
       const Codebook& cb = *cbs[i];
       uint64_t hist[256] = {0};
-      for (size_t j = 0; j < xs.size(); ++j) ++hist[codes[j] = cb.encode_lut(normalise(xs[j], as[j]))];
+      for (size_t j = 0; j < xs.size(); ++j)
+        ++hist[codes[j] = cb.encode_lut(normalise(xs[j], as[j]))];
       float table[64];
       anchor_table_from_histogram(cb, hist, table);
       for (size_t j = 0; j < xs.size(); ++j) {
         const double ef = static_cast<double>(denormalise(cb.recon_full[codes[j]], as[j])) - xs[j];
-        const double ea = static_cast<double>(denormalise(table[codes[j] >> cb.residual_bits], as[j])) - xs[j];
+        const double ea =
+            static_cast<double>(denormalise(table[codes[j] >> cb.residual_bits], as[j])) - xs[j];
         err[i].full += ef * ef;
         err[i].anchor += ea * ea;
       }

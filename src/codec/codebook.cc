@@ -4,8 +4,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <deque>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -178,9 +178,7 @@ CodebookRef get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std
         return nullptr;
       }
       break;
-    default:
-      *why = "codec has no codebook";
-      return nullptr;
+    default: *why = "codec has no codebook"; return nullptr;
   }
   using Key = std::tuple<int, uint32_t, int>;
   static std::mutex mu;

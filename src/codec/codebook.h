@@ -33,16 +33,16 @@ namespace kvxfer::codec {
 
 struct Codebook {
   kvxfer_codec_t codec;
-  float alpha;          // 0 unless LYNX
-  int code_bits;        // 8 (LYNX, INT8) or 4 (INT4)
-  int anchor_bits;      // A
-  int residual_bits;    // R = code_bits - A
-  bool sign_magnitude;  // LYNX: sign bit + 7-bit alpha-law magnitude
-  std::vector<float> thresholds;  // ascending; 127 (LYNX) or 2^b - 1 (uniform)
-  float recon_full[256];          // z value of each code (bin centre)
-  float recon_anchor[64];         // z value of each anchor (centre of its bins)
-  double max_half_width_full;     // max over codes of half the bin width (z units)
-  double max_half_width_anchor;   // same over anchors
+  float alpha;                         // 0 unless LYNX
+  int code_bits;                       // 8 (LYNX, INT8) or 4 (INT4)
+  int anchor_bits;                     // A
+  int residual_bits;                   // R = code_bits - A
+  bool sign_magnitude;                 // LYNX: sign bit + 7-bit alpha-law magnitude
+  std::vector<float> thresholds;       // ascending; 127 (LYNX) or 2^b - 1 (uniform)
+  float recon_full[256];               // z value of each code (bin centre)
+  float recon_anchor[64];              // z value of each anchor (centre of its bins)
+  double max_half_width_full;          // max over codes of half the bin width (z units)
+  double max_half_width_anchor;        // same over anchors
   float anchor_lo[64], anchor_hi[64];  // bin of each anchor in z (union of its codes' bins)
 
   // Fast-path lookup (codec/fast*.cc).  The domain (|z| in [0,1] for
@@ -60,7 +60,8 @@ struct Codebook {
 
   /** Same code as encode(z), by one cell lookup and one comparison (fast paths). */
   uint8_t encode_lut(float z) const {
-    return codec::encode_lut(lut_base.data(), lut_next.data(), lut_log2, lut_origin, sign_magnitude, z);
+    return codec::encode_lut(lut_base.data(), lut_next.data(), lut_log2, lut_origin, sign_magnitude,
+                             z);
   }
 };
 

@@ -18,8 +18,8 @@ kvxfer_result_t resolve_impl(Impl requested, Impl* out);
 
 kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg);
 
-kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t num_tokens, int32_t num_channels,
-                          size_t* anchor_bytes, size_t* residual_bytes);
+kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t num_tokens,
+                          int32_t num_channels, size_t* anchor_bytes, size_t* residual_bytes);
 
 /** threads <= 0: KVXFER_CODEC_THREADS (0 there = one per core). */
 kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,

@@ -28,12 +28,14 @@ bool minmax_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, float* mn, 
 
 void encode_row_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                        const float* d, const Codebook& cb, uint8_t* codes) {
-  for (int32_t c = 0; c < H; ++c) codes[c] = cb.encode_lut(normalise(load_elem(row, c, dt), Affine{m[c], d[c]}));
+  for (int32_t c = 0; c < H; ++c)
+    codes[c] = cb.encode_lut(normalise(load_elem(row, c, dt), Affine{m[c], d[c]}));
 }
 
 void decode_row_scalar(const uint8_t* idx, int32_t H, const float* m, const float* d,
                        const float* table, kvxfer_dtype_t dt, uint8_t* row) {
-  for (int32_t c = 0; c < H; ++c) store_elem(row, c, dt, denormalise(table[idx[c]], Affine{m[c], d[c]}));
+  for (int32_t c = 0; c < H; ++c)
+    store_elem(row, c, dt, denormalise(table[idx[c]], Affine{m[c], d[c]}));
 }
 
 // Sequential bit-field writer/reader over a byte-aligned region.
@@ -105,7 +107,7 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
   std::atomic<bool> nonfinite{false}, need_fp32{false};
   std::mutex hist_mu;
 
-#pragma omp parallel num_threads(thread_count(threads, chunks, T * H))
+#pragma omp parallel num_threads(thread_count(threads, chunks, T* H))
   {
     std::vector<float> mn(H), mx(H), m(H), d(H);
     std::vector<uint8_t> codes(H);
@@ -116,7 +118,8 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
       bool ok = true;
       for (int32_t c = 0; c < H; ++c) mn[c] = mx[c] = load_elem(job.src.row(t0), c, dt);
-      for (int64_t t = t0; t < t1 && ok; ++t) ok = K.minmax(job.src.row(t), dt, H, mn.data(), mx.data());
+      for (int64_t t = t0; t < t1 && ok; ++t)
+        ok = K.minmax(job.src.row(t), dt, H, mn.data(), mx.data());
       if (!ok) {
         nonfinite = true;
         continue;
@@ -174,7 +177,7 @@ void decode(const DecodeJob& job, bool avx2, int threads) {
   const float* table = full ? job.cb->recon_full : job.anchor_table;
   const int64_t chunks = (T + C - 1) / C;
 
-#pragma omp parallel num_threads(thread_count(threads, chunks, T * H))
+#pragma omp parallel num_threads(thread_count(threads, chunks, T* H))
   {
     std::vector<float> m(H), d(H);
     std::vector<uint8_t> idx(H);

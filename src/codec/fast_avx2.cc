@@ -18,8 +18,7 @@ inline __m256 load8(const uint8_t* row, int32_t c, kvxfer_dtype_t dt) {
     }
     case KVXFER_DTYPE_FP16:
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c)));
-    default:
-      return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
+    default: return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
   }
 }
 
@@ -28,7 +27,8 @@ inline __m256 load8(const uint8_t* row, int32_t c, kvxfer_dtype_t dt) {
 inline __m128i to_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
@@ -41,10 +41,12 @@ bool minmax_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, float* mn, fl
     const __m256 x = load8(row, c, dt);
     finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_and_ps(x, absmask), inf, _CMP_LT_OQ));
     // Operand order as the reference's "if (x < mn) mn = x": keep mn unless x < mn.
-    _mm256_storeu_ps(mn + c, _mm256_blendv_ps(_mm256_loadu_ps(mn + c), x,
-                                              _mm256_cmp_ps(x, _mm256_loadu_ps(mn + c), _CMP_LT_OQ)));
-    _mm256_storeu_ps(mx + c, _mm256_blendv_ps(_mm256_loadu_ps(mx + c), x,
-                                              _mm256_cmp_ps(x, _mm256_loadu_ps(mx + c), _CMP_GT_OQ)));
+    _mm256_storeu_ps(mn + c,
+                     _mm256_blendv_ps(_mm256_loadu_ps(mn + c), x,
+                                      _mm256_cmp_ps(x, _mm256_loadu_ps(mn + c), _CMP_LT_OQ)));
+    _mm256_storeu_ps(mx + c,
+                     _mm256_blendv_ps(_mm256_loadu_ps(mx + c), x,
+                                      _mm256_cmp_ps(x, _mm256_loadu_ps(mx + c), _CMP_GT_OQ)));
   }
   bool ok = _mm256_movemask_ps(finite) == 0xFF;
   for (; c < H; ++c) {
@@ -81,25 +83,29 @@ void encode_row_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const flo
                                          _mm256_set1_epi32(0x80));
       code = _mm256_or_si256(q, s);
     } else {
-      const __m256i i = _mm256_add_epi32(
-          _mm256_cvttps_epi32(_mm256_floor_ps(_mm256_mul_ps(z, n))), origin);
+      const __m256i i =
+          _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_floor_ps(_mm256_mul_ps(z, n))), origin);
       code = _mm256_sub_epi32(
           _mm256_i32gather_epi32(base, i, 4),
           _mm256_castps_si256(_mm256_cmp_ps(z, _mm256_i32gather_ps(next, i, 4), _CMP_GE_OQ)));
     }
-    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    const __m128i w =
+        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + c), _mm_packus_epi16(w, w));
   }
-  if (c < H) scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, d + c, cb, codes + c);
+  if (c < H)
+    scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, d + c, cb, codes + c);
 }
 
 void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float* d,
                      const float* table, kvxfer_dtype_t dt, uint8_t* row) {
   int32_t c = 0;
   for (; c + 8 <= H; c += 8) {
-    const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
+    const __m256i i =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
     const __m256 r = _mm256_i32gather_ps(table, i, 4);
-    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(m + c), _mm256_mul_ps(_mm256_loadu_ps(d + c), r));
+    const __m256 v =
+        _mm256_add_ps(_mm256_loadu_ps(m + c), _mm256_mul_ps(_mm256_loadu_ps(d + c), r));
     switch (dt) {
       case KVXFER_DTYPE_BF16:
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * c), to_bf16(v));
@@ -108,8 +114,7 @@ void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float*
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * c),
                          _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         break;
-      default:
-        _mm256_storeu_ps(reinterpret_cast<float*>(row) + c, v);
+      default: _mm256_storeu_ps(reinterpret_cast<float*>(row) + c, v);
     }
   }
   if (c < H)

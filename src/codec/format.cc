@@ -126,8 +126,8 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
 #define CORRUPT_IF(cond, ...) \
   if (cond) return set_error(KVXFER_ERR_CORRUPT, __VA_ARGS__)
   CORRUPT_IF(h.magic != kMagic, "bad magic 0x%08x (not a kvxfer page section)", h.magic);
-  CORRUPT_IF(h.version != kWireVersion, "wire version %u, this build reads version %u",
-             h.version, kWireVersion);
+  CORRUPT_IF(h.version != kWireVersion, "wire version %u, this build reads version %u", h.version,
+             kWireVersion);
   CORRUPT_IF(h.header_bytes != kHeaderBytes, "header_bytes %u, expected %zu", h.header_bytes,
              kHeaderBytes);
   CORRUPT_IF(h.section != SECTION_ANCHOR && h.section != SECTION_RESIDUAL, "bad section kind %u",
@@ -146,8 +146,8 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
   switch (h.codec) {
     case KVXFER_CODEC_LYNX:
     case KVXFER_CODEC_INT8:
-      CORRUPT_IF(h.code_bits != 8 || h.anchor_bits < 2 || h.anchor_bits > 6,
-                 "bad bit split %u/%u", h.code_bits, h.anchor_bits);
+      CORRUPT_IF(h.code_bits != 8 || h.anchor_bits < 2 || h.anchor_bits > 6, "bad bit split %u/%u",
+                 h.code_bits, h.anchor_bits);
       break;
     case KVXFER_CODEC_INT4:
       CORRUPT_IF(h.code_bits != 4 || h.anchor_bits != 4, "bad bit split %u/%u", h.code_bits,

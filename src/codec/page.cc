@@ -42,8 +42,8 @@ kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what,
     const int64_t first = l->first_token / l->block_size;
     const int64_t last = (l->first_token + l->num_tokens - 1) / l->block_size;
     KVXFER_REQUIRE(last < l->num_blocks,
-                   "%s needs blocks up to index %" PRId64 " but num_blocks is %" PRId64, what,
-                   last, l->num_blocks);
+                   "%s needs blocks up to index %" PRId64 " but num_blocks is %" PRId64, what, last,
+                   l->num_blocks);
     for (int64_t b = first; b <= last; ++b)
       KVXFER_REQUIRE(l->blocks[b] != nullptr, "%s block %" PRId64 " is NULL", what, b);
   }
@@ -72,14 +72,16 @@ kvxfer_result_t resolve_impl(Impl requested, Impl* out) {
   Impl impl = requested;
   if (impl == Impl::AUTO) {
     const std::string& p = params::CodecImpl();
-    impl = p == "reference" ? Impl::REFERENCE : p == "scalar" ? Impl::SCALAR
-         : p == "avx2"      ? Impl::AVX2
+    impl = p == "reference" ? Impl::REFERENCE
+           : p == "scalar"  ? Impl::SCALAR
+           : p == "avx2"    ? Impl::AVX2
                             : Impl::AUTO;
     if (impl == Impl::AUTO) impl = fast::cpu_has_avx2() ? Impl::AVX2 : Impl::SCALAR;
   }
   if (impl == Impl::AVX2 && !fast::cpu_has_avx2())
-    return set_error(KVXFER_ERR_UNSUPPORTED, "the AVX2 codec path was requested but this CPU "
-                                             "lacks AVX2/F16C");
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "the AVX2 codec path was requested but this CPU "
+                     "lacks AVX2/F16C");
   *out = impl;
   return KVXFER_SUCCESS;
 }
@@ -88,7 +90,8 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
   KVXFER_REQUIRE(cfg != nullptr, "codec config is NULL");
   KVXFER_REQUIRE(cfg->magic == KVXFER_CONFIG_MAGIC && cfg->size == sizeof(kvxfer_codec_config_t),
                  "codec config was not initialised with KVXFER_CODEC_CONFIG_INITIALIZER "
-                 "(size %zu, magic 0x%08x)", cfg->size, cfg->magic);
+                 "(size %zu, magic 0x%08x)",
+                 cfg->size, cfg->magic);
   KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
                  "codec config from header version %u, library is %d", cfg->version,
                  KVXFER_VERSION_CODE);
@@ -111,8 +114,8 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
 namespace {
 
 // Header fields of a page before any data is seen.
-PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id,
-                       int64_t T, int32_t H, kvxfer_dtype_t src_dtype) {
+PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
+                       int32_t H, kvxfer_dtype_t src_dtype) {
   PageHeader h;
   h.codec = static_cast<uint8_t>(cfg.codec);
   h.src_dtype = static_cast<uint8_t>(src_dtype);
@@ -129,9 +132,7 @@ PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t&
       h.code_bits = 4;
       h.anchor_bits = 4;
       break;
-    default:
-      h.code_bits = 0;
-      h.anchor_bits = 0;
+    default: h.code_bits = 0; h.anchor_bits = 0;
   }
   h.kind = static_cast<uint8_t>(id.kind);
   h.layer = id.layer;
@@ -154,8 +155,8 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
                           size_t* anchor_bytes, size_t* residual_bytes) {
   KVXFER_CHECK(validate_config(cfg));
   KVXFER_REQUIRE(anchor_bytes != nullptr && residual_bytes != nullptr, "NULL size output");
-  KVXFER_REQUIRE(T >= 0 && static_cast<uint64_t>(T) <= kMaxTokens, "num_tokens %" PRId64
-                 " outside [0, 2^32]", T);
+  KVXFER_REQUIRE(T >= 0 && static_cast<uint64_t>(T) <= kMaxTokens,
+                 "num_tokens %" PRId64 " outside [0, 2^32]", T);
   KVXFER_REQUIRE(H >= 1 && static_cast<uint32_t>(H) <= kMaxChannels,
                  "num_channels %d outside [1, %u]", H, kMaxChannels);
   kvxfer_page_id_t id{};
@@ -181,9 +182,9 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   KVXFER_REQUIRE(id->kind == KVXFER_KV_KEY || id->kind == KVXFER_KV_VALUE, "bad K/V kind %d",
                  static_cast<int>(id->kind));
   KVXFER_REQUIRE(id->token_begin >= 0, "negative token_begin %" PRId64, id->token_begin);
-  KVXFER_REQUIRE(anchor != nullptr && residual != nullptr && anchor_len != nullptr &&
-                     residual_len != nullptr,
-                 "NULL output buffer or length");
+  KVXFER_REQUIRE(
+      anchor != nullptr && residual != nullptr && anchor_len != nullptr && residual_len != nullptr,
+      "NULL output buffer or length");
   *anchor_len = 0;
   *residual_len = 0;
   Layout lay;
@@ -242,10 +243,12 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
       job.meta = anc + kHeaderBytes;
       job.anchors = job.meta + s.meta_bytes;
       job.residuals = res + kHeaderBytes;
-      st = impl == Impl::REFERENCE ? reference::encode(job)
-                                   : fast::encode(job, impl == Impl::AVX2, effective_threads(threads));
+      st = impl == Impl::REFERENCE
+               ? reference::encode(job)
+               : fast::encode(job, impl == Impl::AVX2, effective_threads(threads));
       if (st == EncodeStatus::NEED_FP32)
-        KVXFER_INFO(LOG_CODEC, "layer %u %c tokens [%" PRId64 ", +%" PRId64
+        KVXFER_INFO(LOG_CODEC,
+                    "layer %u %c tokens [%" PRId64 ", +%" PRId64
                     "): range exceeds binary16, using fp32 metadata",
                     id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
     }
@@ -276,7 +279,8 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     h.flags = raw ? FLAG_RAW : 0;
     KVXFER_CHECK(sizes_fit(h));
     if (raw)
-      KVXFER_WARN(LOG_CODEC, "layer %u %c tokens [%" PRId64 ", +%" PRId64
+      KVXFER_WARN(LOG_CODEC,
+                  "layer %u %c tokens [%" PRId64 ", +%" PRId64
                   "): non-finite input, page stored raw (lossless, not progressive)",
                   id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
     uint8_t* out = anc + kHeaderBytes;
@@ -340,8 +344,8 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
       static_cast<uint32_t>(dst->num_channels) != ah.num_channels)
     return set_error(KVXFER_ERR_MISMATCH,
                      "page is %llu tokens x %u channels; destination is %lld x %d",
-                     (unsigned long long)ah.num_tokens, ah.num_channels,
-                     (long long)dst->num_tokens, dst->num_channels);
+                     (unsigned long long)ah.num_tokens, ah.num_channels, (long long)dst->num_tokens,
+                     dst->num_channels);
   KVXFER_CHECK(resolve_impl(impl, &impl));
 
   const int64_t T = dst->num_tokens;
@@ -366,7 +370,8 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   // finite non-negative half-range (a checksum-valid section can still be
   // hostile).
   const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
-  const int64_t entries = static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * H;
+  const int64_t entries =
+      static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * H;
   for (int64_t i = 0; i < entries; ++i) {
     const Affine a = get_affine(payload, i, fp32);
     if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
@@ -378,8 +383,10 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   }
   const PayloadSizes s = payload_sizes(ah);
   std::string why;
-  const CodebookRef cb = get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
-  if (cb == nullptr) return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
+  const CodebookRef cb =
+      get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
+  if (cb == nullptr)
+    return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
   float table[64];
   const float* anchor_table = cb->recon_anchor;
   if (has_anchor_table(*cb)) {
@@ -389,14 +396,15 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
       return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
     anchor_table = table;
   }
-  DecodeJob job{cb.get(),
-                &ah,
-                lay,
-                fp32,
-                payload,
-                payload + s.meta_bytes,
-                residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr,
-                anchor_table};
+  DecodeJob job{
+      cb.get(),
+      &ah,
+      lay,
+      fp32,
+      payload,
+      payload + s.meta_bytes,
+      residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr,
+      anchor_table};
   if (impl == Impl::REFERENCE)
     reference::decode(job);
   else

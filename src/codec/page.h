@@ -51,8 +51,7 @@ inline void store_elem(uint8_t* row, int64_t i, kvxfer_dtype_t dt, float v) {
       std::memcpy(row + 2 * i, &h, 2);
       break;
     }
-    default:
-      std::memcpy(row + 4 * i, &v, 4);
+    default: std::memcpy(row + 4 * i, &v, 4);
   }
 }
 
@@ -85,8 +84,8 @@ inline double error_bound(const Codebook& cb, bool full, const Affine& a, kvxfer
                           double xhat) {
   // Anchor values from a per-page table lie anywhere inside their bin: the
   // whole width W, not W/2, bounds them.
-  const double hw = full ? cb.max_half_width_full
-                         : (has_anchor_table(cb) ? 2.0 : 1.0) * cb.max_half_width_anchor;
+  const double hw =
+      full ? cb.max_half_width_full : (has_anchor_table(cb) ? 2.0 : 1.0) * cb.max_half_width_anchor;
   double b = a.d * (hw + std::ldexp(1.0, -21)) + std::ldexp(1.0, -23) * std::fabs(a.m);
   if (out == KVXFER_DTYPE_BF16) b += std::ldexp(1.0, -8) * std::fabs(xhat) + 1e-38;
   if (out == KVXFER_DTYPE_FP16) b += std::ldexp(1.0, -11) * std::fabs(xhat) + std::ldexp(1.0, -25);
@@ -151,10 +150,10 @@ struct EncodeJob {
   const PageHeader* hdr;
   Layout src;
   bool meta_fp32;
-  uint8_t* meta;      // anchor payload start
-  uint8_t* anchors;   // after metadata
-  uint8_t* residuals; // residual payload start (may be unused)
-  uint64_t* hist;     // [256] zeroed; the encoder adds the count of every full code
+  uint8_t* meta;       // anchor payload start
+  uint8_t* anchors;    // after metadata
+  uint8_t* residuals;  // residual payload start (may be unused)
+  uint64_t* hist;      // [256] zeroed; the encoder adds the count of every full code
 };
 
 enum class EncodeStatus { OK, NEED_FP32, NONFINITE };
@@ -166,8 +165,8 @@ struct DecodeJob {
   bool meta_fp32;
   const uint8_t* meta;
   const uint8_t* anchors;
-  const uint8_t* residuals;  // nullptr: anchor-only
-  const float* anchor_table; // anchor-only values: the page's table, or cb->recon_anchor
+  const uint8_t* residuals;   // nullptr: anchor-only
+  const float* anchor_table;  // anchor-only values: the page's table, or cb->recon_anchor
 };
 
 namespace reference {

@@ -21,17 +21,17 @@ void breadcrumb(const char* file, int line, kvxfer_result_t r);
 
 }  // namespace kvxfer
 
-#define KVXFER_CHECK(call)                                   \
-  do {                                                       \
-    kvxfer_result_t kvxfer_r_ = (call);                      \
-    if (kvxfer_r_ < 0) {                                     \
-      ::kvxfer::breadcrumb(__FILE__, __LINE__, kvxfer_r_);   \
-      return kvxfer_r_;                                      \
-    }                                                        \
+#define KVXFER_CHECK(call)                                 \
+  do {                                                     \
+    kvxfer_result_t kvxfer_r_ = (call);                    \
+    if (kvxfer_r_ < 0) {                                   \
+      ::kvxfer::breadcrumb(__FILE__, __LINE__, kvxfer_r_); \
+      return kvxfer_r_;                                    \
+    }                                                      \
   } while (0)
 
 /** Returns KVXFER_ERR_INVALID_ARGUMENT with a message when `cond` is false. */
-#define KVXFER_REQUIRE(cond, ...)                                        \
-  do {                                                                   \
+#define KVXFER_REQUIRE(cond, ...)                                                      \
+  do {                                                                                 \
     if (!(cond)) return ::kvxfer::set_error(KVXFER_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
   } while (0)

@@ -23,12 +23,18 @@ bool parse_log_subsys(const char* text, uint32_t* mask, std::string* why) {
     size_t comma = s.find(',', start);
     if (comma == std::string::npos) comma = s.size();
     std::string name = s.substr(start, comma - start);
-    if (strcasecmp(name.c_str(), "INIT") == 0) m |= LOG_INIT;
-    else if (strcasecmp(name.c_str(), "CODEC") == 0) m |= LOG_CODEC;
-    else if (strcasecmp(name.c_str(), "NET") == 0) m |= LOG_NET;
-    else if (strcasecmp(name.c_str(), "ENV") == 0) m |= LOG_ENV;
-    else if (strcasecmp(name.c_str(), "MODEL") == 0) m |= LOG_MODEL;
-    else if (strcasecmp(name.c_str(), "ALL") == 0) m |= LOG_ALL;
+    if (strcasecmp(name.c_str(), "INIT") == 0)
+      m |= LOG_INIT;
+    else if (strcasecmp(name.c_str(), "CODEC") == 0)
+      m |= LOG_CODEC;
+    else if (strcasecmp(name.c_str(), "NET") == 0)
+      m |= LOG_NET;
+    else if (strcasecmp(name.c_str(), "ENV") == 0)
+      m |= LOG_ENV;
+    else if (strcasecmp(name.c_str(), "MODEL") == 0)
+      m |= LOG_MODEL;
+    else if (strcasecmp(name.c_str(), "ALL") == 0)
+      m |= LOG_ALL;
     else {
       *why = "names an unknown subsystem '" + name + "'";
       return false;
@@ -55,11 +61,16 @@ LogState& state() {
   static LogState* s = [] {
     auto* st = new LogState();  // intentionally leaked: usable during exit
     const std::string& lvl = params::Debug();
-    if (lvl == "NONE") st->level = LOG_NONE;
-    else if (lvl == "VERSION") st->level = LOG_VERSION;
-    else if (lvl == "WARN") st->level = LOG_WARN;
-    else if (lvl == "INFO") st->level = LOG_INFO;
-    else if (lvl == "TRACE") st->level = LOG_TRACE;
+    if (lvl == "NONE")
+      st->level = LOG_NONE;
+    else if (lvl == "VERSION")
+      st->level = LOG_VERSION;
+    else if (lvl == "WARN")
+      st->level = LOG_WARN;
+    else if (lvl == "INFO")
+      st->level = LOG_INFO;
+    else if (lvl == "TRACE")
+      st->level = LOG_TRACE;
     std::string why;
     if (!parse_log_subsys(params::DebugSubsys().c_str(), &st->mask, &why)) st->mask = LOG_ALL;
     gethostname(st->host, sizeof(st->host) - 1);
@@ -108,7 +119,8 @@ bool log_enabled(LogLevel level, uint32_t subsys) {
   return level <= s.level && (subsys & s.mask) != 0;
 }
 
-void log_message(LogLevel level, uint32_t subsys, const char* file, int line, const char* fmt, ...) {
+void log_message(LogLevel level, uint32_t subsys, const char* file, int line, const char* fmt,
+                 ...) {
   char msg[1024];
   va_list ap;
   va_start(ap, fmt);
@@ -122,11 +134,11 @@ void log_message(LogLevel level, uint32_t subsys, const char* file, int line, co
   static const char* names[] = {"NONE", "VERSION", "WARN", "INFO", "", "TRACE"};
   std::lock_guard<std::mutex> lk(s.mu);
   if (level == LOG_TRACE)
-    std::fprintf(s.out, "%s:%d:%ld [kvxfer] %s %s %s:%d %s\n", s.host, getpid(), (long)syscall(SYS_gettid),
-                 subsys_name(subsys), names[level], file, line, msg);
+    std::fprintf(s.out, "%s:%d:%ld [kvxfer] %s %s %s:%d %s\n", s.host, getpid(),
+                 (long)syscall(SYS_gettid), subsys_name(subsys), names[level], file, line, msg);
   else
-    std::fprintf(s.out, "%s:%d:%ld [kvxfer] %s %s %s\n", s.host, getpid(), (long)syscall(SYS_gettid),
-                 subsys_name(subsys), names[level], msg);
+    std::fprintf(s.out, "%s:%d:%ld [kvxfer] %s %s %s\n", s.host, getpid(),
+                 (long)syscall(SYS_gettid), subsys_name(subsys), names[level], msg);
 }
 
 }  // namespace kvxfer

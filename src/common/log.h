@@ -38,10 +38,10 @@ void log_message(LogLevel level, uint32_t subsys, const char* file, int line, co
 
 }  // namespace kvxfer
 
-#define KVXFER_LOG_AT_(lvl, subsys, ...)                                       \
-  do {                                                                         \
-    if (::kvxfer::log_enabled(lvl, subsys))                                    \
-      ::kvxfer::log_message(lvl, subsys, __FILE__, __LINE__, __VA_ARGS__);     \
+#define KVXFER_LOG_AT_(lvl, subsys, ...)                                   \
+  do {                                                                     \
+    if (::kvxfer::log_enabled(lvl, subsys))                                \
+      ::kvxfer::log_message(lvl, subsys, __FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
 #define KVXFER_WARN(subsys, ...) KVXFER_LOG_AT_(::kvxfer::LOG_WARN, ::kvxfer::subsys, __VA_ARGS__)
 #define KVXFER_INFO(subsys, ...) KVXFER_LOG_AT_(::kvxfer::LOG_INFO, ::kvxfer::subsys, __VA_ARGS__)

@@ -135,24 +135,24 @@ void record_bad(const char* env, const char* text, const std::string& why) {
 // Each accessor reads its variable exactly once (function-local static).  The
 // ENV log line is written after the value is cached, so logging (which reads
 // KVXFER_DEBUG through these same accessors) never recurses into itself.
-#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc)                              \
-  int64_t Name() {                                                                 \
-    static const int64_t value = [] {                                              \
-      const char* t = std::getenv(env);                                            \
-      int64_t v = def;                                                             \
-      std::string why;                                                             \
-      if (t != nullptr && !parse_int(t, lo, hi, &v, &why)) {                       \
-        record_bad(env, t, why);                                                   \
-        v = def;                                                                   \
-      }                                                                            \
-      return v;                                                                    \
-    }();                                                                           \
-    static std::once_flag logged;                                                  \
-    std::call_once(logged, [] {                                                    \
-      if (std::getenv(env) != nullptr)                                             \
+#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc)                                 \
+  int64_t Name() {                                                                    \
+    static const int64_t value = [] {                                                 \
+      const char* t = std::getenv(env);                                               \
+      int64_t v = def;                                                                \
+      std::string why;                                                                \
+      if (t != nullptr && !parse_int(t, lo, hi, &v, &why)) {                          \
+        record_bad(env, t, why);                                                      \
+        v = def;                                                                      \
+      }                                                                               \
+      return v;                                                                       \
+    }();                                                                              \
+    static std::once_flag logged;                                                     \
+    std::call_once(logged, [] {                                                       \
+      if (std::getenv(env) != nullptr)                                                \
         KVXFER_INFO(LOG_ENV, "%s set by environment to %lld", env, (long long)value); \
-    });                                                                            \
-    return value;                                                                  \
+    });                                                                               \
+    return value;                                                                     \
   }
 #define KVXFER_PARAM_ENUM(Name, env, def, choices, doc)                            \
   const std::string& Name() {                                                      \
@@ -173,13 +173,13 @@ void record_bad(const char* env, const char* text, const std::string& why) {
       });                                                                          \
     return value;                                                                  \
   }
-#define KVXFER_PARAM_STRING(Name, env, def, doc)                                   \
-  const std::string& Name() {                                                      \
-    static const std::string value = [] {                                          \
-      const char* t = std::getenv(env);                                            \
-      return std::string(t != nullptr ? t : def);                                  \
-    }();                                                                           \
-    return value;                                                                  \
+#define KVXFER_PARAM_STRING(Name, env, def, doc)  \
+  const std::string& Name() {                     \
+    static const std::string value = [] {         \
+      const char* t = std::getenv(env);           \
+      return std::string(t != nullptr ? t : def); \
+    }();                                          \
+    return value;                                 \
   }
 #include "common/params.def"
 #undef KVXFER_PARAM_INT
@@ -201,7 +201,8 @@ kvxfer_result_t validate() {
     if (!parse_log_subsys(DebugSubsys().c_str(), &mask, &why))
       record_bad("KVXFER_DEBUG_SUBSYS", DebugSubsys().c_str(), why);
     double bps = 0;
-    if (!parse_rate(RateLimit(), &bps, &why)) record_bad("KVXFER_RATE_LIMIT", RateLimit().c_str(), why);
+    if (!parse_rate(RateLimit(), &bps, &why))
+      record_bad("KVXFER_RATE_LIMIT", RateLimit().c_str(), why);
     std::lock_guard<std::mutex> lk(bad().mu);
     return bad().first;
   }();

@@ -39,7 +39,8 @@ void matmul(float* out, const float* x, const float* w, int n_rows, int n_in, in
 
 // Row-wise RMSNorm: o = weight * (x / sqrt(mean(x^2) + 1e-5)).
 void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size) {
-#pragma omp parallel for schedule(static) if (static_cast<std::int64_t>(n_rows) * size >= kParallelWork)
+#pragma omp parallel for schedule(static) if (static_cast <std::int64_t>(n_rows) * size >= \
+                                              kParallelWork)
   for (int t = 0; t < n_rows; ++t) {
     const float* xr = x + static_cast<std::size_t>(t) * size;
     float* orow = o + static_cast<std::size_t>(t) * size;
@@ -76,8 +77,8 @@ struct Segment {
 
 // One query head against up to two segments (in order).  q, out: head_size
 // floats; kv_off: channel offset of the KV head; scores: scratch, >= total.
-void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
-                 int n_segs, float* scores, float* out) {
+void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs, int n_segs,
+                 float* scores, float* out) {
   const float inv_scale = std::sqrt(static_cast<float>(head_size));
   int n = 0;
   for (int s = 0; s < n_segs; ++s) {
@@ -192,10 +193,10 @@ std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) 
     set_error(error, "bad llama2.c header in '" + path + "' (" + hdr.str() + "): " + why);
     return nullptr;
   };
-  const std::int32_t dim = h[0], hidden = h[1], n_layers = h[2], n_heads = h[3],
-                     n_kv_heads = h[4], vocab_raw = h[5], seq_len = h[6];
-  if (dim <= 0 || hidden <= 0 || n_layers <= 0 || n_heads <= 0 || n_kv_heads <= 0 ||
-      seq_len <= 0 || vocab_raw == 0)
+  const std::int32_t dim = h[0], hidden = h[1], n_layers = h[2], n_heads = h[3], n_kv_heads = h[4],
+                     vocab_raw = h[5], seq_len = h[6];
+  if (dim <= 0 || hidden <= 0 || n_layers <= 0 || n_heads <= 0 || n_kv_heads <= 0 || seq_len <= 0 ||
+      vocab_raw == 0)
     return bad_header("all fields must be positive (vocab_size may be negative, not zero)");
   if (vocab_raw == std::numeric_limits<std::int32_t>::min())
     return bad_header("vocab_size out of range");
@@ -211,22 +212,24 @@ std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) 
 
   const std::uint64_t D = static_cast<std::uint64_t>(dim), Hd = static_cast<std::uint64_t>(hidden),
                       L = static_cast<std::uint64_t>(n_layers),
-                      V = static_cast<std::uint64_t>(vocab), S = static_cast<std::uint64_t>(seq_len),
-                      KV = static_cast<std::uint64_t>(n_kv_heads) * static_cast<std::uint64_t>(head_size),
+                      V = static_cast<std::uint64_t>(vocab),
+                      S = static_cast<std::uint64_t>(seq_len),
+                      KV = static_cast<std::uint64_t>(n_kv_heads) *
+                           static_cast<std::uint64_t>(head_size),
                       HS = static_cast<std::uint64_t>(head_size);
   std::uint64_t n_floats = 0;
-  n_floats += V * D;                    // token_embedding
-  n_floats += L * D;                    // rms_att
-  n_floats += L * D * D;                // wq
-  n_floats += L * KV * D;               // wk
-  n_floats += L * KV * D;               // wv
-  n_floats += L * D * D;                // wo
-  n_floats += L * D;                    // rms_ffn
-  n_floats += L * Hd * D;               // w1
-  n_floats += L * D * Hd;               // w2
-  n_floats += L * Hd * D;               // w3
-  n_floats += D;                        // rms_final
-  n_floats += S * HS;                   // freq_cis_real + freq_cis_imag (S * HS/2 each)
+  n_floats += V * D;                     // token_embedding
+  n_floats += L * D;                     // rms_att
+  n_floats += L * D * D;                 // wq
+  n_floats += L * KV * D;                // wk
+  n_floats += L * KV * D;                // wv
+  n_floats += L * D * D;                 // wo
+  n_floats += L * D;                     // rms_ffn
+  n_floats += L * Hd * D;                // w1
+  n_floats += L * D * Hd;                // w2
+  n_floats += L * Hd * D;                // w3
+  n_floats += D;                         // rms_final
+  n_floats += S * HS;                    // freq_cis_real + freq_cis_imag (S * HS/2 each)
   if (vocab_raw < 0) n_floats += V * D;  // separate classifier
   const std::uint64_t expected = kHeaderBytes + n_floats * sizeof(float);
   if (file_size != expected) {
@@ -267,17 +270,28 @@ std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) 
 
   const float* p = m->data_.data();
   Weights& w = m->w_;
-  w.token_embedding = p; p += V * D;
-  w.rms_att = p;         p += L * D;
-  w.wq = p;              p += L * D * D;
-  w.wk = p;              p += L * KV * D;
-  w.wv = p;              p += L * KV * D;
-  w.wo = p;              p += L * D * D;
-  w.rms_ffn = p;         p += L * D;
-  w.w1 = p;              p += L * Hd * D;
-  w.w2 = p;              p += L * D * Hd;
-  w.w3 = p;              p += L * Hd * D;
-  w.rms_final = p;       p += D;
+  w.token_embedding = p;
+  p += V * D;
+  w.rms_att = p;
+  p += L * D;
+  w.wq = p;
+  p += L * D * D;
+  w.wk = p;
+  p += L * KV * D;
+  w.wv = p;
+  p += L * KV * D;
+  w.wo = p;
+  p += L * D * D;
+  w.rms_ffn = p;
+  p += L * D;
+  w.w1 = p;
+  p += L * Hd * D;
+  w.w2 = p;
+  p += L * D * Hd;
+  w.w3 = p;
+  p += L * Hd * D;
+  w.rms_final = p;
+  p += D;
   p += S * HS;  // freq_cis tables (RoPE is computed on the fly, as in run.c)
   w.wcls = c.shared_classifier ? w.token_embedding : p;
   return m;
@@ -351,7 +365,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
   }
   const int T = static_cast<int>(tokens.size());
   if (static_cast<std::int64_t>(start_pos) + T > c.seq_len) {
-    set_error(error, "positions up to " + std::to_string(static_cast<std::int64_t>(start_pos) + T - 1) +
+    set_error(error, "positions up to " +
+                         std::to_string(static_cast<std::int64_t>(start_pos) + T - 1) +
                          " exceed seq_len " + std::to_string(c.seq_len));
     return false;
   }
@@ -365,7 +380,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
 
   for (int t = 0; t < T; ++t)
     std::memcpy(&x[static_cast<std::size_t>(t) * dim],
-                w_.token_embedding + static_cast<std::size_t>(tokens[t]) * dim, dim * sizeof(float));
+                w_.token_embedding + static_cast<std::size_t>(tokens[t]) * dim,
+                dim * sizeof(float));
 
   // RoPE tables for the positions of this pass (cos/sin of pos * freq, as run.c).
   std::vector<float> rope_cos(static_cast<std::size_t>(T) * (hs / 2)), rope_sin(rope_cos.size());
@@ -427,7 +443,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
               {tail_k, tail_v, static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
                n_tail0 + t + 1},
           };
-          const std::size_t off = static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
+          const std::size_t off =
+              static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
           attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, 2,
                       scores.data(), &xb2[off]);
         }
@@ -492,8 +509,8 @@ bool Model::decode_step(int token, int pos, const KVView& view, KVCache* tail,
   return true;
 }
 
-bool Model::verify(const std::vector<int>& draft, int start_pos, const KVView& view,
-                   KVCache* tail, std::vector<float>* logits, std::string* error) const {
+bool Model::verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
+                   std::vector<float>* logits, std::string* error) const {
   std::vector<float> tmp;
   return forward(draft, start_pos, view, tail, 2, logits != nullptr ? logits : &tmp, nullptr,
                  error);
@@ -519,9 +536,8 @@ bool Model::attention_outputs(const float* queries, int n_q, int q_pos0, const K
 // ---------------------------------------------------------------------------
 // Free helpers
 // ---------------------------------------------------------------------------
-bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_tokens,
-               const float* q, std::size_t q_stride, int n_q, int q_pos0, float* out,
-               std::string* error) {
+bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_tokens, const float* q,
+               std::size_t q_stride, int n_q, int q_pos0, float* out, std::string* error) {
   if (shape.n_heads <= 0 || shape.n_kv_heads <= 0 || shape.head_size <= 0 ||
       shape.n_heads % shape.n_kv_heads != 0) {
     set_error(error, "invalid attention shape");
@@ -563,8 +579,8 @@ bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_toke
         const Segment seg{kv.k, kv.v, kv.k_stride, kv.v_stride, q_pos0 + i + 1};
         const std::size_t hoff = static_cast<std::size_t>(h) * shape.head_size;
         attend_head(q + static_cast<std::size_t>(i) * q_stride + hoff, shape.head_size,
-                    static_cast<std::size_t>(h / kv_mul) * shape.head_size, &seg, 1,
-                    scores.data(), out + static_cast<std::size_t>(i) * dq + hoff);
+                    static_cast<std::size_t>(h / kv_mul) * shape.head_size, &seg, 1, scores.data(),
+                    out + static_cast<std::size_t>(i) * dq + hoff);
       }
     }
   }

@@ -49,7 +49,7 @@ struct Config {
   int n_heads = 0;     // query heads
   int n_kv_heads = 0;  // key/value heads (GQA: n_heads % n_kv_heads == 0)
   int vocab_size = 0;
-  int seq_len = 0;     // maximum number of positions
+  int seq_len = 0;  // maximum number of positions
   bool shared_classifier = true;
 
   int head_size() const { return dim / n_heads; }
@@ -143,8 +143,8 @@ class Model {
 
   // Runs tokens at positions 0..n-1 in one batched pass (causal).  1 <= n <=
   // seq_len; every token in [0, vocab_size).
-  bool prefill(const std::vector<int>& tokens, const PrefillOptions& options,
-               PrefillResult* out, std::string* error) const;
+  bool prefill(const std::vector<int>& tokens, const PrefillOptions& options, PrefillResult* out,
+               std::string* error) const;
 
   // One decoding step: `token` at position `pos`, attending to positions
   // [0, view.n_tokens) read through `view`, then to the tail rows (positions
@@ -175,8 +175,8 @@ class Model {
   // layer is at position q_pos0 + i and attends to keys 0..q_pos0+i of the
   // view (requires q_pos0 + n_q <= view.n_tokens).  out excludes the wo
   // projection (it is the per-head softmax(q k^T/sqrt(hs)) v, concatenated).
-  bool attention_outputs(const float* queries, int n_q, int q_pos0, const KVView& view,
-                         float* out, std::string* error) const;
+  bool attention_outputs(const float* queries, int n_q, int q_pos0, const KVView& view, float* out,
+                         std::string* error) const;
 
  private:
   struct Weights {
@@ -221,9 +221,8 @@ struct AttentionShape {
 // n_kv_heads).  out: [n_q][n_heads*head_size] contiguous, the per-head
 // softmax(q k^T / sqrt(head_size)) v.  Deterministic; parallel over queries
 // and heads.
-bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_tokens,
-               const float* q, std::size_t q_stride, int n_q, int q_pos0, float* out,
-               std::string* error);
+bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_tokens, const float* q,
+               std::size_t q_stride, int n_q, int q_pos0, float* out, std::string* error);
 
 // vNMSE = ||approx - ref||^2 / ||ref||^2, accumulated in double (0 when both
 // are zero; +inf when only ref is zero).

@@ -53,9 +53,9 @@ inline double laplace(double u) {
 
 // Per-layer key channel properties.
 struct KeyChannel {
-  double scale;     // bulk scale s_c
+  double scale;  // bulk scale s_c
   bool outlier;
-  double mean;      // outlier mean m_c (signed), 0 for bulk
+  double mean;  // outlier mean m_c (signed), 0 for bulk
 };
 
 std::vector<int> select_outlier_pairs(const SyntheticKVSpec& s, int layer) {
@@ -102,9 +102,9 @@ KeyChannel key_channel(const SyntheticKVSpec& s, int layer, int channel,
 // Pre-RoPE key element.
 inline double key_pre(const SyntheticKVSpec& s, int layer, std::int64_t token, int channel,
                       const KeyChannel& kc) {
-  const double l = laplace(to_uniform(hash_tuple(s.seed, layer, kTagKeySample,
-                                                 static_cast<std::uint64_t>(token),
-                                                 static_cast<std::uint64_t>(channel))));
+  const double l =
+      laplace(to_uniform(hash_tuple(s.seed, layer, kTagKeySample, static_cast<std::uint64_t>(token),
+                                    static_cast<std::uint64_t>(channel))));
   if (kc.outlier) return kc.mean * (1.0 + static_cast<double>(s.outlier_jitter) * l);
   return static_cast<double>(s.key_scale) * kc.scale * l;
 }
@@ -116,9 +116,9 @@ inline double value_token_scale(const SyntheticKVSpec& s, int layer, std::int64_
 
 inline double value_elem(const SyntheticKVSpec& s, int layer, std::int64_t token, int channel,
                          double token_scale) {
-  const double l = laplace(to_uniform(hash_tuple(s.seed, layer, kTagValueSample,
-                                                 static_cast<std::uint64_t>(token),
-                                                 static_cast<std::uint64_t>(channel))));
+  const double l = laplace(
+      to_uniform(hash_tuple(s.seed, layer, kTagValueSample, static_cast<std::uint64_t>(token),
+                            static_cast<std::uint64_t>(channel))));
   return static_cast<double>(s.value_scale) * token_scale * l;
 }
 
@@ -174,7 +174,8 @@ std::vector<int> synthetic_key_outlier_channels(const SyntheticKVSpec& spec, int
 float synthetic_kv_value(const SyntheticKVSpec& s, int layer, KVKind kind, std::int64_t token,
                          int channel) {
   if (kind == KVKind::kValue)
-    return static_cast<float>(value_elem(s, layer, token, channel, value_token_scale(s, layer, token)));
+    return static_cast<float>(
+        value_elem(s, layer, token, channel, value_token_scale(s, layer, token)));
   const std::vector<int> pairs = select_outlier_pairs(s, layer);
   const KeyChannel kc = key_channel(s, layer, channel, pairs);
   const double x = key_pre(s, layer, token, channel, kc);

@@ -64,13 +64,13 @@ struct SyntheticKVSpec {
   int n_kv_heads = 8;
   int head_dim = 128;  // even (RoPE pairs)
 
-  float key_scale = 1.0f;           // Laplace b of the key bulk (RMS = b*sqrt(2)*~1.04)
-  float value_scale = 1.0f;         // Laplace b of the value bulk
-  int key_outlier_pairs = 4;        // outlier RoPE pairs per layer (clamped to candidates)
+  float key_scale = 1.0f;            // Laplace b of the key bulk (RMS = b*sqrt(2)*~1.04)
+  float value_scale = 1.0f;          // Laplace b of the value bulk
+  int key_outlier_pairs = 4;         // outlier RoPE pairs per layer (clamped to candidates)
   float key_outlier_ratio = 100.0f;  // outlier RMS / nominal bulk RMS (b*sqrt(2))
-  float outlier_jitter = 0.1f;      // relative per-token Laplace jitter of outliers
-  bool rope = true;                 // rotate keys by token position
-  float rope_theta = 10000.0f;      // 10000 (Llama-2); 500000 for Llama-3
+  float outlier_jitter = 0.1f;       // relative per-token Laplace jitter of outliers
+  bool rope = true;                  // rotate keys by token position
+  float rope_theta = 10000.0f;       // 10000 (Llama-2); 500000 for Llama-3
 
   // Channels per row: n_kv_heads * head_dim.
   int row_channels() const { return n_kv_heads * head_dim; }

@@ -12,7 +12,6 @@
 
 namespace kvxfer::transport {
 
-
 RateLimiter::RateLimiter(double bytes_per_sec, uint64_t burst_bytes)
     : rate_(bytes_per_sec > 0 ? bytes_per_sec : 1.0),
       burst_(burst_bytes > 0 ? burst_bytes : 1),
