@@ -35,70 +35,17 @@ kvxfer_result_t cuda_error(cudaError_t e, const char* what) {
     if (kvxfer_e_ != cudaSuccess) return cuda_error(kvxfer_e_, #call); \
   } while (0)
 
-// Header fields of a page before any data is seen (as codec/page.cc).
-codec::PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id,
-                              int64_t T, int32_t H, kvxfer_dtype_t src_dtype) {
-  codec::PageHeader h;
-  h.codec = static_cast<uint8_t>(cfg.codec);
-  h.src_dtype = static_cast<uint8_t>(src_dtype);
-  h.chunk_tokens = static_cast<uint8_t>(cfg.chunk_tokens);
-  switch (cfg.codec) {
-    case KVXFER_CODEC_LYNX:
-      h.alpha = cfg.alpha == 0.0f ? 0.0f : cfg.alpha;  // no -0 on the wire
-      [[fallthrough]];
-    case KVXFER_CODEC_INT8:
-      h.code_bits = 8;
-      h.anchor_bits = static_cast<uint8_t>(cfg.anchor_bits);
-      break;
-    case KVXFER_CODEC_INT4:
-      h.code_bits = 4;
-      h.anchor_bits = 4;
-      break;
-    default: h.code_bits = 0; h.anchor_bits = 0;
-  }
-  h.kind = static_cast<uint8_t>(id.kind);
-  h.layer = id.layer;
-  h.num_channels = static_cast<uint32_t>(H);
-  h.token_begin = id.token_begin;
-  h.num_tokens = static_cast<uint64_t>(T);
-  h.stream_id = id.stream_id;
-  return h;
-}
-
 kvxfer_result_t nonfinite_error(const DeviceStatus& st, const kvxfer_page_id_t& id, int32_t H) {
   const uint64_t e = st.first_bad >> 1;
-  return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
-                   (st.first_bad & 1) ? "Inf" : "NaN", id.layer,
-                   id.kind == KVXFER_KV_KEY ? 'K' : 'V',
-                   id.token_begin + static_cast<int64_t>(e / H), static_cast<int32_t>(e % H));
+  return codec::nonfinite_error(id, static_cast<int64_t>(e / H), static_cast<int32_t>(e % H),
+                                (st.first_bad & 1) == 0);
 }
 
 }  // namespace
 
 kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char* what) {
-  KVXFER_REQUIRE(l != nullptr, "%s layout is NULL", what);
-  KVXFER_REQUIRE(l->dtype == KVXFER_DTYPE_BF16 || l->dtype == KVXFER_DTYPE_FP16 ||
-                     l->dtype == KVXFER_DTYPE_FP32,
-                 "%s dtype %d is not BF16, FP16 or FP32", what, static_cast<int>(l->dtype));
-  KVXFER_REQUIRE(
-      l->num_channels >= 1 && static_cast<uint32_t>(l->num_channels) <= codec::kMaxChannels,
-      "%s num_channels %d outside [1, %u]", what, l->num_channels, codec::kMaxChannels);
-  KVXFER_REQUIRE(l->num_tokens >= 0 && static_cast<uint64_t>(l->num_tokens) <= codec::kMaxTokens,
-                 "%s num_tokens %" PRId64 " outside [0, 2^32]", what, l->num_tokens);
-  KVXFER_REQUIRE(l->block_size >= 1, "%s block_size %d must be >= 1", what, l->block_size);
-  KVXFER_REQUIRE(l->row_stride >= l->num_channels,
-                 "%s row_stride %" PRId64 " is smaller than num_channels %d", what, l->row_stride,
-                 l->num_channels);
-  KVXFER_REQUIRE(l->first_token >= 0, "%s first_token %" PRId64 " is negative", what,
-                 l->first_token);
-  if (l->num_tokens > 0) {
-    KVXFER_REQUIRE(l->blocks != nullptr, "%s block table is NULL", what);
-    const int64_t last = (l->first_token + l->num_tokens - 1) / l->block_size;
-    KVXFER_REQUIRE(last < l->num_blocks,
-                   "%s needs blocks up to index %" PRId64 " but num_blocks is %" PRId64, what, last,
-                   l->num_blocks);
-  }
-  return KVXFER_SUCCESS;
+  // The host cannot dereference a device block table: shape checks only.
+  return codec::validate_layout_shape(l, what);
 }
 
 kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) {
@@ -227,7 +174,7 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
                      "(kvxfer_codec_calibrate_alpha) and pass the chosen alpha");
   const int64_t T = src->num_tokens;
   const int32_t H = src->num_channels;
-  codec::PageHeader h = make_header(*cfg, *id, T, H, src->dtype);
+  codec::PageHeader h = codec::make_header(*cfg, *id, T, H, src->dtype);
   auto* anc = static_cast<uint8_t*>(anchor);
   auto* res = static_cast<uint8_t*>(residual);
 

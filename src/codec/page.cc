@@ -12,7 +12,7 @@
 
 namespace kvxfer::codec {
 
-kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out) {
+kvxfer_result_t validate_layout_shape(const kvxfer_page_layout_t* l, const char* what) {
   KVXFER_REQUIRE(l != nullptr, "%s layout is NULL", what);
   KVXFER_REQUIRE(l->dtype == KVXFER_DTYPE_BF16 || l->dtype == KVXFER_DTYPE_FP16 ||
                      l->dtype == KVXFER_DTYPE_FP32,
@@ -39,17 +39,32 @@ kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what,
                  l->block_size, l->row_stride);
   if (l->num_tokens > 0) {
     KVXFER_REQUIRE(l->blocks != nullptr, "%s block list is NULL", what);
-    const int64_t first = l->first_token / l->block_size;
     const int64_t last = (l->first_token + l->num_tokens - 1) / l->block_size;
     KVXFER_REQUIRE(last < l->num_blocks,
                    "%s needs blocks up to index %" PRId64 " but num_blocks is %" PRId64, what, last,
                    l->num_blocks);
+  }
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out) {
+  KVXFER_CHECK(validate_layout_shape(l, what));
+  if (l->num_tokens > 0) {
+    // Host memory: the block pointers themselves can be checked too.
+    const int64_t first = l->first_token / l->block_size;
+    const int64_t last = (l->first_token + l->num_tokens - 1) / l->block_size;
     for (int64_t b = first; b <= last; ++b)
       KVXFER_REQUIRE(l->blocks[b] != nullptr, "%s block %" PRId64 " is NULL", what, b);
   }
   out->l = l;
   out->elem = dtype_size(l->dtype);
   return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t nonfinite_error(const kvxfer_page_id_t& id, int64_t t, int32_t c, bool is_nan) {
+  return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
+                   is_nan ? "NaN" : "Inf", id.layer, id.kind == KVXFER_KV_KEY ? 'K' : 'V',
+                   id.token_begin + t, c);
 }
 
 bool find_nonfinite(const Layout& src, int64_t T, int32_t H, int64_t* t, int32_t* h, float* v) {
@@ -111,9 +126,6 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
   return KVXFER_SUCCESS;
 }
 
-namespace {
-
-// Header fields of a page before any data is seen.
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
                        int32_t H, kvxfer_dtype_t src_dtype) {
   PageHeader h;
@@ -142,6 +154,8 @@ PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t&
   h.stream_id = id.stream_id;
   return h;
 }
+
+namespace {
 
 int effective_threads(int threads) {
   if (threads > 0) return threads;
@@ -222,9 +236,7 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     float bv;
     if (find_nonfinite(lay, T, H, &bt, &bc, &bv)) {
       if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
-        return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
-                         std::isnan(bv) ? "NaN" : "Inf", id->layer,
-                         id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin + bt, bc);
+        return nonfinite_error(*id, bt, bc, std::isnan(bv));
       raw = true;
     }
   } else {
@@ -258,9 +270,7 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
       float bv = 0;
       find_nonfinite(lay, T, H, &bt, &bc, &bv);
       if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
-        return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
-                         std::isnan(bv) ? "NaN" : "Inf", id->layer,
-                         id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin + bt, bc);
+        return nonfinite_error(*id, bt, bc, std::isnan(bv));
       raw = true;
     } else if (st != EncodeStatus::OK) {
       return set_error(KVXFER_ERR_INTERNAL, "encoder failed with fp32 metadata");

@@ -68,8 +68,22 @@ struct Layout {
   }
 };
 
-/** Validates a layout; `what` names it in the message ("source", "destination"). */
+/**
+ * Validates every field of a layout and that each row address is computable
+ * without overflow; `what` names it in the message ("source", "destination").
+ * Does not dereference the block table (device layouts hold device pointers).
+ */
+kvxfer_result_t validate_layout_shape(const kvxfer_page_layout_t* l, const char* what);
+
+/** validate_layout_shape, then that every referenced host block is non-NULL. */
 kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out);
+
+/** Header fields of a page before any data is seen (flags, sizes and checksums later). */
+PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
+                       int32_t H, kvxfer_dtype_t src_dtype);
+
+/** KVXFER_ERR_NONFINITE naming the element: "NaN at layer 6 K, token 241, channel 7". */
+kvxfer_result_t nonfinite_error(const kvxfer_page_id_t& id, int64_t t, int32_t c, bool is_nan);
 
 /**
  * The documented per-element error bound (docs/FORMAT.md, "Error bound"):
