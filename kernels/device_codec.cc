@@ -284,37 +284,13 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
                                    size_t residual_len, const kvxfer_page_id_t* expect,
                                    const kvxfer_page_layout_t* dst, const DeviceScratch& scratch,
                                    cudaStream_t stream) {
-  codec::PageHeader ah, rh;
-  KVXFER_CHECK(codec::parse_section(anchor, anchor_len, &ah));
-  if (ah.section != codec::SECTION_ANCHOR)
-    return set_error(KVXFER_ERR_MISMATCH, "the anchor argument holds a residual section");
-  if (residual != nullptr) {
-    KVXFER_CHECK(codec::parse_section(residual, residual_len, &rh));
-    KVXFER_CHECK(codec::check_pair(ah, rh));
-  } else {
-    KVXFER_REQUIRE(residual_len == 0, "residual is NULL but residual_len is %zu", residual_len);
-  }
-  if (expect != nullptr &&
-      (expect->layer != ah.layer || static_cast<uint8_t>(expect->kind) != ah.kind ||
-       expect->token_begin != ah.token_begin || expect->stream_id != ah.stream_id))
-    return set_error(KVXFER_ERR_MISMATCH,
-                     "section is layer %u %c tokens from %lld stream %llu; expected layer %u %c "
-                     "tokens from %lld stream %llu",
-                     ah.layer, ah.kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)ah.token_begin,
-                     (unsigned long long)ah.stream_id, expect->layer,
-                     expect->kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)expect->token_begin,
-                     (unsigned long long)expect->stream_id);
-  KVXFER_CHECK(validate_device_layout(dst, "destination"));
-  if (static_cast<uint64_t>(dst->num_tokens) != ah.num_tokens ||
-      static_cast<uint32_t>(dst->num_channels) != ah.num_channels)
-    return set_error(KVXFER_ERR_MISMATCH,
-                     "page is %llu tokens x %u channels; destination is %lld x %d",
-                     (unsigned long long)ah.num_tokens, ah.num_channels, (long long)dst->num_tokens,
-                     dst->num_channels);
+  codec::DecodePlan plan;
+  KVXFER_CHECK(codec::plan_decode(anchor, anchor_len, residual, residual_len, expect, dst, &plan));
+  const codec::PageHeader& ah = plan.anchor;
   KVXFER_REQUIRE(scratch.anchor_payload != nullptr && scratch.residual_payload != nullptr &&
                      scratch.status != nullptr,
                  "device scratch not allocated (alloc_scratch)");
-  const codec::PayloadSizes s = codec::payload_sizes(ah);
+  const codec::PayloadSizes& s = plan.sizes;
   if (scratch.anchor_cap < s.anchor_payload() ||
       (residual != nullptr && scratch.residual_cap < s.residual_codes))
     return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
@@ -323,8 +299,8 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
                      (unsigned long long)s.anchor_payload(), (unsigned long long)s.residual_codes,
                      scratch.anchor_cap, scratch.residual_cap);
 
-  const auto* payload = static_cast<const uint8_t*>(anchor) + codec::kHeaderBytes;
-  if ((ah.flags & codec::FLAG_RAW) || ah.codec == KVXFER_CODEC_BF16) {
+  const uint8_t* payload = plan.payload;
+  if (plan.cb == nullptr) {  // raw fallback or BF16
     const kvxfer_dtype_t sdt = (ah.flags & codec::FLAG_RAW)
                                    ? static_cast<kvxfer_dtype_t>(ah.src_dtype)
                                    : KVXFER_DTYPE_BF16;
@@ -334,32 +310,7 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
     return launch_unpack_values(scratch.anchor_payload, sdt, dst, stream);
   }
 
-  // Validate every metadata entry before writing anything (as codec/page.cc).
-  const bool fp32 = (ah.flags & codec::FLAG_META_FP32) != 0;
-  const int64_t entries =
-      static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) *
-      dst->num_channels;
-  for (int64_t i = 0; i < entries; ++i) {
-    const codec::Affine a = codec::get_affine(payload, i, fp32);
-    if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
-      return set_error(KVXFER_ERR_CORRUPT,
-                       "metadata entry %lld (chunk %lld, channel %lld) is invalid: offset %g, "
-                       "half-range %g",
-                       (long long)i, (long long)(i / dst->num_channels),
-                       (long long)(i % dst->num_channels), (double)a.m, (double)a.d);
-  }
-  std::string why;
-  const codec::CodebookRef cb =
-      codec::get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
-  if (cb == nullptr)
-    return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
-  if (codec::has_anchor_table(*cb)) {
-    float table[64];
-    for (unsigned a = 0; a < (1u << cb->anchor_bits); ++a)
-      table[a] = codec::get_f32_le(payload + s.table_offset() + 4 * a);
-    if (!codec::anchor_table_valid(*cb, table))
-      return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
-  }
+  const codec::CodebookRef& cb = plan.cb;
   DeviceCodebook dcb;
   KVXFER_CHECK(upload_codebook(cb.get(), &dcb));
   if (s.anchor_payload() > 0)

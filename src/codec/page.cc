@@ -325,10 +325,11 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   return KVXFER_SUCCESS;
 }
 
-kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* residual,
+kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* residual,
                             size_t residual_len, const kvxfer_page_id_t* expect,
-                            const kvxfer_page_layout_t* dst, Impl impl, int threads) {
-  PageHeader ah, rh;
+                            const kvxfer_page_layout_t* dst, DecodePlan* plan) {
+  PageHeader& ah = plan->anchor;
+  PageHeader rh;
   KVXFER_CHECK(parse_section(anchor, anchor_len, &ah));
   if (ah.section != SECTION_ANCHOR)
     return set_error(KVXFER_ERR_MISMATCH, "the anchor argument holds a residual section");
@@ -348,25 +349,66 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
                      (unsigned long long)ah.stream_id, expect->layer,
                      expect->kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)expect->token_begin,
                      (unsigned long long)expect->stream_id);
-  Layout lay;
-  KVXFER_CHECK(validate_layout(dst, "destination", &lay));
+  KVXFER_CHECK(validate_layout_shape(dst, "destination"));
   if (static_cast<uint64_t>(dst->num_tokens) != ah.num_tokens ||
       static_cast<uint32_t>(dst->num_channels) != ah.num_channels)
     return set_error(KVXFER_ERR_MISMATCH,
                      "page is %llu tokens x %u channels; destination is %lld x %d",
                      (unsigned long long)ah.num_tokens, ah.num_channels, (long long)dst->num_tokens,
                      dst->num_channels);
-  KVXFER_CHECK(resolve_impl(impl, &impl));
+  plan->sizes = payload_sizes(ah);
+  plan->payload = static_cast<const uint8_t*>(anchor) + kHeaderBytes;
+  plan->residual_payload =
+      residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr;
+  plan->has_table = false;
+  if ((ah.flags & FLAG_RAW) || ah.codec == KVXFER_CODEC_BF16) return KVXFER_SUCCESS;
 
+  // Every metadata entry and table value, before anything is written: a
+  // checksum-valid section can still be hostile.
+  const int32_t H = dst->num_channels;
+  const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
+  const int64_t entries =
+      static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * H;
+  for (int64_t i = 0; i < entries; ++i) {
+    const Affine a = get_affine(plan->payload, i, fp32);
+    if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
+      return set_error(KVXFER_ERR_CORRUPT,
+                       "metadata entry %lld (chunk %lld, channel %lld) is invalid: offset %g, "
+                       "half-range %g",
+                       (long long)i, (long long)(i / H), (long long)(i % H), (double)a.m,
+                       (double)a.d);
+  }
+  std::string why;
+  plan->cb = get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
+  if (plan->cb == nullptr)
+    return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
+  if (has_anchor_table(*plan->cb)) {
+    for (unsigned a = 0; a < (1u << plan->cb->anchor_bits); ++a)
+      plan->table[a] = get_f32_le(plan->payload + plan->sizes.table_offset() + 4 * a);
+    if (!anchor_table_valid(*plan->cb, plan->table))
+      return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
+    plan->has_table = true;
+  }
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* residual,
+                            size_t residual_len, const kvxfer_page_id_t* expect,
+                            const kvxfer_page_layout_t* dst, Impl impl, int threads) {
+  DecodePlan plan;
+  KVXFER_CHECK(plan_decode(anchor, anchor_len, residual, residual_len, expect, dst, &plan));
+  Layout lay;
+  KVXFER_CHECK(validate_layout(dst, "destination", &lay));  // host blocks: non-NULL too
+  KVXFER_CHECK(resolve_impl(impl, &impl));
+  const PageHeader& ah = plan.anchor;
   const int64_t T = dst->num_tokens;
   const int32_t H = dst->num_channels;
-  const uint8_t* payload = static_cast<const uint8_t*>(anchor) + kHeaderBytes;
-  if ((ah.flags & FLAG_RAW) || ah.codec == KVXFER_CODEC_BF16) {
+  if (plan.cb == nullptr) {  // raw fallback or BF16: values in the anchor payload
     const kvxfer_dtype_t sdt =
         (ah.flags & FLAG_RAW) ? static_cast<kvxfer_dtype_t>(ah.src_dtype) : KVXFER_DTYPE_BF16;
     const size_t ssz = dtype_size(sdt);
     for (int64_t t = 0; t < T; ++t) {
-      const uint8_t* srow = payload + static_cast<size_t>(t) * H * ssz;
+      const uint8_t* srow = plan.payload + static_cast<size_t>(t) * H * ssz;
       uint8_t* row = lay.row(t);
       if (sdt == dst->dtype)
         std::memcpy(row, srow, static_cast<size_t>(H) * ssz);
@@ -375,46 +417,17 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
     }
     return KVXFER_SUCCESS;
   }
-
-  // Validate every metadata entry before writing anything: finite offset,
-  // finite non-negative half-range (a checksum-valid section can still be
-  // hostile).
   const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
-  const int64_t entries =
-      static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * H;
-  for (int64_t i = 0; i < entries; ++i) {
-    const Affine a = get_affine(payload, i, fp32);
-    if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
-      return set_error(KVXFER_ERR_CORRUPT,
-                       "metadata entry %lld (chunk %lld, channel %lld) is invalid: offset %g, "
-                       "half-range %g",
-                       (long long)i, (long long)(i / H), (long long)(i % H), (double)a.m,
-                       (double)a.d);
-  }
-  const PayloadSizes s = payload_sizes(ah);
-  std::string why;
-  const CodebookRef cb =
-      get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
-  if (cb == nullptr)
-    return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
-  float table[64];
-  const float* anchor_table = cb->recon_anchor;
-  if (has_anchor_table(*cb)) {
-    for (unsigned a = 0; a < (1u << cb->anchor_bits); ++a)
-      table[a] = get_f32_le(payload + s.table_offset() + 4 * a);
-    if (!anchor_table_valid(*cb, table))
-      return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
-    anchor_table = table;
-  }
-  DecodeJob job{
-      cb.get(),
-      &ah,
-      lay,
-      fp32,
-      payload,
-      payload + s.meta_bytes,
-      residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr,
-      anchor_table};
+  const PayloadSizes& s = plan.sizes;
+  const CodebookRef& cb = plan.cb;
+  const DecodeJob job{cb.get(),
+                      &ah,
+                      lay,
+                      fp32,
+                      plan.payload,
+                      plan.payload + s.meta_bytes,
+                      plan.residual_payload,
+                      plan.anchor_values()};
   if (impl == Impl::REFERENCE)
     reference::decode(job);
   else

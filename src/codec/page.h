@@ -183,6 +183,34 @@ struct DecodeJob {
   const float* anchor_table;  // anchor-only values: the page's table, or cb->recon_anchor
 };
 
+/**
+ * What decoding a page needs, established by plan_decode before anything is
+ * written: the parsed anchor header, payload sizes and pointers (host
+ * memory), and for quantized pages the codebook and the validated anchor table.
+ */
+struct DecodePlan {
+  PageHeader anchor;
+  PayloadSizes sizes;
+  const uint8_t* payload = nullptr;           // anchor payload
+  const uint8_t* residual_payload = nullptr;  // nullptr: anchor-only
+  CodebookRef cb;                             // nullptr: raw fallback or BF16
+  bool has_table = false;
+  float table[64];
+  /** Anchor-only reconstruction values: the page's table, or the bin centres. */
+  const float* anchor_values() const { return has_table ? table : cb->recon_anchor; }
+};
+
+/**
+ * Every check decoding makes before it writes (docs/FORMAT.md 4.4): both
+ * sections parsed and checksummed, their pairing, the expected identity, the
+ * destination's shape against the page, every metadata pair and table entry.
+ * Does not touch the destination's blocks (they may be device memory).
+ * Shared by the CPU decoder and the CUDA host path.
+ */
+kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* residual,
+                            size_t residual_len, const kvxfer_page_id_t* expect,
+                            const kvxfer_page_layout_t* dst, DecodePlan* plan);
+
 namespace reference {
 /** Plain-loop encoder of quantized pages: the definition of the bytes. */
 EncodeStatus encode(const EncodeJob& job);
