@@ -236,7 +236,7 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
       if (cfg->nonfinite == KVXFER_NONFINITE_ERROR) return nonfinite_error(st, *id, H);
       raw = true;
     } else if (st.flags != 0) {
-      return set_error(KVXFER_ERR_INTERNAL, "encoder failed with fp32 metadata");
+      return set_error(KVXFER_ERR_INTERNAL, "encoder returned status 0x%x", st.flags);
     }
   }
 

@@ -65,6 +65,8 @@
 #include <vector>
 
 #include "codec/codec.h"
+#include "common/error.h"
+#include "common/params.h"
 #include "kvxfer/kvxfer.h"
 #include "model/llama2.h"
 #include "model/synthetic_kv.h"
@@ -651,6 +653,11 @@ int main(int argc, char** argv) {
   app.add_option("--greedy-steps", greedy_steps, "teacher-forced decode steps per prompt")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  // A malformed KVXFER_* variable stops the run (exit 2), as in codec_perf.
+  if (kvxfer::params::validate() < 0) {
+    std::fprintf(stderr, "codec_quality: %s\n", kvxfer::last_error());
+    return 2;
+  }
   if (quick) {
     so.layers = 2;
     so.tokens = 512;

@@ -362,6 +362,89 @@ TEST(PageCodecBadInput, WrongDtypeStrideBlocksAndBuffers) {
             KVXFER_ERR_MISMATCH);
 }
 
+TEST(PageCodecBadInput, ExtremeFiniteRangesNeverDecodeToInfinity) {
+  // Values at +-FLT_MAX, and ranges ending at FLT_MAX: |m| + d stays finite
+  // (or the page is stored raw), so no reconstruction m + d*r overflows.
+  const float big = std::numeric_limits<float>::max();
+  const float cases[][2] = {{-big, big}, {1e38f, big}, {-big, -1e38f}, {-big, 0.0f}};
+  for (const auto& range : cases)
+    for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4}) {
+      PagedBuffer src(20, 4, KVXFER_DTYPE_FP32);
+      for (int64_t t = 0; t < 20; ++t)
+        for (int32_t c = 0; c < 4; ++c)
+          src.set(t, c,
+                  t % 3 == 0   ? range[0]
+                  : t % 3 == 1 ? range[1]
+                               : range[0] / 2 + range[1] / 2);
+      const auto e = test::encode(config(codec), src, Impl::AUTO);
+      ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+      for (bool full : {false, true}) {
+        PagedBuffer out(20, 4, KVXFER_DTYPE_FP32);
+        ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), full ? e.residual.data() : nullptr,
+                              full ? e.residual.size() : 0, nullptr, &out.layout),
+                  KVXFER_SUCCESS);
+        for (int64_t t = 0; t < 20; ++t)
+          for (int32_t c = 0; c < 4; ++c)
+            ASSERT_TRUE(std::isfinite(out.get(t, c))) << "token " << t << " range " << range[0];
+      }
+    }
+}
+
+TEST(PageCodecBadInput, ChecksumValidHugeMetadataNeverDecodesToInfinity) {
+  // A hostile sender can reseal a section whose metadata is finite but whose
+  // reconstructions m + d*r overflow float: the decoder clamps them to
+  // +-FLT_MAX, so no output is infinite.
+  PagedBuffer src(20, 4, KVXFER_DTYPE_FP32);
+  test::fill_kv_like(&src, 3, 1e6f);  // beyond binary16: fp32 metadata
+  const auto e = test::encode(config(KVXFER_CODEC_LYNX), src, Impl::AUTO);
+  ASSERT_EQ(e.rc, KVXFER_SUCCESS);
+  kvxfer_page_info_t info;
+  ASSERT_EQ(inspect_section(e.anchor.data(), e.anchor.size(), &info), KVXFER_SUCCESS);
+  ASSERT_EQ(info.meta_fp32, 1);
+  std::vector<uint8_t> bad = e.anchor;
+  const float huge = 3e38f;
+  for (int i = 0; i < 4; ++i) {  // chunk 0, channels 0..3: m = d = 3e38
+    std::memcpy(bad.data() + kHeaderBytes + 8 * i, &huge, 4);
+    std::memcpy(bad.data() + kHeaderBytes + 8 * i + 4, &huge, 4);
+  }
+  seal_section(bad.data());
+  for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AUTO}) {
+    PagedBuffer out(20, 4, KVXFER_DTYPE_FP32);
+    ASSERT_EQ(decode_page(bad.data(), bad.size(), nullptr, 0, nullptr, &out.layout, impl),
+              KVXFER_SUCCESS);
+    int clamped = 0;
+    for (int64_t t = 0; t < 20; ++t)
+      for (int32_t c = 0; c < 4; ++c) {
+        ASSERT_TRUE(std::isfinite(out.get(t, c))) << "token " << t << " channel " << c;
+        clamped += out.get(t, c) == std::numeric_limits<float>::max();
+      }
+    EXPECT_GT(clamped, 0) << "the test must reach the clamp";
+  }
+}
+
+TEST(PageCodecBadInput, EncodeArgumentsCheckedBeforeAnyOutput) {
+  const auto cfg = config(KVXFER_CODEC_LYNX);
+  PagedBuffer src(40, 16, KVXFER_DTYPE_BF16);
+  test::fill_kv_like(&src, 2);
+  std::vector<uint8_t> a(1 << 16), r(1 << 16);
+  size_t al = 7, rl = 7;
+  kvxfer_page_id_t id{0, KVXFER_KV_KEY, 0, 0};
+  // Lengths read 0 after any failure, even the first check.
+  EXPECT_EQ(
+      encode_page(nullptr, &id, &src.layout, a.data(), a.size(), &al, r.data(), r.size(), &rl),
+      KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(al, 0u);
+  EXPECT_EQ(rl, 0u);
+  // One buffer for both sections.
+  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), a.size(), &al, a.data(), a.size(), &rl),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  // token_begin + T must not overflow (error messages name absolute tokens).
+  id.token_begin = std::numeric_limits<int64_t>::max() - 10;
+  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), a.size(), &al, r.data(), r.size(), &rl),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(last_error()).find("overflows"), std::string::npos) << last_error();
+}
+
 TEST(PageCodecBadInput, InvalidConfigs) {
   PagedBuffer src(8, 8, KVXFER_DTYPE_BF16);
   auto bad = [&](kvxfer_codec_config_t c) { return test::encode(c, src, Impl::AUTO).rc; };

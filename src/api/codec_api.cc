@@ -2,17 +2,32 @@
 // results become the caller's: each entry clears the thread's error text,
 // checks the KVXFER_* environment, and catches every exception (none is
 // expected; std::bad_alloc is the realistic one).
+#include <mutex>
 #include <new>
 
 #include "codec/codec.h"
 #include "common/error.h"
+#include "common/log.h"
 #include "common/params.h"
 
 namespace {
 
+// The version line, once per process, as NCCL prints its own: at
+// KVXFER_DEBUG=VERSION, and at INFO and above; not at the default WARN.
+void log_version_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const kvxfer::LogLevel lvl =
+        kvxfer::params::Debug() == "VERSION" ? kvxfer::LOG_VERSION : kvxfer::LOG_INFO;
+    KVXFER_LOG_AT_(lvl, kvxfer::LOG_INIT, "kvxfer %d.%d.%d", KVXFER_MAJOR, KVXFER_MINOR,
+                   KVXFER_PATCH);
+  });
+}
+
 template <typename F>
 kvxfer_result_t api_call(const char* name, F&& body) {
   kvxfer::clear_error();
+  log_version_once();
   try {
     KVXFER_CHECK(kvxfer::params::validate());
     return body();
@@ -67,8 +82,11 @@ kvxfer_result_t kvxfer_codec_calibrate_alpha(const kvxfer_codec_config_t* config
                                              const kvxfer_page_layout_t* pages, int32_t num_pages,
                                              float* alpha) {
   return api_call(__func__, [&] {
-    KVXFER_CHECK(kvxfer::codec::validate_config(config));
-    return kvxfer::codec::calibrate_alpha(config, pages, num_pages, alpha);
+    KVXFER_REQUIRE(config != nullptr, "codec config is NULL");
+    kvxfer_codec_config_t c = *config;  // config->alpha is ignored, as documented
+    c.alpha = 0.0f;
+    KVXFER_CHECK(kvxfer::codec::validate_config(&c));
+    return kvxfer::codec::calibrate_alpha(&c, pages, num_pages, alpha);
   });
 }
 

@@ -174,10 +174,15 @@ KVXFER_HD inline float normalise(float x, const Affine& a) {
   return a.d > 0.0f ? f_div(f_sub(x, a.m), a.d) : 0.0f;
 }
 
-/** x = m + d * r (two roundings, never fused). */
+/** x = m + d * r (two roundings, never fused), clamped to [-FLT_MAX, FLT_MAX]. */
 KVXFER_HD inline float denormalise(float r, const Affine& a) {
   const float t = f_mul(a.d, r);
-  return f_add(a.m, t);
+  const float x = f_add(a.m, t);
+  // |m| + d can round past FLT_MAX for a range that ends near it (and a
+  // hostile section can carry any finite m, d): clamp, so that finite
+  // metadata never reconstructs to infinity (docs/FORMAT.md 2.5).
+  const float big = bits_f32(0x7F7FFFFFu);  // FLT_MAX
+  return x > big ? big : (x < -big ? -big : x);
 }
 
 /**

@@ -4,6 +4,8 @@
 // No FMA: contraction is off project-wide and -mfma is not given.
 #include <immintrin.h>
 
+#include <limits>
+
 #include "codec/fast.h"
 
 namespace kvxfer::codec::fast {
@@ -104,8 +106,12 @@ void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float*
     const __m256i i =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
     const __m256 r = _mm256_i32gather_ps(table, i, 4);
-    const __m256 v =
-        _mm256_add_ps(_mm256_loadu_ps(m + c), _mm256_mul_ps(_mm256_loadu_ps(d + c), r));
+    const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+    const __m256 v = _mm256_min_ps(  // the clamp of codec_math.h denormalise()
+        _mm256_max_ps(
+            _mm256_add_ps(_mm256_loadu_ps(m + c), _mm256_mul_ps(_mm256_loadu_ps(d + c), r)),
+            _mm256_sub_ps(_mm256_setzero_ps(), big)),
+        big);
     switch (dt) {
       case KVXFER_DTYPE_BF16:
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * c), to_bf16(v));

@@ -191,6 +191,9 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
                             const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
                             size_t* anchor_len, void* residual, size_t residual_cap,
                             size_t* residual_len, Impl impl, int threads) {
+  // On every failure both lengths read 0 (whatever fails first).
+  if (anchor_len != nullptr) *anchor_len = 0;
+  if (residual_len != nullptr) *residual_len = 0;
   KVXFER_CHECK(validate_config(cfg));
   KVXFER_REQUIRE(id != nullptr, "page id is NULL");
   KVXFER_REQUIRE(id->kind == KVXFER_KV_KEY || id->kind == KVXFER_KV_VALUE, "bad K/V kind %d",
@@ -199,10 +202,12 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   KVXFER_REQUIRE(
       anchor != nullptr && residual != nullptr && anchor_len != nullptr && residual_len != nullptr,
       "NULL output buffer or length");
-  *anchor_len = 0;
-  *residual_len = 0;
+  KVXFER_REQUIRE(anchor != residual, "anchor and residual must be different buffers");
   Layout lay;
   KVXFER_CHECK(validate_layout(src, "source", &lay));
+  KVXFER_REQUIRE(id->token_begin <= (int64_t{1} << 62) - src->num_tokens,
+                 "token_begin %" PRId64 " + num_tokens %" PRId64 " overflows", id->token_begin,
+                 src->num_tokens);
   KVXFER_CHECK(resolve_impl(impl, &impl));
   kvxfer_codec_config_t chosen = *cfg;
   if (cfg->codec == KVXFER_CODEC_LYNX && cfg->alpha == KVXFER_ALPHA_AUTO) {

@@ -2,6 +2,7 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "common/log.h"
@@ -26,7 +27,10 @@ const char* last_error() { return t_last_error.c_str(); }
 void clear_error() { t_last_error.clear(); }
 
 void breadcrumb(const char* file, int line, kvxfer_result_t r) {
-  KVXFER_INFO(LOG_ALL, "%s:%d -> %d", file, line, static_cast<int>(r));
+  // Relative to the source tree ("codec/page.cc:120 -> -6"), not the build host's path.
+  const char* rel = std::strstr(file, "/src/");
+  rel = rel != nullptr ? rel + 5 : file;
+  KVXFER_INFO(LOG_ALL, "%s:%d -> %d", rel, line, static_cast<int>(r));
 }
 
 }  // namespace kvxfer
