@@ -154,17 +154,7 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
                                    void* anchor, size_t anchor_cap, size_t* anchor_len,
                                    void* residual, size_t residual_cap, size_t* residual_len,
                                    cudaStream_t stream) {
-  KVXFER_CHECK(codec::validate_config(cfg));
-  KVXFER_REQUIRE(id != nullptr, "page id is NULL");
-  KVXFER_REQUIRE(id->kind == KVXFER_KV_KEY || id->kind == KVXFER_KV_VALUE, "bad K/V kind %d",
-                 static_cast<int>(id->kind));
-  KVXFER_REQUIRE(id->token_begin >= 0, "negative token_begin %" PRId64, id->token_begin);
-  KVXFER_REQUIRE(
-      anchor != nullptr && residual != nullptr && anchor_len != nullptr && residual_len != nullptr,
-      "NULL output buffer or length");
-  *anchor_len = 0;
-  *residual_len = 0;
-  KVXFER_CHECK(validate_device_layout(src, "source"));
+  KVXFER_CHECK(codec::check_encode_args(cfg, id, src, anchor, anchor_len, residual, residual_len));
   KVXFER_REQUIRE(scratch.anchor_payload != nullptr && scratch.residual_payload != nullptr &&
                      scratch.status != nullptr,
                  "device scratch not allocated (alloc_scratch)");

@@ -187,10 +187,9 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
   return KVXFER_SUCCESS;
 }
 
-kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
-                            const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
-                            size_t* anchor_len, void* residual, size_t residual_cap,
-                            size_t* residual_len, Impl impl, int threads) {
+kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                                  const kvxfer_page_layout_t* src, const void* anchor,
+                                  size_t* anchor_len, const void* residual, size_t* residual_len) {
   // On every failure both lengths read 0 (whatever fails first).
   if (anchor_len != nullptr) *anchor_len = 0;
   if (residual_len != nullptr) *residual_len = 0;
@@ -203,11 +202,20 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
       anchor != nullptr && residual != nullptr && anchor_len != nullptr && residual_len != nullptr,
       "NULL output buffer or length");
   KVXFER_REQUIRE(anchor != residual, "anchor and residual must be different buffers");
-  Layout lay;
-  KVXFER_CHECK(validate_layout(src, "source", &lay));
+  KVXFER_CHECK(validate_layout_shape(src, "source"));
   KVXFER_REQUIRE(id->token_begin <= (int64_t{1} << 62) - src->num_tokens,
                  "token_begin %" PRId64 " + num_tokens %" PRId64 " overflows", id->token_begin,
                  src->num_tokens);
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                            const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
+                            size_t* anchor_len, void* residual, size_t residual_cap,
+                            size_t* residual_len, Impl impl, int threads) {
+  KVXFER_CHECK(check_encode_args(cfg, id, src, anchor, anchor_len, residual, residual_len));
+  Layout lay;
+  KVXFER_CHECK(validate_layout(src, "source", &lay));  // host blocks: non-NULL too
   KVXFER_CHECK(resolve_impl(impl, &impl));
   kvxfer_codec_config_t chosen = *cfg;
   if (cfg->codec == KVXFER_CODEC_LYNX && cfg->alpha == KVXFER_ALPHA_AUTO) {

@@ -78,6 +78,15 @@ kvxfer_result_t validate_layout_shape(const kvxfer_page_layout_t* l, const char*
 /** validate_layout_shape, then that every referenced host block is non-NULL. */
 kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out);
 
+/**
+ * The argument checks of every page encoder (CPU and CUDA host path): sets
+ * both lengths to 0 first, then validates config, id, buffers and the layout's
+ * shape (not its block pointers, which may be device memory).
+ */
+kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                                  const kvxfer_page_layout_t* src, const void* anchor,
+                                  size_t* anchor_len, const void* residual, size_t* residual_len);
+
 /** Header fields of a page before any data is seen (flags, sizes and checksums later). */
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
                        int32_t H, kvxfer_dtype_t src_dtype);
