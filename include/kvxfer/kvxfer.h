@@ -1,16 +1,16 @@
 /*
  * kvxfer: progressive KV-cache transfer for disaggregated LLM serving.
  *
- * This is the single public header.  The ABI is C: opaque handles, a result
- * enum, POD config structs carrying size/magic/version with an _INITIALIZER
- * macro.  No C++ type crosses this boundary, so a Python runtime can call the
+ * This is the single public header.  The ABI is C: a result enum, POD config
+ * structs carrying size/magic/version with an _INITIALIZER macro (and, with
+ * the transport, opaque communicator and request handles).  No C++ type crosses this boundary, so a Python runtime can call the
  * library through ctypes.  Only symbols named kvxfer_* are exported.
  *
  * Page codec (this header, section "Page codec"):
  *   A KV *page* is one layer's K or V for T consecutive tokens across
  *   H = kv_heads * head_dim channels.  kvxfer_page_encode() turns a page into
  *   an *anchor* section (header, per-chunk metadata, the high bits of every
- *   code) and a *residual* section (the low bits).  The anchor section alone
+ *   code, the per-page anchor table) and a *residual* section (the low bits).  The anchor section alone
  *   decodes to an approximate page; anchor + residual restore the codes
  *   exactly.  The codec definition and the wire format are in docs/FORMAT.md.
  *
