@@ -1,0 +1,714 @@
+#include "transport/bootstrap.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <system_error>
+#include <thread>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace kvxfer::transport {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+constexpr size_t kHelloFixed = 4 + 2 + 2 + 4 + 4 + kBootstrapSecretBytes + 4;  // 52
+constexpr size_t kTableFixed = 4 + 2 + 2 + 4;                                  // 12
+constexpr size_t kMaxPending = 256;  // unauthenticated connections held at once
+constexpr uint16_t kStatusOk = 0;
+constexpr uint16_t kStatusTimeout = 1;
+constexpr uint16_t kStatusTooLarge = 2;
+
+Deadline deadline_after(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+
+int remaining_ms(Deadline d) {
+  auto left = std::chrono::ceil<std::chrono::milliseconds>(d - Clock::now()).count();
+  if (left <= 0) return 0;
+  return left > INT_MAX ? INT_MAX : static_cast<int>(left);
+}
+
+std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
+
+kvxfer_result_t sys_error(const char* what, int e) {
+  return set_error(KVXFER_ERR_SYSTEM, "bootstrap: %s: %s (errno %d)", what, errno_text(e).c_str(),
+                   e);
+}
+
+/** Owns a file descriptor. */
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.fd_;
+      o.fd_ = -1;
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);  // not retried on EINTR (Linux closes anyway)
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// --- little-endian encoding ------------------------------------------------
+void put_u16(std::vector<uint8_t>* b, uint16_t v) {
+  b->push_back(static_cast<uint8_t>(v));
+  b->push_back(static_cast<uint8_t>(v >> 8));
+}
+void put_u32(std::vector<uint8_t>* b, uint32_t v) {
+  for (int i = 0; i < 4; ++i) b->push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+uint16_t get_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+uint32_t get_u32(const uint8_t* p) {
+  return uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
+}
+/** Patches the length prefix (bytes after the first four) into b[0..3]. */
+void finish_frame(std::vector<uint8_t>* b) {
+  uint32_t len = static_cast<uint32_t>(b->size() - 4);
+  for (int i = 0; i < 4; ++i) (*b)[i] = static_cast<uint8_t>(len >> (8 * i));
+}
+
+/** Constant-time equality (no early exit on the first differing byte). */
+bool secret_equal(const uint8_t* a, const uint8_t* b, size_t n) {
+  volatile uint8_t diff = 0;
+  for (size_t i = 0; i < n; ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
+  return diff == 0;
+}
+
+std::string sockaddr_text(const sockaddr* sa, socklen_t len) {
+  char host[NI_MAXHOST], serv[NI_MAXSERV];
+  if (getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) !=
+      0)
+    return "<unknown peer>";
+  return sa->sa_family == AF_INET6 ? std::string("[") + host + "]:" + serv
+                                   : std::string(host) + ":" + serv;
+}
+
+/** Waits until fd is ready for `events`; KVXFER_ERR_TIMEOUT at the deadline. */
+kvxfer_result_t wait_fd(int fd, short events, Deadline d, const char* what) {
+  for (;;) {
+    int left = remaining_ms(d);
+    if (left == 0) return set_error(KVXFER_ERR_TIMEOUT, "bootstrap: timed out %s", what);
+    pollfd p{fd, events, 0};
+    int r = ::poll(&p, 1, left);
+    if (r > 0) return KVXFER_SUCCESS;  // POLLERR/POLLHUP: the next call reports it
+    if (r < 0 && errno != EINTR) return sys_error("poll", errno);
+  }
+}
+
+bool is_closed_errno(int e) { return e == EPIPE || e == ECONNRESET || e == ENOTCONN; }
+
+/** Sends all of buf; *closed = true when the peer has closed/reset. */
+kvxfer_result_t send_all(int fd, const uint8_t* buf, size_t len, Deadline d, const char* what,
+                         bool* closed) {
+  *closed = false;
+  size_t off = 0;
+  while (off < len) {
+    ssize_t n = ::send(fd, buf + off, len - off, MSG_NOSIGNAL);
+    if (n > 0) {
+      off += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      KVXFER_CHECK(wait_fd(fd, POLLOUT, d, what));
+      continue;
+    }
+    int e = n < 0 ? errno : EPIPE;
+    *closed = is_closed_errno(e);
+    return sys_error(what, e);
+  }
+  return KVXFER_SUCCESS;
+}
+
+/** Receives exactly len bytes; *closed = true on EOF or reset. */
+kvxfer_result_t recv_all(int fd, uint8_t* buf, size_t len, Deadline d, const char* what,
+                         bool* closed) {
+  *closed = false;
+  size_t off = 0;
+  while (off < len) {
+    ssize_t n = ::recv(fd, buf + off, len - off, 0);
+    if (n > 0) {
+      off += static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) {
+      *closed = true;
+      return set_error(KVXFER_ERR_SYSTEM, "bootstrap: %s: connection closed by peer", what);
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      KVXFER_CHECK(wait_fd(fd, POLLIN, d, what));
+      continue;
+    }
+    int e = errno;
+    *closed = is_closed_errno(e);
+    return sys_error(what, e);
+  }
+  return KVXFER_SUCCESS;
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+/** Fills sa from the id; false when the id is not a valid one. */
+bool id_sockaddr(const UniqueId& id, sockaddr_storage* sa, socklen_t* len) {
+  if (id.magic != kBootstrapMagic || id.version != kBootstrapVersion) return false;
+  std::memset(sa, 0, sizeof *sa);
+  if (id.family == AF_INET) {
+    auto* s = reinterpret_cast<sockaddr_in*>(sa);
+    s->sin_family = AF_INET;
+    s->sin_port = id.port;
+    std::memcpy(&s->sin_addr, id.addr, 4);
+    *len = sizeof(sockaddr_in);
+  } else if (id.family == AF_INET6) {
+    auto* s = reinterpret_cast<sockaddr_in6*>(sa);
+    s->sin6_family = AF_INET6;
+    s->sin6_port = id.port;
+    std::memcpy(&s->sin6_addr, id.addr, 16);
+    s->sin6_scope_id = id.scope_id;
+    *len = sizeof(sockaddr_in6);
+  } else {
+    return false;
+  }
+  return id.port != 0;
+}
+
+/**
+ * One non-blocking connect bounded by the deadline.  *retry = true when the
+ * failure is one a later attempt may not see (root not listening yet).
+ */
+kvxfer_result_t connect_once(const sockaddr_storage& sa, socklen_t len, Deadline d, Fd* out,
+                             bool* retry) {
+  *retry = false;
+  Fd fd(::socket(sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return sys_error("socket", errno);
+  int e = 0;
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&sa), len) != 0) {
+    e = errno;
+    if (e == EINPROGRESS || e == EINTR) {
+      KVXFER_CHECK(wait_fd(fd.get(), POLLOUT, d, "connecting to the bootstrap root"));
+      socklen_t el = sizeof e;
+      if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &e, &el) != 0) e = errno;
+    }
+  }
+  if (e != 0) {
+    *retry = e == ECONNREFUSED || e == ECONNRESET || e == ETIMEDOUT || e == EAGAIN;
+    return sys_error("connect to the bootstrap root", e);
+  }
+  *out = std::move(fd);
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t refused_error(const std::string& root) {
+  return set_error(KVXFER_ERR_SYSTEM,
+                   "bootstrap refused by root (wrong secret or bad hello): %s closed the "
+                   "connection without sending the address table",
+                   root.c_str());
+}
+
+std::vector<uint8_t> status_frame(uint16_t status, int nranks) {
+  std::vector<uint8_t> f(4, 0);
+  put_u32(&f, kBootstrapMagic);
+  put_u16(&f, kBootstrapVersion);
+  put_u16(&f, status);
+  put_u32(&f, static_cast<uint32_t>(nranks));
+  finish_frame(&f);
+  return f;
+}
+
+/** A connection whose hello has not been read completely yet. */
+struct Pending {
+  Fd fd;
+  std::string peer;
+  uint8_t hdr[4] = {0, 0, 0, 0};
+  size_t got = 0;    // bytes received, prefix included
+  uint32_t len = 0;  // body length, once the prefix is in
+  std::vector<uint8_t> body;
+};
+
+enum class ReadState { kMore, kDone, kDrop };
+
+/** Reads what is available; kDrop with *why set when the peer must go. */
+ReadState read_hello(Pending* p, std::string* why) {
+  for (;;) {
+    ssize_t n;
+    if (p->got < 4) {
+      n = ::recv(p->fd.get(), p->hdr + p->got, 4 - p->got, 0);
+    } else {
+      n = ::recv(p->fd.get(), p->body.data() + (p->got - 4), p->len - (p->got - 4), 0);
+    }
+    if (n == 0) {
+      *why = "closed the connection before a complete hello";
+      return ReadState::kDrop;
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return ReadState::kMore;
+      *why = "read failed: " + errno_text(errno);
+      return ReadState::kDrop;
+    }
+    p->got += static_cast<size_t>(n);
+    if (p->got == 4) {
+      p->len = get_u32(p->hdr);
+      if (p->len < kHelloFixed || p->len > kHelloFixed + kBootstrapMaxPayload) {
+        *why = "bad hello (length " + std::to_string(p->len) + ")";
+        return ReadState::kDrop;
+      }
+      p->body.resize(p->len);
+    }
+    if (p->got >= 4 && p->got == 4 + size_t{p->len}) return ReadState::kDone;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Root
+// ---------------------------------------------------------------------------
+BootstrapRoot::~BootstrapRoot() { close_listener(); }
+
+void BootstrapRoot::close_listener() {
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+}
+
+kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
+                                 std::unique_ptr<BootstrapRoot>* root) {
+  KVXFER_REQUIRE(id != nullptr && root != nullptr,
+                 "create_unique_id: id and root must not be NULL");
+  const char* host = bind_host != nullptr ? bind_host : "127.0.0.1";
+
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  int g = ::getaddrinfo(host, "0", &hints, &res);
+  if (g != 0)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "bootstrap: cannot resolve bind host '%s': %s",
+                     host, g == EAI_SYSTEM ? errno_text(errno).c_str() : gai_strerror(g));
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> res_owner(res, ::freeaddrinfo);
+  const addrinfo* ai = res;
+  while (ai != nullptr && ai->ai_family != AF_INET && ai->ai_family != AF_INET6) ai = ai->ai_next;
+  if (ai == nullptr)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                     "bootstrap: bind host '%s' has no IPv4/IPv6 address", host);
+  bool wildcard =
+      ai->ai_family == AF_INET
+          ? reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr == htonl(INADDR_ANY)
+          : IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(ai->ai_addr)->sin6_addr);
+  if (wildcard)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                     "bootstrap: bind host '%s' is a wildcard address; give the address of one "
+                     "interface (the id must carry an address ranks can connect to)",
+                     host);
+
+  Fd fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return sys_error("socket", errno);
+  if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) return sys_error("bind", errno);
+  if (::listen(fd.get(), SOMAXCONN) != 0) return sys_error("listen", errno);
+  sockaddr_storage ss{};
+  socklen_t sl = sizeof ss;
+  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &sl) != 0)
+    return sys_error("getsockname", errno);
+
+  UniqueId out{};
+  out.magic = kBootstrapMagic;
+  out.version = kBootstrapVersion;
+  out.family = static_cast<uint16_t>(ss.ss_family);
+  if (ss.ss_family == AF_INET) {
+    auto* s = reinterpret_cast<sockaddr_in*>(&ss);
+    out.port = s->sin_port;
+    std::memcpy(out.addr, &s->sin_addr, 4);
+  } else {
+    auto* s = reinterpret_cast<sockaddr_in6*>(&ss);
+    out.port = s->sin6_port;
+    out.scope_id = s->sin6_scope_id;
+    std::memcpy(out.addr, &s->sin6_addr, 16);
+  }
+  size_t filled = 0;
+  while (filled < sizeof out.secret) {
+    ssize_t n = ::getrandom(out.secret + filled, sizeof out.secret - filled, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return sys_error("getrandom", errno);
+    }
+    filled += static_cast<size_t>(n);
+  }
+
+  std::unique_ptr<BootstrapRoot> r(new BootstrapRoot());
+  r->id_ = out;
+  r->listen_fd_ = fd.release();
+  *id = out;
+  *root = std::move(r);
+  KVXFER_INFO(LOG_NET, "bootstrap: root listening on %s", unique_id_address(out).c_str());
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
+  KVXFER_REQUIRE(nranks > 0 && nranks <= kBootstrapMaxRanks,
+                 "bootstrap accept_all: nranks %d out of range [1, %d]", nranks,
+                 kBootstrapMaxRanks);
+  KVXFER_REQUIRE(timeout_ms > 0, "bootstrap accept_all: timeout_ms must be > 0 (got %d)",
+                 timeout_ms);
+  if (listen_fd_ < 0)
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "bootstrap accept_all: the root has no listener (accept_all is one-shot)");
+  struct ListenerCloser {
+    BootstrapRoot* r;
+    ~ListenerCloser() { r->close_listener(); }
+  } closer{this};
+
+  const Deadline d = deadline_after(timeout_ms);
+  const std::string self = unique_id_address(id_);
+  std::vector<std::unique_ptr<Pending>> pending;
+  std::vector<Fd> ranks(static_cast<size_t>(nranks));
+  std::vector<std::string> peers(static_cast<size_t>(nranks));
+  AddressTable blobs(static_cast<size_t>(nranks));
+  int accepted = 0;
+  std::vector<pollfd> fds;
+  std::vector<int> accepted_idx;  // rank for each accepted-rank pollfd
+
+  auto refuse = [&](const std::string& peer, const std::string& why) {
+    KVXFER_WARN(LOG_NET, "bootstrap: root %s refused %s: %s", self.c_str(), peer.c_str(),
+                why.c_str());
+  };
+
+  while (accepted < nranks) {
+    int left = remaining_ms(d);
+    if (left == 0) break;
+    fds.clear();
+    accepted_idx.clear();
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (auto& p : pending) fds.push_back({p->fd.get(), POLLIN, 0});
+    for (int r = 0; r < nranks; ++r)
+      if (ranks[r].valid()) {
+        fds.push_back({ranks[r].get(), POLLIN, 0});
+        accepted_idx.push_back(r);
+      }
+    int pr = ::poll(fds.data(), fds.size(), left);
+    if (pr < 0) {
+      if (errno == EINTR) continue;
+      return sys_error("poll", errno);
+    }
+    if (pr == 0) continue;
+
+    // An accepted rank that becomes readable has hung up (it sends nothing
+    // else): free its slot so a restarted rank can take it.
+    const size_t npend = pending.size();
+    for (size_t k = 0; k < accepted_idx.size(); ++k) {
+      const pollfd& f = fds[1 + npend + k];
+      if (f.revents == 0) continue;
+      int r = accepted_idx[k];
+      KVXFER_WARN(LOG_NET, "bootstrap: root %s: rank %d (%s) hung up before the table; slot freed",
+                  self.c_str(), r, peers[r].c_str());
+      ranks[r].reset();
+      blobs[r].clear();
+      --accepted;
+    }
+
+    // Pending hellos, back to front so that erasing keeps indices valid.
+    for (size_t i = npend; i-- > 0;) {
+      if (fds[1 + i].revents == 0) continue;
+      Pending* p = pending[i].get();
+      std::string why;
+      ReadState st = read_hello(p, &why);
+      if (st == ReadState::kMore) continue;
+      if (st == ReadState::kDrop) {
+        refuse(p->peer, why);
+        pending.erase(pending.begin() + static_cast<long>(i));
+        continue;
+      }
+      const uint8_t* b = p->body.data();
+      uint32_t magic = get_u32(b);
+      uint16_t version = get_u16(b + 4);
+      int32_t rank = static_cast<int32_t>(get_u32(b + 8));
+      int32_t their_n = static_cast<int32_t>(get_u32(b + 12));
+      const uint8_t* secret = b + 16;
+      uint32_t plen = get_u32(b + 16 + kBootstrapSecretBytes);
+      if (magic != kBootstrapMagic || version != kBootstrapVersion) {
+        why = "bad hello (magic/version)";
+      } else if (!secret_equal(secret, id_.secret, kBootstrapSecretBytes)) {
+        why = "wrong secret";
+      } else if (plen != p->len - kHelloFixed) {
+        why = "bad hello (payload length)";
+      } else if (their_n != nranks) {
+        why = "nranks mismatch (hello says " + std::to_string(their_n) + ", root expects " +
+              std::to_string(nranks) + ")";
+      } else if (rank < 0 || rank >= nranks) {
+        why = "rank " + std::to_string(rank) + " out of range";
+      } else if (ranks[rank].valid()) {
+        why = "rank " + std::to_string(rank) + " already taken by " + peers[rank];
+      }
+      if (!why.empty()) {
+        refuse(p->peer, why);
+        pending.erase(pending.begin() + static_cast<long>(i));
+        continue;
+      }
+      blobs[rank].assign(b + kHelloFixed, b + p->len);
+      peers[rank] = p->peer;
+      ranks[rank] = std::move(p->fd);
+      ++accepted;
+      KVXFER_INFO(LOG_NET, "bootstrap: root %s accepted rank %d/%d from %s (%u-byte payload)",
+                  self.c_str(), rank, nranks, peers[rank].c_str(), plen);
+      pending.erase(pending.begin() + static_cast<long>(i));
+    }
+
+    if (fds[0].revents != 0) {
+      for (;;) {
+        sockaddr_storage ss{};
+        socklen_t sl = sizeof ss;
+        int c = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &sl,
+                          SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (c < 0) {
+          if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
+          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+          return sys_error("accept", errno);
+        }
+        auto p = std::make_unique<Pending>();
+        p->fd = Fd(c);
+        p->peer = sockaddr_text(reinterpret_cast<sockaddr*>(&ss), sl);
+        set_nodelay(c);
+        if (pending.size() >= kMaxPending) {
+          refuse(pending.front()->peer,
+                 "too many unauthenticated connections; dropping the oldest");
+          pending.erase(pending.begin());
+        }
+        pending.push_back(std::move(p));
+      }
+    }
+  }
+
+  if (accepted < nranks) {
+    std::string missing;
+    int shown = 0;
+    for (int r = 0; r < nranks; ++r) {
+      if (ranks[r].valid()) continue;
+      if (shown < 8) missing += (shown ? ", " : "") + std::to_string(r);
+      ++shown;
+    }
+    if (shown > 8) missing += ", ...";
+    // Tell the ranks that did come, best effort, so they fail fast.
+    std::vector<uint8_t> f = status_frame(kStatusTimeout, nranks);
+    Deadline short_d = deadline_after(200);
+    for (auto& fd : ranks) {
+      bool closed;
+      if (fd.valid())
+        (void)send_all(fd.get(), f.data(), f.size(), short_d, "sending abort", &closed);
+    }
+    return set_error(KVXFER_ERR_TIMEOUT,
+                     "bootstrap: root %s timed out after %d ms with %d of %d ranks (missing: %s)",
+                     self.c_str(), timeout_ms, accepted, nranks, missing.c_str());
+  }
+
+  // Everyone is in: build and send the table.
+  size_t total = 4 + kTableFixed;
+  for (const auto& b : blobs) total += 4 + b.size();
+  const Deadline send_d = std::max(d, deadline_after(1000));
+  if (total - 4 > kBootstrapMaxMessage) {
+    std::vector<uint8_t> f = status_frame(kStatusTooLarge, nranks);
+    for (auto& fd : ranks) {
+      bool closed;
+      (void)send_all(fd.get(), f.data(), f.size(), send_d, "sending abort", &closed);
+    }
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "bootstrap: address table of %zu bytes exceeds the %zu-byte message bound",
+                     total - 4, kBootstrapMaxMessage);
+  }
+  std::vector<uint8_t> table(4, 0);
+  table.reserve(total);
+  put_u32(&table, kBootstrapMagic);
+  put_u16(&table, kBootstrapVersion);
+  put_u16(&table, kStatusOk);
+  put_u32(&table, static_cast<uint32_t>(nranks));
+  for (const auto& b : blobs) {
+    put_u32(&table, static_cast<uint32_t>(b.size()));
+    table.insert(table.end(), b.begin(), b.end());
+  }
+  finish_frame(&table);
+  kvxfer_result_t result = KVXFER_SUCCESS;
+  for (int r = 0; r < nranks; ++r) {
+    bool closed;
+    kvxfer_result_t s = send_all(ranks[r].get(), table.data(), table.size(), send_d,
+                                 "sending the address table", &closed);
+    if (s < 0 && result == KVXFER_SUCCESS) {
+      std::string detail = last_error();
+      result = set_error(s, "bootstrap: root %s could not send the table to rank %d (%s): %s",
+                         self.c_str(), r, peers[r].c_str(), detail.c_str());
+    }
+  }
+  if (result == KVXFER_SUCCESS)
+    KVXFER_INFO(LOG_NET, "bootstrap: root %s sent the %zu-byte table to %d ranks", self.c_str(),
+                table.size(), nranks);
+  return result;
+}
+
+// ---------------------------------------------------------------------------
+// Rank
+// ---------------------------------------------------------------------------
+kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                                  const void* payload, size_t payload_len, AddressTable* table) {
+  KVXFER_REQUIRE(table != nullptr, "bootstrap_connect: table must not be NULL");
+  KVXFER_REQUIRE(nranks > 0 && nranks <= kBootstrapMaxRanks,
+                 "bootstrap_connect: nranks %d out of range [1, %d]", nranks, kBootstrapMaxRanks);
+  KVXFER_REQUIRE(rank >= 0 && rank < nranks, "bootstrap_connect: rank %d out of range [0, %d)",
+                 rank, nranks);
+  KVXFER_REQUIRE(timeout_ms > 0, "bootstrap_connect: timeout_ms must be > 0 (got %d)", timeout_ms);
+  KVXFER_REQUIRE(payload_len <= kBootstrapMaxPayload,
+                 "bootstrap_connect: payload of %zu bytes exceeds %zu", payload_len,
+                 kBootstrapMaxPayload);
+  KVXFER_REQUIRE(payload != nullptr || payload_len == 0, "bootstrap_connect: payload is NULL");
+  sockaddr_storage sa;
+  socklen_t sl = 0;
+  KVXFER_REQUIRE(id_sockaddr(id, &sa, &sl), "bootstrap_connect: not a valid unique id");
+  const std::string root = unique_id_address(id);
+  const Deadline d = deadline_after(timeout_ms);
+
+  // Connect, retrying while the root is not listening (yet).
+  Fd fd;
+  auto backoff = std::chrono::milliseconds(5);
+  for (;;) {
+    bool retry = false;
+    kvxfer_result_t r = connect_once(sa, sl, d, &fd, &retry);
+    if (r == KVXFER_SUCCESS) break;
+    if (r == KVXFER_ERR_TIMEOUT || (retry && remaining_ms(d) == 0)) {
+      std::string detail = last_error();
+      return set_error(KVXFER_ERR_TIMEOUT,
+                       "bootstrap: rank %d could not reach the root %s within %d ms (%s)", rank,
+                       root.c_str(), timeout_ms, detail.c_str());
+    }
+    if (!retry) return r;
+    std::this_thread::sleep_for(
+        std::min<std::chrono::milliseconds>(backoff, std::chrono::milliseconds(remaining_ms(d))));
+    backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::milliseconds(100));
+  }
+  set_nodelay(fd.get());
+
+  std::vector<uint8_t> hello(4, 0);
+  hello.reserve(4 + kHelloFixed + payload_len);
+  put_u32(&hello, kBootstrapMagic);
+  put_u16(&hello, kBootstrapVersion);
+  put_u16(&hello, 0);
+  put_u32(&hello, static_cast<uint32_t>(rank));
+  put_u32(&hello, static_cast<uint32_t>(nranks));
+  hello.insert(hello.end(), id.secret, id.secret + kBootstrapSecretBytes);
+  put_u32(&hello, static_cast<uint32_t>(payload_len));
+  const auto* pb = static_cast<const uint8_t*>(payload);
+  if (payload_len > 0) hello.insert(hello.end(), pb, pb + payload_len);
+  finish_frame(&hello);
+
+  bool closed = false;
+  kvxfer_result_t r =
+      send_all(fd.get(), hello.data(), hello.size(), d, "sending the hello", &closed);
+  if (r < 0) return closed ? refused_error(root) : r;
+
+  uint8_t hdr[4];
+  r = recv_all(fd.get(), hdr, 4, d, "waiting for the address table", &closed);
+  if (r == KVXFER_ERR_TIMEOUT)
+    return set_error(KVXFER_ERR_TIMEOUT,
+                     "bootstrap: rank %d timed out after %d ms waiting for the address table from "
+                     "%s (other ranks missing?)",
+                     rank, timeout_ms, root.c_str());
+  if (r < 0) return closed ? refused_error(root) : r;
+  uint32_t len = get_u32(hdr);
+  if (len < kTableFixed || len > kBootstrapMaxMessage)
+    return set_error(KVXFER_ERR_CORRUPT,
+                     "bootstrap: table message of %u bytes from %s is out of bounds", len,
+                     root.c_str());
+  std::vector<uint8_t> body(len);
+  r = recv_all(fd.get(), body.data(), len, d, "receiving the address table", &closed);
+  if (r < 0)
+    return closed
+               ? set_error(KVXFER_ERR_SYSTEM, "bootstrap: root %s closed mid-table", root.c_str())
+               : r;
+
+  const uint8_t* b = body.data();
+  if (get_u32(b) != kBootstrapMagic || get_u16(b + 4) != kBootstrapVersion)
+    return set_error(KVXFER_ERR_CORRUPT, "bootstrap: table from %s has a bad magic/version",
+                     root.c_str());
+  uint16_t status = get_u16(b + 6);
+  if (status == kStatusTimeout)
+    return set_error(KVXFER_ERR_TIMEOUT,
+                     "bootstrap: root %s timed out waiting for the other ranks (rank %d of %d)",
+                     root.c_str(), rank, nranks);
+  if (status == kStatusTooLarge)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "bootstrap: root %s says the address table exceeds %zu bytes", root.c_str(),
+                     kBootstrapMaxMessage);
+  if (status != kStatusOk)
+    return set_error(KVXFER_ERR_CORRUPT, "bootstrap: table from %s has unknown status %u",
+                     root.c_str(), status);
+  if (get_u32(b + 8) != static_cast<uint32_t>(nranks))
+    return set_error(KVXFER_ERR_CORRUPT, "bootstrap: table from %s has %u ranks, expected %d",
+                     root.c_str(), get_u32(b + 8), nranks);
+  AddressTable out(static_cast<size_t>(nranks));
+  size_t off = kTableFixed;
+  for (int i = 0; i < nranks; ++i) {
+    if (len - off < 4)
+      return set_error(KVXFER_ERR_CORRUPT, "bootstrap: table from %s truncated at rank %d",
+                       root.c_str(), i);
+    uint32_t el = get_u32(b + off);
+    off += 4;
+    if (el > kBootstrapMaxPayload || len - off < el)
+      return set_error(KVXFER_ERR_CORRUPT,
+                       "bootstrap: table from %s: bad entry length %u for rank %d", root.c_str(),
+                       el, i);
+    out[i].assign(b + off, b + off + el);
+    off += el;
+  }
+  if (off != len)
+    return set_error(KVXFER_ERR_CORRUPT, "bootstrap: table from %s has %zu trailing bytes",
+                     root.c_str(), len - off);
+  if (out[rank].size() != payload_len ||
+      (payload_len > 0 && std::memcmp(out[rank].data(), payload, payload_len) != 0))
+    return set_error(KVXFER_ERR_CORRUPT,
+                     "bootstrap: table from %s does not hold rank %d's own payload", root.c_str(),
+                     rank);
+  *table = std::move(out);
+  KVXFER_INFO(LOG_NET, "bootstrap: rank %d/%d received the address table from %s", rank, nranks,
+              root.c_str());
+  return KVXFER_SUCCESS;
+}
+
+std::string unique_id_address(const UniqueId& id) {
+  sockaddr_storage sa;
+  socklen_t sl = 0;
+  if (!id_sockaddr(id, &sa, &sl)) return "<invalid id>";
+  return sockaddr_text(reinterpret_cast<sockaddr*>(&sa), sl);
+}
+
+}  // namespace kvxfer::transport

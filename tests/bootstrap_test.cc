@@ -1,0 +1,377 @@
+// Bootstrap (transport/bootstrap.h): unique id, root, ranks.  Loopback only.
+#include "transport/bootstrap.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/error.h"
+
+namespace kvxfer::transport {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+long ms_since(Clock::time_point t0) {
+  return static_cast<long>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
+}
+
+std::vector<uint8_t> blob_for(int rank) {
+  std::vector<uint8_t> b(1000 + 1500 * static_cast<size_t>(rank));
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(rank * 31 + i * 7 + (i >> 8));
+  return b;
+}
+
+struct Outcome {
+  kvxfer_result_t r = KVXFER_ERR_INTERNAL;
+  std::string err;
+  AddressTable table;
+  long ms = 0;
+};
+
+Outcome run_rank(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                 std::vector<uint8_t> payload) {
+  Outcome o;
+  auto t0 = Clock::now();
+  o.r = bootstrap_connect(id, rank, nranks, timeout_ms, payload.data(), payload.size(), &o.table);
+  o.ms = ms_since(t0);
+  o.err = last_error();
+  return o;
+}
+
+std::future<Outcome> start_rank(const UniqueId& id, int rank, int nranks, int timeout_ms) {
+  return std::async(std::launch::async, run_rank, id, rank, nranks, timeout_ms, blob_for(rank));
+}
+
+std::future<Outcome> start_root(BootstrapRoot* root, int nranks, int timeout_ms) {
+  return std::async(std::launch::async, [=] {
+    Outcome o;
+    auto t0 = Clock::now();
+    o.r = root->accept_all(nranks, timeout_ms);
+    o.ms = ms_since(t0);
+    o.err = last_error();
+    return o;
+  });
+}
+
+void expect_full_table(const Outcome& o, int nranks) {
+  ASSERT_EQ(o.r, KVXFER_SUCCESS) << o.err;
+  ASSERT_EQ(o.table.size(), static_cast<size_t>(nranks));
+  for (int r = 0; r < nranks; ++r) EXPECT_EQ(o.table[r], blob_for(r)) << "rank " << r;
+}
+
+/** A raw TCP connection to the root (test-side attacker), with a recv timeout. */
+int raw_connect(const UniqueId& id) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = id.port;
+  std::memcpy(&sa.sin_addr, id.addr, 4);
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/** True when the root closed (EOF or reset) before the 5 s receive timeout. */
+bool closed_by_root(int fd) {
+  char c;
+  for (;;) {
+    ssize_t n = ::recv(fd, &c, 1, 0);
+    if (n == 0) return true;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno == ECONNRESET;
+    return false;  // the root never sends anything to a refused peer
+  }
+}
+
+TEST(Bootstrap, OneRootThreeRanksExchangeBlobs) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_root(root.get(), 3, 10000);
+  std::vector<std::future<Outcome>> ranks;
+  for (int r = 0; r < 3; ++r) ranks.push_back(start_rank(id, r, 3, 10000));
+  for (auto& f : ranks) expect_full_table(f.get(), 3);
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_SUCCESS) << ro.err;
+}
+
+TEST(Bootstrap, RanksMayStartBeforeTheRootAccepts) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id(nullptr, &id, &root), KVXFER_SUCCESS) << last_error();
+  std::vector<std::future<Outcome>> ranks;
+  for (int r = 0; r < 2; ++r) ranks.push_back(start_rank(id, r, 2, 10000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // ranks wait in the backlog
+  auto rootf = start_root(root.get(), 2, 10000);
+  for (auto& f : ranks) expect_full_table(f.get(), 2);
+  EXPECT_EQ(rootf.get().r, KVXFER_SUCCESS);
+}
+
+TEST(Bootstrap, WrongSecretIsRefusedWhileLegitRanksComplete) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_root(root.get(), 3, 10000);
+
+  UniqueId bad = id;
+  bad.secret[kBootstrapSecretBytes - 1] ^= 0x01;
+  Outcome b = run_rank(bad, 0, 3, 5000, blob_for(0));  // the root is waiting: refused at once
+  EXPECT_EQ(b.r, KVXFER_ERR_SYSTEM) << b.err;
+  EXPECT_NE(b.err.find("bootstrap refused by root (wrong secret or bad hello)"), std::string::npos)
+      << b.err;
+  EXPECT_LT(b.ms, 4000);
+
+  std::vector<std::future<Outcome>> ranks;
+  for (int r = 0; r < 3; ++r) ranks.push_back(start_rank(id, r, 3, 10000));
+  for (auto& f : ranks) expect_full_table(f.get(), 3);
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_SUCCESS) << ro.err;
+}
+
+TEST(Bootstrap, NranksMismatchAndDuplicateRankAreRefused) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_root(root.get(), 3, 10000);
+
+  // Right secret, wrong nranks (rank 5 of 8 when the root expects 3).
+  Outcome m = run_rank(id, 5, 8, 5000, blob_for(5));
+  EXPECT_EQ(m.r, KVXFER_ERR_SYSTEM) << m.err;
+  EXPECT_NE(m.err.find("refused"), std::string::npos) << m.err;
+
+  // Two claimants of rank 0: whichever comes second is refused.
+  auto a = start_rank(id, 0, 3, 10000);
+  auto c = start_rank(id, 0, 3, 10000);
+  auto t0 = Clock::now();
+  while (a.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready &&
+         c.wait_for(std::chrono::milliseconds(2)) != std::future_status::ready)
+    ASSERT_LT(ms_since(t0), 5000) << "neither duplicate rank 0 was refused";
+  bool a_first = a.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  Outcome loser = a_first ? a.get() : c.get();
+  EXPECT_EQ(loser.r, KVXFER_ERR_SYSTEM) << loser.err;
+  EXPECT_NE(loser.err.find("refused"), std::string::npos) << loser.err;
+
+  auto r1 = start_rank(id, 1, 3, 10000);
+  auto r2 = start_rank(id, 2, 3, 10000);
+  expect_full_table(a_first ? c.get() : a.get(), 3);
+  expect_full_table(r1.get(), 3);
+  expect_full_table(r2.get(), 3);
+  EXPECT_EQ(rootf.get().r, KVXFER_SUCCESS);
+}
+
+TEST(Bootstrap, MissingRankTimesOut) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  const int timeout_ms = 300;
+  auto rootf = start_root(root.get(), 3, timeout_ms);
+  auto r0 = start_rank(id, 0, 3, 10000);
+  auto r1 = start_rank(id, 1, 3, 10000);
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_ERR_TIMEOUT) << ro.err;
+  EXPECT_GE(ro.ms, timeout_ms - 10);
+  EXPECT_LT(ro.ms, 10 * timeout_ms);
+  EXPECT_NE(ro.err.find("missing: 2"), std::string::npos) << ro.err;
+  // The ranks that came are told, and fail fast rather than at their own 10 s.
+  for (auto* f : {&r0, &r1}) {
+    Outcome o = f->get();
+    EXPECT_EQ(o.r, KVXFER_ERR_TIMEOUT) << o.err;
+    EXPECT_LT(o.ms, 5000);
+  }
+}
+
+TEST(Bootstrap, RankTimesOutWithoutRoot) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  root.reset();  // nothing listens any more
+  Outcome o = run_rank(id, 0, 2, 200, blob_for(0));
+  EXPECT_EQ(o.r, KVXFER_ERR_TIMEOUT) << o.err;
+  EXPECT_GE(o.ms, 150);
+  EXPECT_LT(o.ms, 2000);
+
+  // A root that listens but never accepts: the rank times out waiting for the table.
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  o = run_rank(id, 0, 2, 200, blob_for(0));
+  EXPECT_EQ(o.r, KVXFER_ERR_TIMEOUT) << o.err;
+  EXPECT_LT(o.ms, 2000);
+}
+
+TEST(Bootstrap, GarbageIsRefusedWithoutHangingTheRoot) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_root(root.get(), 2, 10000);
+
+  // An idle connection that never sends: must not block anyone.
+  int idle = raw_connect(id);
+  ASSERT_GE(idle, 0);
+
+  // HTTP: the "length" is huge, refused at once.
+  int http = raw_connect(id);
+  ASSERT_GE(http, 0);
+  const char req[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_EQ(::send(http, req, sizeof req - 1, MSG_NOSIGNAL), static_cast<ssize_t>(sizeof req - 1));
+  EXPECT_TRUE(closed_by_root(http));
+  ::close(http);
+
+  // A plausible length with random bytes: bad magic.
+  int junk = raw_connect(id);
+  ASSERT_GE(junk, 0);
+  std::vector<uint8_t> f(4 + 60);
+  uint32_t len = 60;
+  std::memcpy(f.data(), &len, 4);  // little-endian host
+  for (size_t i = 4; i < f.size(); ++i) f[i] = static_cast<uint8_t>(i * 131 + 7);
+  ASSERT_EQ(::send(junk, f.data(), f.size(), MSG_NOSIGNAL), static_cast<ssize_t>(f.size()));
+  EXPECT_TRUE(closed_by_root(junk));
+  ::close(junk);
+
+  // A truncated hello then a hang-up.
+  int cut = raw_connect(id);
+  ASSERT_GE(cut, 0);
+  ASSERT_EQ(::send(cut, f.data(), 10, MSG_NOSIGNAL), 10);
+  ::close(cut);
+
+  // A zero length.
+  int zero = raw_connect(id);
+  ASSERT_GE(zero, 0);
+  uint32_t z = 0;
+  ASSERT_EQ(::send(zero, &z, 4, MSG_NOSIGNAL), 4);
+  EXPECT_TRUE(closed_by_root(zero));
+  ::close(zero);
+
+  auto r0 = start_rank(id, 0, 2, 10000);
+  auto r1 = start_rank(id, 1, 2, 10000);
+  expect_full_table(r0.get(), 2);
+  expect_full_table(r1.get(), 2);
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_SUCCESS) << ro.err;
+  ::close(idle);
+}
+
+TEST(Bootstrap, UniqueIdRoundTripsThroughBytes) {
+  UniqueId a, b;
+  std::unique_ptr<BootstrapRoot> ra, rb;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &a, &ra), KVXFER_SUCCESS) << last_error();
+  ASSERT_EQ(create_unique_id("127.0.0.1", &b, &rb), KVXFER_SUCCESS) << last_error();
+  EXPECT_NE(std::memcmp(a.secret, b.secret, kBootstrapSecretBytes), 0);
+  EXPECT_NE(a.port, b.port);
+
+  unsigned char bytes[sizeof(UniqueId)];
+  std::memcpy(bytes, &a, sizeof bytes);
+  UniqueId c;
+  std::memset(&c, 0xff, sizeof c);
+  std::memcpy(&c, bytes, sizeof c);
+  EXPECT_EQ(std::memcmp(&a, &c, sizeof c), 0);
+  EXPECT_EQ(unique_id_address(c), unique_id_address(a));
+
+  // The copy works as the original would.
+  auto rootf = start_root(ra.get(), 1, 10000);
+  Outcome o = run_rank(c, 0, 1, 10000, blob_for(0));
+  expect_full_table(o, 1);
+  EXPECT_EQ(rootf.get().r, KVXFER_SUCCESS);
+  // One-shot: a second accept_all is a usage error.
+  EXPECT_EQ(ra->accept_all(1, 100), KVXFER_ERR_INVALID_USAGE);
+}
+
+/** Local addresses (hex, as in /proc/net/tcp{,6}) of sockets listening on `port`. */
+std::vector<std::string> listeners_on_port(uint16_t port) {
+  std::vector<std::string> out;
+  char want[8];
+  std::snprintf(want, sizeof want, ":%04X", port);
+  for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(path);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      char local[64], remote[64], state[8];
+      if (std::sscanf(line.c_str(), "%*s %63s %63s %7s", local, remote, state) != 3) continue;
+      std::string l(local);
+      if (std::string(state) == "0A" && l.size() > 5 && l.compare(l.size() - 5, 5, want) == 0)
+        out.push_back(l.substr(0, l.size() - 5));
+    }
+  }
+  return out;
+}
+
+TEST(Bootstrap, ListensOnLoopbackOnly) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id(nullptr, &id, &root), KVXFER_SUCCESS) << last_error();
+  ASSERT_EQ(id.family, AF_INET);
+  in_addr a;
+  std::memcpy(&a, id.addr, 4);
+  EXPECT_EQ(ntohl(a.s_addr), INADDR_LOOPBACK);
+  EXPECT_EQ(unique_id_address(id).rfind("127.0.0.1:", 0), 0u) << unique_id_address(id);
+  auto ls = listeners_on_port(ntohs(id.port));
+  ASSERT_EQ(ls.size(), 1u);
+  EXPECT_EQ(ls[0], "0100007F");  // 127.0.0.1 as /proc prints it
+
+  // A wildcard bind is refused outright (nothing is opened).
+  UniqueId w;
+  std::unique_ptr<BootstrapRoot> wr;
+  EXPECT_EQ(create_unique_id("0.0.0.0", &w, &wr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(create_unique_id("::", &w, &wr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(wr, nullptr);
+
+  // IPv6 loopback, where the host has it.
+  UniqueId v6;
+  std::unique_ptr<BootstrapRoot> r6;
+  if (create_unique_id("::1", &v6, &r6) == KVXFER_SUCCESS) {
+    ASSERT_EQ(v6.family, AF_INET6);
+    in6_addr a6;
+    std::memcpy(&a6, v6.addr, 16);
+    EXPECT_TRUE(IN6_IS_ADDR_LOOPBACK(&a6));
+    auto rootf = start_root(r6.get(), 1, 10000);
+    expect_full_table(run_rank(v6, 0, 1, 10000, blob_for(0)), 1);
+    EXPECT_EQ(rootf.get().r, KVXFER_SUCCESS);
+  }
+}
+
+TEST(Bootstrap, InvalidArguments) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  EXPECT_EQ(create_unique_id("127.0.0.1", nullptr, &root), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(create_unique_id("127.0.0.1", &id, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(create_unique_id("not a host name..invalid", &id, &root), KVXFER_ERR_INVALID_ARGUMENT);
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  AddressTable t;
+  uint8_t p[4] = {1, 2, 3, 4};
+  EXPECT_EQ(bootstrap_connect(id, 0, 1, 100, p, 4, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_connect(id, 1, 1, 100, p, 4, &t), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_connect(id, -1, 2, 100, p, 4, &t), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_connect(id, 0, 0, 100, p, 4, &t), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_connect(id, 0, 1, 0, p, 4, &t), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_connect(id, 0, 1, 100, nullptr, 4, &t), KVXFER_ERR_INVALID_ARGUMENT);
+  std::vector<uint8_t> big(kBootstrapMaxPayload + 1);
+  EXPECT_EQ(bootstrap_connect(id, 0, 1, 100, big.data(), big.size(), &t),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  UniqueId bad = id;
+  bad.magic ^= 1;
+  EXPECT_EQ(bootstrap_connect(bad, 0, 1, 100, p, 4, &t), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(root->accept_all(0, 100), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(root->accept_all(1, 0), KVXFER_ERR_INVALID_ARGUMENT);
+}
+
+}  // namespace
+}  // namespace kvxfer::transport
