@@ -253,20 +253,7 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
     KVXFER_CUDA(cudaMemcpyAsync(res + codec::kHeaderBytes, scratch.residual_payload,
                                 s.residual_codes, cudaMemcpyDeviceToHost, stream));
   KVXFER_CUDA(cudaStreamSynchronize(stream));
-  h.section = codec::SECTION_ANCHOR;
-  h.payload_bytes = s.anchor_payload();
-  h.link = 0;
-  codec::write_header(h, anc);
-  codec::seal_section(anc);
-  uint64_t anchor_sum = 0;
-  for (int i = 0; i < 8; ++i) anchor_sum |= static_cast<uint64_t>(anc[72 + i]) << (8 * i);
-  h.section = codec::SECTION_RESIDUAL;
-  h.payload_bytes = s.residual_codes;
-  h.link = anchor_sum;
-  codec::write_header(h, res);
-  codec::seal_section(res);
-  *anchor_len = codec::kHeaderBytes + s.anchor_payload();
-  *residual_len = codec::kHeaderBytes + s.residual_codes;
+  codec::seal_page(h, anc, res, anchor_len, residual_len);
   return KVXFER_SUCCESS;
 }
 

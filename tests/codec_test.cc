@@ -403,9 +403,10 @@ TEST(PageCodecBadInput, ChecksumValidHugeMetadataNeverDecodesToInfinity) {
   ASSERT_EQ(info.meta_fp32, 1);
   std::vector<uint8_t> bad = e.anchor;
   const float huge = 3e38f;
+  uint8_t* meta = bad.data() + kHeaderBytes;
   for (int i = 0; i < 4; ++i) {  // chunk 0, channels 0..3: m = d = 3e38
-    std::memcpy(bad.data() + kHeaderBytes + 8 * i, &huge, 4);
-    std::memcpy(bad.data() + kHeaderBytes + 8 * i + 4, &huge, 4);
+    put_f32_le(meta + 8 * i, huge);
+    put_f32_le(meta + 8 * i + 4, huge);
   }
   seal_section(bad.data());
   for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AUTO}) {

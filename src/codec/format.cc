@@ -93,6 +93,24 @@ void seal_section(uint8_t* section) {
   put(q, compute_checksum(section, payload));
 }
 
+void seal_page(PageHeader h, uint8_t* anchor, uint8_t* residual, size_t* anchor_len,
+               size_t* residual_len) {
+  const PayloadSizes s = payload_sizes(h);
+  h.section = SECTION_ANCHOR;
+  h.payload_bytes = s.anchor_payload();
+  h.link = 0;
+  write_header(h, anchor);
+  seal_section(anchor);
+  const uint8_t* p = anchor + kChecksumOffset;
+  h.section = SECTION_RESIDUAL;
+  h.payload_bytes = s.residual_codes;
+  h.link = get<uint64_t>(p);  // the anchor's checksum
+  write_header(h, residual);
+  seal_section(residual);
+  *anchor_len = kHeaderBytes + s.anchor_payload();
+  *residual_len = kHeaderBytes + s.residual_codes;
+}
+
 kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
   if (buf == nullptr) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "section pointer is NULL");
   if (len < kHeaderBytes)

@@ -84,6 +84,14 @@ void write_header(const PageHeader& h, uint8_t* out);
 void seal_section(uint8_t* section);
 
 /**
+ * Writes and seals both headers of a page whose payloads are in place after
+ * the 80-byte header slots of `anchor` and `residual`: the residual's link is
+ * the anchor's checksum.  Sets the two section lengths.
+ */
+void seal_page(PageHeader h, uint8_t* anchor, uint8_t* residual, size_t* anchor_len,
+               size_t* residual_len);
+
+/**
  * Parses and fully validates one section of exactly `len` bytes: every
  * header field, the payload size implied by them, and the checksum.  Does not
  * look inside the payload.  Errors: TRUNCATED (len shorter than the header or

@@ -319,22 +319,7 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     }
   }
 
-  const PayloadSizes s = payload_sizes(h);
-  h.section = SECTION_ANCHOR;
-  h.payload_bytes = s.anchor_payload();
-  h.link = 0;
-  write_header(h, anc);
-  seal_section(anc);
-  const uint8_t* p = anc + 72;
-  uint64_t anchor_sum = 0;
-  for (int i = 0; i < 8; ++i) anchor_sum |= static_cast<uint64_t>(p[i]) << (8 * i);
-  h.section = SECTION_RESIDUAL;
-  h.payload_bytes = s.residual_codes;
-  h.link = anchor_sum;
-  write_header(h, res);
-  seal_section(res);
-  *anchor_len = kHeaderBytes + s.anchor_payload();
-  *residual_len = kHeaderBytes + s.residual_codes;
+  seal_page(h, anc, res, anchor_len, residual_len);
   return KVXFER_SUCCESS;
 }
 
