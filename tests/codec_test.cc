@@ -403,11 +403,10 @@ TEST(PageCodecBadInput, ChecksumValidHugeMetadataNeverDecodesToInfinity) {
   ASSERT_EQ(info.meta_fp32, 1);
   std::vector<uint8_t> bad = e.anchor;
   const float huge = 3e38f;
-  uint8_t* meta = bad.data() + kHeaderBytes;
-  for (int i = 0; i < 4; ++i) {  // chunk 0, channels 0..3: m = d = 3e38
-    put_f32_le(meta + 8 * i, huge);
-    put_f32_le(meta + 8 * i + 4, huge);
-  }
+  uint8_t le[4];
+  put_f32_le(le, huge);
+  for (size_t i = 0; i < 8; ++i)  // chunk 0, channels 0..3: m = d = 3e38
+    for (size_t k = 0; k < 4; ++k) bad.at(kHeaderBytes + 4 * i + k) = le[k];
   seal_section(bad.data());
   for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AUTO}) {
     PagedBuffer out(20, 4, KVXFER_DTYPE_FP32);
