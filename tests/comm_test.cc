@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "fork_child.h"
 
 namespace kvxfer::transport {
 namespace {
@@ -131,51 +132,8 @@ bool write_byte(int fd, char c) {
     return w == 1;
   }
 }
-bool readable(int fd) {
-  pollfd pfd{fd, POLLIN, 0};
-  return ::poll(&pfd, 1, 0) > 0;
-}
-struct Child {
-  pid_t pid = -1;
-  int to_child = -1;
-  int status = -1;
-  bool start(const std::function<int(int)>& fn) {
-    int down[2];
-    if (pipe(down) != 0) return false;
-    fflush(nullptr);
-    pid = fork();
-    if (pid < 0) return false;
-    if (pid == 0) {
-      close(down[1]);
-      alarm(120);
-      _exit(fn(down[0]));
-    }
-    close(down[0]);
-    to_child = down[1];
-    return true;
-  }
-  bool wait(double seconds) {
-    const auto end = Clock::now() + milliseconds(static_cast<int64_t>(seconds * 1000));
-    while (Clock::now() < end) {
-      if (waitpid(pid, &status, WNOHANG) == pid) {
-        pid = -1;
-        return true;
-      }
-      std::this_thread::sleep_for(milliseconds(10));
-    }
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-    pid = -1;
-    return false;
-  }
-  ~Child() {
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-    }
-    if (to_child >= 0) close(to_child);
-  }
-};
+using test::Child;  // tests/fork_child.h
+using test::readable;
 
 constexpr size_t kAnchorBytes = size_t{1} << 20;
 constexpr size_t kResidualBytes = size_t{4} << 20;
@@ -254,7 +212,7 @@ TEST(Comm, TwoProcessesExchangeBothClassesBothWays) {
   ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
 
   Child child;  // rank 1; forked before any libfabric state exists in this process
-  ASSERT_TRUE(child.start([id](int from_parent) {
+  ASSERT_TRUE(child.start([id](int from_parent, int /*to_parent*/) {
     Created c = create_rank(id, nullptr, 1, 2, kCreateTimeoutMs);
     if (c.r != KVXFER_SUCCESS) {
       std::fprintf(stderr, "child create: %s\n", c.err.c_str());

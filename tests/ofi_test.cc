@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "fork_child.h"
 #include "transport/dscp.h"
 #include "transport/rate_limiter.h"
 
@@ -178,63 +179,9 @@ bool recv_blob(int fd, std::vector<uint8_t>* b, int timeout_ms) {
   b->resize(n);
   return read_all(fd, b->data(), n, timeout_ms);
 }
-bool readable(int fd) {
-  pollfd pfd{fd, POLLIN, 0};
-  return ::poll(&pfd, 1, 0) > 0;
-}
 
-/** A forked child; killed and reaped by the destructor if still running. */
-struct Child {
-  pid_t pid = -1;
-  int to_child = -1, from_child = -1;  // parent's ends of the two pipes
-  int status = -1;
-
-  /** Forks; the child runs fn(read_fd, write_fd) and _exit()s with its result. */
-  bool start(const std::function<int(int, int)>& fn) {
-    int down[2], up[2];
-    if (pipe(down) != 0 || pipe(up) != 0) return false;
-    fflush(nullptr);
-    pid = fork();
-    if (pid < 0) return false;
-    if (pid == 0) {
-      close(down[1]);
-      close(up[0]);
-      alarm(120);  // a child never outlives a hung parent for long
-      int rc = 99;
-      rc = fn(down[0], up[1]);
-      _exit(rc);
-    }
-    close(down[0]);
-    close(up[1]);
-    to_child = down[1];
-    from_child = up[0];
-    return true;
-  }
-  /** Waits for exit up to `seconds`; false (child killed) on timeout. */
-  bool wait(double seconds) {
-    const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(Sec(seconds));
-    while (Clock::now() < end) {
-      const pid_t r = waitpid(pid, &status, WNOHANG);
-      if (r == pid) {
-        pid = -1;
-        return true;
-      }
-      std::this_thread::sleep_for(milliseconds(10));
-    }
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-    pid = -1;
-    return false;
-  }
-  ~Child() {
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
-    }
-    if (to_child >= 0) close(to_child);
-    if (from_child >= 0) close(from_child);
-  }
-};
+using test::Child;  // tests/fork_child.h
+using test::readable;
 
 // ---------------------------------------------------------------------------
 // Rate strings and the token bucket
