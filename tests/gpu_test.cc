@@ -137,6 +137,31 @@ class GpuCodec : public ::testing::Test {
     return scratch_;
   }
 
+  /**
+   * Anchor-only decode through the low-level launch_decode alone (none of the
+   * host-side checks of decode_page_device); returns the device status flags.
+   */
+  uint32_t low_level_anchor_decode_status(const std::vector<uint8_t>& anchor,
+                                          const codec::PageHeader& h, float alpha,
+                                          const DevicePage& dst) {
+    const auto& sc = scratch(dst.layout.num_tokens, dst.layout.num_channels);
+    EXPECT_EQ(cudaMemcpy(sc.anchor_payload, anchor.data() + codec::kHeaderBytes, h.payload_bytes,
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    std::string why;
+    cuda::DeviceCodebook dcb;
+    EXPECT_EQ(
+        cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, alpha, 4, &why).get(), &dcb),
+        KVXFER_SUCCESS);
+    EXPECT_EQ(cuda::launch_reset_status(sc.status, stream_), KVXFER_SUCCESS);
+    EXPECT_EQ(
+        cuda::launch_decode(h, dcb, sc.anchor_payload, nullptr, &dst.layout, sc.status, stream_),
+        KVXFER_SUCCESS);
+    cuda::DeviceStatus st{};
+    EXPECT_EQ(cuda::read_status(sc.status, &st, stream_), KVXFER_SUCCESS);
+    return st.flags;
+  }
+
   Encoded gpu_encode(const kvxfer_codec_config_t& cfg, const DevicePage& src,
                      kvxfer_page_id_t id = {3, KVXFER_KV_VALUE, 1000, 42}) {
     Encoded e;
@@ -392,21 +417,7 @@ TEST_F(GpuCodec, HostileMetadataWritesNothing) {
   // The low-level path checks on the device: STATUS_BAD_META, nothing written.
   codec::PageHeader h;
   ASSERT_EQ(codec::parse_section(ref.anchor.data(), ref.anchor.size(), &h), KVXFER_SUCCESS);
-  const auto& sc = scratch(40, 16);
-  CUDA_OK(cudaMemcpy(sc.anchor_payload, ref.anchor.data() + codec::kHeaderBytes, h.payload_bytes,
-                     cudaMemcpyHostToDevice));
-  std::string why;
-  cuda::DeviceCodebook dcb;
-  ASSERT_EQ(
-      cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, &why).get(), &dcb),
-      KVXFER_SUCCESS);
-  ASSERT_EQ(cuda::launch_reset_status(sc.status, stream_), KVXFER_SUCCESS);
-  ASSERT_EQ(
-      cuda::launch_decode(h, dcb, sc.anchor_payload, nullptr, &ddst.layout, sc.status, stream_),
-      KVXFER_SUCCESS);
-  cuda::DeviceStatus st{};
-  ASSERT_EQ(cuda::read_status(sc.status, &st, stream_), KVXFER_SUCCESS);
-  EXPECT_EQ(st.flags, cuda::STATUS_BAD_META);
+  EXPECT_EQ(low_level_anchor_decode_status(ref.anchor, h, 0.0f, ddst), cuda::STATUS_BAD_META);
   ddst.download(&after);
   EXPECT_EQ(diff(before.bytes(), after.bytes()), "");
 }
@@ -436,21 +447,7 @@ TEST_F(GpuCodec, AnchorTableOutsideItsBinWritesNothing) {
   EXPECT_EQ(diff(before.bytes(), after.bytes()), "");
 
   // The low-level path checks the table on the device.
-  const auto& sc = scratch(40, 16);
-  CUDA_OK(cudaMemcpy(sc.anchor_payload, ref.anchor.data() + codec::kHeaderBytes, h.payload_bytes,
-                     cudaMemcpyHostToDevice));
-  std::string why;
-  cuda::DeviceCodebook dcb;
-  ASSERT_EQ(
-      cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, 5.0f, 4, &why).get(), &dcb),
-      KVXFER_SUCCESS);
-  ASSERT_EQ(cuda::launch_reset_status(sc.status, stream_), KVXFER_SUCCESS);
-  ASSERT_EQ(
-      cuda::launch_decode(h, dcb, sc.anchor_payload, nullptr, &ddst.layout, sc.status, stream_),
-      KVXFER_SUCCESS);
-  cuda::DeviceStatus st{};
-  ASSERT_EQ(cuda::read_status(sc.status, &st, stream_), KVXFER_SUCCESS);
-  EXPECT_EQ(st.flags, cuda::STATUS_BAD_META);
+  EXPECT_EQ(low_level_anchor_decode_status(ref.anchor, h, 5.0f, ddst), cuda::STATUS_BAD_META);
   ddst.download(&after);
   EXPECT_EQ(diff(before.bytes(), after.bytes()), "");
 }
