@@ -278,7 +278,7 @@ TEST(Error, EveryCodeHasADistinctString) {
 }
 
 // ---------------------------------------------------------------------------
-// params.def: every declared default is valid, and docs/PARAMETERS.md covers it
+// params.def: every declared default is valid, and docs/ENV.md covers it
 // ---------------------------------------------------------------------------
 
 TEST(Params, DeclaredDefaultsAreValid) {
@@ -329,7 +329,7 @@ std::string RepoRoot() {
 }
 
 TEST(Params, DocumentedInParametersMd) {
-  const std::string path = RepoRoot() + "/docs/PARAMETERS.md";
+  const std::string path = RepoRoot() + "/docs/ENV.md";
   const std::string doc = ReadFile(path);
   ASSERT_FALSE(doc.empty()) << "cannot read " << path;
   auto documented = [&](const char* env, const std::string& def) {

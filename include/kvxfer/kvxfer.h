@@ -2,17 +2,24 @@
  * kvxfer: progressive KV-cache transfer for disaggregated LLM serving.
  *
  * This is the single public header.  The ABI is C: a result enum, POD config
- * structs carrying size/magic/version with an _INITIALIZER macro (and, with
- * the transport, opaque communicator and request handles).  No C++ type crosses this boundary, so a Python runtime can call the
- * library through ctypes.  Only symbols named kvxfer_* are exported.
+ * structs carrying size/magic/version with an _INITIALIZER macro, and opaque
+ * communicator and request handles.  No C++ type crosses this boundary, so a
+ * Python runtime can call the library through ctypes.  Only symbols named
+ * kvxfer_* are exported.
  *
  * Page codec (this header, section "Page codec"):
  *   A KV *page* is one layer's K or V for T consecutive tokens across
  *   H = kv_heads * head_dim channels.  kvxfer_page_encode() turns a page into
  *   an *anchor* section (header, per-chunk metadata, the high bits of every
- *   code, the per-page anchor table) and a *residual* section (the low bits).  The anchor section alone
- *   decodes to an approximate page; anchor + residual restore the codes
- *   exactly.  The codec definition and the wire format are in docs/FORMAT.md.
+ *   code, the per-page anchor table) and a *residual* section (the low bits).  The anchor section
+ * alone decodes to an approximate page; anchor + residual restore the codes exactly.  The codec
+ * definition and the wire format are in docs/FORMAT.md.
+ *
+ * Transfers (section "Communicators and progressive transfers"): a
+ * communicator joins N ranks (kvxfer_get_unique_id, kvxfer_comm_init);
+ * kvxfer_send / kvxfer_recv move a paged KV cache between two of them,
+ * anchors first on the high-priority traffic class, residuals after on the
+ * low-priority one; a request reports ANCHOR_READY, then COMPLETE (or ERROR).
  *
  * Thread-safety: every function in this header is thread-safe; functions that
  * take output buffers write only those buffers.  Error text from the last
@@ -251,6 +258,307 @@ typedef struct {
 
 /** Validates one section (header, sizes, checksum) and describes it. */
 kvxfer_result_t kvxfer_page_inspect(const void* section, size_t len, kvxfer_page_info_t* info);
+
+/* ------------------------------------------------------------------------ */
+/* Communicators and progressive transfers (docs/TRANSPORT.md, docs/API.md)  */
+/* ------------------------------------------------------------------------ */
+
+/** Bytes of a unique id (as NCCL_UNIQUE_ID_BYTES). */
+#define KVXFER_UNIQUE_ID_BYTES 128
+
+/**
+ * The bootstrap handle of a communicator: the root's TCP address and a 32-byte
+ * random secret.  Plain bytes: copy it to the other ranks out-of-band (a file,
+ * an RPC, MPI_Bcast), as with ncclUniqueId.  The secret is a guard against
+ * stray and stale processes, not against someone who can read the network.
+ */
+typedef struct {
+  char internal[KVXFER_UNIQUE_ID_BYTES];
+} kvxfer_unique_id_t;
+
+/** Opaque communicator handle (kvxfer_comm_init). */
+typedef struct kvxfer_comm* kvxfer_comm_t;
+/** Opaque request handle (kvxfer_send / kvxfer_recv); freed by kvxfer_request_free. */
+typedef struct kvxfer_request* kvxfer_request_t;
+
+/**
+ * Makes a unique id and starts listening for the ranks' bootstrap hellos on
+ * KVXFER_BOOTSTRAP_ADDR (default 127.0.0.1; set it to an address the other
+ * hosts can reach).  The process that calls this must become rank 0 of the
+ * communicator built from the id (kvxfer_comm_init consumes the listener); an
+ * id that is never used keeps one listening socket open until the process
+ * exits.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, an unusable address),
+ * KVXFER_ERR_SYSTEM (socket, bind, getrandom).
+ */
+kvxfer_result_t kvxfer_get_unique_id(kvxfer_unique_id_t* id);
+
+/** Communicator options; start from KVXFER_COMM_CONFIG_INITIALIZER. */
+typedef struct {
+  size_t size;      /**< sizeof(kvxfer_comm_config_t) */
+  uint32_t magic;   /**< KVXFER_CONFIG_MAGIC */
+  uint32_t version; /**< KVXFER_VERSION_CODE of the header used */
+  /** Deadline of kvxfer_comm_init and inactivity timeout of every transfer,
+   *  in ms; 0 = KVXFER_TIMEOUT_MS. */
+  int32_t timeout_ms;
+  /** Local address the libfabric endpoints bind to (numeric IPv4/IPv6);
+   *  NULL = KVXFER_BIND_ADDR.  Copied; need not outlive the call. */
+  const char* bind_address;
+  /** Link emulation for this communicator's links, tc syntax ("1gbit",
+   *  "500mbit", "100mbps" = bytes/s; "" = none); NULL = KVXFER_RATE_LIMIT
+   *  (one bucket shared by the process).  Copied. */
+  const char* rate_limit;
+} kvxfer_comm_config_t;
+
+#define KVXFER_COMM_CONFIG_INITIALIZER \
+  { sizeof(kvxfer_comm_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, NULL, NULL }
+
+/**
+ * Builds rank `rank` of an `nranks`-rank communicator from `id` (as
+ * ncclCommInitRank).  Collective: every rank calls it; it returns when every
+ * rank has joined and every pair is connected, or fails within the timeout.
+ * A rank that presents a different secret is refused by the root and never
+ * counted.  A progress thread per communicator drives the network and a codec
+ * thread encodes and decodes pages; both are joined by destroy.
+ * `config` may be NULL (defaults).
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, 2 > nranks, rank out of range,
+ * id malformed, or rank 0 in a process that did not make the id);
+ * KVXFER_ERR_TIMEOUT (a rank missing, a peer unreachable); KVXFER_ERR_SYSTEM
+ * (wrong secret: "bootstrap refused by root"; socket errors).
+ * Thread-safety: any thread; the communicator is then usable from any thread.
+ */
+kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id, int rank,
+                                 const kvxfer_comm_config_t* config);
+
+/**
+ * Fails every request of the communicator that has not reached a final stage
+ * (stage ERROR, result KVXFER_ERR_INVALID_USAGE, "communicator aborted") and
+ * closes the connections.  Never blocks on a peer.  The communicator must
+ * still be destroyed; requests must still be freed.  Idempotent.
+ */
+kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm);
+
+/**
+ * Aborts (as kvxfer_comm_abort) every request still in flight, joins the
+ * communicator's threads and frees it.  Safe with requests in flight: their
+ * handles stay valid (stage ERROR) until kvxfer_request_free.  Returns within
+ * a bounded time whatever the peers do.  NULL is a no-op.
+ */
+kvxfer_result_t kvxfer_comm_destroy(kvxfer_comm_t comm);
+
+/** Number of ranks / this rank's index. */
+kvxfer_result_t kvxfer_comm_count(kvxfer_comm_t comm, int* nranks);
+kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank);
+
+/**
+ * A KV cache as the serving runtime holds it: paged, one block table per
+ * layer (vLLM/SGLang style).  Token t of layer l's K lives in block
+ * k_blocks[l * num_blocks + t / block_size], at row t % block_size; a row is
+ * kv_heads * head_dim contiguous elements of `dtype` (heads major), and rows
+ * are row_stride elements apart.  V likewise through v_blocks.
+ * The sender's and the receiver's descriptors must agree on num_layers,
+ * kv_heads, head_dim, dtype and num_tokens (checked by a handshake; a
+ * difference fails the request on both sides, naming the field); block_size,
+ * row_stride and the pointers are each side's own.
+ * Ownership: the arrays are copied by kvxfer_send/recv; the blocks themselves
+ * must stay valid (and, on the receiver, untouched) until the request reaches
+ * a final stage (COMPLETE or ERROR).  Host memory.
+ */
+typedef struct {
+  size_t size;          /**< sizeof(kvxfer_kv_desc_t) */
+  uint32_t magic;       /**< KVXFER_CONFIG_MAGIC */
+  uint32_t version;     /**< KVXFER_VERSION_CODE of the header used */
+  int32_t num_layers;   /**< >= 1 */
+  int32_t kv_heads;     /**< >= 1 */
+  int32_t head_dim;     /**< >= 1; kv_heads * head_dim <= 65535 */
+  kvxfer_dtype_t dtype; /**< BF16, FP16 or FP32 */
+  int64_t num_tokens;   /**< >= 0; 0 is a legal (empty) transfer */
+  int32_t block_size;   /**< tokens per block, >= 1 */
+  int64_t row_stride;   /**< elements between consecutive rows of a block; 0 = kv_heads*head_dim */
+  int64_t
+      num_blocks; /**< blocks per layer in k_blocks and v_blocks (>= ceil(num_tokens/block_size)) */
+  void* const* k_blocks; /**< [num_layers * num_blocks] block base pointers of K */
+  void* const* v_blocks; /**< [num_layers * num_blocks] block base pointers of V */
+} kvxfer_kv_desc_t;
+
+#define KVXFER_KV_DESC_INITIALIZER                                               \
+  {                                                                              \
+    sizeof(kvxfer_kv_desc_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, 0, 0, \
+        KVXFER_DTYPE_BF16, 0, 0, 0, 0, NULL, NULL                                \
+  }
+
+/** Stages of a request, in order; ERROR is final and may follow any other. */
+typedef enum {
+  KVXFER_STAGE_POSTED = 0,       /**< accepted, handshake or data in progress */
+  KVXFER_STAGE_ANCHOR_READY = 1, /**< receiver: every page decoded at anchor precision into
+                                      the blocks; sender: every anchor section sent */
+  KVXFER_STAGE_COMPLETE = 2,     /**< receiver: every page at full precision, every checksum
+                                      verified; sender: the receiver confirmed it */
+  KVXFER_STAGE_ERROR = 3         /**< failed; kvxfer_test returns the error and its text */
+} kvxfer_stage_t;
+
+/** How the pages travel. */
+typedef enum {
+  /** PROGRESSIVE for codecs that split a code (LYNX, INT8 with anchor_bits < 8),
+   *  MONOLITHIC otherwise (INT4, BF16). */
+  KVXFER_MODE_AUTO = 0,
+  /** Anchor sections on the high-priority class, residual sections on the
+   *  low-priority class; ANCHOR_READY comes first. */
+  KVXFER_MODE_PROGRESSIVE = 1,
+  /** Both sections of a page in one message on one class (the anchor class);
+   *  ANCHOR_READY and COMPLETE coincide.  The baseline. */
+  KVXFER_MODE_MONOLITHIC = 2
+} kvxfer_mode_t;
+
+/**
+ * Called on the communicator's progress thread when a request reaches a
+ * stage.  It must return quickly and must not call kvxfer_wait on a request
+ * of the same communicator (kvxfer_test and kvxfer_request_get_info are
+ * fine).  It must not free the request.
+ */
+typedef void (*kvxfer_callback_t)(kvxfer_request_t request, kvxfer_stage_t stage,
+                                  kvxfer_result_t result, void* user_data);
+
+/** Per-request options; start from KVXFER_REQUEST_CONFIG_INITIALIZER.  NULL = defaults. */
+typedef struct {
+  size_t size;                       /**< sizeof(kvxfer_request_config_t) */
+  uint32_t magic;                    /**< KVXFER_CONFIG_MAGIC */
+  uint32_t version;                  /**< KVXFER_VERSION_CODE of the header used */
+  uint64_t tag;                      /**< must be equal on both sides (checked); 0 by default */
+  kvxfer_mode_t mode;                /**< sender only: the receiver follows the sender */
+  int32_t page_tokens;               /**< sender only: tokens per page, 0 = KVXFER_PAGE_TOKENS */
+  kvxfer_callback_t on_anchor_ready; /**< optional: ANCHOR_READY reached */
+  kvxfer_callback_t on_complete;     /**< optional: COMPLETE or ERROR reached (final) */
+  void* user_data;                   /**< passed to both callbacks */
+} kvxfer_request_config_t;
+
+#define KVXFER_REQUEST_CONFIG_INITIALIZER                                         \
+  {                                                                               \
+    sizeof(kvxfer_request_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, \
+        KVXFER_MODE_AUTO, 0, NULL, NULL, NULL                                     \
+  }
+
+/**
+ * Sends the KV cache described by `kv` to rank `peer`, encoded with `codec`
+ * (NULL = KVXFER_CODEC_CONFIG_INITIALIZER: Lynx 4+4).  Returns at once with
+ * `*request`; encoding, the handshake and the transfer run on the
+ * communicator's threads.  The i-th kvxfer_send to a peer matches that peer's
+ * i-th kvxfer_recv from this rank (as NCCL send/recv); the tags must agree.
+ * Pages are `page_tokens` tokens of one layer's K or V; they are sent in
+ * layer order, anchors of every request in flight before any residual.
+ * Errors (nothing is sent): KVXFER_ERR_INVALID_ARGUMENT (a NULL, a bad
+ * descriptor, codec or peer), KVXFER_ERR_INVALID_USAGE (communicator aborted,
+ * or KVXFER_MAX_REQUESTS requests already in flight with this peer).
+ * Later failures (descriptor mismatch, NaN/Inf with the ERROR policy, a peer
+ * that dies, a corrupted section) put the request in stage ERROR.
+ * Thread-safety: any thread; posts from different threads to one peer are
+ * matched in the order the calls take the communicator's lock.
+ */
+kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                            const kvxfer_codec_config_t* codec,
+                            const kvxfer_request_config_t* config, kvxfer_request_t* request);
+
+/**
+ * Receives a KV cache from rank `peer` into the blocks of `kv` (see
+ * kvxfer_send for matching).  The codec and page size are the sender's.
+ * Anchor-precision values are written into the blocks as anchors land
+ * (ANCHOR_READY once all are there; kvxfer_test_layer per layer), then
+ * overwritten with full-precision values (COMPLETE).  A page's residual is
+ * applied only after its anchor.  Every section's checksum is verified before
+ * any of its values is written; a failure ends the request in ERROR and
+ * COMPLETE is never reported.
+ * Errors as kvxfer_send.
+ */
+kvxfer_result_t kvxfer_recv(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                            const kvxfer_request_config_t* config, kvxfer_request_t* request);
+
+/**
+ * Non-blocking check.  `*stage` (may be NULL) receives the current stage.
+ * Returns KVXFER_SUCCESS once COMPLETE, KVXFER_IN_PROGRESS before, or the
+ * request's error code (stage ERROR; the text is the last error).
+ */
+kvxfer_result_t kvxfer_test(kvxfer_request_t request, kvxfer_stage_t* stage);
+
+/**
+ * Waits until the request reaches `stage` (ANCHOR_READY or COMPLETE) or
+ * fails.  timeout_ms < 0 waits without a limit of its own (the transport's
+ * KVXFER_TIMEOUT_MS still ends a stalled transfer).  Returns KVXFER_SUCCESS,
+ * KVXFER_IN_PROGRESS if timeout_ms passed first (the request goes on), or the
+ * request's error code.  Do not call it from a callback.
+ */
+kvxfer_result_t kvxfer_wait(kvxfer_request_t request, kvxfer_stage_t stage, int timeout_ms);
+
+/**
+ * Per-layer progress for layer-pipelined decode: `*stage` receives
+ * ANCHOR_READY once every page of `layer` (K and V) is at anchor precision in
+ * the receiver's blocks, COMPLETE once at full precision, ERROR if the
+ * request failed.  Same return values as kvxfer_test.
+ */
+kvxfer_result_t kvxfer_test_layer(kvxfer_request_t request, int32_t layer, kvxfer_stage_t* stage);
+
+/** kvxfer_wait for one layer (see kvxfer_test_layer). */
+kvxfer_result_t kvxfer_wait_layer(kvxfer_request_t request, int32_t layer, kvxfer_stage_t stage,
+                                  int timeout_ms);
+
+/** Timestamps (CLOCK_MONOTONIC, ns; 0 = not reached) and byte counts of a request. */
+typedef struct {
+  size_t size;      /**< sizeof(kvxfer_request_info_t), set by the caller */
+  uint32_t magic;   /**< KVXFER_CONFIG_MAGIC, set by the caller */
+  uint32_t version; /**< KVXFER_VERSION_CODE, set by the caller */
+  kvxfer_stage_t stage;
+  kvxfer_result_t result; /**< KVXFER_SUCCESS, KVXFER_IN_PROGRESS or the error */
+  int32_t is_send;
+  int32_t peer;
+  kvxfer_codec_t codec; /**< the sender's codec (receiver: once the handshake is done) */
+  kvxfer_mode_t mode;   /**< PROGRESSIVE or MONOLITHIC (AUTO resolved) */
+  int64_t num_pages;
+  int64_t pages_anchor_ready; /**< pages at anchor precision or better */
+  int64_t pages_complete;     /**< pages at full precision */
+  uint64_t kv_bytes;          /**< bytes of the KV in its dtype (K and V, all layers) */
+  uint64_t anchor_wire_bytes; /**< bytes of anchor sections (monolithic: every section) */
+  uint64_t residual_wire_bytes;
+  int64_t t_posted_ns;
+  int64_t t_handshake_ns; /**< both descriptors seen and equal */
+  int64_t t_anchor_ready_ns;
+  int64_t t_complete_ns;
+  int64_t t_error_ns;
+  /** Receiver: when the first residual section began to be applied (for the
+   *  "anchors before residuals" check of kvxfer_perf); sender: 0. */
+  int64_t t_first_residual_ns;
+} kvxfer_request_info_t;
+
+#define KVXFER_REQUEST_INFO_INITIALIZER                                                           \
+  {                                                                                               \
+    sizeof(kvxfer_request_info_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, KVXFER_STAGE_POSTED, \
+        KVXFER_IN_PROGRESS, 0, 0, KVXFER_CODEC_LYNX, KVXFER_MODE_AUTO, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
+        0, 0, 0                                                                                   \
+  }
+
+/** Fills `*info` (its size/magic/version set by the caller).  Any thread. */
+kvxfer_result_t kvxfer_request_get_info(kvxfer_request_t request, kvxfer_request_info_t* info);
+
+/** One page section's arrival (receiver) or send completion (sender). */
+typedef struct {
+  int64_t t_ns;          /**< CLOCK_MONOTONIC, ns */
+  int32_t traffic_class; /**< 0 anchor (high priority), 1 residual (low priority) */
+  int32_t layer;
+  uint64_t bytes; /**< section bytes on the wire */
+} kvxfer_arrival_t;
+
+/**
+ * Copies up to `capacity` arrival records, in the order they happened, into
+ * `out` (may be NULL when capacity is 0) and sets `*count` to the total
+ * recorded so far (at most 2 per page).  For plotting which class landed when.
+ */
+kvxfer_result_t kvxfer_request_get_arrivals(kvxfer_request_t request, kvxfer_arrival_t* out,
+                                            size_t capacity, size_t* count);
+
+/**
+ * Frees a request in a final stage (COMPLETE or ERROR).  A request still in
+ * flight is left alone and KVXFER_ERR_INVALID_USAGE is returned: wait for it,
+ * or abort the communicator first.  NULL is a no-op.
+ */
+kvxfer_result_t kvxfer_request_free(kvxfer_request_t request);
 
 #ifdef __cplusplus
 } /* extern "C" */

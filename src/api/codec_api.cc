@@ -1,46 +1,9 @@
-// The exported C API of the page codec.  This is the one place where internal
-// results become the caller's: each entry clears the thread's error text,
-// checks the KVXFER_* environment, and catches every exception (none is
-// expected; std::bad_alloc is the realistic one).
-#include <mutex>
-#include <new>
-
+// The exported C API of the page codec; each entry runs in api_call
+// (api/api_call.h).
+#include "api/api_call.h"
 #include "codec/codec.h"
-#include "common/error.h"
-#include "common/log.h"
-#include "common/params.h"
 
-namespace {
-
-// The version line, once per process, as NCCL prints its own: at
-// KVXFER_DEBUG=VERSION, and at INFO and above; not at the default WARN.
-void log_version_once() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const kvxfer::LogLevel lvl =
-        kvxfer::params::Debug() == "VERSION" ? kvxfer::LOG_VERSION : kvxfer::LOG_INFO;
-    KVXFER_LOG_AT_(lvl, kvxfer::LOG_INIT, "kvxfer %d.%d.%d", KVXFER_MAJOR, KVXFER_MINOR,
-                   KVXFER_PATCH);
-  });
-}
-
-template <typename F>
-kvxfer_result_t api_call(const char* name, F&& body) {
-  kvxfer::clear_error();
-  log_version_once();
-  try {
-    KVXFER_CHECK(kvxfer::params::validate());
-    return body();
-  } catch (const std::bad_alloc&) {
-    return kvxfer::set_error(KVXFER_ERR_OUT_OF_MEMORY, "%s: out of memory", name);
-  } catch (const std::exception& e) {
-    return kvxfer::set_error(KVXFER_ERR_INTERNAL, "%s: unexpected exception: %s", name, e.what());
-  } catch (...) {
-    return kvxfer::set_error(KVXFER_ERR_INTERNAL, "%s: unexpected exception", name);
-  }
-}
-
-}  // namespace
+using kvxfer::api_call;
 
 extern "C" {
 

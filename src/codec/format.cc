@@ -28,6 +28,7 @@ T get(const uint8_t*& p) {
   return v;
 }
 
+constexpr size_t kPayloadBytesOffset = 56;
 constexpr size_t kChecksumOffset = 72;
 
 uint64_t compute_checksum(const uint8_t* section, uint64_t payload_bytes) {
@@ -109,6 +110,14 @@ void seal_page(PageHeader h, uint8_t* anchor, uint8_t* residual, size_t* anchor_
   seal_section(residual);
   *anchor_len = kHeaderBytes + s.anchor_payload();
   *residual_len = kHeaderBytes + s.residual_codes;
+}
+
+size_t section_extent(const void* buf, size_t len) {
+  if (buf == nullptr || len < kHeaderBytes) return 0;
+  const uint8_t* p = static_cast<const uint8_t*>(buf) + kPayloadBytesOffset;
+  const uint64_t payload = get<uint64_t>(p);
+  if (payload > len - kHeaderBytes) return 0;
+  return kHeaderBytes + static_cast<size_t>(payload);
 }
 
 kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {

@@ -101,6 +101,14 @@ void seal_page(PageHeader h, uint8_t* anchor, uint8_t* residual, size_t* anchor_
 kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* h);
 
 /**
+ * The length the header at `buf` claims for its section (kHeaderBytes +
+ * payload_bytes), without validating anything else: how a reader finds the
+ * second of two sections sent back to back (monolithic transfers).  0 when
+ * `len` is shorter than a header or the claim exceeds `len`.
+ */
+size_t section_extent(const void* buf, size_t len);
+
+/**
  * Checks that `res` is the residual section of anchor `anc`: every identity
  * and codec field equal, and res.link == anc.checksum.  Errors: MISMATCH.
  */

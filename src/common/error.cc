@@ -23,6 +23,19 @@ kvxfer_result_t set_error(kvxfer_result_t r, const char* fmt, ...) {
   return r;
 }
 
+std::string strprintf(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  va_list ap2;
+  va_copy(ap2, ap);
+  const int n = vsnprintf(nullptr, 0, fmt, ap);
+  va_end(ap);
+  std::string out(n > 0 ? static_cast<size_t>(n) : 0, '\0');
+  if (n > 0) vsnprintf(out.data(), out.size() + 1, fmt, ap2);
+  va_end(ap2);
+  return out;
+}
+
 const char* last_error() { return t_last_error.c_str(); }
 void clear_error() { t_last_error.clear(); }
 

@@ -5,6 +5,8 @@
 // under KVXFER_DEBUG=INFO, as NCCL does.
 #pragma once
 
+#include <string>
+
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer {
@@ -16,6 +18,8 @@ kvxfer_result_t set_error(kvxfer_result_t r, const char* fmt, ...)
 const char* last_error();
 /** Clears the calling thread's last error (called on entry to every API call). */
 void clear_error();
+/** printf into a std::string (no length limit). */
+std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 /** Logs the breadcrumb for a propagated failure (used by KVXFER_CHECK). */
 void breadcrumb(const char* file, int line, kvxfer_result_t r);
 

@@ -23,16 +23,6 @@ namespace kvxfer::transport {
 // ---------------------------------------------------------------------------
 namespace {
 
-std::string strprintf(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string strprintf(const char* fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
-  va_end(ap);
-  return buf;
-}
-
 kvxfer_result_t fi_fail(const char* call, int ret) {
   return set_error(KVXFER_ERR_SYSTEM, "%s failed: %s (%d)", call, fi_strerror(-ret), ret);
 }

@@ -1,0 +1,228 @@
+// The exported C API of communicators and transfers (include/kvxfer/kvxfer.h,
+// section "Communicators and progressive transfers") over xfer::Engine.
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "api/api_call.h"
+#include "common/error.h"
+#include "common/params.h"
+#include "transport/bootstrap.h"
+#include "xfer/engine.h"
+
+struct kvxfer_comm {
+  std::unique_ptr<kvxfer::xfer::Engine> engine;
+};
+
+struct kvxfer_request {
+  std::shared_ptr<kvxfer::xfer::Request> req;
+};
+
+namespace {
+
+using kvxfer::set_error;
+using kvxfer::transport::BootstrapRoot;
+using kvxfer::transport::UniqueId;
+
+// Listeners made by kvxfer_get_unique_id, waiting for rank 0's
+// kvxfer_comm_init in this process; keyed by the id's bytes.
+std::mutex g_roots_mu;
+std::map<std::string, std::unique_ptr<BootstrapRoot>> g_roots;
+
+std::string id_key(const kvxfer_unique_id_t& id) {
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+}  // namespace
+
+static_assert(sizeof(kvxfer_unique_id_t) == sizeof(UniqueId), "unique id sizes differ");
+
+extern "C" {
+
+kvxfer_result_t kvxfer_get_unique_id(kvxfer_unique_id_t* id) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(id != nullptr, "id is NULL");
+    UniqueId uid{};
+    std::unique_ptr<BootstrapRoot> root;
+    KVXFER_CHECK(
+        kvxfer::transport::create_unique_id(kvxfer::params::BootstrapAddr().c_str(), &uid, &root));
+    std::memcpy(id->internal, &uid, sizeof(uid));
+    std::lock_guard<std::mutex> lk(g_roots_mu);
+    g_roots[id_key(*id)] = std::move(root);
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id, int rank,
+                                 const kvxfer_comm_config_t* config) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(comm != nullptr, "comm is NULL");
+    *comm = nullptr;
+    KVXFER_REQUIRE(nranks >= 2 && nranks <= kvxfer::transport::kBootstrapMaxRanks,
+                   "nranks %d outside [2, %d]", nranks, kvxfer::transport::kBootstrapMaxRanks);
+    KVXFER_REQUIRE(rank >= 0 && rank < nranks, "rank %d outside [0, %d)", rank, nranks);
+    kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
+    if (config != nullptr) {
+      KVXFER_REQUIRE(
+          config->size == sizeof(kvxfer_comm_config_t) && config->magic == KVXFER_CONFIG_MAGIC,
+          "communicator config not initialised (size %zu, magic 0x%x): use "
+          "KVXFER_COMM_CONFIG_INITIALIZER",
+          config->size, config->magic);
+      cfg = *config;
+    }
+    KVXFER_REQUIRE(cfg.timeout_ms >= 0, "timeout_ms %d is negative", cfg.timeout_ms);
+    const int timeout =
+        cfg.timeout_ms > 0 ? cfg.timeout_ms : static_cast<int>(kvxfer::params::TimeoutMs());
+    const std::string bind =
+        cfg.bind_address != nullptr ? cfg.bind_address : kvxfer::params::BindAddr();
+    UniqueId uid;
+    std::memcpy(&uid, id.internal, sizeof(uid));
+    KVXFER_REQUIRE(uid.magic == kvxfer::transport::kBootstrapMagic,
+                   "the unique id is malformed (bad magic): pass the bytes kvxfer_get_unique_id "
+                   "filled, unchanged");
+    std::unique_ptr<BootstrapRoot> root;
+    if (rank == 0) {
+      std::lock_guard<std::mutex> lk(g_roots_mu);
+      auto it = g_roots.find(id_key(id));
+      KVXFER_REQUIRE(it != g_roots.end(),
+                     "rank 0 must be the process that called kvxfer_get_unique_id for this id "
+                     "(and may use it once)");
+      root = std::move(it->second);
+      g_roots.erase(it);
+    }
+    std::unique_ptr<kvxfer::xfer::Engine> e;
+    KVXFER_CHECK(kvxfer::xfer::Engine::create(uid, std::move(root), rank, nranks, timeout, bind,
+                                              cfg.rate_limit, &e));
+    *comm = new kvxfer_comm{std::move(e)};
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(comm != nullptr, "comm is NULL");
+    comm->engine->abort("kvxfer_comm_abort");
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_comm_destroy(kvxfer_comm_t comm) {
+  return kvxfer::api_call(__func__, [&] {
+    delete comm;  // Engine::~Engine aborts, joins and closes
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_comm_count(kvxfer_comm_t comm, int* nranks) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(comm != nullptr && nranks != nullptr, "comm or nranks is NULL");
+    *nranks = comm->engine->nranks();
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(comm != nullptr && rank != nullptr, "comm or rank is NULL");
+    *rank = comm->engine->rank();
+    return KVXFER_SUCCESS;
+  });
+}
+
+static kvxfer_result_t post(bool is_send, kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                            const kvxfer_codec_config_t* codec,
+                            const kvxfer_request_config_t* config, kvxfer_request_t* request) {
+  KVXFER_REQUIRE(comm != nullptr && request != nullptr, "comm or request is NULL");
+  *request = nullptr;
+  auto* h = new kvxfer_request;
+  const kvxfer_result_t rc = comm->engine->post(is_send, peer, kv, codec, config, h, &h->req);
+  if (rc < 0) {
+    delete h;
+    return rc;
+  }
+  *request = h;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                            const kvxfer_codec_config_t* codec,
+                            const kvxfer_request_config_t* config, kvxfer_request_t* request) {
+  return kvxfer::api_call(__func__,
+                          [&] { return post(true, comm, peer, kv, codec, config, request); });
+}
+
+kvxfer_result_t kvxfer_recv(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                            const kvxfer_request_config_t* config, kvxfer_request_t* request) {
+  return kvxfer::api_call(__func__,
+                          [&] { return post(false, comm, peer, kv, nullptr, config, request); });
+}
+
+kvxfer_result_t kvxfer_test(kvxfer_request_t request, kvxfer_stage_t* stage) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    return kvxfer::xfer::request_test(*request->req, -1, stage);
+  });
+}
+
+kvxfer_result_t kvxfer_wait(kvxfer_request_t request, kvxfer_stage_t stage, int timeout_ms) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    return kvxfer::xfer::request_wait(*request->req, -1, stage, timeout_ms);
+  });
+}
+
+kvxfer_result_t kvxfer_test_layer(kvxfer_request_t request, int32_t layer, kvxfer_stage_t* stage) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    KVXFER_REQUIRE(layer >= 0, "layer %d is negative", layer);
+    return kvxfer::xfer::request_test(*request->req, layer, stage);
+  });
+}
+
+kvxfer_result_t kvxfer_wait_layer(kvxfer_request_t request, int32_t layer, kvxfer_stage_t stage,
+                                  int timeout_ms) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    KVXFER_REQUIRE(layer >= 0, "layer %d is negative", layer);
+    return kvxfer::xfer::request_wait(*request->req, layer, stage, timeout_ms);
+  });
+}
+
+kvxfer_result_t kvxfer_request_get_info(kvxfer_request_t request, kvxfer_request_info_t* info) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    return kvxfer::xfer::request_info(*request->req, info);
+  });
+}
+
+kvxfer_result_t kvxfer_request_get_arrivals(kvxfer_request_t request, kvxfer_arrival_t* out,
+                                            size_t capacity, size_t* count) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr && count != nullptr, "request or count is NULL");
+    KVXFER_REQUIRE(out != nullptr || capacity == 0, "out is NULL with capacity %zu", capacity);
+    const kvxfer::xfer::Request& r = *request->req;
+    std::lock_guard<std::mutex> lk(r.mu);
+    *count = r.arrivals.size();
+    for (size_t i = 0; i < capacity && i < r.arrivals.size(); ++i) {
+      const auto& a = r.arrivals[i];
+      out[i] = kvxfer_arrival_t{a.t_ns, a.traffic_class, a.layer, a.bytes};
+    }
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_request_free(kvxfer_request_t request) {
+  return kvxfer::api_call(__func__, [&] {
+    if (request == nullptr) return KVXFER_SUCCESS;
+    if (!kvxfer::xfer::request_wait_final_callbacks(*request->req))
+      return set_error(KVXFER_ERR_INVALID_USAGE,
+                       "the request is still in flight: wait for COMPLETE or ERROR, or abort the "
+                       "communicator, before freeing it");
+    delete request;
+    return KVXFER_SUCCESS;
+  });
+}
+
+}  // extern "C"

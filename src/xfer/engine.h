@@ -1,0 +1,144 @@
+// The engine behind kvxfer_comm_t and kvxfer_send / kvxfer_recv.
+//
+// An Engine owns one transport::Communicator (a Link per peer) and two
+// threads:
+//   progress thread  the only thread that touches the Links: posts DESC,
+//                    page and STATUS messages (protocol.h), reads completions,
+//                    runs the handshake, posts residual receives into the
+//                    bounded staging pool, publishes stages and runs the
+//                    callbacks;
+//   codec thread     encodes pages (sender) and decodes them into the
+//                    receiver's blocks, highest priority first:
+//                    anchor decodes, then encodes, then residual decodes.
+// API threads only queue new requests (under the engine's lock) and read or
+// wait on a Request's public state (under the request's lock).
+//
+// Memory (docs/TRANSPORT.md, "Memory"): the sender holds each request's
+// encoded sections until its messages are sent; the receiver holds each
+// request's anchor sections (they are needed again to apply the residual)
+// and lands residual sections in ONE staging pool of KVXFER_RECV_STAGING_BYTES
+// shared by every request, so staging does not grow with requests in flight.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kvxfer/kvxfer.h"
+#include "transport/bootstrap.h"
+#include "xfer/protocol.h"
+
+namespace kvxfer::xfer {
+
+class Engine;
+struct Work;  // the progress thread's private state of a request (engine.cc)
+
+/** One section's arrival (receiver) or send completion (sender). */
+struct Arrival {
+  int64_t t_ns;
+  int32_t traffic_class;  // 0 anchor, 1 residual
+  int32_t layer;
+  uint64_t bytes;
+};
+
+/** A request.  Public state under `mu`; `work` belongs to the progress thread. */
+class Request {
+ public:
+  Request();
+  ~Request();
+  Request(const Request&) = delete;
+  Request& operator=(const Request&) = delete;
+
+  // ---- fixed at post --------------------------------------------------------
+  bool is_send = false;
+  int peer = -1;
+  uint32_t seq = 0;
+  kvxfer_request_config_t cfg{};
+  void* handle = nullptr;  // the kvxfer_request_t given to callbacks
+  Desc mine;               // what this side announces
+  int32_t block_size = 0;
+  int64_t row_stride = 0, num_blocks = 0;
+  std::vector<void*> k_blocks, v_blocks;
+  uint64_t kv_bytes = 0;
+
+  // ---- public state (mu) ----------------------------------------------------
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  kvxfer_stage_t stage = KVXFER_STAGE_POSTED;
+  kvxfer_result_t result = KVXFER_IN_PROGRESS;
+  std::string error;
+  kvxfer_codec_t codec = KVXFER_CODEC_LYNX;
+  kvxfer_mode_t mode = KVXFER_MODE_AUTO;
+  int64_t num_pages = 0, pages_anchor = 0, pages_complete = 0;
+  std::vector<int64_t> layer_pages, layer_anchor, layer_complete;
+  uint64_t anchor_wire_bytes = 0, residual_wire_bytes = 0;
+  int64_t t_posted = 0, t_handshake = 0, t_anchor_ready = 0, t_complete = 0, t_error = 0,
+          t_first_residual = 0;
+  std::vector<Arrival> arrivals;
+  bool callback_running = false;
+
+  std::unique_ptr<Work> work;  // progress thread only
+};
+
+/** Monotonic time in ns (CLOCK_MONOTONIC, as steady_clock on Linux). */
+int64_t now_ns();
+
+/** kvxfer_test / kvxfer_test_layer (layer -1 = the whole request). */
+kvxfer_result_t request_test(const Request& r, int32_t layer, kvxfer_stage_t* stage);
+/** kvxfer_wait / kvxfer_wait_layer. */
+kvxfer_result_t request_wait(Request& r, int32_t layer, kvxfer_stage_t stage, int timeout_ms);
+kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info);
+/** True when COMPLETE or ERROR and no callback is running (after waiting for one). */
+bool request_wait_final_callbacks(Request& r);
+
+class Engine {
+ public:
+  /**
+   * Joins the communicator (transport::Communicator::create) and starts the
+   * threads.  `root` is the listener kvxfer_get_unique_id made (rank 0 only).
+   * `rate_limit`: tc syntax for this communicator's own token bucket, "" for
+   * none, NULL for the process-wide KVXFER_RATE_LIMIT one.
+   */
+  static kvxfer_result_t create(const transport::UniqueId& id,
+                                std::unique_ptr<transport::BootstrapRoot> root, int rank,
+                                int nranks, int timeout_ms, const std::string& bind,
+                                const char* rate_limit, std::unique_ptr<Engine>* out);
+  /** Aborts what is in flight, joins both threads, closes the Links. */
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int rank() const;
+  int nranks() const;
+
+  /**
+   * Validates and queues a send (is_send) or receive.  `handle` is what the
+   * callbacks receive.  Errors are returned at once; nothing is queued.
+   */
+  kvxfer_result_t post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
+                       const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
+                       void* handle, std::shared_ptr<Request>* out);
+
+  /** Fails every request not yet final and closes the Links; never blocks on a peer. */
+  void abort(const char* why);
+
+  struct Impl;
+
+ private:
+  Engine() = default;
+  std::unique_ptr<Impl> impl_;
+};
+
+/** Test seam: while paused, no residual is applied (full decodes wait), so a
+ *  test can read the blocks at exactly anchor precision. */
+void testing_pause_residuals(bool paused);
+
+/** Test seam: the next `count` page sections this process receives get one
+ *  byte flipped before decoding (tests/xfer_test.cc, corruption cases). */
+void testing_corrupt_next_sections(int count);
+
+}  // namespace kvxfer::xfer

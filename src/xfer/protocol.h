@@ -1,0 +1,109 @@
+// The progressive transfer protocol of kvxfer_send / kvxfer_recv
+// (docs/TRANSPORT.md, "Request protocol").  Pure functions, no I/O, so every
+// rule here is unit-tested on its own (tests/xfer_test.cc).
+//
+// A request is the i-th kvxfer_send from rank A to rank B matched with B's
+// i-th kvxfer_recv from A; both sides number it `seq` (mod 2^15).  Its
+// messages travel on the Link between A and B (transport/ofi.h) with the
+// Link tag
+//
+//     seq (15 bits) | from_receiver (1) | kind (2) | page (21)      (39 bits)
+//
+// from_receiver keeps the two directions of one seq apart (B may at the same
+// time be the sender of its own i-th request to A).  The exchange:
+//
+//   both   DESC    on the anchor class at post time: the descriptor, plus the
+//                  codec, mode and page size on the sender's.  Each side
+//                  compares the two (compare_desc); a mismatch fails the
+//                  request on both sides with the same message.
+//   sender ANCHOR p    page p's anchor section (anchor class), or in
+//                      MONOLITHIC mode both sections back to back
+//          RESIDUAL p  page p's residual section (residual class; PROGRESSIVE)
+//   both   STATUS  once, when that side reaches its final stage: the result
+//                  and its text.  The receiver's STATUS ok is what completes
+//                  the sender.
+//
+// After a matched handshake every page message is sent and received even when
+// the request has failed (a sender that cannot encode a page sends it empty),
+// so that no message is left unmatched in the provider: a failure changes
+// what is decoded and reported, never which messages flow.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvxfer/kvxfer.h"
+
+namespace kvxfer::xfer {
+
+enum class MsgKind : uint64_t { kDesc = 0, kStatus = 1, kAnchor = 2, kResidual = 3 };
+
+constexpr int kPageBits = 21;
+constexpr int kKindBits = 2;
+constexpr int kSeqBits = 15;
+constexpr uint64_t kMaxPages = uint64_t{1} << kPageBits;
+constexpr uint32_t kSeqMask = (1u << kSeqBits) - 1;
+
+/** The Link tag of a message (layout above). */
+uint64_t make_tag(uint32_t seq, bool from_receiver, MsgKind kind, uint64_t page);
+
+/** One page: `num_tokens` tokens from `token_begin` of `layer`'s K or V. */
+struct PageRef {
+  int32_t layer;
+  kvxfer_kv_kind_t kind;
+  int64_t token_begin, num_tokens;
+};
+
+/**
+ * The pages of a transfer, in send order: layer-major, K before V, tokens
+ * ascending; each `page_tokens` long except the last of a (layer, kind).
+ * Empty when num_tokens == 0.
+ */
+std::vector<PageRef> plan_pages(int32_t num_layers, int64_t num_tokens, int32_t page_tokens);
+
+/** What each side announces in its DESC message. */
+struct Desc {
+  bool is_sender = false;
+  uint64_t tag = 0;
+  int32_t num_layers = 0, kv_heads = 0, head_dim = 0;
+  kvxfer_dtype_t dtype = KVXFER_DTYPE_BF16;
+  int64_t num_tokens = 0;
+  // Sender only (zero on the receiver's):
+  kvxfer_codec_config_t codec{};
+  kvxfer_mode_t mode = KVXFER_MODE_AUTO;  // resolved: PROGRESSIVE or MONOLITHIC
+  int32_t page_tokens = 0;
+};
+
+constexpr size_t kDescBytes = 80;
+constexpr uint32_t kDescMagic = 0x4458564bu;    // "KVXD" little-endian
+constexpr uint32_t kStatusMagic = 0x5358564bu;  // "KVXS" little-endian
+constexpr uint16_t kProtocolVersion = 1;
+constexpr size_t kMaxStatusText = 1024;
+constexpr size_t kStatusHeaderBytes = 16;
+
+/** Serialises a Desc (little-endian, kDescBytes). */
+std::vector<uint8_t> encode_desc(const Desc& d);
+/** Parses a DESC message.  KVXFER_ERR_CORRUPT (with text) if malformed. */
+kvxfer_result_t decode_desc(const uint8_t* buf, size_t len, Desc* out);
+
+/**
+ * Compares this side's descriptor with the peer's.  KVXFER_SUCCESS, or
+ * KVXFER_ERR_MISMATCH with a message naming the first differing field, the
+ * same on both sides (values are given as sender/receiver):
+ *   "descriptor mismatch: num_tokens is 400 on the sender and 512 on the receiver".
+ * Also fails when both sides are senders or both receivers.  Block size, row
+ * stride and pointers are each side's own and are not compared.
+ */
+kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer);
+
+/** STATUS message: result (i32) and text (at most kMaxStatusText bytes). */
+std::vector<uint8_t> encode_status(kvxfer_result_t result, const std::string& text);
+kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* result,
+                              std::string* text);
+
+/** PROGRESSIVE for split codecs (code bits > anchor bits), else MONOLITHIC. */
+kvxfer_mode_t resolve_mode(kvxfer_mode_t requested, const kvxfer_codec_config_t& codec);
+
+}  // namespace kvxfer::xfer

@@ -1,0 +1,874 @@
+// kvxfer_send / kvxfer_recv: the request protocol's pure pieces, and
+// two-process transfers over loopback (the parent and a forked child each
+// build one rank of a communicator).  Received values are compared bit for
+// bit with the codec's own decode of the sender's pages; byte counts on both
+// sides are compared with each other.
+//
+// The forked child must not inherit an OpenMP thread pool, so this binary
+// runs the codec single-threaded (KVXFER_CODEC_THREADS=1, set in main()).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "codec/codec.h"
+#include "codec/page.h"
+#include "common/error.h"
+#include "fork_child.h"
+#include "kvxfer/kvxfer.h"
+#include "transport/ofi.h"
+#include "xfer/engine.h"
+#include "xfer/protocol.h"
+
+namespace kvxfer {
+namespace {
+
+using test::Child;
+using xfer::Desc;
+
+// ---------------------------------------------------------------------------
+// Protocol
+// ---------------------------------------------------------------------------
+TEST(XferProtocol, TagsAreDistinctAndFitTheLink) {
+  std::set<uint64_t> seen;
+  for (uint32_t seq : {0u, 1u, xfer::kSeqMask})
+    for (bool from_recv : {false, true})
+      for (auto k : {xfer::MsgKind::kDesc, xfer::MsgKind::kStatus, xfer::MsgKind::kAnchor,
+                     xfer::MsgKind::kResidual})
+        for (uint64_t page : {uint64_t{0}, uint64_t{1}, xfer::kMaxPages - 1}) {
+          const uint64_t t = xfer::make_tag(seq, from_recv, k, page);
+          EXPECT_LE(t, transport::Link::kMaxTag);
+          EXPECT_TRUE(seen.insert(t).second) << seq << " " << from_recv << " " << page;
+        }
+  // The sequence number wraps at 2^15.
+  EXPECT_EQ(xfer::make_tag(xfer::kSeqMask + 1, false, xfer::MsgKind::kAnchor, 7),
+            xfer::make_tag(0, false, xfer::MsgKind::kAnchor, 7));
+}
+
+TEST(XferProtocol, PagesCoverEveryTokenOnceInLayerOrder) {
+  const auto pages = xfer::plan_pages(3, 1000, 256);
+  ASSERT_EQ(pages.size(), 3u * 2u * 4u);
+  EXPECT_EQ(pages[0].layer, 0);
+  EXPECT_EQ(pages[0].kind, KVXFER_KV_KEY);
+  EXPECT_EQ(pages[3].num_tokens, 1000 - 768);
+  EXPECT_EQ(pages[4].kind, KVXFER_KV_VALUE);
+  EXPECT_EQ(pages[8].layer, 1);
+  int64_t covered = 0;
+  for (const auto& p : pages) covered += p.num_tokens;
+  EXPECT_EQ(covered, 3 * 2 * 1000);
+  EXPECT_TRUE(xfer::plan_pages(3, 0, 256).empty());
+}
+
+Desc sample_desc(bool sender) {
+  Desc d;
+  d.is_sender = sender;
+  d.tag = 42;
+  d.num_layers = 4;
+  d.kv_heads = 2;
+  d.head_dim = 64;
+  d.dtype = KVXFER_DTYPE_BF16;
+  d.num_tokens = 400;
+  if (sender) {
+    d.codec = KVXFER_CODEC_CONFIG_INITIALIZER;
+    d.codec.alpha = 5.0f;
+    d.mode = KVXFER_MODE_PROGRESSIVE;
+    d.page_tokens = 128;
+  }
+  return d;
+}
+
+TEST(XferProtocol, DescriptorRoundTripsAndRejectsGarbage) {
+  const Desc s = sample_desc(true);
+  const auto b = xfer::encode_desc(s);
+  ASSERT_EQ(b.size(), xfer::kDescBytes);
+  Desc back;
+  ASSERT_EQ(xfer::decode_desc(b.data(), b.size(), &back), KVXFER_SUCCESS);
+  EXPECT_TRUE(back.is_sender);
+  EXPECT_EQ(back.tag, 42u);
+  EXPECT_EQ(back.num_tokens, 400);
+  EXPECT_EQ(back.codec.alpha, 5.0f);
+  EXPECT_EQ(back.page_tokens, 128);
+  EXPECT_EQ(back.mode, KVXFER_MODE_PROGRESSIVE);
+  auto bad = b;
+  bad[0] ^= 1;
+  EXPECT_EQ(xfer::decode_desc(bad.data(), bad.size(), &back), KVXFER_ERR_CORRUPT);
+  EXPECT_EQ(xfer::decode_desc(b.data(), b.size() - 1, &back), KVXFER_ERR_CORRUPT);
+}
+
+TEST(XferProtocol, MismatchNamesTheFieldTheSameOnBothSides) {
+  const Desc s = sample_desc(true);
+  Desc r = sample_desc(false);
+  EXPECT_EQ(xfer::compare_desc(s, r), KVXFER_SUCCESS);
+  EXPECT_EQ(xfer::compare_desc(r, s), KVXFER_SUCCESS);
+  struct Case {
+    const char* field;
+    void (*mutate)(Desc*);
+  } cases[] = {
+      {"num_tokens is 400 on the sender and 512", [](Desc* d) { d->num_tokens = 512; }},
+      {"num_layers", [](Desc* d) { d->num_layers = 5; }},
+      {"kv_heads", [](Desc* d) { d->kv_heads = 8; }},
+      {"head_dim", [](Desc* d) { d->head_dim = 128; }},
+      {"dtype is bf16 on the sender and fp16", [](Desc* d) { d->dtype = KVXFER_DTYPE_FP16; }},
+      {"tag", [](Desc* d) { d->tag = 7; }},
+  };
+  for (const auto& c : cases) {
+    Desc rr = sample_desc(false);
+    c.mutate(&rr);
+    ASSERT_EQ(xfer::compare_desc(s, rr), KVXFER_ERR_MISMATCH) << c.field;
+    const std::string on_sender = last_error();
+    ASSERT_EQ(xfer::compare_desc(rr, s), KVXFER_ERR_MISMATCH) << c.field;
+    EXPECT_EQ(on_sender, std::string(last_error()));
+    EXPECT_NE(on_sender.find(c.field), std::string::npos) << on_sender;
+  }
+  EXPECT_EQ(xfer::compare_desc(s, sample_desc(true)), KVXFER_ERR_MISMATCH);
+  EXPECT_NE(std::string(last_error()).find("both ranks posted kvxfer_send"), std::string::npos);
+}
+
+TEST(XferProtocol, StatusRoundTripsAndRejectsGarbage) {
+  auto b = xfer::encode_status(KVXFER_ERR_CORRUPT, "checksum of layer 3");
+  kvxfer_result_t r = KVXFER_SUCCESS;
+  std::string text;
+  ASSERT_EQ(xfer::decode_status(b.data(), b.size(), &r, &text), KVXFER_SUCCESS);
+  EXPECT_EQ(r, KVXFER_ERR_CORRUPT);
+  EXPECT_EQ(text, "checksum of layer 3");
+  EXPECT_EQ(xfer::decode_status(b.data(), b.size() - 1, &r, &text), KVXFER_ERR_CORRUPT);
+  b[8] = 0x7f;  // a result code that does not exist
+  EXPECT_EQ(xfer::decode_status(b.data(), b.size(), &r, &text), KVXFER_ERR_CORRUPT);
+}
+
+TEST(XferProtocol, AutoModeSplitsOnlySplitCodecs) {
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  EXPECT_EQ(xfer::resolve_mode(KVXFER_MODE_AUTO, c), KVXFER_MODE_PROGRESSIVE);
+  c.codec = KVXFER_CODEC_INT8;
+  EXPECT_EQ(xfer::resolve_mode(KVXFER_MODE_AUTO, c), KVXFER_MODE_PROGRESSIVE);
+  c.codec = KVXFER_CODEC_INT4;
+  EXPECT_EQ(xfer::resolve_mode(KVXFER_MODE_AUTO, c), KVXFER_MODE_MONOLITHIC);
+  c.codec = KVXFER_CODEC_BF16;
+  EXPECT_EQ(xfer::resolve_mode(KVXFER_MODE_AUTO, c), KVXFER_MODE_MONOLITHIC);
+  EXPECT_EQ(xfer::resolve_mode(KVXFER_MODE_MONOLITHIC, c), KVXFER_MODE_MONOLITHIC);
+}
+
+// ---------------------------------------------------------------------------
+// A paged KV cache in host memory: per layer, K and V block tables.
+// ---------------------------------------------------------------------------
+struct PagedKV {
+  int32_t L, heads, hd;
+  int64_t T;
+  int32_t bs;
+  int64_t stride;
+  kvxfer_dtype_t dt;
+  int64_t nblocks;
+  std::vector<std::vector<uint8_t>> storage;
+  std::vector<void*> k, v;
+  kvxfer_kv_desc_t desc = KVXFER_KV_DESC_INITIALIZER;
+
+  PagedKV(int32_t L_, int32_t heads_, int32_t hd_, int64_t T_, int32_t bs_,
+          kvxfer_dtype_t dt_ = KVXFER_DTYPE_BF16, int64_t pad = 0)
+      : L(L_), heads(heads_), hd(hd_), T(T_), bs(bs_), stride(heads_ * hd_ + pad), dt(dt_) {
+    nblocks = std::max<int64_t>(1, (T + bs - 1) / bs);
+    const size_t es = codec::dtype_size(dt);
+    for (int i = 0; i < 2 * L * nblocks; ++i)
+      storage.emplace_back(static_cast<size_t>(bs * stride) * es, 0xA5);
+    for (int64_t i = 0; i < L * nblocks; ++i) k.push_back(storage[i].data());
+    for (int64_t i = 0; i < L * nblocks; ++i) v.push_back(storage[L * nblocks + i].data());
+    desc.num_layers = L;
+    desc.kv_heads = heads;
+    desc.head_dim = hd;
+    desc.dtype = dt;
+    desc.num_tokens = T;
+    desc.block_size = bs;
+    desc.row_stride = stride;
+    desc.num_blocks = nblocks;
+    desc.k_blocks = k.data();
+    desc.v_blocks = v.data();
+  }
+  int32_t H() const { return heads * hd; }
+  uint8_t* row(int32_t l, kvxfer_kv_kind_t kind, int64_t t) {
+    void* const* b = (kind == KVXFER_KV_KEY ? k.data() : v.data()) + l * nblocks;
+    return static_cast<uint8_t*>(b[t / bs]) + (t % bs) * stride * codec::dtype_size(dt);
+  }
+  kvxfer_page_layout_t layout(int32_t l, kvxfer_kv_kind_t kind, int64_t t0, int64_t n) {
+    kvxfer_page_layout_t p{};
+    p.blocks = (kind == KVXFER_KV_KEY ? k.data() : v.data()) + l * nblocks;
+    p.num_blocks = nblocks;
+    p.block_size = bs;
+    p.row_stride = stride;
+    p.first_token = t0;
+    p.num_tokens = n;
+    p.num_channels = H();
+    p.dtype = dt;
+    return p;
+  }
+  /** KV-like values: per-channel offsets and scales, a few outlier channels. */
+  void fill(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> g(0.0f, 1.0f);
+    for (int32_t l = 0; l < L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        for (int64_t t = 0; t < T; ++t)
+          for (int32_t c = 0; c < H(); ++c) {
+            const float scale = (c % 17 == 3) ? 20.0f : 1.0f + 0.1f * (c % 5);
+            codec::store_elem(row(l, kind, t), c, dt, scale * g(rng) + 0.05f * (c % 7));
+          }
+  }
+  std::vector<uint8_t> bytes(int32_t l, kvxfer_kv_kind_t kind) {
+    std::vector<uint8_t> out;
+    const size_t n = static_cast<size_t>(H()) * codec::dtype_size(dt);
+    for (int64_t t = 0; t < T; ++t) out.insert(out.end(), row(l, kind, t), row(l, kind, t) + n);
+    return out;
+  }
+};
+
+/** What the receiver must hold: the codec's own decode of the sender's pages
+ *  (anchor-only or full), written into a KV of the same shape. */
+void expected_decode(PagedKV& src, const kvxfer_codec_config_t& cfg, int32_t page_tokens,
+                     uint64_t tag, bool full, PagedKV* out) {
+  for (const auto& p : xfer::plan_pages(src.L, src.T, page_tokens)) {
+    size_t acap = 0, rcap = 0;
+    ASSERT_EQ(codec::max_sizes(&cfg, p.num_tokens, src.H(), &acap, &rcap), KVXFER_SUCCESS);
+    std::vector<uint8_t> a(acap), r(rcap);
+    size_t alen = 0, rlen = 0;
+    kvxfer_page_id_t id{static_cast<uint32_t>(p.layer), p.kind, p.token_begin, tag};
+    const kvxfer_page_layout_t sl = src.layout(p.layer, p.kind, p.token_begin, p.num_tokens);
+    ASSERT_EQ(codec::encode_page(&cfg, &id, &sl, a.data(), acap, &alen, r.data(), rcap, &rlen),
+              KVXFER_SUCCESS)
+        << last_error();
+    const kvxfer_page_layout_t dl = out->layout(p.layer, p.kind, p.token_begin, p.num_tokens);
+    ASSERT_EQ(
+        codec::decode_page(a.data(), alen, full ? r.data() : nullptr, full ? rlen : 0, &id, &dl),
+        KVXFER_SUCCESS)
+        << last_error();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Two processes
+// ---------------------------------------------------------------------------
+constexpr int kTimeoutMs = 20000;
+
+bool write_all(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = write(fd, c, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+bool read_all(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    const ssize_t r = read(fd, c, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+kvxfer_comm_t init_rank(const kvxfer_unique_id_t& id, int rank, int timeout_ms = kTimeoutMs,
+                        const char* rate = nullptr) {
+  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
+  cfg.timeout_ms = timeout_ms;
+  cfg.rate_limit = rate;
+  cfg.bind_address = "127.0.0.1";
+  kvxfer_comm_t comm = nullptr;
+  if (kvxfer_comm_init(&comm, 2, id, rank, &cfg) != KVXFER_SUCCESS) {
+    std::fprintf(stderr, "rank %d: kvxfer_comm_init: %s\n", rank, kvxfer_get_last_error());
+    return nullptr;
+  }
+  return comm;
+}
+
+/** Runs `child` (rank 1) in a forked process and `parent` (rank 0) here. */
+struct Pair {
+  kvxfer_unique_id_t id{};
+  Child child;
+  bool start(const std::function<int(const kvxfer_unique_id_t&, int, int)>& fn) {
+    if (kvxfer_get_unique_id(&id) != KVXFER_SUCCESS) return false;
+    const kvxfer_unique_id_t copy = id;
+    return child.start([fn, copy](int rd, int wr) { return fn(copy, rd, wr); });
+  }
+};
+
+kvxfer_request_info_t info_of(kvxfer_request_t r) {
+  kvxfer_request_info_t i = KVXFER_REQUEST_INFO_INITIALIZER;
+  EXPECT_EQ(kvxfer_request_get_info(r, &i), KVXFER_SUCCESS);
+  return i;
+}
+
+struct Shape {
+  int32_t L = 3, heads = 2, hd = 64;
+  int64_t T = 300;
+  int32_t page_tokens = 128;
+};
+
+/** The sender side, used in children: send `kv` and report both byte counts. */
+int run_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, int32_t bs,
+               const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, uint64_t seed,
+               int expect_result = KVXFER_SUCCESS) {
+  kvxfer_comm_t comm = init_rank(id, 1);
+  if (comm == nullptr) return 10;
+  PagedKV kv(s.L, s.heads, s.hd, s.T, bs);
+  kv.fill(seed);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.mode = mode;
+  rc.page_tokens = s.page_tokens;
+  rc.tag = 9;
+  kvxfer_request_t req = nullptr;
+  if (kvxfer_send(comm, 0, &kv.desc, &cfg, &rc, &req) != KVXFER_SUCCESS) return 11;
+  const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+  const std::string err = r == KVXFER_SUCCESS ? "" : kvxfer_get_last_error();
+  if (r != expect_result) {
+    std::fprintf(stderr, "sender: wait gave %d (%s)\n", r, err.c_str());
+    return 12;
+  }
+  kvxfer_request_info_t i = KVXFER_REQUEST_INFO_INITIALIZER;
+  kvxfer_request_get_info(req, &i);
+  const uint64_t counts[2] = {i.anchor_wire_bytes, i.residual_wire_bytes};
+  write_all(wr, counts, sizeof(counts));
+  const uint32_t n = static_cast<uint32_t>(err.size());
+  write_all(wr, &n, 4);
+  write_all(wr, err.data(), n);
+  if (kvxfer_request_free(req) != KVXFER_SUCCESS) return 13;
+  kvxfer_comm_destroy(comm);
+  return 0;
+}
+
+struct SenderReport {
+  uint64_t anchor = 0, residual = 0;
+  std::string error;
+};
+bool read_report(int rd, SenderReport* rep) {
+  uint64_t counts[2];
+  uint32_t n = 0;
+  if (!read_all(rd, counts, sizeof(counts)) || !read_all(rd, &n, 4)) return false;
+  rep->anchor = counts[0];
+  rep->residual = counts[1];
+  rep->error.resize(n);
+  return n == 0 || read_all(rd, rep->error.data(), n);
+}
+
+// The main case: Lynx 4+4, the receiver with a different block size and row
+// stride; anchor-only values at ANCHOR_READY, full values at COMPLETE, both
+// bit-exact against the codec; byte counts equal on both sides.
+void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dtype_t dt_unused) {
+  (void)dt_unused;
+  Shape s;
+  const uint64_t seed = 1234;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, cfg, mode, seed);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 48, KVXFER_DTYPE_BF16, 5);  // other block size, padded rows
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  xfer::testing_pause_residuals(true);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  const kvxfer_request_info_t mid = info_of(req);
+  const bool progressive = mid.mode == KVXFER_MODE_PROGRESSIVE;
+
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(seed);
+  if (progressive) {
+    kvxfer_stage_t st;
+    EXPECT_EQ(kvxfer_test(req, &st), KVXFER_IN_PROGRESS);
+    EXPECT_EQ(st, KVXFER_STAGE_ANCHOR_READY);
+    for (int32_t l = 0; l < s.L; ++l) {
+      EXPECT_EQ(kvxfer_test_layer(req, l, &st), KVXFER_IN_PROGRESS);
+      EXPECT_EQ(st, KVXFER_STAGE_ANCHOR_READY);
+    }
+    PagedKV anchor(s.L, s.heads, s.hd, s.T, 64);
+    expected_decode(src, cfg, s.page_tokens, 9, false, &anchor);
+    for (int32_t l = 0; l < s.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dst.bytes(l, kind), anchor.bytes(l, kind)) << "anchor-only, layer " << l;
+    EXPECT_EQ(mid.pages_anchor_ready, mid.num_pages);
+    EXPECT_EQ(mid.pages_complete, 0);
+  }
+  xfer::testing_pause_residuals(false);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+  expected_decode(src, cfg, s.page_tokens, 9, true, &full);
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), full.bytes(l, kind)) << "full, layer " << l;
+
+  const kvxfer_request_info_t end = info_of(req);
+  EXPECT_EQ(end.stage, KVXFER_STAGE_COMPLETE);
+  EXPECT_EQ(end.num_pages, 3 * 2 * 3);
+  EXPECT_EQ(end.pages_complete, end.num_pages);
+  EXPECT_GT(end.t_anchor_ready_ns, 0);
+  EXPECT_GE(end.t_complete_ns, end.t_anchor_ready_ns);
+  EXPECT_GE(end.t_anchor_ready_ns, end.t_handshake_ns);
+  EXPECT_EQ(end.kv_bytes, uint64_t(3 * 2 * 300 * 128 * 2));
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  EXPECT_EQ(rep.anchor, end.anchor_wire_bytes);  // bytes received == bytes sent
+  EXPECT_EQ(rep.residual, end.residual_wire_bytes);
+  size_t n = 0;
+  ASSERT_EQ(kvxfer_request_get_arrivals(req, nullptr, 0, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, static_cast<size_t>(progressive ? 2 * end.num_pages : end.num_pages));
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+TEST(Xfer, LynxProgressiveAnchorThenFullBitExact) {
+  round_trip(KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, KVXFER_DTYPE_BF16);
+}
+
+TEST(Xfer, LynxAlphaAutoProgressive) {
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.alpha = 10.0f;
+  round_trip(c, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_BF16);
+}
+
+TEST(Xfer, Int8MonolithicBitExact) {
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.codec = KVXFER_CODEC_INT8;
+  round_trip(c, KVXFER_MODE_MONOLITHIC, KVXFER_DTYPE_BF16);
+}
+
+TEST(Xfer, Int4AndBf16Monolithic) {
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.codec = KVXFER_CODEC_INT4;
+  round_trip(c, KVXFER_MODE_AUTO, KVXFER_DTYPE_BF16);
+  c.codec = KVXFER_CODEC_BF16;
+  c.anchor_bits = 0;
+  round_trip(c, KVXFER_MODE_AUTO, KVXFER_DTYPE_BF16);
+}
+
+TEST(Xfer, Bf16PassthroughIsLossless) {
+  // BF16 monolithic: the receiver's bytes are the sender's bytes.
+  Shape s;
+  Pair pair;
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.codec = KVXFER_CODEC_BF16;
+  c.anchor_bits = 0;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 7, c, KVXFER_MODE_AUTO, 5);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 32);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  PagedKV src(s.L, s.heads, s.hd, s.T, 7);
+  src.fill(5);
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), src.bytes(l, kind));
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+TEST(Xfer, ZeroTokensCompletesOnBothSides) {
+  Shape s;
+  s.T = 0;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, 1);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, 0, 16);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  EXPECT_EQ(info_of(req).num_pages, 0);
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+TEST(Xfer, MismatchedDescriptorFailsBothSidesNamingTheField) {
+  Shape s;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, 1,
+                      KVXFER_ERR_MISMATCH);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T + 1, 16);  // one token more than the sender
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_MISMATCH);
+  const std::string err = kvxfer_get_last_error();
+  EXPECT_NE(err.find("num_tokens is 300 on the sender and 301 on the receiver"), std::string::npos)
+      << err;
+  kvxfer_stage_t st;
+  EXPECT_EQ(kvxfer_test(req, &st), KVXFER_ERR_MISMATCH);
+  EXPECT_EQ(st, KVXFER_STAGE_ERROR);
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  EXPECT_NE(rep.error.find("num_tokens is 300 on the sender and 301 on the receiver"),
+            std::string::npos)
+      << rep.error;
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+TEST(Xfer, CorruptedSectionFailsWithChecksumAndNeverCompletes) {
+  Shape s;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, 1,
+                      KVXFER_ERR_CORRUPT);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  xfer::testing_corrupt_next_sections(1);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CORRUPT);
+  const std::string err = kvxfer_get_last_error();
+  EXPECT_NE(err.find("checksum"), std::string::npos) << err;
+  EXPECT_NE(err.find("layer 0 K"), std::string::npos) << err;
+  const kvxfer_request_info_t i = info_of(req);
+  EXPECT_EQ(i.stage, KVXFER_STAGE_ERROR);
+  EXPECT_EQ(i.t_complete_ns, 0);
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  EXPECT_NE(rep.error.find("checksum"), std::string::npos) << rep.error;
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  xfer::testing_corrupt_next_sections(0);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+TEST(Xfer, NonFiniteInputFailsBothSidesNamingTheElement) {
+  Shape s;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1);
+    if (comm == nullptr) return 10;
+    PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+    kv.fill(3);
+    codec::store_elem(kv.row(1, KVXFER_KV_VALUE, 200), 5, kv.dt, NAN);
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.page_tokens = s.page_tokens;
+    kvxfer_request_t req = nullptr;
+    if (kvxfer_send(comm, 0, &kv.desc, nullptr, &rc, &req) != KVXFER_SUCCESS) return 11;
+    const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000);
+    const std::string err = kvxfer_get_last_error();
+    write_all(wr, err.data(), err.size());
+    kvxfer_request_free(req);
+    kvxfer_comm_destroy(comm);
+    return r == KVXFER_ERR_NONFINITE ? 0 : 12;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_NONFINITE);
+  const std::string err = kvxfer_get_last_error();
+  EXPECT_NE(err.find("NaN at layer 1 V, token 200, channel 5"), std::string::npos) << err;
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+TEST(Xfer, WrongSecretIsRefused) {
+  kvxfer_unique_id_t id{};
+  ASSERT_EQ(kvxfer_get_unique_id(&id), KVXFER_SUCCESS);
+  Child child;
+  kvxfer_unique_id_t forged = id;
+  forged.internal[40] ^= 0x55;  // inside the 32-byte secret (bytes 32..63)
+  ASSERT_TRUE(child.start([forged](int, int) {
+    kvxfer_comm_t comm = init_rank(forged, 1, 3000);
+    const std::string err = kvxfer_get_last_error();
+    return comm == nullptr && err.find("refused") != std::string::npos ? 0 : 1;
+  }));
+  kvxfer_comm_t comm = nullptr;
+  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
+  cfg.timeout_ms = 2000;
+  cfg.bind_address = "127.0.0.1";
+  EXPECT_EQ(kvxfer_comm_init(&comm, 2, id, 0, &cfg), KVXFER_ERR_TIMEOUT);
+  EXPECT_EQ(comm, nullptr);
+  ASSERT_TRUE(child.wait(30));
+  EXPECT_EQ(WEXITSTATUS(child.status), 0);
+}
+
+TEST(Xfer, BadArgumentsAreRefusedAtPost) {
+  kvxfer_comm_t comm = nullptr;
+  kvxfer_unique_id_t id{};
+  EXPECT_EQ(kvxfer_comm_init(&comm, 1, id, 0, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_comm_init(&comm, 2, id, 0, nullptr), KVXFER_ERR_INVALID_ARGUMENT);  // bad magic
+  EXPECT_EQ(kvxfer_get_unique_id(nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_test(nullptr, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_request_free(nullptr), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_comm_destroy(nullptr), KVXFER_SUCCESS);
+  // A real communicator for the descriptor checks.
+  Pair pair;
+  ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
+    kvxfer_comm_t c = init_rank(i, 1);
+    char b;
+    read_all(rd, &b, 1);  // until the parent is done
+    kvxfer_comm_destroy(c);
+    return c != nullptr ? 0 : 1;
+  }));
+  comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV kv(2, 2, 8, 40, 16);
+  kvxfer_request_t req = nullptr;
+  auto expect_bad = [&](kvxfer_kv_desc_t d, const char* what) {
+    EXPECT_EQ(kvxfer_send(comm, 1, &d, nullptr, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT)
+        << what;
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find(what), std::string::npos)
+        << kvxfer_get_last_error();
+    EXPECT_EQ(req, nullptr);
+  };
+  kvxfer_kv_desc_t d = kv.desc;
+  d.num_blocks = 2;
+  expect_bad(d, "cannot hold 40 tokens");
+  d = kv.desc;
+  d.row_stride = 3;
+  expect_bad(d, "row_stride");
+  d = kv.desc;
+  d.magic = 0;
+  expect_bad(d, "KVXFER_KV_DESC_INITIALIZER");
+  d = kv.desc;
+  d.v_blocks = nullptr;
+  expect_bad(d, "v_blocks");
+  std::vector<void*> holes = kv.k;
+  holes[1] = nullptr;
+  d = kv.desc;
+  d.k_blocks = holes.data();
+  expect_bad(d, "layer 0 K");
+  EXPECT_EQ(kvxfer_send(comm, 0, &kv.desc, nullptr, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_send(comm, 5, &kv.desc, nullptr, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.chunk_tokens = 33;
+  EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, &c, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
+  kvxfer_comm_abort(comm);
+  EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &req), KVXFER_ERR_INVALID_USAGE);
+  kvxfer_comm_destroy(comm);
+  write_all(pair.child.to_child, "x", 1);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+// 64 requests in flight at once, each with its own KV; every one bit-exact.
+TEST(Xfer, SixtyFourConcurrentRequests) {
+  constexpr int kN = 64;
+  Shape s;
+  s.L = 2;
+  s.T = 70;
+  s.page_tokens = 32;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1);
+    if (comm == nullptr) return 10;
+    std::vector<std::unique_ptr<PagedKV>> kvs;
+    std::vector<kvxfer_request_t> reqs(kN);
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.page_tokens = s.page_tokens;
+    for (int i = 0; i < kN; ++i) {
+      kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
+      kvs.back()->fill(100 + i);
+      rc.tag = static_cast<uint64_t>(i);
+      if (kvxfer_send(comm, 0, &kvs.back()->desc, nullptr, &rc, &reqs[i]) != KVXFER_SUCCESS)
+        return 11;
+    }
+    int bad = 0;
+    for (auto r : reqs) {
+      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
+      kvxfer_request_free(r);
+    }
+    kvxfer_comm_destroy(comm);
+    return bad == 0 ? 0 : 12;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dsts;
+  std::vector<kvxfer_request_t> reqs(kN);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  for (int i = 0; i < kN; ++i) {
+    dsts.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 24));
+    rc.tag = static_cast<uint64_t>(i);
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dsts.back()->desc, &rc, &reqs[i]), KVXFER_SUCCESS);
+  }
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_EQ(kvxfer_wait(reqs[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << i << ": " << kvxfer_get_last_error();
+    PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+    src.fill(100 + i);
+    PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+    expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, s.page_tokens, i, true, &full);
+    for (int32_t l = 0; l < s.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dsts[i]->bytes(l, kind), full.bytes(l, kind)) << "request " << i;
+    EXPECT_EQ(kvxfer_request_free(reqs[i]), KVXFER_SUCCESS);
+  }
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+/** A sender whose link is slow (rate limit via the environment) and that
+ *  signals the parent once its request is posted, then lingers. */
+int slow_sender(const kvxfer_unique_id_t& id, int rd, int wr, const Shape& s) {
+  kvxfer_comm_t comm = init_rank(id, 1, 2000, "8mbit");
+  if (comm == nullptr) return 10;
+  PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+  kv.fill(1);
+  kvxfer_request_t req = nullptr;
+  if (kvxfer_send(comm, 0, &kv.desc, nullptr, nullptr, &req) != KVXFER_SUCCESS) return 11;
+  write_all(wr, "p", 1);
+  char b;
+  read_all(rd, &b, 1);  // the parent says when to go (or kills us)
+  kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000);
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  return 0;
+}
+
+TEST(Xfer, PeerKilledMidTransferGivesErrorWithinTimeout) {
+  Shape s;
+  s.L = 8;
+  s.T = 1024;  // 4 MiB of bf16 KV at 8 mbit/s: several seconds
+  Pair pair;
+  ASSERT_TRUE(pair.start(
+      [&](const kvxfer_unique_id_t& id, int rd, int wr) { return slow_sender(id, rd, wr, s); }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, 2000);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &req), KVXFER_SUCCESS);
+  char b;
+  ASSERT_TRUE(read_all(pair.child.from_child, &b, 1));
+  // Let some pages land, then kill the sender.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  kvxfer_request_info_t before = info_of(req);
+  EXPECT_EQ(before.stage, KVXFER_STAGE_POSTED);
+  kill(pair.child.pid, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 20000);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(r, 0) << "wait gave " << r;
+  EXPECT_NE(r, KVXFER_IN_PROGRESS);
+  EXPECT_LT(secs, 2.0 + 3.0) << "error not reported within the 2 s timeout (+ slack)";
+  EXPECT_EQ(info_of(req).stage, KVXFER_STAGE_ERROR);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
+  pair.child.wait(10);
+}
+
+TEST(Xfer, DestroyWithRequestsInFlightEndsThemInError) {
+  Shape s;
+  s.L = 8;
+  s.T = 1024;
+  Pair pair;
+  ASSERT_TRUE(pair.start(
+      [&](const kvxfer_unique_id_t& id, int rd, int wr) { return slow_sender(id, rd, wr, s); }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, 2000);
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dsts;
+  std::vector<kvxfer_request_t> reqs;
+  std::atomic<int> finals{0};
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.on_complete = [](kvxfer_request_t, kvxfer_stage_t st, kvxfer_result_t, void* u) {
+    if (st == KVXFER_STAGE_ERROR) static_cast<std::atomic<int>*>(u)->fetch_add(1);
+  };
+  rc.user_data = &finals;
+  for (int i = 0; i < 3; ++i) {  // the first is being sent; two never will be
+    dsts.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
+    kvxfer_request_t r = nullptr;
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dsts.back()->desc, &rc, &r), KVXFER_SUCCESS);
+    reqs.push_back(r);
+  }
+  char b;
+  ASSERT_TRUE(read_all(pair.child.from_child, &b, 1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(kvxfer_request_free(reqs[0]), KVXFER_ERR_INVALID_USAGE);  // still in flight
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  for (auto r : reqs) {
+    kvxfer_stage_t st;
+    EXPECT_EQ(kvxfer_test(r, &st), KVXFER_ERR_INVALID_USAGE);
+    EXPECT_EQ(st, KVXFER_STAGE_ERROR);
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("communicator"), std::string::npos);
+    EXPECT_EQ(kvxfer_request_free(r), KVXFER_SUCCESS);
+  }
+  EXPECT_EQ(finals.load(), 3);
+  write_all(pair.child.to_child, "g", 1);
+  pair.child.wait(30);  // the sender sees its peer vanish and fails; its exit code is moot
+}
+
+TEST(Xfer, ReceiveWithoutSenderTimesOut) {
+  Pair pair;
+  ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
+    kvxfer_comm_t c = init_rank(i, 1, 1500);
+    char b;
+    read_all(rd, &b, 1);  // never posts anything
+    kvxfer_comm_destroy(c);
+    return 0;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, 1500);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(1, 1, 8, 10, 16);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 100), KVXFER_IN_PROGRESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_TIMEOUT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("never posted the matching kvxfer_send"),
+            std::string::npos)
+      << kvxfer_get_last_error();
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  write_all(pair.child.to_child, "x", 1);
+  ASSERT_TRUE(pair.child.wait(30));
+}
+
+}  // namespace
+}  // namespace kvxfer
+
+int main(int argc, char** argv) {
+  setenv("KVXFER_CODEC_THREADS", "1", 1);  // no OpenMP pool before fork()
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
