@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -743,6 +744,62 @@ TEST(Xfer, SixtyFourConcurrentRequests) {
         ASSERT_EQ(dsts[i]->bytes(l, kind), full.bytes(l, kind)) << "request " << i;
     EXPECT_EQ(kvxfer_request_free(reqs[i]), KVXFER_SUCCESS);
   }
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+// Figure 3 of the issue as a test: with 16 requests in flight on a shaped
+// link, every request reaches ANCHOR_READY before any residual is applied.
+TEST(Xfer, SixteenRequestsEveryAnchorBeforeAnyResidual) {
+  constexpr int kN = 16;
+  Shape s;
+  s.L = 2;
+  s.T = 256;
+  s.page_tokens = 64;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, "200mbit");
+    if (comm == nullptr) return 10;
+    std::vector<std::unique_ptr<PagedKV>> kvs;
+    std::vector<kvxfer_request_t> reqs(kN);
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.page_tokens = s.page_tokens;
+    for (int i = 0; i < kN; ++i) {  // all 16 ready first, then posted back to back
+      kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
+      kvs.back()->fill(7 + i);
+    }
+    for (int i = 0; i < kN; ++i)
+      if (kvxfer_send(comm, 0, &kvs[i]->desc, nullptr, &rc, &reqs[i]) != KVXFER_SUCCESS) return 11;
+    int bad = 0;
+    for (auto r : reqs) {
+      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
+      kvxfer_request_free(r);
+    }
+    kvxfer_comm_destroy(comm);
+    return bad == 0 ? 0 : 12;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, "200mbit");
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dsts;
+  std::vector<kvxfer_request_t> reqs(kN);
+  for (int i = 0; i < kN; ++i) {
+    dsts.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dsts.back()->desc, nullptr, &reqs[i]), KVXFER_SUCCESS);
+  }
+  int64_t last_anchor = 0, first_residual = INT64_MAX;
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_EQ(kvxfer_wait(reqs[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    const kvxfer_request_info_t inf = info_of(reqs[i]);
+    last_anchor = std::max(last_anchor, inf.t_anchor_ready_ns);
+    ASSERT_GT(inf.t_first_residual_ns, 0);
+    first_residual = std::min(first_residual, inf.t_first_residual_ns);
+    kvxfer_request_free(reqs[i]);
+  }
+  EXPECT_LE(last_anchor, first_residual)
+      << "a residual was applied " << (last_anchor - first_residual) / 1e6
+      << " ms before the last request's anchors were all in";
   kvxfer_comm_destroy(comm);
   ASSERT_TRUE(pair.child.wait(60));
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);

@@ -84,9 +84,11 @@ struct Work {
 
   bool final_published = false;
   bool finalised = false;
-  int ops = 0;          // Link operations not yet completed
-  int jobs = 0;         // codec jobs queued or running
-  bool counted = true;  // counts against KVXFER_MAX_REQUESTS until finalised
+  int ops = 0;                    // Link operations not yet completed
+  int jobs = 0;                   // codec jobs queued or running
+  int held = 0;                   // sender: residuals waiting in held_residuals
+  int64_t anchors_remaining = 0;  // receiver: this request's share of anchors_unapplied
+  bool counted = true;            // counts against KVXFER_MAX_REQUESTS until finalised
 
   // Codec thread only: alpha resolved by calibration (alpha = auto).
   bool alpha_resolved = false;
@@ -311,10 +313,14 @@ struct Engine::Impl {
   void on_job_done(JobDone& d);
   void on_handshake(const std::shared_ptr<Request>& r);
   void sender_pump(const std::shared_ptr<Request>& r);
+  void flush_residuals(int peer);
+  std::vector<int64_t> anchors_unposted;  // per peer: anchors of handshaken sends not yet posted
+  std::vector<std::deque<std::pair<std::shared_ptr<Request>, size_t>>> held_residuals;  // per peer
   void post_residual_recvs();
   void queue_job(Job&& j);
   void queue_full(const std::shared_ptr<Request>& r, size_t page);
-  std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // testing_pause_residuals
+  std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
+  int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
   void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);
   void send_status(const std::shared_ptr<Request>& r, kvxfer_result_t code,
                    const std::string& text);
@@ -357,6 +363,8 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   m.inflight_send.assign(nranks, 0);
   m.inflight_recv.assign(nranks, 0);
   m.ops.resize(nranks);
+  m.anchors_unposted.assign(nranks, 0);
+  m.held_residuals.resize(nranks);
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
   m.max_requests = params::MaxRequests();
   m.default_page_tokens = static_cast<int32_t>(params::PageTokens());
@@ -630,7 +638,9 @@ void Engine::Impl::codec_main() {
 }
 
 void Engine::Impl::queue_full(const std::shared_ptr<Request>& r, size_t page) {
-  if (g_pause_residuals.load()) {
+  // Strict priority on the receiver: no residual is applied while an anchor
+  // of any request is still expected (issue 4, "Concurrency").
+  if (g_pause_residuals.load() || anchors_unapplied > 0) {
     held_full.emplace_back(r, page);
     return;
   }
@@ -756,7 +766,7 @@ bool Engine::Impl::step() {
   if (!results.empty()) busy = true;
 
   post_residual_recvs();
-  if (!held_full.empty() && !g_pause_residuals.load()) {
+  if (!held_full.empty() && !g_pause_residuals.load() && anchors_unapplied == 0) {
     auto held = std::move(held_full);
     held_full.clear();
     for (auto& [r, page] : held)
@@ -931,6 +941,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
   }
   if (r->is_send) {
+    anchors_unposted[r->peer] += static_cast<int64_t>(w.pages.size());
     if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
     sender_pump(r);
     maybe_complete(r);
@@ -942,6 +953,8 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
                         w.astore.get() + p.a_off, p.a_cap))
       return;
   }
+  w.anchors_remaining = static_cast<int64_t>(w.pages.size());
+  anchors_unapplied += w.anchors_remaining;
   if (w.mode == KVXFER_MODE_PROGRESSIVE && !w.pages.empty()) {
     w.in_residual_fifo = true;
     residual_fifo.push_back(r);
@@ -956,34 +969,52 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
   if (!w.handshake_ok) return;
   static const uint8_t kEmpty = 0;
+  const bool progressive = w.mode == KVXFER_MODE_PROGRESSIVE;
   while (w.next_page_send < w.pages.size()) {
     const size_t i = w.next_page_send;
     PageState& p = w.ps[i];
-    if (w.failed) {
-      // Keep the message sequence whole: an empty message per section left.
-      if (!post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i, &kEmpty,
-                          0))
-        return;
-      if (w.mode == KVXFER_MODE_PROGRESSIVE &&
-          !post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i,
-                          &kEmpty, 0))
-        return;
-    } else {
-      if (!p.encoded) return;
-      uint8_t* a = w.astore.get() + p.a_off;
-      if (w.mode == KVXFER_MODE_MONOLITHIC) {
-        if (!post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i, a,
-                            p.a_len + p.r_len))
-          return;
-      } else {
-        if (!post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i, a,
-                            p.a_len) ||
-            !post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i,
-                            w.rstore.get() + p.r_off, p.r_len))
-          return;
-      }
-    }
+    // A failed request keeps its message sequence whole (protocol.h): an
+    // empty message for every section left.
+    const bool empty = w.failed;
+    if (!empty && !p.encoded) break;
     w.next_page_send++;
+    anchors_unposted[r->peer]--;
+    const size_t alen = empty ? 0 : progressive ? p.a_len : p.a_len + p.r_len;
+    post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
+                   empty ? &kEmpty : w.astore.get() + p.a_off, alen);
+    if (!progressive) continue;
+    if (empty) {
+      post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i, &kEmpty,
+                     0);
+    } else {
+      w.held++;
+      held_residuals[r->peer].emplace_back(r, i);
+    }
+  }
+  flush_residuals(r->peer);
+}
+
+// Residuals to a peer go to the Link only once every anchor of every request
+// to that peer has been posted: the Link's scheduler then sends anchor chunks
+// first, and no residual can slip through while an anchor is still being
+// encoded (figure 3 of the issue: with many requests in flight, every
+// request's anchor lands before any residual).
+void Engine::Impl::flush_residuals(int peer) {
+  if (anchors_unposted[peer] > 0) return;
+  static const uint8_t kEmpty = 0;
+  auto& q = held_residuals[peer];
+  while (!q.empty()) {
+    auto [r, i] = std::move(q.front());
+    q.pop_front();
+    Work& w = *r->work;
+    w.held--;
+    const PageState& p = w.ps[i];
+    if (w.failed)
+      post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i, &kEmpty,
+                     0);
+    else
+      post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i,
+                     w.rstore.get() + p.r_off, p.r_len);
   }
 }
 
@@ -1168,6 +1199,8 @@ void Engine::Impl::on_job_done(JobDone& d) {
     }
     case JobKind::kDecodeAnchor: {
       p.anchor_applied = true;
+      w.anchors_remaining--;
+      anchors_unapplied--;
       bool all;
       {
         std::lock_guard<std::mutex> lk(r->mu);
@@ -1187,6 +1220,8 @@ void Engine::Impl::on_job_done(JobDone& d) {
       {
         std::lock_guard<std::mutex> lk(r->mu);
         if (mono) {
+          w.anchors_remaining--;
+          anchors_unapplied--;
           r->pages_anchor++;
           r->layer_anchor[layer]++;
           all_anchor = r->pages_anchor == r->num_pages;
@@ -1243,6 +1278,8 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
   w.fail_code = code < 0 ? code : KVXFER_ERR_INTERNAL;
   w.fail_text = text;
   w.cancel.store(true);
+  anchors_unapplied -= w.anchors_remaining;  // its anchors are no longer awaited
+  w.anchors_remaining = 0;
   KVXFER_INFO(LOG_NET, "kvxfer_%s #%u with peer %d failed: %s", r->is_send ? "send" : "recv",
               r->seq, r->peer, text.c_str());
   send_status(r, w.fail_code, text);
@@ -1305,7 +1342,7 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
   // An error becomes visible only once no codec job can touch the caller's
   // blocks any more: after it, the caller may free them.
   if (w.failed && !w.final_published && w.jobs == 0) publish(r, KVXFER_STAGE_ERROR);
-  if (!w.final_published || w.jobs > 0 || w.ops > 0 || w.in_residual_fifo) return;
+  if (!w.final_published || w.jobs > 0 || w.ops > 0 || w.held > 0 || w.in_residual_fifo) return;
   if (!w.failed && !w.status_sent) return;
   finalise(r);
 }

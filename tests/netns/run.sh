@@ -1,0 +1,338 @@
+#!/usr/bin/env bash
+# ctest "netns_two_hosts": two "hosts" in network namespaces joined by a veth
+# pair, the sender's egress shaped with tc, a competing bulk flow, and one
+# Lynx progressive kvxfer transfer between them.  Checks that the anchors,
+# marked DSCP 46 (EF) by kvxfer, ride the high-priority HTB class and complete
+# well before the residuals (DSCP 8, CS1), which share the default class with
+# the unmarked bulk flow.
+#
+#   run.sh NETNS_PEER [WORK_DIR]
+#
+# NETNS_PEER is the tests/netns/netns_peer binary; WORK_DIR (default: a
+# mktemp directory, removed at exit) receives the id file and the logs.
+#
+# Topology (nothing outside the two namespaces is touched; the veth pair is
+# created inside them and disappears with them):
+#
+#   ns kvxns-s-PID  vs0 10.77.0.1/24  ==veth==  vr0 10.77.0.2/24  ns kvxns-r-PID
+#   sender (rank 1)                                     receiver (rank 0)
+#   bulk source                                         bulk sink
+#
+#   vs0 egress: htb 1: default 30
+#     1:1  rate R ceil R
+#       1:10  prio 0  rate 3R/4 ceil R   <- u32 match ip tos 0xb8 0xfc (EF: anchors)
+#       1:30  prio 1  rate R/10 ceil R   <- u32 match ip tos 0x20 0xfc (CS1: residuals),
+#                                           and by default everything else (the bulk flow)
+#   (This kernel has no prio qdisc; HTB priorities do the job.)
+#
+# Exit status: 0 pass, 1 fail, 77 skip (no ip/tc/python3, namespaces not
+# permitted, or no HTB/u32 in the kernel): ctest's SKIP_RETURN_CODE.
+#
+# Environment (optional, for experiments):
+#   NETNS_RATE_MBIT    R above (default 40)
+#   NETNS_TOKENS       tokens of the KV (default 512: 8 layers x 8 heads x 128, bf16 = 16 MiB)
+#   NETNS_BULK_FLOWS   TCP connections of the bulk flow (default 4)
+#   NETNS_ANCHOR_DSCP  DSCP of the anchors (default 46).  0 is the control
+#                      experiment: anchors unmarked, in the default class
+#                      with the bulk flow; the priority assertions then fail.
+set -uo pipefail
+
+peer=${1:-}
+work=${2:-}
+rate=${NETNS_RATE_MBIT:-40}
+tokens=${NETNS_TOKENS:-512}
+flows=${NETNS_BULK_FLOWS:-4}
+anchor_dscp=${NETNS_ANCHOR_DSCP:-46}
+
+ns_s="kvxns-s-$$"
+ns_r="kvxns-r-$$"
+addr_s=10.77.0.1
+addr_r=10.77.0.2
+bulk_port=5201
+
+skip() {
+  echo "SKIP: $*"
+  exit 77
+}
+fail() {
+  echo "netns_two_hosts: FAIL: $*" >&2
+  exit 1
+}
+step() { echo "== $*"; }
+
+[[ -n "$peer" && -x "$peer" ]] || fail "usage: run.sh NETNS_PEER [WORK_DIR] (got '$peer')"
+for tool in ip tc timeout python3 awk; do
+  command -v "$tool" >/dev/null 2>&1 || skip "'$tool' not found"
+done
+python=$(command -v python3)
+
+# ---------------------------------------------------------------------------
+# Cleanup: always, whatever happens (ctest's timeout, a failed step, ^C).
+# ---------------------------------------------------------------------------
+bg_pids=()
+own_work=0
+cleanup() {
+  local p ns
+  for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null; done
+  for ns in "$ns_s" "$ns_r"; do
+    if [[ -e "/run/netns/$ns" ]]; then
+      # Whatever still runs in our namespaces is ours.
+      for p in $(timeout 5 ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+      timeout 10 ip netns del "$ns" 2>/dev/null
+    fi
+  done
+  for p in "${bg_pids[@]}"; do wait "$p" 2>/dev/null; done
+  if [[ $own_work == 1 ]]; then rm -rf "$work"; fi
+}
+trap cleanup EXIT
+trap 'echo "netns_two_hosts: interrupted" >&2; exit 1' INT TERM HUP
+
+# Namespaces left behind by an earlier run that was killed outright (SIGKILL
+# skips the trap): ours by name, and their creator is gone.
+for f in /run/netns/kvxns-[sr]-*; do
+  [[ -e "$f" ]] || continue
+  pid=${f##*-}
+  if [[ "$pid" =~ ^[0-9]+$ && "$pid" != "$$" ]] && ! kill -0 "$pid" 2>/dev/null; then
+    echo "removing stale namespace ${f##*/}"
+    timeout 10 ip netns del "${f##*/}" 2>/dev/null
+  fi
+done
+
+if [[ -z "$work" ]]; then
+  work=$(mktemp -d /tmp/kvxfer-netns.XXXXXX) || fail "mktemp"
+  own_work=1
+else
+  rm -rf "$work" && mkdir -p "$work" || fail "cannot create $work"
+fi
+
+# ---------------------------------------------------------------------------
+# Two hosts.
+# ---------------------------------------------------------------------------
+step "namespaces $ns_s and $ns_r, veth vs0 $addr_s <-> vr0 $addr_r"
+if ! err=$(timeout 10 ip netns add "$ns_s" 2>&1); then
+  skip "cannot create a network namespace (ip netns add: ${err:-timed out}); run as root"
+fi
+timeout 10 ip netns add "$ns_r" || fail "ip netns add $ns_r"
+ipn() {  # ip in a namespace, bounded
+  local ns=$1
+  shift
+  timeout 10 ip -n "$ns" "$@" || fail "ip -n $ns $*"
+}
+ipn "$ns_s" link add vs0 type veth peer name vr0 netns "$ns_r"
+ipn "$ns_s" addr add "$addr_s/24" dev vs0
+ipn "$ns_r" addr add "$addr_r/24" dev vr0
+for ns in "$ns_s" "$ns_r"; do ipn "$ns" link set lo up; done
+ipn "$ns_s" link set vs0 up
+ipn "$ns_r" link set vr0 up
+
+step "tc on $ns_s vs0 egress: htb, total ${rate}mbit"
+hi=$((rate * 3 / 4))
+lo=$((rate / 10 > 0 ? rate / 10 : 1))
+fifo=${NETNS_FIFO_BYTES:-$((rate * 125000 / 10))}  # 100 ms at the link rate
+tcn() {
+  timeout 10 tc -n "$ns_s" "$@"
+}
+if ! err=$(tcn qdisc add dev vs0 root handle 1: htb default 30 2>&1); then
+  skip "the kernel has no HTB qdisc (tc: $err)"
+fi
+tcn class add dev vs0 parent 1: classid 1:1 htb rate "${rate}mbit" ceil "${rate}mbit" quantum 60000 ||
+  fail "tc class 1:1"
+tcn class add dev vs0 parent 1:1 classid 1:10 htb rate "${hi}mbit" ceil "${rate}mbit" prio 0 \
+  quantum 60000 || fail "tc class 1:10"
+tcn class add dev vs0 parent 1:1 classid 1:30 htb rate "${lo}mbit" ceil "${rate}mbit" prio 1 \
+  quantum 60000 || fail "tc class 1:30"
+# Short drop-tail queues under the leaves (the default pfifo of 1000 packets,
+# up to 64 KiB each with GSO, would hold seconds of bulk data, and the
+# residuals, at most 1 MiB in flight, would crawl behind it).  This kernel has
+# no fq_codel or sfq.  Smaller GSO packets keep HTB's shaping smooth.
+tcn qdisc add dev vs0 parent 1:10 handle 10: bfifo limit "$fifo" || fail "tc qdisc 10:"
+tcn qdisc add dev vs0 parent 1:30 handle 30: bfifo limit "$fifo" || fail "tc qdisc 30:"
+ipn "$ns_s" link set dev vs0 gso_max_size 16384
+# DSCP is the top 6 bits of the TOS byte: EF 46 = 0xb8, CS1 8 = 0x20.
+if ! err=$(tcn filter add dev vs0 parent 1: protocol ip prio 1 u32 match ip tos 0xb8 0xfc \
+  flowid 1:10 2>&1); then
+  skip "the kernel has no u32 classifier (tc: $err)"
+fi
+tcn filter add dev vs0 parent 1: protocol ip prio 2 u32 match ip tos 0x20 0xfc flowid 1:30 ||
+  fail "tc filter CS1"
+tcn qdisc show dev vs0
+tcn filter show dev vs0
+
+# ---------------------------------------------------------------------------
+# The competing bulk flow: unmarked (TOS 0), so it lands in the default class.
+# ---------------------------------------------------------------------------
+cat >"$work/bulk.py" <<'EOF'
+# bulk.py sink ADDR PORT OUT_FILE | bulk.py source ADDR PORT FLOWS
+# A bounded bulk TCP flow between the namespaces.  Both sides stop on SIGTERM
+# or after 120 s; the sink writes the bytes it received to OUT_FILE.
+import signal, socket, sys, threading, time
+
+role, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+deadline = time.monotonic() + 120
+total = [0]
+lock = threading.Lock()
+
+def stop(*_):
+    if role == "sink":
+        with lock:
+            open(sys.argv[4], "w").write("%d\n" % total[0])
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+
+def drain(c):
+    while time.monotonic() < deadline:
+        b = c.recv(1 << 16)
+        if not b:
+            return
+        with lock:
+            total[0] += len(b)
+
+def pump():
+    buf = b"\0" * (1 << 16)
+    while time.monotonic() < deadline:
+        try:
+            c = socket.create_connection((addr, port), timeout=2)
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        return
+    c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0)  # unmarked: DSCP 0
+    c.settimeout(None)
+    try:
+        while time.monotonic() < deadline:
+            c.sendall(buf)
+    except OSError:
+        pass
+
+if role == "sink":
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, port))
+    s.listen(64)
+    s.settimeout(0.5)
+    while time.monotonic() < deadline:
+        try:
+            c, _ = s.accept()
+        except socket.timeout:
+            continue
+        threading.Thread(target=drain, args=(c,), daemon=True).start()
+    stop()
+else:
+    for _ in range(int(sys.argv[4])):
+        threading.Thread(target=pump, daemon=True).start()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+EOF
+
+class_bytes() {  # class_bytes 1:10 -> bytes sent by that class so far
+  tcn -s class show dev vs0 | awk -v c="$1" '$1 == "class" && $3 == c {f = 1} f && $1 == "Sent" {print $2; exit}'
+}
+
+step "bulk flow: $flows unmarked TCP connections $addr_s -> $addr_r:$bulk_port"
+ip netns exec "$ns_r" timeout 150 "$python" "$work/bulk.py" sink "$addr_r" "$bulk_port" \
+  "$work/bulk_bytes" >"$work/bulk_sink.log" 2>&1 &
+bg_pids+=($!)
+sink_pid=$!
+ip netns exec "$ns_s" timeout 150 "$python" "$work/bulk.py" source "$addr_r" "$bulk_port" \
+  "$flows" >"$work/bulk_source.log" 2>&1 &
+bg_pids+=($!)
+source_pid=$!
+# Let it fill the default class (and prove that it does).
+b0=$(class_bytes 1:30)
+sleep 2
+b1=$(class_bytes 1:30)
+bulk_rate=$(awk -v a="${b0:-0}" -v b="${b1:-0}" 'BEGIN {printf "%.1f", (b - a) * 8 / 2 / 1e6}')
+echo "bulk flow alone: ${bulk_rate} mbit/s in class 1:30"
+[[ $flows == 0 ]] || awk -v r="$bulk_rate" -v R="$rate" 'BEGIN {exit !(r >= 0.5 * R)}' ||
+  fail "the bulk flow does not load the link (${bulk_rate} of ${rate} mbit/s); see $work/bulk_*.log"
+c10_before=$(class_bytes 1:10)
+c30_before=$(class_bytes 1:30)
+
+# ---------------------------------------------------------------------------
+# The transfer.
+# ---------------------------------------------------------------------------
+step "kvxfer: $tokens tokens x 8 layers x 8 kv_heads x 128 head_dim bf16, Lynx progressive"
+peer_args=(--id "$work/id" --layers 8 --kv-heads 8 --head-dim 128 --tokens "$tokens"
+  --page-tokens 64 --timeout-ms 20000 --wait-s 40)
+# The library's defaults mark the anchors EF (46) and the residuals CS1 (8).
+common_env=(KVXFER_DEBUG=WARN)
+[[ "$anchor_dscp" == 46 ]] || common_env+=(KVXFER_ANCHOR_DSCP="$anchor_dscp")
+ip netns exec "$ns_r" timeout 50 env "${common_env[@]}" KVXFER_BOOTSTRAP_ADDR="$addr_r" \
+  KVXFER_BIND_ADDR="$addr_r" "$peer" --role recv "${peer_args[@]}" \
+  >"$work/recv.out" 2>"$work/recv.err" &
+recv_pid=$!
+bg_pids+=($recv_pid)
+ip netns exec "$ns_s" timeout 50 env "${common_env[@]}" KVXFER_BIND_ADDR="$addr_s" \
+  "$peer" --role send "${peer_args[@]}" >"$work/send.out" 2>"$work/send.err" &
+send_pid=$!
+bg_pids+=($send_pid)
+wait "$send_pid"
+send_rc=$?
+wait "$recv_pid"
+recv_rc=$?
+
+c10=$(($(class_bytes 1:10) - c10_before))
+c30=$(($(class_bytes 1:30) - c30_before))
+kill "$source_pid" 2>/dev/null
+wait "$source_pid" 2>/dev/null
+kill "$sink_pid" 2>/dev/null
+wait "$sink_pid" 2>/dev/null
+bulk_bytes=$(cat "$work/bulk_bytes" 2>/dev/null || echo 0)
+
+echo "-- receiver (rank 0, $addr_r), times in ms from its kvxfer_recv:"
+cat "$work/recv.out"
+echo "-- sender (rank 1, $addr_s):"
+grep -E '^(wait|result|anchor_bytes|residual_bytes|t_anchor_ready_ms|t_complete_ms|error)=' \
+  "$work/send.out"
+for f in recv.err send.err; do
+  if [[ -s "$work/$f" ]]; then
+    echo "-- $f:"
+    cat "$work/$f"
+  fi
+done
+echo "-- tc -s class show dev vs0 (in $ns_s):"
+tcn -s class show dev vs0
+
+# ---------------------------------------------------------------------------
+# Verdict.
+# ---------------------------------------------------------------------------
+val() { awk -F= -v k="$1" '$1 == k {print substr($0, length(k) + 2); exit}' "$work/recv.out"; }
+[[ $send_rc == 0 ]] || fail "sender exited with $send_rc (124: timed out)"
+[[ $recv_rc == 0 ]] || fail "receiver exited with $recv_rc (124: timed out)"
+[[ "$(val verify)" == ok ]] || fail "received KV differs from the sender's: $(val verify)"
+[[ "$(val stage)" == 2 && "$(val mode)" == 1 ]] ||
+  fail "not a completed progressive transfer (stage $(val stage), mode $(val mode))"
+
+t_anchor=$(val t_anchor_ready_ms)
+t_complete=$(val t_complete_ms)
+a_bytes=$(val anchor_bytes)
+r_bytes=$(val residual_bytes)
+a_last=$(val anchor_last_ms)
+r_half=$(val residual_half_ms)
+# Anchor goodput from the handshake to ANCHOR_READY, against the link rate.
+a_mbit=$(awk -v b="$a_bytes" -v t="$t_anchor" -v h="$(val t_handshake_ms)" \
+  'BEGIN {printf "%.1f", b * 8 / ((t - h) / 1e3) / 1e6}')
+r_mbit=$(awk -v b="$r_bytes" -v t="$t_complete" -v a="$t_anchor" \
+  'BEGIN {printf "%.1f", b * 8 / ((t - a) / 1e3) / 1e6}')
+
+echo "== summary: anchor_ready ${t_anchor} ms, complete ${t_complete} ms" \
+  "(ratio $(awk -v a="$t_anchor" -v c="$t_complete" 'BEGIN {printf "%.2f", a / c}'));" \
+  "last anchor ${a_last} ms, half the residual bytes ${r_half} ms;" \
+  "anchors ${a_mbit} mbit/s, residuals after ANCHOR_READY ${r_mbit} mbit/s (link ${rate});" \
+  "class 1:10 ${c10} B (anchors ${a_bytes} B), class 1:30 ${c30} B" \
+  "(residuals ${r_bytes} B + bulk ${bulk_bytes} B)"
+
+awk -v a="$t_anchor" -v c="$t_complete" 'BEGIN {exit !(a > 0 && a <= 0.6 * c)}' ||
+  fail "anchors not well before the residuals: ANCHOR_READY at ${t_anchor} ms," \
+    "COMPLETE at ${t_complete} ms (want <= 0.6 x)"
+awk -v a="$a_last" -v h="$r_half" 'BEGIN {exit !(a < h)}' ||
+  fail "the last anchor (${a_last} ms) landed after half the residual bytes (${r_half} ms)"
+awk -v m="$a_mbit" -v R="$rate" 'BEGIN {exit !(m >= 0.5 * R)}' ||
+  fail "anchors got ${a_mbit} mbit/s of ${rate}: not the high-priority class's share"
+awk -v c="$c10" -v a="$a_bytes" -v r="$r_bytes" 'BEGIN {exit !(c >= a && c < a + r / 2)}' ||
+  fail "class 1:10 sent ${c10} B: want the anchors' ${a_bytes} B (+ headers) and no residuals"
+awk -v c="$c30" -v r="$r_bytes" 'BEGIN {exit !(c >= r)}' ||
+  fail "class 1:30 sent ${c30} B, fewer than the residuals' ${r_bytes} B"
+echo "netns_two_hosts: PASS"
