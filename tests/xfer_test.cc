@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <random>
 #include <set>
 #include <string>
@@ -486,6 +487,65 @@ TEST(Xfer, Bf16PassthroughIsLossless) {
     for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
       ASSERT_EQ(dst.bytes(l, kind), src.bytes(l, kind));
   kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+// Callbacks run once per stage, in order, on the progress thread, and may
+// query the request; per-layer waits see each layer reach both stages.
+TEST(Xfer, CallbacksInOrderAndPerLayerWaits) {
+  Shape s;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, 2);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  struct Log {
+    std::mutex mu;
+    std::vector<int> stages;
+    std::vector<kvxfer_stage_t> seen_by_test;
+    std::thread::id thread;
+  } log;
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  auto cb = [](kvxfer_request_t req, kvxfer_stage_t st, kvxfer_result_t res, void* u) {
+    auto* l = static_cast<Log*>(u);
+    kvxfer_stage_t now = KVXFER_STAGE_POSTED;
+    kvxfer_test(req, &now);  // allowed inside a callback
+    std::lock_guard<std::mutex> lk(l->mu);
+    l->stages.push_back(st * 10 + (res == KVXFER_SUCCESS ? 0 : res == KVXFER_IN_PROGRESS ? 1 : 2));
+    l->seen_by_test.push_back(now);
+    l->thread = std::this_thread::get_id();
+  };
+  rc.on_anchor_ready = cb;
+  rc.on_complete = cb;
+  rc.user_data = &log;
+  xfer::testing_pause_residuals(true);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  for (int32_t l = 0; l < s.L; ++l)
+    ASSERT_EQ(kvxfer_wait_layer(req, l, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS) << l;
+  EXPECT_EQ(kvxfer_wait_layer(req, 0, KVXFER_STAGE_COMPLETE, 50), KVXFER_IN_PROGRESS);
+  EXPECT_EQ(kvxfer_wait_layer(req, s.L, KVXFER_STAGE_COMPLETE, 50), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_POSTED, 50), KVXFER_ERR_INVALID_ARGUMENT);
+  xfer::testing_pause_residuals(false);
+  for (int32_t l = 0; l < s.L; ++l)
+    ASSERT_EQ(kvxfer_wait_layer(req, l, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS) << l;
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);  // waits for a callback still running
+  {
+    std::lock_guard<std::mutex> lk(log.mu);
+    EXPECT_EQ(log.stages, (std::vector<int>{KVXFER_STAGE_ANCHOR_READY * 10 + 1,
+                                            KVXFER_STAGE_COMPLETE * 10 + 0}));
+    EXPECT_EQ(log.seen_by_test,
+              (std::vector<kvxfer_stage_t>{KVXFER_STAGE_ANCHOR_READY, KVXFER_STAGE_COMPLETE}));
+    EXPECT_NE(log.thread, std::this_thread::get_id());
+  }
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
   kvxfer_comm_destroy(comm);
   ASSERT_TRUE(pair.child.wait(60));
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);

@@ -260,7 +260,7 @@ typedef struct {
 kvxfer_result_t kvxfer_page_inspect(const void* section, size_t len, kvxfer_page_info_t* info);
 
 /* ------------------------------------------------------------------------ */
-/* Communicators and progressive transfers (docs/TRANSPORT.md, docs/API.md)  */
+/* Communicators and progressive transfers (docs/TRANSPORT.md, "Transfers")   */
 /* ------------------------------------------------------------------------ */
 
 /** Bytes of a unique id (as NCCL_UNIQUE_ID_BYTES). */

