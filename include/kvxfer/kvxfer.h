@@ -341,8 +341,11 @@ kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm);
 /**
  * Aborts (as kvxfer_comm_abort) every request still in flight, joins the
  * communicator's threads and frees it.  Safe with requests in flight: their
- * handles stay valid (stage ERROR) until kvxfer_request_free.  Returns within
- * a bounded time whatever the peers do.  NULL is a no-op.
+ * handles stay valid (stage ERROR) until kvxfer_request_free.  Requests
+ * already final get up to min(timeout, 5 s) to send their last control
+ * message, which their peer waits for.  Returns within a bounded time
+ * whatever the peers do.  No other call on `comm` may run concurrently or
+ * follow (as ncclCommDestroy).  NULL is a no-op.
  */
 kvxfer_result_t kvxfer_comm_destroy(kvxfer_comm_t comm);
 
@@ -414,7 +417,8 @@ typedef enum {
  * Called on the communicator's progress thread when a request reaches a
  * stage.  It must return quickly and must not call kvxfer_wait on a request
  * of the same communicator (kvxfer_test and kvxfer_request_get_info are
- * fine).  It must not free the request.
+ * fine).  It must not free the request, and must not destroy the
+ * communicator (kvxfer_comm_abort is fine).
  */
 typedef void (*kvxfer_callback_t)(kvxfer_request_t request, kvxfer_stage_t stage,
                                   kvxfer_result_t result, void* user_data);

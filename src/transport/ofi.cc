@@ -830,12 +830,14 @@ kvxfer_result_t Link::post_recvs(Clock::time_point now) {
         posted_recvs_[c]++;
         op->next_post++;
       }
-      // Provider queue full: retry on the next progress().  Otherwise the op
-      // waits for its header or a free window slot, and the completion
+      // Provider queue full: retry on the next progress(), from the same
+      // place in the queue (receives are posted in the order they were
+      // asked for, which is the order the peer sends them).  Otherwise the
+      // op waits for its header or a free window slot, and the completion
       // handler queues it again.
       if (provider_full && op->has_work()) {
         op->queued = true;
-        q.push_back(op);
+        q.push_front(op);
       } else {
         maybe_release(op);
       }

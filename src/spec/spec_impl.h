@@ -1,0 +1,52 @@
+// Speculative decoding on anchor KV: the internals behind include/kvxfer/spec.h
+// (docs/SPEC.md).  Every function returns kvxfer_result_t and sets the
+// thread's error text on failure (common/error.h); outputs are written only on
+// success.  The exported wrappers are in spec_api.cc.
+#pragma once
+
+#include <cstdint>
+
+#include "kvxfer/spec.h"
+
+namespace kvxfer::spec {
+
+// ---- environment (KVXFER_SPEC_MIN_ACCEPT has a syntax params.def cannot express)
+/** Parses a rate in [0, 1] written as a plain decimal number; false + reason otherwise. */
+bool parse_unit_interval(const char* text, double* out, const char** why);
+/** Fails naming KVXFER_SPEC_MIN_ACCEPT when it is malformed (checked once). */
+kvxfer_result_t validate_env();
+/** KVXFER_SPEC_MIN_ACCEPT (valid after validate_env succeeded). */
+double env_min_accept();
+
+// ---- RNG: draw j of `seed` is uniform in [0, 1) (53 bits).
+uint64_t splitmix64(uint64_t x);
+double uniform(uint64_t seed, uint64_t draw);
+
+// ---- verification (verify.cc)
+kvxfer_result_t verify_greedy(const int32_t* draft, int32_t draft_len, const int32_t* target,
+                              int32_t* accepted, int32_t* next_token);
+kvxfer_result_t verify_stochastic(const int32_t* draft, int32_t draft_len, const float* p,
+                                  const float* q, int32_t vocab, uint64_t seed, int32_t* accepted,
+                                  int32_t* next_token);
+kvxfer_result_t sample(const float* probs, int32_t vocab, uint64_t seed, int32_t* token);
+
+// ---- window and monitor (window.cc)
+kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
+                              const kvxfer_request_info_t* info, int64_t now_ns, double* t_res_s);
+kvxfer_result_t window(const kvxfer_spec_window_config_t* config, double t_res_s, double tpot_s,
+                       double elapsed_s, int32_t* out);
+kvxfer_result_t monitor_update(kvxfer_spec_monitor_t* m, int32_t draft_len, int32_t accepted,
+                               int32_t* speculate);
+kvxfer_result_t monitor_record_step(kvxfer_spec_monitor_t* m, double seconds);
+kvxfer_result_t monitor_query(const kvxfer_spec_monitor_t* m, int32_t* speculate, double* rate);
+
+// ---- latency model (ttft_model.cc)
+kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_model_output_t* out);
+
+}  // namespace kvxfer::spec
+
+/** Fails with INVALID_ARGUMENT unless `p` is a non-NULL struct of type T with the kvxfer magic. */
+#define KVXFER_SPEC_REQUIRE_STRUCT(p, T, init)                                                  \
+  KVXFER_REQUIRE((p) != nullptr && (p)->size == sizeof(T) && (p)->magic == KVXFER_CONFIG_MAGIC, \
+                 #p " is NULL or not initialised (size %zu, magic 0x%x): use " init,           \
+                 (p) != nullptr ? (p)->size : size_t{0}, (p) != nullptr ? (p)->magic : 0u)

@@ -1,0 +1,194 @@
+// How long to draft (residual-time prediction, adaptive window) and when to
+// stop (acceptance monitor); include/kvxfer/spec.h, docs/SPEC.md.
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "spec/spec_impl.h"
+
+namespace kvxfer::spec {
+
+bool parse_unit_interval(const char* text, double* out, const char** why) {
+  if (text == nullptr || *text == '\0') {
+    *why = "is empty";
+    return false;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);
+  if (end == text || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
+    *why = "is not a number";
+    return false;
+  }
+  if (v < 0.0 || v > 1.0) {
+    *why = "is outside [0, 1]";
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+namespace {
+
+struct MinAccept {
+  double value = 0.5;
+  std::string problem;  // empty when valid
+};
+
+const MinAccept& min_accept() {
+  static const MinAccept m = [] {
+    MinAccept r;
+    const std::string& text = params::SpecMinAccept();
+    const char* why = nullptr;
+    if (!parse_unit_interval(text.c_str(), &r.value, &why)) {
+      r.problem = "KVXFER_SPEC_MIN_ACCEPT='" + text + "' " + why;
+      r.value = 0.5;
+    } else if (std::getenv("KVXFER_SPEC_MIN_ACCEPT") != nullptr) {
+      KVXFER_INFO(LOG_ENV, "KVXFER_SPEC_MIN_ACCEPT set by environment to %g", r.value);
+    }
+    return r;
+  }();
+  return m;
+}
+
+bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0.0; }
+
+}  // namespace
+
+kvxfer_result_t validate_env() {
+  const MinAccept& m = min_accept();
+  if (!m.problem.empty())
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s",
+                     m.problem.c_str());
+  return KVXFER_SUCCESS;
+}
+
+double env_min_accept() { return min_accept().value; }
+
+kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
+                              const kvxfer_request_info_t* info, int64_t now_ns, double* t_res_s) {
+  KVXFER_SPEC_REQUIRE_STRUCT(config, kvxfer_spec_window_config_t,
+                             "KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER");
+  KVXFER_SPEC_REQUIRE_STRUCT(info, kvxfer_request_info_t, "KVXFER_REQUEST_INFO_INITIALIZER");
+  KVXFER_REQUIRE(t_res_s != nullptr, "t_res_s is NULL");
+  KVXFER_REQUIRE(std::isfinite(config->residual_ratio) && config->residual_ratio > 0.0,
+                 "residual_ratio %g is not > 0", config->residual_ratio);
+  KVXFER_REQUIRE(finite_nonneg(config->link_bytes_per_s), "link_bytes_per_s %g is negative",
+                 config->link_bytes_per_s);
+  KVXFER_REQUIRE(info->is_send == 0,
+                 "a send request: only the receiver's progress predicts the residual time");
+  if (info->stage == KVXFER_STAGE_ERROR)
+    return set_error(KVXFER_ERR_INVALID_USAGE, "the request failed (%d)",
+                     static_cast<int>(info->result));
+  if (info->stage == KVXFER_STAGE_COMPLETE || info->mode == KVXFER_MODE_MONOLITHIC) {
+    *t_res_s = 0.0;
+    return KVXFER_SUCCESS;
+  }
+  if (info->stage != KVXFER_STAGE_ANCHOR_READY)
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "the anchors have not all landed (%lld of %lld pages): no residual estimate "
+                     "before ANCHOR_READY",
+                     static_cast<long long>(info->pages_anchor_ready),
+                     static_cast<long long>(info->num_pages));
+  const double ba = static_cast<double>(info->anchor_wire_bytes);
+  const double br = static_cast<double>(info->residual_wire_bytes);
+  double left = config->residual_ratio * ba - br;
+  if (!(left > 0.0)) {
+    // More has landed than the prior predicted, yet not everything: one more
+    // page of the mean size so far.
+    left = br / static_cast<double>(info->num_pages > 0 ? info->num_pages : 1);
+  }
+  double rate = 0.0;
+  const double elapsed = static_cast<double>(now_ns - info->t_handshake_ns) * 1e-9;
+  if (info->t_handshake_ns > 0 && elapsed > 0.0 && ba + br > 0.0) rate = (ba + br) / elapsed;
+  if (!(rate > 0.0)) rate = config->link_bytes_per_s;
+  if (!(rate > 0.0))
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "no link rate yet (nothing landed since the handshake) and no "
+                     "link_bytes_per_s in the config");
+  *t_res_s = left / rate;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t window(const kvxfer_spec_window_config_t* config, double t_res_s, double tpot_s,
+                       double elapsed_s, int32_t* out) {
+  KVXFER_SPEC_REQUIRE_STRUCT(config, kvxfer_spec_window_config_t,
+                             "KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER");
+  KVXFER_REQUIRE(out != nullptr, "window is NULL");
+  KVXFER_REQUIRE(config->margin >= 0 && config->max_tokens >= 0,
+                 "margin %d or max_tokens %d is negative", config->margin, config->max_tokens);
+  KVXFER_REQUIRE(std::isfinite(tpot_s) && tpot_s > 0.0, "tpot_s %g is not > 0", tpot_s);
+  KVXFER_REQUIRE(finite_nonneg(t_res_s) && finite_nonneg(elapsed_s),
+                 "t_res_s %g or elapsed_s %g is negative or not finite", t_res_s, elapsed_s);
+  int64_t cap = params::SpecMax();
+  if (config->max_tokens > 0 && config->max_tokens < cap) cap = config->max_tokens;
+  const double want = std::ceil((elapsed_s + t_res_s) / tpot_s) + config->margin;
+  *out = static_cast<int32_t>(want >= static_cast<double>(cap) ? cap : static_cast<int64_t>(want));
+  return KVXFER_SUCCESS;
+}
+
+namespace {
+
+kvxfer_result_t check_monitor(const kvxfer_spec_monitor_t* m) {
+  KVXFER_SPEC_REQUIRE_STRUCT(m, kvxfer_spec_monitor_t, "KVXFER_SPEC_MONITOR_INITIALIZER");
+  KVXFER_REQUIRE(std::isfinite(m->min_accept) && m->min_accept <= 1.0,
+                 "min_accept %g is above 1 or not finite", m->min_accept);
+  KVXFER_REQUIRE(m->min_tokens >= 1, "min_tokens %lld < 1", static_cast<long long>(m->min_tokens));
+  KVXFER_REQUIRE(std::isfinite(m->tpot_weight) && m->tpot_weight > 0.0 && m->tpot_weight <= 1.0,
+                 "tpot_weight %g is outside (0, 1]", m->tpot_weight);
+  return KVXFER_SUCCESS;
+}
+
+double rate_of(const kvxfer_spec_monitor_t& m) {
+  const int64_t examined = m.accepted + m.rejected;
+  return examined > 0 ? static_cast<double>(m.accepted) / static_cast<double>(examined) : 1.0;
+}
+
+}  // namespace
+
+kvxfer_result_t monitor_update(kvxfer_spec_monitor_t* m, int32_t draft_len, int32_t accepted,
+                               int32_t* speculate) {
+  KVXFER_CHECK(check_monitor(m));
+  KVXFER_REQUIRE(draft_len >= 0 && accepted >= 0 && accepted <= draft_len,
+                 "accepted %d is outside [0, draft_len %d]", accepted, draft_len);
+  m->rounds++;
+  m->drafted += draft_len;
+  m->accepted += accepted;
+  if (accepted < draft_len) m->rejected++;
+  if (draft_len > 0 && accepted == draft_len) m->full_accepts++;
+  const double threshold = m->min_accept >= 0.0 ? m->min_accept : env_min_accept();
+  const int64_t examined = m->accepted + m->rejected;
+  const double rate = rate_of(*m);
+  if (!m->fallen_back && examined >= m->min_tokens && rate < threshold) {
+    m->fallen_back = 1;
+    KVXFER_WARN(LOG_MODEL,
+                "speculative decoding off: per-token acceptance %.3f < %.3f "
+                "(KVXFER_SPEC_MIN_ACCEPT) after %lld examined draft tokens; waiting for the full "
+                "KV from now on",
+                rate, threshold, static_cast<long long>(examined));
+  }
+  if (speculate != nullptr) *speculate = m->fallen_back ? 0 : 1;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t monitor_record_step(kvxfer_spec_monitor_t* m, double seconds) {
+  KVXFER_CHECK(check_monitor(m));
+  KVXFER_REQUIRE(std::isfinite(seconds) && seconds > 0.0, "step time %g is not > 0", seconds);
+  m->tpot_s = m->tpot_s > 0.0 ? (1.0 - m->tpot_weight) * m->tpot_s + m->tpot_weight * seconds
+                              : seconds;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t monitor_query(const kvxfer_spec_monitor_t* m, int32_t* speculate, double* rate) {
+  KVXFER_CHECK(check_monitor(m));
+  KVXFER_REQUIRE(speculate != nullptr, "speculate is NULL");
+  *speculate = m->fallen_back ? 0 : 1;
+  if (rate != nullptr) *rate = rate_of(*m);
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace kvxfer::spec
