@@ -739,6 +739,10 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   d = kv.desc;
   d.k_blocks = holes.data();
   expect_bad(d, "layer 0 K");
+  d = kv.desc;
+  d.device = 0;  // device memory: not in a host-only transfer path
+  EXPECT_EQ(kvxfer_send(comm, 1, &d, nullptr, nullptr, &req), KVXFER_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("CUDA device 0"), std::string::npos);
   EXPECT_EQ(kvxfer_send(comm, 0, &kv.desc, nullptr, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_send(comm, 5, &kv.desc, nullptr, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
   kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;

@@ -382,12 +382,17 @@ typedef struct {
       num_blocks; /**< blocks per layer in k_blocks and v_blocks (>= ceil(num_tokens/block_size)) */
   void* const* k_blocks; /**< [num_layers * num_blocks] block base pointers of K */
   void* const* v_blocks; /**< [num_layers * num_blocks] block base pointers of V */
+  /** Where the blocks live: -1 host memory (the default); >= 0 the CUDA
+   *  device of that ordinal (the tables above are then host arrays of device
+   *  pointers).  Device memory needs a CUDA build with the GPU transfer path;
+   *  elsewhere it is refused with KVXFER_ERR_UNSUPPORTED. */
+  int32_t device;
 } kvxfer_kv_desc_t;
 
 #define KVXFER_KV_DESC_INITIALIZER                                               \
   {                                                                              \
     sizeof(kvxfer_kv_desc_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, 0, 0, \
-        KVXFER_DTYPE_BF16, 0, 0, 0, 0, NULL, NULL                                \
+        KVXFER_DTYPE_BF16, 0, 0, 0, 0, NULL, NULL, -1                            \
   }
 
 /** Stages of a request, in order; ERROR is final and may follow any other. */

@@ -142,10 +142,8 @@ typedef struct {
   double link_bytes_per_s;
 } kvxfer_spec_window_config_t;
 
-#define KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER                                                     \
-  {                                                                                               \
-    sizeof(kvxfer_spec_window_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 2, 0, 0.8, 0.0 \
-  }
+#define KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER \
+  { sizeof(kvxfer_spec_window_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 2, 0, 0.8, 0.0 }
 
 /**
  * Predicts t_res, the time until a progressive receive reaches COMPLETE, from
@@ -270,28 +268,28 @@ typedef struct {
   double t_verify_per_token_s;
   double bytes[KVXFER_SPEC_SCHEME_COUNT]; /**< B_c, wire bytes of the whole KV per monolithic
                                                scheme; the LYNX entry is ignored */
-  double anchor_bytes;   /**< B_a, Lynx anchor sections */
-  double residual_bytes; /**< B_r, Lynx residual sections */
-  int32_t window;        /**< k, tokens drafted; < 0 = adaptive: ceil(t_res / TPOT) + margin */
-  int32_t margin;        /**< >= 0, for window < 0 */
-  int32_t max_window;    /**< clamp of the adaptive window; 0 = none */
-  double accept_rate;    /**< alpha, per-token acceptance in [0, 1] */
-  int32_t num_tokens;    /**< N >= 1 for the time to N final tokens (e.g. 64) */
+  double anchor_bytes;                    /**< B_a, Lynx anchor sections */
+  double residual_bytes;                  /**< B_r, Lynx residual sections */
+  int32_t window;     /**< k, tokens drafted; < 0 = adaptive: ceil(t_res / TPOT) + margin */
+  int32_t margin;     /**< >= 0, for window < 0 */
+  int32_t max_window; /**< clamp of the adaptive window; 0 = none */
+  double accept_rate; /**< alpha, per-token acceptance in [0, 1] */
+  int32_t num_tokens; /**< N >= 1 for the time to N final tokens (e.g. 64) */
 } kvxfer_spec_model_input_t;
 
-#define KVXFER_SPEC_MODEL_INPUT_INITIALIZER                                                    \
-  {                                                                                            \
+#define KVXFER_SPEC_MODEL_INPUT_INITIALIZER                                                     \
+  {                                                                                             \
     sizeof(kvxfer_spec_model_input_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0.0, 0.0, 0.0, \
-        0.0, 0.0, 0.0, 0.0, {0.0, 0.0, 0.0, 0.0}, 0.0, 0.0, -1, 2, 0, 0.0, 64                  \
+        0.0, 0.0, 0.0, 0.0, {0.0, 0.0, 0.0, 0.0}, 0.0, 0.0, -1, 2, 0, 0.0, 64                   \
   }
 
 /** Outputs of kvxfer_spec_ttft_model, indexed by kvxfer_spec_scheme_t. */
 typedef struct {
-  size_t size;                                 /**< sizeof(kvxfer_spec_model_output_t) */
-  uint32_t magic;                              /**< KVXFER_CONFIG_MAGIC */
-  uint32_t version;                            /**< KVXFER_VERSION_CODE of the header used */
-  double t_ready_s[KVXFER_SPEC_SCHEME_COUNT];  /**< decoding may start (Lynx: anchors landed) */
-  double ttft_s[KVXFER_SPEC_SCHEME_COUNT];     /**< first output token emitted */
+  size_t size;                                    /**< sizeof(kvxfer_spec_model_output_t) */
+  uint32_t magic;                                 /**< KVXFER_CONFIG_MAGIC */
+  uint32_t version;                               /**< KVXFER_VERSION_CODE of the header used */
+  double t_ready_s[KVXFER_SPEC_SCHEME_COUNT];     /**< decoding may start (Lynx: anchors landed) */
+  double ttft_s[KVXFER_SPEC_SCHEME_COUNT];        /**< first output token emitted */
   double ttft_commit_s[KVXFER_SPEC_SCHEME_COUNT]; /**< first token final (verified) */
   double ttnt_s[KVXFER_SPEC_SCHEME_COUNT];        /**< num_tokens final tokens */
   double t_res_s;           /**< residual transfer after the anchors, B_r / R */

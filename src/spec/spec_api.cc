@@ -51,9 +51,8 @@ kvxfer_result_t kvxfer_spec_residual_time(const kvxfer_spec_window_config_t* con
 
 kvxfer_result_t kvxfer_spec_window(const kvxfer_spec_window_config_t* config, double t_res_s,
                                    double tpot_s, double elapsed_s, int32_t* window) {
-  return spec_call(__func__, [&] {
-    return kvxfer::spec::window(config, t_res_s, tpot_s, elapsed_s, window);
-  });
+  return spec_call(
+      __func__, [&] { return kvxfer::spec::window(config, t_res_s, tpot_s, elapsed_s, window); });
 }
 
 kvxfer_result_t kvxfer_spec_monitor_update(kvxfer_spec_monitor_t* monitor, int32_t draft_len,
@@ -69,8 +68,7 @@ kvxfer_result_t kvxfer_spec_monitor_record_step(kvxfer_spec_monitor_t* monitor, 
 
 kvxfer_result_t kvxfer_spec_monitor_query(const kvxfer_spec_monitor_t* monitor, int32_t* speculate,
                                           double* rate) {
-  return spec_call(__func__,
-                   [&] { return kvxfer::spec::monitor_query(monitor, speculate, rate); });
+  return spec_call(__func__, [&] { return kvxfer::spec::monitor_query(monitor, speculate, rate); });
 }
 
 kvxfer_result_t kvxfer_spec_ttft_model(const kvxfer_spec_model_input_t* in,

@@ -36,8 +36,7 @@ kvxfer_result_t check_row(const float* row, int32_t vocab, const char* what, int
                        x, static_cast<double>(v));
     s += static_cast<double>(v);
   }
-  if (!(s > 0.0))
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "%s row %d sums to 0", what, index);
+  if (!(s > 0.0)) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "%s row %d sums to 0", what, index);
   *sum = s;
   return KVXFER_SUCCESS;
 }
@@ -88,7 +87,8 @@ kvxfer_result_t verify_stochastic(const int32_t* draft, int32_t draft_len, const
   KVXFER_REQUIRE(accepted != nullptr && next_token != nullptr, "accepted or next_token is NULL");
   const size_t V = static_cast<size_t>(vocab);
   // Validate everything first: no result is written for bad input.
-  std::vector<double> psum(static_cast<size_t>(draft_len) + 1), qsum(static_cast<size_t>(draft_len));
+  std::vector<double> psum(static_cast<size_t>(draft_len) + 1),
+      qsum(static_cast<size_t>(draft_len));
   for (int32_t i = 0; i < draft_len; ++i)
     KVXFER_REQUIRE(draft[i] >= 0 && draft[i] < vocab, "draft[%d] = %d is outside [0, %d)", i,
                    draft[i], vocab);

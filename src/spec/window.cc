@@ -62,8 +62,7 @@ bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0.0; }
 kvxfer_result_t validate_env() {
   const MinAccept& m = min_accept();
   if (!m.problem.empty())
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s",
-                     m.problem.c_str());
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s", m.problem.c_str());
   return KVXFER_SUCCESS;
 }
 
@@ -178,8 +177,8 @@ kvxfer_result_t monitor_update(kvxfer_spec_monitor_t* m, int32_t draft_len, int3
 kvxfer_result_t monitor_record_step(kvxfer_spec_monitor_t* m, double seconds) {
   KVXFER_CHECK(check_monitor(m));
   KVXFER_REQUIRE(std::isfinite(seconds) && seconds > 0.0, "step time %g is not > 0", seconds);
-  m->tpot_s = m->tpot_s > 0.0 ? (1.0 - m->tpot_weight) * m->tpot_s + m->tpot_weight * seconds
-                              : seconds;
+  m->tpot_s =
+      m->tpot_s > 0.0 ? (1.0 - m->tpot_weight) * m->tpot_s + m->tpot_weight * seconds : seconds;
   return KVXFER_SUCCESS;
 }
 

@@ -439,6 +439,12 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                      kv->dtype == KVXFER_DTYPE_FP32,
                  "dtype %d is not BF16, FP16 or FP32", static_cast<int>(kv->dtype));
   KVXFER_REQUIRE(kv->num_tokens >= 0, "num_tokens %" PRId64 " is negative", kv->num_tokens);
+  KVXFER_REQUIRE(kv->device >= -1, "device %d is not -1 (host) or a CUDA ordinal", kv->device);
+  if (kv->device >= 0)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "the KV is on CUDA device %d, but this build transfers host memory only "
+                     "(docs/GPU.md)",
+                     kv->device);
 
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   if (cfg != nullptr) {

@@ -29,7 +29,7 @@
 # permitted, or no HTB/u32 in the kernel): ctest's SKIP_RETURN_CODE.
 #
 # Environment (optional, for experiments):
-#   NETNS_RATE_MBIT    R above (default 40)
+#   NETNS_RATE_MBIT    R above (default 20)
 #   NETNS_TOKENS       tokens of the KV (default 512: 8 layers x 8 heads x 128, bf16 = 16 MiB)
 #   NETNS_BULK_FLOWS   TCP connections of the bulk flow (default 2)
 #   NETNS_ANCHOR_DSCP  DSCP of the anchors (default 46).  0 is the control
@@ -39,7 +39,7 @@ set -uo pipefail
 
 peer=${1:-}
 work=${2:-}
-rate=${NETNS_RATE_MBIT:-40}
+rate=${NETNS_RATE_MBIT:-20}
 tokens=${NETNS_TOKENS:-512}
 flows=${NETNS_BULK_FLOWS:-2}
 anchor_dscp=${NETNS_ANCHOR_DSCP:-46}
@@ -69,11 +69,12 @@ python=$(command -v python3)
 # ---------------------------------------------------------------------------
 # Cleanup: always, whatever happens (ctest's timeout, a failed step, ^C).
 # ---------------------------------------------------------------------------
-bg_pids=()
 own_work=0
 cleanup() {
   local p ns
-  for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null; done
+  # This shell's background jobs not yet waited for (their pids cannot have
+  # been reused): the bulk flow and the two peers.
+  for p in $(jobs -p); do kill "$p" 2>/dev/null; done
   for ns in "$ns_s" "$ns_r"; do
     if [[ -e "/run/netns/$ns" ]]; then
       # Whatever still runs in our namespaces is ours.
@@ -81,7 +82,7 @@ cleanup() {
       timeout 10 ip netns del "$ns" 2>/dev/null
     fi
   done
-  for p in "${bg_pids[@]}"; do wait "$p" 2>/dev/null; done
+  wait 2>/dev/null
   if [[ $own_work == 1 ]]; then rm -rf "$work"; fi
 }
 trap cleanup EXIT
@@ -102,7 +103,7 @@ if [[ -z "$work" ]]; then
   work=$(mktemp -d /tmp/kvxfer-netns.XXXXXX) || fail "mktemp"
   own_work=1
 else
-  rm -rf "$work" && mkdir -p "$work" || fail "cannot create $work"
+  { rm -rf "$work" && mkdir -p "$work"; } || fail "cannot create $work"
 fi
 
 # ---------------------------------------------------------------------------
@@ -167,8 +168,10 @@ tcn filter show dev vs0
 cat >"$work/bulk.py" <<'EOF'
 # bulk.py sink ADDR PORT OUT_FILE | bulk.py source ADDR PORT FLOWS
 # A bounded bulk TCP flow between the namespaces.  Both sides stop on SIGTERM
-# or after 120 s; the sink writes the bytes it received to OUT_FILE.
-import signal, socket, sys, threading, time
+# or after 120 s; the sink writes the bytes it received to OUT_FILE.  They
+# leave through os._exit: a normal exit can hang in the interpreter's
+# finalisation while daemon threads sit in recv/send.
+import os, signal, socket, sys, threading, time
 
 role, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 deadline = time.monotonic() + 120
@@ -177,9 +180,9 @@ lock = threading.Lock()
 
 def stop(*_):
     if role == "sink":
-        with lock:
-            open(sys.argv[4], "w").write("%d\n" % total[0])
-    sys.exit(0)
+        with open(sys.argv[4], "w") as f:
+            f.write("%d\n" % total[0])
+    os._exit(0)
 
 signal.signal(signal.SIGTERM, stop)
 
@@ -227,61 +230,76 @@ else:
         threading.Thread(target=pump, daemon=True).start()
     while time.monotonic() < deadline:
         time.sleep(0.2)
+    stop()
 EOF
+
+# Stops a background job: SIGTERM, then SIGKILL if it has not exited within
+# 5 s.  (Whatever it leaves in the namespaces, cleanup kills.)
+stop_job() {
+  local pid=$1 i
+  kill "$pid" 2>/dev/null
+  for ((i = 0; i < 50; i++)); do
+    [[ -e /proc/$pid && "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]] || break
+    sleep 0.1
+  done
+  kill -9 "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+}
 
 class_bytes() {  # class_bytes 1:10 -> bytes sent by that class so far
   tcn -s class show dev vs0 | awk -v c="$1" '$1 == "class" && $3 == c {f = 1} f && $1 == "Sent" {print $2; exit}'
 }
 
 step "bulk flow: $flows unmarked TCP connections $addr_s -> $addr_r:$bulk_port"
-ip netns exec "$ns_r" timeout 150 "$python" "$work/bulk.py" sink "$addr_r" "$bulk_port" \
+ip netns exec "$ns_r" timeout -k 5 150 "$python" "$work/bulk.py" sink "$addr_r" "$bulk_port" \
   "$work/bulk_bytes" >"$work/bulk_sink.log" 2>&1 &
-bg_pids+=($!)
 sink_pid=$!
-ip netns exec "$ns_s" timeout 150 "$python" "$work/bulk.py" source "$addr_r" "$bulk_port" \
+ip netns exec "$ns_s" timeout -k 5 150 "$python" "$work/bulk.py" source "$addr_r" "$bulk_port" \
   "$flows" >"$work/bulk_source.log" 2>&1 &
-bg_pids+=($!)
 source_pid=$!
-# Let it fill the default class (and prove that it does).
-b0=$(class_bytes 1:30)
-sleep 2
-b1=$(class_bytes 1:30)
-bulk_rate=$(awk -v a="${b0:-0}" -v b="${b1:-0}" 'BEGIN {printf "%.1f", (b - a) * 8 / 2 / 1e6}')
+# Let it fill the default class, and prove that it does: at least half the
+# link over one second, within 10 s (slow start, and a loaded machine).
+bulk_rate=0
+for _ in $(seq 10); do
+  b0=$(class_bytes 1:30)
+  sleep 1
+  b1=$(class_bytes 1:30)
+  bulk_rate=$(awk -v a="${b0:-0}" -v b="${b1:-0}" 'BEGIN {printf "%.1f", (b - a) * 8 / 1e6}')
+  awk -v r="$bulk_rate" -v R="$rate" 'BEGIN {exit !(r >= 0.5 * R)}' && break
+done
 echo "bulk flow alone: ${bulk_rate} mbit/s in class 1:30"
 [[ $flows == 0 ]] || awk -v r="$bulk_rate" -v R="$rate" 'BEGIN {exit !(r >= 0.5 * R)}' ||
   fail "the bulk flow does not load the link (${bulk_rate} of ${rate} mbit/s); see $work/bulk_*.log"
 c10_before=$(class_bytes 1:10)
 c30_before=$(class_bytes 1:30)
+c10_before=${c10_before:-0} c30_before=${c30_before:-0}
 
 # ---------------------------------------------------------------------------
 # The transfer.
 # ---------------------------------------------------------------------------
 step "kvxfer: $tokens tokens x 8 layers x 8 kv_heads x 128 head_dim bf16, Lynx progressive"
 peer_args=(--id "$work/id" --layers 8 --kv-heads 8 --head-dim 128 --tokens "$tokens"
-  --page-tokens 64 --timeout-ms 20000 --wait-s 40)
+  --page-tokens 64 --timeout-ms 20000 --wait-s 55)
 # The library's defaults mark the anchors EF (46) and the residuals CS1 (8).
 common_env=(KVXFER_DEBUG=WARN)
 [[ "$anchor_dscp" == 46 ]] || common_env+=(KVXFER_ANCHOR_DSCP="$anchor_dscp")
-ip netns exec "$ns_r" timeout 50 env "${common_env[@]}" KVXFER_BOOTSTRAP_ADDR="$addr_r" \
+ip netns exec "$ns_r" timeout -k 5 65 env "${common_env[@]}" KVXFER_BOOTSTRAP_ADDR="$addr_r" \
   KVXFER_BIND_ADDR="$addr_r" "$peer" --role recv "${peer_args[@]}" \
   >"$work/recv.out" 2>"$work/recv.err" &
 recv_pid=$!
-bg_pids+=($recv_pid)
-ip netns exec "$ns_s" timeout 50 env "${common_env[@]}" KVXFER_BIND_ADDR="$addr_s" \
+ip netns exec "$ns_s" timeout -k 5 65 env "${common_env[@]}" KVXFER_BIND_ADDR="$addr_s" \
   "$peer" --role send "${peer_args[@]}" >"$work/send.out" 2>"$work/send.err" &
 send_pid=$!
-bg_pids+=($send_pid)
 wait "$send_pid"
 send_rc=$?
 wait "$recv_pid"
 recv_rc=$?
 
-c10=$(($(class_bytes 1:10) - c10_before))
-c30=$(($(class_bytes 1:30) - c30_before))
-kill "$source_pid" 2>/dev/null
-wait "$source_pid" 2>/dev/null
-kill "$sink_pid" 2>/dev/null
-wait "$sink_pid" 2>/dev/null
+c10=$(class_bytes 1:10)
+c30=$(class_bytes 1:30)
+c10=$((${c10:-0} - c10_before)) c30=$((${c30:-0} - c30_before))
+stop_job "$source_pid"
+stop_job "$sink_pid"
 bulk_bytes=$(cat "$work/bulk_bytes" 2>/dev/null || echo 0)
 
 echo "-- receiver (rank 0, $addr_r), times in ms from its kvxfer_recv:"
@@ -314,18 +332,20 @@ a_bytes=$(val anchor_bytes)
 r_bytes=$(val residual_bytes)
 a_last=$(val anchor_last_ms)
 r_half=$(val residual_half_ms)
-# Anchor goodput on the wire (handshake to the last anchor's arrival), against
-# the link rate.  The high-priority class gets most of the link; sharing the
-# default class with the bulk flow (NETNS_ANCHOR_DSCP=0) gives about a tenth.
+# Goodput of each class on the wire: the anchors from the handshake to the
+# last anchor's arrival; the residuals that landed after it, from then to the
+# last residual (competing with the bulk flow only).  The high-priority class
+# gets most of the link; the residuals share the default class with the bulk
+# flow.  Unmarked anchors (NETNS_ANCHOR_DSCP=0) get less than the residuals.
 a_mbit=$(awk -v b="$a_bytes" -v t="$a_last" -v h="$(val t_handshake_ms)" \
   'BEGIN {printf "%.1f", b * 8 / ((t - h) / 1e3) / 1e6}')
-r_mbit=$(awk -v b="$r_bytes" -v t="$t_complete" -v a="$t_anchor" \
-  'BEGIN {printf "%.1f", b * 8 / ((t - a) / 1e3) / 1e6}')
+r_mbit=$(awk -v b="$(val residual_bytes_after_last_anchor)" -v t="$(val residual_last_ms)" \
+  -v a="$a_last" 'BEGIN {printf "%.1f", (t > a) ? b * 8 / ((t - a) / 1e3) / 1e6 : 0}')
 
 echo "== summary: anchor_ready ${t_anchor} ms, complete ${t_complete} ms" \
   "(ratio $(awk -v a="$t_anchor" -v c="$t_complete" 'BEGIN {printf "%.2f", a / c}'));" \
   "last anchor ${a_last} ms, half the residual bytes ${r_half} ms;" \
-  "anchors ${a_mbit} mbit/s, residuals after ANCHOR_READY ${r_mbit} mbit/s (link ${rate});" \
+  "anchors ${a_mbit} mbit/s, residuals after the last anchor ${r_mbit} mbit/s (link ${rate});" \
   "class 1:10 ${c10} B (anchors ${a_bytes} B), class 1:30 ${c30} B" \
   "(residuals ${r_bytes} B + bulk ${bulk_bytes} B)"
 
@@ -334,8 +354,8 @@ awk -v a="$t_anchor" -v c="$t_complete" 'BEGIN {exit !(a > 0 && a <= 0.6 * c)}' 
     "COMPLETE at ${t_complete} ms (want <= 0.6 x)"
 awk -v a="$a_last" -v h="$r_half" 'BEGIN {exit !(a < h)}' ||
   fail "the last anchor (${a_last} ms) landed after half the residual bytes (${r_half} ms)"
-awk -v m="$a_mbit" -v R="$rate" 'BEGIN {exit !(m >= 0.4 * R)}' ||
-  fail "anchors got ${a_mbit} mbit/s of ${rate}: not the high-priority class's share"
+awk -v a="$a_mbit" -v r="$r_mbit" 'BEGIN {exit !(a >= 1.5 * r)}' ||
+  fail "anchors got ${a_mbit} mbit/s, residuals ${r_mbit}: the high-priority class got no more"
 awk -v c="$c10" -v a="$a_bytes" -v r="$r_bytes" 'BEGIN {exit !(c >= a && c < a + r / 2)}' ||
   fail "class 1:10 sent ${c10} B: want the anchors' ${a_bytes} B (+ headers) and no residuals"
 awk -v c="$c30" -v r="$r_bytes" 'BEGIN {exit !(c >= r)}' ||
