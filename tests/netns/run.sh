@@ -29,20 +29,23 @@
 # permitted, or no HTB/u32 in the kernel): ctest's SKIP_RETURN_CODE.
 #
 # Environment (optional, for experiments):
-#   NETNS_RATE_MBIT    R above (default 20)
+#   NETNS_RATE_MBIT    R above (default 40)
 #   NETNS_TOKENS       tokens of the KV (default 512: 8 layers x 8 heads x 128, bf16 = 16 MiB)
-#   NETNS_BULK_FLOWS   TCP connections of the bulk flow (default 2)
+#   NETNS_BULK_FLOWS   TCP connections of the bulk flow (default 3)
 #   NETNS_ANCHOR_DSCP  DSCP of the anchors (default 46).  0 is the control
 #                      experiment: anchors unmarked, in the default class
 #                      with the bulk flow; the priority assertions then fail.
+#   NETNS_TIMEOUT_MS   kvxfer_comm_config_t.timeout_ms of both ranks (default
+#                      60000: longer than the transfer may take here)
 set -uo pipefail
 
 peer=${1:-}
 work=${2:-}
-rate=${NETNS_RATE_MBIT:-20}
+rate=${NETNS_RATE_MBIT:-40}
 tokens=${NETNS_TOKENS:-512}
-flows=${NETNS_BULK_FLOWS:-2}
+flows=${NETNS_BULK_FLOWS:-3}
 anchor_dscp=${NETNS_ANCHOR_DSCP:-46}
+timeout_ms=${NETNS_TIMEOUT_MS:-60000}
 
 ns_s="kvxns-s-$$"
 ns_r="kvxns-r-$$"
@@ -279,7 +282,7 @@ c10_before=${c10_before:-0} c30_before=${c30_before:-0}
 # ---------------------------------------------------------------------------
 step "kvxfer: $tokens tokens x 8 layers x 8 kv_heads x 128 head_dim bf16, Lynx progressive"
 peer_args=(--id "$work/id" --layers 8 --kv-heads 8 --head-dim 128 --tokens "$tokens"
-  --page-tokens 64 --timeout-ms 20000 --wait-s 55)
+  --page-tokens 64 --timeout-ms "$timeout_ms" --wait-s 55)
 # The library's defaults mark the anchors EF (46) and the residuals CS1 (8).
 common_env=(KVXFER_DEBUG=WARN)
 [[ "$anchor_dscp" == 46 ]] || common_env+=(KVXFER_ANCHOR_DSCP="$anchor_dscp")
