@@ -964,6 +964,43 @@ TEST(Xfer, DestroyWithRequestsInFlightEndsThemInError) {
   pair.child.wait(30);  // the sender sees its peer vanish and fails; its exit code is moot
 }
 
+// A transfer may last much longer than the timeout as long as it moves: the
+// sender's wait for the receiver's final STATUS must not time out while its
+// own pages are still flowing (regression).
+TEST(Xfer, TransferLongerThanTheTimeoutSucceeds) {
+  Shape s;
+  s.L = 8;
+  s.T = 2048;  // about 4.5 MB on the wire at 8 mbit/s: 4 to 5 s, against a 2.5 s timeout
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1, 2500, "8mbit");
+    if (comm == nullptr) return 10;
+    PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+    kv.fill(4);
+    kvxfer_request_t req = nullptr;
+    if (kvxfer_send(comm, 0, &kv.desc, nullptr, nullptr, &req) != KVXFER_SUCCESS) return 11;
+    const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+    if (r != KVXFER_SUCCESS) std::fprintf(stderr, "sender: %s\n", kvxfer_get_last_error());
+    kvxfer_request_free(req);
+    kvxfer_comm_destroy(comm);
+    return r == KVXFER_SUCCESS ? 0 : 12;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, 2500, "8mbit");
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  const kvxfer_request_info_t i = info_of(req);
+  EXPECT_GT(i.t_complete_ns - i.t_posted_ns, int64_t{2500} * 1000000)
+      << "not longer than the timeout";
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
 TEST(Xfer, ReceiveWithoutSenderTimesOut) {
   Pair pair;
   ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& i, int rd, int) {

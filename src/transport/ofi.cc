@@ -923,14 +923,18 @@ kvxfer_result_t Link::check_timeouts(Clock::time_point now) {
       continue;
     }
     if (op->reported && !op->draining) continue;
-    // While an operation waits its turn (a send not started, a receive whose
-    // message has not begun), the handshake is its clock (and has its own
-    // timeout), then traffic elsewhere on the link counts as progress.
-    Clock::time_point last = op->last_activity;
+    // The timeout detects a peer that is dead or silent, not an operation
+    // that waits its turn: while traffic moves on the link in either
+    // direction, no operation expires.  An operation can wait a long time
+    // behind others for good reasons: a residual behind every anchor of a
+    // rate-limited link, a reply (kvxfer's STATUS) after a long transfer the
+    // other way, a chunk whose receive the peer posts only when a window
+    // slot frees.  Before the link is ready the handshake is the clock (it
+    // has its own timeout).
     const bool waiting = op->is_send ? op->outstanding == 0 : !op->have_header;
     if (waiting && connecting_ && !ready_) continue;
-    if (waiting)
-      last = std::max({last, ready_at_, op->is_send ? last_send_activity_ : last_recv_activity_});
+    const Clock::time_point last =
+        std::max({op->last_activity, ready_at_, last_send_activity_, last_recv_activity_});
     if (now - last > timeout) expired.push_back(op);
   }
   for (Op* op : expired) {

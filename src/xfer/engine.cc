@@ -1252,8 +1252,10 @@ void Engine::Impl::maybe_complete(const std::shared_ptr<Request>& r) {
   if (r->is_send) {
     const int64_t msgs = w.mode == KVXFER_MODE_PROGRESSIVE ? 2 * n : n;
     if (w.sends_done < msgs || !w.peer_status_ok) return;
-    publish(r, KVXFER_STAGE_COMPLETE);
+    // STATUS first: the on_complete callback (run by publish) may abort the
+    // communicator, and the peer waits for this message.
     send_status(r, KVXFER_SUCCESS, "");
+    publish(r, KVXFER_STAGE_COMPLETE);
   } else {
     int64_t complete;
     {
@@ -1261,8 +1263,10 @@ void Engine::Impl::maybe_complete(const std::shared_ptr<Request>& r) {
       complete = r->pages_complete;
     }
     if (complete < n) return;
-    publish(r, KVXFER_STAGE_COMPLETE);
+    // STATUS first: the on_complete callback (run by publish) may abort the
+    // communicator, and the peer waits for this message.
     send_status(r, KVXFER_SUCCESS, "");
+    publish(r, KVXFER_STAGE_COMPLETE);
   }
 }
 
@@ -1272,8 +1276,10 @@ void Engine::Impl::send_status(const std::shared_ptr<Request>& r, kvxfer_result_
   if (w.status_sent || links_aborted) return;
   w.status_sent = true;
   w.status_out = encode_status(code, text);
-  post_link_send(r, TrafficClass::kAnchor, OpKind::kStatusSend, MsgKind::kStatus, 0,
-                 w.status_out.data(), w.status_out.size());
+  if (post_link_send(r, TrafficClass::kAnchor, OpKind::kStatusSend, MsgKind::kStatus, 0,
+                     w.status_out.data(), w.status_out.size()))
+    comm->link(r->peer)->progress();  // hand it to the provider now: an abort may follow
+
 }
 
 void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
