@@ -401,6 +401,8 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
   KVXFER_REQUIRE(cfg.timeout_ms >= 1, "timeout_ms must be positive");
   KVXFER_REQUIRE(cfg.max_posted_chunks >= 1 && cfg.recv_window_chunks >= 1,
                  "max_posted_chunks and recv_window_chunks must be positive");
+  KVXFER_REQUIRE(cfg.max_posted_recvs == 0 || cfg.max_posted_recvs >= 2,
+                 "max_posted_recvs must be 0 (the provider's rx size) or at least 2");
   for (int c = 0; c < kNumClasses; ++c)
     KVXFER_REQUIRE(cfg.dscp[c] >= -1 && cfg.dscp[c] <= 63, "dscp %d outside -1..63", cfg.dscp[c]);
   std::unique_ptr<Link> l(new Link());
@@ -410,6 +412,15 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
     KVXFER_CHECK(Endpoint::open(l->domain_, cfg.tclass[c], &l->ep_[c]));
   const uint64_t max_msg = l->domain_->info()->ep_attr->max_msg_size;
   if (max_msg > 0 && l->cfg_.chunk_bytes > max_msg) l->cfg_.chunk_bytes = max_msg;
+  // Receives are posted far ahead (docs/TRANSPORT.md, "Receive window"):
+  // a message that arrives with its receive posted is placed at once; one
+  // that arrives unexpected holds one of the provider's few receive buffers
+  // (rxm: 128 per connection), and with too many of those the connection
+  // stalls behind them.
+  if (l->cfg_.max_posted_recvs == 0) {
+    const fi_rx_attr* rx = l->domain_->info()->rx_attr;
+    l->cfg_.max_posted_recvs = rx != nullptr && rx->size >= 2 ? rx->size : 1024;
+  }
 
   // Address blob.
   std::vector<uint8_t>& a = l->address_;
@@ -533,7 +544,13 @@ kvxfer_result_t Link::post_send(TrafficClass c, const void* buf, size_t len, uin
   KVXFER_REQUIRE(c == TrafficClass::kAnchor || c == TrafficClass::kResidual, "bad traffic class");
   KVXFER_REQUIRE(buf != nullptr || len == 0, "null send buffer");
   KVXFER_REQUIRE(tag <= kMaxTag, "tag %" PRIu64 " above the maximum %" PRIu64, tag, kMaxTag);
-  const uint64_t nchunks = (len + cfg_.chunk_bytes - 1) / cfg_.chunk_bytes;
+  // Messages below rxm's SAR limit travel in eager-size chunks; larger ones in
+  // chunk_bytes chunks (rxm rendezvous).  rxm's segmentation-and-reassembly
+  // path, between the two, stalled with many messages outstanding
+  // (docs/TRANSPORT.md, "Chunk sizes").
+  const size_t chunk_bytes =
+      len < kSarLimitBytes ? std::min(cfg_.chunk_bytes, kEagerChunkBytes) : cfg_.chunk_bytes;
+  const uint64_t nchunks = (len + chunk_bytes - 1) / chunk_bytes;
   KVXFER_REQUIRE(nchunks <= kMaxChunks, "message of %zu bytes needs more than 2^24 chunks", len);
   auto op = std::make_unique<Op>();
   op->id = next_op_id_++;
@@ -543,11 +560,11 @@ kvxfer_result_t Link::post_send(TrafficClass c, const void* buf, size_t len, uin
   op->buf = const_cast<uint8_t*>(static_cast<const uint8_t*>(buf));
   op->size = len;
   op->total = len;
-  op->chunk = cfg_.chunk_bytes;
+  op->chunk = chunk_bytes;
   op->nchunks = static_cast<uint32_t>(nchunks);
   op->hdr.magic = kWireMagic;
   op->hdr.version = kWireVersion;
-  op->hdr.chunk_bytes = static_cast<uint32_t>(cfg_.chunk_bytes);
+  op->hdr.chunk_bytes = static_cast<uint32_t>(chunk_bytes);
   op->hdr.total = len;
   op->hdr.tag = tag;
   op->posted = op->last_activity = Clock::now();
@@ -753,8 +770,11 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
     if (op->nchunks == 0) {
       finish(op, KVXFER_SUCCESS, "", now);
     } else if (!op->queued && op->has_work()) {
+      // Its data receives go before any header receive still to post: the
+      // sender's posted chunks are this message's data, and they complete
+      // only once these receives exist.
       op->queued = true;
-      recv_queue_[c].push_back(op);
+      recv_queue_[c].push_front(op);
     }
     maybe_release(op);
     return KVXFER_SUCCESS;
@@ -777,7 +797,7 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
     finish(op, KVXFER_SUCCESS, "", now);  // no-op for a draining op (already reported)
   } else if (!op->queued && op->has_work()) {
     op->queued = true;
-    recv_queue_[c].push_back(op);
+    recv_queue_[c].push_front(op);  // data first (see the header case)
   }
   maybe_release(op);
   return KVXFER_SUCCESS;
@@ -786,18 +806,27 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
 kvxfer_result_t Link::post_recvs(Clock::time_point now) {
   (void)now;
   for (int c = 0; c < kNumClasses; ++c) {  // anchor first
+    // One pass over the queue, keeping its order (receives are posted in
+    // the order they were asked for, which is the order the peer sends).
+    // Header receives may fill only half of the posting window: the other
+    // half is kept for data receives, and an op blocked on a header slot
+    // does not stop the data receives of ops behind it.  Otherwise receives
+    // posted ahead for later messages crowd out the data of the messages the
+    // sender is sending now, and both sides stall (seen with more than 128
+    // messages outstanding on a class).
     auto& q = recv_queue_[c];
-    size_t n = q.size();
+    std::deque<Op*> keep;
     bool provider_full = false;
-    while (n-- > 0 && !provider_full) {
+    while (!q.empty() && !provider_full) {
       Op* op = q.front();
       q.pop_front();
       op->queued = false;
+      bool blocked = false;
       while (op->has_work()) {
         const bool header = op->next_post == 0;
-        if (!header && op->outstanding >= cfg_.recv_window_chunks) break;
-        if (posted_recvs_[c] >= cfg_.max_posted_chunks * 2) {
-          provider_full = true;
+        if (!header && op->outstanding >= cfg_.recv_window_chunks) break;  // requeued on completion
+        if (posted_recvs_[c] >= (header ? cfg_.max_posted_recvs / 2 : cfg_.max_posted_recvs)) {
+          blocked = true;
           break;
         }
         void* dst;
@@ -816,9 +845,9 @@ kvxfer_result_t Link::post_recvs(Clock::time_point now) {
         Ctx* ctx = new_ctx(op, static_cast<TrafficClass>(c), kind, op->next_post, len);
         const kvxfer_result_t r =
             ep_[c]->post_recv(dst, len, wire_tag(op->tag, op->next_post), ctx);
-        if (r == KVXFER_IN_PROGRESS) {
+        if (r == KVXFER_IN_PROGRESS) {  // the provider's queue is full: retry next progress()
           free_ctx(ctx);
-          provider_full = true;
+          blocked = provider_full = true;
           break;
         }
         if (r != KVXFER_SUCCESS) {
@@ -830,18 +859,18 @@ kvxfer_result_t Link::post_recvs(Clock::time_point now) {
         posted_recvs_[c]++;
         op->next_post++;
       }
-      // Provider queue full: retry on the next progress(), from the same
-      // place in the queue (receives are posted in the order they were
-      // asked for, which is the order the peer sends them).  Otherwise the
-      // op waits for its header or a free window slot, and the completion
-      // handler queues it again.
-      if (provider_full && op->has_work()) {
+      if (blocked && op->has_work()) {
         op->queued = true;
-        q.push_front(op);
+        keep.push_back(op);
       } else {
-        maybe_release(op);
+        maybe_release(op);  // waits for its header or a window slot; requeued on completion
       }
     }
+    while (!q.empty()) {  // not reached this time (provider full): same order, after `keep`
+      keep.push_back(q.front());
+      q.pop_front();
+    }
+    q.swap(keep);
   }
   return KVXFER_SUCCESS;
 }

@@ -67,6 +67,14 @@ using CqPtr = std::unique_ptr<fid_cq, FidCloser<fid_cq>>;
 using AvPtr = std::unique_ptr<fid_av, FidCloser<fid_av>>;
 using EpPtr = std::unique_ptr<fid_ep, FidCloser<fid_ep>>;
 
+/** rxm's defaults (libfabric 1.17): messages up to FI_OFI_RXM_BUFFER_SIZE
+ *  (16 KiB, less rxm's header) go eager, up to FI_OFI_RXM_SAR_LIMIT (128 KiB)
+ *  by segmentation, above by rendezvous.  Link::post_send chunks messages
+ *  below kSarLimitBytes at kEagerChunkBytes so that they never take the SAR
+ *  path (docs/TRANSPORT.md, "Chunk sizes"). */
+constexpr size_t kEagerChunkBytes = 16000;
+constexpr size_t kSarLimitBytes = 128 * 1024;
+
 /** The libfabric API version this layer asks for. */
 constexpr uint32_t kFiVersion = FI_VERSION(1, 17);
 
@@ -185,10 +193,11 @@ struct LinkConfig {
   std::array<int, kNumClasses> dscp{46, 8};  // -1 = do not mark sockets (still inspected)
   size_t chunk_bytes = 256 * 1024;           // messages are split into chunks of at most this
   size_t residual_inflight_bytes = 1 << 20;  // residual bytes posted and not completed
-  size_t max_posted_chunks = 64;             // per class: bounds the provider's queues
-  size_t recv_window_chunks = 16;            // data receives posted ahead, per message
-  int64_t timeout_ms = 30000;                // inactivity timeout of every operation
-  std::shared_ptr<RateLimiter> limiter;      // null = no rate limit
+  size_t max_posted_chunks = 64;             // per class: send chunks posted to the provider
+  size_t max_posted_recvs = 0;     // per class: receives posted ahead; 0 = the provider's rx size
+  size_t recv_window_chunks = 16;  // data receives posted ahead, per message
+  int64_t timeout_ms = 30000;      // inactivity timeout of every operation
+  std::shared_ptr<RateLimiter> limiter;  // null = no rate limit
 
   /** Fills every field from the KVXFER_* parameters (node stays ""). */
   static kvxfer_result_t from_params(LinkConfig* out);
