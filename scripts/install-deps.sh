@@ -18,6 +18,7 @@ packages=(
   libgtest-dev        # GoogleTest: find_package(GTest)
   libgmock-dev
   libfabric-dev       # libfabric >= 1.17
+  libfabric-bin       # fi_pingpong: the baseline of perf/run_figures.sh
   libhwloc-dev
   libxxhash-dev       # section checksums
   libcli11-dev        # command lines of perf/ and examples/
@@ -67,4 +68,20 @@ cmake_version="$(cmake --version | sed -n 's/^cmake version \([0-9.]*\).*/\1/p')
 if [[ "$(printf '%s\n' 3.25 "$cmake_version" | sort -V | head -n1)" != 3.25 ]]; then
   echo "install-deps.sh: cmake $cmake_version is older than 3.25" >&2
   exit 1
+fi
+
+# Python modules from PyPI, into the python3 on PATH (it may be a pyenv or
+# venv interpreter rather than Debian's), each only when it is missing.
+# Without them the tests that need them skip themselves (exit 77).
+#   pytest      the Python binding's tests (python/CMakeLists.txt)
+#   matplotlib  perf/plot_perf.py and examples/plot_demo.py (the figures)
+if command -v python3 >/dev/null 2>&1; then
+  for module in pytest matplotlib; do
+    if ! python3 -c "import $module" >/dev/null 2>&1; then
+      echo "install-deps.sh: installing $module for $(command -v python3)"
+      if ! PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet "$module"; then
+        echo "install-deps.sh: could not install $module; the tests that need it will be skipped" >&2
+      fi
+    fi
+  done
 fi

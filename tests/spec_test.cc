@@ -735,6 +735,14 @@ TEST(SpecModel, FixedWindowsExposeTheResidual) {
   EXPECT_EQ(o.window, 4);
   EXPECT_NEAR(o.exposure_s, 0.020, 1e-12);
   EXPECT_EQ(o.expected_accepted, 4.0);
+  // Verifying only a prefix of the draft: v = 2 of the 4.
+  in.max_verify = 2;
+  ASSERT_EQ(kvxfer_spec_ttft_model(&in, &o), KVXFER_SUCCESS);
+  EXPECT_EQ(o.drafted, 4);
+  EXPECT_EQ(o.verified, 2);
+  EXPECT_EQ(o.expected_accepted, 2.0);
+  EXPECT_NEAR(o.ttft_commit_s[L], 0.033 + 0.024 + 0.0005 + 0.0001 * 3, 1e-12);
+  in.max_verify = 0;
   // A burst lets the first b bytes through at once.
   in.burst_bytes = 8000;
   ASSERT_EQ(kvxfer_spec_ttft_model(&in, &o), KVXFER_SUCCESS);
@@ -753,6 +761,8 @@ TEST(SpecModel, BadInputIsRefused) {
   EXPECT_EQ(refuse([](kvxfer_spec_model_input_t* i) { i->tpot_s = -1; }),
             KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(refuse([](kvxfer_spec_model_input_t* i) { i->accept_rate = 1.5; }),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(refuse([](kvxfer_spec_model_input_t* i) { i->max_verify = -1; }),
             KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(refuse([](kvxfer_spec_model_input_t* i) { i->num_tokens = 0; }),
             KVXFER_ERR_INVALID_ARGUMENT);

@@ -3,11 +3,11 @@
  *
  * With a progressive transfer (kvxfer_recv, KVXFER_MODE_PROGRESSIVE) the
  * decode node holds the whole KV at anchor precision at ANCHOR_READY, long
- * before COMPLETE.  Lynx (arXiv:2607.01831, section "Speculative decoding")
- * drafts tokens on that approximate KV while the residual is in flight, then
- * verifies the draft in one batched pass on the full-precision KV.  The output
- * is exactly what decoding on the full KV gives: token for token with greedy
- * verification, in distribution with stochastic verification.
+ * before COMPLETE.  Lynx (arXiv:2607.01831) drafts tokens on that approximate
+ * KV while the residual is in flight, then verifies the draft in one batched
+ * pass on the full-precision KV.  The output is exactly what decoding on the
+ * full KV gives: token for token with greedy verification, in distribution
+ * with stochastic verification.
  *
  * This header holds the pieces of that loop that do not depend on a model:
  *   - verification: kvxfer_spec_verify_greedy, kvxfer_spec_verify_stochastic
@@ -273,6 +273,10 @@ typedef struct {
   int32_t window;     /**< k, tokens drafted; < 0 = adaptive: ceil(t_res / TPOT) + margin */
   int32_t margin;     /**< >= 0, for window < 0 */
   int32_t max_window; /**< clamp of the adaptive window; 0 = none */
+  /** v: the verification pass covers at most this many of the d draft tokens
+   *  (the rest are dropped); 0 = all.  Worth setting where a batched pass
+   *  costs about as much as that many decode steps (a CPU). */
+  int32_t max_verify;
   double accept_rate; /**< alpha, per-token acceptance in [0, 1] */
   int32_t num_tokens; /**< N >= 1 for the time to N final tokens (e.g. 64) */
 } kvxfer_spec_model_input_t;
@@ -280,7 +284,7 @@ typedef struct {
 #define KVXFER_SPEC_MODEL_INPUT_INITIALIZER                                                     \
   {                                                                                             \
     sizeof(kvxfer_spec_model_input_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0.0, 0.0, 0.0, \
-        0.0, 0.0, 0.0, 0.0, {0.0, 0.0, 0.0, 0.0}, 0.0, 0.0, -1, 2, 0, 0.0, 64                   \
+        0.0, 0.0, 0.0, 0.0, {0.0, 0.0, 0.0, 0.0}, 0.0, 0.0, -1, 2, 0, 0, 0.0, 64                \
   }
 
 /** Outputs of kvxfer_spec_ttft_model, indexed by kvxfer_spec_scheme_t. */
@@ -294,15 +298,16 @@ typedef struct {
   double ttnt_s[KVXFER_SPEC_SCHEME_COUNT];        /**< num_tokens final tokens */
   double t_res_s;           /**< residual transfer after the anchors, B_r / R */
   double exposure_s;        /**< max(0, t_res - k * TPOT) */
-  double expected_accepted; /**< abar = sum_{i=1..d} alpha^i */
+  double expected_accepted; /**< abar = sum_{i=1..v} alpha^i */
   int32_t window;           /**< k, the window used */
   int32_t drafted;          /**< d = min(k, ceil(t_res / TPOT)) */
+  int32_t verified;         /**< v = min(d, max_verify or d) */
 } kvxfer_spec_model_output_t;
 
 #define KVXFER_SPEC_MODEL_OUTPUT_INITIALIZER                                                    \
   {                                                                                             \
     sizeof(kvxfer_spec_model_output_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, {0, 0, 0, 0}, \
-        {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}, 0.0, 0.0, 0.0, 0, 0                           \
+        {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}, 0.0, 0.0, 0.0, 0, 0, 0                        \
   }
 
 /**
@@ -315,18 +320,19 @@ typedef struct {
  *                                                            is drafted on the anchors
  *                  = t_pre + t_a + t_res + t_ver(0)          k = 0: no speculation
  * Drafting stops at COMPLETE or after k tokens, so d = min(k, ceil(t_res/TPOT))
- * tokens are drafted and verified in one pass once the residual is in:
- *   TTFT_commit_Lynx = t_pre + t_a + max(d TPOT, t_res) + t_ver(d)
- *                    (= t_pre + t_a + k TPOT + E + t_ver(k) when d = k)
- * with t_ver(d) = t_verify_base + t_verify_per_token (d + 1).  Time to N final
+ * tokens are drafted; the first v = min(d, max_verify or d) are verified in
+ * one pass once the residual is in:
+ *   TTFT_commit_Lynx = t_pre + t_a + max(d TPOT, t_res) + t_ver(v)
+ *                    (= t_pre + t_a + k TPOT + E + t_ver(k) when v = d = k)
+ * with t_ver(v) = t_verify_base + t_verify_per_token (v + 1).  Time to N final
  * tokens:  monolithic  t_pre + t_x(B_c) + N TPOT;
  *          Lynx        TTFT_commit_Lynx + max(0, N - (abar + 1)) TPOT,
- *                      abar = sum_{i=1..d} alpha^i  (expected accepted prefix).
+ *                      abar = sum_{i=1..v} alpha^i  (expected accepted prefix).
  * Monolithic schemes have ttft_commit = ttft.  Adaptive window (window < 0):
  * k = ceil(t_res / TPOT) + margin, clamped to max_window when that is > 0.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, uninitialised structs, R or TPOT
  *   not > 0, negative or non-finite times or sizes, alpha outside [0, 1],
- *   num_tokens < 1, margin or max_window < 0).
+ *   num_tokens < 1, margin, max_window or max_verify < 0).
  */
 kvxfer_result_t kvxfer_spec_ttft_model(const kvxfer_spec_model_input_t* in,
                                        kvxfer_spec_model_output_t* out);

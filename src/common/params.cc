@@ -186,6 +186,26 @@ void record_bad(const char* env, const char* text, const std::string& why) {
 #undef KVXFER_PARAM_ENUM
 #undef KVXFER_PARAM_STRING
 
+bool parse_unit_interval(const std::string& text, double* out, std::string* why) {
+  if (text.empty()) {
+    *why = "is empty";
+    return false;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
+    *why = "is not a number";
+    return false;
+  }
+  if (v < 0.0 || v > 1.0) {
+    *why = "is outside [0, 1]";
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
 kvxfer_result_t validate() {
   // Every value is read once, so the verdict is computed once too.
   static const std::string problem = [] {
@@ -203,6 +223,9 @@ kvxfer_result_t validate() {
     double bps = 0;
     if (!parse_rate(RateLimit(), &bps, &why))
       record_bad("KVXFER_RATE_LIMIT", RateLimit().c_str(), why);
+    double fraction = 0;
+    if (!parse_unit_interval(SpecMinAccept(), &fraction, &why))
+      record_bad("KVXFER_SPEC_MIN_ACCEPT", SpecMinAccept().c_str(), why);
     std::lock_guard<std::mutex> lk(bad().mu);
     return bad().first;
   }();

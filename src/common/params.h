@@ -36,5 +36,7 @@ bool parse_enum(const char* text, const char* choices, std::string* out, std::st
  * overflow) returns false with the reason in *why.
  */
 bool parse_rate(const std::string& text, double* bytes_per_sec, std::string* why);
+/** A number in [0, 1] (KVXFER_SPEC_MIN_ACCEPT).  False with *why if not. */
+bool parse_unit_interval(const std::string& text, double* out, std::string* why);
 
 }  // namespace kvxfer::params

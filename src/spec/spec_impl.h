@@ -10,9 +10,9 @@
 
 namespace kvxfer::spec {
 
-// ---- environment (KVXFER_SPEC_MIN_ACCEPT has a syntax params.def cannot express)
-/** Parses a rate in [0, 1] written as a plain decimal number; false + reason otherwise. */
-bool parse_unit_interval(const char* text, double* out, const char** why);
+// ---- environment (KVXFER_SPEC_MIN_ACCEPT: params::parse_unit_interval, also checked by
+// params::validate)
+
 /** Fails naming KVXFER_SPEC_MIN_ACCEPT when it is malformed (checked once). */
 kvxfer_result_t validate_env();
 /** KVXFER_SPEC_MIN_ACCEPT (valid after validate_env succeeded). */

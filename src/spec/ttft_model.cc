@@ -31,8 +31,9 @@ kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_mode
   KVXFER_REQUIRE(std::isfinite(in->accept_rate) && in->accept_rate >= 0.0 && in->accept_rate <= 1.0,
                  "accept_rate %g is outside [0, 1]", in->accept_rate);
   KVXFER_REQUIRE(in->num_tokens >= 1, "num_tokens %d < 1", in->num_tokens);
-  KVXFER_REQUIRE(in->margin >= 0 && in->max_window >= 0, "margin %d or max_window %d is negative",
-                 in->margin, in->max_window);
+  KVXFER_REQUIRE(in->margin >= 0 && in->max_window >= 0 && in->max_verify >= 0,
+                 "margin %d, max_window %d or max_verify %d is negative", in->margin,
+                 in->max_window, in->max_verify);
 
   const double R = in->link_bytes_per_s, tpot = in->tpot_s, N = in->num_tokens;
   // (16) transfer of B bytes on a token-bucket link of depth b.
@@ -62,13 +63,14 @@ kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_mode
   if (k > 1e9) k = 1e9;
   const double exposure = std::fmax(0.0, t_res - k * tpot);
   const double d = std::fmin(k, std::ceil(t_res / tpot));
+  const double v = in->max_verify > 0 ? std::fmin(d, in->max_verify) : d;
   const double alpha = in->accept_rate;
-  // abar = sum_{i=1..d} alpha^i, in closed form.
-  const double abar = alpha >= 1.0 ? d : alpha * (1.0 - std::pow(alpha, d)) / (1.0 - alpha);
+  // abar = sum_{i=1..v} alpha^i, in closed form.
+  const double abar = alpha >= 1.0 ? v : alpha * (1.0 - std::pow(alpha, v)) / (1.0 - alpha);
   const int L = KVXFER_SPEC_SCHEME_LYNX;
   o.t_ready_s[L] = in->t_prefill_s + t_a;
   const double commit =
-      in->t_prefill_s + t_a + std::fmax(d * tpot, t_res) + t_ver(static_cast<int>(d));
+      in->t_prefill_s + t_a + std::fmax(d * tpot, t_res) + t_ver(static_cast<int>(v));
   // (20)
   o.ttft_s[L] = k >= 1 ? o.t_ready_s[L] + tpot : commit;
   o.ttft_commit_s[L] = commit;
@@ -78,6 +80,7 @@ kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_mode
   o.expected_accepted = abar;
   o.window = static_cast<int32_t>(k);
   o.drafted = static_cast<int32_t>(d);
+  o.verified = static_cast<int32_t>(v);
   *out = o;
   return KVXFER_SUCCESS;
 }

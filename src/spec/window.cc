@@ -12,26 +12,6 @@
 
 namespace kvxfer::spec {
 
-bool parse_unit_interval(const char* text, double* out, const char** why) {
-  if (text == nullptr || *text == '\0') {
-    *why = "is empty";
-    return false;
-  }
-  errno = 0;
-  char* end = nullptr;
-  const double v = std::strtod(text, &end);
-  if (end == text || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
-    *why = "is not a number";
-    return false;
-  }
-  if (v < 0.0 || v > 1.0) {
-    *why = "is outside [0, 1]";
-    return false;
-  }
-  *out = v;
-  return true;
-}
-
 namespace {
 
 struct MinAccept {
@@ -43,8 +23,8 @@ const MinAccept& min_accept() {
   static const MinAccept m = [] {
     MinAccept r;
     const std::string& text = params::SpecMinAccept();
-    const char* why = nullptr;
-    if (!parse_unit_interval(text.c_str(), &r.value, &why)) {
+    std::string why;
+    if (!params::parse_unit_interval(text, &r.value, &why)) {
       r.problem = "KVXFER_SPEC_MIN_ACCEPT='" + text + "' " + why;
       r.value = 0.5;
     } else if (std::getenv("KVXFER_SPEC_MIN_ACCEPT") != nullptr) {

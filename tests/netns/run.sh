@@ -36,7 +36,10 @@
 #                      experiment: anchors unmarked, in the default class
 #                      with the bulk flow; the priority assertions then fail.
 #   NETNS_TIMEOUT_MS   kvxfer_comm_config_t.timeout_ms of both ranks (default
-#                      60000: longer than the transfer may take here)
+#                      60000, longer than the transfer may take here: the
+#                      sender's receive of the final STATUS is timed from its
+#                      last incoming message, the handshake, so a transfer
+#                      that outlasts the timeout fails on the sender)
 set -uo pipefail
 
 peer=${1:-}
@@ -284,7 +287,10 @@ step "kvxfer: $tokens tokens x 8 layers x 8 kv_heads x 128 head_dim bf16, Lynx p
 peer_args=(--id "$work/id" --layers 8 --kv-heads 8 --head-dim 128 --tokens "$tokens"
   --page-tokens 64 --timeout-ms "$timeout_ms" --wait-s 55)
 # The library's defaults mark the anchors EF (46) and the residuals CS1 (8).
-common_env=(KVXFER_DEBUG=WARN)
+# One codec thread: on a loaded 2-core machine the default (an OpenMP team per
+# core, per page) encoded and decoded at half the speed, and the anchors'
+# timing then measured the CPU rather than the network.
+common_env=(KVXFER_DEBUG=WARN KVXFER_CODEC_THREADS=1)
 [[ "$anchor_dscp" == 46 ]] || common_env+=(KVXFER_ANCHOR_DSCP="$anchor_dscp")
 ip netns exec "$ns_r" timeout -k 5 65 env "${common_env[@]}" KVXFER_BOOTSTRAP_ADDR="$addr_r" \
   KVXFER_BIND_ADDR="$addr_r" "$peer" --role recv "${peer_args[@]}" \

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Measures the three kvxfer_perf figures (docs/PERFORMANCE.md, "kvxfer_perf",
+# "The three figures") in one go and prints them:
+#
+#   1. unlimited rate: BF16 monolithic kvxfer_send/recv throughput against
+#      fi_pingpong -p "tcp;ofi_rxm" -e rdm on 127.0.0.1 at the same message
+#      size (the whole KV), and at the size of one page message;
+#   2. -r 1gbit: Lynx progressive against INT8 monolithic,
+#      t_anchor(lynx)/t_complete(int8) and t_complete(lynx)/t_complete(int8);
+#   3. -R 16: whether the anchors of all 16 requests were ANCHOR_READY before
+#      the first residual of any of them was applied.
+#
+#   perf/run_figures.sh [BUILD_DIR]          # default: build
+#   KVXFER_FIGURES_OUT=DIR perf/run_figures.sh   # keep the logs and JSON in DIR
+#
+# Slow (a few minutes on 2 cores) and timing-only, so not a ctest.  Needs
+# fi_pingpong (Debian package libfabric-bin) and python3; every command runs
+# under `timeout`, so a hang shows up as a failure, never as a stuck script.
+# Exit status: 0 when every run completed with #wrong = 0, else 1.
+set -uo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+build="${1:-build}"
+perf="$build/perf/kvxfer_perf"
+if [[ ! -x "$perf" ]]; then
+  echo "run_figures.sh: $perf not found; build it first (ninja -C $build kvxfer_perf)" >&2
+  exit 2
+fi
+for tool in python3 fi_pingpong timeout; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    echo "run_figures.sh: $tool not found (scripts/install-deps.sh installs it)" >&2
+    exit 2
+  fi
+done
+out="${KVXFER_FIGURES_OUT:-$(mktemp -d /tmp/kvxfer-figures.XXXXXX)}"
+mkdir -p "$out"
+status=0
+
+# Figure sizes: the Llama-3-8B-like default shape, 128 KiB of bf16 KV per token.
+fig1_size=64M
+fig2_sizes=(-b 16M -e 64M)
+fig3_size=2M
+
+# json FILE EXPR: evaluates a Python expression over the kvxfer_perf JSON `j`.
+json() {
+  python3 - "$1" "$2" <<'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))
+print(eval(sys.argv[2]))
+EOF
+}
+
+# run NAME ARGS...: kvxfer_perf with -J, its output in $out/NAME.log.
+run() {
+  local name="$1"
+  shift
+  echo "\$ kvxfer_perf $*" >"$out/$name.log"
+  timeout 900 "$perf" "$@" -J "$out/$name.json" >>"$out/$name.log" 2>&1
+  local rc=$?
+  if ((rc != 0)); then
+    echo "  kvxfer_perf $* FAILED (exit $rc); last lines of $out/$name.log:"
+    grep -v '^# Settings' "$out/$name.log" | tail -n 6 | sed 's/^/    /'
+    status=1
+    return 1
+  fi
+  return 0
+}
+
+# pingpong SIZE ITERS: one-way GB/s of fi_pingpong tcp;ofi_rxm rdm on 127.0.0.1.
+pingpong() {
+  local size="$1" iters="$2" port=$((20000 + RANDOM % 20000))
+  timeout 300 fi_pingpong -p "tcp;ofi_rxm" -e rdm -B "$port" -S "$size" -I "$iters" \
+    >"$out/pingpong-$size.server" 2>&1 &
+  local server=$!
+  local line="" try
+  for try in 1 2 3 4 5 6 7 8 9 10; do
+    sleep 0.3
+    line="$(timeout 300 fi_pingpong -p "tcp;ofi_rxm" -e rdm -P "$port" -S "$size" -I "$iters" \
+      127.0.0.1 2>>"$out/pingpong-$size.client" | tail -n 1)"
+    [[ "$line" =~ ^[0-9] ]] && break
+  done
+  wait "$server" 2>/dev/null
+  echo "$line" >>"$out/pingpong-$size.client"
+  # bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
+  if [[ "$line" =~ ^[0-9] ]]; then
+    awk '{ printf "%.3f", $6 / 1000 }' <<<"$line"
+  else
+    echo "n/a"
+  fi
+}
+
+echo "# kvxfer_perf figures: $("$perf" --help >/dev/null 2>&1 && echo "$perf") on $(hostname), $(nproc) CPUs"
+echo "# logs and JSON in $out"
+echo
+
+# ---- 1. unlimited rate: BF16 monolithic against fi_pingpong -------------------
+echo "## 1. Unlimited rate: BF16 monolithic against fi_pingpong (tcp;ofi_rxm, rdm, 127.0.0.1)"
+if run fig1 -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 5; then
+  j="$out/fig1.json"
+  kv=$(json "$j" 'j["rows"][0]["kv_bytes"]')
+  wire=$(json "$j" 'j["rows"][0]["wire_bytes"]')
+  pages=$(json "$j" 'j["rows"][0]["pages"]')
+  tc=$(json "$j" '"%.1f" % j["rows"][0]["t_complete"]["median_us"]')
+  alg=$(json "$j" '"%.3f" % j["rows"][0]["algbw_gbps"]')
+  wbw=$(json "$j" '"%.3f" % j["rows"][0]["wirebw_gbps"]')
+  page_msg=$((wire / pages))
+  pp_kv=$(pingpong "$kv" 10)
+  pp_page=$(pingpong "$page_msg" 200)
+  echo "  kvxfer bf16 mono, $kv B of KV ($pages page messages of $page_msg B, $wire B on the wire):"
+  echo "    t_complete $tc us, algbw $alg GB/s, wirebw $wbw GB/s (median of 5)"
+  echo "  fi_pingpong at $kv B (one message of the whole KV): $pp_kv GB/s"
+  echo "  fi_pingpong at $page_msg B (one page message):      $pp_page GB/s"
+  python3 - "$wbw" "$pp_kv" "$pp_page" <<'EOF'
+import sys
+w, a, b = sys.argv[1:]
+def ratio(x, y):
+    try:
+        return "%.3f" % (float(x) / float(y))
+    except (ValueError, ZeroDivisionError):
+        return "n/a"
+print("  ratio wirebw(kvxfer) / fi_pingpong: %s at the KV size, %s at the page size" %
+      (ratio(w, a), ratio(w, b)))
+EOF
+fi
+echo
+
+# ---- 2. -r 1gbit: Lynx progressive against INT8 monolithic --------------------
+echo "## 2. Rate 1gbit: Lynx 4+4 progressive against INT8 monolithic"
+if run fig2 "${fig2_sizes[@]}" -m lynx,int8 -r 1gbit -w 1 -n 3; then
+  j="$out/fig2.json"
+  json "$j" '"\n".join("  %9d B: t_anchor(lynx)/t_complete(int8) = %.3f   t_complete(lynx)/t_complete(int8) = %.3f" % (r["kv_bytes"], r["anchor_lynx_over_complete_int8"], r["complete_lynx_over_complete_int8"]) for r in j["ratios"]) or "  no ratios"'
+  json "$j" '"\n".join("    %-4s %-4s %9d B: t_anchor %.1f ms, t_complete %.1f ms, %d B on the wire" % (r["codec"], r["mode"], r["kv_bytes"], r["t_anchor"]["median_us"] / 1e3, r["t_complete"]["median_us"] / 1e3, r["wire_bytes"]) for r in j["rows"])'
+fi
+echo
+
+# ---- 3. -R 16: anchors of all requests before any residual --------------------
+echo "## 3. 16 requests in flight: anchors of all requests before any residual?"
+fig3() {
+  local name="$1"
+  shift
+  if run "$name" "$@"; then
+    json "$out/$name.json" '"  anchors of all requests landed before any residual was applied: %s (%d of %d progressive batches; worst margin %s us)" % (j["anchors_first"]["result"], j["anchors_first"]["batches_ok"], j["anchors_first"]["batches"], "%+.1f" % j["anchors_first"]["worst_margin_us"] if j["anchors_first"]["worst_margin_us"] is not None else "n/a")'
+    json "$out/$name.json" '"\n".join("    %-4s %-4s %9d B x 16: t_anchor %.1f ms, t_complete %.1f ms" % (r["codec"], r["mode"], r["kv_bytes"], r["t_anchor"]["median_us"] / 1e3, r["t_complete"]["median_us"] / 1e3) for r in j["rows"])'
+    return 0
+  fi
+  return 1
+}
+echo "  Llama-3-8B-like shape, $fig3_size per request:"
+if ! fig3 fig3 -b "$fig3_size" -e "$fig3_size" -m lynx,int8 -R 16 -w 1 -n 3 --timeout_ms 10000; then
+  echo "  the same with 2 layers (64 page messages per class instead of 1024):"
+  fig3 fig3-small -L 2 -b 1M -e 1M -m lynx,int8 -R 16 -w 1 -n 3 --timeout_ms 10000
+fi
+echo
+if ((status == 0)); then
+  echo "# all runs completed, #wrong = 0"
+else
+  echo "# some runs FAILED (logs in $out)"
+fi
+exit "$status"
