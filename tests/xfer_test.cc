@@ -554,6 +554,51 @@ TEST(Xfer, CallbacksInOrderAndPerLayerWaits) {
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
+// The documented guarantee: while on_anchor_ready runs, the blocks hold
+// exactly the anchor-only decode (no residual applied yet), with no test seam.
+TEST(Xfer, AnchorReadyCallbackSeesExactlyAnchorPrecision) {
+  Shape s;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, 6);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  struct Snap {
+    PagedKV* dst;
+    std::vector<std::vector<uint8_t>> bytes;  // [layer * 2 + kind]
+  };
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  Snap snap{&dst, {}};
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  rc.on_anchor_ready = [](kvxfer_request_t, kvxfer_stage_t, kvxfer_result_t, void* u) {
+    auto* sn = static_cast<Snap*>(u);
+    for (int32_t l = 0; l < sn->dst->L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        sn->bytes.push_back(sn->dst->bytes(l, kind));
+  };
+  rc.user_data = &snap;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(6);
+  PagedKV anchor(s.L, s.heads, s.hd, s.T, 64);
+  expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, s.page_tokens, 9, false, &anchor);
+  ASSERT_EQ(snap.bytes.size(), static_cast<size_t>(2 * s.L));
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      EXPECT_EQ(snap.bytes[static_cast<size_t>(2 * l + kind)], anchor.bytes(l, kind)) << l;
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
 TEST(Xfer, ZeroTokensCompletesOnBothSides) {
   Shape s;
   s.T = 0;

@@ -424,6 +424,12 @@ typedef enum {
  * of the same communicator (kvxfer_test and kvxfer_request_get_info are
  * fine).  It must not free the request, and must not destroy the
  * communicator (kvxfer_comm_abort is fine).
+ * The stage is visible to kvxfer_test/kvxfer_wait just before the callback
+ * runs, so a waiter may wake before the callback has finished.
+ * Guarantee: while on_anchor_ready runs, the receiver's blocks hold exactly
+ * the anchor-precision values of every page; no residual of the request is
+ * applied before it returns (a caller may copy the anchor KV there, e.g. to
+ * draft on it while the residuals land).
  */
 typedef void (*kvxfer_callback_t)(kvxfer_request_t request, kvxfer_stage_t stage,
                                   kvxfer_result_t result, void* user_data);
