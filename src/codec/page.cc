@@ -67,9 +67,31 @@ kvxfer_result_t nonfinite_error(const kvxfer_page_id_t& id, int64_t t, int32_t c
                    id.token_begin + t, c);
 }
 
+/** True if a row of H values of `dt` holds a NaN or Inf: an all-ones
+ *  exponent, tested on the bits (branch-free, so the compiler vectorises it). */
+bool row_has_nonfinite(const uint8_t* row, int32_t H, kvxfer_dtype_t dt) {
+  uint32_t any = 0;
+  if (dt == KVXFER_DTYPE_FP32) {
+    for (int32_t c = 0; c < H; ++c) {
+      uint32_t u;
+      std::memcpy(&u, row + 4 * c, 4);
+      any |= static_cast<uint32_t>((u & 0x7F800000u) == 0x7F800000u);
+    }
+  } else {
+    const uint16_t mask = dt == KVXFER_DTYPE_BF16 ? 0x7F80 : 0x7C00;
+    for (int32_t c = 0; c < H; ++c) {
+      uint16_t u;
+      std::memcpy(&u, row + 2 * c, 2);
+      any |= static_cast<uint32_t>((u & mask) == mask);
+    }
+  }
+  return any != 0;
+}
+
 bool find_nonfinite(const Layout& src, int64_t T, int32_t H, int64_t* t, int32_t* h, float* v) {
   for (int64_t i = 0; i < T; ++i) {
     const uint8_t* row = src.row(i);
+    if (!row_has_nonfinite(row, H, src.l->dtype)) continue;  // the fast common case
     for (int32_t c = 0; c < H; ++c) {
       const float x = load_elem(row, c, src.l->dtype);
       if (!std::isfinite(x)) {
