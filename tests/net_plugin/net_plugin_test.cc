@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -56,13 +57,13 @@ ncclResult_t init_ctx(const Plugin& p, int traffic_class, void** ctx, uint64_t c
 
 using Handle = char[NCCL_NET_HANDLE_MAXSIZE];
 
-#define CHILD_REQUIRE(cond)                                                                    \
-  do {                                                                                         \
-    if (!(cond)) {                                                                             \
-      std::fprintf(stderr, "child %d: line %d: %s failed\n", static_cast<int>(getpid()),       \
-                   __LINE__, #cond);                                                           \
-      return 1;                                                                                \
-    }                                                                                          \
+#define CHILD_REQUIRE(cond)                                                                        \
+  do {                                                                                             \
+    if (!(cond)) {                                                                                 \
+      std::fprintf(stderr, "child %d: line %d: %s failed\n", static_cast<int>(getpid()), __LINE__, \
+                   #cond);                                                                         \
+      return 1;                                                                                    \
+    }                                                                                              \
   } while (0)
 
 /** Parent side: init, listen, hand the handle to the child, accept. */
@@ -95,6 +96,16 @@ bool child_connect(const Plugin& p, int tc, int from_parent, void** ctx, void** 
   if (init_ctx(p, tc, ctx) != ncclSuccess) return false;
   if (!read_all(from_parent, h, sizeof(h))) return false;
   return connect_until(p.v11, *ctx, 0, h, sc) == ncclSuccess;
+}
+
+std::string strprintf_test(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string strprintf_test(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  return buf;
 }
 
 std::vector<size_t> sweep_sizes() {
@@ -200,13 +211,13 @@ TEST(NetPlugin, ExportsOnlyThePluginTables) {
   // Every entry NCCL calls without checking is present; the device-offload
   // ones and makeVDevice are NULL, which NCCL checks.
   const ncclNet_v11_t& n = *p.v11;
-  for (const void* f : {(const void*)n.init, (const void*)n.devices, (const void*)n.getProperties,
-                        (const void*)n.listen, (const void*)n.connect, (const void*)n.accept,
-                        (const void*)n.regMr, (const void*)n.regMrDmaBuf, (const void*)n.deregMr,
-                        (const void*)n.isend, (const void*)n.irecv, (const void*)n.iflush,
-                        (const void*)n.test, (const void*)n.closeSend, (const void*)n.closeRecv,
-                        (const void*)n.closeListen, (const void*)n.finalize,
-                        (const void*)n.setNetAttr})
+  for (const void* f :
+       {(const void*)n.init, (const void*)n.devices, (const void*)n.getProperties,
+        (const void*)n.listen, (const void*)n.connect, (const void*)n.accept, (const void*)n.regMr,
+        (const void*)n.regMrDmaBuf, (const void*)n.deregMr, (const void*)n.isend,
+        (const void*)n.irecv, (const void*)n.iflush, (const void*)n.test, (const void*)n.closeSend,
+        (const void*)n.closeRecv, (const void*)n.closeListen, (const void*)n.finalize,
+        (const void*)n.setNetAttr})
     EXPECT_NE(f, nullptr);
   EXPECT_EQ(n.getDeviceMr, nullptr);
   EXPECT_EQ(n.irecvConsumed, nullptr);
@@ -461,8 +472,8 @@ TEST(NetPlugin, MultiRecvHonoursTagsAndReceivesMatchInPostingOrder) {
   };
   // Group 1: tags 7 3 11 5, sent in another order.  Group 2: tag 9 twice.
   // Then two separate receives with one tag, and a negative tag.
-  const std::vector<Msg> sends = {{11, 3000, 11}, {5, 4000, 5},  {7, 1000, 7},  {3, 2000, 3},
-                                  {9, 100, 901},  {4, 50, 4},    {9, 70, 902},  {1, 64, 101},
+  const std::vector<Msg> sends = {{11, 3000, 11}, {5, 4000, 5},  {7, 1000, 7}, {3, 2000, 3},
+                                  {9, 100, 901},  {4, 50, 4},    {9, 70, 902}, {1, 64, 101},
                                   {1, 48, 102},   {-5, 333, 555}};
   Child child;
   ASSERT_TRUE(child.start([&](int rd, int wr) -> int {
@@ -474,8 +485,7 @@ TEST(NetPlugin, MultiRecvHonoursTagsAndReceivesMatchInPostingOrder) {
       bufs.emplace_back(m.size);
       fill(bufs.back().data(), m.size, m.seed);
       void* req = nullptr;
-      CHILD_REQUIRE(isend_until(p.v11, sc, bufs.back().data(), m.size, m.tag, &req) ==
-                    ncclSuccess);
+      CHILD_REQUIRE(isend_until(p.v11, sc, bufs.back().data(), m.size, m.tag, &req) == ncclSuccess);
       reqs.push_back(req);
     }
     for (void* req : reqs) CHILD_REQUIRE(wait_done(p.v11, req, nullptr) == ncclSuccess);
@@ -706,18 +716,26 @@ TEST(NetPlugin, SenderKilledMidTransferGivesErrorFromTest) {
   std::vector<uint8_t> buf(kMsg);
   ncclResult_t err = ncclSuccess;
   int completed = 0;
+  std::string trace;
   for (int i = 0; i < kCount && err == ncclSuccess; ++i) {
+    std::memset(buf.data(), 0, buf.size());
     void* d = buf.data();
     size_t c = buf.size();
     int tag = 0;
     void* req = nullptr;
     err = irecv_until(p.v11, r.rc, 1, &d, &c, &tag, &req, 10);
+    trace += strprintf_test("recv %d: irecv %d", i, static_cast<int>(err));
     if (err != ncclSuccess) break;
     if (i == 2) kill(child.pid, SIGKILL);  // while this receive is under way
     const auto t0 = Clock::now();
-    err = wait_done(p.v11, req, nullptr, 15);
+    int size = -1;
+    err = wait_done(p.v11, req, &size, 15);
+    trace += strprintf_test(", test %d after %.3f s, %d bytes; ", static_cast<int>(err), since(t0),
+                            size);
+    SCOPED_TRACE(trace);
     if (err == ncclSuccess) {
       ++completed;
+      ASSERT_EQ(size, static_cast<int>(kMsg));
       ASSERT_EQ(first_mismatch(buf.data(), buf.size(), 5), -1);
     } else {
       EXPECT_LT(since(t0), 12.0);
@@ -727,6 +745,7 @@ TEST(NetPlugin, SenderKilledMidTransferGivesErrorFromTest) {
       EXPECT_EQ(done, 0);
     }
   }
+  SCOPED_TRACE(trace);
   EXPECT_NE(err, ncclSuccess) << "every receive completed after the sender was killed";
   EXPECT_NE(err, kTimedOut) << "test() hung instead of failing";
   EXPECT_GE(completed, 2);
@@ -809,6 +828,46 @@ TEST(NetPlugin, ReceiverKilledMidTransferGivesErrorFromTest) {
   p.v11->closeSend(sc);
   p.v11->finalize(ctx);
   child.wait(5);
+}
+
+// A peer that is alive but quiet for longer than the liveness probe's idle
+// time (1 s) is not declared dead: its receive just waits.
+TEST(NetPlugin, QuietPeerIsNotDeclaredDead) {
+  const Plugin& p = plug();
+  Child child;
+  ASSERT_TRUE(child.start([&](int rd, int wr) -> int {
+    void *ctx = nullptr, *sc = nullptr;
+    CHILD_REQUIRE(child_connect(p, 1, rd, &ctx, &sc));
+    // The parent's receive is posted; stay silent (blocked, off the CPU).
+    CHILD_REQUIRE(expect_token(rd, 1));
+    usleep(3 * 1000 * 1000);
+    std::vector<uint8_t> b(1 << 20);
+    fill(b.data(), b.size(), 12);
+    void* req = nullptr;
+    CHILD_REQUIRE(isend_until(p.v11, sc, b.data(), b.size(), 0, &req) == ncclSuccess);
+    CHILD_REQUIRE(wait_done(p.v11, req, nullptr) == ncclSuccess);
+    CHILD_REQUIRE(expect_token(rd, 2));
+    p.v11->closeSend(sc);
+    p.v11->finalize(ctx);
+    (void)wr;
+    return 0;
+  }));
+  Receiver r;
+  ASSERT_TRUE(listen_accept(p, 1, child.to_child, &r));
+  std::vector<uint8_t> b(1 << 20);
+  void* d = b.data();
+  size_t c = b.size();
+  int tag = 0;
+  void* req = nullptr;
+  ASSERT_EQ(irecv_until(p.v11, r.rc, 1, &d, &c, &tag, &req), ncclSuccess);
+  send_token(child.to_child, 1);
+  int size = -1;
+  ASSERT_EQ(wait_done(p.v11, req, &size, 20), ncclSuccess);
+  EXPECT_EQ(size, 1 << 20);
+  EXPECT_EQ(first_mismatch(b.data(), b.size(), 12), -1);
+  send_token(child.to_child, 2);
+  ASSERT_TRUE(child.wait(30));
+  EXPECT_TRUE(WIFEXITED(child.status) && WEXITSTATUS(child.status) == 0);
 }
 
 // ===========================================================================
@@ -1119,7 +1178,8 @@ TEST(NetPluginFailureModes, ClosedCommGetsNoCompletion) {
   EXPECT_EQ(size, static_cast<int>(kMsg));
   EXPECT_EQ(first_mismatch(bbuf.data(), bbuf.size(), 0xB), -1);
   EXPECT_TRUE(expect_token(child.from_child, 2, 30));
-  for (size_t i = 0; i < abuf.size(); ++i) ASSERT_EQ(abuf[i], 0x77) << "closed comm's buffer written at " << i;
+  for (size_t i = 0; i < abuf.size(); ++i)
+    ASSERT_EQ(abuf[i], 0x77) << "closed comm's buffer written at " << i;
   send_token(child.to_child, 3);
   ASSERT_TRUE(child.wait(30));
   EXPECT_TRUE(WIFEXITED(child.status) && WEXITSTATUS(child.status) == 0);
@@ -1192,20 +1252,18 @@ TEST(NetPluginFailureModes, ExceptionInConnectLeavesNoDanglingState) {
 
 // 4. Errors from test() that are swallowed: a message larger than its
 // receive fails that receive, every time it is tested, with a WARN through
-// NCCL's logger; bogus requests fail too.
+// NCCL's logger; the comm fails with it (later calls on it return the error);
+// bogus requests fail too.
 TEST(NetPluginFailureModes, ErrorsFromTestAreReturnedEveryTime) {
   const Plugin& p = plug();
   Child child;
   ASSERT_TRUE(child.start([&](int rd, int wr) -> int {
     void *ctx = nullptr, *sc = nullptr;
     CHILD_REQUIRE(child_connect(p, 0, rd, &ctx, &sc));
-    std::vector<uint8_t> big(1000, 1), small(50);
-    fill(small.data(), small.size(), 50);
+    std::vector<uint8_t> big(1000, 1);
     void* req = nullptr;
     CHILD_REQUIRE(isend_until(p.v11, sc, big.data(), big.size(), 1, &req) == ncclSuccess);
     (void)wait_done(p.v11, req, nullptr, 10);  // its fate is the receiver's concern
-    CHILD_REQUIRE(isend_until(p.v11, sc, small.data(), small.size(), 1, &req) == ncclSuccess);
-    CHILD_REQUIRE(wait_done(p.v11, req, nullptr) == ncclSuccess);
     CHILD_REQUIRE(expect_token(rd, 1));
     p.v11->closeSend(sc);
     p.v11->finalize(ctx);
@@ -1228,17 +1286,15 @@ TEST(NetPluginFailureModes, ErrorsFromTestAreReturnedEveryTime) {
     EXPECT_EQ(done, 0);
   }
   EXPECT_TRUE(logged(NCCL_LOG_WARN, "truncated"));
-  // The comm is still usable: the next message on that tag arrives intact.
+  // The comm failed with it: new work is refused with the same error.
   void* req2 = nullptr;
-  ASSERT_EQ(irecv_until(p.v11, r.rc, 1, &d, &c, &tag, &req2), ncclSuccess);
-  int size = -1;
-  ASSERT_EQ(wait_done(p.v11, req2, &size), ncclSuccess);
-  EXPECT_EQ(size, 50);
-  EXPECT_EQ(first_mismatch(buf.data(), 50, 50), -1);
+  EXPECT_EQ(p.v11->irecv(r.rc, 1, &d, &c, &tag, nullptr, nullptr, &req2), ncclInternalError);
+  EXPECT_EQ(req2, nullptr);
   // Requests that are not in flight.
   int done = 1;
   EXPECT_EQ(p.v11->test(nullptr, &done, nullptr), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->test(req2, &done, nullptr), ncclInvalidArgument) << "a finished request";
+  int bogus[64] = {0};
+  EXPECT_EQ(p.v11->test(bogus, &done, nullptr), ncclInvalidArgument);
   send_token(child.to_child, 1);
   ASSERT_TRUE(child.wait(30));
   EXPECT_TRUE(WIFEXITED(child.status) && WEXITSTATUS(child.status) == 0);
@@ -1266,21 +1322,31 @@ int run_in_fresh_instance(const std::vector<std::pair<const char*, const char*>>
 }
 
 TEST(NetPluginEnv, MalformedClassMapFailsInitNamingIt) {
-  EXPECT_EQ(run_in_fresh_instance({{"KVXFER_NET_TC_MAP", "0=FAST"}},
-                                  [](const Plugin& p) -> int {
-                                    void* ctx = reinterpret_cast<void*>(0x1);
-                                    CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclInvalidArgument);
-                                    CHILD_REQUIRE(ctx == nullptr);
-                                    CHILD_REQUIRE(logged(NCCL_LOG_WARN, "KVXFER_NET_TC_MAP='0=FAST'"));
-                                    CHILD_REQUIRE(p.v11->finalize(ctx) == ncclSuccess);
-                                    return 0;
-                                  }),
-            0);
-  EXPECT_EQ(run_in_fresh_instance({{"KVXFER_TIMEOUT_MS", "soon"}},
+  EXPECT_EQ(
+      run_in_fresh_instance({{"KVXFER_NET_TC_MAP", "0=FAST"}},
+                            [](const Plugin& p) -> int {
+                              void* ctx = reinterpret_cast<void*>(0x1);
+                              CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclInvalidArgument);
+                              CHILD_REQUIRE(ctx == nullptr);
+                              CHILD_REQUIRE(logged(NCCL_LOG_WARN, "KVXFER_NET_TC_MAP='0=FAST'"));
+                              CHILD_REQUIRE(p.v11->finalize(ctx) == ncclSuccess);
+                              return 0;
+                            }),
+      0);
+  EXPECT_EQ(
+      run_in_fresh_instance({{"KVXFER_TIMEOUT_MS", "soon"}},
+                            [](const Plugin& p) -> int {
+                              void* ctx = nullptr;
+                              CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclInvalidArgument);
+                              CHILD_REQUIRE(logged(NCCL_LOG_WARN, "KVXFER_TIMEOUT_MS='soon'"));
+                              return 0;
+                            }),
+      0);
+  EXPECT_EQ(run_in_fresh_instance({{"KVXFER_OFI_PROVIDER", "nosuchprovider"}},
                                   [](const Plugin& p) -> int {
                                     void* ctx = nullptr;
                                     CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclInvalidArgument);
-                                    CHILD_REQUIRE(logged(NCCL_LOG_WARN, "KVXFER_TIMEOUT_MS='soon'"));
+                                    CHILD_REQUIRE(logged(NCCL_LOG_WARN, "nosuchprovider"));
                                     return 0;
                                   }),
             0);
@@ -1295,43 +1361,47 @@ TEST(NetPluginEnv, MalformedClassMapFailsInitNamingIt) {
 }
 
 TEST(NetPluginEnv, CustomClassMapSetsTclassAndDscp) {
-  EXPECT_EQ(run_in_fresh_instance(
-                {{"KVXFER_NET_TC_MAP", "7=DSCP/26,0=anchor,*=SCAVENGER"}}, [](const Plugin& p) -> int {
-                  void *c7 = nullptr, *c3 = nullptr, *c0 = nullptr;
-                  CHILD_REQUIRE(init_ctx(p, 7, &c7) == ncclSuccess);
-                  CHILD_REQUIRE(init_ctx(p, 3, &c3) == ncclSuccess);
-                  CHILD_REQUIRE(init_ctx(p, 0, &c0) == ncclSuccess);
-                  void *l7 = nullptr, *l3 = nullptr, *l0 = nullptr;
-                  Handle h;
-                  CHILD_REQUIRE(p.v11->listen(c7, 0, h, &l7) == ncclSuccess);
-                  CHILD_REQUIRE(p.v11->listen(c3, 0, h, &l3) == ncclSuccess);
-                  CHILD_REQUIRE(p.v11->listen(c0, 0, h, &l0) == ncclSuccess);
-                  kvxfer_net_test_info_t i7, i3, i0;
-                  CHILD_REQUIRE(p.comm_info(l7, &i7) == 0 && p.comm_info(l3, &i3) == 0 &&
-                                p.comm_info(l0, &i0) == 0);
-                  CHILD_REQUIRE(i7.tclass == (FI_TC_DSCP | 26) && i7.dscp == 26);
-                  CHILD_REQUIRE(i3.tclass == FI_TC_SCAVENGER && i3.dscp == -1);
-                  CHILD_REQUIRE(i0.tclass == FI_TC_LOW_LATENCY && i0.dscp == 46);
-                  // The listener socket already carries the DSCP.
-                  for (const SockInfo& s : sockets_of(i7)) CHILD_REQUIRE((s.tos >> 2) == 26);
-                  p.v11->closeListen(l7);
-                  p.v11->closeListen(l3);
-                  p.v11->closeListen(l0);
-                  return 0;
-                }),
+  EXPECT_EQ(run_in_fresh_instance({{"KVXFER_NET_TC_MAP", "7=DSCP/26,0=anchor,*=SCAVENGER"}},
+                                  [](const Plugin& p) -> int {
+                                    void *c7 = nullptr, *c3 = nullptr, *c0 = nullptr;
+                                    CHILD_REQUIRE(init_ctx(p, 7, &c7) == ncclSuccess);
+                                    CHILD_REQUIRE(init_ctx(p, 3, &c3) == ncclSuccess);
+                                    CHILD_REQUIRE(init_ctx(p, 0, &c0) == ncclSuccess);
+                                    void *l7 = nullptr, *l3 = nullptr, *l0 = nullptr;
+                                    Handle h;
+                                    CHILD_REQUIRE(p.v11->listen(c7, 0, h, &l7) == ncclSuccess);
+                                    CHILD_REQUIRE(p.v11->listen(c3, 0, h, &l3) == ncclSuccess);
+                                    CHILD_REQUIRE(p.v11->listen(c0, 0, h, &l0) == ncclSuccess);
+                                    kvxfer_net_test_info_t i7, i3, i0;
+                                    CHILD_REQUIRE(p.comm_info(l7, &i7) == 0 &&
+                                                  p.comm_info(l3, &i3) == 0 &&
+                                                  p.comm_info(l0, &i0) == 0);
+                                    CHILD_REQUIRE(i7.tclass == (FI_TC_DSCP | 26) && i7.dscp == 26);
+                                    CHILD_REQUIRE(i3.tclass == FI_TC_SCAVENGER && i3.dscp == -1);
+                                    CHILD_REQUIRE(i0.tclass == FI_TC_LOW_LATENCY && i0.dscp == 46);
+                                    // The listener socket already carries the DSCP.
+                                    for (const SockInfo& s : sockets_of(i7))
+                                      CHILD_REQUIRE((s.tos >> 2) == 26);
+                                    p.v11->closeListen(l7);
+                                    p.v11->closeListen(l3);
+                                    p.v11->closeListen(l0);
+                                    return 0;
+                                  }),
             0);
 }
 
 // The transport layer's own lines reach NCCL's logger (here at
 // KVXFER_DEBUG=INFO, which lets them through the layer's own filter).
 TEST(NetPluginEnv, TransportLogsReachNcclLogger) {
-  EXPECT_EQ(run_in_fresh_instance({{"KVXFER_DEBUG", "INFO"}}, [](const Plugin& p) -> int {
-              void* ctx = nullptr;
-              CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclSuccess);
-              CHILD_REQUIRE(logged(NCCL_LOG_INFO, "NET/kvxfer : OFI : provider"));
-              return 0;
-            }),
-            0);
+  EXPECT_EQ(
+      run_in_fresh_instance({{"KVXFER_DEBUG", "INFO"}},
+                            [](const Plugin& p) -> int {
+                              void* ctx = nullptr;
+                              CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclSuccess);
+                              CHILD_REQUIRE(logged(NCCL_LOG_INFO, "NET/kvxfer : OFI : provider"));
+                              return 0;
+                            }),
+      0);
 }
 
 // A NIC on PCI (where the machine has one): pciPath comes from hwloc and is

@@ -84,7 +84,7 @@ TEST(NetPluginTopo, ClosestNicToEachGpu) {
     Distance d;
     int bridges;
   } cases[] = {
-      {"0000:02:00.0", "ens1f0", Distance::kPix, 2},  // GPU0: same PCIe switch; ties -> first port
+      {"0000:02:00.0", "ens1f0", Distance::kPix, 2},   // GPU0: same PCIe switch; ties -> first port
       {"0000:21:00.0", "ens1f0", Distance::kNode, 5},  // GPU1: other root complex, same socket
       {"0000:82:00.0", "ens2", Distance::kPix, 2},     // GPU2: same switch, socket 1
       {"a3:00.0", "ens3", Distance::kPxb, 3},          // GPU3: nested switches
@@ -209,8 +209,8 @@ TEST(NetPluginTcMap, DefaultMapsAnchorAndResidual) {
 TEST(NetPluginTcMap, NamesDscpAndWildcard) {
   TcMap m;
   std::string why;
-  ASSERT_TRUE(TcMap::parse("106=DSCP/26,32=bulk_data/8,5=residual,*=BEST_EFFORT", presets(), &m,
-                           &why))
+  ASSERT_TRUE(
+      TcMap::parse("106=DSCP/26,32=bulk_data/8,5=residual,*=BEST_EFFORT", presets(), &m, &why))
       << why;
   ClassSettings cs;
   ASSERT_TRUE(m.lookup(106, &cs, &why));
@@ -230,17 +230,17 @@ TEST(NetPluginTcMap, NamesDscpAndWildcard) {
 
 TEST(NetPluginTcMap, RejectsMalformedMaps) {
   const char* bad[] = {
-      "",                    // empty
-      "0",                   // no value
-      "=anchor",             // no key
-      "0=",                  // no value
-      "0=anchor,",           // empty entry
+      "",           // empty
+      "0",          // no value
+      "=anchor",    // no key
+      "0=",         // no value
+      "0=anchor,",  // empty entry
       "0=anchor,,1=residual",
-      "x=anchor",            // key not an integer
-      "-2=anchor",           // below -1
-      "0=FAST",              // unknown class
-      "0=DSCP",              // DSCP without a value
-      "0=LOW_LATENCY/64",    // DSCP out of range
+      "x=anchor",          // key not an integer
+      "-2=anchor",         // below -1
+      "0=FAST",            // unknown class
+      "0=DSCP",            // DSCP without a value
+      "0=LOW_LATENCY/64",  // DSCP out of range
       "0=LOW_LATENCY/-1",
       "0=LOW_LATENCY/4x",
       "0=anchor,0=residual",  // duplicate key
@@ -271,10 +271,12 @@ InterfaceAddr ifa(const char* name, const char* addr, int fam = AF_INET, bool up
 }
 
 TEST(NetPluginDevices, DefaultSkipsLoopbackDockerAndDownInterfaces) {
-  const std::vector<InterfaceAddr> ifs = {
-      ifa("lo", "127.0.0.1", AF_INET, true, true), ifa("docker0", "172.17.0.1"),
-      ifa("eth1", "10.0.0.2"),                     ifa("eth0", "fd00::2", AF_INET6),
-      ifa("eth0", "192.0.2.2"),                    ifa("ib0", "10.1.0.2", AF_INET, false)};
+  const std::vector<InterfaceAddr> ifs = {ifa("lo", "127.0.0.1", AF_INET, true, true),
+                                          ifa("docker0", "172.17.0.1"),
+                                          ifa("eth1", "10.0.0.2"),
+                                          ifa("eth0", "fd00::2", AF_INET6),
+                                          ifa("eth0", "192.0.2.2"),
+                                          ifa("ib0", "10.1.0.2", AF_INET, false)};
   std::vector<NetDevice> d;
   ASSERT_EQ(choose_devices(ifs, "", nullptr, &d), KVXFER_SUCCESS) << last_error();
   ASSERT_EQ(d.size(), 2u);
@@ -291,9 +293,9 @@ TEST(NetPluginDevices, DefaultSkipsLoopbackDockerAndDownInterfaces) {
 }
 
 TEST(NetPluginDevices, KvxferNetIfNamesDevicesInOrder) {
-  const std::vector<InterfaceAddr> ifs = {ifa("lo", "127.0.0.1", AF_INET, true, true),
-                                          ifa("eth0", "192.0.2.2"), ifa("eth1", "fd00::3", AF_INET6),
-                                          ifa("ib0", "10.1.0.2", AF_INET, false)};
+  const std::vector<InterfaceAddr> ifs = {
+      ifa("lo", "127.0.0.1", AF_INET, true, true), ifa("eth0", "192.0.2.2"),
+      ifa("eth1", "fd00::3", AF_INET6), ifa("ib0", "10.1.0.2", AF_INET, false)};
   std::vector<NetDevice> d;
   ASSERT_EQ(choose_devices(ifs, "eth1,lo,eth0", nullptr, &d), KVXFER_SUCCESS) << last_error();
   ASSERT_EQ(d.size(), 3u);
