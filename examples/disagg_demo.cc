@@ -61,6 +61,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fdio.h"
 #include "model/llama2.h"
 
 namespace km = kvxfer::model;
@@ -179,33 +180,8 @@ struct DoneMsg {
   char error[256];
 };
 
-bool write_all(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-bool read_all(int fd, void* p, size_t n, int timeout_ms) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    pollfd pfd{fd, POLLIN, 0};
-    const int pr = ::poll(&pfd, 1, timeout_ms);
-    if (pr < 0 && errno == EINTR) continue;
-    if (pr <= 0) return false;
-    const ssize_t r = ::read(fd, c, n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
+using kvxfer::fdio::read_all;  // common/fdio.h
+using kvxfer::fdio::write_all;
 
 void send_msg(int fd, uint32_t kind, const void* body, size_t len) {
   const uint32_t hdr[2] = {kind, static_cast<uint32_t>(len)};

@@ -64,17 +64,8 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
-const char* dtype_name(kvxfer_dtype_t d) {
-  return d == KVXFER_DTYPE_BF16 ? "bf16" : d == KVXFER_DTYPE_FP16 ? "fp16" : "fp32";
-}
-const char* codec_name(kvxfer_codec_t c) {
-  switch (c) {
-    case KVXFER_CODEC_LYNX: return "lynx";
-    case KVXFER_CODEC_INT8: return "int8";
-    case KVXFER_CODEC_INT4: return "int4";
-    default: return "bf16";
-  }
-}
+using kp::codec_name;  // perf/common/harness.h
+using kp::dtype_name;
 const char* impl_name(kc::Impl i) {
   switch (i) {
     case kc::Impl::REFERENCE: return "reference";

@@ -41,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/fdio.h"
 #include "model/llama2.h"
 #include "model/synthetic_kv.h"
 #include "perf/common/harness.h"
@@ -109,17 +110,8 @@ bool parse_size(const std::string& s, uint64_t* out) {
   return true;
 }
 
-const char* dtype_name(kvxfer_dtype_t d) {
-  return d == KVXFER_DTYPE_BF16 ? "bf16" : d == KVXFER_DTYPE_FP16 ? "fp16" : "fp32";
-}
-const char* codec_name(kvxfer_codec_t c) {
-  switch (c) {
-    case KVXFER_CODEC_LYNX: return "lynx";
-    case KVXFER_CODEC_INT8: return "int8";
-    case KVXFER_CODEC_INT4: return "int4";
-    default: return "bf16";
-  }
-}
+using kp::codec_name;  // perf/common/harness.h
+using kp::dtype_name;
 const char* mode_name(kvxfer_mode_t m) {
   return m == KVXFER_MODE_PROGRESSIVE ? "prog" : m == KVXFER_MODE_MONOLITHIC ? "mono" : "auto";
 }
@@ -610,17 +602,7 @@ struct Batch {
 // ---------------------------------------------------------------------------
 enum MsgType : uint32_t { kMsgPosted = 1, kMsgBatch = 2, kMsgFatal = 3 };
 
-bool write_all(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
+using kvxfer::fdio::write_all;  // common/fdio.h
 
 bool send_msg(int fd, MsgType type, const void* p, size_t n) {
   const uint32_t hdr[2] = {type, static_cast<uint32_t>(n)};

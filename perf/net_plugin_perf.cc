@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fdio.h"
 #include "kvxfer/version.h"
 #include "net_plugin/handle.h"
 #include "net_plugin/nccl_net_abi.h"
@@ -85,26 +86,8 @@ bool parse_size(const std::string& s, uint64_t* out) {
 // ---------------------------------------------------------------------------
 // Pipes
 // ---------------------------------------------------------------------------
-bool write_all(int fd, const void* p, size_t n) {
-  const auto* b = static_cast<const uint8_t*>(p);
-  while (n > 0) {
-    const ssize_t w = write(fd, b, n);
-    if (w <= 0) return false;
-    b += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-bool read_all(int fd, void* p, size_t n) {  // blocks: the peer waits off the CPU
-  auto* b = static_cast<uint8_t*>(p);
-  while (n > 0) {
-    const ssize_t r = read(fd, b, n);
-    if (r <= 0) return false;
-    b += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
+using kvxfer::fdio::read_all;  // common/fdio.h (blocking: the peer waits off the CPU)
+using kvxfer::fdio::write_all;
 
 // ---------------------------------------------------------------------------
 // The plugin side

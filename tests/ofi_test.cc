@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/fdio.h"
 #include "fork_child.h"
 #include "transport/dscp.h"
 #include "transport/rate_limiter.h"
@@ -138,37 +139,8 @@ struct Pair {
 }
 
 // Pipes between two processes.
-bool write_all(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = write(fd, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-/** Reads exactly n bytes; false on EOF, error, or no data within timeout_ms. */
-bool read_all(int fd, void* p, size_t n, int timeout_ms) {
-  char* c = static_cast<char*>(p);
-  const auto end = Clock::now() + milliseconds(timeout_ms);
-  while (n > 0) {
-    const int left =
-        static_cast<int>(std::chrono::duration_cast<milliseconds>(end - Clock::now()).count());
-    if (left <= 0) return false;
-    pollfd pfd{fd, POLLIN, 0};
-    const int r = ::poll(&pfd, 1, left);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    const ssize_t got = read(fd, c, n);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return false;
-    c += got;
-    n -= static_cast<size_t>(got);
-  }
-  return true;
-}
+using kvxfer::fdio::read_all;  // common/fdio.h
+using kvxfer::fdio::write_all;
 bool send_blob(int fd, const std::vector<uint8_t>& b) {
   const uint32_t n = static_cast<uint32_t>(b.size());
   return write_all(fd, &n, 4) && write_all(fd, b.data(), b.size());

@@ -27,6 +27,7 @@
 #include "codec/codec.h"
 #include "codec/page.h"
 #include "common/error.h"
+#include "common/fdio.h"
 #include "fork_child.h"
 #include "kvxfer/kvxfer.h"
 #include "transport/ofi.h"
@@ -262,28 +263,8 @@ constexpr int kTimeoutMs = 20000;
  *  2-core machine, short enough to keep the tests quick. */
 constexpr int kShortTimeoutMs = 4000;
 
-bool write_all(int fd, const void* p, size_t n) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    const ssize_t w = write(fd, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-bool read_all(int fd, void* p, size_t n) {
-  char* c = static_cast<char*>(p);
-  while (n > 0) {
-    const ssize_t r = read(fd, c, n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
+using fdio::read_all;  // common/fdio.h
+using fdio::write_all;
 
 kvxfer_comm_t init_rank(const kvxfer_unique_id_t& id, int rank, int timeout_ms = kTimeoutMs,
                         const char* rate = nullptr) {

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "kvxfer/kvxfer.h"
+
 namespace kvxfer::perf {
 
 // ---------------------------------------------------------------------------
@@ -57,6 +59,19 @@ bool time_loop(int warmup, int iters, const std::function<bool()>& fn, Stats* ou
 
 /** Throughput in GB/s (10^9 bytes per second) of `bytes` processed in `us`. */
 inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 : 0.0; }
+
+/** Short names for tables and JSON: "bf16"/"fp16"/"fp32", "lynx"/"int8"/"int4"/"bf16". */
+inline const char* dtype_name(kvxfer_dtype_t d) {
+  return d == KVXFER_DTYPE_BF16 ? "bf16" : d == KVXFER_DTYPE_FP16 ? "fp16" : "fp32";
+}
+inline const char* codec_name(kvxfer_codec_t c) {
+  switch (c) {
+    case KVXFER_CODEC_LYNX: return "lynx";
+    case KVXFER_CODEC_INT8: return "int8";
+    case KVXFER_CODEC_INT4: return "int4";
+    default: return "bf16";
+  }
+}
 
 nlohmann::json to_json(const Stats& s);
 

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fdio.h"
 #include "net_plugin/nccl_net_abi.h"
 #include "net_plugin/test_hooks.h"
 
@@ -126,30 +127,9 @@ inline std::string copy_plugin(const char* path) {
 // ---------------------------------------------------------------------------
 // Pipes between the two processes
 // ---------------------------------------------------------------------------
-inline bool write_all(int fd, const void* p, size_t n) {
-  const auto* b = static_cast<const uint8_t*>(p);
-  while (n > 0) {
-    const ssize_t w = write(fd, b, n);
-    if (w <= 0) return false;
-    b += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
+inline bool write_all(int fd, const void* p, size_t n) { return fdio::write_all(fd, p, n); }
 inline bool read_all(int fd, void* p, size_t n, double seconds = 30) {
-  auto* b = static_cast<uint8_t*>(p);
-  const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-  while (n > 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now());
-    if (left.count() <= 0) return false;
-    pollfd pfd{fd, POLLIN, 0};
-    if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) continue;
-    const ssize_t r = read(fd, b, n);
-    if (r <= 0) return false;
-    b += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
+  return fdio::read_all(fd, p, n, static_cast<int>(seconds * 1000));
 }
 inline bool send_token(int fd, uint32_t v) { return write_all(fd, &v, sizeof(v)); }
 inline bool expect_token(int fd, uint32_t v, double seconds = 30) {
