@@ -307,6 +307,14 @@ bool peer_connected(const Endpoint& ep, const std::vector<uint8_t>& peer, bool* 
   return !any_tcp;
 }
 
+using transport::conn_socket_open;
+using transport::ConnSocket;  // transport/dscp.h
+using transport::ConnState;
+
+ConnState find_conn_socket(const Endpoint& ep, const std::vector<uint8_t>& peer, ConnSocket* out) {
+  return transport::find_conn_socket(ep.name(), peer, out);
+}
+
 // ---------------------------------------------------------------------------
 // Data comms and requests
 // ---------------------------------------------------------------------------
@@ -454,6 +462,38 @@ class DataComm {
                           addr_string(peer_name_).c_str(), active_));
   }
 
+  /**
+   * Before posting receives: whether the provider still holds the connection
+   * to the peer.  False (and the comm failed) once it is gone.
+   *
+   * libfabric 1.17's ofi_rxm frees a connection when it reads the peer's
+   * shutdown (inside fi_cq_read) but leaves the messages that connection
+   * delivered on the endpoint's unexpected-message queue.  A later fi_trecv
+   * that matches such a rendezvous request (a large message the peer sent
+   * before it died, no receive posted for it yet) looks the freed connection
+   * up by index (rxm_handle_rndv -> ofi_idm_at on a released index-map chunk)
+   * and crashes with SIGSEGV.  rxm closes the connection's socket and frees
+   * the connection together, only while it progresses (never inside
+   * fi_trecv), so a receive posted after the last poll while the socket is
+   * still open can never meet a freed connection; once the socket is closed,
+   * the comm fails instead of posting.
+   */
+  bool recv_conn_open() {
+    if (!probe_conn_) return true;
+    if (conn_sock_.fd >= 0 && conn_socket_open(conn_sock_)) return true;
+    conn_sock_ = ConnSocket{};
+    switch (find_conn_socket(*ep_, peer_name_, &conn_sock_)) {
+      case ConnState::kOpen: return true;
+      case ConnState::kUnknown: probe_conn_ = false; return true;  // cannot tell: post as before
+      case ConnState::kGone: break;
+    }
+    fail_comm(ncclRemoteError,
+              strprintf("the connection to %s is gone (the peer exited or closed its comm); "
+                        "no more receives are posted on it, %d request(s) in flight",
+                        addr_string(peer_name_).c_str(), active_));
+    return false;
+  }
+
   // ---- send side -------------------------------------------------------
   ncclResult_t isend(void* data, size_t size, int tag, void** request) {
     progress();
@@ -489,6 +529,7 @@ class DataComm {
   ncclResult_t irecv(int n, void** data, size_t* sizes, int* tags, void** request) {
     progress();
     if (failed_ != ncclSuccess) return report_failure();
+    if (!recv_conn_open()) return failed_;  // after the last poll, before the post
     Request* r = alloc(ReqKind::kRecv);
     if (r == nullptr) return ncclSuccess;
     r->n = n;
@@ -591,6 +632,7 @@ class DataComm {
   }
 
   void retry_unposted() {
+    if (unposted_.empty() || !recv_conn_open()) return;
     while (!unposted_.empty()) {
       Request* r = unposted_.front();
       const kvxfer_result_t rc = post_recvs(r);
@@ -661,7 +703,9 @@ class DataComm {
   std::unordered_set<MemHandle*> mrs_;
   ncclResult_t failed_ = ncclSuccess;
   std::string fail_why_;
-  bool stalled_ = false;  // the provider refused the last post (-FI_EAGAIN)
+  bool stalled_ = false;    // the provider refused the last post (-FI_EAGAIN)
+  ConnSocket conn_sock_;    // the socket of the connection to the peer (recv_conn_open)
+  bool probe_conn_ = true;  // false: the sockets cannot tell (recv_conn_open)
   Clock::time_point last_activity_, last_check_;
   static constexpr std::chrono::seconds kLivenessIdle{1};
 };

@@ -958,6 +958,69 @@ TEST(Xfer, ManyMidSizeMessagesDoNotStall) {
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
+// More residual bytes in flight than the receiver's staging pool (16 MiB),
+// in rendezvous-size sections (256-token pages of 1024 channels): the
+// receiver must post residual receives in the order the sender sends them,
+// whatever order the handshakes completed in (regression: 4 requests stalled
+// until the timeout).
+TEST(Xfer, ResidualsBeyondTheStagingPoolKeepFlowing) {
+  constexpr int kN = 6;
+  Shape s;
+  s.L = 8;
+  s.heads = 8;
+  s.hd = 128;
+  s.T = 512;  // 16 MiB of bf16 KV and 4 MiB of residual sections per request
+  s.page_tokens = 256;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1, kShortTimeoutMs);
+    if (comm == nullptr) return 10;
+    std::vector<std::unique_ptr<PagedKV>> kvs;
+    std::vector<kvxfer_request_t> reqs(kN);
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.page_tokens = s.page_tokens;
+    for (int i = 0; i < kN; ++i) {
+      kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
+      kvs.back()->fill(70 + i);
+    }
+    for (int i = 0; i < kN; ++i)
+      if (kvxfer_send(comm, 0, &kvs[i]->desc, nullptr, &rc, &reqs[i]) != KVXFER_SUCCESS) return 11;
+    int bad = 0;
+    for (auto r : reqs) {
+      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
+      kvxfer_request_free(r);
+    }
+    kvxfer_comm_destroy(comm);
+    return bad == 0 ? 0 : 12;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dsts;
+  std::vector<kvxfer_request_t> reqs(kN);
+  for (int i = 0; i < kN; ++i) {
+    dsts.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 32));
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dsts.back()->desc, nullptr, &reqs[i]), KVXFER_SUCCESS);
+  }
+  uint64_t residual = 0;
+  for (int i = 0; i < kN; ++i) {
+    ASSERT_EQ(kvxfer_wait(reqs[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << i << ": " << kvxfer_get_last_error();
+    residual += info_of(reqs[i]).residual_wire_bytes;
+    kvxfer_request_free(reqs[i]);
+  }
+  EXPECT_GT(residual, uint64_t{16} << 20) << "not more than the staging pool";
+  // One request's values, bit-exact (the rest moved the same way).
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(70 + kN - 1);
+  PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+  expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, s.page_tokens, 0, true, &full);
+  for (int32_t l = 0; l < s.L; ++l)
+    ASSERT_EQ(dsts[kN - 1]->bytes(l, KVXFER_KV_KEY), full.bytes(l, KVXFER_KV_KEY)) << l;
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
 /** A sender whose link is slow (rate limit via the environment) and that
  *  signals the parent once its request is posted, then lingers. */
 int slow_sender(const kvxfer_unique_id_t& id, int rd, int wr, const Shape& s) {

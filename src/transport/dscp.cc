@@ -114,4 +114,37 @@ std::vector<MarkedSocket> mark_matching_sockets(const sockaddr* local, const soc
   return out;
 }
 
+ConnState find_conn_socket(const std::vector<uint8_t>& me, const std::vector<uint8_t>& peer,
+                           ConnSocket* out) {
+  if (!is_inet_sockaddr(me.data(), me.size()) || !is_inet_sockaddr(peer.data(), peer.size()))
+    return ConnState::kUnknown;
+  const auto socks = mark_matching_sockets(reinterpret_cast<const sockaddr*>(me.data()),
+                                           reinterpret_cast<const sockaddr*>(peer.data()), -1);
+  bool any_tcp = false;
+  for (const auto& m : socks) {
+    if (m.type != SOCK_STREAM) continue;
+    any_tcp = true;
+    if (!m.connected) continue;
+    ConnSocket c;
+    c.fd = m.fd;
+    c.local_len = sizeof(c.local);
+    c.peer_len = sizeof(c.peer);
+    if (getsockname(m.fd, reinterpret_cast<sockaddr*>(&c.local), &c.local_len) != 0 ||
+        getpeername(m.fd, reinterpret_cast<sockaddr*>(&c.peer), &c.peer_len) != 0)
+      continue;
+    *out = c;
+    return ConnState::kOpen;
+  }
+  return any_tcp ? ConnState::kGone : ConnState::kUnknown;
+}
+
+bool conn_socket_open(const ConnSocket& s) {
+  sockaddr_storage me{}, them{};
+  socklen_t ml = sizeof(me), tl = sizeof(them);
+  return getsockname(s.fd, reinterpret_cast<sockaddr*>(&me), &ml) == 0 &&
+         getpeername(s.fd, reinterpret_cast<sockaddr*>(&them), &tl) == 0 && ml == s.local_len &&
+         tl == s.peer_len && std::memcmp(&me, &s.local, ml) == 0 &&
+         std::memcmp(&them, &s.peer, tl) == 0;
+}
+
 }  // namespace kvxfer::transport

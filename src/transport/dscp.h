@@ -14,6 +14,7 @@
 
 #include <sys/socket.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace kvxfer::transport {
@@ -42,5 +43,37 @@ std::vector<MarkedSocket> mark_matching_sockets(const sockaddr* local, const soc
 
 /** True for an AF_INET / AF_INET6 sockaddr of a plausible length. */
 bool is_inet_sockaddr(const void* addr, size_t len);
+
+// ---------------------------------------------------------------------------
+// Is the provider's connection to a peer still there?
+//
+// libfabric 1.17's ofi_rxm frees a connection when it reads the peer's
+// shutdown (inside fi_cq_read) but leaves the messages that connection
+// delivered on the endpoint's unexpected-message queue.  A later fi_trecv
+// that matches such a rendezvous request looks the freed connection up and
+// crashes (SIGSEGV in rxm_handle_rndv).  rxm closes the connection's socket in
+// the same step, and only while it progresses, so a receive posted after the
+// last poll while the socket is still open never meets a freed connection.
+// Users (the Link, the NCCL plugin) check before posting receives and fail
+// instead once the socket is gone.
+// ---------------------------------------------------------------------------
+/** The socket that carries the provider's connection to a peer. */
+struct ConnSocket {
+  int fd = -1;
+  sockaddr_storage local{}, peer{};
+  socklen_t local_len = 0, peer_len = 0;
+};
+enum class ConnState {
+  kOpen,    // a connected TCP socket between the endpoint and the peer is open (any state)
+  kGone,    // the endpoint has TCP sockets (its listener) but none connected to the peer
+  kUnknown  // non-socket addresses, or no TCP socket at all (e.g. a UDP provider)
+};
+/** Finds the connection between endpoint address `me` and `peer` (fi_getname
+ *  blobs); *out names it when kOpen. */
+ConnState find_conn_socket(const std::vector<uint8_t>& me, const std::vector<uint8_t>& peer,
+                           ConnSocket* out);
+/** Whether `s` still names the same open, connected socket (two system calls;
+ *  a descriptor the provider closed and the system reused fails the match). */
+bool conn_socket_open(const ConnSocket& s);
 
 }  // namespace kvxfer::transport

@@ -651,6 +651,7 @@ void Link::abort_with(kvxfer_result_t code, const std::string& why) {
   for (int c = 0; c < kNumClasses; ++c) {
     send_queue_[c].clear();
     recv_queue_[c].clear();
+    recv_data_queue_[c].clear();
     posted_chunks_[c] = inflight_bytes_[c] = posted_recvs_[c] = 0;
   }
 }
@@ -774,7 +775,7 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
       // sender's posted chunks are this message's data, and they complete
       // only once these receives exist.
       op->queued = true;
-      recv_queue_[c].push_front(op);
+      recv_data_queue_[c].push_back(op);
     }
     maybe_release(op);
     return KVXFER_SUCCESS;
@@ -797,80 +798,110 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
     finish(op, KVXFER_SUCCESS, "", now);  // no-op for a draining op (already reported)
   } else if (!op->queued && op->has_work()) {
     op->queued = true;
-    recv_queue_[c].push_front(op);  // data first (see the header case)
+    recv_data_queue_[c].push_back(op);  // data first (see the header case)
   }
   maybe_release(op);
   return KVXFER_SUCCESS;
 }
 
+// Before posting receives (after the last CQ read): whether rxm still holds
+// the connection to the peer (dscp.h explains the libfabric 1.17 bug this
+// avoids).  The socket found first is re-checked with two system calls; a
+// rescan only when that fails.  Providers whose sockets cannot tell are not
+// checked again.
+bool Link::connection_open(int c) {
+  if (!probe_conn_[c]) return true;
+  if (conn_[c].fd >= 0 && conn_socket_open(conn_[c])) return true;
+  conn_[c] = ConnSocket{};
+  switch (find_conn_socket(ep_[c]->name(), peer_name_[c], &conn_[c])) {
+    case ConnState::kOpen: return true;
+    case ConnState::kUnknown: probe_conn_[c] = false; return true;
+    case ConnState::kGone: break;
+  }
+  return false;
+}
+
 kvxfer_result_t Link::post_recvs(Clock::time_point now) {
   (void)now;
   for (int c = 0; c < kNumClasses; ++c) {  // anchor first
-    // One pass over the queue, keeping its order (receives are posted in
-    // the order they were asked for, which is the order the peer sends).
+    // Two queues, each kept in order: ops whose header has landed and whose
+    // data receives are still to post (in the order the headers landed,
+    // which is the order the peer sends), served first; then ops still to
+    // post their header receive (in the order they were asked for).
     // Header receives may fill only half of the posting window: the other
     // half is kept for data receives, and an op blocked on a header slot
-    // does not stop the data receives of ops behind it.  Otherwise receives
-    // posted ahead for later messages crowd out the data of the messages the
-    // sender is sending now, and both sides stall (seen with more than 128
-    // messages outstanding on a class).
-    auto& q = recv_queue_[c];
-    std::deque<Op*> keep;
+    // does not stop the data receives.  Otherwise receives posted ahead for
+    // later messages crowd out the data of the messages the sender is
+    // sending now, and both sides stall (seen with more than 128 messages
+    // outstanding on a class).  Data receives must also keep the order of
+    // their headers: matching an unexpected message happens when its
+    // receive is posted, so posting out of order completes messages out of
+    // order.
+    if (ready_ && (!recv_data_queue_[c].empty() || !recv_queue_[c].empty()) && !connection_open(c))
+      return fail_link(KVXFER_ERR_SYSTEM,
+                       strprintf("the connection to the peer on the %s class is gone (the peer "
+                                 "exited or closed); no more receives are posted on it",
+                                 class_name(static_cast<TrafficClass>(c))));
     bool provider_full = false;
-    while (!q.empty() && !provider_full) {
-      Op* op = q.front();
-      q.pop_front();
-      op->queued = false;
-      bool blocked = false;
-      while (op->has_work()) {
-        const bool header = op->next_post == 0;
-        if (!header && op->outstanding >= cfg_.recv_window_chunks) break;  // requeued on completion
-        if (posted_recvs_[c] >= (header ? cfg_.max_posted_recvs / 2 : cfg_.max_posted_recvs)) {
-          blocked = true;
-          break;
+    for (auto* qp : {&recv_data_queue_[c], &recv_queue_[c]}) {
+      auto& q = *qp;
+      std::deque<Op*> keep;
+      while (!q.empty() && !provider_full) {
+        Op* op = q.front();
+        q.pop_front();
+        op->queued = false;
+        bool blocked = false;
+        while (op->has_work()) {
+          const bool header = op->next_post == 0;
+          if (!header && op->outstanding >= cfg_.recv_window_chunks)
+            break;  // requeued on completion
+          if (posted_recvs_[c] >= (header ? cfg_.max_posted_recvs / 2 : cfg_.max_posted_recvs)) {
+            blocked = true;
+            break;
+          }
+          void* dst;
+          size_t len;
+          int kind;
+          if (header) {
+            dst = &op->hdr;
+            len = sizeof(WireHeader);
+            kind = kHeader;
+          } else {
+            const uint64_t off = static_cast<uint64_t>(op->next_post - 1) * op->chunk;
+            len = static_cast<size_t>(std::min<uint64_t>(op->chunk, op->total - off));
+            dst = op->draining ? op->scratch.get() : op->buf + off;
+            kind = kData;
+          }
+          Ctx* ctx = new_ctx(op, static_cast<TrafficClass>(c), kind, op->next_post, len);
+          const kvxfer_result_t r =
+              ep_[c]->post_recv(dst, len, wire_tag(op->tag, op->next_post), ctx);
+          if (r == KVXFER_IN_PROGRESS) {  // the provider's queue is full: retry next progress()
+            free_ctx(ctx);
+            blocked = provider_full = true;
+            break;
+          }
+          if (r != KVXFER_SUCCESS) {
+            free_ctx(ctx);
+            return fail_link(r, strprintf("posting a receive on the %s endpoint failed: %s",
+                                          class_name(static_cast<TrafficClass>(c)), last_error()));
+          }
+          op->outstanding++;
+          posted_recvs_[c]++;
+          op->next_post++;
         }
-        void* dst;
-        size_t len;
-        int kind;
-        if (header) {
-          dst = &op->hdr;
-          len = sizeof(WireHeader);
-          kind = kHeader;
+        if (blocked && op->has_work()) {
+          op->queued = true;
+          keep.push_back(op);
         } else {
-          const uint64_t off = static_cast<uint64_t>(op->next_post - 1) * op->chunk;
-          len = static_cast<size_t>(std::min<uint64_t>(op->chunk, op->total - off));
-          dst = op->draining ? op->scratch.get() : op->buf + off;
-          kind = kData;
+          maybe_release(op);  // waits for its header or a window slot; requeued on completion
         }
-        Ctx* ctx = new_ctx(op, static_cast<TrafficClass>(c), kind, op->next_post, len);
-        const kvxfer_result_t r =
-            ep_[c]->post_recv(dst, len, wire_tag(op->tag, op->next_post), ctx);
-        if (r == KVXFER_IN_PROGRESS) {  // the provider's queue is full: retry next progress()
-          free_ctx(ctx);
-          blocked = provider_full = true;
-          break;
-        }
-        if (r != KVXFER_SUCCESS) {
-          free_ctx(ctx);
-          return fail_link(r, strprintf("posting a receive on the %s endpoint failed: %s",
-                                        class_name(static_cast<TrafficClass>(c)), last_error()));
-        }
-        op->outstanding++;
-        posted_recvs_[c]++;
-        op->next_post++;
       }
-      if (blocked && op->has_work()) {
-        op->queued = true;
-        keep.push_back(op);
-      } else {
-        maybe_release(op);  // waits for its header or a window slot; requeued on completion
+      while (!q.empty()) {  // not reached this time (provider full): same order, after `keep`
+        keep.push_back(q.front());
+        q.pop_front();
       }
+      q.swap(keep);
     }
-    while (!q.empty()) {  // not reached this time (provider full): same order, after `keep`
-      keep.push_back(q.front());
-      q.pop_front();
-    }
-    q.swap(keep);
   }
   return KVXFER_SUCCESS;
 }

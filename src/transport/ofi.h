@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "kvxfer/kvxfer.h"
+#include "transport/dscp.h"
 #include "transport/rate_limiter.h"
 
 namespace kvxfer::transport {
@@ -331,12 +332,13 @@ class Link {
 
   uint64_t next_op_id_ = 1;
   std::unordered_map<uint64_t, std::unique_ptr<Op>> ops_;
-  std::array<std::deque<Op*>, kNumClasses> send_queue_;  // sends with chunks left to post
-  std::array<std::deque<Op*>, kNumClasses> recv_queue_;  // receives with posts left to make
-  std::unordered_set<Ctx*> live_;                        // contexts the provider holds
-  std::array<size_t, kNumClasses> posted_chunks_{};      // send chunks in flight
-  std::array<size_t, kNumClasses> inflight_bytes_{};     // send bytes in flight
-  std::array<size_t, kNumClasses> posted_recvs_{};       // receives in flight
+  std::array<std::deque<Op*>, kNumClasses> send_queue_;       // sends with chunks left to post
+  std::array<std::deque<Op*>, kNumClasses> recv_queue_;       // receives with a header to post
+  std::array<std::deque<Op*>, kNumClasses> recv_data_queue_;  // header landed, data to post
+  std::unordered_set<Ctx*> live_;                             // contexts the provider holds
+  std::array<size_t, kNumClasses> posted_chunks_{};           // send chunks in flight
+  std::array<size_t, kNumClasses> inflight_bytes_{};          // send bytes in flight
+  std::array<size_t, kNumClasses> posted_recvs_{};            // receives in flight
   std::deque<Completion> done_;
   Clock::time_point next_wake_;
   Clock::time_point last_timeout_scan_;
@@ -344,6 +346,11 @@ class Link {
 
   DscpReport dscp_;
   LinkStats stats_;
+  // The provider's connection per class (dscp.h, find_conn_socket): checked
+  // before receives are posted, so that none meets a connection rxm freed.
+  std::array<ConnSocket, kNumClasses> conn_{};
+  std::array<bool, kNumClasses> probe_conn_{true, true};
+  bool connection_open(int c);
 };
 
 }  // namespace kvxfer::transport

@@ -276,6 +276,7 @@ struct Engine::Impl {
   std::deque<std::shared_ptr<Request>> submitted;
   std::vector<uint32_t> next_send_seq, next_recv_seq;
   std::vector<int> inflight_send, inflight_recv;
+  uint64_t next_order = 0;
   bool abort_requested = false, stop_requested = false;
   std::string abort_why;
   bool aborted_flag = false;       // set by abort(); later posts fail
@@ -317,6 +318,7 @@ struct Engine::Impl {
   std::vector<int64_t> anchors_unposted;  // per peer: anchors of handshaken sends not yet posted
   std::vector<std::deque<std::pair<std::shared_ptr<Request>, size_t>>> held_residuals;  // per peer
   void post_residual_recvs();
+  void enqueue_residuals(const std::shared_ptr<Request>& r);
   void queue_job(Job&& j);
   void queue_full(const std::shared_ptr<Request>& r, size_t page);
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
@@ -538,6 +540,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     uint32_t& seq = is_send ? m.next_send_seq[peer] : m.next_recv_seq[peer];
     r->seq = seq;
     seq = (seq + 1) & kSeqMask;
+    r->order = m.next_order++;
     m.submitted.push_back(r);
   }
   m.wake.notify_all();
@@ -963,7 +966,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
   anchors_unapplied += w.anchors_remaining;
   if (w.mode == KVXFER_MODE_PROGRESSIVE && !w.pages.empty()) {
     w.in_residual_fifo = true;
-    residual_fifo.push_back(r);
+    enqueue_residuals(r);
   }
   if (w.pages.empty()) {
     publish(r, KVXFER_STAGE_ANCHOR_READY);
@@ -1009,6 +1012,11 @@ void Engine::Impl::flush_residuals(int peer) {
   if (anchors_unposted[peer] > 0) return;
   static const uint8_t kEmpty = 0;
   auto& q = held_residuals[peer];
+  // In request post order, pages ascending: the order the receiver posts its
+  // residual receives in (enqueue_residuals), whatever order handshakes took.
+  std::stable_sort(q.begin(), q.end(), [](const auto& a, const auto& b) {
+    return a.first->order != b.first->order ? a.first->order < b.first->order : a.second < b.second;
+  });
   while (!q.empty()) {
     auto [r, i] = std::move(q.front());
     q.pop_front();
@@ -1022,6 +1030,17 @@ void Engine::Impl::flush_residuals(int peer) {
       post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i,
                      w.rstore.get() + p.r_off, p.r_len);
   }
+}
+
+// Residual receives are posted in the order the requests were posted, which
+// is the order each peer sends them, whatever order the handshakes completed
+// in: a receive posted ahead of the message the sender is on could hold the
+// whole staging pool while that message waits (a stall seen with 4 requests
+// of 8 MiB of residuals each against 16 MiB of staging).
+void Engine::Impl::enqueue_residuals(const std::shared_ptr<Request>& r) {
+  auto it = residual_fifo.end();
+  while (it != residual_fifo.begin() && (*std::prev(it))->order > r->order) --it;
+  residual_fifo.insert(it, r);
 }
 
 void Engine::Impl::post_residual_recvs() {
@@ -1279,7 +1298,6 @@ void Engine::Impl::send_status(const std::shared_ptr<Request>& r, kvxfer_result_
   if (post_link_send(r, TrafficClass::kAnchor, OpKind::kStatusSend, MsgKind::kStatus, 0,
                      w.status_out.data(), w.status_out.size()))
     comm->link(r->peer)->progress();  // hand it to the provider now: an abort may follow
-
 }
 
 void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
@@ -1301,7 +1319,7 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
   if (!r->is_send && w.handshake_ok && !w.in_residual_fifo && w.mode == KVXFER_MODE_PROGRESSIVE &&
       w.next_residual_post < w.pages.size()) {
     w.in_residual_fifo = true;
-    residual_fifo.push_back(r);
+    enqueue_residuals(r);
   }
 }
 

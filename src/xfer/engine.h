@@ -57,6 +57,7 @@ class Request {
   bool is_send = false;
   int peer = -1;
   uint32_t seq = 0;
+  uint64_t order = 0;  // post order within the communicator (the peer sends in this order)
   kvxfer_request_config_t cfg{};
   void* handle = nullptr;  // the kvxfer_request_t given to callbacks
   Desc mine;               // what this side announces
