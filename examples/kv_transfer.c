@@ -75,6 +75,10 @@ static double ms(int64_t a, int64_t b) { return (double)(b - a) / 1e6; }
 
 int main(int argc, char** argv) {
   const int64_t tokens = argc > 1 ? atoll(argv[1]) : 2048;
+  if (tokens < 1 || tokens > (1 << 20)) {
+    fprintf(stderr, "usage: %s [tokens], 1 to %d (default 2048)\n", argv[0], 1 << 20);
+    return 2;
+  }
   kvxfer_unique_id_t id;
   CHECK(kvxfer_get_unique_id(&id)); /* this process will be rank 0 */
   fflush(NULL);
@@ -121,7 +125,9 @@ int main(int argc, char** argv) {
          ms(info.t_posted_ns, info.t_anchor_ready_ns));
   printf("  COMPLETE      %8.2f ms (full precision, checksums verified)\n",
          ms(info.t_posted_ns, info.t_complete_ns));
-  printf("  value [layer 0, K, token 5, channel 3] = 0x%04x\n", ((uint16_t*)kv.k[0])[5 * CH + 3]);
+  const int64_t t = tokens > 5 ? 5 : tokens - 1; /* a token that was transferred */
+  printf("  value [layer 0, K, token %lld, channel 3] = 0x%04x\n", (long long)t,
+         ((uint16_t*)kv.k[t / 64])[(t % 64) * CH + 3]);
   CHECK(kvxfer_request_free(req));
   CHECK(kvxfer_comm_destroy(comm));
   int status = 0;

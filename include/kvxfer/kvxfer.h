@@ -333,7 +333,9 @@ kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_
 /**
  * Fails every request of the communicator that has not reached a final stage
  * (stage ERROR, result KVXFER_ERR_INVALID_USAGE, "communicator aborted") and
- * closes the connections.  Never blocks on a peer.  The communicator must
+ * closes the connections.  Asynchronous: it returns at once, and the progress
+ * thread closes the connections and publishes the ERROR stages shortly after
+ * (kvxfer_wait on a request sees them).  Never blocks on a peer.  The communicator must
  * still be destroyed; requests must still be freed.  Idempotent.
  */
 kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm);
