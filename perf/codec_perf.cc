@@ -52,17 +52,7 @@ struct Options {
   std::string model_path = std::string(KVXFER_SHARED_DATA_DIR) + "/stories260K.bin";
 };
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t b = 0;
-  while (b <= s.size()) {
-    size_t e = s.find(',', b);
-    if (e == std::string::npos) e = s.size();
-    if (e > b) out.push_back(s.substr(b, e - b));
-    b = e + 1;
-  }
-  return out;
-}
+using kp::split;  // perf/common/harness.h
 
 using kp::codec_name;  // perf/common/harness.h
 using kp::dtype_name;

@@ -68,17 +68,7 @@ int64_t mono_ns() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t b = 0;
-  while (b <= s.size()) {
-    size_t e = s.find(',', b);
-    if (e == std::string::npos) e = s.size();
-    if (e > b) out.push_back(s.substr(b, e - b));
-    b = e + 1;
-  }
-  return out;
-}
+using kp::split;  // perf/common/harness.h
 
 /** "8M", "1G", "512K", "1048576", "64MiB": bytes; K/M/G/T are powers of 1024. */
 bool parse_size(const std::string& s, uint64_t* out) {

@@ -785,6 +785,40 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
+/**
+ * The sender side of the many-request tests, run in the child: builds `n`
+ * KVs of shape `s` (filled from seed0 + i; tagged i when `tag_by_index`),
+ * then posts all n sends back to back and waits for all of them.
+ */
+int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed0,
+              const kvxfer_codec_config_t& codec, kvxfer_mode_t mode, int timeout_ms,
+              const char* rate, bool tag_by_index) {
+  kvxfer_comm_t comm = init_rank(id, 1, timeout_ms, rate);
+  if (comm == nullptr) return 10;
+  std::vector<std::unique_ptr<PagedKV>> kvs;
+  std::vector<kvxfer_request_t> reqs(static_cast<size_t>(n));
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = s.page_tokens;
+  rc.mode = mode;
+  for (int i = 0; i < n; ++i) {
+    kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
+    kvs.back()->fill(seed0 + static_cast<uint64_t>(i));
+  }
+  for (int i = 0; i < n; ++i) {
+    rc.tag = tag_by_index ? static_cast<uint64_t>(i) : 0;
+    if (kvxfer_send(comm, 0, &kvs[static_cast<size_t>(i)]->desc, &codec, &rc,
+                    &reqs[static_cast<size_t>(i)]) != KVXFER_SUCCESS)
+      return 11;
+  }
+  int bad = 0;
+  for (auto r : reqs) {
+    if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
+    kvxfer_request_free(r);
+  }
+  kvxfer_comm_destroy(comm);
+  return bad == 0 ? 0 : 12;
+}
+
 // 64 requests in flight at once, each with its own KV; every one bit-exact.
 TEST(Xfer, SixtyFourConcurrentRequests) {
   constexpr int kN = 64;
@@ -794,26 +828,8 @@ TEST(Xfer, SixtyFourConcurrentRequests) {
   s.page_tokens = 32;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
-    kvxfer_comm_t comm = init_rank(id, 1);
-    if (comm == nullptr) return 10;
-    std::vector<std::unique_ptr<PagedKV>> kvs;
-    std::vector<kvxfer_request_t> reqs(kN);
-    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-    rc.page_tokens = s.page_tokens;
-    for (int i = 0; i < kN; ++i) {
-      kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
-      kvs.back()->fill(100 + i);
-      rc.tag = static_cast<uint64_t>(i);
-      if (kvxfer_send(comm, 0, &kvs.back()->desc, nullptr, &rc, &reqs[i]) != KVXFER_SUCCESS)
-        return 11;
-    }
-    int bad = 0;
-    for (auto r : reqs) {
-      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
-      kvxfer_request_free(r);
-    }
-    kvxfer_comm_destroy(comm);
-    return bad == 0 ? 0 : 12;
+    return send_many(id, kN, s, 100, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, kTimeoutMs,
+                     nullptr, true);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
@@ -852,25 +868,8 @@ TEST(Xfer, SixteenRequestsEveryAnchorBeforeAnyResidual) {
   s.page_tokens = 64;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
-    kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, "200mbit");
-    if (comm == nullptr) return 10;
-    std::vector<std::unique_ptr<PagedKV>> kvs;
-    std::vector<kvxfer_request_t> reqs(kN);
-    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-    rc.page_tokens = s.page_tokens;
-    for (int i = 0; i < kN; ++i) {  // all 16 ready first, then posted back to back
-      kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
-      kvs.back()->fill(7 + i);
-    }
-    for (int i = 0; i < kN; ++i)
-      if (kvxfer_send(comm, 0, &kvs[i]->desc, nullptr, &rc, &reqs[i]) != KVXFER_SUCCESS) return 11;
-    int bad = 0;
-    for (auto r : reqs) {
-      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
-      kvxfer_request_free(r);
-    }
-    kvxfer_comm_destroy(comm);
-    return bad == 0 ? 0 : 12;
+    return send_many(id, kN, s, 7, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, kTimeoutMs,
+                     "200mbit", false);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, "200mbit");
   ASSERT_NE(comm, nullptr);
@@ -913,26 +912,7 @@ TEST(Xfer, ManyMidSizeMessagesDoNotStall) {
   c.codec = KVXFER_CODEC_INT8;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
-    kvxfer_comm_t comm = init_rank(id, 1, kShortTimeoutMs);
-    if (comm == nullptr) return 10;
-    std::vector<std::unique_ptr<PagedKV>> kvs;
-    std::vector<kvxfer_request_t> reqs(kN);
-    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-    rc.page_tokens = s.page_tokens;
-    rc.mode = KVXFER_MODE_MONOLITHIC;
-    for (int i = 0; i < kN; ++i) {
-      kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
-      kvs.back()->fill(40 + i);
-    }
-    for (int i = 0; i < kN; ++i)
-      if (kvxfer_send(comm, 0, &kvs[i]->desc, &c, &rc, &reqs[i]) != KVXFER_SUCCESS) return 11;
-    int bad = 0;
-    for (auto r : reqs) {
-      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
-      kvxfer_request_free(r);
-    }
-    kvxfer_comm_destroy(comm);
-    return bad == 0 ? 0 : 12;
+    return send_many(id, kN, s, 40, c, KVXFER_MODE_MONOLITHIC, kShortTimeoutMs, nullptr, false);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
   ASSERT_NE(comm, nullptr);
@@ -973,25 +953,8 @@ TEST(Xfer, ResidualsBeyondTheStagingPoolKeepFlowing) {
   s.page_tokens = 256;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
-    kvxfer_comm_t comm = init_rank(id, 1, kShortTimeoutMs);
-    if (comm == nullptr) return 10;
-    std::vector<std::unique_ptr<PagedKV>> kvs;
-    std::vector<kvxfer_request_t> reqs(kN);
-    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-    rc.page_tokens = s.page_tokens;
-    for (int i = 0; i < kN; ++i) {
-      kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
-      kvs.back()->fill(70 + i);
-    }
-    for (int i = 0; i < kN; ++i)
-      if (kvxfer_send(comm, 0, &kvs[i]->desc, nullptr, &rc, &reqs[i]) != KVXFER_SUCCESS) return 11;
-    int bad = 0;
-    for (auto r : reqs) {
-      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
-      kvxfer_request_free(r);
-    }
-    kvxfer_comm_destroy(comm);
-    return bad == 0 ? 0 : 12;
+    return send_many(id, kN, s, 70, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO,
+                     kShortTimeoutMs, nullptr, false);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
   ASSERT_NE(comm, nullptr);

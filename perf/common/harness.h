@@ -60,6 +60,19 @@ bool time_loop(int warmup, int iters, const std::function<bool()>& fn, Stats* ou
 /** Throughput in GB/s (10^9 bytes per second) of `bytes` processed in `us`. */
 inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 : 0.0; }
 
+/** Splits a comma list ("lynx,int8"), dropping empty items. */
+inline std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  while (b <= s.size()) {
+    size_t e = s.find(',', b);
+    if (e == std::string::npos) e = s.size();
+    if (e > b) out.push_back(s.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
 /** Short names for tables and JSON: "bf16"/"fp16"/"fp32", "lynx"/"int8"/"int4"/"bf16". */
 inline const char* dtype_name(kvxfer_dtype_t d) {
   return d == KVXFER_DTYPE_BF16 ? "bf16" : d == KVXFER_DTYPE_FP16 ? "fp16" : "fp32";
