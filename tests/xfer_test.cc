@@ -291,6 +291,13 @@ struct Pair {
   }
 };
 
+/** The end of a two-process test: rank 0 leaves, the child must exit 0. */
+void finish(Pair* pair, kvxfer_comm_t comm) {
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(pair->child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair->child.status), 0);
+}
+
 kvxfer_request_info_t info_of(kvxfer_request_t r) {
   kvxfer_request_info_t i = KVXFER_REQUEST_INFO_INITIALIZER;
   EXPECT_EQ(kvxfer_request_get_info(r, &i), KVXFER_SUCCESS);
@@ -471,9 +478,7 @@ TEST(Xfer, Bf16PassthroughIsLossless) {
     for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
       ASSERT_EQ(dst.bytes(l, kind), src.bytes(l, kind));
   kvxfer_request_free(req);
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 // Callbacks run once per stage, in order, on the progress thread, and may
@@ -530,9 +535,7 @@ TEST(Xfer, CallbacksInOrderAndPerLayerWaits) {
   }
   SenderReport rep;
   ASSERT_TRUE(read_report(pair.child.from_child, &rep));
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 // The documented guarantee: while on_anchor_ready runs, the blocks hold
@@ -575,9 +578,7 @@ TEST(Xfer, AnchorReadyCallbackSeesExactlyAnchorPrecision) {
       EXPECT_EQ(snap.bytes[static_cast<size_t>(2 * l + kind)], anchor.bytes(l, kind)) << l;
   SenderReport rep;
   ASSERT_TRUE(read_report(pair.child.from_child, &rep));
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 TEST(Xfer, ZeroTokensCompletesOnBothSides) {
@@ -598,9 +599,7 @@ TEST(Xfer, ZeroTokensCompletesOnBothSides) {
       << kvxfer_get_last_error();
   EXPECT_EQ(info_of(req).num_pages, 0);
   kvxfer_request_free(req);
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 TEST(Xfer, MismatchedDescriptorFailsBothSidesNamingTheField) {
@@ -630,9 +629,7 @@ TEST(Xfer, MismatchedDescriptorFailsBothSidesNamingTheField) {
             std::string::npos)
       << rep.error;
   kvxfer_request_free(req);
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 TEST(Xfer, CorruptedSectionFailsWithChecksumAndNeverCompletes) {
@@ -696,9 +693,7 @@ TEST(Xfer, NonFiniteInputFailsBothSidesNamingTheElement) {
   const std::string err = kvxfer_get_last_error();
   EXPECT_NE(err.find("NaN at layer 1 V, token 200, channel 5"), std::string::npos) << err;
   kvxfer_request_free(req);
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 TEST(Xfer, WrongSecretIsRefused) {
@@ -853,9 +848,7 @@ TEST(Xfer, SixtyFourConcurrentRequests) {
         ASSERT_EQ(dsts[i]->bytes(l, kind), full.bytes(l, kind)) << "request " << i;
     EXPECT_EQ(kvxfer_request_free(reqs[i]), KVXFER_SUCCESS);
   }
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 // Figure 3 of the issue as a test: with 16 requests in flight on a shaped
@@ -892,9 +885,7 @@ TEST(Xfer, SixteenRequestsEveryAnchorBeforeAnyResidual) {
   EXPECT_LE(last_anchor, first_residual)
       << "a residual was applied " << (last_anchor - first_residual) / 1e6
       << " ms before the last request's anchors were all in";
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 // Hundreds of messages between rxm's eager and SAR limits outstanding on one
@@ -933,9 +924,7 @@ TEST(Xfer, ManyMidSizeMessagesDoNotStall) {
       ASSERT_EQ(dsts[i]->bytes(l, KVXFER_KV_VALUE), full.bytes(l, KVXFER_KV_VALUE)) << i;
     kvxfer_request_free(reqs[i]);
   }
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 // More residual bytes in flight than the receiver's staging pool (16 MiB),
@@ -979,9 +968,7 @@ TEST(Xfer, ResidualsBeyondTheStagingPoolKeepFlowing) {
   expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, s.page_tokens, 0, true, &full);
   for (int32_t l = 0; l < s.L; ++l)
     ASSERT_EQ(dsts[kN - 1]->bytes(l, KVXFER_KV_KEY), full.bytes(l, KVXFER_KV_KEY)) << l;
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 /** A sender whose link is slow (rate limit via the environment) and that
@@ -1108,9 +1095,7 @@ TEST(Xfer, TransferLongerThanTheTimeoutSucceeds) {
   EXPECT_GT(i.t_complete_ns - i.t_posted_ns, int64_t{2500} * 1000000)
       << "not longer than the timeout";
   kvxfer_request_free(req);
-  kvxfer_comm_destroy(comm);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  finish(&pair, comm);
 }
 
 TEST(Xfer, ReceiveWithoutSenderTimesOut) {

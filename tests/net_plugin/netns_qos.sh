@@ -23,6 +23,7 @@
 # NETNS_TC_MAP: KVXFER_NET_TC_MAP for both sides; "0=LOW_LATENCY,1=residual"
 # (anchors unmarked) is the control experiment, whose assertions fail.
 set -uo pipefail
+bulk_flow="$(cd "$(dirname "${BASH_SOURCE[0]}")/../netns" && pwd)/bulk_flow.py"  # shared with tests/netns
 
 peer=${1:-}
 plugin=${2:-}
@@ -126,59 +127,16 @@ if ! err=$(tcn filter add dev vs0 parent 1: protocol ip prio 1 u32 match ip tos 
 fi
 tcn filter add dev vs0 parent 1: protocol ip prio 2 u32 match ip tos 0x20 0xfc flowid 1:30 || fail "tc filter CS1"
 
-cat >"$work/bulk.py" <<'EOF'
-# bulk.py sink ADDR PORT | bulk.py source ADDR PORT FLOWS: unmarked bulk TCP, 120 s at most.
-import signal, socket, sys, threading, time
-role, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-deadline = time.monotonic() + 120
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-def drain(c):
-    while time.monotonic() < deadline and c.recv(1 << 16):
-        pass
-def pump():
-    while time.monotonic() < deadline:
-        try:
-            c = socket.create_connection((addr, port), timeout=2)
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        return
-    c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0)
-    c.settimeout(None)
-    buf = b"\0" * (1 << 16)
-    try:
-        while time.monotonic() < deadline:
-            c.sendall(buf)
-    except OSError:
-        pass
-if role == "sink":
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((addr, port))
-    s.listen(64)
-    s.settimeout(0.5)
-    while time.monotonic() < deadline:
-        try:
-            c, _ = s.accept()
-        except socket.timeout:
-            continue
-        threading.Thread(target=drain, args=(c,), daemon=True).start()
-else:
-    for _ in range(int(sys.argv[4])):
-        threading.Thread(target=pump, daemon=True).start()
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-EOF
+# The unmarked bulk flow: tests/netns/bulk_flow.py, shared with the transport's namespace test.
 
 class_bytes() {
   tcn -s class show dev vs0 | awk -v c="$1" '$1 == "class" && $3 == c {f = 1} f && $1 == "Sent" {print $2; exit}'
 }
 
 step "bulk flow: $flows unmarked TCP connections"
-ip netns exec "$ns_r" timeout 150 "$python" "$work/bulk.py" sink "$addr_r" "$bulk_port" >/dev/null 2>&1 &
+ip netns exec "$ns_r" timeout 150 "$python" "$bulk_flow" sink "$addr_r" "$bulk_port" >/dev/null 2>&1 &
 bg_pids+=($!)
-ip netns exec "$ns_s" timeout 150 "$python" "$work/bulk.py" source "$addr_r" "$bulk_port" "$flows" >/dev/null 2>&1 &
+ip netns exec "$ns_s" timeout 150 "$python" "$bulk_flow" source "$addr_r" "$bulk_port" "$flows" >/dev/null 2>&1 &
 bg_pids+=($!)
 b0=$(class_bytes 1:30)
 sleep 2

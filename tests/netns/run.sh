@@ -41,6 +41,7 @@
 #                      last incoming message, the handshake, so a transfer
 #                      that outlasts the timeout fails on the sender)
 set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # bulk_flow.py lives here
 
 peer=${1:-}
 work=${2:-}
@@ -171,73 +172,7 @@ tcn filter show dev vs0
 # ---------------------------------------------------------------------------
 # The competing bulk flow: unmarked (TOS 0), so it lands in the default class.
 # ---------------------------------------------------------------------------
-cat >"$work/bulk.py" <<'EOF'
-# bulk.py sink ADDR PORT OUT_FILE | bulk.py source ADDR PORT FLOWS
-# A bounded bulk TCP flow between the namespaces.  Both sides stop on SIGTERM
-# or after 120 s; the sink writes the bytes it received to OUT_FILE.  They
-# leave through os._exit: a normal exit can hang in the interpreter's
-# finalisation while daemon threads sit in recv/send.
-import os, signal, socket, sys, threading, time
-
-role, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-deadline = time.monotonic() + 120
-total = [0]
-lock = threading.Lock()
-
-def stop(*_):
-    if role == "sink":
-        with open(sys.argv[4], "w") as f:
-            f.write("%d\n" % total[0])
-    os._exit(0)
-
-signal.signal(signal.SIGTERM, stop)
-
-def drain(c):
-    while time.monotonic() < deadline:
-        b = c.recv(1 << 16)
-        if not b:
-            return
-        with lock:
-            total[0] += len(b)
-
-def pump():
-    buf = b"\0" * (1 << 16)
-    while time.monotonic() < deadline:
-        try:
-            c = socket.create_connection((addr, port), timeout=2)
-            break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        return
-    c.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 0)  # unmarked: DSCP 0
-    c.settimeout(None)
-    try:
-        while time.monotonic() < deadline:
-            c.sendall(buf)
-    except OSError:
-        pass
-
-if role == "sink":
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((addr, port))
-    s.listen(64)
-    s.settimeout(0.5)
-    while time.monotonic() < deadline:
-        try:
-            c, _ = s.accept()
-        except socket.timeout:
-            continue
-        threading.Thread(target=drain, args=(c,), daemon=True).start()
-    stop()
-else:
-    for _ in range(int(sys.argv[4])):
-        threading.Thread(target=pump, daemon=True).start()
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-    stop()
-EOF
+# (tests/netns/bulk_flow.py, shared with the NCCL plugin's namespace test)
 
 # Stops a background job: SIGTERM, then SIGKILL if it has not exited within
 # 5 s.  (Whatever it leaves in the namespaces, cleanup kills.)
@@ -257,10 +192,10 @@ class_bytes() {  # class_bytes 1:10 -> bytes sent by that class so far
 }
 
 step "bulk flow: $flows unmarked TCP connections $addr_s -> $addr_r:$bulk_port"
-ip netns exec "$ns_r" timeout -k 5 150 "$python" "$work/bulk.py" sink "$addr_r" "$bulk_port" \
+ip netns exec "$ns_r" timeout -k 5 150 "$python" "$here/bulk_flow.py" sink "$addr_r" "$bulk_port" \
   "$work/bulk_bytes" >"$work/bulk_sink.log" 2>&1 &
 sink_pid=$!
-ip netns exec "$ns_s" timeout -k 5 150 "$python" "$work/bulk.py" source "$addr_r" "$bulk_port" \
+ip netns exec "$ns_s" timeout -k 5 150 "$python" "$here/bulk_flow.py" source "$addr_r" "$bulk_port" \
   "$flows" >"$work/bulk_source.log" 2>&1 &
 source_pid=$!
 # Let it fill the default class, and prove that it does: at least half the
