@@ -88,7 +88,6 @@ struct Work {
   int jobs = 0;                   // codec jobs queued or running
   int held = 0;                   // sender: residuals waiting in held_residuals
   int64_t anchors_remaining = 0;  // receiver: this request's share of anchors_unapplied
-  bool counted = true;            // counts against KVXFER_MAX_REQUESTS until finalised
 
   // Codec thread only: alpha resolved by calibration (alpha = auto).
   bool alpha_resolved = false;
@@ -784,8 +783,12 @@ bool Engine::Impl::step() {
   }
 
   // Publish errors and release finished requests.
-  const std::vector<std::shared_ptr<Request>> all = active;
-  for (auto& r : all) settle(r);
+  // Backwards by index: settle may finalise (erase) the request it is given,
+  // and this runs on every progress round, so no copy of `active`.
+  for (size_t i = active.size(); i-- > 0;) {
+    const std::shared_ptr<Request> r = active[i];  // outlives its erasure
+    settle(r);
+  }
   return busy;
 }
 
@@ -1390,9 +1393,8 @@ void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
   w.ps.shrink_to_fit();
   w.finalised = true;
   finalising.fetch_sub(1);
-  if (w.counted) {
-    w.counted = false;
-    std::lock_guard<std::mutex> lk(mu);
+  {
+    std::lock_guard<std::mutex> lk(mu);  // it counted against KVXFER_MAX_REQUESTS until now
     (r->is_send ? inflight_send : inflight_recv)[r->peer]--;
   }
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
