@@ -126,5 +126,13 @@ cudaError_t cudaStreamGetPriority(cudaStream_t s, int* priority) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int) {
+  g_stream_dummy[1] = 0;
+  *s = reinterpret_cast<cudaStream_t>(&g_stream_dummy[1]);
+  return cudaSuccess;
+}
+cudaError_t cudaHostRegister(void*, size_t, unsigned int) { return cudaSuccess; }
+cudaError_t cudaHostUnregister(void*) { return cudaSuccess; }
 
 }  // extern "C"

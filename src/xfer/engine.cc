@@ -17,6 +17,7 @@
 #include "common/params.h"
 #include "transport/comm.h"
 #include "transport/ofi.h"
+#include "xfer/device.h"
 
 namespace kvxfer::xfer {
 
@@ -61,6 +62,9 @@ struct Work {
   std::vector<PageRef> pages;
   std::vector<PageState> ps;
   std::unique_ptr<uint8_t[]> astore, rstore;
+  // Device requests: astore/rstore page-locked (xfer/device.h, pin); released
+  // before the stores (declared after them, reset first in finalise).
+  std::shared_ptr<void> apin, rpin;
   kvxfer_codec_config_t codec{};  // sender's codec (receiver: from the handshake)
   kvxfer_mode_t mode = KVXFER_MODE_AUTO;
   int32_t page_tokens = 0;
@@ -246,6 +250,31 @@ kvxfer_page_layout_t page_layout(const Request& r, const PageRef& ref) {
   l.num_channels = r.mine.kv_heads * r.mine.head_dim;
   l.dtype = r.mine.dtype;
   return l;
+}
+
+/**
+ * The layout the codec reads or writes: page_layout, with the block table the
+ * kernels can read when the KV is on a device (a device array).
+ */
+kvxfer_page_layout_t codec_layout(const Request& r, const PageRef& ref) {
+  kvxfer_page_layout_t l = page_layout(r, ref);
+  if (r.device >= 0) {
+    const auto* table = static_cast<void* const*>(
+        (ref.kind == KVXFER_KV_KEY ? r.dev_k_blocks : r.dev_v_blocks).get());
+    l.blocks = table + static_cast<size_t>(ref.layer) * static_cast<size_t>(r.num_blocks);
+  }
+  return l;
+}
+
+/** Page-locks a staging store of a device request (a failure only costs speed). */
+std::shared_ptr<void> pin_store(const Request& r, uint8_t* p, size_t len) {
+  std::shared_ptr<void> h;
+  if (r.device < 0 || p == nullptr) return h;
+  if (xfer::device_codec()->pin(p, len, &h) < 0)
+    KVXFER_WARN(LOG_NET,
+                "could not page-lock %zu bytes of staging (%s); copying through pageable memory",
+                len, last_error());
+  return h;
 }
 
 kvxfer_page_id_t page_id(const Request& r, const PageRef& ref) {
@@ -441,11 +470,16 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                  "dtype %d is not BF16, FP16 or FP32", static_cast<int>(kv->dtype));
   KVXFER_REQUIRE(kv->num_tokens >= 0, "num_tokens %" PRId64 " is negative", kv->num_tokens);
   KVXFER_REQUIRE(kv->device >= -1, "device %d is not -1 (host) or a CUDA ordinal", kv->device);
-  if (kv->device >= 0)
-    return set_error(KVXFER_ERR_UNSUPPORTED,
-                     "the KV is on CUDA device %d, but this build transfers host memory only "
-                     "(docs/GPU.md)",
-                     kv->device);
+  xfer::DeviceCodec* dev = nullptr;
+  if (kv->device >= 0) {
+    dev = xfer::device_codec();
+    if (dev == nullptr)
+      return set_error(KVXFER_ERR_UNSUPPORTED,
+                       "the KV is on CUDA device %d, but this build of kvxfer has no CUDA "
+                       "support (docs/GPU.md)",
+                       kv->device);
+    KVXFER_CHECK(dev->check_device(kv->device));
+  }
 
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   if (cfg != nullptr) {
@@ -501,7 +535,12 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
             codec::validate_layout(&pl, is_send ? "source" : "destination", &unused);
         if (v < 0) return set_error(v, "layer %d %s: %s", l, kind_name(k), last_error());
       }
+    if (dev != nullptr) {
+      KVXFER_CHECK(dev->upload_table(kv->device, r->k_blocks.data(), n, &r->dev_k_blocks));
+      KVXFER_CHECK(dev->upload_table(kv->device, r->v_blocks.data(), n, &r->dev_v_blocks));
+    }
   }
+  r->device = kv->device;
 
   if (is_send) {
     kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
@@ -512,6 +551,10 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     const kvxfer_mode_t mode = resolve_mode(rc.mode, cc);
     KVXFER_REQUIRE(!(mode == KVXFER_MODE_PROGRESSIVE && cc.codec == KVXFER_CODEC_BF16),
                    "BF16 passthrough has no residual: use MONOLITHIC or AUTO mode");
+    if (kv->device >= 0 && cc.codec == KVXFER_CODEC_LYNX && cc.alpha == KVXFER_ALPHA_AUTO)
+      return set_error(KVXFER_ERR_UNSUPPORTED,
+                       "alpha=auto is not available for KV on a CUDA device: calibrate on a host "
+                       "copy (kvxfer_codec_calibrate_alpha) and pass the chosen alpha");
     const int32_t pt = rc.page_tokens > 0 ? rc.page_tokens : m.default_page_tokens;
     const uint64_t per = static_cast<uint64_t>((kv->num_tokens + pt - 1) / pt);
     KVXFER_REQUIRE(static_cast<uint64_t>(kv->num_layers) * 2 * per <= kMaxPages,
@@ -604,9 +647,13 @@ void Engine::Impl::codec_main() {
         cc.alpha = w.alpha;
       }
       if (d.rc == KVXFER_SUCCESS) {
-        const kvxfer_page_layout_t src = page_layout(r, j.ref);
+        const kvxfer_page_layout_t src = codec_layout(r, j.ref);
         const kvxfer_page_id_t id = page_id(r, j.ref);
-        d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len);
+        if (r.device >= 0)
+          d.rc = xfer::device_codec()->encode(r.device, &cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r,
+                                              j.r_cap, &d.r_len);
+        else
+          d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len);
         if (d.rc < 0) {
           d.error = strprintf("encoding the %s failed: %s", page_name(j.ref).c_str(), last_error());
         } else if (j.monolithic && d.r_len > 0) {
@@ -614,7 +661,7 @@ void Engine::Impl::codec_main() {
         }
       }
     } else {
-      const kvxfer_page_layout_t dst = page_layout(r, j.ref);
+      const kvxfer_page_layout_t dst = codec_layout(r, j.ref);
       const kvxfer_page_id_t id = page_id(r, j.ref);
       const uint8_t* a = j.a;
       size_t a_len = j.a_len;
@@ -633,7 +680,10 @@ void Engine::Impl::codec_main() {
         res = j.r;
         r_len = j.r_len;
       }
-      if (d.rc == KVXFER_SUCCESS) d.rc = codec::decode_page(a, a_len, res, r_len, &id, &dst);
+      if (d.rc == KVXFER_SUCCESS)
+        d.rc = r.device >= 0
+                   ? xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst)
+                   : codec::decode_page(a, a_len, res, r_len, &id, &dst);
       if (d.rc < 0)
         d.error = strprintf("the %s failed to decode: %s", page_name(j.ref).c_str(), last_error());
     }
@@ -862,6 +912,8 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
     }
     w.astore.reset(new uint8_t[std::max<size_t>(atot, 1)]);
     if (w.mode == KVXFER_MODE_PROGRESSIVE) w.rstore.reset(new uint8_t[std::max<size_t>(rtot, 1)]);
+    w.apin = pin_store(*r, w.astore.get(), atot);
+    if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), rtot);
     {
       std::lock_guard<std::mutex> lk(r->mu);
       r->num_pages = static_cast<int64_t>(w.pages.size());
@@ -940,6 +992,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
       atot += p.a_cap;
     }
     w.astore.reset(new uint8_t[std::max<size_t>(atot, 1)]);
+    w.apin = pin_store(*r, w.astore.get(), atot);
   }
   {
     std::lock_guard<std::mutex> lk(r->mu);
@@ -1382,6 +1435,8 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
 
 void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
+  w.apin.reset();
+  w.rpin.reset();
   w.astore.reset();
   w.rstore.reset();
   for (PageState& p : w.ps)

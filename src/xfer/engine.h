@@ -64,6 +64,10 @@ class Request {
   int32_t block_size = 0;
   int64_t row_stride = 0, num_blocks = 0;
   std::vector<void*> k_blocks, v_blocks;
+  int device = -1;  // CUDA ordinal of the blocks, -1 = host memory
+  // device >= 0: the block tables copied to the device (device arrays of
+  // num_layers * num_blocks pointers), which the kernels read (xfer/device.h).
+  std::shared_ptr<void> dev_k_blocks, dev_v_blocks;
   uint64_t kv_bytes = 0;
 
   // ---- public state (mu) ----------------------------------------------------

@@ -1,0 +1,411 @@
+// The GPU path of kvxfer_send / kvxfer_recv (src/xfer/device.h,
+// kernels/xfer_device.cc): KV blocks in CUDA device memory on either side,
+// staged through pinned host buffers over the libfabric loopback.
+//
+// Received values are copied back to the host and compared bit for bit with
+// the CPU codec's own decode of the sender's pages (anchor-only at
+// ANCHOR_READY, full at COMPLETE); byte counts are compared across the sides.
+//
+// Built twice (tests/CMakeLists.txt):
+//  - xfer_gpu_test (label "gpu"): the real kernels.  Without a usable device
+//    every transfer case skips, and NoDeviceIsAClearError checks the error.
+//  - xfer_gpu_emu_test (label "gpu-emu"): the kernels' CPU emulation
+//    (kernels/emu/, "device" memory is host memory), so the engine's device
+//    path runs in CI.
+//
+// CUDA cannot be used in a child forked after the parent initialised it, so
+// the parent never calls CUDA: both ranks of every transfer run in forked
+// children, which report failures on stderr and by exit status.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fork_child.h"
+#include "xfer/engine.h"
+#include "xfer_util.h"
+
+namespace kvxfer {
+namespace {
+
+#define CHILD_CHECK(cond, ...)                             \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      std::fprintf(stderr, "%s:%d: ", __FILE__, __LINE__); \
+      std::fprintf(stderr, __VA_ARGS__);                   \
+      std::fprintf(stderr, "\n");                          \
+      return 1;                                            \
+    }                                                      \
+  } while (0)
+
+/** Runs fn in a forked child; its exit status (0 = pass), or -1 if it did not end. */
+int in_child(const std::function<int()>& fn, double seconds = 120) {
+  Child c;
+  if (!c.start([&](int, int) { return fn(); })) return -1;
+  if (!c.wait(seconds)) return -1;
+  return WIFEXITED(c.status) ? WEXITSTATUS(c.status) : -1;
+}
+
+/** Whether a usable device exists, asked in a child so the parent stays CUDA-free. */
+bool have_device(std::string* why) {
+  static int cached = -1;
+  static std::string reason;
+  if (cached < 0) {
+    const int rc = in_child([] {
+      int n = 0;
+      const cudaError_t e = cudaGetDeviceCount(&n);
+      if (e != cudaSuccess) {
+        std::fprintf(stderr, "cudaGetDeviceCount: %s\n", cudaGetErrorString(e));
+        return 2;
+      }
+      return n > 0 ? 0 : 3;
+    });
+    cached = rc == 0 ? 1 : 0;
+    reason = rc == 2   ? "CUDA reports an error (no driver or no device)"
+             : rc == 3 ? "no CUDA device"
+                       : "the device probe failed";
+  }
+  *why = reason;
+  return cached == 1;
+}
+
+#define REQUIRE_DEVICE()                           \
+  do {                                             \
+    std::string why_;                              \
+    if (!have_device(&why_)) GTEST_SKIP() << why_; \
+  } while (0)
+
+/** A PagedKV mirrored in device memory: one cudaMalloc per block. */
+struct DeviceKV {
+  PagedKV& host;
+  std::vector<void*> k, v;
+  kvxfer_kv_desc_t desc;
+
+  explicit DeviceKV(PagedKV& h) : host(h), desc(h.desc) {}
+  bool upload() {
+    for (size_t i = 0; i < host.k.size() + host.v.size(); ++i) {
+      const bool is_k = i < host.k.size();
+      void* hp = is_k ? host.k[i] : host.v[i - host.k.size()];
+      const size_t n = host.storage[i].size();
+      void* d = nullptr;
+      if (cudaMalloc(&d, n) != cudaSuccess) return false;
+      if (cudaMemcpy(d, hp, n, cudaMemcpyHostToDevice) != cudaSuccess) return false;
+      (is_k ? k : v).push_back(d);
+    }
+    desc.k_blocks = k.data();
+    desc.v_blocks = v.data();
+    desc.device = 0;
+    return true;
+  }
+  /** Copies the device blocks back into the host mirror. */
+  bool download() {
+    for (size_t i = 0; i < host.k.size() + host.v.size(); ++i) {
+      const bool is_k = i < host.k.size();
+      void* hp = is_k ? host.k[i] : host.v[i - host.k.size()];
+      void* d = is_k ? k[i] : v[i - host.k.size()];
+      if (cudaMemcpy(hp, d, host.storage[i].size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+        return false;
+    }
+    return true;
+  }
+  ~DeviceKV() {
+    for (void* p : k) cudaFree(p);
+    for (void* p : v) cudaFree(p);
+  }
+};
+
+struct Shape {
+  int32_t L = 2, heads = 2, hd = 64;
+  int64_t T = 300;
+  int32_t page_tokens = 128;
+};
+
+enum class Where { kHost, kDevice };
+
+/** rank 1: sends a KV filled from `seed`, from the host or the device. */
+int gpu_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, Where where,
+               const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, uint64_t seed,
+               kvxfer_result_t expect = KVXFER_SUCCESS) {
+  kvxfer_comm_t comm = init_rank(id, 1);
+  CHILD_CHECK(comm != nullptr, "sender: init");
+  PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+  kv.fill(seed);
+  DeviceKV dev(kv);
+  if (where == Where::kDevice) CHILD_CHECK(dev.upload(), "sender: upload");
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.mode = mode;
+  rc.page_tokens = s.page_tokens;
+  rc.tag = 9;
+  kvxfer_request_t req = nullptr;
+  const kvxfer_kv_desc_t& d = where == Where::kDevice ? dev.desc : kv.desc;
+  CHILD_CHECK(kvxfer_send(comm, 0, &d, &cfg, &rc, &req) == KVXFER_SUCCESS, "sender: send: %s",
+              kvxfer_get_last_error());
+  const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+  const std::string err = r == KVXFER_SUCCESS ? "" : kvxfer_get_last_error();
+  CHILD_CHECK(r == expect, "sender: wait gave %d (%s), expected %d", r, err.c_str(), expect);
+  const kvxfer_request_info_t i = info_of(req);
+  const uint64_t counts[2] = {i.anchor_wire_bytes, i.residual_wire_bytes};
+  fdio::write_all(wr, counts, sizeof(counts));
+  const uint32_t n = static_cast<uint32_t>(err.size());
+  fdio::write_all(wr, &n, 4);
+  fdio::write_all(wr, err.data(), n);
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  return 0;
+}
+
+/** Compares every layer's K and V of `got` and `want`; 0 if bit-equal. */
+int compare(PagedKV& got, PagedKV& want, const char* what) {
+  for (int32_t l = 0; l < got.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
+      const auto a = got.bytes(l, kind), b = want.bytes(l, kind);
+      CHILD_CHECK(a.size() == b.size(), "%s: sizes differ", what);
+      for (size_t i = 0; i < a.size(); ++i)
+        CHILD_CHECK(a[i] == b[i], "%s: layer %d %c byte %zu: got 0x%02x, expected 0x%02x", what, l,
+                    kind == KVXFER_KV_KEY ? 'K' : 'V', i, a[i], b[i]);
+    }
+  return 0;
+}
+
+/**
+ * rank 0: receives into host or device blocks of another geometry (block 48,
+ * padded rows), checks anchor-only values at ANCHOR_READY (residuals held
+ * back) and full values at COMPLETE against the CPU codec, and the byte
+ * counts against the sender's.
+ */
+int gpu_receiver(const kvxfer_unique_id_t& id, int rd, const Shape& s, Where where,
+                 const kvxfer_codec_config_t& cfg, uint64_t seed) {
+  kvxfer_comm_t comm = init_rank(id, 0);
+  CHILD_CHECK(comm != nullptr, "receiver: init");
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 48, KVXFER_DTYPE_BF16, 5);
+  DeviceKV dev(dst);
+  if (where == Where::kDevice) CHILD_CHECK(dev.upload(), "receiver: upload");
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  xfer::testing_pause_residuals(true);
+  kvxfer_request_t req = nullptr;
+  const kvxfer_kv_desc_t& d = where == Where::kDevice ? dev.desc : dst.desc;
+  CHILD_CHECK(kvxfer_recv(comm, 1, &d, &rc, &req) == KVXFER_SUCCESS, "receiver: recv: %s",
+              kvxfer_get_last_error());
+  CHILD_CHECK(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 60000) == KVXFER_SUCCESS,
+              "receiver: anchor wait: %s", kvxfer_get_last_error());
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(seed);
+  const kvxfer_request_info_t mid = info_of(req);
+  if (mid.mode == KVXFER_MODE_PROGRESSIVE) {
+    PagedKV anchor(s.L, s.heads, s.hd, s.T, 64);
+    expected_decode(src, cfg, s.page_tokens, 9, false, &anchor);
+    if (where == Where::kDevice) CHILD_CHECK(dev.download(), "receiver: download");
+    if (compare(dst, anchor, "anchor-only") != 0) return 1;
+    CHILD_CHECK(mid.pages_complete == 0, "residuals applied while paused");
+  }
+  xfer::testing_pause_residuals(false);
+  CHILD_CHECK(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) == KVXFER_SUCCESS,
+              "receiver: complete wait: %s", kvxfer_get_last_error());
+  PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+  expected_decode(src, cfg, s.page_tokens, 9, true, &full);
+  if (where == Where::kDevice) CHILD_CHECK(dev.download(), "receiver: download");
+  if (compare(dst, full, "full") != 0) return 1;
+  const kvxfer_request_info_t end = info_of(req);
+  uint64_t counts[2];
+  uint32_t n = 0;
+  CHILD_CHECK(fdio::read_all(rd, counts, sizeof(counts)) && fdio::read_all(rd, &n, 4),
+              "receiver: sender report");
+  CHILD_CHECK(counts[0] == end.anchor_wire_bytes && counts[1] == end.residual_wire_bytes,
+              "bytes sent %llu+%llu, received %llu+%llu", (unsigned long long)counts[0],
+              (unsigned long long)counts[1], (unsigned long long)end.anchor_wire_bytes,
+              (unsigned long long)end.residual_wire_bytes);
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  return 0;
+}
+
+/** Both ranks in children: the sender forked by the receiver's child. */
+void transfer(Where from, Where to, const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode) {
+  Shape s;
+  const uint64_t seed = 77;
+  const int rc = in_child([&] {
+    Pair pair;
+    if (!pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+          return gpu_sender(id, wr, s, from, cfg, mode, seed);
+        }))
+      return 20;
+    const int r = gpu_receiver(pair.id, pair.child.from_child, s, to, cfg, seed);
+    if (!pair.child.wait(60)) return 21;
+    return r != 0 ? r : WEXITSTATUS(pair.child.status);
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+
+kvxfer_codec_config_t codec(kvxfer_codec_t c, float alpha = 0.0f) {
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = c;
+  cfg.alpha = alpha;
+  return cfg;
+}
+
+TEST(XferGpu, DeviceToDeviceLynxAnchorThenFullBitExact) {
+  REQUIRE_DEVICE();
+  transfer(Where::kDevice, Where::kDevice, codec(KVXFER_CODEC_LYNX, 5.0f), KVXFER_MODE_PROGRESSIVE);
+}
+
+TEST(XferGpu, DeviceToHostInt8Progressive) {
+  REQUIRE_DEVICE();
+  transfer(Where::kDevice, Where::kHost, codec(KVXFER_CODEC_INT8), KVXFER_MODE_PROGRESSIVE);
+}
+
+TEST(XferGpu, HostToDeviceLynxMonolithic) {
+  REQUIRE_DEVICE();
+  transfer(Where::kHost, Where::kDevice, codec(KVXFER_CODEC_LYNX), KVXFER_MODE_MONOLITHIC);
+}
+
+TEST(XferGpu, DeviceInt4AndBf16) {
+  REQUIRE_DEVICE();
+  transfer(Where::kDevice, Where::kDevice, codec(KVXFER_CODEC_INT4), KVXFER_MODE_AUTO);
+  transfer(Where::kDevice, Where::kDevice, codec(KVXFER_CODEC_BF16), KVXFER_MODE_AUTO);
+}
+
+// A NaN in device memory fails both sides with the CPU encoder's message
+// (layer, K/V, token, channel), and nothing completes.
+TEST(XferGpu, NonFiniteDeviceInputFailsBothSidesNamingTheElement) {
+  REQUIRE_DEVICE();
+  const int rc = in_child([] {
+    Shape s;
+    Pair pair;
+    if (!pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+          kvxfer_comm_t comm = init_rank(id, 1);
+          CHILD_CHECK(comm != nullptr, "sender: init");
+          PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+          kv.fill(5);
+          codec::store_elem(kv.row(1, KVXFER_KV_VALUE, 200), 17, kv.dt, NAN);
+          DeviceKV dev(kv);
+          CHILD_CHECK(dev.upload(), "upload");
+          kvxfer_request_t req = nullptr;
+          const kvxfer_codec_config_t cfg = codec(KVXFER_CODEC_LYNX);
+          CHILD_CHECK(kvxfer_send(comm, 0, &dev.desc, &cfg, nullptr, &req) == KVXFER_SUCCESS,
+                      "send: %s", kvxfer_get_last_error());
+          const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+          CHILD_CHECK(r == KVXFER_ERR_NONFINITE, "sender: %d %s", r, kvxfer_get_last_error());
+          const std::string e = kvxfer_get_last_error();
+          CHILD_CHECK(e.find("layer 1") != std::string::npos &&
+                          e.find("token 200") != std::string::npos &&
+                          e.find("channel 17") != std::string::npos,
+                      "sender's message does not name the element: %s", e.c_str());
+          kvxfer_request_free(req);
+          kvxfer_comm_destroy(comm);
+          (void)wr;
+          return 0;
+        }))
+      return 20;
+    kvxfer_comm_t comm = init_rank(pair.id, 0);
+    CHILD_CHECK(comm != nullptr, "receiver: init");
+    PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+    DeviceKV dev(dst);
+    CHILD_CHECK(dev.upload(), "upload");
+    kvxfer_request_t req = nullptr;
+    CHILD_CHECK(kvxfer_recv(comm, 1, &dev.desc, nullptr, &req) == KVXFER_SUCCESS, "recv: %s",
+                kvxfer_get_last_error());
+    const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+    CHILD_CHECK(r < 0, "receiver completed a transfer whose sender failed");
+    const kvxfer_request_info_t i = info_of(req);
+    CHILD_CHECK(i.stage != KVXFER_STAGE_COMPLETE, "receiver reports COMPLETE");
+    kvxfer_request_free(req);
+    kvxfer_comm_destroy(comm);
+    if (!pair.child.wait(60)) return 21;
+    return WEXITSTATUS(pair.child.status);
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+
+// Refused at post, before any message: alpha=auto (the device encoder cannot
+// calibrate), a device ordinal that does not exist.
+TEST(XferGpu, DeviceRequestsRefusedAtPost) {
+  REQUIRE_DEVICE();
+  const int rc = in_child([] {
+    Pair pair;
+    if (!pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
+          kvxfer_comm_t c = init_rank(i, 1);
+          char b;
+          fdio::read_all(rd, &b, 1);
+          kvxfer_comm_destroy(c);
+          return c != nullptr ? 0 : 1;
+        }))
+      return 20;
+    kvxfer_comm_t comm = init_rank(pair.id, 0);
+    CHILD_CHECK(comm != nullptr, "init");
+    PagedKV kv(2, 2, 8, 40, 16);
+    DeviceKV dev(kv);
+    CHILD_CHECK(dev.upload(), "upload");
+    kvxfer_request_t req = nullptr;
+    kvxfer_codec_config_t cfg = codec(KVXFER_CODEC_LYNX, KVXFER_ALPHA_AUTO);
+    CHILD_CHECK(kvxfer_send(comm, 1, &dev.desc, &cfg, nullptr, &req) == KVXFER_ERR_UNSUPPORTED,
+                "alpha=auto: %s", kvxfer_get_last_error());
+    CHILD_CHECK(std::string(kvxfer_get_last_error()).find("calibrate") != std::string::npos,
+                "alpha=auto message: %s", kvxfer_get_last_error());
+    int n = 0;
+    cudaGetDeviceCount(&n);
+    kvxfer_kv_desc_t d = dev.desc;
+    d.device = n;  // one past the last device
+    CHILD_CHECK(kvxfer_recv(comm, 1, &d, nullptr, &req) == KVXFER_ERR_INVALID_ARGUMENT,
+                "device %d: %s", n, kvxfer_get_last_error());
+    CHILD_CHECK(req == nullptr, "a refused request was returned");
+    kvxfer_comm_destroy(comm);
+    fdio::write_all(pair.child.to_child, "x", 1);
+    if (!pair.child.wait(60)) return 21;
+    return WEXITSTATUS(pair.child.status);
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+
+#ifndef KVXFER_GPU_EMULATION
+// On a machine without a usable device (CI), a device request is a clear
+// error at post, not a crash or a hang.
+TEST(XferGpu, NoDeviceIsAClearError) {
+  std::string why;
+  if (have_device(&why)) GTEST_SKIP() << "a device is present";
+  const int rc = in_child([] {
+    Pair pair;
+    if (!pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
+          kvxfer_comm_t c = init_rank(i, 1);
+          char b;
+          fdio::read_all(rd, &b, 1);
+          kvxfer_comm_destroy(c);
+          return c != nullptr ? 0 : 1;
+        }))
+      return 20;
+    kvxfer_comm_t comm = init_rank(pair.id, 0);
+    CHILD_CHECK(comm != nullptr, "init");
+    PagedKV kv(2, 2, 8, 40, 16);
+    kvxfer_kv_desc_t d = kv.desc;
+    d.device = 0;
+    kvxfer_request_t req = nullptr;
+    const kvxfer_result_t r = kvxfer_send(comm, 1, &d, nullptr, nullptr, &req);
+    CHILD_CHECK(r == KVXFER_ERR_UNSUPPORTED || r == KVXFER_ERR_INVALID_ARGUMENT, "send gave %d: %s",
+                r, kvxfer_get_last_error());
+    CHILD_CHECK(std::string(kvxfer_get_last_error()).find("CUDA device 0") != std::string::npos,
+                "message: %s", kvxfer_get_last_error());
+    CHILD_CHECK(req == nullptr, "a refused request was returned");
+    kvxfer_comm_destroy(comm);
+    fdio::write_all(pair.child.to_child, "x", 1);
+    if (!pair.child.wait(60)) return 21;
+    return WEXITSTATUS(pair.child.status);
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+#endif
+
+}  // namespace
+}  // namespace kvxfer
+
+int main(int argc, char** argv) {
+  setenv("KVXFER_CODEC_THREADS", "1", 1);  // no OpenMP pool before fork()
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
