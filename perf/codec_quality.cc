@@ -117,6 +117,8 @@ struct RowSpec {
       case KVXFER_CODEC_INT8: return "INT8";
       case KVXFER_CODEC_INT4: return "INT4";
       case KVXFER_CODEC_BF16: return "BF16";
+      case KVXFER_CODEC_SPECTRUM:
+        return "SpectrumKV";  // not a row of this table (perf/spectrum_quality)
     }
     return "?";
   }

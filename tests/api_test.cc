@@ -234,12 +234,14 @@ std::set<std::string> exported_symbols(const char* path, std::string* err) {
 // Every function the public header declares: kvxfer_*( outside comments.
 std::set<std::string> declared_functions() {
   std::string text;
-  for (const char* h : {"kvxfer.h", "spec.h"}) {  // every public header
+  for (const char* h : {"kvxfer.h", "spec.h", "spectrum.h"}) {  // every public header
     std::ifstream f(std::string(KVXFER_TEST_DATA_DIR) + "/../../include/kvxfer/" + h);
     text.append(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
   }
   text = std::regex_replace(text, std::regex(R"(/\*[\s\S]*?\*/)"), " ");
   text = std::regex_replace(text, std::regex(R"(//[^\n]*)"), " ");
+  // Function-pointer typedefs ("typedef kvxfer_result_t (*fn)(...)") declare no function.
+  text = std::regex_replace(text, std::regex(R"(typedef[^;]*;)"), " ");
   std::set<std::string> out;
   const std::regex fn(R"(\b(kvxfer_[a-z0-9_]+)\s*\()");
   for (auto it = std::sregex_iterator(text.begin(), text.end(), fn); it != std::sregex_iterator();

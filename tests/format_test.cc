@@ -302,7 +302,10 @@ INSTANTIATE_TEST_SUITE_P(
                   "bad section kind 0"},
         FieldCase{"SectionKindThree", KVXFER_CODEC_LYNX, true, set<uint8_t>(O_SECTION, 3),
                   "bad section kind 3"},
-        FieldCase{"Codec", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_CODEC, 4), "bad codec 4"},
+        FieldCase{"Codec", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_CODEC, 5), "bad codec 5"},
+        // An INT8 page relabelled SPECTRUM: its metadata read as tier counts.
+        FieldCase{"Int8AsSpectrum", KVXFER_CODEC_INT8, false, set<uint8_t>(O_CODEC, 4),
+                  "SpectrumKV tier counts"},
         FieldCase{"CodecOnResidual", KVXFER_CODEC_INT8, true, set<uint8_t>(O_CODEC, 0xFF),
                   "bad codec 255"},
         FieldCase{"UnknownFlag", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_FLAGS, 0x04),
@@ -405,8 +408,11 @@ void flip_every_bit(const Pair& p, bool residual) {
       ASSERT_EQ(parse_section(s.data(), s.size(), &h), KVXFER_ERR_CORRUPT)
           << "byte " << i << " bit " << bit << ": " << last_error();
       ASSERT_NE(last_error()[0], '\0');
-      // In the payload and in the checksum field, only the checksum can notice.
-      if (i >= O_CHECKSUM) {
+      // In the payload and in the checksum field, only the checksum can notice
+      // (but for a SpectrumKV page's tier counts, which the sizes depend on).
+      const bool counts = orig[O_CODEC] == KVXFER_CODEC_SPECTRUM && i >= kHeaderBytes &&
+                          i < kHeaderBytes + kTierCountBytes;
+      if (i >= O_CHECKSUM && !counts) {
         ASSERT_NE(std::string(last_error()).find("checksum mismatch"), std::string::npos)
             << last_error();
       }
@@ -433,6 +439,31 @@ TEST(WireFormat, EveryBitFlipInAnInt4AnchorIsCorrupt) {
 }
 TEST(WireFormat, EveryBitFlipInABf16AnchorIsCorrupt) {
   flip_every_bit(small_pair(config(KVXFER_CODEC_BF16, 0.0f, 16)), false);
+}
+
+// A SpectrumKV page (docs/FORMAT.md 6) of the small page's shape, every tier used.
+Pair spectrum_pair() {
+  PagedBuffer src(20, 6, KVXFER_DTYPE_FP32, 16);
+  test::fill_kv_like(&src, 11);
+  std::vector<uint8_t> tiers(20);
+  for (size_t t = 0; t < tiers.size(); ++t) tiers[t] = static_cast<uint8_t>((t * 7 + t / 3) % 4);
+  kvxfer_codec_config_t cfg = config(KVXFER_CODEC_INT8, 0.0f, 16, 4);
+  cfg.codec = KVXFER_CODEC_SPECTRUM;
+  size_t amax = 0, rmax = 0;
+  EXPECT_EQ(max_sizes(&cfg, 20, 6, &amax, &rmax), KVXFER_SUCCESS);
+  Pair p{Bytes(amax), Bytes(rmax)};
+  size_t al = 0, rl = 0;
+  EXPECT_EQ(encode_page_tiered(&cfg, &kId, &src.layout, tiers.data(), p.anchor.data(), amax, &al,
+                               p.residual.data(), rmax, &rl),
+            KVXFER_SUCCESS)
+      << last_error();
+  p.anchor.resize(al);
+  p.residual.resize(rl);
+  return p;
+}
+TEST(WireFormat, EveryBitFlipInASpectrumAnchorIsCorrupt) { flip_every_bit(spectrum_pair(), false); }
+TEST(WireFormat, EveryBitFlipInASpectrumResidualIsCorrupt) {
+  flip_every_bit(spectrum_pair(), true);
 }
 
 // ---------------------------------------------------------------------------
@@ -783,6 +814,69 @@ TEST(WireFormat, HeaderBytesAreFixed) {
         << "anchor table entry " << k << ": " << got << " vs " << want;
   }
   EXPECT_GE(used, 3);  // the page uses several anchors: the test is not vacuous
+}
+
+TEST(WireFormat, SpectrumPageBytesAreFixed) {
+  // The same 4 x 2 page, SPECTRUM, C = 16, A = 4, tiers FP16, INT8, INT4, DROP.
+  PagedBuffer src(4, 2, KVXFER_DTYPE_FP32, 16, 0, 0);
+  const float v[4][2] = {{0.5f, -1.0f}, {2.0f, 0.25f}, {-0.75f, 3.0f}, {1.0f, 0.0f}};
+  for (int t = 0; t < 4; ++t)
+    for (int c = 0; c < 2; ++c) src.set(t, c, v[t][c]);
+  const kvxfer_page_id_t id{5, KVXFER_KV_KEY, 256, 0x0102030405060708ull};
+  kvxfer_codec_config_t cfg = config(KVXFER_CODEC_INT8, 0.0f, 16, 4);
+  cfg.codec = KVXFER_CODEC_SPECTRUM;
+  const uint8_t tiers[4] = {KVXFER_TIER_FP16, KVXFER_TIER_INT8, KVXFER_TIER_INT4, KVXFER_TIER_DROP};
+  Bytes a(1024), r(1024);
+  size_t al = 0, rl = 0;
+  ASSERT_EQ(encode_page_tiered(&cfg, &id, &src.layout, tiers, a.data(), a.size(), &al, r.data(),
+                               r.size(), &rl),
+            KVXFER_SUCCESS)
+      << last_error();
+  // anchor: counts 32 | map 1 | metadata 1 chunk x 2 x {m, d} fp16 = 8 | fp16 high bytes 2
+  //         | int8 anchors 2 x 4 bits = 1 | int4 codes 2 x 4 bits = 1 | table 2^4 x f32 = 64
+  // residual: counts 32 | fp16 low bytes 2 | int8 residuals 1
+  ASSERT_EQ(al, 80u + 32u + 1u + 8u + 2u + 1u + 1u + 64u);
+  ASSERT_EQ(rl, 80u + 32u + 2u + 1u);
+  a.resize(al);
+  r.resize(rl);
+  EXPECT_EQ(a[O_CODEC], 4);
+  EXPECT_EQ(a[O_CODE_BITS], 8);
+  EXPECT_EQ(a[O_ANCHOR_BITS], 4);
+  EXPECT_EQ(get_le<uint32_t>(a, O_ALPHA), 0u);
+  EXPECT_EQ(get_le<uint64_t>(a, O_PAYLOAD), al - 80);
+  EXPECT_EQ(get_le<uint64_t>(a, O_CHECKSUM), checksum_of(a));
+  EXPECT_EQ(get_le<uint64_t>(r, O_LINK), get_le<uint64_t>(a, O_CHECKSUM));
+  EXPECT_EQ(get_le<uint64_t>(r, O_CHECKSUM), checksum_of(r));
+  for (int k = 0; k < 4; ++k) {  // one token per tier, in both sections
+    EXPECT_EQ(get_le<uint64_t>(a, 80 + 8 * k), 1u);
+    EXPECT_EQ(get_le<uint64_t>(r, 80 + 8 * k), 1u);
+  }
+  EXPECT_EQ(a[112], 0xE4);  // map: 0 | 1 << 2 | 2 << 4 | 3 << 6
+  // Metadata over the INT8 and INT4 tokens only (tokens 1, 2):
+  // channel 0 {2, -0.75}: m = 0.625, d = 1.375; channel 1 {0.25, 3}: m = 1.625, d = 1.375.
+  EXPECT_EQ(get_le<uint16_t>(a, 113), 0x3900);
+  EXPECT_EQ(get_le<uint16_t>(a, 115), 0x3D80);
+  EXPECT_EQ(get_le<uint16_t>(a, 117), 0x3E80);
+  EXPECT_EQ(get_le<uint16_t>(a, 119), 0x3D80);
+  // FP16 token 0: 0.5 = 0x3800, -1 = 0xBC00: high bytes in the anchor, low in the residual.
+  EXPECT_EQ(a[121], 0x38);
+  EXPECT_EQ(a[122], 0xBC);
+  EXPECT_EQ(r[112], 0x00);
+  EXPECT_EQ(r[113], 0x00);
+  // INT8 token 1: z = +1 -> code 255 (anchor 0xF, residual 0xF); z = -1 -> code 0.
+  EXPECT_EQ(a[123], 0x0F);
+  EXPECT_EQ(r[114], 0x0F);
+  // INT4 token 2: z = -1 -> 0; z = +1 -> 15 (the odd element in the high nibble).
+  EXPECT_EQ(a[124], 0xF0);
+  // Anchor table: anchors 0 and 15 hold the one code each (the INT8 end codes'
+  // bin centres); the others their bin centres.
+  const CodebookRef cb = get_codebook(KVXFER_CODEC_INT8, 0.0f, 4, nullptr);
+  for (unsigned k = 0; k < 16; ++k) {
+    const float want = k == 0    ? cb->recon_full[0]
+                       : k == 15 ? cb->recon_full[255]
+                                 : cb->recon_anchor[k];
+    EXPECT_EQ(get_le<float>(a, 125 + 4 * k), want) << "table entry " << k;
+  }
 }
 
 // ---------------------------------------------------------------------------

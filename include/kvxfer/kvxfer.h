@@ -101,8 +101,24 @@ typedef enum {
   KVXFER_CODEC_LYNX = 0,
   KVXFER_CODEC_INT8 = 1,
   KVXFER_CODEC_INT4 = 2,
-  KVXFER_CODEC_BF16 = 3
+  KVXFER_CODEC_BF16 = 3,
+  /** SpectrumKV: per-token precision tiers (kvxfer_tier_t) carried in a
+   *  per-token precision map in the anchor section (docs/FORMAT.md,
+   *  "SpectrumKV pages"; docs/SPECTRUMKV.md). */
+  KVXFER_CODEC_SPECTRUM = 4
 } kvxfer_codec_t;
+
+/**
+ * SpectrumKV precision tier of one token (one byte per token wherever a tier
+ * array appears).  DROP: the token is not transferred at all (only when int4
+ * is disabled and the budget is below 1/2, docs/SPECTRUMKV.md).
+ */
+typedef enum {
+  KVXFER_TIER_FP16 = 0,
+  KVXFER_TIER_INT8 = 1,
+  KVXFER_TIER_INT4 = 2,
+  KVXFER_TIER_DROP = 3
+} kvxfer_tier_t;
 
 /** What the encoder does with NaN or +-Inf in the input. */
 typedef enum {
@@ -190,6 +206,8 @@ kvxfer_result_t kvxfer_page_max_size(const kvxfer_codec_config_t* config, int64_
 
 /**
  * Encodes one page into an anchor section and a residual section.
+ * Codec SPECTRUM needs token tiers: use kvxfer_page_encode_tiered (here it
+ * fails with KVXFER_ERR_INVALID_ARGUMENT).
  *
  * anchor, residual: caller-owned output buffers of anchor_cap and
  * residual_cap bytes; on success *anchor_len and *residual_len hold the bytes
@@ -205,6 +223,53 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
                                    const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
                                    size_t* anchor_len, void* residual, size_t residual_cap,
                                    size_t* residual_len);
+
+/**
+ * Encodes one SpectrumKV page (config->codec must be KVXFER_CODEC_SPECTRUM):
+ * token t of `src` is sent at precision tier token_tiers[t]
+ * (docs/FORMAT.md section 6, "SpectrumKV pages"):
+ *  - KVXFER_TIER_FP16: the value rounded to binary16 (nearest even; beyond
+ *    +-65504 saturated to +-65504).  Anchor: its high byte (sign, exponent, 2
+ *    mantissa bits); residual: its low byte.
+ *  - KVXFER_TIER_INT8: the KVXFER_CODEC_INT8 code, split into config->anchor_bits
+ *    (2..6) anchor bits and 8 - anchor_bits residual bits.
+ *  - KVXFER_TIER_INT4: the KVXFER_CODEC_INT4 code, all in the anchor.
+ *  - KVXFER_TIER_DROP: nothing is sent; the token decodes to 0.
+ * INT8 and INT4 tokens share per-(chunk, channel) affine metadata taken over
+ * those tokens only (FP16 and DROP tokens excluded).  The anchor section also
+ * carries the precision map (2 bits per token), so it alone decodes every
+ * tier to a usable approximation; anchor + residual give every FP16 token its
+ * exact binary16 value and every INT8 token its full code.
+ *
+ * token_tiers: num_tokens bytes of kvxfer_tier_t values, read only (NULL only
+ * when src->num_tokens is 0).  DROP rows of `src` are never read.  Other
+ * arguments, outputs and buffer sizes as kvxfer_page_encode (size buffers with
+ * kvxfer_page_max_size, whose SPECTRUM bound is the all-FP16 page).
+ * Non-finite values in a token that is sent follow config->nonfinite (RAW: the
+ * page's sent tokens are stored raw after the map).  Runs on the calling
+ * thread (plain loops).  Thread-safe for distinct outputs.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (codec not SPECTRUM, NULL or out-of-range
+ * tier, config, layout, NULL pointers), KVXFER_ERR_BUFFER_TOO_SMALL,
+ * KVXFER_ERR_NONFINITE.  On failure both lengths are 0.
+ */
+kvxfer_result_t kvxfer_page_encode_tiered(const kvxfer_codec_config_t* config,
+                                          const kvxfer_page_id_t* id,
+                                          const kvxfer_page_layout_t* src,
+                                          const uint8_t* token_tiers, void* anchor,
+                                          size_t anchor_cap, size_t* anchor_len, void* residual,
+                                          size_t residual_cap, size_t* residual_len);
+
+/**
+ * Reads the precision map of a SpectrumKV page from its anchor section, after
+ * validating the section in full (header, sizes, checksum, tier counts, map).
+ * token_tiers: caller-owned array of num_tokens bytes (NULL only when 0),
+ * receives kvxfer_tier_t values; written only on success.
+ * Errors: KVXFER_ERR_TRUNCATED / KVXFER_ERR_CORRUPT (bad section),
+ * KVXFER_ERR_INVALID_ARGUMENT (not a SpectrumKV anchor section, NULL),
+ * KVXFER_ERR_MISMATCH (num_tokens is not the page's token count).
+ */
+kvxfer_result_t kvxfer_page_get_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
+                                      int64_t num_tokens);
 
 /**
  * Decodes a page into `dst` (any dtype, any block layout with the page's T and H).
@@ -256,7 +321,9 @@ typedef struct {
   size_t section_bytes; /**< total bytes of this section, header included */
 } kvxfer_page_info_t;
 
-/** Validates one section (header, sizes, checksum) and describes it. */
+/** Validates one section (header, sizes, checksum) and describes it.  For a
+ *  SpectrumKV page, anchor_bits / residual_bits are its INT8 tier's split and
+ *  kvxfer_page_get_tiers reads its precision map. */
 kvxfer_result_t kvxfer_page_inspect(const void* section, size_t len, kvxfer_page_info_t* info);
 
 /* ------------------------------------------------------------------------ */

@@ -33,6 +33,25 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
   });
 }
 
+kvxfer_result_t kvxfer_page_encode_tiered(const kvxfer_codec_config_t* config,
+                                          const kvxfer_page_id_t* id,
+                                          const kvxfer_page_layout_t* src,
+                                          const uint8_t* token_tiers, void* anchor,
+                                          size_t anchor_cap, size_t* anchor_len, void* residual,
+                                          size_t residual_cap, size_t* residual_len) {
+  return api_call(__func__, [&] {
+    return kvxfer::codec::encode_page_tiered(config, id, src, token_tiers, anchor, anchor_cap,
+                                             anchor_len, residual, residual_cap, residual_len);
+  });
+}
+
+kvxfer_result_t kvxfer_page_get_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
+                                      int64_t num_tokens) {
+  return api_call(__func__, [&] {
+    return kvxfer::codec::get_page_tiers(anchor, anchor_len, token_tiers, num_tokens);
+  });
+}
+
 kvxfer_result_t kvxfer_page_decode(const void* anchor, size_t anchor_len, const void* residual,
                                    size_t residual_len, const kvxfer_page_id_t* expect,
                                    const kvxfer_page_layout_t* dst) {

@@ -27,6 +27,23 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
                             size_t* anchor_len, void* residual, size_t residual_cap,
                             size_t* residual_len, Impl impl = Impl::AUTO, int threads = 0);
 
+/**
+ * Encodes a SpectrumKV page (cfg->codec == KVXFER_CODEC_SPECTRUM): token t of
+ * `src` at precision tier token_tiers[t] (kvxfer_tier_t values; T entries,
+ * NULL only when T == 0).  The format is docs/FORMAT.md section 6.  Plain
+ * loops on the calling thread (no Impl / thread choice: one path).  Same
+ * outputs and errors as kvxfer_page_encode_tiered (include/kvxfer/kvxfer.h).
+ */
+kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                                   const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
+                                   void* anchor, size_t anchor_cap, size_t* anchor_len,
+                                   void* residual, size_t residual_cap, size_t* residual_len);
+
+/** kvxfer_page_get_tiers: the precision map of a validated SpectrumKV anchor section. */
+kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
+                               int64_t num_tokens);
+
+/** Decodes any page, SpectrumKV included (those on one thread whatever impl/threads say). */
 kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* residual,
                             size_t residual_len, const kvxfer_page_id_t* expect,
                             const kvxfer_page_layout_t* dst, Impl impl = Impl::AUTO,

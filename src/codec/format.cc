@@ -48,6 +48,25 @@ size_t dtype_size(kvxfer_dtype_t dtype) { return dtype == KVXFER_DTYPE_FP32 ? 4 
 PayloadSizes payload_sizes(const PageHeader& h) {
   PayloadSizes s;
   const uint64_t n = h.num_tokens * h.num_channels;
+  if (h.codec == KVXFER_CODEC_SPECTRUM) {
+    // docs/FORMAT.md 6.3.  Counts <= T <= 2^32 and H <= 2^20: no overflow.
+    const uint64_t H = h.num_channels;
+    const uint64_t n16 = h.tiers[KVXFER_TIER_FP16] * H, n8 = h.tiers[KVXFER_TIER_INT8] * H,
+                   n4 = h.tiers[KVXFER_TIER_INT4] * H;
+    s.meta_bytes = kTierCountBytes + tier_map_bytes(h.num_tokens);
+    if (h.flags & FLAG_RAW) {
+      s.anchor_codes = (n16 + n8 + n4) * dtype_size(static_cast<kvxfer_dtype_t>(h.src_dtype));
+      s.residual_codes = kTierCountBytes;
+      return s;
+    }
+    const uint64_t chunks = (h.num_tokens + h.chunk_tokens - 1) / h.chunk_tokens;
+    s.meta_bytes += chunks * H * 2 * ((h.flags & FLAG_META_FP32) ? 4 : 2);
+    const unsigned R = h.code_bits - h.anchor_bits;
+    s.anchor_codes = n16 + ceil_div8(n8 * h.anchor_bits) + ceil_div8(n4 * 4);
+    s.table_bytes = 4ull << h.anchor_bits;
+    s.residual_codes = kTierCountBytes + n16 + ceil_div8(n8 * R);
+    return s;
+  }
   if (h.flags & FLAG_RAW) {
     s.anchor_codes = n * dtype_size(static_cast<kvxfer_dtype_t>(h.src_dtype));
   } else if (h.codec == KVXFER_CODEC_BF16) {
@@ -159,7 +178,7 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
              kHeaderBytes);
   CORRUPT_IF(h.section != SECTION_ANCHOR && h.section != SECTION_RESIDUAL, "bad section kind %u",
              h.section);
-  CORRUPT_IF(h.codec > KVXFER_CODEC_BF16, "bad codec %u", h.codec);
+  CORRUPT_IF(h.codec > KVXFER_CODEC_SPECTRUM, "bad codec %u", h.codec);
   CORRUPT_IF(h.flags & ~(FLAG_RAW | FLAG_META_FP32), "unknown flags 0x%02x", h.flags);
   CORRUPT_IF(h.src_dtype > KVXFER_DTYPE_FP32, "bad source dtype %u", h.src_dtype);
   CORRUPT_IF(!valid_chunk_tokens(h.chunk_tokens), "bad chunk_tokens %u", h.chunk_tokens);
@@ -173,6 +192,7 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
   switch (h.codec) {
     case KVXFER_CODEC_LYNX:
     case KVXFER_CODEC_INT8:
+    case KVXFER_CODEC_SPECTRUM:  // the INT8 tier's split (its INT4 tier is all anchor)
       CORRUPT_IF(h.code_bits != 8 || h.anchor_bits < 2 || h.anchor_bits > 6, "bad bit split %u/%u",
                  h.code_bits, h.anchor_bits);
       break;
@@ -191,6 +211,32 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
     CORRUPT_IF(std::memcmp(&h.alpha, "\0\0\0\0", 4) != 0, "alpha set on a non-LYNX page");
   }
   CORRUPT_IF((h.flags & FLAG_RAW) && (h.flags & FLAG_META_FP32), "raw page with a metadata flag");
+
+  if (h.codec == KVXFER_CODEC_SPECTRUM) {
+    // The payload size depends on the tier counts, the first 32 payload bytes.
+    CORRUPT_IF(h.payload_bytes < kTierCountBytes,
+               "SpectrumKV payload_bytes %llu is shorter than its %zu-byte tier counts",
+               (unsigned long long)h.payload_bytes, kTierCountBytes);
+    if (len < kHeaderBytes + kTierCountBytes)
+      return set_error(KVXFER_ERR_TRUNCATED,
+                       "SpectrumKV section truncated: %zu bytes, shorter than header and tier "
+                       "counts (%zu)",
+                       len, kHeaderBytes + kTierCountBytes);
+    const uint8_t* q = base + kHeaderBytes;
+    uint64_t sum = 0;
+    bool in_range = true;
+    for (int k = 0; k < 4; ++k) {
+      h.tiers[k] = get<uint64_t>(q);
+      in_range = in_range && h.tiers[k] <= h.num_tokens;
+      if (in_range) sum += h.tiers[k];  // each <= 2^32: no overflow
+    }
+    CORRUPT_IF(!in_range || sum != h.num_tokens,
+               "SpectrumKV tier counts fp16 %llu + int8 %llu + int4 %llu + drop %llu do not add "
+               "up to num_tokens %llu",
+               (unsigned long long)h.tiers[0], (unsigned long long)h.tiers[1],
+               (unsigned long long)h.tiers[2], (unsigned long long)h.tiers[3],
+               (unsigned long long)h.num_tokens);
+  }
 #undef CORRUPT_IF
 
   const PayloadSizes sizes = payload_sizes(h);
@@ -216,6 +262,31 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
                      h.kind == KVXFER_KV_KEY ? 'K' : 'V', (long long)h.token_begin,
                      (unsigned long long)h.num_tokens, (unsigned long long)h.checksum,
                      (unsigned long long)sum);
+  if (h.codec == KVXFER_CODEC_SPECTRUM && h.section == SECTION_ANCHOR) {
+    // The precision map, after the counts: its tiers must be the counted ones
+    // (every 2-bit value names a tier, so a forged map shows up here or in the
+    // sizes) and its padding bits zero.
+    const uint8_t* map = base + kHeaderBytes + kTierCountBytes;
+    const uint64_t T = h.num_tokens;
+    uint64_t seen[4] = {0, 0, 0, 0};
+    for (uint64_t t = 0; t < T; ++t) ++seen[tier_at(map, t)];
+    const uint64_t mb = tier_map_bytes(T);
+    const unsigned used_bits = static_cast<unsigned>(2 * T - 8 * (mb - 1));  // in the last byte
+    if (mb > 0 && used_bits < 8 && (map[mb - 1] >> used_bits) != 0)
+      return set_error(KVXFER_ERR_CORRUPT,
+                       "SpectrumKV precision map: padding bits after token %llu are 0x%02x, must "
+                       "be 0",
+                       (unsigned long long)T, map[mb - 1] >> used_bits);
+    for (int k = 0; k < 4; ++k)
+      if (seen[k] != h.tiers[k])
+        return set_error(KVXFER_ERR_CORRUPT,
+                         "SpectrumKV precision map holds fp16 %llu, int8 %llu, int4 %llu, drop "
+                         "%llu tokens; the tier counts say %llu, %llu, %llu, %llu",
+                         (unsigned long long)seen[0], (unsigned long long)seen[1],
+                         (unsigned long long)seen[2], (unsigned long long)seen[3],
+                         (unsigned long long)h.tiers[0], (unsigned long long)h.tiers[1],
+                         (unsigned long long)h.tiers[2], (unsigned long long)h.tiers[3]);
+  }
   *out = h;
   return KVXFER_SUCCESS;
 }
@@ -230,7 +301,8 @@ kvxfer_result_t check_pair(const PageHeader& a, const PageHeader& r) {
                     a.anchor_bits == r.anchor_bits && a.kind == r.kind &&
                     std::memcmp(&a.alpha, &r.alpha, 4) == 0 && a.layer == r.layer &&
                     a.num_channels == r.num_channels && a.token_begin == r.token_begin &&
-                    a.num_tokens == r.num_tokens && a.stream_id == r.stream_id;
+                    a.num_tokens == r.num_tokens && a.stream_id == r.stream_id &&
+                    std::memcmp(a.tiers, r.tiers, sizeof(a.tiers)) == 0;
   if (!same || r.link != a.checksum)
     return set_error(KVXFER_ERR_MISMATCH,
                      "residual section (layer %u %c tokens [%lld, +%llu), stream %llu) does not "

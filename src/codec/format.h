@@ -9,6 +9,13 @@
 // byte, the even element in the low nibble.  The checksum is XXH3-64 of the
 // payload seeded with XXH3-64 of the header (checksum field zero).  A residual
 // names its anchor through `link` = the anchor's checksum.
+//
+// SpectrumKV pages (codec SPECTRUM, docs/FORMAT.md section 6) differ:
+//   anchor   section: header | tier counts | precision map | metadata | fp16 high bytes
+//                      | int8-tier anchors | int4-tier codes | int8 anchor table
+//   residual section: header | tier counts | fp16 low bytes | int8-tier residuals
+// The tier counts (4 x u64) are the first 32 payload bytes of both sections;
+// parse_section reads them to know the payload size, and checks the map.
 #pragma once
 
 #include <cstddef>
@@ -55,9 +62,28 @@ struct PageHeader {
   uint64_t payload_bytes = 0;
   uint64_t link = 0;
   uint64_t checksum = 0;  // offset 72
+  // Not header bytes: SPECTRUM pages only, the token count of each tier
+  // (index = kvxfer_tier_t), the first kTierCountBytes of both payloads.
+  // parse_section fills it; the encoder sets it before payload_sizes.
+  uint64_t tiers[4] = {0, 0, 0, 0};
 };
 
-/** Sizes of each part of a page's payloads, derived from header fields. */
+/** SPECTRUM: bytes of the tier-count preamble (4 x u64) at the start of both payloads. */
+constexpr size_t kTierCountBytes = 32;
+/** SPECTRUM: bytes of the precision map of T tokens (2 bits per token). */
+inline uint64_t tier_map_bytes(uint64_t T) { return (2 * T + 7) / 8; }
+/** SPECTRUM: tier of token t in a precision map (2 bits, LSB-first). */
+inline unsigned tier_at(const uint8_t* map, uint64_t t) {
+  return (map[t >> 2] >> (2 * (t & 3))) & 3u;
+}
+
+/**
+ * Sizes of each part of a page's payloads, derived from header fields.
+ * SPECTRUM pages: meta_bytes = tier counts + precision map + metadata;
+ * anchor_codes = fp16 high bytes + int8-tier anchors + int4-tier codes (or the
+ * raw values); residual_codes = tier counts + fp16 low bytes + int8-tier
+ * residuals (spectrum_parts in codec/spectrum.h has each part).
+ */
 struct PayloadSizes {
   uint64_t meta_bytes = 0;      // anchor section: per-(chunk, channel) metadata
   uint64_t anchor_codes = 0;    // anchor section: packed anchors / raw / bf16 values
@@ -69,8 +95,8 @@ struct PayloadSizes {
 
 /**
  * Computes payload sizes from the codec fields of `h` (codec, flags,
- * src_dtype, chunk_tokens, code/anchor bits, num_tokens, num_channels), which
- * must already be valid.
+ * src_dtype, chunk_tokens, code/anchor bits, num_tokens, num_channels; for
+ * SPECTRUM also `tiers`), which must already be valid.
  */
 PayloadSizes payload_sizes(const PageHeader& h);
 
@@ -94,9 +120,13 @@ void seal_page(PageHeader h, uint8_t* anchor, uint8_t* residual, size_t* anchor_
 /**
  * Parses and fully validates one section of exactly `len` bytes: every
  * header field, the payload size implied by them, and the checksum.  Does not
- * look inside the payload.  Errors: TRUNCATED (len shorter than the header or
- * than header + payload), INVALID_ARGUMENT (len longer than the section),
- * CORRUPT (a field out of range, inconsistent fields, bad checksum).
+ * look inside the payload, except for SPECTRUM pages: their tier counts
+ * (which the payload size depends on; they must add up to num_tokens) and, in
+ * an anchor section, the precision map (its tiers must match the counts and
+ * its padding bits be zero).  Errors: TRUNCATED (len shorter than the header,
+ * the tier counts, or header + payload), INVALID_ARGUMENT (len longer than the
+ * section), CORRUPT (a field out of range, inconsistent fields, bad checksum,
+ * counts or map inconsistent).
  */
 kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* h);
 
@@ -110,7 +140,8 @@ size_t section_extent(const void* buf, size_t len);
 
 /**
  * Checks that `res` is the residual section of anchor `anc`: every identity
- * and codec field equal, and res.link == anc.checksum.  Errors: MISMATCH.
+ * and codec field (and SPECTRUM tier count) equal, and res.link ==
+ * anc.checksum.  Errors: MISMATCH.
  */
 kvxfer_result_t check_pair(const PageHeader& anc, const PageHeader& res);
 

@@ -6,6 +6,7 @@
 #include <cinttypes>
 
 #include "codec/codec.h"
+#include "codec/spectrum.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
@@ -132,13 +133,18 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
   KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
                  "codec config from header version %u, library is %d", cfg->version,
                  KVXFER_VERSION_CODE);
-  KVXFER_REQUIRE(cfg->codec >= KVXFER_CODEC_LYNX && cfg->codec <= KVXFER_CODEC_BF16,
+  KVXFER_REQUIRE(cfg->codec >= KVXFER_CODEC_LYNX && cfg->codec <= KVXFER_CODEC_SPECTRUM,
                  "unknown codec %d", static_cast<int>(cfg->codec));
   KVXFER_REQUIRE(valid_chunk_tokens(cfg->chunk_tokens), "chunk_tokens %d is not 16, 32, 64 or 128",
                  cfg->chunk_tokens);
   KVXFER_REQUIRE(cfg->nonfinite == KVXFER_NONFINITE_ERROR || cfg->nonfinite == KVXFER_NONFINITE_RAW,
                  "unknown nonfinite policy %d", static_cast<int>(cfg->nonfinite));
-  if (cfg->codec != KVXFER_CODEC_BF16) {
+  if (cfg->codec == KVXFER_CODEC_SPECTRUM) {
+    // anchor_bits is the INT8 tier's split (docs/FORMAT.md 6.2); alpha is unused.
+    KVXFER_REQUIRE(cfg->anchor_bits >= 2 && cfg->anchor_bits <= 6,
+                   "codec config: anchor_bits %d must be 2..6 for SPECTRUM (its int8 tier's split)",
+                   cfg->anchor_bits);
+  } else if (cfg->codec != KVXFER_CODEC_BF16) {
     std::string why;
     const bool autoa = cfg->codec == KVXFER_CODEC_LYNX && cfg->alpha == KVXFER_ALPHA_AUTO;
     if (get_codebook(cfg->codec, autoa ? 0.0f : cfg->alpha, cfg->anchor_bits, &why) == nullptr)
@@ -159,6 +165,7 @@ PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t&
       h.alpha = cfg.alpha == 0.0f ? 0.0f : cfg.alpha;  // no -0 on the wire
       [[fallthrough]];
     case KVXFER_CODEC_INT8:
+    case KVXFER_CODEC_SPECTRUM:  // the INT8 tier's split; INT4 tier codes are 4 anchor bits
       h.code_bits = 8;
       h.anchor_bits = static_cast<uint8_t>(cfg.anchor_bits);
       break;
@@ -197,6 +204,8 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
                  "num_channels %d outside [1, %u]", H, kMaxChannels);
   kvxfer_page_id_t id{};
   PageHeader h = make_header(*cfg, id, T, H, KVXFER_DTYPE_FP32);
+  // SPECTRUM: every token FP16 is the largest page (docs/FORMAT.md 6.3).
+  if (cfg->codec == KVXFER_CODEC_SPECTRUM) h.tiers[KVXFER_TIER_FP16] = static_cast<uint64_t>(T);
   if (cfg->codec != KVXFER_CODEC_BF16) h.flags = FLAG_META_FP32;
   PayloadSizes s = payload_sizes(h);
   uint64_t anchor = s.anchor_payload();
@@ -212,6 +221,17 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
 kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                                   const kvxfer_page_layout_t* src, const void* anchor,
                                   size_t* anchor_len, const void* residual, size_t* residual_len) {
+  KVXFER_CHECK(check_encode_args_common(cfg, id, src, anchor, anchor_len, residual, residual_len));
+  KVXFER_REQUIRE(cfg->codec != KVXFER_CODEC_SPECTRUM,
+                 "codec SPECTRUM needs token tiers: use kvxfer_page_encode_tiered");
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
+                                         const kvxfer_page_id_t* id,
+                                         const kvxfer_page_layout_t* src, const void* anchor,
+                                         size_t* anchor_len, const void* residual,
+                                         size_t* residual_len) {
   // On every failure both lengths read 0 (whatever fails first).
   if (anchor_len != nullptr) *anchor_len = 0;
   if (residual_len != nullptr) *residual_len = 0;
@@ -348,6 +368,16 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
 kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* residual,
                             size_t residual_len, const kvxfer_page_id_t* expect,
                             const kvxfer_page_layout_t* dst, DecodePlan* plan) {
+  KVXFER_CHECK(plan_decode_any(anchor, anchor_len, residual, residual_len, expect, dst, plan));
+  if (plan->anchor.codec == KVXFER_CODEC_SPECTRUM)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "SpectrumKV pages are decoded on the host only (kvxfer_page_decode)");
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const void* residual,
+                                size_t residual_len, const kvxfer_page_id_t* expect,
+                                const kvxfer_page_layout_t* dst, DecodePlan* plan) {
   PageHeader& ah = plan->anchor;
   PageHeader rh;
   KVXFER_CHECK(parse_section(anchor, anchor_len, &ah));
@@ -381,6 +411,7 @@ kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* r
   plan->residual_payload =
       residual != nullptr ? static_cast<const uint8_t*>(residual) + kHeaderBytes : nullptr;
   plan->has_table = false;
+  if (ah.codec == KVXFER_CODEC_SPECTRUM) return plan_spectrum(plan);
   if ((ah.flags & FLAG_RAW) || ah.codec == KVXFER_CODEC_BF16) return KVXFER_SUCCESS;
 
   // Every metadata entry and table value, before anything is written: a
@@ -416,10 +447,14 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
                             size_t residual_len, const kvxfer_page_id_t* expect,
                             const kvxfer_page_layout_t* dst, Impl impl, int threads) {
   DecodePlan plan;
-  KVXFER_CHECK(plan_decode(anchor, anchor_len, residual, residual_len, expect, dst, &plan));
+  KVXFER_CHECK(plan_decode_any(anchor, anchor_len, residual, residual_len, expect, dst, &plan));
   Layout lay;
   KVXFER_CHECK(validate_layout(dst, "destination", &lay));  // host blocks: non-NULL too
   KVXFER_CHECK(resolve_impl(impl, &impl));
+  if (plan.anchor.codec == KVXFER_CODEC_SPECTRUM) {
+    decode_spectrum(plan, lay);
+    return KVXFER_SUCCESS;
+  }
   const PageHeader& ah = plan.anchor;
   const int64_t T = dst->num_tokens;
   const int32_t H = dst->num_channels;

@@ -82,7 +82,14 @@ kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what,
  * The argument checks of every page encoder (CPU and CUDA host path): sets
  * both lengths to 0 first, then validates config, id, buffers and the layout's
  * shape (not its block pointers, which may be device memory).
+ * check_encode_args also refuses codec SPECTRUM, which needs token tiers
+ * (encode_page_tiered); check_encode_args_common does not.
  */
+kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
+                                         const kvxfer_page_id_t* id,
+                                         const kvxfer_page_layout_t* src, const void* anchor,
+                                         size_t* anchor_len, const void* residual,
+                                         size_t* residual_len);
 kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                                   const kvxfer_page_layout_t* src, const void* anchor,
                                   size_t* anchor_len, const void* residual, size_t* residual_len);
@@ -90,6 +97,9 @@ kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer
 /** Header fields of a page before any data is seen (flags, sizes and checksums later). */
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
                        int32_t H, kvxfer_dtype_t src_dtype);
+
+/** True if a row of H values of `dt` holds a NaN or Inf (tested on the exponent bits). */
+bool row_has_nonfinite(const uint8_t* row, int32_t H, kvxfer_dtype_t dt);
 
 /** KVXFER_ERR_NONFINITE naming the element: "NaN at layer 6 K, token 241, channel 7". */
 kvxfer_result_t nonfinite_error(const kvxfer_page_id_t& id, int64_t t, int32_t c, bool is_nan);
@@ -214,11 +224,21 @@ struct DecodePlan {
  * sections parsed and checksummed, their pairing, the expected identity, the
  * destination's shape against the page, every metadata pair and table entry.
  * Does not touch the destination's blocks (they may be device memory).
- * Shared by the CPU decoder and the CUDA host path.
+ * Shared by the CPU decoder and the CUDA host path.  SpectrumKV pages
+ * (codec SPECTRUM) fail with KVXFER_ERR_UNSUPPORTED here: only the CPU
+ * decoder, through plan_decode_any, decodes them.
  */
 kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* residual,
                             size_t residual_len, const kvxfer_page_id_t* expect,
                             const kvxfer_page_layout_t* dst, DecodePlan* plan);
+/**
+ * plan_decode for every codec, SPECTRUM included (its checks:
+ * plan_spectrum in codec/spectrum.h).  For a SPECTRUM page plan->cb is the
+ * INT8 tier's codebook (nullptr for a raw page).
+ */
+kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const void* residual,
+                                size_t residual_len, const kvxfer_page_id_t* expect,
+                                const kvxfer_page_layout_t* dst, DecodePlan* plan);
 
 namespace reference {
 /** Plain-loop encoder of quantized pages: the definition of the bytes. */

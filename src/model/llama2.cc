@@ -73,29 +73,42 @@ struct Segment {
   std::size_t k_stride;
   std::size_t v_stride;
   int count;
+  const std::uint8_t* drop = nullptr;  // KVLayerView::drop (nullptr: all present)
 };
 
 // One query head against up to two segments (in order).  q, out: head_size
 // floats; kv_off: channel offset of the KV head; scores: scratch, >= total.
+// Dropped keys (Segment::drop) score -inf, so softmax gives them exactly 0
+// and they are skipped; with no drop mask the arithmetic is unchanged.
 void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs, int n_segs,
                  float* scores, float* out) {
   const float inv_scale = std::sqrt(static_cast<float>(head_size));
-  int n = 0;
+  int n = 0, present = 0;
   for (int s = 0; s < n_segs; ++s) {
     for (int t = 0; t < segs[s].count; ++t) {
+      if (segs[s].drop != nullptr && segs[s].drop[t] != 0) {
+        scores[n++] = -INFINITY;
+        continue;
+      }
       const float* k = segs[s].k + static_cast<std::size_t>(t) * segs[s].k_stride + kv_off;
       float score = 0.0f;
       for (int i = 0; i < head_size; ++i) score += q[i] * k[i];
       scores[n++] = score / inv_scale;
+      ++present;
     }
   }
-  softmax(scores, n);
   for (int i = 0; i < head_size; ++i) out[i] = 0.0f;
+  if (present == 0) {  // every key dropped: no attention, zero output
+    for (int i = 0; i < n; ++i) scores[i] = 0.0f;
+    return;
+  }
+  softmax(scores, n);
   n = 0;
   for (int s = 0; s < n_segs; ++s) {
     for (int t = 0; t < segs[s].count; ++t) {
-      const float* v = segs[s].v + static_cast<std::size_t>(t) * segs[s].v_stride + kv_off;
       const float a = scores[n++];
+      if (segs[s].drop != nullptr && segs[s].drop[t] != 0) continue;
+      const float* v = segs[s].v + static_cast<std::size_t>(t) * segs[s].v_stride + kv_off;
       for (int i = 0; i < head_size; ++i) out[i] += a * v[i];
     }
   }
@@ -330,7 +343,8 @@ bool Model::check_view(const KVView& view, std::string* error) const {
 
 bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView& view,
                     KVCache* tail, int logits_rows, std::vector<float>* logits,
-                    std::vector<float>* queries, std::string* error) const {
+                    std::vector<float>* queries, std::string* error,
+                    std::vector<float>* att_mass) const {
   const Config& c = cfg_;
   if (tokens.empty()) {
     set_error(error, "no tokens to run");
@@ -377,6 +391,16 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
   std::vector<float> x(TD), xb(TD), xb2(TD), q(TD);
   std::vector<float> hb(static_cast<std::size_t>(T) * hidden), hb2(hb.size());
   if (queries != nullptr) queries->assign(static_cast<std::size_t>(c.n_layers) * TD, 0.0f);
+  // Attention probabilities of this layer, [head][query t][key] (prefill only).
+  std::vector<float> probs;
+  if (att_mass != nullptr) {
+    if (n_view != 0 || n_tail0 != 0) {
+      set_error(error, "attention mass is recorded by prefill only");
+      return false;
+    }
+    att_mass->assign(static_cast<std::size_t>(c.n_layers) * c.n_heads * T, 0.0f);
+    probs.assign(static_cast<std::size_t>(c.n_heads) * T * T, 0.0f);
+  }
 
   for (int t = 0; t < T; ++t)
     std::memcpy(&x[static_cast<std::size_t>(t) * dim],
@@ -439,7 +463,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
       for (int t = 0; t < T; ++t) {
         for (int h = 0; h < c.n_heads; ++h) {
           Segment segs[2] = {
-              {lv.k, lv.v, lv.k_stride, lv.v_stride, n_view},
+              {lv.k, lv.v, lv.k_stride, lv.v_stride, n_view, lv.drop},
               {tail_k, tail_v, static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
                n_tail0 + t + 1},
           };
@@ -447,6 +471,21 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
               static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
           attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, 2,
                       scores.data(), &xb2[off]);
+          if (!probs.empty())
+            std::memcpy(&probs[(static_cast<std::size_t>(h) * T + t) * T], scores.data(),
+                        static_cast<std::size_t>(t + 1) * sizeof(float));
+        }
+      }
+    }
+    if (att_mass != nullptr) {
+      // mass[l][h][j] = sum_{t >= j} p(t, j), t ascending: one thread per (h, j).
+      float* mass = att_mass->data() + static_cast<std::size_t>(l) * c.n_heads * T;
+#pragma omp parallel for collapse(2) schedule(static) if (att_work >= kParallelWork)
+      for (int h = 0; h < c.n_heads; ++h) {
+        for (int j = 0; j < T; ++j) {
+          float sum = 0.0f;
+          for (int t = j; t < T; ++t) sum += probs[(static_cast<std::size_t>(h) * T + t) * T + j];
+          mass[static_cast<std::size_t>(h) * T + j] = sum;
         }
       }
     }
@@ -487,8 +526,10 @@ bool Model::prefill(const std::vector<int>& tokens, const PrefillOptions& option
   }
   KVCache cache = make_cache();
   std::vector<float> logits, queries;
+  std::vector<float> mass;
   if (!forward(tokens, 0, KVView{}, &cache, options.all_logits ? 2 : 1, &logits,
-               options.record_queries ? &queries : nullptr, error))
+               options.record_queries ? &queries : nullptr, error,
+               options.record_attention_mass ? &mass : nullptr))
     return false;
   out->kv = std::move(cache);
   const std::size_t V = static_cast<std::size_t>(cfg_.vocab_size);
@@ -498,6 +539,7 @@ bool Model::prefill(const std::vector<int>& tokens, const PrefillOptions& option
   else
     out->all_logits.clear();
   out->queries = std::move(queries);
+  out->attention_mass = std::move(mass);
   return true;
 }
 
@@ -576,7 +618,7 @@ bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_toke
 #pragma omp for collapse(2) schedule(dynamic, 4)
     for (int i = 0; i < n_q; ++i) {
       for (int h = 0; h < shape.n_heads; ++h) {
-        const Segment seg{kv.k, kv.v, kv.k_stride, kv.v_stride, q_pos0 + i + 1};
+        const Segment seg{kv.k, kv.v, kv.k_stride, kv.v_stride, q_pos0 + i + 1, kv.drop};
         const std::size_t hoff = static_cast<std::size_t>(h) * shape.head_size;
         attend_head(q + static_cast<std::size_t>(i) * q_stride + hoff, shape.head_size,
                     static_cast<std::size_t>(h / kv_mul) * shape.head_size, &seg, 1, scores.data(),

@@ -60,11 +60,17 @@ struct Config {
 // Read-only view of one layer's K and V: row t of K starts at k + t*k_stride
 // (float32, kv_dim elements), likewise for V.  Strides are in elements and
 // must be >= kv_dim.  The view does not own the memory.
+// drop: optional uint8 [n_tokens] attention mask: token t is absent (not
+// transferred, e.g. a SpectrumKV DROP token or a keep/drop baseline) when
+// drop[t] != 0, and every query of this layer then attends only to the
+// present tokens (softmax renormalised over them).  nullptr = every token
+// present; the arithmetic is then exactly that of a view without the field.
 struct KVLayerView {
   const float* k = nullptr;
   const float* v = nullptr;
   std::size_t k_stride = 0;
   std::size_t v_stride = 0;
+  const std::uint8_t* drop = nullptr;
 };
 
 // Read-only view of a KV cache: positions [0, n_tokens) of every layer.
@@ -117,8 +123,9 @@ class KVCache {
 };
 
 struct PrefillOptions {
-  bool record_queries = false;  // fill PrefillResult::queries
-  bool all_logits = false;      // fill PrefillResult::all_logits
+  bool record_queries = false;         // fill PrefillResult::queries
+  bool all_logits = false;             // fill PrefillResult::all_logits
+  bool record_attention_mass = false;  // fill PrefillResult::attention_mass
 };
 
 struct PrefillResult {
@@ -126,6 +133,12 @@ struct PrefillResult {
   std::vector<float> last_logits;  // [vocab_size], logits after the last token
   std::vector<float> all_logits;   // [n][vocab_size] if requested, else empty
   std::vector<float> queries;      // [n_layers][n][dim] (after RoPE) if requested
+  // [n_layers][n_heads][n] if requested: attention_mass[l][h][j] = sum over
+  // the prefill queries i >= j of the softmax probability p_l,h(i, j) that
+  // query i of head h gave key j (float32 sums in ascending i; the input of
+  // kvxfer_spectrum_importance_from_attention, one row per (layer, head)).
+  // Needs n_heads * n * n floats of scratch per layer.
+  std::vector<float> attention_mass;
 };
 
 class Model {
@@ -198,9 +211,11 @@ class Model {
   bool check_view(const KVView& view, std::string* error) const;
   // Batched forward of tokens at positions start_pos.. over view + tail.
   // logits_rows: 0 = none, 1 = last row only, 2 = all rows.
+  // att_mass: if non-null (prefill only: empty view and tail), filled as
+  // PrefillResult::attention_mass.
   bool forward(const std::vector<int>& tokens, int start_pos, const KVView& view, KVCache* tail,
                int logits_rows, std::vector<float>* logits, std::vector<float>* queries,
-               std::string* error) const;
+               std::string* error, std::vector<float>* att_mass = nullptr) const;
 
   Config cfg_;
   std::vector<float> data_;  // all float32 weights of the file
@@ -217,7 +232,8 @@ struct AttentionShape {
 // Causal attention of one layer: q is [n_q][n_heads*head_size] with row
 // stride q_stride (elements; 0 = n_heads*head_size); query i is at position
 // q_pos0 + i and attends to keys [0, q_pos0 + i] of kv (so q_pos0 + n_q <=
-// n_kv_tokens is required).  Query head h uses KV head h / (n_heads /
+// n_kv_tokens is required), skipping keys that kv.drop marks absent (a query
+// that sees no present key gets a zero output).  Query head h uses KV head h / (n_heads /
 // n_kv_heads).  out: [n_q][n_heads*head_size] contiguous, the per-head
 // softmax(q k^T / sqrt(head_size)) v.  Deterministic; parallel over queries
 // and heads.

@@ -27,7 +27,7 @@ step "cmake --install $build_dir --prefix $prefix"
 cmake --install "$build_dir" --prefix "$prefix" >"$work/install.log" || { cat "$work/install.log"; fail "cmake --install failed"; }
 
 step "headers"
-for h in kvxfer.h spec.h version.h; do
+for h in kvxfer.h spec.h spectrum.h version.h; do
   [[ -f "$prefix/include/kvxfer/$h" ]] || fail "include/kvxfer/$h not installed"
 done
 grep -q "^#define KVXFER_MAJOR $major\$" "$prefix/include/kvxfer/version.h" || fail "version.h: KVXFER_MAJOR is not $major"
@@ -48,7 +48,8 @@ grep -qx kvxfer_get_version "$work/symbols.txt" || fail "kvxfer_get_version is n
 if grep -v '^kvxfer_' "$work/symbols.txt"; then fail "symbols other than kvxfer_* are exported (above)"; fi
 # Every function declared in the public headers is exported.
 sed -nE 's/^[A-Za-z_][A-Za-z0-9_ *]*[ *](kvxfer_[a-z0-9_]+)\(.*/\1/p' \
-  "$prefix/include/kvxfer/kvxfer.h" "$prefix/include/kvxfer/spec.h" | sort -u >"$work/declared.txt"
+  "$prefix/include/kvxfer/kvxfer.h" "$prefix/include/kvxfer/spec.h" \
+  "$prefix/include/kvxfer/spectrum.h" | sort -u >"$work/declared.txt"
 [[ -s "$work/declared.txt" ]] || fail "found no function declarations in kvxfer.h"
 missing=$(comm -23 "$work/declared.txt" <(sort -u "$work/symbols.txt"))
 [[ -z "$missing" ]] || fail "declared in the public headers but not exported: $missing"

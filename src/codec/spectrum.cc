@@ -1,0 +1,449 @@
+// SpectrumKV pages: encoder, precision-map reader and decoder
+// (docs/FORMAT.md section 6).  Plain loops in token order, one thread; the
+// quantizers are the INT8 and INT4 codebooks (codebook.h), the normalisation
+// and conversions codec_math.h.
+#include "codec/spectrum.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <vector>
+
+#include "codec/codec.h"
+#include "common/error.h"
+#include "common/log.h"
+
+namespace kvxfer::codec {
+
+namespace {
+
+uint64_t ceil_div8(uint64_t bits) { return (bits + 7) / 8; }
+
+void put_u64_le(uint8_t* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+
+/** The tier-count preamble of both payloads (docs/FORMAT.md 6.3). */
+void put_tier_counts(uint8_t* payload, const PageHeader& h) {
+  for (int k = 0; k < 4; ++k) put_u64_le(payload + 8 * k, h.tiers[k]);
+}
+
+/** The precision map: 2 bits per token, LSB-first, padding bits zero. */
+void put_tier_map(uint8_t* map, const uint8_t* tiers, uint64_t T) {
+  std::fill(map, map + tier_map_bytes(T), 0);
+  for (uint64_t t = 0; t < T; ++t) map[t >> 2] |= static_cast<uint8_t>(tiers[t] << (2 * (t & 3)));
+}
+
+bool is_quantized(unsigned tier) { return tier == KVXFER_TIER_INT8 || tier == KVXFER_TIER_INT4; }
+
+/** True if chunk k (tokens [k*C, min(T, k*C + C))) has an INT8 or INT4 token. */
+bool chunk_has_quantized(const uint8_t* map, uint64_t T, uint64_t C, uint64_t k) {
+  for (uint64_t t = k * C; t < std::min(T, k * C + C); ++t)
+    if (is_quantized(tier_at(map, t))) return true;
+  return false;
+}
+
+/** Sequential writer of a section 4.2 bit stream (LSB-first): the bytes of put_bits. */
+class BitWriter {
+ public:
+  explicit BitWriter(uint8_t* out) : out_(out) {}
+  void put(unsigned v, unsigned w) {
+    acc_ |= static_cast<uint64_t>(v) << n_;
+    n_ += w;
+    while (n_ >= 8) {
+      *out_++ = static_cast<uint8_t>(acc_);
+      acc_ >>= 8;
+      n_ -= 8;
+    }
+  }
+  /** Writes the last partial byte, padding bits zero. */
+  void flush() {
+    if (n_ > 0) *out_ = static_cast<uint8_t>(acc_);
+  }
+
+ private:
+  uint8_t* out_;
+  uint64_t acc_ = 0;
+  unsigned n_ = 0;
+};
+
+/** Sequential reader of a section 4.2 bit stream: the fields of get_bits. */
+class BitReader {
+ public:
+  explicit BitReader(const uint8_t* in) : in_(in) {}
+  unsigned get(unsigned w) {
+    while (n_ < w) {
+      acc_ |= static_cast<uint64_t>(*in_++) << n_;
+      n_ += 8;
+    }
+    const unsigned v = static_cast<unsigned>(acc_ & ((1u << w) - 1));
+    acc_ >>= w;
+    n_ -= w;
+    return v;
+  }
+
+ private:
+  const uint8_t* in_;
+  uint64_t acc_ = 0;
+  unsigned n_ = 0;
+};
+
+const char* kv_name(const kvxfer_page_id_t& id) { return id.kind == KVXFER_KV_KEY ? "K" : "V"; }
+
+/**
+ * Writes the payloads of a quantized SpectrumKV page (header fields and
+ * tiers of `h` set, buffers large enough).  NEED_FP32 when a metadata pair
+ * does not fit binary16 and h.flags lacks META_FP32.
+ */
+EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8_t* tiers,
+                             uint8_t* ap, uint8_t* rp, bool* saturated) {
+  const SpectrumParts p = spectrum_parts(h);
+  const int64_t T = static_cast<int64_t>(h.num_tokens);
+  const int32_t H = static_cast<int32_t>(h.num_channels);
+  const int C = h.chunk_tokens;
+  const bool fp32 = (h.flags & FLAG_META_FP32) != 0;
+  const unsigned A = h.anchor_bits, R = h.code_bits - h.anchor_bits;
+  const auto dt = static_cast<kvxfer_dtype_t>(h.src_dtype);
+  // The same quantizers as the INT8 and INT4 codecs (no second definition).
+  std::string why;
+  const CodebookRef cb8 = get_codebook(KVXFER_CODEC_INT8, 0.0f, static_cast<int>(A), &why);
+  const CodebookRef cb4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, &why);
+
+  put_tier_counts(ap, h);
+  put_tier_counts(rp, h);
+  put_tier_map(ap + p.map, tiers, h.num_tokens);
+  // Every stream is written in element order, so sequential bit writers give
+  // exactly the bytes of put_bits into a zeroed buffer.
+  BitWriter w8a(ap + p.int8_anchor), w8r(rp + p.int8_residual), w4(ap + p.int4_codes);
+
+  uint64_t hist[256] = {0};  // full codes of the INT8 tier (its anchor table)
+  std::vector<float> mn(H), mx(H);
+  std::vector<Affine> aff(H);  // the metadata of the current chunk
+  uint64_t i16 = 0;            // index of the current token within the FP16 tier
+  for (int64_t t0 = 0, k = 0; t0 < T; t0 += C, ++k) {
+    const int64_t t1 = std::min<int64_t>(T, t0 + C);
+    // Metadata over the chunk's INT8 and INT4 tokens only (docs/FORMAT.md 6.2),
+    // with the same comparisons as the other codecs (reference.cc).
+    bool have = false;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (!is_quantized(tiers[t])) continue;
+      const uint8_t* row = src.row(t);
+      for (int32_t c = 0; c < H; ++c) {
+        const float x = load_elem(row, c, dt);
+        if (!have) {
+          mn[c] = mx[c] = x;
+        } else {
+          if (x < mn[c]) mn[c] = x;
+          if (x > mx[c]) mx[c] = x;
+        }
+      }
+      have = true;
+    }
+    for (int32_t c = 0; c < H; ++c) {
+      Affine a{0.0f, 0.0f};  // canonical pair of a chunk without quantized tokens
+      if (have) {
+        canonical_minmax(&mn[c], &mx[c]);
+        if (!chunk_affine(mn[c], mx[c], fp32, &a)) return EncodeStatus::NEED_FP32;
+      }
+      put_affine(ap + p.meta, k * H + c, fp32, a);
+      aff[c] = a;  // what the decoder reads back: binary16 pairs are stored exactly
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* row = src.row(t);
+      switch (tiers[t]) {
+        case KVXFER_TIER_FP16:
+          for (int32_t c = 0; c < H; ++c) {
+            const uint16_t b = fp16_tier_bits(load_elem(row, c, dt), saturated);
+            ap[p.fp16_high + i16 * H + c] = static_cast<uint8_t>(b >> 8);
+            rp[p.fp16_low + i16 * H + c] = static_cast<uint8_t>(b & 0xFFu);
+          }
+          ++i16;
+          break;
+        case KVXFER_TIER_INT8:
+          for (int32_t c = 0; c < H; ++c) {
+            // encode_lut == Codebook::encode (Codebook.FastLookupEqualsThresholdCount...).
+            const uint8_t code = cb8->encode_lut(normalise(load_elem(row, c, dt), aff[c]));
+            ++hist[code];
+            w8a.put(code >> R, A);
+            w8r.put(code & ((1u << R) - 1), R);
+          }
+          break;
+        case KVXFER_TIER_INT4:
+          for (int32_t c = 0; c < H; ++c)
+            w4.put(cb4->encode_lut(normalise(load_elem(row, c, dt), aff[c])), 4);
+          break;
+        default: break;  // DROP: nothing is sent, the row is not read
+      }
+    }
+  }
+  w8a.flush();
+  w8r.flush();
+  w4.flush();
+  float table[64];
+  anchor_table_from_histogram(*cb8, hist, table);
+  for (unsigned a = 0; a < (1u << A); ++a) put_f32_le(ap + p.table + 4 * a, table[a]);
+  return EncodeStatus::OK;
+}
+
+}  // namespace
+
+SpectrumParts spectrum_parts(const PageHeader& h) {
+  const uint64_t H = h.num_channels;
+  const uint64_t n16 = h.tiers[KVXFER_TIER_FP16] * H, n8 = h.tiers[KVXFER_TIER_INT8] * H;
+  const uint64_t n4 = h.tiers[KVXFER_TIER_INT4] * H;
+  const bool raw = (h.flags & FLAG_RAW) != 0;
+  SpectrumParts p;
+  p.map = kTierCountBytes;
+  p.meta = p.map + tier_map_bytes(h.num_tokens);
+  const uint64_t chunks = (h.num_tokens + h.chunk_tokens - 1) / h.chunk_tokens;
+  p.fp16_high = p.meta + (raw ? 0 : chunks * H * 2 * ((h.flags & FLAG_META_FP32) ? 4 : 2));
+  p.int8_anchor = p.fp16_high + n16;
+  p.int4_codes = p.int8_anchor + ceil_div8(n8 * h.anchor_bits);
+  p.table = p.int4_codes + ceil_div8(n4 * 4);
+  p.fp16_low = kTierCountBytes;
+  p.int8_residual = p.fp16_low + n16;
+  return p;
+}
+
+kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                                   const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
+                                   void* anchor, size_t anchor_cap, size_t* anchor_len,
+                                   void* residual, size_t residual_cap, size_t* residual_len) {
+  KVXFER_CHECK(check_encode_args_common(cfg, id, src, anchor, anchor_len, residual, residual_len));
+  KVXFER_REQUIRE(cfg->codec == KVXFER_CODEC_SPECTRUM,
+                 "token tiers need codec SPECTRUM (4), not codec %d: use kvxfer_page_encode",
+                 static_cast<int>(cfg->codec));
+  const int64_t T = src->num_tokens;
+  const int32_t H = src->num_channels;
+  KVXFER_REQUIRE(token_tiers != nullptr || T == 0,
+                 "token_tiers is NULL for a page of %" PRId64 " tokens", T);
+  for (int64_t t = 0; t < T; ++t)
+    KVXFER_REQUIRE(token_tiers[t] <= KVXFER_TIER_DROP,
+                   "token_tiers[%" PRId64
+                   "] = %u is not a kvxfer_tier_t (0 FP16, 1 INT8, 2 INT4, "
+                   "3 DROP)",
+                   t, token_tiers[t]);
+  Layout lay;
+  KVXFER_CHECK(validate_layout(src, "source", &lay));  // host blocks: non-NULL too
+
+  PageHeader h = make_header(*cfg, *id, T, H, src->dtype);
+  for (int64_t t = 0; t < T; ++t) ++h.tiers[token_tiers[t]];
+  uint8_t* anc = static_cast<uint8_t*>(anchor);
+  uint8_t* res = static_cast<uint8_t*>(residual);
+  auto sizes_fit = [&]() -> kvxfer_result_t {
+    const PayloadSizes s = payload_sizes(h);
+    if (anchor_cap < kHeaderBytes + s.anchor_payload() ||
+        residual_cap < kHeaderBytes + s.residual_codes)
+      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
+                       "page needs %llu anchor and %llu residual bytes; buffers hold %zu and %zu "
+                       "(size them with kvxfer_page_max_size)",
+                       (unsigned long long)(kHeaderBytes + s.anchor_payload()),
+                       (unsigned long long)(kHeaderBytes + s.residual_codes), anchor_cap,
+                       residual_cap);
+    return KVXFER_SUCCESS;
+  };
+
+  // Non-finite input in any token that is sent: the policy of every codec
+  // (docs/FORMAT.md 5).  DROP rows are never read.
+  bool raw = false;
+  for (int64_t t = 0; t < T && !raw; ++t) {
+    if (token_tiers[t] == KVXFER_TIER_DROP || !row_has_nonfinite(lay.row(t), H, src->dtype))
+      continue;
+    for (int32_t c = 0; c < H; ++c) {
+      const float x = load_elem(lay.row(t), c, src->dtype);
+      if (std::isfinite(x)) continue;
+      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
+        return nonfinite_error(*id, t, c, std::isnan(x));
+      raw = true;
+      break;
+    }
+  }
+
+  if (!raw) {
+    bool saturated = false;
+    EncodeStatus st = EncodeStatus::NEED_FP32;
+    for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
+      // Binary16 metadata first; binary32 for the whole page if a pair does not fit.
+      h.flags = attempt == 1 ? FLAG_META_FP32 : 0;
+      KVXFER_CHECK(sizes_fit());
+      st = encode_payloads(h, lay, token_tiers, anc + kHeaderBytes, res + kHeaderBytes, &saturated);
+      if (st == EncodeStatus::NEED_FP32)
+        KVXFER_INFO(LOG_CODEC,
+                    "layer %u %s tokens [%" PRId64 ", +%" PRId64
+                    "): int8/int4 range exceeds binary16, using fp32 metadata",
+                    id->layer, kv_name(*id), id->token_begin, T);
+    }
+    if (st != EncodeStatus::OK)
+      return set_error(KVXFER_ERR_INTERNAL, "SpectrumKV encoder failed with fp32 metadata");
+    if (saturated)
+      KVXFER_WARN(LOG_CODEC,
+                  "layer %u %s tokens [%" PRId64 ", +%" PRId64
+                  "): fp16-tier values beyond +-65504 saturated to +-65504",
+                  id->layer, kv_name(*id), id->token_begin, T);
+  } else {
+    // Lossless raw fallback: the map stays, the raw values of every token
+    // that is sent follow it, and DROP tokens still decode to 0.
+    h.flags = FLAG_RAW;
+    KVXFER_CHECK(sizes_fit());
+    KVXFER_WARN(LOG_CODEC,
+                "layer %u %s tokens [%" PRId64 ", +%" PRId64
+                "): non-finite input, page stored raw (lossless, not progressive)",
+                id->layer, kv_name(*id), id->token_begin, T);
+    const SpectrumParts p = spectrum_parts(h);
+    uint8_t* ap = anc + kHeaderBytes;
+    put_tier_counts(ap, h);
+    put_tier_counts(res + kHeaderBytes, h);
+    put_tier_map(ap + p.map, token_tiers, h.num_tokens);
+    const size_t row_bytes = static_cast<size_t>(H) * lay.elem;
+    uint8_t* out = ap + p.fp16_high;
+    for (int64_t t = 0; t < T; ++t) {
+      if (token_tiers[t] == KVXFER_TIER_DROP) continue;
+      std::memcpy(out, lay.row(t), row_bytes);
+      out += row_bytes;
+    }
+  }
+  seal_page(h, anc, res, anchor_len, residual_len);
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
+                               int64_t num_tokens) {
+  PageHeader h;
+  KVXFER_CHECK(parse_section(anchor, anchor_len, &h));  // checksum, counts and map included
+  KVXFER_REQUIRE(h.codec == KVXFER_CODEC_SPECTRUM,
+                 "section is codec %u, not a SpectrumKV page (codec 4): it has no precision map",
+                 h.codec);
+  KVXFER_REQUIRE(h.section == SECTION_ANCHOR,
+                 "a residual section carries no precision map: pass the anchor section");
+  KVXFER_REQUIRE(num_tokens >= 0, "num_tokens %" PRId64 " is negative", num_tokens);
+  if (static_cast<uint64_t>(num_tokens) != h.num_tokens)
+    return set_error(KVXFER_ERR_MISMATCH, "page has %llu tokens; the tier array holds %" PRId64,
+                     (unsigned long long)h.num_tokens, num_tokens);
+  KVXFER_REQUIRE(token_tiers != nullptr || num_tokens == 0, "token_tiers is NULL");
+  const uint8_t* map = static_cast<const uint8_t*>(anchor) + kHeaderBytes + kTierCountBytes;
+  for (uint64_t t = 0; t < h.num_tokens; ++t)
+    token_tiers[t] = static_cast<uint8_t>(tier_at(map, t));
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t plan_spectrum(DecodePlan* plan) {
+  const PageHeader& h = plan->anchor;
+  plan->cb = nullptr;
+  plan->has_table = false;
+  if (h.flags & FLAG_RAW) return KVXFER_SUCCESS;  // raw values: nothing else to check
+  const SpectrumParts p = spectrum_parts(h);
+  const uint8_t* map = plan->payload + p.map;
+  const bool fp32 = (h.flags & FLAG_META_FP32) != 0;
+  const uint64_t H = h.num_channels, C = h.chunk_tokens;
+  const uint64_t chunks = (h.num_tokens + C - 1) / C;
+  for (uint64_t k = 0; k < chunks; ++k) {
+    const bool used = chunk_has_quantized(map, h.num_tokens, C, k);
+    for (uint64_t c = 0; c < H; ++c) {
+      const Affine a = get_affine(plan->payload + p.meta, static_cast<int64_t>(k * H + c), fp32);
+      const bool ok = used ? std::isfinite(a.m) && std::isfinite(a.d) && a.d >= 0.0f
+                           : f32_bits(a.m) == 0 && f32_bits(a.d) == 0;
+      if (!ok)
+        return set_error(KVXFER_ERR_CORRUPT,
+                         "metadata entry %llu (chunk %llu, channel %llu) is invalid: offset %g, "
+                         "half-range %g%s",
+                         (unsigned long long)(k * H + c), (unsigned long long)k,
+                         (unsigned long long)c, (double)a.m, (double)a.d,
+                         used ? "" : " (a chunk without int8/int4 tokens must carry +0, +0)");
+    }
+  }
+  const uint64_t n16 = h.tiers[KVXFER_TIER_FP16] * H;
+  for (uint64_t i = 0; i < n16; ++i)
+    if ((plan->payload[p.fp16_high + i] & 0x7Cu) == 0x7Cu)
+      return set_error(KVXFER_ERR_CORRUPT,
+                       "fp16-tier element %llu has high byte 0x%02x: an infinity or NaN exponent",
+                       (unsigned long long)i, plan->payload[p.fp16_high + i]);
+  std::string why;
+  plan->cb = get_codebook(KVXFER_CODEC_INT8, 0.0f, h.anchor_bits, &why);
+  if (plan->cb == nullptr)
+    return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid header: %s", why.c_str());
+  for (unsigned a = 0; a < (1u << h.anchor_bits); ++a)
+    plan->table[a] = get_f32_le(plan->payload + p.table + 4 * a);
+  if (!anchor_table_valid(*plan->cb, plan->table))
+    return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
+  plan->has_table = true;
+  return KVXFER_SUCCESS;
+}
+
+void decode_spectrum(const DecodePlan& plan, const Layout& dst) {
+  const PageHeader& h = plan.anchor;
+  const SpectrumParts p = spectrum_parts(h);
+  const int64_t T = static_cast<int64_t>(h.num_tokens);
+  const int32_t H = static_cast<int32_t>(h.num_channels);
+  const int C = h.chunk_tokens;
+  const auto dt = dst.l->dtype;
+  const uint8_t* ap = plan.payload;
+  const uint8_t* rp = plan.residual_payload;  // nullptr: anchor only
+  const uint8_t* map = ap + p.map;
+
+  if (h.flags & FLAG_RAW) {
+    const auto sdt = static_cast<kvxfer_dtype_t>(h.src_dtype);
+    const size_t ssz = dtype_size(sdt);
+    const uint8_t* in = ap + p.fp16_high;
+    for (int64_t t = 0; t < T; ++t) {
+      uint8_t* row = dst.row(t);
+      if (tier_at(map, t) == KVXFER_TIER_DROP) {
+        for (int32_t c = 0; c < H; ++c) store_elem(row, c, dt, 0.0f);
+        continue;
+      }
+      if (sdt == dt)
+        std::memcpy(row, in, static_cast<size_t>(H) * ssz);
+      else
+        for (int32_t c = 0; c < H; ++c) store_elem(row, c, dt, load_elem(in, c, sdt));
+      in += static_cast<size_t>(H) * ssz;
+    }
+    return;
+  }
+
+  const bool fp32 = (h.flags & FLAG_META_FP32) != 0;
+  const unsigned A = h.anchor_bits, R = h.code_bits - h.anchor_bits;
+  const Codebook& cb8 = *plan.cb;
+  std::string why;
+  const CodebookRef cb4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, &why);
+  uint64_t i16 = 0;
+  BitReader r8a(ap + p.int8_anchor), r4(ap + p.int4_codes);
+  BitReader r8r(rp != nullptr ? rp + p.int8_residual : nullptr);  // not read when anchor-only
+  std::vector<Affine> aff(H);  // the metadata of the current chunk
+  int64_t aff_chunk = -1;
+  for (int64_t t = 0; t < T; ++t) {
+    uint8_t* row = dst.row(t);
+    const int64_t k = t / C;
+    const unsigned tier = tier_at(map, t);
+    if (is_quantized(tier) && k != aff_chunk) {
+      for (int32_t c = 0; c < H; ++c) aff[c] = get_affine(ap + p.meta, k * H + c, fp32);
+      aff_chunk = k;
+    }
+    switch (tier) {
+      case KVXFER_TIER_FP16:
+        for (int32_t c = 0; c < H; ++c) {
+          const uint8_t hi = ap[p.fp16_high + i16 * H + c];
+          const float v =
+              rp != nullptr
+                  ? f16_to_f32(static_cast<uint16_t>(hi << 8 | rp[p.fp16_low + i16 * H + c]))
+                  : fp16_anchor_value(hi);
+          store_elem(row, c, dt, v);
+        }
+        ++i16;
+        break;
+      case KVXFER_TIER_INT8:
+        for (int32_t c = 0; c < H; ++c) {
+          const unsigned anchor = r8a.get(A);
+          const float r =
+              rp != nullptr ? cb8.recon_full[anchor << R | r8r.get(R)] : plan.table[anchor];
+          store_elem(row, c, dt, denormalise(r, aff[c]));
+        }
+        break;
+      case KVXFER_TIER_INT4:
+        for (int32_t c = 0; c < H; ++c)
+          store_elem(row, c, dt, denormalise(cb4->recon_full[r4.get(4)], aff[c]));
+        break;
+      default:  // DROP
+        for (int32_t c = 0; c < H; ++c) store_elem(row, c, dt, 0.0f);
+    }
+  }
+}
+
+}  // namespace kvxfer::codec
