@@ -19,9 +19,16 @@
 #   libxxhash-dev libxxhash0        section checksums (linked by kvxfer_core)
 #   libcli11-dev nlohmann-json3-dev header-only; find_package() at configure time
 #   libfabric-dev libhwloc-dev      pkg-config files and headers; configure requires them
-#   libfabric1 libhwloc15 + deps    their runtime libraries (for a later GPU-path loopback;
-#                                   the codec GPU tests do not link them)
+#   libfabric1 libhwloc15 + deps    their runtime libraries, for the GPU transport tests
+#                                   (xfer_gpu_test, nccl_test) and codec_perf, which link
+#                                   them: libfabric1 needs libibverbs1 librdmacm1 libpsm2-2
+#                                   libpsm-infinipath1 ibverbs-providers (libefa) and
+#                                   libnl-3-200 libnl-route-3-200
+#   libnuma1 libudev1 libuuid1      what those need from the base system (libpsm2, libhwloc,
+#   libatomic1                      libpsm_infinipath, libfabric); gpu-check.sh uses them
+#                                   only where the machine lacks the soname
 #   pkgconf-bin libpkgconf3         pkg-config, used only if the machine has none
+# NCCL is not here: nccl_test uses the CUDA toolkit's or PyTorch's (gpu-check.sh).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,6 +41,7 @@ packages=(
   libfabric-dev libfabric1 libibverbs1 librdmacm1 libpsm2-2 libpsm-infinipath1 ibverbs-providers
   libnl-3-200 libnl-route-3-200
   libhwloc-dev libhwloc15
+  libnuma1 libudev1 libuuid1 libatomic1
   pkgconf-bin libpkgconf3
 )
 
