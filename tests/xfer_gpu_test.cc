@@ -349,6 +349,9 @@ TEST(XferGpu, DeviceRequestsRefusedAtPost) {
                 "alpha=auto: %s", kvxfer_get_last_error());
     CHILD_CHECK(std::string(kvxfer_get_last_error()).find("calibrate") != std::string::npos,
                 "alpha=auto message: %s", kvxfer_get_last_error());
+    cfg = codec(KVXFER_CODEC_SPECTRUM);  // no GPU encoder for SpectrumKV pages
+    CHILD_CHECK(kvxfer_send(comm, 1, &dev.desc, &cfg, nullptr, &req) == KVXFER_ERR_UNSUPPORTED,
+                "SPECTRUM on a device: %s", kvxfer_get_last_error());
     int n = 0;
     cudaGetDeviceCount(&n);
     kvxfer_kv_desc_t d = dev.desc;

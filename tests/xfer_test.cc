@@ -30,6 +30,7 @@
 #include "common/fdio.h"
 #include "fork_child.h"
 #include "kvxfer/kvxfer.h"
+#include "kvxfer/spectrum.h"
 #include "transport/ofi.h"
 #include "xfer/engine.h"
 #include "xfer/protocol.h"
@@ -441,6 +442,222 @@ TEST(Xfer, AnchorReadyCallbackSeesExactlyAnchorPrecision) {
   SenderReport rep;
   ASSERT_TRUE(read_report(pair.child.from_child, &rep));
   finish(&pair, comm);
+}
+
+// ---------------------------------------------------------------------------
+// SpectrumKV (codec SPECTRUM): per-token tiers chosen by the policy on the
+// sender, carried in the pages' precision maps, read back by the receiver.
+// ---------------------------------------------------------------------------
+struct SpectrumCase {
+  bool plain_send = false;  // kvxfer_send with codec SPECTRUM (default policy, KV norm)
+  kvxfer_spectrum_config_t policy = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
+  bool runtime_importance = false;  // importance_j = j (recency), supplied by the "runtime"
+  kvxfer_mode_t mode = KVXFER_MODE_AUTO;
+  unsigned tiers_present = 0;  // bit t: some token must get tier t
+};
+
+std::vector<float> recency_importance(int64_t T) {
+  std::vector<float> imp(static_cast<size_t>(T));
+  for (int64_t j = 0; j < T; ++j) imp[static_cast<size_t>(j)] = static_cast<float>(j);
+  return imp;
+}
+
+/** The tiers the sender's policy must choose for `src` under `c`. */
+std::vector<uint8_t> expected_tiers(PagedKV& src, const SpectrumCase& c) {
+  const kvxfer_spectrum_config_t policy =
+      c.plain_send ? kvxfer_spectrum_config_t KVXFER_SPECTRUM_CONFIG_INITIALIZER : c.policy;
+  std::vector<float> imp;
+  if (c.runtime_importance) {
+    imp = recency_importance(src.T);
+  } else {
+    std::vector<kvxfer_page_layout_t> pages;
+    for (int32_t l = 0; l < src.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        pages.push_back(src.layout(l, kind, 0, src.T));
+    imp.resize(static_cast<size_t>(src.T));
+    EXPECT_EQ(kvxfer_spectrum_importance_from_kv(pages.data(), static_cast<int32_t>(pages.size()),
+                                                 policy.lambda, imp.data()),
+              KVXFER_SUCCESS);
+  }
+  std::vector<uint8_t> t(static_cast<size_t>(src.T));
+  EXPECT_EQ(kvxfer_spectrum_assign(&policy, src.T, imp.data(), t.data()), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  return t;
+}
+
+void spectrum_round_trip(const SpectrumCase& c) {
+  Shape s;
+  const uint64_t seed = 4321;
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_SPECTRUM;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    kvxfer_comm_t comm = init_rank(id, 1);
+    if (comm == nullptr) return 10;
+    PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+    kv.fill(seed);
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.mode = c.mode;
+    rc.page_tokens = s.page_tokens;
+    rc.tag = 9;
+    kvxfer_request_t req = nullptr;
+    const std::vector<float> imp = recency_importance(s.T);
+    const kvxfer_result_t posted =
+        c.plain_send ? kvxfer_send(comm, 0, &kv.desc, &cfg, &rc, &req)
+                     : kvxfer_send_spectrum(comm, 0, &kv.desc, nullptr, &c.policy,
+                                            c.runtime_importance ? imp.data() : nullptr, &rc, &req);
+    if (posted != KVXFER_SUCCESS) {
+      std::fprintf(stderr, "sender: %s\n", kvxfer_get_last_error());
+      return 11;
+    }
+    if (kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) {
+      std::fprintf(stderr, "sender: %s\n", kvxfer_get_last_error());
+      return 12;
+    }
+    // The sender's own view of the tiers goes to the parent, then the byte counts.
+    std::vector<uint8_t> t(static_cast<size_t>(s.T));
+    if (kvxfer_request_get_tiers(req, t.data(), s.T) != KVXFER_SUCCESS) return 13;
+    write_all(wr, t.data(), t.size());
+    const kvxfer_request_info_t i = info_of(req);
+    const uint64_t counts[2] = {i.anchor_wire_bytes, i.residual_wire_bytes};
+    write_all(wr, counts, sizeof(counts));
+    kvxfer_request_free(req);
+    kvxfer_comm_destroy(comm);
+    return 0;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 48, KVXFER_DTYPE_BF16, 5);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  xfer::testing_pause_residuals(true);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  std::vector<uint8_t> got(static_cast<size_t>(s.T));
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_request_get_tiers(req, got.data(), s.T), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(seed);
+  const std::vector<uint8_t> want = expected_tiers(src, c);
+  EXPECT_EQ(got, want) << "the receiver's tiers (from the precision maps) differ from the policy's";
+  for (unsigned t = 0; t < 4; ++t) {
+    if (c.tiers_present & (1u << t)) {
+      EXPECT_NE(std::count(want.begin(), want.end(), static_cast<uint8_t>(t)), 0) << "tier " << t;
+    }
+  }
+  const kvxfer_request_info_t mid = info_of(req);
+  EXPECT_EQ(mid.codec, KVXFER_CODEC_SPECTRUM);
+  if (mid.mode == KVXFER_MODE_PROGRESSIVE) {
+    PagedKV anchor(s.L, s.heads, s.hd, s.T, 64);
+    expected_decode(src, cfg, s.page_tokens, 9, false, &anchor, want.data());
+    for (int32_t l = 0; l < s.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dst.bytes(l, kind), anchor.bytes(l, kind)) << "anchor-only, layer " << l;
+    EXPECT_EQ(mid.pages_complete, 0);
+  }
+  xfer::testing_pause_residuals(false);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+  expected_decode(src, cfg, s.page_tokens, 9, true, &full, want.data());
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), full.bytes(l, kind)) << "full, layer " << l;
+  // Sinks are FP16 and restore the binary16 rounding of the source exactly.
+  const kvxfer_spectrum_config_t policy =
+      c.plain_send ? kvxfer_spectrum_config_t KVXFER_SPECTRUM_CONFIG_INITIALIZER : c.policy;
+  for (int32_t j = 0; j < policy.sink_tokens; ++j) {
+    EXPECT_EQ(got[static_cast<size_t>(j)], KVXFER_TIER_FP16) << "sink " << j;
+    for (int32_t ch = 0; ch < s.heads * s.hd; ++ch) {
+      const float x = codec::load_elem(src.row(1, KVXFER_KV_VALUE, j), ch, src.dt);
+      const float y = codec::load_elem(dst.row(1, KVXFER_KV_VALUE, j), ch, dst.dt);
+      uint8_t want_elem[4];  // the binary16 value, stored in the receiver's dtype
+      codec::store_elem(want_elem, 0, dst.dt, codec::f16_to_f32(codec::f32_to_f16(x)));
+      ASSERT_EQ(y, codec::load_elem(want_elem, 0, dst.dt)) << "sink " << j << " channel " << ch;
+    }
+  }
+  std::vector<uint8_t> sent(static_cast<size_t>(s.T));
+  ASSERT_TRUE(read_all(pair.child.from_child, sent.data(), sent.size()));
+  EXPECT_EQ(sent, got) << "sender and receiver disagree on the tiers";
+  uint64_t counts[2];
+  ASSERT_TRUE(read_all(pair.child.from_child, counts, sizeof(counts)));
+  const kvxfer_request_info_t end = info_of(req);
+  EXPECT_EQ(counts[0], end.anchor_wire_bytes);
+  EXPECT_EQ(counts[1], end.residual_wire_bytes);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  finish(&pair, comm);
+}
+
+TEST(Xfer, SpectrumThreeTierProgressiveBitExact) {
+  SpectrumCase c;
+  c.policy.budget = 0.4;
+  c.policy.allow_int4 = 1;
+  c.tiers_present = 1u << KVXFER_TIER_FP16 | 1u << KVXFER_TIER_INT8 | 1u << KVXFER_TIER_INT4;
+  spectrum_round_trip(c);
+}
+
+TEST(Xfer, SpectrumDefaultPolicyThroughKvxferSendDropsTokens) {
+  SpectrumCase c;
+  c.plain_send = true;  // b = 0.5 without INT4: 4 sinks paid by dropping 4 tokens
+  c.tiers_present = 1u << KVXFER_TIER_FP16 | 1u << KVXFER_TIER_INT8 | 1u << KVXFER_TIER_DROP;
+  spectrum_round_trip(c);
+}
+
+TEST(Xfer, SpectrumRuntimeImportanceMonolithic) {
+  SpectrumCase c;
+  c.policy.budget = 0.3;
+  c.policy.allow_int4 = 0;  // the DROP regime: the oldest non-sink tokens go
+  c.runtime_importance = true;
+  c.mode = KVXFER_MODE_MONOLITHIC;
+  c.tiers_present = 1u << KVXFER_TIER_FP16 | 1u << KVXFER_TIER_INT8 | 1u << KVXFER_TIER_DROP;
+  spectrum_round_trip(c);
+}
+
+// Refused at post, before any message: a bad policy, a non-finite importance,
+// kvxfer_send_spectrum with another codec; tiers of a request of another codec.
+TEST(Xfer, SpectrumBadArgumentsAreRefused) {
+  Pair pair;
+  ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
+    kvxfer_comm_t c = init_rank(i, 1);
+    char b;
+    read_all(rd, &b, 1);  // until the parent is done
+    kvxfer_comm_destroy(c);
+    return c != nullptr ? 0 : 1;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV kv(2, 2, 8, 40, 16);
+  kvxfer_request_t req = nullptr;
+  kvxfer_spectrum_config_t policy = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
+  policy.budget = 2.0;
+  EXPECT_EQ(kvxfer_send_spectrum(comm, 1, &kv.desc, nullptr, &policy, nullptr, nullptr, &req),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("budget"), std::string::npos)
+      << kvxfer_get_last_error();
+  std::vector<float> imp(40, 1.0f);
+  imp[17] = NAN;
+  EXPECT_EQ(kvxfer_send_spectrum(comm, 1, &kv.desc, nullptr, nullptr, imp.data(), nullptr, &req),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("17"), std::string::npos)
+      << kvxfer_get_last_error();
+  kvxfer_codec_config_t lynx = KVXFER_CODEC_CONFIG_INITIALIZER;
+  EXPECT_EQ(kvxfer_send_spectrum(comm, 1, &kv.desc, &lynx, nullptr, nullptr, nullptr, &req),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(req, nullptr);
+  // A request of another codec has no tiers; a wrong length is refused.
+  ASSERT_EQ(kvxfer_send(comm, 1, &kv.desc, &lynx, nullptr, &req), KVXFER_SUCCESS);
+  std::vector<uint8_t> t(40);
+  EXPECT_EQ(kvxfer_request_get_tiers(req, t.data(), 40), KVXFER_ERR_INVALID_USAGE);
+  EXPECT_EQ(kvxfer_request_get_tiers(req, t.data(), 39), KVXFER_ERR_INVALID_ARGUMENT);
+  kvxfer_comm_abort(comm);
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  write_all(pair.child.to_child, "x", 1);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
 TEST(Xfer, ZeroTokensCompletesOnBothSides) {

@@ -94,9 +94,10 @@ struct PagedKV {
 };
 
 /** What the receiver must hold: the codec's own decode of the sender's pages
- *  (anchor-only or full), written into a KV of the same shape. */
+ *  (anchor-only or full), written into a KV of the same shape.  `tiers`
+ *  (SPECTRUM only): the request's per-token tiers. */
 inline void expected_decode(PagedKV& src, const kvxfer_codec_config_t& cfg, int32_t page_tokens,
-                            uint64_t tag, bool full, PagedKV* out) {
+                            uint64_t tag, bool full, PagedKV* out, const uint8_t* tiers = nullptr) {
   for (const auto& p : xfer::plan_pages(src.L, src.T, page_tokens)) {
     size_t acap = 0, rcap = 0;
     ASSERT_EQ(codec::max_sizes(&cfg, p.num_tokens, src.H(), &acap, &rcap), KVXFER_SUCCESS);
@@ -104,8 +105,12 @@ inline void expected_decode(PagedKV& src, const kvxfer_codec_config_t& cfg, int3
     size_t alen = 0, rlen = 0;
     kvxfer_page_id_t id{static_cast<uint32_t>(p.layer), p.kind, p.token_begin, tag};
     const kvxfer_page_layout_t sl = src.layout(p.layer, p.kind, p.token_begin, p.num_tokens);
-    ASSERT_EQ(codec::encode_page(&cfg, &id, &sl, a.data(), acap, &alen, r.data(), rcap, &rlen),
-              KVXFER_SUCCESS)
+    ASSERT_EQ(
+        tiers != nullptr
+            ? codec::encode_page_tiered(&cfg, &id, &sl, tiers + p.token_begin, a.data(), acap,
+                                        &alen, r.data(), rcap, &rlen)
+            : codec::encode_page(&cfg, &id, &sl, a.data(), acap, &alen, r.data(), rcap, &rlen),
+        KVXFER_SUCCESS)
         << last_error();
     const kvxfer_page_layout_t dl = out->layout(p.layer, p.kind, p.token_begin, p.num_tokens);
     ASSERT_EQ(

@@ -476,7 +476,7 @@ typedef enum {
 
 /** How the pages travel. */
 typedef enum {
-  /** PROGRESSIVE for codecs that split a code (LYNX, INT8 with anchor_bits < 8),
+  /** PROGRESSIVE for codecs that split a code (LYNX, INT8, SPECTRUM),
    *  MONOLITHIC otherwise (INT4, BF16). */
   KVXFER_MODE_AUTO = 0,
   /** Anchor sections on the high-priority class, residual sections on the
@@ -530,6 +530,11 @@ typedef struct {
  * i-th kvxfer_recv from this rank (as NCCL send/recv); the tags must agree.
  * Pages are `page_tokens` tokens of one layer's K or V; they are sent in
  * layer order, anchors of every request in flight before any residual.
+ * Codec SPECTRUM uses the default SpectrumKV policy and the KV norm as
+ * importance; kvxfer_send_spectrum (kvxfer/spectrum.h) takes both.
+ * KV on a CUDA device (kv->device >= 0) is encoded there and staged through
+ * pinned host memory (docs/GPU.md); KVXFER_ERR_UNSUPPORTED in a build
+ * without CUDA or for SPECTRUM.
  * Errors (nothing is sent): KVXFER_ERR_INVALID_ARGUMENT (a NULL, a bad
  * descriptor, codec or peer), KVXFER_ERR_INVALID_USAGE (communicator aborted,
  * or KVXFER_MAX_REQUESTS requests already in flight with this peer).

@@ -243,6 +243,52 @@ kvxfer_result_t kvxfer_spectrum_run_probe(const kvxfer_spectrum_config_t* base,
                                           kvxfer_spectrum_trial_fn trial, void* user_data,
                                           int32_t* allow_int4, int32_t* passed, int32_t* run);
 
+/* ------------------------------------------------------------------------ */
+/* Transfers (kvxfer_send / kvxfer_recv, kvxfer.h)                           */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * kvxfer_send with SpectrumKV pages (docs/FORMAT.md section 6): the policy
+ * chooses one tier per token once for the request (kvxfer_spectrum_assign),
+ * the same for every layer's K and V, and every page carries its tokens'
+ * precision map in the anchor section.  Progressive as the other split
+ * codecs: the anchor class carries the INT8 tokens' anchors, the FP16
+ * tokens' high bytes and all INT4 tokens; the residual class the rest.
+ * kvxfer_send with codec SPECTRUM is this call with policy and importance
+ * NULL.
+ * codec: chunk_tokens, anchor_bits (the INT8 tier's split) and nonfinite;
+ *   codec must be KVXFER_CODEC_SPECTRUM; NULL = defaults with SPECTRUM.
+ * policy: NULL = KVXFER_SPECTRUM_CONFIG_INITIALIZER (INT4 off until a probe
+ *   allows it).  Copied; need not outlive the call.
+ * importance: float32 [kv->num_tokens] (the runtime's I_j, e.g. from
+ *   kvxfer_spectrum_importance_from_attention), read during the call only;
+ *   NULL = the KV norm over every layer's K and V
+ *   (kvxfer_spectrum_importance_from_kv, computed here on the calling thread).
+ * The KV must be in host memory (no GPU encoder for SPECTRUM yet).  The
+ * receiver posts a plain kvxfer_recv and reads the tiers with
+ * kvxfer_request_get_tiers (DROP tokens decode to 0: mask them).
+ * Errors: those of kvxfer_send; KVXFER_ERR_INVALID_ARGUMENT (a bad policy,
+ *   a non-finite importance, named by token); KVXFER_ERR_UNSUPPORTED (KV on a
+ *   CUDA device); KVXFER_ERR_NONFINITE (KV norm of NaN/Inf input).
+ */
+kvxfer_result_t kvxfer_send_spectrum(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                                     const kvxfer_codec_config_t* codec,
+                                     const kvxfer_spectrum_config_t* policy,
+                                     const float* importance, const kvxfer_request_config_t* config,
+                                     kvxfer_request_t* request);
+
+/**
+ * The tier (kvxfer_tier_t) of each token of a SPECTRUM request.  Sender: any
+ * time after posting.  Receiver: once the request is ANCHOR_READY (read from
+ * the pages' precision maps, which passed their checksums).
+ * tiers: uint8 [num_tokens] output; num_tokens must be the request's.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, wrong num_tokens),
+ *   KVXFER_ERR_INVALID_USAGE (codec not SPECTRUM, receiver not yet
+ *   ANCHOR_READY, or failed).
+ */
+kvxfer_result_t kvxfer_request_get_tiers(kvxfer_request_t request, uint8_t* tiers,
+                                         int64_t num_tokens);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -133,11 +133,13 @@ kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank) {
 
 static kvxfer_result_t post(bool is_send, kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_codec_config_t* codec,
-                            const kvxfer_request_config_t* config, kvxfer_request_t* request) {
+                            const kvxfer_request_config_t* config, kvxfer_request_t* request,
+                            const kvxfer::xfer::SpectrumArgs* spectrum = nullptr) {
   KVXFER_REQUIRE(comm != nullptr && request != nullptr, "comm or request is NULL");
   *request = nullptr;
   auto* h = new kvxfer_request;
-  const kvxfer_result_t rc = comm->engine->post(is_send, peer, kv, codec, config, h, &h->req);
+  const kvxfer_result_t rc =
+      comm->engine->post(is_send, peer, kv, codec, config, h, &h->req, spectrum);
   if (rc < 0) {
     delete h;
     return rc;
@@ -151,6 +153,30 @@ kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t
                             const kvxfer_request_config_t* config, kvxfer_request_t* request) {
   return kvxfer::api_call(__func__,
                           [&] { return post(true, comm, peer, kv, codec, config, request); });
+}
+
+kvxfer_result_t kvxfer_send_spectrum(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                                     const kvxfer_codec_config_t* codec,
+                                     const kvxfer_spectrum_config_t* policy,
+                                     const float* importance, const kvxfer_request_config_t* config,
+                                     kvxfer_request_t* request) {
+  return kvxfer::api_call(__func__, [&] {
+    kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
+    cc.codec = KVXFER_CODEC_SPECTRUM;
+    if (codec != nullptr) cc = *codec;
+    KVXFER_REQUIRE(cc.codec == KVXFER_CODEC_SPECTRUM,
+                   "kvxfer_send_spectrum needs codec KVXFER_CODEC_SPECTRUM (or a NULL codec)");
+    const kvxfer::xfer::SpectrumArgs sa{policy, importance};
+    return post(true, comm, peer, kv, &cc, config, request, &sa);
+  });
+}
+
+kvxfer_result_t kvxfer_request_get_tiers(kvxfer_request_t request, uint8_t* tiers,
+                                         int64_t num_tokens) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    return kvxfer::xfer::request_tiers(*request->req, tiers, num_tokens);
+  });
 }
 
 kvxfer_result_t kvxfer_recv(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,

@@ -189,6 +189,24 @@ kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info) {
   return KVXFER_SUCCESS;
 }
 
+kvxfer_result_t request_tiers(const Request& r, uint8_t* tiers, int64_t num_tokens) {
+  std::lock_guard<std::mutex> lk(r.mu);
+  KVXFER_REQUIRE(tiers != nullptr || num_tokens == 0, "tiers is NULL");
+  KVXFER_REQUIRE(num_tokens == r.mine.num_tokens,
+                 "num_tokens %" PRId64 " is not the request's %" PRId64, num_tokens,
+                 r.mine.num_tokens);
+  if (!r.is_send && r.stage == KVXFER_STAGE_ERROR)
+    return set_error(KVXFER_ERR_INVALID_USAGE, "the request failed: %s", r.error.c_str());
+  if (!r.is_send && r.stage != KVXFER_STAGE_ANCHOR_READY && r.stage != KVXFER_STAGE_COMPLETE)
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "the tiers are known once the request is ANCHOR_READY (it is not yet)");
+  if (r.codec != KVXFER_CODEC_SPECTRUM)
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "the request's codec is not SPECTRUM: every token has the codec's precision");
+  if (num_tokens > 0) std::memcpy(tiers, r.tiers.data(), static_cast<size_t>(num_tokens));
+  return KVXFER_SUCCESS;
+}
+
 bool request_wait_final_callbacks(Request& r) {
   std::unique_lock<std::mutex> lk(r.mu);
   if (r.stage != KVXFER_STAGE_COMPLETE && r.stage != KVXFER_STAGE_ERROR) return false;
@@ -448,9 +466,45 @@ void Engine::abort(const char* why) {
 // ---------------------------------------------------------------------------
 // Posting (API threads)
 // ---------------------------------------------------------------------------
+
+/**
+ * SpectrumKV: the tier of every token, chosen once per request by the policy
+ * (include/kvxfer/spectrum.h) from the runtime's importance or, without it,
+ * from the KV norm over every layer's K and V (docs/SPECTRUMKV.md).
+ */
+kvxfer_result_t spectrum_tiers(Request& r, const kvxfer_kv_desc_t* kv, const SpectrumArgs* sa) {
+  if (kv->device >= 0)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "codec SPECTRUM has no GPU encoder: the KV must be in host memory");
+  kvxfer_spectrum_config_t policy = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
+  if (sa != nullptr && sa->policy != nullptr) policy = *sa->policy;
+  const int64_t n = kv->num_tokens;
+  r.tiers.assign(static_cast<size_t>(n), KVXFER_TIER_FP16);
+  if (n == 0) return KVXFER_SUCCESS;
+  const bool needs_importance =
+      policy.variant == KVXFER_SPECTRUM_GREEDY || policy.variant == KVXFER_SPECTRUM_BALANCED;
+  std::vector<float> norm;
+  const float* importance = sa != nullptr ? sa->importance : nullptr;
+  if (importance == nullptr && needs_importance) {
+    std::vector<kvxfer_page_layout_t> pages;
+    for (int32_t l = 0; l < kv->num_layers; ++l)
+      for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        pages.push_back(page_layout(r, {l, k, 0, n}));
+    norm.resize(static_cast<size_t>(n));
+    const kvxfer_result_t rc = kvxfer_spectrum_importance_from_kv(
+        pages.data(), static_cast<int32_t>(pages.size()), policy.lambda, norm.data());
+    if (rc < 0) return set_error(rc, "SpectrumKV importance from the KV norm: %s", last_error());
+    importance = norm.data();
+  }
+  const kvxfer_result_t rc = kvxfer_spectrum_assign(&policy, n, importance, r.tiers.data());
+  if (rc < 0) return set_error(rc, "SpectrumKV policy: %s", last_error());
+  return KVXFER_SUCCESS;
+}
+
 kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                              const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
-                             void* handle, std::shared_ptr<Request>* out) {
+                             void* handle, std::shared_ptr<Request>* out,
+                             const SpectrumArgs* spectrum) {
   Impl& m = *impl_;
   KVXFER_REQUIRE(kv != nullptr, "KV descriptor is NULL");
   KVXFER_REQUIRE(kv->size == sizeof(kvxfer_kv_desc_t) && kv->magic == KVXFER_CONFIG_MAGIC,
@@ -541,6 +595,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     }
   }
   r->device = kv->device;
+  if (!is_send) r->tiers.assign(static_cast<size_t>(kv->num_tokens), KVXFER_TIER_FP16);
 
   if (is_send) {
     kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
@@ -551,6 +606,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     const kvxfer_mode_t mode = resolve_mode(rc.mode, cc);
     KVXFER_REQUIRE(!(mode == KVXFER_MODE_PROGRESSIVE && cc.codec == KVXFER_CODEC_BF16),
                    "BF16 passthrough has no residual: use MONOLITHIC or AUTO mode");
+    if (cc.codec == KVXFER_CODEC_SPECTRUM) KVXFER_CHECK(spectrum_tiers(*r, kv, spectrum));
     if (kv->device >= 0 && cc.codec == KVXFER_CODEC_LYNX && cc.alpha == KVXFER_ALPHA_AUTO)
       return set_error(KVXFER_ERR_UNSUPPORTED,
                        "alpha=auto is not available for KV on a CUDA device: calibrate on a host "
@@ -652,6 +708,10 @@ void Engine::Impl::codec_main() {
         if (r.device >= 0)
           d.rc = xfer::device_codec()->encode(r.device, &cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r,
                                               j.r_cap, &d.r_len);
+        else if (cc.codec == KVXFER_CODEC_SPECTRUM)
+          d.rc = codec::encode_page_tiered(&cc, &id, &src,
+                                           r.tiers.data() + static_cast<size_t>(j.ref.token_begin),
+                                           j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len);
         else
           d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len);
         if (d.rc < 0) {
@@ -684,6 +744,12 @@ void Engine::Impl::codec_main() {
         d.rc = r.device >= 0
                    ? xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst)
                    : codec::decode_page(a, a_len, res, r_len, &id, &dst);
+      // SpectrumKV: the tiers of the request's tokens, from the layer-0 K
+      // pages' precision maps (the same for every layer, K and V).
+      if (d.rc == KVXFER_SUCCESS && j.kind != JobKind::kDecodeFull && j.ref.layer == 0 &&
+          j.ref.kind == KVXFER_KV_KEY && r.work->codec.codec == KVXFER_CODEC_SPECTRUM)
+        d.rc = codec::get_page_tiers(
+            a, a_len, r.tiers.data() + static_cast<size_t>(j.ref.token_begin), j.ref.num_tokens);
       if (d.rc < 0)
         d.error = strprintf("the %s failed to decode: %s", page_name(j.ref).c_str(), last_error());
     }

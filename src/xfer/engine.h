@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kvxfer/kvxfer.h"
+#include "kvxfer/spectrum.h"
 #include "transport/bootstrap.h"
 #include "xfer/protocol.h"
 
@@ -69,6 +70,11 @@ class Request {
   // num_layers * num_blocks pointers), which the kernels read (xfer/device.h).
   std::shared_ptr<void> dev_k_blocks, dev_v_blocks;
   uint64_t kv_bytes = 0;
+  // SpectrumKV (codec SPECTRUM): one tier (kvxfer_tier_t) per token, the
+  // same for every layer's K and V.  Sender: the policy's choice, fixed at
+  // post.  Receiver: read from the layer-0 K pages' precision maps by the
+  // codec thread; complete once the request is ANCHOR_READY.
+  std::vector<uint8_t> tiers;
 
   // ---- public state (mu) ----------------------------------------------------
   mutable std::mutex mu;
@@ -97,6 +103,14 @@ kvxfer_result_t request_test(const Request& r, int32_t layer, kvxfer_stage_t* st
 /** kvxfer_wait / kvxfer_wait_layer. */
 kvxfer_result_t request_wait(Request& r, int32_t layer, kvxfer_stage_t stage, int timeout_ms);
 kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info);
+/** kvxfer_request_get_tiers. */
+kvxfer_result_t request_tiers(const Request& r, uint8_t* tiers, int64_t num_tokens);
+
+/** The SpectrumKV arguments of kvxfer_send_spectrum (NULL members = defaults). */
+struct SpectrumArgs {
+  const kvxfer_spectrum_config_t* policy = nullptr;
+  const float* importance = nullptr;  // [num_tokens], or NULL: the KV norm
+};
 /** True when COMPLETE or ERROR and no callback is running (after waiting for one). */
 bool request_wait_final_callbacks(Request& r);
 
@@ -126,7 +140,8 @@ class Engine {
    */
   kvxfer_result_t post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                        const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
-                       void* handle, std::shared_ptr<Request>* out);
+                       void* handle, std::shared_ptr<Request>* out,
+                       const SpectrumArgs* spectrum = nullptr);
 
   /** Fails every request not yet final and closes the Links; never blocks on a peer. */
   void abort(const char* why);

@@ -182,7 +182,8 @@ kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* r
 
 kvxfer_mode_t resolve_mode(kvxfer_mode_t requested, const kvxfer_codec_config_t& codec) {
   if (requested != KVXFER_MODE_AUTO) return requested;
-  const bool split = codec.codec == KVXFER_CODEC_LYNX || codec.codec == KVXFER_CODEC_INT8;
+  const bool split = codec.codec == KVXFER_CODEC_LYNX || codec.codec == KVXFER_CODEC_INT8 ||
+                     codec.codec == KVXFER_CODEC_SPECTRUM;
   return split ? KVXFER_MODE_PROGRESSIVE : KVXFER_MODE_MONOLITHIC;
 }
 
