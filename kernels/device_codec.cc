@@ -169,15 +169,8 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
   auto* res = static_cast<uint8_t*>(residual);
 
   auto sizes_fit = [&](const codec::PageHeader& hh) -> kvxfer_result_t {
+    KVXFER_CHECK(codec::check_section_caps(hh, anchor_cap, residual_cap));
     const codec::PayloadSizes s = codec::payload_sizes(hh);
-    if (anchor_cap < codec::kHeaderBytes + s.anchor_payload() ||
-        residual_cap < codec::kHeaderBytes + s.residual_codes)
-      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
-                       "page needs %llu anchor and %llu residual bytes; buffers hold %zu and %zu "
-                       "(size them with kvxfer_page_max_size)",
-                       (unsigned long long)(codec::kHeaderBytes + s.anchor_payload()),
-                       (unsigned long long)(codec::kHeaderBytes + s.residual_codes), anchor_cap,
-                       residual_cap);
     if (scratch.anchor_cap < s.anchor_payload() || scratch.residual_cap < s.residual_codes)
       return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
                        "page needs %llu anchor and %llu residual payload bytes on the device; "

@@ -330,14 +330,7 @@ TEST(XferGpu, DeviceRequestsRefusedAtPost) {
   REQUIRE_DEVICE();
   const int rc = in_child([] {
     Pair pair;
-    if (!pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
-          kvxfer_comm_t c = init_rank(i, 1);
-          char b;
-          fdio::read_all(rd, &b, 1);
-          kvxfer_comm_destroy(c);
-          return c != nullptr ? 0 : 1;
-        }))
-      return 20;
+    if (!pair.start(idle_peer)) return 20;
     kvxfer_comm_t comm = init_rank(pair.id, 0);
     CHILD_CHECK(comm != nullptr, "init");
     PagedKV kv(2, 2, 8, 40, 16);
@@ -360,9 +353,7 @@ TEST(XferGpu, DeviceRequestsRefusedAtPost) {
                 "device %d: %s", n, kvxfer_get_last_error());
     CHILD_CHECK(req == nullptr, "a refused request was returned");
     kvxfer_comm_destroy(comm);
-    fdio::write_all(pair.child.to_child, "x", 1);
-    if (!pair.child.wait(60)) return 21;
-    return WEXITSTATUS(pair.child.status);
+    return release_idle_peer(&pair) ? 0 : 21;
   });
   EXPECT_EQ(rc, 0) << "see the children's messages above";
 }
@@ -375,14 +366,7 @@ TEST(XferGpu, NoDeviceIsAClearError) {
   if (have_device(&why)) GTEST_SKIP() << "a device is present";
   const int rc = in_child([] {
     Pair pair;
-    if (!pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
-          kvxfer_comm_t c = init_rank(i, 1);
-          char b;
-          fdio::read_all(rd, &b, 1);
-          kvxfer_comm_destroy(c);
-          return c != nullptr ? 0 : 1;
-        }))
-      return 20;
+    if (!pair.start(idle_peer)) return 20;
     kvxfer_comm_t comm = init_rank(pair.id, 0);
     CHILD_CHECK(comm != nullptr, "init");
     PagedKV kv(2, 2, 8, 40, 16);
@@ -396,9 +380,7 @@ TEST(XferGpu, NoDeviceIsAClearError) {
                 "message: %s", kvxfer_get_last_error());
     CHILD_CHECK(req == nullptr, "a refused request was returned");
     kvxfer_comm_destroy(comm);
-    fdio::write_all(pair.child.to_child, "x", 1);
-    if (!pair.child.wait(60)) return 21;
-    return WEXITSTATUS(pair.child.status);
+    return release_idle_peer(&pair) ? 0 : 21;
   });
   EXPECT_EQ(rc, 0) << "see the children's messages above";
 }

@@ -620,13 +620,7 @@ TEST(Xfer, SpectrumRuntimeImportanceMonolithic) {
 // kvxfer_send_spectrum with another codec; tiers of a request of another codec.
 TEST(Xfer, SpectrumBadArgumentsAreRefused) {
   Pair pair;
-  ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
-    kvxfer_comm_t c = init_rank(i, 1);
-    char b;
-    read_all(rd, &b, 1);  // until the parent is done
-    kvxfer_comm_destroy(c);
-    return c != nullptr ? 0 : 1;
-  }));
+  ASSERT_TRUE(pair.start(idle_peer));
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
   PagedKV kv(2, 2, 8, 40, 16);
@@ -655,9 +649,7 @@ TEST(Xfer, SpectrumBadArgumentsAreRefused) {
   kvxfer_comm_abort(comm);
   kvxfer_request_free(req);
   kvxfer_comm_destroy(comm);
-  write_all(pair.child.to_child, "x", 1);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  EXPECT_TRUE(release_idle_peer(&pair));
 }
 
 TEST(Xfer, ZeroTokensCompletesOnBothSides) {
@@ -807,13 +799,7 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   EXPECT_EQ(kvxfer_comm_destroy(nullptr), KVXFER_SUCCESS);
   // A real communicator for the descriptor checks.
   Pair pair;
-  ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& i, int rd, int) {
-    kvxfer_comm_t c = init_rank(i, 1);
-    char b;
-    read_all(rd, &b, 1);  // until the parent is done
-    kvxfer_comm_destroy(c);
-    return c != nullptr ? 0 : 1;
-  }));
+  ASSERT_TRUE(pair.start(idle_peer));
   comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
   PagedKV kv(2, 2, 8, 40, 16);
@@ -854,9 +840,7 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   kvxfer_comm_abort(comm);
   EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &req), KVXFER_ERR_INVALID_USAGE);
   kvxfer_comm_destroy(comm);
-  write_all(pair.child.to_child, "x", 1);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  EXPECT_TRUE(release_idle_peer(&pair));
 }
 
 /**

@@ -156,6 +156,20 @@ struct Pair {
   }
 };
 
+/** A child that is only a peer rank: joins, waits for the parent's byte, leaves. */
+inline int idle_peer(const kvxfer_unique_id_t& id, int rd, int) {
+  kvxfer_comm_t c = init_rank(id, 1);
+  char b;
+  fdio::read_all(rd, &b, 1);  // until the parent is done
+  kvxfer_comm_destroy(c);
+  return c != nullptr ? 0 : 1;
+}
+/** Lets an idle_peer child go; true if it exited 0. */
+inline bool release_idle_peer(Pair* pair) {
+  fdio::write_all(pair->child.to_child, "x", 1);
+  return pair->child.wait(60) && WEXITSTATUS(pair->child.status) == 0;
+}
+
 /** The end of a two-process test: rank 0 leaves, the child must exit 0. */
 inline void finish(Pair* pair, kvxfer_comm_t comm) {
   kvxfer_comm_destroy(comm);

@@ -154,6 +154,19 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
   return KVXFER_SUCCESS;
 }
 
+kvxfer_result_t check_section_caps(const PageHeader& h, size_t anchor_cap, size_t residual_cap) {
+  const PayloadSizes s = payload_sizes(h);
+  if (anchor_cap < kHeaderBytes + s.anchor_payload() ||
+      residual_cap < kHeaderBytes + s.residual_codes)
+    return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
+                     "page needs %llu anchor and %llu residual bytes; buffers hold %zu and %zu "
+                     "(size them with kvxfer_page_max_size)",
+                     (unsigned long long)(kHeaderBytes + s.anchor_payload()),
+                     (unsigned long long)(kHeaderBytes + s.residual_codes), anchor_cap,
+                     residual_cap);
+  return KVXFER_SUCCESS;
+}
+
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
                        int32_t H, kvxfer_dtype_t src_dtype) {
   PageHeader h;
@@ -271,17 +284,8 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   uint8_t* anc = static_cast<uint8_t*>(anchor);
   uint8_t* res = static_cast<uint8_t*>(residual);
 
-  auto sizes_fit = [&](const PageHeader& hh) -> kvxfer_result_t {
-    const PayloadSizes s = payload_sizes(hh);
-    if (anchor_cap < kHeaderBytes + s.anchor_payload() ||
-        residual_cap < kHeaderBytes + s.residual_codes)
-      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
-                       "page needs %llu anchor and %llu residual bytes; buffers hold %zu and %zu "
-                       "(size them with kvxfer_page_max_size)",
-                       (unsigned long long)(kHeaderBytes + s.anchor_payload()),
-                       (unsigned long long)(kHeaderBytes + s.residual_codes), anchor_cap,
-                       residual_cap);
-    return KVXFER_SUCCESS;
+  auto sizes_fit = [&](const PageHeader& hh) {
+    return check_section_caps(hh, anchor_cap, residual_cap);
   };
 
   bool raw = false;

@@ -98,6 +98,12 @@ kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
                        int32_t H, kvxfer_dtype_t src_dtype);
 
+/**
+ * KVXFER_ERR_BUFFER_TOO_SMALL unless the caller's section buffers (bytes,
+ * header included) hold the page that header `h` describes.
+ */
+kvxfer_result_t check_section_caps(const PageHeader& h, size_t anchor_cap, size_t residual_cap);
+
 /** True if a row of H values of `dt` holds a NaN or Inf (tested on the exponent bits). */
 bool row_has_nonfinite(const uint8_t* row, int32_t H, kvxfer_dtype_t dt);
 

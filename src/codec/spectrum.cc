@@ -229,18 +229,7 @@ kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfe
   for (int64_t t = 0; t < T; ++t) ++h.tiers[token_tiers[t]];
   uint8_t* anc = static_cast<uint8_t*>(anchor);
   uint8_t* res = static_cast<uint8_t*>(residual);
-  auto sizes_fit = [&]() -> kvxfer_result_t {
-    const PayloadSizes s = payload_sizes(h);
-    if (anchor_cap < kHeaderBytes + s.anchor_payload() ||
-        residual_cap < kHeaderBytes + s.residual_codes)
-      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
-                       "page needs %llu anchor and %llu residual bytes; buffers hold %zu and %zu "
-                       "(size them with kvxfer_page_max_size)",
-                       (unsigned long long)(kHeaderBytes + s.anchor_payload()),
-                       (unsigned long long)(kHeaderBytes + s.residual_codes), anchor_cap,
-                       residual_cap);
-    return KVXFER_SUCCESS;
-  };
+  auto sizes_fit = [&] { return check_section_caps(h, anchor_cap, residual_cap); };
 
   // Non-finite input in any token that is sent: the policy of every codec
   // (docs/FORMAT.md 5).  DROP rows are never read.
