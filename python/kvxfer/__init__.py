@@ -30,6 +30,7 @@ from ._abi import (  # noqa: F401
     Mode,
     NonfinitePolicy,
     Stage,
+    Tier,
 )
 from ._errors import KvxferError, LibraryNotFoundError, Result, result_name  # noqa: F401
 from .core import (  # noqa: F401

@@ -50,6 +50,16 @@ class Codec(enum.IntEnum):
     INT8 = 1
     INT4 = 2
     BF16 = 3
+    SPECTRUM = 4  # SpectrumKV: per-token tiers (Request.tiers(), docs/SPECTRUMKV.md)
+
+
+class Tier(enum.IntEnum):
+    """kvxfer_tier_t: the SpectrumKV precision of one token."""
+
+    FP16 = 0
+    INT8 = 1
+    INT4 = 2
+    DROP = 3  # not transferred; decodes to 0 (mask it out of attention)
 
 
 class NonfinitePolicy(enum.IntEnum):

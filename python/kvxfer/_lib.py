@@ -86,6 +86,8 @@ _FUNCTIONS = [
      [_abi.kvxfer_request_t, ctypes.POINTER(RequestInfoStruct)]),
     ("kvxfer_request_get_arrivals", None,
      [_abi.kvxfer_request_t, ctypes.POINTER(ArrivalStruct), ctypes.c_size_t, _size_t_p]),
+    ("kvxfer_request_get_tiers", None,
+     [_abi.kvxfer_request_t, ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64]),
     ("kvxfer_request_free", None, [_abi.kvxfer_request_t]),
 ]
 

@@ -718,6 +718,16 @@ class Request:
             return [Arrival(a.t_ns, a.traffic_class, a.layer, a.bytes)
                     for a in arr[:min(cap, n.value)]]
 
+    def tiers(self):
+        """kvxfer_request_get_tiers: the SpectrumKV tier (Tier) of every token,
+        as bytes of length num_tokens.  Sender: any time; receiver: once
+        ANCHOR_READY.  Raises KvxferError (ERR_INVALID_USAGE) for another codec."""
+        n = int(self.kv.num_tokens)
+        buf = (ctypes.c_uint8 * max(n, 1))()
+        with self._use() as h:
+            _L.kvxfer_request_get_tiers(h, buf, n)
+        return bytes(buf[:n])
+
     def free(self):
         """kvxfer_request_free.  Raises KvxferError (ERR_INVALID_USAGE) while the
         request is in flight.  Idempotent.  Optional: a dropped Request is
@@ -869,7 +879,8 @@ class Communicator:
 
         Non-blocking; returns a Request.  The i-th send to a peer matches that
         peer's i-th recv from this rank, and their tags must be equal.
-        codec: CodecConfig, a codec name ("lynx", "int8", "int4", "bf16"), or
+        codec: CodecConfig, a codec name ("lynx", "int8", "int4", "bf16",
+        "spectrum": SpectrumKV with the default policy, Request.tiers()), or
         None (Lynx 4+4).  mode: Mode.AUTO/PROGRESSIVE/MONOLITHIC.  page_tokens:
         tokens per page (0 = KVXFER_PAGE_TOKENS).  Callbacks: see the module
         doc; each is called as fn(request, stage, result).

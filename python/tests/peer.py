@@ -47,6 +47,8 @@ def role_send(spec, uid):
                        "residual_wire_bytes": i.residual_wire_bytes, "num_pages": i.num_pages,
                        "mode": int(i.mode), "stage": int(i.stage),
                        "timestamps": i.timestamps()}
+        if i.codec == kvxfer.Codec.SPECTRUM:
+            out["tiers"] = list(req.tiers())
         req.free()
     return out
 

@@ -43,6 +43,40 @@ def test_bf16_monolithic_round_trip_is_byte_exact(spawn_peer):
     assert rep["info"]["residual_wire_bytes"] == info.residual_wire_bytes == 0
 
 
+def test_spectrum_tiers_agree_and_sinks_are_fp16(spawn_peer):
+    uid = kvxfer.UniqueId.create()
+    peer = spawn_peer(role="send", uid=uid, block_size=16, seed=9, tag=4,
+                      codec={"codec": "spectrum"}, **SHAPE)
+    with comm0(uid) as comm:
+        dst = kvdata.HostKV(SHAPE["L"], SHAPE["heads"], SHAPE["hd"], SHAPE["T"], 48, pad=3)
+        req = comm.recv(1, dst.descriptor(), tag=4)
+        assert req.wait(timeout=30)
+        info = req.info()
+        assert info.codec == kvxfer.Codec.SPECTRUM
+        assert info.mode == kvxfer.Mode.PROGRESSIVE
+        tiers = req.tiers()
+        req.free()
+    rep = peer.result()
+    assert rep.get("ok"), rep
+    assert list(tiers) == rep["tiers"]  # the receiver read what the sender's policy chose
+    assert len(tiers) == SHAPE["T"]
+    # The default policy (b = 1/2, no INT4): 4 FP16 sinks, paid for by 4 dropped tokens.
+    assert list(tiers[:4]) == [kvxfer.Tier.FP16] * 4
+    assert tiers.count(kvxfer.Tier.DROP) == 4
+    assert tiers.count(kvxfer.Tier.INT8) == SHAPE["T"] - 8
+    assert tiers.count(kvxfer.Tier.INT4) == 0
+    row_bytes = 2 * SHAPE["heads"] * SHAPE["hd"]  # bf16
+    rows = dst.rows(0, kvxfer.KVKind.KEY)
+    src = kvdata.HostKV(SHAPE["L"], SHAPE["heads"], SHAPE["hd"], SHAPE["T"], 16).fill(9)
+    for t in range(SHAPE["T"]):
+        got = rows[t * row_bytes:(t + 1) * row_bytes]
+        if tiers[t] == kvxfer.Tier.DROP:
+            assert got == bytes(row_bytes), t  # a dropped token decodes to +0
+        else:
+            assert got != bytes(row_bytes), t
+    assert src.rows(0, kvxfer.KVKind.KEY) != rows  # not lossless: INT8 tokens
+
+
 def test_lynx_progressive_stages_and_values(spawn_peer):
     page_tokens, tag = 64, 11
     uid = kvxfer.UniqueId.create()
@@ -70,6 +104,9 @@ def test_lynx_progressive_stages_and_values(spawn_peer):
         assert req.wait(Stage.COMPLETE, timeout=30)
         assert req.test() is True
         assert done.wait(10), "on_complete never ran"
+        with pytest.raises(kvxfer.KvxferError) as e:
+            req.tiers()  # only SPECTRUM requests have tiers
+        assert e.value.code == kvxfer.Result.ERR_INVALID_USAGE
         info = req.info()
         arrivals = req.arrivals()
         for layer in range(SHAPE["L"]):
