@@ -1,6 +1,8 @@
 // Writes the seed corpus of page_decode_fuzz: valid (anchor, residual) pairs
 // of every codec, several shapes, raw fallback, fp32 metadata, the empty page,
 // and a few deliberately mismatched pairs, framed as fuzz/fuzz_input.h says.
+// SpectrumKV pages (seed-spectrum-*) take their token tiers from a fixed
+// pattern string, so every seed is deterministic.
 //   make_fuzz_seeds <output dir>
 // The committed copies live in tests/data/fuzz/ (seed-*), where
 // tests/format_test.cc replays them.
@@ -24,9 +26,12 @@ struct Page {
 };
 
 // Deterministic KV-like values (LCG), optionally with a NaN or huge values.
+// `tiers` (T entries) makes a SpectrumKV page (codec SPECTRUM) through
+// encode_page_tiered; `sinks` puts +-900 into the FP16 tokens of such a page.
 bool encode(kvxfer_codec_t codec, float alpha, int chunk, int abits, int64_t T, int32_t H,
             kvxfer_dtype_t dt, uint32_t seed, float scale, bool nan, Page* out,
-            kvxfer_page_id_t id = {7, KVXFER_KV_VALUE, 4096, 0x1234}) {
+            kvxfer_page_id_t id = {7, KVXFER_KV_VALUE, 4096, 0x1234},
+            const std::vector<uint8_t>* tiers = nullptr, bool sinks = false) {
   kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
   cfg.codec = codec;
   cfg.alpha = alpha;
@@ -44,6 +49,7 @@ bool encode(kvxfer_codec_t codec, float alpha, int chunk, int abits, int64_t T, 
       const float u = static_cast<float>(s >> 8) / 16777216.0f - 0.5f;
       float v = scale * (0.3f * static_cast<float>(c % 5) + u * (c % 7 == 3 ? 20.0f : 1.0f));
       if (nan && t == T / 2 && c == H / 2) v = NAN;
+      if (sinks && (*tiers)[t] == KVXFER_TIER_FP16) v = (c % 2 ? 900.0f : -900.0f);
       codec::store_elem(buf.data() + static_cast<size_t>(t * H) * es, c, dt, v);
     }
   size_t amax = 0, rmax = 0;
@@ -52,8 +58,11 @@ bool encode(kvxfer_codec_t codec, float alpha, int chunk, int abits, int64_t T, 
   out->residual.assign(rmax, 0);
   size_t al = 0, rl = 0;
   const kvxfer_result_t r =
-      codec::encode_page(&cfg, &id, &l, out->anchor.data(), amax, &al, out->residual.data(), rmax,
-                         &rl, codec::Impl::REFERENCE, 1);
+      tiers != nullptr
+          ? codec::encode_page_tiered(&cfg, &id, &l, tiers->data(), out->anchor.data(), amax, &al,
+                                      out->residual.data(), rmax, &rl)
+          : codec::encode_page(&cfg, &id, &l, out->anchor.data(), amax, &al, out->residual.data(),
+                               rmax, &rl, codec::Impl::REFERENCE, 1);
   if (r != KVXFER_SUCCESS) {
     std::fprintf(stderr, "encode failed: %s\n", last_error());
     return false;
@@ -149,6 +158,108 @@ int main(int argc, char** argv) {
       continue;
     }
     emit(c.name, c.mode, p.anchor, p.residual);
+  }
+  // SpectrumKV pages: token t gets tier pattern[t % len] ('0' FP16, '1' INT8,
+  // '2' INT4, '3' DROP); `nan_tier` >= 0 forces the tier of the NaN's token
+  // (T / 2).
+  struct SpectrumCase {
+    const char* name;
+    const char* pattern;
+    int chunk, abits;
+    int64_t T;
+    int32_t H;
+    kvxfer_dtype_t dt;
+    float scale;
+    bool nan;
+    int nan_tier;
+    bool sinks;
+    uint8_t mode;
+  };
+  const SpectrumCase spectrum_cases[] = {
+      {"spectrum-mix-c16-A4-bf16", "0112223", 16, 4, 37, 6, KVXFER_DTYPE_BF16, 1, false, -1, false,
+       kReseal | 0},
+      {"spectrum-mix-drop-c32-A2-fp16", "3120", 32, 2, 40, 5, KVXFER_DTYPE_FP16, 1, false, -1,
+       false, kReseal | 1},
+      {"spectrum-mix-c64-A6-fp32", "21103", 64, 6, 70, 3, KVXFER_DTYPE_FP32, 1, false, -1, false,
+       kReseal | 2},
+      {"spectrum-mix-c128-A3-oddH", "1203", 128, 3, 131, 7, KVXFER_DTYPE_BF16, 1, false, -1, false,
+       kReseal | fuzz::MODE_SMALL_BLOCKS | 1},
+      {"spectrum-mix-A5-expect-threads", "0321", 16, 5, 18, 4, KVXFER_DTYPE_FP16, 1, false, -1,
+       false, kReseal | fuzz::MODE_EXPECT | fuzz::MODE_THREADS | 2},
+      {"spectrum-all-fp16", "0", 16, 4, 20, 4, KVXFER_DTYPE_FP32, 1, false, -1, false, kReseal | 1},
+      {"spectrum-all-int8", "1", 32, 6, 33, 4, KVXFER_DTYPE_BF16, 1, false, -1, false, kReseal | 2},
+      {"spectrum-all-int4-oddH", "2", 16, 4, 17, 3, KVXFER_DTYPE_FP16, 1, false, -1, false,
+       kReseal | 0},
+      {"spectrum-all-drop", "3", 16, 4, 9, 3, KVXFER_DTYPE_BF16, 1, false, -1, false, kReseal | 1},
+      // The first chunk has no INT8/INT4 token: its metadata pairs are {+0, +0}.
+      {"spectrum-unquantized-first-chunk", "0000000000000000331122", 16, 4, 38, 4,
+       KVXFER_DTYPE_BF16, 1, false, -1, false, kReseal | 2},
+      {"spectrum-sinks-fp16", "0121212121212121", 32, 4, 48, 4, KVXFER_DTYPE_FP32, 0.01f, false, -1,
+       true, kReseal | 2},
+      {"spectrum-fp16-saturated", "0012", 16, 4, 12, 3, KVXFER_DTYPE_FP32, 1e5f, false, -1, false,
+       kReseal | 2},
+      {"spectrum-denormal", "0120", 16, 4, 12, 3, KVXFER_DTYPE_FP32, 1e-40f, false, -1, false,
+       kReseal | 2},
+      {"spectrum-meta-fp32", "1102", 16, 4, 20, 4, KVXFER_DTYPE_FP32, 1e30f, false, -1, false,
+       kReseal | 2},
+      {"spectrum-meta-fp32-to-bf16", "2113", 32, 3, 35, 5, KVXFER_DTYPE_FP32, 1e20f, false, -1,
+       false, kReseal | 0},
+      {"spectrum-raw-nan-fp32", "0123", 16, 4, 13, 3, KVXFER_DTYPE_FP32, 1, true, 1, false,
+       kReseal | 2},
+      {"spectrum-raw-nan-bf16", "3102", 32, 4, 10, 5, KVXFER_DTYPE_BF16, 1, true, 0, false,
+       kReseal | 1},
+      {"spectrum-raw-nan-fp16-to-bf16", "21", 16, 4, 7, 2, KVXFER_DTYPE_FP16, 1, true, 2, false,
+       kReseal | fuzz::MODE_SMALL_BLOCKS | 0},
+      // A NaN in a DROP row is never read: a quantized page, not a raw one.
+      {"spectrum-nan-in-drop", "0123", 16, 4, 13, 3, KVXFER_DTYPE_FP32, 1, true, 3, false,
+       kReseal | 2},
+      {"spectrum-one-token-fp16", "0", 16, 4, 1, 1, KVXFER_DTYPE_BF16, 1, false, -1, false,
+       kReseal | 2},
+      {"spectrum-one-token-int8", "1", 16, 2, 1, 3, KVXFER_DTYPE_FP16, 1, false, -1, false,
+       kReseal | 1},
+      {"spectrum-one-token-int4", "2", 64, 4, 1, 2, KVXFER_DTYPE_FP32, 1, false, -1, false,
+       kReseal | 0},
+      {"spectrum-empty-page", "0", 32, 4, 0, 4, KVXFER_DTYPE_BF16, 1, false, -1, false,
+       kReseal | 0},
+      {"spectrum-no-reseal", "0213", 16, 4, 12, 4, KVXFER_DTYPE_BF16, 1, false, -1, false, 0},
+  };
+  auto spectrum_tiers = [](const char* pattern, int64_t T, int nan_tier) {
+    const size_t n = std::strlen(pattern);
+    std::vector<uint8_t> tiers(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) tiers[t] = static_cast<uint8_t>(pattern[t % n] - '0');
+    if (nan_tier >= 0 && T > 0) tiers[T / 2] = static_cast<uint8_t>(nan_tier);
+    return tiers;
+  };
+  for (const SpectrumCase& c : spectrum_cases) {
+    const std::vector<uint8_t> tiers = spectrum_tiers(c.pattern, c.T, c.nan_tier);
+    Page p;
+    if (!encode(KVXFER_CODEC_SPECTRUM, 0.0f, c.chunk, c.abits, c.T, c.H, c.dt,
+                0x9e3779b9u ^ written, c.scale, c.nan, &p, {7, KVXFER_KV_VALUE, 4096, 0x1234},
+                &tiers, c.sinks)) {
+      ++failed;
+      continue;
+    }
+    emit(c.name, c.mode, p.anchor, p.residual);
+  }
+  // SpectrumKV pairs that do not belong together: other tiers under the same
+  // id (MISMATCH on the tier counts), a LYNX residual, and anchor-only.
+  {
+    const std::vector<uint8_t> t1 = spectrum_tiers("0123", 20, -1);
+    const std::vector<uint8_t> t2 = spectrum_tiers("1023", 20, -1);
+    const kvxfer_page_id_t id{7, KVXFER_KV_VALUE, 4096, 0x1234};
+    Page s1, s2, ly;
+    if (encode(KVXFER_CODEC_SPECTRUM, 0.0f, 16, 4, 20, 6, KVXFER_DTYPE_BF16, 11, 1, false, &s1, id,
+               &t1) &&
+        encode(KVXFER_CODEC_SPECTRUM, 0.0f, 16, 4, 20, 6, KVXFER_DTYPE_BF16, 11, 1, false, &s2, id,
+               &t2) &&
+        encode(KVXFER_CODEC_LYNX, 20.0f, 16, 4, 20, 6, KVXFER_DTYPE_BF16, 11, 1, false, &ly, id)) {
+      emit("spectrum-anchor-only", kReseal | 1, s1.anchor, {});
+      emit("spectrum-mismatch-other-tiers", kReseal, s1.anchor, s2.residual);
+      emit("spectrum-mismatch-lynx-residual", kReseal, s1.anchor, ly.residual);
+      emit("spectrum-swapped-sections", 0, s1.residual, s1.anchor);
+    } else {
+      ++failed;
+    }
   }
   // Anchor only (no residual part), and pairs that do not belong together.
   Page a, b, same_id_other_data;

@@ -15,7 +15,13 @@
 //   - inspect and decode agree on whether the anchor section is valid;
 //   - every path returns the same result and, on success, the same bytes;
 //   - a failed decode leaves the destination unchanged (every byte of every
-//     block); a successful one writes only the page's rows.
+//     block); a successful one writes only the page's rows;
+//   - SpectrumKV pages (docs/FORMAT.md section 6): the precision map can be
+//     read (get_page_tiers) whenever inspect accepts the anchor; DROP tokens
+//     decode to +0 at both precisions; INT4 tokens, and every token of a raw
+//     page, are complete in the anchor (full == anchor-only); an FP16 token's
+//     anchor-only value is fp16_anchor_value of the high byte of its full
+//     value (checked where the destination holds binary16 exactly: fp16, fp32).
 // A violated property is returned as text; memory errors and UB are the
 // sanitizers' business.
 #pragma once
@@ -31,6 +37,7 @@
 #include "codec/codec.h"
 #include "codec/format.h"
 #include "codec/page.h"
+#include "codec/spectrum.h"
 #include "common/error.h"
 #include "fuzz_input.h"
 
@@ -80,6 +87,14 @@ struct FuzzDst {
     layout.blocks = ptrs.data();
   }
   FuzzDst& operator=(const FuzzDst&) = delete;
+
+  /** Row of page token t (0 <= t < num_tokens). */
+  const uint8_t* row(int64_t t) const {
+    const int64_t u = layout.first_token + t;
+    const size_t es = codec::dtype_size(layout.dtype);
+    return blocks[static_cast<size_t>(u / layout.block_size)].data() +
+           static_cast<size_t>(u % layout.block_size) * layout.row_stride * es;
+  }
 
   /** True if byte `i` of block `b` belongs to a row of the page. */
   bool in_page(size_t b, size_t i) const {
@@ -171,6 +186,58 @@ inline std::string decode_all_paths(const uint8_t* anc, size_t alen, const uint8
   return "";
 }
 
+/**
+ * The SpectrumKV properties of a decoded page (docs/FORMAT.md 6.1, 6.2):
+ * `anc` is an anchor section that decoded into `a` (anchor only) and, if
+ * `f` is not null, into `f` (anchor + residual).  Returns "" or the violation.
+ */
+inline std::string check_spectrum(const uint8_t* anc, size_t alen, const FuzzDst& a,
+                                  const FuzzDst* f, bool raw) {
+  const int64_t T = a.layout.num_tokens;
+  const int32_t H = a.layout.num_channels;
+  const kvxfer_dtype_t dt = a.layout.dtype;
+  const size_t row_bytes = static_cast<size_t>(H) * codec::dtype_size(dt);
+  std::vector<uint8_t> tiers(static_cast<size_t>(T) + 1);
+  clear_error();
+  if (codec::get_page_tiers(anc, alen, tiers.data(), T) != KVXFER_SUCCESS)
+    return std::string("get_page_tiers failed on a decodable SpectrumKV anchor: ") + last_error();
+  for (int64_t t = 0; t < T; ++t) {
+    auto at = [&] {
+      return "SpectrumKV token " + std::to_string(t) + " (tier " +
+             std::to_string(tiers[static_cast<size_t>(t)]) + ")";
+    };
+    const uint8_t* ra = a.row(t);
+    const uint8_t* rf = f != nullptr ? f->row(t) : nullptr;
+    switch (tiers[static_cast<size_t>(t)]) {
+      case KVXFER_TIER_DROP:
+        for (size_t i = 0; i < row_bytes; ++i)
+          if (ra[i] != 0 || (rf != nullptr && rf[i] != 0))
+            return at() + ": a DROP token does not decode to +0";
+        break;
+      case KVXFER_TIER_INT4:
+        if (rf != nullptr && std::memcmp(ra, rf, row_bytes) != 0)
+          return at() + ": an INT4 token differs between anchor-only and full decode";
+        break;
+      case KVXFER_TIER_FP16:
+        if (rf == nullptr || raw || dt == KVXFER_DTYPE_BF16) break;
+        for (int32_t c = 0; c < H; ++c) {
+          // The full value is a binary16 value, exactly held by fp16 and fp32.
+          const uint16_t bits = codec::f32_to_f16(codec::load_elem(rf, c, dt));
+          uint8_t want[4];
+          codec::store_elem(want, 0, dt, codec::fp16_anchor_value(static_cast<uint8_t>(bits >> 8)));
+          if (std::memcmp(want, ra + c * codec::dtype_size(dt), codec::dtype_size(dt)) != 0)
+            return at() + " channel " + std::to_string(c) +
+                   ": the anchor-only value is not the midpoint of the full value's high byte";
+        }
+        break;
+      default: break;
+    }
+    if (raw && rf != nullptr && std::memcmp(ra, rf, row_bytes) != 0)
+      return at() + ": a raw page differs between anchor-only and full decode";
+  }
+  return "";
+}
+
 /** Runs one framed input; returns "" or the violated property. */
 inline std::string check_page_decode(const uint8_t* data, size_t size) {
   const FuzzInput in = split_fuzz_input(data, size);
@@ -237,7 +304,13 @@ inline std::string check_page_decode(const uint8_t* data, size_t size) {
     if (!v.empty()) return v;
     if (rc_a != KVXFER_SUCCESS && rc_f == KVXFER_SUCCESS)
       return "full decode succeeded where anchor-only failed with " + std::to_string(rc_a);
+    if (rc_a == KVXFER_SUCCESS && ai.codec == KVXFER_CODEC_SPECTRUM)
+      return check_spectrum(anc.data(), anc.n, *after_a,
+                            rc_f == KVXFER_SUCCESS ? after_f.get() : nullptr, ai.raw_fallback != 0);
+    return "";
   }
+  if (rc_a == KVXFER_SUCCESS && ai.codec == KVXFER_CODEC_SPECTRUM)
+    return check_spectrum(anc.data(), anc.n, *after_a, nullptr, ai.raw_fallback != 0);
   return "";
 }
 
