@@ -140,8 +140,8 @@ std::vector<uint8_t> tiers_for(const Row& r, const Seq& s, int sinks, float lamb
       die(std::string("assign: ") + kvxfer_get_last_error());
     return t;
   }
-  // Keep/drop: floor(b n) tokens at FP16 (4 units each, within 4 b n).
-  const int64_t keep = static_cast<int64_t>(std::floor(r.b * n * (1 + 0x1p-40)));
+  // Keep/drop: floor(U / 4) tokens at FP16 (4 units each, within the policy's U).
+  const int64_t keep = ks::budget_units(r.b, n) / 4;
   const int64_t s0 = std::min<int64_t>(sinks, keep);
   for (int64_t j = 0; j < s0; ++j) t[j] = KVXFER_TIER_FP16;
   if (r.kind == Row::kPdtrim) {

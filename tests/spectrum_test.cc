@@ -169,6 +169,44 @@ TEST(SpectrumBudget, SinksAreInsideTheBudget) {
   for (int t = 0; t < 4; ++t) EXPECT_EQ(o.c[t], 0);
 }
 
+// The sinks never push another token below the mapping's cheapest tier: at
+// b = 1/2 (exactly all-INT8) no sink is affordable; a little above, they are.
+TEST(SpectrumBudget, SinksNeverCauseIntFourOrDropFromOneHalfUp) {
+  for (int int4 = 0; int4 < 2; ++int4) {
+    CountsOut o = counts(cfg_of(0.5, 4, int4), 100);
+    EXPECT_EQ(o.sinks, 0);
+    EXPECT_EQ(o.c[KVXFER_TIER_INT8], 100);
+    // b = 0.55, n = 100: U = 220, (220 - 200) / 2 = 10 >= 4 sinks; the other
+    // 96 tokens share 204 units: n16 = (204 - 192) / 2 = 6, n8 = 90.
+    o = counts(cfg_of(0.55, 4, int4), 100);
+    EXPECT_EQ(o.sinks, 4);
+    EXPECT_EQ(o.c[KVXFER_TIER_FP16], 10);
+    EXPECT_EQ(o.c[KVXFER_TIER_INT8], 90);
+    EXPECT_EQ(o.c[KVXFER_TIER_INT4] + o.c[KVXFER_TIER_DROP], 0);
+    // A short request: b = 0.55, n = 6 -> U = 13, (13 - 12) / 2 = 0 sinks, all INT8.
+    o = counts(cfg_of(0.55, 4, int4), 6);
+    EXPECT_EQ(o.sinks, 0);
+    EXPECT_EQ(o.c[KVXFER_TIER_INT8], 6);
+  }
+  // Below 1/2 the sinks outrank the demoted or dropped tokens: b = 0.45,
+  // n = 100, no INT4: U = 180, 4 sinks (16 units), 96 tokens share 164:
+  // n8 = 82, nd = 14 (without the sinks: n8 = 90, nd = 10).
+  const CountsOut o = counts(cfg_of(0.45, 4, 0), 100);
+  EXPECT_EQ(o.sinks, 4);
+  EXPECT_EQ(o.c[KVXFER_TIER_INT8], 82);
+  EXPECT_EQ(o.c[KVXFER_TIER_DROP], 14);
+}
+
+// U is exact at the largest n: b = 1/4 with INT4 at n = 2^40 is all-INT4,
+// 2^40 units, not one more.
+TEST(SpectrumBudget, BudgetIsExactAtTheLargestTokenCount) {
+  const int64_t n = int64_t{1} << 40;
+  const CountsOut o = counts(cfg_of(0.25, 4, 1), n);
+  EXPECT_EQ(o.c[KVXFER_TIER_INT4], n);
+  EXPECT_EQ(cost_units(o.c), n);
+  EXPECT_EQ(o.sinks, 0);
+}
+
 TEST(SpectrumBudget, CountsNeverExceedTheBudget) {
   std::mt19937_64 rng(7);
   for (int it = 0; it < 20000; ++it) {
@@ -177,12 +215,14 @@ TEST(SpectrumBudget, CountsNeverExceedTheBudget) {
     const int sinks = static_cast<int>(rng() % 40);
     const int int4 = static_cast<int>(rng() % 2);
     const CountsOut o = counts(cfg_of(b, sinks, int4), n);
-    const double budget_units = 4.0 * static_cast<double>(n) * b;
+    // U = floor(4 n b_q), b_q = round(b 10^9) 10^-9 (b here has 7 decimals: exact).
+    const int64_t B = std::llround(b * 1e9);
+    const int64_t units = 4 * n * B / 1000000000;
     const int64_t cost = cost_units(o.c);
     ASSERT_EQ(o.c[0] + o.c[1] + o.c[2] + o.c[3], n);
-    ASSERT_LE(static_cast<double>(cost), budget_units * (1 + 0x1p-40)) << n << " " << b;
-    // Little is wasted: at most 3 quarter-token units below floor(4 n b).
-    ASSERT_GE(cost, static_cast<int64_t>(std::floor(budget_units)) - 3) << n << " " << b;
+    ASSERT_LE(cost, units) << n << " " << b;
+    // Little is wasted: at most 3 quarter-token units below U.
+    ASSERT_GE(cost, units - 3) << n << " " << b;
     ASSERT_LE(o.sinks, std::min<int64_t>(sinks, n));
     ASSERT_GE(o.c[KVXFER_TIER_FP16], o.sinks);
     if (int4) {
@@ -191,9 +231,8 @@ TEST(SpectrumBudget, CountsNeverExceedTheBudget) {
     if (!int4) {
       ASSERT_EQ(o.c[KVXFER_TIER_INT4], 0);
     }
-    // 2-tier once the budget left after the sinks is >= 1/2 per token.
-    const int64_t units = static_cast<int64_t>(std::floor(budget_units * (1 + 0x1p-40)));
-    if (units - 4 * o.sinks >= 2 * (n - o.sinks)) {
+    // From b = 1/2 up (U >= 2n), sinks included: 2-tier, no INT4 and no DROP.
+    if (units >= 2 * n) {
       ASSERT_EQ(o.c[KVXFER_TIER_INT4] + o.c[KVXFER_TIER_DROP], 0) << n << " " << b;
     }
   }

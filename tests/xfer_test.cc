@@ -454,6 +454,7 @@ struct SpectrumCase {
   bool runtime_importance = false;  // importance_j = j (recency), supplied by the "runtime"
   kvxfer_mode_t mode = KVXFER_MODE_AUTO;
   unsigned tiers_present = 0;  // bit t: some token must get tier t
+  unsigned tiers_absent = 0;   // bit t: no token may get tier t
 };
 
 std::vector<float> recency_importance(int64_t T) {
@@ -547,6 +548,9 @@ void spectrum_round_trip(const SpectrumCase& c) {
     if (c.tiers_present & (1u << t)) {
       EXPECT_NE(std::count(want.begin(), want.end(), static_cast<uint8_t>(t)), 0) << "tier " << t;
     }
+    if (c.tiers_absent & (1u << t)) {
+      EXPECT_EQ(std::count(want.begin(), want.end(), static_cast<uint8_t>(t)), 0) << "tier " << t;
+    }
   }
   const kvxfer_request_info_t mid = info_of(req);
   EXPECT_EQ(mid.codec, KVXFER_CODEC_SPECTRUM);
@@ -599,10 +603,11 @@ TEST(Xfer, SpectrumThreeTierProgressiveBitExact) {
   spectrum_round_trip(c);
 }
 
-TEST(Xfer, SpectrumDefaultPolicyThroughKvxferSendDropsTokens) {
+TEST(Xfer, SpectrumDefaultPolicyThroughKvxferSend) {
   SpectrumCase c;
-  c.plain_send = true;  // b = 0.5 without INT4: 4 sinks paid by dropping 4 tokens
-  c.tiers_present = 1u << KVXFER_TIER_FP16 | 1u << KVXFER_TIER_INT8 | 1u << KVXFER_TIER_DROP;
+  c.plain_send = true;  // b = 0.55 without INT4: sinks and the top tokens FP16, the rest INT8
+  c.tiers_present = 1u << KVXFER_TIER_FP16 | 1u << KVXFER_TIER_INT8;
+  c.tiers_absent = 1u << KVXFER_TIER_INT4 | 1u << KVXFER_TIER_DROP;
   spectrum_round_trip(c);
 }
 

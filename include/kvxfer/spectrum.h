@@ -70,11 +70,14 @@ typedef struct {
   uint32_t magic;   /**< KVXFER_CONFIG_MAGIC */
   uint32_t version; /**< KVXFER_VERSION_CODE of the header used */
   /** b: payload budget per token in units of an fp16 token, in [0.25, 1];
-   *  default 0.5.  A double so that 0.3 or 0.7 mean what they say (the count
-   *  rule allows a relative tolerance of 2^-40, docs/SPECTRUMKV.md). */
+   *  default 0.55 (every token at least INT8, the sinks and about a tenth of
+   *  the tokens FP16; at exactly 1/2 nothing is left to pin the sinks).  A
+   *  double, read to the nearest 10^-9 (docs/SPECTRUMKV.md). */
   double budget;
-  /** s: the first s tokens are attention sinks, pinned to FP16 inside the
-   *  budget (as many as the budget can pay for); >= 0, default 4. */
+  /** s: the first s tokens of the request are attention sinks, pinned to
+   *  FP16 inside the budget (as many as the budget can pay for without
+   *  pushing another token below the cheapest tier of the budget mapping);
+   *  >= 0, default 4.  Use 0 for a request that does not start the sequence. */
   int32_t sink_tokens;
   /** lambda: recency decay per token of the importance, finite, >= 0;
    *  default 1/256 (docs/SPECTRUMKV.md says why). */
@@ -88,10 +91,10 @@ typedef struct {
   int32_t balance_tokens;
 } kvxfer_spectrum_config_t;
 
-#define KVXFER_SPECTRUM_CONFIG_INITIALIZER                                              \
-  {                                                                                     \
-    sizeof(kvxfer_spectrum_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0.5, 4, \
-        0.00390625f, KVXFER_SPECTRUM_GREEDY, 0, 0, 32                                   \
+#define KVXFER_SPECTRUM_CONFIG_INITIALIZER                                               \
+  {                                                                                      \
+    sizeof(kvxfer_spectrum_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0.55, 4, \
+        0.00390625f, KVXFER_SPECTRUM_GREEDY, 0, 0, 32                                    \
   }
 
 /* ------------------------------------------------------------------------ */
@@ -116,15 +119,18 @@ kvxfer_result_t kvxfer_spectrum_budget_fractions(double budget, int32_t allow_in
 /**
  * Token counts per tier for `num_tokens` tokens (the rule of
  * docs/SPECTRUMKV.md, "Token counts"), in integer quarter-token units:
- *   U  = floor(4 n b (1 + 2^-40))                 the budget (fp16 = 4, int8 = 2,
- *                                                 int4 = 1, drop = 0 units)
+ *   U  = floor(4 n b_q), b_q = round(b 10^9) 10^-9   the budget (fp16 = 4, int8 = 2,
+ *                                                 int4 = 1, drop = 0 units), exact
  *   s' = min(s, n, floor((U - c n) / (4 - c)))    sinks the budget can pay for,
- *                                                 c = 1 with int4, 0 without
+ *                                                 c = 2 if U >= 2n, else 1 with
+ *                                                 int4, 0 without (the cheapest
+ *                                                 tier the mapping uses)
  *   n' = n - s',  U' = U - 4 s'                   the other tokens and their budget
  *   U' >= 2n':           n16 = floor((U' - 2n') / 2),  n8 = n' - n16
  *   U' <  2n', int4:     n8 = U' - n',                 n4 = 2n' - U'
  *   U' <  2n', no int4:  n8 = floor(U' / 2),           nd = n' - n8
- * counts[FP16] includes the s' sinks.  4 n16 + 2 n8 + n4 <= U always.
+ * counts[FP16] includes the s' sinks.  4 n16 + 2 n8 + n4 <= U always, and
+ * from b = 1/2 up (U >= 2n) no token is INT4 or DROP.
  * counts: int64 [4] indexed by kvxfer_tier_t; sinks (may be NULL): s'.
  * num_tokens may be 0 (all counts 0).
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, a bad config, num_tokens < 0
@@ -147,9 +153,9 @@ kvxfer_result_t kvxfer_spectrum_tier_counts(const kvxfer_spectrum_config_t* conf
  * PrefillResult::attention_mass has this layout).  Delta counts tokens to the
  * end of the given range: pass the whole sequence.
  * attention_mass: float32 [num_rows][num_tokens], finite, >= 0 (read only).
- * importance: float32 [num_tokens] output (I_j rounded to float; it may
- *   underflow to 0 for large lambda * Delta, ties are then broken by position
- *   in kvxfer_spectrum_assign).
+ * importance: float32 [num_tokens] output (I_j rounded to float, at most
+ *   FLT_MAX; it may underflow to 0 for large lambda * Delta, ties are then
+ *   broken by position in kvxfer_spectrum_assign).
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL with num_tokens > 0, num_rows < 1,
  *   num_tokens < 0, lambda negative or not finite, a negative or non-finite
  *   mass, named by row and token).
@@ -166,7 +172,7 @@ kvxfer_result_t kvxfer_spectrum_importance_from_attention(const float* attention
  *   (e.g. K and V of every layer over the whole sequence); any dtype and
  *   channel count; read only.  The transfer engine calls this when the
  *   runtime supplies no importance.
- * importance: float32 [T] output.
+ * importance: float32 [T] output (rounded to float, at most FLT_MAX).
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, num_pages < 1, a bad layout,
  *   pages of different num_tokens, lambda negative or not finite),
  *   KVXFER_ERR_NONFINITE (NaN/Inf input, naming page, token and channel).

@@ -3,7 +3,10 @@
 // rule here and says where it reads the paper, arXiv:2606.08635).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "codec/page.h"
@@ -63,9 +66,18 @@ kvxfer_result_t validate_config(const kvxfer_spectrum_config_t* c) {
                  "spectrum config is not initialised (size %zu, magic 0x%x): use "
                  "KVXFER_SPECTRUM_CONFIG_INITIALIZER",
                  c->size, c->magic);
-  KVXFER_REQUIRE(c->budget >= 0.25 && c->budget <= 1.0,
-                 "config->budget = %g is outside [0.25, 1] (fp16 = 1, int8 = 0.5, int4 = 0.25)",
-                 c->budget);
+  KVXFER_REQUIRE(c->version / 100 == KVXFER_VERSION_CODE / 100,
+                 "spectrum config from header version %u, library is %d", c->version,
+                 KVXFER_VERSION_CODE);
+  if (!(c->budget >= 0.25 && c->budget <= 1.0)) {
+    // The shortest digits that read back as the value: 0.24999999999999997, not 0.25.
+    char b[40];
+    std::snprintf(b, sizeof(b), "%.15g", c->budget);
+    if (std::strtod(b, nullptr) != c->budget) std::snprintf(b, sizeof(b), "%.17g", c->budget);
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                     "config->budget = %s is outside [0.25, 1] (fp16 = 1, int8 = 0.5, int4 = 0.25)",
+                     b);
+  }
   KVXFER_REQUIRE(c->sink_tokens >= 0, "config->sink_tokens = %d is negative", c->sink_tokens);
   KVXFER_REQUIRE(std::isfinite(c->lambda) && c->lambda >= 0.0f,
                  "config->lambda = %g must be finite and >= 0", static_cast<double>(c->lambda));
@@ -113,6 +125,20 @@ kvxfer_result_t budget_fractions(double b, int32_t allow_int4, double* f) {
   return KVXFER_SUCCESS;
 }
 
+/** I_j in float32: finite inputs give a finite importance (saturated at FLT_MAX). */
+float to_importance(double x) {
+  return static_cast<float>(std::min(x, static_cast<double>(std::numeric_limits<float>::max())));
+}
+
+int64_t budget_units(double b, int64_t n) {
+  // 0.3 and 0.7 are not binary fractions: b is read as the nearest multiple
+  // of 10^-9 (B = round(b 10^9), so 0.7 is exactly 7/10), then the product
+  // is exact in 128 bits (4n <= 2^42, B <= 10^9).
+  const auto B = static_cast<uint64_t>(std::llround(b * 1e9));
+  const unsigned __int128 p = static_cast<unsigned __int128>(4 * static_cast<uint64_t>(n)) * B;
+  return std::min<int64_t>(static_cast<int64_t>(p / 1000000000u), 4 * n);
+}
+
 kvxfer_result_t tier_counts(const kvxfer_spectrum_config_t* c, int64_t n, Counts* out) {
   KVXFER_CHECK(validate_config(c));
   KVXFER_REQUIRE(n >= 0 && n <= kMaxTokens, "num_tokens = %lld is outside [0, 2^40]",
@@ -123,14 +149,13 @@ kvxfer_result_t tier_counts(const kvxfer_spectrum_config_t* c, int64_t n, Counts
     return KVXFER_SUCCESS;
   }
   const bool int4 = c->allow_int4 == 1;
-  // U = floor(4 n b (1 + 2^-40)): 0.3 and 0.7 are not binary fractions.
-  const double x = 4.0 * static_cast<double>(n) * c->budget;
-  int64_t units = static_cast<int64_t>(std::floor(x * (1.0 + 0x1p-40)));
-  units = std::min(units, 4 * n);
-  const int64_t floor_units = int4 ? n : 0;  // the cheapest assignment
-  const int64_t sink_extra = int4 ? 3 : 4;   // a sink over the cheapest tier
+  const int64_t units = budget_units(c->budget, n);
+  // Sinks are paid for only while every other token keeps at least the
+  // cheapest tier the budget mapping gives at this budget: INT8 from b = 1/2
+  // up (so no INT4 or DROP appears there), else INT4 or, without it, DROP.
+  const int64_t cheapest = units >= 2 * n ? 2 : (int4 ? 1 : 0);  // units per token
   const int64_t sinks = std::min<int64_t>(
-      {static_cast<int64_t>(c->sink_tokens), n, (units - floor_units) / sink_extra});
+      {static_cast<int64_t>(c->sink_tokens), n, (units - cheapest * n) / (4 - cheapest)});
   r.sinks = sinks;
   r.budget_units = units;
   int64_t rest[4];
@@ -159,7 +184,7 @@ kvxfer_result_t importance_from_attention(const float* mass, int32_t rows, int64
       a[j] += row[j];
     }
   }
-  for (int64_t j = 0; j < n; ++j) importance[j] = static_cast<float>(a[j] * recency(lambda, n, j));
+  for (int64_t j = 0; j < n; ++j) importance[j] = to_importance(a[j] * recency(lambda, n, j));
   return KVXFER_SUCCESS;
 }
 
@@ -196,7 +221,7 @@ kvxfer_result_t importance_from_kv(const kvxfer_page_layout_t* pages, int32_t nu
       a[j] += std::sqrt(ss);
     }
   }
-  for (int64_t j = 0; j < n; ++j) importance[j] = static_cast<float>(a[j] * recency(lambda, n, j));
+  for (int64_t j = 0; j < n; ++j) importance[j] = to_importance(a[j] * recency(lambda, n, j));
   return KVXFER_SUCCESS;
 }
 

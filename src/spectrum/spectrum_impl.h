@@ -37,6 +37,12 @@ kvxfer_result_t budget_fractions(double budget, int32_t allow_int4, double* frac
 /** Validated config; n in [0, kMaxTokens]. */
 kvxfer_result_t tier_counts(const kvxfer_spectrum_config_t* c, int64_t n, Counts* out);
 
+/**
+ * U = floor(4 n b_q), b_q = round(b 10^9) / 10^9, in exact integer arithmetic
+ * (docs/SPECTRUMKV.md, "Token counts").  b in [0.25, 1], n in [0, 2^40].
+ */
+int64_t budget_units(double b, int64_t n);
+
 kvxfer_result_t importance_from_attention(const float* mass, int32_t rows, int64_t n, float lambda,
                                           float* importance);
 kvxfer_result_t importance_from_kv(const kvxfer_page_layout_t* pages, int32_t num_pages,
