@@ -1123,7 +1123,8 @@ int main(int argc, char** argv) {
           ->capture_default_str();
   auto* ds_opt =
       app.add_option("--dataset", o.datasets, "comma list of real,synth")->capture_default_str();
-  auto* tok_opt = app.add_option("--tokens", o.tokens, "tokens per synthetic page (--quick: 1024)")
+  auto* tok_opt = app.add_option("--tokens", o.tokens,
+                                 "tokens per synthetic page (--quick: 1024; --gpu: 32768)")
                       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
                       ->capture_default_str();
   auto* threads_opt =

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -275,11 +276,14 @@ int main(int argc, char** argv) {
   int prompts = 3, prompt_tokens = 320, steps = 64, seeds = 3, sinks = 4;
   int synth_layers = 2, synth_tokens = 512, synth_queries = 16;
   float lambda = 0.00390625f;
-  app.add_flag("--quick", quick, "1 prompt of 192 tokens, 256 synthetic tokens, budgets 0.3,0.5");
+  auto* quick_opt = app.add_flag("--quick", quick,
+                                 "1 prompt of 192 tokens, 256 synthetic tokens, budgets 0.3,0.5");
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
   app.add_option("-c,--check", check, "1: fail (exit 1) on an out-of-bounds result")
       ->capture_default_str();
-  app.add_option("-b,--budgets", budgets_s, "comma list of budgets")->capture_default_str();
+  app.add_option("-b,--budgets", budgets_s, "comma list of budgets in [0.25, 1]")
+      ->capture_default_str()
+      ->excludes(quick_opt);
   app.add_option("--model", model_path, "llama2.c checkpoint")->capture_default_str();
   app.add_option("--prompts", prompts, "stories prompts")->capture_default_str();
   app.add_option("--prompt-tokens", prompt_tokens, "tokens per prompt")->capture_default_str();
@@ -303,7 +307,16 @@ int main(int argc, char** argv) {
     budgets_s = "0.3,0.5";
   }
   std::vector<double> budgets;
-  for (const std::string& b : kp::split(budgets_s)) budgets.push_back(std::stod(b));
+  for (const std::string& b : kp::split(budgets_s)) {
+    // Checked before the model runs: a typo must not cost a minute.
+    char* end = nullptr;
+    const double v = std::strtod(b.c_str(), &end);
+    if (b.empty() || end == nullptr || *end != '\0' || !(v >= 0.25 && v <= 1.0)) {
+      std::fprintf(stderr, "spectrum_quality: -b: '%s' is not a budget in [0.25, 1]\n", b.c_str());
+      return 2;
+    }
+    budgets.push_back(v);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   std::string err;
   std::unique_ptr<km::Model> model = km::Model::load(model_path, &err);

@@ -238,7 +238,9 @@ run_gtest() {  # run_gtest <name> <time limit>
 # ---------------------------------------------------------------------------
 say "running gpu_test"
 [[ -x "$build/tests/gpu_test" ]] || finish 1 "FAIL: gpu_test was not built (see $logs/build.log)"
-# The steps after it keep 150 s: codec_perf, then the transport tests.
+# The steps after it keep at least 150 s (codec_test, codec_perf, then the
+# transport tests).  Their own caps add up to 300 s, so when gpu_test runs long
+# they share what is left, first come first served (each gets >= 5 s).
 timeout "$(cap 100000 150)" "$build/tests/gpu_test" --gtest_output="xml:$logs/gpu_test.xml" >"$logs/gpu_test.log" 2>&1
 gpu_rc=$?
 grep -E "^\[ *(OK|FAILED) *\]|^\[ *(PASSED|SKIPPED) *\] [0-9]|Failure|difference|Which is|trace:|: (LYNX|INT8|INT4|BF16) " \

@@ -372,6 +372,9 @@ TEST(Args, OpValidation) {
   o.codec = &c;
   check(o, {"alpha auto", KVXFER_ERR_UNSUPPORTED, "alpha=auto"});
   c = lynx;
+  c.codec = KVXFER_CODEC_SPECTRUM;  // no GPU encoder: refused before anything is sent
+  check(o, {"spectrum", KVXFER_ERR_UNSUPPORTED, "SPECTRUM"});
+  c = lynx;
   c.chunk_tokens = 48;
   check(o, {"chunk", KVXFER_ERR_INVALID_ARGUMENT, "48"});
   c = lynx;

@@ -358,6 +358,51 @@ TEST(XferGpu, DeviceRequestsRefusedAtPost) {
   EXPECT_EQ(rc, 0) << "see the children's messages above";
 }
 
+// A host SPECTRUM sender and a device receiver: refused at the handshake on
+// both sides (no GPU decoder for SpectrumKV pages), so no page is sent (only
+// the empty messages that keep the sequence whole) and nothing is decoded.
+TEST(XferGpu, SpectrumIntoDeviceMemoryFailsAtTheHandshake) {
+  REQUIRE_DEVICE();
+  const int rc = in_child([] {
+    Shape s;
+    Pair pair;
+    if (!pair.start([&](const kvxfer_unique_id_t& id, int, int) {
+          kvxfer_comm_t comm = init_rank(id, 1);
+          CHILD_CHECK(comm != nullptr, "sender: init");
+          PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+          kv.fill(3);
+          const kvxfer_codec_config_t cfg = codec(KVXFER_CODEC_SPECTRUM);
+          kvxfer_request_t req = nullptr;
+          CHILD_CHECK(kvxfer_send(comm, 0, &kv.desc, &cfg, nullptr, &req) == KVXFER_SUCCESS,
+                      "send: %s", kvxfer_get_last_error());
+          const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+          CHILD_CHECK(r == KVXFER_ERR_UNSUPPORTED, "sender: %d %s", r, kvxfer_get_last_error());
+          kvxfer_request_free(req);
+          kvxfer_comm_destroy(comm);
+          return 0;
+        }))
+      return 20;
+    kvxfer_comm_t comm = init_rank(pair.id, 0);
+    CHILD_CHECK(comm != nullptr, "receiver: init");
+    PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+    DeviceKV dev(dst);
+    CHILD_CHECK(dev.upload(), "upload");
+    kvxfer_request_t req = nullptr;
+    CHILD_CHECK(kvxfer_recv(comm, 1, &dev.desc, nullptr, &req) == KVXFER_SUCCESS, "recv: %s",
+                kvxfer_get_last_error());
+    const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+    CHILD_CHECK(r == KVXFER_ERR_UNSUPPORTED, "receiver: %d %s", r, kvxfer_get_last_error());
+    CHILD_CHECK(std::string(kvxfer_get_last_error()).find("no GPU decoder") != std::string::npos,
+                "message: %s", kvxfer_get_last_error());
+    CHILD_CHECK(info_of(req).pages_anchor_ready == 0, "pages were decoded");
+    kvxfer_request_free(req);
+    kvxfer_comm_destroy(comm);
+    if (!pair.child.wait(60)) return 21;
+    return WEXITSTATUS(pair.child.status);
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+
 #ifndef KVXFER_GPU_EMULATION
 // On a machine without a usable device (CI), a device request is a clear
 // error at post, not a crash or a hang.

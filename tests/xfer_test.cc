@@ -138,6 +138,19 @@ TEST(XferProtocol, MismatchNamesTheFieldTheSameOnBothSides) {
   }
   EXPECT_EQ(xfer::compare_desc(s, sample_desc(true)), KVXFER_ERR_MISMATCH);
   EXPECT_NE(std::string(last_error()).find("both ranks posted kvxfer_send"), std::string::npos);
+  // SPECTRUM into device memory: refused at the handshake, on both sides.
+  Desc spec = sample_desc(true);
+  spec.codec.codec = KVXFER_CODEC_SPECTRUM;
+  Desc gpu = sample_desc(false);
+  gpu.on_device = true;
+  Desc back;
+  ASSERT_EQ(xfer::decode_desc(xfer::encode_desc(gpu).data(), xfer::kDescBytes, &back),
+            KVXFER_SUCCESS);
+  EXPECT_TRUE(back.on_device);
+  EXPECT_EQ(xfer::compare_desc(spec, back), KVXFER_ERR_UNSUPPORTED);
+  EXPECT_EQ(xfer::compare_desc(back, spec), KVXFER_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(last_error()).find("no GPU decoder"), std::string::npos);
+  EXPECT_EQ(xfer::compare_desc(s, back), KVXFER_SUCCESS);  // other codecs decode on the GPU
 }
 
 TEST(XferProtocol, StatusRoundTripsAndRejectsGarbage) {

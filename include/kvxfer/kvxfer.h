@@ -323,7 +323,10 @@ typedef struct {
 
 /** Validates one section (header, sizes, checksum) and describes it.  For a
  *  SpectrumKV page, anchor_bits / residual_bits are its INT8 tier's split and
- *  kvxfer_page_get_tiers reads its precision map. */
+ *  kvxfer_page_get_tiers reads its precision map.
+ *  section: `len` bytes, read only; info: written only on success.  Any thread.
+ *  Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL), KVXFER_ERR_TRUNCATED (shorter
+ *  than its header says), KVXFER_ERR_CORRUPT (a bad field or checksum). */
 kvxfer_result_t kvxfer_page_inspect(const void* section, size_t len, kvxfer_page_info_t* info);
 
 /* ------------------------------------------------------------------------ */
@@ -403,7 +406,9 @@ kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_
  * closes the connections.  Asynchronous: it returns at once, and the progress
  * thread closes the connections and publishes the ERROR stages shortly after
  * (kvxfer_wait on a request sees them).  Never blocks on a peer.  The communicator must
- * still be destroyed; requests must still be freed.  Idempotent.
+ * still be destroyed; requests must still be freed.  Idempotent.  Any thread.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (comm NULL; unlike destroy, abort of
+ * NULL is a caller bug).
  */
 kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm);
 
@@ -418,7 +423,8 @@ kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm);
  */
 kvxfer_result_t kvxfer_comm_destroy(kvxfer_comm_t comm);
 
-/** Number of ranks / this rank's index. */
+/** Number of ranks / this rank's index (0-based).  Any thread.
+ *  Errors: KVXFER_ERR_INVALID_ARGUMENT (comm or the output NULL). */
 kvxfer_result_t kvxfer_comm_count(kvxfer_comm_t comm, int* nranks);
 kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank);
 
@@ -434,7 +440,8 @@ kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank);
  * row_stride and the pointers are each side's own.
  * Ownership: the arrays are copied by kvxfer_send/recv; the blocks themselves
  * must stay valid (and, on the receiver, untouched) until the request reaches
- * a final stage (COMPLETE or ERROR).  Host memory.
+ * a final stage (COMPLETE or ERROR).  Host memory, or CUDA device memory
+ * with `device` set (docs/GPU.md).
  */
 typedef struct {
   size_t size;          /**< sizeof(kvxfer_kv_desc_t) */
@@ -453,8 +460,8 @@ typedef struct {
   void* const* v_blocks; /**< [num_layers * num_blocks] block base pointers of V */
   /** Where the blocks live: -1 host memory (the default); >= 0 the CUDA
    *  device of that ordinal (the tables above are then host arrays of device
-   *  pointers).  Device memory needs a CUDA build with the GPU transfer path;
-   *  elsewhere it is refused with KVXFER_ERR_UNSUPPORTED. */
+   *  pointers).  Device memory needs a CUDA build and a usable device;
+   *  elsewhere it is refused with KVXFER_ERR_UNSUPPORTED (kvxfer_send). */
   int32_t device;
 } kvxfer_kv_desc_t;
 
@@ -533,8 +540,10 @@ typedef struct {
  * Codec SPECTRUM uses the default SpectrumKV policy and the KV norm as
  * importance; kvxfer_send_spectrum (kvxfer/spectrum.h) takes both.
  * KV on a CUDA device (kv->device >= 0) is encoded there and staged through
- * pinned host memory (docs/GPU.md); KVXFER_ERR_UNSUPPORTED in a build
- * without CUDA or for SPECTRUM.
+ * pinned host memory (docs/GPU.md): KVXFER_ERR_UNSUPPORTED in a build
+ * without CUDA, where CUDA reports no usable driver or device (the message
+ * quotes CUDA), or for SPECTRUM; KVXFER_ERR_INVALID_ARGUMENT for an ordinal
+ * past the last device.
  * Errors (nothing is sent): KVXFER_ERR_INVALID_ARGUMENT (a NULL, a bad
  * descriptor, codec or peer), KVXFER_ERR_INVALID_USAGE (communicator aborted,
  * or KVXFER_MAX_REQUESTS requests already in flight with this peer).
@@ -623,7 +632,9 @@ typedef struct {
         0, 0, 0                                                                                   \
   }
 
-/** Fills `*info` (its size/magic/version set by the caller).  Any thread. */
+/** Fills `*info` (its size/magic/version set by the caller, e.g. with
+ *  KVXFER_REQUEST_INFO_INITIALIZER): a consistent snapshot.  Any thread.
+ *  Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, info not initialised). */
 kvxfer_result_t kvxfer_request_get_info(kvxfer_request_t request, kvxfer_request_info_t* info);
 
 /** One page section's arrival (receiver) or send completion (sender). */
@@ -638,6 +649,9 @@ typedef struct {
  * Copies up to `capacity` arrival records, in the order they happened, into
  * `out` (may be NULL when capacity is 0) and sets `*count` to the total
  * recorded so far (at most 2 per page).  For plotting which class landed when.
+ * The records are copied; `out` is the caller's.  Any thread.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (request or count NULL, out NULL with
+ * capacity > 0).
  */
 kvxfer_result_t kvxfer_request_get_arrivals(kvxfer_request_t request, kvxfer_arrival_t* out,
                                             size_t capacity, size_t* count);

@@ -3,7 +3,7 @@
  * over two NCCL communicators, one per traffic class (docs/NCCL.md).
  *
  * Library: libkvxfer_nccl.so (or the static kvxfer_nccl), separate from
- * libkvxfer.so so that the latter has no CUDA or NCCL dependency.  It exports
+ * libkvxfer.so so that the latter has no NCCL dependency.  It exports
  * only kvxfer_nccl_* symbols.  It carries its own copy of the codec, so its
  * error text is read with kvxfer_nccl_get_last_error(), not
  * kvxfer_get_last_error().
@@ -126,7 +126,8 @@ kvxfer_result_t kvxfer_nccl_comm_abort(kvxfer_nccl_comm_t comm);
  */
 kvxfer_result_t kvxfer_nccl_comm_destroy(kvxfer_nccl_comm_t comm);
 
-/** Number of ranks and this rank's index (of the anchor communicator; both agree). */
+/** Number of ranks and this rank's index (of the anchor communicator; both agree).
+ *  Any thread.  Errors: KVXFER_ERR_INVALID_ARGUMENT (comm or the output NULL). */
 kvxfer_result_t kvxfer_nccl_comm_count(kvxfer_nccl_comm_t comm, int* nranks);
 kvxfer_result_t kvxfer_nccl_comm_user_rank(kvxfer_nccl_comm_t comm, int* rank);
 

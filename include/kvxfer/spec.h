@@ -234,10 +234,17 @@ typedef struct {
 kvxfer_result_t kvxfer_spec_monitor_update(kvxfer_spec_monitor_t* monitor, int32_t draft_len,
                                            int32_t accepted, int32_t* speculate);
 
-/** Records the duration of one decode step (seconds, > 0) in the TPOT moving average. */
+/** Records the duration of one decode step (seconds, > 0) in the TPOT moving average.
+ *  The monitor is the caller's; one thread at a time per monitor.
+ *  Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL or uninitialised monitor, seconds
+ *  not finite or <= 0, min_accept > 1, min_tokens < 1, tpot_weight outside (0, 1]). */
 kvxfer_result_t kvxfer_spec_monitor_record_step(kvxfer_spec_monitor_t* monitor, double seconds);
 
-/** *speculate = 1 unless the monitor has fallen back; *rate (may be NULL) = the running rate. */
+/** *speculate = 1 unless the monitor has fallen back; *rate (may be NULL) = the running
+ *  acceptance rate, accepted / (accepted + rejected) examined tokens (1 before any).
+ *  Reads the monitor only.
+ *  Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL or uninitialised monitor, speculate NULL,
+ *  the monitor's fields out of range as in kvxfer_spec_monitor_record_step). */
 kvxfer_result_t kvxfer_spec_monitor_query(const kvxfer_spec_monitor_t* monitor, int32_t* speculate,
                                           double* rate);
 

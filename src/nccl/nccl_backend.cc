@@ -909,6 +909,11 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
                        "op %d: alpha=auto is not available on the GPU path; calibrate on the host "
                        "(kvxfer_codec_calibrate_alpha) and pass the chosen alpha",
                        index);
+    if (cc.codec == KVXFER_CODEC_SPECTRUM)
+      return set_error(KVXFER_ERR_UNSUPPORTED,
+                       "op %d: codec SPECTRUM has no GPU encoder; the NCCL backend moves device "
+                       "KV only (use kvxfer_send_spectrum from host memory)",
+                       index);
     const kvxfer_result_t v = codec::validate_config(&cc);
     if (v < 0) return set_error(v, "op %d: %s", index, last_error());
     KVXFER_REQUIRE(op->mode == KVXFER_MODE_AUTO || op->mode == KVXFER_MODE_PROGRESSIVE ||

@@ -561,6 +561,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
   r->mine.head_dim = kv->head_dim;
   r->mine.dtype = kv->dtype;
   r->mine.num_tokens = kv->num_tokens;
+  r->mine.on_device = kv->device >= 0;
   r->block_size = kv->block_size;
   r->row_stride = kv->row_stride == 0 ? H : kv->row_stride;
   r->num_blocks = kv->num_blocks;

@@ -75,6 +75,7 @@ std::vector<uint8_t> encode_desc(const Desc& d) {
   put<int32_t>(&b, d.codec.nonfinite);
   put<int32_t>(&b, d.mode);
   put<int32_t>(&b, d.page_tokens);
+  put<uint8_t>(&b, d.on_device ? 1 : 0);
   b.resize(kDescBytes, 0);  // reserved
   return b;
 }
@@ -108,6 +109,9 @@ kvxfer_result_t decode_desc(const uint8_t* buf, size_t len, Desc* out) {
   d.codec.nonfinite = static_cast<kvxfer_nonfinite_policy_t>(get<int32_t>(p));
   d.mode = static_cast<kvxfer_mode_t>(get<int32_t>(p));
   d.page_tokens = get<int32_t>(p);
+  const uint8_t dev = get<uint8_t>(p);
+  if (dev > 1) return set_error(KVXFER_ERR_CORRUPT, "descriptor message has on_device %u", dev);
+  d.on_device = dev == 1;
   *out = d;
   return KVXFER_SUCCESS;
 }
@@ -138,6 +142,11 @@ kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer) {
     return set_error(KVXFER_ERR_MISMATCH,
                      "descriptor mismatch: dtype is %s on the sender and %s on the receiver",
                      dtype_name(s.dtype), dtype_name(r.dtype));
+  if (s.codec.codec == KVXFER_CODEC_SPECTRUM && r.on_device && s.num_tokens > 0)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "the sender's codec is SPECTRUM, which has no GPU decoder, and the "
+                     "receiver's KV is on a CUDA device: receive into host memory or use "
+                     "another codec");
   if (s.num_tokens > 0 && (s.page_tokens <= 0 ||
                            (s.mode != KVXFER_MODE_PROGRESSIVE && s.mode != KVXFER_MODE_MONOLITHIC)))
     return set_error(KVXFER_ERR_CORRUPT, "sender's descriptor has page_tokens %d and mode %d",

@@ -74,6 +74,9 @@ struct Desc {
   kvxfer_codec_config_t codec{};
   kvxfer_mode_t mode = KVXFER_MODE_AUTO;  // resolved: PROGRESSIVE or MONOLITHIC
   int32_t page_tokens = 0;
+  // Both sides: 1 if this side's KV is on a CUDA device (a reserved byte
+  // before, so a peer that does not set it reads as host memory).
+  bool on_device = false;
 };
 
 constexpr size_t kDescBytes = 80;
