@@ -227,6 +227,31 @@ int gpu_receiver(const kvxfer_unique_id_t& id, int rd, const Shape& s, Where whe
   return 0;
 }
 
+/** How a request ended: result, error text and the final info. */
+struct Outcome {
+  kvxfer_result_t result = KVXFER_IN_PROGRESS;
+  std::string error;
+  kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
+};
+
+/** rank 0: receives into device blocks (block 16) and records how it ended. */
+int device_receive(const kvxfer_unique_id_t& id, const Shape& s, Outcome* out) {
+  kvxfer_comm_t comm = init_rank(id, 0);
+  CHILD_CHECK(comm != nullptr, "receiver: init");
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  DeviceKV dev(dst);
+  CHILD_CHECK(dev.upload(), "upload");
+  kvxfer_request_t req = nullptr;
+  CHILD_CHECK(kvxfer_recv(comm, 1, &dev.desc, nullptr, &req) == KVXFER_SUCCESS, "recv: %s",
+              kvxfer_get_last_error());
+  out->result = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+  out->error = out->result < 0 ? kvxfer_get_last_error() : "";
+  out->info = info_of(req);
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  return 0;
+}
+
 /** Both ranks in children: the sender forked by the receiver's child. */
 void transfer(Where from, Where to, const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode) {
   Shape s;
@@ -304,20 +329,10 @@ TEST(XferGpu, NonFiniteDeviceInputFailsBothSidesNamingTheElement) {
           return 0;
         }))
       return 20;
-    kvxfer_comm_t comm = init_rank(pair.id, 0);
-    CHILD_CHECK(comm != nullptr, "receiver: init");
-    PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
-    DeviceKV dev(dst);
-    CHILD_CHECK(dev.upload(), "upload");
-    kvxfer_request_t req = nullptr;
-    CHILD_CHECK(kvxfer_recv(comm, 1, &dev.desc, nullptr, &req) == KVXFER_SUCCESS, "recv: %s",
-                kvxfer_get_last_error());
-    const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
-    CHILD_CHECK(r < 0, "receiver completed a transfer whose sender failed");
-    const kvxfer_request_info_t i = info_of(req);
-    CHILD_CHECK(i.stage != KVXFER_STAGE_COMPLETE, "receiver reports COMPLETE");
-    kvxfer_request_free(req);
-    kvxfer_comm_destroy(comm);
+    Outcome o;
+    if (device_receive(pair.id, s, &o) != 0) return 1;
+    CHILD_CHECK(o.result < 0, "receiver completed a transfer whose sender failed");
+    CHILD_CHECK(o.info.stage != KVXFER_STAGE_COMPLETE, "receiver reports COMPLETE");
     if (!pair.child.wait(60)) return 21;
     return WEXITSTATUS(pair.child.status);
   });
@@ -382,21 +397,12 @@ TEST(XferGpu, SpectrumIntoDeviceMemoryFailsAtTheHandshake) {
           return 0;
         }))
       return 20;
-    kvxfer_comm_t comm = init_rank(pair.id, 0);
-    CHILD_CHECK(comm != nullptr, "receiver: init");
-    PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
-    DeviceKV dev(dst);
-    CHILD_CHECK(dev.upload(), "upload");
-    kvxfer_request_t req = nullptr;
-    CHILD_CHECK(kvxfer_recv(comm, 1, &dev.desc, nullptr, &req) == KVXFER_SUCCESS, "recv: %s",
-                kvxfer_get_last_error());
-    const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
-    CHILD_CHECK(r == KVXFER_ERR_UNSUPPORTED, "receiver: %d %s", r, kvxfer_get_last_error());
-    CHILD_CHECK(std::string(kvxfer_get_last_error()).find("no GPU decoder") != std::string::npos,
-                "message: %s", kvxfer_get_last_error());
-    CHILD_CHECK(info_of(req).pages_anchor_ready == 0, "pages were decoded");
-    kvxfer_request_free(req);
-    kvxfer_comm_destroy(comm);
+    Outcome o;
+    if (device_receive(pair.id, s, &o) != 0) return 1;
+    CHILD_CHECK(o.result == KVXFER_ERR_UNSUPPORTED, "receiver: %d %s", o.result, o.error.c_str());
+    CHILD_CHECK(o.error.find("no GPU decoder") != std::string::npos, "message: %s",
+                o.error.c_str());
+    CHILD_CHECK(o.info.pages_anchor_ready == 0, "pages were decoded");
     if (!pair.child.wait(60)) return 21;
     return WEXITSTATUS(pair.child.status);
   });
