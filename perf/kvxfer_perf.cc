@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "common/fdio.h"
+#include "kvxfer/spectrum.h"
 #include "model/llama2.h"
 #include "model/synthetic_kv.h"
 #include "perf/common/harness.h"
@@ -150,7 +151,7 @@ struct CodecCase {
   kvxfer_mode_t mode = KVXFER_MODE_MONOLITHIC;
 };
 
-constexpr const char* kCodecChoices = "lynx, lynx-mono, int8, int8-prog, int4, bf16";
+constexpr const char* kCodecChoices = "lynx, lynx-mono, int8, int8-prog, int4, bf16, spectrum";
 
 bool make_case(const std::string& name, const Options& o, CodecCase* c) {
   c->name = name;
@@ -170,6 +171,9 @@ bool make_case(const std::string& name, const Options& o, CodecCase* c) {
   } else if (name == "bf16") {
     c->cfg.codec = KVXFER_CODEC_BF16;
     c->mode = KVXFER_MODE_MONOLITHIC;
+  } else if (name == "spectrum") {  // kvxfer_send's default SpectrumKV policy
+    c->cfg.codec = KVXFER_CODEC_SPECTRUM;
+    c->mode = KVXFER_MODE_PROGRESSIVE;
   } else {
     return false;
   }
@@ -181,6 +185,12 @@ bool make_case(const std::string& name, const Options& o, CodecCase* c) {
       c->params = kp::strprintf("c%d/%d+%d", o.chunk, o.anchor_bits, 8 - o.anchor_bits);
       break;
     case KVXFER_CODEC_INT4: c->params = kp::strprintf("c%d/4+0", o.chunk); break;
+    case KVXFER_CODEC_SPECTRUM: {
+      const kvxfer_spectrum_config_t d = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
+      c->params = kp::strprintf("b%.2f/s%d/c%d/%d+%d", d.budget, d.sink_tokens, o.chunk,
+                                o.anchor_bits, 8 - o.anchor_bits);
+      break;
+    }
     default: c->params = "-"; break;
   }
   return true;
@@ -481,6 +491,27 @@ bool expected_decode(const CodecCase& cc, const Shape& s, int64_t T, int32_t pag
     return false;
   }
   std::vector<uint8_t> a(acap), res(rcap);
+  // SPECTRUM: the tiers kvxfer_send's default policy chooses, from the KV
+  // norm over every layer's K and V in the sender's order (layer, K, V).
+  std::vector<uint8_t> tiers;
+  if (cc.cfg.codec == KVXFER_CODEC_SPECTRUM) {
+    std::vector<void*> planes;
+    for (int32_t l = 0; l < s.layers; ++l)
+      for (int kind = 0; kind < 2; ++kind) planes.push_back(src.plane(l, kind));
+    std::vector<kvxfer_page_layout_t> pages;
+    for (void*& pl : planes)
+      pages.push_back({&pl, 1, static_cast<int32_t>(T), s.H(), 0, T, s.H(), s.dtype});
+    const kvxfer_spectrum_config_t policy = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
+    std::vector<float> imp(static_cast<size_t>(T));
+    tiers.resize(static_cast<size_t>(T));
+    rc = kvxfer_spectrum_importance_from_kv(pages.data(), static_cast<int32_t>(pages.size()),
+                                            policy.lambda, imp.data());
+    if (rc == KVXFER_SUCCESS) rc = kvxfer_spectrum_assign(&policy, T, imp.data(), tiers.data());
+    if (rc < 0) {
+      *err = api_error("SpectrumKV policy (expected decode)", rc);
+      return false;
+    }
+  }
   for (int32_t l = 0; l < s.layers; ++l)
     for (int kind = 0; kind < 2; ++kind) {
       void* sb = src.plane(l, kind);
@@ -491,7 +522,11 @@ bool expected_decode(const CodecCase& cc, const Shape& s, int64_t T, int32_t pag
                             t0, tag};
         kvxfer_page_layout_t lay{&sb, 1, static_cast<int32_t>(T), s.H(), t0, n, s.H(), s.dtype};
         size_t alen = 0, rlen = 0;
-        rc = kvxfer_page_encode(&cc.cfg, &id, &lay, a.data(), acap, &alen, res.data(), rcap, &rlen);
+        rc = tiers.empty()
+                 ? kvxfer_page_encode(&cc.cfg, &id, &lay, a.data(), acap, &alen, res.data(), rcap,
+                                      &rlen)
+                 : kvxfer_page_encode_tiered(&cc.cfg, &id, &lay, tiers.data() + t0, a.data(), acap,
+                                             &alen, res.data(), rcap, &rlen);
         if (rc < 0) {
           *err = api_error("kvxfer_page_encode (expected decode)", rc);
           return false;
@@ -1077,9 +1112,9 @@ class Report {
         table_({{"size(B)", 10},
                 {"tokens", 6},
                 {"pages", 6},
-                {"codec", 5},
+                {"codec", 8},
                 {"mode", 4},
-                {"params", 10},
+                {"params", 16},
                 {"anchor(B)", 10},
                 {"wire(B)", 10},
                 {"t_anchor(us)", 10},
@@ -1258,6 +1293,26 @@ class Report {
     }
     if (!header_done)
       std::printf("# Ratios to INT8 monolithic: n/a (-m needs both lynx and int8)\n");
+    // The same two ratios for SpectrumKV (kvxfer_send's default policy), when -m has it.
+    bool spectrum_header = false;
+    for (size_t si = 0; si < p_.sizes.size(); ++si) {
+      const Row* sp = find(si, KVXFER_CODEC_SPECTRUM, KVXFER_MODE_PROGRESSIVE);
+      const Row* int8 = find(si, KVXFER_CODEC_INT8, KVXFER_MODE_MONOLITHIC);
+      if (sp == nullptr || int8 == nullptr || int8->stc.median_us <= 0) continue;
+      const double ra = sp->sta.median_us / int8->stc.median_us;
+      const double rc = sp->stc.median_us / int8->stc.median_us;
+      if (!spectrum_header) {
+        std::printf(
+            "# Ratios to INT8 monolithic (medians, same size): t_anchor(spectrum)/t_complete(int8) "
+            " "
+            "t_complete(spectrum)/t_complete(int8)\n");
+        spectrum_header = true;
+      }
+      std::printf("#   %10" PRIu64 " B: %.3f  %.3f\n", p_.sizes[si].kv_bytes, ra, rc);
+      ratios.push_back({{"kv_bytes", p_.sizes[si].kv_bytes},
+                        {"anchor_spectrum_over_complete_int8", ra},
+                        {"complete_spectrum_over_complete_int8", rc}});
+    }
     json af = {{"batches", af_batches_},
                {"batches_ok", af_ok_},
                {"worst_margin_us", af_batches_ ? json(af_worst_us_) : json(nullptr)},

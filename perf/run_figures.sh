@@ -128,7 +128,7 @@ echo
 echo "## 2. Rate 1gbit: Lynx 4+4 progressive against INT8 monolithic"
 if run fig2 "${fig2_sizes[@]}" -m lynx,int8 -r 1gbit -w 1 -n 3; then
   j="$out/fig2.json"
-  json "$j" '"\n".join("  %9d B: t_anchor(lynx)/t_complete(int8) = %.3f   t_complete(lynx)/t_complete(int8) = %.3f" % (r["kv_bytes"], r["anchor_lynx_over_complete_int8"], r["complete_lynx_over_complete_int8"]) for r in j["ratios"]) or "  no ratios"'
+  json "$j" '"\n".join("  %9d B: t_anchor(lynx)/t_complete(int8) = %.3f   t_complete(lynx)/t_complete(int8) = %.3f" % (r["kv_bytes"], r["anchor_lynx_over_complete_int8"], r["complete_lynx_over_complete_int8"]) for r in j["ratios"] if "anchor_lynx_over_complete_int8" in r) or "  no ratios"'
   json "$j" '"\n".join("    %-4s %-4s %9d B: t_anchor %.1f ms, t_complete %.1f ms, %d B on the wire" % (r["codec"], r["mode"], r["kv_bytes"], r["t_anchor"]["median_us"] / 1e3, r["t_complete"]["median_us"] / 1e3, r["wire_bytes"]) for r in j["rows"])'
 fi
 echo

@@ -82,6 +82,7 @@ inline const char* codec_name(kvxfer_codec_t c) {
     case KVXFER_CODEC_LYNX: return "lynx";
     case KVXFER_CODEC_INT8: return "int8";
     case KVXFER_CODEC_INT4: return "int4";
+    case KVXFER_CODEC_SPECTRUM: return "spectrum";
     default: return "bf16";
   }
 }
