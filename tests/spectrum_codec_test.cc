@@ -36,7 +36,8 @@ kvxfer_codec_config_t spectrum_config(int chunk = 32, int anchor_bits = 4) {
 }
 
 test::Encoded encode_tiered(const kvxfer_codec_config_t& cfg, const PagedBuffer& src,
-                            const std::vector<uint8_t>& tiers, kvxfer_page_id_t id = kId) {
+                            const std::vector<uint8_t>& tiers, kvxfer_page_id_t id = kId,
+                            int threads = 0) {
   test::Encoded e;
   size_t amax = 0, rmax = 0;
   e.rc = max_sizes(&cfg, src.layout.num_tokens, src.layout.num_channels, &amax, &rmax);
@@ -45,7 +46,7 @@ test::Encoded encode_tiered(const kvxfer_codec_config_t& cfg, const PagedBuffer&
   e.residual.assign(rmax, 0xEE);
   size_t al = 0, rl = 0;
   e.rc = encode_page_tiered(&cfg, &id, &src.layout, tiers.data(), e.anchor.data(), amax, &al,
-                            e.residual.data(), rmax, &rl);
+                            e.residual.data(), rmax, &rl, threads);
   e.anchor.resize(al);
   e.residual.resize(rl);
   return e;
@@ -353,6 +354,56 @@ TEST(SpectrumCodec, RandomTiersRoundTrip) {
   EXPECT_GT(worst_anchor[KVXFER_TIER_INT4], 0.5);
   EXPECT_GT(worst_full[KVXFER_TIER_INT8], 0.5);
   EXPECT_GT(worst_full[KVXFER_TIER_INT4], 0.5);
+}
+
+// Chunks run in parallel when every token starts on a byte boundary of its
+// streams (H * A, H * (8 - A), H * 4 multiples of 8); otherwise one thread.
+// Either way the sections and the decoded values are the same bytes for any
+// thread count, including chunks that need fp32 metadata.
+TEST(SpectrumCodec, ThreadCountsGiveIdenticalBytes) {
+  struct Case {
+    int64_t T;
+    int32_t H;
+    int C, A;
+  } cases[] = {{300, 64, 16, 4}, {1000, 128, 32, 2}, {257, 8, 64, 6},
+               {130, 6, 16, 4},  {500, 1, 32, 3},    {64, 1024, 16, 5}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE("T " + std::to_string(c.T) + " H " + std::to_string(c.H) + " C " +
+                 std::to_string(c.C) + " A " + std::to_string(c.A));
+    PagedBuffer src(c.T, c.H, KVXFER_DTYPE_BF16);
+    test::fill_kv_like(&src, 9 + c.T, 1.5f);
+    const auto tiers = random_tiers(c.T, 5 + c.H);
+    if (c.T > 200) {  // one chunk needs fp32 metadata (an INT8/INT4 outlier): all of them get it
+      int64_t t = 150;
+      while (tiers[t] != KVXFER_TIER_INT8 && tiers[t] != KVXFER_TIER_INT4) ++t;
+      src.set(t, 0, 3e38f);
+    }
+    const auto one = encode_tiered(spectrum_config(c.C, c.A), src, tiers, kId, 1);
+    ASSERT_EQ(one.rc, KVXFER_SUCCESS) << last_error();
+    PageHeader h;
+    ASSERT_EQ(parse_section(one.anchor.data(), one.anchor.size(), &h), KVXFER_SUCCESS);
+    EXPECT_EQ((h.flags & FLAG_META_FP32) != 0, c.T > 200);
+    for (int threads : {2, 3, 8}) {
+      const auto many = encode_tiered(spectrum_config(c.C, c.A), src, tiers, kId, threads);
+      ASSERT_EQ(many.rc, KVXFER_SUCCESS) << last_error();
+      ASSERT_EQ(test::first_diff(one.anchor, many.anchor), -1) << threads << " threads, anchor";
+      ASSERT_EQ(test::first_diff(one.residual, many.residual), -1) << threads << " threads";
+      for (bool full : {false, true}) {
+        PagedBuffer a(c.T, c.H, KVXFER_DTYPE_FP32), b(c.T, c.H, KVXFER_DTYPE_FP32);
+        const uint8_t* res = full ? one.residual.data() : nullptr;
+        const size_t rlen = full ? one.residual.size() : 0;
+        ASSERT_EQ(decode_page(one.anchor.data(), one.anchor.size(), res, rlen, nullptr, &a.layout,
+                              Impl::AUTO, 1),
+                  KVXFER_SUCCESS)
+            << last_error();
+        ASSERT_EQ(decode_page(one.anchor.data(), one.anchor.size(), res, rlen, nullptr, &b.layout,
+                              Impl::AUTO, threads),
+                  KVXFER_SUCCESS)
+            << last_error();
+        ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << threads << " threads, " << full;
+      }
+    }
+  }
 }
 
 // Attention sinks: the first s tokens are FP16 and hold large outliers.  They

@@ -30,14 +30,18 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
 /**
  * Encodes a SpectrumKV page (cfg->codec == KVXFER_CODEC_SPECTRUM): token t of
  * `src` at precision tier token_tiers[t] (kvxfer_tier_t values; T entries,
- * NULL only when T == 0).  The format is docs/FORMAT.md section 6.  Plain
- * loops on the calling thread (no Impl / thread choice: one path).  Same
- * outputs and errors as kvxfer_page_encode_tiered (include/kvxfer/kvxfer.h).
+ * NULL only when T == 0).  The format is docs/FORMAT.md section 6.  One code
+ * path (no Impl choice); chunks run in parallel on `threads` OpenMP threads
+ * (0: KVXFER_CODEC_THREADS, else one per core) when every token's fields
+ * start on a byte boundary (H a multiple of 8 does it), else on one thread.
+ * The bytes are the same for every thread count.  Same outputs and errors as
+ * kvxfer_page_encode_tiered (include/kvxfer/kvxfer.h).
  */
 kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                                    const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
                                    void* anchor, size_t anchor_cap, size_t* anchor_len,
-                                   void* residual, size_t residual_cap, size_t* residual_len);
+                                   void* residual, size_t residual_cap, size_t* residual_len,
+                                   int threads = 0);
 
 /** kvxfer_page_get_tiers: the precision map of a validated SpectrumKV anchor section. */
 kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,

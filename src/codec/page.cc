@@ -197,15 +197,11 @@ PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t&
   return h;
 }
 
-namespace {
-
 int effective_threads(int threads) {
   if (threads > 0) return threads;
   const int64_t p = params::CodecThreads();
   return p > 0 ? static_cast<int>(p) : 0;  // 0: OpenMP default (one per core)
 }
-
-}  // namespace
 
 kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H,
                           size_t* anchor_bytes, size_t* residual_bytes) {
@@ -456,7 +452,7 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   KVXFER_CHECK(validate_layout(dst, "destination", &lay));  // host blocks: non-NULL too
   KVXFER_CHECK(resolve_impl(impl, &impl));
   if (plan.anchor.codec == KVXFER_CODEC_SPECTRUM) {
-    decode_spectrum(plan, lay);
+    decode_spectrum(plan, lay, effective_threads(threads));
     return KVXFER_SUCCESS;
   }
   const PageHeader& ah = plan.anchor;

@@ -98,6 +98,10 @@ kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
                        int32_t H, kvxfer_dtype_t src_dtype);
 
+/** Threads of a codec call: `threads` if > 0, else KVXFER_CODEC_THREADS, else
+ *  0 (the OpenMP default, one per core). */
+int effective_threads(int threads);
+
 /**
  * KVXFER_ERR_BUFFER_TOO_SMALL unless the caller's section buffers (bytes,
  * header included) hold the page that header `h` describes.

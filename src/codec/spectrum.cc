@@ -1,8 +1,11 @@
 // SpectrumKV pages: encoder, precision-map reader and decoder
-// (docs/FORMAT.md section 6).  Plain loops in token order, one thread; the
+// (docs/FORMAT.md section 6).  Plain loops in token order, chunks in parallel
+// (OpenMP) when every token starts on a byte boundary of its streams; the
 // quantizers are the INT8 and INT4 codebooks (codebook.h), the normalisation
 // and conversions codec_math.h.
 #include "codec/spectrum.h"
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cinttypes>
@@ -89,13 +92,48 @@ class BitReader {
 
 const char* kv_name(const kvxfer_page_id_t& id) { return id.kind == KVXFER_KV_KEY ? "K" : "V"; }
 
+/** Tokens of each tier before chunk k (so where chunk k starts in each stream). */
+struct ChunkStart {
+  uint64_t n16 = 0, n8 = 0, n4 = 0;
+};
+
+template <class TierOf>
+std::vector<ChunkStart> chunk_starts(int64_t T, int C, TierOf tier_of) {
+  std::vector<ChunkStart> out(static_cast<size_t>((T + C - 1) / C) + 1);
+  ChunkStart cur;
+  for (int64_t t = 0; t < T; ++t) {
+    if (t % C == 0) out[static_cast<size_t>(t / C)] = cur;
+    const unsigned tier = tier_of(t);
+    cur.n16 += tier == KVXFER_TIER_FP16;
+    cur.n8 += tier == KVXFER_TIER_INT8;
+    cur.n4 += tier == KVXFER_TIER_INT4;
+  }
+  out.back() = cur;
+  return out;
+}
+
+/**
+ * True when every token's fields start on a byte boundary of its bit stream
+ * (INT8 anchors H*A bits, residuals H*(8-A), INT4 codes H*4): chunks then
+ * write and read disjoint bytes and may run in parallel.  H % 8 == 0 does it.
+ */
+bool token_aligned(uint64_t H, unsigned A, unsigned R) {
+  return (H * A) % 8 == 0 && (H * R) % 8 == 0 && (H * 4) % 8 == 0;
+}
+
+/** OpenMP threads for `chunks` chunks: `threads` (0: one per core), at most one per chunk. */
+int chunk_threads(int threads, int64_t chunks) {
+  const int64_t t = threads > 0 ? threads : omp_get_max_threads();
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(t, chunks)));
+}
+
 /**
  * Writes the payloads of a quantized SpectrumKV page (header fields and
  * tiers of `h` set, buffers large enough).  NEED_FP32 when a metadata pair
  * does not fit binary16 and h.flags lacks META_FP32.
  */
 EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8_t* tiers,
-                             uint8_t* ap, uint8_t* rp, bool* saturated) {
+                             uint8_t* ap, uint8_t* rp, bool* saturated, int threads) {
   const SpectrumParts p = spectrum_parts(h);
   const int64_t T = static_cast<int64_t>(h.num_tokens);
   const int32_t H = static_cast<int32_t>(h.num_channels);
@@ -111,18 +149,18 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
   put_tier_counts(ap, h);
   put_tier_counts(rp, h);
   put_tier_map(ap + p.map, tiers, h.num_tokens);
-  // Every stream is written in element order, so sequential bit writers give
-  // exactly the bytes of put_bits into a zeroed buffer.
-  BitWriter w8a(ap + p.int8_anchor), w8r(rp + p.int8_residual), w4(ap + p.int4_codes);
+  const std::vector<ChunkStart> start = chunk_starts(T, C, [&](int64_t t) { return tiers[t]; });
 
-  uint64_t hist[256] = {0};  // full codes of the INT8 tier (its anchor table)
-  std::vector<float> mn(H), mx(H);
-  std::vector<Affine> aff(H);  // the metadata of the current chunk
-  uint64_t i16 = 0;            // index of the current token within the FP16 tier
-  for (int64_t t0 = 0, k = 0; t0 < T; t0 += C, ++k) {
-    const int64_t t1 = std::min<int64_t>(T, t0 + C);
-    // Metadata over the chunk's INT8 and INT4 tokens only (docs/FORMAT.md 6.2),
-    // with the same comparisons as the other codecs (reference.cc).
+  // Chunk k of the page: its metadata, then its tokens' fields.  Every
+  // stream is written in element order, so sequential bit writers give
+  // exactly the bytes of put_bits into a zeroed buffer.  Scratch (mn, mx,
+  // aff) and the outputs hist / sat are the caller's (one set per thread).
+  auto run_chunk = [&](int64_t k, BitWriter& w8a, BitWriter& w8r, BitWriter& w4,
+                       std::vector<float>& mn, std::vector<float>& mx, std::vector<Affine>& aff,
+                       uint64_t* hist, bool* sat) -> bool {
+    const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
+    // Metadata over the chunk's INT8 and INT4 tokens only (docs/FORMAT.md
+    // 6.2), with the same comparisons as the other codecs (reference.cc).
     bool have = false;
     for (int64_t t = t0; t < t1; ++t) {
       if (!is_quantized(tiers[t])) continue;
@@ -142,17 +180,18 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
       Affine a{0.0f, 0.0f};  // canonical pair of a chunk without quantized tokens
       if (have) {
         canonical_minmax(&mn[c], &mx[c]);
-        if (!chunk_affine(mn[c], mx[c], fp32, &a)) return EncodeStatus::NEED_FP32;
+        if (!chunk_affine(mn[c], mx[c], fp32, &a)) return false;
       }
       put_affine(ap + p.meta, k * H + c, fp32, a);
       aff[c] = a;  // what the decoder reads back: binary16 pairs are stored exactly
     }
+    uint64_t i16 = start[static_cast<size_t>(k)].n16;  // index within the FP16 tier
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* row = src.row(t);
       switch (tiers[t]) {
         case KVXFER_TIER_FP16:
           for (int32_t c = 0; c < H; ++c) {
-            const uint16_t b = fp16_tier_bits(load_elem(row, c, dt), saturated);
+            const uint16_t b = fp16_tier_bits(load_elem(row, c, dt), sat);
             ap[p.fp16_high + i16 * H + c] = static_cast<uint8_t>(b >> 8);
             rp[p.fp16_low + i16 * H + c] = static_cast<uint8_t>(b & 0xFFu);
           }
@@ -174,10 +213,44 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
         default: break;  // DROP: nothing is sent, the row is not read
       }
     }
+    return true;
+  };
+
+  uint64_t hist[256] = {0};  // full codes of the INT8 tier (its anchor table)
+  const int64_t chunks = (T + C - 1) / C;
+  bool need_fp32 = false, sat = false;
+  if (token_aligned(static_cast<uint64_t>(H), A, R)) {
+    // Each chunk starts its writers at its own byte offsets and ends on a
+    // byte boundary: disjoint bytes, nothing to flush.  Integer histograms
+    // add up in any order, so the bytes equal the one-thread encoder's.
+#pragma omp parallel num_threads(chunk_threads(threads, chunks)) reduction(|| : need_fp32, sat)
+    {
+      uint64_t local[256] = {0};
+      std::vector<float> mn(static_cast<size_t>(H)), mx(static_cast<size_t>(H));
+      std::vector<Affine> aff(static_cast<size_t>(H));
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < chunks; ++k) {
+        const ChunkStart& st = start[static_cast<size_t>(k)];
+        const uint64_t e8 = st.n8 * static_cast<uint64_t>(H), e4 = st.n4 * static_cast<uint64_t>(H);
+        BitWriter w8a(ap + p.int8_anchor + e8 * A / 8), w8r(rp + p.int8_residual + e8 * R / 8),
+            w4(ap + p.int4_codes + e4 / 2);
+        if (!need_fp32 && !run_chunk(k, w8a, w8r, w4, mn, mx, aff, local, &sat)) need_fp32 = true;
+      }
+#pragma omp critical(kvxfer_spectrum_hist)
+      for (int b = 0; b < 256; ++b) hist[b] += local[b];
+    }
+  } else {
+    BitWriter w8a(ap + p.int8_anchor), w8r(rp + p.int8_residual), w4(ap + p.int4_codes);
+    std::vector<float> mn(static_cast<size_t>(H)), mx(static_cast<size_t>(H));
+    std::vector<Affine> aff(static_cast<size_t>(H));
+    for (int64_t k = 0; k < chunks && !need_fp32; ++k)
+      need_fp32 = !run_chunk(k, w8a, w8r, w4, mn, mx, aff, hist, &sat);
+    w8a.flush();
+    w8r.flush();
+    w4.flush();
   }
-  w8a.flush();
-  w8r.flush();
-  w4.flush();
+  if (need_fp32) return EncodeStatus::NEED_FP32;
+  *saturated = *saturated || sat;
   float table[64];
   anchor_table_from_histogram(*cb8, hist, table);
   for (unsigned a = 0; a < (1u << A); ++a) put_f32_le(ap + p.table + 4 * a, table[a]);
@@ -207,7 +280,8 @@ SpectrumParts spectrum_parts(const PageHeader& h) {
 kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                                    const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
                                    void* anchor, size_t anchor_cap, size_t* anchor_len,
-                                   void* residual, size_t residual_cap, size_t* residual_len) {
+                                   void* residual, size_t residual_cap, size_t* residual_len,
+                                   int threads) {
   KVXFER_CHECK(check_encode_args_common(cfg, id, src, anchor, anchor_len, residual, residual_len));
   KVXFER_REQUIRE(cfg->codec == KVXFER_CODEC_SPECTRUM,
                  "token tiers need codec SPECTRUM (4), not codec %d: use kvxfer_page_encode",
@@ -254,7 +328,8 @@ kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfe
       // Binary16 metadata first; binary32 for the whole page if a pair does not fit.
       h.flags = attempt == 1 ? FLAG_META_FP32 : 0;
       KVXFER_CHECK(sizes_fit());
-      st = encode_payloads(h, lay, token_tiers, anc + kHeaderBytes, res + kHeaderBytes, &saturated);
+      st = encode_payloads(h, lay, token_tiers, anc + kHeaderBytes, res + kHeaderBytes, &saturated,
+                           effective_threads(threads));
       if (st == EncodeStatus::NEED_FP32)
         KVXFER_INFO(LOG_CODEC,
                     "layer %u %s tokens [%" PRId64 ", +%" PRId64
@@ -357,7 +432,7 @@ kvxfer_result_t plan_spectrum(DecodePlan* plan) {
   return KVXFER_SUCCESS;
 }
 
-void decode_spectrum(const DecodePlan& plan, const Layout& dst) {
+void decode_spectrum(const DecodePlan& plan, const Layout& dst, int threads) {
   const PageHeader& h = plan.anchor;
   const SpectrumParts p = spectrum_parts(h);
   const int64_t T = static_cast<int64_t>(h.num_tokens);
@@ -392,46 +467,72 @@ void decode_spectrum(const DecodePlan& plan, const Layout& dst) {
   const Codebook& cb8 = *plan.cb;
   std::string why;
   const CodebookRef cb4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, &why);
-  uint64_t i16 = 0;
-  BitReader r8a(ap + p.int8_anchor), r4(ap + p.int4_codes);
-  BitReader r8r(rp != nullptr ? rp + p.int8_residual : nullptr);  // not read when anchor-only
-  std::vector<Affine> aff(H);  // the metadata of the current chunk
-  int64_t aff_chunk = -1;
-  for (int64_t t = 0; t < T; ++t) {
-    uint8_t* row = dst.row(t);
-    const int64_t k = t / C;
-    const unsigned tier = tier_at(map, t);
-    if (is_quantized(tier) && k != aff_chunk) {
-      for (int32_t c = 0; c < H; ++c) aff[c] = get_affine(ap + p.meta, k * H + c, fp32);
-      aff_chunk = k;
+  const std::vector<ChunkStart> start =
+      chunk_starts(T, C, [&](int64_t t) { return tier_at(map, t); });
+
+  // Chunk k: its tokens in order, from readers positioned at the chunk's start.
+  auto run_chunk = [&](int64_t k, BitReader& r8a, BitReader& r8r, BitReader& r4,
+                       std::vector<Affine>& aff) {
+    const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
+    bool have_aff = false;
+    uint64_t i16 = start[static_cast<size_t>(k)].n16;
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* row = dst.row(t);
+      const unsigned tier = tier_at(map, t);
+      if (is_quantized(tier) && !have_aff) {
+        for (int32_t c = 0; c < H; ++c) aff[c] = get_affine(ap + p.meta, k * H + c, fp32);
+        have_aff = true;
+      }
+      switch (tier) {
+        case KVXFER_TIER_FP16:
+          for (int32_t c = 0; c < H; ++c) {
+            const uint8_t hi = ap[p.fp16_high + i16 * H + c];
+            const float v =
+                rp != nullptr
+                    ? f16_to_f32(static_cast<uint16_t>(hi << 8 | rp[p.fp16_low + i16 * H + c]))
+                    : fp16_anchor_value(hi);
+            store_elem(row, c, dt, v);
+          }
+          ++i16;
+          break;
+        case KVXFER_TIER_INT8:
+          for (int32_t c = 0; c < H; ++c) {
+            const unsigned anchor = r8a.get(A);
+            const float r =
+                rp != nullptr ? cb8.recon_full[anchor << R | r8r.get(R)] : plan.table[anchor];
+            store_elem(row, c, dt, denormalise(r, aff[c]));
+          }
+          break;
+        case KVXFER_TIER_INT4:
+          for (int32_t c = 0; c < H; ++c)
+            store_elem(row, c, dt, denormalise(cb4->recon_full[r4.get(4)], aff[c]));
+          break;
+        default:  // DROP
+          for (int32_t c = 0; c < H; ++c) store_elem(row, c, dt, 0.0f);
+      }
     }
-    switch (tier) {
-      case KVXFER_TIER_FP16:
-        for (int32_t c = 0; c < H; ++c) {
-          const uint8_t hi = ap[p.fp16_high + i16 * H + c];
-          const float v =
-              rp != nullptr
-                  ? f16_to_f32(static_cast<uint16_t>(hi << 8 | rp[p.fp16_low + i16 * H + c]))
-                  : fp16_anchor_value(hi);
-          store_elem(row, c, dt, v);
-        }
-        ++i16;
-        break;
-      case KVXFER_TIER_INT8:
-        for (int32_t c = 0; c < H; ++c) {
-          const unsigned anchor = r8a.get(A);
-          const float r =
-              rp != nullptr ? cb8.recon_full[anchor << R | r8r.get(R)] : plan.table[anchor];
-          store_elem(row, c, dt, denormalise(r, aff[c]));
-        }
-        break;
-      case KVXFER_TIER_INT4:
-        for (int32_t c = 0; c < H; ++c)
-          store_elem(row, c, dt, denormalise(cb4->recon_full[r4.get(4)], aff[c]));
-        break;
-      default:  // DROP
-        for (int32_t c = 0; c < H; ++c) store_elem(row, c, dt, 0.0f);
+  };
+
+  const int64_t chunks = (T + C - 1) / C;
+  const uint8_t* r8r_base = rp != nullptr ? rp + p.int8_residual : nullptr;  // anchor only: unread
+  if (token_aligned(static_cast<uint64_t>(H), A, R)) {
+    // Chunks read disjoint bytes and write disjoint rows.
+#pragma omp parallel num_threads(chunk_threads(threads, chunks))
+    {
+      std::vector<Affine> aff(static_cast<size_t>(H));
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < chunks; ++k) {
+        const ChunkStart& st = start[static_cast<size_t>(k)];
+        const uint64_t e8 = st.n8 * static_cast<uint64_t>(H), e4 = st.n4 * static_cast<uint64_t>(H);
+        BitReader r8a(ap + p.int8_anchor + e8 * A / 8), r4(ap + p.int4_codes + e4 / 2);
+        BitReader r8r(r8r_base != nullptr ? r8r_base + e8 * R / 8 : nullptr);
+        run_chunk(k, r8a, r8r, r4, aff);
+      }
     }
+  } else {
+    BitReader r8a(ap + p.int8_anchor), r4(ap + p.int4_codes), r8r(r8r_base);
+    std::vector<Affine> aff(static_cast<size_t>(H));
+    for (int64_t k = 0; k < chunks; ++k) run_chunk(k, r8a, r8r, r4, aff);
   }
 }
 

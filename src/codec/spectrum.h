@@ -84,7 +84,12 @@ KVXFER_HD inline float fp16_anchor_value(uint8_t hi) {
  */
 kvxfer_result_t plan_spectrum(DecodePlan* plan);
 
-/** Decodes a planned SpectrumKV page into `dst` (plain loops, one thread). */
-void decode_spectrum(const DecodePlan& plan, const Layout& dst);
+/**
+ * Decodes a planned SpectrumKV page into `dst`.  Chunks in parallel on
+ * `threads` OpenMP threads (0: one per core) when every token's fields start
+ * on a byte boundary of its stream (H * A, H * (8 - A) and H * 4 multiples of
+ * 8), else one thread; the values are the same either way.
+ */
+void decode_spectrum(const DecodePlan& plan, const Layout& dst, int threads);
 
 }  // namespace kvxfer::codec
