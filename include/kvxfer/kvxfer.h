@@ -246,8 +246,10 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
  * arguments, outputs and buffer sizes as kvxfer_page_encode (size buffers with
  * kvxfer_page_max_size, whose SPECTRUM bound is the all-FP16 page).
  * Non-finite values in a token that is sent follow config->nonfinite (RAW: the
- * page's sent tokens are stored raw after the map).  Runs on the calling
- * thread (plain loops).  Thread-safe for distinct outputs.
+ * page's sent tokens are stored raw after the map).  Uses up to
+ * KVXFER_CODEC_THREADS threads (OpenMP, over chunks) when H is a multiple of
+ * 8, else the calling thread; the bytes are identical either way.
+ * Thread-safe for distinct outputs.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (codec not SPECTRUM, NULL or out-of-range
  * tier, config, layout, NULL pointers), KVXFER_ERR_BUFFER_TOO_SMALL,
  * KVXFER_ERR_NONFINITE.  On failure both lengths are 0.
