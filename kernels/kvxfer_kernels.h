@@ -184,4 +184,46 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
 /** A non-blocking stream with the greatest priority the device offers (the anchor path). */
 kvxfer_result_t create_anchor_stream(cudaStream_t* out);
 
+/**
+ * CUDA memory owned by the object, freed on destruction or on the next
+ * alloc: device memory (cudaMalloc) or page-locked host memory
+ * (cudaMallocHost, so copies are asynchronous and fast).  Not copyable.
+ */
+template <bool kPinnedHost>
+class CudaBuffer {
+ public:
+  uint8_t* p = nullptr;
+  size_t n = 0;  // bytes asked for
+
+  CudaBuffer() = default;
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
+  ~CudaBuffer() { reset(); }
+
+  /** Allocates max(bytes, 8) bytes (never a null pointer for 0). */
+  cudaError_t alloc(size_t bytes) {
+    reset();
+    void* q = nullptr;
+    const size_t m = bytes > 8 ? bytes : 8;
+    const cudaError_t e = kPinnedHost ? cudaMallocHost(&q, m) : cudaMalloc(&q, m);
+    if (e == cudaSuccess) {
+      p = static_cast<uint8_t*>(q);
+      n = bytes;
+    }
+    return e;
+  }
+  void reset() {
+    if (p != nullptr) {
+      if (kPinnedHost)
+        cudaFreeHost(p);
+      else
+        cudaFree(p);
+    }
+    p = nullptr;
+    n = 0;
+  }
+};
+using DeviceBuffer = CudaBuffer<false>;
+using PinnedBuffer = CudaBuffer<true>;
+
 }  // namespace kvxfer::cuda

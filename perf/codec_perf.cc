@@ -555,12 +555,7 @@ int gpu_skip(const Options& o, const std::string& why) {
               {"kvxfer_version", KVXFER_VERSION_CODE},
               {"machine", kp::to_json(kp::machine_info())},
               {"skipped", why}};
-    std::string err;
-    if (!kp::write_json_file(o.common.json_path, j, &err)) {
-      std::fprintf(stderr, "codec_perf: %s\n", err.c_str());
-      return 2;
-    }
-    std::printf("# JSON written to %s\n", o.common.json_path.c_str());
+    if (kp::emit_json("codec_perf", o.common.json_path, j) != 0) return 2;
   }
   return 0;
 }
@@ -585,22 +580,10 @@ bool cuda_ok(cudaError_t e, const char* what) {
     if (r_ < 0) return report_failure(#call, r_); \
   } while (0)
 
-/** Device memory owned by the object (cudaFree on destruction). */
-struct DevBuf {
-  void* p = nullptr;
-  size_t n = 0;
-  DevBuf() = default;
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() {
-    if (p != nullptr) cudaFree(p);
-  }
-  bool alloc(size_t bytes) {
-    n = bytes;
-    return cuda_ok(cudaMalloc(&p, bytes > 0 ? bytes : 1), "cudaMalloc");
-  }
-  uint8_t* u8() const { return static_cast<uint8_t*>(p); }
-};
+using DevBuf = kvxfer::cuda::DeviceBuffer;  // kernels/kvxfer_kernels.h
+
+/** DevBuf::alloc, printing a failure; returns false then. */
+bool alloc(DevBuf* b, size_t bytes) { return cuda_ok(b->alloc(bytes), "cudaMalloc"); }
 
 /**
  * A one-page host Pool mirrored in device memory: the same bytes, the same
@@ -611,15 +594,15 @@ struct DevicePool {
   DevBuf storage, table;
   kvxfer_page_layout_t layout{};
   bool init(const Pool& h) {
-    if (!storage.alloc(h.storage.size())) return false;
+    if (!alloc(&storage, h.storage.size())) return false;
     std::vector<void*> blocks;
     for (void* b : h.blocks[0])
-      blocks.push_back(storage.u8() + (static_cast<uint8_t*>(b) - h.storage.data()));
-    if (!table.alloc(blocks.size() * sizeof(void*))) return false;
+      blocks.push_back(storage.p + (static_cast<uint8_t*>(b) - h.storage.data()));
+    if (!alloc(&table, blocks.size() * sizeof(void*))) return false;
     CODEC_PERF_CUDA(
         cudaMemcpy(table.p, blocks.data(), blocks.size() * sizeof(void*), cudaMemcpyHostToDevice));
     layout = h.layouts[0];
-    layout.blocks = static_cast<void* const*>(table.p);
+    layout.blocks = reinterpret_cast<void* const*>(table.p);
     return true;
   }
   bool upload(const Pool& h) {
@@ -667,7 +650,7 @@ class GpuTimer {
 #ifndef KVXFER_GPU_EMULATION
     CODEC_PERF_CUDA(cudaEventCreate(&start_));
     CODEC_PERF_CUDA(cudaEventCreate(&stop_));
-    if (l2_bytes > 0 && !flush_.alloc(2 * l2_bytes)) return false;
+    if (l2_bytes > 0 && !alloc(&flush_, 2 * l2_bytes)) return false;
 #else
     (void)l2_bytes;
 #endif
@@ -721,7 +704,7 @@ struct GpuRow {
 /** Times a device-to-device cudaMemcpyAsync of `bytes` (moving 2 x bytes). */
 bool gpu_memcpy(const Options& o, GpuTimer* timer, cudaStream_t s, uint64_t bytes, kp::Stats* out) {
   DevBuf a, b;
-  if (!a.alloc(bytes) || !b.alloc(bytes)) return false;
+  if (!alloc(&a, bytes) || !alloc(&b, bytes)) return false;
   CODEC_PERF_CUDA(cudaMemcpy(a.p, b.p, bytes, cudaMemcpyDeviceToDevice));  // touch both
   return timer->loop(
       o.common.warmup, o.common.iters,
@@ -1093,12 +1076,7 @@ int run_gpu(const Options& o, const std::vector<kvxfer_dtype_t>& dtypes,
                 {"target_ratio", kHbmTarget},
                 {"rows_at_target", met},
                 {"rows", nrows}}}};
-    std::string err;
-    if (!kp::write_json_file(o.common.json_path, j, &err)) {
-      std::fprintf(stderr, "codec_perf: %s\n", err.c_str());
-      return 2;
-    }
-    std::printf("# JSON written to %s\n", o.common.json_path.c_str());
+    if (kp::emit_json("codec_perf", o.common.json_path, j) != 0) return 2;
   }
   if (!ok) return 2;
   return total_wrong > 0 ? 1 : 0;
@@ -1470,12 +1448,7 @@ int main(int argc, char** argv) {
                 {"avg_decode_full_ratio", avg_full},
                 {"avg_decode_anchor_ratio", avg_anchor},
                 {"rows", nrows}}}};
-    std::string err;
-    if (!kp::write_json_file(o.common.json_path, j, &err)) {
-      std::fprintf(stderr, "codec_perf: %s\n", err.c_str());
-      return 2;
-    }
-    std::printf("# JSON written to %s\n", o.common.json_path.c_str());
+    if (kp::emit_json("codec_perf", o.common.json_path, j) != 0) return 2;
   }
   if (!ok) return 2;
   return total_wrong > 0 ? 1 : 0;

@@ -1487,14 +1487,7 @@ json base_json(const Options& o, const Plan& p, const kp::MachineInfo& m,
 }
 
 int write_json(const Options& o, const json& j) {
-  if (o.common.json_path.empty()) return 0;
-  std::string err;
-  if (!kp::write_json_file(o.common.json_path, j, &err)) {
-    std::fprintf(stderr, "%s: %s\n", kTool, err.c_str());
-    return 2;
-  }
-  std::printf("# JSON written to %s\n", o.common.json_path.c_str());
-  return 0;
+  return kp::emit_json(kTool, o.common.json_path, j);
 }
 
 // ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <thread>
@@ -188,6 +189,17 @@ bool write_json_file(const std::string& path, const nlohmann::json& j, std::stri
     return false;
   }
   return true;
+}
+
+int emit_json(const char* tool, const std::string& path, const nlohmann::json& j) {
+  if (path.empty()) return 0;
+  std::string err;
+  if (!write_json_file(path, j, &err)) {
+    std::fprintf(stderr, "%s: %s\n", tool, err.c_str());
+    return 2;
+  }
+  std::printf("# JSON written to %s\n", path.c_str());
+  return 0;
 }
 
 }  // namespace kvxfer::perf

@@ -149,4 +149,11 @@ nlohmann::json to_json(const std::vector<Setting>& s);
 /** Writes `j` (indented) to `path`; false and *error on failure. */
 bool write_json_file(const std::string& path, const nlohmann::json& j, std::string* error);
 
+/**
+ * The -J step of a perf binary: nothing when `path` is empty; else writes `j`
+ * and prints "# JSON written to <path>", or "<tool>: <error>" on stderr.
+ * Returns 0, or 2 (the binaries' usage/IO exit status) on failure.
+ */
+int emit_json(const char* tool, const std::string& path, const nlohmann::json& j);
+
 }  // namespace kvxfer::perf

@@ -90,36 +90,15 @@ kvxfer_result_t nccl_fail(ncclResult_t r, const char* what, ncclComm_t c = nullp
 }
 
 // ---- RAII -------------------------------------------------------------------
-struct DevBuf {
-  uint8_t* p = nullptr;
-  size_t n = 0;
-  DevBuf() = default;
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() {
-    if (p != nullptr) cudaFree(p);
-  }
-  kvxfer_result_t alloc(size_t bytes) {
-    n = bytes;
-    NCCLB_CUDA(cudaMalloc(&p, std::max<size_t>(bytes, 8)));
-    return KVXFER_SUCCESS;
-  }
-};
-struct HostBuf {  // page-locked, so copies are asynchronous and fast
-  uint8_t* p = nullptr;
-  size_t n = 0;
-  HostBuf() = default;
-  HostBuf(const HostBuf&) = delete;
-  HostBuf& operator=(const HostBuf&) = delete;
-  ~HostBuf() {
-    if (p != nullptr) cudaFreeHost(p);
-  }
-  kvxfer_result_t alloc(size_t bytes) {
-    n = bytes;
-    NCCLB_CUDA(cudaMallocHost(&p, std::max<size_t>(bytes, 8)));
-    return KVXFER_SUCCESS;
-  }
-};
+using DevBuf = cuda::DeviceBuffer;
+using HostBuf = cuda::PinnedBuffer;  // page-locked, so copies are asynchronous and fast
+
+/** Buf::alloc with the error as a kvxfer_result_t. */
+template <class Buf>
+kvxfer_result_t alloc(Buf* b, size_t bytes) {
+  NCCLB_CUDA(b->alloc(bytes));
+  return KVXFER_SUCCESS;
+}
 struct Scratch {
   cuda::DeviceScratch s;
   Scratch() = default;
@@ -373,13 +352,13 @@ kvxfer_result_t Call::setup() {
     }
     if (kv.num_tokens > 0) {
       const size_t n = static_cast<size_t>(kv.num_layers) * static_cast<size_t>(kv.num_blocks);
-      KVXFER_CHECK(s.ktable.alloc(n * sizeof(void*)));
-      KVXFER_CHECK(s.vtable.alloc(n * sizeof(void*)));
+      KVXFER_CHECK(alloc(&s.ktable, n * sizeof(void*)));
+      KVXFER_CHECK(alloc(&s.vtable, n * sizeof(void*)));
       NCCLB_CUDA(cudaMemcpy(s.ktable.p, kv.k_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
       NCCLB_CUDA(cudaMemcpy(s.vtable.p, kv.v_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
     }
   }
-  KVXFER_CHECK(desc_.alloc(2 * xfer::kDescBytes * st_.size()));
+  KVXFER_CHECK(alloc(&desc_, 2 * xfer::kDescBytes * st_.size()));
   return KVXFER_SUCCESS;
 }
 
@@ -461,8 +440,8 @@ kvxfer_result_t Call::encode_all() {
       acap += a;
       rcap += r;
     }
-    NCCLB_FATAL(s.hanc.alloc(acap));
-    NCCLB_FATAL(s.hres.alloc(rcap));
+    NCCLB_FATAL(alloc(&s.hanc, acap));
+    NCCLB_FATAL(alloc(&s.hres, rcap));
     if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.mine.page_tokens, s.H, &s.scratch.s));
     uint64_t ao = 0, ro = 0;
     for (size_t i = 0; i < np; ++i) {
@@ -495,8 +474,8 @@ kvxfer_result_t Call::phase_lengths() {
   for (auto& sp : st_) {
     OpState& s = *sp;
     if (s.final) continue;
-    NCCLB_FATAL(s.hmeta.alloc(s.meta_bytes()));
-    NCCLB_FATAL(s.dmeta.alloc(s.meta_bytes()));
+    NCCLB_FATAL(alloc(&s.hmeta, s.meta_bytes()));
+    NCCLB_FATAL(alloc(&s.dmeta, s.meta_bytes()));
     if (s.mine.is_sender) {
       std::memset(s.hmeta.p, 0, s.meta_bytes());
       fill_status_block(s.hmeta.p, s.failed ? s.fail_r : KVXFER_SUCCESS,
@@ -575,8 +554,8 @@ kvxfer_result_t Call::phase_lengths() {
       finish(s, KVXFER_ERR_CORRUPT, last_error());
       continue;
     }
-    NCCLB_FATAL(s.hanc.alloc(s.atot));
-    NCCLB_FATAL(s.hres.alloc(s.rtot));
+    NCCLB_FATAL(alloc(&s.hanc, s.atot));
+    NCCLB_FATAL(alloc(&s.hres, s.rtot));
     if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.peer.page_tokens, s.H, &s.scratch.s));
     s.in_data = true;
   }
@@ -610,8 +589,8 @@ kvxfer_result_t Call::phase_data() {
       s.op->anchor_wire_bytes += s.rtot;
       s.op->residual_wire_bytes = 0;
     }
-    NCCLB_FATAL(s.danc.alloc(s.atot));
-    NCCLB_FATAL(s.dres.alloc(s.rtot));
+    NCCLB_FATAL(alloc(&s.danc, s.atot));
+    NCCLB_FATAL(alloc(&s.dres, s.rtot));
     if (s.mine.is_sender) {  // pinned -> device, in stream order before the sends
       cudaError_t e = cudaSuccess;
       if (s.atot > 0)
@@ -690,8 +669,8 @@ kvxfer_result_t Call::phase_status() {
   for (auto& sp : st_) {
     OpState& s = *sp;
     if (s.final || !s.in_data) continue;
-    NCCLB_FATAL(s.hstat.alloc(kStatusBlock));
-    NCCLB_FATAL(s.dstat.alloc(kStatusBlock));
+    NCCLB_FATAL(alloc(&s.hstat, kStatusBlock));
+    NCCLB_FATAL(alloc(&s.dstat, kStatusBlock));
     if (!s.mine.is_sender) {
       fill_status_block(s.hstat.p, s.failed ? s.fail_r : KVXFER_SUCCESS,
                         s.failed ? s.fail_text : std::string());
