@@ -150,12 +150,7 @@ int gpu_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, Where where
   const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
   const std::string err = r == KVXFER_SUCCESS ? "" : kvxfer_get_last_error();
   CHILD_CHECK(r == expect, "sender: wait gave %d (%s), expected %d", r, err.c_str(), expect);
-  const kvxfer_request_info_t i = info_of(req);
-  const uint64_t counts[2] = {i.anchor_wire_bytes, i.residual_wire_bytes};
-  fdio::write_all(wr, counts, sizeof(counts));
-  const uint32_t n = static_cast<uint32_t>(err.size());
-  fdio::write_all(wr, &n, 4);
-  fdio::write_all(wr, err.data(), n);
+  write_report(wr, req, err);
   kvxfer_request_free(req);
   kvxfer_comm_destroy(comm);
   return 0;
@@ -214,13 +209,11 @@ int gpu_receiver(const kvxfer_unique_id_t& id, int rd, const Shape& s, Where whe
   if (where == Where::kDevice) CHILD_CHECK(dev.download(), "receiver: download");
   if (compare(dst, full, "full") != 0) return 1;
   const kvxfer_request_info_t end = info_of(req);
-  uint64_t counts[2];
-  uint32_t n = 0;
-  CHILD_CHECK(fdio::read_all(rd, counts, sizeof(counts)) && fdio::read_all(rd, &n, 4),
-              "receiver: sender report");
-  CHILD_CHECK(counts[0] == end.anchor_wire_bytes && counts[1] == end.residual_wire_bytes,
-              "bytes sent %llu+%llu, received %llu+%llu", (unsigned long long)counts[0],
-              (unsigned long long)counts[1], (unsigned long long)end.anchor_wire_bytes,
+  SenderReport rep;
+  CHILD_CHECK(read_report(rd, &rep), "receiver: sender report");
+  CHILD_CHECK(rep.anchor == end.anchor_wire_bytes && rep.residual == end.residual_wire_bytes,
+              "bytes sent %llu+%llu, received %llu+%llu", (unsigned long long)rep.anchor,
+              (unsigned long long)rep.residual, (unsigned long long)end.anchor_wire_bytes,
               (unsigned long long)end.residual_wire_bytes);
   kvxfer_request_free(req);
   kvxfer_comm_destroy(comm);

@@ -206,30 +206,10 @@ int run_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, int32_t bs,
     std::fprintf(stderr, "sender: wait gave %d (%s)\n", r, err.c_str());
     return 12;
   }
-  kvxfer_request_info_t i = KVXFER_REQUEST_INFO_INITIALIZER;
-  kvxfer_request_get_info(req, &i);
-  const uint64_t counts[2] = {i.anchor_wire_bytes, i.residual_wire_bytes};
-  write_all(wr, counts, sizeof(counts));
-  const uint32_t n = static_cast<uint32_t>(err.size());
-  write_all(wr, &n, 4);
-  write_all(wr, err.data(), n);
+  write_report(wr, req, err);
   if (kvxfer_request_free(req) != KVXFER_SUCCESS) return 13;
   kvxfer_comm_destroy(comm);
   return 0;
-}
-
-struct SenderReport {
-  uint64_t anchor = 0, residual = 0;
-  std::string error;
-};
-bool read_report(int rd, SenderReport* rep) {
-  uint64_t counts[2];
-  uint32_t n = 0;
-  if (!read_all(rd, counts, sizeof(counts)) || !read_all(rd, &n, 4)) return false;
-  rep->anchor = counts[0];
-  rep->residual = counts[1];
-  rep->error.resize(n);
-  return n == 0 || read_all(rd, rep->error.data(), n);
 }
 
 // The main case: Lynx 4+4, the receiver with a different block size and row
@@ -476,10 +456,14 @@ std::vector<float> recency_importance(int64_t T) {
   return imp;
 }
 
+/** The sender's policy: kvxfer_send's default, or the case's own. */
+kvxfer_spectrum_config_t policy_of(const SpectrumCase& c) {
+  return c.plain_send ? kvxfer_spectrum_config_t KVXFER_SPECTRUM_CONFIG_INITIALIZER : c.policy;
+}
+
 /** The tiers the sender's policy must choose for `src` under `c`. */
 std::vector<uint8_t> expected_tiers(PagedKV& src, const SpectrumCase& c) {
-  const kvxfer_spectrum_config_t policy =
-      c.plain_send ? kvxfer_spectrum_config_t KVXFER_SPECTRUM_CONFIG_INITIALIZER : c.policy;
+  const kvxfer_spectrum_config_t policy = policy_of(c);
   std::vector<float> imp;
   if (c.runtime_importance) {
     imp = recency_importance(src.T);
@@ -532,9 +516,7 @@ void spectrum_round_trip(const SpectrumCase& c) {
     std::vector<uint8_t> t(static_cast<size_t>(s.T));
     if (kvxfer_request_get_tiers(req, t.data(), s.T) != KVXFER_SUCCESS) return 13;
     write_all(wr, t.data(), t.size());
-    const kvxfer_request_info_t i = info_of(req);
-    const uint64_t counts[2] = {i.anchor_wire_bytes, i.residual_wire_bytes};
-    write_all(wr, counts, sizeof(counts));
+    write_report(wr, req, "");
     kvxfer_request_free(req);
     kvxfer_comm_destroy(comm);
     return 0;
@@ -584,8 +566,7 @@ void spectrum_round_trip(const SpectrumCase& c) {
     for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
       ASSERT_EQ(dst.bytes(l, kind), full.bytes(l, kind)) << "full, layer " << l;
   // Sinks are FP16 and restore the binary16 rounding of the source exactly.
-  const kvxfer_spectrum_config_t policy =
-      c.plain_send ? kvxfer_spectrum_config_t KVXFER_SPECTRUM_CONFIG_INITIALIZER : c.policy;
+  const kvxfer_spectrum_config_t policy = policy_of(c);
   for (int32_t j = 0; j < policy.sink_tokens; ++j) {
     EXPECT_EQ(got[static_cast<size_t>(j)], KVXFER_TIER_FP16) << "sink " << j;
     for (int32_t ch = 0; ch < s.heads * s.hd; ++ch) {
@@ -599,11 +580,11 @@ void spectrum_round_trip(const SpectrumCase& c) {
   std::vector<uint8_t> sent(static_cast<size_t>(s.T));
   ASSERT_TRUE(read_all(pair.child.from_child, sent.data(), sent.size()));
   EXPECT_EQ(sent, got) << "sender and receiver disagree on the tiers";
-  uint64_t counts[2];
-  ASSERT_TRUE(read_all(pair.child.from_child, counts, sizeof(counts)));
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
   const kvxfer_request_info_t end = info_of(req);
-  EXPECT_EQ(counts[0], end.anchor_wire_bytes);
-  EXPECT_EQ(counts[1], end.residual_wire_bytes);
+  EXPECT_EQ(rep.anchor, end.anchor_wire_bytes);
+  EXPECT_EQ(rep.residual, end.residual_wire_bytes);
   EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
   finish(&pair, comm);
 }

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "codec/codec.h"
@@ -181,6 +182,30 @@ inline kvxfer_request_info_t info_of(kvxfer_request_t r) {
   kvxfer_request_info_t i = KVXFER_REQUEST_INFO_INITIALIZER;
   EXPECT_EQ(kvxfer_request_get_info(r, &i), KVXFER_SUCCESS);
   return i;
+}
+
+/** The sender's report to the parent: both byte counts of `req`, then its error text. */
+inline void write_report(int wr, kvxfer_request_t req, const std::string& err) {
+  const kvxfer_request_info_t i = info_of(req);
+  const uint64_t counts[2] = {i.anchor_wire_bytes, i.residual_wire_bytes};
+  fdio::write_all(wr, counts, sizeof(counts));
+  const uint32_t n = static_cast<uint32_t>(err.size());
+  fdio::write_all(wr, &n, 4);
+  fdio::write_all(wr, err.data(), n);
+}
+
+struct SenderReport {
+  uint64_t anchor = 0, residual = 0;
+  std::string error;
+};
+inline bool read_report(int rd, SenderReport* rep) {
+  uint64_t counts[2];
+  uint32_t n = 0;
+  if (!fdio::read_all(rd, counts, sizeof(counts)) || !fdio::read_all(rd, &n, 4)) return false;
+  rep->anchor = counts[0];
+  rep->residual = counts[1];
+  rep->error.resize(n);
+  return n == 0 || fdio::read_all(rd, rep->error.data(), n);
 }
 
 }  // namespace kvxfer
