@@ -91,8 +91,8 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
     KVXFER_CHECK(decode_page_device(anchor, anchor_len, residual, residual_len, expect, dst,
                                     s->scratch, stream));
     // The host sections may be reused once this returns, and ANCHOR_READY /
-    // COMPLETE promise the values are in dst: wait for the stream.
-    XFER_CUDA(cudaStreamSynchronize(stream), device);
+    // COMPLETE promise the values are in dst: read_status waits for the
+    // stream, after the decode kernel.
     DeviceStatus st{};
     KVXFER_CHECK(read_status(s->scratch.status, &st, stream));
     if (st.flags & STATUS_BAD_META)
