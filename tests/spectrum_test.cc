@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -418,6 +419,13 @@ TEST(SpectrumImportance, FromKvIsTheNormAcrossPages) {
   EXPECT_EQ(kvxfer_spectrum_importance_from_kv(pages, 2, lambda, imp.data()), KVXFER_ERR_NONFINITE);
   EXPECT_TRUE(contains(kvxfer_get_last_error(), "NaN in pages[0], token 33, channel 7"))
       << kvxfer_get_last_error();
+  // Finite KV near FLT_MAX: the norm overflows float but the importance
+  // saturates at FLT_MAX instead of becoming +inf (which assign would refuse).
+  a.set(33, 7, 0.0f);
+  for (int c = 0; c < 24; ++c) a.set(40, c, 3e38f);
+  ASSERT_EQ(kvxfer_spectrum_importance_from_kv(pages, 2, 0.0f, imp.data()), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  EXPECT_EQ(imp[40], std::numeric_limits<float>::max());
   kvxfer_page_layout_t bad = b.layout;
   bad.block_size = 0;
   EXPECT_EQ(kvxfer_spectrum_importance_from_kv(&bad, 1, lambda, imp.data()),
@@ -441,6 +449,10 @@ TEST(SpectrumErrors, BadConfigsAreRejectedByName) {
       {"budget = 0.2 is outside [0.25, 1]", [](kvxfer_spectrum_config_t* c) { c->budget = 0.2; }},
       {"budget = 1.1", [](kvxfer_spectrum_config_t* c) { c->budget = 1.1; }},
       {"budget = nan", [](kvxfer_spectrum_config_t* c) { c->budget = NAN; }},
+      // Just below 1/4: printed with the digits that read back, not as "0.25".
+      {"budget = 0.24999999999999997",
+       [](kvxfer_spectrum_config_t* c) { c->budget = std::nextafter(0.25, 0.0); }},
+      {"header version 0", [](kvxfer_spectrum_config_t* c) { c->version = 0; }},
       {"sink_tokens = -1", [](kvxfer_spectrum_config_t* c) { c->sink_tokens = -1; }},
       {"lambda = -1", [](kvxfer_spectrum_config_t* c) { c->lambda = -1.0f; }},
       {"lambda = inf", [](kvxfer_spectrum_config_t* c) { c->lambda = INFINITY; }},
