@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kGroup)
     if (!chunk_channel_affine<DT>(L, rows, t0, nrows, k, c0 + threadIdx.x, fp32 != 0, meta, st, &a))
       skip = 1;
     sm[threadIdx.x] = a.m;
-    sd[threadIdx.x] = a.d;
+    sd[threadIdx.x] = detail::code_scale(cb, a.d);  // the code scale s, not d
   }
   __syncthreads();
   if (skip) return;  // the host re-encodes (fp32 metadata) or reports the error
@@ -148,8 +148,8 @@ __global__ void __launch_bounds__(kGroup)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (j < n) {
-        const uint8_t code = detail::code_of(cb, x[j], codec::Affine{sm[cl + j], sd[cl + j]});
-        atomicAdd(&hist[code], 1u);
+        const uint8_t code = detail::code_of(cb, x[j], sm[cl + j], sd[cl + j]);
+        if (codec::hist_row(t0 + r)) atomicAdd(&hist[code], 1u);
         acc_a |= static_cast<uint64_t>(code >> R) << (j * A);
         acc_r |= static_cast<uint64_t>(code & rmask) << (j * R);
       }
@@ -209,8 +209,9 @@ __global__ void __launch_bounds__(kThreads)
     uint64_t acc_a = 0, acc_r = 0;
     for (int i = 0; i < n; ++i) {
       const codec::Affine a = detail::get_meta(meta, (t / C) * L.H + c, fp32 != 0);
-      const uint8_t code = detail::code_of(cb, detail::load_x<DT>(row, c), a);
-      atomicAdd(&hist[code], 1u);
+      const uint8_t code =
+          detail::code_of(cb, detail::load_x<DT>(row, c), a.m, detail::code_scale(cb, a.d));
+      if (codec::hist_row(t)) atomicAdd(&hist[code], 1u);
       acc_a |= static_cast<uint64_t>(code >> R) << (i * A);
       acc_r |= static_cast<uint64_t>(code & rmask) << (i * R);
       if (++c == L.H && i + 1 < n) {
@@ -381,7 +382,8 @@ KLayout klayout(const kvxfer_page_layout_t* l) {
 KCodebook kcodebook(const DeviceCodebook& d) {
   return KCodebook{d.lut_base,       d.lut_next,    d.recon_full,   d.recon_anchor,
                    d.anchor_lo,      d.anchor_hi,   d.lut_log2,     d.lut_origin,
-                   d.sign_magnitude, d.anchor_bits, d.residual_bits};
+                   d.sign_magnitude, d.anchor_bits, d.residual_bits, d.kind,
+                   d.max_code,       d.scale_num,   d.bias};
 }
 
 kvxfer_result_t launched(const char* what) {

@@ -41,6 +41,8 @@ struct KCodebook {
   const float* __restrict__ anchor_hi;
   int lut_log2, lut_origin, sign_magnitude;
   int A, R;  // anchor / residual bits
+  int kind, max_code;     // Codebook::kind, max_code
+  float scale_num, bias;  // Codebook::scale_num, bias
 };
 
 __device__ __forceinline__ uint8_t* row_ptr(const KLayout& L, int64_t t) {
@@ -150,10 +152,16 @@ __device__ __forceinline__ uint64_t load_bytes(const uint8_t* p, int nbytes) {
   return v;
 }
 
-/** The code of one element: codec_math's encode_lut on the uploaded tables. */
-__device__ __forceinline__ uint8_t code_of(const KCodebook& cb, float x, codec::Affine a) {
-  return codec::encode_lut(cb.base, cb.next, cb.lut_log2, cb.lut_origin, cb.sign_magnitude != 0,
-                           codec::normalise(x, a));
+/** The code scale s of a (chunk, channel) with half-range d (codec_math's code_scale). */
+__device__ __forceinline__ float code_scale(const KCodebook& cb, float d) {
+  return codec::code_scale(d, cb.scale_num);
+}
+
+/** The code of one element x with offset m and code scale s: codec_math's quantize. */
+__device__ __forceinline__ uint8_t code_of(const KCodebook& cb, float x, float m, float s) {
+  const codec::CodeSpec cs{cb.kind,  cb.scale_num, cb.bias,       cb.max_code,
+                           cb.base,  cb.next,      cb.lut_log2,   cb.lut_origin};
+  return codec::quantize(cs, x, m, s);
 }
 
 /** Records a non-finite element: the flag, and the first one in token-major order. */

@@ -102,6 +102,10 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   dc.code_bits = cb->code_bits;
   dc.anchor_bits = cb->anchor_bits;
   dc.residual_bits = cb->residual_bits;
+  dc.kind = cb->kind;
+  dc.max_code = cb->max_code;
+  dc.scale_num = cb->scale_num;
+  dc.bias = cb->bias;
   cache.emplace(key, dc);
   order.push_back(key);
   if (order.size() > codec::kCodebookCacheSize) {  // bounded, as the CPU cache

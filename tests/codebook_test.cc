@@ -56,19 +56,38 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
     const unsigned ncodes = 1u << cb->code_bits, R = cb->residual_bits;
     for (unsigned code = 0; code < ncodes; ++code) {
       const float r = cb->recon_full[code];
-      ASSERT_GE(r, -1.0f);
-      ASSERT_LE(r, 1.0f);
-      ASSERT_EQ(cb->encode(r), code)
+      // The linear levels at +-1 may land one ulp outside (RN(q * step)).
+      ASSERT_GE(r, -1.0f - 1e-6f);
+      ASSERT_LE(r, 1.0f + 1e-6f);
+      // -0 (code 0x80 of LYNX alpha 0) is not negative: a tiny negative z has that code.
+      const float probe = (cb->kind == CODE_MAG && code == 0x80) ? -1e-30f : r;
+      ASSERT_EQ(cb->encode_z(probe), code)
           << "codec " << c.codec << " alpha " << c.alpha << " code " << code;
+      if (cb->kind != CODE_LUT) ASSERT_EQ(r, recon_linear(cb->kind, code, cb->recon_step));
       // The anchor value lies in the union of its codes' bins: it encodes to a
       // code with the same anchor.
-      ASSERT_EQ(cb->encode(cb->recon_anchor[code >> R]) >> R, code >> R);
+      ASSERT_EQ(cb->encode_z(cb->recon_anchor[code >> R]) >> R, code >> R);
     }
   }
 }
 
-TEST(Codebook, FastLookupEqualsThresholdCountOnEveryBoundary) {
-  // Every threshold, its float neighbours, and a dense sweep.
+// The code of z by the closed formula, in double: round half up of |z| * 127
+// (LYNX alpha 0) or (z + 1) * (2^b - 1) / 2 (uniform); -1 within 1e-5 of a tie.
+int closed_form_code(const Codebook& cb, double z) {
+  if (cb.kind == CODE_MAG) {
+    const double y = std::fabs(z) * 127.0;
+    if (std::fabs(y - std::floor(y) - 0.5) < 1e-5) return -1;
+    return static_cast<int>(std::min(127.0, std::floor(y + 0.5))) | (z < 0 ? 0x80 : 0);
+  }
+  const double y = (z + 1.0) * cb.scale_num;
+  if (std::fabs(y - std::floor(y) - 0.5) < 1e-5) return -1;
+  return static_cast<int>(std::min<double>(cb.max_code, std::max(0.0, std::floor(y + 0.5))));
+}
+
+TEST(Codebook, FastLookupEqualsDefinitionOnEveryBoundary) {
+  // Every threshold, its float neighbours, and a dense sweep: the lookup of
+  // the alpha-law codebooks equals the threshold count, and the formula of
+  // the linear codebooks equals round-half-up in double away from ties.
   for (const auto& c : all_codebooks()) {
     const CodebookRef cb = cb_of(c);
     std::vector<float> probes = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 1e-45f};
@@ -80,9 +99,38 @@ TEST(Codebook, FastLookupEqualsThresholdCountOnEveryBoundary) {
     for (int i = 0; i <= 20000; ++i) probes.push_back(-1.0f + i / 10000.0f);
     for (float z : probes) {
       if (!(z >= -1.0f && z <= 1.0f)) continue;
-      const unsigned fastq = cb->encode_lut(z);
-      ASSERT_EQ(fastq, cb->encode(z)) << "z=" << z << " codec " << c.codec << " alpha " << c.alpha;
+      const unsigned fastq = cb->encode_fast(z, 0.0f, cb->scale(1.0f));
+      ASSERT_EQ(fastq, cb->encode_z(z)) << "z=" << z << " codec " << c.codec << " alpha " << c.alpha;
+      if (cb->kind == CODE_LUT) {
+        ASSERT_EQ(fastq, cb->encode_threshold(z)) << "z=" << z << " alpha " << c.alpha;
+      } else {
+        const int want = closed_form_code(*cb, z);
+        if (want >= 0) ASSERT_EQ(static_cast<int>(fastq), want) << "z=" << z << " codec " << c.codec;
+      }
     }
+  }
+}
+
+TEST(Codebook, LinearCodesTrackTheScaleOfTheirChunk) {
+  // x in a chunk of offset m and half-range d, through s = RN(L / d): the code
+  // of x = m + z d equals the closed form of z away from ties, for ranges far
+  // from 1 and offsets far from 0 (the multiply by a reciprocal).
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4}) {
+    const CodebookRef cb = get_codebook(codec, 0.0f, 4, nullptr);
+    for (float d : {std::ldexp(1.0f, -24), 3e-3f, 0.7f, 1.0f, 13.0f, 65504.0f})
+      for (float m : {0.0f, -1.5f, 100.0f}) {
+        const float s = cb->scale(d);
+        for (int i = 0; i <= 2000; ++i) {
+          const double z = -1.0 + i / 1000.0;
+          const float x = static_cast<float>(m + z * d);
+          const double zx = (static_cast<double>(x) - m) / d;  // the z x really has
+          if (!(zx >= -1.0 && zx <= 1.0)) continue;
+          const int want = closed_form_code(*cb, zx);
+          if (want < 0) continue;
+          ASSERT_EQ(static_cast<int>(cb->encode(x, m, s)), want)
+              << "codec " << codec << " d " << d << " m " << m << " x " << x;
+        }
+      }
   }
 }
 
@@ -98,15 +146,16 @@ TEST(Codebook, LynxMatchesAlphaLawFormula) {
           std::log1p(alpha * std::fabs(static_cast<double>(z))) / std::log1p(alpha) * 127.0;
       if (std::fabs(y - std::floor(y) - 0.5) < 1e-6) continue;
       const unsigned q = static_cast<unsigned>(std::floor(y + 0.5));
-      ASSERT_EQ(cb->encode(z), q | (z < 0 ? 0x80u : 0u)) << "alpha " << alpha << " z " << z;
+      ASSERT_EQ(cb->encode_z(z), q | (z < 0 ? 0x80u : 0u)) << "alpha " << alpha << " z " << z;
     }
   }
   // alpha = 0 is linear: z = 0.5 is the tie 63.5, rounded up.
   const CodebookRef lin = get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, nullptr);
-  EXPECT_EQ(lin->encode(0.5f), 64u);
-  EXPECT_EQ(lin->encode(-0.5f), 0x80u | 64u);
-  EXPECT_EQ(lin->encode(1.0f), 127u);
-  EXPECT_EQ(lin->encode(0.0f), 0u);
+  EXPECT_EQ(lin->encode_z(0.5f), 64u);
+  EXPECT_EQ(lin->encode_z(-0.5f), 0x80u | 64u);
+  EXPECT_EQ(lin->encode_z(1.0f), 127u);
+  EXPECT_EQ(lin->encode_z(0.0f), 0u);
+  EXPECT_EQ(lin->encode_z(-0.0f), 0u);  // u < 0 is false for -0
 }
 
 TEST(Codebook, UniformBaselinesMatchHandComputedValues) {
@@ -114,27 +163,29 @@ TEST(Codebook, UniformBaselinesMatchHandComputedValues) {
   // q = round((x - 0) / 15 * 255) = 17 x.
   const CodebookRef i8 = get_codebook(KVXFER_CODEC_INT8, 0.0f, 4, nullptr);
   const CodebookRef i4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, nullptr);
+  const float s8 = i8->scale(7.5f), s4 = i4->scale(7.5f);
   for (int x = 0; x < 16; ++x) {
-    const float z = (x - 7.5f) / 7.5f;
-    EXPECT_EQ(i8->encode(z), 17u * x);
-    EXPECT_EQ(i4->encode(z), static_cast<unsigned>(x));
-    // Interior codes reconstruct at the textbook level min + q * scale.
-    if (x > 0 && x < 15) {
-      EXPECT_FLOAT_EQ(7.5f + 7.5f * i8->recon_full[17 * x], static_cast<float>(x));
-      EXPECT_FLOAT_EQ(7.5f + 7.5f * i4->recon_full[x], static_cast<float>(x));
-    }
+    EXPECT_EQ(i8->encode(static_cast<float>(x), 7.5f, s8), 17u * x);
+    EXPECT_EQ(i4->encode(static_cast<float>(x), 7.5f, s4), static_cast<unsigned>(x));
+    // Every code, the extremes included, reconstructs at the textbook level
+    // min + q * scale.
+    EXPECT_FLOAT_EQ(7.5f + 7.5f * i8->recon_full[17 * x], static_cast<float>(x));
+    EXPECT_FLOAT_EQ(7.5f + 7.5f * i4->recon_full[x], static_cast<float>(x));
   }
-  // End codes reconstruct at the centre of their half-width bins.
-  EXPECT_FLOAT_EQ(i8->recon_full[0], static_cast<float>(-1.0 + 0.5 / 255));
-  EXPECT_FLOAT_EQ(i8->recon_full[255], static_cast<float>(1.0 - 0.5 / 255));
-  EXPECT_FLOAT_EQ(i4->recon_full[0], static_cast<float>(-1.0 + 0.5 / 15));
+  EXPECT_FLOAT_EQ(i8->recon_full[0], -1.0f);
+  EXPECT_FLOAT_EQ(i8->recon_full[255], 1.0f);
+  EXPECT_FLOAT_EQ(i4->recon_full[0], -1.0f);
+  // INT4 has no residual: its anchor value is its level.
+  for (int q = 0; q < 16; ++q) EXPECT_EQ(i4->recon_anchor[q], i4->recon_full[q]);
   // INT8 4+4 anchor a covers codes [16a, 16a+15]: centre of [lo, hi].
   for (int a = 1; a < 15; ++a)
     EXPECT_FLOAT_EQ(i8->recon_anchor[a], static_cast<float>(-1.0 + (32.0 * a + 15.0) / 255.0)) << a;
   EXPECT_FLOAT_EQ(i8->recon_anchor[0], static_cast<float>(0.5 * (-1.0 + (-1.0 + 31.0 / 255.0))));
-  // Half widths: INT8 step 2/255 -> 1/255; INT4 1/15.
-  EXPECT_NEAR(i8->max_half_width_full, 1.0 / 255, 1e-7);
-  EXPECT_NEAR(i4->max_half_width_full, 1.0 / 15, 1e-7);
+  // Largest distance from a code's value to its bin's ends: INT8 1/255 (the
+  // interior half step; the end codes at +-1 reach as far inside their
+  // half-width bins); INT4 1/15.
+  EXPECT_NEAR(i8->max_half_width_full, 1.0 / 255, 1e-6);
+  EXPECT_NEAR(i4->max_half_width_full, 1.0 / 15, 1e-6);
   EXPECT_NEAR(i8->max_half_width_anchor, 16.0 / 255, 1e-6);
 }
 

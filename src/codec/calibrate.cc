@@ -32,6 +32,9 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
   for (int i = 0; i < ncand; ++i) err[i] = {kAlphaCandidates[i], 0.0, 0.0};
 
   const int C = cfg->chunk_tokens;
+  // Kernels give identical results on every path: the choice does not
+  // depend on the CPU.
+  const fast::RowKernels& K = fast::cpu_has_avx2() ? fast::avx2_kernels() : fast::scalar_kernels();
   for (int32_t p = 0; p < num_pages; ++p) {
     Layout lay;
     KVXFER_CHECK(validate_layout(&pages[p], "calibration page", &lay));
@@ -40,48 +43,73 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
     const auto dt = pages[p].dtype;
     const int64_t chunks = (T + C - 1) / C;
     const int64_t samples = std::min<int64_t>(chunks, kCalibrationChunksPerPage);
-    // The sample: every finite chunk-channel of up to 8 evenly spaced chunks,
-    // with the affine map the encoder would store for it.
-    std::vector<float> xs;
-    std::vector<Affine> as;
-    std::vector<float> x(static_cast<size_t>(C));
-    for (int64_t s = 0; s < samples; ++s) {
-      const int64_t k = s * chunks / samples;  // evenly spaced, deterministic
+    // The sample: the rows hist_row() picks (the rows of the anchor table's
+    // histogram) of up to 8 evenly spaced chunks, every channel whose chunk
+    // is finite, with the affine map the encoder would store for it.
+    std::vector<const uint8_t*> rows(static_cast<size_t>(C));
+    std::vector<float> mn(H), mx(H), m(H), d(H), sc(H);
+    std::vector<uint8_t> ok(H);
+    std::vector<float> xrow(H);
+    // Per candidate: codes of every sampled row (row-major), then errors.
+    struct SampleRow {
+      const uint8_t* row;
+      int64_t k;
+    };
+    std::vector<SampleRow> srows;
+    std::vector<float> sm, sd;  // [sampled chunk][channel]
+    std::vector<uint8_t> sok;
+    for (int64_t si = 0; si < samples; ++si) {
+      const int64_t k = si * chunks / samples;  // evenly spaced, deterministic
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
+      const int n = static_cast<int>(t1 - t0);
+      for (int r = 0; r < n; ++r) rows[r] = lay.row(t0 + r);
+      bool finite = K.chunk_minmax(rows.data(), n, dt, H, mn.data(), mx.data());
       for (int32_t c = 0; c < H; ++c) {
-        bool finite = true;
-        float mn = load_elem(lay.row(t0), c, dt), mx = mn;
-        for (int64_t t = t0; t < t1; ++t) {
-          const float v = load_elem(lay.row(t), c, dt);
-          x[t - t0] = v;
-          finite &= std::isfinite(v);
-          if (v < mn) mn = v;
-          if (v > mx) mx = v;
+        bool cf = true;
+        if (!finite) {  // find the finite channels one by one
+          for (int r = 0; r < n && cf; ++r) cf = !f32_nonfinite(load_elem(rows[r], c, dt));
         }
-        if (!finite) continue;
-        canonical_minmax(&mn, &mx);
         Affine a{0.0f, 0.0f};
-        if (!chunk_affine(mn, mx, false, &a)) chunk_affine(mn, mx, true, &a);
-        xs.insert(xs.end(), x.begin(), x.begin() + (t1 - t0));
-        as.insert(as.end(), static_cast<size_t>(t1 - t0), a);
+        if (cf) {
+          canonical_minmax(&mn[c], &mx[c]);
+          if (!chunk_affine(mn[c], mx[c], false, &a)) chunk_affine(mn[c], mx[c], true, &a);
+        }
+        sm.push_back(a.m);
+        sd.push_back(a.d);
+        sok.push_back(cf ? 1 : 0);
       }
+      for (int64_t t = t0; t < t1; ++t)
+        if (hist_row(t)) srows.push_back({lay.row(t), static_cast<int64_t>(sm.size() / H - 1)});
     }
     // Each candidate: codes, this page's anchor table (as the encoder builds
-    // it, from the code histogram), then the squared errors.
-    std::vector<uint8_t> codes(xs.size());
+    // it, from the code histogram of the same rows), then the squared errors.
+    std::vector<uint8_t> codes(srows.size() * static_cast<size_t>(H));
     for (int i = 0; i < ncand; ++i) {
       const Codebook& cb = *cbs[i];
       uint64_t hist[256] = {0};
-      for (size_t j = 0; j < xs.size(); ++j)
-        ++hist[codes[j] = cb.encode_lut(normalise(xs[j], as[j]))];
+      for (size_t r = 0; r < srows.size(); ++r) {
+        const size_t base = static_cast<size_t>(srows[r].k) * H;
+        for (int32_t c = 0; c < H; ++c) sc[c] = cb.scale(sd[base + c]);
+        uint8_t* out = codes.data() + r * H;
+        K.encode_row(srows[r].row, dt, H, sm.data() + base, sc.data(), cb, out);
+        for (int32_t c = 0; c < H; ++c)
+          if (sok[base + c]) ++hist[out[c]];
+      }
       float table[64];
       anchor_table_from_histogram(cb, hist, table);
-      for (size_t j = 0; j < xs.size(); ++j) {
-        const double ef = static_cast<double>(denormalise(cb.recon_full[codes[j]], as[j])) - xs[j];
-        const double ea =
-            static_cast<double>(denormalise(table[codes[j] >> cb.residual_bits], as[j])) - xs[j];
-        err[i].full += ef * ef;
-        err[i].anchor += ea * ea;
+      for (size_t r = 0; r < srows.size(); ++r) {
+        const size_t base = static_cast<size_t>(srows[r].k) * H;
+        const uint8_t* q = codes.data() + r * H;
+        for (int32_t c = 0; c < H; ++c) {
+          if (!sok[base + c]) continue;
+          const Affine a{sm[base + c], sd[base + c]};
+          const float x = load_elem(srows[r].row, c, dt);
+          const double ef = static_cast<double>(denormalise(cb.recon_full[q[c]], a)) - x;
+          const double ea =
+              static_cast<double>(denormalise(table[q[c] >> cb.residual_bits], a)) - x;
+          err[i].full += ef * ef;
+          err[i].anchor += ea * ea;
+        }
       }
     }
   }

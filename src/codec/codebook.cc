@@ -17,7 +17,7 @@ namespace kvxfer::codec {
 
 bool valid_chunk_tokens(int c) { return c == 16 || c == 32 || c == 64 || c == 128; }
 
-uint8_t Codebook::encode(float z) const {
+uint8_t Codebook::encode_threshold(float z) const {
   const float v = sign_magnitude ? std::fabs(z) : z;
   unsigned q = 0;
   while (q < thresholds.size() && v >= thresholds[q]) ++q;
@@ -60,8 +60,12 @@ void build_tables(Codebook* cb) {
   for (unsigned c = 0; c < ncodes; ++c) {
     double lo, hi;
     code_bin(*cb, c, &lo, &hi);
-    cb->recon_full[c] = static_cast<float>(0.5 * (lo + hi));
-    if (0.5 * (hi - lo) > mhw) mhw = 0.5 * (hi - lo);
+    // Linear codes at their level (the extremes at +-1), alpha-law codes at
+    // the centre of their bin (docs/FORMAT.md 2.4).
+    cb->recon_full[c] = cb->kind == CODE_LUT ? static_cast<float>(0.5 * (lo + hi))
+                                             : recon_linear(cb->kind, c, cb->recon_step);
+    const double r = cb->recon_full[c];
+    mhw = std::max(mhw, std::max(r - lo, hi - r));
   }
   cb->max_half_width_full = mhw;
 
@@ -79,10 +83,13 @@ void build_tables(Codebook* cb) {
       lo = std::min(lo, l);
       hi = std::max(hi, h);
     }
-    cb->recon_anchor[a] = static_cast<float>(0.5 * (lo + hi));
+    // Without a residual the anchor is the code itself (INT4): its level.
+    cb->recon_anchor[a] =
+        cb->residual_bits == 0 ? cb->recon_full[a] : static_cast<float>(0.5 * (lo + hi));
     cb->anchor_lo[a] = static_cast<float>(lo);  // bin edges are floats already
     cb->anchor_hi[a] = static_cast<float>(hi);
-    if (0.5 * (hi - lo) > ahw) ahw = 0.5 * (hi - lo);
+    const double r = cb->recon_anchor[a];
+    ahw = std::max(ahw, std::max(r - lo, hi - r));
   }
   cb->max_half_width_anchor = ahw;
 
@@ -129,13 +136,32 @@ std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int a
   cb->anchor_bits = anchor_bits;
   cb->residual_bits = cb->code_bits - anchor_bits;
   cb->sign_magnitude = codec == KVXFER_CODEC_LYNX;
+  const int levels = 1 << cb->code_bits;
+  if (codec != KVXFER_CODEC_LYNX) {
+    cb->kind = CODE_UNIFORM;
+    cb->scale_num = 0.5f * static_cast<float>(levels - 1);  // 127.5, 7.5: exact
+    cb->bias = cb->scale_num + 0.5f;
+    cb->max_code = levels - 1;
+    cb->recon_step = f_div(2.0f, static_cast<float>(levels - 1));
+  } else if (cb->alpha == 0.0f) {
+    cb->kind = CODE_MAG;
+    cb->scale_num = 127.0f;
+    cb->bias = 0.5f;
+    cb->max_code = 127;
+    cb->recon_step = f_div(1.0f, 127.0f);
+  } else {
+    cb->kind = CODE_LUT;
+    cb->scale_num = 1.0f;
+    cb->bias = 0.0f;
+    cb->max_code = 127;
+    cb->recon_step = 0.0f;
+  }
   if (cb->sign_magnitude) {
     // q = round(Y) = #{k : Y >= k + 1/2} = #{k : |z| >= g(k + 1/2)}.
     for (int k = 0; k < 127; ++k)
       cb->thresholds.push_back(static_cast<float>(alpha_law_inverse(cb->alpha, k + 0.5)));
   } else {
     // q = round((z + 1)/2 * (L - 1)): thresholds halfway between levels.
-    const int levels = 1 << cb->code_bits;
     for (int k = 0; k + 1 < levels; ++k)
       cb->thresholds.push_back(static_cast<float>(-1.0 + (2.0 * k + 1.0) / (levels - 1)));
   }

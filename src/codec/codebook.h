@@ -12,12 +12,15 @@
 //   uniform asymmetric baselines (min/max per channel per chunk):
 //       q = round((z + 1) / 2 * (2^b - 1))
 //
-// A code is decided by counting float thresholds (no libm at encode time):
-//   sign-magnitude:  s = (z < 0),  q = #{k : |z| >= T[k]},  code = s << 7 | q
-//   uniform:         code = #{k : z >= T[k]}
-// Every code, and every anchor (a run of codes), is reconstructed at the centre
-// of its bin in z.  Tables are computed with codec/detmath (bit-reproducible)
-// and shared verbatim with the fast CPU path and the CUDA kernels.
+// A code is decided from u = RN(x - m) and the code scale s = RN(L / d) of
+// its (chunk, channel) (codec_math.h quantize, docs/FORMAT.md 2.2):
+//   LYNX alpha > 0 (CODE_LUT):  z = RN(u * s), q = #{k : |z| >= T[k]}, code = (z < 0) << 7 | q
+//   LYNX alpha = 0 (CODE_MAG):  q = min(trunc(RN(|u| * s + 1/2)), 127), code = (u < 0) << 7 | q
+//   INT8/INT4 (CODE_UNIFORM):   code = min(trunc(RN(u * s + L + 1/2)), 2L)
+// The linear codes reconstruct at their levels (z = +-q/127, -1 + q/L), the
+// extremes at +-1 included; alpha-law codes at the centre of their bin.
+// Thresholds are computed with codec/detmath (bit-reproducible); all tables
+// are shared verbatim with the fast CPU path and the CUDA kernels.
 #pragma once
 
 #include <cmath>
@@ -38,10 +41,15 @@ struct Codebook {
   int anchor_bits;                     // A
   int residual_bits;                   // R = code_bits - A
   bool sign_magnitude;                 // LYNX: sign bit + 7-bit alpha-law magnitude
+  int kind;                            // CodeKind (codec_math.h)
+  float scale_num;                     // L of the code scale s = RN(L / d)
+  float bias;                          // CODE_UNIFORM: L + 1/2; CODE_MAG: 1/2
+  int max_code;                        // CODE_UNIFORM: 2^b - 1; CODE_MAG: 127
+  float recon_step;                    // linear kinds: recon_full = recon_linear(code, step)
   std::vector<float> thresholds;       // ascending; 127 (LYNX) or 2^b - 1 (uniform)
-  float recon_full[256];               // z value of each code (bin centre)
-  float recon_anchor[64];              // z value of each anchor (centre of its bins)
-  double max_half_width_full;          // max over codes of half the bin width (z units)
+  float recon_full[256];               // z value of each code (level, or bin centre)
+  float recon_anchor[64];              // z value of each anchor (centre of its bins; R = 0: recon_full)
+  double max_half_width_full;          // max over codes of |z - recon| inside the bin (z units)
   double max_half_width_anchor;        // same over anchors
   float anchor_lo[64], anchor_hi[64];  // bin of each anchor in z (union of its codes' bins)
 
@@ -55,14 +63,33 @@ struct Codebook {
   std::vector<int32_t> lut_base;  // #{k : T[k] <= start of cell i}
   std::vector<float> lut_next;    // T[lut_base[i]], or +inf
 
-  /** The definition: the code of a normalised value z in [-1, 1]. */
-  uint8_t encode(float z) const;
+  /** The threshold count of a normalised value z in [-1, 1] (CODE_LUT's definition). */
+  uint8_t encode_threshold(float z) const;
 
-  /** Same code as encode(z), by one cell lookup and one comparison (fast paths). */
-  uint8_t encode_lut(float z) const {
-    return codec::encode_lut(lut_base.data(), lut_next.data(), lut_log2, lut_origin, sign_magnitude,
-                             z);
+  /** The code scale s of a (chunk, channel) with half-range d. */
+  float scale(float d) const { return code_scale(d, scale_num); }
+
+  /** What codec_math.h quantize() needs; valid while the codebook lives. */
+  CodeSpec spec() const {
+    return CodeSpec{kind, scale_num, bias, max_code, lut_base.data(), lut_next.data(), lut_log2,
+                    lut_origin};
   }
+
+  /**
+   * The definition: the code of x in a (chunk, channel) with offset m and
+   * code scale s = scale(d).  CODE_LUT counts thresholds here
+   * (encode_threshold); quantize() reaches the same code by the lookup.
+   */
+  uint8_t encode(float x, float m, float s) const {
+    if (kind == CODE_LUT) return encode_threshold(f_mul(f_sub(x, m), s));
+    return quantize(spec(), x, m, s);
+  }
+
+  /** The code of a normalised value z (m = 0, d = 1): encode(z, 0, scale(1)). */
+  uint8_t encode_z(float z) const { return encode(z, 0.0f, scale(1.0f)); }
+
+  /** encode() by the fast lookup (codec_math.h quantize): the same code. */
+  uint8_t encode_fast(float x, float m, float s) const { return quantize(spec(), x, m, s); }
 };
 
 /** Shared ownership: a codebook lives while a caller holds it or the cache keeps it. */

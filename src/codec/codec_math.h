@@ -39,6 +39,7 @@ KVXFER_HD inline float f_div(float a, float b) { return __fdiv_rn(a, b); }
 KVXFER_HD inline double d_add(double a, double b) { return __dadd_rn(a, b); }
 KVXFER_HD inline double d_mul(double a, double b) { return __dmul_rn(a, b); }
 KVXFER_HD inline double d_div(double a, double b) { return __ddiv_rn(a, b); }
+KVXFER_HD inline float f_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #else
 KVXFER_HD inline float f_add(float a, float b) { return a + b; }
 KVXFER_HD inline float f_sub(float a, float b) { return a - b; }
@@ -47,6 +48,8 @@ KVXFER_HD inline float f_div(float a, float b) { return a / b; }
 KVXFER_HD inline double d_add(double a, double b) { return a + b; }
 KVXFER_HD inline double d_mul(double a, double b) { return a * b; }
 KVXFER_HD inline double d_div(double a, double b) { return a / b; }
+/** a * b + c with one rounding (IEEE fusedMultiplyAdd; the FMA instruction where there is one). */
+KVXFER_HD inline float f_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 #endif
 
 // ---------------------------------------------------------------------------
@@ -140,6 +143,15 @@ struct Affine {
   float m, d;
 };
 
+/**
+ * Smallest half-range of a (chunk, channel) with binary32 metadata: a
+ * positive d below it is raised to it, so that the code scale L / d of every
+ * codebook (L <= 127.5) is finite (docs/FORMAT.md 2.1).  Binary16 metadata
+ * never gets there (its smallest positive d is 2^-24).
+ */
+constexpr float kMinHalfRange = 7.8886090522101181e-31f;  // 2^-100
+
+
 /** min/max with a canonical +0 for zeros (so -0/+0 order does not matter). */
 KVXFER_HD inline void canonical_minmax(float* mn, float* mx) {
   *mn = f_add(*mn, 0.0f);
@@ -163,21 +175,24 @@ KVXFER_HD inline bool chunk_affine(float mn, float mx, bool fp32, Affine* a) {
   if (!fp32) {
     d = f16_to_f32(f32_to_f16_up(d));
     if (f32_isinf(d)) return false;
+  } else if (d > 0.0f && d < kMinHalfRange) {
+    d = kMinHalfRange;  // keeps L / d finite (code_scale)
   }
   a->m = m;
   a->d = d;
   return true;
 }
 
-/** z = (x - m) / d; 0 for a zero range.  Division, not a reciprocal: exact rounding. */
-KVXFER_HD inline float normalise(float x, const Affine& a) {
-  return a.d > 0.0f ? f_div(f_sub(x, a.m), a.d) : 0.0f;
-}
+/**
+ * The code scale of one (chunk, channel), s = RN(L / d): one correctly
+ * rounded division per (chunk, channel), then a multiply per element
+ * (docs/FORMAT.md 2.2).  0 for a zero range.  L is Codebook::scale_num.
+ */
+KVXFER_HD inline float code_scale(float d, float num) { return d > 0.0f ? f_div(num, d) : 0.0f; }
 
-/** x = m + d * r (two roundings, never fused), clamped to [-FLT_MAX, FLT_MAX]. */
+/** x = m + d * r with one rounding (fma), clamped to [-FLT_MAX, FLT_MAX]. */
 KVXFER_HD inline float denormalise(float r, const Affine& a) {
-  const float t = f_mul(a.d, r);
-  const float x = f_add(a.m, t);
+  const float x = f_fma(a.d, r, a.m);
   // |m| + d can round past FLT_MAX for a range that ends near it (and a
   // hostile section can carry any finite m, d): clamp, so that finite
   // metadata never reconstructs to infinity (docs/FORMAT.md 2.5).
@@ -208,6 +223,69 @@ KVXFER_HD inline uint8_t encode_lut(const int32_t* base, const float* next, int 
   i += lut_origin;
   return static_cast<uint8_t>(base[i] + (z >= next[i]));
 }
+
+/** How a codebook turns y = RN(x - m) into a code (Codebook::kind). */
+enum CodeKind : int {
+  CODE_LUT = 0,      // LYNX alpha > 0: z = RN(u * s), s = RN(1 / d), then the threshold LUT
+  CODE_MAG = 1,      // LYNX alpha = 0: q = min(trunc(fma(|u|, s, 1/2)), 127), s = RN(127 / d)
+  CODE_UNIFORM = 2,  // INT8 / INT4: q = min(trunc(fma(u, s, L + 1/2)), 2L), s = RN(L / d)
+};
+
+/** What the element code needs of a codebook (the CPU's Codebook, the kernels' copy). */
+struct CodeSpec {
+  int kind;        // CodeKind
+  float num;       // L of s = RN(L / d): 1 (LUT), 127 (MAG), (2^b - 1) / 2 (UNIFORM)
+  float bias;      // UNIFORM: L + 1/2; MAG: 1/2; LUT: unused
+  int max_code;    // UNIFORM: 2^b - 1; MAG: 127
+  const int32_t* base;  // LUT kind only: Codebook::lut_base / lut_next
+  const float* next;
+  int lut_log2, lut_origin;
+};
+
+/**
+ * The code of one element x of a (chunk, channel) with offset m and code
+ * scale s = code_scale(d, spec.num) (docs/FORMAT.md 2.2).  Every float step
+ * is one correctly rounded operation: u = RN(x - m), then
+ *   LUT:     z = RN(u * s), code = encode_lut(z) (the threshold count);
+ *   MAG:     q = min(trunc(RN(|u| * s + 1/2)), 127), code = q | (u < 0) << 7;
+ *   UNIFORM: q = min(trunc(RN(u * s + L + 1/2)), 2^b - 1).
+ * MAG and UNIFORM are round-half-up of |z| * 127 and (z + 1) * L without a
+ * table.  |RN(x - m)| <= d and s <= (L / d)(1 + 2^-24), so the UNIFORM sum is
+ * positive and the clamps only catch the last ulp.
+ */
+KVXFER_HD inline uint8_t quantize(const CodeSpec& cs, float x, float m, float s) {
+  const float u = f_sub(x, m);
+  if (cs.kind == CODE_LUT)
+    return encode_lut(cs.base, cs.next, cs.lut_log2, cs.lut_origin, true, f_mul(u, s));
+  if (cs.kind == CODE_MAG) {
+    const int q = static_cast<int>(f_fma(f32_abs(u), s, 0.5f));
+    return static_cast<uint8_t>((q > 127 ? 127 : q) | (u < 0.0f ? 0x80 : 0));
+  }
+  const int q = static_cast<int>(f_fma(u, s, cs.bias));
+  return static_cast<uint8_t>(q > cs.max_code ? cs.max_code : (q < 0 ? 0 : q));
+}
+
+/**
+ * The z value of a code of the linear kinds (Codebook::recon_full), the
+ * arithmetic the SIMD decoders repeat: CODE_MAG +-RN(q * step), step =
+ * RN(1/127); CODE_UNIFORM RN(q * step - 1), step = RN(2 / (2^b - 1)).
+ */
+KVXFER_HD inline float recon_linear(int kind, unsigned code, float step) {
+  if (kind == CODE_MAG) {
+    const float r = f_mul(static_cast<float>(code & 0x7Fu), step);
+    return (code & 0x80u) ? -r : r;
+  }
+  return f_fma(static_cast<float>(code), step, -1.0f);
+}
+
+/**
+ * The per-page anchor table counts the full codes of the page's rows t with
+ * t % kHistRowStride == 0 (t from 0 at the page's first token): a fixed
+ * one-in-eight sample, so that counting costs an eighth of a pass
+ * (docs/FORMAT.md 2.4).  Row 0 is always counted.
+ */
+constexpr int kHistRowStride = 8;
+KVXFER_HD inline bool hist_row(int64_t t) { return t % kHistRowStride == 0; }
 
 /**
  * Entry `a` of the per-page anchor table (docs/FORMAT.md section 2.4) from the

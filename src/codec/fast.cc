@@ -16,27 +16,53 @@ namespace kvxfer::codec::fast {
 
 namespace {
 
-bool minmax_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, float* mn, float* mx) {
+bool chunk_minmax_scalar(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H,
+                         float* mn, float* mx) {
+  bool ok = true;
+  for (int32_t c = 0; c < H; ++c) mn[c] = mx[c] = load_elem(rows[0], c, dt);
+  for (int r = 0; r < n; ++r)
+    for (int32_t c = 0; c < H; ++c) {
+      const float x = load_elem(rows[r], c, dt);
+      ok &= !f32_nonfinite(x);
+      if (x < mn[c]) mn[c] = x;
+      if (x > mx[c]) mx[c] = x;
+    }
+  return ok;
+}
+
+bool chunk_meta_scalar(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta,
+                       float* m, float* d, float* s) {
   bool ok = true;
   for (int32_t c = 0; c < H; ++c) {
-    const float x = load_elem(row, c, dt);
-    ok &= std::isfinite(x);
-    if (x < mn[c]) mn[c] = x;
-    if (x > mx[c]) mx[c] = x;
+    canonical_minmax(&mn[c], &mx[c]);
+    Affine a{0.0f, 0.0f};
+    ok &= chunk_affine(mn[c], mx[c], fp32, &a);
+    put_affine(meta, c, fp32, a);
+    m[c] = a.m;
+    d[c] = a.d;
+    s[c] = code_scale(a.d, num);
   }
   return ok;
 }
 
+void load_meta_scalar(const uint8_t* meta, int32_t H, bool fp32, float* m, float* d) {
+  for (int32_t c = 0; c < H; ++c) {
+    const Affine a = get_affine(meta, c, fp32);
+    m[c] = a.m;
+    d[c] = a.d;
+  }
+}
+
 void encode_row_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
-                       const float* d, const Codebook& cb, uint8_t* codes) {
-  for (int32_t c = 0; c < H; ++c)
-    codes[c] = cb.encode_lut(normalise(load_elem(row, c, dt), Affine{m[c], d[c]}));
+                       const float* s, const Codebook& cb, uint8_t* codes) {
+  const CodeSpec cs = cb.spec();
+  for (int32_t c = 0; c < H; ++c) codes[c] = quantize(cs, load_elem(row, c, dt), m[c], s[c]);
 }
 
 void decode_row_scalar(const uint8_t* idx, int32_t H, const float* m, const float* d,
-                       const float* table, kvxfer_dtype_t dt, uint8_t* row) {
+                       const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
   for (int32_t c = 0; c < H; ++c)
-    store_elem(row, c, dt, denormalise(table[idx[c]], Affine{m[c], d[c]}));
+    store_elem(row, c, dt, denormalise(v.table[idx[c]], Affine{m[c], d[c]}));
 }
 
 // Sequential bit-field writer/reader over a byte-aligned region.
@@ -95,6 +121,19 @@ void pack44_row(const uint8_t* codes, int32_t H, uint8_t* pa, uint8_t* pr) {
   }
 }
 
+// INT4 (4 + 0): codes -> nibbles, even element low; H even.
+void pack4_row(const uint8_t* codes, int32_t H, uint8_t* pa) {
+  int32_t c = 0;
+  const __m128i lo8 = _mm_set1_epi16(0x00FF);
+  for (; c + 16 <= H; c += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c));
+    const __m128i a = _mm_or_si128(_mm_and_si128(v, lo8), _mm_srli_epi16(v, 4));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(pa + c / 2),
+                     _mm_packus_epi16(_mm_and_si128(a, lo8), _mm_and_si128(a, lo8)));
+  }
+  for (; c < H; c += 2) pa[c / 2] = static_cast<uint8_t>(codes[c] | (codes[c + 1] << 4));
+}
+
 // Anchors (+ residuals, or nullptr for anchor-only) -> table indices; H even.
 void unpack44_row(const uint8_t* pa, const uint8_t* pr, int32_t H, uint8_t* idx) {
   int32_t c = 0;
@@ -137,7 +176,8 @@ int thread_count(int requested, int64_t chunks, int64_t elems) {
 }  // namespace
 
 const RowKernels& scalar_kernels() {
-  static const RowKernels k{minmax_scalar, encode_row_scalar, decode_row_scalar};
+  static const RowKernels k{chunk_minmax_scalar, chunk_meta_scalar, load_meta_scalar,
+                            encode_row_scalar, decode_row_scalar};
   return k;
 }
 
@@ -145,8 +185,9 @@ bool cpu_has_avx2() {
   // F16C through CPUID: clang 14's __builtin_cpu_supports does not know "f16c".
   static const bool has = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
-    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
-    return f16c && __builtin_cpu_supports("avx2");
+    const bool f16c_fma =
+        __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0 && (c & bit_FMA) != 0;
+    return f16c_fma && __builtin_cpu_supports("avx2");
   }();
   return has;
 }
@@ -162,53 +203,53 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
   const int64_t chunks = (T + C - 1) / C;
   std::atomic<bool> nonfinite{false}, need_fp32{false};
   std::mutex hist_mu;
+  const bool count_hist = has_anchor_table(*job.cb);  // only the anchor table reads it
 
 #pragma omp parallel num_threads(thread_count(threads, chunks, T* H))
   {
-    std::vector<float> mn(H), mx(H), m(H), d(H);
+    std::vector<float> mn(H), mx(H), m(H), d(H), sc(H);
     std::vector<uint8_t> codes(H);
-    // Four interleaved histograms: runs of equal codes (common near zero)
+    std::vector<const uint8_t*> rows(static_cast<size_t>(C));
+    // Eight interleaved histograms: runs of equal codes (common near zero)
     // would otherwise serialise on one counter's store-to-load forwarding.
-    uint64_t hist[4][256] = {};
+    uint64_t hist[8][256] = {};
 #pragma omp for schedule(static) nowait
     for (int64_t k = 0; k < chunks; ++k) {
-      if (nonfinite.load(std::memory_order_relaxed)) continue;
+      if (nonfinite.load(std::memory_order_relaxed) || need_fp32.load(std::memory_order_relaxed))
+        continue;
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
-      bool ok = true;
-      for (int32_t c = 0; c < H; ++c) mn[c] = mx[c] = load_elem(job.src.row(t0), c, dt);
-      for (int64_t t = t0; t < t1 && ok; ++t)
-        ok = K.minmax(job.src.row(t), dt, H, mn.data(), mx.data());
-      if (!ok) {
+      const int n = static_cast<int>(t1 - t0);
+      for (int r = 0; r < n; ++r) rows[r] = job.src.row(t0 + r);
+      // Pass 1 (while the chunk is in cache): min/max and the non-finite scan.
+      if (!K.chunk_minmax(rows.data(), n, dt, H, mn.data(), mx.data())) {
         nonfinite = true;
         continue;
       }
-      for (int32_t c = 0; c < H; ++c) {
-        canonical_minmax(&mn[c], &mx[c]);
-        Affine a{0.0f, 0.0f};
-        if (!chunk_affine(mn[c], mx[c], job.meta_fp32, &a)) need_fp32 = true;
-        m[c] = a.m;
-        d[c] = a.d;
-        put_affine(job.meta, k * H + c, job.meta_fp32, a);
-      }
+      const size_t entry = job.meta_fp32 ? 8 : 4;
+      if (!K.chunk_meta(mn.data(), mx.data(), H, job.meta_fp32, job.cb->scale_num,
+                        job.meta + static_cast<size_t>(k) * H * entry, m.data(), d.data(),
+                        sc.data()))
+        need_fp32 = true;
       if (need_fp32.load(std::memory_order_relaxed)) continue;
+      // Pass 2: codes, the sampled histogram, the split and the packing.
       // Chunk k starts at element t0*H; t0 is a multiple of 16, so both bit
       // streams start on a byte boundary here.
       BitWriter wa{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
       BitWriter wr{job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8};
       for (int64_t t = t0; t < t1; ++t) {
-        K.encode_row(job.src.row(t), dt, H, m.data(), d.data(), *job.cb, codes.data());
-        int32_t c = 0;
-        for (; c + 4 <= H; c += 4) {
-          ++hist[0][codes[c]];
-          ++hist[1][codes[c + 1]];
-          ++hist[2][codes[c + 2]];
-          ++hist[3][codes[c + 3]];
+        K.encode_row(rows[t - t0], dt, H, m.data(), sc.data(), *job.cb, codes.data());
+        if (count_hist && hist_row(t)) {
+          int32_t c = 0;
+          for (; c + 8 <= H; c += 8)
+            for (int j = 0; j < 8; ++j) ++hist[j][codes[c + j]];
+          for (; c < H; ++c) ++hist[0][codes[c]];
         }
-        for (; c < H; ++c) ++hist[0][codes[c]];
         if (A == 4 && R == 4 && (H & 1) == 0) {
           uint8_t* pa = wa.out + (static_cast<uint64_t>(t - t0) * H) / 2;
           uint8_t* pr = wr.out + (static_cast<uint64_t>(t - t0) * H) / 2;
           pack44_row(codes.data(), H, pa, pr);
+        } else if (A == 4 && R == 0 && (H & 1) == 0) {
+          pack4_row(codes.data(), H, wa.out + (static_cast<uint64_t>(t - t0) * H) / 2);
         } else {
           for (int32_t c = 0; c < H; ++c) {
             wa.put(codes[c] >> R, A);
@@ -220,8 +261,11 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       if (R > 0) wr.flush();
     }
     // Integer counts: the merged histogram does not depend on thread order.
-    std::lock_guard<std::mutex> lk(hist_mu);
-    for (int c = 0; c < 256; ++c) job.hist[c] += hist[0][c] + hist[1][c] + hist[2][c] + hist[3][c];
+    if (count_hist) {
+      std::lock_guard<std::mutex> lk(hist_mu);
+      for (int c = 0; c < 256; ++c)
+        for (int j = 0; j < 8; ++j) job.hist[c] += hist[j][c];
+    }
   }
   if (nonfinite) return EncodeStatus::NONFINITE;
   if (need_fp32) return EncodeStatus::NEED_FP32;
@@ -236,7 +280,12 @@ void decode(const DecodeJob& job, bool avx2, int threads) {
   const int C = h.chunk_tokens;
   const unsigned A = job.cb->anchor_bits, R = job.cb->residual_bits;
   const bool full = job.residuals != nullptr;
-  const float* table = full ? job.cb->recon_full : job.anchor_table;
+  Values v;
+  v.table = full ? job.cb->recon_full : job.anchor_table;
+  v.entries = 1 << (full ? job.cb->code_bits : static_cast<int>(A));
+  v.linear_kind = full ? job.cb->kind : CODE_LUT;  // recon_full of a linear codebook is its formula
+  v.step = job.cb->recon_step;
+  v.clamp = job.meta_fp32;  // binary16 metadata: |m| + d <= 2 * 65504, nothing to clamp
   const int64_t chunks = (T + C - 1) / C;
 
 #pragma omp parallel num_threads(thread_count(threads, chunks, T* H))
@@ -246,17 +295,15 @@ void decode(const DecodeJob& job, bool avx2, int threads) {
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
-      for (int32_t c = 0; c < H; ++c) {
-        const Affine a = get_affine(job.meta, k * H + c, job.meta_fp32);
-        m[c] = a.m;
-        d[c] = a.d;
-      }
+      K.load_meta(job.meta + static_cast<size_t>(k) * H * (job.meta_fp32 ? 8 : 4), H,
+                  job.meta_fp32, m.data(), d.data());
       BitReader ra{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
       BitReader rr{full ? job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8 : nullptr};
       for (int64_t t = t0; t < t1; ++t) {
-        if (A == 4 && (H & 1) == 0 && (!full || R == 4)) {
+        if (A == 4 && (H & 1) == 0 && (!full || R == 4 || R == 0)) {
           const uint8_t* pa = ra.in + (static_cast<uint64_t>(t - t0) * H) / 2;
-          const uint8_t* pr = full ? rr.in + (static_cast<uint64_t>(t - t0) * H) / 2 : nullptr;
+          const uint8_t* pr =
+              full && R > 0 ? rr.in + (static_cast<uint64_t>(t - t0) * H) / 2 : nullptr;
           unpack44_row(pa, pr, H, idx.data());
         } else {
           for (int32_t c = 0; c < H; ++c) {
@@ -264,7 +311,7 @@ void decode(const DecodeJob& job, bool avx2, int threads) {
             idx[c] = static_cast<uint8_t>(full ? (a << R) | (R > 0 ? rr.get(R) : 0u) : a);
           }
         }
-        K.decode_row(idx.data(), H, m.data(), d.data(), table, job.dst.l->dtype, job.dst.row(t));
+        K.decode_row(idx.data(), H, m.data(), d.data(), v, job.dst.l->dtype, job.dst.row(t));
       }
     }
   }

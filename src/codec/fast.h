@@ -1,7 +1,8 @@
 // Row kernels of the fast CPU path.  One table per instruction set; the
 // driver (codec/fast.cc) splits a page into chunks over threads and calls
-// them row by row.  Each kernel computes exactly the operations of the
-// reference (codec/reference.cc) in the same order per element.
+// them chunk by chunk and row by row, while the chunk is in cache.  Each
+// kernel computes exactly the operations of the reference
+// (codec/reference.cc, codec_math.h quantize / denormalise) per element.
 #pragma once
 
 #include <cstdint>
@@ -10,19 +11,45 @@
 
 namespace kvxfer::codec::fast {
 
+/** What decode_row reconstructs an index to (before denormalise). */
+struct Values {
+  const float* table;  // index -> z value (recon_full, the page's anchor table, recon_anchor)
+  int entries;         // size of `table` (16 for the 4-bit anchors, 256 for full codes)
+  int linear_kind;     // CODE_MAG / CODE_UNIFORM: table[i] == recon_linear(kind, i, step)
+                       // (full codes of the linear codebooks); CODE_LUT: none
+  float step;          // Codebook::recon_step
+  bool clamp;          // fp32 metadata: clamp to +-FLT_MAX (fp16 metadata cannot overflow)
+};
+
 struct RowKernels {
-  /** Folds one row into running min/max; false if it holds NaN or Inf. */
-  bool (*minmax)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, float* mn, float* mx);
-  /** Codes of one row: codes[c] = cb.encode(normalise(x[c], {m[c], d[c]})). */
+  /**
+   * Per-channel min and max of rows[0..n) (n >= 1) of H values of dtype dt,
+   * as the reference's "if (x < mn) mn = x" scan up to the sign of zeros
+   * (callers canonicalise).  Returns false if any value is NaN or Inf.
+   */
+  bool (*chunk_minmax)(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H, float* mn,
+                       float* mx);
+  /**
+   * The metadata of one chunk from its per-channel min/max (mn, mx are
+   * canonicalised in place): chunk_affine of every channel, the entries
+   * written at `meta` (binary16 pairs, or binary32 when fp32), and m[c],
+   * d[c] and the code scale s[c] = code_scale(d[c], num).  Returns false if
+   * some entry does not fit binary16 (the page must use fp32 metadata).
+   */
+  bool (*chunk_meta)(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta,
+                     float* m, float* d, float* s);
+  /** m[c], d[c] of the H metadata entries at `meta` (get_affine). */
+  void (*load_meta)(const uint8_t* meta, int32_t H, bool fp32, float* m, float* d);
+  /** Codes of one row: codes[c] = quantize(cb.spec(), x[c], m[c], s[c]). */
   void (*encode_row)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
-                     const float* d, const Codebook& cb, uint8_t* codes);
-  /** Values of one row: x[c] = denormalise(table[idx[c]], {m[c], d[c]}) in dtype dt. */
+                     const float* s, const Codebook& cb, uint8_t* codes);
+  /** Values of one row: x[c] = denormalise(v.table[idx[c]], {m[c], d[c]}) in dtype dt. */
   void (*decode_row)(const uint8_t* idx, int32_t H, const float* m, const float* d,
-                     const float* table, kvxfer_dtype_t dt, uint8_t* row);
+                     const Values& v, kvxfer_dtype_t dt, uint8_t* row);
 };
 
 const RowKernels& scalar_kernels();
-/** Defined in fast_avx2.cc, compiled with -mavx2 -mf16c; call only if cpu_has_avx2(). */
+/** Defined in fast_avx2.cc, compiled with -mavx2 -mf16c -mfma; call only if cpu_has_avx2(). */
 const RowKernels& avx2_kernels();
 
 }  // namespace kvxfer::codec::fast

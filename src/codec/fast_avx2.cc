@@ -1,7 +1,9 @@
-// AVX2 + F16C row kernels (compiled with -mavx2 -mf16c, selected at run time).
-// Per element they perform the reference's operations in the same order:
-// subtract, divide, table lookup; multiply, add, round to the output dtype.
-// No FMA: contraction is off project-wide and -mfma is not given.
+// AVX2 + F16C + FMA row kernels (compiled with -mavx2 -mf16c -mfma, selected
+// at run time).  Per element they perform the reference's operations in the
+// same order (codec_math.h): u = x - m, then one fma (linear codes) or a
+// multiply and the table lookup (alpha-law codes); x = fma(d, r, m), then the
+// rounding to the output dtype.  The intrinsics are single IEEE operations;
+// contraction is off project-wide, so nothing else is fused.
 #include <immintrin.h>
 
 #include <limits>
@@ -24,113 +26,360 @@ inline __m256 load8(const uint8_t* row, int32_t c, kvxfer_dtype_t dt) {
   }
 }
 
-// Round-to-nearest-even float -> bfloat16 for finite or infinite input (the
-// decoder never produces NaN), packed to 8 x u16.
-inline __m128i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r =
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+// ---------------------------------------------------------------------------
+// Min/max.  Over the order-preserving integer key of the bits (sign-magnitude
+// to two's complement: key = u ^ ((u >> 15) & 0x7FFF) for 16-bit values), so
+// bf16/fp16 rows need no conversion, and the non-finite check falls out of
+// the extreme keys: a value is NaN or Inf iff its key is >= the key of +Inf or
+// <= the key of -Inf.  The key order equals the float order except that -0 <
+// +0, which canonical_minmax erases.
+// ---------------------------------------------------------------------------
+inline __m256i key16(__m256i u) {
+  return _mm256_xor_si256(u, _mm256_and_si256(_mm256_srai_epi16(u, 15), _mm256_set1_epi16(0x7FFF)));
+}
+inline __m256i key32(__m256i u) {
+  return _mm256_xor_si256(u,
+                          _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(0x7FFFFFFF)));
+}
+inline uint16_t unkey16(int16_t k) {
+  const uint16_t u = static_cast<uint16_t>(k);
+  return static_cast<uint16_t>(u ^ ((k < 0) ? 0x7FFF : 0));
+}
+inline uint32_t unkey32(int32_t k) {
+  const uint32_t u = static_cast<uint32_t>(k);
+  return u ^ ((k < 0) ? 0x7FFFFFFFu : 0u);
 }
 
-bool minmax_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, float* mn, float* mx) {
-  const __m256 inf = _mm256_set1_ps(__builtin_inff());
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+// Channels per register block: 4 vectors of min and of max stay in registers
+// while the chunk's rows stream past.
+constexpr int kMinmaxVecs = 4;
+
+bool minmax16(const uint8_t* const* rows, int n, bool bf16, int32_t H, float* mn, float* mx) {
+  const int16_t inf_key = bf16 ? 0x7F80 : 0x7C00;  // key of +Inf; -Inf's is -1 - inf_key
+  __m256i bad = _mm256_setzero_si256();
+  const __m256i hi = _mm256_set1_epi16(static_cast<int16_t>(inf_key - 1));
+  const __m256i lo = _mm256_set1_epi16(static_cast<int16_t>(-inf_key));
   int32_t c = 0;
-  for (; c + 8 <= H; c += 8) {
-    const __m256 x = load8(row, c, dt);
-    finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_and_ps(x, absmask), inf, _CMP_LT_OQ));
-    // Operand order as the reference's "if (x < mn) mn = x": keep mn unless x < mn.
-    _mm256_storeu_ps(mn + c,
-                     _mm256_blendv_ps(_mm256_loadu_ps(mn + c), x,
-                                      _mm256_cmp_ps(x, _mm256_loadu_ps(mn + c), _CMP_LT_OQ)));
-    _mm256_storeu_ps(mx + c,
-                     _mm256_blendv_ps(_mm256_loadu_ps(mx + c), x,
-                                      _mm256_cmp_ps(x, _mm256_loadu_ps(mx + c), _CMP_GT_OQ)));
+  constexpr int W = 16 * kMinmaxVecs;
+  alignas(32) int16_t kmn[W], kmx[W];
+  for (; c + 16 <= H; c += W) {
+    const int nv = std::min(kMinmaxVecs, (H - c) / 16);
+    __m256i vmn[kMinmaxVecs], vmx[kMinmaxVecs];
+    for (int v = 0; v < nv; ++v)
+      vmn[v] = vmx[v] = key16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 2 * (c + 16 * v))));
+    for (int r = 1; r < n; ++r) {
+      const uint8_t* p = rows[r] + 2 * c;
+      for (int v = 0; v < nv; ++v) {
+        const __m256i k = key16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v)));
+        vmn[v] = _mm256_min_epi16(vmn[v], k);
+        vmx[v] = _mm256_max_epi16(vmx[v], k);
+      }
+    }
+    for (int v = 0; v < nv; ++v) {
+      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi16(vmx[v], hi),
+                                                 _mm256_cmpgt_epi16(lo, vmn[v])));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(kmn + 16 * v), vmn[v]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(kmx + 16 * v), vmx[v]);
+    }
+    for (int i = 0; i < 16 * nv; ++i) {
+      const uint16_t a = unkey16(kmn[i]), b = unkey16(kmx[i]);
+      mn[c + i] = bf16 ? bf16_to_f32(a) : f16_to_f32(a);
+      mx[c + i] = bf16 ? bf16_to_f32(b) : f16_to_f32(b);
+    }
+    if (nv < kMinmaxVecs) {
+      c += 16 * nv;
+      break;
+    }
   }
-  bool ok = _mm256_movemask_ps(finite) == 0xFF;
-  for (; c < H; ++c) {
-    const float x = load_elem(row, c, dt);
-    ok &= std::isfinite(x);
-    if (x < mn[c]) mn[c] = x;
-    if (x > mx[c]) mx[c] = x;
+  bool ok = _mm256_testz_si256(bad, bad) != 0;
+  if (c < H) {
+    const kvxfer_dtype_t dt = bf16 ? KVXFER_DTYPE_BF16 : KVXFER_DTYPE_FP16;
+    for (int32_t j = c; j < H; ++j) {
+      float a = load_elem(rows[0], j, dt), b = a;
+      for (int r = 0; r < n; ++r) {
+        const float x = load_elem(rows[r], j, dt);
+        ok &= !f32_nonfinite(x);
+        if (x < a) a = x;
+        if (x > b) b = x;
+      }
+      mn[j] = a;
+      mx[j] = b;
+    }
   }
   return ok;
 }
 
-void encode_row_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
-                     const float* d, const Codebook& cb, uint8_t* codes) {
-  const __m256 n = _mm256_set1_ps(static_cast<float>(1 << cb.lut_log2));
-  const __m256 zero = _mm256_setzero_ps();
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i origin = _mm256_set1_epi32(cb.lut_origin);
-  const int* base = cb.lut_base.data();
-  const float* next = cb.lut_next.data();
+bool minmax32(const uint8_t* const* rows, int n, int32_t H, float* mn, float* mx) {
+  __m256i bad = _mm256_setzero_si256();
+  const __m256i hi = _mm256_set1_epi32(0x7F7FFFFF);
+  const __m256i lo = _mm256_set1_epi32(-0x7F800000);
+  int32_t c = 0;
+  constexpr int W = 8 * kMinmaxVecs;
+  alignas(32) int32_t kmn[W], kmx[W];
+  for (; c + 8 <= H; c += W) {
+    const int nv = std::min(kMinmaxVecs, (H - c) / 8);
+    __m256i vmn[kMinmaxVecs], vmx[kMinmaxVecs];
+    for (int v = 0; v < nv; ++v)
+      vmn[v] = vmx[v] =
+          key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 4 * (c + 8 * v))));
+    for (int r = 1; r < n; ++r) {
+      const uint8_t* p = rows[r] + 4 * c;
+      for (int v = 0; v < nv; ++v) {
+        const __m256i k = key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v)));
+        vmn[v] = _mm256_min_epi32(vmn[v], k);
+        vmx[v] = _mm256_max_epi32(vmx[v], k);
+      }
+    }
+    for (int v = 0; v < nv; ++v) {
+      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(vmx[v], hi),
+                                                 _mm256_cmpgt_epi32(lo, vmn[v])));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(kmn + 8 * v), vmn[v]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(kmx + 8 * v), vmx[v]);
+    }
+    for (int i = 0; i < 8 * nv; ++i) {
+      mn[c + i] = bits_f32(unkey32(kmn[i]));
+      mx[c + i] = bits_f32(unkey32(kmx[i]));
+    }
+    if (nv < kMinmaxVecs) {
+      c += 8 * nv;
+      break;
+    }
+  }
+  bool ok = _mm256_testz_si256(bad, bad) != 0;
+  for (int32_t j = c; j < H; ++j) {
+    float a = load_elem(rows[0], j, KVXFER_DTYPE_FP32), b = a;
+    for (int r = 0; r < n; ++r) {
+      const float x = load_elem(rows[r], j, KVXFER_DTYPE_FP32);
+      ok &= !f32_nonfinite(x);
+      if (x < a) a = x;
+      if (x > b) b = x;
+    }
+    mn[j] = a;
+    mx[j] = b;
+  }
+  return ok;
+}
+
+bool chunk_minmax_avx2(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H, float* mn,
+                       float* mx) {
+  if (dt == KVXFER_DTYPE_FP32) return minmax32(rows, n, H, mn, mx);
+  return minmax16(rows, n, dt == KVXFER_DTYPE_BF16, H, mn, mx);
+}
+
+// ---------------------------------------------------------------------------
+// Metadata (codec_math.h chunk_affine, 8 channels at a time).  F16C's
+// conversion rounds to nearest even, overflows to infinity and keeps
+// subnormals exactly as f32_to_f16; rounding d up is that conversion plus one
+// ulp where it fell below d.  Binary32 metadata (rare) takes the scalar path.
+// ---------------------------------------------------------------------------
+bool chunk_meta_avx2(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta,
+                     float* m, float* d, float* s) {
+  if (fp32) return scalar_kernels().chunk_meta(mn, mx, H, fp32, num, meta, m, d, s);
+  const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
+  const __m256 inf = _mm256_set1_ps(__builtin_inff()), nv = _mm256_set1_ps(num);
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256 bad = zero;
   int32_t c = 0;
   for (; c + 8 <= H; c += 8) {
-    const __m256 x = load8(row, c, dt);
-    const __m256 dv = _mm256_loadu_ps(d + c);
-    const __m256 z = _mm256_and_ps(_mm256_div_ps(_mm256_sub_ps(x, _mm256_loadu_ps(m + c)), dv),
-                                   _mm256_cmp_ps(dv, zero, _CMP_GT_OQ));
-    __m256i code;
-    if (cb.sign_magnitude) {
-      const __m256 a = _mm256_and_ps(z, absmask);
-      const __m256i i = _mm256_cvttps_epi32(_mm256_mul_ps(a, n));
-      const __m256i q = _mm256_sub_epi32(
-          _mm256_i32gather_epi32(base, i, 4),
-          _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_i32gather_ps(next, i, 4), _CMP_GE_OQ)));
-      const __m256i s = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(z, zero, _CMP_LT_OQ)),
-                                         _mm256_set1_epi32(0x80));
-      code = _mm256_or_si256(q, s);
-    } else {
-      const __m256i i =
-          _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_floor_ps(_mm256_mul_ps(z, n))), origin);
-      code = _mm256_sub_epi32(
-          _mm256_i32gather_epi32(base, i, 4),
-          _mm256_castps_si256(_mm256_cmp_ps(z, _mm256_i32gather_ps(next, i, 4), _CMP_GE_OQ)));
+    const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(mn + c), zero);  // canonical +0
+    const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(mx + c), zero);
+    const __m128i mh = _mm256_cvtps_ph(_mm256_add_ps(_mm256_mul_ps(half, lo), _mm256_mul_ps(half, hi)), kRne);
+    const __m256 mv = _mm256_cvtph_ps(mh);
+    const __m256 dv0 = _mm256_add_ps(_mm256_max_ps(_mm256_sub_ps(hi, mv), _mm256_sub_ps(mv, lo)), zero);
+    __m128i dh = _mm256_cvtps_ph(dv0, kRne);
+    // Below d after rounding: the next binary16 up (d >= 0: one more in the bits).
+    const __m256 below = _mm256_cmp_ps(_mm256_cvtph_ps(dh), dv0, _CMP_LT_OQ);
+    const __m256i bel = _mm256_castps_si256(below);
+    const __m128i bel16 = _mm_packs_epi32(_mm256_castsi256_si128(bel), _mm256_extracti128_si256(bel, 1));
+    dh = _mm_sub_epi16(dh, bel16);
+    const __m256 dv = _mm256_cvtph_ps(dh);
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), mv), inf, _CMP_EQ_OQ),
+                                         _mm256_cmp_ps(dv, inf, _CMP_EQ_OQ)));
+    _mm256_storeu_ps(m + c, mv);
+    _mm256_storeu_ps(d + c, dv);
+    _mm256_storeu_ps(s + c, _mm256_and_ps(_mm256_div_ps(nv, dv), _mm256_cmp_ps(dv, zero, _CMP_GT_OQ)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(meta + 4 * c), _mm_unpacklo_epi16(mh, dh));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(meta + 4 * c + 16), _mm_unpackhi_epi16(mh, dh));
+  }
+  bool ok = _mm256_movemask_ps(bad) == 0;
+  if (c < H)
+    ok &= scalar_kernels().chunk_meta(mn + c, mx + c, H - c, fp32, num, meta + 4 * c, m + c, d + c,
+                                      s + c);
+  return ok;
+}
+
+void load_meta_avx2(const uint8_t* meta, int32_t H, bool fp32, float* m, float* d) {
+  if (fp32) return scalar_kernels().load_meta(meta, H, fp32, m, d);
+  int32_t c = 0;
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+  for (; c + 8 <= H; c += 8) {
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 4 * c));
+    // {m, d} pairs -> 8 m (low halves) and 8 d (high halves), in order.
+    const __m256i mm = _mm256_and_si256(e, lo16), dd = _mm256_srli_epi32(e, 16);
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(mm, dd), 0xD8);
+    _mm256_storeu_ps(m + c, _mm256_cvtph_ps(_mm256_castsi256_si128(p)));
+    _mm256_storeu_ps(d + c, _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1)));
+  }
+  if (c < H) scalar_kernels().load_meta(meta + 4 * c, H - c, fp32, m + c, d + c);
+}
+
+// ---------------------------------------------------------------------------
+// Encode: 32 codes per iteration, packed to bytes with two packus and one
+// lane fix-up.  packus saturates to [0, 255], which is the UNIFORM clamp.
+// ---------------------------------------------------------------------------
+template <int KIND>
+inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m256 bias,
+                      const int* base, const float* next, __m256 ncells) {
+  const __m256 u = _mm256_sub_ps(x, _mm256_loadu_ps(m + c));
+  const __m256 sv = _mm256_loadu_ps(s + c);
+  if constexpr (KIND == CODE_UNIFORM) {
+    return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, sv, bias));
+  } else if constexpr (KIND == CODE_MAG) {
+    const __m256 absu = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), u);
+    const __m256i q = _mm256_min_epi32(
+        _mm256_cvttps_epi32(_mm256_fmadd_ps(absu, sv, _mm256_set1_ps(0.5f))), _mm256_set1_epi32(127));
+    const __m256i sign = _mm256_and_si256(
+        _mm256_castps_si256(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80));
+    return _mm256_or_si256(q, sign);
+  } else {
+    const __m256 z = _mm256_mul_ps(u, sv);
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
+    const __m256i i = _mm256_cvttps_epi32(_mm256_mul_ps(a, ncells));
+    const __m256i q = _mm256_sub_epi32(
+        _mm256_i32gather_epi32(base, i, 4),
+        _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_i32gather_ps(next, i, 4), _CMP_GE_OQ)));
+    const __m256i sign = _mm256_and_si256(
+        _mm256_castps_si256(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80));
+    return _mm256_or_si256(q, sign);
+  }
+}
+
+template <int KIND>
+void encode_row_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                     const float* s, const Codebook& cb, uint8_t* codes) {
+  const __m256 bias = _mm256_set1_ps(cb.bias);
+  const __m256 ncells = _mm256_set1_ps(static_cast<float>(1 << cb.lut_log2));
+  const int* base = cb.lut_base.data();
+  const float* next = cb.lut_next.data();
+  const __m256i fix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i maxc = _mm256_set1_epi8(static_cast<char>(cb.max_code));
+  int32_t c = 0;
+  for (; c + 32 <= H; c += 32) {
+    const __m256i q0 = codes8<KIND>(load8(row, c, dt), m, s, c, bias, base, next, ncells);
+    const __m256i q1 = codes8<KIND>(load8(row, c + 8, dt), m, s, c + 8, bias, base, next, ncells);
+    const __m256i q2 = codes8<KIND>(load8(row, c + 16, dt), m, s, c + 16, bias, base, next, ncells);
+    const __m256i q3 = codes8<KIND>(load8(row, c + 24, dt), m, s, c + 24, bias, base, next, ncells);
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
+    b = _mm256_permutevar8x32_epi32(b, fix);
+    if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);  // INT4: 15
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c), b);
+  }
+  if (c < H) scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, s + c, cb, codes + c);
+}
+
+void encode_row_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                     const float* s, const Codebook& cb, uint8_t* codes) {
+  switch (cb.kind) {
+    case CODE_UNIFORM: return encode_row_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, codes);
+    case CODE_MAG: return encode_row_kind<CODE_MAG>(row, dt, H, m, s, cb, codes);
+    default: return encode_row_kind<CODE_LUT>(row, dt, H, m, s, cb, codes);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Decode: 16 values per iteration.  The z value of an index comes from the
+// linear formula (full codes of the linear codebooks), two 8-entry permutes
+// (tables of 16, the 4-bit anchors), or a gather.
+// ---------------------------------------------------------------------------
+enum class Lookup { MAG, UNIFORM, PERM16, GATHER };
+
+template <Lookup L>
+inline __m256 value8(const uint8_t* idx, int32_t c, const Values& v, __m256 t0, __m256 t1) {
+  const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
+  if constexpr (L == Lookup::UNIFORM) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(v.step), _mm256_set1_ps(-1.0f));
+  } else if constexpr (L == Lookup::MAG) {
+    const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(i, _mm256_set1_epi32(0x7F))),
+                                   _mm256_set1_ps(v.step));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_xor_ps(r, _mm256_castsi256_ps(sign));
+  } else if constexpr (L == Lookup::PERM16) {
+    const __m256 lo = _mm256_permutevar8x32_ps(t0, i), hi = _mm256_permutevar8x32_ps(t1, i);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
+  } else {
+    return _mm256_i32gather_ps(v.table, i, 4);
+  }
+}
+
+// Round-to-nearest-even float -> bfloat16 (the decoder never produces NaN),
+// as 8 x u32 holding the bf16 in their low half.
+inline __m256i bf16_round(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+}
+
+template <Lookup L, bool CLAMP>
+void decode_row_kind(const uint8_t* idx, int32_t H, const float* m, const float* d,
+                     const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+  if constexpr (L == Lookup::PERM16) {
+    t0 = _mm256_loadu_ps(v.table);
+    t1 = _mm256_loadu_ps(v.table + 8);
+  }
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  auto value = [&](int32_t c) {
+    __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(d + c), value8<L>(idx, c, v, t0, t1),
+                               _mm256_loadu_ps(m + c));
+    if constexpr (CLAMP) x = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), big)), big);
+    return x;
+  };
+  int32_t c = 0;
+  for (; c + 16 <= H; c += 16) {
+    const __m256 x0 = value(c), x1 = value(c + 8);
+    switch (dt) {
+      case KVXFER_DTYPE_BF16: {
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(x0), bf16_round(x1)), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 2 * c), p);
+        break;
+      }
+      case KVXFER_DTYPE_FP16:
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * c),
+                         _mm256_cvtps_ph(x0, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * c + 16),
+                         _mm256_cvtps_ph(x1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        break;
+      default:
+        _mm256_storeu_ps(reinterpret_cast<float*>(row) + c, x0);
+        _mm256_storeu_ps(reinterpret_cast<float*>(row) + c + 8, x1);
     }
-    const __m128i w =
-        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + c), _mm_packus_epi16(w, w));
   }
   if (c < H)
-    scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, d + c, cb, codes + c);
+    scalar_kernels().decode_row(idx + c, H - c, m + c, d + c, v, dt, row + c * dtype_size(dt));
+}
+
+template <bool CLAMP>
+void decode_row_clamp(const uint8_t* idx, int32_t H, const float* m, const float* d,
+                      const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  if (v.linear_kind == CODE_UNIFORM)
+    return decode_row_kind<Lookup::UNIFORM, CLAMP>(idx, H, m, d, v, dt, row);
+  if (v.linear_kind == CODE_MAG) return decode_row_kind<Lookup::MAG, CLAMP>(idx, H, m, d, v, dt, row);
+  if (v.entries == 16) return decode_row_kind<Lookup::PERM16, CLAMP>(idx, H, m, d, v, dt, row);
+  return decode_row_kind<Lookup::GATHER, CLAMP>(idx, H, m, d, v, dt, row);
 }
 
 void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float* d,
-                     const float* table, kvxfer_dtype_t dt, uint8_t* row) {
-  int32_t c = 0;
-  for (; c + 8 <= H; c += 8) {
-    const __m256i i =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
-    const __m256 r = _mm256_i32gather_ps(table, i, 4);
-    const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
-    const __m256 v = _mm256_min_ps(  // the clamp of codec_math.h denormalise()
-        _mm256_max_ps(
-            _mm256_add_ps(_mm256_loadu_ps(m + c), _mm256_mul_ps(_mm256_loadu_ps(d + c), r)),
-            _mm256_sub_ps(_mm256_setzero_ps(), big)),
-        big);
-    switch (dt) {
-      case KVXFER_DTYPE_BF16:
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * c), to_bf16(v));
-        break;
-      case KVXFER_DTYPE_FP16:
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * c),
-                         _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        break;
-      default: _mm256_storeu_ps(reinterpret_cast<float*>(row) + c, v);
-    }
-  }
-  if (c < H)
-    scalar_kernels().decode_row(idx + c, H - c, m + c, d + c, table, dt, row + c * dtype_size(dt));
+                     const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  if (v.clamp) return decode_row_clamp<true>(idx, H, m, d, v, dt, row);
+  decode_row_clamp<false>(idx, H, m, d, v, dt, row);
 }
 
 }  // namespace
 
 const RowKernels& avx2_kernels() {
-  static const RowKernels k{minmax_avx2, encode_row_avx2, decode_row_avx2};
+  static const RowKernels k{chunk_minmax_avx2, chunk_meta_avx2, load_meta_avx2, encode_row_avx2,
+                            decode_row_avx2};
   return k;
 }
 

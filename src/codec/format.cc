@@ -1,6 +1,11 @@
 #include "codec/format.h"
 
 #include <xxhash.h>
+#if defined(__x86_64__)
+// XXH3 through libxxhash's run-time dispatch (AVX2 where the CPU has it):
+// the same hash, computed with the widest vectors available.
+#include <xxh_x86dispatch.h>
+#endif
 
 #include <cmath>
 #include <cstring>

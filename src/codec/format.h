@@ -1,4 +1,4 @@
-// Page wire format, version 1 (docs/FORMAT.md, "Wire format").
+// Page wire format, version 2 (docs/FORMAT.md, "Wire format").
 //
 // A page becomes two sections, each = 80-byte header + payload:
 //   anchor   section: header | metadata [chunk][channel]{offset, half_range} | packed anchors
@@ -27,7 +27,7 @@
 namespace kvxfer::codec {
 
 constexpr uint32_t kMagic = 0x5058564Bu;  // bytes "KVXP"
-constexpr uint16_t kWireVersion = 1;
+constexpr uint16_t kWireVersion = 2;
 constexpr size_t kHeaderBytes = 80;
 constexpr uint32_t kMaxChannels = 1u << 20;
 constexpr uint64_t kMaxTokens = 1ull << 32;

@@ -196,7 +196,7 @@ struct EncodeJob {
   uint8_t* meta;       // anchor payload start
   uint8_t* anchors;    // after metadata
   uint8_t* residuals;  // residual payload start (may be unused)
-  uint64_t* hist;      // [256] zeroed; the encoder adds the count of every full code
+  uint64_t* hist;      // [256] zeroed; the encoder adds the full codes of the rows hist_row() picks
 };
 
 enum class EncodeStatus { OK, NEED_FP32, NONFINITE };

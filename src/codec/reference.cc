@@ -34,9 +34,10 @@ EncodeStatus encode(const EncodeJob& job) {
       if (!chunk_affine(mn, mx, job.meta_fp32, &a)) return EncodeStatus::NEED_FP32;
       put_affine(job.meta, k * H + c, job.meta_fp32, a);
       // Lines 6-9: companding, 8-bit code, anchor/residual split.
+      const float s = job.cb->scale(a.d);
       for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t code = job.cb->encode(normalise(load_elem(job.src.row(t), c, dt), a));
-        ++job.hist[code];
+        const uint8_t code = job.cb->encode(load_elem(job.src.row(t), c, dt), a.m, s);
+        if (hist_row(t)) ++job.hist[code];
         const uint64_t e = static_cast<uint64_t>(t) * H + c;
         put_bits(job.anchors, e * A, A, code >> R);
         if (R > 0) put_bits(job.residuals, e * R, R, code & ((1u << R) - 1));

@@ -157,7 +157,8 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
   // aff) and the outputs hist / sat are the caller's (one set per thread).
   auto run_chunk = [&](int64_t k, BitWriter& w8a, BitWriter& w8r, BitWriter& w4,
                        std::vector<float>& mn, std::vector<float>& mx, std::vector<Affine>& aff,
-                       uint64_t* hist, bool* sat) -> bool {
+                       std::vector<float>& s8, std::vector<float>& s4, uint64_t* hist,
+                       bool* sat) -> bool {
     const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
     // Metadata over the chunk's INT8 and INT4 tokens only (docs/FORMAT.md
     // 6.2), with the same comparisons as the other codecs (reference.cc).
@@ -184,6 +185,8 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
       }
       put_affine(ap + p.meta, k * H + c, fp32, a);
       aff[c] = a;  // what the decoder reads back: binary16 pairs are stored exactly
+      s8[c] = cb8->scale(a.d);
+      s4[c] = cb4->scale(a.d);
     }
     uint64_t i16 = start[static_cast<size_t>(k)].n16;  // index within the FP16 tier
     for (int64_t t = t0; t < t1; ++t) {
@@ -199,16 +202,15 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
           break;
         case KVXFER_TIER_INT8:
           for (int32_t c = 0; c < H; ++c) {
-            // encode_lut == Codebook::encode (Codebook.FastLookupEqualsThresholdCount...).
-            const uint8_t code = cb8->encode_lut(normalise(load_elem(row, c, dt), aff[c]));
-            ++hist[code];
+            const uint8_t code = cb8->encode(load_elem(row, c, dt), aff[c].m, s8[c]);
+            if (hist_row(t)) ++hist[code];
             w8a.put(code >> R, A);
             w8r.put(code & ((1u << R) - 1), R);
           }
           break;
         case KVXFER_TIER_INT4:
           for (int32_t c = 0; c < H; ++c)
-            w4.put(cb4->encode_lut(normalise(load_elem(row, c, dt), aff[c])), 4);
+            w4.put(cb4->encode(load_elem(row, c, dt), aff[c].m, s4[c]), 4);
           break;
         default: break;  // DROP: nothing is sent, the row is not read
       }
@@ -228,13 +230,14 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
       uint64_t local[256] = {0};
       std::vector<float> mn(static_cast<size_t>(H)), mx(static_cast<size_t>(H));
       std::vector<Affine> aff(static_cast<size_t>(H));
+      std::vector<float> s8(static_cast<size_t>(H)), s4(static_cast<size_t>(H));
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < chunks; ++k) {
         const ChunkStart& st = start[static_cast<size_t>(k)];
         const uint64_t e8 = st.n8 * static_cast<uint64_t>(H), e4 = st.n4 * static_cast<uint64_t>(H);
         BitWriter w8a(ap + p.int8_anchor + e8 * A / 8), w8r(rp + p.int8_residual + e8 * R / 8),
             w4(ap + p.int4_codes + e4 / 2);
-        if (!need_fp32 && !run_chunk(k, w8a, w8r, w4, mn, mx, aff, local, &sat)) need_fp32 = true;
+        if (!need_fp32 && !run_chunk(k, w8a, w8r, w4, mn, mx, aff, s8, s4, local, &sat)) need_fp32 = true;
       }
 #pragma omp critical(kvxfer_spectrum_hist)
       for (int b = 0; b < 256; ++b) hist[b] += local[b];
@@ -243,8 +246,9 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
     BitWriter w8a(ap + p.int8_anchor), w8r(rp + p.int8_residual), w4(ap + p.int4_codes);
     std::vector<float> mn(static_cast<size_t>(H)), mx(static_cast<size_t>(H));
     std::vector<Affine> aff(static_cast<size_t>(H));
+    std::vector<float> s8(static_cast<size_t>(H)), s4(static_cast<size_t>(H));
     for (int64_t k = 0; k < chunks && !need_fp32; ++k)
-      need_fp32 = !run_chunk(k, w8a, w8r, w4, mn, mx, aff, hist, &sat);
+      need_fp32 = !run_chunk(k, w8a, w8r, w4, mn, mx, aff, s8, s4, hist, &sat);
     w8a.flush();
     w8r.flush();
     w4.flush();
