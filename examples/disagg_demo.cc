@@ -241,7 +241,7 @@ void codec_of(Mode m, kvxfer_codec_config_t* codec, kvxfer_mode_t* xmode) {
 // ---------------------------------------------------------------------------
 
 struct Options {
-  std::string model_path = KVXFER_SHARED_DATA_DIR "/stories260K.bin";
+  std::string model_path = KVXFER_DATA_DIR "/stories260K.bin";
   std::string rate = "50mbit";
   int prompt_len = 400;
   std::string prompt_ids;  // "1,2,3": given prompt instead of a generated one

@@ -56,7 +56,7 @@ struct Options {
   int64_t tokens = 4096;  // synthetic page tokens
   int threads = 0;        // multi-threaded row; 0 = KVXFER_CODEC_THREADS, else every usable CPU
   int bits = 1;           // print the bits-per-element table
-  std::string model_path = std::string(KVXFER_SHARED_DATA_DIR) + "/stories260K.bin";
+  std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
   bool gpu = false;                   // --gpu: the CUDA kernels instead of the CPU codec
   std::string gpu_ref = "reference";  // --gpu_ref: CPU path the GPU bytes are compared with
   std::string paths = "reference,scalar,avx2,mt";  // --path: rows of the throughput table

@@ -81,10 +81,6 @@ using json = nlohmann::json;
 
 namespace {
 
-#ifndef KVXFER_SHARED_DATA_DIR
-#define KVXFER_SHARED_DATA_DIR "../shared/data"
-#endif
-
 // Thread-seconds spent in each stage (reported in the footer).
 struct Timers {
   double codec = 0, attention = 0, greedy = 0;
@@ -642,7 +638,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvxfer codec accuracy: attention-output vNMSE, K/V cosine, bits, greedy agreement"};
   bool quick = false;
   std::string json_path;
-  std::string model_path = std::string(KVXFER_SHARED_DATA_DIR) + "/stories260K.bin";
+  std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
   SynthOptions so;
   int greedy_steps = 64;
   app.add_flag("--quick", quick, "smaller data sets (2 prompts, 2 x 512 synthetic tokens)");

@@ -130,7 +130,7 @@ struct Options {
   int page_tokens = 0;
   int chunk = 32, anchor_bits = 4;
   bool stories = false;
-  std::string model_path = std::string(KVXFER_SHARED_DATA_DIR) + "/stories260K.bin";
+  std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
   int rank = -1;  // -1: fork mode (both ranks here)
   std::string id_file;
   int timeout_ms = 0;

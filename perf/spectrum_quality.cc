@@ -59,10 +59,6 @@ using json = nlohmann::json;
 
 namespace {
 
-#ifndef KVXFER_SHARED_DATA_DIR
-#define KVXFER_SHARED_DATA_DIR "../shared/data"
-#endif
-
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "spectrum_quality: %s\n", msg.c_str());
   std::exit(1);
@@ -272,7 +268,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   int check = 1;
   std::string json_path, budgets_s = "0.25,0.3,0.4,0.5,0.7";
-  std::string model_path = std::string(KVXFER_SHARED_DATA_DIR) + "/stories260K.bin";
+  std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
   int prompts = 3, prompt_tokens = 320, steps = 64, seeds = 3, sinks = 4;
   int synth_layers = 2, synth_tokens = 512, synth_queries = 16;
   float lambda = 0.00390625f;

@@ -20,6 +20,7 @@ packages=(
   libfabric-dev       # libfabric >= 1.17
   libfabric-bin       # fi_pingpong: the baseline of perf/run_figures.sh
   libhwloc-dev
+  libhwloc-plugins    # hwloc's libxml2 XML backend: NetPluginTopo.* load an XML fixture
   libxxhash-dev       # section checksums
   libcli11-dev        # command lines of perf/ and examples/
   nlohmann-json3-dev  # JSON output of perf/

@@ -21,7 +21,7 @@ namespace km = kvxfer::model;
 
 namespace {
 
-const char* kModelPath = KVXFER_SHARED_DATA_DIR "/stories260K.bin";
+const char* kModelPath = KVXFER_DATA_DIR "/stories260K.bin";
 
 const std::vector<int> kReference = {461, 461, 401, 401, 401, 461, 378, 455, 473, 456,
                                      435, 299, 362, 409, 283, 264, 283, 452, 288, 13};

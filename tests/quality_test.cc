@@ -24,7 +24,7 @@ namespace kc = kvxfer::codec;
 
 namespace {
 
-const char* kModelPath = KVXFER_SHARED_DATA_DIR "/stories260K.bin";
+const char* kModelPath = KVXFER_DATA_DIR "/stories260K.bin";
 
 const km::Model* model(std::string* why) {
   static std::string error;

@@ -779,7 +779,7 @@ TEST(SpecModel, BadInputIsRefused) {
 
 namespace {
 
-const char* kModelPath = KVXFER_SHARED_DATA_DIR "/stories260K.bin";
+const char* kModelPath = KVXFER_DATA_DIR "/stories260K.bin";
 
 // Round-trips one layer's K or V ([n][kv_dim] float32, in place) through the
 // Lynx codec, keeping only the anchor (anchor_only) or everything.

@@ -31,7 +31,7 @@ using kvxfer::test::PagedBuffer;
 
 namespace {
 
-const char* kModelPath = KVXFER_SHARED_DATA_DIR "/stories260K.bin";
+const char* kModelPath = KVXFER_DATA_DIR "/stories260K.bin";
 
 bool contains(const std::string& s, const std::string& sub) {
   return s.find(sub) != std::string::npos;
