@@ -59,9 +59,12 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
       // The linear levels at +-1 may land one ulp outside (RN(q * step)).
       ASSERT_GE(r, -1.0f - 1e-6f);
       ASSERT_LE(r, 1.0f + 1e-6f);
-      // -0 (code 0x80 of LYNX alpha 0) is not negative: a tiny negative z has that code.
-      const float probe = (cb->kind == CODE_MAG && code == 0x80) ? -1e-30f : r;
-      ASSERT_EQ(cb->encode_z(probe), code)
+      // LYNX alpha 0 never produces 0x80 (-0): the signed level 0 is code 0.
+      if (cb->kind == CODE_MAG && code == 0x80) {
+        ASSERT_EQ(cb->encode_z(-1e-30f), 0u);
+        continue;
+      }
+      ASSERT_EQ(cb->encode_z(r), code)
           << "codec " << c.codec << " alpha " << c.alpha << " code " << code;
       if (cb->kind != CODE_LUT) ASSERT_EQ(r, recon_linear(cb->kind, code, cb->recon_step));
       // The anchor value lies in the union of its codes' bins: it encodes to a
@@ -71,13 +74,15 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
   }
 }
 
-// The code of z by the closed formula, in double: round half up of |z| * 127
-// (LYNX alpha 0) or (z + 1) * (2^b - 1) / 2 (uniform); -1 within 1e-5 of a tie.
+// The code of z by the closed formula, in double: round half up of z * 127
+// in sign-magnitude (LYNX alpha 0) or of (z + 1) * (2^b - 1) / 2 (uniform);
+// -1 within 1e-5 of a tie.
 int closed_form_code(const Codebook& cb, double z) {
   if (cb.kind == CODE_MAG) {
-    const double y = std::fabs(z) * 127.0;
+    const double y = z * 127.0;
     if (std::fabs(y - std::floor(y) - 0.5) < 1e-5) return -1;
-    return static_cast<int>(std::min(127.0, std::floor(y + 0.5))) | (z < 0 ? 0x80 : 0);
+    const int q = static_cast<int>(std::max(-127.0, std::min(127.0, std::floor(y + 0.5))));
+    return q >= 0 ? q : (0x80 | -q);
   }
   const double y = (z + 1.0) * cb.scale_num;
   if (std::fabs(y - std::floor(y) - 0.5) < 1e-5) return -1;
@@ -149,13 +154,16 @@ TEST(Codebook, LynxMatchesAlphaLawFormula) {
       ASSERT_EQ(cb->encode_z(z), q | (z < 0 ? 0x80u : 0u)) << "alpha " << alpha << " z " << z;
     }
   }
-  // alpha = 0 is linear: z = 0.5 is the tie 63.5, rounded up.
+  // alpha = 0 is linear: z = 0.5 is the tie 63.5, rounded up (so -63.5 goes
+  // to -63).
   const CodebookRef lin = get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, nullptr);
   EXPECT_EQ(lin->encode_z(0.5f), 64u);
-  EXPECT_EQ(lin->encode_z(-0.5f), 0x80u | 64u);
+  EXPECT_EQ(lin->encode_z(-0.5f), 0x80u | 63u);
+  EXPECT_EQ(lin->encode_z(-1.0f), 0x80u | 127u);
   EXPECT_EQ(lin->encode_z(1.0f), 127u);
   EXPECT_EQ(lin->encode_z(0.0f), 0u);
-  EXPECT_EQ(lin->encode_z(-0.0f), 0u);  // u < 0 is false for -0
+  EXPECT_EQ(lin->encode_z(-0.0f), 0u);
+  EXPECT_EQ(lin->encode_z(-1e-30f), 0u);  // the signed level 0: never 0x80
 }
 
 TEST(Codebook, UniformBaselinesMatchHandComputedValues) {

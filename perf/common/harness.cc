@@ -62,6 +62,27 @@ bool time_loop(int warmup, int iters, const std::function<bool()>& fn, Stats* ou
   return true;
 }
 
+bool time_paired(int warmup, int iters, const std::function<bool()>& base,
+                 const std::function<bool()>& fn, Stats* base_out, Stats* out) {
+  using clock = std::chrono::steady_clock;
+  for (int i = 0; i < warmup; ++i)
+    if (!base() || !fn()) return false;
+  std::vector<double> ub, uf;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = clock::now();
+    const bool okb = base();
+    const auto t1 = clock::now();
+    const bool okf = fn();
+    const auto t2 = clock::now();
+    if (!okb || !okf) return false;
+    ub.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    uf.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+  }
+  *base_out = summarize(std::move(ub));
+  *out = summarize(std::move(uf));
+  return true;
+}
+
 nlohmann::json to_json(const Stats& s) {
   return {{"iters", s.iters},
           {"median_us", s.median_us},

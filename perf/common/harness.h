@@ -57,6 +57,15 @@ Stats summarize(std::vector<double> samples_us);
  */
 bool time_loop(int warmup, int iters, const std::function<bool()>& fn, Stats* out);
 
+/**
+ * time_loop of `fn` with a baseline `base` (for example memcpy of the same
+ * bytes) timed just before every call, so that both see the same state of a
+ * noisy machine: ratios of their medians are then measured side by side,
+ * not minutes apart.  Warm-up runs both `warmup` times.
+ */
+bool time_paired(int warmup, int iters, const std::function<bool()>& base,
+                 const std::function<bool()>& fn, Stats* base_out, Stats* out);
+
 /** Throughput in GB/s (10^9 bytes per second) of `bytes` processed in `us`. */
 inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 : 0.0; }
 

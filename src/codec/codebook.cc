@@ -146,8 +146,8 @@ std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int a
   } else if (cb->alpha == 0.0f) {
     cb->kind = CODE_MAG;
     cb->scale_num = 127.0f;
-    cb->bias = 0.5f;
-    cb->max_code = 127;
+    cb->bias = 127.5f;
+    cb->max_code = 254;
     cb->recon_step = f_div(1.0f, 127.0f);
   } else {
     cb->kind = CODE_LUT;

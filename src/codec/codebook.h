@@ -15,7 +15,7 @@
 // A code is decided from u = RN(x - m) and the code scale s = RN(L / d) of
 // its (chunk, channel) (codec_math.h quantize, docs/FORMAT.md 2.2):
 //   LYNX alpha > 0 (CODE_LUT):  z = RN(u * s), q = #{k : |z| >= T[k]}, code = (z < 0) << 7 | q
-//   LYNX alpha = 0 (CODE_MAG):  q = min(trunc(RN(|u| * s + 1/2)), 127), code = (u < 0) << 7 | q
+//   LYNX alpha = 0 (CODE_MAG):  v = min(trunc(RN(u * s + 127.5)), 254), q = v - 127 in sign-magnitude
 //   INT8/INT4 (CODE_UNIFORM):   code = min(trunc(RN(u * s + L + 1/2)), 2L)
 // The linear codes reconstruct at their levels (z = +-q/127, -1 + q/L), the
 // extremes at +-1 included; alpha-law codes at the centre of their bin.
@@ -43,8 +43,8 @@ struct Codebook {
   bool sign_magnitude;                 // LYNX: sign bit + 7-bit alpha-law magnitude
   int kind;                            // CodeKind (codec_math.h)
   float scale_num;                     // L of the code scale s = RN(L / d)
-  float bias;                          // CODE_UNIFORM: L + 1/2; CODE_MAG: 1/2
-  int max_code;                        // CODE_UNIFORM: 2^b - 1; CODE_MAG: 127
+  float bias;                          // L + 1/2 (CODE_UNIFORM, CODE_MAG)
+  int max_code;                        // CODE_UNIFORM: 2^b - 1; CODE_MAG: 254 (largest v)
   float recon_step;                    // linear kinds: recon_full = recon_linear(code, step)
   std::vector<float> thresholds;       // ascending; 127 (LYNX) or 2^b - 1 (uniform)
   float recon_full[256];               // z value of each code (level, or bin centre)

@@ -227,7 +227,8 @@ KVXFER_HD inline uint8_t encode_lut(const int32_t* base, const float* next, int 
 /** How a codebook turns y = RN(x - m) into a code (Codebook::kind). */
 enum CodeKind : int {
   CODE_LUT = 0,      // LYNX alpha > 0: z = RN(u * s), s = RN(1 / d), then the threshold LUT
-  CODE_MAG = 1,      // LYNX alpha = 0: q = min(trunc(fma(|u|, s, 1/2)), 127), s = RN(127 / d)
+  CODE_MAG = 1,      // LYNX alpha = 0: v = min(trunc(fma(u, s, 127.5)), 254), s = RN(127 / d),
+                     //   then q = v - 127 in sign-magnitude
   CODE_UNIFORM = 2,  // INT8 / INT4: q = min(trunc(fma(u, s, L + 1/2)), 2L), s = RN(L / d)
 };
 
@@ -235,8 +236,8 @@ enum CodeKind : int {
 struct CodeSpec {
   int kind;        // CodeKind
   float num;       // L of s = RN(L / d): 1 (LUT), 127 (MAG), (2^b - 1) / 2 (UNIFORM)
-  float bias;      // UNIFORM: L + 1/2; MAG: 1/2; LUT: unused
-  int max_code;    // UNIFORM: 2^b - 1; MAG: 127
+  float bias;      // L + 1/2 (UNIFORM, MAG); LUT: unused
+  int max_code;    // UNIFORM: 2^b - 1; MAG: 254 (the largest v)
   const int32_t* base;  // LUT kind only: Codebook::lut_base / lut_next
   const float* next;
   int lut_log2, lut_origin;
@@ -247,22 +248,22 @@ struct CodeSpec {
  * scale s = code_scale(d, spec.num) (docs/FORMAT.md 2.2).  Every float step
  * is one correctly rounded operation: u = RN(x - m), then
  *   LUT:     z = RN(u * s), code = encode_lut(z) (the threshold count);
- *   MAG:     q = min(trunc(RN(|u| * s + 1/2)), 127), code = q | (u < 0) << 7;
- *   UNIFORM: q = min(trunc(RN(u * s + L + 1/2)), 2^b - 1).
- * MAG and UNIFORM are round-half-up of |z| * 127 and (z + 1) * L without a
- * table.  |RN(x - m)| <= d and s <= (L / d)(1 + 2^-24), so the UNIFORM sum is
- * positive and the clamps only catch the last ulp.
+ *   UNIFORM: q = min(trunc(RN(u * s + L + 1/2)), 2^b - 1);
+ *   MAG:     v = min(trunc(RN(u * s + 127.5)), 254), then the signed level
+ *            q = v - 127 in sign-magnitude: code = q >= 0 ? q : 0x80 | -q.
+ * UNIFORM is round-half-up of (z + 1) * L, MAG of z * 127 (so a negative tie
+ * rounds toward zero), both without a table.  |RN(x - m)| <= d and
+ * s <= (L / d)(1 + 2^-24), so the sums are positive and the clamps only catch
+ * the last ulp.
  */
 KVXFER_HD inline uint8_t quantize(const CodeSpec& cs, float x, float m, float s) {
   const float u = f_sub(x, m);
   if (cs.kind == CODE_LUT)
     return encode_lut(cs.base, cs.next, cs.lut_log2, cs.lut_origin, true, f_mul(u, s));
-  if (cs.kind == CODE_MAG) {
-    const int q = static_cast<int>(f_fma(f32_abs(u), s, 0.5f));
-    return static_cast<uint8_t>((q > 127 ? 127 : q) | (u < 0.0f ? 0x80 : 0));
-  }
-  const int q = static_cast<int>(f_fma(u, s, cs.bias));
-  return static_cast<uint8_t>(q > cs.max_code ? cs.max_code : (q < 0 ? 0 : q));
+  int q = static_cast<int>(f_fma(u, s, cs.bias));
+  q = q > cs.max_code ? cs.max_code : (q < 0 ? 0 : q);
+  if (cs.kind == CODE_MAG) return static_cast<uint8_t>(q >= 127 ? q - 127 : 0x80 | (127 - q));
+  return static_cast<uint8_t>(q);
 }
 
 /**
@@ -284,7 +285,7 @@ KVXFER_HD inline float recon_linear(int kind, unsigned code, float step) {
  * one-in-eight sample, so that counting costs an eighth of a pass
  * (docs/FORMAT.md 2.4).  Row 0 is always counted.
  */
-constexpr int kHistRowStride = 8;
+constexpr int kHistRowStride = 16;
 KVXFER_HD inline bool hist_row(int64_t t) { return t % kHistRowStride == 0; }
 
 /**

@@ -167,6 +167,39 @@ void unpack44_row(const uint8_t* pa, const uint8_t* pr, int32_t H, uint8_t* idx)
   }
 }
 
+void encode_params_scalar(const float* m, const float* s, int32_t H, kvxfer_dtype_t, float* pm,
+                          float* ps) {
+  std::memcpy(pm, m, sizeof(float) * static_cast<size_t>(H));
+  std::memcpy(ps, s, sizeof(float) * static_cast<size_t>(H));
+}
+
+void encode_row_nibbles_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                               const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
+                               uint8_t* codes) {
+  uint8_t buf[256];
+  for (int32_t c0 = 0; c0 < H; c0 += 256) {
+    const int32_t n = std::min<int32_t>(256, H - c0);
+    uint8_t* q = codes != nullptr ? codes + c0 : buf;
+    encode_row_scalar(row + c0 * dtype_size(dt), dt, n, m + c0, s + c0, cb, q);
+    if (pr != nullptr)
+      pack44_row(q, n, pa + c0 / 2, pr + c0 / 2);
+    else
+      pack4_row(q, n, pa + c0 / 2);
+  }
+}
+
+// Asks for `bytes` at p to be brought into cache (for writing if `write`):
+// the next chunk's rows while this one is coded, so that pass 1 of the next
+// chunk finds them there.  A hint only: it changes no result.
+inline void prefetch_bytes(const uint8_t* p, size_t bytes, bool write) {
+  for (size_t o = 0; o < bytes; o += 64) {
+    if (write)
+      __builtin_prefetch(p + o, 1, 3);
+    else
+      __builtin_prefetch(p + o, 0, 3);
+  }
+}
+
 int thread_count(int requested, int64_t chunks, int64_t elems) {
   if (elems < (1 << 16) || chunks < 2) return 1;  // not worth waking threads
   const int t = requested > 0 ? requested : omp_get_max_threads();
@@ -176,8 +209,9 @@ int thread_count(int requested, int64_t chunks, int64_t elems) {
 }  // namespace
 
 const RowKernels& scalar_kernels() {
-  static const RowKernels k{chunk_minmax_scalar, chunk_meta_scalar, load_meta_scalar,
-                            encode_row_scalar, decode_row_scalar};
+  static const RowKernels k{chunk_minmax_scalar,       chunk_meta_scalar, load_meta_scalar,
+                            encode_row_scalar,         encode_params_scalar,
+                            encode_row_nibbles_scalar, decode_row_scalar};
   return k;
 }
 
@@ -207,7 +241,7 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
 
 #pragma omp parallel num_threads(thread_count(threads, chunks, T* H))
   {
-    std::vector<float> mn(H), mx(H), m(H), d(H), sc(H);
+    std::vector<float> mn(H), mx(H), m(H), d(H), sc(H), pm(H), ps(H);
     std::vector<uint8_t> codes(H);
     std::vector<const uint8_t*> rows(static_cast<size_t>(C));
     // Eight interleaved histograms: runs of equal codes (common near zero)
@@ -236,27 +270,35 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       // streams start on a byte boundary here.
       BitWriter wa{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
       BitWriter wr{job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8};
+      const bool nibbles = A == 4 && (R == 4 || R == 0) && (H & 1) == 0;
+      if (nibbles) K.encode_params(m.data(), sc.data(), H, dt, pm.data(), ps.data());
+      const size_t row_bytes = static_cast<size_t>(H) * job.src.elem;
       for (int64_t t = t0; t < t1; ++t) {
-        K.encode_row(rows[t - t0], dt, H, m.data(), sc.data(), *job.cb, codes.data());
-        if (count_hist && hist_row(t)) {
-          int32_t c = 0;
-          for (; c + 8 <= H; c += 8)
-            for (int j = 0; j < 8; ++j) ++hist[j][codes[c + j]];
-          for (; c < H; ++c) ++hist[0][codes[c]];
-        }
-        if (A == 4 && R == 4 && (H & 1) == 0) {
-          uint8_t* pa = wa.out + (static_cast<uint64_t>(t - t0) * H) / 2;
-          uint8_t* pr = wr.out + (static_cast<uint64_t>(t - t0) * H) / 2;
-          pack44_row(codes.data(), H, pa, pr);
-        } else if (A == 4 && R == 0 && (H & 1) == 0) {
-          pack4_row(codes.data(), H, wa.out + (static_cast<uint64_t>(t - t0) * H) / 2);
+        if (t + C < T) prefetch_bytes(job.src.row(t + C), row_bytes, false);
+        const bool counted = count_hist && hist_row(t);
+        if (nibbles) {
+          const uint64_t off = (static_cast<uint64_t>(t - t0) * H) / 2;
+          // The output of rows a few ahead, for writing: the stores then
+          // find their lines instead of waiting for them.
+          prefetch_bytes(wa.out + off + 4 * static_cast<uint64_t>(H) / 2, H / 2, true);
+          if (R > 0) prefetch_bytes(wr.out + off + 4 * static_cast<uint64_t>(H) / 2, H / 2, true);
+          K.encode_row_nibbles(rows[t - t0], dt, H, pm.data(), ps.data(), *job.cb, wa.out + off,
+                               R > 0 ? wr.out + off : nullptr, counted ? codes.data() : nullptr);
         } else {
+          K.encode_row(rows[t - t0], dt, H, m.data(), sc.data(), *job.cb, codes.data());
           for (int32_t c = 0; c < H; ++c) {
             wa.put(codes[c] >> R, A);
             if (R > 0) wr.put(codes[c] & ((1u << R) - 1), R);
           }
         }
+        if (counted) {
+          int32_t c = 0;
+          for (; c + 8 <= H; c += 8)
+            for (int j = 0; j < 8; ++j) ++hist[j][codes[c + j]];
+          for (; c < H; ++c) ++hist[0][codes[c]];
+        }
       }
+      if (nibbles) continue;  // no bit writer state: every row ended on a byte
       wa.flush();
       if (R > 0) wr.flush();
     }

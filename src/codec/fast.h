@@ -43,6 +43,21 @@ struct RowKernels {
   /** Codes of one row: codes[c] = quantize(cb.spec(), x[c], m[c], s[c]). */
   void (*encode_row)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                      const float* s, const Codebook& cb, uint8_t* codes);
+  /**
+   * Arranges a chunk's m and s (channel order) into pm, ps for
+   * encode_row_nibbles, in whatever order its vectors read them.
+   */
+  void (*encode_params)(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt, float* pm,
+                        float* ps);
+  /**
+   * encode_row on encode_params' arrays, then the 4-bit fields of docs/FORMAT.md 4.2 (even element in
+   * the low nibble): anchors (code >> 4) at pa and, when pr is non-NULL,
+   * residuals (code & 15) at pr; for 4-bit codes (INT4) pr is NULL and pa
+   * gets the codes.  `codes` (may be NULL) also receives the codes.  H even.
+   */
+  void (*encode_row_nibbles)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                             const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
+                             uint8_t* codes);
   /** Values of one row: x[c] = denormalise(v.table[idx[c]], {m[c], d[c]}) in dtype dt. */
   void (*decode_row)(const uint8_t* idx, int32_t H, const float* m, const float* d,
                      const Values& v, kvxfer_dtype_t dt, uint8_t* row);

@@ -54,100 +54,104 @@ inline uint32_t unkey32(int32_t k) {
 // while the chunk's rows stream past.
 constexpr int kMinmaxVecs = 4;
 
+// Row-major: each row streams through once (the hardware prefetcher follows
+// it), and the per-channel key accumulators stay in L1.
 bool minmax16(const uint8_t* const* rows, int n, bool bf16, int32_t H, float* mn, float* mx) {
   const int16_t inf_key = bf16 ? 0x7F80 : 0x7C00;  // key of +Inf; -Inf's is -1 - inf_key
-  __m256i bad = _mm256_setzero_si256();
   const __m256i hi = _mm256_set1_epi16(static_cast<int16_t>(inf_key - 1));
   const __m256i lo = _mm256_set1_epi16(static_cast<int16_t>(-inf_key));
-  int32_t c = 0;
-  constexpr int W = 16 * kMinmaxVecs;
-  alignas(32) int16_t kmn[W], kmx[W];
-  for (; c + 16 <= H; c += W) {
-    const int nv = std::min(kMinmaxVecs, (H - c) / 16);
-    __m256i vmn[kMinmaxVecs], vmx[kMinmaxVecs];
-    for (int v = 0; v < nv; ++v)
-      vmn[v] = vmx[v] = key16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 2 * (c + 16 * v))));
-    for (int r = 1; r < n; ++r) {
-      const uint8_t* p = rows[r] + 2 * c;
-      for (int v = 0; v < nv; ++v) {
-        const __m256i k = key16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v)));
-        vmn[v] = _mm256_min_epi16(vmn[v], k);
-        vmx[v] = _mm256_max_epi16(vmx[v], k);
-      }
+  const int32_t Hv = H & ~15;
+  // Keys as int16 over the float buffers' storage: mn/mx hold H floats, so
+  // their first H * 2 bytes are free until the conversion at the end (which
+  // runs backwards from the top, never overwriting a key not yet read).
+  int16_t* kmn = reinterpret_cast<int16_t*>(mn);
+  int16_t* kmx = reinterpret_cast<int16_t*>(mx);
+  for (int32_t c = 0; c < Hv; c += 16) {
+    const __m256i k = key16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 2 * c)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmn + c), k);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmx + c), k);
+  }
+  for (int r = 1; r < n; ++r) {
+    const uint8_t* p = rows[r];
+    for (int32_t c = 0; c < Hv; c += 16) {
+      const __m256i k = key16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * c)));
+      __m256i* a = reinterpret_cast<__m256i*>(kmn + c);
+      __m256i* b = reinterpret_cast<__m256i*>(kmx + c);
+      _mm256_storeu_si256(a, _mm256_min_epi16(_mm256_loadu_si256(a), k));
+      _mm256_storeu_si256(b, _mm256_max_epi16(_mm256_loadu_si256(b), k));
     }
-    for (int v = 0; v < nv; ++v) {
-      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi16(vmx[v], hi),
-                                                 _mm256_cmpgt_epi16(lo, vmn[v])));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(kmn + 16 * v), vmn[v]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(kmx + 16 * v), vmx[v]);
-    }
-    for (int i = 0; i < 16 * nv; ++i) {
-      const uint16_t a = unkey16(kmn[i]), b = unkey16(kmx[i]);
-      mn[c + i] = bf16 ? bf16_to_f32(a) : f16_to_f32(a);
-      mx[c + i] = bf16 ? bf16_to_f32(b) : f16_to_f32(b);
-    }
-    if (nv < kMinmaxVecs) {
-      c += 16 * nv;
-      break;
+  }
+  __m256i bad = _mm256_setzero_si256();
+  for (int32_t c = 0; c < Hv; c += 16)
+    bad = _mm256_or_si256(
+        bad, _mm256_or_si256(
+                 _mm256_cmpgt_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmx + c)), hi),
+                 _mm256_cmpgt_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmn + c)))));
+  // Keys back to floats (key16 is an involution on the bits), 8 at a time
+  // from the top: the floats of channels [c, c+8) overwrite bytes [4c, 4c+32),
+  // which hold keys of channels >= 2c, all converted already.
+  for (int32_t c = Hv - 8; c >= 0; c -= 8) {
+    for (int half = 0; half < 2; ++half) {
+      int16_t* k = half ? kmx : kmn;
+      float* out = half ? mx : mn;
+      const __m128i kk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k + c));
+      const __m128i u =
+          _mm_xor_si128(kk, _mm_and_si128(_mm_srai_epi16(kk, 15), _mm_set1_epi16(0x7FFF)));
+      const __m256 f = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(u), 16))
+                            : _mm256_cvtph_ps(u);
+      _mm256_storeu_ps(out + c, f);
     }
   }
   bool ok = _mm256_testz_si256(bad, bad) != 0;
-  if (c < H) {
-    const kvxfer_dtype_t dt = bf16 ? KVXFER_DTYPE_BF16 : KVXFER_DTYPE_FP16;
-    for (int32_t j = c; j < H; ++j) {
-      float a = load_elem(rows[0], j, dt), b = a;
-      for (int r = 0; r < n; ++r) {
-        const float x = load_elem(rows[r], j, dt);
-        ok &= !f32_nonfinite(x);
-        if (x < a) a = x;
-        if (x > b) b = x;
-      }
-      mn[j] = a;
-      mx[j] = b;
+  const kvxfer_dtype_t dt = bf16 ? KVXFER_DTYPE_BF16 : KVXFER_DTYPE_FP16;
+  for (int32_t j = Hv; j < H; ++j) {
+    float a = load_elem(rows[0], j, dt), b = a;
+    for (int r = 0; r < n; ++r) {
+      const float x = load_elem(rows[r], j, dt);
+      ok &= !f32_nonfinite(x);
+      if (x < a) a = x;
+      if (x > b) b = x;
     }
+    mn[j] = a;
+    mx[j] = b;
   }
   return ok;
 }
 
 bool minmax32(const uint8_t* const* rows, int n, int32_t H, float* mn, float* mx) {
-  __m256i bad = _mm256_setzero_si256();
   const __m256i hi = _mm256_set1_epi32(0x7F7FFFFF);
   const __m256i lo = _mm256_set1_epi32(-0x7F800000);
-  int32_t c = 0;
-  constexpr int W = 8 * kMinmaxVecs;
-  alignas(32) int32_t kmn[W], kmx[W];
-  for (; c + 8 <= H; c += W) {
-    const int nv = std::min(kMinmaxVecs, (H - c) / 8);
-    __m256i vmn[kMinmaxVecs], vmx[kMinmaxVecs];
-    for (int v = 0; v < nv; ++v)
-      vmn[v] = vmx[v] =
-          key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 4 * (c + 8 * v))));
-    for (int r = 1; r < n; ++r) {
-      const uint8_t* p = rows[r] + 4 * c;
-      for (int v = 0; v < nv; ++v) {
-        const __m256i k = key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v)));
-        vmn[v] = _mm256_min_epi32(vmn[v], k);
-        vmx[v] = _mm256_max_epi32(vmx[v], k);
-      }
-    }
-    for (int v = 0; v < nv; ++v) {
-      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(vmx[v], hi),
-                                                 _mm256_cmpgt_epi32(lo, vmn[v])));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(kmn + 8 * v), vmn[v]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(kmx + 8 * v), vmx[v]);
-    }
-    for (int i = 0; i < 8 * nv; ++i) {
-      mn[c + i] = bits_f32(unkey32(kmn[i]));
-      mx[c + i] = bits_f32(unkey32(kmx[i]));
-    }
-    if (nv < kMinmaxVecs) {
-      c += 8 * nv;
-      break;
+  const int32_t Hv = H & ~7;
+  int32_t* kmn = reinterpret_cast<int32_t*>(mn);  // keys in place of the floats
+  int32_t* kmx = reinterpret_cast<int32_t*>(mx);
+  for (int32_t c = 0; c < Hv; c += 8) {
+    const __m256i k = key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 4 * c)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmn + c), k);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmx + c), k);
+  }
+  for (int r = 1; r < n; ++r) {
+    const uint8_t* p = rows[r];
+    for (int32_t c = 0; c < Hv; c += 8) {
+      const __m256i k = key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4 * c)));
+      __m256i* a = reinterpret_cast<__m256i*>(kmn + c);
+      __m256i* b = reinterpret_cast<__m256i*>(kmx + c);
+      _mm256_storeu_si256(a, _mm256_min_epi32(_mm256_loadu_si256(a), k));
+      _mm256_storeu_si256(b, _mm256_max_epi32(_mm256_loadu_si256(b), k));
     }
   }
+  __m256i bad = _mm256_setzero_si256();
+  for (int32_t c = 0; c < Hv; c += 8) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmn + c));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmx + c));
+    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(b, hi), _mm256_cmpgt_epi32(lo, a)));
+    const __m256i m31 = _mm256_set1_epi32(0x7FFFFFFF);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmn + c),
+                        _mm256_xor_si256(a, _mm256_and_si256(_mm256_srai_epi32(a, 31), m31)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmx + c),
+                        _mm256_xor_si256(b, _mm256_and_si256(_mm256_srai_epi32(b, 31), m31)));
+  }
   bool ok = _mm256_testz_si256(bad, bad) != 0;
-  for (int32_t j = c; j < H; ++j) {
+  for (int32_t j = Hv; j < H; ++j) {
     float a = load_elem(rows[0], j, KVXFER_DTYPE_FP32), b = a;
     for (int r = 0; r < n; ++r) {
       const float x = load_elem(rows[r], j, KVXFER_DTYPE_FP32);
@@ -228,20 +232,25 @@ void load_meta_avx2(const uint8_t* meta, int32_t H, bool fp32, float* m, float* 
 // Encode: 32 codes per iteration, packed to bytes with two packus and one
 // lane fix-up.  packus saturates to [0, 255], which is the UNIFORM clamp.
 // ---------------------------------------------------------------------------
+// LYNX alpha = 0 from the unsigned level v in [0, 254] (codes8 UNIFORM with
+// bias 127.5): q = v - 127 in sign-magnitude, on bytes with saturating
+// subtractions.
+inline __m256i mag_from_level(__m256i v) {
+  const __m256i k127 = _mm256_set1_epi8(127);
+  v = _mm256_min_epu8(v, _mm256_set1_epi8(static_cast<char>(254)));
+  const __m256i pos = _mm256_subs_epu8(v, k127), neg = _mm256_subs_epu8(k127, v);
+  const __m256i negcode = _mm256_andnot_si256(_mm256_cmpeq_epi8(neg, _mm256_setzero_si256()),
+                                              _mm256_or_si256(neg, _mm256_set1_epi8(static_cast<char>(0x80))));
+  return _mm256_or_si256(pos, negcode);
+}
+
 template <int KIND>
 inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m256 bias,
                       const int* base, const float* next, __m256 ncells) {
   const __m256 u = _mm256_sub_ps(x, _mm256_loadu_ps(m + c));
   const __m256 sv = _mm256_loadu_ps(s + c);
-  if constexpr (KIND == CODE_UNIFORM) {
+  if constexpr (KIND == CODE_UNIFORM || KIND == CODE_MAG) {  // MAG: the level v
     return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, sv, bias));
-  } else if constexpr (KIND == CODE_MAG) {
-    const __m256 absu = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), u);
-    const __m256i q = _mm256_min_epi32(
-        _mm256_cvttps_epi32(_mm256_fmadd_ps(absu, sv, _mm256_set1_ps(0.5f))), _mm256_set1_epi32(127));
-    const __m256i sign = _mm256_and_si256(
-        _mm256_castps_si256(_mm256_cmp_ps(u, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80));
-    return _mm256_or_si256(q, sign);
   } else {
     const __m256 z = _mm256_mul_ps(u, sv);
     const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
@@ -255,27 +264,174 @@ inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m25
   }
 }
 
+// 32 byte codes of elements c..c+31, in order.
+template <int KIND>
+inline __m256i codes32(const uint8_t* row, kvxfer_dtype_t dt, int32_t c, const float* m,
+                       const float* s, __m256 bias, const int* base, const float* next,
+                       __m256 ncells, __m256i maxc) {
+  const __m256i fix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i q0 = codes8<KIND>(load8(row, c, dt), m, s, c, bias, base, next, ncells);
+  const __m256i q1 = codes8<KIND>(load8(row, c + 8, dt), m, s, c + 8, bias, base, next, ncells);
+  const __m256i q2 = codes8<KIND>(load8(row, c + 16, dt), m, s, c + 16, bias, base, next, ncells);
+  const __m256i q3 = codes8<KIND>(load8(row, c + 24, dt), m, s, c + 24, bias, base, next, ncells);
+  __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
+  b = _mm256_permutevar8x32_epi32(b, fix);
+  if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);  // INT4: 15
+  if constexpr (KIND == CODE_MAG) b = mag_from_level(b);
+  return b;
+}
+
 template <int KIND>
 void encode_row_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                      const float* s, const Codebook& cb, uint8_t* codes) {
   const __m256 bias = _mm256_set1_ps(cb.bias);
   const __m256 ncells = _mm256_set1_ps(static_cast<float>(1 << cb.lut_log2));
-  const int* base = cb.lut_base.data();
-  const float* next = cb.lut_next.data();
-  const __m256i fix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i maxc = _mm256_set1_epi8(static_cast<char>(cb.max_code));
   int32_t c = 0;
-  for (; c + 32 <= H; c += 32) {
-    const __m256i q0 = codes8<KIND>(load8(row, c, dt), m, s, c, bias, base, next, ncells);
-    const __m256i q1 = codes8<KIND>(load8(row, c + 8, dt), m, s, c + 8, bias, base, next, ncells);
-    const __m256i q2 = codes8<KIND>(load8(row, c + 16, dt), m, s, c + 16, bias, base, next, ncells);
-    const __m256i q3 = codes8<KIND>(load8(row, c + 24, dt), m, s, c + 24, bias, base, next, ncells);
-    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
-    b = _mm256_permutevar8x32_epi32(b, fix);
-    if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);  // INT4: 15
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c), b);
-  }
+  for (; c + 32 <= H; c += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c),
+                        codes32<KIND>(row, dt, c, m, s, bias, cb.lut_base.data(),
+                                      cb.lut_next.data(), ncells, maxc));
   if (c < H) scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, s + c, cb, codes + c);
+}
+
+// encode_params for bf16 rows: within each 16 channels of the vector part,
+// the order [0..3, 8..11 | 4..7, 12..15] of unpacklo/unpackhi, which turn
+// 16 bf16 into two float vectors with one shuffle each; packus then puts the
+// codes back in channel order.  Other dtypes and the tail keep channel order.
+void encode_params_avx2(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt, float* pm,
+                        float* ps) {
+  const int32_t Hv = dt == KVXFER_DTYPE_BF16 ? (H & ~31) : 0;
+  for (int32_t c = 0; c < Hv; c += 16)
+    for (int k = 0; k < 2; ++k) {
+      const float* src = k ? s : m;
+      float* dst = k ? ps : pm;
+      const __m256 a = _mm256_loadu_ps(src + c), b = _mm256_loadu_ps(src + c + 8);
+      _mm256_storeu_ps(dst + c, _mm256_permute2f128_ps(a, b, 0x20));      // 0..3, 8..11
+      _mm256_storeu_ps(dst + c + 8, _mm256_permute2f128_ps(a, b, 0x31));  // 4..7, 12..15
+    }
+  for (int32_t c = Hv; c < H; ++c) {
+    pm[c] = m[c];
+    ps[c] = s[c];
+  }
+}
+
+// 8 floats of channels c.. (bf16: in encode_params' order, lo or hi half).
+template <int DT>
+inline __m256 load8p(const uint8_t* row, int32_t c, int part) {
+  if constexpr (DT == KVXFER_DTYPE_BF16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * (c - 8 * part)));
+    const __m256i z = _mm256_setzero_si256();
+    return _mm256_castsi256_ps(part ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v));
+  } else {
+    return load8(row, c, static_cast<kvxfer_dtype_t>(DT));
+  }
+}
+
+// 32 byte codes of channels c..c+31 in channel order, from encode_params'
+// arrays.
+template <int KIND, int DT>
+inline __m256i codes32p(const uint8_t* row, int32_t c, const float* pm, const float* ps,
+                        __m256 bias, const int* base, const float* next, __m256 ncells,
+                        __m256i maxc) {
+  if constexpr (KIND == CODE_MAG)
+    return mag_from_level(
+        codes32p<CODE_UNIFORM, DT>(row, c, pm, ps, bias, base, next, ncells, maxc));
+  __m256i b;
+  if constexpr (DT == KVXFER_DTYPE_BF16) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c + 32));
+    auto f = [&](__m256i v, bool high) {
+      return _mm256_castsi256_ps(high ? _mm256_unpackhi_epi16(zero, v) : _mm256_unpacklo_epi16(zero, v));
+    };
+    const __m256i q0 = codes8<KIND>(f(v0, false), pm, ps, c, bias, base, next, ncells);
+    const __m256i q1 = codes8<KIND>(f(v0, true), pm, ps, c + 8, bias, base, next, ncells);
+    const __m256i q2 = codes8<KIND>(f(v1, false), pm, ps, c + 16, bias, base, next, ncells);
+    const __m256i q3 = codes8<KIND>(f(v1, true), pm, ps, c + 24, bias, base, next, ncells);
+    b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
+    b = _mm256_permute4x64_epi64(b, 0xD8);
+  } else {
+    const auto dt = static_cast<kvxfer_dtype_t>(DT);
+    const __m256i q0 = codes8<KIND>(load8(row, c, dt), pm, ps, c, bias, base, next, ncells);
+    const __m256i q1 = codes8<KIND>(load8(row, c + 8, dt), pm, ps, c + 8, bias, base, next, ncells);
+    const __m256i q2 = codes8<KIND>(load8(row, c + 16, dt), pm, ps, c + 16, bias, base, next, ncells);
+    const __m256i q3 = codes8<KIND>(load8(row, c + 24, dt), pm, ps, c + 24, bias, base, next, ncells);
+    b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);  // INT4: 15
+  return b;
+}
+
+// Codes -> 4-bit fields, 32 at a time.  maddubs with (1, 16) folds each byte
+// pair (even, odd) into even | odd << 4 (both < 16); one pack and one lane
+// fix-up then give 16 anchor and 16 residual bytes.
+template <int KIND, int DT, bool RES, bool CODES>
+void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const float* ps,
+                          const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes) {
+  const __m256 bias = _mm256_set1_ps(cb.bias);
+  const __m256 ncells = _mm256_set1_ps(static_cast<float>(1 << cb.lut_log2));
+  const __m256i maxc = _mm256_set1_epi8(static_cast<char>(cb.max_code));
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), fold = _mm256_set1_epi16(0x1001);  // bytes 1, 16
+  const int* base = cb.lut_base.data();
+  const float* next = cb.lut_next.data();
+  int32_t c = 0;
+  for (; c + 32 <= H; c += 32) {
+    const __m256i w = codes32p<KIND, DT>(row, c, pm, ps, bias, base, next, ncells, maxc);
+    if constexpr (CODES) _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c), w);
+    if constexpr (RES) {
+      const __m256i a = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), lo4), fold);
+      const __m256i r = _mm256_maddubs_epi16(_mm256_and_si256(w, lo4), fold);
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, r), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pa + c / 2), _mm256_castsi256_si128(p));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pr + c / 2), _mm256_extracti128_si256(p, 1));
+    } else {  // 4-bit codes: byte = c[2j] | c[2j+1] << 4
+      const __m256i a = _mm256_maddubs_epi16(w, fold);
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, a), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pa + c / 2), _mm256_castsi256_si128(p));
+    }
+  }
+  if (c < H)
+    scalar_kernels().encode_row_nibbles(row + c * dtype_size(static_cast<kvxfer_dtype_t>(DT)),
+                                        static_cast<kvxfer_dtype_t>(DT), H - c, pm + c, ps + c, cb,
+                                        pa + c / 2, RES ? pr + c / 2 : nullptr,
+                                        CODES ? codes + c : nullptr);
+}
+
+template <int KIND, int DT>
+void encode_row_nibbles_dt(const uint8_t* row, int32_t H, const float* m, const float* s,
+                           const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes) {
+  if (pr != nullptr) {
+    if (codes != nullptr) return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes);
+    return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes);
+  }
+  if (codes != nullptr) return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes);
+  encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes);
+}
+
+template <int KIND>
+void encode_row_nibbles_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                             const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
+                             uint8_t* codes) {
+  switch (dt) {
+    case KVXFER_DTYPE_BF16:
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_BF16>(row, H, m, s, cb, pa, pr, codes);
+    case KVXFER_DTYPE_FP16:
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP16>(row, H, m, s, cb, pa, pr, codes);
+    default: return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP32>(row, H, m, s, cb, pa, pr, codes);
+  }
+}
+
+void encode_row_nibbles_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                             const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
+                             uint8_t* codes) {
+  switch (cb.kind) {
+    case CODE_UNIFORM:
+      return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes);
+    case CODE_MAG: return encode_row_nibbles_kind<CODE_MAG>(row, dt, H, m, s, cb, pa, pr, codes);
+    default: return encode_row_nibbles_kind<CODE_LUT>(row, dt, H, m, s, cb, pa, pr, codes);
+  }
 }
 
 void encode_row_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
@@ -378,8 +534,9 @@ void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float*
 }  // namespace
 
 const RowKernels& avx2_kernels() {
-  static const RowKernels k{chunk_minmax_avx2, chunk_meta_avx2, load_meta_avx2, encode_row_avx2,
-                            decode_row_avx2};
+  static const RowKernels k{chunk_minmax_avx2,       chunk_meta_avx2, load_meta_avx2,
+                            encode_row_avx2,         encode_params_avx2,
+                            encode_row_nibbles_avx2, decode_row_avx2};
   return k;
 }
 

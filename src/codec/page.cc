@@ -365,6 +365,25 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   return KVXFER_SUCCESS;
 }
 
+namespace {
+/**
+ * True if some binary16 {m, d} entry is unusable: m or d NaN/Inf (all-ones
+ * exponent) or d negative (sign set, not -0).  Branch-free on the bits, so
+ * the compiler vectorises it; the caller then finds the entry to name it.
+ */
+bool any_bad_fp16_meta(const uint8_t* meta, int64_t entries) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < entries; ++i) {
+    uint32_t e;
+    std::memcpy(&e, meta + 4 * i, 4);
+    const uint32_t m = e & 0xFFFFu, d = e >> 16;
+    bad |= static_cast<uint32_t>((m & 0x7C00u) == 0x7C00u) | ((d & 0x7C00u) == 0x7C00u) |
+           (d > 0x8000u);
+  }
+  return bad != 0;
+}
+}  // namespace
+
 kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* residual,
                             size_t residual_len, const kvxfer_page_id_t* expect,
                             const kvxfer_page_layout_t* dst, DecodePlan* plan) {
@@ -418,8 +437,9 @@ kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const voi
   // checksum-valid section can still be hostile.
   const int32_t H = dst->num_channels;
   const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
-  const int64_t entries =
+  int64_t entries =
       static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * H;
+  if (!fp32 && !any_bad_fp16_meta(plan->payload, entries)) entries = 0;  // the common case
   for (int64_t i = 0; i < entries; ++i) {
     const Affine a = get_affine(plan->payload, i, fp32);
     if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
