@@ -151,6 +151,148 @@ TEST(PageCodec, AdversarialPagesAreByteIdentical) {
   for (int64_t t = 0; t < 64; ++t) EXPECT_EQ(out.get(t, 2), 3.25f);
 }
 
+// A page built to sit on the edges of format 2's arithmetic (docs/FORMAT.md
+// 2.1, 2.2): channels whose chunks span exactly [-1, 1] (m = 0, d = 1, so x
+// is z) carrying every code threshold of the codebook and its float
+// neighbours; an offset far from 0 with a tiny range; ranges at the binary16
+// limit (65504) and past it (binary32 metadata); +-0; subnormals of the
+// dtype; constant channels; random KV-like values.  T = 50 leaves a partial
+// chunk, H = 70 a tail after two 32-wide vectors.
+void fill_edges(PagedBuffer* p, const Codebook& cb, bool past_fp16, uint64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const kvxfer_dtype_t dt = p->layout.dtype;
+  const float tiny = dt == KVXFER_DTYPE_FP16 ? std::ldexp(1.0f, -24) : std::ldexp(1.0f, -140);
+  // The largest binary16 range the dtype holds (bf16: 65280), or past it.
+  const float big = dt == KVXFER_DTYPE_FP16 ? 65504.0f
+                    : past_fp16             ? 1e6f
+                    : dt == KVXFER_DTYPE_BF16 ? 65280.0f
+                                              : 65504.0f;
+  // The z of every code edge of the codebook, both signs, and neighbours.
+  std::vector<float> edges;
+  for (float t : cb.thresholds)
+    for (float v : {t, std::nextafter(t, 2.0f), std::nextafter(t, -2.0f)}) {
+      edges.push_back(v);
+      edges.push_back(-v);
+    }
+  for (int q = 0; q <= 255; ++q) {  // the linear codes' own ties: (q + 1/2) / L - 1
+    const float v = static_cast<float>((q + 0.5) / cb.scale_num - (cb.kind == CODE_MAG ? 0 : 1));
+    if (v >= -1.0f && v <= 1.0f) edges.push_back(v);
+  }
+  const int64_t T = p->layout.num_tokens;
+  const int32_t H = p->layout.num_channels;
+  for (int64_t t = 0; t < T; ++t)
+    for (int32_t c = 0; c < H; ++c) {
+      float v;
+      const int64_t in_chunk = t % 16;
+      switch (c % 10) {
+        case 0:
+        case 1:  // z itself: the chunk's first two rows pin the range to [-1, 1]
+          v = in_chunk == 0 ? -1.0f : in_chunk == 1 ? 1.0f : edges[rng() % edges.size()];
+          break;
+        case 2: v = 100.0f + 0.01f * (static_cast<float>(rng() % 201) / 100.0f - 1.0f); break;
+        case 3: v = (rng() & 1 ? big : -big) * (in_chunk < 2 ? 1.0f : 0.37f); break;
+        case 4: v = (t & 1) ? 0.0f : -0.0f; break;
+        case 5: v = tiny * static_cast<float>(rng() % 7) * ((rng() & 1) ? 1.0f : -1.0f); break;
+        case 6: v = -2.5f; break;  // constant
+        case 7: v = in_chunk == 0 ? 0.0f : 1.0f; break;  // z = -1 and +1 only
+        default: v = std::normal_distribution<float>(0.0f, 1.5f)(rng);
+      }
+      p->set(t, c, v);
+    }
+}
+
+TEST(PageCodec, EdgePagesAreByteIdenticalOnEveryPathDtypeAndThreadCount) {
+  struct Case {
+    kvxfer_codec_t codec;
+    float alpha;
+    int anchor_bits;
+  };
+  const Case cases[] = {{KVXFER_CODEC_LYNX, 0.0f, 4},   {KVXFER_CODEC_LYNX, 100.0f, 4},
+                        {KVXFER_CODEC_LYNX, 0.0f, 3},   {KVXFER_CODEC_INT8, 0.0f, 4},
+                        {KVXFER_CODEC_INT8, 0.0f, 5},   {KVXFER_CODEC_INT4, 0.0f, 4}};
+  uint64_t seed = 11;
+  for (const Case& k : cases)
+    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32})
+      for (bool past_fp16 : {false, true})
+        for (int chunk : {16, 32}) {
+          if (past_fp16 && dt == KVXFER_DTYPE_FP16) continue;  // fp16 input cannot exceed it
+          const CodebookRef cb = get_codebook(k.codec, k.alpha, k.anchor_bits, nullptr);
+          PagedBuffer src(50, 70, dt, 16);
+          fill_edges(&src, *cb, past_fp16, seed++);
+          const auto cfg = config(k.codec, k.alpha, chunk, k.anchor_bits);
+          const auto ref = test::encode(cfg, src, Impl::REFERENCE);
+          ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+          kvxfer_page_info_t info;
+          ASSERT_EQ(inspect_section(ref.anchor.data(), ref.anchor.size(), &info), KVXFER_SUCCESS);
+          EXPECT_EQ(info.meta_fp32, past_fp16 ? 1 : 0);
+          const std::string what = std::string("codec ") + std::to_string(k.codec) + " alpha " +
+                                   std::to_string(k.alpha) + " A " +
+                                   std::to_string(k.anchor_bits) + " dtype " +
+                                   std::to_string(dt) + " C " + std::to_string(chunk) +
+                                   (past_fp16 ? " fp32 meta" : "");
+          for (Impl impl : fast_impls())
+            for (int threads : {1, 2}) {
+              const auto f = test::encode(cfg, src, impl, {3, KVXFER_KV_VALUE, 1000, 42}, threads);
+              ASSERT_EQ(f.rc, KVXFER_SUCCESS);
+              const long da = test::first_diff(ref.anchor, f.anchor);
+              ASSERT_EQ(da, -1) << what << ": anchor byte " << da << " ref "
+                                << test::hex(ref.anchor, da) << " fast " << test::hex(f.anchor, da);
+              ASSERT_EQ(test::first_diff(ref.residual, f.residual), -1) << what;
+            }
+          for (bool full : {false, true}) {
+            PagedBuffer out_ref(50, 70, dt, 16);
+            ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                  full ? ref.residual.data() : nullptr,
+                                  full ? ref.residual.size() : 0, nullptr, &out_ref.layout,
+                                  Impl::REFERENCE),
+                      KVXFER_SUCCESS);
+            for (Impl impl : fast_impls())
+              for (int threads : {1, 2}) {
+                PagedBuffer out(50, 70, dt, 16);
+                ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                      full ? ref.residual.data() : nullptr,
+                                      full ? ref.residual.size() : 0, nullptr, &out.layout, impl,
+                                      threads),
+                          KVXFER_SUCCESS);
+                ASSERT_EQ(test::first_diff(out_ref.bytes(), out.bytes()), -1)
+                    << what << (full ? " full" : " anchor") << " decode";
+              }
+            expect_within_bound(src, out_ref, ref.anchor, full, what.c_str());
+            // Constant channels come back exactly, at both precisions.
+            for (int64_t t = 0; t < 50; ++t) ASSERT_EQ(out_ref.get(t, 6), -2.5f) << what;
+          }
+        }
+}
+
+// The vector paths proper: 1024 channels (32 vectors of 32) and many rows.
+TEST(PageCodec, WidePagesAreByteIdenticalOnEveryPath) {
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4})
+    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
+      PagedBuffer src(200, 1024, dt, 16);
+      test::fill_kv_like(&src, 5 + dt);
+      const auto cfg = config(codec, 0.0f, 32);
+      const auto ref = test::encode(cfg, src, Impl::REFERENCE);
+      ASSERT_EQ(ref.rc, KVXFER_SUCCESS);
+      for (Impl impl : fast_impls()) {
+        const auto f = test::encode(cfg, src, impl, {3, KVXFER_KV_VALUE, 1000, 42}, 2);
+        ASSERT_EQ(test::first_diff(ref.anchor, f.anchor), -1) << codec << " " << dt;
+        ASSERT_EQ(test::first_diff(ref.residual, f.residual), -1) << codec << " " << dt;
+        for (bool full : {false, true}) {
+          PagedBuffer a(200, 1024, dt, 16), b(200, 1024, dt, 16);
+          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                full ? ref.residual.data() : nullptr, full ? ref.residual.size() : 0,
+                                nullptr, &a.layout, Impl::REFERENCE),
+                    KVXFER_SUCCESS);
+          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                full ? ref.residual.data() : nullptr, full ? ref.residual.size() : 0,
+                                nullptr, &b.layout, impl, 2),
+                    KVXFER_SUCCESS);
+          ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << codec << " " << dt << full;
+        }
+      }
+    }
+}
+
 TEST(PageCodec, LargePageManyThreadsMatchesReference) {
   const auto cfg = config(KVXFER_CODEC_LYNX, 20.0f, 32);
   PagedBuffer src(1000, 256, KVXFER_DTYPE_BF16, 16, 0, 0);

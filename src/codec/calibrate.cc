@@ -97,19 +97,16 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
       }
       float table[64];
       anchor_table_from_histogram(cb, hist, table);
+      double accf[8] = {0}, acca[8] = {0};  // lane c % 8, each in row order
       for (size_t r = 0; r < srows.size(); ++r) {
         const size_t base = static_cast<size_t>(srows[r].k) * H;
-        const uint8_t* q = codes.data() + r * H;
-        for (int32_t c = 0; c < H; ++c) {
-          if (!sok[base + c]) continue;
-          const Affine a{sm[base + c], sd[base + c]};
-          const float x = load_elem(srows[r].row, c, dt);
-          const double ef = static_cast<double>(denormalise(cb.recon_full[q[c]], a)) - x;
-          const double ea =
-              static_cast<double>(denormalise(table[q[c] >> cb.residual_bits], a)) - x;
-          err[i].full += ef * ef;
-          err[i].anchor += ea * ea;
-        }
+        K.row_sq_errors(srows[r].row, dt, H, codes.data() + r * H, sm.data() + base,
+                        sd.data() + base, sok.data() + base, cb.recon_full, table,
+                        static_cast<unsigned>(cb.residual_bits), accf, acca);
+      }
+      for (int l = 0; l < 8; ++l) {
+        err[i].full += accf[l];
+        err[i].anchor += acca[l];
       }
     }
   }

@@ -59,6 +59,20 @@ void encode_row_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const f
   for (int32_t c = 0; c < H; ++c) codes[c] = quantize(cs, load_elem(row, c, dt), m[c], s[c]);
 }
 
+void row_sq_errors_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const uint8_t* codes,
+                          const float* m, const float* d, const uint8_t* ok, const float* full,
+                          const float* anchor, unsigned R, double* acc_full, double* acc_anchor) {
+  for (int32_t c = 0; c < H; ++c) {
+    if (!ok[c]) continue;
+    const Affine a{m[c], d[c]};
+    const double x = load_elem(row, c, dt);
+    const double ef = static_cast<double>(denormalise(full[codes[c]], a)) - x;
+    const double ea = static_cast<double>(denormalise(anchor[codes[c] >> R], a)) - x;
+    acc_full[c % 8] += ef * ef;
+    acc_anchor[c % 8] += ea * ea;
+  }
+}
+
 void decode_row_scalar(const uint8_t* idx, int32_t H, const float* m, const float* d,
                        const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
   for (int32_t c = 0; c < H; ++c)
@@ -211,7 +225,8 @@ int thread_count(int requested, int64_t chunks, int64_t elems) {
 const RowKernels& scalar_kernels() {
   static const RowKernels k{chunk_minmax_scalar,       chunk_meta_scalar, load_meta_scalar,
                             encode_row_scalar,         encode_params_scalar,
-                            encode_row_nibbles_scalar, decode_row_scalar};
+                            encode_row_nibbles_scalar, row_sq_errors_scalar,
+                            decode_row_scalar};
   return k;
 }
 

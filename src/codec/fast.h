@@ -58,6 +58,16 @@ struct RowKernels {
   void (*encode_row_nibbles)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                              const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
                              uint8_t* codes);
+  /**
+   * The squared errors of one row for alpha calibration (codec/calibrate.cc):
+   * for every channel c with ok[c], e = double(denormalise(full[code[c]])) -
+   * double(x[c]) and likewise with anchor[code[c] >> R]; e * e is added to
+   * lane c % 8 of acc_full / acc_anchor.  Each lane adds in channel order,
+   * so every path returns the same doubles.
+   */
+  void (*row_sq_errors)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const uint8_t* codes,
+                        const float* m, const float* d, const uint8_t* ok, const float* full,
+                        const float* anchor, unsigned R, double* acc_full, double* acc_anchor);
   /** Values of one row: x[c] = denormalise(v.table[idx[c]], {m[c], d[c]}) in dtype dt. */
   void (*decode_row)(const uint8_t* idx, int32_t H, const float* m, const float* d,
                      const Values& v, kvxfer_dtype_t dt, uint8_t* row);

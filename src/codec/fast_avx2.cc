@@ -444,6 +444,52 @@ void encode_row_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const flo
 }
 
 // ---------------------------------------------------------------------------
+// Calibration errors: lanes 0..3 and 4..7 of 8 channels are two vectors of
+// doubles; each lane adds in channel order, as the scalar loop.
+// ---------------------------------------------------------------------------
+void row_sq_errors_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const uint8_t* codes,
+                        const float* m, const float* d, const uint8_t* ok, const float* full,
+                        const float* anchor, unsigned R, double* acc_full, double* acc_anchor) {
+  __m256d f0 = _mm256_loadu_pd(acc_full), f1 = _mm256_loadu_pd(acc_full + 4);
+  __m256d a0 = _mm256_loadu_pd(acc_anchor), a1 = _mm256_loadu_pd(acc_anchor + 4);
+  const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 nbig = _mm256_sub_ps(_mm256_setzero_ps(), big);
+  const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(R));
+  int32_t c = 0;
+  for (; c + 8 <= H; c += 8) {
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+    const __m256i keep = _mm256_cmpgt_epi32(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ok + c))),
+        _mm256_setzero_si256());
+    const __m256 x = load8(row, c, dt);
+    const __m256 mv = _mm256_loadu_ps(m + c), dv = _mm256_loadu_ps(d + c);
+    auto err = [&](__m256 r, __m256d* lo, __m256d* hi) {
+      const __m256 xh = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(dv, r, mv), nbig), big);
+      // Not-ok channels (their chunk holds NaN or Inf): both sides 0, so
+      // e * e = +0 leaves the lane as it is, as the scalar loop's skip.
+      const __m256 k = _mm256_castsi256_ps(keep);
+      const __m256 xs = _mm256_and_ps(xh, k), x0 = _mm256_and_ps(x, k);
+      const __m256d el = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(xs)),
+                                       _mm256_cvtps_pd(_mm256_castps256_ps128(x0)));
+      const __m256d eh = _mm256_sub_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(xs, 1)),
+                                       _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1)));
+      *lo = _mm256_add_pd(*lo, _mm256_mul_pd(el, el));
+      *hi = _mm256_add_pd(*hi, _mm256_mul_pd(eh, eh));
+    };
+    err(_mm256_i32gather_ps(full, q, 4), &f0, &f1);
+    err(_mm256_i32gather_ps(anchor, _mm256_srl_epi32(q, sh), 4), &a0, &a1);
+  }
+  _mm256_storeu_pd(acc_full, f0);
+  _mm256_storeu_pd(acc_full + 4, f1);
+  _mm256_storeu_pd(acc_anchor, a0);
+  _mm256_storeu_pd(acc_anchor + 4, a1);
+  if (c < H) {  // the tail keeps lane c % 8 (c is a multiple of 8 here)
+    scalar_kernels().row_sq_errors(row + c * dtype_size(dt), dt, H - c, codes + c, m + c, d + c,
+                                   ok + c, full, anchor, R, acc_full, acc_anchor);
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Decode: 16 values per iteration.  The z value of an index comes from the
 // linear formula (full codes of the linear codebooks), two 8-entry permutes
 // (tables of 16, the 4-bit anchors), or a gather.
@@ -536,7 +582,8 @@ void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float*
 const RowKernels& avx2_kernels() {
   static const RowKernels k{chunk_minmax_avx2,       chunk_meta_avx2, load_meta_avx2,
                             encode_row_avx2,         encode_params_avx2,
-                            encode_row_nibbles_avx2, decode_row_avx2};
+                            encode_row_nibbles_avx2, row_sq_errors_avx2,
+                            decode_row_avx2};
   return k;
 }
 
