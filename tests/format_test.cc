@@ -71,14 +71,13 @@ T get_le(const Bytes& b, size_t off) {
 }
 
 // The checksum exactly as docs/FORMAT.md defines it, independently of
-// format.cc: XXH3-64 of the payload seeded with XXH3-64 of the header whose
-// checksum field is zero.  The payload is everything after the header.
+// format.cc: XXH3-64 of the header whose checksum field is zero, seeded with
+// XXH3-64 of the payload.  The payload is everything after the header.
 uint64_t checksum_of(const Bytes& s) {
-  uint8_t hdr[kHeaderBytes];
-  std::memcpy(hdr, s.data(), kHeaderBytes);
-  std::memset(hdr + O_CHECKSUM, 0, 8);
-  const XXH64_hash_t seed = XXH3_64bits(hdr, kHeaderBytes);
-  return XXH3_64bits_withSeed(s.data() + kHeaderBytes, s.size() - kHeaderBytes, seed);
+  Bytes hdr(s.begin(), s.begin() + kHeaderBytes);
+  put_le<uint64_t>(&hdr, O_CHECKSUM, 0);
+  const XXH64_hash_t seed = XXH3_64bits(s.data() + kHeaderBytes, s.size() - kHeaderBytes);
+  return XXH3_64bits_withSeed(hdr.data(), kHeaderBytes, seed);
 }
 void reseal(Bytes* s) { put_le<uint64_t>(s, O_CHECKSUM, checksum_of(*s)); }
 

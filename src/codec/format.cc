@@ -36,12 +36,21 @@ T get(const uint8_t*& p) {
 constexpr size_t kPayloadBytesOffset = 56;
 constexpr size_t kChecksumOffset = 72;
 
-uint64_t compute_checksum(const uint8_t* section, uint64_t payload_bytes) {
+// Format 2: the payload is hashed first and its hash seeds the hash of the
+// header (checksum field zero), so that the payload hashes of a page's two
+// sections are independent of the headers and of each other (the residual's
+// header holds the anchor's checksum) and can be computed at the same time.
+uint64_t payload_hash(const uint8_t* section, uint64_t payload_bytes) {
+  return XXH3_64bits(section + kHeaderBytes, payload_bytes);
+}
+uint64_t header_checksum(const uint8_t* section, uint64_t payload_hash) {
   uint8_t hdr[kHeaderBytes];
   std::memcpy(hdr, section, kHeaderBytes);
   std::memset(hdr + kChecksumOffset, 0, 8);
-  const XXH64_hash_t seed = XXH3_64bits(hdr, kHeaderBytes);
-  return XXH3_64bits_withSeed(section + kHeaderBytes, payload_bytes, seed);
+  return XXH3_64bits_withSeed(hdr, kHeaderBytes, payload_hash);
+}
+uint64_t compute_checksum(const uint8_t* section, uint64_t payload_bytes) {
+  return header_checksum(section, payload_hash(section, payload_bytes));
 }
 
 uint64_t ceil_div8(uint64_t bits) { return (bits + 7) / 8; }
@@ -119,19 +128,31 @@ void seal_section(uint8_t* section) {
 }
 
 void seal_page(PageHeader h, uint8_t* anchor, uint8_t* residual, size_t* anchor_len,
-               size_t* residual_len) {
+               size_t* residual_len, int threads) {
   const PayloadSizes s = payload_sizes(h);
+  // The two payload hashes first, on two threads when the page is large.
+  uint64_t ha = 0, hr = 0;
+  const bool two = threads != 1 && s.anchor_payload() + s.residual_codes >= (uint64_t{1} << 20);
+#pragma omp parallel sections num_threads(2) if (two)
+  {
+#pragma omp section
+    ha = payload_hash(anchor, s.anchor_payload());
+#pragma omp section
+    hr = payload_hash(residual, s.residual_codes);
+  }
   h.section = SECTION_ANCHOR;
   h.payload_bytes = s.anchor_payload();
   h.link = 0;
   write_header(h, anchor);
-  seal_section(anchor);
-  const uint8_t* p = anchor + kChecksumOffset;
+  const uint64_t ca = header_checksum(anchor, ha);
+  uint8_t* q = anchor + kChecksumOffset;
+  put(q, ca);
   h.section = SECTION_RESIDUAL;
   h.payload_bytes = s.residual_codes;
-  h.link = get<uint64_t>(p);  // the anchor's checksum
+  h.link = ca;  // the anchor's checksum
   write_header(h, residual);
-  seal_section(residual);
+  q = residual + kChecksumOffset;
+  put(q, header_checksum(residual, hr));
   *anchor_len = kHeaderBytes + s.anchor_payload();
   *residual_len = kHeaderBytes + s.residual_codes;
 }

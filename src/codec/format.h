@@ -7,7 +7,7 @@
 // All integers little-endian.  Codes are packed LSB-first in a bit stream in
 // page order (token-major, e = t*H + h); with 4-bit fields that is two per
 // byte, the even element in the low nibble.  The checksum is XXH3-64 of the
-// payload seeded with XXH3-64 of the header (checksum field zero).  A residual
+// header (checksum field zero) seeded with XXH3-64 of the payload.  A residual
 // names its anchor through `link` = the anchor's checksum.
 //
 // SpectrumKV pages (codec SPECTRUM, docs/FORMAT.md section 6) differ:
@@ -112,10 +112,11 @@ void seal_section(uint8_t* section);
 /**
  * Writes and seals both headers of a page whose payloads are in place after
  * the 80-byte header slots of `anchor` and `residual`: the residual's link is
- * the anchor's checksum.  Sets the two section lengths.
+ * the anchor's checksum.  Sets the two section lengths.  threads != 1 hashes
+ * the two payloads of a large page (1 MiB or more) on two threads.
  */
 void seal_page(PageHeader h, uint8_t* anchor, uint8_t* residual, size_t* anchor_len,
-               size_t* residual_len);
+               size_t* residual_len, int threads = 1);
 
 /**
  * Parses and fully validates one section of exactly `len` bytes: every

@@ -361,7 +361,7 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     }
   }
 
-  seal_page(h, anc, res, anchor_len, residual_len);
+  seal_page(h, anc, res, anchor_len, residual_len, effective_threads(threads));
   return KVXFER_SUCCESS;
 }
 
