@@ -117,6 +117,14 @@ void build_tables(Codebook* cb) {
       cb->lut_origin = origin;
       cb->lut_base = std::move(base);
       cb->lut_next = std::move(next);
+      if (cb->sign_magnitude) {
+        cb->lut_base8.assign(cb->lut_base.size() + 3, 0);
+        for (size_t j = 0; j < cb->lut_base.size(); ++j)
+          cb->lut_base8[j] = static_cast<uint8_t>(cb->lut_base[j]);
+        for (int k = 0; k < 128; ++k)
+          cb->thresholds_inf[k] =
+              k < 127 ? t[static_cast<size_t>(k)] : std::numeric_limits<float>::infinity();
+      }
       return;
     }
   }

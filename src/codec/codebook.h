@@ -62,6 +62,12 @@ struct Codebook {
   int lut_origin;                 // 0, or 2^lut_log2 for the signed domain
   std::vector<int32_t> lut_base;  // #{k : T[k] <= start of cell i}
   std::vector<float> lut_next;    // T[lut_base[i]], or +inf
+  // The same lookup in a form for SIMD gathers that stays in L1 (codec/fast_avx2.cc):
+  // lut_base as bytes (sign-magnitude codebooks: counts <= 127), padded by 3
+  // so that 4-byte gathers stay inside, and the thresholds with +inf at 127:
+  //     code_of(v) = lut_base8[i] + (v >= thresholds_inf[lut_base8[i]]).
+  std::vector<uint8_t> lut_base8;
+  float thresholds_inf[128];
 
   /** The threshold count of a normalised value z in [-1, 1] (CODE_LUT's definition). */
   uint8_t encode_threshold(float z) const;

@@ -245,8 +245,9 @@ inline __m256i mag_from_level(__m256i v) {
 }
 
 template <int KIND>
+// LUT kind: `base` is Codebook::lut_base8 and `next` Codebook::thresholds_inf.
 inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m256 bias,
-                      const int* base, const float* next, __m256 ncells) {
+                      const uint8_t* base, const float* next, __m256 ncells) {
   const __m256 u = _mm256_sub_ps(x, _mm256_loadu_ps(m + c));
   const __m256 sv = _mm256_loadu_ps(s + c);
   if constexpr (KIND == CODE_UNIFORM || KIND == CODE_MAG) {  // MAG: the level v
@@ -254,10 +255,12 @@ inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m25
   } else {
     const __m256 z = _mm256_mul_ps(u, sv);
     const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
+    // Byte counts (L1-resident), then the one threshold that can follow.
     const __m256i i = _mm256_cvttps_epi32(_mm256_mul_ps(a, ncells));
+    const __m256i b = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), i, 1),
+                                       _mm256_set1_epi32(0xFF));
     const __m256i q = _mm256_sub_epi32(
-        _mm256_i32gather_epi32(base, i, 4),
-        _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_i32gather_ps(next, i, 4), _CMP_GE_OQ)));
+        b, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_i32gather_ps(next, b, 4), _CMP_GE_OQ)));
     const __m256i sign = _mm256_and_si256(
         _mm256_castps_si256(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80));
     return _mm256_or_si256(q, sign);
@@ -267,7 +270,7 @@ inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m25
 // 32 byte codes of elements c..c+31, in order.
 template <int KIND>
 inline __m256i codes32(const uint8_t* row, kvxfer_dtype_t dt, int32_t c, const float* m,
-                       const float* s, __m256 bias, const int* base, const float* next,
+                       const float* s, __m256 bias, const uint8_t* base, const float* next,
                        __m256 ncells, __m256i maxc) {
   const __m256i fix = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i q0 = codes8<KIND>(load8(row, c, dt), m, s, c, bias, base, next, ncells);
@@ -290,8 +293,8 @@ void encode_row_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const flo
   int32_t c = 0;
   for (; c + 32 <= H; c += 32)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c),
-                        codes32<KIND>(row, dt, c, m, s, bias, cb.lut_base.data(),
-                                      cb.lut_next.data(), ncells, maxc));
+                        codes32<KIND>(row, dt, c, m, s, bias, cb.lut_base8.data(),
+                                      cb.thresholds_inf, ncells, maxc));
   if (c < H) scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, s + c, cb, codes + c);
 }
 
@@ -332,7 +335,7 @@ inline __m256 load8p(const uint8_t* row, int32_t c, int part) {
 // arrays.
 template <int KIND, int DT>
 inline __m256i codes32p(const uint8_t* row, int32_t c, const float* pm, const float* ps,
-                        __m256 bias, const int* base, const float* next, __m256 ncells,
+                        __m256 bias, const uint8_t* base, const float* next, __m256 ncells,
                         __m256i maxc) {
   if constexpr (KIND == CODE_MAG)
     return mag_from_level(
@@ -374,8 +377,8 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
   const __m256 ncells = _mm256_set1_ps(static_cast<float>(1 << cb.lut_log2));
   const __m256i maxc = _mm256_set1_epi8(static_cast<char>(cb.max_code));
   const __m256i lo4 = _mm256_set1_epi8(0x0F), fold = _mm256_set1_epi16(0x1001);  // bytes 1, 16
-  const int* base = cb.lut_base.data();
-  const float* next = cb.lut_next.data();
+  const uint8_t* base = cb.lut_base8.data();
+  const float* next = cb.thresholds_inf;
   int32_t c = 0;
   for (; c + 32 <= H; c += 32) {
     const __m256i w = codes32p<KIND, DT>(row, c, pm, ps, bias, base, next, ncells, maxc);
