@@ -243,12 +243,14 @@ kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* r
                             const kvxfer_page_layout_t* dst, DecodePlan* plan);
 /**
  * plan_decode for every codec, SPECTRUM included (its checks:
- * plan_spectrum in codec/spectrum.h).  For a SPECTRUM page plan->cb is the
+ * plan_spectrum in codec/spectrum.h).  threads != 1 verifies the two
+ * checksums of a page of 1 MiB or more on two threads.  For a SPECTRUM page plan->cb is the
  * INT8 tier's codebook (nullptr for a raw page).
  */
 kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const void* residual,
                                 size_t residual_len, const kvxfer_page_id_t* expect,
-                                const kvxfer_page_layout_t* dst, DecodePlan* plan);
+                                const kvxfer_page_layout_t* dst, DecodePlan* plan,
+                                int threads = 1);
 
 namespace reference {
 /** Plain-loop encoder of quantized pages: the definition of the bytes. */
