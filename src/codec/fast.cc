@@ -210,7 +210,7 @@ inline void prefetch_bytes(const uint8_t* p, size_t bytes, bool write) {
     if (write)
       __builtin_prefetch(p + o, 1, 3);
     else
-      __builtin_prefetch(p + o, 0, 3);
+      __builtin_prefetch(p + o, 0, 2);  // to L2: a chunk ahead would not fit L1
   }
 }
 
