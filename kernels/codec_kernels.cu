@@ -380,10 +380,9 @@ KLayout klayout(const kvxfer_page_layout_t* l) {
 }
 
 KCodebook kcodebook(const DeviceCodebook& d) {
-  return KCodebook{d.lut_base,       d.lut_next,    d.recon_full,   d.recon_anchor,
-                   d.anchor_lo,      d.anchor_hi,   d.lut_log2,     d.lut_origin,
-                   d.sign_magnitude, d.anchor_bits, d.residual_bits, d.kind,
-                   d.max_code,       d.scale_num,   d.bias};
+  return KCodebook{d.lut_base,      d.lut_next, d.recon_full, d.recon_anchor,   d.anchor_lo,
+                   d.anchor_hi,     d.lut_log2, d.lut_origin, d.sign_magnitude, d.anchor_bits,
+                   d.residual_bits, d.kind,     d.max_code,   d.scale_num,      d.bias};
 }
 
 kvxfer_result_t launched(const char* what) {

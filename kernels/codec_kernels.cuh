@@ -40,7 +40,7 @@ struct KCodebook {
   const float* __restrict__ anchor_lo;
   const float* __restrict__ anchor_hi;
   int lut_log2, lut_origin, sign_magnitude;
-  int A, R;  // anchor / residual bits
+  int A, R;               // anchor / residual bits
   int kind, max_code;     // Codebook::kind, max_code
   float scale_num, bias;  // Codebook::scale_num, bias
 };
@@ -159,8 +159,8 @@ __device__ __forceinline__ float code_scale(const KCodebook& cb, float d) {
 
 /** The code of one element x with offset m and code scale s: codec_math's quantize. */
 __device__ __forceinline__ uint8_t code_of(const KCodebook& cb, float x, float m, float s) {
-  const codec::CodeSpec cs{cb.kind,  cb.scale_num, cb.bias,       cb.max_code,
-                           cb.base,  cb.next,      cb.lut_log2,   cb.lut_origin};
+  const codec::CodeSpec cs{cb.kind, cb.scale_num, cb.bias,     cb.max_code,
+                           cb.base, cb.next,      cb.lut_log2, cb.lut_origin};
   return codec::quantize(cs, x, m, s);
 }
 

@@ -248,8 +248,7 @@ struct Pool {
     blocks.resize(npages);
     layouts.resize(npages);
     for (size_t p = 0; p < npages; ++p) {
-      for (int64_t b = 0; b < nbp; ++b)
-        blocks[p].push_back(base + perm[p * nbp + b] * block_bytes);
+      for (int64_t b = 0; b < nbp; ++b) blocks[p].push_back(base + perm[p * nbp + b] * block_bytes);
       kvxfer_page_layout_t& l = layouts[p];
       l.blocks = blocks[p].data();
       l.num_blocks = nbp;
@@ -344,7 +343,7 @@ uint64_t count_wrong(const uint8_t* a, size_t na, const uint8_t* b, size_t nb) {
 struct RowResult {
   kp::Stats enc, dec_full, dec_anchor;
   kp::Stats mc_enc, mc_full, mc_anchor;  // memcpy timed just before each call of the op
-  int64_t wrong = -1;  // -1: not checked
+  int64_t wrong = -1;                    // -1: not checked
   size_t anchor_bytes = 0, residual_bytes = 0;
 };
 
@@ -437,7 +436,8 @@ bool memcpy_pages(const Pool& src, Pool* dst) {
   for (size_t p = 0; p < np; ++p)
     for (int64_t b = 0; b < nbp; ++b) {
       const int64_t rows = std::min<int64_t>(kBlockSize, src.T - b * kBlockSize);
-      std::memcpy(dst->blocks[p][b], src.blocks[p][b], static_cast<size_t>(rows) * src.H * src.elem);
+      std::memcpy(dst->blocks[p][b], src.blocks[p][b],
+                  static_cast<size_t>(rows) * src.H * src.elem);
     }
   return true;
 }
@@ -1113,11 +1113,10 @@ int main(int argc, char** argv) {
   app.add_option("-d,--dtype", o.dtypes,
                  "source/destination dtypes: comma list of bf16,fp16,fp32, or all")
       ->capture_default_str();
-  auto* codec_opt =
-      app.add_option(
-             "--codec", o.codecs,
-             "codecs of the throughput table: comma list of lynx,lynx-a100,lynx-auto,int8,int4,bf16, or all")
-          ->capture_default_str();
+  auto* codec_opt = app.add_option("--codec", o.codecs,
+                                   "codecs of the throughput table: comma list of "
+                                   "lynx,lynx-a100,lynx-auto,int8,int4,bf16, or all")
+                        ->capture_default_str();
   auto* ds_opt =
       app.add_option("--dataset", o.datasets, "comma list of real,synth")->capture_default_str();
   auto* tok_opt = app.add_option("--tokens", o.tokens,
@@ -1187,8 +1186,9 @@ int main(int argc, char** argv) {
   std::vector<CodecCase> cases;
   const kvxfer_codec_config_t defaults = KVXFER_CODEC_CONFIG_INITIALIZER;
   for (const std::string& c :
-       split(o.codecs == "all" ? (o.gpu ? "lynx,int8,int4" : "lynx,lynx-a100,lynx-auto,int8,int4,bf16")
-                               : o.codecs)) {
+       split(o.codecs == "all"
+                 ? (o.gpu ? "lynx,int8,int4" : "lynx,lynx-a100,lynx-auto,int8,int4,bf16")
+                 : o.codecs)) {
     if (o.gpu && (c == "lynx-auto" || c == "lynx-a100" || c == "bf16")) {
       std::fprintf(stderr, "codec_perf: --gpu measures lynx, int8 and int4 only (%s: %s)\n",
                    c.c_str(),
@@ -1209,9 +1209,10 @@ int main(int argc, char** argv) {
     else if (c == "bf16")
       cases.push_back(make_case(KVXFER_CODEC_BF16, 0.0f, 32, 4));
     else {
-      std::fprintf(stderr,
-                   "codec_perf: unknown codec '%s' (lynx, lynx-a100, lynx-auto, int8, int4, bf16, all)\n",
-                   c.c_str());
+      std::fprintf(
+          stderr,
+          "codec_perf: unknown codec '%s' (lynx, lynx-a100, lynx-auto, int8, int4, bf16, all)\n",
+          c.c_str());
       return 2;
     }
   }

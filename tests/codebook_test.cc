@@ -105,12 +105,14 @@ TEST(Codebook, FastLookupEqualsDefinitionOnEveryBoundary) {
     for (float z : probes) {
       if (!(z >= -1.0f && z <= 1.0f)) continue;
       const unsigned fastq = cb->encode_fast(z, 0.0f, cb->scale(1.0f));
-      ASSERT_EQ(fastq, cb->encode_z(z)) << "z=" << z << " codec " << c.codec << " alpha " << c.alpha;
+      ASSERT_EQ(fastq, cb->encode_z(z))
+          << "z=" << z << " codec " << c.codec << " alpha " << c.alpha;
       if (cb->kind == CODE_LUT) {
         ASSERT_EQ(fastq, cb->encode_threshold(z)) << "z=" << z << " alpha " << c.alpha;
       } else {
         const int want = closed_form_code(*cb, z);
-        if (want >= 0) ASSERT_EQ(static_cast<int>(fastq), want) << "z=" << z << " codec " << c.codec;
+        if (want >= 0)
+          ASSERT_EQ(static_cast<int>(fastq), want) << "z=" << z << " codec " << c.codec;
       }
     }
   }

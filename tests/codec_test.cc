@@ -163,8 +163,8 @@ void fill_edges(PagedBuffer* p, const Codebook& cb, bool past_fp16, uint64_t see
   const kvxfer_dtype_t dt = p->layout.dtype;
   const float tiny = dt == KVXFER_DTYPE_FP16 ? std::ldexp(1.0f, -24) : std::ldexp(1.0f, -140);
   // The largest binary16 range the dtype holds (bf16: 65280), or past it.
-  const float big = dt == KVXFER_DTYPE_FP16 ? 65504.0f
-                    : past_fp16             ? 1e6f
+  const float big = dt == KVXFER_DTYPE_FP16   ? 65504.0f
+                    : past_fp16               ? 1e6f
                     : dt == KVXFER_DTYPE_BF16 ? 65280.0f
                                               : 65504.0f;
   // The z of every code edge of the codebook, both signs, and neighbours.
@@ -193,7 +193,7 @@ void fill_edges(PagedBuffer* p, const Codebook& cb, bool past_fp16, uint64_t see
         case 3: v = (rng() & 1 ? big : -big) * (in_chunk < 2 ? 1.0f : 0.37f); break;
         case 4: v = (t & 1) ? 0.0f : -0.0f; break;
         case 5: v = tiny * static_cast<float>(rng() % 7) * ((rng() & 1) ? 1.0f : -1.0f); break;
-        case 6: v = -2.5f; break;  // constant
+        case 6: v = -2.5f; break;                        // constant
         case 7: v = in_chunk == 0 ? 0.0f : 1.0f; break;  // z = -1 and +1 only
         default: v = std::normal_distribution<float>(0.0f, 1.5f)(rng);
       }
@@ -207,9 +207,9 @@ TEST(PageCodec, EdgePagesAreByteIdenticalOnEveryPathDtypeAndThreadCount) {
     float alpha;
     int anchor_bits;
   };
-  const Case cases[] = {{KVXFER_CODEC_LYNX, 0.0f, 4},   {KVXFER_CODEC_LYNX, 100.0f, 4},
-                        {KVXFER_CODEC_LYNX, 0.0f, 3},   {KVXFER_CODEC_INT8, 0.0f, 4},
-                        {KVXFER_CODEC_INT8, 0.0f, 5},   {KVXFER_CODEC_INT4, 0.0f, 4}};
+  const Case cases[] = {{KVXFER_CODEC_LYNX, 0.0f, 4}, {KVXFER_CODEC_LYNX, 100.0f, 4},
+                        {KVXFER_CODEC_LYNX, 0.0f, 3}, {KVXFER_CODEC_INT8, 0.0f, 4},
+                        {KVXFER_CODEC_INT8, 0.0f, 5}, {KVXFER_CODEC_INT4, 0.0f, 4}};
   uint64_t seed = 11;
   for (const Case& k : cases)
     for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32})
@@ -226,9 +226,8 @@ TEST(PageCodec, EdgePagesAreByteIdenticalOnEveryPathDtypeAndThreadCount) {
           ASSERT_EQ(inspect_section(ref.anchor.data(), ref.anchor.size(), &info), KVXFER_SUCCESS);
           EXPECT_EQ(info.meta_fp32, past_fp16 ? 1 : 0);
           const std::string what = std::string("codec ") + std::to_string(k.codec) + " alpha " +
-                                   std::to_string(k.alpha) + " A " +
-                                   std::to_string(k.anchor_bits) + " dtype " +
-                                   std::to_string(dt) + " C " + std::to_string(chunk) +
+                                   std::to_string(k.alpha) + " A " + std::to_string(k.anchor_bits) +
+                                   " dtype " + std::to_string(dt) + " C " + std::to_string(chunk) +
                                    (past_fp16 ? " fp32 meta" : "");
           for (Impl impl : fast_impls())
             for (int threads : {1, 2}) {
@@ -241,11 +240,11 @@ TEST(PageCodec, EdgePagesAreByteIdenticalOnEveryPathDtypeAndThreadCount) {
             }
           for (bool full : {false, true}) {
             PagedBuffer out_ref(50, 70, dt, 16);
-            ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
-                                  full ? ref.residual.data() : nullptr,
-                                  full ? ref.residual.size() : 0, nullptr, &out_ref.layout,
-                                  Impl::REFERENCE),
-                      KVXFER_SUCCESS);
+            ASSERT_EQ(
+                decode_page(ref.anchor.data(), ref.anchor.size(),
+                            full ? ref.residual.data() : nullptr, full ? ref.residual.size() : 0,
+                            nullptr, &out_ref.layout, Impl::REFERENCE),
+                KVXFER_SUCCESS);
             for (Impl impl : fast_impls())
               for (int threads : {1, 2}) {
                 PagedBuffer out(50, 70, dt, 16);
@@ -279,13 +278,13 @@ TEST(PageCodec, WidePagesAreByteIdenticalOnEveryPath) {
         ASSERT_EQ(test::first_diff(ref.residual, f.residual), -1) << codec << " " << dt;
         for (bool full : {false, true}) {
           PagedBuffer a(200, 1024, dt, 16), b(200, 1024, dt, 16);
-          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
-                                full ? ref.residual.data() : nullptr, full ? ref.residual.size() : 0,
-                                nullptr, &a.layout, Impl::REFERENCE),
+          ASSERT_EQ(decode_page(
+                        ref.anchor.data(), ref.anchor.size(), full ? ref.residual.data() : nullptr,
+                        full ? ref.residual.size() : 0, nullptr, &a.layout, Impl::REFERENCE),
                     KVXFER_SUCCESS);
           ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
-                                full ? ref.residual.data() : nullptr, full ? ref.residual.size() : 0,
-                                nullptr, &b.layout, impl, 2),
+                                full ? ref.residual.data() : nullptr,
+                                full ? ref.residual.size() : 0, nullptr, &b.layout, impl, 2),
                     KVXFER_SUCCESS);
           ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << codec << " " << dt << full;
         }

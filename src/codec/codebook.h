@@ -15,8 +15,8 @@
 // A code is decided from u = RN(x - m) and the code scale s = RN(L / d) of
 // its (chunk, channel) (codec_math.h quantize, docs/FORMAT.md 2.2):
 //   LYNX alpha > 0 (CODE_LUT):  z = RN(u * s), q = #{k : |z| >= T[k]}, code = (z < 0) << 7 | q
-//   LYNX alpha = 0 (CODE_MAG):  v = min(trunc(RN(u * s + 127.5)), 254), q = v - 127 in sign-magnitude
-//   INT8/INT4 (CODE_UNIFORM):   code = min(trunc(RN(u * s + L + 1/2)), 2L)
+//   LYNX alpha = 0 (CODE_MAG):  v = min(trunc(RN(u * s + 127.5)), 254), q = v - 127 in
+//   sign-magnitude INT8/INT4 (CODE_UNIFORM):   code = min(trunc(RN(u * s + L + 1/2)), 2L)
 // The linear codes reconstruct at their levels (z = +-q/127, -1 + q/L), the
 // extremes at +-1 included; alpha-law codes at the centre of their bin.
 // Thresholds are computed with codec/detmath (bit-reproducible); all tables
@@ -36,21 +36,21 @@ namespace kvxfer::codec {
 
 struct Codebook {
   kvxfer_codec_t codec;
-  float alpha;                         // 0 unless LYNX
-  int code_bits;                       // 8 (LYNX, INT8) or 4 (INT4)
-  int anchor_bits;                     // A
-  int residual_bits;                   // R = code_bits - A
-  bool sign_magnitude;                 // LYNX: sign bit + 7-bit alpha-law magnitude
-  int kind;                            // CodeKind (codec_math.h)
-  float scale_num;                     // L of the code scale s = RN(L / d)
-  float bias;                          // L + 1/2 (CODE_UNIFORM, CODE_MAG)
-  int max_code;                        // CODE_UNIFORM: 2^b - 1; CODE_MAG: 254 (largest v)
-  float recon_step;                    // linear kinds: recon_full = recon_linear(code, step)
-  std::vector<float> thresholds;       // ascending; 127 (LYNX) or 2^b - 1 (uniform)
-  float recon_full[256];               // z value of each code (level, or bin centre)
-  float recon_anchor[64];              // z value of each anchor (centre of its bins; R = 0: recon_full)
-  double max_half_width_full;          // max over codes of |z - recon| inside the bin (z units)
-  double max_half_width_anchor;        // same over anchors
+  float alpha;                    // 0 unless LYNX
+  int code_bits;                  // 8 (LYNX, INT8) or 4 (INT4)
+  int anchor_bits;                // A
+  int residual_bits;              // R = code_bits - A
+  bool sign_magnitude;            // LYNX: sign bit + 7-bit alpha-law magnitude
+  int kind;                       // CodeKind (codec_math.h)
+  float scale_num;                // L of the code scale s = RN(L / d)
+  float bias;                     // L + 1/2 (CODE_UNIFORM, CODE_MAG)
+  int max_code;                   // CODE_UNIFORM: 2^b - 1; CODE_MAG: 254 (largest v)
+  float recon_step;               // linear kinds: recon_full = recon_linear(code, step)
+  std::vector<float> thresholds;  // ascending; 127 (LYNX) or 2^b - 1 (uniform)
+  float recon_full[256];          // z value of each code (level, or bin centre)
+  float recon_anchor[64];         // z value of each anchor (centre of its bins; R = 0: recon_full)
+  double max_half_width_full;     // max over codes of |z - recon| inside the bin (z units)
+  double max_half_width_anchor;   // same over anchors
   float anchor_lo[64], anchor_hi[64];  // bin of each anchor in z (union of its codes' bins)
 
   // Fast-path lookup (codec/fast*.cc).  The domain (|z| in [0,1] for
@@ -77,8 +77,8 @@ struct Codebook {
 
   /** What codec_math.h quantize() needs; valid while the codebook lives. */
   CodeSpec spec() const {
-    return CodeSpec{kind, scale_num, bias, max_code, lut_base.data(), lut_next.data(), lut_log2,
-                    lut_origin};
+    return CodeSpec{kind,     scale_num, bias, max_code, lut_base.data(), lut_next.data(),
+                    lut_log2, lut_origin};
   }
 
   /**

@@ -151,7 +151,6 @@ struct Affine {
  */
 constexpr float kMinHalfRange = 7.8886090522101181e-31f;  // 2^-100
 
-
 /** min/max with a canonical +0 for zeros (so -0/+0 order does not matter). */
 KVXFER_HD inline void canonical_minmax(float* mn, float* mx) {
   *mn = f_add(*mn, 0.0f);
@@ -234,10 +233,10 @@ enum CodeKind : int {
 
 /** What the element code needs of a codebook (the CPU's Codebook, the kernels' copy). */
 struct CodeSpec {
-  int kind;        // CodeKind
-  float num;       // L of s = RN(L / d): 1 (LUT), 127 (MAG), (2^b - 1) / 2 (UNIFORM)
-  float bias;      // L + 1/2 (UNIFORM, MAG); LUT: unused
-  int max_code;    // UNIFORM: 2^b - 1; MAG: 254 (the largest v)
+  int kind;             // CodeKind
+  float num;            // L of s = RN(L / d): 1 (LUT), 127 (MAG), (2^b - 1) / 2 (UNIFORM)
+  float bias;           // L + 1/2 (UNIFORM, MAG); LUT: unused
+  int max_code;         // UNIFORM: 2^b - 1; MAG: 254 (the largest v)
   const int32_t* base;  // LUT kind only: Codebook::lut_base / lut_next
   const float* next;
   int lut_log2, lut_origin;

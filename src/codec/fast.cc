@@ -16,8 +16,8 @@ namespace kvxfer::codec::fast {
 
 namespace {
 
-bool chunk_minmax_scalar(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H,
-                         float* mn, float* mx) {
+bool chunk_minmax_scalar(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H, float* mn,
+                         float* mx) {
   bool ok = true;
   for (int32_t c = 0; c < H; ++c) mn[c] = mx[c] = load_elem(rows[0], c, dt);
   for (int r = 0; r < n; ++r)
@@ -223,10 +223,9 @@ int thread_count(int requested, int64_t chunks, int64_t elems) {
 }  // namespace
 
 const RowKernels& scalar_kernels() {
-  static const RowKernels k{chunk_minmax_scalar,       chunk_meta_scalar, load_meta_scalar,
-                            encode_row_scalar,         encode_params_scalar,
-                            encode_row_nibbles_scalar, row_sq_errors_scalar,
-                            decode_row_scalar};
+  static const RowKernels k{chunk_minmax_scalar,  chunk_meta_scalar,    load_meta_scalar,
+                            encode_row_scalar,    encode_params_scalar, encode_row_nibbles_scalar,
+                            row_sq_errors_scalar, decode_row_scalar};
   return k;
 }
 
@@ -352,8 +351,8 @@ void decode(const DecodeJob& job, bool avx2, int threads) {
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
-      K.load_meta(job.meta + static_cast<size_t>(k) * H * (job.meta_fp32 ? 8 : 4), H,
-                  job.meta_fp32, m.data(), d.data());
+      K.load_meta(job.meta + static_cast<size_t>(k) * H * (job.meta_fp32 ? 8 : 4), H, job.meta_fp32,
+                  m.data(), d.data());
       BitReader ra{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
       BitReader rr{full ? job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8 : nullptr};
       for (int64_t t = t0; t < t1; ++t) {

@@ -36,8 +36,8 @@ struct RowKernels {
    * d[c] and the code scale s[c] = code_scale(d[c], num).  Returns false if
    * some entry does not fit binary16 (the page must use fp32 metadata).
    */
-  bool (*chunk_meta)(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta,
-                     float* m, float* d, float* s);
+  bool (*chunk_meta)(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta, float* m,
+                     float* d, float* s);
   /** m[c], d[c] of the H metadata entries at `meta` (get_affine). */
   void (*load_meta)(const uint8_t* meta, int32_t H, bool fp32, float* m, float* d);
   /** Codes of one row: codes[c] = quantize(cb.spec(), x[c], m[c], s[c]). */
@@ -50,10 +50,10 @@ struct RowKernels {
   void (*encode_params)(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt, float* pm,
                         float* ps);
   /**
-   * encode_row on encode_params' arrays, then the 4-bit fields of docs/FORMAT.md 4.2 (even element in
-   * the low nibble): anchors (code >> 4) at pa and, when pr is non-NULL,
-   * residuals (code & 15) at pr; for 4-bit codes (INT4) pr is NULL and pa
-   * gets the codes.  `codes` (may be NULL) also receives the codes.  H even.
+   * encode_row on encode_params' arrays, then the 4-bit fields of docs/FORMAT.md 4.2 (even element
+   * in the low nibble): anchors (code >> 4) at pa and, when pr is non-NULL, residuals (code & 15)
+   * at pr; for 4-bit codes (INT4) pr is NULL and pa gets the codes.  `codes` (may be NULL) also
+   * receives the codes.  H even.
    */
   void (*encode_row_nibbles)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                              const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
@@ -69,8 +69,8 @@ struct RowKernels {
                         const float* m, const float* d, const uint8_t* ok, const float* full,
                         const float* anchor, unsigned R, double* acc_full, double* acc_anchor);
   /** Values of one row: x[c] = denormalise(v.table[idx[c]], {m[c], d[c]}) in dtype dt. */
-  void (*decode_row)(const uint8_t* idx, int32_t H, const float* m, const float* d,
-                     const Values& v, kvxfer_dtype_t dt, uint8_t* row);
+  void (*decode_row)(const uint8_t* idx, int32_t H, const float* m, const float* d, const Values& v,
+                     kvxfer_dtype_t dt, uint8_t* row);
 };
 
 const RowKernels& scalar_kernels();

@@ -38,8 +38,8 @@ inline __m256i key16(__m256i u) {
   return _mm256_xor_si256(u, _mm256_and_si256(_mm256_srai_epi16(u, 15), _mm256_set1_epi16(0x7FFF)));
 }
 inline __m256i key32(__m256i u) {
-  return _mm256_xor_si256(u,
-                          _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(0x7FFFFFFF)));
+  return _mm256_xor_si256(
+      u, _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(0x7FFFFFFF)));
 }
 inline uint16_t unkey16(int16_t k) {
   const uint16_t u = static_cast<uint16_t>(k);
@@ -84,9 +84,10 @@ bool minmax16(const uint8_t* const* rows, int n, bool bf16, int32_t H, float* mn
   __m256i bad = _mm256_setzero_si256();
   for (int32_t c = 0; c < Hv; c += 16)
     bad = _mm256_or_si256(
-        bad, _mm256_or_si256(
-                 _mm256_cmpgt_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmx + c)), hi),
-                 _mm256_cmpgt_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmn + c)))));
+        bad,
+        _mm256_or_si256(
+            _mm256_cmpgt_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmx + c)), hi),
+            _mm256_cmpgt_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmn + c)))));
   // Keys back to floats (key16 is an involution on the bits), 8 at a time
   // from the top: the floats of channels [c, c+8) overwrite bytes [4c, 4c+32),
   // which hold keys of channels >= 2c, all converted already.
@@ -143,7 +144,8 @@ bool minmax32(const uint8_t* const* rows, int n, int32_t H, float* mn, float* mx
   for (int32_t c = 0; c < Hv; c += 8) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmn + c));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmx + c));
-    bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(b, hi), _mm256_cmpgt_epi32(lo, a)));
+    bad =
+        _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(b, hi), _mm256_cmpgt_epi32(lo, a)));
     const __m256i m31 = _mm256_set1_epi32(0x7FFFFFFF);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmn + c),
                         _mm256_xor_si256(a, _mm256_and_si256(_mm256_srai_epi32(a, 31), m31)));
@@ -177,8 +179,8 @@ bool chunk_minmax_avx2(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int
 // subnormals exactly as f32_to_f16; rounding d up is that conversion plus one
 // ulp where it fell below d.  Binary32 metadata (rare) takes the scalar path.
 // ---------------------------------------------------------------------------
-bool chunk_meta_avx2(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta,
-                     float* m, float* d, float* s) {
+bool chunk_meta_avx2(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta, float* m,
+                     float* d, float* s) {
   if (fp32) return scalar_kernels().chunk_meta(mn, mx, H, fp32, num, meta, m, d, s);
   const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
   const __m256 inf = _mm256_set1_ps(__builtin_inff()), nv = _mm256_set1_ps(num);
@@ -188,21 +190,26 @@ bool chunk_meta_avx2(float* mn, float* mx, int32_t H, bool fp32, float num, uint
   for (; c + 8 <= H; c += 8) {
     const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(mn + c), zero);  // canonical +0
     const __m256 hi = _mm256_add_ps(_mm256_loadu_ps(mx + c), zero);
-    const __m128i mh = _mm256_cvtps_ph(_mm256_add_ps(_mm256_mul_ps(half, lo), _mm256_mul_ps(half, hi)), kRne);
+    const __m128i mh =
+        _mm256_cvtps_ph(_mm256_add_ps(_mm256_mul_ps(half, lo), _mm256_mul_ps(half, hi)), kRne);
     const __m256 mv = _mm256_cvtph_ps(mh);
-    const __m256 dv0 = _mm256_add_ps(_mm256_max_ps(_mm256_sub_ps(hi, mv), _mm256_sub_ps(mv, lo)), zero);
+    const __m256 dv0 =
+        _mm256_add_ps(_mm256_max_ps(_mm256_sub_ps(hi, mv), _mm256_sub_ps(mv, lo)), zero);
     __m128i dh = _mm256_cvtps_ph(dv0, kRne);
     // Below d after rounding: the next binary16 up (d >= 0: one more in the bits).
     const __m256 below = _mm256_cmp_ps(_mm256_cvtph_ps(dh), dv0, _CMP_LT_OQ);
     const __m256i bel = _mm256_castps_si256(below);
-    const __m128i bel16 = _mm_packs_epi32(_mm256_castsi256_si128(bel), _mm256_extracti128_si256(bel, 1));
+    const __m128i bel16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(bel), _mm256_extracti128_si256(bel, 1));
     dh = _mm_sub_epi16(dh, bel16);
     const __m256 dv = _mm256_cvtph_ps(dh);
-    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), mv), inf, _CMP_EQ_OQ),
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), mv),
+                                                       inf, _CMP_EQ_OQ),
                                          _mm256_cmp_ps(dv, inf, _CMP_EQ_OQ)));
     _mm256_storeu_ps(m + c, mv);
     _mm256_storeu_ps(d + c, dv);
-    _mm256_storeu_ps(s + c, _mm256_and_ps(_mm256_div_ps(nv, dv), _mm256_cmp_ps(dv, zero, _CMP_GT_OQ)));
+    _mm256_storeu_ps(s + c,
+                     _mm256_and_ps(_mm256_div_ps(nv, dv), _mm256_cmp_ps(dv, zero, _CMP_GT_OQ)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(meta + 4 * c), _mm_unpacklo_epi16(mh, dh));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(meta + 4 * c + 16), _mm_unpackhi_epi16(mh, dh));
   }
@@ -239,8 +246,9 @@ inline __m256i mag_from_level(__m256i v) {
   const __m256i k127 = _mm256_set1_epi8(127);
   v = _mm256_min_epu8(v, _mm256_set1_epi8(static_cast<char>(254)));
   const __m256i pos = _mm256_subs_epu8(v, k127), neg = _mm256_subs_epu8(k127, v);
-  const __m256i negcode = _mm256_andnot_si256(_mm256_cmpeq_epi8(neg, _mm256_setzero_si256()),
-                                              _mm256_or_si256(neg, _mm256_set1_epi8(static_cast<char>(0x80))));
+  const __m256i negcode =
+      _mm256_andnot_si256(_mm256_cmpeq_epi8(neg, _mm256_setzero_si256()),
+                          _mm256_or_si256(neg, _mm256_set1_epi8(static_cast<char>(0x80))));
   return _mm256_or_si256(pos, negcode);
 }
 
@@ -257,12 +265,13 @@ inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m25
     const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
     // Byte counts (L1-resident), then the one threshold that can follow.
     const __m256i i = _mm256_cvttps_epi32(_mm256_mul_ps(a, ncells));
-    const __m256i b = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(base), i, 1),
-                                       _mm256_set1_epi32(0xFF));
+    const __m256i b = _mm256_and_si256(
+        _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), i, 1), _mm256_set1_epi32(0xFF));
     const __m256i q = _mm256_sub_epi32(
         b, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_i32gather_ps(next, b, 4), _CMP_GE_OQ)));
-    const __m256i sign = _mm256_and_si256(
-        _mm256_castps_si256(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)), _mm256_set1_epi32(0x80));
+    const __m256i sign =
+        _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)),
+                         _mm256_set1_epi32(0x80));
     return _mm256_or_si256(q, sign);
   }
 }
@@ -295,7 +304,8 @@ void encode_row_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const flo
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c),
                         codes32<KIND>(row, dt, c, m, s, bias, cb.lut_base8.data(),
                                       cb.thresholds_inf, ncells, maxc));
-  if (c < H) scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, s + c, cb, codes + c);
+  if (c < H)
+    scalar_kernels().encode_row(row + c * dtype_size(dt), dt, H - c, m + c, s + c, cb, codes + c);
 }
 
 // encode_params for bf16 rows: within each 16 channels of the vector part,
@@ -323,7 +333,8 @@ void encode_params_avx2(const float* m, const float* s, int32_t H, kvxfer_dtype_
 template <int DT>
 inline __m256 load8p(const uint8_t* row, int32_t c, int part) {
   if constexpr (DT == KVXFER_DTYPE_BF16) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * (c - 8 * part)));
+    const __m256i v =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * (c - 8 * part)));
     const __m256i z = _mm256_setzero_si256();
     return _mm256_castsi256_ps(part ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v));
   } else {
@@ -346,7 +357,8 @@ inline __m256i codes32p(const uint8_t* row, int32_t c, const float* pm, const fl
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c));
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c + 32));
     auto f = [&](__m256i v, bool high) {
-      return _mm256_castsi256_ps(high ? _mm256_unpackhi_epi16(zero, v) : _mm256_unpacklo_epi16(zero, v));
+      return _mm256_castsi256_ps(high ? _mm256_unpackhi_epi16(zero, v)
+                                      : _mm256_unpacklo_epi16(zero, v));
     };
     const __m256i q0 = codes8<KIND>(f(v0, false), pm, ps, c, bias, base, next, ncells);
     const __m256i q1 = codes8<KIND>(f(v0, true), pm, ps, c + 8, bias, base, next, ncells);
@@ -358,8 +370,10 @@ inline __m256i codes32p(const uint8_t* row, int32_t c, const float* pm, const fl
     const auto dt = static_cast<kvxfer_dtype_t>(DT);
     const __m256i q0 = codes8<KIND>(load8(row, c, dt), pm, ps, c, bias, base, next, ncells);
     const __m256i q1 = codes8<KIND>(load8(row, c + 8, dt), pm, ps, c + 8, bias, base, next, ncells);
-    const __m256i q2 = codes8<KIND>(load8(row, c + 16, dt), pm, ps, c + 16, bias, base, next, ncells);
-    const __m256i q3 = codes8<KIND>(load8(row, c + 24, dt), pm, ps, c + 24, bias, base, next, ncells);
+    const __m256i q2 =
+        codes8<KIND>(load8(row, c + 16, dt), pm, ps, c + 16, bias, base, next, ncells);
+    const __m256i q3 =
+        codes8<KIND>(load8(row, c + 24, dt), pm, ps, c + 24, bias, base, next, ncells);
     b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
@@ -406,10 +420,12 @@ template <int KIND, int DT>
 void encode_row_nibbles_dt(const uint8_t* row, int32_t H, const float* m, const float* s,
                            const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes) {
   if (pr != nullptr) {
-    if (codes != nullptr) return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes);
+    if (codes != nullptr)
+      return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes);
     return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes);
   }
-  if (codes != nullptr) return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes);
+  if (codes != nullptr)
+    return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes);
   encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes);
 }
 
@@ -460,7 +476,8 @@ void row_sq_errors_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const 
   const __m128i sh = _mm_cvtsi32_si128(static_cast<int>(R));
   int32_t c = 0;
   for (; c + 8 <= H; c += 8) {
-    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+    const __m256i q =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
     const __m256i keep = _mm256_cmpgt_epi32(
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ok + c))),
         _mm256_setzero_si256());
@@ -501,7 +518,8 @@ enum class Lookup { MAG, UNIFORM, PERM16, GATHER };
 
 template <Lookup L>
 inline __m256 value8(const uint8_t* idx, int32_t c, const Values& v, __m256 t0, __m256 t1) {
-  const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
+  const __m256i i =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
   if constexpr (L == Lookup::UNIFORM) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(v.step), _mm256_set1_ps(-1.0f));
   } else if constexpr (L == Lookup::MAG) {
@@ -522,12 +540,13 @@ inline __m256 value8(const uint8_t* idx, int32_t c, const Values& v, __m256 t0, 
 inline __m256i bf16_round(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
+                           16);
 }
 
 template <Lookup L, bool CLAMP>
-void decode_row_kind(const uint8_t* idx, int32_t H, const float* m, const float* d,
-                     const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+void decode_row_kind(const uint8_t* idx, int32_t H, const float* m, const float* d, const Values& v,
+                     kvxfer_dtype_t dt, uint8_t* row) {
   __m256 t0 = _mm256_setzero_ps(), t1 = t0;
   if constexpr (L == Lookup::PERM16) {
     t0 = _mm256_loadu_ps(v.table);
@@ -537,7 +556,8 @@ void decode_row_kind(const uint8_t* idx, int32_t H, const float* m, const float*
   auto value = [&](int32_t c) {
     __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(d + c), value8<L>(idx, c, v, t0, t1),
                                _mm256_loadu_ps(m + c));
-    if constexpr (CLAMP) x = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), big)), big);
+    if constexpr (CLAMP)
+      x = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), big)), big);
     return x;
   };
   int32_t c = 0;
@@ -545,7 +565,8 @@ void decode_row_kind(const uint8_t* idx, int32_t H, const float* m, const float*
     const __m256 x0 = value(c), x1 = value(c + 8);
     switch (dt) {
       case KVXFER_DTYPE_BF16: {
-        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(x0), bf16_round(x1)), 0xD8);
+        const __m256i p =
+            _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(x0), bf16_round(x1)), 0xD8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 2 * c), p);
         break;
       }
@@ -569,13 +590,14 @@ void decode_row_clamp(const uint8_t* idx, int32_t H, const float* m, const float
                       const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
   if (v.linear_kind == CODE_UNIFORM)
     return decode_row_kind<Lookup::UNIFORM, CLAMP>(idx, H, m, d, v, dt, row);
-  if (v.linear_kind == CODE_MAG) return decode_row_kind<Lookup::MAG, CLAMP>(idx, H, m, d, v, dt, row);
+  if (v.linear_kind == CODE_MAG)
+    return decode_row_kind<Lookup::MAG, CLAMP>(idx, H, m, d, v, dt, row);
   if (v.entries == 16) return decode_row_kind<Lookup::PERM16, CLAMP>(idx, H, m, d, v, dt, row);
   return decode_row_kind<Lookup::GATHER, CLAMP>(idx, H, m, d, v, dt, row);
 }
 
-void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float* d,
-                     const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float* d, const Values& v,
+                     kvxfer_dtype_t dt, uint8_t* row) {
   if (v.clamp) return decode_row_clamp<true>(idx, H, m, d, v, dt, row);
   decode_row_clamp<false>(idx, H, m, d, v, dt, row);
 }
@@ -583,10 +605,9 @@ void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float*
 }  // namespace
 
 const RowKernels& avx2_kernels() {
-  static const RowKernels k{chunk_minmax_avx2,       chunk_meta_avx2, load_meta_avx2,
-                            encode_row_avx2,         encode_params_avx2,
-                            encode_row_nibbles_avx2, row_sq_errors_avx2,
-                            decode_row_avx2};
+  static const RowKernels k{chunk_minmax_avx2,  chunk_meta_avx2,    load_meta_avx2,
+                            encode_row_avx2,    encode_params_avx2, encode_row_nibbles_avx2,
+                            row_sq_errors_avx2, decode_row_avx2};
   return k;
 }
 

@@ -249,8 +249,7 @@ kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* r
  */
 kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const void* residual,
                                 size_t residual_len, const kvxfer_page_id_t* expect,
-                                const kvxfer_page_layout_t* dst, DecodePlan* plan,
-                                int threads = 1);
+                                const kvxfer_page_layout_t* dst, DecodePlan* plan, int threads = 1);
 
 namespace reference {
 /** Plain-loop encoder of quantized pages: the definition of the bytes. */

@@ -237,7 +237,8 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
         const uint64_t e8 = st.n8 * static_cast<uint64_t>(H), e4 = st.n4 * static_cast<uint64_t>(H);
         BitWriter w8a(ap + p.int8_anchor + e8 * A / 8), w8r(rp + p.int8_residual + e8 * R / 8),
             w4(ap + p.int4_codes + e4 / 2);
-        if (!need_fp32 && !run_chunk(k, w8a, w8r, w4, mn, mx, aff, s8, s4, local, &sat)) need_fp32 = true;
+        if (!need_fp32 && !run_chunk(k, w8a, w8r, w4, mn, mx, aff, s8, s4, local, &sat))
+          need_fp32 = true;
       }
 #pragma omp critical(kvxfer_spectrum_hist)
       for (int b = 0; b < 256; ++b) hist[b] += local[b];
