@@ -16,6 +16,7 @@
 
 #include "codec/codebook.h"
 #include "codec/codec.h"
+#include "codec/driver.h"
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -34,12 +35,6 @@ kvxfer_result_t cuda_error(cudaError_t e, const char* what) {
     const cudaError_t kvxfer_e_ = (call);                              \
     if (kvxfer_e_ != cudaSuccess) return cuda_error(kvxfer_e_, #call); \
   } while (0)
-
-kvxfer_result_t nonfinite_error(const DeviceStatus& st, const kvxfer_page_id_t& id, int32_t H) {
-  const uint64_t e = st.first_bad >> 1;
-  return codec::nonfinite_error(id, static_cast<int64_t>(e / H), static_cast<int32_t>(e % H),
-                                (st.first_bad & 1) == 0);
-}
 
 }  // namespace
 
@@ -153,6 +148,94 @@ kvxfer_result_t create_anchor_stream(cudaStream_t* out) {
   return KVXFER_SUCCESS;
 }
 
+namespace {
+
+/** The CUDA kernels as an EncodeBackend: payloads in device scratch, copied back at the end. */
+class DeviceBackend final : public codec::EncodeBackend {
+ public:
+  DeviceBackend(const kvxfer_page_layout_t* src, const DeviceScratch& scratch, uint8_t* anchor,
+                uint8_t* residual, cudaStream_t stream)
+      : src_(src), scratch_(scratch), anc_(anchor), res_(residual), stream_(stream) {}
+
+  kvxfer_result_t check_capacity(const codec::PageHeader& h) override {
+    const codec::PayloadSizes s = codec::payload_sizes(h);
+    if (scratch_.anchor_cap < s.anchor_payload() || scratch_.residual_cap < s.residual_codes)
+      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
+                       "page needs %llu anchor and %llu residual payload bytes on the device; "
+                       "the scratch holds %zu and %zu (alloc_scratch)",
+                       (unsigned long long)s.anchor_payload(), (unsigned long long)s.residual_codes,
+                       scratch_.anchor_cap, scratch_.residual_cap);
+    return KVXFER_SUCCESS;
+  }
+
+  kvxfer_result_t scan_nonfinite(codec::NonfiniteAt* at) override {
+    DeviceStatus st{};
+    KVXFER_CHECK(launch_reset_status(scratch_.status, stream_));
+    KVXFER_CHECK(launch_scan_nonfinite(src_, scratch_.status, stream_));
+    KVXFER_CHECK(read_status(scratch_.status, &st, stream_));
+    if (st.flags & STATUS_NONFINITE) locate(st, at);
+    return KVXFER_SUCCESS;
+  }
+
+  kvxfer_result_t quantize(const codec::PageHeader& h, const codec::Codebook& cb,
+                           codec::EncodeStatus* status, codec::NonfiniteAt* at) override {
+    DeviceCodebook dcb;
+    KVXFER_CHECK(upload_codebook(&cb, &dcb));
+    DeviceStatus st{};
+    KVXFER_CHECK(launch_reset_status(scratch_.status, stream_));
+    KVXFER_CHECK(launch_encode(dcb, src_, h.chunk_tokens, (h.flags & codec::FLAG_META_FP32) != 0,
+                               scratch_.anchor_payload, scratch_.residual_payload, scratch_.status,
+                               stream_));
+    KVXFER_CHECK(read_status(scratch_.status, &st, stream_));
+    if (st.flags & STATUS_NONFINITE) {  // decides, whatever else
+      *status = codec::EncodeStatus::NONFINITE;
+      locate(st, at);
+    } else if (st.flags == STATUS_NEED_FP32) {
+      *status = codec::EncodeStatus::NEED_FP32;
+    } else if (st.flags != 0) {
+      return set_error(KVXFER_ERR_INTERNAL, "encoder returned status 0x%x", st.flags);
+    } else {
+      *status = codec::EncodeStatus::OK;
+    }
+    return KVXFER_SUCCESS;
+  }
+
+  kvxfer_result_t pack_values(const codec::PageHeader&, kvxfer_dtype_t dtype) override {
+    return launch_pack_values(src_, dtype, scratch_.anchor_payload, stream_);
+  }
+
+  kvxfer_result_t finish(const codec::PageHeader& h) override {
+    // Payloads to the host; headers and checksums are sealed there.
+    const codec::PayloadSizes s = codec::payload_sizes(h);
+    if (s.anchor_payload() > 0)
+      KVXFER_CUDA(cudaMemcpyAsync(anc_ + codec::kHeaderBytes, scratch_.anchor_payload,
+                                  s.anchor_payload(), cudaMemcpyDeviceToHost, stream_));
+    if (s.residual_codes > 0)
+      KVXFER_CUDA(cudaMemcpyAsync(res_ + codec::kHeaderBytes, scratch_.residual_payload,
+                                  s.residual_codes, cudaMemcpyDeviceToHost, stream_));
+    KVXFER_CUDA(cudaStreamSynchronize(stream_));
+    return KVXFER_SUCCESS;
+  }
+
+ private:
+  // DeviceStatus::first_bad = (t * H + c) << 1 | is_inf, the first in token-major order.
+  void locate(const DeviceStatus& st, codec::NonfiniteAt* at) const {
+    const uint64_t e = st.first_bad >> 1;
+    at->found = true;
+    at->t = static_cast<int64_t>(e / static_cast<uint64_t>(src_->num_channels));
+    at->c = static_cast<int32_t>(e % static_cast<uint64_t>(src_->num_channels));
+    at->is_nan = (st.first_bad & 1) == 0;
+  }
+
+  const kvxfer_page_layout_t* src_;
+  const DeviceScratch& scratch_;
+  uint8_t* anc_;
+  uint8_t* res_;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
 kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                                    const kvxfer_page_layout_t* src, const DeviceScratch& scratch,
                                    void* anchor, size_t anchor_cap, size_t* anchor_len,
@@ -166,92 +249,11 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "alpha=auto is not available on the GPU path; calibrate on the host "
                      "(kvxfer_codec_calibrate_alpha) and pass the chosen alpha");
-  const int64_t T = src->num_tokens;
-  const int32_t H = src->num_channels;
-  codec::PageHeader h = codec::make_header(*cfg, *id, T, H, src->dtype);
   auto* anc = static_cast<uint8_t*>(anchor);
   auto* res = static_cast<uint8_t*>(residual);
-
-  auto sizes_fit = [&](const codec::PageHeader& hh) -> kvxfer_result_t {
-    KVXFER_CHECK(codec::check_section_caps(hh, anchor_cap, residual_cap));
-    const codec::PayloadSizes s = codec::payload_sizes(hh);
-    if (scratch.anchor_cap < s.anchor_payload() || scratch.residual_cap < s.residual_codes)
-      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
-                       "page needs %llu anchor and %llu residual payload bytes on the device; "
-                       "the scratch holds %zu and %zu (alloc_scratch)",
-                       (unsigned long long)s.anchor_payload(), (unsigned long long)s.residual_codes,
-                       scratch.anchor_cap, scratch.residual_cap);
-    return KVXFER_SUCCESS;
-  };
-
-  bool raw = false;
-  DeviceStatus st{};
-  if (cfg->codec == KVXFER_CODEC_BF16) {
-    KVXFER_CHECK(launch_reset_status(scratch.status, stream));
-    KVXFER_CHECK(launch_scan_nonfinite(src, scratch.status, stream));
-    KVXFER_CHECK(read_status(scratch.status, &st, stream));
-    if (st.flags & STATUS_NONFINITE) {
-      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR) return nonfinite_error(st, *id, H);
-      raw = true;
-    }
-  } else {
-    std::string why;
-    const codec::CodebookRef cb =
-        codec::get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
-    if (cb == nullptr)
-      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
-    DeviceCodebook dcb;
-    KVXFER_CHECK(upload_codebook(cb.get(), &dcb));
-    st.flags = STATUS_NEED_FP32;
-    for (int attempt = 0; attempt < 2 && st.flags == STATUS_NEED_FP32; ++attempt) {
-      // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
-      const bool fp32 = attempt == 1;
-      h.flags = fp32 ? codec::FLAG_META_FP32 : 0;
-      KVXFER_CHECK(sizes_fit(h));
-      KVXFER_CHECK(launch_reset_status(scratch.status, stream));
-      KVXFER_CHECK(launch_encode(dcb, src, cfg->chunk_tokens, fp32, scratch.anchor_payload,
-                                 scratch.residual_payload, scratch.status, stream));
-      KVXFER_CHECK(read_status(scratch.status, &st, stream));
-      if (st.flags & STATUS_NONFINITE) st.flags = STATUS_NONFINITE;  // decides, whatever else
-      if (st.flags == STATUS_NEED_FP32)
-        KVXFER_INFO(LOG_CODEC,
-                    "layer %u %c tokens [%" PRId64 ", +%" PRId64
-                    "): range exceeds binary16, using fp32 metadata",
-                    id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
-    }
-    if (st.flags == STATUS_NONFINITE) {
-      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR) return nonfinite_error(st, *id, H);
-      raw = true;
-    } else if (st.flags != 0) {
-      return set_error(KVXFER_ERR_INTERNAL, "encoder returned status 0x%x", st.flags);
-    }
-  }
-
-  if (raw || cfg->codec == KVXFER_CODEC_BF16) {
-    // Lossless raw fallback (input dtype) or BF16 passthrough: values go in
-    // the anchor section; the residual section is empty.
-    h.flags = raw ? codec::FLAG_RAW : 0;
-    KVXFER_CHECK(sizes_fit(h));
-    if (raw)
-      KVXFER_WARN(LOG_CODEC,
-                  "layer %u %c tokens [%" PRId64 ", +%" PRId64
-                  "): non-finite input, page stored raw (lossless, not progressive)",
-                  id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
-    KVXFER_CHECK(launch_pack_values(src, raw ? src->dtype : KVXFER_DTYPE_BF16,
-                                    scratch.anchor_payload, stream));
-  }
-
-  // Payloads to the host, then headers and checksums on the host.
-  const codec::PayloadSizes s = codec::payload_sizes(h);
-  if (s.anchor_payload() > 0)
-    KVXFER_CUDA(cudaMemcpyAsync(anc + codec::kHeaderBytes, scratch.anchor_payload,
-                                s.anchor_payload(), cudaMemcpyDeviceToHost, stream));
-  if (s.residual_codes > 0)
-    KVXFER_CUDA(cudaMemcpyAsync(res + codec::kHeaderBytes, scratch.residual_payload,
-                                s.residual_codes, cudaMemcpyDeviceToHost, stream));
-  KVXFER_CUDA(cudaStreamSynchronize(stream));
-  codec::seal_page(h, anc, res, anchor_len, residual_len);
-  return KVXFER_SUCCESS;
+  DeviceBackend be(src, scratch, anc, res, stream);
+  return codec::encode_with(*cfg, *id, *src, anc, anchor_cap, anchor_len, res, residual_cap,
+                            residual_len, &be, 1);
 }
 
 kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const void* residual,

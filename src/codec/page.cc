@@ -6,6 +6,7 @@
 #include <cinttypes>
 
 #include "codec/codec.h"
+#include "codec/driver.h"
 #include "codec/spectrum.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -260,6 +261,79 @@ kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
   return KVXFER_SUCCESS;
 }
 
+namespace {
+
+/** The CPU paths as an EncodeBackend: payloads straight into the host sections. */
+class HostBackend final : public EncodeBackend {
+ public:
+  HostBackend(const Layout& lay, uint8_t* anchor, uint8_t* residual, Impl impl, int threads)
+      : lay_(lay), anc_(anchor), res_(residual), impl_(impl), threads_(threads) {}
+
+  kvxfer_result_t scan_nonfinite(NonfiniteAt* at) override {
+    locate(at);
+    return KVXFER_SUCCESS;
+  }
+
+  kvxfer_result_t quantize(const PageHeader& h, const Codebook& cb, EncodeStatus* status,
+                           NonfiniteAt* at) override {
+    uint64_t hist[256] = {0};
+    const PayloadSizes s = payload_sizes(h);
+    EncodeJob job{&cb,
+                  &h,
+                  lay_,
+                  (h.flags & FLAG_META_FP32) != 0,
+                  anc_ + kHeaderBytes,
+                  nullptr,
+                  res_ + kHeaderBytes,
+                  hist};
+    job.anchors = job.meta + s.meta_bytes;
+    *status = impl_ == Impl::REFERENCE ? reference::encode(job)
+                                       : fast::encode(job, impl_ == Impl::AVX2, threads_);
+    if (*status == EncodeStatus::NONFINITE) {
+      locate(at);
+    } else if (*status == EncodeStatus::OK && has_anchor_table(cb)) {
+      // Per-page anchor table, last in the anchor payload (docs/FORMAT.md 2.4).
+      float table[64];
+      anchor_table_from_histogram(cb, hist, table);
+      uint8_t* out = anc_ + kHeaderBytes + s.table_offset();
+      for (unsigned a = 0; a < (1u << cb.anchor_bits); ++a) put_f32_le(out + 4 * a, table[a]);
+    }
+    return KVXFER_SUCCESS;
+  }
+
+  kvxfer_result_t pack_values(const PageHeader& h, kvxfer_dtype_t odt) override {
+    const int64_t T = static_cast<int64_t>(h.num_tokens);
+    const int32_t H = static_cast<int32_t>(h.num_channels);
+    const kvxfer_dtype_t sdt = lay_.l->dtype;
+    const size_t osz = dtype_size(odt);
+    uint8_t* out = anc_ + kHeaderBytes;
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t* row = lay_.row(t);
+      uint8_t* orow = out + static_cast<size_t>(t) * H * osz;
+      if (odt == sdt)
+        std::memcpy(orow, row, static_cast<size_t>(H) * osz);
+      else
+        for (int32_t c = 0; c < H; ++c) store_elem(orow, c, odt, load_elem(row, c, sdt));
+    }
+    return KVXFER_SUCCESS;
+  }
+
+ private:
+  void locate(NonfiniteAt* at) const {
+    float v = 0;
+    at->found = find_nonfinite(lay_, lay_.l->num_tokens, lay_.l->num_channels, &at->t, &at->c, &v);
+    at->is_nan = at->found && std::isnan(v);
+  }
+
+  Layout lay_;
+  uint8_t* anc_;
+  uint8_t* res_;
+  Impl impl_;
+  int threads_;
+};
+
+}  // namespace
+
 kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                             const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
                             size_t* anchor_len, void* residual, size_t residual_cap,
@@ -273,96 +347,10 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     KVXFER_CHECK(calibrate_alpha(cfg, src, 1, &chosen.alpha));
     KVXFER_TRACE(LOG_CODEC, "alpha=auto chose %g", static_cast<double>(chosen.alpha));
   }
-  cfg = &chosen;
-  const int64_t T = src->num_tokens;
-  const int32_t H = src->num_channels;
-  PageHeader h = make_header(*cfg, *id, T, H, src->dtype);
-  uint8_t* anc = static_cast<uint8_t*>(anchor);
-  uint8_t* res = static_cast<uint8_t*>(residual);
-
-  auto sizes_fit = [&](const PageHeader& hh) {
-    return check_section_caps(hh, anchor_cap, residual_cap);
-  };
-
-  bool raw = false;
-  if (cfg->codec == KVXFER_CODEC_BF16) {
-    int64_t bt;
-    int32_t bc;
-    float bv;
-    if (find_nonfinite(lay, T, H, &bt, &bc, &bv)) {
-      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
-        return nonfinite_error(*id, bt, bc, std::isnan(bv));
-      raw = true;
-    }
-  } else {
-    std::string why;
-    const CodebookRef cb = get_codebook(cfg->codec, cfg->alpha, cfg->anchor_bits, &why);
-    uint64_t hist[256];
-    EncodeJob job{cb.get(), &h, lay, false, nullptr, nullptr, nullptr, hist};
-    EncodeStatus st = EncodeStatus::NEED_FP32;
-    for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
-      std::fill(hist, hist + 256, 0);
-      // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
-      job.meta_fp32 = attempt == 1;
-      h.flags = job.meta_fp32 ? FLAG_META_FP32 : 0;
-      KVXFER_CHECK(sizes_fit(h));
-      const PayloadSizes s = payload_sizes(h);
-      job.meta = anc + kHeaderBytes;
-      job.anchors = job.meta + s.meta_bytes;
-      job.residuals = res + kHeaderBytes;
-      st = impl == Impl::REFERENCE
-               ? reference::encode(job)
-               : fast::encode(job, impl == Impl::AVX2, effective_threads(threads));
-      if (st == EncodeStatus::NEED_FP32)
-        KVXFER_INFO(LOG_CODEC,
-                    "layer %u %c tokens [%" PRId64 ", +%" PRId64
-                    "): range exceeds binary16, using fp32 metadata",
-                    id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
-    }
-    if (st == EncodeStatus::NONFINITE) {
-      int64_t bt = 0;
-      int32_t bc = 0;
-      float bv = 0;
-      find_nonfinite(lay, T, H, &bt, &bc, &bv);
-      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
-        return nonfinite_error(*id, bt, bc, std::isnan(bv));
-      raw = true;
-    } else if (st != EncodeStatus::OK) {
-      return set_error(KVXFER_ERR_INTERNAL, "encoder failed with fp32 metadata");
-    } else if (has_anchor_table(*cb)) {
-      // Per-page anchor table, last in the anchor payload (docs/FORMAT.md 2.4).
-      float table[64];
-      anchor_table_from_histogram(*cb, hist, table);
-      uint8_t* out = anc + kHeaderBytes + payload_sizes(h).table_offset();
-      for (unsigned a = 0; a < (1u << cb->anchor_bits); ++a) put_f32_le(out + 4 * a, table[a]);
-    }
-  }
-
-  if (raw || cfg->codec == KVXFER_CODEC_BF16) {
-    // Lossless raw fallback (input dtype) or BF16 passthrough: values go in
-    // the anchor section; the residual section is empty.
-    h.flags = raw ? FLAG_RAW : 0;
-    KVXFER_CHECK(sizes_fit(h));
-    if (raw)
-      KVXFER_WARN(LOG_CODEC,
-                  "layer %u %c tokens [%" PRId64 ", +%" PRId64
-                  "): non-finite input, page stored raw (lossless, not progressive)",
-                  id->layer, id->kind == KVXFER_KV_KEY ? 'K' : 'V', id->token_begin, T);
-    uint8_t* out = anc + kHeaderBytes;
-    const kvxfer_dtype_t odt = raw ? src->dtype : KVXFER_DTYPE_BF16;
-    const size_t osz = dtype_size(odt);
-    for (int64_t t = 0; t < T; ++t) {
-      const uint8_t* row = lay.row(t);
-      uint8_t* orow = out + static_cast<size_t>(t) * H * osz;
-      if (odt == src->dtype)
-        std::memcpy(orow, row, static_cast<size_t>(H) * osz);
-      else
-        for (int32_t c = 0; c < H; ++c) store_elem(orow, c, odt, load_elem(row, c, src->dtype));
-    }
-  }
-
-  seal_page(h, anc, res, anchor_len, residual_len, effective_threads(threads));
-  return KVXFER_SUCCESS;
+  const int t = effective_threads(threads);
+  HostBackend be(lay, static_cast<uint8_t*>(anchor), static_cast<uint8_t*>(residual), impl, t);
+  return encode_with(chosen, *id, *src, static_cast<uint8_t*>(anchor), anchor_cap, anchor_len,
+                     static_cast<uint8_t*>(residual), residual_cap, residual_len, &be, t);
 }
 
 namespace {

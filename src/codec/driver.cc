@@ -1,0 +1,68 @@
+#include "codec/driver.h"
+
+#include <cinttypes>
+#include <string>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace kvxfer::codec {
+
+kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id,
+                            const kvxfer_page_layout_t& src, uint8_t* anchor, size_t anchor_cap,
+                            size_t* anchor_len, uint8_t* residual, size_t residual_cap,
+                            size_t* residual_len, EncodeBackend* be, int seal_threads) {
+  const int64_t T = src.num_tokens;
+  const int32_t H = src.num_channels;
+  PageHeader h = make_header(cfg, id, T, H, src.dtype);
+  auto fits = [&]() -> kvxfer_result_t {
+    KVXFER_CHECK(check_section_caps(h, anchor_cap, residual_cap));
+    return be->check_capacity(h);
+  };
+  const char kind = id.kind == KVXFER_KV_KEY ? 'K' : 'V';
+
+  NonfiniteAt bad;
+  if (cfg.codec == KVXFER_CODEC_BF16) {
+    KVXFER_CHECK(be->scan_nonfinite(&bad));
+  } else {
+    std::string why;
+    const CodebookRef cb = get_codebook(cfg.codec, cfg.alpha, cfg.anchor_bits, &why);
+    if (cb == nullptr)
+      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
+    EncodeStatus st = EncodeStatus::NEED_FP32;
+    for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
+      // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
+      h.flags = attempt == 1 ? FLAG_META_FP32 : 0;
+      KVXFER_CHECK(fits());
+      KVXFER_CHECK(be->quantize(h, *cb, &st, &bad));
+      if (st == EncodeStatus::NEED_FP32)
+        KVXFER_INFO(LOG_CODEC,
+                    "layer %u %c tokens [%" PRId64 ", +%" PRId64
+                    "): range exceeds binary16, using fp32 metadata",
+                    id.layer, kind, id.token_begin, T);
+    }
+    if (st == EncodeStatus::NEED_FP32)
+      return set_error(KVXFER_ERR_INTERNAL, "encoder failed with fp32 metadata");
+    if (st == EncodeStatus::NONFINITE) bad.found = true;
+  }
+
+  if (bad.found && cfg.nonfinite == KVXFER_NONFINITE_ERROR)
+    return nonfinite_error(id, bad.t, bad.c, bad.is_nan);
+  if (bad.found || cfg.codec == KVXFER_CODEC_BF16) {
+    // Lossless raw fallback (input dtype) or BF16 passthrough: values go in
+    // the anchor section; the residual section is empty.
+    h.flags = bad.found ? FLAG_RAW : 0;
+    KVXFER_CHECK(fits());
+    if (bad.found)
+      KVXFER_WARN(LOG_CODEC,
+                  "layer %u %c tokens [%" PRId64 ", +%" PRId64
+                  "): non-finite input, page stored raw (lossless, not progressive)",
+                  id.layer, kind, id.token_begin, T);
+    KVXFER_CHECK(be->pack_values(h, bad.found ? src.dtype : KVXFER_DTYPE_BF16));
+  }
+  KVXFER_CHECK(be->finish(h));
+  seal_page(h, anchor, residual, anchor_len, residual_len, seal_threads);
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace kvxfer::codec
