@@ -177,10 +177,18 @@ class DeviceBackend final : public codec::EncodeBackend {
     return KVXFER_SUCCESS;
   }
 
-  kvxfer_result_t quantize(const codec::PageHeader& h, const codec::Codebook& cb,
-                           codec::EncodeStatus* status, codec::NonfiniteAt* at) override {
-    DeviceCodebook dcb;
-    KVXFER_CHECK(upload_codebook(&cb, &dcb));
+  /** The codebook of a quantizing config, uploaded (validated config). */
+  kvxfer_result_t use(const kvxfer_codec_config_t& cfg) {
+    std::string why;
+    const codec::CodebookRef cb = codec::get_codebook(cfg.codec, cfg.alpha, cfg.anchor_bits, &why);
+    if (cb == nullptr)
+      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
+    return upload_codebook(cb.get(), &dcb_);
+  }
+
+  kvxfer_result_t quantize(const codec::PageHeader& h, codec::EncodeStatus* status,
+                           codec::NonfiniteAt* at) override {
+    const DeviceCodebook& dcb = dcb_;
     DeviceStatus st{};
     KVXFER_CHECK(launch_reset_status(scratch_.status, stream_));
     KVXFER_CHECK(launch_encode(dcb, src_, h.chunk_tokens, (h.flags & codec::FLAG_META_FP32) != 0,
@@ -232,6 +240,7 @@ class DeviceBackend final : public codec::EncodeBackend {
   uint8_t* anc_;
   uint8_t* res_;
   cudaStream_t stream_;
+  DeviceCodebook dcb_;
 };
 
 }  // namespace
@@ -252,6 +261,7 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
   auto* anc = static_cast<uint8_t*>(anchor);
   auto* res = static_cast<uint8_t*>(residual);
   DeviceBackend be(src, scratch, anc, res, stream);
+  if (cfg->codec != KVXFER_CODEC_BF16) KVXFER_CHECK(be.use(*cfg));
   return codec::encode_with(*cfg, *id, *src, anc, anchor_cap, anchor_len, res, residual_cap,
                             residual_len, &be, 1);
 }

@@ -1,7 +1,6 @@
 #include "codec/driver.h"
 
 #include <cinttypes>
-#include <string>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -15,6 +14,7 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
   const int64_t T = src.num_tokens;
   const int32_t H = src.num_channels;
   PageHeader h = make_header(cfg, id, T, H, src.dtype);
+  be->shape_header(&h);
   auto fits = [&]() -> kvxfer_result_t {
     KVXFER_CHECK(check_section_caps(h, anchor_cap, residual_cap));
     return be->check_capacity(h);
@@ -25,16 +25,12 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
   if (cfg.codec == KVXFER_CODEC_BF16) {
     KVXFER_CHECK(be->scan_nonfinite(&bad));
   } else {
-    std::string why;
-    const CodebookRef cb = get_codebook(cfg.codec, cfg.alpha, cfg.anchor_bits, &why);
-    if (cb == nullptr)
-      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
     EncodeStatus st = EncodeStatus::NEED_FP32;
     for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
       // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
       h.flags = attempt == 1 ? FLAG_META_FP32 : 0;
       KVXFER_CHECK(fits());
-      KVXFER_CHECK(be->quantize(h, *cb, &st, &bad));
+      KVXFER_CHECK(be->quantize(h, &st, &bad));
       if (st == EncodeStatus::NEED_FP32)
         KVXFER_INFO(LOG_CODEC,
                     "layer %u %c tokens [%" PRId64 ", +%" PRId64

@@ -29,6 +29,8 @@ struct NonfiniteAt {
 class EncodeBackend {
  public:
   virtual ~EncodeBackend() = default;
+  /** Fills what the header needs beyond the config (SPECTRUM: the tier counts). */
+  virtual void shape_header(PageHeader* h) { (void)h; }
   /** Checks beyond the caller's section capacities (device scratch); default none. */
   virtual kvxfer_result_t check_capacity(const PageHeader& h) {
     (void)h;
@@ -41,8 +43,7 @@ class EncodeBackend {
    * that `h` describes (flags say binary16 or binary32 metadata).  *status is
    * OK, NEED_FP32 (a range does not fit binary16) or NONFINITE, with *at set.
    */
-  virtual kvxfer_result_t quantize(const PageHeader& h, const Codebook& cb, EncodeStatus* status,
-                                   NonfiniteAt* at) = 0;
+  virtual kvxfer_result_t quantize(const PageHeader& h, EncodeStatus* status, NonfiniteAt* at) = 0;
   /** RAW fallback or BF16 passthrough: the values, as `dtype`, into the anchor payload. */
   virtual kvxfer_result_t pack_values(const PageHeader& h, kvxfer_dtype_t dtype) = 0;
   /** Makes the payloads of `h` final in the host sections (device: the copies back). */
@@ -54,8 +55,8 @@ class EncodeBackend {
 
 /**
  * Encodes one page through `be` into the host sections `anchor` / `residual`
- * (headers written and sealed here).  `cfg` is validated, SPECTRUM excluded,
- * and alpha is a value, not KVXFER_ALPHA_AUTO (the caller resolves it).
+ * (headers written and sealed here).  `cfg` is validated, and alpha is a
+ * value, not KVXFER_ALPHA_AUTO (the caller resolves it).
  * `seal_threads` as seal_page.  Errors: those of the backend,
  * KVXFER_ERR_BUFFER_TOO_SMALL, KVXFER_ERR_NONFINITE (policy ERROR).
  */

@@ -269,13 +269,22 @@ class HostBackend final : public EncodeBackend {
   HostBackend(const Layout& lay, uint8_t* anchor, uint8_t* residual, Impl impl, int threads)
       : lay_(lay), anc_(anchor), res_(residual), impl_(impl), threads_(threads) {}
 
+  /** The codebook of a quantizing config (validated, alpha resolved). */
+  kvxfer_result_t use(const kvxfer_codec_config_t& cfg) {
+    std::string why;
+    cb_ = get_codebook(cfg.codec, cfg.alpha, cfg.anchor_bits, &why);
+    if (cb_ == nullptr)
+      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
+    return KVXFER_SUCCESS;
+  }
+
   kvxfer_result_t scan_nonfinite(NonfiniteAt* at) override {
     locate(at);
     return KVXFER_SUCCESS;
   }
 
-  kvxfer_result_t quantize(const PageHeader& h, const Codebook& cb, EncodeStatus* status,
-                           NonfiniteAt* at) override {
+  kvxfer_result_t quantize(const PageHeader& h, EncodeStatus* status, NonfiniteAt* at) override {
+    const Codebook& cb = *cb_;
     uint64_t hist[256] = {0};
     const PayloadSizes s = payload_sizes(h);
     EncodeJob job{&cb,
@@ -330,6 +339,7 @@ class HostBackend final : public EncodeBackend {
   uint8_t* res_;
   Impl impl_;
   int threads_;
+  CodebookRef cb_;
 };
 
 }  // namespace
@@ -349,6 +359,7 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
   }
   const int t = effective_threads(threads);
   HostBackend be(lay, static_cast<uint8_t*>(anchor), static_cast<uint8_t*>(residual), impl, t);
+  if (chosen.codec != KVXFER_CODEC_BF16) KVXFER_CHECK(be.use(chosen));
   return encode_with(chosen, *id, *src, static_cast<uint8_t*>(anchor), anchor_cap, anchor_len,
                      static_cast<uint8_t*>(residual), residual_cap, residual_len, &be, t);
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "codec/codec.h"
+#include "codec/driver.h"
 #include "common/error.h"
 #include "common/log.h"
 
@@ -282,6 +283,90 @@ SpectrumParts spectrum_parts(const PageHeader& h) {
   return p;
 }
 
+namespace {
+
+/** SpectrumKV pages as an EncodeBackend (codec/driver.h), on the host. */
+class SpectrumBackend final : public EncodeBackend {
+ public:
+  SpectrumBackend(const kvxfer_page_id_t& id, const Layout& lay, const uint8_t* tiers,
+                  uint8_t* anchor, uint8_t* residual, int threads)
+      : id_(id), lay_(lay), tiers_(tiers), anc_(anchor), res_(residual), threads_(threads) {}
+
+  void shape_header(PageHeader* h) override {
+    for (int64_t t = 0; t < lay_.l->num_tokens; ++t) ++h->tiers[tiers_[t]];
+  }
+
+  kvxfer_result_t scan_nonfinite(NonfiniteAt* at) override {
+    locate(at);
+    return KVXFER_SUCCESS;
+  }
+
+  kvxfer_result_t quantize(const PageHeader& h, EncodeStatus* status, NonfiniteAt* at) override {
+    // Non-finite input in any token that is sent: the policy of every codec
+    // (docs/FORMAT.md 5).  DROP rows are never read.
+    if (!scanned_) {
+      locate(at);
+      scanned_ = true;
+    }
+    if (at->found) {
+      *status = EncodeStatus::NONFINITE;
+      return KVXFER_SUCCESS;
+    }
+    bool saturated = false;
+    *status = encode_payloads(h, lay_, tiers_, anc_ + kHeaderBytes, res_ + kHeaderBytes, &saturated,
+                              threads_);
+    if (*status == EncodeStatus::OK && saturated)
+      KVXFER_WARN(LOG_CODEC,
+                  "layer %u %s tokens [%" PRId64 ", +%" PRId64
+                  "): fp16-tier values beyond +-65504 saturated to +-65504",
+                  id_.layer, kv_name(id_), id_.token_begin, lay_.l->num_tokens);
+    return KVXFER_SUCCESS;
+  }
+
+  // Lossless raw fallback: the map stays, the raw values of every token
+  // that is sent follow it, and DROP tokens still decode to 0.
+  kvxfer_result_t pack_values(const PageHeader& h, kvxfer_dtype_t) override {
+    const SpectrumParts p = spectrum_parts(h);
+    uint8_t* ap = anc_ + kHeaderBytes;
+    put_tier_counts(ap, h);
+    put_tier_counts(res_ + kHeaderBytes, h);
+    put_tier_map(ap + p.map, tiers_, h.num_tokens);
+    const size_t row_bytes = static_cast<size_t>(h.num_channels) * lay_.elem;
+    uint8_t* out = ap + p.fp16_high;
+    for (int64_t t = 0; t < lay_.l->num_tokens; ++t) {
+      if (tiers_[t] == KVXFER_TIER_DROP) continue;
+      std::memcpy(out, lay_.row(t), row_bytes);
+      out += row_bytes;
+    }
+    return KVXFER_SUCCESS;
+  }
+
+ private:
+  void locate(NonfiniteAt* at) const {
+    const int32_t H = lay_.l->num_channels;
+    const kvxfer_dtype_t dt = lay_.l->dtype;
+    for (int64_t t = 0; t < lay_.l->num_tokens; ++t) {
+      if (tiers_[t] == KVXFER_TIER_DROP || !row_has_nonfinite(lay_.row(t), H, dt)) continue;
+      for (int32_t c = 0; c < H; ++c) {
+        const float x = load_elem(lay_.row(t), c, dt);
+        if (std::isfinite(x)) continue;
+        *at = NonfiniteAt{true, t, c, std::isnan(x)};
+        return;
+      }
+    }
+  }
+
+  kvxfer_page_id_t id_;
+  Layout lay_;
+  const uint8_t* tiers_;
+  uint8_t* anc_;
+  uint8_t* res_;
+  int threads_;
+  bool scanned_ = false;
+};
+
+}  // namespace
+
 kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                                    const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
                                    void* anchor, size_t anchor_cap, size_t* anchor_len,
@@ -292,7 +377,6 @@ kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfe
                  "token tiers need codec SPECTRUM (4), not codec %d: use kvxfer_page_encode",
                  static_cast<int>(cfg->codec));
   const int64_t T = src->num_tokens;
-  const int32_t H = src->num_channels;
   KVXFER_REQUIRE(token_tiers != nullptr || T == 0,
                  "token_tiers is NULL for a page of %" PRId64 " tokens", T);
   for (int64_t t = 0; t < T; ++t)
@@ -304,74 +388,11 @@ kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfe
   Layout lay;
   KVXFER_CHECK(validate_layout(src, "source", &lay));  // host blocks: non-NULL too
 
-  PageHeader h = make_header(*cfg, *id, T, H, src->dtype);
-  for (int64_t t = 0; t < T; ++t) ++h.tiers[token_tiers[t]];
-  uint8_t* anc = static_cast<uint8_t*>(anchor);
-  uint8_t* res = static_cast<uint8_t*>(residual);
-  auto sizes_fit = [&] { return check_section_caps(h, anchor_cap, residual_cap); };
-
-  // Non-finite input in any token that is sent: the policy of every codec
-  // (docs/FORMAT.md 5).  DROP rows are never read.
-  bool raw = false;
-  for (int64_t t = 0; t < T && !raw; ++t) {
-    if (token_tiers[t] == KVXFER_TIER_DROP || !row_has_nonfinite(lay.row(t), H, src->dtype))
-      continue;
-    for (int32_t c = 0; c < H; ++c) {
-      const float x = load_elem(lay.row(t), c, src->dtype);
-      if (std::isfinite(x)) continue;
-      if (cfg->nonfinite == KVXFER_NONFINITE_ERROR)
-        return nonfinite_error(*id, t, c, std::isnan(x));
-      raw = true;
-      break;
-    }
-  }
-
-  if (!raw) {
-    bool saturated = false;
-    EncodeStatus st = EncodeStatus::NEED_FP32;
-    for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
-      // Binary16 metadata first; binary32 for the whole page if a pair does not fit.
-      h.flags = attempt == 1 ? FLAG_META_FP32 : 0;
-      KVXFER_CHECK(sizes_fit());
-      st = encode_payloads(h, lay, token_tiers, anc + kHeaderBytes, res + kHeaderBytes, &saturated,
-                           effective_threads(threads));
-      if (st == EncodeStatus::NEED_FP32)
-        KVXFER_INFO(LOG_CODEC,
-                    "layer %u %s tokens [%" PRId64 ", +%" PRId64
-                    "): int8/int4 range exceeds binary16, using fp32 metadata",
-                    id->layer, kv_name(*id), id->token_begin, T);
-    }
-    if (st != EncodeStatus::OK)
-      return set_error(KVXFER_ERR_INTERNAL, "SpectrumKV encoder failed with fp32 metadata");
-    if (saturated)
-      KVXFER_WARN(LOG_CODEC,
-                  "layer %u %s tokens [%" PRId64 ", +%" PRId64
-                  "): fp16-tier values beyond +-65504 saturated to +-65504",
-                  id->layer, kv_name(*id), id->token_begin, T);
-  } else {
-    // Lossless raw fallback: the map stays, the raw values of every token
-    // that is sent follow it, and DROP tokens still decode to 0.
-    h.flags = FLAG_RAW;
-    KVXFER_CHECK(sizes_fit());
-    KVXFER_WARN(LOG_CODEC,
-                "layer %u %s tokens [%" PRId64 ", +%" PRId64
-                "): non-finite input, page stored raw (lossless, not progressive)",
-                id->layer, kv_name(*id), id->token_begin, T);
-    const SpectrumParts p = spectrum_parts(h);
-    uint8_t* ap = anc + kHeaderBytes;
-    put_tier_counts(ap, h);
-    put_tier_counts(res + kHeaderBytes, h);
-    put_tier_map(ap + p.map, token_tiers, h.num_tokens);
-    const size_t row_bytes = static_cast<size_t>(H) * lay.elem;
-    uint8_t* out = ap + p.fp16_high;
-    for (int64_t t = 0; t < T; ++t) {
-      if (token_tiers[t] == KVXFER_TIER_DROP) continue;
-      std::memcpy(out, lay.row(t), row_bytes);
-      out += row_bytes;
-    }
-  }
-  seal_page(h, anc, res, anchor_len, residual_len);
-  return KVXFER_SUCCESS;
+  SpectrumBackend be(*id, lay, token_tiers, static_cast<uint8_t*>(anchor),
+                     static_cast<uint8_t*>(residual), effective_threads(threads));
+  return encode_with(*cfg, *id, *src, static_cast<uint8_t*>(anchor), anchor_cap, anchor_len,
+                     static_cast<uint8_t*>(residual), residual_cap, residual_len, &be,
+                     effective_threads(threads));
 }
 
 kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
