@@ -1,8 +1,9 @@
 // The element math of the page codec, one definition for the CPU paths
 // (compiled by g++) and the CUDA kernels (compiled by nvcc): dtype
-// conversions, the per-(chunk, channel) affine normalisation and the table
-// lookup that turns a normalised value into a code (docs/FORMAT.md, sections
-// 2.1, 2.2 and 3 "Exactness").
+// conversions, the per-(chunk, channel) affine normalisation, the code of an
+// element (wire format 2: one code scale per (chunk, channel), linear codes by
+// one fma, alpha-law codes by the threshold lookup), the reconstruction and
+// the anchor table (docs/FORMAT.md, sections 2.1-2.4 and 3 "Exactness").
 //
 // Rules that keep both sides bit-identical:
 //   - conversions are pure integer bit manipulation (no libm, no intrinsics);

@@ -17,7 +17,7 @@ namespace kvxfer::codec {
 
 // Exact dtype conversions (f32_bits, bits_f32, bf16_to_f32, f32_to_bf16,
 // f16_to_f32, f32_to_f16, f32_to_f16_up), Affine, canonical_minmax,
-// chunk_affine, normalise, denormalise and the LUT encode live in
+// chunk_affine, code_scale, quantize, recon_linear, denormalise and the LUT encode live in
 // codec/codec_math.h, shared with the CUDA kernels (kernels/).
 
 inline float load_elem(const uint8_t* row, int64_t i, kvxfer_dtype_t dt) {
