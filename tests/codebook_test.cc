@@ -66,7 +66,9 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
       }
       ASSERT_EQ(cb->encode_z(r), code)
           << "codec " << c.codec << " alpha " << c.alpha << " code " << code;
-      if (cb->kind != CODE_LUT) ASSERT_EQ(r, recon_linear(cb->kind, code, cb->recon_step));
+      if (cb->kind != CODE_LUT) {
+        ASSERT_EQ(r, recon_linear(cb->kind, code, cb->recon_step));
+      }
       // The anchor value lies in the union of its codes' bins: it encodes to a
       // code with the same anchor.
       ASSERT_EQ(cb->encode_z(cb->recon_anchor[code >> R]) >> R, code >> R);
@@ -111,8 +113,9 @@ TEST(Codebook, FastLookupEqualsDefinitionOnEveryBoundary) {
         ASSERT_EQ(fastq, cb->encode_threshold(z)) << "z=" << z << " alpha " << c.alpha;
       } else {
         const int want = closed_form_code(*cb, z);
-        if (want >= 0)
+        if (want >= 0) {
           ASSERT_EQ(static_cast<int>(fastq), want) << "z=" << z << " codec " << c.codec;
+        }
       }
     }
   }
