@@ -54,40 +54,83 @@ inline uint32_t unkey32(int32_t k) {
 // while the chunk's rows stream past.
 constexpr int kMinmaxVecs = 4;
 
+// The scalar min/max of channels [from, H), as the reference scans them.
+bool minmax_tail(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t from, int32_t H,
+                 float* mn, float* mx) {
+  bool ok = true;
+  for (int32_t j = from; j < H; ++j) {
+    float a = load_elem(rows[0], j, dt), b = a;
+    for (int r = 0; r < n; ++r) {
+      const float x = load_elem(rows[r], j, dt);
+      ok &= !f32_nonfinite(x);
+      if (x < a) a = x;
+      if (x > b) b = x;
+    }
+    mn[j] = a;
+    mx[j] = b;
+  }
+  return ok;
+}
+
+// Integer keys of 16 or 32 bits, 256 bits at a time.
+template <int BITS>
+struct Keys;
+template <>
+struct Keys<16> {
+  using T = int16_t;
+  static __m256i key(__m256i u) { return key16(u); }
+  static __m256i min(__m256i a, __m256i b) { return _mm256_min_epi16(a, b); }
+  static __m256i max(__m256i a, __m256i b) { return _mm256_max_epi16(a, b); }
+  static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi16(a, b); }
+};
+template <>
+struct Keys<32> {
+  using T = int32_t;
+  static __m256i key(__m256i u) { return key32(u); }
+  static __m256i min(__m256i a, __m256i b) { return _mm256_min_epi32(a, b); }
+  static __m256i max(__m256i a, __m256i b) { return _mm256_max_epi32(a, b); }
+  static __m256i gt(__m256i a, __m256i b) { return _mm256_cmpgt_epi32(a, b); }
+};
+
 // Row-major: each row streams through once (the hardware prefetcher follows
-// it), and the per-channel key accumulators stay in L1.
+// it), and the per-channel key accumulators kmn/kmx (Hv keys each) stay in
+// L1.  Returns the lanes whose keys lie beyond [lo, hi]: NaN or Inf.
+template <int BITS>
+__m256i accumulate_keys(const uint8_t* const* rows, int n, int32_t Hv, typename Keys<BITS>::T* kmn,
+                        typename Keys<BITS>::T* kmx, __m256i hi, __m256i lo) {
+  using K = Keys<BITS>;
+  constexpr int kLanes = 256 / BITS, kBytes = BITS / 8;
+  auto at = [](typename K::T* p, int32_t c) { return reinterpret_cast<__m256i*>(p + c); };
+  for (int32_t c = 0; c < Hv; c += kLanes) {
+    const __m256i k =
+        K::key(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + kBytes * c)));
+    _mm256_storeu_si256(at(kmn, c), k);
+    _mm256_storeu_si256(at(kmx, c), k);
+  }
+  for (int r = 1; r < n; ++r)
+    for (int32_t c = 0; c < Hv; c += kLanes) {
+      const __m256i k =
+          K::key(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + kBytes * c)));
+      _mm256_storeu_si256(at(kmn, c), K::min(_mm256_loadu_si256(at(kmn, c)), k));
+      _mm256_storeu_si256(at(kmx, c), K::max(_mm256_loadu_si256(at(kmx, c)), k));
+    }
+  __m256i bad = _mm256_setzero_si256();
+  for (int32_t c = 0; c < Hv; c += kLanes)
+    bad = _mm256_or_si256(bad, _mm256_or_si256(K::gt(_mm256_loadu_si256(at(kmx, c)), hi),
+                                               K::gt(lo, _mm256_loadu_si256(at(kmn, c)))));
+  return bad;
+}
+
 bool minmax16(const uint8_t* const* rows, int n, bool bf16, int32_t H, float* mn, float* mx) {
   const int16_t inf_key = bf16 ? 0x7F80 : 0x7C00;  // key of +Inf; -Inf's is -1 - inf_key
-  const __m256i hi = _mm256_set1_epi16(static_cast<int16_t>(inf_key - 1));
-  const __m256i lo = _mm256_set1_epi16(static_cast<int16_t>(-inf_key));
   const int32_t Hv = H & ~15;
   // Keys as int16 over the float buffers' storage: mn/mx hold H floats, so
-  // their first H * 2 bytes are free until the conversion at the end (which
-  // runs backwards from the top, never overwriting a key not yet read).
+  // their first H * 2 bytes are free until the conversion below.
   int16_t* kmn = reinterpret_cast<int16_t*>(mn);
   int16_t* kmx = reinterpret_cast<int16_t*>(mx);
-  for (int32_t c = 0; c < Hv; c += 16) {
-    const __m256i k = key16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 2 * c)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmn + c), k);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmx + c), k);
-  }
-  for (int r = 1; r < n; ++r) {
-    const uint8_t* p = rows[r];
-    for (int32_t c = 0; c < Hv; c += 16) {
-      const __m256i k = key16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * c)));
-      __m256i* a = reinterpret_cast<__m256i*>(kmn + c);
-      __m256i* b = reinterpret_cast<__m256i*>(kmx + c);
-      _mm256_storeu_si256(a, _mm256_min_epi16(_mm256_loadu_si256(a), k));
-      _mm256_storeu_si256(b, _mm256_max_epi16(_mm256_loadu_si256(b), k));
-    }
-  }
-  __m256i bad = _mm256_setzero_si256();
-  for (int32_t c = 0; c < Hv; c += 16)
-    bad = _mm256_or_si256(
-        bad,
-        _mm256_or_si256(
-            _mm256_cmpgt_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmx + c)), hi),
-            _mm256_cmpgt_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmn + c)))));
+  const __m256i bad = accumulate_keys<16>(rows, n, Hv, kmn, kmx,
+                                          _mm256_set1_epi16(static_cast<int16_t>(inf_key - 1)),
+                                          _mm256_set1_epi16(static_cast<int16_t>(-inf_key)));
   // Keys back to floats (key16 is an involution on the bits), 8 at a time
   // from the top: the floats of channels [c, c+8) overwrite bytes [4c, 4c+32),
   // which hold keys of channels >= 2c, all converted already.
@@ -103,68 +146,25 @@ bool minmax16(const uint8_t* const* rows, int n, bool bf16, int32_t H, float* mn
       _mm256_storeu_ps(out + c, f);
     }
   }
-  bool ok = _mm256_testz_si256(bad, bad) != 0;
-  const kvxfer_dtype_t dt = bf16 ? KVXFER_DTYPE_BF16 : KVXFER_DTYPE_FP16;
-  for (int32_t j = Hv; j < H; ++j) {
-    float a = load_elem(rows[0], j, dt), b = a;
-    for (int r = 0; r < n; ++r) {
-      const float x = load_elem(rows[r], j, dt);
-      ok &= !f32_nonfinite(x);
-      if (x < a) a = x;
-      if (x > b) b = x;
-    }
-    mn[j] = a;
-    mx[j] = b;
-  }
-  return ok;
+  const bool ok = _mm256_testz_si256(bad, bad) != 0;
+  return minmax_tail(rows, n, bf16 ? KVXFER_DTYPE_BF16 : KVXFER_DTYPE_FP16, Hv, H, mn, mx) && ok;
 }
 
 bool minmax32(const uint8_t* const* rows, int n, int32_t H, float* mn, float* mx) {
-  const __m256i hi = _mm256_set1_epi32(0x7F7FFFFF);
-  const __m256i lo = _mm256_set1_epi32(-0x7F800000);
   const int32_t Hv = H & ~7;
   int32_t* kmn = reinterpret_cast<int32_t*>(mn);  // keys in place of the floats
   int32_t* kmx = reinterpret_cast<int32_t*>(mx);
-  for (int32_t c = 0; c < Hv; c += 8) {
-    const __m256i k = key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + 4 * c)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmn + c), k);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmx + c), k);
-  }
-  for (int r = 1; r < n; ++r) {
-    const uint8_t* p = rows[r];
-    for (int32_t c = 0; c < Hv; c += 8) {
-      const __m256i k = key32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4 * c)));
-      __m256i* a = reinterpret_cast<__m256i*>(kmn + c);
-      __m256i* b = reinterpret_cast<__m256i*>(kmx + c);
-      _mm256_storeu_si256(a, _mm256_min_epi32(_mm256_loadu_si256(a), k));
-      _mm256_storeu_si256(b, _mm256_max_epi32(_mm256_loadu_si256(b), k));
+  const __m256i bad = accumulate_keys<32>(rows, n, Hv, kmn, kmx, _mm256_set1_epi32(0x7F7FFFFF),
+                                          _mm256_set1_epi32(-0x7F800000));
+  const __m256i m31 = _mm256_set1_epi32(0x7FFFFFFF);
+  for (int32_t c = 0; c < Hv; c += 8)
+    for (int32_t* k : {kmn, kmx}) {  // key32 is an involution on the bits
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + c));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(k + c),
+                          _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), m31)));
     }
-  }
-  __m256i bad = _mm256_setzero_si256();
-  for (int32_t c = 0; c < Hv; c += 8) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmn + c));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kmx + c));
-    bad =
-        _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpgt_epi32(b, hi), _mm256_cmpgt_epi32(lo, a)));
-    const __m256i m31 = _mm256_set1_epi32(0x7FFFFFFF);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmn + c),
-                        _mm256_xor_si256(a, _mm256_and_si256(_mm256_srai_epi32(a, 31), m31)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(kmx + c),
-                        _mm256_xor_si256(b, _mm256_and_si256(_mm256_srai_epi32(b, 31), m31)));
-  }
-  bool ok = _mm256_testz_si256(bad, bad) != 0;
-  for (int32_t j = Hv; j < H; ++j) {
-    float a = load_elem(rows[0], j, KVXFER_DTYPE_FP32), b = a;
-    for (int r = 0; r < n; ++r) {
-      const float x = load_elem(rows[r], j, KVXFER_DTYPE_FP32);
-      ok &= !f32_nonfinite(x);
-      if (x < a) a = x;
-      if (x > b) b = x;
-    }
-    mn[j] = a;
-    mx[j] = b;
-  }
-  return ok;
+  const bool ok = _mm256_testz_si256(bad, bad) != 0;
+  return minmax_tail(rows, n, KVXFER_DTYPE_FP32, Hv, H, mn, mx) && ok;
 }
 
 bool chunk_minmax_avx2(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H, float* mn,
