@@ -276,6 +276,15 @@ inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m25
   }
 }
 
+// The per-codebook last step on 32 packed byte codes: INT4's clamp to 15
+// (packus already clamped to [0, 255]), LYNX alpha = 0's sign-magnitude.
+template <int KIND>
+inline __m256i finish_codes(__m256i b, __m256i maxc) {
+  if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);
+  if constexpr (KIND == CODE_MAG) b = mag_from_level(b);
+  return b;
+}
+
 // 32 byte codes of elements c..c+31, in order.
 template <int KIND>
 inline __m256i codes32(const uint8_t* row, kvxfer_dtype_t dt, int32_t c, const float* m,
@@ -287,10 +296,7 @@ inline __m256i codes32(const uint8_t* row, kvxfer_dtype_t dt, int32_t c, const f
   const __m256i q2 = codes8<KIND>(load8(row, c + 16, dt), m, s, c + 16, bias, base, next, ncells);
   const __m256i q3 = codes8<KIND>(load8(row, c + 24, dt), m, s, c + 24, bias, base, next, ncells);
   __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
-  b = _mm256_permutevar8x32_epi32(b, fix);
-  if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);  // INT4: 15
-  if constexpr (KIND == CODE_MAG) b = mag_from_level(b);
-  return b;
+  return finish_codes<KIND>(_mm256_permutevar8x32_epi32(b, fix), maxc);
 }
 
 template <int KIND>
@@ -329,56 +335,29 @@ void encode_params_avx2(const float* m, const float* s, int32_t H, kvxfer_dtype_
   }
 }
 
-// 8 floats of channels c.. (bf16: in encode_params' order, lo or hi half).
-template <int DT>
-inline __m256 load8p(const uint8_t* row, int32_t c, int part) {
-  if constexpr (DT == KVXFER_DTYPE_BF16) {
-    const __m256i v =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * (c - 8 * part)));
-    const __m256i z = _mm256_setzero_si256();
-    return _mm256_castsi256_ps(part ? _mm256_unpackhi_epi16(z, v) : _mm256_unpacklo_epi16(z, v));
-  } else {
-    return load8(row, c, static_cast<kvxfer_dtype_t>(DT));
-  }
-}
-
 // 32 byte codes of channels c..c+31 in channel order, from encode_params'
-// arrays.
+// arrays: bf16 by one unpacklo/unpackhi per 8 values (the order that
+// encode_params arranged), other dtypes as codes32.
 template <int KIND, int DT>
 inline __m256i codes32p(const uint8_t* row, int32_t c, const float* pm, const float* ps,
                         __m256 bias, const uint8_t* base, const float* next, __m256 ncells,
                         __m256i maxc) {
-  if constexpr (KIND == CODE_MAG)
-    return mag_from_level(
-        codes32p<CODE_UNIFORM, DT>(row, c, pm, ps, bias, base, next, ncells, maxc));
-  __m256i b;
-  if constexpr (DT == KVXFER_DTYPE_BF16) {
+  if constexpr (DT != KVXFER_DTYPE_BF16) {
+    return codes32<KIND>(row, static_cast<kvxfer_dtype_t>(DT), c, pm, ps, bias, base, next, ncells,
+                         maxc);
+  } else {
     const __m256i zero = _mm256_setzero_si256();
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c));
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c + 32));
-    auto f = [&](__m256i v, bool high) {
-      return _mm256_castsi256_ps(high ? _mm256_unpackhi_epi16(zero, v)
-                                      : _mm256_unpacklo_epi16(zero, v));
-    };
-    const __m256i q0 = codes8<KIND>(f(v0, false), pm, ps, c, bias, base, next, ncells);
-    const __m256i q1 = codes8<KIND>(f(v0, true), pm, ps, c + 8, bias, base, next, ncells);
-    const __m256i q2 = codes8<KIND>(f(v1, false), pm, ps, c + 16, bias, base, next, ncells);
-    const __m256i q3 = codes8<KIND>(f(v1, true), pm, ps, c + 24, bias, base, next, ncells);
-    b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
-    b = _mm256_permute4x64_epi64(b, 0xD8);
-  } else {
-    const auto dt = static_cast<kvxfer_dtype_t>(DT);
-    const __m256i q0 = codes8<KIND>(load8(row, c, dt), pm, ps, c, bias, base, next, ncells);
-    const __m256i q1 = codes8<KIND>(load8(row, c + 8, dt), pm, ps, c + 8, bias, base, next, ncells);
-    const __m256i q2 =
-        codes8<KIND>(load8(row, c + 16, dt), pm, ps, c + 16, bias, base, next, ncells);
-    const __m256i q3 =
-        codes8<KIND>(load8(row, c + 24, dt), pm, ps, c + 24, bias, base, next, ncells);
-    b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
-    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    auto lo = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)); };
+    auto hi = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)); };
+    const __m256i q0 = codes8<KIND>(lo(v0), pm, ps, c, bias, base, next, ncells);
+    const __m256i q1 = codes8<KIND>(hi(v0), pm, ps, c + 8, bias, base, next, ncells);
+    const __m256i q2 = codes8<KIND>(lo(v1), pm, ps, c + 16, bias, base, next, ncells);
+    const __m256i q3 = codes8<KIND>(hi(v1), pm, ps, c + 24, bias, base, next, ncells);
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
+    return finish_codes<KIND>(_mm256_permute4x64_epi64(b, 0xD8), maxc);
   }
-  if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);  // INT4: 15
-  return b;
 }
 
 // Codes -> 4-bit fields, 32 at a time.  maddubs with (1, 16) folds each byte
