@@ -179,10 +179,8 @@ class DeviceBackend final : public codec::EncodeBackend {
 
   /** The codebook of a quantizing config, uploaded (validated config). */
   kvxfer_result_t use(const kvxfer_codec_config_t& cfg) {
-    std::string why;
-    const codec::CodebookRef cb = codec::get_codebook(cfg.codec, cfg.alpha, cfg.anchor_bits, &why);
-    if (cb == nullptr)
-      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
+    codec::CodebookRef cb;
+    KVXFER_CHECK(codec::codebook_of(cfg, &cb));
     return upload_codebook(cb.get(), &dcb_);
   }
 

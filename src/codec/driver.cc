@@ -1,11 +1,20 @@
 #include "codec/driver.h"
 
 #include <cinttypes>
+#include <string>
 
 #include "common/error.h"
 #include "common/log.h"
 
 namespace kvxfer::codec {
+
+kvxfer_result_t codebook_of(const kvxfer_codec_config_t& cfg, CodebookRef* out) {
+  std::string why;
+  *out = get_codebook(cfg.codec, cfg.alpha, cfg.anchor_bits, &why);
+  if (*out == nullptr)
+    return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
+  return KVXFER_SUCCESS;
+}
 
 kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id,
                             const kvxfer_page_layout_t& src, uint8_t* anchor, size_t anchor_cap,

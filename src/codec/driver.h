@@ -54,6 +54,12 @@ class EncodeBackend {
 };
 
 /**
+ * The codebook of a validated quantizing config (alpha resolved), for a
+ * backend; KVXFER_ERR_INTERNAL if there is none.
+ */
+kvxfer_result_t codebook_of(const kvxfer_codec_config_t& cfg, CodebookRef* out);
+
+/**
  * Encodes one page through `be` into the host sections `anchor` / `residual`
  * (headers written and sealed here).  `cfg` is validated, and alpha is a
  * value, not KVXFER_ALPHA_AUTO (the caller resolves it).

@@ -270,13 +270,7 @@ class HostBackend final : public EncodeBackend {
       : lay_(lay), anc_(anchor), res_(residual), impl_(impl), threads_(threads) {}
 
   /** The codebook of a quantizing config (validated, alpha resolved). */
-  kvxfer_result_t use(const kvxfer_codec_config_t& cfg) {
-    std::string why;
-    cb_ = get_codebook(cfg.codec, cfg.alpha, cfg.anchor_bits, &why);
-    if (cb_ == nullptr)
-      return set_error(KVXFER_ERR_INTERNAL, "no codebook for a valid config: %s", why.c_str());
-    return KVXFER_SUCCESS;
-  }
+  kvxfer_result_t use(const kvxfer_codec_config_t& cfg) { return codebook_of(cfg, &cb_); }
 
   kvxfer_result_t scan_nonfinite(NonfiniteAt* at) override {
     locate(at);
