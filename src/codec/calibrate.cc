@@ -47,9 +47,7 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
     // histogram) of up to 8 evenly spaced chunks, every channel whose chunk
     // is finite, with the affine map the encoder would store for it.
     std::vector<const uint8_t*> rows(static_cast<size_t>(C));
-    std::vector<float> mn(H), mx(H), m(H), d(H), sc(H);
-    std::vector<uint8_t> ok(H);
-    std::vector<float> xrow(H);
+    std::vector<float> mn(H), mx(H), sc(H);
     // Per candidate: codes of every sampled row (row-major), then errors.
     struct SampleRow {
       const uint8_t* row;
