@@ -433,6 +433,30 @@ void flip_every_bit(const Pair& p, bool residual) {
 
 TEST(WireFormat, EveryBitFlipInAnAnchorIsCorrupt) { flip_every_bit(lynx_pair(), false); }
 TEST(WireFormat, EveryBitFlipInAResidualIsCorrupt) { flip_every_bit(lynx_pair(), true); }
+
+// A page of 1 MiB or more has its two checksums verified on two threads
+// (plan_decode_any); a failure there must still be reported by the call,
+// name the section, and write nothing.
+TEST(WireFormat, LargePageCorruptOnEitherSectionIsCorruptWithTwoThreads) {
+  PagedBuffer src(2048, 512, KVXFER_DTYPE_BF16);
+  test::fill_kv_like(&src, 21);
+  const auto e = test::encode(config(KVXFER_CODEC_LYNX, 0.0f, 32), src, Impl::AVX2);
+  ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+  ASSERT_GE(e.anchor.size() + e.residual.size(), size_t{1} << 20);
+  for (bool in_residual : {false, true}) {
+    Bytes a = e.anchor, r = e.residual;
+    Bytes& hit = in_residual ? r : a;
+    hit[hit.size() / 2] ^= 0x10;  // a payload byte: the checksum fails
+    PagedBuffer out(2048, 512, KVXFER_DTYPE_BF16);
+    const Bytes before = out.bytes();
+    EXPECT_EQ(
+        decode_page(a.data(), a.size(), r.data(), r.size(), nullptr, &out.layout, Impl::AUTO, 2),
+        KVXFER_ERR_CORRUPT)
+        << in_residual;
+    EXPECT_NE(std::string(last_error()).find("checksum"), std::string::npos) << last_error();
+    EXPECT_EQ(out.bytes(), before) << "a failed decode wrote into the destination";
+  }
+}
 TEST(WireFormat, EveryBitFlipInAnInt4AnchorIsCorrupt) {
   flip_every_bit(small_pair(config(KVXFER_CODEC_INT4, 0.0f, 16)), false);
 }
