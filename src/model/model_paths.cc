@@ -4,27 +4,16 @@
 
 namespace kvxfer::model {
 
-namespace {
-
-// The value of `name`, or nullptr when it is unset or empty (`${name:-...}`).
-const char* nonempty_env(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : nullptr;
-}
-
-}  // namespace
-
 std::string smollm2_gguf_path() {
-  if (const char* p = nonempty_env("KVXFER_SMOLLM2_GGUF")) return p;
+  if (const char* p = std::getenv("KVXFER_SMOLLM2_GGUF"); p != nullptr && *p != '\0') return p;
   std::string cache;
-  if (const char* xdg = nonempty_env("XDG_CACHE_HOME")) {
-    cache = xdg;
-  } else if (const char* home = nonempty_env("HOME")) {
-    cache = std::string(home) + "/.cache";
-  } else {
-    return std::string();
-  }
-  return cache + "/kvxfer/" + kSmolLM2GgufName;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0')
+    cache = x;
+  else if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0')
+    cache = std::string(h) + "/.cache";
+  else
+    cache = ".cache";
+  return cache + "/kvxfer/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
 }  // namespace kvxfer::model
