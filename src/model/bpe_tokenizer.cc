@@ -178,9 +178,7 @@ struct Candidate {
   std::int32_t new_id;
   // std::priority_queue is a max-heap: the greatest is the lowest rank, then
   // the leftmost position (HF tokenizers' Merge ordering).
-  bool operator<(const Candidate& o) const {
-    return rank != o.rank ? rank > o.rank : pos > o.pos;
-  }
+  bool operator<(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
 };
 
 }  // namespace
@@ -200,8 +198,7 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::create(const std::vector<std::string
                                                    std::int32_t bos_id, std::int32_t eos_id,
                                                    std::int32_t unk_id, std::string* error) {
   if (tokens.empty() || tokens.size() > 0x7fffffffu) {
-    set_error(error, "tokenizer: " + std::to_string(tokens.size()) +
-                         " tokens (need 1 .. 2^31-1)");
+    set_error(error, "tokenizer: " + std::to_string(tokens.size()) + " tokens (need 1 .. 2^31-1)");
     return nullptr;
   }
   if (token_types.size() != tokens.size()) {
@@ -311,7 +308,8 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::create(const std::vector<std::string
       return nullptr;
     }
     const std::uint64_t key = static_cast<std::uint64_t>(l) << 32 | static_cast<std::uint32_t>(r);
-    const std::uint64_t value = static_cast<std::uint64_t>(rank) << 32 | static_cast<std::uint32_t>(merged);
+    const std::uint64_t value =
+        static_cast<std::uint64_t>(rank) << 32 | static_cast<std::uint32_t>(merged);
     auto [it, inserted] = t->merges_.emplace(key, value);
     if (!inserted) {
       fail("repeats merge " + std::to_string(it->second >> 32));
@@ -327,47 +325,59 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::create(const std::vector<std::string
   return t;
 }
 
-std::unique_ptr<BpeTokenizer> BpeTokenizer::from_gguf(const gguf::File& file,
-                                                      std::string* error) {
+std::unique_ptr<BpeTokenizer> BpeTokenizer::from_gguf(const gguf::File& file, std::string* error) {
+  // The reader's messages name the file and the key already; ours add them.
   std::string why;
+  auto pass = [&]() {
+    set_error(error, why);
+    return nullptr;
+  };
   auto fail = [&](const std::string& message) {
-    set_error(error, "tokenizer of '" + file.path() + "': " + message);
+    set_error(error, "gguf '" + file.path() + "': " + message);
     return nullptr;
   };
   std::string model, pre;
-  if (!file.get_string("tokenizer.ggml.model", &model, &why)) return fail(why);
+  if (!file.get_string("tokenizer.ggml.model", &model, &why)) return pass();
   if (model != "gpt2") {
     return fail("tokenizer.ggml.model is " + quoted(model) +
                 ", not 'gpt2' (the byte-level BPE implemented here)");
   }
-  if (!file.get_string("tokenizer.ggml.pre", &pre, &why)) return fail(why);
+  if (!file.get_string("tokenizer.ggml.pre", &pre, &why)) return pass();
   if (pre != "smollm") {
     return fail("tokenizer.ggml.pre is " + quoted(pre) +
                 ": unknown pre-tokenizer (implemented: 'smollm')");
   }
   std::vector<std::string> tokens, merges;
   std::vector<std::int32_t> types;
-  std::uint32_t bos = 0, eos = 0, unk = 0;
+  std::uint32_t bos = 0, eos = 0;
   if (!file.get_string_array("tokenizer.ggml.tokens", &tokens, &why) ||
       !file.get_i32_array("tokenizer.ggml.token_type", &types, &why) ||
       !file.get_string_array("tokenizer.ggml.merges", &merges, &why) ||
       !file.get_u32("tokenizer.ggml.bos_token_id", &bos, &why) ||
       !file.get_u32("tokenizer.ggml.eos_token_id", &eos, &why)) {
-    return fail(why);
+    return pass();
   }
   std::int32_t unk_id = -1;
   if (file.has("tokenizer.ggml.unknown_token_id")) {
-    if (!file.get_u32("tokenizer.ggml.unknown_token_id", &unk, &why)) return fail(why);
-    if (unk > 0x7fffffffu) return fail("tokenizer.ggml.unknown_token_id " + std::to_string(unk) + " is out of range");
+    std::uint32_t unk = 0;
+    if (!file.get_u32("tokenizer.ggml.unknown_token_id", &unk, &why)) return pass();
+    if (unk >= tokens.size()) {
+      return fail("tokenizer.ggml.unknown_token_id " + std::to_string(unk) + " is not below " +
+                  std::to_string(tokens.size()) + " tokens");
+    }
     unk_id = static_cast<std::int32_t>(unk);
   }
   bool add_bos = false;
   if (file.has("tokenizer.ggml.add_bos_token") &&
       !file.get_bool("tokenizer.ggml.add_bos_token", &add_bos, &why)) {
-    return fail(why);
+    return pass();
   }
-  if (bos > 0x7fffffffu || eos > 0x7fffffffu) {
-    return fail("tokenizer.ggml.bos_token_id / eos_token_id out of range");
+  for (auto [key, id] : {std::pair<const char*, std::uint32_t>{"bos_token_id", bos},
+                         std::pair<const char*, std::uint32_t>{"eos_token_id", eos}}) {
+    if (id >= tokens.size()) {
+      return fail(std::string("tokenizer.ggml.") + key + " " + std::to_string(id) +
+                  " is not below " + std::to_string(tokens.size()) + " tokens");
+    }
   }
   auto t = create(tokens, types, merges, static_cast<std::int32_t>(bos),
                   static_cast<std::int32_t>(eos), unk_id, &why);
@@ -413,8 +423,8 @@ void BpeTokenizer::encode_piece(std::string_view piece, BpeScratch* s,
     auto push_pair = [&](std::int32_t left) {
       const std::int32_t right = sym[left].next;
       if (right < 0) return;
-      const std::uint64_t key =
-          static_cast<std::uint64_t>(sym[left].id) << 32 | static_cast<std::uint32_t>(sym[right].id);
+      const std::uint64_t key = static_cast<std::uint64_t>(sym[left].id) << 32 |
+                                static_cast<std::uint32_t>(sym[right].id);
       auto it = merges_.find(key);
       if (it == merges_.end()) return;
       s->queue.push({static_cast<std::uint32_t>(it->second >> 32), left,
@@ -445,8 +455,8 @@ void BpeTokenizer::encode_piece(std::string_view piece, BpeScratch* s,
   for (std::int32_t i = sym.empty() ? -1 : 0; i >= 0; i = sym[i].next) ids->push_back(sym[i].id);
 }
 
-bool BpeTokenizer::encode_text(std::string_view text, BpeScratch* s,
-                               std::vector<std::int32_t>* ids, std::string* error) const {
+bool BpeTokenizer::encode_text(std::string_view text, BpeScratch* s, std::vector<std::int32_t>* ids,
+                               std::string* error) const {
   // The GPT-2 pattern over one stretch without digits.
   auto split = [&](std::string_view stretch) {
     std::size_t at = 0;
@@ -504,8 +514,8 @@ bool BpeTokenizer::encode_text(std::string_view text, BpeScratch* s,
   return valid_from >= text.size() || digits(text.substr(valid_from));
 }
 
-bool BpeTokenizer::encode(std::string_view text, bool parse_special,
-                          std::vector<std::int32_t>* ids, std::string* error) const {
+bool BpeTokenizer::encode(std::string_view text, bool parse_special, std::vector<std::int32_t>* ids,
+                          std::string* error) const {
   BpeScratch scratch;
   if (scratch.match.md == nullptr) {
     set_error(error, "tokenizer: out of memory for PCRE2 match data");

@@ -56,8 +56,7 @@ std::unique_ptr<ChatTemplate> ChatTemplate::parse(std::string_view jinja, std::s
     at = found + part.size();
     return true;
   };
-  if (!expect(kLoop, "loop over the messages") ||
-      !expect(kSystemOpen, "default-system block")) {
+  if (!expect(kLoop, "loop over the messages") || !expect(kSystemOpen, "default-system block")) {
     return nullptr;
   }
   const std::size_t text_begin = at;
@@ -77,15 +76,14 @@ std::unique_ptr<ChatTemplate> ChatTemplate::parse(std::string_view jinja, std::s
   return c;
 }
 
-std::unique_ptr<ChatTemplate> ChatTemplate::from_gguf(const gguf::File& file,
-                                                      std::string* error) {
+std::unique_ptr<ChatTemplate> ChatTemplate::from_gguf(const gguf::File& file, std::string* error) {
   std::string jinja, why;
   if (!file.get_string("tokenizer.chat_template", &jinja, &why)) {
-    set_error(error, "chat template of '" + file.path() + "': " + why);
+    set_error(error, why);  // names the file and the key
     return nullptr;
   }
   auto c = parse(jinja, &why);
-  if (!c) set_error(error, "chat template of '" + file.path() + "' (tokenizer.chat_template): " + why);
+  if (!c) set_error(error, "gguf '" + file.path() + "': tokenizer.chat_template: " + why);
   return c;
 }
 
