@@ -516,6 +516,11 @@ bool BpeTokenizer::encode_text(std::string_view text, BpeScratch* s, std::vector
 
 bool BpeTokenizer::encode(std::string_view text, bool parse_special, std::vector<std::int32_t>* ids,
                           std::string* error) const {
+  if (text.size() > 0x7fffffffu) {  // symbol positions are int32
+    set_error(error, "tokenizer: a text of " + std::to_string(text.size()) +
+                         " bytes (at most 2^31-1 per call)");
+    return false;
+  }
   BpeScratch scratch;
   if (scratch.match.md == nullptr) {
     set_error(error, "tokenizer: out of memory for PCRE2 match data");

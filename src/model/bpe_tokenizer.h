@@ -112,10 +112,10 @@ class BpeTokenizer {
 
   // Appends the ids of `text` (any bytes; see the header comment for invalid
   // UTF-8) to *ids.  Never adds BOS or EOS: add bos_id() yourself when
-  // add_bos() says the model wants it.  Returns false only when PCRE2 fails
-  // to match (e.g. memory exhaustion); *ids then holds a prefix of the
-  // result.  Linear in the text length up to a log factor of the longest
-  // piece.
+  // add_bos() says the model wants it.  Returns false only for a text over
+  // 2^31-1 bytes (split it) or when PCRE2 fails to match (memory
+  // exhaustion); *ids then holds a prefix of the result.  Linear in the text length up to a log
+  // factor of the longest piece.
   bool encode(std::string_view text, bool parse_special, std::vector<std::int32_t>* ids,
               std::string* error) const;
 
