@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -166,6 +167,60 @@ TEST(QMatmulDequantize, Q4_1AndQ8_0OfAFixedBlock) {
   }
   km::dequantize_row(km::WeightMatrix{km::WeightType::kQ8_0, 1, 32, q80}, 0, out);
   for (int j = 0; j < 32; ++j) EXPECT_EQ(out[j], 0.5f * static_cast<float>(j * 8 - 128));
+}
+
+}  // namespace
+
+#include "model/attention_kernels.h"
+
+namespace {
+
+TEST(AttentionKernel, Exp8IsWithinItsBoundOfExp) {
+  double worst = 0;
+  for (float x = -87.0f; x <= 0.0f; x += 0.001f) {
+    const double e = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::fabs(kd::exp8(x) - e) / e);
+  }
+  EXPECT_LT(worst, 3e-7);
+  EXPECT_EQ(kd::exp8(0.0f), 1.0f);
+  EXPECT_EQ(kd::exp8(-INFINITY), 0.0f);
+  EXPECT_EQ(kd::exp8(-100.0f), 0.0f);
+}
+
+TEST(AttentionKernel, Avx2EqualsTheScalarDefinitionBitForBit) {
+  if (!kd::have_avx2()) GTEST_SKIP() << "no AVX2+FMA on this CPU";
+  std::mt19937 rng(9);
+  std::normal_distribution<float> g(0, 2);
+  const int hs = 64, kv_dim = 192;
+  for (int n_keys : {1, 7, 8, 9, 100, 1031}) {
+    std::vector<float> k(static_cast<std::size_t>(n_keys) * kv_dim), v(k.size()), q(hs);
+    for (auto& x : k) x = g(rng);
+    for (auto& x : v) x = g(rng);
+    for (auto& x : q) x = g(rng);
+    std::vector<std::uint8_t> drop(static_cast<std::size_t>(n_keys), 0);
+    for (int t = 3; t < n_keys; t += 5) drop[t] = 1;
+    for (int split : {0, n_keys / 2}) {
+      for (bool use_drop : {false, true}) {
+        kd::Segment segs[2] = {
+            {k.data(), v.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), split,
+             use_drop ? drop.data() : nullptr},
+            {k.data() + static_cast<std::size_t>(split) * kv_dim, v.data() + static_cast<std::size_t>(split) * kv_dim,
+             static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), n_keys - split, nullptr},
+        };
+        std::vector<float> s1(n_keys + 8), s2(n_keys + 8), o1(hs), o2(hs);
+        kd::attend_head_scalar(q.data(), hs, 64, segs, 2, s1.data(), o1.data());
+        kd::attend_head_avx2(q.data(), hs, 64, segs, 2, s2.data(), o2.data());
+        SCOPED_TRACE(testing::Message() << n_keys << " keys, split " << split << " drop " << use_drop);
+        expect_bits(o1, o2, "attention output");
+        s1.resize(n_keys);
+        s2.resize(n_keys);
+        expect_bits(s1, s2, "probabilities");
+        double psum = 0;
+        for (float p : s1) psum += p;
+        EXPECT_NEAR(psum, 1.0, 1e-5);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // order), batched over tokens.
 #include "model/llama2.h"
 
+#include "model/attention_kernels.h"
 #include "model/gguf.h"
 
 #include <cmath>
@@ -15,6 +16,9 @@
 
 namespace kvxfer::model {
 namespace {
+
+using detail::attend_head;
+using detail::Segment;
 
 void set_error(std::string* error, const std::string& msg) {
   if (error != nullptr) *error = msg;
@@ -36,67 +40,6 @@ void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size
     ss += eps;
     ss = 1.0f / std::sqrt(ss);
     for (int j = 0; j < size; ++j) orow[j] = weight[j] * (ss * xr[j]);
-  }
-}
-
-void softmax(float* x, int size) {
-  float max_val = x[0];
-  for (int i = 1; i < size; ++i)
-    if (x[i] > max_val) max_val = x[i];
-  float sum = 0.0f;
-  for (int i = 0; i < size; ++i) {
-    x[i] = std::exp(x[i] - max_val);
-    sum += x[i];
-  }
-  for (int i = 0; i < size; ++i) x[i] /= sum;
-}
-
-// A run of keys/values of one layer: `count` rows, channel offset already
-// applied by the caller via the KV head.
-struct Segment {
-  const float* k;
-  const float* v;
-  std::size_t k_stride;
-  std::size_t v_stride;
-  int count;
-  const std::uint8_t* drop = nullptr;  // KVLayerView::drop (nullptr: all present)
-};
-
-// One query head against up to two segments (in order).  q, out: head_size
-// floats; kv_off: channel offset of the KV head; scores: scratch, >= total.
-// Dropped keys (Segment::drop) score -inf, so softmax gives them exactly 0
-// and they are skipped; with no drop mask the arithmetic is unchanged.
-void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs, int n_segs,
-                 float* scores, float* out) {
-  const float inv_scale = std::sqrt(static_cast<float>(head_size));
-  int n = 0, present = 0;
-  for (int s = 0; s < n_segs; ++s) {
-    for (int t = 0; t < segs[s].count; ++t) {
-      if (segs[s].drop != nullptr && segs[s].drop[t] != 0) {
-        scores[n++] = -INFINITY;
-        continue;
-      }
-      const float* k = segs[s].k + static_cast<std::size_t>(t) * segs[s].k_stride + kv_off;
-      float score = 0.0f;
-      for (int i = 0; i < head_size; ++i) score += q[i] * k[i];
-      scores[n++] = score / inv_scale;
-      ++present;
-    }
-  }
-  for (int i = 0; i < head_size; ++i) out[i] = 0.0f;
-  if (present == 0) {  // every key dropped: no attention, zero output
-    for (int i = 0; i < n; ++i) scores[i] = 0.0f;
-    return;
-  }
-  softmax(scores, n);
-  n = 0;
-  for (int s = 0; s < n_segs; ++s) {
-    for (int t = 0; t < segs[s].count; ++t) {
-      const float a = scores[n++];
-      if (segs[s].drop != nullptr && segs[s].drop[t] != 0) continue;
-      const float* v = segs[s].v + static_cast<std::size_t>(t) * segs[s].v_stride + kv_off;
-      for (int i = 0; i < head_size; ++i) out[i] += a * v[i];
-    }
   }
 }
 
@@ -563,7 +506,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     const std::int64_t att_work = static_cast<std::int64_t>(T) * c.n_heads * max_keys * hs;
 #pragma omp parallel if (att_work >= kParallelWork)
     {
-      std::vector<float> scores(static_cast<std::size_t>(max_keys));
+      std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
 #pragma omp for collapse(2) schedule(static)
       for (int t = 0; t < T; ++t) {
         for (int h = 0; h < c.n_heads; ++h) {
@@ -719,7 +662,7 @@ bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_toke
       static_cast<std::int64_t>(n_q) * shape.n_heads * max_keys * shape.head_size;
 #pragma omp parallel if (work >= kParallelWork)
   {
-    std::vector<float> scores(static_cast<std::size_t>(max_keys));
+    std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
 #pragma omp for collapse(2) schedule(dynamic, 4)
     for (int i = 0; i < n_q; ++i) {
       for (int h = 0; h < shape.n_heads; ++h) {
