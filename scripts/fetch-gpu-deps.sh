@@ -28,6 +28,8 @@
 #   libatomic1                      libpsm_infinipath, libfabric); gpu-check.sh uses them
 #                                   only where the machine lacks the soname
 #   pkgconf-bin libpkgconf3         pkg-config, used only if the machine has none
+#   libpcre2-dev libpcre2-8-0       PCRE2: configure requires libpcre2-8 (model/bpe_tokenizer);
+#                                   its runtime library, for the tests that link kvxfer_model
 # NCCL is not here: nccl_test uses the CUDA toolkit's or PyTorch's (gpu-check.sh).
 set -euo pipefail
 
@@ -43,6 +45,7 @@ packages=(
   libhwloc-dev libhwloc15
   libnuma1 libudev1 libuuid1 libatomic1
   pkgconf-bin libpkgconf3
+  libpcre2-dev libpcre2-8-0
 )
 
 command -v apt-get >/dev/null || { echo "fetch-gpu-deps.sh: needs apt-get (Debian 12)" >&2; exit 1; }
