@@ -224,3 +224,25 @@ TEST(AttentionKernel, Avx2EqualsTheScalarDefinitionBitForBit) {
 }
 
 }  // namespace
+
+namespace {
+TEST(AttentionKernel, SwigluAvx2EqualsScalar) {
+  if (!kd::have_avx2()) GTEST_SKIP() << "no AVX2+FMA on this CPU";
+  std::mt19937 rng(4);
+  std::normal_distribution<float> g(0, 30);
+  std::vector<float> h(1003), up(1003);
+  for (auto& x : h) x = g(rng);
+  for (auto& x : up) x = g(rng);
+  h[0] = -200.0f;
+  h[1] = 200.0f;
+  std::vector<float> a = h, b = h;
+  kd::swiglu_scalar(a.data(), up.data(), a.size());
+  kd::swiglu_avx2(b.data(), up.data(), b.size());
+  expect_bits(a, b, "swiglu");
+  EXPECT_EQ(a[1], 200.0f * up[1]);
+  for (std::size_t i = 2; i < h.size(); ++i) {
+    const double want = h[i] / (1.0 + std::exp(-static_cast<double>(h[i]))) * up[i];
+    EXPECT_NEAR(a[i], want, 1e-5 * (std::fabs(want) + 1e-3)) << i;
+  }
+}
+}  // namespace

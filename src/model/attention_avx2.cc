@@ -36,6 +36,18 @@ __m256 exp8v(__m256 x) {
 
 }  // namespace
 
+void swiglu_avx2(float* h, const float* up, std::size_t n) {
+  std::size_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(h + i);
+    const __m256 e = exp8v(_mm256_xor_ps(v, sign));
+    const __m256 silu = _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, e)));
+    _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  swiglu_scalar(h + i, up + i, n - i);
+}
+
 void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                       int n_segs, float* scores, float* out) {
   const float div = std::sqrt(static_cast<float>(head_size));
@@ -46,9 +58,40 @@ void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const S
     for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
   int n = 0, present = 0;
   float max_val = -INFINITY;
+  const __m256 divv = _mm256_set1_ps(div);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int s = 0; s < n_segs; ++s) {
     const Segment& sg = segs[s];
-    for (int t = 0; t < sg.count; ++t, ++n) {
+    int t = 0;
+    // Eight keys at a time: their dot products reduced together by shuffles
+    // that add the same pairs as lane_sum, then one division.
+    if (in_regs && sg.drop == nullptr) {
+      for (; t + 8 <= sg.count; t += 8, n += 8) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) {
+          const float* k = sg.k + static_cast<std::size_t>(t + u) * sg.k_stride + kv_off;
+          __m256 a = _mm256_setzero_ps();
+          for (int j = 0; j < nv; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
+          acc[u] = a;
+        }
+        // (v0+v4, v1+v5, v2+v6, v3+v7) of keys 2i and 2i+1 in one register.
+        __m256 h[4];
+        for (int i = 0; i < 4; ++i)
+          h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                               _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+        // (v0+v4)+(v2+v6), (v1+v5)+(v3+v7): keys {0,2 | 1,3} and {4,6 | 5,7}.
+        const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
+        const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
+        // x + y per key: lanes k0 k2 k4 k6 | k1 k3 k5 k7.
+        const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
+        const __m256 sc = _mm256_div_ps(_mm256_permutevar8x32_ps(r, order), divv);
+        _mm256_storeu_ps(scores + n, sc);
+        for (int u = 0; u < 8; ++u)
+          if (scores[n + u] > max_val) max_val = scores[n + u];
+        present += 8;
+      }
+    }
+    for (; t < sg.count; ++t, ++n) {
       if (sg.drop != nullptr && sg.drop[t] != 0) {
         scores[n] = -INFINITY;
         continue;

@@ -82,6 +82,27 @@ void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const
   }
 }
 
+void swiglu_scalar(float* h, const float* up, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const float v = h[i];
+    h[i] = (v * (1.0f / (1.0f + exp8(-v)))) * up[i];
+  }
+}
+
+void swiglu(float* h, const float* up, std::size_t n) {
+  const bool avx2 = have_avx2();
+  constexpr std::size_t kChunk = 4096;
+  const std::size_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (std::size_t c = 0; c < chunks; ++c) {
+    const std::size_t i0 = c * kChunk, len = n - i0 < kChunk ? n - i0 : kChunk;
+    if (avx2)
+      swiglu_avx2(h + i0, up + i0, len);
+    else
+      swiglu_scalar(h + i0, up + i0, len);
+  }
+}
+
 void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                  int n_segs, float* scores, float* out) {
   if (have_avx2() && head_size % 8 == 0)

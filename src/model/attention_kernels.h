@@ -41,4 +41,11 @@ void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const S
 // exp8 of one value (the scalar definition of the polynomial).
 float exp8(float x);
 
+// SwiGLU of the feed-forward, in place: h[i] = (h[i] * (1 / (1 + exp8(-h[i])))) * up[i]
+// (exp8 clamps -h[i] above 88.3, so a very negative h gives silu ~ -0).
+// Same bits on the scalar and AVX2 paths; parallel over i (OpenMP).
+void swiglu(float* h, const float* up, std::size_t n);
+void swiglu_scalar(float* h, const float* up, std::size_t n);
+void swiglu_avx2(float* h, const float* up, std::size_t n);
+
 }  // namespace kvxfer::model::detail

@@ -545,12 +545,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     rmsnorm(xb.data(), x.data(), lw.rms_ffn, T, dim, c.norm_eps);
     matmul(lw.w1, xb.data(), T, hb.data());
     matmul(lw.w3, xb.data(), T, hb2.data());
-    for (std::size_t i = 0; i < hb.size(); ++i) {
-      float val = hb[i];
-      val *= (1.0f / (1.0f + std::exp(-val)));
-      val *= hb2[i];
-      hb[i] = val;
-    }
+    detail::swiglu(hb.data(), hb2.data(), hb.size());
     matmul(lw.w2, hb.data(), T, xb.data());
     for (std::size_t i = 0; i < TD; ++i) x[i] += xb[i];
   }
