@@ -473,3 +473,103 @@ TEST(SyntheticKV, RejectsBadSpecs) {
   s.head_dim = 2;
   EXPECT_EQ(km::synthetic_key_outlier_channels(s, 0).size(), 2u);
 }
+
+// SmolLM2-135M-Instruct (GGUF, Q4_1/Q8_0), fetched by scripts/install-deps.sh.
+#include "model/model_paths.h"
+
+namespace {
+
+const km::Model* smollm2(std::string* why) {
+  static std::string error;
+  static std::unique_ptr<km::Model> m = [] {
+    const std::string path = km::smollm2_gguf_path();
+    if (!std::ifstream(path).good()) {
+      error = path + " is absent; scripts/install-deps.sh fetches it";
+      return std::unique_ptr<km::Model>();
+    }
+    return km::Model::load(path, &error);
+  }();
+  if (!m && why != nullptr) *why = error;
+  return m.get();
+}
+
+// "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+// with the default system turn, as SmolLM2's tokenizer encodes it.
+const std::vector<int> kChat = {1,    9690, 198,  2683, 359, 253,   5356, 5646, 11173, 3365,
+                                3511, 308,  34519, 28,  7018, 411,  407,  19712, 8182, 2,
+                                198,  1,    4093, 198,  1780, 314,  260,  3575, 282,   4649,
+                                47,   2,    198,  1,    520,  9531, 198};
+
+TEST(SmolLM2, LoadsTheArchitectureFromTheGguf) {
+  std::string why;
+  const km::Model* m = smollm2(&why);
+  if (m == nullptr) GTEST_SKIP() << why;
+  const km::Config& c = m->config();
+  EXPECT_EQ(c.format, "gguf");
+  EXPECT_EQ(c.n_layers, 30);
+  EXPECT_EQ(c.dim, 576);
+  EXPECT_EQ(c.hidden_dim, 1536);
+  EXPECT_EQ(c.n_heads, 9);
+  EXPECT_EQ(c.n_kv_heads, 3);
+  EXPECT_EQ(c.head_size(), 64);
+  EXPECT_EQ(c.vocab_size, 49152);
+  EXPECT_EQ(c.seq_len, 8192);
+  EXPECT_EQ(c.rope_base, 100000.0f);
+  EXPECT_TRUE(c.shared_classifier);
+}
+
+// Greedy answer to the chat prompt: "The capital of France is Paris." then
+// <|im_end|> (a float64 numpy forward pass of the dequantized weights gives
+// the same tokens).
+TEST(SmolLM2, AnswersTheChatPrompt) {
+  std::string why;
+  const km::Model* m = smollm2(&why);
+  if (m == nullptr) GTEST_SKIP() << why;
+  km::PrefillResult pr;
+  ASSERT_TRUE(m->prefill(kChat, {}, &pr, &why)) << why;
+  std::vector<int> out = {argmax(pr.last_logits)};
+  km::KVCache tail;
+  std::vector<float> logits;
+  const km::KVView view = pr.kv.view();
+  for (int i = 0; i < 7; ++i) {
+    ASSERT_TRUE(m->decode_step(out.back(), static_cast<int>(kChat.size()) + i, view, &tail, &logits, &why)) << why;
+    out.push_back(argmax(logits));
+  }
+  EXPECT_EQ(out, (std::vector<int>{504, 3575, 282, 4649, 314, 7042, 30, 2}));
+}
+
+// The batched passes give every token the bits of one-token decoding: a
+// verification pass over 9 tokens equals 9 decode steps (logits and KV rows),
+// and a prefill of the whole sequence equals prefill of a prefix plus steps.
+TEST(SmolLM2, BatchedPassesAreBitIdenticalToSequentialDecoding) {
+  std::string why;
+  const km::Model* m = smollm2(&why);
+  if (m == nullptr) GTEST_SKIP() << why;
+  const int n0 = static_cast<int>(kChat.size());
+  km::PrefillResult pr;
+  ASSERT_TRUE(m->prefill(kChat, {}, &pr, &why)) << why;
+  const std::vector<int> draft = {520, 504, 3575, 282, 4649, 314, 7042, 30, 2};
+  const km::KVView view = pr.kv.view();
+  const std::size_t V = static_cast<std::size_t>(m->config().vocab_size);
+  km::KVCache seq_tail, batch_tail;
+  std::vector<float> seq_logits, step, batch_logits;
+  for (std::size_t i = 0; i < draft.size(); ++i) {
+    ASSERT_TRUE(m->decode_step(draft[i], n0 + static_cast<int>(i), view, &seq_tail, &step, &why)) << why;
+    seq_logits.insert(seq_logits.end(), step.begin(), step.end());
+  }
+  ASSERT_TRUE(m->verify(draft, n0, view, &batch_tail, &batch_logits, &why)) << why;
+  ASSERT_EQ(batch_logits.size(), draft.size() * V);
+  EXPECT_EQ(std::memcmp(batch_logits.data(), seq_logits.data(), batch_logits.size() * 4), 0);
+  const std::size_t kv = static_cast<std::size_t>(m->config().kv_dim()) * draft.size();
+  for (int l = 0; l < m->config().n_layers; ++l) {
+    EXPECT_EQ(std::memcmp(batch_tail.k(l), seq_tail.k(l), kv * 4), 0) << "K of layer " << l;
+    EXPECT_EQ(std::memcmp(batch_tail.v(l), seq_tail.v(l), kv * 4), 0) << "V of layer " << l;
+  }
+  std::vector<int> all = kChat;
+  all.insert(all.end(), draft.begin(), draft.end());
+  km::PrefillResult whole;
+  ASSERT_TRUE(m->prefill(all, {}, &whole, &why)) << why;
+  EXPECT_EQ(std::memcmp(whole.last_logits.data(), step.data(), V * 4), 0);
+}
+
+}  // namespace

@@ -899,3 +899,37 @@ TEST(SpecModelRun, DraftOnAnchorsVerifyOnFullIsIdenticalToFullDecoding) {
       static_cast<long long>(mon.drafted));
   EXPECT_GT(mon.accepted, 0);
 }
+
+// kvxfer_spec_verify_length: check token i while accept_rate^i * TPOT >= the
+// per-token verification cost.
+TEST(SpecVerifyLength, ChecksWhileTheExpectedSavingPaysForTheToken) {
+  int32_t n = -1;
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.030, 0.003, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 21);  // floor(ln 0.1 / ln 0.9) = floor(21.85)
+  ASSERT_EQ(kvxfer_spec_verify_length(10, 0.9, 0.030, 0.003, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 10);  // the draft is shorter
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 0.030, 0.010, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 1);  // floor(ln(1/3) / ln 0.5) = floor(1.58)
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 1.0, 0.030, 0.003, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 64);
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.95, 0.030, 0.0, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 64);
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.99, 0.030, 0.030, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 0);  // no token pays for itself
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.0, 0.030, 0.001, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 0);
+  // At the boundary the token is checked: 0.5^2 * 0.04 == 0.01 exactly.
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 0.04, 0.01, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 2);
+}
+
+TEST(SpecVerifyLength, RejectsBadArguments) {
+  int32_t n = 0;
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, 0.003, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(-1, 0.9, 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 1.1, 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, std::nan(""), 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.0, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, -1.0, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("verify_per_token_s"), std::string::npos);
+}

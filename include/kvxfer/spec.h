@@ -182,6 +182,26 @@ kvxfer_result_t kvxfer_spec_residual_time(const kvxfer_spec_window_config_t* con
 kvxfer_result_t kvxfer_spec_window(const kvxfer_spec_window_config_t* config, double t_res_s,
                                    double tpot_s, double elapsed_s, int32_t* window);
 
+/**
+ * How many of `draft_len` draft tokens one verification pass should check,
+ * from the acceptance seen so far.  Draft token i (1-based) is committed only
+ * if tokens 1..i are all accepted, probability accept_rate^i when each is
+ * accepted independently with the per-token rate (kvxfer_spec_monitor_t), and
+ * it then saves one decode step (tpot_s).  Checking it costs
+ * verify_per_token_s more pass time.  So check token i while
+ *   accept_rate^i * tpot_s >= verify_per_token_s,
+ * i.e. length = min(draft_len, floor(ln(verify_per_token_s / tpot_s) /
+ * ln(accept_rate))), draft_len when accept_rate >= 1 or verify_per_token_s is
+ * 0, and 0 when verify_per_token_s >= tpot_s (no token pays for itself: the
+ * pass then scores only the last accepted token).  docs/SPEC.md, "Verified
+ * length".
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (length NULL, draft_len < 0,
+ *   accept_rate outside [0, 1], tpot_s not > 0, verify_per_token_s negative,
+ *   any value NaN).
+ */
+kvxfer_result_t kvxfer_spec_verify_length(int32_t draft_len, double accept_rate, double tpot_s,
+                                          double verify_per_token_s, int32_t* length);
+
 /* ------------------------------------------------------------------------ */
 /* Acceptance monitor                                                        */
 /* ------------------------------------------------------------------------ */

@@ -3,6 +3,9 @@
 // order), batched over tokens.
 #include "model/llama2.h"
 
+#include "model/attention_kernels.h"
+#include "model/gguf.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +17,9 @@
 namespace kvxfer::model {
 namespace {
 
+using detail::attend_head;
+using detail::Segment;
+
 void set_error(std::string* error, const std::string& msg) {
   if (error != nullptr) *error = msg;
 }
@@ -21,24 +27,8 @@ void set_error(std::string* error, const std::string& msg) {
 // Work (multiply-adds) below which a parallel region costs more than it saves.
 constexpr std::int64_t kParallelWork = 1 << 15;
 
-// out[t][i] = sum_j w[i][j] * x[t][j]; x: [n_rows][n_in], w: [n_out][n_in],
-// out: [n_rows][n_out].  One thread per output element, j ascending.
-void matmul(float* out, const float* x, const float* w, int n_rows, int n_in, int n_out) {
-  const std::int64_t work = static_cast<std::int64_t>(n_rows) * n_in * n_out;
-#pragma omp parallel for collapse(2) schedule(static) if (work >= kParallelWork)
-  for (int t = 0; t < n_rows; ++t) {
-    for (int i = 0; i < n_out; ++i) {
-      const float* wr = w + static_cast<std::size_t>(i) * n_in;
-      const float* xr = x + static_cast<std::size_t>(t) * n_in;
-      float val = 0.0f;
-      for (int j = 0; j < n_in; ++j) val += wr[j] * xr[j];
-      out[static_cast<std::size_t>(t) * n_out + i] = val;
-    }
-  }
-}
-
-// Row-wise RMSNorm: o = weight * (x / sqrt(mean(x^2) + 1e-5)).
-void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size) {
+// Row-wise RMSNorm: o = weight * (x / sqrt(mean(x^2) + eps)).
+void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size, float eps) {
 #pragma omp parallel for schedule(static) if (static_cast <std::int64_t>(n_rows) * size >= \
                                               kParallelWork)
   for (int t = 0; t < n_rows; ++t) {
@@ -47,70 +37,9 @@ void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size
     float ss = 0.0f;
     for (int j = 0; j < size; ++j) ss += xr[j] * xr[j];
     ss /= static_cast<float>(size);
-    ss += 1e-5f;
+    ss += eps;
     ss = 1.0f / std::sqrt(ss);
     for (int j = 0; j < size; ++j) orow[j] = weight[j] * (ss * xr[j]);
-  }
-}
-
-void softmax(float* x, int size) {
-  float max_val = x[0];
-  for (int i = 1; i < size; ++i)
-    if (x[i] > max_val) max_val = x[i];
-  float sum = 0.0f;
-  for (int i = 0; i < size; ++i) {
-    x[i] = std::exp(x[i] - max_val);
-    sum += x[i];
-  }
-  for (int i = 0; i < size; ++i) x[i] /= sum;
-}
-
-// A run of keys/values of one layer: `count` rows, channel offset already
-// applied by the caller via the KV head.
-struct Segment {
-  const float* k;
-  const float* v;
-  std::size_t k_stride;
-  std::size_t v_stride;
-  int count;
-  const std::uint8_t* drop = nullptr;  // KVLayerView::drop (nullptr: all present)
-};
-
-// One query head against up to two segments (in order).  q, out: head_size
-// floats; kv_off: channel offset of the KV head; scores: scratch, >= total.
-// Dropped keys (Segment::drop) score -inf, so softmax gives them exactly 0
-// and they are skipped; with no drop mask the arithmetic is unchanged.
-void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs, int n_segs,
-                 float* scores, float* out) {
-  const float inv_scale = std::sqrt(static_cast<float>(head_size));
-  int n = 0, present = 0;
-  for (int s = 0; s < n_segs; ++s) {
-    for (int t = 0; t < segs[s].count; ++t) {
-      if (segs[s].drop != nullptr && segs[s].drop[t] != 0) {
-        scores[n++] = -INFINITY;
-        continue;
-      }
-      const float* k = segs[s].k + static_cast<std::size_t>(t) * segs[s].k_stride + kv_off;
-      float score = 0.0f;
-      for (int i = 0; i < head_size; ++i) score += q[i] * k[i];
-      scores[n++] = score / inv_scale;
-      ++present;
-    }
-  }
-  for (int i = 0; i < head_size; ++i) out[i] = 0.0f;
-  if (present == 0) {  // every key dropped: no attention, zero output
-    for (int i = 0; i < n; ++i) scores[i] = 0.0f;
-    return;
-  }
-  softmax(scores, n);
-  n = 0;
-  for (int s = 0; s < n_segs; ++s) {
-    for (int t = 0; t < segs[s].count; ++t) {
-      const float a = scores[n++];
-      if (segs[s].drop != nullptr && segs[s].drop[t] != 0) continue;
-      const float* v = segs[s].v + static_cast<std::size_t>(t) * segs[s].v_stride + kv_off;
-      for (int i = 0; i < head_size; ++i) out[i] += a * v[i];
-    }
   }
 }
 
@@ -167,7 +96,20 @@ KVView KVCache::view(int n_tokens) const {
 // ---------------------------------------------------------------------------
 // Loading
 // ---------------------------------------------------------------------------
+Model::~Model() = default;
+
 std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) {
+  if (!host_is_little_endian()) {
+    set_error(error, "the model loaders require a little-endian host");
+    return nullptr;
+  }
+  char magic[4] = {};
+  std::ifstream probe(path, std::ios::binary);
+  if (probe && probe.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0) return load_gguf(path, error);
+  return load_llama2c(path, error);
+}
+
+std::unique_ptr<Model> Model::load_llama2c(const std::string& path, std::string* error) {
   if (!host_is_little_endian()) {
     set_error(error, "llama2 checkpoint loader requires a little-endian host");
     return nullptr;
@@ -281,33 +223,141 @@ std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) 
   c.seq_len = seq_len;
   c.shared_classifier = vocab_raw > 0;
 
+  c.format = "llama2.c";
+  c.name = path.substr(path.find_last_of('/') + 1);
+
+  // Float32 matrices [rows][cols], packed one layer after another.
   const float* p = m->data_.data();
-  Weights& w = m->w_;
-  w.token_embedding = p;
-  p += V * D;
-  w.rms_att = p;
-  p += L * D;
-  w.wq = p;
-  p += L * D * D;
-  w.wk = p;
-  p += L * KV * D;
-  w.wv = p;
-  p += L * KV * D;
-  w.wo = p;
-  p += L * D * D;
-  w.rms_ffn = p;
-  p += L * D;
-  w.w1 = p;
-  p += L * Hd * D;
-  w.w2 = p;
-  p += L * D * Hd;
-  w.w3 = p;
-  p += L * Hd * D;
-  w.rms_final = p;
-  p += D;
+  auto take = [&p](int rows, int cols) {
+    WeightMatrix w{WeightType::kF32, rows, cols, p};
+    p += static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
+    return w;
+  };
+  const int kv = n_kv_heads * head_size;
+  m->token_embedding_ = take(vocab, dim);
+  m->layers_.resize(static_cast<std::size_t>(n_layers));
+  for (auto& lw : m->layers_) lw.rms_att = take(1, dim).f32();
+  for (auto& lw : m->layers_) lw.wq = take(dim, dim);
+  for (auto& lw : m->layers_) lw.wk = take(kv, dim);
+  for (auto& lw : m->layers_) lw.wv = take(kv, dim);
+  for (auto& lw : m->layers_) lw.wo = take(dim, dim);
+  for (auto& lw : m->layers_) lw.rms_ffn = take(1, dim).f32();
+  for (auto& lw : m->layers_) lw.w1 = take(hidden, dim);
+  for (auto& lw : m->layers_) lw.w2 = take(dim, hidden);
+  for (auto& lw : m->layers_) lw.w3 = take(hidden, dim);
+  m->rms_final_ = take(1, dim).f32();
   p += S * HS;  // freq_cis tables (RoPE is computed on the fly, as in run.c)
-  w.wcls = c.shared_classifier ? w.token_embedding : p;
+  m->wcls_ = c.shared_classifier ? m->token_embedding_ : take(vocab, dim);
   return m;
+}
+
+std::unique_ptr<Model> Model::load_gguf(const std::string& path, std::string* error) {
+  std::unique_ptr<gguf::File> f = gguf::File::open(path, error);
+  if (!f) return nullptr;
+  const std::string where = "gguf '" + path + "': ";
+  std::string arch;
+  if (!f->get_string("general.architecture", &arch, error)) return nullptr;
+  if (arch != "llama") {
+    set_error(error, where + "general.architecture is '" + arch + "', only 'llama' is supported");
+    return nullptr;
+  }
+  std::uint32_t n_layers = 0, dim = 0, hidden = 0, n_heads = 0, n_kv_heads = 0, ctx = 0;
+  if (!f->get_u32("llama.block_count", &n_layers, error) ||
+      !f->get_u32("llama.embedding_length", &dim, error) ||
+      !f->get_u32("llama.feed_forward_length", &hidden, error) ||
+      !f->get_u32("llama.attention.head_count", &n_heads, error) ||
+      !f->get_u32("llama.context_length", &ctx, error))
+    return nullptr;
+  n_kv_heads = n_heads;
+  if (f->has("llama.attention.head_count_kv") &&
+      !f->get_u32("llama.attention.head_count_kv", &n_kv_heads, error))
+    return nullptr;
+  auto bad = [&](const std::string& why) -> std::unique_ptr<Model> {
+    set_error(error, where + why);
+    return nullptr;
+  };
+  if (n_layers == 0 || n_layers > 1024 || dim == 0 || dim > (1u << 16) || hidden == 0 ||
+      hidden > (1u << 18) || n_heads == 0 || n_kv_heads == 0 || ctx == 0 || ctx > (1u << 20))
+    return bad("a dimension in llama.* is zero or exceeds the supported limits");
+  if (dim % n_heads != 0) return bad("llama.embedding_length is not a multiple of head_count");
+  if (n_heads % n_kv_heads != 0) return bad("llama.attention.head_count is not a multiple of head_count_kv");
+  const std::uint32_t hs = dim / n_heads;
+  if (hs % 2 != 0) return bad("head size must be even for RoPE");
+  if (f->has("llama.rope.dimension_count")) {
+    std::uint32_t rd = 0;
+    if (!f->get_u32("llama.rope.dimension_count", &rd, error)) return nullptr;
+    if (rd != hs) return bad("llama.rope.dimension_count " + std::to_string(rd) +
+                             " != head size " + std::to_string(hs) + " (partial RoPE is not supported)");
+  }
+  std::unique_ptr<Model> m(new Model());
+  Config& c = m->cfg_;
+  c.dim = static_cast<int>(dim);
+  c.hidden_dim = static_cast<int>(hidden);
+  c.n_layers = static_cast<int>(n_layers);
+  c.n_heads = static_cast<int>(n_heads);
+  c.n_kv_heads = static_cast<int>(n_kv_heads);
+  c.seq_len = static_cast<int>(ctx);
+  c.format = "gguf";
+  if (f->has("llama.rope.freq_base") && !f->get_f32("llama.rope.freq_base", &c.rope_base, error))
+    return nullptr;
+  if (!f->get_f32("llama.attention.layer_norm_rms_epsilon", &c.norm_eps, error)) return nullptr;
+  if (!(c.rope_base > 1.0f) || !(c.norm_eps > 0.0f) || !(c.norm_eps < 1.0f))
+    return bad("llama.rope.freq_base or layer_norm_rms_epsilon out of range");
+  if (f->has("general.name") && !f->get_string("general.name", &c.name, error)) return nullptr;
+
+  using TT = gguf::TensorType;
+  const std::vector<TT> mat_types = {TT::kF32, TT::kQ4_1, TT::kQ8_0};
+  const gguf::TensorInfo* emb = f->tensor("token_embd.weight");
+  if (emb == nullptr) return bad("tensor 'token_embd.weight' is missing");
+  c.vocab_size = static_cast<int>(std::min<std::uint64_t>(emb->ne[1], 1u << 22));
+  const std::uint64_t D = dim, KV = static_cast<std::uint64_t>(n_kv_heads) * hs, H = hidden,
+                      V = static_cast<std::uint64_t>(c.vocab_size);
+  auto matrix = [&](const std::string& name, std::uint64_t cols, std::uint64_t rows,
+                    WeightMatrix* out) {
+    const gguf::TensorInfo* t = f->expect(name, cols, rows, mat_types, error);
+    if (t == nullptr) return false;
+    const WeightType wt = t->type == TT::kF32 ? WeightType::kF32
+                          : t->type == TT::kQ4_1 ? WeightType::kQ4_1
+                                                 : WeightType::kQ8_0;
+    *out = WeightMatrix{wt, static_cast<int>(rows), static_cast<int>(cols), t->data};
+    return true;
+  };
+  auto vec = [&](const std::string& name, const float** out) {
+    const gguf::TensorInfo* t = f->expect(name, D, 1, {TT::kF32}, error);
+    if (t == nullptr) return false;
+    *out = reinterpret_cast<const float*>(t->data);  // data offsets are 32-byte aligned
+    return true;
+  };
+  if (!matrix("token_embd.weight", D, V, &m->token_embedding_)) return nullptr;
+  m->layers_.resize(n_layers);
+  for (std::uint32_t l = 0; l < n_layers; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    LayerWeights& lw = m->layers_[l];
+    if (!vec(b + "attn_norm.weight", &lw.rms_att) || !matrix(b + "attn_q.weight", D, D, &lw.wq) ||
+        !matrix(b + "attn_k.weight", D, KV, &lw.wk) || !matrix(b + "attn_v.weight", D, KV, &lw.wv) ||
+        !matrix(b + "attn_output.weight", D, D, &lw.wo) || !vec(b + "ffn_norm.weight", &lw.rms_ffn) ||
+        !matrix(b + "ffn_gate.weight", D, H, &lw.w1) || !matrix(b + "ffn_down.weight", H, D, &lw.w2) ||
+        !matrix(b + "ffn_up.weight", D, H, &lw.w3))
+      return nullptr;
+  }
+  if (!vec("output_norm.weight", &m->rms_final_)) return nullptr;
+  c.shared_classifier = f->tensor("output.weight") == nullptr;
+  if (c.shared_classifier)
+    m->wcls_ = m->token_embedding_;
+  else if (!matrix("output.weight", D, V, &m->wcls_))
+    return nullptr;
+  m->gguf_ = std::move(f);
+  return m;
+}
+
+void Model::embed(int token, float* out) const {
+  const WeightMatrix& e = token_embedding_;
+  const std::size_t dim = static_cast<std::size_t>(cfg_.dim);
+  if (e.type == WeightType::kF32) {
+    std::memcpy(out, e.f32() + static_cast<std::size_t>(token) * dim, dim * sizeof(float));
+    return;
+  }
+  dequantize_row(e, token, out);
 }
 
 // ---------------------------------------------------------------------------
@@ -402,17 +452,15 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     probs.assign(static_cast<std::size_t>(c.n_heads) * T * T, 0.0f);
   }
 
-  for (int t = 0; t < T; ++t)
-    std::memcpy(&x[static_cast<std::size_t>(t) * dim],
-                w_.token_embedding + static_cast<std::size_t>(tokens[t]) * dim,
-                dim * sizeof(float));
+  for (int t = 0; t < T; ++t) embed(tokens[t], &x[static_cast<std::size_t>(t) * dim]);
 
   // RoPE tables for the positions of this pass (cos/sin of pos * freq, as run.c).
   std::vector<float> rope_cos(static_cast<std::size_t>(T) * (hs / 2)), rope_sin(rope_cos.size());
   for (int t = 0; t < T; ++t) {
     const int pos = start_pos + t;
     for (int i = 0; i < hs; i += 2) {
-      const float freq = 1.0f / std::pow(10000.0f, static_cast<float>(i) / static_cast<float>(hs));
+      const float freq =
+          1.0f / std::pow(c.rope_base, static_cast<float>(i) / static_cast<float>(hs));
       const float val = static_cast<float>(pos) * freq;
       rope_cos[static_cast<std::size_t>(t) * (hs / 2) + i / 2] = std::cos(val);
       rope_sin[static_cast<std::size_t>(t) * (hs / 2) + i / 2] = std::sin(val);
@@ -423,13 +471,13 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
   int max_keys = n_view + n_tail0 + T;
 
   for (int l = 0; l < c.n_layers; ++l) {
-    const std::size_t lD = static_cast<std::size_t>(l) * dim;
-    rmsnorm(xb.data(), x.data(), w_.rms_att + lD, T, dim);
+    const LayerWeights& lw = layers_[static_cast<std::size_t>(l)];
+    rmsnorm(xb.data(), x.data(), lw.rms_att, T, dim, c.norm_eps);
     float* kt = tail->k(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
     float* vt = tail->v(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
-    matmul(q.data(), xb.data(), w_.wq + lD * dim, T, dim, dim);
-    matmul(kt, xb.data(), w_.wk + static_cast<std::size_t>(l) * kv_dim * dim, T, dim, kv_dim);
-    matmul(vt, xb.data(), w_.wv + static_cast<std::size_t>(l) * kv_dim * dim, T, dim, kv_dim);
+    matmul(lw.wq, xb.data(), T, q.data());
+    matmul(lw.wk, xb.data(), T, kt);
+    matmul(lw.wv, xb.data(), T, vt);
 
     for (int t = 0; t < T; ++t) {
       float* qr = &q[static_cast<std::size_t>(t) * dim];
@@ -458,7 +506,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     const std::int64_t att_work = static_cast<std::int64_t>(T) * c.n_heads * max_keys * hs;
 #pragma omp parallel if (att_work >= kParallelWork)
     {
-      std::vector<float> scores(static_cast<std::size_t>(max_keys));
+      std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
 #pragma omp for collapse(2) schedule(static)
       for (int t = 0; t < T; ++t) {
         for (int h = 0; h < c.n_heads; ++h) {
@@ -490,30 +538,25 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
       }
     }
 
-    matmul(xb.data(), xb2.data(), w_.wo + lD * dim, T, dim, dim);
+    matmul(lw.wo, xb2.data(), T, xb.data());
     for (std::size_t i = 0; i < TD; ++i) x[i] += xb[i];
 
     // SwiGLU feed-forward.
-    rmsnorm(xb.data(), x.data(), w_.rms_ffn + lD, T, dim);
-    const std::size_t lH = static_cast<std::size_t>(l) * hidden * dim;
-    matmul(hb.data(), xb.data(), w_.w1 + lH, T, dim, hidden);
-    matmul(hb2.data(), xb.data(), w_.w3 + lH, T, dim, hidden);
-    for (std::size_t i = 0; i < hb.size(); ++i) {
-      float val = hb[i];
-      val *= (1.0f / (1.0f + std::exp(-val)));
-      val *= hb2[i];
-      hb[i] = val;
-    }
-    matmul(xb.data(), hb.data(), w_.w2 + lH, T, hidden, dim);
+    rmsnorm(xb.data(), x.data(), lw.rms_ffn, T, dim, c.norm_eps);
+    matmul(lw.w1, xb.data(), T, hb.data());
+    matmul(lw.w3, xb.data(), T, hb2.data());
+    detail::swiglu(hb.data(), hb2.data(), hb.size());
+    matmul(lw.w2, hb.data(), T, xb.data());
     for (std::size_t i = 0; i < TD; ++i) x[i] += xb[i];
   }
 
   if (logits != nullptr && logits_rows != 0) {
     const int first = logits_rows == 1 ? T - 1 : 0;
     const int n = T - first;
-    rmsnorm(xb.data(), x.data() + static_cast<std::size_t>(first) * dim, w_.rms_final, n, dim);
+    rmsnorm(xb.data(), x.data() + static_cast<std::size_t>(first) * dim, rms_final_, n, dim,
+            c.norm_eps);
     logits->assign(static_cast<std::size_t>(n) * c.vocab_size, 0.0f);
-    matmul(logits->data(), xb.data(), w_.wcls, n, dim, c.vocab_size);
+    matmul(wcls_, xb.data(), n, logits->data());
   }
   return true;
 }
@@ -614,7 +657,7 @@ bool attention(const AttentionShape& shape, const KVLayerView& kv, int n_kv_toke
       static_cast<std::int64_t>(n_q) * shape.n_heads * max_keys * shape.head_size;
 #pragma omp parallel if (work >= kParallelWork)
   {
-    std::vector<float> scores(static_cast<std::size_t>(max_keys));
+    std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
 #pragma omp for collapse(2) schedule(dynamic, 4)
     for (int i = 0; i < n_q; ++i) {
       for (int h = 0; h < shape.n_heads; ++h) {

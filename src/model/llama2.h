@@ -1,15 +1,21 @@
-// Reference model runner for llama2.c checkpoints (Llama-2 architecture).
+// Model runner for Llama-architecture checkpoints: llama2.c files (float32,
+// e.g. stories260K) and GGUF files of llama.cpp (F32/F16 norms, Q4_1/Q8_0
+// matrices, e.g. SmolLM2-135M-Instruct).
 //
 // Used by the benchmarks, tests and examples to produce *real* KV caches and
 // queries, and to measure how a modified (e.g. quantized/dequantized) KV cache
 // changes attention outputs and next-token logits.  Not part of the shipped
 // library; it does not depend on kvxfer_core.
 //
-// Architecture (as in karpathy/llama2.c run.c): RMSNorm (eps 1e-5), grouped-
-// query attention, RoPE on adjacent pairs (2i, 2i+1) inside each head with
-// frequency 10000^(-2i/head_size), scores scaled by 1/sqrt(head_size), SwiGLU
-// feed-forward w2(silu(w1 x) * w3 x).  All arithmetic is float32 with the
-// same summation order as run.c.
+// Architecture (karpathy/llama2.c run.c; llama.cpp's LLM_ARCH_LLAMA):
+// RMSNorm (eps from the file, 1e-5 for llama2.c), grouped-query attention,
+// RoPE on adjacent pairs (2i, 2i+1) inside each head with frequency
+// base^(-2i/head_size) (base 10000 for llama2.c, llama.rope.freq_base for
+// GGUF, whose Q/K weights are stored permuted for this pairing), scores
+// scaled by 1/sqrt(head_size), SwiGLU feed-forward w2(silu(w1 x) * w3 x).
+// Float32 matrices keep run.c's summation order; quantized matrices use the
+// products of model/qmatmul.h (activations quantized per 32-block, integer
+// block dot products, one fixed float order).
 //
 // Data layout used throughout:
 //   * K and V of one layer: float32, row-major [token][kv_dim] where
@@ -28,7 +34,8 @@
 // tail cache and output buffers.  Internally, matrix products and attention
 // are parallelised with OpenMP over independent output elements; every output
 // element is computed by one thread in a fixed order, so results are bit-
-// identical regardless of the number of threads.
+// identical regardless of the number of threads, and a batched pass (prefill,
+// verify) gives every token the bits that decode_step gives it.
 #pragma once
 
 #include <cstddef>
@@ -37,7 +44,14 @@
 #include <string>
 #include <vector>
 
+#include "model/qmatmul.h"
+
 namespace kvxfer::model {
+
+namespace gguf {
+class File;
+struct TensorInfo;
+}  // namespace gguf
 
 // The 7-int32 llama2.c header.  vocab_size is stored positive;
 // shared_classifier records the sign it had in the file (positive = the
@@ -51,6 +65,10 @@ struct Config {
   int vocab_size = 0;
   int seq_len = 0;  // maximum number of positions
   bool shared_classifier = true;
+  float rope_base = 10000.0f;  // RoPE frequency base
+  float norm_eps = 1e-5f;      // RMSNorm epsilon
+  std::string format;          // "llama2.c" or "gguf"
+  std::string name;            // general.name of a GGUF, else the file name
 
   int head_size() const { return dim / n_heads; }
   int kv_dim() const { return n_kv_heads * head_size(); }
@@ -143,11 +161,20 @@ struct PrefillResult {
 
 class Model {
  public:
-  // Loads a llama2.c checkpoint (legacy "version 0" format: 7 int32 header,
-  // then float32 weights, little-endian).  The header is validated and the
-  // file size must equal exactly the size it implies.  Returns nullptr and
-  // sets *error on failure.
+  // Loads a checkpoint, by its first bytes: a GGUF file ("GGUF" magic;
+  // general.architecture "llama", tensors token_embd, output_norm, optional
+  // output, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
+  // ffn_gate, ffn_up, ffn_down}; norms F32, matrices F32/Q4_1/Q8_0; the file
+  // stays mapped) or else a llama2.c checkpoint (legacy "version 0" format: 7
+  // int32 header, then float32 weights, little-endian; the header is
+  // validated and the file size must equal exactly the size it implies).
+  // Returns nullptr and sets *error (naming the field) on failure.
   static std::unique_ptr<Model> load(const std::string& path, std::string* error);
+  ~Model();
+
+  // The GGUF file of a GGUF model (its metadata holds the tokenizer), else
+  // nullptr.  Valid while the Model lives.
+  const gguf::File* gguf_file() const { return gguf_.get(); }
 
   const Config& config() const { return cfg_; }
 
@@ -192,22 +219,23 @@ class Model {
                          std::string* error) const;
 
  private:
-  struct Weights {
-    const float* token_embedding;  // [vocab][dim]
-    const float* rms_att;          // [L][dim]
-    const float* wq;               // [L][dim][dim]
-    const float* wk;               // [L][kv_dim][dim]
-    const float* wv;               // [L][kv_dim][dim]
-    const float* wo;               // [L][dim][dim]
-    const float* rms_ffn;          // [L][dim]
-    const float* w1;               // [L][hidden][dim]
-    const float* w2;               // [L][dim][hidden]
-    const float* w3;               // [L][hidden][dim]
-    const float* rms_final;        // [dim]
-    const float* wcls;             // [vocab][dim]
+  struct LayerWeights {
+    const float* rms_att;  // [dim]
+    WeightMatrix wq;       // [dim][dim]
+    WeightMatrix wk;       // [kv_dim][dim]
+    WeightMatrix wv;       // [kv_dim][dim]
+    WeightMatrix wo;       // [dim][dim]
+    const float* rms_ffn;  // [dim]
+    WeightMatrix w1;       // gate [hidden][dim]
+    WeightMatrix w2;       // down [dim][hidden]
+    WeightMatrix w3;       // up [hidden][dim]
   };
 
   Model() = default;
+  static std::unique_ptr<Model> load_llama2c(const std::string& path, std::string* error);
+  static std::unique_ptr<Model> load_gguf(const std::string& path, std::string* error);
+  // Row `token` of the token embedding, as float32 [dim].
+  void embed(int token, float* out) const;
   bool check_view(const KVView& view, std::string* error) const;
   // Batched forward of tokens at positions start_pos.. over view + tail.
   // logits_rows: 0 = none, 1 = last row only, 2 = all rows.
@@ -218,8 +246,12 @@ class Model {
                std::string* error, std::vector<float>* att_mass = nullptr) const;
 
   Config cfg_;
-  std::vector<float> data_;  // all float32 weights of the file
-  Weights w_{};
+  std::vector<float> data_;          // llama2.c: all float32 weights of the file
+  std::unique_ptr<gguf::File> gguf_;  // GGUF: the mapped file the weights point into
+  std::vector<LayerWeights> layers_;
+  WeightMatrix token_embedding_{};  // [vocab][dim]
+  const float* rms_final_ = nullptr;  // [dim]
+  WeightMatrix wcls_{};             // [vocab][dim]
 };
 
 // Shape of a (GQA) attention computation.

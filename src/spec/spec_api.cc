@@ -55,6 +55,13 @@ kvxfer_result_t kvxfer_spec_window(const kvxfer_spec_window_config_t* config, do
       __func__, [&] { return kvxfer::spec::window(config, t_res_s, tpot_s, elapsed_s, window); });
 }
 
+kvxfer_result_t kvxfer_spec_verify_length(int32_t draft_len, double accept_rate, double tpot_s,
+                                          double verify_per_token_s, int32_t* length) {
+  return spec_call(__func__, [&] {
+    return kvxfer::spec::verify_length(draft_len, accept_rate, tpot_s, verify_per_token_s, length);
+  });
+}
+
 kvxfer_result_t kvxfer_spec_monitor_update(kvxfer_spec_monitor_t* monitor, int32_t draft_len,
                                            int32_t accepted, int32_t* speculate) {
   return spec_call(__func__, [&] {

@@ -33,6 +33,8 @@ kvxfer_result_t sample(const float* probs, int32_t vocab, uint64_t seed, int32_t
 // ---- window and monitor (window.cc)
 kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
                               const kvxfer_request_info_t* info, int64_t now_ns, double* t_res_s);
+kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot_s,
+                              double verify_per_token_s, int32_t* length);
 kvxfer_result_t window(const kvxfer_spec_window_config_t* config, double t_res_s, double tpot_s,
                        double elapsed_s, int32_t* out);
 kvxfer_result_t monitor_update(kvxfer_spec_monitor_t* m, int32_t draft_len, int32_t accepted,

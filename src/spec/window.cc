@@ -110,6 +110,28 @@ kvxfer_result_t window(const kvxfer_spec_window_config_t* config, double t_res_s
   return KVXFER_SUCCESS;
 }
 
+kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot_s,
+                              double verify_per_token_s, int32_t* length) {
+  KVXFER_REQUIRE(length != nullptr, "length is NULL");
+  KVXFER_REQUIRE(draft_len >= 0, "draft_len %d is negative", draft_len);
+  KVXFER_REQUIRE(accept_rate >= 0.0 && accept_rate <= 1.0, "accept_rate %g is outside [0, 1]",
+                 accept_rate);
+  KVXFER_REQUIRE(std::isfinite(tpot_s) && tpot_s > 0.0, "tpot_s %g is not > 0", tpot_s);
+  KVXFER_REQUIRE(finite_nonneg(verify_per_token_s), "verify_per_token_s %g is negative or not finite",
+                 verify_per_token_s);
+  if (verify_per_token_s >= tpot_s) {
+    *length = 0;
+  } else if (accept_rate >= 1.0 || verify_per_token_s == 0.0) {
+    *length = draft_len;
+  } else if (accept_rate <= 0.0) {
+    *length = 0;
+  } else {
+    const double n = std::floor(std::log(verify_per_token_s / tpot_s) / std::log(accept_rate));
+    *length = n >= draft_len ? draft_len : static_cast<int32_t>(n);
+  }
+  return KVXFER_SUCCESS;
+}
+
 namespace {
 
 kvxfer_result_t check_monitor(const kvxfer_spec_monitor_t* m) {

@@ -1,0 +1,146 @@
+// AVX2 + FMA path of the attention kernel (compiled with -mavx2 -mfma): the
+// operations of attention_kernels.cc on 8 lanes, so the bits are the same.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "model/attention_kernels.h"
+
+namespace kvxfer::model::detail {
+namespace {
+
+float lane_sum(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+// exp8 of attention_kernels.cc on 8 lanes.
+__m256 exp8v(__m256 x) {
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GT_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+
+}  // namespace
+
+void swiglu_avx2(float* h, const float* up, std::size_t n) {
+  std::size_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(h + i);
+    const __m256 e = exp8v(_mm256_xor_ps(v, sign));
+    const __m256 silu = _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, e)));
+    _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  swiglu_scalar(h + i, up + i, n - i);
+}
+
+void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+                      int n_segs, float* scores, float* out) {
+  const float div = std::sqrt(static_cast<float>(head_size));
+  const int nv = head_size / 8;
+  __m256 qv[16];
+  const bool in_regs = nv <= 16;
+  if (in_regs)
+    for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
+  int n = 0, present = 0;
+  float max_val = -INFINITY;
+  const __m256 divv = _mm256_set1_ps(div);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int s = 0; s < n_segs; ++s) {
+    const Segment& sg = segs[s];
+    int t = 0;
+    // Eight keys at a time: their dot products reduced together by shuffles
+    // that add the same pairs as lane_sum, then one division.
+    if (in_regs && sg.drop == nullptr) {
+      for (; t + 8 <= sg.count; t += 8, n += 8) {
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) {
+          const float* k = sg.k + static_cast<std::size_t>(t + u) * sg.k_stride + kv_off;
+          __m256 a = _mm256_setzero_ps();
+          for (int j = 0; j < nv; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
+          acc[u] = a;
+        }
+        // (v0+v4, v1+v5, v2+v6, v3+v7) of keys 2i and 2i+1 in one register.
+        __m256 h[4];
+        for (int i = 0; i < 4; ++i)
+          h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                               _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+        // (v0+v4)+(v2+v6), (v1+v5)+(v3+v7): keys {0,2 | 1,3} and {4,6 | 5,7}.
+        const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
+        const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
+        // x + y per key: lanes k0 k2 k4 k6 | k1 k3 k5 k7.
+        const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
+        const __m256 sc = _mm256_div_ps(_mm256_permutevar8x32_ps(r, order), divv);
+        _mm256_storeu_ps(scores + n, sc);
+        for (int u = 0; u < 8; ++u)
+          if (scores[n + u] > max_val) max_val = scores[n + u];
+        present += 8;
+      }
+    }
+    for (; t < sg.count; ++t, ++n) {
+      if (sg.drop != nullptr && sg.drop[t] != 0) {
+        scores[n] = -INFINITY;
+        continue;
+      }
+      const float* k = sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off;
+      __m256 acc = _mm256_setzero_ps();
+      for (int j = 0; j < nv; ++j)
+        acc = _mm256_fmadd_ps(in_regs ? qv[j] : _mm256_loadu_ps(q + 8 * j), _mm256_loadu_ps(k + 8 * j), acc);
+      const float sc = lane_sum(acc) / div;
+      scores[n] = sc;
+      if (sc > max_val) max_val = sc;
+      ++present;
+    }
+  }
+  for (int i = 0; i < head_size; ++i) out[i] = 0.0f;
+  if (present == 0) {
+    for (int i = 0; i < n; ++i) scores[i] = 0.0f;
+    return;
+  }
+  const int n8 = (n + 7) / 8 * 8;
+  for (int t = n; t < n8; ++t) scores[t] = -INFINITY;  // exp8 -> 0, and + 0 leaves a lane unchanged
+  const __m256 mx = _mm256_set1_ps(max_val);
+  __m256 sumv = _mm256_setzero_ps();
+  for (int t = 0; t < n8; t += 8) {
+    const __m256 e = exp8v(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx));
+    _mm256_storeu_ps(scores + t, e);
+    sumv = _mm256_add_ps(sumv, e);
+  }
+  const __m256 sum = _mm256_set1_ps(lane_sum(sumv));
+  for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(scores + t, _mm256_div_ps(_mm256_loadu_ps(scores + t), sum));
+  __m256 o[16];
+  for (int j = 0; j < nv && j < 16; ++j) o[j] = _mm256_setzero_ps();
+  n = 0;
+  for (int s = 0; s < n_segs; ++s) {
+    const Segment& sg = segs[s];
+    for (int t = 0; t < sg.count; ++t, ++n) {
+      if (sg.drop != nullptr && sg.drop[t] != 0) continue;
+      const __m256 a = _mm256_set1_ps(scores[n]);
+      const float* v = sg.v + static_cast<std::size_t>(t) * sg.v_stride + kv_off;
+      if (in_regs) {
+        for (int j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * j), o[j]);
+      } else {
+        for (int j = 0; j < nv; ++j)
+          _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * j), _mm256_loadu_ps(out + 8 * j)));
+      }
+    }
+  }
+  if (in_regs)
+    for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + 8 * j, o[j]);
+}
+
+}  // namespace kvxfer::model::detail

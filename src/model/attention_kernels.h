@@ -1,0 +1,51 @@
+// The per-head attention kernel of the model runner, one definition for the
+// scalar path and the AVX2 path (attention_kernels.cc, attention_avx2.cc),
+// bit-identical between them and independent of how queries are batched:
+//   s_t  = lanes(q . k_t) / sqrt(head_size), where lanes() accumulates
+//          element i in lane i mod 8 by fma and sums the lanes as
+//          ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7));
+//   e_t  = exp8(s_t - max_t s_t), exp8 the polynomial of attention_kernels.cc
+//          (|relative error| < 3e-7 against exp; 0 below -87.3);
+//   sum  = lanes over t (key t in lane t mod 8);
+//   out  = fma chain over t ascending of (e_t / sum) * v_t, per element.
+// Keys a drop mask marks absent are skipped (e_t = 0); when every key is
+// absent the output is zero.  head_size must be a multiple of 8.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvxfer::model::detail {
+
+// A run of keys/values of one layer: `count` rows; kv_off selects the head.
+struct Segment {
+  const float* k;
+  const float* v;
+  std::size_t k_stride;
+  std::size_t v_stride;
+  int count;
+  const std::uint8_t* drop = nullptr;  // KVLayerView::drop (nullptr: all present)
+};
+
+// One query head against up to n_segs segments (in order).  q, out:
+// head_size floats; scores: scratch of at least the total key count + 8.
+void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+                 int n_segs, float* scores, float* out);
+
+// The two paths, for the tests; attend_head picks AVX2 when the CPU has it.
+void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+                        int n_segs, float* scores, float* out);
+void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+                      int n_segs, float* scores, float* out);
+
+// exp8 of one value (the scalar definition of the polynomial).
+float exp8(float x);
+
+// SwiGLU of the feed-forward, in place: h[i] = (h[i] * (1 / (1 + exp8(-h[i])))) * up[i]
+// (exp8 clamps -h[i] above 88.3, so a very negative h gives silu ~ -0).
+// Same bits on the scalar and AVX2 paths; parallel over i (OpenMP).
+void swiglu(float* h, const float* up, std::size_t n);
+void swiglu_scalar(float* h, const float* up, std::size_t n);
+void swiglu_avx2(float* h, const float* up, std::size_t n);
+
+}  // namespace kvxfer::model::detail

@@ -1,0 +1,134 @@
+// Quantized matrix products: dispatch, the scalar emulation and the F32
+// path; see qmatmul.h.  Built with -ffp-contract=off (CMakeLists.txt), so
+// every float operation here is the one written.
+#include "model/qmatmul.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "codec/codec_math.h"
+
+namespace kvxfer::model {
+namespace {
+
+constexpr int kPanelRows = 4;  // rows dequantized together and reused by every token
+constexpr std::int64_t kParallelWork = 1 << 15;
+
+float half(const std::uint8_t* p) {
+  std::uint16_t h;
+  std::memcpy(&h, p, 2);
+  return codec::f16_to_f32(h);
+}
+
+float lane_sum(const float* l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+void panel_products_scalar(const float* panel, int n_rows, int cols, const float* x,
+                           int n_tokens, float* out, int out_stride) {
+  for (int t = 0; t < n_tokens; ++t) {
+    const float* xr = x + static_cast<std::size_t>(t) * cols;
+    for (int r = 0; r < n_rows; ++r) {
+      const float* wr = panel + static_cast<std::size_t>(r) * cols;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int k = 0; k < cols; ++k) acc[k % 8] = std::fma(wr[k], xr[k], acc[k % 8]);
+      out[static_cast<std::size_t>(t) * out_stride + r] = lane_sum(acc);
+    }
+  }
+}
+
+void matmul_f32(const WeightMatrix& w, const float* x, int n, float* out) {
+  const int rows = w.rows, cols = w.cols;
+  const std::int64_t work = static_cast<std::int64_t>(n) * rows * cols;
+#pragma omp parallel for collapse(2) schedule(static) if (work >= kParallelWork)
+  for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < rows; ++i) {
+      const float* wr = w.f32() + static_cast<std::size_t>(i) * cols;
+      const float* xr = x + static_cast<std::size_t>(t) * cols;
+      float val = 0.0f;
+      for (int j = 0; j < cols; ++j) val += wr[j] * xr[j];
+      out[static_cast<std::size_t>(t) * rows + i] = val;
+    }
+  }
+}
+
+}  // namespace
+
+void dequantize_row(const WeightMatrix& w, int row, float* out) {
+  const std::uint8_t* p = static_cast<const std::uint8_t*>(w.data);
+  const int nb = w.cols / 32;
+  switch (w.type) {
+    case WeightType::kF32:
+      std::memcpy(out, w.f32() + static_cast<std::size_t>(row) * w.cols,
+                  static_cast<std::size_t>(w.cols) * sizeof(float));
+      return;
+    case WeightType::kQ4_1:
+      p += static_cast<std::size_t>(row) * nb * 20;
+      for (int b = 0; b < nb; ++b, p += 20) {
+        const float d = half(p), m = half(p + 2);
+        for (int j = 0; j < 16; ++j) {
+          const float w0 = d * static_cast<float>(p[4 + j] & 0xF);
+          const float w1 = d * static_cast<float>(p[4 + j] >> 4);
+          out[b * 32 + j] = w0 + m;
+          out[b * 32 + j + 16] = w1 + m;
+        }
+      }
+      return;
+    case WeightType::kQ8_0:
+      p += static_cast<std::size_t>(row) * nb * 34;
+      for (int b = 0; b < nb; ++b, p += 34) {
+        const float d = half(p);
+        for (int j = 0; j < 32; ++j)
+          out[b * 32 + j] = d * static_cast<float>(static_cast<std::int8_t>(p[2 + j]));
+      }
+      return;
+  }
+}
+
+namespace detail {
+
+bool have_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+
+void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float* out) {
+  if (n <= 0 || w.rows <= 0) return;
+  if (w.type == WeightType::kF32) return matmul_f32(w, x, n, out);
+  const int rows = w.rows, cols = w.cols;
+  const int n_panels = (rows + kPanelRows - 1) / kPanelRows;
+  const bool avx2 = path == Path::kAvx2;
+  const std::int64_t work = static_cast<std::int64_t>(n) * rows * cols;
+#pragma omp parallel if (work >= kParallelWork)
+  {
+    std::vector<float> panel(static_cast<std::size_t>(kPanelRows) * cols + 8);
+    std::vector<float> tile(static_cast<std::size_t>(n) * kPanelRows);
+#pragma omp for schedule(static)
+    for (int p = 0; p < n_panels; ++p) {
+      const int r0 = p * kPanelRows, nr = rows - r0 < kPanelRows ? rows - r0 : kPanelRows;
+      if (avx2) {
+        dequantize_rows_avx2(w, r0, nr, panel.data());
+        panel_products_avx2(panel.data(), nr, cols, x, n, tile.data(), kPanelRows);
+      } else {
+        for (int r = 0; r < nr; ++r) dequantize_row(w, r0 + r, panel.data() + static_cast<std::size_t>(r) * cols);
+        panel_products_scalar(panel.data(), nr, cols, x, n, tile.data(), kPanelRows);
+      }
+      for (int t = 0; t < n; ++t)
+        for (int r = 0; r < nr; ++r)
+          out[static_cast<std::size_t>(t) * rows + r0 + r] = tile[static_cast<std::size_t>(t) * kPanelRows + r];
+    }
+  }
+}
+
+}  // namespace detail
+
+void matmul(const WeightMatrix& w, const float* x, int n_tokens, float* out) {
+  detail::matmul_path(detail::have_avx2() ? detail::Path::kAvx2 : detail::Path::kScalar, w, x,
+                      n_tokens, out);
+}
+
+}  // namespace kvxfer::model

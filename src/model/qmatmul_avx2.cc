@@ -1,0 +1,105 @@
+// AVX2 + FMA kernels of qmatmul.h (compiled with -mavx2 -mfma; called only
+// when the CPU has both).  They compute exactly the scalar definition of
+// qmatmul.cc: the dequantization is the same multiply and add, and lane l of
+// an accumulator holds the fma chain of the elements k = l (mod 8).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "codec/codec_math.h"
+#include "model/qmatmul.h"
+
+namespace kvxfer::model::detail {
+namespace {
+
+float half(const std::uint8_t* p) {
+  std::uint16_t h;
+  std::memcpy(&h, p, 2);
+  return codec::f16_to_f32(h);
+}
+
+// ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as qmatmul.cc lane_sum.
+float lane_sum(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l0+l4 ..
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+template <int NR, int NT>
+void tile(const float* panel, int cols, const float* x, float* out, int out_stride) {
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int k = 0; k < cols; k += 8) {
+    __m256 w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = _mm256_loadu_ps(panel + static_cast<std::size_t>(r) * cols + k);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + static_cast<std::size_t>(t) * cols + k);
+      for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < NR; ++r) out[static_cast<std::size_t>(t) * out_stride + r] = lane_sum(acc[r][t]);
+}
+
+template <int NR>
+void rows_tile(const float* panel, int cols, const float* x, int n_tokens, float* out, int stride) {
+  int t = 0;
+  for (; t + 3 <= n_tokens; t += 3)
+    tile<NR, 3>(panel, cols, x + static_cast<std::size_t>(t) * cols, out + static_cast<std::size_t>(t) * stride, stride);
+  if (n_tokens - t == 2)
+    tile<NR, 2>(panel, cols, x + static_cast<std::size_t>(t) * cols, out + static_cast<std::size_t>(t) * stride, stride);
+  else if (n_tokens - t == 1)
+    tile<NR, 1>(panel, cols, x + static_cast<std::size_t>(t) * cols, out + static_cast<std::size_t>(t) * stride, stride);
+}
+
+}  // namespace
+
+void dequantize_rows_avx2(const WeightMatrix& w, int row0, int n, float* panel) {
+  const int cols = w.cols, nb = cols / 32;
+  const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int r = 0; r < n; ++r) {
+    float* out = panel + static_cast<std::size_t>(r) * cols;
+    if (w.type == WeightType::kQ4_1) {
+      const std::uint8_t* p = base + static_cast<std::size_t>(row0 + r) * nb * 20;
+      if (r + 1 < n) _mm_prefetch(reinterpret_cast<const char*>(p + nb * 20 * 4), _MM_HINT_T0);
+      for (int b = 0; b < nb; ++b, p += 20) {
+        const __m256 d = _mm256_set1_ps(half(p)), m = _mm256_set1_ps(half(p + 2));
+        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+        const __m128i lo = _mm_and_si128(qs, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int g = 0; g < 4; ++g) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g]));
+          _mm256_storeu_ps(out + b * 32 + g * 8, _mm256_add_ps(_mm256_mul_ps(d, q), m));
+        }
+      }
+    } else if (w.type == WeightType::kQ8_0) {
+      const std::uint8_t* p = base + static_cast<std::size_t>(row0 + r) * nb * 34;
+      for (int b = 0; b < nb; ++b, p += 34) {
+        const __m256 d = _mm256_set1_ps(half(p));
+        for (int g = 0; g < 4; ++g) {
+          const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + g * 8));
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+          _mm256_storeu_ps(out + b * 32 + g * 8, _mm256_mul_ps(d, q));
+        }
+      }
+    } else {
+      std::memcpy(out, w.f32() + static_cast<std::size_t>(row0 + r) * cols,
+                  static_cast<std::size_t>(cols) * sizeof(float));
+    }
+  }
+}
+
+void panel_products_avx2(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
+                         float* out, int out_stride) {
+  switch (n_rows) {
+    case 4: return rows_tile<4>(panel, cols, x, n_tokens, out, out_stride);
+    case 3: return rows_tile<3>(panel, cols, x, n_tokens, out, out_stride);
+    case 2: return rows_tile<2>(panel, cols, x, n_tokens, out, out_stride);
+    default: return rows_tile<1>(panel, cols, x, n_tokens, out, out_stride);
+  }
+}
+
+}  // namespace kvxfer::model::detail

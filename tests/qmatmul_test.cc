@@ -1,0 +1,248 @@
+// Tests of the runner's matrix products (src/model/qmatmul.h): every output
+// element has the same bits whatever the batch, the tile, the thread count
+// and the CPU path, and equals the lane-ordered definition.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "codec/codec_math.h"
+#include "model/qmatmul.h"
+
+namespace km = kvxfer::model;
+namespace kd = kvxfer::model::detail;
+
+namespace {
+
+struct Matrix {
+  km::WeightMatrix w;
+  std::vector<std::uint8_t> bytes;
+};
+
+// Random blocks; fp16 scales from a realistic range, Q8_0 codes include -128.
+Matrix random_matrix(km::WeightType type, int rows, int cols, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> scale(1e-3f, 0.05f), mn(-0.5f, 0.0f);
+  Matrix m;
+  const int nb = cols / 32;
+  if (type == km::WeightType::kF32) {
+    m.bytes.resize(static_cast<std::size_t>(rows) * cols * 4);
+    std::uniform_real_distribution<float> u(-1, 1);
+    for (std::size_t i = 0; i < m.bytes.size() / 4; ++i) {
+      const float v = u(rng);
+      std::memcpy(&m.bytes[i * 4], &v, 4);
+    }
+  } else {
+    const int bb = type == km::WeightType::kQ4_1 ? 20 : 34;
+    m.bytes.resize(static_cast<std::size_t>(rows) * nb * bb);
+    for (std::size_t b = 0; b < static_cast<std::size_t>(rows) * nb; ++b) {
+      std::uint8_t* p = &m.bytes[b * bb];
+      const std::uint16_t d = kvxfer::codec::f32_to_f16(scale(rng)), mm = kvxfer::codec::f32_to_f16(mn(rng));
+      std::memcpy(p, &d, 2);
+      if (type == km::WeightType::kQ4_1) std::memcpy(p + 2, &mm, 2);
+      for (int j = (type == km::WeightType::kQ4_1 ? 4 : 2); j < bb; ++j) p[j] = static_cast<std::uint8_t>(rng());
+    }
+  }
+  m.w = km::WeightMatrix{type, rows, cols, m.bytes.data()};
+  return m;
+}
+
+std::vector<float> random_acts(int n, int cols, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0, 1);
+  std::vector<float> x(static_cast<std::size_t>(n) * cols);
+  for (auto& v : x) v = g(rng);
+  if (!x.empty()) x[0] = 40.0f;  // an outlier channel, as real activations have
+  return x;
+}
+
+// The definition, written out once more: dequantized row, 8 fma lanes.
+float reference(const km::WeightMatrix& w, int i, const float* x) {
+  std::vector<float> row(w.cols);
+  km::dequantize_row(w, i, row.data());
+  if (w.type == km::WeightType::kF32) {
+    float v = 0;
+    for (int k = 0; k < w.cols; ++k) v += row[k] * x[k];
+    return v;
+  }
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k = 0; k < w.cols; ++k) l[k % 8] = std::fma(row[k], x[k], l[k % 8]);
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+void expect_bits(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    std::uint32_t x, y;
+    std::memcpy(&x, &a[i], 4);
+    std::memcpy(&y, &b[i], 4);
+    ASSERT_EQ(x, y) << what << ": element " << i << " 0x" << std::hex << x << " vs 0x" << y;
+  }
+}
+
+class QMatmul : public ::testing::TestWithParam<km::WeightType> {};
+
+TEST_P(QMatmul, EveryBatchThreadAndPathGivesTheSameBits) {
+  const km::WeightType type = GetParam();
+  for (int rows : {37, 192, 577}) {
+    const int cols = rows == 37 ? 96 : 576;
+    const Matrix m = random_matrix(type, rows, cols, 7u + rows);
+    const int n_max = 64;
+    const std::vector<float> x = random_acts(n_max, cols, 11u + rows);
+    // Sequential, one token at a time, one thread, scalar: the baseline.
+    std::vector<float> base(static_cast<std::size_t>(n_max) * rows);
+    omp_set_num_threads(1);
+    for (int t = 0; t < n_max; ++t)
+      kd::matmul_path(kd::Path::kScalar, m.w, &x[static_cast<std::size_t>(t) * cols], 1,
+                      &base[static_cast<std::size_t>(t) * rows]);
+    for (int i = 0; i < rows; i += 13)
+      for (int t = 0; t < n_max; t += 9) {
+        const float r = reference(m.w, i, &x[static_cast<std::size_t>(t) * cols]);
+        ASSERT_EQ(std::memcmp(&r, &base[static_cast<std::size_t>(t) * rows + i], 4), 0)
+            << "definition, row " << i << " token " << t;
+      }
+    std::vector<kd::Path> paths = {kd::Path::kScalar};
+    if (kd::have_avx2()) paths.push_back(kd::Path::kAvx2);
+    for (kd::Path path : paths)
+      for (int threads : {1, 2})
+        for (int n : {1, 2, 3, 7, 16, 17, 64}) {
+          omp_set_num_threads(threads);
+          std::vector<float> out(static_cast<std::size_t>(n) * rows);
+          kd::matmul_path(path, m.w, x.data(), n, out.data());
+          const std::vector<float> want(base.begin(), base.begin() + static_cast<std::ptrdiff_t>(out.size()));
+          SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " threads " << threads
+                                          << (path == kd::Path::kAvx2 ? " avx2" : " scalar"));
+          expect_bits(out, want, "batched vs sequential");
+        }
+  }
+  omp_set_num_threads(2);
+}
+
+TEST_P(QMatmul, CloseToTheExactProductOfTheDequantizedWeights) {
+  const km::WeightType type = GetParam();
+  const int rows = 64, cols = 1536;
+  const Matrix m = random_matrix(type, rows, cols, 3);
+  const std::vector<float> x = random_acts(4, cols, 5);
+  std::vector<float> out(4 * rows);
+  km::matmul(m.w, x.data(), 4, out.data());
+  std::vector<float> row(cols);
+  for (int i = 0; i < rows; ++i) {
+    km::dequantize_row(m.w, i, row.data());
+    for (int t = 0; t < 4; ++t) {
+      double exact = 0, mag = 0;
+      for (int k = 0; k < cols; ++k) {
+        exact += static_cast<double>(row[k]) * x[static_cast<std::size_t>(t) * cols + k];
+        mag += std::fabs(static_cast<double>(row[k]) * x[static_cast<std::size_t>(t) * cols + k]);
+      }
+      // Recursive summation of n terms: |error| <= (n-1) u sum|terms| (+ the lanes' sums).
+      const double bound = (cols / 8 + 3) * std::ldexp(1.0, -24) * mag;
+      EXPECT_LE(std::fabs(out[static_cast<std::size_t>(t) * rows + i] - exact), bound) << i << " " << t;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, QMatmul,
+                         ::testing::Values(km::WeightType::kQ4_1, km::WeightType::kQ8_0, km::WeightType::kF32),
+                         [](const auto& info) {
+                           return info.param == km::WeightType::kQ4_1   ? std::string("Q4_1")
+                                  : info.param == km::WeightType::kQ8_0 ? std::string("Q8_0")
+                                                                        : std::string("F32");
+                         });
+
+TEST(QMatmulDequantize, Q4_1AndQ8_0OfAFixedBlock) {
+  std::uint8_t q41[20] = {0x00, 0x3C, 0x00, 0xC0};  // d = 1, m = -2
+  for (int j = 0; j < 16; ++j) q41[4 + j] = static_cast<std::uint8_t>(j | ((15 - j) << 4));
+  std::uint8_t q80[34] = {0x00, 0x38};  // d = 0.5
+  for (int j = 0; j < 32; ++j) q80[2 + j] = static_cast<std::uint8_t>(static_cast<std::int8_t>(j * 8 - 128));
+  float out[32];
+  km::dequantize_row(km::WeightMatrix{km::WeightType::kQ4_1, 1, 32, q41}, 0, out);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(out[j], static_cast<float>(j) - 2.0f);
+    EXPECT_EQ(out[j + 16], static_cast<float>(15 - j) - 2.0f);
+  }
+  km::dequantize_row(km::WeightMatrix{km::WeightType::kQ8_0, 1, 32, q80}, 0, out);
+  for (int j = 0; j < 32; ++j) EXPECT_EQ(out[j], 0.5f * static_cast<float>(j * 8 - 128));
+}
+
+}  // namespace
+
+#include "model/attention_kernels.h"
+
+namespace {
+
+TEST(AttentionKernel, Exp8IsWithinItsBoundOfExp) {
+  double worst = 0;
+  for (float x = -87.0f; x <= 0.0f; x += 0.001f) {
+    const double e = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::fabs(kd::exp8(x) - e) / e);
+  }
+  EXPECT_LT(worst, 3e-7);
+  EXPECT_EQ(kd::exp8(0.0f), 1.0f);
+  EXPECT_EQ(kd::exp8(-INFINITY), 0.0f);
+  EXPECT_EQ(kd::exp8(-100.0f), 0.0f);
+}
+
+TEST(AttentionKernel, Avx2EqualsTheScalarDefinitionBitForBit) {
+  if (!kd::have_avx2()) GTEST_SKIP() << "no AVX2+FMA on this CPU";
+  std::mt19937 rng(9);
+  std::normal_distribution<float> g(0, 2);
+  const int hs = 64, kv_dim = 192;
+  for (int n_keys : {1, 7, 8, 9, 100, 1031}) {
+    std::vector<float> k(static_cast<std::size_t>(n_keys) * kv_dim), v(k.size()), q(hs);
+    for (auto& x : k) x = g(rng);
+    for (auto& x : v) x = g(rng);
+    for (auto& x : q) x = g(rng);
+    std::vector<std::uint8_t> drop(static_cast<std::size_t>(n_keys), 0);
+    for (int t = 3; t < n_keys; t += 5) drop[t] = 1;
+    for (int split : {0, n_keys / 2}) {
+      for (bool use_drop : {false, true}) {
+        kd::Segment segs[2] = {
+            {k.data(), v.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), split,
+             use_drop ? drop.data() : nullptr},
+            {k.data() + static_cast<std::size_t>(split) * kv_dim, v.data() + static_cast<std::size_t>(split) * kv_dim,
+             static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), n_keys - split, nullptr},
+        };
+        std::vector<float> s1(n_keys + 8), s2(n_keys + 8), o1(hs), o2(hs);
+        kd::attend_head_scalar(q.data(), hs, 64, segs, 2, s1.data(), o1.data());
+        kd::attend_head_avx2(q.data(), hs, 64, segs, 2, s2.data(), o2.data());
+        SCOPED_TRACE(testing::Message() << n_keys << " keys, split " << split << " drop " << use_drop);
+        expect_bits(o1, o2, "attention output");
+        s1.resize(n_keys);
+        s2.resize(n_keys);
+        expect_bits(s1, s2, "probabilities");
+        double psum = 0;
+        for (float p : s1) psum += p;
+        EXPECT_NEAR(psum, 1.0, 1e-5);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+TEST(AttentionKernel, SwigluAvx2EqualsScalar) {
+  if (!kd::have_avx2()) GTEST_SKIP() << "no AVX2+FMA on this CPU";
+  std::mt19937 rng(4);
+  std::normal_distribution<float> g(0, 30);
+  std::vector<float> h(1003), up(1003);
+  for (auto& x : h) x = g(rng);
+  for (auto& x : up) x = g(rng);
+  h[0] = -200.0f;
+  h[1] = 200.0f;
+  std::vector<float> a = h, b = h;
+  kd::swiglu_scalar(a.data(), up.data(), a.size());
+  kd::swiglu_avx2(b.data(), up.data(), b.size());
+  expect_bits(a, b, "swiglu");
+  EXPECT_EQ(a[1], 200.0f * up[1]);
+  for (std::size_t i = 2; i < h.size(); ++i) {
+    const double want = h[i] / (1.0 + std::exp(-static_cast<double>(h[i]))) * up[i];
+    EXPECT_NEAR(a[i], want, 1e-5 * (std::fabs(want) + 1e-3)) << i;
+  }
+}
+}  // namespace
