@@ -1,6 +1,6 @@
-// disagg_demo: disaggregated decoding of stories260K over an emulated link,
-// with Lynx progressive transfer and speculative decoding on the anchors
-// (docs/SPEC.md, "The demo").
+// disagg_demo: disaggregated decoding of SmolLM2-135M-Instruct (or the
+// llama2.c model stories260K) over an emulated link, with Lynx progressive
+// transfer and speculative decoding on the anchors (docs/SPEC.md, "The demo").
 //
 // Two processes on one host.  The prefill process (a forked child, rank 1)
 // makes a prompt, runs the model's prefill over it and sends the KV with
@@ -58,11 +58,17 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "common/fdio.h"
+#include "model/bpe_tokenizer.h"
+#include "model/chat_template.h"
+#include "model/gguf.h"
 #include "model/llama2.h"
+#include "model/model_paths.h"
 
 namespace km = kvxfer::model;
 using json = nlohmann::json;
@@ -241,7 +247,13 @@ void codec_of(Mode m, kvxfer_codec_config_t* codec, kvxfer_mode_t* xmode) {
 // ---------------------------------------------------------------------------
 
 struct Options {
-  std::string model_path = KVXFER_DATA_DIR "/stories260K.bin";
+  std::string model_path;  // default: SmolLM2 when fetched, else stories260K
+  // SmolLM2 (a GGUF with a tokenizer): real prompts instead of sampled ones.
+  std::string prompts_path = KVXFER_DATA_DIR "/prompts/chat.txt";
+  std::string long_text_path = KVXFER_DATA_DIR "/apache-2.0.txt";
+  std::string long_rate = "100mbit";
+  int show_text = 2;
+  std::string verify_rule = "adaptive";
   std::string rate = "50mbit";
   int prompt_len = 400;
   std::string prompt_ids;  // "1,2,3": given prompt instead of a generated one
@@ -439,7 +451,8 @@ int prefill_main(const Options& o, int in_fd, int out_fd) {
 struct Run {
   Mode mode = kBF16;
   double rate_bps = 0;  // bytes/s
-  int prompt_len = 0, rep = 0;
+  int prompt_len = 0, rep = 0;  // prompt_len: the point's key (text prompts: the set)
+  int tokens_in = 0;            // the prompt's actual length
   int64_t t0 = 0;  // sender's kvxfer_send
   int64_t t_handshake = 0, t_anchor = 0, t_first_residual = 0, t_complete = 0;  // receiver
   int64_t t_snapshot = 0;    // Lynx: anchor snapshot taken (callback)
@@ -492,10 +505,11 @@ struct Calibration {
 
 class Decoder {
  public:
-  Decoder(const Options& o, const km::Model& m, int to_child, int from_child)
+  /** capacity: the longest KV (tokens) a run receives. */
+  Decoder(const Options& o, const km::Model& m, int to_child, int from_child, int capacity)
       : o_(o), m_(m), c_(m.config()), to_(to_child), from_(from_child) {
-    recv_.init(c_, c_.seq_len);
-    snap_.init(c_, c_.seq_len);
+    recv_.init(c_, capacity);
+    snap_.init(c_, capacity);
   }
 
   void open_comm(double rate_bps) {
@@ -539,6 +553,7 @@ class Decoder {
     r.mode = mode;
     r.rate_bps = rate_bps;
     r.prompt_len = L;
+    r.tokens_in = L;
     r.rep = rep;
     const int n_kv = L - 1, N = o_.tokens;
     const kvxfer_kv_desc_t d = recv_.desc(c_, n_kv);
@@ -628,12 +643,21 @@ class Decoder {
       }
       const kvxfer_result_t wr = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
       if (wr != KVXFER_SUCCESS) die("receive failed: %s", kvxfer_get_last_error());
-      // COMPLETE: verify the draft (or its first --verify_max tokens) in one
-      // batched pass on the full KV; row i of the logits scores draft[i].
+      // COMPLETE: verify the draft (or its first --verify_max tokens, or as
+      // many as the acceptance so far pays for: kvxfer_spec_verify_length) in
+      // one batched pass on the full KV; row i of the logits scores draft[i].
       r.t_verify_start = now_ns();
-      const size_t v = o_.verify_max > 0
-                           ? std::min(draft.size(), static_cast<size_t>(o_.verify_max))
-                           : draft.size();
+      size_t v = o_.verify_max > 0 ? std::min(draft.size(), static_cast<size_t>(o_.verify_max))
+                                   : draft.size();
+      if (o_.verify_rule == "adaptive" && cal_.verify_per_token_s > 0) {
+        double rate = 1.0;
+        int32_t on = 0;
+        CHECK_KVXFER(kvxfer_spec_monitor_query(&monitor_, &on, &rate));
+        int32_t n = 0;
+        CHECK_KVXFER(kvxfer_spec_verify_length(static_cast<int32_t>(v), rate, monitor_.tpot_s,
+                                               cal_.verify_per_token_s, &n));
+        v = static_cast<size_t>(n);
+      }
       std::vector<int> batch = {tok};
       batch.insert(batch.end(), draft.begin(), draft.begin() + static_cast<std::ptrdiff_t>(v));
       if (!m_.verify(batch, L - 1, full, &tail, &logits, &err)) die("verify: %s", err.c_str());
@@ -953,26 +977,93 @@ json summary_json(const Point& p, const Summary& s) {
               {"pred_tt64_ms", s.pred_tt64_ms}};
 }
 
-void print_main_table(const Point& p, const Summary* s, int tokens) {
+/** The prompts of text mode: sets[0] chat prompts, sets[1] the long text (or none). */
+struct TextPrompts {
+  std::vector<std::vector<int>> sets[2];
+  std::vector<std::string> users[2];  // the user turn of each prompt
+  std::unique_ptr<km::BpeTokenizer> tokenizer;
+  std::string len_range(int set) const {
+    size_t lo = SIZE_MAX, hi = 0;
+    for (const auto& t : sets[set]) {
+      lo = std::min(lo, t.size());
+      hi = std::max(hi, t.size());
+    }
+    return lo == hi ? std::to_string(lo) : std::to_string(lo) + "-" + std::to_string(hi);
+  }
+  /** Decoded text of `ids` up to the first end-of-sequence token. */
+  std::string text(const std::vector<int>& ids) const {
+    std::vector<int32_t> cut;
+    for (int t : ids) {
+      if (t == tokenizer->eos_id() || tokenizer->token_text(t) == "<|im_end|>") break;
+      cut.push_back(t);
+    }
+    std::string out, err;
+    if (!tokenizer->decode(cut, &out, &err)) die("decode: %s", err.c_str());
+    return out;
+  }
+};
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) die("cannot read %s", path.c_str());
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+/** The chat prompts (one per line; at most --reps of them when given) and the
+ *  long text, each as a user turn of the model's chat template, tokenized. */
+TextPrompts load_text_prompts(const Options& o, const km::gguf::File& file, bool reps_given) {
+  TextPrompts tp;
+  std::string err;
+  tp.tokenizer = km::BpeTokenizer::from_gguf(file, &err);
+  if (!tp.tokenizer) die("%s", err.c_str());
+  const std::unique_ptr<km::ChatTemplate> chat = km::ChatTemplate::from_gguf(file, &err);
+  if (!chat) die("%s", err.c_str());
+  auto add = [&](int set, const std::string& user) {
+    std::vector<int32_t> ids;
+    if (!tp.tokenizer->encode(chat->render_user(user), true, &ids, &err)) die("%s", err.c_str());
+    tp.sets[set].emplace_back(ids.begin(), ids.end());
+    tp.users[set].push_back(user);
+  };
+  std::istringstream lines(read_text_file(o.prompts_path));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    if (reps_given && static_cast<int>(tp.sets[0].size()) >= o.reps) break;
+    add(0, line);
+  }
+  if (tp.sets[0].empty()) die("no prompts in %s", o.prompts_path.c_str());
+  if (!o.long_text_path.empty() && !o.quick)
+    add(1, "Summarize the following text in a few sentences.\n\n" +
+               read_text_file(o.long_text_path));
+  return tp;
+}
+
+void print_main_table(const Point& p, const Summary* s, int tokens, const std::string& what) {
   std::printf(
-      "#\n# Link %s, prompt %d tokens (KV of %d), %d output tokens, %d run(s) per mode; "
-      "times in ms from kvxfer_send, medians\n",
-      rate_text(p.rate_bps).c_str(), p.prompt_len, p.prompt_len - 1, tokens, s[0].runs);
-  std::printf("#%10s %8s %8s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s %8s %6s %6s %6s %7s\n", "mode",
-              "wire_KiB", "anchor", "complete", "TTFT", "pred", "TT32T", "pred", "TT64T", "pred",
-              "drafted", "accept", "acc_rate", "agree", "P(all)", "=full", "=bf16", "bf16pre");
+      "#\n# Link %s, %s, %d output tokens, %d run(s) per mode; times in ms from kvxfer_send, "
+      "medians; TTFTc = first committed (verified) token, prefix = mean accepted draft tokens "
+      "per verification pass\n",
+      rate_text(p.rate_bps).c_str(), what.c_str(), tokens, s[0].runs);
+  std::printf("#%10s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s %8s %6s %6s %6s %6s %7s\n",
+              "mode", "wire_KiB", "anchor", "complete", "TTFT", "TTFTc", "pred", "TT32T", "pred",
+              "TT64T", "pred", "drafted", "accept", "acc_rate", "agree", "prefix", "P(all)", "=full",
+              "=bf16", "bf16pre");
   for (int m = 0; m < kModes; ++m) {
     const Summary& x = s[m];
     const bool l = m == kLynx;
     std::printf(
-        " %10s %8s %8s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s %8s %6s %5.0f%% %5.0f%% %6.0f%%\n",
+        " %10s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s %8s %6s %6s %5.0f%% %5.0f%% "
+        "%6.0f%%\n",
         kModeName[m], fmt(x.wire_kb, "%.1f").c_str(), fmt(x.anchor_ms).c_str(),
-        fmt(x.complete_ms).c_str(), fmt(x.ttft_ms).c_str(), fmt(x.pred_ttft_ms).c_str(),
+        fmt(x.complete_ms).c_str(), fmt(x.ttft_ms).c_str(), fmt(x.ttft_commit_ms).c_str(),
+        fmt(x.pred_ttft_ms).c_str(),
         fmt(x.tt32_ms).c_str(), fmt(x.pred_tt32_ms).c_str(), fmt(x.tt64_ms).c_str(),
         tokens >= 64 ? fmt(x.pred_tt64_ms).c_str() : "-",
         l ? std::to_string(x.drafted).c_str() : "-", l ? std::to_string(x.accepted).c_str() : "-",
         l ? fmt(x.accept_rate(), "%.3f").c_str() : "-",
-        l ? fmt(x.agreement(), "%.3f").c_str() : "-", l ? fmt(x.p_full(), "%.2f").c_str() : "-",
+        l ? fmt(x.agreement(), "%.3f").c_str() : "-",
+        l && x.draft_runs > 0 ? fmt(static_cast<double>(x.accepted) / x.draft_runs, "%.1f").c_str()
+                              : "-",
+        l ? fmt(x.p_full(), "%.2f").c_str() : "-",
         100.0 * x.identical_full / x.runs,
         x.compared_bf16 ? 100.0 * x.identical_bf16 / x.compared_bf16 : 0.0, 100.0 * x.prefix_bf16);
   }
@@ -986,7 +1077,19 @@ int main(int argc, char** argv) {
       "disagg_demo: prefill and decode processes over an emulated link; Lynx progressive "
       "transfer with speculative decoding on the anchors against BF16/INT8/INT4 monolithic "
       "(docs/SPEC.md)"};
-  app.add_option("--model", o.model_path, "llama2.c checkpoint");
+  app.add_option("--model", o.model_path,
+                 "GGUF (llama) or llama2.c checkpoint; default SmolLM2-135M-Instruct when "
+                 "scripts/install-deps.sh has fetched it, else data/stories260K.bin");
+  app.add_option("--prompts", o.prompts_path,
+                 "chat prompts, one per line (GGUF models: each is a user turn of the chat template)");
+  app.add_option("--long_text", o.long_text_path,
+                 "a long real text, summarised as one more prompt (at --long_rate); '' = none");
+  app.add_option("--long_rate", o.long_rate, "link rate of the long prompt");
+  app.add_option("--show_text", o.show_text, "print the decoded text of this many prompts");
+  app.add_option("--verify_rule", o.verify_rule,
+                 "adaptive: verify as many draft tokens as the acceptance so far pays for "
+                 "(kvxfer_spec_verify_length); all: the whole draft")
+      ->check(CLI::IsMember({"adaptive", "all"}));
   app.add_option("-r,--rate", o.rate,
                  "link rate of the main table, tc syntax (20mbit, 1gbit, "
                  "10mbps = bytes/s); a bare number is mbit");
@@ -1008,6 +1111,15 @@ int main(int argc, char** argv) {
                  "verify at most this many draft tokens (the rest are dropped); 0 = the whole "
                  "draft.  A CPU pass costs about one decode step per token");
   CLI11_PARSE(app, argc, argv);
+  if (o.model_path.empty()) {
+    o.model_path = km::smollm2_gguf_path();
+    if (!std::ifstream(o.model_path).good()) {
+      std::printf("# %s: SmolLM2 not fetched (%s; scripts/install-deps.sh fetches it): using "
+                  "stories260K\n",
+                  kTool, o.model_path.c_str());
+      o.model_path = KVXFER_DATA_DIR "/stories260K.bin";
+    }
+  }
   if (o.quick) {
     if (app.count("--reps") == 0) o.reps = 1;
     if (app.count("--tokens") == 0) o.tokens = 32;
@@ -1060,22 +1172,40 @@ int main(int argc, char** argv) {
   std::unique_ptr<km::Model> model = km::Model::load(o.model_path, &err);
   if (!model) die("%s", err.c_str());
   const km::Config& cfg = model->config();
+  // A GGUF model brings its tokenizer: real prompts (text mode).  A point's
+  // prompt_len is then the prompt set: 0 = the chat prompts, 1 = the long text.
+  TextPrompts text;
+  const bool text_mode = model->gguf_file() != nullptr && given.empty();
+  if (text_mode) text = load_text_prompts(o, *model->gguf_file(), app.count("--reps") > 0 || o.quick);
   // Points: the main one, the rate sweep at the main length, the length sweep at the main rate.
-  std::set<Point> points = {{main_rate, o.prompt_len}};
+  std::set<Point> points = {{main_rate, text_mode ? 0 : o.prompt_len}};
   if (!o.no_sweep) {
     for (const std::string& r : o.sweep_rates) {
       double b = 0;
       if (!parse_rate(r, &b)) die("bad sweep rate '%s'", r.c_str());
-      points.insert({b, o.prompt_len});
+      points.insert({b, text_mode ? 0 : o.prompt_len});
     }
-    for (int L : o.sweep_lens) points.insert({main_rate, L});
+    if (!text_mode)
+      for (int L : o.sweep_lens) points.insert({main_rate, L});
+  }
+  if (text_mode && !text.sets[1].empty()) {
+    double b = 0;
+    if (!parse_rate(o.long_rate, &b)) die("bad --long_rate '%s'", o.long_rate.c_str());
+    points.insert({b, 1});
   }
   int max_len = 0;
-  for (const Point& p : points) {
-    if (p.prompt_len < 2 || p.prompt_len + o.tokens > cfg.seq_len)
-      die("prompt length %d + %d tokens must fit in seq_len %d (and be >= 2)", p.prompt_len,
-          o.tokens, cfg.seq_len);
-    max_len = std::max(max_len, p.prompt_len);
+  if (text_mode) {
+    for (const auto& set : text.sets)
+      for (const auto& t : set) max_len = std::max(max_len, static_cast<int>(t.size()));
+    if (max_len + o.tokens > cfg.seq_len)
+      die("a prompt of %d tokens + %d tokens exceeds seq_len %d", max_len, o.tokens, cfg.seq_len);
+  } else {
+    for (const Point& p : points) {
+      if (p.prompt_len < 2 || p.prompt_len + o.tokens > cfg.seq_len)
+        die("prompt length %d + %d tokens must fit in seq_len %d (and be >= 2)", p.prompt_len,
+            o.tokens, cfg.seq_len);
+      max_len = std::max(max_len, p.prompt_len);
+    }
   }
 
   std::printf(
@@ -1093,14 +1223,36 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   const int64_t t_begin = now_ns();
-  Decoder dec(o, *model, to_child, from_child);
-  std::vector<std::vector<int>> prompts;
-  for (int rep = 0; rep < o.reps; ++rep)
-    prompts.push_back(dec.prompt(rep, max_len, o.seed + static_cast<uint64_t>(rep), given));
-
-  std::printf("# %d prompt(s) of %d tokens made and prefilled in %.2f s\n", o.reps, max_len,
-              ms(now_ns() - t_begin) * 1e-3);
+  Decoder dec(o, *model, to_child, from_child, std::min(cfg.seq_len, max_len + o.tokens + 1));
+  // prompts[set][rep] and the prefill process's id of each.
+  std::vector<std::vector<int>> prompts_of[2], pid_of(2);
+  int n_prompts = 0;
+  if (text_mode) {
+    for (int set = 0; set < 2; ++set)
+      for (const auto& t : text.sets[set]) {
+        pid_of[set].push_back(n_prompts);
+        prompts_of[set].push_back(dec.prompt(n_prompts++, static_cast<int>(t.size()), 0, t));
+      }
+    std::printf("# %zu chat prompt(s) of %s tokens%s, prefilled in %.2f s\n",
+                text.sets[0].size(), text.len_range(0).c_str(),
+                text.sets[1].empty() ? ""
+                                     : (", and a long one of " + text.len_range(1) + " tokens").c_str(),
+                ms(now_ns() - t_begin) * 1e-3);
+  } else {
+    for (int rep = 0; rep < o.reps; ++rep) {
+      pid_of[0].push_back(n_prompts);
+      prompts_of[0].push_back(
+          dec.prompt(n_prompts++, max_len, o.seed + static_cast<uint64_t>(rep), given));
+    }
+    std::printf("# %d prompt(s) of %d tokens made and prefilled in %.2f s\n", o.reps, max_len,
+                ms(now_ns() - t_begin) * 1e-3);
+  }
   std::fflush(stdout);
+  auto set_of = [&](const Point& p) { return text_mode ? p.prompt_len : 0; };
+  auto len_of = [&](const Point& p, int rep) {
+    return text_mode ? static_cast<int>(prompts_of[p.prompt_len][static_cast<size_t>(rep)].size())
+                     : p.prompt_len;
+  };
   std::vector<Run> runs;
   std::vector<double> handshake_s;
   bool calibrated = false;
@@ -1108,19 +1260,31 @@ int main(int argc, char** argv) {
   for (const Point& p : points) rates.insert(p.rate_bps);
   for (double rate : rates) {
     dec.open_comm(rate);
-    // Warm-up (not recorded): a Lynx transfer of the main length; calibrates
-    // the decode and verify costs once, and the residual/anchor ratio.
-    dec.run(kLynx, 0, prompts[0], std::min(o.prompt_len, max_len), 0, rate);
+    // Warm-up (not recorded): a Lynx transfer of the main length (text mode:
+    // the first prompt of the rate's first set); calibrates the decode and
+    // verify costs once, and the residual/anchor ratio.
+    Point first{};
+    for (const Point& p : points)
+      if (p.rate_bps == rate) {
+        first = p;
+        break;
+      }
+    const int L0 = text_mode ? len_of(first, 0) : std::min(o.prompt_len, max_len);
+    dec.run(kLynx, pid_of[set_of(first)][0], prompts_of[set_of(first)][0], L0, 0, rate);
     if (!calibrated) {
-      dec.calibrate(o.prompt_len);
+      dec.calibrate(L0);
       calibrated = true;
     }
     dec.clear_samples();
     for (const Point& p : points) {
       if (p.rate_bps != rate) continue;
-      for (int rep = 0; rep < o.reps; ++rep)
+      const int set = set_of(p);
+      for (size_t rep = 0; rep < prompts_of[set].size(); ++rep)
         for (int m = 0; m < kModes; ++m) {
-          runs.push_back(dec.run(static_cast<Mode>(m), rep, prompts[rep], p.prompt_len, rep, rate));
+          const int r = static_cast<int>(rep);
+          runs.push_back(dec.run(static_cast<Mode>(m), pid_of[set][rep], prompts_of[set][rep],
+                                 len_of(p, r), r, rate));
+          runs.back().prompt_len = p.prompt_len;
           handshake_s.push_back(ms(runs.back().t_handshake - runs.back().t0) * 1e-3);
         }
     }
@@ -1175,8 +1339,18 @@ int main(int argc, char** argv) {
       "(post to handshake) %.3f ms, per-token acceptance used by the model %.3f\n",
       cal.tpot_s * 1e3, cal.verify_base_s * 1e3, cal.verify_per_token_s * 1e3, t_fixed * 1e3,
       alpha);
-  const Point main_point{main_rate, o.prompt_len};
-  print_main_table(main_point, table[main_point].data(), o.tokens);
+  const Point main_point{main_rate, text_mode ? 0 : o.prompt_len};
+  auto what = [&](const Point& p) {
+    if (!text_mode)
+      return "prompt " + std::to_string(p.prompt_len) + " tokens (KV of " +
+             std::to_string(p.prompt_len - 1) + ")";
+    return std::to_string(text.sets[p.prompt_len].size()) +
+           (p.prompt_len == 0 ? " chat prompt(s) of " : " long prompt(s) of ") +
+           text.len_range(p.prompt_len) + " tokens";
+  };
+  print_main_table(main_point, table[main_point].data(), o.tokens, what(main_point));
+  for (const auto& [p, s] : table)
+    if (text_mode && p.prompt_len == 1) print_main_table(p, s.data(), o.tokens, what(p));
   const std::vector<Summary>& ms_ = table[main_point];
   std::printf(
       "# Lynx TTFT / INT4 TTFT = %.3f, Lynx TTFT / INT8 TTFT = %.3f, Lynx TT%dT / INT8 "
@@ -1185,6 +1359,19 @@ int main(int argc, char** argv) {
       std::min(o.tokens, 64), std::min(o.tokens, 64),
       (o.tokens >= 64 ? ms_[kLynx].tt64_ms / ms_[kINT8].tt64_ms
                       : ms_[kLynx].tt32_ms / ms_[kINT8].tt32_ms));
+  for (const auto& [p, s] : table) {
+    if (p.rate_bps != main_rate && !(text_mode && p.prompt_len == 1)) continue;
+    const double tpot = cal.tpot_s * 1e3;
+    std::printf(
+        "# %s, %s: in TPOT (%.2f ms): TT32T(Lynx) - TT32T(INT8) = %+.1f, TTFTc(Lynx) - "
+        "TTFT(INT8) = %+.1f; TTFT(Lynx) / TTFT(INT4) = %.3f; per-token agreement %.3f, "
+        "mean accepted prefix %.1f\n",
+        rate_text(p.rate_bps).c_str(), what(p).c_str(), tpot,
+        (s[kLynx].tt32_ms - s[kINT8].tt32_ms) / tpot,
+        (s[kLynx].ttft_commit_ms - s[kINT8].ttft_ms) / tpot, s[kLynx].ttft_ms / s[kINT4].ttft_ms,
+        s[kLynx].agreement(),
+        s[kLynx].draft_runs > 0 ? static_cast<double>(s[kLynx].accepted) / s[kLynx].draft_runs : 0.0);
+  }
   if (points.size() > 1) {
     std::printf("#\n# Sweep: measured against kvxfer_spec_ttft_model (Eq. 16-20), medians, ms\n");
     std::printf("#%9s %6s %10s %8s %8s %8s %8s %8s %8s %8s\n", "rate", "prompt", "mode", "TTFT",
@@ -1235,6 +1422,23 @@ int main(int argc, char** argv) {
           : 0.0,
       static_cast<long long>(mon.accepted + mon.rejected));
 
+  if (text_mode && o.show_text > 0) {
+    for (int set = 0; set < 2; ++set)
+      for (size_t rep = 0; rep < text.sets[set].size() && rep < (set == 0 ? static_cast<size_t>(o.show_text) : 1u); ++rep)
+        for (const Run& r : runs) {
+          if (r.mode != kLynx || r.prompt_len != set || r.rep != static_cast<int>(rep)) continue;
+          std::string user = text.users[set][rep];
+          if (user.size() > 160) user = user.substr(0, 160) + "...";
+          for (char& ch : user)
+            if (ch == '\n') ch = ' ';
+          std::printf("#\n# Prompt (%d tokens): %s\n# Lynx-spec output: %s\n# Full-KV output:   %s\n# %s\n",
+                      r.tokens_in, user.c_str(), text.text(r.tokens).c_str(),
+                      text.text(r.reference).c_str(),
+                      r.tokens == r.reference ? "identical token for token" : "DIFFERENT");
+          break;
+        }
+  }
+
   if (!o.json_path.empty()) {
     json j;
     j["tool"] = kTool;
@@ -1266,6 +1470,7 @@ int main(int argc, char** argv) {
           {{"mode", kModeKey[r.mode]},
            {"rate_mbit", r.rate_bps * 8 / 1e6},
            {"prompt_len", r.prompt_len},
+           {"prompt_tokens", r.tokens_in},
            {"rep", r.rep},
            {"ttft_ms", ms(r.t_first_emit - r.t0)},
            {"handshake_ms", ms(r.t_handshake - r.t0)},
