@@ -1078,7 +1078,8 @@ int main(int argc, char** argv) {
       "transfer with speculative decoding on the anchors against BF16/INT8/INT4 monolithic "
       "(docs/SPEC.md)"};
   app.add_option("--model", o.model_path,
-                 "GGUF (llama) or llama2.c checkpoint; default SmolLM2-135M-Instruct when "
+                 "GGUF (llama) or llama2.c checkpoint, or 'smollm2' (the fetched "
+                 "SmolLM2-135M-Instruct; exit 77 when absent); default SmolLM2 when "
                  "scripts/install-deps.sh has fetched it, else data/stories260K.bin");
   app.add_option("--prompts", o.prompts_path,
                  "chat prompts, one per line (GGUF models: each is a user turn of the chat template)");
@@ -1111,6 +1112,14 @@ int main(int argc, char** argv) {
                  "verify at most this many draft tokens (the rest are dropped); 0 = the whole "
                  "draft.  A CPU pass costs about one decode step per token");
   CLI11_PARSE(app, argc, argv);
+  if (o.model_path == "smollm2") {
+    o.model_path = km::smollm2_gguf_path();
+    if (!std::ifstream(o.model_path).good()) {
+      std::printf("# %s: SmolLM2 not fetched (%s; scripts/install-deps.sh fetches it): skipped\n",
+                  kTool, o.model_path.c_str());
+      return 77;
+    }
+  }
   if (o.model_path.empty()) {
     o.model_path = km::smollm2_gguf_path();
     if (!std::ifstream(o.model_path).good()) {

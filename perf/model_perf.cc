@@ -1,0 +1,141 @@
+// model_perf: the speed of the model runner (src/model, docs/MODEL.md) on
+// SmolLM2-135M-Instruct: prefill, a decode step at a context, and batched
+// verification passes in decode steps, with a memcpy of the weight bytes in
+// the same run as the physical limit of a decode step.
+//
+//   ./build/perf/model_perf                 context 1024, passes of 16 and 64
+//   ./build/perf/model_perf -c 2048 -v 8,16,32,64 --model FILE -n 5
+//
+// Each figure is the median of -n repetitions (after one warm-up).  Exit 77
+// when the default model has not been fetched (scripts/install-deps.sh).
+#include <omp.h>
+#include <time.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "model/gguf.h"
+#include "model/llama2.h"
+#include "model/model_paths.h"
+
+namespace km = kvxfer::model;
+
+namespace {
+
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+template <typename F>
+double median_time(int reps, F&& f) {
+  f();  // warm-up
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const double a = now_s();
+    f();
+    t.push_back(now_s() - a);
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"model_perf: prefill, decode and verification speed of the model runner"};
+  std::string model_path;
+  int ctx = 1024, reps = 5, threads = 0;
+  std::vector<int> passes = {16, 64};
+  app.add_option("--model", model_path, "GGUF or llama2.c checkpoint (default: the fetched SmolLM2)");
+  app.add_option("-c,--context", ctx, "prompt tokens before the decode step and the passes");
+  app.add_option("-v,--verify", passes, "tokens of the verification passes")->delimiter(',');
+  app.add_option("-n,--reps", reps, "repetitions (median)")->check(CLI::PositiveNumber);
+  app.add_option("-t,--threads", threads, "OpenMP threads (0 = OpenMP's default)");
+  CLI11_PARSE(app, argc, argv);
+  if (model_path.empty()) {
+    model_path = km::smollm2_gguf_path();
+    if (!std::ifstream(model_path).good()) {
+      std::printf("# model_perf: %s absent (scripts/install-deps.sh fetches it): skipped\n",
+                  model_path.c_str());
+      return 77;
+    }
+  }
+  if (threads > 0) omp_set_num_threads(threads);
+  std::string err;
+  const std::unique_ptr<km::Model> m = km::Model::load(model_path, &err);
+  if (!m) {
+    std::fprintf(stderr, "model_perf: %s\n", err.c_str());
+    return 1;
+  }
+  const km::Config& c = m->config();
+  int max_pass = 0;
+  for (int v : passes) max_pass = std::max(max_pass, v);
+  if (ctx < 1 || ctx + max_pass > c.seq_len) {
+    std::fprintf(stderr, "model_perf: context %d + pass %d exceeds seq_len %d\n", ctx, max_pass, c.seq_len);
+    return 2;
+  }
+  std::printf("# model_perf: %s (%s, %d layers, dim %d, vocab %d), %d OpenMP threads, median of %d\n",
+              model_path.c_str(), c.format.c_str(), c.n_layers, c.dim, c.vocab_size,
+              omp_get_max_threads(), reps);
+  std::FILE* la = std::fopen("/proc/loadavg", "r");
+  if (la != nullptr) {
+    char b[128] = {};
+    if (std::fgets(b, sizeof b, la) != nullptr) std::printf("# load average: %s", b);
+    std::fclose(la);
+  }
+
+  // A fixed token sequence (deterministic, every id valid).
+  std::vector<int> prompt(static_cast<size_t>(ctx));
+  for (int i = 0; i < ctx; ++i) prompt[static_cast<size_t>(i)] = 100 + (i * 7919) % (c.vocab_size - 200);
+  km::PrefillResult pr;
+  const double t_prefill = median_time(1, [&] {
+    if (!m->prefill(prompt, {}, &pr, &err)) std::fprintf(stderr, "%s\n", err.c_str());
+  });
+  const km::KVView view = pr.kv.view();
+  std::vector<float> logits;
+  const double t_step = median_time(reps, [&] {
+    km::KVCache tail;
+    m->decode_step(5, ctx, view, &tail, &logits, &err);
+  });
+
+  // The weight bytes of the file's tensors, copied once: the physical limit
+  // of a decode step, which reads each of them once.
+  std::uint64_t weight_bytes = 0;
+  double t_copy = 0;
+  if (m->gguf_file() != nullptr) {
+    for (const auto& t : m->gguf_file()->tensors()) weight_bytes += t.n_bytes;
+    std::vector<char> dst(weight_bytes);
+    t_copy = median_time(reps, [&] {
+      char* o = dst.data();
+      for (const auto& t : m->gguf_file()->tensors()) {
+        std::memcpy(o, t.data, t.n_bytes);
+        o += t.n_bytes;
+      }
+    });
+  }
+
+  std::printf("#%10s %8s %12s %12s %10s\n", "what", "tokens", "time_ms", "per_token", "steps");
+  std::printf(" %10s %8d %12.1f %12.3f %10s\n", "prefill", ctx, t_prefill * 1e3, t_prefill * 1e3 / ctx, "-");
+  std::printf(" %10s %8d %12.2f %12.2f %10.2f\n", "decode", 1, t_step * 1e3, t_step * 1e3, 1.0);
+  for (int v : passes) {
+    const std::vector<int> draft(static_cast<size_t>(v), 7);
+    const double t = median_time(reps, [&] {
+      km::KVCache tail;
+      m->verify(draft, ctx, view, &tail, &logits, &err);
+    });
+    std::printf(" %10s %8d %12.2f %12.3f %10.2f\n", "verify", v, t * 1e3, t * 1e3 / v, t / t_step);
+  }
+  std::printf("# prefill %.0f tokens/s at %d tokens; decode step at context %d: %.2f ms (TPOT)\n",
+              ctx / t_prefill, ctx, ctx, t_step * 1e3);
+  if (t_copy > 0)
+    std::printf("# memcpy of the %.1f MB of tensors in the same run: %.2f ms = %.3f of a decode step\n",
+                static_cast<double>(weight_bytes) / 1e6, t_copy * 1e3, t_copy / t_step);
+  return 0;
+}
