@@ -246,3 +246,48 @@ TEST(AttentionKernel, SwigluAvx2EqualsScalar) {
   }
 }
 }  // namespace
+
+namespace {
+// attend_group (keys read once for several queries) gives each query the
+// bits of attend_head on the segments cut to its key count.
+TEST(AttentionKernel, GroupEqualsOneQueryAtATime) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> g(0, 2);
+  const int hs = 64, kv_dim = 192, n_view = 77, n_tail = 21;
+  std::vector<float> kv(static_cast<std::size_t>(n_view) * kv_dim), vv(kv.size());
+  std::vector<float> kt(static_cast<std::size_t>(n_tail) * kv_dim), vt(kt.size());
+  for (auto* v : {&kv, &vv, &kt, &vt})
+    for (auto& x : *v) x = g(rng);
+  std::vector<std::uint8_t> drop(n_view, 0);
+  for (int t = 2; t < n_view; t += 7) drop[t] = 1;
+  for (bool use_drop : {false, true}) {
+    const kd::Segment segs[2] = {
+        {kv.data(), vv.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), n_view,
+         use_drop ? drop.data() : nullptr},
+        {kt.data(), vt.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), n_tail}};
+    const int n_q = 12;
+    std::vector<std::vector<float>> qs(n_q, std::vector<float>(hs)), outs(n_q, std::vector<float>(hs));
+    std::vector<const float*> qp;
+    std::vector<float*> op;
+    std::vector<int> counts;
+    for (int i = 0; i < n_q; ++i) {
+      for (auto& x : qs[i]) x = g(rng);
+      qp.push_back(qs[i].data());
+      op.push_back(outs[i].data());
+      counts.push_back(i == 0 ? 3 : n_view + 1 + (i * 7) % n_tail);  // inside the view, then the tail
+    }
+    const std::size_t stride = n_view + n_tail + 8;
+    std::vector<float> scores(n_q * stride);
+    kd::attend_group(qp.data(), counts.data(), n_q, hs, 64, segs, 2, scores.data(), stride, op.data());
+    for (int i = 0; i < n_q; ++i) {
+      kd::Segment cut[2] = {segs[0], segs[1]};
+      cut[0].count = std::min(n_view, counts[i]);
+      cut[1].count = counts[i] - cut[0].count;
+      std::vector<float> s1(stride), o1(hs);
+      kd::attend_head_scalar(qs[i].data(), hs, 64, cut, 2, s1.data(), o1.data());
+      SCOPED_TRACE(testing::Message() << "query " << i << " drop " << use_drop);
+      expect_bits(outs[i], o1, "group vs single");
+    }
+  }
+}
+}  // namespace

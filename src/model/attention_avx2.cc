@@ -2,6 +2,7 @@
 // operations of attention_kernels.cc on 8 lanes, so the bits are the same.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "model/attention_kernels.h"
@@ -141,6 +142,135 @@ void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const S
   }
   if (in_regs)
     for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + 8 * j, o[j]);
+}
+
+namespace {
+
+// Scores of 8 consecutive keys (rows k0 + u*stride, u < 8) for one query in
+// registers: the 8-lane dots reduced by the shuffles of lane_sum, divided.
+inline __m256 scores8(const __m256* qv, int nv, const float* k0, std::size_t stride, __m256 divv) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) {
+    const float* k = k0 + static_cast<std::size_t>(u) * stride;
+    __m256 a = _mm256_setzero_ps();
+    for (int j = 0; j < nv; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
+    acc[u] = a;
+  }
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+  const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
+  const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
+  return _mm256_div_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), divv);
+}
+
+}  // namespace
+
+void attend_group_avx2(const float* const* q, const int* counts, int n_q, int head_size,
+                       std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                       std::size_t score_stride, float* const* out) {
+  const float div = std::sqrt(static_cast<float>(head_size));
+  const __m256 divv = _mm256_set1_ps(div);
+  const int nv = head_size / 8;
+  // Pass 1: scores, keys outermost in blocks of 8, so a block of K stays in
+  // L1 while every query reads it.  A score's bits do not depend on the
+  // blocking (scores8 == lane_sum / div, key by key).
+  int base = 0;
+  for (int s = 0; s < n_segs; ++s) {
+    const Segment& sg = segs[s];
+    int t = 0;
+    if (sg.drop == nullptr) {
+      for (; t + 8 <= sg.count; t += 8) {
+        const float* k0 = sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off;
+        for (int g = 0; g < n_q; ++g) {
+          if (counts[g] < base + t + 8) continue;  // this query stops inside the block
+          __m256 qv[16];
+          for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q[g] + 8 * j);
+          _mm256_storeu_ps(scores + static_cast<std::size_t>(g) * score_stride + base + t,
+                           scores8(qv, nv, k0, sg.k_stride, divv));
+        }
+      }
+    }
+    // Keys not covered by a whole block of this query: one at a time.
+    for (int g = 0; g < n_q; ++g) {
+      const int c = std::max(0, std::min(sg.count, counts[g] - base));
+      float* sc = scores + static_cast<std::size_t>(g) * score_stride + base;
+      for (int u = sg.drop == nullptr ? c / 8 * 8 : 0; u < c; ++u) {
+        if (sg.drop != nullptr && sg.drop[u] != 0) {
+          sc[u] = -INFINITY;
+          continue;
+        }
+        const float* k = sg.k + static_cast<std::size_t>(u) * sg.k_stride + kv_off;
+        __m256 acc = _mm256_setzero_ps();
+        for (int j = 0; j < nv; ++j)
+          acc = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + 8 * j), _mm256_loadu_ps(k + 8 * j), acc);
+        sc[u] = lane_sum(acc) / div;
+      }
+    }
+    base += sg.count;
+  }
+  // Pass 2: per query, the softmax of attend_head_avx2.
+  for (int g = 0; g < n_q; ++g) {
+    float* sc = scores + static_cast<std::size_t>(g) * score_stride;
+    const int n = counts[g];
+    float max_val = -INFINITY;
+    for (int t = 0; t < n; ++t)
+      if (sc[t] > max_val) max_val = sc[t];
+    int present = 0, seen = 0;  // keys not dropped among the first n
+    for (int s = 0; s < n_segs && seen < n; ++s) {
+      const int c = std::min(segs[s].count, n - seen);
+      if (segs[s].drop == nullptr) {
+        present += c;
+      } else {
+        for (int t = 0; t < c; ++t) present += segs[s].drop[t] == 0 ? 1 : 0;
+      }
+      seen += c;
+    }
+    for (int i = 0; i < head_size; ++i) out[g][i] = 0.0f;
+    if (present == 0) {
+      for (int t = 0; t < n; ++t) sc[t] = 0.0f;
+      continue;
+    }
+    const int n8 = (n + 7) / 8 * 8;
+    for (int t = n; t < n8; ++t) sc[t] = -INFINITY;
+    const __m256 mx = _mm256_set1_ps(max_val);
+    __m256 sumv = _mm256_setzero_ps();
+    for (int t = 0; t < n8; t += 8) {
+      const __m256 e = exp8v(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mx));
+      _mm256_storeu_ps(sc + t, e);
+      sumv = _mm256_add_ps(sumv, e);
+    }
+    const __m256 sum = _mm256_set1_ps(lane_sum(sumv));
+    for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
+  }
+  // Pass 3: out_g = fma chain over keys in order, keys outermost in blocks of
+  // 16 so a block of V stays in L1; each query's accumulators live in
+  // registers for the block.
+  constexpr int kBlock = 16;
+  base = 0;
+  for (int s = 0; s < n_segs; ++s) {
+    const Segment& sg = segs[s];
+    for (int t0 = 0; t0 < sg.count; t0 += kBlock) {
+      const int t1 = std::min(sg.count, t0 + kBlock);
+      for (int g = 0; g < n_q; ++g) {
+        const int end = std::min(t1, counts[g] - base);
+        if (end <= t0) continue;
+        const float* p = scores + static_cast<std::size_t>(g) * score_stride + base;
+        __m256 o[16];
+        for (int j = 0; j < nv; ++j) o[j] = _mm256_loadu_ps(out[g] + 8 * j);
+        for (int t = t0; t < end; ++t) {
+          if (sg.drop != nullptr && sg.drop[t] != 0) continue;
+          const __m256 a = _mm256_set1_ps(p[t]);
+          const float* v = sg.v + static_cast<std::size_t>(t) * sg.v_stride + kv_off;
+          for (int j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * j), o[j]);
+        }
+        for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out[g] + 8 * j, o[j]);
+      }
+    }
+    base += sg.count;
+  }
 }
 
 }  // namespace kvxfer::model::detail

@@ -111,4 +111,23 @@ void attend_head(const float* q, int head_size, std::size_t kv_off, const Segmen
     attend_head_scalar(q, head_size, kv_off, segs, n_segs, scores, out);
 }
 
+void attend_group(const float* const* q, const int* counts, int n_q, int head_size,
+                  std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                  std::size_t score_stride, float* const* out) {
+  if (have_avx2() && head_size % 8 == 0 && head_size <= 128) {
+    attend_group_avx2(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
+    return;
+  }
+  for (int g = 0; g < n_q; ++g) {
+    Segment cut[4];
+    int left = counts[g], m = 0;
+    for (int s = 0; s < n_segs && m < 4 && left > 0; ++s, ++m) {
+      cut[m] = segs[s];
+      cut[m].count = segs[s].count < left ? segs[s].count : left;
+      left -= cut[m].count;
+    }
+    attend_head(q[g], head_size, kv_off, cut, m, scores + static_cast<std::size_t>(g) * score_stride, out[g]);
+  }
+}
+
 }  // namespace kvxfer::model::detail

@@ -32,6 +32,19 @@ struct Segment {
 void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                  int n_segs, float* scores, float* out);
 
+// Several queries against one run of keys: query g attends to the first
+// counts[g] keys of the segments (concatenated), as attend_head would on the
+// segments cut to that many keys, with the same bits.  Keys are read once for
+// all the queries (the batched pass: the query heads of one KV head, for a
+// chunk of tokens).  q[g], out[g]: head_size floats; scores: n_q rows of
+// score_stride >= max(counts) + 8 floats.
+void attend_group(const float* const* q, const int* counts, int n_q, int head_size,
+                  std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                  std::size_t score_stride, float* const* out);
+void attend_group_avx2(const float* const* q, const int* counts, int n_q, int head_size,
+                       std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                       std::size_t score_stride, float* const* out);
+
 // The two paths, for the tests; attend_head picks AVX2 when the CPU has it.
 void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                         int n_segs, float* scores, float* out);

@@ -504,17 +504,51 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     const float* tail_k = tail->k(l);
     const float* tail_v = tail->v(l);
     const std::int64_t att_work = static_cast<std::int64_t>(T) * c.n_heads * max_keys * hs;
+    const Segment segs_all[2] = {
+        {lv.k, lv.v, lv.k_stride, lv.v_stride, n_view, lv.drop},
+        {tail_k, tail_v, static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
+         n_tail0 + T},
+    };
+    if (T > 1 && probs.empty()) {
+      // A batched pass: the query heads of one KV head for a chunk of tokens
+      // read the keys once (attend_group: the bits of attend_head per query).
+      constexpr int kTokensPerItem = 4;
+      const int chunks = (T + kTokensPerItem - 1) / kTokensPerItem;
+      const std::size_t stride = static_cast<std::size_t>(max_keys) + 8;
+#pragma omp parallel if (att_work >= kParallelWork)
+      {
+        const int nq_max = kTokensPerItem * kv_mul;
+        std::vector<float> scores(static_cast<std::size_t>(nq_max) * stride);
+        std::vector<const float*> qp(static_cast<std::size_t>(nq_max));
+        std::vector<float*> op(static_cast<std::size_t>(nq_max));
+        std::vector<int> counts(static_cast<std::size_t>(nq_max));
+#pragma omp for collapse(2) schedule(static)
+        for (int kh = 0; kh < c.n_kv_heads; ++kh) {
+          for (int ch = 0; ch < chunks; ++ch) {
+            int n_q = 0;
+            for (int t = ch * kTokensPerItem; t < T && t < (ch + 1) * kTokensPerItem; ++t)
+              for (int h = kh * kv_mul; h < (kh + 1) * kv_mul; ++h, ++n_q) {
+                const std::size_t off =
+                    static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
+                qp[static_cast<std::size_t>(n_q)] = &q[off];
+                op[static_cast<std::size_t>(n_q)] = &xb2[off];
+                counts[static_cast<std::size_t>(n_q)] = n_view + n_tail0 + t + 1;
+              }
+            detail::attend_group(qp.data(), counts.data(), n_q, hs,
+                                 static_cast<std::size_t>(kh) * hs, segs_all, 2, scores.data(),
+                                 stride, op.data());
+          }
+        }
+      }
+    } else {
 #pragma omp parallel if (att_work >= kParallelWork)
     {
       std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
 #pragma omp for collapse(2) schedule(static)
       for (int t = 0; t < T; ++t) {
         for (int h = 0; h < c.n_heads; ++h) {
-          Segment segs[2] = {
-              {lv.k, lv.v, lv.k_stride, lv.v_stride, n_view, lv.drop},
-              {tail_k, tail_v, static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
-               n_tail0 + t + 1},
-          };
+          Segment segs[2] = {segs_all[0], segs_all[1]};
+          segs[1].count = n_tail0 + t + 1;
           const std::size_t off =
               static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
           attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, 2,
@@ -524,6 +558,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
                         static_cast<std::size_t>(t + 1) * sizeof(float));
         }
       }
+    }
     }
     if (att_mass != nullptr) {
       // mass[l][h][j] = sum_{t >= j} p(t, j), t ascending: one thread per (h, j).
