@@ -1173,6 +1173,10 @@ int main(int argc, char** argv) {
   // jitter on a busy 2-core machine (docs/SPEC.md, "The emulated link").
   setenv("KVXFER_NET_CHUNK_BYTES", "16384", 0);
   setenv("KVXFER_CODEC_THREADS", "1", 0);  // tiny pages; two processes share the cores
+  // The two processes' model threads and the transfer's threads share the
+  // cores: an OpenMP worker that spins between parallel regions would take
+  // the core a progress or codec thread needs (docs/SPEC.md, "The demo").
+  setenv("OMP_WAIT_POLICY", "passive", 0);
   const double burst = std::atof(std::getenv("KVXFER_NET_CHUNK_BYTES"));
 
   // Fork before anything runs OpenMP (the codec, the model) in this process.

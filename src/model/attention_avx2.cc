@@ -49,10 +49,15 @@ void swiglu_avx2(float* h, const float* up, std::size_t n) {
   swiglu_scalar(h + i, up + i, n - i);
 }
 
-void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+namespace {
+
+// NV = head_size / 8 as a constant (0: known only at run time), so that the
+// query and output registers stay in registers.
+template <int NV>
+void attend_head_impl(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                       int n_segs, float* scores, float* out) {
   const float div = std::sqrt(static_cast<float>(head_size));
-  const int nv = head_size / 8;
+  const int nv = NV > 0 ? NV : head_size / 8;
   __m256 qv[16];
   const bool in_regs = nv <= 16;
   if (in_regs)
@@ -144,11 +149,25 @@ void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const S
     for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + 8 * j, o[j]);
 }
 
+}  // namespace
+
+void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+                      int n_segs, float* scores, float* out) {
+  switch (head_size) {
+    case 64: return attend_head_impl<8>(q, head_size, kv_off, segs, n_segs, scores, out);
+    case 128: return attend_head_impl<16>(q, head_size, kv_off, segs, n_segs, scores, out);
+    case 8: return attend_head_impl<1>(q, head_size, kv_off, segs, n_segs, scores, out);
+    default: return attend_head_impl<0>(q, head_size, kv_off, segs, n_segs, scores, out);
+  }
+}
+
 namespace {
 
 // Scores of 8 consecutive keys (rows k0 + u*stride, u < 8) for one query in
 // registers: the 8-lane dots reduced by the shuffles of lane_sum, divided.
-inline __m256 scores8(const __m256* qv, int nv, const float* k0, std::size_t stride, __m256 divv) {
+template <int NV>
+inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t stride, __m256 divv) {
+  const int nv = NV > 0 ? NV : nv_run;
   __m256 acc[8];
   for (int u = 0; u < 8; ++u) {
     const float* k = k0 + static_cast<std::size_t>(u) * stride;
@@ -166,14 +185,13 @@ inline __m256 scores8(const __m256* qv, int nv, const float* k0, std::size_t str
   return _mm256_div_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), divv);
 }
 
-}  // namespace
-
-void attend_group_avx2(const float* const* q, const int* counts, int n_q, int head_size,
+template <int NV>
+void attend_group_impl(const float* const* q, const int* counts, int n_q, int head_size,
                        std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
                        std::size_t score_stride, float* const* out) {
   const float div = std::sqrt(static_cast<float>(head_size));
   const __m256 divv = _mm256_set1_ps(div);
-  const int nv = head_size / 8;
+  const int nv = NV > 0 ? NV : head_size / 8;
   // Pass 1: scores, keys outermost in blocks of 8, so a block of K stays in
   // L1 while every query reads it.  A score's bits do not depend on the
   // blocking (scores8 == lane_sum / div, key by key).
@@ -189,7 +207,7 @@ void attend_group_avx2(const float* const* q, const int* counts, int n_q, int he
           __m256 qv[16];
           for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q[g] + 8 * j);
           _mm256_storeu_ps(scores + static_cast<std::size_t>(g) * score_stride + base + t,
-                           scores8(qv, nv, k0, sg.k_stride, divv));
+                           scores8<NV>(qv, nv, k0, sg.k_stride, divv));
         }
       }
     }
@@ -270,6 +288,19 @@ void attend_group_avx2(const float* const* q, const int* counts, int n_q, int he
       }
     }
     base += sg.count;
+  }
+}
+
+}  // namespace
+
+void attend_group_avx2(const float* const* q, const int* counts, int n_q, int head_size,
+                       std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                       std::size_t score_stride, float* const* out) {
+  switch (head_size) {
+    case 64: return attend_group_impl<8>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
+    case 128: return attend_group_impl<16>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
+    case 8: return attend_group_impl<1>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
+    default: return attend_group_impl<0>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
   }
 }
 
