@@ -91,7 +91,8 @@ namespace detail {
 bool have_avx2() {
   static const bool yes = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
   }();
   return yes;
 }
@@ -110,7 +111,10 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
 #pragma omp for schedule(static)
     for (int p = 0; p < n_panels; ++p) {
       const int r0 = p * kPanelRows, nr = rows - r0 < kPanelRows ? rows - r0 : kPanelRows;
-      if (avx2) {
+      if (avx2 && n == 1) {
+        // One token: dequantize in registers, no panel (the same values and fmas).
+        rows_one_token_avx2(w, r0, nr, x, tile.data());
+      } else if (avx2) {
         dequantize_rows_avx2(w, r0, nr, panel.data());
         panel_products_avx2(panel.data(), nr, cols, x, n, tile.data(), kPanelRows);
       } else {

@@ -13,7 +13,7 @@
 //     ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
 // out[t][i] depends only on weight row i and activation row t: not on the
 // number of tokens, the tile it falls in, the thread count or the CPU path
-// (AVX2+FMA or the scalar emulation).  That is what makes a batched pass
+// (AVX2+FMA+F16C or the scalar emulation).  That is what makes a batched pass
 // (prefill, speculative verification) bit-identical to decoding one token at
 // a time.
 //
@@ -57,6 +57,9 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n_tokens,
 // AVX2 kernels (qmatmul_avx2.cc): dequantize `n` rows starting at `row0`
 // into panel[n][cols], and the lane-ordered products of a panel.
 void dequantize_rows_avx2(const WeightMatrix& w, int row0, int n, float* panel);
+// One token against rows [row0, row0 + n), n <= 4: out[r] = row r0+r times x,
+// the weights dequantized in registers (the bits of the panel path).
+void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const float* x, float* out);
 void panel_products_avx2(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
                          float* out, int out_stride);
 }  // namespace detail
