@@ -269,7 +269,8 @@ struct Options {
   int page_tokens = 128;
   int threads = 1;
   int margin = 2;
-  int verify_max = 0;  // verify at most this many draft tokens; 0 = the whole draft
+  int verify_max = 0;
+  int first_verify = 4;  // the first pass checks at most this many (its cost delays the first committed token)  // verify at most this many draft tokens; 0 = the whole draft
 };
 
 // ---------------------------------------------------------------------------
@@ -651,19 +652,17 @@ class Decoder {
       r.t_verify_start = now_ns();
       // Passes until a rejection or the end of the draft.  Each pass checks
       // the next v draft tokens: all that are left (--verify_rule all), or as
-      // many as the acceptance so far pays for (kvxfer_spec_verify_length),
-      // capped by --verify_max.  A pass whose tokens are all accepted also
+      // many as the acceptance so far pays for (kvxfer_spec_verify_length);
+      // at most --verify_max per pass.  A pass whose tokens are all accepted also
       // yields the model's next token; when that equals the next draft token
       // it is accepted too and the next pass goes on from there.
-      const size_t n_check = o_.verify_max > 0
-                                 ? std::min(draft.size(), static_cast<size_t>(o_.verify_max))
-                                 : draft.size();
+      const size_t n_check = draft.size();
       size_t pos = 0;  // draft tokens accepted so far
       int cur = tok;   // the last final token, whose KV row is not in the tail yet
       r.drafted = static_cast<int>(draft.size());
       for (;;) {
         const int64_t p0 = now_ns();
-        size_t v = o_.verify_rule == "all" ? n_check - pos : std::min(n_check - pos, draft.size() - pos);
+        size_t v = n_check - pos;
         if (o_.verify_rule == "adaptive" && cal_.verify_per_token_s > 0) {
           // The acceptance so far, with a prior of 9 accepted in 10 (the
           // paper's 90.4%) so that one early rejection does not stop every
@@ -675,6 +674,8 @@ class Decoder {
                                                  cal_.verify_per_token_s, &n));
           v = static_cast<size_t>(n);
         }
+        if (o_.verify_max > 0) v = std::min(v, static_cast<size_t>(o_.verify_max));
+        if (r.passes == 0 && o_.first_verify > 0) v = std::min(v, static_cast<size_t>(o_.first_verify));
         std::vector<int> batch = {cur};
         batch.insert(batch.end(), draft.begin() + static_cast<std::ptrdiff_t>(pos),
                      draft.begin() + static_cast<std::ptrdiff_t>(pos + v));
@@ -1139,8 +1140,11 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "OpenMP threads of the model in each process");
   app.add_option("--margin", o.margin, "speculative window margin (tokens)");
   app.add_option("--verify_max", o.verify_max,
-                 "verify at most this many draft tokens (the rest are dropped); 0 = the whole "
-                 "draft.  A CPU pass costs about one decode step per token");
+                 "a verification pass checks at most this many draft tokens (passes go on "
+                 "while every token is accepted); 0 = no cap");
+  app.add_option("--first_verify", o.first_verify,
+                 "the first verification pass checks at most this many draft tokens, so that "
+                 "the first committed token comes soon after COMPLETE; 0 = no cap");
   CLI11_PARSE(app, argc, argv);
   if (o.model_path == "smollm2") {
     o.model_path = km::smollm2_gguf_path();
