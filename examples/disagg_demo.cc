@@ -1421,9 +1421,17 @@ int main(int argc, char** argv) {
                       : ms_[kLynx].tt32_ms / ms_[kINT8].tt32_ms));
   for (const auto& [p, s] : table) {
     if (p.rate_bps != main_rate && !(text_mode && p.prompt_len == 1)) continue;
-    const double tpot = cal.tpot_s * 1e3;
+    // TPOT of this point: INT8-mono's steady decoding after COMPLETE,
+    // (time of token N - time of token 1) / (N - 1), median over its runs.
+    std::vector<double> steps;
+    for (const Run& r : runs)
+      if (r.mode == kINT8 && r.rate_bps == p.rate_bps && r.prompt_len == p.prompt_len &&
+          r.t_commit.size() > 1)
+        steps.push_back(ms(r.t_commit.back() - r.t_commit.front()) /
+                        static_cast<double>(r.t_commit.size() - 1));
+    const double tpot = steps.empty() ? cal.tpot_s * 1e3 : median(steps);
     std::printf(
-        "# %s, %s: in TPOT (%.2f ms): TT32T(Lynx) - TT32T(INT8) = %+.1f, TTFTc(Lynx) - "
+        "# %s, %s: in TPOT (%.2f ms, INT8-mono's decode): TT32T(Lynx) - TT32T(INT8) = %+.1f, TTFTc(Lynx) - "
         "TTFT(INT8) = %+.1f; TTFT(Lynx) / TTFT(INT4) = %.3f; per-token agreement %.3f, "
         "mean accepted prefix %.1f\n",
         rate_text(p.rate_bps).c_str(), what(p).c_str(), tpot,
