@@ -51,6 +51,44 @@ void swiglu_avx2(float* h, const float* up, std::size_t n) {
 
 namespace {
 
+// The softmax of n scores in place (scratch up to the next multiple of 8):
+// e = exp8(s - max), the sum over 8 lanes by index, e / sum.
+inline void softmax_scores(float* sc, int n, float max_val) {
+  const int n8 = (n + 7) / 8 * 8;
+  for (int t = n; t < n8; ++t) sc[t] = -INFINITY;  // exp8 -> 0, and + 0 leaves a lane unchanged
+  const __m256 mx = _mm256_set1_ps(max_val);
+  __m256 sumv = _mm256_setzero_ps();
+  for (int t = 0; t < n8; t += 8) {
+    const __m256 e = exp8v(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mx));
+    _mm256_storeu_ps(sc + t, e);
+    sumv = _mm256_add_ps(sumv, e);
+  }
+  const __m256 sum = _mm256_set1_ps(lane_sum(sumv));
+  for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
+}
+
+// Scores of 8 consecutive keys (rows k0 + u*stride, u < 8) for one query in
+// registers: the 8-lane dots reduced by the shuffles of lane_sum, divided.
+template <int NV>
+inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t stride, __m256 divv) {
+  const int nv = NV > 0 ? NV : nv_run;
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) {
+    const float* k = k0 + static_cast<std::size_t>(u) * stride;
+    __m256 a = _mm256_setzero_ps();
+    for (int j = 0; j < nv; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
+    acc[u] = a;
+  }
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+  const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
+  const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
+  return _mm256_div_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), divv);
+}
+
 // NV = head_size / 8 as a constant (0: known only at run time), so that the
 // query and output registers stay in registers.
 template <int NV>
@@ -65,7 +103,6 @@ void attend_head_impl(const float* q, int head_size, std::size_t kv_off, const S
   int n = 0, present = 0;
   float max_val = -INFINITY;
   const __m256 divv = _mm256_set1_ps(div);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int s = 0; s < n_segs; ++s) {
     const Segment& sg = segs[s];
     int t = 0;
@@ -73,24 +110,8 @@ void attend_head_impl(const float* q, int head_size, std::size_t kv_off, const S
     // that add the same pairs as lane_sum, then one division.
     if (in_regs && sg.drop == nullptr) {
       for (; t + 8 <= sg.count; t += 8, n += 8) {
-        __m256 acc[8];
-        for (int u = 0; u < 8; ++u) {
-          const float* k = sg.k + static_cast<std::size_t>(t + u) * sg.k_stride + kv_off;
-          __m256 a = _mm256_setzero_ps();
-          for (int j = 0; j < nv; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
-          acc[u] = a;
-        }
-        // (v0+v4, v1+v5, v2+v6, v3+v7) of keys 2i and 2i+1 in one register.
-        __m256 h[4];
-        for (int i = 0; i < 4; ++i)
-          h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
-                               _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
-        // (v0+v4)+(v2+v6), (v1+v5)+(v3+v7): keys {0,2 | 1,3} and {4,6 | 5,7}.
-        const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
-        const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
-        // x + y per key: lanes k0 k2 k4 k6 | k1 k3 k5 k7.
-        const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
-        const __m256 sc = _mm256_div_ps(_mm256_permutevar8x32_ps(r, order), divv);
+        const __m256 sc = scores8<NV>(qv, nv, sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off,
+                                      sg.k_stride, divv);
         _mm256_storeu_ps(scores + n, sc);
         for (int u = 0; u < 8; ++u)
           if (scores[n + u] > max_val) max_val = scores[n + u];
@@ -117,17 +138,7 @@ void attend_head_impl(const float* q, int head_size, std::size_t kv_off, const S
     for (int i = 0; i < n; ++i) scores[i] = 0.0f;
     return;
   }
-  const int n8 = (n + 7) / 8 * 8;
-  for (int t = n; t < n8; ++t) scores[t] = -INFINITY;  // exp8 -> 0, and + 0 leaves a lane unchanged
-  const __m256 mx = _mm256_set1_ps(max_val);
-  __m256 sumv = _mm256_setzero_ps();
-  for (int t = 0; t < n8; t += 8) {
-    const __m256 e = exp8v(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx));
-    _mm256_storeu_ps(scores + t, e);
-    sumv = _mm256_add_ps(sumv, e);
-  }
-  const __m256 sum = _mm256_set1_ps(lane_sum(sumv));
-  for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(scores + t, _mm256_div_ps(_mm256_loadu_ps(scores + t), sum));
+  softmax_scores(scores, n, max_val);
   __m256 o[16];
   for (int j = 0; j < nv && j < 16; ++j) o[j] = _mm256_setzero_ps();
   n = 0;
@@ -162,28 +173,6 @@ void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const S
 }
 
 namespace {
-
-// Scores of 8 consecutive keys (rows k0 + u*stride, u < 8) for one query in
-// registers: the 8-lane dots reduced by the shuffles of lane_sum, divided.
-template <int NV>
-inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t stride, __m256 divv) {
-  const int nv = NV > 0 ? NV : nv_run;
-  __m256 acc[8];
-  for (int u = 0; u < 8; ++u) {
-    const float* k = k0 + static_cast<std::size_t>(u) * stride;
-    __m256 a = _mm256_setzero_ps();
-    for (int j = 0; j < nv; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
-    acc[u] = a;
-  }
-  __m256 h[4];
-  for (int i = 0; i < 4; ++i)
-    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
-  const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
-  const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
-  return _mm256_div_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), divv);
-}
 
 template <int NV>
 void attend_group_impl(const float* const* q, const int* counts, int n_q, int head_size,
@@ -251,17 +240,7 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
       for (int t = 0; t < n; ++t) sc[t] = 0.0f;
       continue;
     }
-    const int n8 = (n + 7) / 8 * 8;
-    for (int t = n; t < n8; ++t) sc[t] = -INFINITY;
-    const __m256 mx = _mm256_set1_ps(max_val);
-    __m256 sumv = _mm256_setzero_ps();
-    for (int t = 0; t < n8; t += 8) {
-      const __m256 e = exp8v(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mx));
-      _mm256_storeu_ps(sc + t, e);
-      sumv = _mm256_add_ps(sumv, e);
-    }
-    const __m256 sum = _mm256_set1_ps(lane_sum(sumv));
-    for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
+    softmax_scores(sc, n, max_val);
   }
   // Pass 3: out_g = fma chain over keys in order, keys outermost in blocks of
   // 16 so a block of V stays in L1; each query's accumulators live in
