@@ -53,7 +53,7 @@ namespace {
 
 // The softmax of n scores in place (scratch up to the next multiple of 8):
 // e = exp8(s - max), the sum over 8 lanes by index, e / sum.
-inline void softmax_scores(float* sc, int n, float max_val) {
+inline void softmax_scores(float* sc, int n, float max_val, const Segment* segs, int n_segs) {
   const int n8 = (n + 7) / 8 * 8;
   for (int t = n; t < n8; ++t) sc[t] = -INFINITY;  // exp8 -> 0, and + 0 leaves a lane unchanged
   const __m256 mx = _mm256_set1_ps(max_val);
@@ -63,7 +63,21 @@ inline void softmax_scores(float* sc, int n, float max_val) {
     _mm256_storeu_ps(sc + t, e);
     sumv = _mm256_add_ps(sumv, e);
   }
-  const __m256 sum = _mm256_set1_ps(lane_sum(sumv));
+  bool dropping = false;  // with a drop mask, lanes go by present rank (present_sum)
+  for (int s = 0, seen = 0; s < n_segs && seen < n; seen += segs[s].count, ++s)
+    dropping = dropping || segs[s].drop != nullptr;
+  float total = lane_sum(sumv);
+  if (dropping) {
+    Segment cut[4];
+    int left = n, m = 0;
+    for (int s = 0; s < n_segs && m < 4 && left > 0; ++s, ++m) {
+      cut[m] = segs[s];
+      cut[m].count = segs[s].count < left ? segs[s].count : left;
+      left -= cut[m].count;
+    }
+    total = present_sum(sc, cut, m);
+  }
+  const __m256 sum = _mm256_set1_ps(total);
   for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
 }
 
@@ -138,7 +152,7 @@ void attend_head_impl(const float* q, int head_size, std::size_t kv_off, const S
     for (int i = 0; i < n; ++i) scores[i] = 0.0f;
     return;
   }
-  softmax_scores(scores, n, max_val);
+  softmax_scores(scores, n, max_val, segs, n_segs);
   __m256 o[16];
   for (int j = 0; j < nv && j < 16; ++j) o[j] = _mm256_setzero_ps();
   n = 0;
@@ -240,7 +254,7 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
       for (int t = 0; t < n; ++t) sc[t] = 0.0f;
       continue;
     }
-    softmax_scores(sc, n, max_val);
+    softmax_scores(sc, n, max_val, segs, n_segs);
   }
   // Pass 3: out_g = fma chain over keys in order, keys outermost in blocks of
   // 16 so a block of V stays in L1; each query's accumulators live in

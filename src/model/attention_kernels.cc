@@ -17,6 +17,18 @@ float lane_sum(const float* l) {
 
 }  // namespace
 
+float present_sum(const float* e, const Segment* segs, int n_segs) {
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int n = 0, rank = 0;
+  for (int s = 0; s < n_segs; ++s)
+    for (int t = 0; t < segs[s].count; ++t, ++n) {
+      if (segs[s].drop != nullptr && segs[s].drop[t] != 0) continue;
+      l[rank % 8] = l[rank % 8] + e[n];
+      ++rank;
+    }
+  return lane_sum(l);
+}
+
 // exp(x) for x <= 0 (attention only needs that; x > 0 is clamped to 88.3):
 // n = round(x log2 e), r = x - n ln2 (two-constant Cody-Waite, by fma), a
 // degree-6 Taylor/minimax polynomial of r by Horner fma, times 2^n built in
@@ -64,12 +76,8 @@ void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const
     for (int i = 0; i < n; ++i) scores[i] = 0.0f;
     return;
   }
-  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int t = 0; t < n; ++t) {
-    scores[t] = exp8(scores[t] - max_val);  // -inf - max -> 0
-    l[t % 8] = l[t % 8] + scores[t];
-  }
-  const float sum = lane_sum(l);
+  for (int t = 0; t < n; ++t) scores[t] = exp8(scores[t] - max_val);  // -inf - max -> 0
+  const float sum = present_sum(scores, segs, n_segs);
   n = 0;
   for (int s = 0; s < n_segs; ++s) {
     for (int t = 0; t < segs[s].count; ++t, ++n) {

@@ -6,7 +6,8 @@
 //          ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7));
 //   e_t  = exp8(s_t - max_t s_t), exp8 the polynomial of attention_kernels.cc
 //          (|relative error| < 3e-7 against exp; 0 below -87.3);
-//   sum  = lanes over t (key t in lane t mod 8);
+//   sum  = lanes over the present keys (the r-th present key in lane r mod 8,
+//          so a dropped key changes nothing but its absence);
 //   out  = fma chain over t ascending of (e_t / sum) * v_t, per element.
 // Keys a drop mask marks absent are skipped (e_t = 0); when every key is
 // absent the output is zero.  head_size must be a multiple of 8.
@@ -50,6 +51,10 @@ void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const
                         int n_segs, float* scores, float* out);
 void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                       int n_segs, float* scores, float* out);
+
+// The sum of the exps e[t] of the present keys of the segments, in the lane
+// order above.
+float present_sum(const float* e, const Segment* segs, int n_segs);
 
 // exp8 of one value (the scalar definition of the polynomial).
 float exp8(float x);
