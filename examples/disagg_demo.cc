@@ -22,14 +22,18 @@
 // the last prompt token, so its first output is the first generated token.
 // Times are CLOCK_MONOTONIC (one host) from the sender's kvxfer_send post:
 //   TTFT   first output token emitted (Lynx: the first draft token, made on the
-//          anchors; "TTFT_commit" in the JSON is when it was verified);
+//          anchors); TTFTc the first committed (verified) token;
 //   TT32T, TT64T  32 / 64 *final* (verified) tokens.
-// The KV of this small model is ~1000x smaller than a large model's, so the
-// link is slow (20-200 mbit) for the transfer to dominate, as it does for
-// large models on real links, and the rate limiter's burst (the chunk size) is
-// lowered to 16 KiB (KVXFER_NET_CHUNK_BYTES, unless set).
+// With SmolLM2 (a GGUF) the prompts are real text: the chat prompts of
+// --prompts and the long text of --long_text, each a user turn of the model's
+// chat template, tokenized by its own tokenizer; stories260K's prompts are
+// sampled from the model.  The KV of these small models is 10-1000x smaller
+// than a large model's, so the link is slow (4 mbit for SmolLM2, 20-200 mbit
+// for stories260K) for the transfer to dominate, as it does for large models
+// on real links, and the rate limiter's burst (the chunk size) is lowered to
+// 16 KiB (KVXFER_NET_CHUNK_BYTES, unless set).
 //
-//   ./build/examples/disagg_demo                      default: table + sweeps
+//   ./build/examples/disagg_demo                      default: table (+ sweeps for stories260K)
 //   ./build/examples/disagg_demo -r 20mbit -p 400 --reps 5 --json out.json
 //   python3 examples/plot_demo.py out.json -o demo.png
 #include <kvxfer/kvxfer.h>
