@@ -66,18 +66,7 @@ inline void softmax_scores(float* sc, int n, float max_val, const Segment* segs,
   bool dropping = false;  // with a drop mask, lanes go by present rank (present_sum)
   for (int s = 0, seen = 0; s < n_segs && seen < n; seen += segs[s].count, ++s)
     dropping = dropping || segs[s].drop != nullptr;
-  float total = lane_sum(sumv);
-  if (dropping) {
-    Segment cut[4];
-    int left = n, m = 0;
-    for (int s = 0; s < n_segs && m < 4 && left > 0; ++s, ++m) {
-      cut[m] = segs[s];
-      cut[m].count = segs[s].count < left ? segs[s].count : left;
-      left -= cut[m].count;
-    }
-    total = present_sum(sc, cut, m);
-  }
-  const __m256 sum = _mm256_set1_ps(total);
+  const __m256 sum = _mm256_set1_ps(dropping ? present_sum(sc, segs, n_segs, n) : lane_sum(sumv));
   for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
 }
 
@@ -103,91 +92,12 @@ inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t
   return _mm256_div_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), divv);
 }
 
-// NV = head_size / 8 as a constant (0: known only at run time), so that the
-// query and output registers stay in registers.
-template <int NV>
-void attend_head_impl(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
-                      int n_segs, float* scores, float* out) {
-  const float div = std::sqrt(static_cast<float>(head_size));
-  const int nv = NV > 0 ? NV : head_size / 8;
-  __m256 qv[16];
-  const bool in_regs = nv <= 16;
-  if (in_regs)
-    for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
-  int n = 0, present = 0;
-  float max_val = -INFINITY;
-  const __m256 divv = _mm256_set1_ps(div);
-  for (int s = 0; s < n_segs; ++s) {
-    const Segment& sg = segs[s];
-    int t = 0;
-    // Eight keys at a time: their dot products reduced together by shuffles
-    // that add the same pairs as lane_sum, then one division.
-    if (in_regs && sg.drop == nullptr) {
-      for (; t + 8 <= sg.count; t += 8, n += 8) {
-        const __m256 sc = scores8<NV>(qv, nv, sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off,
-                                      sg.k_stride, divv);
-        _mm256_storeu_ps(scores + n, sc);
-        for (int u = 0; u < 8; ++u)
-          if (scores[n + u] > max_val) max_val = scores[n + u];
-        present += 8;
-      }
-    }
-    for (; t < sg.count; ++t, ++n) {
-      if (sg.drop != nullptr && sg.drop[t] != 0) {
-        scores[n] = -INFINITY;
-        continue;
-      }
-      const float* k = sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off;
-      __m256 acc = _mm256_setzero_ps();
-      for (int j = 0; j < nv; ++j)
-        acc = _mm256_fmadd_ps(in_regs ? qv[j] : _mm256_loadu_ps(q + 8 * j), _mm256_loadu_ps(k + 8 * j), acc);
-      const float sc = lane_sum(acc) / div;
-      scores[n] = sc;
-      if (sc > max_val) max_val = sc;
-      ++present;
-    }
-  }
-  for (int i = 0; i < head_size; ++i) out[i] = 0.0f;
-  if (present == 0) {
-    for (int i = 0; i < n; ++i) scores[i] = 0.0f;
-    return;
-  }
-  softmax_scores(scores, n, max_val, segs, n_segs);
-  __m256 o[16];
-  for (int j = 0; j < nv && j < 16; ++j) o[j] = _mm256_setzero_ps();
-  n = 0;
-  for (int s = 0; s < n_segs; ++s) {
-    const Segment& sg = segs[s];
-    for (int t = 0; t < sg.count; ++t, ++n) {
-      if (sg.drop != nullptr && sg.drop[t] != 0) continue;
-      const __m256 a = _mm256_set1_ps(scores[n]);
-      const float* v = sg.v + static_cast<std::size_t>(t) * sg.v_stride + kv_off;
-      if (in_regs) {
-        for (int j = 0; j < nv; ++j) o[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * j), o[j]);
-      } else {
-        for (int j = 0; j < nv; ++j)
-          _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(a, _mm256_loadu_ps(v + 8 * j), _mm256_loadu_ps(out + 8 * j)));
-      }
-    }
-  }
-  if (in_regs)
-    for (int j = 0; j < nv; ++j) _mm256_storeu_ps(out + 8 * j, o[j]);
-}
-
 }  // namespace
-
-void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
-                      int n_segs, float* scores, float* out) {
-  switch (head_size) {
-    case 64: return attend_head_impl<8>(q, head_size, kv_off, segs, n_segs, scores, out);
-    case 128: return attend_head_impl<16>(q, head_size, kv_off, segs, n_segs, scores, out);
-    case 8: return attend_head_impl<1>(q, head_size, kv_off, segs, n_segs, scores, out);
-    default: return attend_head_impl<0>(q, head_size, kv_off, segs, n_segs, scores, out);
-  }
-}
 
 namespace {
 
+// NV = head_size / 8 as a constant (0: known only at run time), so that the
+// query and output registers stay in registers.
 template <int NV>
 void attend_group_impl(const float* const* q, const int* counts, int n_q, int head_size,
                        std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
@@ -295,6 +205,15 @@ void attend_group_avx2(const float* const* q, const int* counts, int n_q, int he
     case 8: return attend_group_impl<1>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
     default: return attend_group_impl<0>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
   }
+}
+
+// One query is a group of one: the same operations, so the same bits.
+void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
+                      int n_segs, float* scores, float* out) {
+  int count = 0;
+  for (int s = 0; s < n_segs; ++s) count += segs[s].count;
+  attend_group_avx2(&q, &count, 1, head_size, kv_off, segs, n_segs, scores,
+                    static_cast<std::size_t>(count) + 8, &out);
 }
 
 }  // namespace kvxfer::model::detail

@@ -17,11 +17,11 @@ float lane_sum(const float* l) {
 
 }  // namespace
 
-float present_sum(const float* e, const Segment* segs, int n_segs) {
+float present_sum(const float* e, const Segment* segs, int n_segs, int n_keys) {
   float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int n = 0, rank = 0;
   for (int s = 0; s < n_segs; ++s)
-    for (int t = 0; t < segs[s].count; ++t, ++n) {
+    for (int t = 0; t < segs[s].count && n < n_keys; ++t, ++n) {
       if (segs[s].drop != nullptr && segs[s].drop[t] != 0) continue;
       l[rank % 8] = l[rank % 8] + e[n];
       ++rank;
@@ -77,7 +77,7 @@ void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const
     return;
   }
   for (int t = 0; t < n; ++t) scores[t] = exp8(scores[t] - max_val);  // -inf - max -> 0
-  const float sum = present_sum(scores, segs, n_segs);
+  const float sum = present_sum(scores, segs, n_segs, n);
   n = 0;
   for (int s = 0; s < n_segs; ++s) {
     for (int t = 0; t < segs[s].count; ++t, ++n) {
@@ -113,7 +113,7 @@ void swiglu(float* h, const float* up, std::size_t n) {
 
 void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                  int n_segs, float* scores, float* out) {
-  if (have_avx2() && head_size % 8 == 0)
+  if (have_avx2() && head_size % 8 == 0 && head_size <= 128)
     attend_head_avx2(q, head_size, kv_off, segs, n_segs, scores, out);
   else
     attend_head_scalar(q, head_size, kv_off, segs, n_segs, scores, out);

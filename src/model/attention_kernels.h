@@ -35,7 +35,8 @@ void attend_head(const float* q, int head_size, std::size_t kv_off, const Segmen
 
 // Several queries against one run of keys: query g attends to the first
 // counts[g] keys of the segments (concatenated), as attend_head would on the
-// segments cut to that many keys, with the same bits.  Keys are read once for
+// segments cut to that many keys, with the same bits (attend_head_avx2 is
+// the group of one).  Keys are read once for
 // all the queries (the batched pass: the query heads of one KV head, for a
 // chunk of tokens).  q[g], out[g]: head_size floats; scores: n_q rows of
 // score_stride >= max(counts) + 8 floats.
@@ -52,9 +53,9 @@ void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const
 void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                       int n_segs, float* scores, float* out);
 
-// The sum of the exps e[t] of the present keys of the segments, in the lane
-// order above.
-float present_sum(const float* e, const Segment* segs, int n_segs);
+// The sum of the exps e[t] of the present keys among the first n_keys of the
+// segments, in the lane order above.
+float present_sum(const float* e, const Segment* segs, int n_segs, int n_keys);
 
 // exp8 of one value (the scalar definition of the polynomial).
 float exp8(float x);
