@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "codec/codec_math.h"
+#include "model/qmatmul.h"
 
 namespace kvxfer::model::gguf {
 
@@ -434,43 +435,28 @@ const TensorInfo* File::expect(const std::string& name, std::uint64_t ne0, std::
 }
 
 void dequantize_row(const TensorInfo& t, std::uint64_t row, float* out) {
-  using codec::f16_to_f32;
   const std::uint8_t* p = t.data + row * t.row_bytes();
   const std::uint64_t n = t.ne[0];
-  switch (t.type) {
-    case TensorType::kF32:
-      std::memcpy(out, p, n * 4);
-      return;
-    case TensorType::kF16:
-      for (std::uint64_t j = 0; j < n; ++j) {
-        std::uint16_t h;
-        std::memcpy(&h, p + 2 * j, 2);
-        out[j] = f16_to_f32(h);
-      }
-      return;
-    case TensorType::kQ4_1:
-      for (std::uint64_t b = 0; b < n / 32; ++b, p += 20) {
-        std::uint16_t hd, hm;
-        std::memcpy(&hd, p, 2);
-        std::memcpy(&hm, p + 2, 2);
-        const float d = f16_to_f32(hd), m = f16_to_f32(hm);
-        for (int j = 0; j < 16; ++j) {
-          const float q0 = static_cast<float>(p[4 + j] & 0xF), q1 = static_cast<float>(p[4 + j] >> 4);
-          const float w0 = d * q0, w1 = d * q1;  // separate multiply and add (no fma)
-          out[b * 32 + j] = w0 + m;
-          out[b * 32 + j + 16] = w1 + m;
-        }
-      }
-      return;
-    case TensorType::kQ8_0:
-      for (std::uint64_t b = 0; b < n / 32; ++b, p += 34) {
-        std::uint16_t hd;
-        std::memcpy(&hd, p, 2);
-        const float d = f16_to_f32(hd);
-        for (int j = 0; j < 32; ++j)
-          out[b * 32 + j] = d * static_cast<float>(static_cast<std::int8_t>(p[2 + j]));
-      }
-      return;
+  if (t.type == TensorType::kF16) {
+    for (std::uint64_t j = 0; j < n; ++j) {
+      std::uint16_t h;
+      std::memcpy(&h, p + 2 * j, 2);
+      out[j] = codec::f16_to_f32(h);
+    }
+    return;
+  }
+  // The runner's own dequantization (model/qmatmul.h), in one-row pieces of
+  // at most 2^20 elements (a multiple of the block) so that int columns hold.
+  const WeightType wt = t.type == TensorType::kF32    ? WeightType::kF32
+                        : t.type == TensorType::kQ4_1 ? WeightType::kQ4_1
+                                                      : WeightType::kQ8_0;
+  const std::uint64_t per_block = static_cast<std::uint64_t>(block_elements(t.type)),
+                      bytes = static_cast<std::uint64_t>(block_bytes(t.type));
+  constexpr std::uint64_t kPiece = std::uint64_t{1} << 20;
+  for (std::uint64_t j = 0; j < n; j += kPiece) {
+    const std::uint64_t len = n - j < kPiece ? n - j : kPiece;
+    const WeightMatrix piece{wt, 1, static_cast<int>(len), p + j / per_block * bytes};
+    model::dequantize_row(piece, 0, out + j);
   }
 }
 

@@ -121,7 +121,8 @@ class File {
 // Dequantizes row `row` of `t` (ne[0] elements) into out (float32).
 // Q4_1: w = d*q + m, Q8_0: w = d*q, with d, m converted from fp16 exactly and
 // one float32 multiply and one float32 add (no fma), as ggml's
-// dequantize_row_q4_1 / _q8_0.  Requires row < ne[1]*ne[2]*ne[3].
+// dequantize_row_q4_1 / _q8_0; it is the runner's model::dequantize_row
+// (qmatmul.h), which the products use.  Requires row < ne[1]*ne[2]*ne[3].
 void dequantize_row(const TensorInfo& t, std::uint64_t row, float* out);
 
 }  // namespace kvxfer::model::gguf

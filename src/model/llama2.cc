@@ -350,16 +350,6 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, std::string* er
   return m;
 }
 
-void Model::embed(int token, float* out) const {
-  const WeightMatrix& e = token_embedding_;
-  const std::size_t dim = static_cast<std::size_t>(cfg_.dim);
-  if (e.type == WeightType::kF32) {
-    std::memcpy(out, e.f32() + static_cast<std::size_t>(token) * dim, dim * sizeof(float));
-    return;
-  }
-  dequantize_row(e, token, out);
-}
-
 // ---------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------
@@ -452,7 +442,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     probs.assign(static_cast<std::size_t>(c.n_heads) * T * T, 0.0f);
   }
 
-  for (int t = 0; t < T; ++t) embed(tokens[t], &x[static_cast<std::size_t>(t) * dim]);
+  for (int t = 0; t < T; ++t)
+    dequantize_row(token_embedding_, tokens[t], &x[static_cast<std::size_t>(t) * dim]);
 
   // RoPE tables for the positions of this pass (cos/sin of pos * freq, as run.c).
   std::vector<float> rope_cos(static_cast<std::size_t>(T) * (hs / 2)), rope_sin(rope_cos.size());

@@ -234,8 +234,6 @@ class Model {
   Model() = default;
   static std::unique_ptr<Model> load_llama2c(const std::string& path, std::string* error);
   static std::unique_ptr<Model> load_gguf(const std::string& path, std::string* error);
-  // Row `token` of the token embedding, as float32 [dim].
-  void embed(int token, float* out) const;
   bool check_view(const KVView& view, std::string* error) const;
   // Batched forward of tokens at positions start_pos.. over view + tail.
   // logits_rows: 0 = none, 1 = last row only, 2 = all rows.
