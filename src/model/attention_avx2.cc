@@ -6,15 +6,10 @@
 #include <cmath>
 
 #include "model/attention_kernels.h"
+#include "model/lanes.h"
 
 namespace kvxfer::model::detail {
 namespace {
-
-float lane_sum(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
 
 // exp8 of attention_kernels.cc on 8 lanes.
 __m256 exp8v(__m256 x) {

@@ -6,17 +6,10 @@
 #include <cmath>
 #include <cstring>
 
+#include "model/lanes.h"
 #include "model/qmatmul.h"
 
 namespace kvxfer::model::detail {
-namespace {
-
-float lane_sum(const float* l) {
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
-}  // namespace
-
 float present_sum(const float* e, const Segment* segs, int n_segs, int n_keys) {
   float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int n = 0, rank = 0;

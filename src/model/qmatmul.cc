@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "codec/codec_math.h"
+#include "model/lanes.h"
 
 namespace kvxfer::model {
 namespace {
@@ -21,10 +22,6 @@ float half(const std::uint8_t* p) {
   return codec::f16_to_f32(h);
 }
 
-float lane_sum(const float* l) {
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
 void panel_products_scalar(const float* panel, int n_rows, int cols, const float* x,
                            int n_tokens, float* out, int out_stride) {
   for (int t = 0; t < n_tokens; ++t) {
@@ -33,7 +30,7 @@ void panel_products_scalar(const float* panel, int n_rows, int cols, const float
       const float* wr = panel + static_cast<std::size_t>(r) * cols;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int k = 0; k < cols; ++k) acc[k % 8] = std::fma(wr[k], xr[k], acc[k % 8]);
-      out[static_cast<std::size_t>(t) * out_stride + r] = lane_sum(acc);
+      out[static_cast<std::size_t>(t) * out_stride + r] = detail::lane_sum(acc);
     }
   }
 }

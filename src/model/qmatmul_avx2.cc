@@ -6,17 +6,11 @@
 
 #include <cstring>
 
-#include "codec/codec_math.h"
+#include "model/lanes.h"
 #include "model/qmatmul.h"
 
 namespace kvxfer::model::detail {
 namespace {
-
-[[maybe_unused]] float half(const std::uint8_t* p) {
-  std::uint16_t h;
-  std::memcpy(&h, p, 2);
-  return codec::f16_to_f32(h);
-}
 
 // d of a Q8_0 block by F16C, broadcast.
 inline __m256 half1(const std::uint8_t* p) {
@@ -25,20 +19,13 @@ inline __m256 half1(const std::uint8_t* p) {
   return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
 }
 
-// d and m of a Q4_1 block (two fp16 at p) by F16C: exact, as half() is.
+// d and m of a Q4_1 block (two fp16 at p) by F16C: exact, as f16_to_f32 is.
 inline void half2(const std::uint8_t* p, __m256* d, __m256* m) {
   std::int32_t v;
   std::memcpy(&v, p, 4);
   const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(v));
   *d = _mm256_broadcastss_ps(f);
   *m = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
-}
-
-// ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as qmatmul.cc lane_sum.
-float lane_sum(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l0+l4 ..
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
 template <int NR, int NT>
