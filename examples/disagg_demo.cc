@@ -1169,13 +1169,9 @@ int main(int argc, char** argv) {
   }
   // SmolLM2's KV is 23 KB per token: the default link is slower than for
   // stories260K, so that the residual takes more than 32 decode steps
-  // (docs/SPEC.md, "SmolLM2"); the rate sweep only on request.
-  bool gguf_model = false;
-  {
-    char magic[4] = {};
-    std::ifstream f(o.model_path, std::ios::binary);
-    gguf_model = f.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
-  }
+  // (docs/SPEC.md, "Results on SmolLM2-135M-Instruct"); the rate sweep only on
+  // request.
+  const bool gguf_model = km::gguf::has_magic(o.model_path);
   if (gguf_model) {
     if (app.count("--rate") == 0) o.rate = o.quick ? "8mbit" : "4mbit";
     if (app.count("--sweep_rates") == 0) o.sweep_rates.clear();

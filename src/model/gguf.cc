@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <sstream>
 #include <utility>
@@ -432,6 +433,12 @@ const TensorInfo* File::expect(const std::string& name, std::uint64_t ne0, std::
     return set_error(error, tw + ": type " + type_name(t->type) + ", expected " + list), nullptr;
   }
   return t;
+}
+
+bool has_magic(const std::string& path) {
+  char magic[4] = {};
+  std::ifstream f(path, std::ios::binary);
+  return f.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
 }
 
 void dequantize_row(const TensorInfo& t, std::uint64_t row, float* out) {

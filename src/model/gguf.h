@@ -118,6 +118,10 @@ class File {
   std::vector<TensorInfo> tensors_;
 };
 
+// Whether the file at `path` begins with the GGUF magic (false when it cannot
+// be read).  Says nothing about the rest of the file: open() validates it.
+bool has_magic(const std::string& path);
+
 // Dequantizes row `row` of `t` (ne[0] elements) into out (float32).
 // Q4_1: w = d*q + m, Q8_0: w = d*q, with d, m converted from fp16 exactly and
 // one float32 multiply and one float32 add (no fma), as ggml's

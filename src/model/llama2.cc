@@ -103,10 +103,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) 
     set_error(error, "the model loaders require a little-endian host");
     return nullptr;
   }
-  char magic[4] = {};
-  std::ifstream probe(path, std::ios::binary);
-  if (probe && probe.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0) return load_gguf(path, error);
-  return load_llama2c(path, error);
+  return gguf::has_magic(path) ? load_gguf(path, error) : load_llama2c(path, error);
 }
 
 std::unique_ptr<Model> Model::load_llama2c(const std::string& path, std::string* error) {
