@@ -103,7 +103,8 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
   const std::int64_t work = static_cast<std::int64_t>(n) * rows * cols;
 #pragma omp parallel if (work >= kParallelWork)
   {
-    std::vector<float> panel(static_cast<std::size_t>(kPanelRows) * cols + 8);
+    // One token on the AVX2 path dequantizes in registers and needs no panel.
+    std::vector<float> panel(avx2 && n == 1 ? 0 : static_cast<std::size_t>(kPanelRows) * cols + 8);
     std::vector<float> tile(static_cast<std::size_t>(n) * kPanelRows);
 #pragma omp for schedule(static)
     for (int p = 0; p < n_panels; ++p) {
