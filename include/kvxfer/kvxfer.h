@@ -622,8 +622,9 @@ typedef struct {
   int64_t t_anchor_ready_ns;
   int64_t t_complete_ns;
   int64_t t_error_ns;
-  /** Receiver: when the first residual section began to be applied (for the
-   *  "anchors before residuals" check of kvxfer_perf); sender: 0. */
+  /** Receiver: when the first residual section was released to be applied,
+   *  which happens only while every handshaken request is at ANCHOR_READY
+   *  (the "anchors before residuals" check of kvxfer_perf); sender: 0. */
   int64_t t_first_residual_ns;
 } kvxfer_request_info_t;
 

@@ -243,7 +243,6 @@ struct JobDone {
   std::string error;
   size_t a_len = 0, r_len = 0;
   bool skipped = false;
-  int64_t t_start = 0;
 };
 
 enum class OpKind { kDescSend, kDescRecv, kStatusSend, kStatusRecv, kAnchor, kResidual };
@@ -676,7 +675,6 @@ void Engine::Impl::codec_main() {
     d.kind = j.kind;
     d.page = j.page;
     d.rc = KVXFER_SUCCESS;
-    d.t_start = now_ns();
     Request& r = *j.req;
     if (r.work->cancel.load()) {
       d.skipped = true;
@@ -768,6 +766,13 @@ void Engine::Impl::queue_full(const std::shared_ptr<Request>& r, size_t page) {
   if (g_pause_residuals.load() || anchors_unapplied > 0) {
     held_full.emplace_back(r, page);
     return;
+  }
+  {
+    // Stamped here, where anchors_unapplied == 0 is checked, on the thread
+    // that also stamps handshakes: every request handshaken before this
+    // instant is at ANCHOR_READY by it.
+    std::lock_guard<std::mutex> lk(r->mu);
+    if (r->t_first_residual == 0) r->t_first_residual = now_ns();
   }
   Work& w = *r->work;
   PageState& p = w.ps[page];
@@ -1373,8 +1378,6 @@ void Engine::Impl::on_job_done(JobDone& d) {
           r->pages_anchor++;
           r->layer_anchor[layer]++;
           all_anchor = r->pages_anchor == r->num_pages;
-        } else if (r->t_first_residual == 0) {
-          r->t_first_residual = d.t_start;
         }
         r->pages_complete++;
         r->layer_complete[layer]++;
