@@ -21,7 +21,7 @@
 //   Kcos / Vcos       mean over token rows (all layers, all sequences) of the
 //                     cosine between the original and the decoded K row / V row
 //                     (a row = all kv_heads*head_dim channels of one token).
-//   agree_a / agree_f greedy-decoding agreement (stories260K only): fraction
+//   agree_a / agree_f greedy-decoding agreement (the real models): fraction
 //                     of teacher-forced decode positions whose argmax equals
 //                     full-precision decoding (see "Greedy agreement" below).
 // Codecs with a single section (kvxfer INT4 and BF16, all baselines) report
@@ -40,8 +40,14 @@
 //     heads (GQA 4:1, as Llama-3-8B), RoPE-rotated at the query's own
 //     position; evaluated at evenly spaced positions, each attending causally
 //     to the keys before it.  Pages: one per (layer, K/V), all T tokens.
+//   smollm2: SmolLM2-135M-Instruct (the GGUF that scripts/install-deps.sh
+//     fetches; 30 layers, 3 KV heads x 64 dims) prefilled on the 10 chat
+//     prompts of data/prompts/chat.txt (chat template) and on three real
+//     texts of 0.8K-3K tokens (data/: the GPL-3.0 preamble, the Apache-2.0
+//     license, both); the model's own queries at 64 evenly spaced positions
+//     per sequence.  Pages: one per (sequence, layer, K/V), all T tokens.
 //
-// Greedy agreement: for each stories prompt P (cut to at most 448 tokens so
+// Greedy agreement: for each prompt P of a real model (cut to at most 448 tokens so
 // that 64 more fit in the 512-token context), prefill P[0..n-2] at full
 // precision, pass that KV cache (every layer, K and V, as pages) through the
 // codec, then decode 64 positions over the decoded KV view, in one batched
@@ -58,9 +64,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -68,7 +78,10 @@
 #include "common/error.h"
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
+#include "model/bpe_tokenizer.h"
+#include "model/chat_template.h"
 #include "model/llama2.h"
+#include "model/model_paths.h"
 #include "model/synthetic_kv.h"
 #include "perf/baselines/kv_baselines.h"
 #include "perf/common/harness.h"
@@ -175,6 +188,31 @@ std::vector<RowSpec> make_rows() {
   }
 #endif
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT8, 0.0f, c, 4));
+  for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT4, 0.0f, c, 4));
+  rows.push_back(base(kb::Baseline::kInt8PerToken));
+  rows.push_back(base(kb::Baseline::kInt4PerToken));
+  rows.push_back(base(kb::Baseline::kKiviInt4));
+  rows.push_back(base(kb::Baseline::kKiviInt2));
+  rows.push_back(kvx(KVXFER_CODEC_BF16, 0.0f, 32, 4));
+  return rows;
+}
+
+// SmolLM2 (30 layers, 64 positions of greedy agreement per prompt) runs a
+// shorter list: the settings the comparisons need.
+std::vector<RowSpec> make_rows_smollm2() {
+  std::vector<RowSpec> rows;
+  for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_LYNX, 0.0f, c, 4));
+  rows.push_back(kvx(KVXFER_CODEC_LYNX, 100.0f, 32, 4));
+#ifdef KVXFER_ALPHA_AUTO
+  {
+    RowSpec r = kvx(KVXFER_CODEC_LYNX, 0.0f, 32, 4);
+    r.cfg.alpha = KVXFER_ALPHA_AUTO;
+    r.auto_alpha = true;
+    rows.push_back(r);
+  }
+#endif
+  for (int ab : {3, 5}) rows.push_back(kvx(KVXFER_CODEC_LYNX, 0.0f, 32, ab));
+  rows.push_back(kvx(KVXFER_CODEC_INT8, 0.0f, 32, 4));
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT4, 0.0f, c, 4));
   rows.push_back(base(kb::Baseline::kInt8PerToken));
   rows.push_back(base(kb::Baseline::kInt4PerToken));
@@ -357,29 +395,97 @@ std::vector<int> make_tokens(const km::Model& m, const PromptSpec& p) {
   return t;
 }
 
-Seq stories_seq(const km::Model& m, const PromptSpec& p, const std::vector<int>& toks) {
+// A real model's prefill of `toks`: its K/V and its own recorded queries, at
+// every position (max_queries <= 0 or T <= max_queries), else at max_queries
+// evenly spaced positions ending with the last.
+Seq model_seq(const km::Model& m, const std::string& name, const std::vector<int>& toks,
+              int max_queries) {
   const km::Config& c = m.config();
   km::PrefillOptions opt;
   opt.record_queries = true;
   km::PrefillResult pr;
   std::string err;
-  if (!m.prefill(toks, opt, &pr, &err)) die(err);
+  if (!m.prefill(toks, opt, &pr, &err)) die(name + ": " + err);
   Seq s;
-  s.name = p.name();
+  s.name = name;
   s.T = static_cast<int>(toks.size());
   s.H = c.kv_dim();
   s.L = c.n_layers;
   s.shape = km::AttentionShape{c.n_heads, c.n_kv_heads, c.head_size()};
-  s.all_positions = true;
-  for (int i = 0; i < s.T; ++i) s.qpos.push_back(i);
+  s.all_positions = max_queries <= 0 || s.T <= max_queries;
+  if (s.all_positions)
+    for (int i = 0; i < s.T; ++i) s.qpos.push_back(i);
+  else
+    for (int i = 0; i < max_queries; ++i)
+      s.qpos.push_back(static_cast<int>((static_cast<int64_t>(i) + 1) * s.T / max_queries - 1));
   const size_t n = static_cast<size_t>(s.T) * s.H, nq = static_cast<size_t>(s.T) * c.dim;
   for (int l = 0; l < s.L; ++l) {
     s.k.emplace_back(pr.kv.k(l), pr.kv.k(l) + n);
     s.v.emplace_back(pr.kv.v(l), pr.kv.v(l) + n);
-    s.q.emplace_back(pr.queries.begin() + l * nq, pr.queries.begin() + (l + 1) * nq);
+    std::vector<float> q;
+    q.reserve(s.qpos.size() * c.dim);
+    for (int p : s.qpos) {
+      const auto row = pr.queries.begin() + l * nq + static_cast<size_t>(p) * c.dim;
+      q.insert(q.end(), row, row + c.dim);
+    }
+    s.q.push_back(std::move(q));
   }
   compute_reference(&s);
   return s;
+}
+
+Seq stories_seq(const km::Model& m, const PromptSpec& p, const std::vector<int>& toks) {
+  return model_seq(m, p.name(), toks, 0);
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) die("cannot read " + path);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// SmolLM2 prompts: the chat prompts of data/prompts/chat.txt, each a user turn
+// of the model's chat template, and long real-text prompts (raw text, no
+// template): the GPL-3.0 preamble, the first 2048 tokens of the Apache-2.0
+// license, and the two texts one after the other (about 3K tokens).
+struct TextPrompt {
+  std::string name;
+  std::vector<int> toks;
+};
+
+std::vector<TextPrompt> smollm2_prompts(const km::Model& m, bool quick) {
+  std::string err;
+  const km::gguf::File* file = m.gguf_file();
+  if (file == nullptr) die("the SmolLM2 model is not a GGUF file");
+  const std::unique_ptr<km::BpeTokenizer> tok = km::BpeTokenizer::from_gguf(*file, &err);
+  if (!tok) die(err);
+  const std::unique_ptr<km::ChatTemplate> chat = km::ChatTemplate::from_gguf(*file, &err);
+  if (!chat) die(err);
+  auto encode = [&](const std::string& text, bool special) {
+    std::vector<int32_t> ids;
+    if (!tok->encode(text, special, &ids, &err)) die(err);
+    return std::vector<int>(ids.begin(), ids.end());
+  };
+  std::vector<TextPrompt> out;
+  std::istringstream lines(read_text_file(std::string(KVXFER_DATA_DIR) + "/prompts/chat.txt"));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    if (quick && out.size() >= 2) break;
+    out.push_back({kp::strprintf("chat%zu", out.size() + 1), encode(chat->render_user(line), true)});
+  }
+  const std::string gpl = read_text_file(std::string(KVXFER_DATA_DIR) + "/gpl-3.0-preamble.txt");
+  const std::string apache = read_text_file(std::string(KVXFER_DATA_DIR) + "/apache-2.0.txt");
+  auto add_long = [&](const std::string& name, const std::string& text, size_t max_tokens) {
+    std::vector<int> t = encode(text, false);
+    if (t.size() > max_tokens) t.resize(max_tokens);
+    out.push_back({kp::strprintf("%s-%zu", name.c_str(), t.size()), std::move(t)});
+  };
+  add_long("gpl", gpl, quick ? 512 : 4096);
+  if (!quick) {
+    add_long("apache", apache, 2048);
+    add_long("gpl+apache", gpl + "\n\n" + apache, 4096);
+  }
+  return out;
 }
 
 struct SynthOptions {
@@ -639,14 +745,28 @@ int main(int argc, char** argv) {
   bool quick = false;
   std::string json_path;
   std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
+  std::string smollm2_path = km::smollm2_gguf_path();
+  std::vector<std::string> data_sets = {"stories", "synth", "smollm2"};
   SynthOptions so;
-  int greedy_steps = 64;
-  app.add_flag("--quick", quick, "smaller data sets (2 prompts, 2 x 512 synthetic tokens)");
+  int greedy_steps = 64, smollm2_queries = 64;
+  app.add_flag("--quick", quick,
+               "smaller data sets (2 prompts, 2 x 512 synthetic tokens; SmolLM2: 2 chat prompts "
+               "and 512 tokens of text)");
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
-  app.add_option("--model", model_path, "llama2.c checkpoint")->capture_default_str();
+  app.add_option("--data", data_sets, "data sets: stories, synth, smollm2 (skipped with a note "
+                                      "when its model file is absent)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"stories", "synth", "smollm2"}));
+  app.add_option("--model", model_path, "llama2.c checkpoint of the stories data set")
+      ->capture_default_str();
+  app.add_option("--smollm2", smollm2_path, "SmolLM2-135M-Instruct GGUF (KVXFER_SMOLLM2_GGUF)")
+      ->capture_default_str();
   app.add_option("--synth-layers", so.layers, "synthetic layers")->capture_default_str();
   app.add_option("--synth-tokens", so.tokens, "synthetic tokens")->capture_default_str();
   app.add_option("--synth-queries", so.queries, "synthetic query positions per layer")
+      ->capture_default_str();
+  app.add_option("--smollm2-queries", smollm2_queries,
+                 "SmolLM2: query positions per sequence (evenly spaced, ending with the last)")
       ->capture_default_str();
   app.add_option("--greedy-steps", greedy_steps, "teacher-forced decode steps per prompt")
       ->capture_default_str();
@@ -662,68 +782,127 @@ int main(int argc, char** argv) {
     so.queries = 16;
   }
   const auto t_start = std::chrono::steady_clock::now();
+  auto wanted = [&](const char* n) {
+    return std::find(data_sets.begin(), data_sets.end(), n) != data_sets.end();
+  };
 
+  struct Dataset {
+    std::string name;
+    const km::Model* model = nullptr;  // the model of the greedy cases
+    std::vector<Seq> seqs;
+    std::vector<GreedyCase> greedy;
+    std::vector<RowSpec> rows;
+  };
+  std::vector<Dataset> datasets;
   std::string err;
-  std::unique_ptr<km::Model> model = km::Model::load(model_path, &err);
-  if (!model) die("cannot load " + model_path + ": " + err);
-
+  std::unique_ptr<km::Model> stories, smollm2;
+  std::string smollm2_note;
+  // Jobs that build the data sets, run in parallel (each single-threaded inside).
+  std::vector<std::function<void()>> jobs;
+  if (wanted("stories")) {
+    stories = km::Model::load(model_path, &err);
+    if (!stories) die("cannot load " + model_path + ": " + err);
+  }
+  if (wanted("smollm2")) {
+    std::ifstream probe(smollm2_path, std::ios::binary);
+    if (!probe) {
+      smollm2_note = "skipped: no model at " + smollm2_path +
+                     " (scripts/install-deps.sh fetches it; data/README.md)";
+    } else {
+      smollm2 = km::Model::load(smollm2_path, &err);
+      if (!smollm2) die("cannot load " + smollm2_path + ": " + err);
+    }
+  }
   std::vector<PromptSpec> prompts = {{PromptKind::kGreedy, 512, 0},
                                      {PromptKind::kSampled, 512, 1},
                                      {PromptKind::kSampled, 256, 2},
                                      {PromptKind::kRandom, 128, 3}};
   if (quick) prompts = {{PromptKind::kGreedy, 256, 0}, {PromptKind::kRandom, 128, 3}};
-
-  struct Dataset {
-    std::string name;
-    std::vector<Seq> seqs;
-  };
-  std::vector<Dataset> datasets(2);
-  datasets[0].name = "stories";
-  datasets[1].name = "synth";
-  // Built in parallel, one job per sequence (job 0: synthetic), each single-threaded inside.
-  const int n_prompts = static_cast<int>(prompts.size());
-  datasets[0].seqs.resize(n_prompts);
-  datasets[1].seqs.resize(1);
-  std::vector<GreedyCase> greedy(greedy_steps > 0 ? n_prompts : 0);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int job = 0; job <= n_prompts; ++job) {
-    if (job == 0) {
-      datasets[1].seqs[0] = synth_seq(so);
-      continue;
-    }
-    const PromptSpec& p = prompts[job - 1];
-    const std::vector<int> toks = make_tokens(*model, p);
-    datasets[0].seqs[job - 1] = stories_seq(*model, p, toks);
-    if (greedy_steps > 0) greedy[job - 1] = greedy_case(*model, p.name(), toks, greedy_steps);
+  std::vector<TextPrompt> texts;
+  if (smollm2) texts = smollm2_prompts(*smollm2, quick);
+  // Reserve first: jobs hold pointers into these vectors.
+  datasets.reserve(3);
+  if (stories) {
+    Dataset& d = datasets.emplace_back();
+    d.name = "stories";
+    d.model = stories.get();
+    d.rows = make_rows();
+    d.seqs.resize(prompts.size());
+    d.greedy.resize(greedy_steps > 0 ? prompts.size() : 0);
+    for (size_t i = 0; i < prompts.size(); ++i)
+      jobs.push_back([&d, &prompts, &stories, greedy_steps, i] {
+        const std::vector<int> toks = make_tokens(*stories, prompts[i]);
+        d.seqs[i] = stories_seq(*stories, prompts[i], toks);
+        if (greedy_steps > 0) d.greedy[i] = greedy_case(*stories, prompts[i].name(), toks, greedy_steps);
+      });
   }
+  if (wanted("synth")) {
+    Dataset& d = datasets.emplace_back();
+    d.name = "synth";
+    d.rows = make_rows();
+    d.seqs.resize(1);
+    jobs.push_back([&d, &so] { d.seqs[0] = synth_seq(so); });
+  }
+  if (smollm2) {
+    Dataset& d = datasets.emplace_back();
+    d.name = "smollm2";
+    d.model = smollm2.get();
+    d.rows = make_rows_smollm2();
+    d.seqs.resize(texts.size());
+    d.greedy.resize(greedy_steps > 0 ? texts.size() : 0);
+    for (size_t i = 0; i < texts.size(); ++i)
+      jobs.push_back([&d, &texts, &smollm2, greedy_steps, smollm2_queries, i] {
+        d.seqs[i] = model_seq(*smollm2, texts[i].name, texts[i].toks, smollm2_queries);
+        if (greedy_steps > 0)
+          d.greedy[i] = greedy_case(*smollm2, texts[i].name, texts[i].toks, greedy_steps);
+      });
+  }
+  // Longest first (the SmolLM2 texts), so that the two threads finish together.
+  std::reverse(jobs.begin(), jobs.end());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t j = 0; j < jobs.size(); ++j) jobs[j]();
   const double t_data =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
 
   kp::print_preamble(stdout, "codec_quality", kp::machine_info(), kp::kvxfer_settings());
-  std::printf(
-      "# stories: stories260K (L=5, 4 KV heads x 8 = H 32), real queries at every position; "
-      "sequences:");
-  for (const Seq& s : datasets[0].seqs) std::printf(" %s", s.name.c_str());
-  std::printf(
-      "\n# synth:   synthetic KV L=%d, 8 KV heads x 128 = H 1024, T=%d, %d query heads (GQA), "
-      "%d query positions/layer\n",
-      so.layers, so.tokens, so.q_heads, so.queries);
-  std::printf(
-      "# agree:   greedy agreement, teacher-forced on the full-precision greedy sequence, "
-      "%d steps x %zu prompts (stories only)\n",
-      greedy_steps, greedy.size());
-  {
+  for (const Dataset& ds : datasets) {
+    if (ds.name == "stories") {
+      std::printf(
+          "# stories: stories260K (L=5, 4 KV heads x 8 = H 32), real queries at every position; "
+          "sequences:");
+    } else if (ds.name == "synth") {
+      std::printf(
+          "# synth:   synthetic KV L=%d, 8 KV heads x 128 = H 1024, T=%d, %d query heads (GQA), "
+          "%d query positions/layer\n",
+          so.layers, so.tokens, so.q_heads, so.queries);
+      continue;
+    } else {
+      std::printf(
+          "# smollm2: SmolLM2-135M-Instruct Q4_1 (L=30, 3 KV heads x 64 = H 192, 9 query heads), "
+          "its own queries at %d evenly spaced positions per sequence (all when fewer); "
+          "sequences:",
+          smollm2_queries);
+    }
+    for (const Seq& s : ds.seqs) std::printf(" %s", s.name.c_str());
+    std::printf("\n");
+  }
+  if (!smollm2_note.empty()) std::printf("# smollm2: %s\n", smollm2_note.c_str());
+  for (const Dataset& ds : datasets) {
+    if (ds.greedy.empty()) continue;
     int n = 0, close01 = 0, close05 = 0;
-    for (const GreedyCase& g : greedy)
+    for (const GreedyCase& g : ds.greedy)
       for (float mg : g.margin) {
         ++n;
         close01 += mg < 0.1f;
         close05 += mg < 0.5f;
       }
     std::printf(
-        "#          of the %d positions, %d have a full-precision top-1/top-2 logit margin "
-        "< 0.1 and %d < 0.5 (near-ties: agreement saturates below 1)\n",
-        n, close01, close05);
+        "# agree:   %s: greedy agreement, teacher-forced on the full-precision greedy sequence, "
+        "%d steps x %zu prompts; of the %d positions, %d (%.1f%%) have a full-precision "
+        "top-1/top-2 logit margin < 0.1 and %d (%.1f%%) < 0.5 (near-ties: agreement saturates "
+        "below 1)\n",
+        ds.name.c_str(), greedy_steps, ds.greedy.size(), n, close01, 100.0 * close01 / n, close05,
+        100.0 * close05 / n);
   }
   std::printf(
       "# _a = anchor only, _f = full (anchor + residual); single-section codecs repeat "
@@ -748,10 +927,9 @@ int main(int argc, char** argv) {
   std::printf("%s\n", table.header().c_str());
   std::fflush(stdout);
 
-  const std::vector<RowSpec> rows = make_rows();
   json jrows = json::array();
   for (const Dataset& ds : datasets) {
-    const bool stories = ds.name == "stories";
+    const std::vector<RowSpec>& rows = ds.rows;
     // Rows in parallel, each single-threaded inside (nested OpenMP regions of
     // the model and the codec run on one thread); printed in order.
     std::vector<Acc> accs(rows.size());
@@ -762,8 +940,7 @@ int main(int argc, char** argv) {
       Acc& acc = accs[r];
       uint64_t stream = 0;
       for (const Seq& s : ds.seqs) eval_seq(rows[r], s, ++stream, &acc);
-      if (stories)
-        for (const GreedyCase& g : greedy) eval_greedy(*model, rows[r], g, ++stream, &acc);
+      for (const GreedyCase& g : ds.greedy) eval_greedy(*ds.model, rows[r], g, ++stream, &acc);
 #pragma omp critical(print_rows)
       {
         done[r] = 1;
