@@ -210,6 +210,16 @@ class DeviceBackend final : public codec::EncodeBackend {
     return launch_pack_values(src_, dtype, scratch_.anchor_payload, stream_);
   }
 
+  kvxfer_result_t pack_sinks(const codec::PageHeader& h) override {
+    // The first sink_rows rows, as the BF16 passthrough packs a page (docs/FORMAT.md 2.7).
+    const codec::PayloadSizes s = codec::payload_sizes(h);
+    kvxfer_page_layout_t rows = *src_;
+    rows.num_tokens = h.sink_rows;
+    uint8_t* out = scratch_.anchor_payload + s.sink_offset();
+    if (s.sink_pad > 0) KVXFER_CUDA(cudaMemsetAsync(out - s.sink_pad, 0, s.sink_pad, stream_));
+    return launch_pack_values(&rows, codec::sink_dtype(h), out, stream_);
+  }
+
   kvxfer_result_t finish(const codec::PageHeader& h) override {
     // Payloads to the host; headers and checksums are sealed there.
     const codec::PayloadSizes s = codec::payload_sizes(h);
@@ -305,9 +315,15 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
                                 static_cast<const uint8_t*>(residual) + codec::kHeaderBytes,
                                 s.residual_codes, cudaMemcpyHostToDevice, stream));
   KVXFER_CHECK(launch_reset_status(scratch.status, stream));
-  return launch_decode(ah, dcb, scratch.anchor_payload,
-                       residual != nullptr ? scratch.residual_payload : nullptr, dst,
-                       scratch.status, stream);
+  KVXFER_CHECK(launch_decode(ah, dcb, scratch.anchor_payload,
+                             residual != nullptr ? scratch.residual_payload : nullptr, dst,
+                             scratch.status, stream));
+  if (ah.sink_rows == 0) return KVXFER_SUCCESS;
+  // The sink rows over their decoded codes, in stream order (docs/FORMAT.md 2.7).
+  kvxfer_page_layout_t rows = *dst;
+  rows.num_tokens = ah.sink_rows;
+  return launch_unpack_values(scratch.anchor_payload + s.sink_offset(), codec::sink_dtype(ah),
+                              &rows, stream);
 }
 
 }  // namespace kvxfer::cuda

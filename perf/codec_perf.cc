@@ -760,7 +760,9 @@ bool gpu_status(const kcu::DeviceScratch& sc, cudaStream_t s, uint32_t allowed, 
 bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& hsrc, Pool* hdst,
                const DevicePool& dsrc, DevicePool* ddst, GpuTimer* timer, cudaStream_t s,
                bool* meta_fp32, std::vector<GpuRow>* rows) {
-  const kvxfer_page_id_t id{0, KVXFER_KV_KEY, 0, 0};
+  // The kernels alone: a page past the attention-sink rows, which the encode
+  // driver packs with the BF16 passthrough's kernel (docs/FORMAT.md 2.7).
+  const kvxfer_page_id_t id{0, KVXFER_KV_KEY, int64_t{1} << 20, 0};
   const int64_t T = hsrc.T;
   const int32_t H = hsrc.H;
   const uint64_t page = hsrc.page_bytes();

@@ -733,5 +733,79 @@ TEST(AlphaAuto, RejectsBadCalibrationInput) {
   EXPECT_EQ(calibrate_alpha(&cfg, &bad, 1, &a), KVXFER_ERR_INVALID_ARGUMENT);
 }
 
+
+// Attention sinks (docs/FORMAT.md 2.7): the rows of tokens at positions <
+// sink_tokens decode exactly at anchor and full precision, on every path;
+// the other rows are what they are without sinks; the wire holds exactly
+// 2 bytes per channel per sink row after the 8-aligned end of the table.
+TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
+  const int64_t T = 40;
+  const int32_t H = 70;
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4})
+    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32})
+      for (int64_t begin : {int64_t{0}, int64_t{2}, int64_t{5}, int64_t{64}}) {
+        PagedBuffer src(T, H, dt, 16);
+        fill_kv_like(&src, 77 + static_cast<uint64_t>(begin), 0.01f);
+        for (int32_t c = 0; c < H; ++c) src.set(0, c, 300.0f * (c % 2 ? 1.0f : -1.0f));  // a sink
+        kvxfer_codec_config_t cfg = config(codec, 0.0f, 16);
+        cfg.sink_tokens = 5;
+        kvxfer_codec_config_t none = cfg;
+        none.sink_tokens = 0;
+        const kvxfer_page_id_t id{1, KVXFER_KV_VALUE, begin, 9};
+        const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(5 - begin, T));
+        const auto ref = test::encode(cfg, src, Impl::REFERENCE, id);
+        const auto plain = test::encode(none, src, Impl::REFERENCE, id);
+        ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+        ASSERT_EQ(plain.rc, KVXFER_SUCCESS) << last_error();
+        const std::string what = "codec " + std::to_string(codec) + " dtype " +
+                                 std::to_string(dt) + " begin " + std::to_string(begin);
+        // Size: the plain page, padded to 8, plus the rows.
+        const size_t plain_payload = plain.anchor.size() - kHeaderBytes;
+        const size_t pad = rows > 0 ? (8 - plain_payload % 8) % 8 : 0;
+        EXPECT_EQ(ref.anchor.size(), plain.anchor.size() + pad + static_cast<size_t>(rows * H * 2))
+            << what;
+        EXPECT_EQ(ref.residual.size(), plain.residual.size()) << what;
+        for (Impl impl : {Impl::SCALAR, Impl::AVX2}) {
+          if (impl == Impl::AVX2 && resolve_impl(Impl::AVX2, &impl) != KVXFER_SUCCESS) continue;
+          const auto e = test::encode(cfg, src, impl, id);
+          ASSERT_EQ(e.anchor, ref.anchor) << what;
+          ASSERT_EQ(e.residual, ref.residual) << what;
+        }
+        for (bool full : {false, true}) {
+          if (full && codec == KVXFER_CODEC_INT4) continue;
+          PagedBuffer out(T, H, KVXFER_DTYPE_FP32, 8), out_plain(T, H, KVXFER_DTYPE_FP32, 8);
+          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                full ? ref.residual.data() : nullptr, full ? ref.residual.size() : 0,
+                                &id, &out.layout, Impl::AUTO, 1),
+                    KVXFER_SUCCESS)
+              << last_error();
+          ASSERT_EQ(decode_page(plain.anchor.data(), plain.anchor.size(),
+                                full ? plain.residual.data() : nullptr,
+                                full ? plain.residual.size() : 0, &id, &out_plain.layout,
+                                Impl::AUTO, 1),
+                    KVXFER_SUCCESS);
+          for (int64_t t = 0; t < T; ++t)
+            for (int32_t c = 0; c < H; ++c) {
+              // fp32 sources travel as bf16: the BF16 codec's rounding.
+              const float want = t < rows ? (dt == KVXFER_DTYPE_FP32
+                                                 ? bf16_to_f32(f32_to_bf16(src.get(t, c)))
+                                                 : src.get(t, c))
+                                          : out_plain.get(t, c);
+              ASSERT_EQ(out.get(t, c), want) << what << " full " << full << " t " << t;
+            }
+          if (rows > 0) EXPECT_NE(out_plain.get(0, 1), out.get(0, 1)) << "the sink changed nothing";
+        }
+      }
+}
+
+TEST(PageCodec, SinkTokensOutsideItsRangeAreRefused) {
+  for (int32_t bad : {-1, kMaxSinkTokens + 1}) {
+    kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX, 0.0f);
+    cfg.sink_tokens = bad;
+    size_t a = 0, r = 0;
+    EXPECT_EQ(max_sizes(&cfg, 16, 8, &a, &r), KVXFER_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(last_error()).find("sink_tokens"), std::string::npos) << last_error();
+  }
+}
 }  // namespace
 }  // namespace kvxfer::codec

@@ -46,7 +46,7 @@ enum Off : size_t {
   O_ALPHA = 16,
   O_LAYER = 20,
   O_CHANNELS = 24,
-  O_RESERVED = 28,
+  O_SINK_ROWS = 28,
   O_TOKEN_BEGIN = 32,
   O_TOKENS = 40,
   O_STREAM = 48,
@@ -318,10 +318,13 @@ INSTANTIATE_TEST_SUITE_P(
         FieldCase{"ChunkTokensZero", KVXFER_CODEC_INT4, false, set<uint8_t>(O_CHUNK, 0),
                   "bad chunk_tokens 0"},
         FieldCase{"Kind", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_KIND, 2), "bad K/V kind 2"},
-        FieldCase{"Reserved", KVXFER_CODEC_LYNX, false, set<uint32_t>(O_RESERVED, 1),
-                  "reserved field is 1"},
-        FieldCase{"ReservedOnResidual", KVXFER_CODEC_LYNX, true,
-                  set<uint32_t>(O_RESERVED, 0x80000000u), "reserved field is 2147483648"},
+        FieldCase{"SinkRowsPastTokens", KVXFER_CODEC_LYNX, false,
+                  set<uint32_t>(O_SINK_ROWS, 0x80000000u),
+                  "sink_rows 2147483648 exceeds num_tokens"},
+        FieldCase{"SinkRowsOnResidual", KVXFER_CODEC_LYNX, true, set<uint32_t>(O_SINK_ROWS, 65),
+                  "sink_rows 65 exceeds num_tokens"},
+        FieldCase{"SinkRowsOnBf16", KVXFER_CODEC_BF16, false, set<uint32_t>(O_SINK_ROWS, 1),
+                  "sink_rows 1 on a page without codes"},
         FieldCase{"NumChannelsZero", KVXFER_CODEC_LYNX, false, set<uint32_t>(O_CHANNELS, 0),
                   "bad num_channels 0"},
         FieldCase{"NumChannelsTooBig", KVXFER_CODEC_LYNX, false,
@@ -768,7 +771,7 @@ TEST(WireFormat, HeaderBytesAreFixed) {
 
   const uint8_t expect_anchor[72] = {
       'K',  'V',  'X',  'P',                           // magic
-      0x02, 0x00,                                      // version 2
+      0x03, 0x00,                                      // version 3
       0x50, 0x00,                                      // header_bytes 80
       0x01,                                            // section: anchor
       0x00,                                            // codec LYNX

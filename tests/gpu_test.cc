@@ -195,11 +195,12 @@ class GpuCodec : public ::testing::Test {
    * byte-identical), then anchor-only decode and full decode in place, on both
    * sides, into `out_dt` blocks of another geometry (values byte-identical).
    */
-  void check(const kvxfer_codec_config_t& cfg, const PagedBuffer& src, kvxfer_dtype_t out_dt) {
-    const Encoded ref = encode(cfg, src, codec::Impl::REFERENCE);
+  void check(const kvxfer_codec_config_t& cfg, const PagedBuffer& src, kvxfer_dtype_t out_dt,
+             kvxfer_page_id_t id = {3, KVXFER_KV_VALUE, 1000, 42}) {
+    const Encoded ref = encode(cfg, src, codec::Impl::REFERENCE, id);
     ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
     DevicePage dsrc(src);
-    const Encoded gpu = gpu_encode(cfg, dsrc);
+    const Encoded gpu = gpu_encode(cfg, dsrc, id);
     ASSERT_EQ(gpu.rc, KVXFER_SUCCESS) << last_error();
     EXPECT_EQ(section_diff(ref.anchor, gpu.anchor), "") << "anchor section";
     EXPECT_EQ(section_diff(ref.residual, gpu.residual), "") << "residual section";
@@ -232,6 +233,21 @@ class GpuCodec : public ::testing::Test {
   cudaStream_t stream_ = nullptr;
   cuda::DeviceScratch scratch_;
 };
+
+// Attention sinks (docs/FORMAT.md 2.7): a page from position 0 carries its
+// first sink_tokens rows exactly; the device writes and reads them as the CPU.
+TEST_F(GpuCodec, SinkRowsAreByteIdenticalToTheCpu) {
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4})
+    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP32}) {
+      PagedBuffer src(37, 70, dt, 16);
+      test::fill_kv_like(&src, 31 + codec);
+      kvxfer_codec_config_t cfg = test::config(codec, 0.0f, 16);
+      cfg.sink_tokens = 3;
+      SCOPED_TRACE("codec " + std::to_string(codec) + " dtype " + std::to_string(dt));
+      check(cfg, src, KVXFER_DTYPE_FP16, kvxfer_page_id_t{0, KVXFER_KV_KEY, 0, 7});
+      check(cfg, src, KVXFER_DTYPE_FP32, kvxfer_page_id_t{0, KVXFER_KV_KEY, 1, 7});
+    }
+}
 
 struct CodecCase {
   kvxfer_codec_t codec;

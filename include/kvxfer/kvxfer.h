@@ -154,12 +154,20 @@ typedef struct {
   int32_t chunk_tokens; /**< C: tokens per normalisation chunk, 16, 32, 64 or 128 */
   int32_t anchor_bits;  /**< A: 2..6 for LYNX and INT8 (residual = 8 - A); 4 for INT4 */
   kvxfer_nonfinite_policy_t nonfinite; /**< default KVXFER_NONFINITE_ERROR */
+  /** Attention sinks: the rows of tokens at absolute positions [0,
+   *  sink_tokens) also travel exactly in the anchor section (16-bit: the
+   *  source dtype, or BF16 for fp32 sources), so that both the anchor-only and
+   *  the full decode reproduce them.  0..1024, default 1; LYNX, INT8 and INT4
+   *  (SPECTRUM pins its own sinks).  Costs 2 bytes per channel per sink row,
+   *  on the pages that hold them.  Why: docs/FORMAT.md 2.7 (a model's first
+   *  token takes most of the attention; StreamingLLM, Xiao et al. 2024). */
+  int32_t sink_tokens;
 } kvxfer_codec_config_t;
 
 #define KVXFER_CODEC_CONFIG_INITIALIZER                                                         \
   {                                                                                             \
     sizeof(kvxfer_codec_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, KVXFER_CODEC_LYNX, \
-        0.0f, 32, 4, KVXFER_NONFINITE_ERROR                                                     \
+        0.0f, 32, 4, KVXFER_NONFINITE_ERROR, 1                                                  \
   }
 
 /**

@@ -109,6 +109,7 @@ class CodecConfigStruct(ctypes.Structure):
         ("chunk_tokens", ctypes.c_int32),
         ("anchor_bits", ctypes.c_int32),
         ("nonfinite", _c_enum),
+        ("sink_tokens", ctypes.c_int32),
     ]
 
 
@@ -299,6 +300,7 @@ def init_config(struct_type):
     if struct_type is CodecConfigStruct:
         s.codec, s.alpha, s.chunk_tokens, s.anchor_bits = Codec.LYNX, 0.0, 32, 4
         s.nonfinite = NonfinitePolicy.ERROR
+        s.sink_tokens = 1
     elif struct_type is KVDescStruct:
         s.dtype, s.device = Dtype.BF16, -1
     elif struct_type is RequestConfigStruct:

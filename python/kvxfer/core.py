@@ -200,7 +200,8 @@ def _enum(enum_type, value, what):
 @dataclasses.dataclass
 class CodecConfig:
     """kvxfer_codec_config_t; the defaults are KVXFER_CODEC_CONFIG_INITIALIZER's
-    (Lynx, alpha 0, 32-token chunks, 4 anchor bits, reject NaN/Inf).  Enum
+    (Lynx, alpha 0, 32-token chunks, 4 anchor bits, reject NaN/Inf, the first
+    token pinned exactly as the attention sink).  Enum
     fields also accept their names ("int8", "raw")."""
 
     codec: Codec = Codec.LYNX
@@ -208,6 +209,7 @@ class CodecConfig:
     chunk_tokens: int = 32  # 16, 32, 64 or 128
     anchor_bits: int = 4  # 2..6 for LYNX and INT8; 4 for INT4; ignored by BF16
     nonfinite: NonfinitePolicy = NonfinitePolicy.ERROR
+    sink_tokens: int = 1  # 0..1024 leading tokens sent exactly; not SPECTRUM
 
     ALPHA_AUTO = ALPHA_AUTO
 
@@ -222,6 +224,7 @@ class CodecConfig:
         s.chunk_tokens = int(self.chunk_tokens)
         s.anchor_bits = int(self.anchor_bits)
         s.nonfinite = int(_enum(NonfinitePolicy, self.nonfinite, "nonfinite"))
+        s.sink_tokens = int(self.sink_tokens)
         return s
 
 

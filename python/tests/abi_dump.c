@@ -62,6 +62,7 @@ int main(void) {
   FIELD(kvxfer_codec_config_t, chunk_tokens)
   FIELD(kvxfer_codec_config_t, anchor_bits)
   FIELD(kvxfer_codec_config_t, nonfinite)
+  FIELD(kvxfer_codec_config_t, sink_tokens)
   END_STRUCT()
   BEGIN_STRUCT(kvxfer_page_layout_t)
   FIELD(kvxfer_page_layout_t, blocks)
@@ -211,7 +212,7 @@ int main(void) {
   INIT_BEGIN(kvxfer_codec_config_t, KVXFER_CODEC_CONFIG_INITIALIZER)
   INIT_INT(size)
   INIT_INT(magic) INIT_INT(version) INIT_INT(codec) INIT_FLOAT(alpha) INIT_INT(chunk_tokens)
-      INIT_INT(anchor_bits) INIT_INT(nonfinite) INIT_END() INIT_BEGIN(
+      INIT_INT(anchor_bits) INIT_INT(nonfinite) INIT_INT(sink_tokens) INIT_END() INIT_BEGIN(
           kvxfer_comm_config_t, KVXFER_COMM_CONFIG_INITIALIZER) INIT_INT(size) INIT_INT(magic)
           INIT_INT(version) INIT_INT(timeout_ms) INIT_PTR(bind_address) INIT_PTR(rate_limit)
               INIT_END() INIT_BEGIN(kvxfer_kv_desc_t, KVXFER_KV_DESC_INITIALIZER) INIT_INT(

@@ -57,6 +57,7 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
     // Lossless raw fallback (input dtype) or BF16 passthrough: values go in
     // the anchor section; the residual section is empty.
     h.flags = bad.found ? FLAG_RAW : 0;
+    h.sink_rows = 0;  // every value is in the payload already
     KVXFER_CHECK(fits());
     if (bad.found)
       KVXFER_WARN(LOG_CODEC,
@@ -64,6 +65,8 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
                   "): non-finite input, page stored raw (lossless, not progressive)",
                   id.layer, kind, id.token_begin, T);
     KVXFER_CHECK(be->pack_values(h, bad.found ? src.dtype : KVXFER_DTYPE_BF16));
+  } else if (h.sink_rows > 0) {
+    KVXFER_CHECK(be->pack_sinks(h));
   }
   KVXFER_CHECK(be->finish(h));
   seal_page(h, anchor, residual, anchor_len, residual_len, seal_threads);

@@ -46,6 +46,8 @@ class EncodeBackend {
   virtual kvxfer_result_t quantize(const PageHeader& h, EncodeStatus* status, NonfiniteAt* at) = 0;
   /** RAW fallback or BF16 passthrough: the values, as `dtype`, into the anchor payload. */
   virtual kvxfer_result_t pack_values(const PageHeader& h, kvxfer_dtype_t dtype) = 0;
+  /** Rows 0..h.sink_rows-1 as sink_dtype(h), at the anchor payload's sink_offset(). */
+  virtual kvxfer_result_t pack_sinks(const PageHeader& h) = 0;
   /** Makes the payloads of `h` final in the host sections (device: the copies back). */
   virtual kvxfer_result_t finish(const PageHeader& h) {
     (void)h;

@@ -91,6 +91,10 @@ PayloadSizes payload_sizes(const PageHeader& h) {
     s.anchor_codes = ceil_div8(n * h.anchor_bits);
     s.residual_codes = ceil_div8(n * (h.code_bits - h.anchor_bits));
     if (h.code_bits > h.anchor_bits) s.table_bytes = 4ull << h.anchor_bits;
+    if (h.sink_rows > 0) {
+      s.sink_pad = (8 - (s.meta_bytes + s.anchor_codes + s.table_bytes) % 8) % 8;
+      s.sink_bytes = static_cast<uint64_t>(h.sink_rows) * h.num_channels * 2;  // <= 2^53
+    }
   }
   return s;
 }
@@ -111,7 +115,7 @@ void write_header(const PageHeader& h, uint8_t* out) {
   put(p, h.alpha);
   put(p, h.layer);
   put(p, h.num_channels);
-  put(p, h.reserved);
+  put(p, h.sink_rows);
   put(p, h.token_begin);
   put(p, h.num_tokens);
   put(p, h.stream_id);
@@ -187,7 +191,7 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
   h.alpha = get<float>(p);
   h.layer = get<uint32_t>(p);
   h.num_channels = get<uint32_t>(p);
-  h.reserved = get<uint32_t>(p);
+  h.sink_rows = get<uint32_t>(p);
   h.token_begin = get<int64_t>(p);
   h.num_tokens = get<uint64_t>(p);
   h.stream_id = get<uint64_t>(p);
@@ -209,10 +213,14 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
   CORRUPT_IF(h.src_dtype > KVXFER_DTYPE_FP32, "bad source dtype %u", h.src_dtype);
   CORRUPT_IF(!valid_chunk_tokens(h.chunk_tokens), "bad chunk_tokens %u", h.chunk_tokens);
   CORRUPT_IF(h.kind > KVXFER_KV_VALUE, "bad K/V kind %u", h.kind);
-  CORRUPT_IF(h.reserved != 0, "reserved field is %u, must be 0", h.reserved);
+  CORRUPT_IF(h.sink_rows != 0 && ((h.flags & FLAG_RAW) || h.codec == KVXFER_CODEC_BF16 ||
+                                  h.codec == KVXFER_CODEC_SPECTRUM),
+             "sink_rows %u on a page without codes", h.sink_rows);
   CORRUPT_IF(h.num_channels == 0 || h.num_channels > kMaxChannels, "bad num_channels %u",
              h.num_channels);
   CORRUPT_IF(h.num_tokens > kMaxTokens, "bad num_tokens %llu", (unsigned long long)h.num_tokens);
+  CORRUPT_IF(h.sink_rows > h.num_tokens, "sink_rows %u exceeds num_tokens %llu", h.sink_rows,
+             (unsigned long long)h.num_tokens);
   CORRUPT_IF(h.token_begin < 0, "negative token_begin %lld", (long long)h.token_begin);
   CORRUPT_IF(h.section == SECTION_ANCHOR && h.link != 0, "anchor section with a link");
   switch (h.codec) {
@@ -328,6 +336,7 @@ kvxfer_result_t check_pair(const PageHeader& a, const PageHeader& r) {
                     std::memcmp(&a.alpha, &r.alpha, 4) == 0 && a.layer == r.layer &&
                     a.num_channels == r.num_channels && a.token_begin == r.token_begin &&
                     a.num_tokens == r.num_tokens && a.stream_id == r.stream_id &&
+                    a.sink_rows == r.sink_rows &&
                     std::memcmp(a.tiers, r.tiers, sizeof(a.tiers)) == 0;
   if (!same || r.link != a.checksum)
     return set_error(KVXFER_ERR_MISMATCH,

@@ -1,4 +1,4 @@
-// Page wire format, version 2 (docs/FORMAT.md, "Wire format").
+// Page wire format, version 3 (docs/FORMAT.md, "Wire format").
 //
 // A page becomes two sections, each = 80-byte header + payload:
 //   anchor   section: header | metadata [chunk][channel]{offset, half_range} | packed anchors
@@ -27,10 +27,12 @@
 namespace kvxfer::codec {
 
 constexpr uint32_t kMagic = 0x5058564Bu;  // bytes "KVXP"
-constexpr uint16_t kWireVersion = 2;
+constexpr uint16_t kWireVersion = 3;
 constexpr size_t kHeaderBytes = 80;
 constexpr uint32_t kMaxChannels = 1u << 20;
 constexpr uint64_t kMaxTokens = 1ull << 32;
+/** Largest kvxfer_codec_config_t.sink_tokens (docs/FORMAT.md 2.7). */
+constexpr int32_t kMaxSinkTokens = 1024;
 
 enum SectionKind : uint8_t { SECTION_ANCHOR = 1, SECTION_RESIDUAL = 2 };
 enum HeaderFlags : uint8_t { FLAG_RAW = 1u << 0, FLAG_META_FP32 = 1u << 1 };
@@ -54,7 +56,10 @@ struct PageHeader {
   float alpha = 0.0f;
   uint32_t layer = 0;
   uint32_t num_channels = 0;
-  uint32_t reserved = 0;
+  // Rows 0..sink_rows-1 (the attention sinks, tokens at positions <
+  // kvxfer_codec_config_t.sink_tokens) also travel exactly, after the anchor
+  // table (docs/FORMAT.md 2.7).  LYNX, INT8 and INT4 pages that are not raw.
+  uint32_t sink_rows = 0;
   // offset 32
   int64_t token_begin = 0;
   uint64_t num_tokens = 0;
@@ -88,10 +93,22 @@ struct PayloadSizes {
   uint64_t meta_bytes = 0;      // anchor section: per-(chunk, channel) metadata
   uint64_t anchor_codes = 0;    // anchor section: packed anchors / raw / bf16 values
   uint64_t table_bytes = 0;     // anchor section, last: per-page anchor table (2^A x f32)
+  uint64_t sink_pad = 0;        // anchor section: zeros that 8-align the sink rows
+  uint64_t sink_bytes = 0;      // anchor section, last: the sink rows (sink_dtype)
   uint64_t residual_codes = 0;  // residual section
-  uint64_t anchor_payload() const { return meta_bytes + anchor_codes + table_bytes; }
+  uint64_t anchor_payload() const { return sink_offset() + sink_bytes; }
   uint64_t table_offset() const { return meta_bytes + anchor_codes; }
+  uint64_t sink_offset() const { return meta_bytes + anchor_codes + table_bytes + sink_pad; }
 };
+
+/**
+ * The dtype of a page's sink rows (docs/FORMAT.md 2.7): the source dtype when
+ * it is 16-bit (so the rows are exact), else BF16 (the BF16 codec's rounding).
+ */
+inline kvxfer_dtype_t sink_dtype(const PageHeader& h) {
+  return h.src_dtype == KVXFER_DTYPE_FP32 ? KVXFER_DTYPE_BF16
+                                          : static_cast<kvxfer_dtype_t>(h.src_dtype);
+}
 
 /**
  * Computes payload sizes from the codec fields of `h` (codec, flags,

@@ -140,6 +140,8 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
                  cfg->chunk_tokens);
   KVXFER_REQUIRE(cfg->nonfinite == KVXFER_NONFINITE_ERROR || cfg->nonfinite == KVXFER_NONFINITE_RAW,
                  "unknown nonfinite policy %d", static_cast<int>(cfg->nonfinite));
+  KVXFER_REQUIRE(cfg->sink_tokens >= 0 && cfg->sink_tokens <= kMaxSinkTokens,
+                 "codec config: sink_tokens %d outside [0, %d]", cfg->sink_tokens, kMaxSinkTokens);
   if (cfg->codec == KVXFER_CODEC_SPECTRUM) {
     // anchor_bits is the INT8 tier's split (docs/FORMAT.md 6.2); alpha is unused.
     KVXFER_REQUIRE(cfg->anchor_bits >= 2 && cfg->anchor_bits <= 6,
@@ -195,6 +197,8 @@ PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t&
   h.token_begin = id.token_begin;
   h.num_tokens = static_cast<uint64_t>(T);
   h.stream_id = id.stream_id;
+  if (h.code_bits != 0 && cfg.codec != KVXFER_CODEC_SPECTRUM && id.token_begin < cfg.sink_tokens)
+    h.sink_rows = static_cast<uint32_t>(std::min<int64_t>(cfg.sink_tokens - id.token_begin, T));
   return h;
 }
 
@@ -212,7 +216,7 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
                  "num_tokens %" PRId64 " outside [0, 2^32]", T);
   KVXFER_REQUIRE(H >= 1 && static_cast<uint32_t>(H) <= kMaxChannels,
                  "num_channels %d outside [1, %u]", H, kMaxChannels);
-  kvxfer_page_id_t id{};
+  kvxfer_page_id_t id{};  // token_begin 0: the most sink rows
   PageHeader h = make_header(*cfg, id, T, H, KVXFER_DTYPE_FP32);
   // SPECTRUM: every token FP16 is the largest page (docs/FORMAT.md 6.3).
   if (cfg->codec == KVXFER_CODEC_SPECTRUM) h.tiers[KVXFER_TIER_FP16] = static_cast<uint64_t>(T);
@@ -221,6 +225,7 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
   uint64_t anchor = s.anchor_payload();
   if (cfg->nonfinite == KVXFER_NONFINITE_RAW) {
     h.flags = FLAG_RAW;
+    h.sink_rows = 0;
     anchor = std::max<uint64_t>(anchor, payload_sizes(h).anchor_payload());
   }
   *anchor_bytes = kHeaderBytes + anchor;
@@ -305,11 +310,24 @@ class HostBackend final : public EncodeBackend {
   }
 
   kvxfer_result_t pack_values(const PageHeader& h, kvxfer_dtype_t odt) override {
-    const int64_t T = static_cast<int64_t>(h.num_tokens);
-    const int32_t H = static_cast<int32_t>(h.num_channels);
+    pack_rows(static_cast<int64_t>(h.num_tokens), static_cast<int32_t>(h.num_channels), odt,
+              anc_ + kHeaderBytes);
+    return KVXFER_SUCCESS;
+  }
+
+  kvxfer_result_t pack_sinks(const PageHeader& h) override {
+    const PayloadSizes s = payload_sizes(h);
+    uint8_t* out = anc_ + kHeaderBytes + s.sink_offset();
+    std::memset(out - s.sink_pad, 0, s.sink_pad);
+    pack_rows(h.sink_rows, static_cast<int32_t>(h.num_channels), sink_dtype(h), out);
+    return KVXFER_SUCCESS;
+  }
+
+ private:
+  // Rows 0..T-1 of the source as `odt`, row after row, at `out`.
+  void pack_rows(int64_t T, int32_t H, kvxfer_dtype_t odt, uint8_t* out) const {
     const kvxfer_dtype_t sdt = lay_.l->dtype;
     const size_t osz = dtype_size(odt);
-    uint8_t* out = anc_ + kHeaderBytes;
     for (int64_t t = 0; t < T; ++t) {
       const uint8_t* row = lay_.row(t);
       uint8_t* orow = out + static_cast<size_t>(t) * H * osz;
@@ -318,10 +336,8 @@ class HostBackend final : public EncodeBackend {
       else
         for (int32_t c = 0; c < H; ++c) store_elem(orow, c, odt, load_elem(row, c, sdt));
     }
-    return KVXFER_SUCCESS;
   }
 
- private:
   void locate(NonfiniteAt* at) const {
     float v = 0;
     at->found = find_nonfinite(lay_, lay_.l->num_tokens, lay_.l->num_channels, &at->t, &at->c, &v);
@@ -518,6 +534,17 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
     reference::decode(job);
   else
     fast::decode(job, impl == Impl::AVX2, effective_threads(threads));
+  // The sink rows, exact, over their decoded codes (docs/FORMAT.md 2.7).
+  const kvxfer_dtype_t kdt = sink_dtype(ah);
+  const uint8_t* sinks = plan.payload + s.sink_offset();
+  for (int64_t t = 0; t < static_cast<int64_t>(ah.sink_rows); ++t) {
+    const uint8_t* srow = sinks + static_cast<size_t>(t) * H * 2;
+    uint8_t* row = lay.row(t);
+    if (kdt == dst->dtype)
+      std::memcpy(row, srow, static_cast<size_t>(H) * 2);
+    else
+      for (int32_t c = 0; c < H; ++c) store_elem(row, c, dst->dtype, load_elem(srow, c, kdt));
+  }
   return KVXFER_SUCCESS;
 }
 

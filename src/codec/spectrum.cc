@@ -323,6 +323,11 @@ class SpectrumBackend final : public EncodeBackend {
     return KVXFER_SUCCESS;
   }
 
+  // SpectrumKV pages pin their sinks as FP16 tokens: make_header gives them no sink rows.
+  kvxfer_result_t pack_sinks(const PageHeader&) override {
+    return set_error(KVXFER_ERR_INTERNAL, "a SpectrumKV page has no sink rows");
+  }
+
   // Lossless raw fallback: the map stays, the raw values of every token
   // that is sent follow it, and DROP tokens still decode to 0.
   kvxfer_result_t pack_values(const PageHeader& h, kvxfer_dtype_t) override {
