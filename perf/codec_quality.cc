@@ -8,6 +8,8 @@
 //                     are printed on a '#' line after the row)
 //   C                 chunk tokens (kvxfer), group size (KIVI) or "tok" (one
 //                     group per token row)
+//   s                 sink_tokens (kvxfer codecs): leading token rows sent
+//                     exactly (docs/FORMAT.md 2.7); "-" where not applicable
 //   bits_a / bits_t   bits per element on the wire: anchor section / anchor +
 //                     residual.  kvxfer codecs: the actual encoded section
 //                     sizes (headers and metadata included).  Baselines: the
@@ -150,8 +152,13 @@ struct RowSpec {
     if (cfg.codec == KVXFER_CODEC_BF16) return "-";
     return kp::strprintf("%d", cfg.chunk_tokens);
   }
+  // Attention-sink rows sent exactly (kvxfer codecs; docs/FORMAT.md 2.7).
+  std::string sinks() const {
+    if (kind == kBaseline || cfg.codec == KVXFER_CODEC_BF16) return "-";
+    return kp::strprintf("%d", cfg.sink_tokens);
+  }
   std::string label() const {
-    return codec_name() + " " + split() + " a=" + alpha() + " C=" + group();
+    return codec_name() + " " + split() + " a=" + alpha() + " C=" + group() + " s=" + sinks();
   }
 };
 
@@ -214,6 +221,12 @@ std::vector<RowSpec> make_rows_smollm2() {
   for (int ab : {3, 5}) rows.push_back(kvx(KVXFER_CODEC_LYNX, 0.0f, 32, ab));
   rows.push_back(kvx(KVXFER_CODEC_INT8, 0.0f, 32, 4));
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT4, 0.0f, c, 4));
+  // Without the sink row: the codec of format 2, and textbook min/max INT4.
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT4}) {
+    RowSpec r = kvx(codec, 0.0f, 32, 4);
+    r.cfg.sink_tokens = 0;
+    rows.push_back(r);
+  }
   rows.push_back(base(kb::Baseline::kInt8PerToken));
   rows.push_back(base(kb::Baseline::kInt4PerToken));
   rows.push_back(base(kb::Baseline::kKiviInt4));
@@ -710,6 +723,7 @@ void print_row(const kp::Table& table, const std::string& dataset, const RowSpec
   const double af = has_agree ? static_cast<double>(acc.agree_f) / acc.agree_n : 0;
   std::printf("%s\n", table
                           .row({dataset, row.codec_name(), row.split(), row.alpha(), row.group(),
+                                row.sinks(),
                                 kp::strprintf("%.3f", ba), kp::strprintf("%.3f", bt), sci(va),
                                 sci(vf), cosf(kca), cosf(kcf), cosf(vca), cosf(vcf),
                                 has_agree ? kp::strprintf("%.4f", aa) : "-",
@@ -717,7 +731,7 @@ void print_row(const kp::Table& table, const std::string& dataset, const RowSpec
                           .c_str());
   json jr = {
       {"dataset", dataset},      {"codec", row.codec_name()}, {"split", row.split()},
-      {"alpha", row.alpha()},    {"group", row.group()},      {"progressive", row.progressive()},
+      {"alpha", row.alpha()},    {"group", row.group()},      {"sink_tokens", row.sinks()},      {"progressive", row.progressive()},
       {"bits_anchor", ba},       {"bits_total", bt},          {"vnmse_anchor", va},
       {"vnmse_full", vf},        {"key_cos_anchor", kca},     {"key_cos_full", kcf},
       {"value_cos_anchor", vca}, {"value_cos_full", vcf},     {"per_seq", acc.per_seq}};
@@ -914,6 +928,7 @@ int main(int argc, char** argv) {
                    {"code", 4},
                    {"alpha", 5},
                    {"C", 3},
+                   {"s", 1},
                    {"bits_a", 6},
                    {"bits_t", 6},
                    {"vNMSE_a", 9},
