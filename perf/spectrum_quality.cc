@@ -496,7 +496,8 @@ int main(int argc, char** argv) {
     } else if (d == "smollm2") {
       use_smollm2 = true;
     } else {
-      std::fprintf(stderr, "spectrum_quality: -d: unknown data set '%s' (stories, synth, smollm2)\n",
+      std::fprintf(stderr,
+                   "spectrum_quality: -d: unknown data set '%s' (stories, synth, smollm2)\n",
                    d.c_str());
       return 2;
     }
@@ -603,16 +604,14 @@ int main(int argc, char** argv) {
       case kStoriesProbe:
         if (!ks::probe_model(*model, po, &probe, &e)) die("probe: " + e);
         break;
-      case kSynth:
-        synth = synth_seq(synth_layers, synth_tokens, synth_queries, pp.lambda);
-        break;
+      case kSynth: synth = synth_seq(synth_layers, synth_tokens, synth_queries, pp.lambda); break;
       case kStories: {
         std::vector<int> toks;
         if (!ks::sample_tokens(*model, prompt_tokens, 100 + i, &toks, &e) ||
             !ks::make_continuation(*model, toks, steps, &conts[i], &e))
           die(e);
-        model_seq(*model, conts[i], kp::strprintf("sample%d-%d", 100 + i, prompt_tokens),
-                  pp.lambda, &stories[i]);
+        model_seq(*model, conts[i], kp::strprintf("sample%d-%d", 100 + i, prompt_tokens), pp.lambda,
+                  &stories[i]);
         break;
       }
     }
@@ -637,8 +636,7 @@ int main(int argc, char** argv) {
         "the text teacher-forced (PPL %.4f over the full-precision KV); importance from prefill "
         "attention mass\n",
         sm.model->config().name.c_str(), text_path.substr(text_path.rfind('/') + 1).c_str(),
-        text_tokens.size(), text_prompt - 1, text_steps,
-        std::exp(text_cont.nll_full / text_steps));
+        text_tokens.size(), text_prompt - 1, text_steps, std::exp(text_cont.nll_full / text_steps));
   else if (!smollm2_skip.empty())
     std::printf("# smollm2: skipped: %s\n", smollm2_skip.c_str());
   std::printf(
@@ -682,7 +680,8 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
   };
   std::vector<DataSet> sets;
-  if (use_smollm2) sets.push_back({"smollm2", {&text_seq}, make_rows(budgets, niah_probe.allow_int4)});
+  if (use_smollm2)
+    sets.push_back({"smollm2", {&text_seq}, make_rows(budgets, niah_probe.allow_int4)});
   if (use_stories) {
     DataSet d{"stories", {}, make_rows(budgets, probe.allow_int4)};
     for (const Seq& s : stories) d.seqs.push_back(&s);
@@ -789,13 +788,13 @@ int main(int argc, char** argv) {
         hit[r][c] = found ? 1 : 0;
       }
     }
-    std::printf("#\n# smollm2 needle in a haystack: %zu depths i/%zu of %s (%d to %d tokens per "
-                "prompt), passkey per depth, greedy answer of up to %d tokens\n",
-                niah.size(), niah.size() > 1 ? niah.size() - 1 : 1,
-                text_path.substr(text_path.rfind('/') + 1).c_str(),
-                niah.empty() ? 0 : static_cast<int>(niah.front().prompt.size()),
-                niah.empty() ? 0 : static_cast<int>(niah.back().prompt.size()),
-                npo.niah.answer_tokens);
+    std::printf(
+        "#\n# smollm2 needle in a haystack: %zu depths i/%zu of %s (%d to %d tokens per "
+        "prompt), passkey per depth, greedy answer of up to %d tokens\n",
+        niah.size(), niah.size() > 1 ? niah.size() - 1 : 1,
+        text_path.substr(text_path.rfind('/') + 1).c_str(),
+        niah.empty() ? 0 : static_cast<int>(niah.front().prompt.size()),
+        niah.empty() ? 0 : static_cast<int>(niah.back().prompt.size()), npo.niah.answer_tokens);
     std::printf("# depth map: one character per depth, shallow to deep: + found, . missed\n");
     kp::Table nt({{"data", 7},
                   {"b", 4},
@@ -821,12 +820,14 @@ int main(int argc, char** argv) {
       const double acc = 100.0 * found / niah.size();
       niah_of[key("smollm2", row.name, row.b)] = acc;
       const bool has_tiers = row.kind != Row::kUniform && row.kind != Row::kFull;
-      auto frac = [&](int t) { return has_tiers ? kp::strprintf("%.3f", t4[t]) : std::string("-"); };
-      std::printf("%s\n", nt.row({"smollm2", kp::strprintf("%.2f", row.b), row.name, frac(0),
-                                  frac(1), frac(2), frac(3),
-                                  kp::strprintf("%d/%zu", found, niah.size()),
-                                  kp::strprintf("%.1f", acc), map})
-                              .c_str());
+      auto frac = [&](int t) {
+        return has_tiers ? kp::strprintf("%.3f", t4[t]) : std::string("-");
+      };
+      std::printf("%s\n",
+                  nt.row({"smollm2", kp::strprintf("%.2f", row.b), row.name, frac(0), frac(1),
+                          frac(2), frac(3), kp::strprintf("%d/%zu", found, niah.size()),
+                          kp::strprintf("%.1f", acc), map})
+                      .c_str());
       jniah.push_back({{"budget", row.b},
                        {"policy", row.name},
                        {"found", found},
@@ -846,20 +847,21 @@ int main(int argc, char** argv) {
     const double g5 = get(dppl_of, key("smollm2", "Greedy", 0.5));
     const double i8 = get(dppl_of, key("smollm2", "INT8", 0.5));
     if (std::isfinite(g5) && std::isfinite(i8))
-      std::printf("#   Greedy b=0.5 dPPL %+.2f%% vs INT8 %+.2f%%: |diff| %.2f %s 0.5 -> %s\n", g5, i8,
-                  std::fabs(g5 - i8), std::fabs(g5 - i8) <= 0.5 ? "<=" : ">",
+      std::printf("#   Greedy b=0.5 dPPL %+.2f%% vs INT8 %+.2f%%: |diff| %.2f %s 0.5 -> %s\n", g5,
+                  i8, std::fabs(g5 - i8), std::fabs(g5 - i8) <= 0.5 ? "<=" : ">",
                   std::fabs(g5 - i8) <= 0.5 ? "reached" : "NOT reached");
     for (const char* pol : {"Greedy", "Adaptive"}) {
       const double g3 = get(dppl_of, key("smollm2", pol, 0.3));
       const double p3 = get(dppl_of, key("smollm2", "PDTrim", 0.3));
       if (std::isfinite(g3) && std::isfinite(p3))
-        std::printf("#   %s b=0.3 dPPL %+.2f%% vs PDTrim %+.2f%%: %s (figure: PDTrim's >= 3x, "
-                    "if the probe enables INT4; probe: INT4 %s) -> %s\n",
-                    pol, g3, p3,
-                    g3 > 0 ? kp::strprintf("PDTrim's is %.1fx", p3 / g3).c_str()
-                           : "no loss against full precision",
-                    niah_probe.allow_int4 ? "ALLOWED" : "BLOCKED",
-                    p3 >= 3 * g3 ? "reached" : "NOT reached");
+        std::printf(
+            "#   %s b=0.3 dPPL %+.2f%% vs PDTrim %+.2f%%: %s (figure: PDTrim's >= 3x, "
+            "if the probe enables INT4; probe: INT4 %s) -> %s\n",
+            pol, g3, p3,
+            g3 > 0 ? kp::strprintf("PDTrim's is %.1fx", p3 / g3).c_str()
+                   : "no loss against full precision",
+            niah_probe.allow_int4 ? "ALLOWED" : "BLOCKED",
+            p3 >= 3 * g3 ? "reached" : "NOT reached");
       const double n3 = get(niah_of, key("smollm2", pol, 0.3));
       const double np3 = get(niah_of, key("smollm2", "PDTrim", 0.3));
       if (std::isfinite(n3) && std::isfinite(np3))

@@ -61,8 +61,8 @@ const SmolLM2& smollm2() {
   return s;
 }
 
-#define REQUIRE_SMOLLM2()                                         \
-  const SmolLM2& sm = smollm2();                                  \
+#define REQUIRE_SMOLLM2()                                             \
+  const SmolLM2& sm = smollm2();                                      \
   if (!sm.model) GTEST_SKIP() << "SmolLM2 not available: " << sm.why; \
   ASSERT_FALSE(sm.text.empty())
 
@@ -103,9 +103,9 @@ std::vector<uint8_t> pdtrim_tiers(double b, size_t n) {
 }
 
 // The paper's Tables 2/3 in small (perf/spectrum_quality --quick -d smollm2):
-// 512 tokens of real text as the prompt KV, the next 64 teacher-forced.  At b = 1/2 Greedy is all INT8 and so
-// matches uniform INT8; at b = 0.3 keeping every token (80 % INT4) loses far
-// less than dropping 70 % of them.
+// 512 tokens of real text as the prompt KV, the next 64 teacher-forced.  At b = 1/2 Greedy is all
+// INT8 and so matches uniform INT8; at b = 0.3 keeping every token (80 % INT4) loses far less than
+// dropping 70 % of them.
 TEST(SpectrumSmolLM2, MixedPrecisionMatchesInt8AndBeatsKeepDropOnRealText) {
   REQUIRE_SMOLLM2();
   std::vector<int32_t> ids;
@@ -130,9 +130,10 @@ TEST(SpectrumSmolLM2, MixedPrecisionMatchesInt8AndBeatsKeepDropOnRealText) {
   score(*sm.model, c, KVXFER_CODEC_SPECTRUM, &g5, &d_g5, &a_g5);
   score(*sm.model, c, KVXFER_CODEC_SPECTRUM, &g3, &d_g3, &a_g3);
   score(*sm.model, c, KVXFER_CODEC_SPECTRUM, &pd3, &d_pd3, &a_pd3);
-  std::printf("  dPPL%%: INT8 %+.2f, Greedy b=0.5 %+.2f, b=0.3 %+.2f, PDTrim b=0.3 %+.2f; "
-              "agreement %d %d %d %d of 64\n",
-              d_int8, d_g5, d_g3, d_pd3, a_int8, a_g5, a_g3, a_pd3);
+  std::printf(
+      "  dPPL%%: INT8 %+.2f, Greedy b=0.5 %+.2f, b=0.3 %+.2f, PDTrim b=0.3 %+.2f; "
+      "agreement %d %d %d %d of 64\n",
+      d_int8, d_g5, d_g3, d_pd3, a_int8, a_g5, a_g3, a_pd3);
   EXPECT_LE(std::fabs(d_g5 - d_int8), 0.5);
   EXPECT_GT(d_pd3, 5.0) << "dropping 70 % of the prompt should cost perplexity";
   EXPECT_GE(d_pd3, 3.0 * std::max(d_g3, 0.0));
@@ -148,8 +149,8 @@ TEST(SpectrumSmolLM2, NiahCasePlacesTheNeedleInTheChatPrompt) {
   std::string err;
   for (double depth : {0.0, 0.5, 1.0}) {
     ks::NiahCase c;
-    ASSERT_TRUE(ks::make_niah_case(*sm.model, *sm.tok, *sm.chat, sm.text, depth, "48213", opt, &c,
-                                   &err))
+    ASSERT_TRUE(
+        ks::make_niah_case(*sm.model, *sm.tok, *sm.chat, sm.text, depth, "48213", opt, &c, &err))
         << err;
     EXPECT_EQ(c.kv.n_tokens() + 1, static_cast<int>(c.prompt.size()));
     std::string needle, all;

@@ -427,8 +427,8 @@ bool niah_trial(NiahCtx* ctx, int k, const kvxfer_spectrum_config_t& cfg, NiahPr
   out->depth = c.depth;
   out->passkey = c.passkey;
   out->prompt_tokens = static_cast<int>(c.prompt.size());
-  if (!niah_answer(*ctx->m, *ctx->tok, c, c.kv.view(), o.niah, &out->answer_full,
-                   &out->found_full, error))
+  if (!niah_answer(*ctx->m, *ctx->tok, c, c.kv.view(), o.niah, &out->answer_full, &out->found_full,
+                   error))
     return false;
   std::vector<float> imp;
   if (!niah_importance(*ctx->m, c, cfg.lambda, &imp, error)) return false;

@@ -188,7 +188,7 @@ bool niah_importance(const km::Model& m, const NiahCase& c, float lambda,
 
 /** Options of the built-in NIAH probe. */
 struct NiahProbeOptions {
-  std::string haystack;                     // the long real text
+  std::string haystack;                                             // the long real text
   double depths[KVXFER_SPECTRUM_PROBE_TRIALS] = {0.25, 0.5, 0.75};  // trial k's needle depth
   std::string passkeys[KVXFER_SPECTRUM_PROBE_TRIALS] = {"48213", "70546", "93187"};
   NiahOptions niah;
@@ -200,9 +200,9 @@ struct NiahProbeTrial {
   double depth = 0;
   std::string passkey;
   int prompt_tokens = 0;
-  std::string answer;      // greedy answer under the probe's policy
-  bool found = false;      // the trial's result: answer contains the passkey
-  std::string answer_full; // greedy answer over the full-precision KV (for the record)
+  std::string answer;       // greedy answer under the probe's policy
+  bool found = false;       // the trial's result: answer contains the passkey
+  std::string answer_full;  // greedy answer over the full-precision KV (for the record)
   bool found_full = false;
 };
 
