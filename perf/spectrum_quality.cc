@@ -1,17 +1,26 @@
 // perf/spectrum_quality: SpectrumKV mixed precision against keep/drop and
 // uniform quantization at equal transfer budgets (docs/SPECTRUMKV.md).
 //
-// One table, one row per (data set, budget b, policy):
-//   Greedy        SpectrumKV (sinks FP16, tiers by importance, Proposition 1),
-//                 3-tier when the built-in INT4 probe passes, else 2-tier
-//   Greedy-2T     the same with INT4 disabled (the probe's fallback; DROP
+// Table 1, one row per (data set, budget b, policy).  Row names follow the
+// paper (arXiv:2606.08635); docs/SPECTRUMKV.md maps them to kvxfer's API:
+//   Greedy        kvxfer GREEDY, no sink pinned (s = 0), INT4 allowed: the
+//                 paper's Greedy (Table 11: "sinks ranked like all others")
+//   SinkProtect   kvxfer GREEDY with the first s tokens pinned to FP16, INT4
+//                 allowed (the paper's SinkProtect; kvxfer's default policy)
+//   Adaptive      SinkProtect with INT4 as the data set's probe decides
+//                 (3-tier when it passes, else 2-Tier); no row for synth
+//   2-Tier        SinkProtect with INT4 disabled (the probe's fallback: DROP
 //                 below b = 1/2), always shown
-//   SinkProtect, Balanced, Random   the baseline variants (kvxfer_spectrum_
-//                 variant_t), INT4 as Greedy; Random: mean over --seeds seeds
-//   PDTrim        keep/drop: the first s tokens and the most recent
-//                 floor(b n) - s at FP16, the rest dropped
-//   TopImp        keep/drop: the first s and the floor(b n) - s most
-//                 important others at FP16, the rest dropped
+//   Recency, Balanced, Random   kvxfer's variants SINK_PROTECT (sinks, then
+//                 by recency), BALANCED, RANDOM (mean over --seeds seeds),
+//                 sinks pinned, INT4 allowed
+//   PDTrim        keep/drop: floor(b n) tokens at FP16, the first
+//                 round(r floor(b n)) and the last others (r = --pdtrim-first,
+//                 0.5 as the paper's Table 2), the middle dropped
+//   Recent        keep/drop: the first s and the most recent others at FP16
+//                 (StreamingLLM-like; PDTrim with the first region = sinks)
+//   TopImp        keep/drop by importance (SWS-like): the first s and the
+//                 most important others at FP16, the rest dropped
 //   INT8, INT4    the uniform codecs KVXFER_CODEC_INT8 / _INT4 (b = 1/2, 1/4)
 // Every SpectrumKV and keep/drop row travels as KVXFER_CODEC_SPECTRUM pages
 // (kvxfer_page_encode_tiered), decoded at full precision; dropped tokens are
@@ -22,23 +31,39 @@
 //   ratio     bytes / bytes of the same KV in fp16 (2 bytes per element)
 //   vNMSE     sum |O_hat - O|^2 / sum |O|^2 of the attention outputs (per
 //             head softmax(q k^T / sqrt(d)) v, no wo) of decode-time queries
-//             over the transferred KV (stories: the queries of the 64
+//             over the transferred KV (stories, smollm2: the queries of the
 //             continuation tokens over the prompt's KV; synth: generated
 //             queries after the last token)
-//   agree     greedy-token agreement: fraction of the --steps teacher-forced
-//             continuation tokens whose argmax equals full precision (stories)
-//   dPPL%     100 (PPL_hat / PPL - 1), PPL = exp(mean -log p(ref)) of the
-//             model's own full-precision greedy continuation (stories)
+//   agree     greedy-token agreement: fraction of the teacher-forced
+//             continuation tokens whose argmax equals full precision
+//   PPL       exp(mean -log p(target)) over the continuation: the model's own
+//             full-precision greedy tokens (stories), the real text (smollm2)
+//   dPPL%     100 (PPL_hat / PPL - 1), PPL over the full-precision KV
 // Data sets: stories = stories260K prefilled on sampled prompts, importance
 // from its prefill attention mass; synth = the synthetic Llama-like KV
-// (src/model/synthetic_kv.h), importance from the KV-norm fallback.
+// (src/model/synthetic_kv.h), importance from the KV-norm fallback;
+// smollm2 = SmolLM2-135M-Instruct on the real text data/apache-2.0.txt: the
+// KV of its first P tokens is transferred, the next --text-steps tokens of the
+// text are teacher-forced over it (P = all but the last steps + 1 tokens
+// unless --text-prompt), importance from the prefill attention mass.
+//
+// Table 2 (smollm2): needle in a haystack.  The passkey sentence at each of
+// --niah-depths depths of the text, a question in the chat template; the KV
+// of the prompt (all but its last token) is transferred, the answer decoded
+// greedily over it; found = the answer contains the passkey.  The INT4 probe
+// of smollm2 is the paper's: 3 such trials under 3-tier Greedy at b = 0.3.
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -46,7 +71,11 @@
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
 #include "kvxfer/spectrum.h"
+#include "model/bpe_tokenizer.h"
+#include "model/chat_template.h"
+#include "model/gguf.h"
 #include "model/llama2.h"
+#include "model/model_paths.h"
 #include "model/synthetic_kv.h"
 #include "perf/common/harness.h"
 #include "spectrum/model_probe.h"
@@ -73,7 +102,8 @@ struct Seq {
   std::vector<float> queries;  // [L][nq][n_heads*head_size], each attending to all n tokens
   int nq = 0;
   std::vector<std::vector<float>> o_ref;   // [L][nq*qdim]
-  const ks::Continuation* cont = nullptr;  // stories only
+  const km::Model* model = nullptr;        // scores cont (stories, smollm2)
+  const ks::Continuation* cont = nullptr;  // stories, smollm2
   size_t qdim() const { return static_cast<size_t>(shape.n_heads) * shape.head_size; }
 };
 
@@ -96,11 +126,28 @@ void compute_reference(Seq* s) {
   }
 }
 
+// A sequence of a model's continuation (stories, smollm2).
+void model_seq(const km::Model& m, const ks::Continuation& c, const std::string& name, float lambda,
+               Seq* s) {
+  const km::Config& mc = m.config();
+  std::string e;
+  s->name = name;
+  s->kv = c.kv;
+  s->model = &m;
+  s->cont = &c;
+  s->shape = km::AttentionShape{mc.n_heads, mc.n_kv_heads, mc.head_size()};
+  s->nq = static_cast<int>(c.feed.size());
+  s->queries = c.queries;
+  if (!ks::attention_importance(m, c, lambda, &s->importance, &e)) die(e);
+  compute_reference(s);
+}
+
 struct Row {
   std::string name;
   double b = 0;  // budget (uniform codecs: their own)
-  enum Kind { kPolicy, kPdtrim, kTopImp, kUniform } kind = kPolicy;
+  enum Kind { kPolicy, kPdtrim, kRecent, kTopImp, kUniform, kFull } kind = kPolicy;
   kvxfer_spectrum_variant_t variant = KVXFER_SPECTRUM_GREEDY;
+  int sinks = -1;  // -1: --sinks
   int allow_int4 = 0;
   kvxfer_codec_t codec = KVXFER_CODEC_SPECTRUM;
 };
@@ -122,47 +169,66 @@ struct Acc {
   }
 };
 
-std::vector<uint8_t> tiers_for(const Row& r, const Seq& s, int sinks, float lambda, uint64_t seed) {
-  const int64_t n = s.kv.n_tokens();
+struct PolicyParams {
+  int sinks = 4;
+  float lambda = 0.00390625f;
+  double pdtrim_first = 0.5;
+};
+
+std::vector<uint8_t> tiers_for(const Row& r, int64_t n, const float* importance,
+                               const PolicyParams& pp, uint64_t seed) {
   std::vector<uint8_t> t(static_cast<size_t>(n), KVXFER_TIER_DROP);
+  const int sinks = r.sinks >= 0 ? r.sinks : pp.sinks;
   if (r.kind == Row::kPolicy) {
     kvxfer_spectrum_config_t c = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
     c.budget = r.b;
     c.sink_tokens = sinks;
-    c.lambda = lambda;
+    c.lambda = pp.lambda;
     c.variant = r.variant;
     c.seed = seed;
     c.allow_int4 = r.allow_int4;
-    if (kvxfer_spectrum_assign(&c, n, s.importance.data(), t.data()) != KVXFER_SUCCESS)
+    if (kvxfer_spectrum_assign(&c, n, importance, t.data()) != KVXFER_SUCCESS)
       die(std::string("assign: ") + kvxfer_get_last_error());
     return t;
   }
   // Keep/drop: floor(U / 4) tokens at FP16 (4 units each, within the policy's U).
   const int64_t keep = ks::budget_units(r.b, n) / 4;
+  if (r.kind == Row::kPdtrim) {
+    const int64_t first = std::min<int64_t>(keep, std::llround(pp.pdtrim_first * keep));
+    for (int64_t j = 0; j < first; ++j) t[j] = KVXFER_TIER_FP16;
+    for (int64_t j = n - (keep - first); j < n; ++j) t[j] = KVXFER_TIER_FP16;
+    return t;
+  }
   const int64_t s0 = std::min<int64_t>(sinks, keep);
   for (int64_t j = 0; j < s0; ++j) t[j] = KVXFER_TIER_FP16;
-  if (r.kind == Row::kPdtrim) {
+  if (r.kind == Row::kRecent) {
     for (int64_t j = std::max(s0, n - (keep - s0)); j < n; ++j) t[j] = KVXFER_TIER_FP16;
   } else {
-    const std::vector<int64_t> order = ks::importance_order(s.importance.data(), s0, n);
+    const std::vector<int64_t> order = ks::importance_order(importance, s0, n);
     for (int64_t k = 0; k < keep - s0; ++k) t[order[k]] = KVXFER_TIER_FP16;
   }
   return t;
 }
 
-Acc eval(const km::Model* m, const Row& r, const Seq& s, int sinks, float lambda, uint64_t seed) {
+// The KV of `kv` after row r's transfer (kFull: none, the KV itself).
+void transfer(const Row& r, const km::KVCache& kv, const float* importance, const PolicyParams& pp,
+              uint64_t seed, ks::TransferredKV* tk, std::vector<uint8_t>* tiers) {
+  std::string err;
+  kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cc.codec = r.codec;
+  tiers->clear();
+  if (r.kind != Row::kUniform) *tiers = tiers_for(r, kv.n_tokens(), importance, pp, seed);
+  if (!ks::transfer_kv(kv, cc, tiers->empty() ? nullptr : tiers->data(), false, tk, &err))
+    die(r.name + ": " + err);
+}
+
+Acc eval(const Row& r, const Seq& s, const PolicyParams& pp, uint64_t seed) {
   Acc a;
   std::string err;
   ks::TransferredKV tk;
-  kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
-  cc.codec = r.codec;
   std::vector<uint8_t> tiers;
-  if (r.kind != Row::kUniform) {
-    tiers = tiers_for(r, s, sinks, lambda, seed);
-    for (uint8_t t : tiers) a.tiers[t] += 1;
-  }
-  if (!ks::transfer_kv(s.kv, cc, tiers.empty() ? nullptr : tiers.data(), false, &tk, &err))
-    die(r.name + ": " + err);
+  transfer(r, s.kv, s.importance.data(), pp, seed, &tk, &tiers);
+  for (uint8_t t : tiers) a.tiers[t] += 1;
   a.bytes = static_cast<double>(tk.anchor_bytes + tk.residual_bytes);
   a.fp16_bytes = 2.0 * 2.0 * s.kv.n_layers() * s.kv.n_tokens() * s.kv.kv_dim();
   const km::KVView view = tk.view();
@@ -175,10 +241,10 @@ Acc eval(const km::Model* m, const Row& r, const Seq& s, int sinks, float lambda
       a.norm += static_cast<double>(s.o_ref[l][i]) * s.o_ref[l][i];
     }
   }
-  if (m != nullptr && s.cont != nullptr) {
+  if (s.model != nullptr && s.cont != nullptr) {
     double nll = 0;
     int agree = 0;
-    if (!ks::score_view(*m, *s.cont, view, &agree, &nll, &err)) die(err);
+    if (!ks::score_view(*s.model, *s.cont, view, &agree, &nll, &err)) die(err);
     a.agree = agree;
     a.positions = static_cast<int>(s.cont->feed.size());
     a.nll = nll;
@@ -187,39 +253,72 @@ Acc eval(const km::Model* m, const Row& r, const Seq& s, int sinks, float lambda
   return a;
 }
 
-std::vector<Row> make_rows(const std::vector<double>& budgets, int allow_int4) {
+Row policy_row(const char* name, double b, kvxfer_spectrum_variant_t v, int int4, int sinks = -1) {
+  Row r;
+  r.name = name;
+  r.b = b;
+  r.variant = v;
+  r.allow_int4 = int4;
+  r.sinks = sinks;
+  return r;
+}
+
+Row keep_drop_row(const char* name, double b, Row::Kind k) {
+  Row r;
+  r.name = name;
+  r.b = b;
+  r.kind = k;
+  return r;
+}
+
+Row uniform_row(kvxfer_codec_t c) {
+  Row u;
+  u.kind = Row::kUniform;
+  u.codec = c;
+  u.name = c == KVXFER_CODEC_INT8 ? "INT8" : "INT4";
+  u.b = c == KVXFER_CODEC_INT8 ? 0.5 : 0.25;
+  return u;
+}
+
+// adaptive_int4 < 0: no probe for this data set (no Adaptive row).
+std::vector<Row> make_rows(const std::vector<double>& budgets, int adaptive_int4) {
   std::vector<Row> rows;
   for (double b : budgets) {
-    auto pol = [&](const char* name, kvxfer_spectrum_variant_t v, int int4) {
-      Row r;
-      r.name = name;
-      r.b = b;
-      r.variant = v;
-      r.allow_int4 = int4;
-      rows.push_back(r);
-    };
-    pol("Greedy", KVXFER_SPECTRUM_GREEDY, allow_int4);
-    pol("Greedy-2T", KVXFER_SPECTRUM_GREEDY, 0);
-    pol("SinkProtect", KVXFER_SPECTRUM_SINK_PROTECT, allow_int4);
-    pol("Balanced", KVXFER_SPECTRUM_BALANCED, allow_int4);
-    pol("Random", KVXFER_SPECTRUM_RANDOM, allow_int4);
-    Row p;
-    p.b = b;
-    p.name = "PDTrim";
-    p.kind = Row::kPdtrim;
-    rows.push_back(p);
-    p.name = "TopImp";
-    p.kind = Row::kTopImp;
-    rows.push_back(p);
+    rows.push_back(policy_row("Greedy", b, KVXFER_SPECTRUM_GREEDY, 1, 0));
+    rows.push_back(policy_row("SinkProtect", b, KVXFER_SPECTRUM_GREEDY, 1));
+    if (adaptive_int4 >= 0)
+      rows.push_back(policy_row("Adaptive", b, KVXFER_SPECTRUM_GREEDY, adaptive_int4));
+    rows.push_back(policy_row("2-Tier", b, KVXFER_SPECTRUM_GREEDY, 0));
+    rows.push_back(policy_row("Recency", b, KVXFER_SPECTRUM_SINK_PROTECT, 1));
+    rows.push_back(policy_row("Balanced", b, KVXFER_SPECTRUM_BALANCED, 1));
+    rows.push_back(policy_row("Random", b, KVXFER_SPECTRUM_RANDOM, 1));
+    rows.push_back(keep_drop_row("PDTrim", b, Row::kPdtrim));
+    rows.push_back(keep_drop_row("Recent", b, Row::kRecent));
+    rows.push_back(keep_drop_row("TopImp", b, Row::kTopImp));
   }
-  for (kvxfer_codec_t c : {KVXFER_CODEC_INT8, KVXFER_CODEC_INT4}) {
-    Row u;
-    u.kind = Row::kUniform;
-    u.codec = c;
-    u.name = c == KVXFER_CODEC_INT8 ? "INT8" : "INT4";
-    u.b = c == KVXFER_CODEC_INT8 ? 0.5 : 0.25;
-    rows.push_back(u);
+  rows.push_back(uniform_row(KVXFER_CODEC_INT8));
+  rows.push_back(uniform_row(KVXFER_CODEC_INT4));
+  return rows;
+}
+
+// NIAH rows: the paper's Table 4 methods and ours.
+std::vector<Row> make_niah_rows(const std::vector<double>& budgets, int adaptive_int4) {
+  std::vector<Row> rows;
+  Row f;
+  f.name = "Full";
+  f.b = 1;
+  f.kind = Row::kFull;
+  rows.push_back(f);
+  for (double b : budgets) {
+    rows.push_back(policy_row("Greedy", b, KVXFER_SPECTRUM_GREEDY, 1, 0));
+    rows.push_back(policy_row("SinkProtect", b, KVXFER_SPECTRUM_GREEDY, 1));
+    rows.push_back(policy_row("Adaptive", b, KVXFER_SPECTRUM_GREEDY, adaptive_int4));
+    rows.push_back(policy_row("2-Tier", b, KVXFER_SPECTRUM_GREEDY, 0));
+    rows.push_back(keep_drop_row("PDTrim", b, Row::kPdtrim));
+    rows.push_back(keep_drop_row("TopImp", b, Row::kTopImp));
   }
+  rows.push_back(uniform_row(KVXFER_CODEC_INT8));
+  rows.push_back(uniform_row(KVXFER_CODEC_INT4));
   return rows;
 }
 
@@ -261,32 +360,111 @@ Seq synth_seq(int layers, int tokens, int nq, float lambda) {
   return s;
 }
 
+bool parse_budgets(const std::string& list, const char* flag, std::vector<double>* out) {
+  out->clear();
+  for (const std::string& b : kp::split(list)) {
+    // Checked before the model runs: a typo must not cost a minute.
+    char* end = nullptr;
+    const double v = std::strtod(b.c_str(), &end);
+    if (b.empty() || end == nullptr || *end != '\0' || !(v >= 0.25 && v <= 1.0)) {
+      std::fprintf(stderr, "spectrum_quality: %s: '%s' is not a budget in [0.25, 1]\n", flag,
+                   b.c_str());
+      return false;
+    }
+    out->push_back(v);
+  }
+  return true;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) die("cannot read " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Passkey of NIAH depth i: 5 digits, a pure function of i.
+std::string passkey_of(int i) {
+  uint64_t z = 0xC0DEull + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return std::to_string(10000 + z % 90000);
+}
+
+// The SmolLM2 model, its tokenizer and chat template.
+struct Chat {
+  std::unique_ptr<km::Model> model;
+  std::unique_ptr<km::BpeTokenizer> tok;
+  std::unique_ptr<km::ChatTemplate> chat;
+};
+
+struct NiahAcc {
+  int found = 0, cases = 0;
+  double tiers[4] = {0, 0, 0, 0};
+  std::string map;  // per depth: '+' found, '.' not
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"SpectrumKV quality: mixed precision vs keep/drop vs uniform at equal budget"};
   bool quick = false;
   int check = 1;
-  std::string json_path, budgets_s = "0.25,0.3,0.4,0.5,0.7";
+  std::string json_path, budgets_s = "0.25,0.3,0.4,0.5,0.7", datasets_s;
   std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
-  int prompts = 3, prompt_tokens = 320, steps = 64, seeds = 3, sinks = 4;
+  std::string smollm2_path = km::smollm2_gguf_path();
+  std::string text_path = std::string(KVXFER_DATA_DIR) + "/apache-2.0.txt";
+  std::string niah_budgets_s = "0.3,0.5,0.7";
+  int prompts = 3, prompt_tokens = 320, steps = 64, seeds = 3;
   int synth_layers = 2, synth_tokens = 512, synth_queries = 16;
-  float lambda = 0.00390625f;
-  auto* quick_opt = app.add_flag("--quick", quick,
-                                 "1 prompt of 192 tokens, 256 synthetic tokens, budgets 0.3,0.5");
+  int text_prompt = 0, text_steps = 256, niah_depths = 11, niah_haystack = 0;
+  PolicyParams pp;
+  auto* quick_opt = app.add_flag(
+      "--quick", quick,
+      "stories: 1 prompt of 192 tokens, synth: 256 tokens, budgets 0.3,0.5; data sets "
+      "stories,synth unless -d; smollm2 (with -d): a 512-token prompt, 64 steps, 3 needle depths "
+      "of a 512-token haystack, NIAH budgets 0.3,0.5");
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
   app.add_option("-c,--check", check, "1: fail (exit 1) on an out-of-bounds result")
       ->capture_default_str();
+  app.add_option("-d,--datasets", datasets_s,
+                 "comma list of stories, synth, smollm2 (default all; smollm2 is skipped with a "
+                 "message when its GGUF is absent)");
   app.add_option("-b,--budgets", budgets_s, "comma list of budgets in [0.25, 1]")
       ->capture_default_str()
       ->excludes(quick_opt);
-  app.add_option("--model", model_path, "llama2.c checkpoint")->capture_default_str();
+  app.add_option("--model", model_path, "llama2.c checkpoint (stories)")->capture_default_str();
+  app.add_option("--smollm2", smollm2_path, "SmolLM2-135M-Instruct GGUF")->capture_default_str();
+  app.add_option("--text", text_path, "real text of smollm2 (perplexity and haystack)")
+      ->capture_default_str();
   app.add_option("--prompts", prompts, "stories prompts")->capture_default_str();
-  app.add_option("--prompt-tokens", prompt_tokens, "tokens per prompt")->capture_default_str();
-  app.add_option("--steps", steps, "teacher-forced continuation tokens")->capture_default_str();
+  app.add_option("--prompt-tokens", prompt_tokens, "tokens per stories prompt")
+      ->capture_default_str();
+  app.add_option("--steps", steps, "stories: teacher-forced continuation tokens")
+      ->capture_default_str();
+  app.add_option("--text-prompt", text_prompt,
+                 "smollm2: tokens of the text whose KV is transferred (0: all but the last "
+                 "text-steps + 1)")
+      ->capture_default_str();
+  app.add_option("--text-steps", text_steps, "smollm2: teacher-forced tokens of the text")
+      ->capture_default_str();
+  app.add_option("--niah-depths", niah_depths, "smollm2: needle depths i/(D-1), i = 0..D-1")
+      ->capture_default_str();
+  app.add_option("--niah-haystack", niah_haystack,
+                 "smollm2: haystack tokens (the text cut at a line break; 0: all of it)")
+      ->capture_default_str();
+  app.add_option("--niah-budgets", niah_budgets_s, "smollm2: NIAH budgets")
+      ->capture_default_str()
+      ->excludes(quick_opt);
   app.add_option("--seeds", seeds, "seeds of the Random variant")->capture_default_str();
-  app.add_option("--sinks", sinks, "sink tokens s")->capture_default_str();
-  app.add_option("--lambda", lambda, "recency decay of the importance")->capture_default_str();
+  app.add_option("--sinks", pp.sinks, "sink tokens s")->capture_default_str();
+  app.add_option("--lambda", pp.lambda, "recency decay of the importance")->capture_default_str();
+  app.add_option("--pdtrim-first", pp.pdtrim_first,
+                 "PDTrim: share of the kept tokens taken from the start")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--synth-layers", synth_layers, "synthetic layers")->capture_default_str();
   app.add_option("--synth-tokens", synth_tokens, "synthetic tokens")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -301,79 +479,186 @@ int main(int argc, char** argv) {
     synth_queries = 8;
     seeds = 2;
     budgets_s = "0.3,0.5";
+    niah_budgets_s = "0.3,0.5";
+    if (datasets_s.empty()) datasets_s = "stories,synth";
+    text_prompt = 512;
+    text_steps = 64;
+    niah_depths = 3;
+    niah_haystack = 512;
   }
-  std::vector<double> budgets;
-  for (const std::string& b : kp::split(budgets_s)) {
-    // Checked before the model runs: a typo must not cost a minute.
-    char* end = nullptr;
-    const double v = std::strtod(b.c_str(), &end);
-    if (b.empty() || end == nullptr || *end != '\0' || !(v >= 0.25 && v <= 1.0)) {
-      std::fprintf(stderr, "spectrum_quality: -b: '%s' is not a budget in [0.25, 1]\n", b.c_str());
+  if (datasets_s.empty()) datasets_s = "stories,synth,smollm2";
+  bool use_stories = false, use_synth = false, use_smollm2 = false;
+  for (const std::string& d : kp::split(datasets_s)) {
+    if (d == "stories") {
+      use_stories = true;
+    } else if (d == "synth") {
+      use_synth = true;
+    } else if (d == "smollm2") {
+      use_smollm2 = true;
+    } else {
+      std::fprintf(stderr,
+                   "spectrum_quality: -d: unknown data set '%s' (stories, synth, smollm2)\n",
+                   d.c_str());
       return 2;
     }
-    budgets.push_back(v);
+  }
+  std::vector<double> budgets, niah_budgets;
+  if (!parse_budgets(budgets_s, "-b", &budgets) ||
+      !parse_budgets(niah_budgets_s, "--niah-budgets", &niah_budgets))
+    return 2;
+  if (niah_depths < 1 || text_steps < 1 || text_prompt < 0 || niah_haystack < 0) {
+    std::fprintf(stderr, "spectrum_quality: --niah-depths, --text-steps must be >= 1\n");
+    return 2;
   }
   const auto t0 = std::chrono::steady_clock::now();
   std::string err;
-  std::unique_ptr<km::Model> model = km::Model::load(model_path, &err);
-  if (!model) die("cannot load " + model_path + ": " + err);
-  const km::Config& mc = model->config();
 
-  // The built-in INT4 tolerance probe decides the policy rows' INT4.
+  // Models.
+  std::unique_ptr<km::Model> model;
+  if (use_stories) {
+    model = km::Model::load(model_path, &err);
+    if (!model) die("cannot load " + model_path + ": " + err);
+  }
+  Chat sm;
+  std::string smollm2_skip;
+  std::string text;
+  std::vector<int> text_tokens;
+  if (use_smollm2) {
+    if (!std::ifstream(smollm2_path).good()) {
+      smollm2_skip = smollm2_path + " is absent (scripts/install-deps.sh fetches it)";
+      use_smollm2 = false;
+    } else {
+      sm.model = km::Model::load(smollm2_path, &err);
+      if (!sm.model) die("cannot load " + smollm2_path + ": " + err);
+      if (sm.model->gguf_file() == nullptr) die(smollm2_path + " is not a GGUF");
+      sm.tok = km::BpeTokenizer::from_gguf(*sm.model->gguf_file(), &err);
+      if (!sm.tok) die(err);
+      sm.chat = km::ChatTemplate::from_gguf(*sm.model->gguf_file(), &err);
+      if (!sm.chat) die(err);
+      text = read_file(text_path);
+      std::vector<int32_t> ids;
+      if (sm.tok->add_bos()) ids.push_back(sm.tok->bos_id());
+      if (!sm.tok->encode(text, false, &ids, &err)) die(err);
+      text_tokens.assign(ids.begin(), ids.end());
+      if (text_prompt == 0) text_prompt = static_cast<int>(text_tokens.size()) - text_steps - 1;
+      if (text_prompt < 1 || text_prompt + text_steps + 1 > static_cast<int>(text_tokens.size()))
+        die(kp::strprintf("%s has %zu tokens: too few for --text-prompt %d + --text-steps %d + 1",
+                          text_path.c_str(), text_tokens.size(), text_prompt, text_steps));
+    }
+  }
+
+  // The built-in INT4 tolerance probes decide the Adaptive rows' INT4:
+  // stories260K's agreement probe, SmolLM2's NIAH probe (the paper's).
   ks::ProbeOptions po;
-  po.base.lambda = lambda;
-  po.base.sink_tokens = sinks;
+  po.base.lambda = pp.lambda;
+  po.base.sink_tokens = pp.sinks;
   ks::ProbeReport probe;
-  // Data sets and the probe, in parallel (one job each, single-threaded inside).
-  std::vector<ks::Continuation> conts(prompts);
-  std::vector<Seq> stories(prompts);
+  ks::NiahProbeOptions npo;
+  npo.haystack = text;
+  npo.niah.haystack_tokens = niah_haystack;
+  npo.base.lambda = pp.lambda;
+  npo.base.sink_tokens = pp.sinks;
+  ks::NiahProbeReport niah_probe;
+  // Data sets and probes, in parallel (one job each, single-threaded inside);
+  // the longest first.
+  ks::Continuation text_cont;
+  Seq text_seq;
+  std::vector<ks::NiahCase> niah(use_smollm2 ? niah_depths : 0);
+  std::vector<std::vector<float>> niah_imp(niah.size());
+  std::vector<ks::Continuation> conts(use_stories ? prompts : 0);
+  std::vector<Seq> stories(conts.size());
   Seq synth;
+  enum JobKind { kSmolProbe, kSmolText, kSmolNiah, kStoriesProbe, kSynth, kStories };
+  std::vector<std::pair<JobKind, int>> prep;
+  if (use_smollm2) {
+    prep.push_back({kSmolProbe, 0});
+    prep.push_back({kSmolText, 0});
+    for (int i = 0; i < niah_depths; ++i) prep.push_back({kSmolNiah, i});
+  }
+  if (use_stories) prep.push_back({kStoriesProbe, 0});
+  if (use_synth) prep.push_back({kSynth, 0});
+  for (size_t i = 0; i < conts.size(); ++i) prep.push_back({kStories, static_cast<int>(i)});
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int job = 0; job < prompts + 2; ++job) {
+  for (size_t job = 0; job < prep.size(); ++job) {
     std::string e;
-    if (job == prompts) {
-      if (!ks::probe_model(*model, po, &probe, &e)) die("probe: " + e);
-      continue;
+    const int i = prep[job].second;
+    switch (prep[job].first) {
+      case kSmolProbe:
+        if (!ks::probe_niah(*sm.model, *sm.tok, *sm.chat, npo, &niah_probe, &e))
+          die("smollm2 probe: " + e);
+        break;
+      case kSmolText:
+        if (!ks::make_text_continuation(*sm.model, text_tokens, text_prompt, text_steps, &text_cont,
+                                        &e))
+          die(e);
+        model_seq(*sm.model, text_cont, "apache-2.0", pp.lambda, &text_seq);
+        break;
+      case kSmolNiah: {
+        const double d = niah_depths == 1 ? 0.5 : static_cast<double>(i) / (niah_depths - 1);
+        if (!ks::make_niah_case(*sm.model, *sm.tok, *sm.chat, text, d, passkey_of(i), npo.niah,
+                                &niah[i], &e) ||
+            !ks::niah_importance(*sm.model, niah[i], pp.lambda, &niah_imp[i], &e))
+          die("niah: " + e);
+        break;
+      }
+      case kStoriesProbe:
+        if (!ks::probe_model(*model, po, &probe, &e)) die("probe: " + e);
+        break;
+      case kSynth: synth = synth_seq(synth_layers, synth_tokens, synth_queries, pp.lambda); break;
+      case kStories: {
+        std::vector<int> toks;
+        if (!ks::sample_tokens(*model, prompt_tokens, 100 + i, &toks, &e) ||
+            !ks::make_continuation(*model, toks, steps, &conts[i], &e))
+          die(e);
+        model_seq(*model, conts[i], kp::strprintf("sample%d-%d", 100 + i, prompt_tokens), pp.lambda,
+                  &stories[i]);
+        break;
+      }
     }
-    if (job == prompts + 1) {
-      synth = synth_seq(synth_layers, synth_tokens, synth_queries, lambda);
-      continue;
-    }
-    std::vector<int> toks;
-    if (!ks::sample_tokens(*model, prompt_tokens, 100 + job, &toks, &e) ||
-        !ks::make_continuation(*model, toks, steps, &conts[job], &e))
-      die(e);
-    Seq& s = stories[job];
-    s.name = kp::strprintf("sample%d-%d", 100 + job, prompt_tokens);
-    s.kv = conts[job].kv;
-    s.cont = &conts[job];
-    s.shape = km::AttentionShape{mc.n_heads, mc.n_kv_heads, mc.head_size()};
-    s.nq = steps;
-    s.queries = conts[job].queries;
-    if (!ks::attention_importance(*model, conts[job], lambda, &s.importance, &e)) die(e);
-    compute_reference(&s);
   }
   const double t_data =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   kp::print_preamble(stdout, "spectrum_quality", kp::machine_info(), kp::kvxfer_settings());
+  if (use_stories)
+    std::printf(
+        "# stories: stories260K, %d sampled prompts of %d tokens (KV of %d tokens each), "
+        "%d-token greedy continuation; importance from prefill attention mass\n",
+        prompts, prompt_tokens, prompt_tokens - 1, steps);
+  if (use_synth)
+    std::printf(
+        "# synth:   synthetic KV L=%d, 8 KV heads x 128, T=%d, %d queries x 32 heads after "
+        "the last token; importance from the KV norm\n",
+        synth_layers, synth_tokens, synth_queries);
+  if (use_smollm2)
+    std::printf(
+        "# smollm2: %s, %s (%zu tokens): KV of tokens 0..%d transferred, the next %d tokens of "
+        "the text teacher-forced (PPL %.4f over the full-precision KV); importance from prefill "
+        "attention mass\n",
+        sm.model->config().name.c_str(), text_path.substr(text_path.rfind('/') + 1).c_str(),
+        text_tokens.size(), text_prompt - 1, text_steps, std::exp(text_cont.nll_full / text_steps));
+  else if (!smollm2_skip.empty())
+    std::printf("# smollm2: skipped: %s\n", smollm2_skip.c_str());
   std::printf(
-      "# stories: stories260K, %d sampled prompts of %d tokens (KV of %d tokens each), "
-      "%d-token greedy continuation; importance from prefill attention mass\n",
-      prompts, prompt_tokens, prompt_tokens - 1, steps);
-  std::printf(
-      "# synth:   synthetic KV L=%d, 8 KV heads x 128, T=%d, %d queries x 32 heads after "
-      "the last token; importance from the KV norm\n",
-      synth_layers, synth_tokens, synth_queries);
-  std::printf(
-      "# policy:  s=%d sinks, lambda=%g, Random = mean of %d seeds; codec SPECTRUM "
-      "(anchor 4 + residual 4 bits for INT8, chunk 32), full precision\n",
-      sinks, static_cast<double>(lambda), seeds);
-  std::printf("# probe:   INT4 %s (%d of %d trials passed at b=0.3):",
-              probe.allow_int4 ? "ALLOWED" : "BLOCKED", probe.passed, probe.run);
-  for (const ks::ProbeTrial& t : probe.trials)
-    std::printf(" [3-tier %d/%d vs 2-tier %d/%d]", t.agree, t.steps, t.agree_fallback, t.steps);
-  std::printf("\n#\n");
+      "# policy:  s=%d sinks, lambda=%g, Random = mean of %d seeds, PDTrim first share %g; codec "
+      "SPECTRUM (anchor 4 + residual 4 bits for INT8, chunk 32), full precision\n",
+      pp.sinks, static_cast<double>(pp.lambda), seeds, pp.pdtrim_first);
+  if (use_stories) {
+    std::printf("# probe stories: INT4 %s (%d of %d trials passed at b=0.3):",
+                probe.allow_int4 ? "ALLOWED" : "BLOCKED", probe.passed, probe.run);
+    for (const ks::ProbeTrial& t : probe.trials)
+      std::printf(" [3-tier %d/%d vs 2-tier %d/%d]", t.agree, t.steps, t.agree_fallback, t.steps);
+    std::printf("\n");
+  }
+  if (use_smollm2) {
+    std::printf("# probe smollm2: INT4 %s (%d of %d NIAH trials passed, 3-tier Greedy at b=0.3):\n",
+                niah_probe.allow_int4 ? "ALLOWED" : "BLOCKED", niah_probe.passed, niah_probe.run);
+    for (const ks::NiahProbeTrial& t : niah_probe.trials)
+      std::printf("#   depth %.2f passkey %s (%d tokens): %s \"%s\"; full precision %s\n", t.depth,
+                  t.passkey.c_str(), t.prompt_tokens, t.found ? "found" : "MISSED",
+                  t.answer.c_str(), t.found_full ? "found" : "missed");
+  }
+  std::printf("#\n");
 
   kp::Table table({{"data", 7},
                    {"b", 4},
@@ -386,61 +671,78 @@ int main(int argc, char** argv) {
                    {"ratio", 6},
                    {"vNMSE", 9},
                    {"agree", 6},
-                   {"dPPL%", 7}});
+                   {"PPL", 8},
+                   {"dPPL%", 8}});
   std::printf("%s\n", table.header().c_str());
-  const std::vector<Row> rows = make_rows(budgets, probe.allow_int4);
+  struct DataSet {
+    std::string name;
+    std::vector<const Seq*> seqs;
+    std::vector<Row> rows;
+  };
+  std::vector<DataSet> sets;
+  if (use_smollm2)
+    sets.push_back({"smollm2", {&text_seq}, make_rows(budgets, niah_probe.allow_int4)});
+  if (use_stories) {
+    DataSet d{"stories", {}, make_rows(budgets, probe.allow_int4)};
+    for (const Seq& s : stories) d.seqs.push_back(&s);
+    sets.push_back(d);
+  }
+  if (use_synth) sets.push_back({"synth", {&synth}, make_rows(budgets, -1)});
   struct Job {
-    int dataset, row;
+    int set, row;
   };
   std::vector<Job> jobs;
-  for (int d = 0; d < 2; ++d)
-    for (size_t r = 0; r < rows.size(); ++r) jobs.push_back({d, static_cast<int>(r)});
+  for (size_t d = 0; d < sets.size(); ++d)
+    for (size_t r = 0; r < sets[d].rows.size(); ++r)
+      jobs.push_back({static_cast<int>(d), static_cast<int>(r)});
   std::vector<Acc> accs(jobs.size());
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t j = 0; j < jobs.size(); ++j) {
-    const Row& r = rows[jobs[j].row];
+    const Row& r = sets[jobs[j].set].rows[jobs[j].row];
     const int nseeds = r.kind == Row::kPolicy && r.variant == KVXFER_SPECTRUM_RANDOM ? seeds : 1;
-    for (int sd = 0; sd < nseeds; ++sd) {
-      if (jobs[j].dataset == 0) {
-        for (const Seq& s : stories) accs[j].add(eval(model.get(), r, s, sinks, lambda, sd));
-      } else {
-        accs[j].add(eval(nullptr, r, synth, sinks, lambda, sd));
-      }
-    }
+    for (int sd = 0; sd < nseeds; ++sd)
+      for (const Seq* s : sets[jobs[j].set].seqs) accs[j].add(eval(r, *s, pp, sd));
     accs[j].bytes /= nseeds;  // the mean transfer (ratio, vNMSE, agree are ratios of sums)
     accs[j].fp16_bytes /= nseeds;
   }
   int bad = 0;
   json jrows = json::array();
+  // dPPL% and NIAH accuracy by (data set, policy, b), for the figures.
+  auto key = [](const std::string& d, const std::string& p, double b) {
+    return d + "/" + p + "/" + kp::strprintf("%.2f", b);
+  };
+  std::map<std::string, double> dppl_of, niah_of;
   for (size_t j = 0; j < jobs.size(); ++j) {
-    const Row& r = rows[jobs[j].row];
+    const DataSet& ds = sets[jobs[j].set];
+    const Row& r = ds.rows[jobs[j].row];
     const Acc& a = accs[j];
-    const bool stories_ds = jobs[j].dataset == 0;
+    const bool scored = a.positions > 0;
     const double ratio = a.bytes / a.fp16_bytes, vn = a.se / a.norm;
     const double tot = a.tiers[0] + a.tiers[1] + a.tiers[2] + a.tiers[3];
     auto frac = [&](int t) {
       return r.kind == Row::kUniform ? std::string("-") : kp::strprintf("%.3f", a.tiers[t] / tot);
     };
-    const double agree = a.positions > 0 ? static_cast<double>(a.agree) / a.positions : NAN;
-    const double dppl =
-        a.positions > 0 ? 100.0 * (std::exp((a.nll - a.nll_full) / a.positions) - 1.0) : NAN;
+    const double agree = scored ? static_cast<double>(a.agree) / a.positions : NAN;
+    const double ppl = scored ? std::exp(a.nll / a.positions) : NAN;
+    const double dppl = scored ? 100.0 * (std::exp((a.nll - a.nll_full) / a.positions) - 1.0) : NAN;
+    if (scored) dppl_of[key(ds.name, r.name, r.b)] = dppl;
     // Sanity (-c 1): finite error; payload within the budget (metadata, map
     // and headers add at most 0.15 of fp16 here: stories has 32 channels, so
     // 4 bytes of metadata per 32-token chunk and channel are 1/16 alone);
     // agreement a fraction.
     const bool ok = std::isfinite(vn) && vn >= 0 && ratio <= r.b + 0.15 && ratio > 0 &&
-                    (!stories_ds || (agree >= 0 && agree <= 1 && std::isfinite(dppl)));
+                    (!scored || (agree >= 0 && agree <= 1 && std::isfinite(dppl)));
     if (!ok) ++bad;
     std::printf("%s%s\n",
                 table
-                    .row({stories_ds ? "stories" : "synth", kp::strprintf("%.2f", r.b), r.name,
-                          frac(0), frac(1), frac(2), frac(3), kp::strprintf("%.0f", a.bytes),
-                          kp::strprintf("%.4f", ratio), kp::strprintf("%.3e", vn),
-                          stories_ds ? kp::strprintf("%.4f", agree) : "-",
-                          stories_ds ? kp::strprintf("%+.2f", dppl) : "-"})
+                    .row({ds.name, kp::strprintf("%.2f", r.b), r.name, frac(0), frac(1), frac(2),
+                          frac(3), kp::strprintf("%.0f", a.bytes), kp::strprintf("%.4f", ratio),
+                          kp::strprintf("%.3e", vn), scored ? kp::strprintf("%.4f", agree) : "-",
+                          scored ? kp::strprintf("%.4f", ppl) : "-",
+                          scored ? kp::strprintf("%+.2f", dppl) : "-"})
                     .c_str(),
                 ok ? "" : "  <- out of bounds");
-    json jr = {{"dataset", stories_ds ? "stories" : "synth"},
+    json jr = {{"dataset", ds.name},
                {"budget", r.b},
                {"policy", r.name},
                {"bytes", a.bytes},
@@ -448,41 +750,181 @@ int main(int argc, char** argv) {
                {"vnmse", vn},
                {"tier_fractions",
                 {a.tiers[0] / tot, a.tiers[1] / tot, a.tiers[2] / tot, a.tiers[3] / tot}}};
-    if (stories_ds) {
+    if (scored) {
       jr["agree"] = agree;
+      jr["ppl"] = ppl;
       jr["dppl_percent"] = dppl;
       jr["positions"] = a.positions;
     }
     jrows.push_back(jr);
   }
+
+  // Table 2: NIAH on SmolLM2.
+  json jniah = json::array();
+  if (use_smollm2) {
+    const std::vector<Row> nrows = make_niah_rows(niah_budgets, niah_probe.allow_int4);
+    std::vector<NiahAcc> nacc(nrows.size());
+    std::vector<std::vector<char>> hit(nrows.size(), std::vector<char>(niah.size(), 0));
+    std::vector<std::vector<std::array<double, 4>>> tf(
+        nrows.size(), std::vector<std::array<double, 4>>(niah.size()));
+#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+    for (size_t r = 0; r < nrows.size(); ++r) {
+      for (size_t c = 0; c < niah.size(); ++c) {
+        std::string e, answer;
+        bool found = false;
+        if (nrows[r].kind == Row::kFull) {
+          if (!ks::niah_answer(*sm.model, *sm.tok, niah[c], niah[c].kv.view(), npo.niah, &answer,
+                               &found, &e))
+            die(e);
+        } else {
+          ks::TransferredKV tk;
+          std::vector<uint8_t> tiers;
+          transfer(nrows[r], niah[c].kv, niah_imp[c].data(), pp, 0, &tk, &tiers);
+          for (uint8_t t : tiers) tf[r][c][t] += 1.0 / tiers.size();
+          if (!ks::niah_answer(*sm.model, *sm.tok, niah[c], tk.view(), npo.niah, &answer, &found,
+                               &e))
+            die(e);
+        }
+        hit[r][c] = found ? 1 : 0;
+      }
+    }
+    std::printf(
+        "#\n# smollm2 needle in a haystack: %zu depths i/%zu of %s (%d to %d tokens per "
+        "prompt), passkey per depth, greedy answer of up to %d tokens\n",
+        niah.size(), niah.size() > 1 ? niah.size() - 1 : 1,
+        text_path.substr(text_path.rfind('/') + 1).c_str(),
+        niah.empty() ? 0 : static_cast<int>(niah.front().prompt.size()),
+        niah.empty() ? 0 : static_cast<int>(niah.back().prompt.size()), npo.niah.answer_tokens);
+    std::printf("# depth map: one character per depth, shallow to deep: + found, . missed\n");
+    kp::Table nt({{"data", 7},
+                  {"b", 4},
+                  {"policy", 11},
+                  {"fp16", 5},
+                  {"int8", 5},
+                  {"int4", 5},
+                  {"drop", 5},
+                  {"found", 5},
+                  {"acc%", 6},
+                  {"depth map", 11}});
+    std::printf("%s\n", nt.header().c_str());
+    for (size_t r = 0; r < nrows.size(); ++r) {
+      const Row& row = nrows[r];
+      int found = 0;
+      std::string map;
+      double t4[4] = {0, 0, 0, 0};
+      for (size_t c = 0; c < niah.size(); ++c) {
+        found += hit[r][c];
+        map += hit[r][c] ? '+' : '.';
+        for (int t = 0; t < 4; ++t) t4[t] += tf[r][c][t] / niah.size();
+      }
+      const double acc = 100.0 * found / niah.size();
+      niah_of[key("smollm2", row.name, row.b)] = acc;
+      const bool has_tiers = row.kind != Row::kUniform && row.kind != Row::kFull;
+      auto frac = [&](int t) {
+        return has_tiers ? kp::strprintf("%.3f", t4[t]) : std::string("-");
+      };
+      std::printf("%s\n",
+                  nt.row({"smollm2", kp::strprintf("%.2f", row.b), row.name, frac(0), frac(1),
+                          frac(2), frac(3), kp::strprintf("%d/%zu", found, niah.size()),
+                          kp::strprintf("%.1f", acc), map})
+                      .c_str());
+      jniah.push_back({{"budget", row.b},
+                       {"policy", row.name},
+                       {"found", found},
+                       {"cases", niah.size()},
+                       {"accuracy_percent", acc},
+                       {"depth_map", map}});
+    }
+  }
+
+  // The figures of issue 17 (docs/SPECTRUMKV.md): measurements, not checks.
+  if (use_smollm2) {
+    std::printf("#\n# figures (smollm2):\n");
+    auto get = [](const std::map<std::string, double>& m, const std::string& k) {
+      const auto it = m.find(k);
+      return it == m.end() ? NAN : it->second;
+    };
+    const double g5 = get(dppl_of, key("smollm2", "Greedy", 0.5));
+    const double i8 = get(dppl_of, key("smollm2", "INT8", 0.5));
+    if (std::isfinite(g5) && std::isfinite(i8))
+      std::printf("#   Greedy b=0.5 dPPL %+.2f%% vs INT8 %+.2f%%: |diff| %.2f %s 0.5 -> %s\n", g5,
+                  i8, std::fabs(g5 - i8), std::fabs(g5 - i8) <= 0.5 ? "<=" : ">",
+                  std::fabs(g5 - i8) <= 0.5 ? "reached" : "NOT reached");
+    for (const char* pol : {"Greedy", "Adaptive"}) {
+      const double g3 = get(dppl_of, key("smollm2", pol, 0.3));
+      const double p3 = get(dppl_of, key("smollm2", "PDTrim", 0.3));
+      if (std::isfinite(g3) && std::isfinite(p3))
+        std::printf(
+            "#   %s b=0.3 dPPL %+.2f%% vs PDTrim %+.2f%%: %s (figure: PDTrim's >= 3x, "
+            "if the probe enables INT4; probe: INT4 %s) -> %s\n",
+            pol, g3, p3,
+            g3 > 0 ? kp::strprintf("PDTrim's is %.1fx", p3 / g3).c_str()
+                   : "no loss against full precision",
+            niah_probe.allow_int4 ? "ALLOWED" : "BLOCKED",
+            p3 >= 3 * g3 ? "reached" : "NOT reached");
+      const double n3 = get(niah_of, key("smollm2", pol, 0.3));
+      const double np3 = get(niah_of, key("smollm2", "PDTrim", 0.3));
+      if (std::isfinite(n3) && std::isfinite(np3))
+        std::printf("#   %s b=0.3 NIAH %.1f%% vs PDTrim %.1f%% -> %s\n", pol, n3, np3,
+                    n3 >= np3 ? "reached" : "NOT reached");
+    }
+  }
+
   const double t_total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("# Out of bounds values : %d %s\n", bad, bad == 0 ? "OK" : "FAILED");
-  std::printf("# time: data sets and probe %.1f s, total %.1f s wall\n", t_data, t_total);
+  std::printf("# time: data sets and probes %.1f s, total %.1f s wall\n", t_data, t_total);
   if (!json_path.empty()) {
-    json jp = {{"allow_int4", probe.allow_int4}, {"passed", probe.passed}, {"run", probe.run}};
-    json jt = json::array();
-    for (const ks::ProbeTrial& t : probe.trials)
-      jt.push_back({{"agree", t.agree},
-                    {"agree_fallback", t.agree_fallback},
-                    {"steps", t.steps},
-                    {"ppl_ratio", t.ppl_ratio},
-                    {"passed", t.passed}});
-    jp["trials"] = jt;
     json j = {{"tool", "spectrum_quality"},
               {"quick", quick},
               {"machine", kp::to_json(kp::machine_info())},
               {"settings", kp::to_json(kp::kvxfer_settings())},
-              {"sinks", sinks},
-              {"lambda", lambda},
-              {"prompts", prompts},
-              {"prompt_tokens", prompt_tokens},
-              {"steps", steps},
-              {"synth_tokens", synth_tokens},
-              {"probe", jp},
+              {"sinks", pp.sinks},
+              {"lambda", pp.lambda},
+              {"pdtrim_first", pp.pdtrim_first},
               {"rows", jrows},
               {"runtime_s", t_total},
               {"out_of_bounds", bad}};
+    if (use_stories) {
+      json jp = {{"allow_int4", probe.allow_int4}, {"passed", probe.passed}, {"run", probe.run}};
+      json jt = json::array();
+      for (const ks::ProbeTrial& t : probe.trials)
+        jt.push_back({{"agree", t.agree},
+                      {"agree_fallback", t.agree_fallback},
+                      {"steps", t.steps},
+                      {"ppl_ratio", t.ppl_ratio},
+                      {"passed", t.passed}});
+      jp["trials"] = jt;
+      j["probe"] = jp;
+      j["prompts"] = prompts;
+      j["prompt_tokens"] = prompt_tokens;
+      j["steps"] = steps;
+    }
+    if (use_synth) j["synth_tokens"] = synth_tokens;
+    if (use_smollm2) {
+      json jp = {{"allow_int4", niah_probe.allow_int4},
+                 {"passed", niah_probe.passed},
+                 {"run", niah_probe.run}};
+      json jt = json::array();
+      for (const ks::NiahProbeTrial& t : niah_probe.trials)
+        jt.push_back({{"depth", t.depth},
+                      {"passkey", t.passkey},
+                      {"prompt_tokens", t.prompt_tokens},
+                      {"answer", t.answer},
+                      {"found", t.found},
+                      {"answer_full", t.answer_full},
+                      {"found_full", t.found_full}});
+      jp["trials"] = jt;
+      j["smollm2"] = {{"probe", jp},
+                      {"text", text_path},
+                      {"text_tokens", text_tokens.size()},
+                      {"prompt_kv_tokens", text_prompt},
+                      {"steps", text_steps},
+                      {"ppl_full", std::exp(text_cont.nll_full / text_steps)},
+                      {"niah", jniah}};
+    } else if (!smollm2_skip.empty()) {
+      j["smollm2"] = {{"skipped", smollm2_skip}};
+    }
     if (!kp::write_json_file(json_path, j, &err)) die(err);
   }
   return check && bad > 0 ? 1 : 0;

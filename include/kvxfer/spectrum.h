@@ -228,6 +228,13 @@ kvxfer_result_t kvxfer_spectrum_assign(const kvxfer_spectrum_config_t* config, i
  * needle-in-a-haystack retrieval) with the KV transferred under `config`,
  * and sets *passed to 1 (the model kept its answer) or 0.
  * Returning a negative result aborts the probe with that result.
+ * The paper's trial (and the built-in one on kvxfer's reference runner,
+ * probe_niah in src/spectrum/model_probe.h): a needle-in-a-haystack prompt
+ * with a passkey hidden at a different depth per trial; passed = the greedy
+ * answer over the KV transferred under `config` contains the passkey.
+ * `config` is owned by the probe and valid during the call only; user_data
+ * is passed through unchanged.  Called on the thread that called
+ * kvxfer_spectrum_run_probe, one trial at a time.
  */
 typedef kvxfer_result_t (*kvxfer_spectrum_trial_fn)(int32_t trial,
                                                     const kvxfer_spectrum_config_t* config,

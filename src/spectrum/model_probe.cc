@@ -165,6 +165,42 @@ bool sample_tokens(const km::Model& m, int length, uint64_t seed, std::vector<in
   return true;
 }
 
+namespace {
+
+// The continuation's queries (a prefill of prefix + feed records them) and
+// the full-precision score, for a continuation whose kv, feed and ref are set.
+bool finish_continuation(const km::Model& m, const std::vector<int>& prefix, Continuation* c,
+                         std::string* error) {
+  const km::Config& cfg = m.config();
+  const int steps = static_cast<int>(c->feed.size());
+  std::vector<int> all = prefix;
+  all.insert(all.end(), c->feed.begin(), c->feed.end());
+  km::PrefillOptions qo;
+  qo.record_queries = true;
+  km::PrefillResult qr;
+  if (!m.prefill(all, qo, &qr, error)) return false;
+  const size_t n = prefix.size(), T = all.size(), D = static_cast<size_t>(cfg.dim);
+  c->queries.resize(static_cast<size_t>(cfg.n_layers) * steps * D);
+  for (int l = 0; l < cfg.n_layers; ++l)
+    std::memcpy(&c->queries[static_cast<size_t>(l) * steps * D], &qr.queries[(l * T + n) * D],
+                static_cast<size_t>(steps) * D * sizeof(float));
+  int agree = 0;
+  return score_view(m, *c, c->kv.view(), &agree, &c->nll_full, error);
+}
+
+bool prefill_prefix(const km::Model& m, const std::vector<int>& prefix, Continuation* c,
+                    std::string* error) {
+  km::PrefillOptions po;
+  po.record_attention_mass = true;
+  km::PrefillResult pr;
+  if (!m.prefill(prefix, po, &pr, error)) return false;
+  c->kv = std::move(pr.kv);
+  c->attention_mass = std::move(pr.attention_mass);
+  return true;
+}
+
+}  // namespace
+
 bool make_continuation(const km::Model& m, const std::vector<int>& prompt, int steps,
                        Continuation* out, std::string* error) {
   const km::Config& cfg = m.config();
@@ -175,12 +211,7 @@ bool make_continuation(const km::Model& m, const std::vector<int>& prompt, int s
                 "<= seq_len");
   Continuation c;
   const std::vector<int> prefix(prompt.begin(), prompt.end() - 1);
-  km::PrefillOptions po;
-  po.record_attention_mass = true;
-  km::PrefillResult pr;
-  if (!m.prefill(prefix, po, &pr, error)) return false;
-  c.kv = std::move(pr.kv);
-  c.attention_mass = std::move(pr.attention_mass);
+  if (!prefill_prefix(m, prefix, &c, error)) return false;
   const km::KVView view = c.kv.view();
   km::KVCache tail;
   std::vector<float> logits;
@@ -191,20 +222,34 @@ bool make_continuation(const km::Model& m, const std::vector<int>& prompt, int s
     tok = km::argmax(logits.data(), logits.size());
     c.ref.push_back(tok);
   }
-  // The continuation's queries: a prefill of prefix + feed records them.
-  std::vector<int> all = prefix;
-  all.insert(all.end(), c.feed.begin(), c.feed.end());
-  km::PrefillOptions qo;
-  qo.record_queries = true;
-  km::PrefillResult qr;
-  if (!m.prefill(all, qo, &qr, error)) return false;
-  const size_t n = prefix.size(), T = all.size(), D = static_cast<size_t>(cfg.dim);
-  c.queries.resize(static_cast<size_t>(cfg.n_layers) * steps * D);
-  for (int l = 0; l < cfg.n_layers; ++l)
-    std::memcpy(&c.queries[static_cast<size_t>(l) * steps * D], &qr.queries[(l * T + n) * D],
-                static_cast<size_t>(steps) * D * sizeof(float));
-  int agree = 0;
-  if (!score_view(m, c, view, &agree, &c.nll_full, error)) return false;
+  if (!finish_continuation(m, prefix, &c, error)) return false;
+  *out = std::move(c);
+  return true;
+}
+
+bool make_text_continuation(const km::Model& m, const std::vector<int>& tokens,
+                            int prompt_kv_tokens, int steps, Continuation* out,
+                            std::string* error) {
+  const int64_t P = prompt_kv_tokens;
+  if (P < 1 || steps < 1 || P + steps + 1 > static_cast<int64_t>(tokens.size()) ||
+      P + steps > m.config().seq_len)
+    return fail(error, "make_text_continuation: need 1 <= prompt (" + std::to_string(P) +
+                           "), 1 <= steps (" + std::to_string(steps) +
+                           "), prompt + steps + 1 <= text tokens (" +
+                           std::to_string(tokens.size()) + ") and prompt + steps <= seq_len");
+  Continuation c;
+  const std::vector<int> prefix(tokens.begin(), tokens.begin() + P);
+  if (!prefill_prefix(m, prefix, &c, error)) return false;
+  c.feed.assign(tokens.begin() + P, tokens.begin() + P + steps);
+  c.target.assign(tokens.begin() + P + 1, tokens.begin() + P + steps + 1);
+  // ref: the full-precision argmax of every row (one batched pass gives
+  // every row the bits of one-token decoding).
+  km::KVCache tail;
+  std::vector<float> logits;
+  if (!m.verify(c.feed, static_cast<int>(P), c.kv.view(), &tail, &logits, error)) return false;
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  for (int j = 0; j < steps; ++j) c.ref.push_back(km::argmax(logits.data() + j * V, V));
+  if (!finish_continuation(m, prefix, &c, error)) return false;
   *out = std::move(c);
   return true;
 }
@@ -223,7 +268,8 @@ bool score_view(const km::Model& m, const Continuation& c, const km::KVView& vie
     double mx = row[0], z = 0;
     for (size_t i = 1; i < V; ++i) mx = std::max(mx, static_cast<double>(row[i]));
     for (size_t i = 0; i < V; ++i) z += std::exp(row[i] - mx);
-    s += -(row[c.ref[j]] - mx - std::log(z));
+    const int t = c.target.empty() ? c.ref[j] : c.target[j];
+    s += -(row[t] - mx - std::log(z));
   }
   *agree = a;
   *nll = s;
@@ -248,6 +294,173 @@ bool probe_model(const km::Model& m, const ProbeOptions& opt, ProbeReport* out,
   TrialCtx ctx{&m, &opt, &rep, {}};
   const kvxfer_result_t r =
       kvxfer_spectrum_run_probe(&opt.base, trial_cb, &ctx, &rep.allow_int4, &rep.passed, &rep.run);
+  if (r != KVXFER_SUCCESS)
+    return ctx.error.empty() ? api_fail(error, "kvxfer_spectrum_run_probe", r)
+                             : fail(error, ctx.error);
+  *out = std::move(rep);
+  return true;
+}
+
+}  // namespace kvxfer::spectrum
+
+// ---------------------------------------------------------------------------
+// Needle in a haystack
+// ---------------------------------------------------------------------------
+
+namespace kvxfer::spectrum {
+
+bool make_niah_case(const km::Model& m, const km::BpeTokenizer& tok, const km::ChatTemplate& chat,
+                    const std::string& haystack, double depth, const std::string& passkey,
+                    const NiahOptions& opt, NiahCase* out, std::string* error) {
+  if (!(depth >= 0 && depth <= 1))
+    return fail(error, "make_niah_case: depth " + std::to_string(depth) + " is not in [0, 1]");
+  const size_t slot = opt.needle.find("{}");
+  if (slot == std::string::npos) return fail(error, "make_niah_case: the needle has no {}");
+  if (passkey.empty()) return fail(error, "make_niah_case: empty passkey");
+  std::string hay = haystack;
+  if (opt.haystack_tokens > 0) {
+    std::vector<int32_t> ids;
+    if (!tok.encode(hay, false, &ids, error)) return false;
+    if (static_cast<int64_t>(ids.size()) > opt.haystack_tokens) {
+      ids.resize(static_cast<size_t>(opt.haystack_tokens));
+      std::string head;
+      if (!tok.decode(ids, &head, error)) return false;
+      const size_t cut = head.rfind('\n');
+      if (cut == std::string::npos || cut == 0)
+        return fail(error, "make_niah_case: no line break in the first " +
+                               std::to_string(opt.haystack_tokens) + " tokens of the haystack");
+      hay.resize(cut + 1);
+    }
+  }
+  if (hay.empty() || hay.back() != '\n') hay += '\n';
+  size_t at = 0;
+  if (depth > 0) {
+    at = hay.find('\n', static_cast<size_t>(std::floor(depth * static_cast<double>(hay.size()))));
+    at = at == std::string::npos ? hay.size() : at + 1;
+  }
+  const std::string needle = opt.needle.substr(0, slot) + passkey + opt.needle.substr(slot + 2);
+  const std::string user = hay.substr(0, at) + needle + "\n" + hay.substr(at) + "\n" + opt.question;
+  const std::string text = chat.render_user(user);
+  NiahCase c;
+  c.depth = depth;
+  c.passkey = passkey;
+  std::vector<int32_t> ids;
+  if (tok.add_bos()) ids.push_back(tok.bos_id());
+  if (!tok.encode(text, true, &ids, error)) return false;
+  // The needle's first token: the tokens of the text before it (it starts a
+  // line, so the pre-tokenizer splits there).
+  std::vector<int32_t> before;
+  if (tok.add_bos()) before.push_back(tok.bos_id());
+  if (!tok.encode(std::string_view(text).substr(0, text.find(needle)), true, &before, error))
+    return false;
+  c.needle_token = static_cast<int>(before.size());
+  c.prompt.assign(ids.begin(), ids.end());
+  if (c.prompt.size() < 2 ||
+      static_cast<int64_t>(c.prompt.size()) + opt.answer_tokens > m.config().seq_len)
+    return fail(error, "make_niah_case: a prompt of " + std::to_string(c.prompt.size()) +
+                           " tokens and " + std::to_string(opt.answer_tokens) +
+                           " answer tokens do not fit seq_len");
+  const std::vector<int> prefix(c.prompt.begin(), c.prompt.end() - 1);
+  km::PrefillOptions po;
+  po.record_attention_mass = true;
+  km::PrefillResult pr;
+  if (!m.prefill(prefix, po, &pr, error)) return false;
+  c.kv = std::move(pr.kv);
+  c.attention_mass = std::move(pr.attention_mass);
+  *out = std::move(c);
+  return true;
+}
+
+bool niah_answer(const km::Model& m, const km::BpeTokenizer& tok, const NiahCase& c,
+                 const km::KVView& view, const NiahOptions& opt, std::string* answer, bool* found,
+                 std::string* error) {
+  if (view.n_tokens + 1 != static_cast<int>(c.prompt.size()))
+    return fail(error, "niah_answer: the view must hold the prompt's first n - 1 tokens");
+  const int32_t end_of_turn = tok.token_id("<|im_end|>");
+  km::KVCache tail;
+  std::vector<float> logits;
+  std::vector<int32_t> out;
+  int t = c.prompt.back();
+  for (int i = 0; i < opt.answer_tokens; ++i) {
+    if (!m.decode_step(t, view.n_tokens + i, view, &tail, &logits, error)) return false;
+    t = km::argmax(logits.data(), logits.size());
+    if (t == end_of_turn || t == tok.eos_id()) break;
+    out.push_back(t);
+  }
+  std::string a;
+  if (!tok.decode(out, &a, error)) return false;
+  *found = a.find(c.passkey) != std::string::npos;
+  *answer = std::move(a);
+  return true;
+}
+
+bool niah_importance(const km::Model& m, const NiahCase& c, float lambda,
+                     std::vector<float>* importance, std::string* error) {
+  const km::Config& cfg = m.config();
+  const int64_t n = c.kv.n_tokens();
+  std::vector<float> imp(static_cast<size_t>(n));
+  const kvxfer_result_t r = kvxfer_spectrum_importance_from_attention(
+      c.attention_mass.data(), cfg.n_layers * cfg.n_heads, n, lambda, imp.data());
+  if (r != KVXFER_SUCCESS) return api_fail(error, "kvxfer_spectrum_importance_from_attention", r);
+  *importance = std::move(imp);
+  return true;
+}
+
+namespace {
+
+struct NiahCtx {
+  const km::Model* m;
+  const km::BpeTokenizer* tok;
+  const km::ChatTemplate* chat;
+  const NiahProbeOptions* opt;
+  NiahProbeReport* report;
+  std::string error;
+};
+
+bool niah_trial(NiahCtx* ctx, int k, const kvxfer_spectrum_config_t& cfg, NiahProbeTrial* out) {
+  const NiahProbeOptions& o = *ctx->opt;
+  std::string* error = &ctx->error;
+  NiahCase c;
+  if (!make_niah_case(*ctx->m, *ctx->tok, *ctx->chat, o.haystack, o.depths[k], o.passkeys[k],
+                      o.niah, &c, error))
+    return false;
+  out->depth = c.depth;
+  out->passkey = c.passkey;
+  out->prompt_tokens = static_cast<int>(c.prompt.size());
+  if (!niah_answer(*ctx->m, *ctx->tok, c, c.kv.view(), o.niah, &out->answer_full, &out->found_full,
+                   error))
+    return false;
+  std::vector<float> imp;
+  if (!niah_importance(*ctx->m, c, cfg.lambda, &imp, error)) return false;
+  std::vector<uint8_t> tiers(imp.size());
+  const kvxfer_result_t r =
+      kvxfer_spectrum_assign(&cfg, static_cast<int64_t>(imp.size()), imp.data(), tiers.data());
+  if (r != KVXFER_SUCCESS) return api_fail(error, "kvxfer_spectrum_assign", r);
+  kvxfer_codec_config_t codec = o.codec;
+  codec.codec = KVXFER_CODEC_SPECTRUM;
+  TransferredKV t;
+  if (!transfer_kv(c.kv, codec, tiers.data(), false, &t, error)) return false;
+  return niah_answer(*ctx->m, *ctx->tok, c, t.view(), o.niah, &out->answer, &out->found, error);
+}
+
+kvxfer_result_t niah_trial_cb(int32_t trial, const kvxfer_spectrum_config_t* cfg, int32_t* passed,
+                              void* user) {
+  NiahCtx* ctx = static_cast<NiahCtx*>(user);
+  NiahProbeTrial t;
+  if (!niah_trial(ctx, trial, *cfg, &t)) return KVXFER_ERR_INTERNAL;
+  ctx->report->trials.push_back(t);
+  *passed = t.found ? 1 : 0;
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace
+
+bool probe_niah(const km::Model& m, const km::BpeTokenizer& tok, const km::ChatTemplate& chat,
+                const NiahProbeOptions& opt, NiahProbeReport* out, std::string* error) {
+  NiahProbeReport rep;
+  NiahCtx ctx{&m, &tok, &chat, &opt, &rep, {}};
+  const kvxfer_result_t r = kvxfer_spectrum_run_probe(&opt.base, niah_trial_cb, &ctx,
+                                                      &rep.allow_int4, &rep.passed, &rep.run);
   if (r != KVXFER_SUCCESS)
     return ctx.error.empty() ? api_fail(error, "kvxfer_spectrum_run_probe", r)
                              : fail(error, ctx.error);

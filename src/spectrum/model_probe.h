@@ -15,6 +15,8 @@
 
 #include "kvxfer/kvxfer.h"
 #include "kvxfer/spectrum.h"
+#include "model/bpe_tokenizer.h"
+#include "model/chat_template.h"
 #include "model/llama2.h"
 
 namespace kvxfer::spectrum {
@@ -58,16 +60,32 @@ struct Continuation {
   km::KVCache kv;                     // prefill of the prefix, n - 1 tokens
   std::vector<float> attention_mass;  // PrefillResult::attention_mass of the prefix
   std::vector<int> feed, ref;         // [steps]
-  std::vector<float> queries;         // [L][steps][dim]: the continuation's queries
-  double nll_full = 0;                // sum of -log p(ref[j]) on the full KV
+  // [steps] or empty: the tokens the perplexity scores (a real text's next
+  // tokens); empty = ref (the model's own full-precision greedy tokens).
+  std::vector<int> target;
+  std::vector<float> queries;  // [L][steps][dim]: the continuation's queries
+  double nll_full = 0;         // sum of -log p(target or ref [j]) on the full KV
 };
 bool make_continuation(const km::Model& m, const std::vector<int>& prompt, int steps,
                        Continuation* out, std::string* error);
 
 /**
+ * A real text's continuation over its prompt (perplexity on real text):
+ * tokens[0..prompt_kv_tokens-1] are prefilled (the KV a transfer moves);
+ * feed[j] = tokens[prompt_kv_tokens + j] and target[j] = tokens[prompt_kv_tokens
+ * + j + 1] for j < steps (teacher forcing on the text itself); ref[j] is the
+ * full-precision argmax after feed[0..j] (greedy agreement).  Needs
+ * prompt_kv_tokens >= 1, steps >= 1, prompt_kv_tokens + steps + 1 <=
+ * tokens.size() and prompt_kv_tokens + steps <= seq_len.
+ */
+bool make_text_continuation(const km::Model& m, const std::vector<int>& tokens,
+                            int prompt_kv_tokens, int steps, Continuation* out, std::string* error);
+
+/**
  * Teacher-forced pass of c.feed over `view` (one batched Model::verify):
- * *agree = positions whose argmax equals c.ref, *nll = sum of -log p(ref[j])
- * (natural log, double).  Perplexity = exp(nll / steps).
+ * *agree = positions whose argmax equals c.ref, *nll = sum of -log p(t[j])
+ * with t = c.target, or c.ref when c.target is empty (natural log, double).
+ * Perplexity = exp(nll / steps).
  */
 bool score_view(const km::Model& m, const Continuation& c, const km::KVView& view, int* agree,
                 double* nll, std::string* error);
@@ -111,5 +129,101 @@ struct ProbeReport {
  * not do worse than what the runtime would do without it).  Deterministic.
  */
 bool probe_model(const km::Model& m, const ProbeOptions& opt, ProbeReport* out, std::string* error);
+
+// ---------------------------------------------------------------------------
+// Needle in a haystack (NIAH) on a chat model: the paper's retrieval test and
+// its INT4 tolerance probe (docs/SPECTRUMKV.md, "Needle in a haystack").
+// ---------------------------------------------------------------------------
+
+/** How a NIAH prompt is built. */
+struct NiahOptions {
+  /** The haystack is the text cut at its last line break within this many
+   *  tokens (0: the whole text). */
+  int haystack_tokens = 0;
+  /** The needle, with "{}" where the passkey goes; inserted as a line of
+   *  its own. */
+  std::string needle = "The secret passkey is {}.";
+  /** Asked after the haystack, in the same user turn. */
+  std::string question =
+      "What is the secret passkey mentioned in the text above? Answer with the number only.";
+  int answer_tokens = 24;  // greedy tokens decoded (fewer when <|im_end|> comes)
+};
+
+/**
+ * One NIAH prompt, prefilled at full precision.  The user turn is the
+ * haystack with the needle line inserted after the first line break at or
+ * after byte floor(depth * haystack bytes) (at the start for depth 0), a
+ * blank line, then the question; it is rendered with the chat template
+ * (system turn, user turn, assistant generation prompt) and encoded with
+ * special tokens (BOS first when the tokenizer asks for it).
+ * The KV of prompt[0..n-2] is what a transfer moves (n = prompt.size()); the
+ * decode side feeds prompt[n-1] over the transferred KV, so every answer
+ * token is computed from it.
+ */
+struct NiahCase {
+  double depth = 0;
+  std::string passkey;
+  std::vector<int> prompt;            // chat prompt, token ids
+  int needle_token = 0;               // first token of the needle line in prompt
+  km::KVCache kv;                     // prefill of prompt[0..n-2]
+  std::vector<float> attention_mass;  // PrefillResult::attention_mass of that prefill
+};
+bool make_niah_case(const km::Model& m, const km::BpeTokenizer& tok, const km::ChatTemplate& chat,
+                    const std::string& haystack, double depth, const std::string& passkey,
+                    const NiahOptions& opt, NiahCase* out, std::string* error);
+
+/**
+ * Greedy answer over `view` (the transferred KV of c, drop mask included):
+ * feeds c.prompt.back(), then decodes up to opt.answer_tokens tokens, stopping
+ * after the tokenizer's end-of-turn token (<|im_end|>) or EOS.  *answer: the
+ * decoded text; *found: the answer contains c.passkey.
+ */
+bool niah_answer(const km::Model& m, const km::BpeTokenizer& tok, const NiahCase& c,
+                 const km::KVView& view, const NiahOptions& opt, std::string* answer, bool* found,
+                 std::string* error);
+
+/** Importance of a NIAH case's prefilled tokens (from c.attention_mass). */
+bool niah_importance(const km::Model& m, const NiahCase& c, float lambda,
+                     std::vector<float>* importance, std::string* error);
+
+/** Options of the built-in NIAH probe. */
+struct NiahProbeOptions {
+  std::string haystack;                                             // the long real text
+  double depths[KVXFER_SPECTRUM_PROBE_TRIALS] = {0.25, 0.5, 0.75};  // trial k's needle depth
+  std::string passkeys[KVXFER_SPECTRUM_PROBE_TRIALS] = {"48213", "70546", "93187"};
+  NiahOptions niah;
+  kvxfer_spectrum_config_t base = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
+  kvxfer_codec_config_t codec = KVXFER_CODEC_CONFIG_INITIALIZER;  // codec forced to SPECTRUM
+};
+
+struct NiahProbeTrial {
+  double depth = 0;
+  std::string passkey;
+  int prompt_tokens = 0;
+  std::string answer;       // greedy answer under the probe's policy
+  bool found = false;       // the trial's result: answer contains the passkey
+  std::string answer_full;  // greedy answer over the full-precision KV (for the record)
+  bool found_full = false;
+};
+
+struct NiahProbeReport {
+  int allow_int4 = 0, passed = 0, run = 0;
+  std::vector<NiahProbeTrial> trials;
+};
+
+/**
+ * The paper's INT4 tolerance probe on the bundled runner:
+ * kvxfer_spectrum_run_probe with a trial k that builds the NIAH case of
+ * depths[k] / passkeys[k] (make_niah_case), computes the attention-mass
+ * importance with the config's lambda, assigns tiers under the config the
+ * probe passes (3-tier GREEDY at b = 0.3), sends every layer's K and V
+ * through the SPECTRUM codec (full decode), masks DROP tokens, and passes
+ * when the greedy answer contains the passkey.  INT4 is enabled iff 2 of the
+ * 3 trials pass (the probe stops once decided).  The full-precision answer of
+ * each trial is recorded, not used.  Deterministic.  Reentrant (the model,
+ * tokenizer and template are read only).
+ */
+bool probe_niah(const km::Model& m, const km::BpeTokenizer& tok, const km::ChatTemplate& chat,
+                const NiahProbeOptions& opt, NiahProbeReport* out, std::string* error);
 
 }  // namespace kvxfer::spectrum
