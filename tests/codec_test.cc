@@ -793,7 +793,9 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
                                           : out_plain.get(t, c);
               ASSERT_EQ(out.get(t, c), want) << what << " full " << full << " t " << t;
             }
-          if (rows > 0) EXPECT_NE(out_plain.get(0, 1), out.get(0, 1)) << "the sink changed nothing";
+          if (rows > 0) {
+            EXPECT_NE(out_plain.get(0, 1), out.get(0, 1)) << "the sink changed nothing";
+          }
         }
       }
 }
