@@ -87,6 +87,7 @@ Desc sample_desc(bool sender) {
   if (sender) {
     d.codec = KVXFER_CODEC_CONFIG_INITIALIZER;
     d.codec.alpha = 5.0f;
+    d.codec.sink_tokens = 7;
     d.mode = KVXFER_MODE_PROGRESSIVE;
     d.page_tokens = 128;
   }
@@ -103,6 +104,7 @@ TEST(XferProtocol, DescriptorRoundTripsAndRejectsGarbage) {
   EXPECT_EQ(back.tag, 42u);
   EXPECT_EQ(back.num_tokens, 400);
   EXPECT_EQ(back.codec.alpha, 5.0f);
+  EXPECT_EQ(back.codec.sink_tokens, s.codec.sink_tokens);
   EXPECT_EQ(back.page_tokens, 128);
   EXPECT_EQ(back.mode, KVXFER_MODE_PROGRESSIVE);
   auto bad = b;
@@ -291,6 +293,14 @@ TEST(Xfer, LynxProgressiveAnchorThenFullBitExact) {
 TEST(Xfer, LynxAlphaAutoProgressive) {
   kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
   c.alpha = 10.0f;
+  round_trip(c, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_BF16);
+}
+
+// The receiver sizes its anchor buffers from the sender's codec, sink rows
+// included (docs/FORMAT.md 2.7): 200 sink tokens span two pages of 128.
+TEST(Xfer, SinkRowsOfTheSendersCodecArriveExactly) {
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.sink_tokens = 200;
   round_trip(c, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_BF16);
 }
 

@@ -76,6 +76,7 @@ std::vector<uint8_t> encode_desc(const Desc& d) {
   put<int32_t>(&b, d.mode);
   put<int32_t>(&b, d.page_tokens);
   put<uint8_t>(&b, d.on_device ? 1 : 0);
+  put<int32_t>(&b, d.codec.sink_tokens);  // version 2
   b.resize(kDescBytes, 0);  // reserved
   return b;
 }
@@ -112,6 +113,7 @@ kvxfer_result_t decode_desc(const uint8_t* buf, size_t len, Desc* out) {
   const uint8_t dev = get<uint8_t>(p);
   if (dev > 1) return set_error(KVXFER_ERR_CORRUPT, "descriptor message has on_device %u", dev);
   d.on_device = dev == 1;
+  d.codec.sink_tokens = get<int32_t>(p);
   *out = d;
   return KVXFER_SUCCESS;
 }
