@@ -179,6 +179,24 @@ RowSpec base(kb::Baseline b) {
   return r;
 }
 
+#ifdef KVXFER_ALPHA_AUTO
+// Lynx 4+4, C = 32, alpha chosen per page (KVXFER_ALPHA_AUTO).
+RowSpec auto_alpha_row() {
+  RowSpec r = kvx(KVXFER_CODEC_LYNX, 0.0f, 32, 4);
+  r.cfg.alpha = KVXFER_ALPHA_AUTO;
+  r.auto_alpha = true;
+  return r;
+}
+#endif
+
+// The external baselines and BF16, last in every data set's list.
+void add_baseline_rows(std::vector<RowSpec>* rows) {
+  for (kb::Baseline b : {kb::Baseline::kInt8PerToken, kb::Baseline::kInt4PerToken,
+                         kb::Baseline::kKiviInt4, kb::Baseline::kKiviInt2})
+    rows->push_back(base(b));
+  rows->push_back(kvx(KVXFER_CODEC_BF16, 0.0f, 32, 4));
+}
+
 std::vector<RowSpec> make_rows() {
   std::vector<RowSpec> rows;
   for (int c : {16, 32, 64})
@@ -187,20 +205,11 @@ std::vector<RowSpec> make_rows() {
   for (int ab : {3, 5, 6})
     for (float a : {0.0f, 20.0f}) rows.push_back(kvx(KVXFER_CODEC_LYNX, a, 32, ab));
 #ifdef KVXFER_ALPHA_AUTO
-  {
-    RowSpec r = kvx(KVXFER_CODEC_LYNX, 0.0f, 32, 4);
-    r.cfg.alpha = KVXFER_ALPHA_AUTO;
-    r.auto_alpha = true;
-    rows.push_back(r);
-  }
+  rows.push_back(auto_alpha_row());
 #endif
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT8, 0.0f, c, 4));
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT4, 0.0f, c, 4));
-  rows.push_back(base(kb::Baseline::kInt8PerToken));
-  rows.push_back(base(kb::Baseline::kInt4PerToken));
-  rows.push_back(base(kb::Baseline::kKiviInt4));
-  rows.push_back(base(kb::Baseline::kKiviInt2));
-  rows.push_back(kvx(KVXFER_CODEC_BF16, 0.0f, 32, 4));
+  add_baseline_rows(&rows);
   return rows;
 }
 
@@ -211,12 +220,7 @@ std::vector<RowSpec> make_rows_smollm2() {
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_LYNX, 0.0f, c, 4));
   rows.push_back(kvx(KVXFER_CODEC_LYNX, 100.0f, 32, 4));
 #ifdef KVXFER_ALPHA_AUTO
-  {
-    RowSpec r = kvx(KVXFER_CODEC_LYNX, 0.0f, 32, 4);
-    r.cfg.alpha = KVXFER_ALPHA_AUTO;
-    r.auto_alpha = true;
-    rows.push_back(r);
-  }
+  rows.push_back(auto_alpha_row());
 #endif
   for (int ab : {3, 5}) rows.push_back(kvx(KVXFER_CODEC_LYNX, 0.0f, 32, ab));
   rows.push_back(kvx(KVXFER_CODEC_INT8, 0.0f, 32, 4));
@@ -227,11 +231,7 @@ std::vector<RowSpec> make_rows_smollm2() {
     r.cfg.sink_tokens = 0;
     rows.push_back(r);
   }
-  rows.push_back(base(kb::Baseline::kInt8PerToken));
-  rows.push_back(base(kb::Baseline::kInt4PerToken));
-  rows.push_back(base(kb::Baseline::kKiviInt4));
-  rows.push_back(base(kb::Baseline::kKiviInt2));
-  rows.push_back(kvx(KVXFER_CODEC_BF16, 0.0f, 32, 4));
+  add_baseline_rows(&rows);
   return rows;
 }
 

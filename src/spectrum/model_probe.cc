@@ -276,16 +276,24 @@ bool score_view(const km::Model& m, const Continuation& c, const km::KVView& vie
   return true;
 }
 
-bool attention_importance(const km::Model& m, const Continuation& c, float lambda,
-                          std::vector<float>* importance, std::string* error) {
+namespace {
+// Token importance of an n-token prefill from its attention mass
+// ([n_layers * n_heads][n], PrefillResult::attention_mass).
+bool importance_from_mass(const km::Model& m, const std::vector<float>& mass, int64_t n,
+                          float lambda, std::vector<float>* importance, std::string* error) {
   const km::Config& cfg = m.config();
-  const int64_t n = c.kv.n_tokens();
   std::vector<float> imp(static_cast<size_t>(n));
   const kvxfer_result_t r = kvxfer_spectrum_importance_from_attention(
-      c.attention_mass.data(), cfg.n_layers * cfg.n_heads, n, lambda, imp.data());
+      mass.data(), cfg.n_layers * cfg.n_heads, n, lambda, imp.data());
   if (r != KVXFER_SUCCESS) return api_fail(error, "kvxfer_spectrum_importance_from_attention", r);
   *importance = std::move(imp);
   return true;
+}
+}  // namespace
+
+bool attention_importance(const km::Model& m, const Continuation& c, float lambda,
+                          std::vector<float>* importance, std::string* error) {
+  return importance_from_mass(m, c.attention_mass, c.kv.n_tokens(), lambda, importance, error);
 }
 
 bool probe_model(const km::Model& m, const ProbeOptions& opt, ProbeReport* out,
@@ -396,14 +404,7 @@ bool niah_answer(const km::Model& m, const km::BpeTokenizer& tok, const NiahCase
 
 bool niah_importance(const km::Model& m, const NiahCase& c, float lambda,
                      std::vector<float>* importance, std::string* error) {
-  const km::Config& cfg = m.config();
-  const int64_t n = c.kv.n_tokens();
-  std::vector<float> imp(static_cast<size_t>(n));
-  const kvxfer_result_t r = kvxfer_spectrum_importance_from_attention(
-      c.attention_mass.data(), cfg.n_layers * cfg.n_heads, n, lambda, imp.data());
-  if (r != KVXFER_SUCCESS) return api_fail(error, "kvxfer_spectrum_importance_from_attention", r);
-  *importance = std::move(imp);
-  return true;
+  return importance_from_mass(m, c.attention_mass, c.kv.n_tokens(), lambda, importance, error);
 }
 
 namespace {
