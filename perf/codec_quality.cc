@@ -484,7 +484,8 @@ std::vector<TextPrompt> smollm2_prompts(const km::Model& m, bool quick) {
   for (std::string line; std::getline(lines, line);) {
     if (line.empty() || line[0] == '#') continue;
     if (quick && out.size() >= 2) break;
-    out.push_back({kp::strprintf("chat%zu", out.size() + 1), encode(chat->render_user(line), true)});
+    out.push_back(
+        {kp::strprintf("chat%zu", out.size() + 1), encode(chat->render_user(line), true)});
   }
   const std::string gpl = read_text_file(std::string(KVXFER_DATA_DIR) + "/gpl-3.0-preamble.txt");
   const std::string apache = read_text_file(std::string(KVXFER_DATA_DIR) + "/apache-2.0.txt");
@@ -723,18 +724,27 @@ void print_row(const kp::Table& table, const std::string& dataset, const RowSpec
   const double af = has_agree ? static_cast<double>(acc.agree_f) / acc.agree_n : 0;
   std::printf("%s\n", table
                           .row({dataset, row.codec_name(), row.split(), row.alpha(), row.group(),
-                                row.sinks(),
-                                kp::strprintf("%.3f", ba), kp::strprintf("%.3f", bt), sci(va),
-                                sci(vf), cosf(kca), cosf(kcf), cosf(vca), cosf(vcf),
+                                row.sinks(), kp::strprintf("%.3f", ba), kp::strprintf("%.3f", bt),
+                                sci(va), sci(vf), cosf(kca), cosf(kcf), cosf(vca), cosf(vcf),
                                 has_agree ? kp::strprintf("%.4f", aa) : "-",
                                 has_agree ? kp::strprintf("%.4f", af) : "-"})
                           .c_str());
-  json jr = {
-      {"dataset", dataset},      {"codec", row.codec_name()}, {"split", row.split()},
-      {"alpha", row.alpha()},    {"group", row.group()},      {"sink_tokens", row.sinks()},      {"progressive", row.progressive()},
-      {"bits_anchor", ba},       {"bits_total", bt},          {"vnmse_anchor", va},
-      {"vnmse_full", vf},        {"key_cos_anchor", kca},     {"key_cos_full", kcf},
-      {"value_cos_anchor", vca}, {"value_cos_full", vcf},     {"per_seq", acc.per_seq}};
+  json jr = {{"dataset", dataset},
+             {"codec", row.codec_name()},
+             {"split", row.split()},
+             {"alpha", row.alpha()},
+             {"group", row.group()},
+             {"sink_tokens", row.sinks()},
+             {"progressive", row.progressive()},
+             {"bits_anchor", ba},
+             {"bits_total", bt},
+             {"vnmse_anchor", va},
+             {"vnmse_full", vf},
+             {"key_cos_anchor", kca},
+             {"key_cos_full", kcf},
+             {"value_cos_anchor", vca},
+             {"value_cos_full", vcf},
+             {"per_seq", acc.per_seq}};
   if (has_agree) {
     jr["greedy_agree_anchor"] = aa;
     jr["greedy_agree_full"] = af;
@@ -767,8 +777,9 @@ int main(int argc, char** argv) {
                "smaller data sets (2 prompts, 2 x 512 synthetic tokens; SmolLM2: 2 chat prompts "
                "and 512 tokens of text)");
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
-  app.add_option("--data", data_sets, "data sets: stories, synth, smollm2 (skipped with a note "
-                                      "when its model file is absent)")
+  app.add_option("--data", data_sets,
+                 "data sets: stories, synth, smollm2 (skipped with a note "
+                 "when its model file is absent)")
       ->capture_default_str()
       ->check(CLI::IsMember({"stories", "synth", "smollm2"}));
   app.add_option("--model", model_path, "llama2.c checkpoint of the stories data set")
@@ -847,7 +858,8 @@ int main(int argc, char** argv) {
       jobs.push_back([&d, &prompts, &stories, greedy_steps, i] {
         const std::vector<int> toks = make_tokens(*stories, prompts[i]);
         d.seqs[i] = stories_seq(*stories, prompts[i], toks);
-        if (greedy_steps > 0) d.greedy[i] = greedy_case(*stories, prompts[i].name(), toks, greedy_steps);
+        if (greedy_steps > 0)
+          d.greedy[i] = greedy_case(*stories, prompts[i].name(), toks, greedy_steps);
       });
   }
   if (wanted("synth")) {

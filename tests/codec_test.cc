@@ -733,7 +733,6 @@ TEST(AlphaAuto, RejectsBadCalibrationInput) {
   EXPECT_EQ(calibrate_alpha(&cfg, &bad, 1, &a), KVXFER_ERR_INVALID_ARGUMENT);
 }
 
-
 // Attention sinks (docs/FORMAT.md 2.7): the rows of tokens at positions <
 // sink_tokens decode exactly at anchor and full precision, on every path;
 // the other rows are what they are without sinks; the wire holds exactly
@@ -757,8 +756,8 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
         const auto plain = test::encode(none, src, Impl::REFERENCE, id);
         ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
         ASSERT_EQ(plain.rc, KVXFER_SUCCESS) << last_error();
-        const std::string what = "codec " + std::to_string(codec) + " dtype " +
-                                 std::to_string(dt) + " begin " + std::to_string(begin);
+        const std::string what = "codec " + std::to_string(codec) + " dtype " + std::to_string(dt) +
+                                 " begin " + std::to_string(begin);
         // Size: the plain page, padded to 8, plus the rows.
         const size_t plain_payload = plain.anchor.size() - kHeaderBytes;
         const size_t pad = rows > 0 ? (8 - plain_payload % 8) % 8 : 0;
@@ -775,22 +774,22 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
           if (full && codec == KVXFER_CODEC_INT4) continue;
           PagedBuffer out(T, H, KVXFER_DTYPE_FP32, 8), out_plain(T, H, KVXFER_DTYPE_FP32, 8);
           ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
-                                full ? ref.residual.data() : nullptr, full ? ref.residual.size() : 0,
-                                &id, &out.layout, Impl::AUTO, 1),
+                                full ? ref.residual.data() : nullptr,
+                                full ? ref.residual.size() : 0, &id, &out.layout, Impl::AUTO, 1),
                     KVXFER_SUCCESS)
               << last_error();
-          ASSERT_EQ(decode_page(plain.anchor.data(), plain.anchor.size(),
-                                full ? plain.residual.data() : nullptr,
-                                full ? plain.residual.size() : 0, &id, &out_plain.layout,
-                                Impl::AUTO, 1),
-                    KVXFER_SUCCESS);
+          ASSERT_EQ(
+              decode_page(plain.anchor.data(), plain.anchor.size(),
+                          full ? plain.residual.data() : nullptr, full ? plain.residual.size() : 0,
+                          &id, &out_plain.layout, Impl::AUTO, 1),
+              KVXFER_SUCCESS);
           for (int64_t t = 0; t < T; ++t)
             for (int32_t c = 0; c < H; ++c) {
               // fp32 sources travel as bf16: the BF16 codec's rounding.
-              const float want = t < rows ? (dt == KVXFER_DTYPE_FP32
-                                                 ? bf16_to_f32(f32_to_bf16(src.get(t, c)))
-                                                 : src.get(t, c))
-                                          : out_plain.get(t, c);
+              const float want =
+                  t < rows ? (dt == KVXFER_DTYPE_FP32 ? bf16_to_f32(f32_to_bf16(src.get(t, c)))
+                                                      : src.get(t, c))
+                           : out_plain.get(t, c);
               ASSERT_EQ(out.get(t, c), want) << what << " full " << full << " t " << t;
             }
           if (rows > 0) {

@@ -77,7 +77,7 @@ std::vector<uint8_t> encode_desc(const Desc& d) {
   put<int32_t>(&b, d.page_tokens);
   put<uint8_t>(&b, d.on_device ? 1 : 0);
   put<int32_t>(&b, d.codec.sink_tokens);  // version 2
-  b.resize(kDescBytes, 0);  // reserved
+  b.resize(kDescBytes, 0);                // reserved
   return b;
 }
 
