@@ -484,9 +484,9 @@ kvxfer_result_t launch_encode(const DeviceCodebook& cb, const kvxfer_page_layout
       return launched("encode_codes");
     }));
   }
-  // Split codecs: the per-page anchor table, last in the anchor payload (also
-  // for T = 0, where it holds the bin centres).
-  if (R > 0) {
+  // Split codecs with a table (codec::has_anchor_table): the per-page anchor
+  // table, after the codes (also for T = 0, where it holds the bin centres).
+  if (cb.anchor_table) {
     KVXFER_LAUNCH(1, 64, stream, k_anchor_table)(K, anchors + anchor_codes, status);
     KVXFER_CHECK(launched("anchor_table"));
   }

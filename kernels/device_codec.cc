@@ -97,6 +97,7 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   dc.code_bits = cb->code_bits;
   dc.anchor_bits = cb->anchor_bits;
   dc.residual_bits = cb->residual_bits;
+  dc.anchor_table = codec::has_anchor_table(*cb) ? 1 : 0;
   dc.kind = cb->kind;
   dc.max_code = cb->max_code;
   dc.scale_num = cb->scale_num;

@@ -53,6 +53,7 @@ struct DeviceCodebook {
   const float* anchor_hi = nullptr;     // Codebook::anchor_hi[64]
   int32_t lut_log2 = 0, lut_origin = 0, sign_magnitude = 0;
   int32_t code_bits = 0, anchor_bits = 0, residual_bits = 0;
+  int32_t anchor_table = 0;             // codec::has_anchor_table: pages carry a table
   int32_t kind = 0, max_code = 0;       // Codebook::kind, max_code
   float scale_num = 0.0f, bias = 0.0f;  // Codebook::scale_num, bias
 };

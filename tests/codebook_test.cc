@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 #include "codec/detmath.h"
 #include "codec/page.h"
@@ -59,11 +60,6 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
       // The linear levels at +-1 may land one ulp outside (RN(q * step)).
       ASSERT_GE(r, -1.0f - 1e-6f);
       ASSERT_LE(r, 1.0f + 1e-6f);
-      // LYNX alpha 0 never produces 0x80 (-0): the signed level 0 is code 0.
-      if (cb->kind == CODE_MAG && code == 0x80) {
-        ASSERT_EQ(cb->encode_z(-1e-30f), 0u);
-        continue;
-      }
       ASSERT_EQ(cb->encode_z(r), code)
           << "codec " << c.codec << " alpha " << c.alpha << " code " << code;
       if (cb->kind != CODE_LUT) {
@@ -76,15 +72,18 @@ TEST(Codebook, EveryCodeReconstructsInsideItsOwnBinAndEncodesBack) {
   }
 }
 
-// The code of z by the closed formula, in double: round half up of z * 127
-// in sign-magnitude (LYNX alpha 0) or of (z + 1) * (2^b - 1) / 2 (uniform);
-// -1 within 1e-5 of a tie.
+// The code of z by the closed formula, in double; -1 near an edge (1e-5 uniform, 1e-4 in y nested).
+// Uniform: round half up of (z + 1) * (2^b - 1) / 2.  LYNX alpha 0 (nested):
+// the last code whose lower edge E(c), in y = 256 + 240 z, is <= y, with
+// E = 16 + c below code 16, 2c up to 239, c + 240 above (docs/FORMAT.md 2.2).
 int closed_form_code(const Codebook& cb, double z) {
-  if (cb.kind == CODE_MAG) {
-    const double y = z * 127.0;
-    if (std::fabs(y - std::floor(y) - 0.5) < 1e-5) return -1;
-    const int q = static_cast<int>(std::max(-127.0, std::min(127.0, std::floor(y + 0.5))));
-    return q >= 0 ? q : (0x80 | -q);
+  if (cb.kind == CODE_NEST) {
+    const double y = 256.0 + 240.0 * z;
+    if (std::fabs(y - std::floor(y + 0.5)) < 1e-4) return -1;  // 3 ulp of y <= 496
+    int code = 0;
+    for (int c = 1; c < 256; ++c)
+      if ((c < 16 ? 16 + c : (c < 240 ? 2 * c : c + 240)) <= y) code = c;
+    return code;
   }
   const double y = (z + 1.0) * cb.scale_num;
   if (std::fabs(y - std::floor(y) - 0.5) < 1e-5) return -1;
@@ -159,16 +158,57 @@ TEST(Codebook, LynxMatchesAlphaLawFormula) {
       ASSERT_EQ(cb->encode_z(z), q | (z < 0 ? 0x80u : 0u)) << "alpha " << alpha << " z " << z;
     }
   }
-  // alpha = 0 is linear: z = 0.5 is the tie 63.5, rounded up (so -63.5 goes
-  // to -63).
+  // alpha = 0 is the nested code, by hand: y = 256 + 240 z, anchor = INT4's
+  // round((z + 1) * 7.5), residual in steps of 1/120 (1/240 in the end cells).
   const CodebookRef lin = get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, nullptr);
-  EXPECT_EQ(lin->encode_z(0.5f), 64u);
-  EXPECT_EQ(lin->encode_z(-0.5f), 0x80u | 63u);
-  EXPECT_EQ(lin->encode_z(-1.0f), 0x80u | 127u);
-  EXPECT_EQ(lin->encode_z(1.0f), 127u);
-  EXPECT_EQ(lin->encode_z(0.0f), 0u);
-  EXPECT_EQ(lin->encode_z(-0.0f), 0u);
-  EXPECT_EQ(lin->encode_z(-1e-30f), 0u);  // the signed level 0: never 0x80
+  EXPECT_EQ(lin->encode_z(0.5f), 11u << 4 | 12u);  // y 376: INT4 11.25 -> 11, (376 - 352) / 2
+  EXPECT_EQ(lin->encode_z(-0.5f), 4u << 4 | 4u);   // y 136: INT4 3.75 -> 4, (136 - 128) / 2
+  EXPECT_EQ(lin->encode_z(-1.0f), 0u);
+  EXPECT_EQ(lin->encode_z(1.0f), 255u);
+  EXPECT_EQ(lin->encode_z(0.0f), 8u << 4);
+  EXPECT_EQ(lin->encode_z(-1e-30f), 8u << 4);
+  EXPECT_EQ(lin->encode_z(0.99f), 15u << 4 | 13u);  // y 493.6: top cell, 493 - 480
+  EXPECT_EQ(lin->encode_z(-0.99f), 0u << 4 | 2u);   // y 18.4: bottom cell, 18 - 16
+  // Levels: cell centres, the extremes at +-1.
+  EXPECT_EQ(lin->recon_full[0], -1.0f);
+  EXPECT_EQ(lin->recon_full[255], 1.0f);
+  EXPECT_FLOAT_EQ(lin->recon_full[8u << 4], 1.0f / 240);     // y 257
+  EXPECT_FLOAT_EQ(lin->recon_full[15u << 4], 224.5f / 240);  // y 480.5
+  EXPECT_FLOAT_EQ(lin->recon_full[1], (16.5f + 1 - 256) / 240);
+  EXPECT_NEAR(lin->max_half_width_full, 1.0 / 240, 1e-7);
+  EXPECT_NEAR(lin->max_half_width_anchor, 1.0 / 15, 1e-6);
+  EXPECT_FALSE(has_anchor_table(*lin));
+}
+
+TEST(Codebook, NestedAnchorIsInt4BitForBit) {
+  // The 4-bit anchor of LYNX alpha 0 is INT4's code of the same element, and
+  // its value is INT4's level (the same float), for ranges far from 1,
+  // offsets far from 0 and the float neighbours of every INT4 tie.
+  const CodebookRef lyn = get_codebook(KVXFER_CODEC_LYNX, 0.0f, 4, nullptr);
+  const CodebookRef i4 = get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, nullptr);
+  for (int a = 0; a < 16; ++a) EXPECT_EQ(lyn->recon_anchor[a], i4->recon_full[a]) << a;
+  std::mt19937 rng(7);
+  size_t n = 0;
+  for (float d : {std::ldexp(1.0f, -24), 3e-3f, 0.7f, 1.0f, 13.0f, 65504.0f})
+    for (float m : {0.0f, -1.5f, 100.0f}) {
+      const float sl = lyn->scale(d), s4 = i4->scale(d);
+      ASSERT_EQ(sl, 32.0f * s4);  // RN(240 / d) = 32 RN(7.5 / d): a power of two apart
+      std::vector<float> xs;
+      for (int k = 0; k <= 15; ++k) {  // INT4's ties and their neighbours
+        const float x = static_cast<float>(m + (k + 0.5) / 7.5 * d - d);
+        for (float v : {x, std::nextafter(x, 1e30f), std::nextafter(x, -1e30f)}) xs.push_back(v);
+      }
+      for (int i = 0; i < 4000; ++i)
+        xs.push_back(
+            static_cast<float>(m + d * std::uniform_real_distribution<double>(-1, 1)(rng)));
+      for (float x : xs) {
+        if (!(std::fabs(static_cast<double>(x) - m) <= d)) continue;
+        ASSERT_EQ(lyn->encode(x, m, sl) >> 4, i4->encode(x, m, s4))
+            << "x " << x << " m " << m << " d " << d;
+        ++n;
+      }
+    }
+  EXPECT_GT(n, 60000u);
 }
 
 TEST(Codebook, UniformBaselinesMatchHandComputedValues) {

@@ -174,8 +174,9 @@ void fill_edges(PagedBuffer* p, const Codebook& cb, bool past_fp16, uint64_t see
       edges.push_back(v);
       edges.push_back(-v);
     }
-  for (int q = 0; q <= 255; ++q) {  // the linear codes' own ties: (q + 1/2) / L - 1
-    const float v = static_cast<float>((q + 0.5) / cb.scale_num - (cb.kind == CODE_MAG ? 0 : 1));
+  for (int q = 0; q <= 496; ++q) {  // the linear codes' own edges
+    const float v = static_cast<float>(cb.kind == CODE_NEST ? (q - 256) / 240.0  // integer y
+                                                            : (q + 0.5) / cb.scale_num - 1);
     if (v >= -1.0f && v <= 1.0f) edges.push_back(v);
   }
   const int64_t T = p->layout.num_tokens;
@@ -797,6 +798,44 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
           }
         }
       }
+}
+
+TEST(PageCodec, LynxAlphaZeroAnchorDecodesToInt4sBytes) {
+  // Format 4: the 4-bit anchor of LYNX alpha 0 is INT4's code (codec_math.h
+  // nest_code), so its anchor-only decode is INT4's decode, byte for byte, on
+  // every path and dtype, INT4's ties and their float neighbours included.
+  const int64_t T = 70;
+  const int32_t H = 70;
+  for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32})
+    for (int C : {16, 32}) {
+      PagedBuffer src(T, H, dt, 16);
+      fill_edges(&src, *get_codebook(KVXFER_CODEC_INT4, 0.0f, 4, nullptr), false, 11 + C);
+      const kvxfer_page_id_t id{2, KVXFER_KV_KEY, 100, 3};
+      const auto lyn = test::encode(config(KVXFER_CODEC_LYNX, 0.0f, C), src, Impl::REFERENCE, id);
+      const auto i4 = test::encode(config(KVXFER_CODEC_INT4, 0.0f, C), src, Impl::REFERENCE, id);
+      ASSERT_EQ(lyn.rc, KVXFER_SUCCESS) << last_error();
+      ASSERT_EQ(i4.rc, KVXFER_SUCCESS) << last_error();
+      // Same anchor payload but the header: metadata, then the same codes, no table.
+      ASSERT_EQ(lyn.anchor.size(), i4.anchor.size());
+      EXPECT_TRUE(std::equal(lyn.anchor.begin() + kHeaderBytes, lyn.anchor.end(),
+                             i4.anchor.begin() + kHeaderBytes));
+      for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AVX2}) {
+        if (impl == Impl::AVX2 && resolve_impl(Impl::AVX2, &impl) != KVXFER_SUCCESS) continue;
+        for (kvxfer_dtype_t odt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP32}) {
+          PagedBuffer a(T, H, odt, 8), b(T, H, odt, 8);
+          ASSERT_EQ(decode_page(lyn.anchor.data(), lyn.anchor.size(), nullptr, 0, &id, &a.layout,
+                                impl, 1),
+                    KVXFER_SUCCESS)
+              << last_error();
+          ASSERT_EQ(
+              decode_page(i4.anchor.data(), i4.anchor.size(), nullptr, 0, &id, &b.layout, impl, 1),
+              KVXFER_SUCCESS)
+              << last_error();
+          ASSERT_TRUE(a.bytes() == b.bytes())
+              << "dtype " << dt << " C " << C << " impl " << static_cast<int>(impl);
+        }
+      }
+    }
 }
 
 TEST(PageCodec, SinkTokensOutsideItsRangeAreRefused) {

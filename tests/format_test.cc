@@ -771,7 +771,7 @@ TEST(WireFormat, HeaderBytesAreFixed) {
 
   const uint8_t expect_anchor[72] = {
       'K',  'V',  'X',  'P',                           // magic
-      0x03, 0x00,                                      // version 3
+      0x04, 0x00,                                      // version 4
       0x50, 0x00,                                      // header_bytes 80
       0x01,                                            // section: anchor
       0x00,                                            // codec LYNX

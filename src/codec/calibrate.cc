@@ -79,8 +79,9 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
       for (int64_t t = t0; t < t1; ++t)
         if (hist_row(t)) srows.push_back({lay.row(t), static_cast<int64_t>(sm.size() / H - 1)});
     }
-    // Each candidate: codes, this page's anchor table (as the encoder builds
-    // it, from the code histogram of the same rows), then the squared errors.
+    // Each candidate: codes, this page's anchor values (the table as the
+    // encoder builds it, from the code histogram of the same rows, or the
+    // codebook's fixed anchor levels), then the squared errors.
     std::vector<uint8_t> codes(srows.size() * static_cast<size_t>(H));
     for (int i = 0; i < ncand; ++i) {
       const Codebook& cb = *cbs[i];
@@ -94,7 +95,10 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
           if (sok[base + c]) ++hist[out[c]];
       }
       float table[64];
-      anchor_table_from_histogram(cb, hist, table);
+      if (has_anchor_table(cb))
+        anchor_table_from_histogram(cb, hist, table);
+      else
+        std::copy(cb.recon_anchor, cb.recon_anchor + 64, table);
       double accf[8] = {0}, acca[8] = {0};  // lane c % 8, each in row order
       for (size_t r = 0; r < srows.size(); ++r) {
         const size_t base = static_cast<size_t>(srows[r].k) * H;

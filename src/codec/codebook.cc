@@ -84,8 +84,11 @@ void build_tables(Codebook* cb) {
       hi = std::max(hi, h);
     }
     // Without a residual the anchor is the code itself (INT4): its level.
-    cb->recon_anchor[a] =
-        cb->residual_bits == 0 ? cb->recon_full[a] : static_cast<float>(0.5 * (lo + hi));
+    // The nested code's 4-bit anchor is INT4's code: INT4's level, the same float.
+    cb->recon_anchor[a] = cb->residual_bits == 0 ? cb->recon_full[a]
+                          : !has_anchor_table(*cb)
+                              ? recon_linear(CODE_UNIFORM, a, f_div(2.0f, 15.0f))
+                              : static_cast<float>(0.5 * (lo + hi));
     cb->anchor_lo[a] = static_cast<float>(lo);  // bin edges are floats already
     cb->anchor_hi[a] = static_cast<float>(hi);
     const double r = cb->recon_anchor[a];
@@ -152,11 +155,12 @@ std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int a
     cb->max_code = levels - 1;
     cb->recon_step = f_div(2.0f, static_cast<float>(levels - 1));
   } else if (cb->alpha == 0.0f) {
-    cb->kind = CODE_MAG;
-    cb->scale_num = 127.0f;
-    cb->bias = 127.5f;
-    cb->max_code = 254;
-    cb->recon_step = f_div(1.0f, 127.0f);
+    cb->kind = CODE_NEST;
+    cb->sign_magnitude = false;
+    cb->scale_num = 240.0f;
+    cb->bias = 256.0f;
+    cb->max_code = 255;
+    cb->recon_step = f_div(1.0f, 480.0f);
   } else {
     cb->kind = CODE_LUT;
     cb->scale_num = 1.0f;
@@ -164,7 +168,13 @@ std::unique_ptr<Codebook> make_codebook(kvxfer_codec_t codec, float alpha, int a
     cb->max_code = 127;
     cb->recon_step = 0.0f;
   }
-  if (cb->sign_magnitude) {
+  if (cb->kind == CODE_NEST) {
+    // The lower edge of code k + 1, at y = 256 + 240 z (codec_math.h nest_code).
+    for (int k = 0; k < 255; ++k) {
+      const int c = k + 1, y = c < 16 ? 16 + c : (c < 240 ? 2 * c : c + 240);
+      cb->thresholds.push_back(static_cast<float>((y - 256) / 240.0));
+    }
+  } else if (cb->sign_magnitude) {
     // q = round(Y) = #{k : Y >= k + 1/2} = #{k : |z| >= g(k + 1/2)}.
     for (int k = 0; k < 127; ++k)
       cb->thresholds.push_back(static_cast<float>(alpha_law_inverse(cb->alpha, k + 0.5)));

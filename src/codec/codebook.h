@@ -15,10 +15,12 @@
 // A code is decided from u = RN(x - m) and the code scale s = RN(L / d) of
 // its (chunk, channel) (codec_math.h quantize, docs/FORMAT.md 2.2):
 //   LYNX alpha > 0 (CODE_LUT):  z = RN(u * s), q = #{k : |z| >= T[k]}, code = (z < 0) << 7 | q
-//   LYNX alpha = 0 (CODE_MAG):  v = min(trunc(RN(u * s + 127.5)), 254), q = v - 127 in
-//   sign-magnitude INT8/INT4 (CODE_UNIFORM):   code = min(trunc(RN(u * s + L + 1/2)), 2L)
-// The linear codes reconstruct at their levels (z = +-q/127, -1 + q/L), the
-// extremes at +-1 included; alpha-law codes at the centre of their bin.
+//   LYNX alpha = 0 (CODE_NEST): code = nest_code(trunc(RN(u * s + 256))), s = RN(240 / d):
+//                               INT4's code in the top 4 bits, refined by the low 4
+//   INT8/INT4 (CODE_UNIFORM):   code = min(trunc(RN(u * s + L + 1/2)), 2L)
+// The uniform codes reconstruct at their levels (z = -1 + q/L), the nested
+// code at its cell centres, both with the extremes at +-1; alpha-law codes at
+// the centre of their bin.
 // Thresholds are computed with codec/detmath (bit-reproducible); all tables
 // are shared verbatim with the fast CPU path and the CUDA kernels.
 #pragma once
@@ -40,13 +42,13 @@ struct Codebook {
   int code_bits;                  // 8 (LYNX, INT8) or 4 (INT4)
   int anchor_bits;                // A
   int residual_bits;              // R = code_bits - A
-  bool sign_magnitude;            // LYNX: sign bit + 7-bit alpha-law magnitude
+  bool sign_magnitude;            // LYNX alpha > 0: sign bit + 7-bit alpha-law magnitude
   int kind;                       // CodeKind (codec_math.h)
   float scale_num;                // L of the code scale s = RN(L / d)
-  float bias;                     // L + 1/2 (CODE_UNIFORM, CODE_MAG)
-  int max_code;                   // CODE_UNIFORM: 2^b - 1; CODE_MAG: 254 (largest v)
+  float bias;                     // L + 1/2 (CODE_UNIFORM); 256 (CODE_NEST)
+  int max_code;                   // CODE_UNIFORM: 2^b - 1; else 255
   float recon_step;               // linear kinds: recon_full = recon_linear(code, step)
-  std::vector<float> thresholds;  // ascending; 127 (LYNX) or 2^b - 1 (uniform)
+  std::vector<float> thresholds;  // ascending; 127 (alpha-law) or 2^b - 1 (uniform, nested)
   float recon_full[256];          // z value of each code (level, or bin centre)
   float recon_anchor[64];         // z value of each anchor (centre of its bins; R = 0: recon_full)
   double max_half_width_full;     // max over codes of |z - recon| inside the bin (z units)
@@ -114,11 +116,20 @@ constexpr size_t kCodebookCacheSize = 64;
 CodebookRef get_codebook(kvxfer_codec_t codec, float alpha, int anchor_bits, std::string* why);
 
 /**
- * True if pages of this codebook carry a per-page anchor table: the split
- * codecs (LYNX, INT8 with R > 0).  INT4 (anchor only) keeps textbook
- * bin-centre reconstruction.
+ * True if pages of (codec, alpha, bits) carry a per-page anchor table
+ * (docs/FORMAT.md 2.4): the split codecs (LYNX, INT8 with code_bits >
+ * anchor_bits), except LYNX alpha = 0 at 4+4, whose anchor is INT4's code and
+ * reconstructs at INT4's levels.  INT4 (anchor only) keeps its levels.  The
+ * one rule for the encoders, the decoders and the payload sizes.
  */
-inline bool has_anchor_table(const Codebook& cb) { return cb.residual_bits > 0; }
+inline bool carries_anchor_table(kvxfer_codec_t codec, float alpha, int code_bits,
+                                 int anchor_bits) {
+  return code_bits > anchor_bits &&
+         !(codec == KVXFER_CODEC_LYNX && alpha == 0.0f && anchor_bits == 4);
+}
+inline bool has_anchor_table(const Codebook& cb) {
+  return carries_anchor_table(cb.codec, cb.alpha, cb.code_bits, cb.anchor_bits);
+}
 
 /**
  * The per-page anchor reconstruction table (docs/FORMAT.md section 2.4): the

@@ -1,8 +1,8 @@
 // The element math of the page codec, one definition for the CPU paths
 // (compiled by g++) and the CUDA kernels (compiled by nvcc): dtype
 // conversions, the per-(chunk, channel) affine normalisation, the code of an
-// element (wire format 2: one code scale per (chunk, channel), linear codes by
-// one fma, alpha-law codes by the threshold lookup), the reconstruction and
+// element (one code scale per (chunk, channel); linear and nested codes by one
+// fma, alpha-law codes by the threshold lookup), the reconstruction and
 // the anchor table (docs/FORMAT.md, sections 2.1-2.4 and 3 "Exactness").
 //
 // Rules that keep both sides bit-identical:
@@ -227,17 +227,58 @@ KVXFER_HD inline uint8_t encode_lut(const int32_t* base, const float* next, int 
 /** How a codebook turns y = RN(x - m) into a code (Codebook::kind). */
 enum CodeKind : int {
   CODE_LUT = 0,      // LYNX alpha > 0: z = RN(u * s), s = RN(1 / d), then the threshold LUT
-  CODE_MAG = 1,      // LYNX alpha = 0: v = min(trunc(fma(u, s, 127.5)), 254), s = RN(127 / d),
-                     //   then q = v - 127 in sign-magnitude
+  CODE_NEST = 1,     // LYNX alpha = 0: g = trunc(RN(u * s + 256)), s = RN(240 / d); the top
+                     //   4 bits are INT4's code, the low 4 refine it (nest_code)
   CODE_UNIFORM = 2,  // INT8 / INT4: q = min(trunc(fma(u, s, L + 1/2)), 2L), s = RN(L / d)
 };
+
+/**
+ * The nested code of LYNX alpha = 0 (wire format 4, docs/FORMAT.md 2.2) from
+ * g = trunc(RN(u * s + 256)), s = RN(240 / d), g in [15, 496]:
+ *     anchor   a = min(g >> 5, 15)                    INT4's code, bit for bit
+ *     residual r = a == 15 ? min(g - 480, 15)          top cell, steps of 1/240
+ *                : a == 0  ? max(g - 16, 0)            bottom cell, steps of 1/240
+ *                :           (g >> 1) & 15             other cells, steps of 1/120
+ *     code = a << 4 | r
+ * s = 32 * RN(7.5 / d) and 256 = 32 * 8 exactly, so RN(u * s + 256) is 32
+ * times INT4's RN(u * s4 + 8): the anchor is INT4's min(trunc(.), 15).
+ */
+KVXFER_HD inline uint8_t nest_code(int g) {
+  int a = g >> 5;
+  a = a > 15 ? 15 : a;
+  int r;
+  if (a == 15) {
+    r = g - 480;
+    r = r > 15 ? 15 : r;
+  } else if (a == 0) {
+    r = g - 16;
+    r = r < 0 ? 0 : r;
+  } else {
+    r = (g >> 1) & 15;
+  }
+  return static_cast<uint8_t>(a << 4 | r);
+}
+
+/**
+ * Twice the position of code c's level in units of 1/240 of z, minus 512:
+ * the level is z = n / 480 (nest_recon).  Cell centres, except the two
+ * extreme codes, which sit at +-1 where every (chunk, channel) has its
+ * minimum and maximum.  An integer in [-480, 480].
+ */
+KVXFER_HD inline int nest_level2(unsigned c) {
+  if (c == 0) return -480;
+  if (c == 255) return 480;
+  if (c < 16) return 2 * static_cast<int>(c) - 479;   // 2 (16 + c + 1/2) - 512
+  if (c >= 240) return 2 * static_cast<int>(c) - 31;  // 2 (c + 240 + 1/2) - 512
+  return 4 * static_cast<int>(c) - 510;               // 2 (2c + 1) - 512
+}
 
 /** What the element code needs of a codebook (the CPU's Codebook, the kernels' copy). */
 struct CodeSpec {
   int kind;             // CodeKind
-  float num;            // L of s = RN(L / d): 1 (LUT), 127 (MAG), (2^b - 1) / 2 (UNIFORM)
-  float bias;           // L + 1/2 (UNIFORM, MAG); LUT: unused
-  int max_code;         // UNIFORM: 2^b - 1; MAG: 254 (the largest v)
+  float num;            // L of s = RN(L / d): 1 (LUT), 240 (NEST), (2^b - 1) / 2 (UNIFORM)
+  float bias;           // L + 1/2 (UNIFORM); NEST: 256; LUT: unused
+  int max_code;         // UNIFORM: 2^b - 1; NEST, LUT: 255
   const int32_t* base;  // LUT kind only: Codebook::lut_base / lut_next
   const float* next;
   int lut_log2, lut_origin;
@@ -249,33 +290,28 @@ struct CodeSpec {
  * is one correctly rounded operation: u = RN(x - m), then
  *   LUT:     z = RN(u * s), code = encode_lut(z) (the threshold count);
  *   UNIFORM: q = min(trunc(RN(u * s + L + 1/2)), 2^b - 1);
- *   MAG:     v = min(trunc(RN(u * s + 127.5)), 254), then the signed level
- *            q = v - 127 in sign-magnitude: code = q >= 0 ? q : 0x80 | -q.
- * UNIFORM is round-half-up of (z + 1) * L, MAG of z * 127 (so a negative tie
- * rounds toward zero), both without a table.  |RN(x - m)| <= d and
- * s <= (L / d)(1 + 2^-24), so the sums are positive and the clamps only catch
- * the last ulp.
+ *   NEST:    code = nest_code(trunc(RN(u * s + 256))).
+ * UNIFORM is round-half-up of (z + 1) * L without a table.  |RN(x - m)| <= d
+ * and s <= (L / d)(1 + 2^-24), so the sums are positive and the clamps only
+ * catch the last ulp.
  */
 KVXFER_HD inline uint8_t quantize(const CodeSpec& cs, float x, float m, float s) {
   const float u = f_sub(x, m);
   if (cs.kind == CODE_LUT)
     return encode_lut(cs.base, cs.next, cs.lut_log2, cs.lut_origin, true, f_mul(u, s));
   int q = static_cast<int>(f_fma(u, s, cs.bias));
+  if (cs.kind == CODE_NEST) return nest_code(q);
   q = q > cs.max_code ? cs.max_code : (q < 0 ? 0 : q);
-  if (cs.kind == CODE_MAG) return static_cast<uint8_t>(q >= 127 ? q - 127 : 0x80 | (127 - q));
   return static_cast<uint8_t>(q);
 }
 
 /**
  * The z value of a code of the linear kinds (Codebook::recon_full), the
- * arithmetic the SIMD decoders repeat: CODE_MAG +-RN(q * step), step =
- * RN(1/127); CODE_UNIFORM RN(q * step - 1), step = RN(2 / (2^b - 1)).
+ * arithmetic the SIMD decoders repeat: CODE_NEST RN(nest_level2(code) * step),
+ * step = RN(1/480); CODE_UNIFORM RN(code * step - 1), step = RN(2 / (2^b - 1)).
  */
 KVXFER_HD inline float recon_linear(int kind, unsigned code, float step) {
-  if (kind == CODE_MAG) {
-    const float r = f_mul(static_cast<float>(code & 0x7Fu), step);
-    return (code & 0x80u) ? -r : r;
-  }
+  if (kind == CODE_NEST) return f_mul(static_cast<float>(nest_level2(code)), step);
   return f_fma(static_cast<float>(code), step, -1.0f);
 }
 

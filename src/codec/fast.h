@@ -15,7 +15,7 @@ namespace kvxfer::codec::fast {
 struct Values {
   const float* table;  // index -> z value (recon_full, the page's anchor table, recon_anchor)
   int entries;         // size of `table` (16 for the 4-bit anchors, 256 for full codes)
-  int linear_kind;     // CODE_MAG / CODE_UNIFORM: table[i] == recon_linear(kind, i, step)
+  int linear_kind;     // CODE_NEST / CODE_UNIFORM: table[i] == recon_linear(kind, i, step)
                        // (full codes of the linear codebooks); CODE_LUT: none
   float step;          // Codebook::recon_step
   bool clamp;          // fp32 metadata: clamp to +-FLT_MAX (fp16 metadata cannot overflow)

@@ -239,17 +239,17 @@ void load_meta_avx2(const uint8_t* meta, int32_t H, bool fp32, float* m, float* 
 // Encode: 32 codes per iteration, packed to bytes with two packus and one
 // lane fix-up.  packus saturates to [0, 255], which is the UNIFORM clamp.
 // ---------------------------------------------------------------------------
-// LYNX alpha = 0 from the unsigned level v in [0, 254] (codes8 UNIFORM with
-// bias 127.5): q = v - 127 in sign-magnitude, on bytes with saturating
-// subtractions.
-inline __m256i mag_from_level(__m256i v) {
-  const __m256i k127 = _mm256_set1_epi8(127);
-  v = _mm256_min_epu8(v, _mm256_set1_epi8(static_cast<char>(254)));
-  const __m256i pos = _mm256_subs_epu8(v, k127), neg = _mm256_subs_epu8(k127, v);
-  const __m256i negcode =
-      _mm256_andnot_si256(_mm256_cmpeq_epi8(neg, _mm256_setzero_si256()),
-                          _mm256_or_si256(neg, _mm256_set1_epi8(static_cast<char>(0x80))));
-  return _mm256_or_si256(pos, negcode);
+// LYNX alpha = 0 (codec_math.h nest_code) on 16 x int16 g in [15, 496].
+inline __m256i nest_codes16(__m256i g) {
+  const __m256i k15 = _mm256_set1_epi16(15);
+  const __m256i a = _mm256_min_epi16(_mm256_srai_epi16(g, 5), k15);
+  const __m256i mid = _mm256_and_si256(_mm256_srai_epi16(g, 1), k15);
+  const __m256i top = _mm256_min_epi16(_mm256_sub_epi16(g, _mm256_set1_epi16(480)), k15);
+  const __m256i bot =
+      _mm256_max_epi16(_mm256_sub_epi16(g, _mm256_set1_epi16(16)), _mm256_setzero_si256());
+  __m256i r = _mm256_blendv_epi8(mid, top, _mm256_cmpeq_epi16(a, k15));
+  r = _mm256_blendv_epi8(r, bot, _mm256_cmpeq_epi16(a, _mm256_setzero_si256()));
+  return _mm256_or_si256(_mm256_slli_epi16(a, 4), r);
 }
 
 template <int KIND>
@@ -258,7 +258,7 @@ inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m25
                       const uint8_t* base, const float* next, __m256 ncells) {
   const __m256 u = _mm256_sub_ps(x, _mm256_loadu_ps(m + c));
   const __m256 sv = _mm256_loadu_ps(s + c);
-  if constexpr (KIND == CODE_UNIFORM || KIND == CODE_MAG) {  // MAG: the level v
+  if constexpr (KIND == CODE_UNIFORM || KIND == CODE_NEST) {  // NEST: g, coded in codes32
     return _mm256_cvttps_epi32(_mm256_fmadd_ps(u, sv, bias));
   } else {
     const __m256 z = _mm256_mul_ps(u, sv);
@@ -276,12 +276,23 @@ inline __m256i codes8(__m256 x, const float* m, const float* s, int32_t c, __m25
   }
 }
 
+// 4 x 8 int32 codes8 results to 32 bytes (in packus lane order); the nested
+// code is formed on the 16-bit g values between the two packs.
+template <int KIND>
+inline __m256i pack_codes(__m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+  __m256i lo = _mm256_packus_epi32(q0, q1), hi = _mm256_packus_epi32(q2, q3);
+  if constexpr (KIND == CODE_NEST) {
+    lo = nest_codes16(lo);
+    hi = nest_codes16(hi);
+  }
+  return _mm256_packus_epi16(lo, hi);
+}
+
 // The per-codebook last step on 32 packed byte codes: INT4's clamp to 15
-// (packus already clamped to [0, 255]), LYNX alpha = 0's sign-magnitude.
+// (packus already clamped to [0, 255]).
 template <int KIND>
 inline __m256i finish_codes(__m256i b, __m256i maxc) {
   if constexpr (KIND == CODE_UNIFORM) b = _mm256_min_epu8(b, maxc);
-  if constexpr (KIND == CODE_MAG) b = mag_from_level(b);
   return b;
 }
 
@@ -295,8 +306,8 @@ inline __m256i codes32(const uint8_t* row, kvxfer_dtype_t dt, int32_t c, const f
   const __m256i q1 = codes8<KIND>(load8(row, c + 8, dt), m, s, c + 8, bias, base, next, ncells);
   const __m256i q2 = codes8<KIND>(load8(row, c + 16, dt), m, s, c + 16, bias, base, next, ncells);
   const __m256i q3 = codes8<KIND>(load8(row, c + 24, dt), m, s, c + 24, bias, base, next, ncells);
-  __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
-  return finish_codes<KIND>(_mm256_permutevar8x32_epi32(b, fix), maxc);
+  return finish_codes<KIND>(_mm256_permutevar8x32_epi32(pack_codes<KIND>(q0, q1, q2, q3), fix),
+                            maxc);
 }
 
 template <int KIND>
@@ -355,8 +366,8 @@ inline __m256i codes32p(const uint8_t* row, int32_t c, const float* pm, const fl
     const __m256i q1 = codes8<KIND>(hi(v0), pm, ps, c + 8, bias, base, next, ncells);
     const __m256i q2 = codes8<KIND>(lo(v1), pm, ps, c + 16, bias, base, next, ncells);
     const __m256i q3 = codes8<KIND>(hi(v1), pm, ps, c + 24, bias, base, next, ncells);
-    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(q0, q1), _mm256_packus_epi32(q2, q3));
-    return finish_codes<KIND>(_mm256_permute4x64_epi64(b, 0xD8), maxc);
+    return finish_codes<KIND>(_mm256_permute4x64_epi64(pack_codes<KIND>(q0, q1, q2, q3), 0xD8),
+                              maxc);
   }
 }
 
@@ -427,7 +438,7 @@ void encode_row_nibbles_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, c
   switch (cb.kind) {
     case CODE_UNIFORM:
       return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes);
-    case CODE_MAG: return encode_row_nibbles_kind<CODE_MAG>(row, dt, H, m, s, cb, pa, pr, codes);
+    case CODE_NEST: return encode_row_nibbles_kind<CODE_NEST>(row, dt, H, m, s, cb, pa, pr, codes);
     default: return encode_row_nibbles_kind<CODE_LUT>(row, dt, H, m, s, cb, pa, pr, codes);
   }
 }
@@ -436,7 +447,7 @@ void encode_row_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const flo
                      const float* s, const Codebook& cb, uint8_t* codes) {
   switch (cb.kind) {
     case CODE_UNIFORM: return encode_row_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, codes);
-    case CODE_MAG: return encode_row_kind<CODE_MAG>(row, dt, H, m, s, cb, codes);
+    case CODE_NEST: return encode_row_kind<CODE_NEST>(row, dt, H, m, s, cb, codes);
     default: return encode_row_kind<CODE_LUT>(row, dt, H, m, s, cb, codes);
   }
 }
@@ -490,10 +501,10 @@ void row_sq_errors_avx2(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const 
 
 // ---------------------------------------------------------------------------
 // Decode: 16 values per iteration.  The z value of an index comes from the
-// linear formula (full codes of the linear codebooks), two 8-entry permutes
-// (tables of 16, the 4-bit anchors), or a gather.
+// linear formula (full codes of the uniform and nested codebooks), two 8-entry
+// permutes (tables of 16, the 4-bit anchors), or a gather.
 // ---------------------------------------------------------------------------
-enum class Lookup { MAG, UNIFORM, PERM16, GATHER };
+enum class Lookup { NEST, UNIFORM, PERM16, GATHER };
 
 template <Lookup L>
 inline __m256 value8(const uint8_t* idx, int32_t c, const Values& v, __m256 t0, __m256 t1) {
@@ -501,17 +512,34 @@ inline __m256 value8(const uint8_t* idx, int32_t c, const Values& v, __m256 t0, 
       _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + c)));
   if constexpr (L == Lookup::UNIFORM) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(v.step), _mm256_set1_ps(-1.0f));
-  } else if constexpr (L == Lookup::MAG) {
-    const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(i, _mm256_set1_epi32(0x7F))),
-                                   _mm256_set1_ps(v.step));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(i, _mm256_set1_epi32(0x80)), 24);
-    return _mm256_xor_ps(r, _mm256_castsi256_ps(sign));
   } else if constexpr (L == Lookup::PERM16) {
     const __m256 lo = _mm256_permutevar8x32_ps(t0, i), hi = _mm256_permutevar8x32_ps(t1, i);
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28)));
   } else {
     return _mm256_i32gather_ps(v.table, i, 4);
   }
+}
+
+// The z values of 16 nested codes (codec_math.h nest_level2), in 16-bit lanes:
+// 4c - 510 inside, corrected by max(0, 2c - 479) above code 239 and
+// max(0, 31 - 2c) below code 16, and by one at codes 0 and 255; then
+// RN(n * step) in two halves of 8.
+inline void nest_values16(const uint8_t* idx, int32_t c, float step, __m256* z0, __m256* z1) {
+  const __m256i i =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(idx + c)));
+  const __m256i c2 = _mm256_add_epi16(i, i);
+  const __m256i top =
+      _mm256_max_epi16(_mm256_sub_epi16(c2, _mm256_set1_epi16(479)), _mm256_setzero_si256());
+  const __m256i bot =
+      _mm256_max_epi16(_mm256_sub_epi16(_mm256_set1_epi16(31), c2), _mm256_setzero_si256());
+  __m256i n = _mm256_sub_epi16(_mm256_add_epi16(c2, c2), _mm256_set1_epi16(510));
+  n = _mm256_add_epi16(_mm256_sub_epi16(n, top), bot);
+  n = _mm256_sub_epi16(n, _mm256_cmpeq_epi16(i, _mm256_set1_epi16(255)));
+  n = _mm256_add_epi16(n, _mm256_cmpeq_epi16(i, _mm256_setzero_si256()));
+  const __m256 sv = _mm256_set1_ps(step);
+  *z0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(n))), sv);
+  *z1 =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(n, 1))), sv);
 }
 
 // Round-to-nearest-even float -> bfloat16 (the decoder never produces NaN),
@@ -532,16 +560,22 @@ void decode_row_kind(const uint8_t* idx, int32_t H, const float* m, const float*
     t1 = _mm256_loadu_ps(v.table + 8);
   }
   const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
-  auto value = [&](int32_t c) {
-    __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(d + c), value8<L>(idx, c, v, t0, t1),
-                               _mm256_loadu_ps(m + c));
+  auto value = [&](int32_t c, __m256 z) {
+    __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(d + c), z, _mm256_loadu_ps(m + c));
     if constexpr (CLAMP)
       x = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), big)), big);
     return x;
   };
   int32_t c = 0;
   for (; c + 16 <= H; c += 16) {
-    const __m256 x0 = value(c), x1 = value(c + 8);
+    __m256 z0, z1;
+    if constexpr (L == Lookup::NEST) {
+      nest_values16(idx, c, v.step, &z0, &z1);
+    } else {
+      z0 = value8<L>(idx, c, v, t0, t1);
+      z1 = value8<L>(idx, c + 8, v, t0, t1);
+    }
+    const __m256 x0 = value(c, z0), x1 = value(c + 8, z1);
     switch (dt) {
       case KVXFER_DTYPE_BF16: {
         const __m256i p =
@@ -569,8 +603,8 @@ void decode_row_clamp(const uint8_t* idx, int32_t H, const float* m, const float
                       const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
   if (v.linear_kind == CODE_UNIFORM)
     return decode_row_kind<Lookup::UNIFORM, CLAMP>(idx, H, m, d, v, dt, row);
-  if (v.linear_kind == CODE_MAG)
-    return decode_row_kind<Lookup::MAG, CLAMP>(idx, H, m, d, v, dt, row);
+  if (v.linear_kind == CODE_NEST)
+    return decode_row_kind<Lookup::NEST, CLAMP>(idx, H, m, d, v, dt, row);
   if (v.entries == 16) return decode_row_kind<Lookup::PERM16, CLAMP>(idx, H, m, d, v, dt, row);
   return decode_row_kind<Lookup::GATHER, CLAMP>(idx, H, m, d, v, dt, row);
 }

@@ -90,7 +90,9 @@ PayloadSizes payload_sizes(const PageHeader& h) {
     s.meta_bytes = chunks * h.num_channels * 2 * ((h.flags & FLAG_META_FP32) ? 4 : 2);
     s.anchor_codes = ceil_div8(n * h.anchor_bits);
     s.residual_codes = ceil_div8(n * (h.code_bits - h.anchor_bits));
-    if (h.code_bits > h.anchor_bits) s.table_bytes = 4ull << h.anchor_bits;
+    if (carries_anchor_table(static_cast<kvxfer_codec_t>(h.codec), h.alpha, h.code_bits,
+                             h.anchor_bits))
+      s.table_bytes = 4ull << h.anchor_bits;
     if (h.sink_rows > 0) {
       s.sink_pad = (8 - (s.meta_bytes + s.anchor_codes + s.table_bytes) % 8) % 8;
       s.sink_bytes = static_cast<uint64_t>(h.sink_rows) * h.num_channels * 2;  // <= 2^53

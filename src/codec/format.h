@@ -27,7 +27,7 @@
 namespace kvxfer::codec {
 
 constexpr uint32_t kMagic = 0x5058564Bu;  // bytes "KVXP"
-constexpr uint16_t kWireVersion = 3;
+constexpr uint16_t kWireVersion = 4;
 constexpr size_t kHeaderBytes = 80;
 constexpr uint32_t kMaxChannels = 1u << 20;
 constexpr uint64_t kMaxTokens = 1ull << 32;
