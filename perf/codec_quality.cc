@@ -77,6 +77,7 @@
 #include <vector>
 
 #include "codec/codec.h"
+#include "codec/codec_math.h"
 #include "common/error.h"
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
@@ -117,6 +118,7 @@ struct RowSpec {
   kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
   bool auto_alpha = false;
   kb::Baseline baseline = kb::Baseline::kInt8PerToken;
+  int base_sinks = 0;  // baselines: the first rows also sent as bf16, as kvxfer's sink rows
 
   bool progressive() const {
     return kind == kKvxfer && (cfg.codec == KVXFER_CODEC_LYNX || cfg.codec == KVXFER_CODEC_INT8);
@@ -154,7 +156,8 @@ struct RowSpec {
   }
   // Attention-sink rows sent exactly (kvxfer codecs; docs/FORMAT.md 2.7).
   std::string sinks() const {
-    if (kind == kBaseline || cfg.codec == KVXFER_CODEC_BF16) return "-";
+    if (kind == kBaseline) return base_sinks > 0 ? kp::strprintf("%d", base_sinks) : "-";
+    if (cfg.codec == KVXFER_CODEC_BF16) return "-";
     return kp::strprintf("%d", cfg.sink_tokens);
   }
   std::string label() const {
@@ -194,6 +197,10 @@ void add_baseline_rows(std::vector<RowSpec>* rows) {
   for (kb::Baseline b : {kb::Baseline::kInt8PerToken, kb::Baseline::kInt4PerToken,
                          kb::Baseline::kKiviInt4, kb::Baseline::kKiviInt2})
     rows->push_back(base(b));
+  // KIVI-4 with kvxfer's sink row, at the same bits as the kvxfer rows (s = 1).
+  RowSpec kivi_sink = base(kb::Baseline::kKiviInt4);
+  kivi_sink.base_sinks = kivi_sink.cfg.sink_tokens;  // the default, 1
+  rows->push_back(kivi_sink);
   rows->push_back(kvx(KVXFER_CODEC_BF16, 0.0f, 32, 4));
 }
 
@@ -254,8 +261,13 @@ void run_page_impl(const RowSpec& row, const float* x, int64_t T, int H, uint32_
     std::string err;
     if (!kb::quantize_page(x, T, H, H, axis, group, bits, &qp, &err)) die(row.label() + ": " + err);
     out->full = std::move(qp.recon);
+    // Sink rows as kvxfer sends them from an fp32 source: bf16 (docs/FORMAT.md 2.7).
+    const int64_t sink = std::min<int64_t>(row.base_sinks, T);
+    for (size_t i = 0; i < static_cast<size_t>(sink) * H; ++i)
+      out->full[i] = kc::bf16_to_f32(kc::f32_to_bf16(x[i]));
     out->anchor = out->full;
-    out->bits_anchor = out->bits_total = kb::storage_bits(T, H, axis, group, bits);
+    out->bits_anchor = out->bits_total =
+        kb::storage_bits(T, H, axis, group, bits) + 16.0 * static_cast<double>(sink) * H;
     return;
   }
   void* blk = const_cast<float*>(x);
