@@ -11,7 +11,7 @@
  *   A KV *page* is one layer's K or V for T consecutive tokens across
  *   H = kv_heads * head_dim channels.  kvxfer_page_encode() turns a page into
  *   an *anchor* section (header, per-chunk metadata, the high bits of every
- *   code, the per-page anchor table) and a *residual* section (the low bits).  The anchor section
+ *   code, a per-page anchor table for some codecs) and a *residual* section (the low bits).  The anchor section
  * alone decodes to an approximate page; anchor + residual restore the codes exactly.  The codec
  * definition and the wire format are in docs/FORMAT.md.
  *
@@ -91,8 +91,10 @@ typedef enum { KVXFER_KV_KEY = 0, KVXFER_KV_VALUE = 1 } kvxfer_kv_kind_t;
  * Codecs.  All quantizing codecs use the same per-(chunk, channel) affine
  * normalisation; they differ in how a normalised value becomes a code
  * (docs/FORMAT.md, "Codecs").
- *  - LYNX: 8-bit sign-magnitude alpha-law code (Lynx, Algorithm 1), split into
- *    `anchor_bits` high bits and 8 - anchor_bits low bits.
+ *  - LYNX: 8-bit code split into `anchor_bits` high bits and 8 - anchor_bits
+ *    low bits.  alpha > 0: the sign-magnitude alpha-law code of Lynx,
+ *    Algorithm 1.  alpha = 0 (the default): a nested code whose 4-bit anchor
+ *    is exactly INT4's code, refined to steps of 1/120 of the half-range.
  *  - INT8: uniform asymmetric 8-bit code, split the same way ("Lynx-INT8").
  *  - INT4: uniform asymmetric 4-bit code, anchor only (empty residual).
  *  - BF16: passthrough as bfloat16 (round-to-nearest-even), anchor only.
