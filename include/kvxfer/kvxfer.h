@@ -11,9 +11,10 @@
  *   A KV *page* is one layer's K or V for T consecutive tokens across
  *   H = kv_heads * head_dim channels.  kvxfer_page_encode() turns a page into
  *   an *anchor* section (header, per-chunk metadata, the high bits of every
- *   code, a per-page anchor table for some codecs) and a *residual* section (the low bits).  The anchor section
- * alone decodes to an approximate page; anchor + residual restore the codes exactly.  The codec
- * definition and the wire format are in docs/FORMAT.md.
+ *   code, a per-page anchor table for some codecs) and a *residual* section
+ *   (the low bits).  The anchor section alone decodes to an approximate page;
+ *   anchor + residual restore the codes exactly.  The codec definition and the
+ *   wire format are in docs/FORMAT.md.
  *
  * Transfers (section "Communicators and progressive transfers"): a
  * communicator joins N ranks (kvxfer_get_unique_id, kvxfer_comm_init);
