@@ -838,6 +838,66 @@ TEST(PageCodec, LynxAlphaZeroAnchorDecodesToInt4sBytes) {
     }
 }
 
+TEST(PageCodec, SinkRowsSaturateBf16OverflowAndRefuseNonFiniteValues) {
+  // An fp32 sink beyond bf16's range travels as +-0x7F7F, not infinity.
+  {
+    PagedBuffer src(20, 8, KVXFER_DTYPE_FP32, 16);
+    fill_kv_like(&src, 5);
+    src.set(0, 0, 3.4e38f);
+    src.set(0, 1, -3.4e38f);
+    kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX, 0.0f, 16);
+    cfg.sink_tokens = 2;
+    const kvxfer_page_id_t id{0, KVXFER_KV_KEY, 0, 1};
+    for (Impl impl : {Impl::REFERENCE, Impl::SCALAR}) {
+      const auto e = test::encode(cfg, src, impl, id);
+      ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+      PagedBuffer out(20, 8, KVXFER_DTYPE_FP32, 8);
+      ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), e.residual.data(), e.residual.size(),
+                            &id, &out.layout, Impl::AUTO, 1),
+                KVXFER_SUCCESS)
+          << last_error();
+      EXPECT_EQ(out.get(0, 0), bf16_to_f32(0x7F7F));
+      EXPECT_EQ(out.get(0, 1), bf16_to_f32(0xFF7F));
+      EXPECT_EQ(out.get(0, 2), bf16_to_f32(f32_to_bf16(src.get(0, 2))));
+    }
+  }
+  // A non-finite sink value in a checksum-valid section is CORRUPT, and
+  // nothing is written.
+  for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16})
+    for (uint16_t bad : {uint16_t{0x7F80}, uint16_t{0xFFC1}, uint16_t{0x7C00}, uint16_t{0xFE00}}) {
+      const bool is_bad =
+          dt == KVXFER_DTYPE_BF16 ? (bad & 0x7F80) == 0x7F80 : (bad & 0x7C00) == 0x7C00;
+      PagedBuffer src(20, 8, dt, 16);
+      fill_kv_like(&src, 6);
+      kvxfer_codec_config_t cfg = config(KVXFER_CODEC_INT8, 0.0f, 16);
+      cfg.sink_tokens = 3;
+      const kvxfer_page_id_t id{0, KVXFER_KV_VALUE, 0, 1};
+      auto e = test::encode(cfg, src, Impl::REFERENCE, id);
+      ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+      PageHeader h;
+      ASSERT_EQ(parse_section(e.anchor.data(), e.anchor.size(), &h), KVXFER_SUCCESS);
+      ASSERT_EQ(h.sink_rows, 3u);
+      const size_t at =
+          kHeaderBytes + payload_sizes(h).sink_offset() + 2 * (2 * 8 + 5);  // row 2, ch 5
+      e.anchor[at] = static_cast<uint8_t>(bad & 0xFF);
+      e.anchor[at + 1] = static_cast<uint8_t>(bad >> 8);
+      seal_section(e.anchor.data());
+      PagedBuffer out(20, 8, KVXFER_DTYPE_FP32, 8);
+      const auto before = out.bytes();
+      const kvxfer_result_t r = decode_page(e.anchor.data(), e.anchor.size(), nullptr, 0, &id,
+                                            &out.layout, Impl::AUTO, 1);
+      if (!is_bad) {  // 0x7C00 and 0xFE00 are finite bf16 values
+        EXPECT_EQ(r, KVXFER_SUCCESS) << last_error();
+        continue;
+      }
+      ASSERT_EQ(r, KVXFER_ERR_CORRUPT) << "dtype " << dt << " value " << bad;
+      EXPECT_NE(std::string(last_error()).find("sink row 2, channel 5 is not finite"),
+                std::string::npos)
+          << last_error();
+      EXPECT_TRUE(out.bytes() == before);
+    }
+}
+
 TEST(PageCodec, SinkTokensOutsideItsRangeAreRefused) {
   for (int32_t bad : {-1, kMaxSinkTokens + 1}) {
     kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX, 0.0f);

@@ -16,6 +16,21 @@ kvxfer_result_t codebook_of(const kvxfer_codec_config_t& cfg, CodebookRef* out) 
   return KVXFER_SUCCESS;
 }
 
+void saturate_sink_rows(const PageHeader& h, uint8_t* anchor_payload) {
+  // Only an fp32 source rounds to bf16 (sink_dtype); a finite value beyond
+  // bf16's largest, 0x7F7F, would round to infinity there.
+  if (sink_dtype(h) != KVXFER_DTYPE_BF16 || h.src_dtype != KVXFER_DTYPE_FP32) return;
+  const PayloadSizes s = payload_sizes(h);
+  uint8_t* p = anchor_payload + s.sink_offset();
+  for (uint64_t i = 0; i < s.sink_bytes; i += 2) {
+    const unsigned u = p[i] | static_cast<unsigned>(p[i + 1]) << 8;  // little-endian bf16
+    if ((u & 0x7FFFu) == 0x7F80u) {                                  // +-inf
+      p[i] = 0x7F;
+      p[i + 1] = static_cast<uint8_t>((u >> 8 & 0x80u) | 0x7Fu);
+    }
+  }
+}
+
 kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id,
                             const kvxfer_page_layout_t& src, uint8_t* anchor, size_t anchor_cap,
                             size_t* anchor_len, uint8_t* residual, size_t residual_cap,
@@ -69,6 +84,7 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
     KVXFER_CHECK(be->pack_sinks(h));
   }
   KVXFER_CHECK(be->finish(h));
+  if (h.sink_rows > 0 && !bad.found) saturate_sink_rows(h, anchor + kHeaderBytes);
   seal_page(h, anchor, residual, anchor_len, residual_len, seal_threads);
   return KVXFER_SUCCESS;
 }

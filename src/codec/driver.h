@@ -62,6 +62,16 @@ class EncodeBackend {
 kvxfer_result_t codebook_of(const kvxfer_codec_config_t& cfg, CodebookRef* out);
 
 /**
+ * Sink rows of an fp32 source travel as bf16 (docs/FORMAT.md 2.7); a finite
+ * value beyond bf16's range rounds to infinity there and is saturated here to
+ * +-0x7F7F (3.3895e38), as SpectrumKV's FP16 tier saturates, so that finite
+ * input never decodes to infinity and the decoder may refuse non-finite sink
+ * values.  Runs on the host anchor payload after EncodeBackend::finish, for
+ * every backend.
+ */
+void saturate_sink_rows(const PageHeader& h, uint8_t* anchor_payload);
+
+/**
  * Encodes one page through `be` into the host sections `anchor` / `residual`
  * (headers written and sealed here).  `cfg` is validated, and alpha is a
  * value, not KVXFER_ALPHA_AUTO (the caller resolves it).

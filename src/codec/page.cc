@@ -486,6 +486,17 @@ kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const voi
       return set_error(KVXFER_ERR_CORRUPT, "anchor table holds a value outside its anchor's bin");
     plan->has_table = true;
   }
+  // Sink rows come from finite input (a non-finite page is sent RAW, and the
+  // encoder saturates bf16 overflow): a non-finite value is corruption.
+  // bf16 and fp16 alike: the exponent field all ones.
+  const uint8_t* sinks = plan->payload + plan->sizes.sink_offset();
+  const uint16_t emask = sink_dtype(ah) == KVXFER_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+  for (uint64_t i = 0; i < plan->sizes.sink_bytes / 2; ++i) {
+    const uint16_t v = static_cast<uint16_t>(sinks[2 * i] | sinks[2 * i + 1] << 8);
+    if ((v & emask) == emask)
+      return set_error(KVXFER_ERR_CORRUPT, "sink row %llu, channel %llu is not finite (0x%04x)",
+                       (unsigned long long)(i / H), (unsigned long long)(i % H), v);
+  }
   return KVXFER_SUCCESS;
 }
 
