@@ -50,7 +50,8 @@ struct Codebook {
   float recon_step;               // linear kinds: recon_full = recon_linear(code, step)
   std::vector<float> thresholds;  // ascending; 127 (alpha-law) or 2^b - 1 (uniform, nested)
   float recon_full[256];          // z value of each code (level, or bin centre)
-  float recon_anchor[64];         // z value of each anchor (centre of its bins; R = 0: recon_full)
+  float recon_anchor[64];         // z value of each anchor: centre of its bins; R = 0: recon_full;
+                                  // LYNX alpha 0 at 4+4: INT4's level
   double max_half_width_full;     // max over codes of |z - recon| inside the bin (z units)
   double max_half_width_anchor;   // same over anchors
   float anchor_lo[64], anchor_hi[64];  // bin of each anchor in z (union of its codes' bins)
