@@ -57,13 +57,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -272,9 +272,12 @@ struct Options {
   float temperature = 1.0f;
   int page_tokens = 128;
   int threads = 1;
+  int draft_threads = 0;  // model threads while drafting; 0 = max(1, threads - 1)
   int margin = 2;
   int verify_max = 0;
-  int first_verify = 4;  // the first pass checks at most this many (its cost delays the first committed token)  // verify at most this many draft tokens; 0 = the whole draft
+  int first_verify =
+      4;  // the first pass checks at most this many (its cost delays the first committed token)  //
+          // verify at most this many draft tokens; 0 = the whole draft
 };
 
 // ---------------------------------------------------------------------------
@@ -455,10 +458,10 @@ int prefill_main(const Options& o, int in_fd, int out_fd) {
 /** One timed run of one mode. */
 struct Run {
   Mode mode = kBF16;
-  double rate_bps = 0;  // bytes/s
+  double rate_bps = 0;          // bytes/s
   int prompt_len = 0, rep = 0;  // prompt_len: the point's key (text prompts: the set)
   int tokens_in = 0;            // the prompt's actual length
-  int64_t t0 = 0;  // sender's kvxfer_send
+  int64_t t0 = 0;               // sender's kvxfer_send
   int64_t t_handshake = 0, t_anchor = 0, t_first_residual = 0, t_complete = 0;  // receiver
   int64_t t_snapshot = 0;    // Lynx: anchor snapshot taken (callback)
   int64_t t_first_emit = 0;  // first output token emitted
@@ -467,8 +470,8 @@ struct Run {
   std::vector<int> tokens, reference;  // output; plain greedy on the same received KV
   uint64_t anchor_bytes = 0, residual_bytes = 0;
   int drafted = 0, verified = 0, accepted = 0, matched = 0, window0 = 0;
-  int passes = 0;         // verification passes (Lynx)
-  bool rejected = false;  // a draft token was rejected (else the checked draft was all accepted)
+  int passes = 0;          // verification passes (Lynx)
+  bool rejected = false;   // a draft token was rejected (else the checked draft was all accepted)
   double t_res_pred0 = 0;  // residual time predicted at ANCHOR_READY
   bool speculated = false;
   bool stages_ok = true;
@@ -622,6 +625,10 @@ class Decoder {
       km::KVCache dtail;
       const int64_t t_start = now_ns();
       int t = tok;
+      // Drafting runs while the residual is in flight: it leaves the
+      // transfer's progress and decode threads one of the model's threads
+      // (docs/SPEC.md, "Results on SmolLM2").
+      omp_set_num_threads(o_.draft_threads > 0 ? o_.draft_threads : std::max(1, o_.threads - 1));
       for (;;) {
         kvxfer_stage_t st;
         const kvxfer_result_t tr = kvxfer_test(req, &st);
@@ -648,6 +655,7 @@ class Decoder {
         draft.push_back(t);
         if (r.t_first_emit == 0) r.t_first_emit = now_ns();
       }
+      omp_set_num_threads(o_.threads);
       const kvxfer_result_t wr = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
       if (wr != KVXFER_SUCCESS) die("receive failed: %s", kvxfer_get_last_error());
       // COMPLETE: verify the draft (or its first --verify_max tokens, or as
@@ -679,7 +687,8 @@ class Decoder {
           v = static_cast<size_t>(n);
         }
         if (o_.verify_max > 0) v = std::min(v, static_cast<size_t>(o_.verify_max));
-        if (r.passes == 0 && o_.first_verify > 0) v = std::min(v, static_cast<size_t>(o_.first_verify));
+        if (r.passes == 0 && o_.first_verify > 0)
+          v = std::min(v, static_cast<size_t>(o_.first_verify));
         std::vector<int> batch = {cur};
         batch.insert(batch.end(), draft.begin() + static_cast<std::ptrdiff_t>(pos),
                      draft.begin() + static_cast<std::ptrdiff_t>(pos + v));
@@ -700,12 +709,13 @@ class Decoder {
           commit(draft[pos + static_cast<size_t>(i)]);
         r.verified += static_cast<int>(v);
         for (size_t i = 0; i < v; ++i) r.matched += draft[pos + i] == target[i] ? 1 : 0;
-        if (v > 0) CHECK_KVXFER(kvxfer_spec_monitor_update(&monitor_, static_cast<int32_t>(v), a, nullptr));
+        if (v > 0)
+          CHECK_KVXFER(kvxfer_spec_monitor_update(&monitor_, static_cast<int32_t>(v), a, nullptr));
         ++r.passes;
         pos += static_cast<size_t>(a);
         if (static_cast<size_t>(a) < v) r.rejected = true;
-        const bool go_on = static_cast<size_t>(a) == v && pos < n_check &&
-                           draft[pos] == next && static_cast<int>(r.tokens.size()) < N;
+        const bool go_on = static_cast<size_t>(a) == v && pos < n_check && draft[pos] == next &&
+                           static_cast<int>(r.tokens.size()) < N;
         if (static_cast<int>(r.tokens.size()) < N) commit(next);  // the correction, or draft[pos]
         cur = next;
         if (!go_on) break;
@@ -1067,8 +1077,8 @@ TextPrompts load_text_prompts(const Options& o, const km::gguf::File& file, bool
   }
   if (tp.sets[0].empty()) die("no prompts in %s", o.prompts_path.c_str());
   if (!o.long_text_path.empty() && !o.quick)
-    add(1, "Summarize the following text in a few sentences.\n\n" +
-               read_text_file(o.long_text_path));
+    add(1,
+        "Summarize the following text in a few sentences.\n\n" + read_text_file(o.long_text_path));
   return tp;
 }
 
@@ -1080,8 +1090,8 @@ void print_main_table(const Point& p, const Summary* s, int tokens, const std::s
       rate_text(p.rate_bps).c_str(), what.c_str(), tokens, s[0].runs);
   std::printf("#%10s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s %8s %6s %6s %6s %6s %7s\n",
               "mode", "wire_KiB", "anchor", "complete", "TTFT", "TTFTc", "pred", "TT32T", "pred",
-              "TT64T", "pred", "drafted", "accept", "acc_rate", "agree", "prefix", "P(all)", "=full",
-              "=bf16", "bf16pre");
+              "TT64T", "pred", "drafted", "accept", "acc_rate", "agree", "prefix", "P(all)",
+              "=full", "=bf16", "bf16pre");
   for (int m = 0; m < kModes; ++m) {
     const Summary& x = s[m];
     const bool l = m == kLynx;
@@ -1090,16 +1100,14 @@ void print_main_table(const Point& p, const Summary* s, int tokens, const std::s
         "%6.0f%%\n",
         kModeName[m], fmt(x.wire_kb, "%.1f").c_str(), fmt(x.anchor_ms).c_str(),
         fmt(x.complete_ms).c_str(), fmt(x.ttft_ms).c_str(), fmt(x.ttft_commit_ms).c_str(),
-        fmt(x.pred_ttft_ms).c_str(),
-        fmt(x.tt32_ms).c_str(), fmt(x.pred_tt32_ms).c_str(), fmt(x.tt64_ms).c_str(),
-        tokens >= 64 ? fmt(x.pred_tt64_ms).c_str() : "-",
+        fmt(x.pred_ttft_ms).c_str(), fmt(x.tt32_ms).c_str(), fmt(x.pred_tt32_ms).c_str(),
+        fmt(x.tt64_ms).c_str(), tokens >= 64 ? fmt(x.pred_tt64_ms).c_str() : "-",
         l ? std::to_string(x.drafted).c_str() : "-", l ? std::to_string(x.accepted).c_str() : "-",
         l ? fmt(x.accept_rate(), "%.3f").c_str() : "-",
         l ? fmt(x.agreement(), "%.3f").c_str() : "-",
         l && x.draft_runs > 0 ? fmt(static_cast<double>(x.accepted) / x.draft_runs, "%.1f").c_str()
                               : "-",
-        l ? fmt(x.p_full(), "%.2f").c_str() : "-",
-        100.0 * x.identical_full / x.runs,
+        l ? fmt(x.p_full(), "%.2f").c_str() : "-", 100.0 * x.identical_full / x.runs,
         x.compared_bf16 ? 100.0 * x.identical_bf16 / x.compared_bf16 : 0.0, 100.0 * x.prefix_bf16);
   }
 }
@@ -1116,8 +1124,9 @@ int main(int argc, char** argv) {
                  "GGUF (llama) or llama2.c checkpoint, or 'smollm2' (the fetched "
                  "SmolLM2-135M-Instruct; exit 77 when absent); default SmolLM2 when "
                  "scripts/install-deps.sh has fetched it, else data/stories260K.bin");
-  app.add_option("--prompts", o.prompts_path,
-                 "chat prompts, one per line (GGUF models: each is a user turn of the chat template)");
+  app.add_option(
+      "--prompts", o.prompts_path,
+      "chat prompts, one per line (GGUF models: each is a user turn of the chat template)");
   app.add_option("--long_text", o.long_text_path,
                  "a long real text, summarised as one more prompt (at --long_rate); '' = none");
   app.add_option("--long_rate", o.long_rate, "link rate of the long prompt");
@@ -1142,6 +1151,9 @@ int main(int argc, char** argv) {
   app.add_option("--temperature", o.temperature, "prompt sampling temperature (0 = greedy)");
   app.add_option("--page_tokens", o.page_tokens, "tokens per transfer page");
   app.add_option("--threads", o.threads, "OpenMP threads of the model in each process");
+  app.add_option("--draft_threads", o.draft_threads,
+                 "OpenMP threads while drafting on the anchor KV, with the residual in flight "
+                 "(0: one fewer than --threads, at least 1)");
   app.add_option("--margin", o.margin, "speculative window margin (tokens)");
   app.add_option("--verify_max", o.verify_max,
                  "a verification pass checks at most this many draft tokens (passes go on "
@@ -1161,9 +1173,10 @@ int main(int argc, char** argv) {
   if (o.model_path.empty()) {
     o.model_path = km::smollm2_gguf_path();
     if (!std::ifstream(o.model_path).good()) {
-      std::printf("# %s: SmolLM2 not fetched (%s; scripts/install-deps.sh fetches it): using "
-                  "stories260K\n",
-                  kTool, o.model_path.c_str());
+      std::printf(
+          "# %s: SmolLM2 not fetched (%s; scripts/install-deps.sh fetches it): using "
+          "stories260K\n",
+          kTool, o.model_path.c_str());
       o.model_path = KVXFER_DATA_DIR "/stories260K.bin";
     }
   }
@@ -1197,7 +1210,8 @@ int main(int argc, char** argv) {
     o.prompt_len = static_cast<int>(given.size());
     o.sweep_lens.clear();
   }
-  if (o.tokens < 1 || o.reps < 1 || o.threads < 1 || o.margin < 0) die("bad option value");
+  if (o.tokens < 1 || o.reps < 1 || o.threads < 1 || o.draft_threads < 0 || o.margin < 0)
+    die("bad option value");
 
   // The emulated link is slow and the KV small: a token bucket as deep as the
   // default chunk (256 KiB) would let most of a transfer through unlimited.
@@ -1236,7 +1250,8 @@ int main(int argc, char** argv) {
   // prompt_len is then the prompt set: 0 = the chat prompts, 1 = the long text.
   TextPrompts text;
   const bool text_mode = model->gguf_file() != nullptr && given.empty();
-  if (text_mode) text = load_text_prompts(o, *model->gguf_file(), app.count("--reps") > 0 || o.quick);
+  if (text_mode)
+    text = load_text_prompts(o, *model->gguf_file(), app.count("--reps") > 0 || o.quick);
   // Points: the main one, the rate sweep at the main length, the length sweep at the main rate.
   std::set<Point> points = {{main_rate, text_mode ? 0 : o.prompt_len}};
   if (!o.no_sweep) {
@@ -1275,8 +1290,9 @@ int main(int argc, char** argv) {
       cfg.vocab_size);
   std::printf(
       "# page %d tokens, KVXFER_NET_CHUNK_BYTES %s (rate-limiter burst), model threads "
-      "%d, KVXFER_SPEC_MAX %s, KVXFER_SPEC_MIN_ACCEPT %s\n",
+      "%d (%d while drafting), KVXFER_SPEC_MAX %s, KVXFER_SPEC_MIN_ACCEPT %s\n",
       o.page_tokens, std::getenv("KVXFER_NET_CHUNK_BYTES"), o.threads,
+      o.draft_threads > 0 ? o.draft_threads : std::max(1, o.threads - 1),
       std::getenv("KVXFER_SPEC_MAX") ? std::getenv("KVXFER_SPEC_MAX") : "64 (default)",
       std::getenv("KVXFER_SPEC_MIN_ACCEPT") ? std::getenv("KVXFER_SPEC_MIN_ACCEPT")
                                             : "0.5 (default)");
@@ -1293,10 +1309,11 @@ int main(int argc, char** argv) {
         pid_of[set].push_back(n_prompts);
         prompts_of[set].push_back(dec.prompt(n_prompts++, static_cast<int>(t.size()), 0, t));
       }
-    std::printf("# %zu chat prompt(s) of %s tokens%s, prefilled in %.2f s\n",
-                text.sets[0].size(), text.len_range(0).c_str(),
-                text.sets[1].empty() ? ""
-                                     : (", and a long one of " + text.len_range(1) + " tokens").c_str(),
+    std::printf("# %zu chat prompt(s) of %s tokens%s, prefilled in %.2f s\n", text.sets[0].size(),
+                text.len_range(0).c_str(),
+                text.sets[1].empty()
+                    ? ""
+                    : (", and a long one of " + text.len_range(1) + " tokens").c_str(),
                 ms(now_ns() - t_begin) * 1e-3);
   } else {
     for (int rep = 0; rep < o.reps; ++rep) {
@@ -1431,14 +1448,16 @@ int main(int argc, char** argv) {
                         static_cast<double>(r.t_commit.size() - 1));
     const double tpot = steps.empty() ? cal.tpot_s * 1e3 : median(steps);
     std::printf(
-        "# %s, %s: in TPOT (%.2f ms, INT8-mono's decode): TT32T(Lynx) - TT32T(INT8) = %+.1f, TTFTc(Lynx) - "
+        "# %s, %s: in TPOT (%.2f ms, INT8-mono's decode): TT32T(Lynx) - TT32T(INT8) = %+.1f, "
+        "TTFTc(Lynx) - "
         "TTFT(INT8) = %+.1f; TTFT(Lynx) / TTFT(INT4) = %.3f; per-token agreement %.3f, "
         "mean accepted prefix %.1f\n",
         rate_text(p.rate_bps).c_str(), what(p).c_str(), tpot,
         (s[kLynx].tt32_ms - s[kINT8].tt32_ms) / tpot,
         (s[kLynx].ttft_commit_ms - s[kINT8].ttft_ms) / tpot, s[kLynx].ttft_ms / s[kINT4].ttft_ms,
         s[kLynx].agreement(),
-        s[kLynx].draft_runs > 0 ? static_cast<double>(s[kLynx].accepted) / s[kLynx].draft_runs : 0.0);
+        s[kLynx].draft_runs > 0 ? static_cast<double>(s[kLynx].accepted) / s[kLynx].draft_runs
+                                : 0.0);
   }
   if (points.size() > 1) {
     std::printf("#\n# Sweep: measured against kvxfer_spec_ttft_model (Eq. 16-20), medians, ms\n");
@@ -1492,17 +1511,20 @@ int main(int argc, char** argv) {
 
   if (text_mode && o.show_text > 0) {
     for (int set = 0; set < 2; ++set)
-      for (size_t rep = 0; rep < text.sets[set].size() && rep < (set == 0 ? static_cast<size_t>(o.show_text) : 1u); ++rep)
+      for (size_t rep = 0;
+           rep < text.sets[set].size() && rep < (set == 0 ? static_cast<size_t>(o.show_text) : 1u);
+           ++rep)
         for (const Run& r : runs) {
           if (r.mode != kLynx || r.prompt_len != set || r.rep != static_cast<int>(rep)) continue;
           std::string user = text.users[set][rep];
           if (user.size() > 160) user = user.substr(0, 160) + "...";
           for (char& ch : user)
             if (ch == '\n') ch = ' ';
-          std::printf("#\n# Prompt (%d tokens): %s\n# Lynx-spec output: %s\n# Full-KV output:   %s\n# %s\n",
-                      r.tokens_in, user.c_str(), text.text(r.tokens).c_str(),
-                      text.text(r.reference).c_str(),
-                      r.tokens == r.reference ? "identical token for token" : "DIFFERENT");
+          std::printf(
+              "#\n# Prompt (%d tokens): %s\n# Lynx-spec output: %s\n# Full-KV output:   %s\n# %s\n",
+              r.tokens_in, user.c_str(), text.text(r.tokens).c_str(),
+              text.text(r.reference).c_str(),
+              r.tokens == r.reference ? "identical token for token" : "DIFFERENT");
           break;
         }
   }
