@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -17,10 +16,8 @@
 #include "codec/codec.h"
 #include "codec/page.h"
 #include "kvxfer/kvxfer.h"
-#include "model/bpe_tokenizer.h"
-#include "model/chat_template.h"
 #include "model/llama2.h"
-#include "model/model_paths.h"
+#include "smollm2_fixture.h"
 
 namespace km = kvxfer::model;
 namespace kb = kvxfer::baselines;
@@ -194,7 +191,7 @@ TEST(Quality, LynxFullBeatsInt4) {
 namespace {
 
 struct SmolKV {
-  std::unique_ptr<km::Model> model;
+  const km::Model* model = nullptr;  // null if unavailable
   km::PrefillResult pr;
   std::vector<float> o_ref;
   int T = 0;
@@ -204,35 +201,27 @@ struct SmolKV {
 const SmolKV& smol_kv() {
   static SmolKV s = [] {
     SmolKV r;
-    const std::string path = km::smollm2_gguf_path();
-    if (!std::ifstream(path).good()) {
-      r.why = path + " is absent; scripts/install-deps.sh fetches it";
+    const kvxfer::test::SmolLM2& sm = kvxfer::test::smollm2();
+    if (!sm.model) {
+      r.why = sm.why;
       return r;
     }
     std::string err;
-    r.model = km::Model::load(path, &err);
-    std::unique_ptr<km::BpeTokenizer> tok;
-    std::unique_ptr<km::ChatTemplate> chat;
-    if (r.model && r.model->gguf_file() != nullptr) {
-      tok = km::BpeTokenizer::from_gguf(*r.model->gguf_file(), &err);
-      chat = km::ChatTemplate::from_gguf(*r.model->gguf_file(), &err);
-    }
     std::vector<int32_t> ids;
-    if (!tok || !chat ||
-        !tok->encode(chat->render_user("Explain in two sentences why the sky is blue, and what "
-                                       "changes at sunset."),
-                     true, &ids, &err)) {
-      r.why = "cannot load " + path + ": " + err;
-      r.model.reset();
+    if (!sm.tok->encode(sm.chat->render_user("Explain in two sentences why the sky is blue, and "
+                                             "what changes at sunset."),
+                        true, &ids, &err)) {
+      r.why = err;
       return r;
     }
+    r.model = sm.model.get();
     km::PrefillOptions opt;
     opt.record_queries = true;
     const std::vector<int> toks(ids.begin(), ids.end());
     const km::Config& c = r.model->config();
     if (!r.model->prefill(toks, opt, &r.pr, &err)) {
       r.why = err;
-      r.model.reset();
+      r.model = nullptr;
       return r;
     }
     r.T = static_cast<int>(toks.size());
@@ -240,7 +229,7 @@ const SmolKV& smol_kv() {
     if (!r.model->attention_outputs(r.pr.queries.data(), r.T, 0, r.pr.kv.view(), r.o_ref.data(),
                                     &err)) {
       r.why = err;
-      r.model.reset();
+      r.model = nullptr;
     }
     return r;
   }();

@@ -14,11 +14,8 @@
 
 #include "kvxfer/kvxfer.h"
 #include "kvxfer/spectrum.h"
-#include "model/bpe_tokenizer.h"
-#include "model/chat_template.h"
 #include "model/gguf.h"
-#include "model/llama2.h"
-#include "model/model_paths.h"
+#include "smollm2_fixture.h"
 #include "spectrum/model_probe.h"
 
 namespace km = kvxfer::model;
@@ -26,45 +23,22 @@ namespace ks = kvxfer::spectrum;
 
 namespace {
 
-struct SmolLM2 {
-  std::unique_ptr<km::Model> model;
-  std::unique_ptr<km::BpeTokenizer> tok;
-  std::unique_ptr<km::ChatTemplate> chat;
-  std::string text;  // data/apache-2.0.txt
-  std::string why;   // why it is absent
-};
-
-const SmolLM2& smollm2() {
-  static SmolLM2 s = [] {
-    SmolLM2 r;
-    const std::string path = km::smollm2_gguf_path();
-    if (!std::ifstream(path).good()) {
-      r.why = path + " is absent; scripts/install-deps.sh fetches it";
-      return r;
-    }
-    std::string err;
-    r.model = km::Model::load(path, &err);
-    if (r.model && r.model->gguf_file() != nullptr) {
-      r.tok = km::BpeTokenizer::from_gguf(*r.model->gguf_file(), &err);
-      r.chat = km::ChatTemplate::from_gguf(*r.model->gguf_file(), &err);
-    }
-    if (!r.model || !r.tok || !r.chat) {
-      r.model.reset();
-      r.why = "cannot load " + path + ": " + err;
-    }
+// The model of smollm2_fixture.h and the shipped text data/apache-2.0.txt.
+const std::string& apache_text() {
+  static const std::string text = [] {
     std::ifstream f(KVXFER_DATA_DIR "/apache-2.0.txt", std::ios::binary);
     std::stringstream ss;
     ss << f.rdbuf();
-    r.text = ss.str();
-    return r;
+    return ss.str();
   }();
-  return s;
+  return text;
 }
 
 #define REQUIRE_SMOLLM2()                                             \
-  const SmolLM2& sm = smollm2();                                      \
+  const kvxfer::test::SmolLM2& sm = kvxfer::test::smollm2();          \
   if (!sm.model) GTEST_SKIP() << "SmolLM2 not available: " << sm.why; \
-  ASSERT_FALSE(sm.text.empty())
+  const std::string& text = apache_text();                            \
+  ASSERT_FALSE(text.empty())
 
 // dPPL% of the continuation over c's KV sent through `codec` with `tiers`
 // (nullptr for a uniform codec), and the greedy agreement.
@@ -110,7 +84,7 @@ TEST(SpectrumSmolLM2, MixedPrecisionMatchesInt8AndBeatsKeepDropOnRealText) {
   REQUIRE_SMOLLM2();
   std::vector<int32_t> ids;
   std::string err;
-  ASSERT_TRUE(sm.tok->encode(sm.text, false, &ids, &err)) << err;
+  ASSERT_TRUE(sm.tok->encode(text, false, &ids, &err)) << err;
   ks::Continuation c;
   ASSERT_TRUE(ks::make_text_continuation(*sm.model, std::vector<int>(ids.begin(), ids.end()), 512,
                                          64, &c, &err))
@@ -150,7 +124,7 @@ TEST(SpectrumSmolLM2, NiahCasePlacesTheNeedleInTheChatPrompt) {
   for (double depth : {0.0, 0.5, 1.0}) {
     ks::NiahCase c;
     ASSERT_TRUE(
-        ks::make_niah_case(*sm.model, *sm.tok, *sm.chat, sm.text, depth, "48213", opt, &c, &err))
+        ks::make_niah_case(*sm.model, *sm.tok, *sm.chat, text, depth, "48213", opt, &c, &err))
         << err;
     EXPECT_EQ(c.kv.n_tokens() + 1, static_cast<int>(c.prompt.size()));
     std::string needle, all;
@@ -179,7 +153,7 @@ TEST(SpectrumSmolLM2, NiahCasePlacesTheNeedleInTheChatPrompt) {
 TEST(SpectrumSmolLM2, NiahProbeRetrievesThePasskeyAndAllowsInt4) {
   REQUIRE_SMOLLM2();
   ks::NiahProbeOptions opt;
-  opt.haystack = sm.text;
+  opt.haystack = text;
   opt.niah.haystack_tokens = 256;
   ks::NiahProbeReport r;
   std::string err;
