@@ -6,8 +6,10 @@
 //
 // The forked child must not inherit an OpenMP thread pool, so this binary
 // runs the codec single-threaded (KVXFER_CODEC_THREADS=1, set in main()).
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1102,6 +1104,49 @@ TEST(Xfer, PeerKilledMidTransferGivesErrorWithinTimeout) {
   EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
   EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
   pair.child.wait(10);
+}
+
+// Debian's libfabric loads libinfinipath, whose constructor turns SIGSEGV
+// (and SIGINT, SIGILL, SIGABRT, SIGBUS, SIGTERM) into "print a backtrace,
+// write a .btr file, exit 1".  A process using kvxfer must die by its signal.
+TEST(Xfer, CrashAfterCommInitDiesBySignal) {
+  for (int sig : {SIGINT, SIGILL, SIGABRT, SIGBUS, SIGSEGV, SIGTERM}) {
+    struct sigaction sa {};
+    ASSERT_EQ(sigaction(sig, nullptr, &sa), 0);
+    EXPECT_TRUE((sa.sa_flags & SA_SIGINFO) == 0 && sa.sa_handler == SIG_DFL)
+        << "signal " << sig << " has a handler this test did not install";
+  }
+  char dir[] = "/tmp/kvxfer-crash-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) {
+    if (chdir(dir) != 0) return 20;
+    kvxfer_comm_t c = init_rank(id, 1);
+    if (c == nullptr) return 21;
+    rlimit none{0, 0};
+    setrlimit(RLIMIT_CORE, &none);  // no core file for an intended crash
+    *static_cast<volatile int*>(nullptr) = 1;
+    return 22;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
+  ASSERT_NE(comm, nullptr);
+  ASSERT_TRUE(pair.child.wait(30));
+  EXPECT_TRUE(WIFSIGNALED(pair.child.status))
+      << "the child exited with status " << WEXITSTATUS(pair.child.status) << " instead";
+  if (WIFSIGNALED(pair.child.status)) EXPECT_EQ(WTERMSIG(pair.child.status), SIGSEGV);
+  std::vector<std::string> left;
+  if (DIR* d = opendir(dir)) {
+    while (dirent* e = readdir(d))
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+        left.push_back(e->d_name);
+        unlink((std::string(dir) + "/" + e->d_name).c_str());
+      }
+    closedir(d);
+  }
+  rmdir(dir);
+  EXPECT_TRUE(left.empty()) << "the crash left " << left.size() << " file(s), first "
+                            << (left.empty() ? "" : left[0]);
+  EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
 }
 
 TEST(Xfer, DestroyWithRequestsInFlightEndsThemInError) {

@@ -194,3 +194,30 @@ def test_library_next_to_the_package(tmp_path):
                        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tmp_path / "kvxfer" / "libkvxfer.so")
+
+
+_CRASH_CHILD = r"""
+import ctypes, os, signal, sys
+import kvxfer
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+if sys.argv[1] == "sigint":
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        sys.exit(7)
+    sys.exit(8)
+ctypes.c_int.from_address(8).value  # a read of page 0: SIGSEGV
+"""
+
+
+@pytest.mark.parametrize("what", ["segv", "sigint"])
+def test_a_crash_dies_by_its_signal_and_ctrl_c_stays_keyboard_interrupt(tmp_path, what):
+    # libinfinipath (pulled in by Debian's libfabric) would turn both into a
+    # backtrace, a .btr file in the working directory and exit status 1.
+    r = subprocess.run([sys.executable, "-c", _CRASH_CHILD, what], cwd=tmp_path,
+                       env=conftest.child_env(), capture_output=True, text=True, timeout=60)
+    if what == "segv":
+        assert r.returncode == -11, r.stderr[-2000:]
+    else:
+        assert r.returncode == 7, r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
+#include "transport/crash_signals.h"
 #include "transport/dscp.h"
 
 namespace kvxfer::transport {
@@ -176,6 +177,11 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
     rc = fi_domain(fabric, d->info_.get(), &domain, nullptr);
     if (rc != 0) return fi_fail("fi_domain", rc);
     d->domain_.reset(domain);
+    if (const int n = restore_crash_signals(); n > 0)
+      KVXFER_INFO(LOG_INIT,
+                  "OFI : default action restored for %d signal(s) that libinfinipath or "
+                  "libpsm took over",
+                  n);
     KVXFER_INFO(LOG_NET, "OFI : provider %s (asked %s), domain %s, node %s", d->provider_.c_str(),
                 p.c_str(), d->info_->domain_attr->name, node.empty() ? "(default)" : node.c_str());
     *out = std::move(d);

@@ -1,0 +1,48 @@
+#include "transport/crash_signals.h"
+
+#include <dlfcn.h>
+#include <signal.h>
+
+#include <cstring>
+
+namespace kvxfer::transport {
+namespace {
+
+/** True when `fn` lies in a library that installs crash handlers on load. */
+bool foreign_crash_handler(void* fn) {
+  Dl_info info{};
+  if (fn == nullptr || dladdr(fn, &info) == 0 || info.dli_fname == nullptr) return false;
+  const char* base = std::strrchr(info.dli_fname, '/');
+  base = base != nullptr ? base + 1 : info.dli_fname;
+  return std::strncmp(base, "libinfinipath.", 14) == 0 || std::strncmp(base, "libpsm", 6) == 0;
+}
+
+}  // namespace
+
+int restore_crash_signals() {
+  static const int kSignals[] = {SIGINT, SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV, SIGTERM};
+  int reset = 0;
+  for (int sig : kSignals) {
+    struct sigaction sa {};
+    if (sigaction(sig, nullptr, &sa) != 0) continue;
+    void* fn = (sa.sa_flags & SA_SIGINFO) != 0 ? reinterpret_cast<void*>(sa.sa_sigaction)
+                                               : reinterpret_cast<void*>(sa.sa_handler);
+    if (fn == reinterpret_cast<void*>(SIG_DFL) || fn == reinterpret_cast<void*>(SIG_IGN) ||
+        !foreign_crash_handler(fn))
+      continue;
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    if (sigaction(sig, &dfl, nullptr) == 0) ++reset;
+  }
+  return reset;
+}
+
+namespace {
+// After every library this one depends on (libfabric and its psm
+// dependencies) has run its constructors.  Silent: the logger may not be
+// initialised yet.
+__attribute__((constructor)) void restore_at_load() { (void)restore_crash_signals(); }
+}  // namespace
+
+}  // namespace kvxfer::transport

@@ -1,0 +1,25 @@
+// A crash in a process that uses kvxfer dies by its signal.
+//
+// Debian's libfabric links libpsm_infinipath (and libpsm2).  When
+// libinfinipath.so.4 loads, its constructor installs handlers for SIGINT,
+// SIGILL, SIGABRT, SIGBUS, SIGSEGV and SIGTERM that print a backtrace, write a
+// `*.btr` file into the working directory and exit with status 1: a NULL
+// dereference then looks like an ordinary failure to a parent, a test runner
+// or a core-dump collector, and Ctrl-C prints a backtrace.  IPATH_NO_BACKTRACE
+// and HFI_BACKTRACE only help when set before the library loads.
+#pragma once
+
+namespace kvxfer::transport {
+
+/**
+ * Puts back SIG_DFL for every signal whose handler lives in libinfinipath or
+ * libpsm* (found with dladdr).  A handler the application installed, or any
+ * other library's, is left alone.  Returns how many handlers were reset.
+ *
+ * Runs once when the transport is loaded (a constructor) and again after
+ * every Domain::open (a provider may install handlers when it initialises).
+ * Thread-safe (sigaction is).  Logs nothing (it runs before main).
+ */
+int restore_crash_signals();
+
+}  // namespace kvxfer::transport
