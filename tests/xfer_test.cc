@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -839,6 +840,70 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   d = kv.desc;
   d.k_blocks = holes.data();
   expect_bad(d, "layer 0 K");
+  // Bad memory fails at the call, naming the field, never later in a thread.
+  auto expect_bad_blocks = [&](void* block, const char* what, bool recv = false) {
+    std::vector<void*> t = kv.k;
+    t[1] = block;
+    kvxfer_kv_desc_t bd = kv.desc;
+    bd.k_blocks = t.data();
+    const kvxfer_result_t rc = recv ? kvxfer_recv(comm, 1, &bd, nullptr, &req)
+                                    : kvxfer_send(comm, 1, &bd, nullptr, nullptr, &req);
+    EXPECT_EQ(rc, KVXFER_ERR_INVALID_ARGUMENT) << what;
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find(what), std::string::npos)
+        << kvxfer_get_last_error();
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("layer 0 K block 1"), std::string::npos)
+        << kvxfer_get_last_error();
+    EXPECT_EQ(req, nullptr);
+  };
+  expect_bad_blocks(reinterpret_cast<void*>(0x1), "not aligned to its 2-byte bf16 elements");
+  expect_bad_blocks(reinterpret_cast<void*>(0xdeadbeef000), "first byte");
+  const long page = sysconf(_SC_PAGESIZE);
+  void* gone = mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(gone, MAP_FAILED);
+  ASSERT_EQ(munmap(gone, page), 0);
+  expect_bad_blocks(gone, "is not readable memory");  // a freed mapping
+  expect_bad_blocks(gone, "is not readable memory", true);
+  // Readable but not writable: fine to send from, refused to receive into.
+  const size_t block_bytes = static_cast<size_t>(16 * kv.stride) * 2;
+  void* ro = mmap(nullptr, block_bytes, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(ro, MAP_FAILED);
+  expect_bad_blocks(ro, "is not writable memory", true);
+  // The first byte mapped, the last not: the block runs off its mapping.
+  void* two = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(two, MAP_FAILED);
+  ASSERT_EQ(munmap(static_cast<uint8_t*>(two) + page, page), 0);
+  expect_bad_blocks(static_cast<uint8_t*>(two) + page - 64, "last byte");
+  d = kv.desc;
+  d.k_blocks = reinterpret_cast<void* const*>(0x10);  // crashed inside kvxfer_send before
+  expect_bad(d, "k_blocks (0x10): entries [0, 3) of layer 0 are not readable memory");
+  EXPECT_EQ(
+      kvxfer_send(comm, 1, reinterpret_cast<const kvxfer_kv_desc_t*>(0x20), nullptr, nullptr, &req),
+      KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("is not readable memory"), std::string::npos)
+      << kvxfer_get_last_error();
+  // Sizes that would overflow name the field instead of "out of memory".
+  d = kv.desc;
+  d.num_tokens = int64_t{1} << 62;
+  expect_bad(d, "num_tokens 4611686018427387904 outside [0, 2^32]");
+  d = kv.desc;
+  d.num_blocks = int64_t{1} << 40;
+  expect_bad(d, "num_layers 2 x num_blocks 1099511627776 exceeds 2^32 block pointers");
+  d = kv.desc;
+  d.row_stride = int64_t{1} << 61;
+  expect_bad(d, "exceeds 2^62 bytes");
+  for (uint32_t v : {0u, 999999u}) {
+    d = kv.desc;
+    d.version = v;
+    expect_bad(d, "is from another kvxfer.h");
+    kvxfer_request_config_t rcv = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rcv.version = v;
+    EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &rcv, &req), KVXFER_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("request config version"),
+              std::string::npos)
+        << kvxfer_get_last_error();
+  }
+  munmap(ro, block_bytes);
+  munmap(two, page);
   d = kv.desc;
   d.device = 0;  // device memory: not in a host-only transfer path
   EXPECT_EQ(kvxfer_send(comm, 1, &d, nullptr, nullptr, &req), KVXFER_ERR_UNSUPPORTED);
@@ -1133,7 +1198,9 @@ TEST(Xfer, CrashAfterCommInitDiesBySignal) {
   ASSERT_TRUE(pair.child.wait(30));
   EXPECT_TRUE(WIFSIGNALED(pair.child.status))
       << "the child exited with status " << WEXITSTATUS(pair.child.status) << " instead";
-  if (WIFSIGNALED(pair.child.status)) EXPECT_EQ(WTERMSIG(pair.child.status), SIGSEGV);
+  if (WIFSIGNALED(pair.child.status)) {
+    EXPECT_EQ(WTERMSIG(pair.child.status), SIGSEGV);
+  }
   std::vector<std::string> left;
   if (DIR* d = opendir(dir)) {
     while (dirent* e = readdir(d))

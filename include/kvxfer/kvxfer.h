@@ -557,8 +557,16 @@ typedef struct {
  * without CUDA, where CUDA reports no usable driver or device (the message
  * quotes CUDA), or for SPECTRUM; KVXFER_ERR_INVALID_ARGUMENT for an ordinal
  * past the last device.
+ * Descriptor checks (one validation, shared with the NCCL backend): size,
+ * magic and version (major.minor of this header); sizes that cannot
+ * overflow (num_tokens <= 2^32, num_layers * num_blocks <= 2^32, KV below
+ * 2^62 bytes); the block tables readable; every block a token lives in
+ * non-NULL and aligned to the element size; in host memory, its first and
+ * last used byte readable (send) or writable (recv), probed with
+ * process_vm_readv/writev so that a bad pointer is an error, never a crash.
  * Errors (nothing is sent): KVXFER_ERR_INVALID_ARGUMENT (a NULL, a bad
- * descriptor, codec or peer), KVXFER_ERR_INVALID_USAGE (communicator aborted,
+ * descriptor, codec or peer; the message names the field), or
+ * KVXFER_ERR_INVALID_USAGE (communicator aborted,
  * or KVXFER_MAX_REQUESTS requests already in flight with this peer).
  * Later failures (descriptor mismatch, NaN/Inf with the ERROR policy, a peer
  * that dies, a corrupted section) put the request in stage ERROR.
@@ -572,6 +580,9 @@ kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t
 /**
  * Receives a KV cache from rank `peer` into the blocks of `kv` (see
  * kvxfer_send for matching).  The codec and page size are the sender's.
+ * The descriptor is checked as kvxfer_send's; the writability probe writes
+ * back the first and last byte it read of each block, so nothing may write
+ * the blocks while this call runs.
  * Anchor-precision values are written into the blocks as anchors land
  * (ANCHOR_READY once all are there; kvxfer_test_layer per layer), then
  * overwritten with full-precision values (COMPLETE).  A page's residual is

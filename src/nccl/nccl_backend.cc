@@ -35,6 +35,7 @@
 #include "api/api_call.h"
 #include "codec/codec.h"
 #include "codec/format.h"
+#include "codec/kv_desc.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
@@ -821,11 +822,9 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
                  "op %d: peer %d is not a rank of this %d-rank communicator", index, op->peer,
                  nranks);
   const kvxfer_kv_desc_t* kv = op->kv;
-  KVXFER_REQUIRE(kv != nullptr, "op %d: KV descriptor is NULL", index);
-  KVXFER_REQUIRE(kv->size == sizeof(kvxfer_kv_desc_t) && kv->magic == KVXFER_CONFIG_MAGIC,
-                 "op %d: KV descriptor not initialised (size %zu, magic 0x%x): use "
-                 "KVXFER_KV_DESC_INITIALIZER",
-                 index, kv->size, kv->magic);
+  codec::KvDesc shape;
+  KVXFER_CHECK(
+      codec::validate_kv_desc(kv, codec::KvAccess::kNone, strprintf("op %d: ", index), &shape));
   if (kv->device == -1)
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "op %d: the KV is in host memory (device -1); the NCCL backend moves device "
@@ -834,45 +833,18 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
   KVXFER_REQUIRE(kv->device == device,
                  "op %d: the KV is on CUDA device %d, the communicator on device %d", index,
                  kv->device, device);
-  KVXFER_REQUIRE(kv->num_layers >= 1 && kv->kv_heads >= 1 && kv->head_dim >= 1,
-                 "op %d: num_layers %d, kv_heads %d and head_dim %d must be positive", index,
-                 kv->num_layers, kv->kv_heads, kv->head_dim);
-  const int64_t H = int64_t{kv->kv_heads} * kv->head_dim;
-  KVXFER_REQUIRE(H <= 65535, "op %d: kv_heads * head_dim = %" PRId64 " exceeds 65535 channels",
-                 index, H);
-  KVXFER_REQUIRE(kv->dtype == KVXFER_DTYPE_BF16 || kv->dtype == KVXFER_DTYPE_FP16 ||
-                     kv->dtype == KVXFER_DTYPE_FP32,
-                 "op %d: dtype %d is not BF16, FP16 or FP32", index, static_cast<int>(kv->dtype));
-  KVXFER_REQUIRE(kv->num_tokens >= 0, "op %d: num_tokens %" PRId64 " is negative", index,
-                 kv->num_tokens);
-  const int64_t stride = kv->row_stride == 0 ? H : kv->row_stride;
   if (kv->num_tokens > 0) {
-    KVXFER_REQUIRE(kv->block_size >= 1, "op %d: block_size %d must be positive", index,
-                   kv->block_size);
-    KVXFER_REQUIRE(stride >= H,
-                   "op %d: row_stride %" PRId64 " is smaller than %" PRId64 " channels", index,
-                   stride, H);
-    const int64_t need = (kv->num_tokens + kv->block_size - 1) / kv->block_size;
-    KVXFER_REQUIRE(kv->num_blocks >= need,
-                   "op %d: num_blocks %" PRId64 " cannot hold %" PRId64 " tokens of block size %d",
-                   index, kv->num_blocks, kv->num_tokens, kv->block_size);
-    KVXFER_REQUIRE(kv->k_blocks != nullptr && kv->v_blocks != nullptr,
-                   "op %d: k_blocks and v_blocks must both be given", index);
     for (int32_t l = 0; l < kv->num_layers; ++l)
       for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
         const size_t base = static_cast<size_t>(l) * static_cast<size_t>(kv->num_blocks);
-        void* const* table = (k == KVXFER_KV_KEY ? kv->k_blocks : kv->v_blocks) + base;
-        for (int64_t b = 0; b < need; ++b)
-          KVXFER_REQUIRE(table[b] != nullptr, "op %d: layer %d %s block %" PRId64 " is NULL", index,
-                         l, kind_name(k), b);
         kvxfer_page_layout_t pl{};
-        pl.blocks = table;
+        pl.blocks = (k == KVXFER_KV_KEY ? kv->k_blocks : kv->v_blocks) + base;
         pl.num_blocks = kv->num_blocks;
         pl.block_size = kv->block_size;
-        pl.row_stride = stride;
+        pl.row_stride = shape.row_stride;
         pl.first_token = 0;
         pl.num_tokens = kv->num_tokens;
-        pl.num_channels = static_cast<int32_t>(H);
+        pl.num_channels = static_cast<int32_t>(shape.channels);
         pl.dtype = kv->dtype;
         const kvxfer_result_t v =
             cuda::validate_device_layout(&pl, op->is_send ? "source" : "destination");

@@ -11,6 +11,7 @@
 
 #include "codec/codec.h"
 #include "codec/format.h"
+#include "codec/kv_desc.h"
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -30,8 +31,6 @@ namespace {
 
 std::atomic<int> g_corrupt_sections{0};
 std::atomic<bool> g_pause_residuals{false};
-
-size_t elem_size(kvxfer_dtype_t d) { return d == KVXFER_DTYPE_FP32 ? 4 : 2; }
 
 const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V"; }
 
@@ -505,24 +504,12 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                              void* handle, std::shared_ptr<Request>* out,
                              const SpectrumArgs* spectrum) {
   Impl& m = *impl_;
-  KVXFER_REQUIRE(kv != nullptr, "KV descriptor is NULL");
-  KVXFER_REQUIRE(kv->size == sizeof(kvxfer_kv_desc_t) && kv->magic == KVXFER_CONFIG_MAGIC,
-                 "KV descriptor not initialised (size %zu, magic 0x%x): use "
-                 "KVXFER_KV_DESC_INITIALIZER",
-                 kv->size, kv->magic);
   KVXFER_REQUIRE(peer >= 0 && peer < m.nranks && peer != m.rank,
                  "peer %d is not another rank of this %d-rank communicator (this is rank %d)", peer,
                  m.nranks, m.rank);
-  KVXFER_REQUIRE(kv->num_layers >= 1 && kv->kv_heads >= 1 && kv->head_dim >= 1,
-                 "num_layers %d, kv_heads %d and head_dim %d must be positive", kv->num_layers,
-                 kv->kv_heads, kv->head_dim);
-  const int64_t H = int64_t{kv->kv_heads} * kv->head_dim;
-  KVXFER_REQUIRE(H <= 65535, "kv_heads * head_dim = %" PRId64 " exceeds 65535 channels", H);
-  KVXFER_REQUIRE(kv->dtype == KVXFER_DTYPE_BF16 || kv->dtype == KVXFER_DTYPE_FP16 ||
-                     kv->dtype == KVXFER_DTYPE_FP32,
-                 "dtype %d is not BF16, FP16 or FP32", static_cast<int>(kv->dtype));
-  KVXFER_REQUIRE(kv->num_tokens >= 0, "num_tokens %" PRId64 " is negative", kv->num_tokens);
-  KVXFER_REQUIRE(kv->device >= -1, "device %d is not -1 (host) or a CUDA ordinal", kv->device);
+  codec::KvDesc shape;
+  KVXFER_CHECK(codec::validate_kv_desc(
+      kv, is_send ? codec::KvAccess::kRead : codec::KvAccess::kWrite, "", &shape));
   xfer::DeviceCodec* dev = nullptr;
   if (kv->device >= 0) {
     dev = xfer::device_codec();
@@ -541,6 +528,10 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
         "request config not initialised (size %zu, magic 0x%x): use "
         "KVXFER_REQUEST_CONFIG_INITIALIZER",
         cfg->size, cfg->magic);
+    KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
+                   "request config version %u is from another kvxfer.h (this library is %d; the "
+                   "major and minor version must match): use KVXFER_REQUEST_CONFIG_INITIALIZER",
+                   cfg->version, KVXFER_VERSION_CODE);
     rc = *cfg;
   }
   KVXFER_REQUIRE(rc.mode == KVXFER_MODE_AUTO || rc.mode == KVXFER_MODE_PROGRESSIVE ||
@@ -562,37 +553,15 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
   r->mine.num_tokens = kv->num_tokens;
   r->mine.on_device = kv->device >= 0;
   r->block_size = kv->block_size;
-  r->row_stride = kv->row_stride == 0 ? H : kv->row_stride;
-  r->num_blocks = kv->num_blocks;
-  r->kv_bytes = static_cast<uint64_t>(kv->num_tokens) * static_cast<uint64_t>(H) *
-                elem_size(kv->dtype) * 2 * static_cast<uint64_t>(kv->num_layers);
-
-  if (kv->num_tokens > 0) {
-    KVXFER_REQUIRE(kv->block_size >= 1, "block_size %d must be positive", kv->block_size);
-    KVXFER_REQUIRE(r->row_stride >= H,
-                   "row_stride %" PRId64 " is smaller than %" PRId64 " channels", r->row_stride, H);
-    const int64_t need = (kv->num_tokens + kv->block_size - 1) / kv->block_size;
-    KVXFER_REQUIRE(kv->num_blocks >= need,
-                   "num_blocks %" PRId64 " cannot hold %" PRId64 " tokens of block size %d",
-                   kv->num_blocks, kv->num_tokens, kv->block_size);
-    KVXFER_REQUIRE(kv->k_blocks != nullptr && kv->v_blocks != nullptr,
-                   "k_blocks and v_blocks must both be given");
-    const size_t n = static_cast<size_t>(kv->num_layers) * static_cast<size_t>(kv->num_blocks);
-    r->k_blocks.assign(kv->k_blocks, kv->k_blocks + n);
-    r->v_blocks.assign(kv->v_blocks, kv->v_blocks + n);
-    // Every layer's K and V: block pointers present, addresses computable.
-    for (int32_t l = 0; l < kv->num_layers; ++l)
-      for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
-        const kvxfer_page_layout_t pl = page_layout(*r, {l, k, 0, kv->num_tokens});
-        codec::Layout unused;
-        kvxfer_result_t v =
-            codec::validate_layout(&pl, is_send ? "source" : "destination", &unused);
-        if (v < 0) return set_error(v, "layer %d %s: %s", l, kind_name(k), last_error());
-      }
-    if (dev != nullptr) {
-      KVXFER_CHECK(dev->upload_table(kv->device, r->k_blocks.data(), n, &r->dev_k_blocks));
-      KVXFER_CHECK(dev->upload_table(kv->device, r->v_blocks.data(), n, &r->dev_v_blocks));
-    }
+  r->row_stride = shape.row_stride;
+  r->num_blocks = shape.blocks_used;  // the tables hold only the blocks tokens live in
+  r->kv_bytes = shape.kv_bytes;
+  r->k_blocks = std::move(shape.k_blocks);
+  r->v_blocks = std::move(shape.v_blocks);
+  if (dev != nullptr && kv->num_tokens > 0) {
+    const size_t n = r->k_blocks.size();
+    KVXFER_CHECK(dev->upload_table(kv->device, r->k_blocks.data(), n, &r->dev_k_blocks));
+    KVXFER_CHECK(dev->upload_table(kv->device, r->v_blocks.data(), n, &r->dev_v_blocks));
   }
   r->device = kv->device;
   if (!is_send) r->tiers.assign(static_cast<size_t>(kv->num_tokens), KVXFER_TIER_FP16);

@@ -1,0 +1,229 @@
+#include "codec/kv_desc.h"
+
+#include <fcntl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstring>
+
+#include "codec/page.h"
+#include "common/error.h"
+
+namespace kvxfer::codec {
+namespace {
+
+constexpr size_t kBatch = 1024;  // IOV_MAX: iovecs per process_vm_* call
+
+const char* dtype_name(kvxfer_dtype_t d) {
+  return d == KVXFER_DTYPE_BF16 ? "bf16" : d == KVXFER_DTYPE_FP16 ? "fp16" : "fp32";
+}
+const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V"; }
+
+/**
+ * Memory access that reports EFAULT instead of faulting.  process_vm_readv /
+ * writev on this process first; where a seccomp policy refuses them (EPERM,
+ * ENOSYS), a pipe: write(2) from and read(2) into the address give EFAULT
+ * for memory that cannot be read or written.
+ */
+class Prober {
+ public:
+  ~Prober() {
+    if (pipe_[0] >= 0) close(pipe_[0]);
+    if (pipe_[1] >= 0) close(pipe_[1]);
+  }
+  /** Copies `len` bytes at `src` into `dst`; false if any of them is unreadable. */
+  bool copy_in(const void* src, size_t len, void* dst) {
+    if (len == 0) return true;
+    if (use_vm_) {
+      iovec l{dst, len}, r{const_cast<void*>(src), len};
+      const ssize_t n = process_vm_readv(getpid(), &l, 1, &r, 1, 0);
+      if (n == static_cast<ssize_t>(len)) return true;
+      if (n >= 0 || errno == EFAULT) return false;
+      use_vm_ = false;  // refused by policy: the pipe from here on
+    }
+    for (size_t off = 0; off < len;) {
+      const size_t k = std::min<size_t>(len - off, 4096);
+      if (!pipe_copy(static_cast<const uint8_t*>(src) + off, static_cast<uint8_t*>(dst) + off, k))
+        return false;
+      off += k;
+    }
+    return true;
+  }
+  /** Reads one byte at each address into `val`; returns how many, from the front, could be read. */
+  size_t read_bytes(const std::vector<uint8_t*>& addr, std::vector<uint8_t>* val) {
+    val->assign(addr.size(), 0);
+    return transfer(addr, val->data(), false);
+  }
+  /** Writes val[i] at addr[i]; returns how many, from the front, could be written. */
+  size_t write_bytes(const std::vector<uint8_t*>& addr, std::vector<uint8_t>* val) {
+    return transfer(addr, val->data(), true);
+  }
+
+ private:
+  size_t transfer(const std::vector<uint8_t*>& addr, uint8_t* val, bool write) {
+    size_t done = 0;
+    std::vector<iovec> l, r;
+    while (done < addr.size() && use_vm_) {
+      const size_t k = std::min(kBatch, addr.size() - done);
+      l.assign(1, iovec{val + done, k});
+      r.resize(k);
+      for (size_t i = 0; i < k; ++i) r[i] = iovec{addr[done + i], 1};
+      // Partial transfers stop at the first iovec that faults (process_vm_readv(2)).
+      const ssize_t n = write ? process_vm_writev(getpid(), l.data(), 1, r.data(), k, 0)
+                              : process_vm_readv(getpid(), l.data(), 1, r.data(), k, 0);
+      if (n == static_cast<ssize_t>(k)) {
+        done += k;
+        continue;
+      }
+      if (n >= 0) return done + static_cast<size_t>(n);
+      if (errno == EFAULT) return done;
+      use_vm_ = false;
+    }
+    for (; done < addr.size(); ++done) {
+      const bool ok =
+          write ? pipe_copy(val + done, addr[done], 1) : pipe_copy(addr[done], val + done, 1);
+      if (!ok) return done;
+    }
+    return done;
+  }
+  /** write(2) `src` into the pipe, read(2) it into `dst`: EFAULT on either side is false. */
+  bool pipe_copy(const void* src, void* dst, size_t len) {
+    if (pipe_[0] < 0 && pipe2(pipe_, O_CLOEXEC) != 0) return false;
+    if (write(pipe_[1], src, len) != static_cast<ssize_t>(len)) return false;
+    if (read(pipe_[0], dst, len) == static_cast<ssize_t>(len)) return true;
+    // The destination faulted: drain what is left in the pipe.
+    uint8_t sink[4096];
+    (void)!read(pipe_[0], sink, len);
+    return false;
+  }
+
+  bool use_vm_ = true;
+  int pipe_[2] = {-1, -1};
+};
+
+}  // namespace
+
+kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
+                                 const std::string& prefix, KvDesc* out) {
+  const char* p = prefix.c_str();
+  KVXFER_REQUIRE(kv != nullptr, "%sKV descriptor is NULL", p);
+  Prober probe;
+  kvxfer_kv_desc_t d;
+  KVXFER_REQUIRE(probe.copy_in(kv, sizeof(d), &d), "%sKV descriptor at %p is not readable memory",
+                 p, static_cast<const void*>(kv));
+  KVXFER_REQUIRE(d.size == sizeof(kvxfer_kv_desc_t) && d.magic == KVXFER_CONFIG_MAGIC,
+                 "%sKV descriptor not initialised (size %zu, magic 0x%x): use "
+                 "KVXFER_KV_DESC_INITIALIZER",
+                 p, d.size, d.magic);
+  KVXFER_REQUIRE(d.version / 100 == KVXFER_VERSION_CODE / 100,
+                 "%sKV descriptor version %u is from another kvxfer.h (this library is %d; the "
+                 "major and minor version must match): use KVXFER_KV_DESC_INITIALIZER",
+                 p, d.version, KVXFER_VERSION_CODE);
+  KVXFER_REQUIRE(d.num_layers >= 1 && d.kv_heads >= 1 && d.head_dim >= 1,
+                 "%snum_layers %d, kv_heads %d and head_dim %d must be positive", p, d.num_layers,
+                 d.kv_heads, d.head_dim);
+  const int64_t H = int64_t{d.kv_heads} * d.head_dim;
+  KVXFER_REQUIRE(H <= kMaxDescChannels, "%skv_heads * head_dim = %" PRId64 " exceeds %d channels",
+                 p, H, kMaxDescChannels);
+  KVXFER_REQUIRE(
+      d.dtype == KVXFER_DTYPE_BF16 || d.dtype == KVXFER_DTYPE_FP16 || d.dtype == KVXFER_DTYPE_FP32,
+      "%sdtype %d is not BF16, FP16 or FP32", p, static_cast<int>(d.dtype));
+  KVXFER_REQUIRE(d.num_tokens >= 0 && d.num_tokens <= kMaxDescTokens,
+                 "%snum_tokens %" PRId64 " outside [0, 2^32]", p, d.num_tokens);
+  KVXFER_REQUIRE(d.device >= -1, "%sdevice %d is not -1 (host) or a CUDA ordinal", p, d.device);
+  const size_t es = dtype_size(d.dtype);
+  KvDesc o;
+  o.channels = H;
+  o.row_stride = d.row_stride == 0 ? H : d.row_stride;
+  // num_layers * 2 * num_tokens * H * es: at most 2^31 * 2 * 2^32 * 2^16 * 4, so checked.
+  uint64_t bytes = 0;
+  const bool overflow =
+      __builtin_mul_overflow(static_cast<uint64_t>(d.num_layers) * 2,
+                             static_cast<uint64_t>(d.num_tokens) * static_cast<uint64_t>(H) * es,
+                             &bytes) ||
+      bytes > (uint64_t{1} << 62);
+  KVXFER_REQUIRE(!overflow,
+                 "%sthe KV (num_layers %d x K,V x num_tokens %" PRId64 " x %" PRId64
+                 " channels of %zu bytes) exceeds 2^62 bytes",
+                 p, d.num_layers, d.num_tokens, H, es);
+  o.kv_bytes = bytes;
+  if (d.num_tokens == 0) {
+    *out = std::move(o);
+    return KVXFER_SUCCESS;
+  }
+  KVXFER_REQUIRE(d.block_size >= 1, "%sblock_size %d must be positive", p, d.block_size);
+  KVXFER_REQUIRE(o.row_stride >= H, "%srow_stride %" PRId64 " is smaller than %" PRId64 " channels",
+                 p, o.row_stride, H);
+  KVXFER_REQUIRE(o.row_stride <= (int64_t{1} << 62) / d.block_size / static_cast<int64_t>(es),
+                 "%sa block of %d rows of row_stride %" PRId64 " exceeds 2^62 bytes", p,
+                 d.block_size, o.row_stride);
+  o.blocks_used = (d.num_tokens + d.block_size - 1) / d.block_size;
+  KVXFER_REQUIRE(d.num_blocks >= o.blocks_used,
+                 "%snum_blocks %" PRId64 " cannot hold %" PRId64 " tokens of block size %d", p,
+                 d.num_blocks, d.num_tokens, d.block_size);
+  KVXFER_REQUIRE(d.num_blocks <= kMaxDescBlocks / d.num_layers,
+                 "%snum_layers %d x num_blocks %" PRId64 " exceeds 2^32 block pointers", p,
+                 d.num_layers, d.num_blocks);
+  KVXFER_REQUIRE(d.k_blocks != nullptr && d.v_blocks != nullptr,
+                 "%sk_blocks and v_blocks must both be given", p);
+
+  // The used part of every layer's table, copied without trusting it.
+  const size_t L = static_cast<size_t>(d.num_layers), used = static_cast<size_t>(o.blocks_used);
+  for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
+    void* const* table = k == KVXFER_KV_KEY ? d.k_blocks : d.v_blocks;
+    std::vector<void*>& copy = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
+    copy.resize(L * used);
+    for (size_t l = 0; l < L; ++l)
+      KVXFER_REQUIRE(probe.copy_in(table + l * static_cast<size_t>(d.num_blocks),
+                                   used * sizeof(void*), copy.data() + l * used),
+                     "%s%s_blocks (%p): entries [%zu, %zu) of layer %zu are not readable memory", p,
+                     k == KVXFER_KV_KEY ? "k" : "v", static_cast<const void*>(table),
+                     l * static_cast<size_t>(d.num_blocks),
+                     l * static_cast<size_t>(d.num_blocks) + used, l);
+  }
+  // Every block a token lives in: present, aligned, and (host memory) its
+  // first and last used byte accessible.
+  const size_t row = static_cast<size_t>(o.row_stride) * es;
+  const int64_t last_rows = d.num_tokens - (o.blocks_used - 1) * int64_t{d.block_size};
+  std::vector<uint8_t*> addr;
+  std::vector<std::pair<kvxfer_kv_kind_t, size_t>> where;  // (kind, table index) of addr[2i]
+  for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
+    const std::vector<void*>& t = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
+    for (size_t i = 0; i < t.size(); ++i) {
+      const size_t l = i / used, b = i % used;
+      KVXFER_REQUIRE(t[i] != nullptr, "%slayer %zu %s block %zu is NULL", p, l, kind_name(k), b);
+      KVXFER_REQUIRE(reinterpret_cast<uintptr_t>(t[i]) % es == 0,
+                     "%slayer %zu %s block %zu at %p is not aligned to its %zu-byte %s elements", p,
+                     l, kind_name(k), b, t[i], es, dtype_name(d.dtype));
+      if (d.device >= 0 || access == KvAccess::kNone) continue;
+      const size_t rows = b + 1 == used ? static_cast<size_t>(last_rows) : d.block_size;
+      uint8_t* base = static_cast<uint8_t*>(t[i]);
+      addr.push_back(base);
+      addr.push_back(base + (rows - 1) * row + static_cast<size_t>(H) * es - 1);
+      where.emplace_back(k, i);
+    }
+  }
+  if (!addr.empty()) {
+    std::vector<uint8_t> val;
+    size_t ok = probe.read_bytes(addr, &val);
+    const char* how = "readable";
+    if (ok == addr.size() && access == KvAccess::kWrite) {
+      ok = probe.write_bytes(addr, &val);  // the bytes just read, written back
+      how = "writable";
+    }
+    if (ok < addr.size()) {
+      const auto [k, i] = where[ok / 2];
+      return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                       "%slayer %zu %s block %zu at %p: its %s byte (%p) is not %s memory", p,
+                       i / used, kind_name(k), i % used,
+                       k == KVXFER_KV_KEY ? o.k_blocks[i] : o.v_blocks[i],
+                       ok % 2 == 0 ? "first" : "last", static_cast<void*>(addr[ok]), how);
+    }
+  }
+  *out = std::move(o);
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace kvxfer::codec
