@@ -1261,6 +1261,250 @@ TEST(Xfer, DestroyWithRequestsInFlightEndsThemInError) {
 // A transfer may last much longer than the timeout as long as it moves: the
 // sender's wait for the receiver's final STATUS must not time out while its
 // own pages are still flowing (regression).
+// ---------------------------------------------------------------------------
+// kvxfer_request_cancel.  The child is a scripted sender on an 8 mbit/s link
+// (so a transfer is still in flight when the cancel comes); the parent is the
+// receiver and drives it through the pipe, one command byte at a time:
+//   's' post the slow send       'c' cancel it
+//   'a' wait for its ANCHOR_READY (every anchor sent)
+//   'w' wait for its final stage and report it (result, ms waited, error)
+//   'n' send the small KV of the follow-up request and report it
+//   'q' free, destroy, exit 0
+// ---------------------------------------------------------------------------
+struct CancelReport {
+  int32_t result = 0;
+  int32_t ms = 0;
+  std::string error;
+};
+void write_cancel_report(int wr, kvxfer_result_t r, double ms, const std::string& err) {
+  const int32_t h[2] = {static_cast<int32_t>(r), static_cast<int32_t>(ms)};
+  const uint32_t n = static_cast<uint32_t>(err.size());
+  write_all(wr, h, sizeof(h));
+  write_all(wr, &n, 4);
+  write_all(wr, err.data(), n);
+}
+bool read_cancel_report(int rd, CancelReport* rep) {
+  int32_t h[2];
+  uint32_t n = 0;
+  if (!read_all(rd, h, sizeof(h), 60000) || !read_all(rd, &n, 4, 60000)) return false;
+  rep->result = h[0];
+  rep->ms = h[1];
+  rep->error.resize(n);
+  return n == 0 || read_all(rd, rep->error.data(), n, 60000);
+}
+
+const Shape kSlow = [] {
+  Shape s;
+  s.L = 8;
+  s.T = 1024;  // 4 MiB of bf16 KV: about 2.4 MB of Lynx sections, seconds at 8 mbit/s
+  return s;
+}();
+const Shape kSmall = [] {
+  Shape s;
+  s.L = 2;
+  s.T = 64;
+  return s;
+}();
+
+int scripted_sender(const kvxfer_unique_id_t& id, int rd, int wr) {
+  kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, "8mbit");
+  if (comm == nullptr) return 10;
+  PagedKV big(kSlow.L, kSlow.heads, kSlow.hd, kSlow.T, 16),
+      small(kSmall.L, kSmall.heads, kSmall.hd, kSmall.T, 16);
+  big.fill(1);
+  small.fill(2);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = kSlow.page_tokens;
+  kvxfer_request_t req = nullptr;
+  for (;;) {
+    char cmd = 0;
+    if (!read_all(rd, &cmd, 1, 60000)) return 11;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto ms = [&] {
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+          .count();
+    };
+    switch (cmd) {
+      case 's':
+        if (kvxfer_send(comm, 0, &big.desc, nullptr, &rc, &req) != KVXFER_SUCCESS) return 12;
+        break;
+      case 'c':
+        if (kvxfer_request_cancel(req) != KVXFER_SUCCESS) return 13;
+        break;
+      case 'a': {
+        const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 30000);
+        write_cancel_report(wr, r, ms(), r == KVXFER_SUCCESS ? "" : kvxfer_get_last_error());
+        break;
+      }
+      case 'w': {
+        const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000);
+        write_cancel_report(wr, r, ms(), r == KVXFER_SUCCESS ? "" : kvxfer_get_last_error());
+        break;
+      }
+      case 'n': {
+        rc.page_tokens = kSmall.page_tokens;
+        kvxfer_request_t next = nullptr;
+        kvxfer_result_t r = kvxfer_send(comm, 0, &small.desc, nullptr, &rc, &next);
+        if (r == KVXFER_SUCCESS) r = kvxfer_wait(next, KVXFER_STAGE_COMPLETE, 30000);
+        write_cancel_report(wr, r, ms(), r == KVXFER_SUCCESS ? "" : kvxfer_get_last_error());
+        kvxfer_request_free(next);
+        break;
+      }
+      case 'q':
+        if (kvxfer_request_free(req) != KVXFER_SUCCESS) return 14;
+        return kvxfer_comm_destroy(comm) == KVXFER_SUCCESS ? 0 : 15;
+      default: return 16;
+    }
+  }
+}
+
+enum class CancelCase {
+  kSenderBeforeHandshake,    // the receiver posts only after the sender cancelled
+  kReceiverBeforeHandshake,  // the sender posts only after the receiver cancelled
+  kReceiverMidAnchor,        // some anchors applied, the request not ANCHOR_READY
+  kSenderMidAnchor,
+  kSenderMidResidual,  // every anchor sent (and applied), residuals in flight
+  kReceiverMidResidual,
+};
+
+void cancel_case(CancelCase k) {
+  constexpr double kPromptMs = 1500;  // "promptly": well inside the 8 mbit/s transfer
+  Pair pair;
+  ASSERT_TRUE(pair.start(scripted_sender));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  const int to = pair.child.to_child, from = pair.child.from_child;
+  auto cmd = [&](char c) { ASSERT_TRUE(write_all(to, &c, 1)); };
+  PagedKV dst(kSlow.L, kSlow.heads, kSlow.hd, kSlow.T, 16);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  kvxfer_request_t req = nullptr;
+  auto post_recv = [&] {
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+  };
+  // The receiver's own wait after its own or the peer's cancel.
+  auto expect_cancelled_here = [&](bool by_peer) {
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CANCELLED);
+    const std::string err = kvxfer_get_last_error();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(ms, kPromptMs) << "the receiver's ERROR came after " << ms << " ms";
+    EXPECT_NE(err.find(by_peer ? "the peer cancelled the request" : "cancelled on rank 0"),
+              std::string::npos)
+        << err;
+    EXPECT_EQ(info_of(req).stage, KVXFER_STAGE_ERROR);
+    EXPECT_EQ(info_of(req).result, KVXFER_ERR_CANCELLED);
+  };
+  auto expect_cancelled_there = [&](bool by_peer) {
+    cmd('w');
+    CancelReport rep;
+    ASSERT_TRUE(read_cancel_report(from, &rep));
+    EXPECT_EQ(rep.result, KVXFER_ERR_CANCELLED) << rep.error;
+    EXPECT_LT(rep.ms, kPromptMs) << "the sender's ERROR came after " << rep.ms << " ms";
+    EXPECT_NE(rep.error.find(by_peer ? "the peer cancelled the request" : "cancelled on rank 1"),
+              std::string::npos)
+        << rep.error;
+  };
+  auto wait_anchors_applied = [&](int64_t at_least) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (info_of(req).pages_anchor_ready < at_least && std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  };
+  switch (k) {
+    case CancelCase::kSenderBeforeHandshake: {
+      cmd('s');
+      cmd('c');
+      expect_cancelled_there(false);
+      post_recv();  // the sender's DESC, empty pages and STATUS are waiting
+      expect_cancelled_here(true);
+      break;
+    }
+    case CancelCase::kReceiverBeforeHandshake:
+      post_recv();
+      ASSERT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+      expect_cancelled_here(false);
+      cmd('s');
+      expect_cancelled_there(true);
+      break;
+    case CancelCase::kReceiverMidAnchor:
+    case CancelCase::kSenderMidAnchor: {
+      post_recv();
+      cmd('s');
+      wait_anchors_applied(2);
+      const kvxfer_request_info_t mid = info_of(req);
+      ASSERT_EQ(mid.stage, KVXFER_STAGE_POSTED) << "the transfer went faster than 8 mbit/s";
+      ASSERT_LT(mid.pages_anchor_ready, mid.num_pages);
+      if (k == CancelCase::kReceiverMidAnchor) {
+        ASSERT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+        expect_cancelled_here(false);
+        expect_cancelled_there(true);
+      } else {
+        cmd('c');
+        expect_cancelled_here(true);
+        expect_cancelled_there(false);
+      }
+      break;
+    }
+    case CancelCase::kSenderMidResidual:
+    case CancelCase::kReceiverMidResidual: {
+      post_recv();
+      cmd('s');
+      ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 30000), KVXFER_SUCCESS)
+          << kvxfer_get_last_error();
+      ASSERT_EQ(info_of(req).stage, KVXFER_STAGE_ANCHOR_READY)
+          << "the transfer went faster than 8 mbit/s";
+      if (k == CancelCase::kSenderMidResidual) {
+        cmd('c');
+        expect_cancelled_here(true);
+        expect_cancelled_there(false);
+      } else {
+        ASSERT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+        expect_cancelled_here(false);
+        expect_cancelled_there(true);
+      }
+      break;
+    }
+  }
+  // Idempotent on a final request; the handle is freed as usual.
+  EXPECT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+  EXPECT_EQ(info_of(req).result, KVXFER_ERR_CANCELLED);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+
+  // The next request on the same communicator is exact.
+  PagedKV next(kSmall.L, kSmall.heads, kSmall.hd, kSmall.T, 32);
+  rc.page_tokens = 0;
+  kvxfer_request_t nreq = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &next.desc, &rc, &nreq), KVXFER_SUCCESS);
+  cmd('n');
+  EXPECT_EQ(kvxfer_wait(nreq, KVXFER_STAGE_COMPLETE, 30000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  CancelReport sent;
+  ASSERT_TRUE(read_cancel_report(from, &sent));
+  EXPECT_EQ(sent.result, KVXFER_SUCCESS) << sent.error;
+  PagedKV src(kSmall.L, kSmall.heads, kSmall.hd, kSmall.T, 16);
+  src.fill(2);
+  PagedKV want(kSmall.L, kSmall.heads, kSmall.hd, kSmall.T, 64);
+  expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, kSmall.page_tokens, 0, true, &want);
+  for (int32_t l = 0; l < kSmall.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      EXPECT_EQ(next.bytes(l, kind), want.bytes(l, kind)) << "follow-up request, layer " << l;
+  EXPECT_EQ(kvxfer_request_free(nreq), KVXFER_SUCCESS);
+  cmd('q');
+  finish(&pair, comm);
+}
+
+TEST(XferCancel, SenderBeforeHandshake) { cancel_case(CancelCase::kSenderBeforeHandshake); }
+TEST(XferCancel, ReceiverBeforeHandshake) { cancel_case(CancelCase::kReceiverBeforeHandshake); }
+TEST(XferCancel, ReceiverMidAnchor) { cancel_case(CancelCase::kReceiverMidAnchor); }
+TEST(XferCancel, SenderMidAnchor) { cancel_case(CancelCase::kSenderMidAnchor); }
+TEST(XferCancel, SenderMidResidual) { cancel_case(CancelCase::kSenderMidResidual); }
+TEST(XferCancel, ReceiverMidResidual) { cancel_case(CancelCase::kReceiverMidResidual); }
+
+TEST(XferCancel, NullIsAnError) {
+  EXPECT_EQ(kvxfer_request_cancel(nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+}
+
 TEST(Xfer, TransferLongerThanTheTimeoutSucceeds) {
   Shape s;
   s.L = 8;

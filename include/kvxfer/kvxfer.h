@@ -60,8 +60,9 @@ typedef enum {
   KVXFER_ERR_SYSTEM = -9,           /**< an OS call failed (errno in the message) */
   KVXFER_ERR_INTERNAL = -10,        /**< a bug in kvxfer; please report it */
   KVXFER_ERR_OUT_OF_MEMORY = -11,
-  KVXFER_ERR_TIMEOUT = -12, /**< no progress within KVXFER_TIMEOUT_MS (peer dead or silent) */
-  KVXFER_RESULT_MIN = -12   /**< the most negative code; codes run from KVXFER_RESULT_MIN to 1 */
+  KVXFER_ERR_TIMEOUT = -12,   /**< no progress within KVXFER_TIMEOUT_MS (peer dead or silent) */
+  KVXFER_ERR_CANCELLED = -13, /**< kvxfer_request_cancel on this rank or on the peer */
+  KVXFER_RESULT_MIN = -13     /**< the most negative code; codes run from KVXFER_RESULT_MIN to 1 */
 } kvxfer_result_t;
 
 /** Static, never-NULL description of a result code ("invalid argument"). */
@@ -682,9 +683,25 @@ kvxfer_result_t kvxfer_request_get_arrivals(kvxfer_request_t request, kvxfer_arr
                                             size_t capacity, size_t* count);
 
 /**
+ * Cancels one request, on either side and at any stage (before the peer has
+ * posted its match, while anchors or residuals are in flight), without
+ * touching the other requests of the communicator.  Asynchronous: it returns
+ * at once; the request then reaches ERROR with KVXFER_ERR_CANCELLED, once no
+ * codec work touches its blocks any more (kvxfer_wait returns then, and the
+ * blocks may be reused).  Its staging memory is released.  The peer's
+ * matching request ends in ERROR with KVXFER_ERR_CANCELLED and a message
+ * saying that the peer cancelled it; a peer that posts its match later gets
+ * the same.  Cancelling a request that is already final (COMPLETE or ERROR),
+ * or already cancelled, changes nothing and succeeds.  The handle must still
+ * be freed.  Any thread.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (request NULL).
+ */
+kvxfer_result_t kvxfer_request_cancel(kvxfer_request_t request);
+
+/**
  * Frees a request in a final stage (COMPLETE or ERROR).  A request still in
  * flight is left alone and KVXFER_ERR_INVALID_USAGE is returned: wait for it,
- * or abort the communicator first.  NULL is a no-op.
+ * cancel it, or abort the communicator first.  NULL is a no-op.
  */
 kvxfer_result_t kvxfer_request_free(kvxfer_request_t request);
 

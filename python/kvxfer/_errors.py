@@ -20,6 +20,7 @@ class Result(enum.IntEnum):
     ERR_INTERNAL = -10
     ERR_OUT_OF_MEMORY = -11
     ERR_TIMEOUT = -12
+    ERR_CANCELLED = -13
 
 
 def result_name(code):

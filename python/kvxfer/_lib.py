@@ -90,6 +90,7 @@ _FUNCTIONS = [
     ("kvxfer_request_get_tiers", None,
      [_abi.kvxfer_request_t, ctypes.POINTER(ctypes.c_uint8), ctypes.c_int64]),
     ("kvxfer_request_free", None, [_abi.kvxfer_request_t]),
+    ("kvxfer_request_cancel", None, [_abi.kvxfer_request_t]),
 ]
 
 

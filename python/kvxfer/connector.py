@@ -258,6 +258,7 @@ class _Transfer:
         self._error = None
         self._info = None  # RequestInfo kept when the request is freed
         self._submitted = False
+        self._cancelled = False
 
     @property
     def tag(self):
@@ -320,6 +321,21 @@ class _Transfer:
         i = self.info()
         return {} if i is None else i.timestamps()
 
+    def cancel(self):
+        """Drops this transfer (a client disconnected, the scheduler preempted
+        it): poll() becomes Failed here, and on the peer once its match is
+        posted.  A transfer already given to the manager is posted first and
+        then cancelled, so that the peer's requests keep matching in order.
+        Before init()/send() completes nothing was posted: only this side
+        fails, and the peer must drop its side too."""
+        self._cancelled = True
+        req = self.request
+        if req is not None:
+            req.cancel()
+        elif not self._submitted and self._error is None:
+            self._fail(RuntimeError("the transfer of room %d was cancelled before it was "
+                                    "posted" % self.room))
+
 
 class KVSender(_Transfer):
     """Prefill side of one request (bootstrap_room): init(num_pages), then
@@ -356,6 +372,8 @@ class KVSender(_Transfer):
             desc = self.mgr.args.descriptor(self.pages, self.num_tokens)
             self.request = comm.send(self.peer, desc, self.mgr.codec, tag=self.tag,
                                      mode=self.mgr.mode, page_tokens=self.mgr.page_tokens)
+            if self._cancelled:
+                self.request.cancel()
         except (KvxferError, ValueError, TypeError, RuntimeError) as e:
             self._fail(e)
 
@@ -383,6 +401,8 @@ class KVReceiver(_Transfer):
         try:
             desc = self.mgr.args.descriptor(self.pages, self.num_tokens)
             self.request = comm.recv(self.peer, desc, tag=self.tag)
+            if self._cancelled:
+                self.request.cancel()
         except (KvxferError, ValueError, TypeError, RuntimeError) as e:
             self._fail(e)
 

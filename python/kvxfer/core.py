@@ -731,6 +731,15 @@ class Request:
             _L.kvxfer_request_get_tiers(h, buf, n)
         return bytes(buf[:n])
 
+    def cancel(self):
+        """kvxfer_request_cancel: ends this request, at any stage, in ERROR with
+        ERR_CANCELLED; the peer's matching request ends the same way, saying the
+        peer cancelled it.  Returns at once (wait() then raises the KvxferError).
+        Other requests of the communicator go on.  A final request is left as it
+        is.  Idempotent."""
+        with self._use() as h:
+            _L.kvxfer_request_cancel(h)
+
     def free(self):
         """kvxfer_request_free.  Raises KvxferError (ERR_INVALID_USAGE) while the
         request is in flight.  Idempotent.  Optional: a dropped Request is

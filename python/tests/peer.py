@@ -31,7 +31,7 @@ def shape(spec, bs_key="block_size"):
 
 def role_send(spec, uid):
     with Communicator(uid, 1, 2, timeout_ms=spec.get("timeout_ms", 20000),
-                      bind_address="127.0.0.1") as comm:
+                      bind_address="127.0.0.1", rate_limit=spec.get("rate_limit")) as comm:
         kv = shape(spec).fill(spec["seed"])
         codec = kvxfer.CodecConfig(**spec.get("codec", {}))
         req = comm.send(0, kv.descriptor(), codec, tag=spec.get("tag", 0),

@@ -101,6 +101,37 @@ def test_rooms_posted_out_of_order_fail_naming_the_tag(spawn_peer):
     assert rep["states"][-1] == "Failed" and rep["error"]["code"] == kvxfer.Result.ERR_MISMATCH
 
 
+def test_cancelled_receiver_fails_both_sides(spawn_peer):
+    # The decode side drops the request (client gone) right after init: it is
+    # still posted, so the prefill side's next transfer keeps matching, and
+    # the prefill side fails saying the peer cancelled.
+    uid = kvxfer.UniqueId.create()
+    peer = spawn_peer(role="connector", uid=uid, room=5, seed=5, pages=[0, 1, 2], pool=POOL)
+    pool = kvdata.Pool(**POOL)
+    with connector.KVManager(pool.args(), "decode", uid, rank=0, peer=1, timeout_ms=10000,
+                             bind_address="127.0.0.1") as mgr:
+        recv = connector.KVReceiver(mgr, bootstrap_room=5)
+        recv.init([3, 4, 5])
+        recv.cancel()
+        states = poll_until_final(recv)
+        assert states[-1] == KVPoll.Failed
+        with pytest.raises(kvxfer.KvxferError) as e:
+            recv.failure_exception()
+        assert e.value.code == kvxfer.Result.ERR_CANCELLED
+    rep = peer.result()
+    assert rep["states"][-1] == "Failed", rep
+    assert rep["error"]["code"] == kvxfer.Result.ERR_CANCELLED, rep
+    assert "the peer cancelled the request" in rep["error"]["message"], rep
+    # Never posted: only this side fails.
+    with connector.KVManager(pool.args(), "decode", kvxfer.UniqueId.create(), rank=0, peer=1,
+                             timeout_ms=1000, bind_address="127.0.0.1") as lone:
+        early = connector.KVReceiver(lone, bootstrap_room=9)
+        early.cancel()
+        assert early.poll() == KVPoll.Failed
+        with pytest.raises(RuntimeError, match="cancelled before it was posted"):
+            early.failure_exception()
+
+
 def test_kvargs_from_sglang_and_bootstrap_failure():
     args = connector.KVArgs.from_sglang([100, 200, 300, 400], [64] * 4, page_size=2,
                                         kv_heads=1, head_dim=16)

@@ -2,6 +2,7 @@
 receives; peer.py (rank 1) sends."""
 
 import threading
+import time
 
 import pytest
 
@@ -277,3 +278,29 @@ def test_many_requests_with_callbacks_dropped_in_flight(spawn_peer):
     core._drain_deferred()
     assert not core._deferred_requests
     assert not any(st for st in core._live_requests if not st.freed)
+
+
+def test_cancel_mid_anchor_fails_both_sides_promptly(spawn_peer):
+    uid = kvxfer.UniqueId.create()
+    big = dict(L=8, heads=2, hd=64, T=1024)  # seconds of Lynx sections at 8 mbit/s
+    peer = spawn_peer(role="send", uid=uid, block_size=16, seed=3, tag=1, rate_limit="8mbit",
+                      page_tokens=128, **big)
+    with comm0(uid) as comm:
+        dst = kvdata.HostKV(big["L"], big["heads"], big["hd"], big["T"], 16)
+        req = comm.recv(1, dst.descriptor(), tag=1)
+        deadline = time.monotonic() + 30
+        while req.info().pages_anchor_ready < 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert req.stage == Stage.POSTED  # mid-anchor
+        t0 = time.monotonic()
+        req.cancel()
+        with pytest.raises(kvxfer.KvxferError) as e:
+            req.wait(timeout=30)
+        assert time.monotonic() - t0 < 1.5
+        assert e.value.code == kvxfer.Result.ERR_CANCELLED
+        assert "cancelled on rank 0" in e.value.message
+        req.cancel()  # final: no-op
+        req.free()
+        rep = peer.result()
+        assert rep["error"]["code"] == kvxfer.Result.ERR_CANCELLED, rep
+        assert "the peer cancelled the request" in rep["error"]["message"], rep

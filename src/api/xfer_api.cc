@@ -239,13 +239,20 @@ kvxfer_result_t kvxfer_request_get_arrivals(kvxfer_request_t request, kvxfer_arr
   });
 }
 
+kvxfer_result_t kvxfer_request_cancel(kvxfer_request_t request) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    return kvxfer::xfer::request_cancel(request->req);
+  });
+}
+
 kvxfer_result_t kvxfer_request_free(kvxfer_request_t request) {
   return kvxfer::api_call(__func__, [&] {
     if (request == nullptr) return KVXFER_SUCCESS;
     if (!kvxfer::xfer::request_wait_final_callbacks(*request->req))
       return set_error(KVXFER_ERR_INVALID_USAGE,
-                       "the request is still in flight: wait for COMPLETE or ERROR, or abort the "
-                       "communicator, before freeing it");
+                       "the request is still in flight: wait for COMPLETE or ERROR, cancel it "
+                       "(kvxfer_request_cancel), or abort the communicator, before freeing it");
     delete request;
     return KVXFER_SUCCESS;
   });

@@ -64,6 +64,7 @@ extern "C" const char* kvxfer_get_error_string(kvxfer_result_t r) {
     case KVXFER_ERR_INTERNAL: return "internal error";
     case KVXFER_ERR_OUT_OF_MEMORY: return "out of memory";
     case KVXFER_ERR_TIMEOUT: return "timed out";
+    case KVXFER_ERR_CANCELLED: return "cancelled";
   }
   return "unknown result code";
 }

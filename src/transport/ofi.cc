@@ -581,6 +581,18 @@ kvxfer_result_t Link::post_send(TrafficClass c, const void* buf, size_t len, uin
   return KVXFER_SUCCESS;
 }
 
+bool Link::empty_unstarted_send(uint64_t op_id) {
+  auto it = ops_.find(op_id);
+  if (it == ops_.end()) return false;
+  Op* op = it->second.get();
+  if (!op->is_send || op->reported || op->next_post != 0) return false;
+  op->size = 0;
+  op->total = 0;
+  op->nchunks = 0;
+  op->hdr.total = 0;
+  return true;
+}
+
 kvxfer_result_t Link::post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag,
                                 uint64_t* op_id) {
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());

@@ -264,6 +264,14 @@ class Link {
    */
   kvxfer_result_t post_send(TrafficClass c, const void* buf, size_t len, uint64_t tag,
                             uint64_t* op);
+  /**
+   * Empties a send whose header has not been posted yet: the message still
+   * goes out (the peer's receive completes), with 0 bytes.  True if emptied;
+   * false if the op is unknown, not a send, or already started (it then
+   * finishes as queued).  For a request that gave up (xfer/protocol.h: an
+   * empty page message means the sender gave up).
+   */
+  bool empty_unstarted_send(uint64_t op);
   /** Posts a receive of at most `cap` bytes; a longer message fails it with
    *  KVXFER_ERR_BUFFER_TOO_SMALL (and is drained, so the sender completes). */
   kvxfer_result_t post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag, uint64_t* op);

@@ -188,6 +188,21 @@ kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info) {
   return KVXFER_SUCCESS;
 }
 
+kvxfer_result_t request_cancel(const std::shared_ptr<Request>& r) {
+  {
+    std::lock_guard<std::mutex> lk(r->mu);
+    if (r->stage == KVXFER_STAGE_COMPLETE || r->stage == KVXFER_STAGE_ERROR || r->cancel_requested)
+      return KVXFER_SUCCESS;
+    r->cancel_requested = true;
+  }
+  CancelInbox& in = *r->inbox;
+  std::lock_guard<std::mutex> lk(in.mu);
+  if (in.closed) return KVXFER_SUCCESS;  // the communicator is gone: the request is in ERROR
+  in.requests.push_back(r);
+  in.pending.store(true);
+  return KVXFER_SUCCESS;
+}
+
 kvxfer_result_t request_tiers(const Request& r, uint8_t* tiers, int64_t num_tokens) {
   std::lock_guard<std::mutex> lk(r.mu);
   KVXFER_REQUIRE(tiers != nullptr || num_tokens == 0, "tiers is NULL");
@@ -325,6 +340,7 @@ struct Engine::Impl {
   std::string abort_why;
   bool aborted_flag = false;       // set by abort(); later posts fail
   std::atomic<int> finalising{0};  // requests final to the user, control messages pending
+  std::shared_ptr<CancelInbox> inbox = std::make_shared<CancelInbox>();
 
   // ---- codec thread (cmu) ----
   std::mutex cmu;
@@ -368,6 +384,7 @@ struct Engine::Impl {
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
   int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
   void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);
+  void take_cancels();
   void send_status(const std::shared_ptr<Request>& r, kvxfer_result_t code,
                    const std::string& text);
   void maybe_complete(const std::shared_ptr<Request>& r);
@@ -444,6 +461,11 @@ Engine::~Engine() {
   }
   impl_->cwake.notify_all();
   if (impl_->codec_thread.joinable()) impl_->codec_thread.join();
+  {
+    std::lock_guard<std::mutex> lk(impl_->inbox->mu);
+    impl_->inbox->closed = true;
+    impl_->inbox->requests.clear();
+  }
   impl_->comm.reset();
 }
 
@@ -592,6 +614,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     r->mode = mode;
   }
   r->t_posted = now_ns();
+  r->inbox = m.inbox;
 
   {
     std::lock_guard<std::mutex> lk(m.mu);
@@ -835,6 +858,10 @@ bool Engine::Impl::step() {
     start(r);
     busy = true;
   }
+  if (inbox->pending.load()) {
+    take_cancels();
+    busy = true;
+  }
   if (do_abort) {
     KVXFER_INFO(LOG_NET, "aborting communicator rank %d: %s", rank, why.c_str());
     comm->abort(why.c_str());
@@ -1032,8 +1059,10 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
       p.r_cap = b;
       atot += p.a_cap;
     }
-    w.astore.reset(new uint8_t[std::max<size_t>(atot, 1)]);
-    w.apin = pin_store(*r, w.astore.get(), atot);
+    if (!w.failed) {
+      w.astore.reset(new uint8_t[std::max<size_t>(atot, 1)]);
+      w.apin = pin_store(*r, w.astore.get(), atot);
+    }
   }
   {
     std::lock_guard<std::mutex> lk(r->mu);
@@ -1053,13 +1082,18 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     maybe_complete(r);
     return;
   }
+  // A request that failed before its handshake (cancelled, timed out)
+  // drains the sender's page messages into zero-capacity receives: nothing
+  // lands in the blocks and none of its anchors is awaited by the strict
+  // anchor priority (anchors_unapplied).
+  static uint8_t sink;
   for (size_t i = 0; i < w.pages.size(); ++i) {
     PageState& p = w.ps[i];
     if (!post_link_recv(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
-                        w.astore.get() + p.a_off, p.a_cap))
+                        w.failed ? &sink : w.astore.get() + p.a_off, w.failed ? 0 : p.a_cap))
       return;
   }
-  w.anchors_remaining = static_cast<int64_t>(w.pages.size());
+  w.anchors_remaining = w.failed ? 0 : static_cast<int64_t>(w.pages.size());
   anchors_unapplied += w.anchors_remaining;
   if (w.mode == KVXFER_MODE_PROGRESSIVE && !w.pages.empty()) {
     w.in_residual_fifo = true;
@@ -1216,6 +1250,10 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
       const kvxfer_result_t rc = decode_status(w.status_in.data(), c.bytes, &pr, &text);
       if (rc < 0) {
         fail(r, rc, strprintf("peer %d: %s", r->peer, last_error()));
+      } else if (pr == KVXFER_ERR_CANCELLED) {
+        fail(r, pr,
+             strprintf("the peer cancelled the request: peer %d (%s): %s", r->peer,
+                       r->is_send ? "receiver" : "sender", text.c_str()));
       } else if (pr != KVXFER_SUCCESS) {
         fail(r, pr,
              strprintf("peer %d (%s) failed: %s", r->peer, r->is_send ? "receiver" : "sender",
@@ -1409,12 +1447,49 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
               r->seq, r->peer, text.c_str());
   send_status(r, w.fail_code, text);
   // Keep the message sequence whole (protocol.h): the sender sends what is
-  // left as empty messages, the receiver drains its residual receives.
-  if (r->is_send) sender_pump(r);
+  // left as empty messages, the receiver drains its residual receives.  Page
+  // messages already given to the Link but not started go out empty too, so
+  // the peer hears of the failure after one message, not after the KV.
+  if (r->is_send) {
+    Link* l = comm->link(r->peer);
+    if (l != nullptr)
+      for (const auto& [op, ref] : ops[r->peer])
+        if (ref.req == r && (ref.kind == OpKind::kAnchor || ref.kind == OpKind::kResidual))
+          l->empty_unstarted_send(op);
+    sender_pump(r);
+  }
   if (!r->is_send && w.handshake_ok && !w.in_residual_fifo && w.mode == KVXFER_MODE_PROGRESSIVE &&
       w.next_residual_post < w.pages.size()) {
     w.in_residual_fifo = true;
     enqueue_residuals(r);
+  }
+}
+
+// kvxfer_request_cancel: the request fails like any other (fail), so every
+// stage is covered by the same path: the peer learns it from the STATUS, the
+// message sequence is kept whole (unsent pages go out empty, residuals are
+// drained), and its memory goes at finalise.
+void Engine::Impl::take_cancels() {
+  std::vector<std::shared_ptr<Request>> got;
+  {
+    std::lock_guard<std::mutex> lk(inbox->mu);
+    got.swap(inbox->requests);
+    inbox->pending.store(false);
+  }
+  std::vector<std::shared_ptr<Request>> later;
+  for (auto& r : got) {
+    if (!r->work->started) {  // posted, not yet taken from `submitted`: next round
+      later.push_back(r);
+      continue;
+    }
+    fail(r, KVXFER_ERR_CANCELLED,
+         strprintf("the kvxfer_%s was cancelled on rank %d (kvxfer_request_cancel)",
+                   r->is_send ? "send" : "recv", rank));
+  }
+  if (!later.empty()) {
+    std::lock_guard<std::mutex> lk(inbox->mu);
+    inbox->requests.insert(inbox->requests.end(), later.begin(), later.end());
+    inbox->pending.store(true);
   }
 }
 

@@ -20,6 +20,7 @@
 // shared by every request, so staging does not grow with requests in flight.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -36,7 +37,18 @@
 namespace kvxfer::xfer {
 
 class Engine;
+class Request;
 struct Work;  // the progress thread's private state of a request (engine.cc)
+
+/** Where kvxfer_request_cancel leaves a request for its engine's progress
+ *  thread; shared by the engine and its requests, so a request that outlives
+ *  its communicator finds it closed. */
+struct CancelInbox {
+  std::mutex mu;
+  std::vector<std::shared_ptr<Request>> requests;
+  std::atomic<bool> pending{false};
+  bool closed = false;  // the engine is gone
+};
 
 /** One section's arrival (receiver) or send completion (sender). */
 struct Arrival {
@@ -91,8 +103,10 @@ class Request {
           t_first_residual = 0;
   std::vector<Arrival> arrivals;
   bool callback_running = false;
+  bool cancel_requested = false;
 
-  std::unique_ptr<Work> work;  // progress thread only
+  std::shared_ptr<CancelInbox> inbox;  // fixed at post
+  std::unique_ptr<Work> work;          // progress thread only
 };
 
 /** Monotonic time in ns (CLOCK_MONOTONIC, as steady_clock on Linux). */
@@ -103,6 +117,12 @@ kvxfer_result_t request_test(const Request& r, int32_t layer, kvxfer_stage_t* st
 /** kvxfer_wait / kvxfer_wait_layer. */
 kvxfer_result_t request_wait(Request& r, int32_t layer, kvxfer_stage_t stage, int timeout_ms);
 kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info);
+/**
+ * kvxfer_request_cancel: asks the progress thread to fail `r` with
+ * KVXFER_ERR_CANCELLED (and tell the peer).  Returns at once; a final
+ * request, or one already being cancelled, is left as it is.
+ */
+kvxfer_result_t request_cancel(const std::shared_ptr<Request>& r);
 /** kvxfer_request_get_tiers. */
 kvxfer_result_t request_tiers(const Request& r, uint8_t* tiers, int64_t num_tokens);
 
