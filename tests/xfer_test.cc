@@ -1501,6 +1501,100 @@ TEST(XferCancel, SenderMidAnchor) { cancel_case(CancelCase::kSenderMidAnchor); }
 TEST(XferCancel, SenderMidResidual) { cancel_case(CancelCase::kSenderMidResidual); }
 TEST(XferCancel, ReceiverMidResidual) { cancel_case(CancelCase::kReceiverMidResidual); }
 
+// ---------------------------------------------------------------------------
+// Failure detection: a peer that is killed (SIGKILL) or destroys its
+// communicator mid-transfer is noticed within 1.5 s at any rate, on either
+// side, with the default 20 s timeout (so the timeout is not what notices).
+// ---------------------------------------------------------------------------
+enum class Loss { kKilled, kDestroyed };
+
+/** The child of a detection case: one rank at `rate`, one request in flight, then gone. */
+int doomed_peer(const kvxfer_unique_id_t& id, int rd, int wr, bool sender, const char* rate,
+                Loss how) {
+  kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, rate);
+  if (comm == nullptr) return 10;
+  PagedKV kv(kSlow.L, kSlow.heads, kSlow.hd, kSlow.T, 16);
+  kv.fill(1);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = 32;
+  kvxfer_request_t req = nullptr;
+  const kvxfer_result_t r = sender ? kvxfer_send(comm, 0, &kv.desc, nullptr, &rc, &req)
+                                   : kvxfer_recv(comm, 0, &kv.desc, &rc, &req);
+  if (r != KVXFER_SUCCESS) return 11;
+  write_all(wr, "p", 1);
+  char b;
+  read_all(rd, &b, 1, 60000);  // go: the parent saw pages move
+  if (how == Loss::kDestroyed) {
+    kvxfer_comm_destroy(comm);
+    write_all(wr, "d", 1);
+    read_all(rd, &b, 1, 60000);
+  }
+  return 0;
+}
+
+void detection_case(bool parent_sends, const char* rate, Loss how) {
+  constexpr double kBoundS = 1.5;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int wr) {
+    return doomed_peer(id, rd, wr, !parent_sends, rate, how);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, rate);
+  ASSERT_NE(comm, nullptr);
+  PagedKV kv(kSlow.L, kSlow.heads, kSlow.hd, kSlow.T, 16);
+  kv.fill(1);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = 32;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(parent_sends ? kvxfer_send(comm, 1, &kv.desc, nullptr, &rc, &req)
+                         : kvxfer_recv(comm, 1, &kv.desc, &rc, &req),
+            KVXFER_SUCCESS);
+  char b;
+  ASSERT_TRUE(read_all(pair.child.from_child, &b, 1, 60000));
+  // Mid-transfer: some pages have moved, the request is not final.
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  size_t n = 0;
+  while (n < 4 && std::chrono::steady_clock::now() < end) {
+    kvxfer_request_get_arrivals(req, nullptr, 0, &n);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GE(n, 4u);
+  ASSERT_EQ(info_of(req).stage == KVXFER_STAGE_COMPLETE, false) << "finished before the loss";
+  auto t0 = std::chrono::steady_clock::now();
+  if (how == Loss::kKilled) {
+    kill(pair.child.pid, SIGKILL);
+  } else {
+    write_all(pair.child.to_child, "g", 1);
+    ASSERT_TRUE(read_all(pair.child.from_child, &b, 1, 60000));  // destroyed
+    t0 = std::chrono::steady_clock::now();
+  }
+  const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[ detect   ] %s side, rate %s, peer %s: ERROR after %.3f s (%s)\n",
+              parent_sends ? "sender" : "receiver", rate[0] != 0 ? rate : "none",
+              how == Loss::kKilled ? "killed" : "destroyed", secs, kvxfer_get_last_error());
+  EXPECT_LT(r, 0);
+  EXPECT_NE(r, KVXFER_ERR_TIMEOUT) << kvxfer_get_last_error();
+  EXPECT_LT(secs, kBoundS) << kvxfer_get_last_error();
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  const auto d0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
+  const double dsecs = std::chrono::duration<double>(std::chrono::steady_clock::now() - d0).count();
+  std::printf("[ detect   ] then this side's destroy took %.3f s\n", dsecs);
+  std::fflush(stdout);
+  EXPECT_LT(dsecs, 1.0) << "destroy after the peer was lost";
+  if (how == Loss::kDestroyed) write_all(pair.child.to_child, "q", 1);  // (killed: no reader)
+  pair.child.wait(30);
+}
+
+TEST(XferDetect, KilledReceiverAt8mbit) { detection_case(true, "8mbit", Loss::kKilled); }
+TEST(XferDetect, KilledSenderAt8mbit) { detection_case(false, "8mbit", Loss::kKilled); }
+TEST(XferDetect, DestroyedReceiverAt8mbit) { detection_case(true, "8mbit", Loss::kDestroyed); }
+TEST(XferDetect, DestroyedSenderAt8mbit) { detection_case(false, "8mbit", Loss::kDestroyed); }
+TEST(XferDetect, KilledReceiverAt1gbit) { detection_case(true, "1gbit", Loss::kKilled); }
+TEST(XferDetect, KilledSenderAt1gbit) { detection_case(false, "1gbit", Loss::kKilled); }
+TEST(XferDetect, DestroyedReceiverAt1gbit) { detection_case(true, "1gbit", Loss::kDestroyed); }
+TEST(XferDetect, DestroyedSenderAt1gbit) { detection_case(false, "1gbit", Loss::kDestroyed); }
+
 TEST(XferCancel, NullIsAnError) {
   EXPECT_EQ(kvxfer_request_cancel(nullptr), KVXFER_ERR_INVALID_ARGUMENT);
 }

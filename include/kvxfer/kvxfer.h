@@ -430,7 +430,7 @@ kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm);
  * Aborts (as kvxfer_comm_abort) every request still in flight, joins the
  * communicator's threads and frees it.  Safe with requests in flight: their
  * handles stay valid (stage ERROR) until kvxfer_request_free.  Requests
- * already final get up to min(timeout, 5 s) to send their last control
+ * already final get up to min(timeout, 1 s) to send their last control
  * message, which their peer waits for.  Returns within a bounded time
  * whatever the peers do.  No other call on `comm` may run concurrently or
  * follow (as ncclCommDestroy).  NULL is a no-op.

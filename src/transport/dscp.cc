@@ -4,6 +4,8 @@
 #include <netinet/in.h>
 #include <netinet/ip.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -136,6 +138,13 @@ ConnState find_conn_socket(const std::vector<uint8_t>& me, const std::vector<uin
     return ConnState::kOpen;
   }
   return any_tcp ? ConnState::kGone : ConnState::kUnknown;
+}
+
+bool conn_socket_closed_by_peer(const ConnSocket& s) {
+  pollfd p{s.fd, POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) != 1 || (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) == 0) return false;
+  int unread = 0;
+  return ioctl(s.fd, FIONREAD, &unread) == 0 && unread == 0;
 }
 
 bool conn_socket_open(const ConnSocket& s) {

@@ -75,5 +75,13 @@ ConnState find_conn_socket(const std::vector<uint8_t>& me, const std::vector<uin
 /** Whether `s` still names the same open, connected socket (two system calls;
  *  a descriptor the provider closed and the system reused fails the match). */
 bool conn_socket_open(const ConnSocket& s);
+/**
+ * Whether the peer has closed or reset `s` and every byte it sent has been
+ * read out of the socket (poll(2) POLLRDHUP/POLLHUP/POLLERR with FIONREAD
+ * 0): after that the provider cannot complete anything more on it.  A
+ * socket with unread bytes is not closed yet, whatever the peer did: its
+ * last messages (a STATUS, say) are still to be read.  Two system calls.
+ */
+bool conn_socket_closed_by_peer(const ConnSocket& s);
 
 }  // namespace kvxfer::transport

@@ -839,6 +839,39 @@ bool Link::connection_open(int c) {
   return false;
 }
 
+// A peer that exits, is killed or destroys its communicator closes its
+// sockets.  rxm (libfabric 1.17) then neither flushes the receives posted for
+// it nor fails the sends still queued behind a rate limiter, so without this
+// check such operations wait for the whole timeout (30 s by default).  The
+// socket must be closed by the peer AND fully read on two checks kLivenessMs
+// apart, with progress in between: a peer that sent its last STATUS and then
+// closed is seen only after that STATUS has been read and delivered.
+kvxfer_result_t Link::check_liveness() {
+  if (ops_in_flight() == 0) {
+    peer_closed_checks_ = {};
+    return KVXFER_SUCCESS;
+  }
+  for (int c = 0; c < kNumClasses; ++c) {
+    if (!probe_conn_[c]) continue;
+    const char* cls = class_name(static_cast<TrafficClass>(c));
+    if (!connection_open(c))
+      return fail_link(KVXFER_ERR_SYSTEM,
+                       strprintf("the connection to the peer on the %s class is gone (the peer "
+                                 "exited, was killed or destroyed its communicator)",
+                                 cls));
+    if (!probe_conn_[c] || !conn_socket_closed_by_peer(conn_[c])) {
+      peer_closed_checks_[c] = 0;
+      continue;
+    }
+    if (++peer_closed_checks_[c] >= 2)
+      return fail_link(KVXFER_ERR_SYSTEM,
+                       strprintf("the peer closed its connection on the %s class (it exited, was "
+                                 "killed or destroyed its communicator)",
+                                 cls));
+  }
+  return KVXFER_SUCCESS;
+}
+
 kvxfer_result_t Link::post_recvs(Clock::time_point now) {
   (void)now;
   for (int c = 0; c < kNumClasses; ++c) {  // anchor first
@@ -1063,6 +1096,10 @@ kvxfer_result_t Link::progress() {
   if (now - last_timeout_scan_ >= std::chrono::milliseconds(5)) {
     last_timeout_scan_ = now;
     KVXFER_CHECK(check_timeouts(now));
+  }
+  if (ready_ && now - last_liveness_check_ >= std::chrono::milliseconds(kLivenessMs)) {
+    last_liveness_check_ = now;
+    KVXFER_CHECK(check_liveness());
   }
   return failed_ ? fail_code_ : KVXFER_SUCCESS;
 }

@@ -359,6 +359,13 @@ class Link {
   std::array<ConnSocket, kNumClasses> conn_{};
   std::array<bool, kNumClasses> probe_conn_{true, true};
   bool connection_open(int c);
+  // Liveness (check_liveness): every kLivenessMs while operations are in
+  // flight; a class whose socket the peer closed on two checks in a row
+  // fails the link, whatever the rate or the timeout.
+  static constexpr int kLivenessMs = 100;
+  Clock::time_point last_liveness_check_;
+  std::array<int, kNumClasses> peer_closed_checks_{};
+  kvxfer_result_t check_liveness();
 };
 
 }  // namespace kvxfer::transport

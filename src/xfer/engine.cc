@@ -445,7 +445,7 @@ Engine::~Engine() {
   // control messages (the STATUS the peer waits for), for a bounded time;
   // then abort whatever is still in flight.
   const auto grace =
-      Clock::now() + std::chrono::milliseconds(std::min<int64_t>(impl_->timeout_ms, 5000));
+      Clock::now() + std::chrono::milliseconds(std::min<int64_t>(impl_->timeout_ms, 1000));
   while (impl_->finalising.load() > 0 && Clock::now() < grace)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   abort("communicator destroyed");
