@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cinttypes>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -1594,6 +1595,62 @@ TEST(XferDetect, KilledReceiverAt1gbit) { detection_case(true, "1gbit", Loss::kK
 TEST(XferDetect, KilledSenderAt1gbit) { detection_case(false, "1gbit", Loss::kKilled); }
 TEST(XferDetect, DestroyedReceiverAt1gbit) { detection_case(true, "1gbit", Loss::kDestroyed); }
 TEST(XferDetect, DestroyedSenderAt1gbit) { detection_case(false, "1gbit", Loss::kDestroyed); }
+
+// ---------------------------------------------------------------------------
+// Memory: a live communicator with one peer holds at most 32 MB of resident
+// memory (docs/TRANSPORT.md, "Memory"), before and after a transfer.
+// ---------------------------------------------------------------------------
+int64_t vm_rss_kb() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  int64_t kb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr)
+    if (std::sscanf(line, "VmRSS: %" SCNd64, &kb) == 1) break;
+  std::fclose(f);
+  return kb;
+}
+
+TEST(XferMemory, CommunicatorResidentSetIsBounded) {
+  constexpr int64_t kBoundKb = 32 * 1024;
+  Pair pair;
+  ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& id, int rd, int wr) {
+    kvxfer_comm_t c = init_rank(id, 1);
+    if (c == nullptr) return 10;
+    PagedKV kv(kSmall.L, kSmall.heads, kSmall.hd, kSmall.T, 16);
+    kv.fill(2);
+    kvxfer_request_t req = nullptr;
+    if (kvxfer_send(c, 0, &kv.desc, nullptr, nullptr, &req) != KVXFER_SUCCESS) return 11;
+    if (kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000) != KVXFER_SUCCESS) return 12;
+    kvxfer_request_free(req);
+    write_all(wr, "s", 1);
+    char b;
+    read_all(rd, &b, 1, 60000);
+    kvxfer_comm_destroy(c);
+    return 0;
+  }));
+  PagedKV dst(kSmall.L, kSmall.heads, kSmall.hd, kSmall.T, 16);
+  const int64_t before = vm_rss_kb();
+  ASSERT_GT(before, 0);
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  const int64_t live = vm_rss_kb();
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  char b;
+  ASSERT_TRUE(read_all(pair.child.from_child, &b, 1, 60000));
+  const int64_t after = vm_rss_kb();
+  std::printf("[ memory   ] VmRSS %" PRId64 " kB before kvxfer_comm_init, +%" PRId64
+              " kB live, +%" PRId64 " kB after a transfer\n",
+              before, live - before, after - before);
+  std::fflush(stdout);
+  EXPECT_LE(live - before, kBoundKb);
+  EXPECT_LE(after - before, kBoundKb);
+  write_all(pair.child.to_child, "q", 1);
+  finish(&pair, comm);
+}
 
 TEST(XferCancel, NullIsAnError) {
   EXPECT_EQ(kvxfer_request_cancel(nullptr), KVXFER_ERR_INVALID_ARGUMENT);

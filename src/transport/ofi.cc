@@ -9,7 +9,9 @@
 #include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -129,8 +131,45 @@ const std::vector<std::string>& auto_providers() {
   return list;
 }
 
+namespace {
+std::string g_provider_defaults;  // what apply_provider_memory_defaults set
+}  // namespace
+
+std::string apply_provider_memory_defaults() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static const char* const kDefaults[][2] = {
+        {"FI_OFI_RXM_MSG_RX_SIZE", "16"},
+        {"FI_OFI_RXM_BUFFER_SIZE", "4096"},
+        {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
+    };
+    for (const auto& kv : kDefaults) {
+      if (std::getenv(kv[0]) != nullptr) continue;  // the user's value wins
+      if (setenv(kv[0], kv[1], 0) == 0)
+        g_provider_defaults +=
+            strprintf("%s%s=%s", g_provider_defaults.empty() ? "" : " ", kv[0], kv[1]);
+    }
+  });
+  return g_provider_defaults;
+}
+
+namespace {
+// At load, while the process is most likely still single-threaded (setenv
+// races with getenv in other threads) and before anyone's first fi_getinfo.
+__attribute__((constructor)) void provider_defaults_at_load() {
+  (void)apply_provider_memory_defaults();
+}
+}  // namespace
+
 kvxfer_result_t Domain::open(const std::string& provider, const std::string& node,
                              std::shared_ptr<Domain>* out) {
+  static std::once_flag logged;
+  const std::string set = apply_provider_memory_defaults();
+  std::call_once(logged, [&] {
+    if (!set.empty())
+      KVXFER_INFO(LOG_ENV, "OFI : provider memory defaults %s (set before libfabric's first use)",
+                  set.c_str());
+  });
   std::vector<std::string> candidates;
   if (provider.empty()) {
     candidates = auto_providers();

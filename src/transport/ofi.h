@@ -76,6 +76,20 @@ using EpPtr = std::unique_ptr<fid_ep, FidCloser<fid_ep>>;
 constexpr size_t kEagerChunkBytes = 16000;
 constexpr size_t kSarLimitBytes = 128 * 1024;
 
+/**
+ * rxm's buffer pools take about 176 MB of resident memory per peer with
+ * libfabric 1.17's defaults: a shared receive queue of 4096 bounce buffers
+ * of 16 KiB, and pools that grow 1024 buffers at a time.  Before libfabric
+ * reads its parameters (the first fi_getinfo of the process), this sets
+ * FI_OFI_RXM_MSG_RX_SIZE=16, FI_OFI_RXM_BUFFER_SIZE=4096 and
+ * FI_OFI_RXM_EAGER_LIMIT=16384 (kEagerChunkBytes stays eager), each only
+ * when the environment does not set it: about 30 MB per peer
+ * (docs/TRANSPORT.md, "Memory"; XferMemory.CommunicatorResidentSetIsBounded).
+ * Runs once (at load, and again harmlessly from Domain::open).  Returns the
+ * variables it set, for the log.
+ */
+std::string apply_provider_memory_defaults();
+
 /** The libfabric API version this layer asks for. */
 constexpr uint32_t kFiVersion = FI_VERSION(1, 17);
 
