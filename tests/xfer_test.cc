@@ -38,6 +38,7 @@
 #include "transport/ofi.h"
 #include "xfer/engine.h"
 #include "xfer/protocol.h"
+#include "xfer/staging.h"
 #include "xfer_util.h"
 
 namespace kvxfer {
@@ -1650,6 +1651,40 @@ TEST(XferMemory, CommunicatorResidentSetIsBounded) {
   EXPECT_LE(after - before, kBoundKb);
   write_all(pair.child.to_child, "q", 1);
   finish(&pair, comm);
+}
+
+TEST(XferMemory, StagingCacheReusesBoundsAndTrims) {
+  auto cache = xfer::StagingCache::create(3u << 20, 50);  // keep 3 MiB for 50 ms
+  xfer::Staging a, b, c;
+  ASSERT_TRUE(cache->get(1u << 20, &a));
+  ASSERT_TRUE(cache->get(1u << 20, &b));
+  EXPECT_EQ(a.capacity(), 1u << 20);
+  std::memset(a.get(), 0x5a, a.capacity());  // writable, whole capacity
+  uint8_t* const pa = a.get();
+  a.reset();
+  EXPECT_EQ(cache->kept_bytes(), 1u << 20);
+  ASSERT_TRUE(cache->get(600000, &c));  // n..2n: the kept 1 MiB serves 600 kB
+  EXPECT_EQ(c.get(), pa);
+  c.reset();
+  ASSERT_TRUE(cache->get(400000, &c));  // more than twice the request: a new mapping
+  EXPECT_NE(c.get(), pa);
+  EXPECT_EQ(c.capacity(), 401408u);  // whole 4 KiB pages
+  c.reset();
+  b.reset();
+  EXPECT_EQ(cache->kept_bytes(), (2u << 20) + 401408u);
+  ASSERT_TRUE(cache->get(3u << 20, &a));  // 3 MiB: rounded to whole 2 MiB huge pages
+  EXPECT_EQ(a.capacity(), 4u << 20);
+  a.reset();  // past the 3 MiB bound: unmapped, not kept
+  EXPECT_EQ(cache->kept_bytes(), (2u << 20) + 401408u);
+  cache->trim(xfer::StagingCache::Clock::now());  // not yet idle for 50 ms
+  EXPECT_EQ(cache->kept_bytes(), (2u << 20) + 401408u);
+  cache->trim(xfer::StagingCache::Clock::now() + std::chrono::milliseconds(60));
+  EXPECT_EQ(cache->kept_bytes(), 0u);
+  xfer::Staging moved;
+  ASSERT_TRUE(cache->get(10, &moved));
+  xfer::Staging to = std::move(moved);
+  EXPECT_FALSE(moved);
+  EXPECT_TRUE(to);
 }
 
 TEST(XferCancel, NullIsAnError) {

@@ -245,9 +245,17 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
 
   fi_cq_attr cq_attr{};
   cq_attr.format = FI_CQ_FORMAT_TAGGED;
-  cq_attr.wait_obj = FI_WAIT_NONE;
+  // A file descriptor to sleep on when there is nothing to do
+  // (Link::prepare_wait); a provider without one is polled.
+  cq_attr.wait_obj = FI_WAIT_FD;
   fid_cq* cq = nullptr;
   int r = fi_cq_open(e->domain_->fid(), &cq_attr, &cq, nullptr);
+  if (r != 0) {
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    r = fi_cq_open(e->domain_->fid(), &cq_attr, &cq, nullptr);
+  } else if (fi_control(&cq->fid, FI_GETWAIT, &e->wait_fd_) != 0) {
+    e->wait_fd_ = -1;
+  }
   if (r != 0) return fi_fail("fi_cq_open", r);
   e->cq_.reset(cq);
 
@@ -283,7 +291,14 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
   return KVXFER_SUCCESS;
 }
 
+bool Endpoint::trywait() {
+  if (!cq_ || wait_fd_ < 0) return false;
+  fid* f = &cq_->fid;
+  return fi_trywait(domain_->fabric(), &f, 1) == FI_SUCCESS;
+}
+
 void Endpoint::close() {
+  wait_fd_ = -1;
   ep_.reset();
   av_.reset();
   cq_.reset();
@@ -1128,7 +1143,7 @@ kvxfer_result_t Link::progress() {
       if (n < 64) break;
     }
   }
-  next_wake_ = now;
+  next_wake_ = Clock::time_point::max();  // lowered by the rate limiter when it holds a chunk
   if (connecting_ && !ready_) KVXFER_CHECK(post_hellos());
   KVXFER_CHECK(post_recvs(now));
   KVXFER_CHECK(schedule_sends(now));
@@ -1141,6 +1156,22 @@ kvxfer_result_t Link::progress() {
     KVXFER_CHECK(check_liveness());
   }
   return failed_ ? fail_code_ : KVXFER_SUCCESS;
+}
+
+bool Link::prepare_wait(std::vector<pollfd>* fds) {
+  if (failed_) return true;
+  if (!ready_) return false;  // connecting: rxm's connection events need polling
+  const size_t first = fds->size();
+  for (int c = 0; c < kNumClasses; ++c) {
+    Endpoint* e = ep_[c].get();
+    if (e == nullptr || !e->is_open()) continue;
+    if (!e->trywait()) {
+      fds->resize(first);
+      return false;
+    }
+    fds->push_back(pollfd{e->wait_fd(), POLLIN, 0});
+  }
+  return true;
 }
 
 size_t Link::poll(std::vector<Completion>* out) {

@@ -21,6 +21,7 @@
 // docs/TRANSPORT.md describes the design and the measurements behind it.
 #pragma once
 
+#include <poll.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
@@ -130,6 +131,7 @@ class Domain {
 
   const fi_info* info() const { return info_.get(); }
   fid_domain* fid() const { return domain_.get(); }
+  fid_fabric* fabric() const { return fabric_.get(); }
   /** The provider as libfabric names it, e.g. "tcp;ofi_rxm". */
   const std::string& provider() const { return provider_; }
 
@@ -182,6 +184,10 @@ class Endpoint {
    *  touches any posted buffer or context.  Idempotent. */
   void close();
   bool is_open() const { return ep_ != nullptr; }
+  /** The CQ's wait object (FI_WAIT_FD), -1 if the provider has none. */
+  int wait_fd() const { return wait_fd_; }
+  /** fi_trywait on the CQ: true when it is safe to sleep on wait_fd(). */
+  bool trywait();
 
   uint32_t tclass() const { return tclass_; }
   const fi_info* info() const { return info_.get(); }
@@ -195,6 +201,7 @@ class Endpoint {
   AvPtr av_;
   EpPtr ep_;  // declared last: closed first
   uint32_t tclass_ = 0;
+  int wait_fd_ = -1;
   std::vector<uint8_t> name_;
 };
 
@@ -312,8 +319,18 @@ class Link {
   const LinkConfig& config() const { return cfg_; }
   const DscpReport& dscp_report() const { return dscp_; }
   const LinkStats& stats() const { return stats_; }
-  /** When progress() would have something to do again (rate limiter); now if busy. */
+  /** When progress() has something to do again without a completion: the
+   *  rate limiter's next token for a chunk it holds back; max() if none. */
   Clock::time_point next_deadline() const { return next_wake_; }
+  /**
+   * For a thread with nothing to do: appends one pollfd (POLLIN) per class
+   * for this link's completion queues and returns true, or returns false
+   * when the thread must not sleep (a completion is already waiting, or the
+   * provider has no wait object: poll instead).  After poll(2), or a timeout
+   * no later than next_deadline(), call progress() again.  A failed link
+   * adds nothing and returns true.
+   */
+  bool prepare_wait(std::vector<pollfd>* fds);
 
  private:
   struct Op;

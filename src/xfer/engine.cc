@@ -1,8 +1,13 @@
 // The engine behind kvxfer_send / kvxfer_recv (engine.h, protocol.h).
 #include "xfer/engine.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cinttypes>
 #include <cstring>
 #include <deque>
@@ -19,6 +24,7 @@
 #include "transport/comm.h"
 #include "transport/ofi.h"
 #include "xfer/device.h"
+#include "xfer/staging.h"
 
 namespace kvxfer::xfer {
 
@@ -38,6 +44,22 @@ const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V
 
 void testing_corrupt_next_sections(int count) { g_corrupt_sections.store(count); }
 void testing_pause_residuals(bool paused) { g_pause_residuals.store(paused); }
+
+/**
+ * Codec worker threads of an engine: KVXFER_CODEC_THREADS when set, else
+ * half the usable CPUs (the progress thread, the provider and, on loopback,
+ * the peer need the rest), between 1 and 8.  Each encodes or decodes whole
+ * pages on one thread: OpenMP inside a 512 KiB page cost more than it gave
+ * on a small machine (docs/PERFORMANCE.md, "Where the engine's time goes").
+ */
+int codec_workers() {
+  const int64_t p = params::CodecThreads();
+  if (p > 0) return static_cast<int>(std::min<int64_t>(p, 64));
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  return std::max(1, std::min(8, cpus / 2));
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
@@ -60,7 +82,7 @@ struct PageState {
 struct Work {
   std::vector<PageRef> pages;
   std::vector<PageState> ps;
-  std::unique_ptr<uint8_t[]> astore, rstore;
+  Staging astore, rstore;  // from the engine's StagingCache
   // Device requests: astore/rstore page-locked (xfer/device.h, pin); released
   // before the stores (declared after them, reset first in finalise).
   std::shared_ptr<void> apin, rpin;
@@ -92,7 +114,8 @@ struct Work {
   int held = 0;                   // sender: residuals waiting in held_residuals
   int64_t anchors_remaining = 0;  // receiver: this request's share of anchors_unapplied
 
-  // Codec thread only: alpha resolved by calibration (alpha = auto).
+  // Codec threads, under alpha_mu: alpha resolved by calibration (alpha = auto).
+  std::mutex alpha_mu;
   bool alpha_resolved = false;
   float alpha = 0.0f;
 };
@@ -200,6 +223,8 @@ kvxfer_result_t request_cancel(const std::shared_ptr<Request>& r) {
   if (in.closed) return KVXFER_SUCCESS;  // the communicator is gone: the request is in ERROR
   in.requests.push_back(r);
   in.pending.store(true);
+  const uint64_t one = 1;
+  if (in.wake_fd >= 0) (void)!write(in.wake_fd, &one, sizeof(one));  // wake the progress thread
   return KVXFER_SUCCESS;
 }
 
@@ -331,7 +356,14 @@ struct Engine::Impl {
 
   // ---- shared with API threads (mu) ----
   std::mutex mu;
-  std::condition_variable wake;
+  // The progress thread sleeps in poll(2) on this eventfd and the Links'
+  // completion-queue fds (wait_for_work); posts, codec results, cancels,
+  // abort and stop write to it (kick).
+  int wake_fd = -1;
+  void kick() const {
+    const uint64_t one = 1;
+    if (wake_fd >= 0) (void)!write(wake_fd, &one, sizeof(one));
+  }
   std::deque<std::shared_ptr<Request>> submitted;
   std::vector<uint32_t> next_send_seq, next_recv_seq;
   std::vector<int> inflight_send, inflight_recv;
@@ -341,6 +373,8 @@ struct Engine::Impl {
   bool aborted_flag = false;       // set by abort(); later posts fail
   std::atomic<int> finalising{0};  // requests final to the user, control messages pending
   std::shared_ptr<CancelInbox> inbox = std::make_shared<CancelInbox>();
+  std::shared_ptr<StagingCache> staging;  // astore/rstore of every request
+  Clock::time_point last_trim;
 
   // ---- codec thread (cmu) ----
   std::mutex cmu;
@@ -348,7 +382,8 @@ struct Engine::Impl {
   std::array<std::deque<Job>, 4> jobs;  // by JobKind priority
   std::deque<JobDone> jobs_done;
   bool codec_stop = false;
-  std::thread codec_thread;
+  std::vector<std::thread> codec_threads;
+  std::mutex device_mu;  // device codec calls, one at a time
 
   // ---- progress thread only ----
   std::thread progress_thread;
@@ -364,6 +399,8 @@ struct Engine::Impl {
   void progress_main();
   void codec_main();
   bool step();  // one round of progress; true if anything happened
+  void wait_for_work(int idle);
+  std::vector<pollfd> wait_fds;
 
   void start(const std::shared_ptr<Request>& r);
   bool post_link_send(const std::shared_ptr<Request>& r, TrafficClass c, OpKind k, MsgKind mk,
@@ -429,12 +466,18 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   m.anchors_unposted.assign(nranks, 0);
   m.held_residuals.resize(nranks);
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
+  m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
+  m.inbox->wake_fd = m.wake_fd;
+  m.staging = StagingCache::create(static_cast<size_t>(params::StagingCacheBytes()), 1000);
   m.max_requests = params::MaxRequests();
   m.default_page_tokens = static_cast<int32_t>(params::PageTokens());
-  m.codec_thread = std::thread([&m] { m.codec_main(); });
+  const int workers = codec_workers();
+  for (int i = 0; i < workers; ++i) m.codec_threads.emplace_back([&m] { m.codec_main(); });
   m.progress_thread = std::thread([&m] { m.progress_main(); });
-  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (provider %s)", rank, nranks,
-              m.comm->link(rank == 0 ? 1 : 0)->provider().c_str());
+  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (provider %s, %d codec thread%s)", rank,
+              nranks, m.comm->link(rank == 0 ? 1 : 0)->provider().c_str(), workers,
+              workers == 1 ? "" : "s");
   *out = std::move(e);
   return KVXFER_SUCCESS;
 }
@@ -453,19 +496,23 @@ Engine::~Engine() {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->stop_requested = true;
   }
-  impl_->wake.notify_all();
+  impl_->kick();
   if (impl_->progress_thread.joinable()) impl_->progress_thread.join();
   {
     std::lock_guard<std::mutex> lk(impl_->cmu);
     impl_->codec_stop = true;
   }
   impl_->cwake.notify_all();
-  if (impl_->codec_thread.joinable()) impl_->codec_thread.join();
+  for (std::thread& t : impl_->codec_threads)
+    if (t.joinable()) t.join();
   {
     std::lock_guard<std::mutex> lk(impl_->inbox->mu);
     impl_->inbox->closed = true;
     impl_->inbox->requests.clear();
+    impl_->inbox->wake_fd = -1;
   }
+  if (impl_->wake_fd >= 0) close(impl_->wake_fd);
+  impl_->wake_fd = -1;
   impl_->comm.reset();
 }
 
@@ -480,7 +527,7 @@ void Engine::abort(const char* why) {
     impl_->aborted_flag = true;
     impl_->abort_why = why;
   }
-  impl_->wake.notify_all();
+  impl_->kick();
 }
 
 // ---------------------------------------------------------------------------
@@ -633,7 +680,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     r->order = m.next_order++;
     m.submitted.push_back(r);
   }
-  m.wake.notify_all();
+  m.kick();
   *out = std::move(r);
   return KVXFER_SUCCESS;
 }
@@ -672,8 +719,9 @@ void Engine::Impl::codec_main() {
       d.skipped = true;
     } else if (j.kind == JobKind::kEncode) {
       kvxfer_codec_config_t cc = j.codec;
-      Work& w = *r.work;  // alpha fields: codec thread only
+      Work& w = *r.work;  // alpha fields: codec threads, under alpha_mu
       if (cc.alpha == KVXFER_ALPHA_AUTO) {
+        std::lock_guard<std::mutex> alk(w.alpha_mu);  // the first encode calibrates, once
         if (!w.alpha_resolved) {
           // Calibrate on up to 16 pages spread over the request.
           std::vector<kvxfer_page_layout_t> sample;
@@ -696,15 +744,18 @@ void Engine::Impl::codec_main() {
       if (d.rc == KVXFER_SUCCESS) {
         const kvxfer_page_layout_t src = codec_layout(r, j.ref);
         const kvxfer_page_id_t id = page_id(r, j.ref);
-        if (r.device >= 0)
+        if (r.device >= 0) {
+          std::lock_guard<std::mutex> lk(device_mu);
           d.rc = xfer::device_codec()->encode(r.device, &cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r,
                                               j.r_cap, &d.r_len);
-        else if (cc.codec == KVXFER_CODEC_SPECTRUM)
+        } else if (cc.codec == KVXFER_CODEC_SPECTRUM) {
           d.rc = codec::encode_page_tiered(&cc, &id, &src,
                                            r.tiers.data() + static_cast<size_t>(j.ref.token_begin),
-                                           j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len);
-        else
-          d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len);
+                                           j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len, 1);
+        } else {
+          d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len,
+                                    codec::Impl::AUTO, 1);
+        }
         if (d.rc < 0) {
           d.error = strprintf("encoding the %s failed: %s", page_name(j.ref).c_str(), last_error());
         } else if (j.monolithic && d.r_len > 0) {
@@ -731,10 +782,12 @@ void Engine::Impl::codec_main() {
         res = j.r;
         r_len = j.r_len;
       }
-      if (d.rc == KVXFER_SUCCESS)
-        d.rc = r.device >= 0
-                   ? xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst)
-                   : codec::decode_page(a, a_len, res, r_len, &id, &dst);
+      if (d.rc == KVXFER_SUCCESS && r.device >= 0) {
+        std::lock_guard<std::mutex> lk(device_mu);
+        d.rc = xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst);
+      } else if (d.rc == KVXFER_SUCCESS) {
+        d.rc = codec::decode_page(a, a_len, res, r_len, &id, &dst, codec::Impl::AUTO, 1);
+      }
       // SpectrumKV: the tiers of the request's tokens, from the layer-0 K
       // pages' precision maps (the same for every layer, K and V).
       if (d.rc == KVXFER_SUCCESS && j.kind != JobKind::kDecodeFull && j.ref.layer == 0 &&
@@ -748,7 +801,7 @@ void Engine::Impl::codec_main() {
       std::lock_guard<std::mutex> lk(cmu);
       jobs_done.push_back(std::move(d));
     }
-    wake.notify_all();
+    kick();
   }
 }
 
@@ -816,27 +869,48 @@ void Engine::Impl::progress_main() {
       idle = 0;
       continue;
     }
-    ++idle;
-    if (active.empty()) {
-      std::unique_lock<std::mutex> lk(mu);
-      wake.wait_for(lk, std::chrono::milliseconds(5), [&] {
-        return !submitted.empty() || abort_requested != links_aborted || stop_requested;
-      });
-    } else if (idle < 64) {
+    wait_for_work(++idle);
+  }
+}
+
+// Nothing moved in the last round.  A few rounds of yield first (a
+// completion is often microseconds away), then sleep in poll(2) until a
+// completion queue, a post, a codec result or a cancel wakes us, or the rate
+// limiter's next token is due; at most 100 ms, so timeouts and liveness
+// checks still run.  The thread never spins against the codec threads for a
+// core.  A provider without CQ wait objects is polled: 100 us sleeps.
+void Engine::Impl::wait_for_work(int idle) {
+  if (idle < 8) {
+    std::this_thread::yield();
+    return;
+  }
+  Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(100);
+  wait_fds.clear();
+  wait_fds.push_back(pollfd{wake_fd, POLLIN, 0});
+  bool can_sleep = true;
+  for (int p = 0; p < nranks && can_sleep; ++p) {
+    Link* l = comm->link(p);
+    if (l == nullptr) continue;
+    can_sleep = l->prepare_wait(&wait_fds);
+    deadline = std::min(deadline, l->next_deadline());
+  }
+  if (!can_sleep) {
+    if (idle < 64) {
       std::this_thread::yield();
     } else {
-      // Nothing moved for a while: sleep briefly (until the rate limiter's
-      // next token, at most 100 us) so the codec threads get the cores.
-      Clock::duration d = std::chrono::microseconds(100);
-      for (int p = 0; p < nranks; ++p) {
-        Link* l = comm->link(p);
-        if (l != nullptr) d = std::min(d, l->next_deadline() - Clock::now());
-      }
-      if (d > Clock::duration::zero()) {
-        std::unique_lock<std::mutex> lk(cmu);
-        wake.wait_for(lk, d, [&] { return !jobs_done.empty(); });
-      }
+      deadline = std::min(deadline, Clock::now() + std::chrono::microseconds(100));
+      std::this_thread::sleep_until(deadline);
     }
+    return;
+  }
+  const auto wait = deadline - Clock::now();
+  if (wait <= Clock::duration::zero()) return;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wait).count();
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  if (ppoll(wait_fds.data(), wait_fds.size(), &ts, nullptr) > 0 &&
+      (wait_fds[0].revents & POLLIN) != 0) {
+    uint64_t n;
+    (void)!read(wake_fd, &n, sizeof(n));
   }
 }
 
@@ -892,6 +966,11 @@ bool Engine::Impl::step() {
   if (!results.empty()) busy = true;
 
   post_residual_recvs();
+  const Clock::time_point now = Clock::now();
+  if (now - last_trim >= std::chrono::milliseconds(100)) {
+    last_trim = now;
+    staging->trim(now);
+  }
   if (!held_full.empty() && !g_pause_residuals.load() && anchors_unapplied == 0) {
     auto held = std::move(held_full);
     held_full.clear();
@@ -978,8 +1057,12 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
         rtot += b;
       }
     }
-    w.astore.reset(new uint8_t[std::max<size_t>(atot, 1)]);
-    if (w.mode == KVXFER_MODE_PROGRESSIVE) w.rstore.reset(new uint8_t[std::max<size_t>(rtot, 1)]);
+    if (!staging->get(atot, &w.astore) ||
+        (w.mode == KVXFER_MODE_PROGRESSIVE && !staging->get(rtot, &w.rstore))) {
+      fail(r, KVXFER_ERR_OUT_OF_MEMORY,
+           strprintf("no memory for %zu bytes of encoded sections", atot + rtot));
+      return;
+    }
     w.apin = pin_store(*r, w.astore.get(), atot);
     if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), rtot);
     {
@@ -1059,10 +1142,10 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
       p.r_cap = b;
       atot += p.a_cap;
     }
-    if (!w.failed) {
-      w.astore.reset(new uint8_t[std::max<size_t>(atot, 1)]);
-      w.apin = pin_store(*r, w.astore.get(), atot);
-    }
+    if (!w.failed && !staging->get(atot, &w.astore))
+      fail(r, KVXFER_ERR_OUT_OF_MEMORY,
+           strprintf("no memory for %zu bytes of anchor sections", atot));
+    if (!w.failed) w.apin = pin_store(*r, w.astore.get(), atot);
   }
   {
     std::lock_guard<std::mutex> lk(r->mu);

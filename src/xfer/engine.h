@@ -1,23 +1,27 @@
 // The engine behind kvxfer_comm_t and kvxfer_send / kvxfer_recv.
 //
-// An Engine owns one transport::Communicator (a Link per peer) and two
-// threads:
+// An Engine owns one transport::Communicator (a Link per peer), one progress
+// thread and a pool of codec threads (docs/TRANSPORT.md, "Threads"):
 //   progress thread  the only thread that touches the Links: posts DESC,
 //                    page and STATUS messages (protocol.h), reads completions,
 //                    runs the handshake, posts residual receives into the
 //                    bounded staging pool, publishes stages and runs the
-//                    callbacks;
-//   codec thread     encodes pages (sender) and decodes them into the
-//                    receiver's blocks, highest priority first:
-//                    anchor decodes, then encodes, then residual decodes.
+//                    callbacks; sleeps on the Links' CQ wait objects and an
+//                    eventfd when nothing moves;
+//   codec threads    (KVXFER_CODEC_THREADS; default half the CPUs, 1..8)
+//                    encode pages (sender) and decode them into the
+//                    receiver's blocks, one page per thread, highest priority
+//                    first: anchor decodes, then encodes, then residual decodes.
 // API threads only queue new requests (under the engine's lock) and read or
 // wait on a Request's public state (under the request's lock).
 //
 // Memory (docs/TRANSPORT.md, "Memory"): the sender holds each request's
 // encoded sections until its messages are sent; the receiver holds each
-// request's anchor sections (they are needed again to apply the residual)
-// and lands residual sections in ONE staging pool of KVXFER_RECV_STAGING_BYTES
-// shared by every request, so staging does not grow with requests in flight.
+// request's anchor sections (they are needed again to apply the residual),
+// both in buffers of a StagingCache (staging.h) that keeps released ones for
+// the next request; residual sections land in ONE staging pool of
+// KVXFER_RECV_STAGING_BYTES shared by every request, so staging does not
+// grow with requests in flight.
 #pragma once
 
 #include <atomic>
@@ -48,6 +52,7 @@ struct CancelInbox {
   std::vector<std::shared_ptr<Request>> requests;
   std::atomic<bool> pending{false};
   bool closed = false;  // the engine is gone
+  int wake_fd = -1;     // the engine's progress wake-up (eventfd); -1 once closed
 };
 
 /** One section's arrival (receiver) or send completion (sender). */
