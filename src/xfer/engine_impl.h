@@ -1,0 +1,277 @@
+// Internals of the engine shared by its three source files (not installed):
+//   engine.cc           creation and teardown, posting, public state queries;
+//   engine_codec.cc     the codec threads;
+//   engine_progress.cc  the progress thread: Links, handshakes, stages.
+// engine.h has the design; docs/TRANSPORT.md, "Transfers", the protocol.
+#pragma once
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cinttypes>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <unordered_map>
+
+#include "codec/codec.h"
+#include "codec/format.h"
+#include "codec/kv_desc.h"
+#include "codec/page.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "transport/comm.h"
+#include "transport/ofi.h"
+#include "xfer/device.h"
+#include "xfer/engine.h"
+#include "xfer/staging.h"
+
+namespace kvxfer::xfer {
+
+using transport::Clock;
+using transport::Completion;
+using transport::Link;
+using transport::TrafficClass;
+
+// Test seams (engine.h): set by tests, read by the progress thread.
+extern std::atomic<int> g_corrupt_sections;
+extern std::atomic<bool> g_pause_residuals;
+
+inline const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V"; }
+
+/** Codec worker threads of an engine (engine.cc). */
+int codec_workers();
+
+// ---------------------------------------------------------------------------
+// The progress thread's private state of a request.
+// ---------------------------------------------------------------------------
+struct PageState {
+  size_t a_off = 0, a_cap = 0;  // slot in `astore` (monolithic: both sections)
+  size_t r_off = 0, r_cap = 0;  // sender: slot in `rstore`; receiver: staging capacity
+  size_t a_len = 0, r_len = 0;  // section bytes (sender: encoded; receiver: received)
+  bool encoded = false;         // sender
+  bool anchor_applied = false;  // receiver
+  bool residual_arrived = false;
+  std::unique_ptr<uint8_t[]> staging;  // receiver: the residual section
+};
+
+struct Work {
+  std::vector<PageRef> pages;
+  std::vector<PageState> ps;
+  Staging astore, rstore;  // from the engine's StagingCache
+  // Device requests: astore/rstore page-locked (xfer/device.h, pin); released
+  // before the stores (declared after them, reset first in finalise).
+  std::shared_ptr<void> apin, rpin;
+  kvxfer_codec_config_t codec{};  // sender's codec (receiver: from the handshake)
+  kvxfer_mode_t mode = KVXFER_MODE_AUTO;
+  int32_t page_tokens = 0;
+
+  bool started = false;
+  bool handshake_done = false, handshake_ok = false;
+  std::vector<uint8_t> desc_out, desc_in, status_out, status_in;
+  size_t next_page_send = 0;      // sender: pages posted to the Link
+  size_t next_residual_post = 0;  // receiver: residual receives posted
+  int64_t sends_done = 0, anchor_sends_done = 0;
+  bool peer_status = false, peer_status_ok = false;
+  bool status_sent = false;
+  bool in_residual_fifo = false;
+  bool peer_gave_up = false;  // receiver: an empty page message arrived
+
+  // Failure: decided at once, published (stage ERROR) when no codec job runs.
+  bool failed = false;
+  kvxfer_result_t fail_code = KVXFER_SUCCESS;
+  std::string fail_text;
+  std::atomic<bool> cancel{false};  // read by the codec thread
+
+  bool final_published = false;
+  bool finalised = false;
+  int ops = 0;                    // Link operations not yet completed
+  int jobs = 0;                   // codec jobs queued or running
+  int held = 0;                   // sender: residuals waiting in held_residuals
+  int64_t anchors_remaining = 0;  // receiver: this request's share of anchors_unapplied
+
+  // Codec threads, under alpha_mu: alpha resolved by calibration (alpha = auto).
+  std::mutex alpha_mu;
+  bool alpha_resolved = false;
+  float alpha = 0.0f;
+};
+
+// ---------------------------------------------------------------------------
+// The engine.
+// ---------------------------------------------------------------------------
+enum class JobKind { kDecodeAnchor = 0, kDecodeMono = 1, kEncode = 2, kDecodeFull = 3 };
+
+struct Job {
+  std::shared_ptr<Request> req;
+  JobKind kind;
+  size_t page;
+  // Inputs, fixed when queued (the codec thread never reads Work's containers).
+  kvxfer_codec_config_t codec;
+  PageRef ref;
+  uint8_t* a = nullptr;  // sender: anchor slot; receiver: anchor (or monolithic) section
+  size_t a_len = 0, a_cap = 0;
+  uint8_t* r = nullptr;  // sender: residual slot; receiver: residual section
+  size_t r_len = 0, r_cap = 0;
+  bool monolithic = false;
+};
+
+struct JobDone {
+  std::shared_ptr<Request> req;
+  JobKind kind;
+  size_t page;
+  kvxfer_result_t rc;
+  std::string error;
+  size_t a_len = 0, r_len = 0;
+  bool skipped = false;
+};
+
+enum class OpKind { kDescSend, kDescRecv, kStatusSend, kStatusRecv, kAnchor, kResidual };
+
+struct OpRef {
+  std::shared_ptr<Request> req;
+  OpKind kind;
+  size_t page;
+  bool is_send;
+};
+
+/** The layout of page `ref` in one side's blocks. */
+inline kvxfer_page_layout_t page_layout(const Request& r, const PageRef& ref) {
+  kvxfer_page_layout_t l{};
+  const auto& blocks = ref.kind == KVXFER_KV_KEY ? r.k_blocks : r.v_blocks;
+  l.blocks = blocks.data() + static_cast<size_t>(ref.layer) * static_cast<size_t>(r.num_blocks);
+  l.num_blocks = r.num_blocks;
+  l.block_size = r.block_size;
+  l.row_stride = r.row_stride;
+  l.first_token = ref.token_begin;
+  l.num_tokens = ref.num_tokens;
+  l.num_channels = r.mine.kv_heads * r.mine.head_dim;
+  l.dtype = r.mine.dtype;
+  return l;
+}
+
+/**
+ * The layout the codec reads or writes: page_layout, with the block table the
+ * kernels can read when the KV is on a device (a device array).
+ */
+inline kvxfer_page_layout_t codec_layout(const Request& r, const PageRef& ref) {
+  kvxfer_page_layout_t l = page_layout(r, ref);
+  if (r.device >= 0) {
+    const auto* table = static_cast<void* const*>(
+        (ref.kind == KVXFER_KV_KEY ? r.dev_k_blocks : r.dev_v_blocks).get());
+    l.blocks = table + static_cast<size_t>(ref.layer) * static_cast<size_t>(r.num_blocks);
+  }
+  return l;
+}
+
+/** Page-locks a staging store of a device request (a failure only costs speed). */
+inline std::shared_ptr<void> pin_store(const Request& r, uint8_t* p, size_t len) {
+  std::shared_ptr<void> h;
+  if (r.device < 0 || p == nullptr) return h;
+  if (xfer::device_codec()->pin(p, len, &h) < 0)
+    KVXFER_WARN(LOG_NET,
+                "could not page-lock %zu bytes of staging (%s); copying through pageable memory",
+                len, last_error());
+  return h;
+}
+
+inline kvxfer_page_id_t page_id(const Request& r, const PageRef& ref) {
+  kvxfer_page_id_t id{};
+  id.layer = static_cast<uint32_t>(ref.layer);
+  id.kind = ref.kind;
+  id.token_begin = ref.token_begin;
+  id.stream_id = r.mine.tag;
+  return id;
+}
+
+inline std::string page_name(const PageRef& p) {
+  return strprintf("page of layer %d %s, tokens [%" PRId64 ", %" PRId64 ")", p.layer,
+                   kind_name(p.kind), p.token_begin, p.token_begin + p.num_tokens);
+}
+
+struct Engine::Impl {
+  std::unique_ptr<transport::Communicator> comm;
+  int rank = -1, nranks = 0;
+  int64_t timeout_ms = 30000;
+
+  // ---- shared with API threads (mu) ----
+  std::mutex mu;
+  // The progress thread sleeps in poll(2) on this eventfd and the Links'
+  // completion-queue fds (wait_for_work); posts, codec results, cancels,
+  // abort and stop write to it (kick).
+  int wake_fd = -1;
+  void kick() const {
+    const uint64_t one = 1;
+    if (wake_fd >= 0) (void)!write(wake_fd, &one, sizeof(one));
+  }
+  std::deque<std::shared_ptr<Request>> submitted;
+  std::vector<uint32_t> next_send_seq, next_recv_seq;
+  std::vector<int> inflight_send, inflight_recv;
+  uint64_t next_order = 0;
+  bool abort_requested = false, stop_requested = false;
+  std::string abort_why;
+  bool aborted_flag = false;       // set by abort(); later posts fail
+  std::atomic<int> finalising{0};  // requests final to the user, control messages pending
+  std::shared_ptr<CancelInbox> inbox = std::make_shared<CancelInbox>();
+  std::shared_ptr<StagingCache> staging;  // astore/rstore of every request
+  Clock::time_point last_trim;
+
+  // ---- codec thread (cmu) ----
+  std::mutex cmu;
+  std::condition_variable cwake;
+  std::array<std::deque<Job>, 4> jobs;  // by JobKind priority
+  std::deque<JobDone> jobs_done;
+  bool codec_stop = false;
+  std::vector<std::thread> codec_threads;
+  std::mutex device_mu;  // device codec calls, one at a time
+
+  // ---- progress thread only ----
+  std::thread progress_thread;
+  std::vector<std::unordered_map<uint64_t, OpRef>> ops;  // per peer: Link op id -> what
+  std::vector<std::shared_ptr<Request>> active;
+  std::deque<std::shared_ptr<Request>> residual_fifo;
+  size_t staging_budget = 0, staging_used = 0;
+  bool links_aborted = false;
+  int64_t max_requests = 1024;
+  int32_t default_page_tokens = 256;
+
+  // ------------------------------------------------------------------------
+  void progress_main();
+  void codec_main();
+  bool step();  // one round of progress; true if anything happened
+  void wait_for_work(int idle);
+  std::vector<pollfd> wait_fds;
+
+  void start(const std::shared_ptr<Request>& r);
+  bool post_link_send(const std::shared_ptr<Request>& r, TrafficClass c, OpKind k, MsgKind mk,
+                      size_t page, const void* buf, size_t len);
+  bool post_link_recv(const std::shared_ptr<Request>& r, TrafficClass c, OpKind k, MsgKind mk,
+                      size_t page, void* buf, size_t cap);
+  void on_completion(int peer, const Completion& c);
+  void on_job_done(JobDone& d);
+  void on_handshake(const std::shared_ptr<Request>& r);
+  void sender_pump(const std::shared_ptr<Request>& r);
+  void flush_residuals(int peer);
+  std::vector<int64_t> anchors_unposted;  // per peer: anchors of handshaken sends not yet posted
+  std::vector<std::deque<std::pair<std::shared_ptr<Request>, size_t>>> held_residuals;  // per peer
+  void post_residual_recvs();
+  void enqueue_residuals(const std::shared_ptr<Request>& r);
+  void queue_job(Job&& j);
+  void queue_full(const std::shared_ptr<Request>& r, size_t page);
+  std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
+  int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
+  void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);
+  void take_cancels();
+  void send_status(const std::shared_ptr<Request>& r, kvxfer_result_t code,
+                   const std::string& text);
+  void maybe_complete(const std::shared_ptr<Request>& r);
+  void publish(const std::shared_ptr<Request>& r, kvxfer_stage_t stage);
+  void settle(const std::shared_ptr<Request>& r);  // publish ERROR / finalise when possible
+  void finalise(const std::shared_ptr<Request>& r);
+};
+
+}  // namespace kvxfer::xfer

@@ -1,0 +1,817 @@
+// The progress thread of the engine (engine.h): the only thread that touches
+// the Links; handshakes, page and STATUS messages, stages, callbacks.
+#include "xfer/engine_impl.h"
+
+namespace kvxfer::xfer {
+
+// ---------------------------------------------------------------------------
+// Progress thread
+// ---------------------------------------------------------------------------
+void Engine::Impl::progress_main() {
+  int idle = 0;
+  Clock::time_point stop_deadline = Clock::time_point::max();
+  for (;;) {
+    const bool busy = step();
+    bool stop;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = stop_requested && links_aborted && active.empty() && submitted.empty();
+      if (stop_requested && links_aborted && stop_deadline == Clock::time_point::max())
+        stop_deadline = Clock::now() + std::chrono::seconds(10);
+    }
+    if (stop) return;
+    if (Clock::now() > stop_deadline) {
+      // Every Link is closed, so nothing can complete any more; a request
+      // still here is a bug.  Never hang the caller's destroy on it.
+      KVXFER_WARN(LOG_NET, "destroy: %zu request(s) did not wind down; leaving them",
+                  active.size());
+      return;
+    }
+    if (busy) {
+      idle = 0;
+      continue;
+    }
+    wait_for_work(++idle);
+  }
+}
+
+// Nothing moved in the last round.  A few rounds of yield first (a
+// completion is often microseconds away), then sleep in poll(2) until a
+// completion queue, a post, a codec result or a cancel wakes us, or the rate
+// limiter's next token is due; at most 100 ms, so timeouts and liveness
+// checks still run.  The thread never spins against the codec threads for a
+// core.  A provider without CQ wait objects is polled: 100 us sleeps.
+void Engine::Impl::wait_for_work(int idle) {
+  if (idle < 8) {
+    std::this_thread::yield();
+    return;
+  }
+  Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(100);
+  wait_fds.clear();
+  wait_fds.push_back(pollfd{wake_fd, POLLIN, 0});
+  bool can_sleep = true;
+  for (int p = 0; p < nranks && can_sleep; ++p) {
+    Link* l = comm->link(p);
+    if (l == nullptr) continue;
+    can_sleep = l->prepare_wait(&wait_fds);
+    deadline = std::min(deadline, l->next_deadline());
+  }
+  if (!can_sleep) {
+    if (idle < 64) {
+      std::this_thread::yield();
+    } else {
+      deadline = std::min(deadline, Clock::now() + std::chrono::microseconds(100));
+      std::this_thread::sleep_until(deadline);
+    }
+    return;
+  }
+  const auto wait = deadline - Clock::now();
+  if (wait <= Clock::duration::zero()) return;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wait).count();
+  timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  if (ppoll(wait_fds.data(), wait_fds.size(), &ts, nullptr) > 0 &&
+      (wait_fds[0].revents & POLLIN) != 0) {
+    uint64_t n;
+    (void)!read(wake_fd, &n, sizeof(n));
+  }
+}
+
+bool Engine::Impl::step() {
+  bool busy = false;
+  std::deque<std::shared_ptr<Request>> fresh;
+  bool do_abort = false;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    fresh.swap(submitted);
+    if (abort_requested && !links_aborted) {
+      do_abort = true;
+      why = abort_why;
+    }
+  }
+  for (auto& r : fresh) {
+    active.push_back(r);
+    start(r);
+    busy = true;
+  }
+  if (inbox->pending.load()) {
+    take_cancels();
+    busy = true;
+  }
+  if (do_abort) {
+    KVXFER_INFO(LOG_NET, "aborting communicator rank %d: %s", rank, why.c_str());
+    comm->abort(why.c_str());
+    links_aborted = true;
+    const std::vector<std::shared_ptr<Request>> all = active;
+    for (auto& r : all) fail(r, KVXFER_ERR_INVALID_USAGE, "communicator aborted (" + why + ")");
+    busy = true;
+  }
+
+  // Network completions, peer by peer.
+  std::vector<Completion> done;
+  for (int p = 0; p < nranks; ++p) {
+    Link* l = comm->link(p);
+    if (l == nullptr) continue;
+    done.clear();
+    l->poll(&done);
+    for (const Completion& c : done) on_completion(p, c);
+    if (!done.empty()) busy = true;
+  }
+
+  // Codec results.
+  std::deque<JobDone> results;
+  {
+    std::lock_guard<std::mutex> lk(cmu);
+    results.swap(jobs_done);
+  }
+  for (auto& d : results) on_job_done(d);
+  if (!results.empty()) busy = true;
+
+  post_residual_recvs();
+  const Clock::time_point now = Clock::now();
+  if (now - last_trim >= std::chrono::milliseconds(100)) {
+    last_trim = now;
+    staging->trim(now);
+  }
+  if (!held_full.empty() && !g_pause_residuals.load() && anchors_unapplied == 0) {
+    auto held = std::move(held_full);
+    held_full.clear();
+    for (auto& [r, page] : held)
+      if (!r->work->failed) queue_full(r, page);  // a failed one's staging goes at finalise
+    busy = true;
+  }
+
+  // Publish errors and release finished requests.
+  // Backwards by index: settle may finalise (erase) the request it is given,
+  // and this runs on every progress round, so no copy of `active`.
+  for (size_t i = active.size(); i-- > 0;) {
+    const std::shared_ptr<Request> r = active[i];  // outlives its erasure
+    settle(r);
+  }
+  return busy;
+}
+
+bool Engine::Impl::post_link_send(const std::shared_ptr<Request>& r, TrafficClass c, OpKind k,
+                                  MsgKind mk, size_t page, const void* buf, size_t len) {
+  Link* l = comm->link(r->peer);
+  uint64_t op = 0;
+  const kvxfer_result_t rc =
+      l->post_send(c, buf, len, make_tag(r->seq, !r->is_send, mk, page), &op);
+  if (rc < 0) {
+    fail(r, rc, strprintf("posting a send to peer %d failed: %s", r->peer, last_error()));
+    return false;
+  }
+  ops[r->peer][op] = OpRef{r, k, page, true};
+  r->work->ops++;
+  return true;
+}
+
+bool Engine::Impl::post_link_recv(const std::shared_ptr<Request>& r, TrafficClass c, OpKind k,
+                                  MsgKind mk, size_t page, void* buf, size_t cap) {
+  Link* l = comm->link(r->peer);
+  uint64_t op = 0;
+  const kvxfer_result_t rc = l->post_recv(c, buf, cap, make_tag(r->seq, r->is_send, mk, page), &op);
+  if (rc < 0) {
+    fail(r, rc, strprintf("posting a receive from peer %d failed: %s", r->peer, last_error()));
+    return false;
+  }
+  ops[r->peer][op] = OpRef{r, k, page, false};
+  r->work->ops++;
+  return true;
+}
+
+void Engine::Impl::start(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  w.started = true;
+  if (links_aborted) {
+    fail(r, KVXFER_ERR_INVALID_USAGE, "communicator aborted");
+    return;
+  }
+  if (r->is_send) {
+    w.codec = r->mine.codec;
+    w.mode = r->mine.mode;
+    w.page_tokens = r->mine.page_tokens;
+    w.pages = plan_pages(r->mine.num_layers, r->mine.num_tokens, w.page_tokens);
+    w.ps.resize(w.pages.size());
+    kvxfer_codec_config_t sz = w.codec;
+    if (sz.alpha == KVXFER_ALPHA_AUTO) sz.alpha = 0.0f;
+    const int32_t H = r->mine.kv_heads * r->mine.head_dim;
+    size_t atot = 0, rtot = 0;
+    for (size_t i = 0; i < w.pages.size(); ++i) {
+      size_t a = 0, b = 0;
+      const kvxfer_result_t rc = codec::max_sizes(&sz, w.pages[i].num_tokens, H, &a, &b);
+      if (rc < 0) {
+        fail(r, rc, last_error());
+        return;
+      }
+      PageState& p = w.ps[i];
+      if (w.mode == KVXFER_MODE_MONOLITHIC) {
+        p.a_off = atot;
+        p.a_cap = a + b;
+        atot += a + b;
+        p.r_cap = b;  // the encoder writes the residual after the anchor's capacity
+      } else {
+        p.a_off = atot;
+        p.a_cap = a;
+        p.r_off = rtot;
+        p.r_cap = b;
+        atot += a;
+        rtot += b;
+      }
+    }
+    if (!staging->get(atot, &w.astore) ||
+        (w.mode == KVXFER_MODE_PROGRESSIVE && !staging->get(rtot, &w.rstore))) {
+      fail(r, KVXFER_ERR_OUT_OF_MEMORY,
+           strprintf("no memory for %zu bytes of encoded sections", atot + rtot));
+      return;
+    }
+    w.apin = pin_store(*r, w.astore.get(), atot);
+    if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), rtot);
+    {
+      std::lock_guard<std::mutex> lk(r->mu);
+      r->num_pages = static_cast<int64_t>(w.pages.size());
+    }
+  }
+  w.desc_out = encode_desc(r->mine);
+  w.desc_in.assign(kDescBytes, 0);
+  w.status_in.assign(kStatusHeaderBytes + kMaxStatusText, 0);
+  if (!post_link_send(r, TrafficClass::kAnchor, OpKind::kDescSend, MsgKind::kDesc, 0,
+                      w.desc_out.data(), w.desc_out.size()) ||
+      !post_link_recv(r, TrafficClass::kAnchor, OpKind::kDescRecv, MsgKind::kDesc, 0,
+                      w.desc_in.data(), w.desc_in.size()) ||
+      !post_link_recv(r, TrafficClass::kAnchor, OpKind::kStatusRecv, MsgKind::kStatus, 0,
+                      w.status_in.data(), w.status_in.size()))
+    return;
+  if (r->is_send) {
+    // Encode at once, overlapping the handshake; pages go out as they are ready.
+    for (size_t i = 0; i < w.pages.size(); ++i) {
+      PageState& p = w.ps[i];
+      Job j;
+      j.req = r;
+      j.kind = JobKind::kEncode;
+      j.page = i;
+      j.codec = w.codec;
+      j.ref = w.pages[i];
+      j.monolithic = w.mode == KVXFER_MODE_MONOLITHIC;
+      j.a = w.astore.get() + p.a_off;
+      if (j.monolithic) {
+        j.a_cap = p.a_cap - p.r_cap;
+        j.r = j.a + j.a_cap;
+        j.r_cap = p.r_cap;
+      } else {
+        j.a_cap = p.a_cap;
+        j.r = w.rstore.get() + p.r_off;
+        j.r_cap = p.r_cap;
+      }
+      queue_job(std::move(j));
+    }
+  }
+}
+
+void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  w.handshake_done = true;
+  Desc peer;
+  kvxfer_result_t rc = decode_desc(w.desc_in.data(), w.desc_in.size(), &peer);
+  if (rc == KVXFER_SUCCESS) rc = compare_desc(r->mine, peer);
+  if (rc < 0) {
+    fail(r, rc, strprintf("%s (peer %d)", last_error(), r->peer));
+    return;
+  }
+  w.handshake_ok = true;
+  const int32_t L = r->mine.num_layers;
+  if (!r->is_send) {
+    w.codec = peer.codec;
+    w.mode = peer.mode;
+    w.page_tokens = peer.page_tokens;
+    w.pages = plan_pages(L, r->mine.num_tokens, w.page_tokens);
+    w.ps.resize(w.pages.size());
+    kvxfer_codec_config_t sz = w.codec;
+    if (sz.alpha == KVXFER_ALPHA_AUTO) sz.alpha = 0.0f;
+    const int32_t H = r->mine.kv_heads * r->mine.head_dim;
+    size_t atot = 0;
+    for (size_t i = 0; i < w.pages.size(); ++i) {
+      size_t a = 0, b = 0;
+      rc = codec::max_sizes(&sz, w.pages[i].num_tokens, H, &a, &b);
+      if (rc < 0) {
+        fail(r, KVXFER_ERR_CORRUPT,
+             strprintf("the sender's codec configuration is invalid: %s", last_error()));
+        return;
+      }
+      PageState& p = w.ps[i];
+      p.a_off = atot;
+      p.a_cap = w.mode == KVXFER_MODE_MONOLITHIC ? a + b : a;
+      p.r_cap = b;
+      atot += p.a_cap;
+    }
+    if (!w.failed && !staging->get(atot, &w.astore))
+      fail(r, KVXFER_ERR_OUT_OF_MEMORY,
+           strprintf("no memory for %zu bytes of anchor sections", atot));
+    if (!w.failed) w.apin = pin_store(*r, w.astore.get(), atot);
+  }
+  {
+    std::lock_guard<std::mutex> lk(r->mu);
+    r->t_handshake = now_ns();
+    r->num_pages = static_cast<int64_t>(w.pages.size());
+    r->codec = w.codec.codec;
+    r->mode = w.mode;
+    r->layer_pages.assign(static_cast<size_t>(L), 0);
+    r->layer_anchor.assign(static_cast<size_t>(L), 0);
+    r->layer_complete.assign(static_cast<size_t>(L), 0);
+    for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
+  }
+  if (r->is_send) {
+    anchors_unposted[r->peer] += static_cast<int64_t>(w.pages.size());
+    if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
+    sender_pump(r);
+    maybe_complete(r);
+    return;
+  }
+  // A request that failed before its handshake (cancelled, timed out)
+  // drains the sender's page messages into zero-capacity receives: nothing
+  // lands in the blocks and none of its anchors is awaited by the strict
+  // anchor priority (anchors_unapplied).
+  static uint8_t sink;
+  for (size_t i = 0; i < w.pages.size(); ++i) {
+    PageState& p = w.ps[i];
+    if (!post_link_recv(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
+                        w.failed ? &sink : w.astore.get() + p.a_off, w.failed ? 0 : p.a_cap))
+      return;
+  }
+  w.anchors_remaining = w.failed ? 0 : static_cast<int64_t>(w.pages.size());
+  anchors_unapplied += w.anchors_remaining;
+  if (w.mode == KVXFER_MODE_PROGRESSIVE && !w.pages.empty()) {
+    w.in_residual_fifo = true;
+    enqueue_residuals(r);
+  }
+  if (w.pages.empty()) {
+    publish(r, KVXFER_STAGE_ANCHOR_READY);
+    maybe_complete(r);
+  }
+}
+
+void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  if (!w.handshake_ok) return;
+  static const uint8_t kEmpty = 0;
+  const bool progressive = w.mode == KVXFER_MODE_PROGRESSIVE;
+  while (w.next_page_send < w.pages.size()) {
+    const size_t i = w.next_page_send;
+    PageState& p = w.ps[i];
+    // A failed request keeps its message sequence whole (protocol.h): an
+    // empty message for every section left.
+    const bool empty = w.failed;
+    if (!empty && !p.encoded) break;
+    w.next_page_send++;
+    anchors_unposted[r->peer]--;
+    const size_t alen = empty ? 0 : progressive ? p.a_len : p.a_len + p.r_len;
+    post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
+                   empty ? &kEmpty : w.astore.get() + p.a_off, alen);
+    if (!progressive) continue;
+    if (empty) {
+      post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i, &kEmpty,
+                     0);
+    } else {
+      w.held++;
+      held_residuals[r->peer].emplace_back(r, i);
+    }
+  }
+  flush_residuals(r->peer);
+}
+
+// Residuals to a peer go to the Link only once every anchor of every request
+// to that peer has been posted: the Link's scheduler then sends anchor chunks
+// first, and no residual can slip through while an anchor is still being
+// encoded (figure 3 of the issue: with many requests in flight, every
+// request's anchor lands before any residual).
+void Engine::Impl::flush_residuals(int peer) {
+  if (anchors_unposted[peer] > 0) return;
+  static const uint8_t kEmpty = 0;
+  auto& q = held_residuals[peer];
+  // In request post order, pages ascending: the order the receiver posts its
+  // residual receives in (enqueue_residuals), whatever order handshakes took.
+  std::stable_sort(q.begin(), q.end(), [](const auto& a, const auto& b) {
+    return a.first->order != b.first->order ? a.first->order < b.first->order : a.second < b.second;
+  });
+  while (!q.empty()) {
+    auto [r, i] = std::move(q.front());
+    q.pop_front();
+    Work& w = *r->work;
+    w.held--;
+    const PageState& p = w.ps[i];
+    if (w.failed)
+      post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i, &kEmpty,
+                     0);
+    else
+      post_link_send(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i,
+                     w.rstore.get() + p.r_off, p.r_len);
+  }
+}
+
+// Residual receives are posted in the order the requests were posted, which
+// is the order each peer sends them, whatever order the handshakes completed
+// in: a receive posted ahead of the message the sender is on could hold the
+// whole staging pool while that message waits (a stall seen with 4 requests
+// of 8 MiB of residuals each against 16 MiB of staging).
+void Engine::Impl::enqueue_residuals(const std::shared_ptr<Request>& r) {
+  auto it = residual_fifo.end();
+  while (it != residual_fifo.begin() && (*std::prev(it))->order > r->order) --it;
+  residual_fifo.insert(it, r);
+}
+
+void Engine::Impl::post_residual_recvs() {
+  while (!residual_fifo.empty()) {
+    std::shared_ptr<Request> r = residual_fifo.front();
+    Work& w = *r->work;
+    while (w.next_residual_post < w.pages.size()) {
+      const size_t i = w.next_residual_post;
+      PageState& p = w.ps[i];
+      if (w.failed) {
+        // Drain: a zero-capacity receive consumes the message without staging.
+        static uint8_t sink;
+        if (!post_link_recv(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i,
+                            &sink, 0))
+          break;
+      } else {
+        if (staging_used > 0 && staging_used + p.r_cap > staging_budget) return;
+        p.staging.reset(new uint8_t[std::max<size_t>(p.r_cap, 1)]);
+        staging_used += p.r_cap;
+        if (!post_link_recv(r, TrafficClass::kResidual, OpKind::kResidual, MsgKind::kResidual, i,
+                            p.staging.get(), p.r_cap)) {
+          staging_used -= p.r_cap;
+          p.staging.reset();
+          continue;  // the request failed: drain the rest
+        }
+      }
+      w.next_residual_post++;
+    }
+    w.in_residual_fifo = false;
+    residual_fifo.pop_front();
+  }
+}
+
+void Engine::Impl::on_completion(int peer, const Completion& c) {
+  auto it = ops[peer].find(c.op_id);
+  if (it == ops[peer].end()) return;  // a Link-internal operation
+  OpRef ref = std::move(it->second);
+  ops[peer].erase(it);
+  const std::shared_ptr<Request>& r = ref.req;
+  Work& w = *r->work;
+  w.ops--;
+  const bool ok = c.status == KVXFER_SUCCESS;
+  if (!ok && !w.handshake_done && c.status == KVXFER_ERR_TIMEOUT) {
+    // Nothing came from the peer for this request: say so, whichever of its
+    // receives timed out first.
+    fail(r, c.status,
+         strprintf("peer %d never posted the matching kvxfer_%s within %lld ms (%s)", r->peer,
+                   r->is_send ? "recv" : "send", static_cast<long long>(timeout_ms),
+                   c.error.c_str()));
+  }
+  const int64_t t =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(c.done.time_since_epoch()).count();
+  switch (ref.kind) {
+    case OpKind::kDescSend:
+    case OpKind::kStatusSend:
+      if (!ok) fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));
+      break;
+    case OpKind::kDescRecv:
+      if (!ok) {
+        fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));
+      } else if (c.bytes != kDescBytes) {
+        fail(r, KVXFER_ERR_CORRUPT,
+             strprintf("peer %d sent a %zu-byte descriptor", r->peer, c.bytes));
+      } else {
+        on_handshake(r);
+      }
+      break;
+    case OpKind::kStatusRecv: {
+      w.peer_status = true;
+      if (!ok) {
+        fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));
+        break;
+      }
+      kvxfer_result_t pr = KVXFER_SUCCESS;
+      std::string text;
+      const kvxfer_result_t rc = decode_status(w.status_in.data(), c.bytes, &pr, &text);
+      if (rc < 0) {
+        fail(r, rc, strprintf("peer %d: %s", r->peer, last_error()));
+      } else if (pr == KVXFER_ERR_CANCELLED) {
+        fail(r, pr,
+             strprintf("the peer cancelled the request: peer %d (%s): %s", r->peer,
+                       r->is_send ? "receiver" : "sender", text.c_str()));
+      } else if (pr != KVXFER_SUCCESS) {
+        fail(r, pr,
+             strprintf("peer %d (%s) failed: %s", r->peer, r->is_send ? "receiver" : "sender",
+                       text.c_str()));
+      } else {
+        w.peer_status_ok = true;
+        maybe_complete(r);
+      }
+      break;
+    }
+    case OpKind::kAnchor:
+    case OpKind::kResidual: {
+      const bool anchor = ref.kind == OpKind::kAnchor;
+      PageState& p = w.ps[ref.page];
+      if (!ok) {
+        if (anchor || !w.failed)
+          fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));
+        if (!anchor && p.staging) {
+          staging_used -= p.r_cap;
+          p.staging.reset();
+        }
+        break;
+      }
+      {
+        std::lock_guard<std::mutex> lk(r->mu);
+        r->arrivals.push_back({t, anchor ? 0 : 1, w.pages[ref.page].layer, c.bytes});
+        if (!r->is_send) (anchor ? r->anchor_wire_bytes : r->residual_wire_bytes) += c.bytes;
+      }
+      if (r->is_send) {
+        w.sends_done++;
+        if (anchor) {
+          w.anchor_sends_done++;
+          if (!w.failed && w.anchor_sends_done == static_cast<int64_t>(w.pages.size()))
+            publish(r, KVXFER_STAGE_ANCHOR_READY);
+        }
+        maybe_complete(r);
+        break;
+      }
+      // Receiver.  An empty page message is the sender giving up (protocol.h):
+      // its STATUS, already on the way, says why.
+      if (c.bytes == 0 && !w.failed) w.peer_gave_up = true;
+      if (w.failed || w.peer_gave_up) {
+        if (!anchor && p.staging) {
+          staging_used -= p.r_cap;
+          p.staging.reset();
+        }
+        break;
+      }
+      uint8_t* section = anchor ? w.astore.get() + p.a_off : p.staging.get();
+      if (c.bytes > 0 && g_corrupt_sections.load() > 0 && g_corrupt_sections.fetch_sub(1) > 0)
+        section[c.bytes / 2] ^= 0x5a;  // test seam: the checksum must catch this
+      if (anchor) {
+        p.a_len = c.bytes;
+        Job j;
+        j.req = r;
+        j.kind = w.mode == KVXFER_MODE_MONOLITHIC ? JobKind::kDecodeMono : JobKind::kDecodeAnchor;
+        j.page = ref.page;
+        j.ref = w.pages[ref.page];
+        j.a = section;
+        j.a_len = c.bytes;
+        queue_job(std::move(j));
+      } else {
+        p.r_len = c.bytes;
+        p.residual_arrived = true;
+        if (p.anchor_applied) queue_full(r, ref.page);
+      }
+      break;
+    }
+  }
+}
+
+void Engine::Impl::on_job_done(JobDone& d) {
+  const std::shared_ptr<Request>& r = d.req;
+  Work& w = *r->work;
+  w.jobs--;
+  PageState& p = w.ps[d.page];
+  if (d.kind == JobKind::kDecodeFull && p.staging) {
+    staging_used -= p.r_cap;
+    p.staging.reset();
+  }
+  if (d.skipped || w.failed) return;
+  if (d.rc < 0) {
+    fail(r, d.rc, d.error);
+    return;
+  }
+  const size_t layer = static_cast<size_t>(w.pages[d.page].layer);
+  switch (d.kind) {
+    case JobKind::kEncode: {
+      p.a_len = d.a_len;
+      p.r_len = d.r_len;
+      p.encoded = true;
+      {
+        std::lock_guard<std::mutex> lk(r->mu);
+        if (w.mode == KVXFER_MODE_MONOLITHIC) {
+          r->anchor_wire_bytes += d.a_len + d.r_len;
+        } else {
+          r->anchor_wire_bytes += d.a_len;
+          r->residual_wire_bytes += d.r_len;
+        }
+      }
+      sender_pump(r);
+      break;
+    }
+    case JobKind::kDecodeAnchor: {
+      p.anchor_applied = true;
+      w.anchors_remaining--;
+      anchors_unapplied--;
+      bool all;
+      {
+        std::lock_guard<std::mutex> lk(r->mu);
+        r->pages_anchor++;
+        r->layer_anchor[layer]++;
+        all = r->pages_anchor == r->num_pages;
+      }
+      r->cv.notify_all();
+      if (all) publish(r, KVXFER_STAGE_ANCHOR_READY);
+      if (p.residual_arrived) queue_full(r, d.page);
+      break;
+    }
+    case JobKind::kDecodeMono:
+    case JobKind::kDecodeFull: {
+      const bool mono = d.kind == JobKind::kDecodeMono;
+      bool all_anchor = false;
+      {
+        std::lock_guard<std::mutex> lk(r->mu);
+        if (mono) {
+          w.anchors_remaining--;
+          anchors_unapplied--;
+          r->pages_anchor++;
+          r->layer_anchor[layer]++;
+          all_anchor = r->pages_anchor == r->num_pages;
+        }
+        r->pages_complete++;
+        r->layer_complete[layer]++;
+      }
+      r->cv.notify_all();
+      if (all_anchor) publish(r, KVXFER_STAGE_ANCHOR_READY);
+      maybe_complete(r);
+      break;
+    }
+  }
+}
+
+void Engine::Impl::maybe_complete(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  if (w.failed || !w.handshake_ok || w.final_published) return;
+  const int64_t n = static_cast<int64_t>(w.pages.size());
+  if (r->is_send) {
+    const int64_t msgs = w.mode == KVXFER_MODE_PROGRESSIVE ? 2 * n : n;
+    if (w.sends_done < msgs || !w.peer_status_ok) return;
+    // STATUS first: the on_complete callback (run by publish) may abort the
+    // communicator, and the peer waits for this message.
+    send_status(r, KVXFER_SUCCESS, "");
+    publish(r, KVXFER_STAGE_COMPLETE);
+  } else {
+    int64_t complete;
+    {
+      std::lock_guard<std::mutex> lk(r->mu);
+      complete = r->pages_complete;
+    }
+    if (complete < n) return;
+    // STATUS first: the on_complete callback (run by publish) may abort the
+    // communicator, and the peer waits for this message.
+    send_status(r, KVXFER_SUCCESS, "");
+    publish(r, KVXFER_STAGE_COMPLETE);
+  }
+}
+
+void Engine::Impl::send_status(const std::shared_ptr<Request>& r, kvxfer_result_t code,
+                               const std::string& text) {
+  Work& w = *r->work;
+  if (w.status_sent || links_aborted) return;
+  w.status_sent = true;
+  w.status_out = encode_status(code, text);
+  if (post_link_send(r, TrafficClass::kAnchor, OpKind::kStatusSend, MsgKind::kStatus, 0,
+                     w.status_out.data(), w.status_out.size()))
+    comm->link(r->peer)->progress();  // hand it to the provider now: an abort may follow
+}
+
+void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
+                        const std::string& text) {
+  Work& w = *r->work;
+  if (w.failed || w.final_published) return;
+  w.failed = true;
+  w.fail_code = code < 0 ? code : KVXFER_ERR_INTERNAL;
+  w.fail_text = text;
+  w.cancel.store(true);
+  anchors_unapplied -= w.anchors_remaining;  // its anchors are no longer awaited
+  w.anchors_remaining = 0;
+  KVXFER_INFO(LOG_NET, "kvxfer_%s #%u with peer %d failed: %s", r->is_send ? "send" : "recv",
+              r->seq, r->peer, text.c_str());
+  send_status(r, w.fail_code, text);
+  // Keep the message sequence whole (protocol.h): the sender sends what is
+  // left as empty messages, the receiver drains its residual receives.  Page
+  // messages already given to the Link but not started go out empty too, so
+  // the peer hears of the failure after one message, not after the KV.
+  if (r->is_send) {
+    Link* l = comm->link(r->peer);
+    if (l != nullptr)
+      for (const auto& [op, ref] : ops[r->peer])
+        if (ref.req == r && (ref.kind == OpKind::kAnchor || ref.kind == OpKind::kResidual))
+          l->empty_unstarted_send(op);
+    sender_pump(r);
+  }
+  if (!r->is_send && w.handshake_ok && !w.in_residual_fifo && w.mode == KVXFER_MODE_PROGRESSIVE &&
+      w.next_residual_post < w.pages.size()) {
+    w.in_residual_fifo = true;
+    enqueue_residuals(r);
+  }
+}
+
+// kvxfer_request_cancel: the request fails like any other (fail), so every
+// stage is covered by the same path: the peer learns it from the STATUS, the
+// message sequence is kept whole (unsent pages go out empty, residuals are
+// drained), and its memory goes at finalise.
+void Engine::Impl::take_cancels() {
+  std::vector<std::shared_ptr<Request>> got;
+  {
+    std::lock_guard<std::mutex> lk(inbox->mu);
+    got.swap(inbox->requests);
+    inbox->pending.store(false);
+  }
+  std::vector<std::shared_ptr<Request>> later;
+  for (auto& r : got) {
+    if (!r->work->started) {  // posted, not yet taken from `submitted`: next round
+      later.push_back(r);
+      continue;
+    }
+    fail(r, KVXFER_ERR_CANCELLED,
+         strprintf("the kvxfer_%s was cancelled on rank %d (kvxfer_request_cancel)",
+                   r->is_send ? "send" : "recv", rank));
+  }
+  if (!later.empty()) {
+    std::lock_guard<std::mutex> lk(inbox->mu);
+    inbox->requests.insert(inbox->requests.end(), later.begin(), later.end());
+    inbox->pending.store(true);
+  }
+}
+
+void Engine::Impl::publish(const std::shared_ptr<Request>& r, kvxfer_stage_t stage) {
+  Work& w = *r->work;
+  kvxfer_callback_t cb = nullptr;
+  kvxfer_result_t result;
+  {
+    std::lock_guard<std::mutex> lk(r->mu);
+    if (r->stage == KVXFER_STAGE_ERROR || r->stage == KVXFER_STAGE_COMPLETE) return;
+    if (stage != KVXFER_STAGE_ERROR && stage <= r->stage) return;
+    const int64_t t = now_ns();
+    switch (stage) {
+      case KVXFER_STAGE_ANCHOR_READY: r->t_anchor_ready = t; break;
+      case KVXFER_STAGE_COMPLETE:
+        if (r->t_anchor_ready == 0) r->t_anchor_ready = t;
+        r->t_complete = t;
+        break;
+      case KVXFER_STAGE_ERROR:
+        r->t_error = t;
+        r->error = w.fail_text;
+        break;
+      default: break;
+    }
+    if (stage == KVXFER_STAGE_ERROR || stage == KVXFER_STAGE_COMPLETE) finalising.fetch_add(1);
+    r->stage = stage;
+    r->result = stage == KVXFER_STAGE_ERROR      ? w.fail_code
+                : stage == KVXFER_STAGE_COMPLETE ? KVXFER_SUCCESS
+                                                 : KVXFER_IN_PROGRESS;
+    result = r->result;
+    cb = stage == KVXFER_STAGE_ANCHOR_READY ? r->cfg.on_anchor_ready : r->cfg.on_complete;
+    if (cb != nullptr) r->callback_running = true;
+  }
+  if (stage == KVXFER_STAGE_ERROR || stage == KVXFER_STAGE_COMPLETE) {
+    w.final_published = true;  // `finalising` counted it above, before any waiter could see it
+  }
+  r->cv.notify_all();
+  if (cb != nullptr) {
+    cb(static_cast<kvxfer_request_t>(r->handle), stage, result, r->cfg.user_data);
+    {
+      std::lock_guard<std::mutex> lk(r->mu);
+      r->callback_running = false;
+    }
+    r->cv.notify_all();
+  }
+}
+
+void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  // An error becomes visible only once no codec job can touch the caller's
+  // blocks any more: after it, the caller may free them.
+  if (w.failed && !w.final_published && w.jobs == 0) publish(r, KVXFER_STAGE_ERROR);
+  if (!w.final_published || w.jobs > 0 || w.ops > 0 || w.held > 0 || w.in_residual_fifo) return;
+  if (!w.failed && !w.status_sent) return;
+  finalise(r);
+}
+
+void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  w.apin.reset();
+  w.rpin.reset();
+  w.astore.reset();
+  w.rstore.reset();
+  for (PageState& p : w.ps)
+    if (p.staging) {
+      staging_used -= p.r_cap;
+      p.staging.reset();
+    }
+  w.ps.clear();
+  w.ps.shrink_to_fit();
+  w.finalised = true;
+  finalising.fetch_sub(1);
+  {
+    std::lock_guard<std::mutex> lk(mu);  // it counted against KVXFER_MAX_REQUESTS until now
+    (r->is_send ? inflight_send : inflight_recv)[r->peer]--;
+  }
+  active.erase(std::remove(active.begin(), active.end(), r), active.end());
+}
+
+}  // namespace kvxfer::xfer
