@@ -151,6 +151,32 @@ if ! fig3 fig3 -b "$fig3_size" -e "$fig3_size" -m lynx,int8 -R 16 -w 1 -n 3 --ti
   fig3 fig3-small -L 2 -b 1M -e 1M -m lynx,int8 -R 16 -w 1 -n 3 --timeout_ms 10000
 fi
 echo
+
+# ---- 4. -r 10gbit / 25gbit: Lynx against the link's own time -------------------
+echo "## 4. Rates 10gbit and 25gbit, 64 MiB: Lynx 4+4 against the link alone, INT8 and BF16 monolithic"
+echo "  bound: t <= 1.15 x (wire bytes / rate) + 2 ms, for t_anchor (anchor bytes) and t_complete (all bytes)"
+for rate in 10gbit 25gbit; do
+  if run "fig4-$rate" -b 64M -e 64M -m lynx,int8,bf16 -r "$rate" -w 1 -n 3; then
+    json "$out/fig4-$rate.json" '"\n".join(
+      (lambda bps: "    %-4s %-4s t_anchor %7.1f ms (bound %7.1f, %s)  t_complete %7.1f ms (bound %7.1f, %s)" % (
+        r["codec"], r["mode"],
+        r["t_anchor"]["median_us"] / 1e3, 1.15 * r["anchor_wire_bytes"] / bps * 1e3 + 2,
+        "met" if r["t_anchor"]["median_us"] / 1e3 <= 1.15 * r["anchor_wire_bytes"] / bps * 1e3 + 2 else "MISSED",
+        r["t_complete"]["median_us"] / 1e3, 1.15 * r["wire_bytes"] / bps * 1e3 + 2,
+        "met" if r["t_complete"]["median_us"] / 1e3 <= 1.15 * r["wire_bytes"] / bps * 1e3 + 2 else "MISSED"))(
+        {"10gbit": 10e9 / 8, "25gbit": 25e9 / 8}["'"$rate"'"])
+      for r in j["rows"])'
+    json "$out/fig4-$rate.json" '(lambda t: "    t_anchor(lynx) / t_complete(int8) = %.3f, / t_complete(bf16) = %.3f" % (t[("lynx","a")] / t[("int8","c")], t[("lynx","a")] / t[("bf16","c")]))({(r["codec"], k[2]): r[k]["median_us"] for r in j["rows"] for k in ("t_anchor", "t_complete")})'
+  fi
+done
+echo
+
+# ---- 5. unlimited: Lynx against BF16 monolithic ---------------------------------
+echo "## 5. Unlimited rate, 64 MiB: t_complete(Lynx) against t_complete(BF16 monolithic)"
+if run fig5 -b 64M -e 64M -m lynx,bf16 -w 1 -n 5; then
+  json "$out/fig5.json" '(lambda t: "  t_complete: lynx %.1f ms, bf16 %.1f ms, ratio %.3f (target <= 1)" % (t["lynx"] / 1e3, t["bf16"] / 1e3, t["lynx"] / t["bf16"]))({r["codec"]: r["t_complete"]["median_us"] for r in j["rows"]})'
+fi
+echo
 if ((status == 0)); then
   echo "# all runs completed, #wrong = 0"
 else
