@@ -956,7 +956,8 @@ int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed
 }
 
 // 64 requests in flight at once, each with its own KV; every one bit-exact.
-TEST(Xfer, SixtyFourConcurrentRequests) {
+void sixty_four_concurrent_requests(int codec_workers) {
+  xfer::testing_codec_workers(codec_workers);  // this process and (forked after) the child
   constexpr int kN = 64;
   Shape s;
   s.L = 2;
@@ -990,7 +991,13 @@ TEST(Xfer, SixtyFourConcurrentRequests) {
     EXPECT_EQ(kvxfer_request_free(reqs[i]), KVXFER_SUCCESS);
   }
   finish(&pair, comm);
+  xfer::testing_codec_workers(0);
 }
+
+TEST(Xfer, SixtyFourConcurrentRequests) { sixty_four_concurrent_requests(0); }
+// Four codec threads on each side: pages of many requests encoded and
+// decoded at once (the default on an 8-CPU machine), still bit-exact.
+TEST(Xfer, SixtyFourConcurrentRequestsOnFourCodecThreads) { sixty_four_concurrent_requests(4); }
 
 // Figure 3 of the issue as a test: with 16 requests in flight on a shaped
 // link, no residual is applied while any handshaken request still waits for

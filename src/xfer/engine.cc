@@ -9,9 +9,11 @@ namespace kvxfer::xfer {
 
 std::atomic<int> g_corrupt_sections{0};
 std::atomic<bool> g_pause_residuals{false};
+std::atomic<int> g_codec_workers{0};
 
 void testing_corrupt_next_sections(int count) { g_corrupt_sections.store(count); }
 void testing_pause_residuals(bool paused) { g_pause_residuals.store(paused); }
+void testing_codec_workers(int n) { g_codec_workers.store(n); }
 
 /**
  * Codec worker threads of an engine: KVXFER_CODEC_THREADS when set, else
@@ -21,6 +23,7 @@ void testing_pause_residuals(bool paused) { g_pause_residuals.store(paused); }
  * on a small machine (docs/PERFORMANCE.md, "Where the engine's time goes").
  */
 int codec_workers() {
+  if (const int n = g_codec_workers.load(); n > 0) return n;
   const int64_t p = params::CodecThreads();
   if (p > 0) return static_cast<int>(std::min<int64_t>(p, 64));
   cpu_set_t set;

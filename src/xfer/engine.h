@@ -182,6 +182,10 @@ class Engine {
  *  test can read the blocks at exactly anchor precision. */
 void testing_pause_residuals(bool paused);
 
+/** Test seam: engines created from now on run `n` codec threads (0: the
+ *  default rule, KVXFER_CODEC_THREADS or half the CPUs). */
+void testing_codec_workers(int n);
+
 /** Test seam: the next `count` page sections this process receives get one
  *  byte flipped before decoding (tests/xfer_test.cc, corruption cases). */
 void testing_corrupt_next_sections(int count);

@@ -41,6 +41,7 @@ using transport::TrafficClass;
 // Test seams (engine.h): set by tests, read by the progress thread.
 extern std::atomic<int> g_corrupt_sections;
 extern std::atomic<bool> g_pause_residuals;
+extern std::atomic<int> g_codec_workers;
 
 inline const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V"; }
 
