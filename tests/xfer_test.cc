@@ -874,7 +874,32 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   void* two = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(two, MAP_FAILED);
   ASSERT_EQ(munmap(static_cast<uint8_t*>(two) + page, page), 0);
-  expect_bad_blocks(static_cast<uint8_t*>(two) + page - 64, "last byte");
+  expect_bad_blocks(static_cast<uint8_t*>(two) + page - 64, "its middle byte");
+  // First and last byte mapped, a page between them not (a block of 16 rows of
+  // 16 bf16 elements is 512 bytes, so this needs a larger block: 64 KiB rows).
+  {
+    PagedKV wide(2, 8, 4096, 40, 16);  // 32768 channels: 64 KiB rows, 1 MiB blocks
+    const size_t wide_block = static_cast<size_t>(16) * wide.stride * 2;
+    void* holed =
+        mmap(nullptr, wide_block, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(holed, MAP_FAILED);
+    ASSERT_EQ(munmap(static_cast<uint8_t*>(holed) + 4 * page, page), 0);
+    std::vector<void*> t = wide.k;
+    t[1] = holed;
+    kvxfer_kv_desc_t wd = wide.desc;
+    wd.k_blocks = t.data();
+    for (bool recv : {false, true}) {
+      const kvxfer_result_t rc = recv ? kvxfer_recv(comm, 1, &wd, nullptr, &req)
+                                      : kvxfer_send(comm, 1, &wd, nullptr, nullptr, &req);
+      EXPECT_EQ(rc, KVXFER_ERR_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(kvxfer_get_last_error()).find("layer 0 K block 1"), std::string::npos)
+          << kvxfer_get_last_error();
+      EXPECT_NE(std::string(kvxfer_get_last_error()).find("its middle byte"), std::string::npos)
+          << kvxfer_get_last_error();
+      EXPECT_EQ(req, nullptr);
+    }
+    munmap(holed, wide_block);
+  }
   d = kv.desc;
   d.k_blocks = reinterpret_cast<void* const*>(0x10);  // crashed inside kvxfer_send before
   expect_bad(d, "k_blocks (0x10): entries [0, 3) of layer 0 are not readable memory");

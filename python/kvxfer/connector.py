@@ -259,6 +259,7 @@ class _Transfer:
         self._info = None  # RequestInfo kept when the request is freed
         self._submitted = False
         self._cancelled = False
+        self._placeholder = False
 
     @property
     def tag(self):
@@ -323,18 +324,49 @@ class _Transfer:
 
     def cancel(self):
         """Drops this transfer (a client disconnected, the scheduler preempted
-        it): poll() becomes Failed here, and on the peer once its match is
-        posted.  A transfer already given to the manager is posted first and
-        then cancelled, so that the peer's requests keep matching in order.
-        Before init()/send() completes nothing was posted: only this side
-        fails, and the peer must drop its side too."""
+        it): poll() becomes Failed (ERR_CANCELLED) here, and on the peer.
+
+        Requests of a pair match in the order they are posted, so every
+        transfer (room) posts exactly one request, cancelled or not: one not
+        posted yet (before init() or before send() gave every page) posts a
+        placeholder of zero tokens and cancels it.  The peer must create and
+        init() or cancel() the same room on its side."""
         self._cancelled = True
         req = self.request
         if req is not None:
             req.cancel()
-        elif not self._submitted and self._error is None:
-            self._fail(RuntimeError("the transfer of room %d was cancelled before it was "
-                                    "posted" % self.room))
+        elif not self._submitted:
+            self._submitted = True
+            self._placeholder = True
+            self.mgr._submit(self)
+
+    def _post_placeholder(self, comm):
+        """A zero-token request of this room, cancelled at once: keeps the
+        pair's order when this side has nothing to post (cancel, or a post
+        that failed here)."""
+        desc = self.mgr.args.descriptor([], 0)
+        if self._is_send:
+            req = comm.send(self.peer, desc, self.mgr.codec, tag=self.tag, mode=self.mgr.mode,
+                            page_tokens=self.mgr.page_tokens)
+        else:
+            req = comm.recv(self.peer, desc, tag=self.tag)
+        req.cancel()
+        return req
+
+    def _post(self, comm):
+        try:
+            if self._placeholder:
+                self.request = self._post_placeholder(comm)
+                return
+            self.request = self._post_real(comm)
+            if self._cancelled:
+                self.request.cancel()
+        except (KvxferError, ValueError, TypeError, RuntimeError) as e:
+            self._fail(e)
+            try:  # the peer still expects this room (dropped: freed once final)
+                self._post_placeholder(comm)
+            except (KvxferError, ValueError, TypeError, RuntimeError):
+                pass
 
 
 class KVSender(_Transfer):
@@ -367,15 +399,12 @@ class KVSender(_Transfer):
             self._submitted = True
             self.mgr._submit(self)
 
-    def _post(self, comm):
-        try:
-            desc = self.mgr.args.descriptor(self.pages, self.num_tokens)
-            self.request = comm.send(self.peer, desc, self.mgr.codec, tag=self.tag,
-                                     mode=self.mgr.mode, page_tokens=self.mgr.page_tokens)
-            if self._cancelled:
-                self.request.cancel()
-        except (KvxferError, ValueError, TypeError, RuntimeError) as e:
-            self._fail(e)
+    _is_send = True
+
+    def _post_real(self, comm):
+        desc = self.mgr.args.descriptor(self.pages, self.num_tokens)
+        return comm.send(self.peer, desc, self.mgr.codec, tag=self.tag, mode=self.mgr.mode,
+                         page_tokens=self.mgr.page_tokens)
 
 
 class KVReceiver(_Transfer):
@@ -397,14 +426,11 @@ class KVReceiver(_Transfer):
         self._submitted = True
         self.mgr._submit(self)
 
-    def _post(self, comm):
-        try:
-            desc = self.mgr.args.descriptor(self.pages, self.num_tokens)
-            self.request = comm.recv(self.peer, desc, tag=self.tag)
-            if self._cancelled:
-                self.request.cancel()
-        except (KvxferError, ValueError, TypeError, RuntimeError) as e:
-            self._fail(e)
+    _is_send = False
+
+    def _post_real(self, comm):
+        desc = self.mgr.args.descriptor(self.pages, self.num_tokens)
+        return comm.recv(self.peer, desc, tag=self.tag)
 
     def layer_state(self, layer):
         """Stage of one layer (layer-pipelined decode): Stage.ANCHOR_READY once

@@ -130,11 +130,47 @@ def role_connector(spec, uid):
         mgr.close()
 
 
+def role_connector_cancel_first(spec, uid):
+    """Room `room` is cancelled before its pages are given (nothing to post
+    but the placeholder); room `room` + 1 is sent normally."""
+    pool = kvdata.Pool(**spec["pool"])
+    pool.fill_pages(spec["pages"], spec["seed"])
+    mgr = connector.KVManager(pool.args(), connector.Role.PREFILL, uid, rank=1, peer=0,
+                              timeout_ms=spec.get("timeout_ms", 20000),
+                              bind_address="127.0.0.1",
+                              codec=kvxfer.CodecConfig(codec="bf16"))
+    import time
+    try:
+        first = connector.KVSender(mgr, bootstrap_room=spec["room"])
+        first.init(len(spec["pages"]))
+        first.cancel()  # before send(): nothing real to post
+        second = connector.KVSender(mgr, bootstrap_room=spec["room"] + 1)
+        second.init(len(spec["pages"]))
+        second.send(spec["pages"])
+        out = {}
+        deadline = time.monotonic() + 60
+        for name, t in (("first", first), ("second", second)):
+            while t.poll() not in (connector.KVPoll.Success, connector.KVPoll.Failed):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)
+            out[name] = t.poll().name
+            if t.poll() == connector.KVPoll.Failed:
+                try:
+                    t.failure_exception()
+                except kvxfer.KvxferError as e:
+                    out[name + "_error"] = err_dict(e)
+        return out
+    finally:
+        mgr.close()
+
+
 def main():
     spec = json.loads(sys.argv[1])
     uid = UniqueId.from_hex(spec["uid"])
     out = {"send": role_send, "send_many": role_send_many, "idle": role_idle, "init": role_init,
-           "connector": role_connector}[spec["role"]](spec, uid)
+           "connector": role_connector,
+           "connector_cancel_first": role_connector_cancel_first}[spec["role"]](spec, uid)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -122,14 +122,34 @@ def test_cancelled_receiver_fails_both_sides(spawn_peer):
     assert rep["states"][-1] == "Failed", rep
     assert rep["error"]["code"] == kvxfer.Result.ERR_CANCELLED, rep
     assert "the peer cancelled the request" in rep["error"]["message"], rep
-    # Never posted: only this side fails.
-    with connector.KVManager(pool.args(), "decode", kvxfer.UniqueId.create(), rank=0, peer=1,
-                             timeout_ms=1000, bind_address="127.0.0.1") as lone:
-        early = connector.KVReceiver(lone, bootstrap_room=9)
-        early.cancel()
-        assert early.poll() == KVPoll.Failed
-        with pytest.raises(RuntimeError, match="cancelled before it was posted"):
-            early.failure_exception()
+
+
+def test_cancel_before_the_pages_keeps_the_pair_in_order(spawn_peer):
+    # The prefill side cancels room 3 before send(): it posts a cancelled
+    # zero-token placeholder, so the decode side's room 3 fails and room 4,
+    # sent normally, is matched with room 4 and arrives exactly.
+    pages = [0, 1, 2]
+    uid = kvxfer.UniqueId.create()
+    peer = spawn_peer(role="connector_cancel_first", uid=uid, room=3, seed=6, pages=pages,
+                      pool=POOL)
+    pool = kvdata.Pool(**POOL)
+    with connector.KVManager(pool.args(), "decode", uid, rank=0, peer=1, timeout_ms=10000,
+                             bind_address="127.0.0.1") as mgr:
+        first = connector.KVReceiver(mgr, bootstrap_room=3)
+        first.init([5, 6, 7])
+        assert poll_until_final(first)[-1] == KVPoll.Failed
+        with pytest.raises(kvxfer.KvxferError):
+            first.failure_exception()
+        second = connector.KVReceiver(mgr, bootstrap_room=4)
+        second.init([8, 9, 10])
+        assert poll_until_final(second)[-1] == KVPoll.Success, second.failure_exception()
+    rep = peer.result()
+    assert rep["first"] == "Failed" and rep["first_error"]["code"] == kvxfer.Result.ERR_CANCELLED
+    assert rep["second"] == "Success", rep
+    src = kvdata.Pool(**POOL).fill_pages(pages, 6)
+    for layer in range(POOL["L"]):
+        for kind in (kvxfer.KVKind.KEY, kvxfer.KVKind.VALUE):
+            assert pool.rows([8, 9, 10], layer, kind) == src.rows(pages, layer, kind)
 
 
 def test_kvargs_from_sglang_and_bootstrap_failure():

@@ -188,7 +188,7 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
   const size_t row = static_cast<size_t>(o.row_stride) * es;
   const int64_t last_rows = d.num_tokens - (o.blocks_used - 1) * int64_t{d.block_size};
   std::vector<uint8_t*> addr;
-  std::vector<std::pair<kvxfer_kv_kind_t, size_t>> where;  // (kind, table index) of addr[2i]
+  std::vector<std::pair<kvxfer_kv_kind_t, size_t>> where;  // (kind, table index) of addr[i]
   for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
     const std::vector<void*>& t = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
     for (size_t i = 0; i < t.size(); ++i) {
@@ -198,10 +198,20 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                      "%slayer %zu %s block %zu at %p is not aligned to its %zu-byte %s elements", p,
                      l, kind_name(k), b, t[i], es, dtype_name(d.dtype));
       if (d.device >= 0 || access == KvAccess::kNone) continue;
+      // Its first byte, one byte in every further page, and its last byte:
+      // a block with an unmapped page in the middle fails here too.
       const size_t rows = b + 1 == used ? static_cast<size_t>(last_rows) : d.block_size;
       uint8_t* base = static_cast<uint8_t*>(t[i]);
+      uint8_t* last = base + (rows - 1) * row + static_cast<size_t>(H) * es - 1;
       addr.push_back(base);
-      addr.push_back(base + (rows - 1) * row + static_cast<size_t>(H) * es - 1);
+      where.emplace_back(k, i);
+      const uintptr_t page = 4096;
+      for (uintptr_t a = (reinterpret_cast<uintptr_t>(base) / page + 1) * page;
+           a < reinterpret_cast<uintptr_t>(last); a += page) {
+        addr.push_back(reinterpret_cast<uint8_t*>(a));
+        where.emplace_back(k, i);
+      }
+      addr.push_back(last);
       where.emplace_back(k, i);
     }
   }
@@ -214,12 +224,17 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
       how = "writable";
     }
     if (ok < addr.size()) {
-      const auto [k, i] = where[ok / 2];
+      const auto [k, i] = where[ok];
+      const bool first = ok == 0 || where[ok - 1] != where[ok];
+      const bool last = ok + 1 == addr.size() || where[ok + 1] != where[ok];
       return set_error(KVXFER_ERR_INVALID_ARGUMENT,
                        "%slayer %zu %s block %zu at %p: its %s byte (%p) is not %s memory", p,
                        i / used, kind_name(k), i % used,
                        k == KVXFER_KV_KEY ? o.k_blocks[i] : o.v_blocks[i],
-                       ok % 2 == 0 ? "first" : "last", static_cast<void*>(addr[ok]), how);
+                       first  ? "first"
+                       : last ? "last"
+                              : "middle",
+                       static_cast<void*>(addr[ok]), how);
     }
   }
   *out = std::move(o);

@@ -798,7 +798,15 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
   Op* op = ctx->op;
   const int c = idx(ctx->cls);
   posted_recvs_[c]--;
-  if (ev.err != 0 && !(ev.err == FI_ECANCELED && op->cancelling)) {
+  if (ev.err == FI_ECANCELED && !op->cancelling) {
+    // Not ours: rxm flushes the receives of a connection the peer closed.
+    fail_recv(op, KVXFER_ERR_SYSTEM,
+              strprintf("receive of tag %" PRIu64 " chunk %u on the %s endpoint was flushed by "
+                        "the provider: the connection to the peer is gone (the peer exited, was "
+                        "killed or destroyed its communicator)",
+                        op->tag, ctx->index, class_name(ctx->cls)),
+              now);
+  } else if (ev.err != 0 && !(ev.err == FI_ECANCELED && op->cancelling)) {
     fail_recv(op, ev.err == FI_ETRUNC ? KVXFER_ERR_TRUNCATED : KVXFER_ERR_SYSTEM,
               strprintf("receive of tag %" PRIu64 " chunk %u on the %s endpoint failed: %s",
                         op->tag, ctx->index, class_name(ctx->cls), fi_strerror(ev.err)),
