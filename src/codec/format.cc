@@ -59,6 +59,17 @@ uint64_t ceil_div8(uint64_t bits) { return (bits + 7) / 8; }
 
 size_t dtype_size(kvxfer_dtype_t dtype) { return dtype == KVXFER_DTYPE_FP32 ? 4 : 2; }
 
+const char* dtype_name(kvxfer_dtype_t dtype) {
+  switch (dtype) {
+    case KVXFER_DTYPE_BF16: return "bf16";
+    case KVXFER_DTYPE_FP16: return "fp16";
+    case KVXFER_DTYPE_FP32: return "fp32";
+  }
+  return "?";
+}
+
+const char* kv_kind_name(kvxfer_kv_kind_t kind) { return kind == KVXFER_KV_KEY ? "K" : "V"; }
+
 PayloadSizes payload_sizes(const PageHeader& h) {
   PayloadSizes s;
   const uint64_t n = h.num_tokens * h.num_channels;

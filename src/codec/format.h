@@ -119,6 +119,10 @@ PayloadSizes payload_sizes(const PageHeader& h);
 
 /** Bytes of one element of `dtype` (2 or 4). */
 size_t dtype_size(kvxfer_dtype_t dtype);
+/** "bf16", "fp16", "fp32" ("?" for another value), for messages. */
+const char* dtype_name(kvxfer_dtype_t dtype);
+/** "K" or "V", for messages. */
+const char* kv_kind_name(kvxfer_kv_kind_t kind);
 
 /** Serialises `h` into 80 bytes at `out`. */
 void write_header(const PageHeader& h, uint8_t* out);

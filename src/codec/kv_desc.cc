@@ -8,6 +8,7 @@
 #include <cinttypes>
 #include <cstring>
 
+#include "codec/format.h"
 #include "codec/page.h"
 #include "common/error.h"
 
@@ -15,11 +16,6 @@ namespace kvxfer::codec {
 namespace {
 
 constexpr size_t kBatch = 1024;  // IOV_MAX: iovecs per process_vm_* call
-
-const char* dtype_name(kvxfer_dtype_t d) {
-  return d == KVXFER_DTYPE_BF16 ? "bf16" : d == KVXFER_DTYPE_FP16 ? "fp16" : "fp32";
-}
-const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V"; }
 
 /**
  * Memory access that reports EFAULT instead of faulting.  process_vm_readv /
@@ -193,10 +189,10 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
     const std::vector<void*>& t = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
     for (size_t i = 0; i < t.size(); ++i) {
       const size_t l = i / used, b = i % used;
-      KVXFER_REQUIRE(t[i] != nullptr, "%slayer %zu %s block %zu is NULL", p, l, kind_name(k), b);
+      KVXFER_REQUIRE(t[i] != nullptr, "%slayer %zu %s block %zu is NULL", p, l, kv_kind_name(k), b);
       KVXFER_REQUIRE(reinterpret_cast<uintptr_t>(t[i]) % es == 0,
                      "%slayer %zu %s block %zu at %p is not aligned to its %zu-byte %s elements", p,
-                     l, kind_name(k), b, t[i], es, dtype_name(d.dtype));
+                     l, kv_kind_name(k), b, t[i], es, dtype_name(d.dtype));
       if (d.device >= 0 || access == KvAccess::kNone) continue;
       // Its first byte, one byte in every further page, and its last byte:
       // a block with an unmapped page in the middle fails here too.
@@ -229,7 +225,7 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
       const bool last = ok + 1 == addr.size() || where[ok + 1] != where[ok];
       return set_error(KVXFER_ERR_INVALID_ARGUMENT,
                        "%slayer %zu %s block %zu at %p: its %s byte (%p) is not %s memory", p,
-                       i / used, kind_name(k), i % used,
+                       i / used, kv_kind_name(k), i % used,
                        k == KVXFER_KV_KEY ? o.k_blocks[i] : o.v_blocks[i],
                        first  ? "first"
                        : last ? "last"

@@ -108,8 +108,6 @@ struct Scratch {
   ~Scratch() { cuda::free_scratch(&s); }
 };
 
-const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V"; }
-
 // ---- per-op state -------------------------------------------------------------
 struct OpState {
   kvxfer_nccl_op_t* op = nullptr;
@@ -572,10 +570,10 @@ void Call::decode_pages(OpState& s, bool full, cudaStream_t stream) {
     const kvxfer_result_t r = cuda::decode_page_device(
         s.hanc.p + s.aoff[i], s.alen[i], res, res ? s.rlen[i] : 0, &id, &l, s.scratch.s, stream);
     if (r < 0)
-      mark_failed(
-          s, r,
-          strprintf("page of layer %d %s, tokens [%" PRId64 ", %" PRId64 "): %s", p.layer,
-                    kind_name(p.kind), p.token_begin, p.token_begin + p.num_tokens, last_error()));
+      mark_failed(s, r,
+                  strprintf("page of layer %d %s, tokens [%" PRId64 ", %" PRId64 "): %s", p.layer,
+                            codec::kv_kind_name(p.kind), p.token_begin,
+                            p.token_begin + p.num_tokens, last_error()));
   }
 }
 
@@ -849,7 +847,8 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
         const kvxfer_result_t v =
             cuda::validate_device_layout(&pl, op->is_send ? "source" : "destination");
         if (v < 0)
-          return set_error(v, "op %d: layer %d %s: %s", index, l, kind_name(k), last_error());
+          return set_error(v, "op %d: layer %d %s: %s", index, l, codec::kv_kind_name(k),
+                           last_error());
       }
   }
   if (op->is_send) {

@@ -43,8 +43,6 @@ extern std::atomic<int> g_corrupt_sections;
 extern std::atomic<bool> g_pause_residuals;
 extern std::atomic<int> g_codec_workers;
 
-inline const char* kind_name(kvxfer_kv_kind_t k) { return k == KVXFER_KV_KEY ? "K" : "V"; }
-
 /** Codec worker threads of an engine (engine.cc). */
 int codec_workers();
 
@@ -191,7 +189,7 @@ inline kvxfer_page_id_t page_id(const Request& r, const PageRef& ref) {
 
 inline std::string page_name(const PageRef& p) {
   return strprintf("page of layer %d %s, tokens [%" PRId64 ", %" PRId64 ")", p.layer,
-                   kind_name(p.kind), p.token_begin, p.token_begin + p.num_tokens);
+                   codec::kv_kind_name(p.kind), p.token_begin, p.token_begin + p.num_tokens);
 }
 
 struct Engine::Impl {

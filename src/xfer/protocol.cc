@@ -4,6 +4,7 @@
 #include <cinttypes>
 #include <cstring>
 
+#include "codec/format.h"
 #include "common/error.h"
 
 namespace kvxfer::xfer {
@@ -26,15 +27,6 @@ T get(const uint8_t*& p) {
 }
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the wire format is little-endian");
-
-const char* dtype_name(kvxfer_dtype_t d) {
-  switch (d) {
-    case KVXFER_DTYPE_BF16: return "bf16";
-    case KVXFER_DTYPE_FP16: return "fp16";
-    case KVXFER_DTYPE_FP32: return "fp32";
-  }
-  return "?";
-}
 
 }  // namespace
 
@@ -143,7 +135,7 @@ kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer) {
   if (s.dtype != r.dtype)
     return set_error(KVXFER_ERR_MISMATCH,
                      "descriptor mismatch: dtype is %s on the sender and %s on the receiver",
-                     dtype_name(s.dtype), dtype_name(r.dtype));
+                     codec::dtype_name(s.dtype), codec::dtype_name(r.dtype));
   if (s.codec.codec == KVXFER_CODEC_SPECTRUM && r.on_device && s.num_tokens > 0)
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "the sender's codec is SPECTRUM, which has no GPU decoder, and the "
