@@ -874,7 +874,7 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   void* two = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(two, MAP_FAILED);
   ASSERT_EQ(munmap(static_cast<uint8_t*>(two) + page, page), 0);
-  expect_bad_blocks(static_cast<uint8_t*>(two) + page - 64, "its middle byte");
+  expect_bad_blocks(static_cast<uint8_t*>(two) + page - 64, "its last byte");
   // First and last byte mapped, a page between them not (a block of 16 rows of
   // 16 bf16 elements is 512 bytes, so this needs a larger block: 64 KiB rows).
   {

@@ -564,7 +564,9 @@ typedef struct {
  * 2^62 bytes); the block tables readable; every block a token lives in
  * non-NULL and aligned to the element size; in host memory, its first and
  * last used byte readable (send) or writable (recv), probed with
- * process_vm_readv/writev so that a bad pointer is an error, never a crash.
+ * process_vm_readv/writev, and every page between them mapped (mincore), so
+ * that a bad pointer is an error, never a crash.  A page between them that is
+ * mapped but protected (PROT_NONE; read-only, for recv) is not detected.
  * Errors (nothing is sent): KVXFER_ERR_INVALID_ARGUMENT (a NULL, a bad
  * descriptor, codec or peer; the message names the field), or
  * KVXFER_ERR_INVALID_USAGE (communicator aborted,

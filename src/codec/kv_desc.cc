@@ -1,9 +1,11 @@
 #include "codec/kv_desc.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstring>
@@ -180,10 +182,16 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                      l * static_cast<size_t>(d.num_blocks) + used, l);
   }
   // Every block a token lives in: present, aligned, and (host memory) its
-  // first and last used byte accessible.
+  // first and last used byte accessible, with every page between them mapped.
+  // The two bytes go through process_vm_readv/writev (batched calls); the
+  // pages between through mincore(2), which walks the page tables without
+  // pinning them.  A one-byte probe of every page took 17-22 ms (send) and
+  // 32-40 ms (recv) for 64 MiB of KV in 4096 blocks; this takes 9 and 11-13 ms.
+  // A page between them that is mapped but protected (PROT_NONE, or
+  // read-only for a receiver) is not caught.
   const size_t row = static_cast<size_t>(o.row_stride) * es;
   const int64_t last_rows = d.num_tokens - (o.blocks_used - 1) * int64_t{d.block_size};
-  std::vector<uint8_t*> addr;
+  std::vector<uint8_t*> addr;                              // first, last byte of each block
   std::vector<std::pair<kvxfer_kv_kind_t, size_t>> where;  // (kind, table index) of addr[i]
   for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
     const std::vector<void*>& t = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
@@ -194,23 +202,24 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                      "%slayer %zu %s block %zu at %p is not aligned to its %zu-byte %s elements", p,
                      l, kv_kind_name(k), b, t[i], es, dtype_name(d.dtype));
       if (d.device >= 0 || access == KvAccess::kNone) continue;
-      // Its first byte, one byte in every further page, and its last byte:
-      // a block with an unmapped page in the middle fails here too.
       const size_t rows = b + 1 == used ? static_cast<size_t>(last_rows) : d.block_size;
       uint8_t* base = static_cast<uint8_t*>(t[i]);
-      uint8_t* last = base + (rows - 1) * row + static_cast<size_t>(H) * es - 1;
       addr.push_back(base);
+      addr.push_back(base + (rows - 1) * row + static_cast<size_t>(H) * es - 1);
       where.emplace_back(k, i);
-      const uintptr_t page = 4096;
-      for (uintptr_t a = (reinterpret_cast<uintptr_t>(base) / page + 1) * page;
-           a < reinterpret_cast<uintptr_t>(last); a += page) {
-        addr.push_back(reinterpret_cast<uint8_t*>(a));
-        where.emplace_back(k, i);
-      }
-      addr.push_back(last);
       where.emplace_back(k, i);
     }
   }
+  auto block_at = [&](size_t j) {
+    const auto [k, i] = where[j];
+    return k == KVXFER_KV_KEY ? o.k_blocks[i] : o.v_blocks[i];
+  };
+  auto bad_block = [&](size_t j, const char* which, const void* at, const char* how) {
+    const auto [k, i] = where[j];
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                     "%slayer %zu %s block %zu at %p: its %s byte (%p) is not %s memory", p,
+                     i / used, kv_kind_name(k), i % used, block_at(j), which, at, how);
+  };
   if (!addr.empty()) {
     std::vector<uint8_t> val;
     size_t ok = probe.read_bytes(addr, &val);
@@ -219,18 +228,32 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
       ok = probe.write_bytes(addr, &val);  // the bytes just read, written back
       how = "writable";
     }
-    if (ok < addr.size()) {
-      const auto [k, i] = where[ok];
-      const bool first = ok == 0 || where[ok - 1] != where[ok];
-      const bool last = ok + 1 == addr.size() || where[ok + 1] != where[ok];
-      return set_error(KVXFER_ERR_INVALID_ARGUMENT,
-                       "%slayer %zu %s block %zu at %p: its %s byte (%p) is not %s memory", p,
-                       i / used, kv_kind_name(k), i % used,
-                       k == KVXFER_KV_KEY ? o.k_blocks[i] : o.v_blocks[i],
-                       first  ? "first"
-                       : last ? "last"
-                              : "middle",
-                       static_cast<void*>(addr[ok]), how);
+    if (ok < addr.size()) return bad_block(ok, ok % 2 == 0 ? "first" : "last", addr[ok], how);
+    // The pages strictly between each block's first and last byte, as a few
+    // merged ranges (blocks of one pool are adjacent).
+    const uintptr_t pg = 4096;
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;  // [begin, end) page-aligned
+    for (size_t j = 0; j < addr.size(); j += 2) {
+      const uintptr_t a = (reinterpret_cast<uintptr_t>(addr[j]) / pg + 1) * pg;
+      const uintptr_t e = reinterpret_cast<uintptr_t>(addr[j + 1]) / pg * pg;
+      if (a < e) ranges.emplace_back(a, e);
+    }
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<unsigned char> vec;
+    for (size_t q = 0; q < ranges.size();) {
+      uintptr_t a = ranges[q].first, e = ranges[q].second;
+      for (++q; q < ranges.size() && ranges[q].first <= e; ++q) e = std::max(e, ranges[q].second);
+      vec.resize(std::max(vec.size(), static_cast<size_t>((e - a) / pg)));
+      if (mincore(reinterpret_cast<void*>(a), e - a, vec.data()) == 0 || errno != ENOMEM) continue;
+      // Unmapped somewhere in [a, e): find the block and the page.
+      for (size_t j = 0; j < addr.size(); j += 2) {
+        const uintptr_t ba = (reinterpret_cast<uintptr_t>(addr[j]) / pg + 1) * pg;
+        const uintptr_t be = reinterpret_cast<uintptr_t>(addr[j + 1]) / pg * pg;
+        if (be <= a || ba >= e) continue;
+        for (uintptr_t x = ba; x < be; x += pg)
+          if (mincore(reinterpret_cast<void*>(x), pg, vec.data()) != 0 && errno == ENOMEM)
+            return bad_block(j, "middle", reinterpret_cast<void*>(x), "mapped");
+      }
     }
   }
   *out = std::move(o);
