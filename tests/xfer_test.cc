@@ -1633,15 +1633,25 @@ TEST(XferDetect, DestroyedSenderAt1gbit) { detection_case(false, "1gbit", Loss::
 // Memory: a live communicator with one peer holds at most 32 MB of resident
 // memory (docs/TRANSPORT.md, "Memory"), before and after a transfer.
 // ---------------------------------------------------------------------------
-int64_t vm_rss_kb() {
+int64_t vm_status_kb(const char* field) {
   FILE* f = std::fopen("/proc/self/status", "r");
   if (f == nullptr) return -1;
   char line[256];
   int64_t kb = -1;
+  const std::string fmt = std::string(field) + ": %" SCNd64;
   while (std::fgets(line, sizeof(line), f) != nullptr)
-    if (std::sscanf(line, "VmRSS: %" SCNd64, &kb) == 1) break;
+    if (std::sscanf(line, fmt.c_str(), &kb) == 1) break;
   std::fclose(f);
   return kb;
+}
+int64_t vm_rss_kb() { return vm_status_kb("VmRSS"); }
+
+/** Resets VmHWM to the current VmRSS (proc(5), clear_refs "5"). */
+bool reset_peak_rss() {
+  FILE* f = std::fopen("/proc/self/clear_refs", "w");
+  if (f == nullptr) return false;
+  const bool ok = std::fputs("5", f) >= 0;
+  return std::fclose(f) == 0 && ok;
 }
 
 TEST(XferMemory, CommunicatorResidentSetIsBounded) {
@@ -1682,6 +1692,69 @@ TEST(XferMemory, CommunicatorResidentSetIsBounded) {
   EXPECT_LE(live - before, kBoundKb);
   EXPECT_LE(after - before, kBoundKb);
   write_all(pair.child.to_child, "q", 1);
+  finish(&pair, comm);
+}
+
+// A monolithic transfer stages its pages through the staging window
+// (KVXFER_STAGING_WINDOW_BYTES, 4 MiB by default) on both sides: 32 MiB of
+// BF16 KV raise neither side's peak resident set by the KV's size (before the
+// window, each side staged the whole KV), and the bytes arrive exact.
+TEST(XferMemory, StagingWindowBoundsBothSides) {
+  constexpr int64_t kBoundKb = 12 * 1024;  // the 4 MiB window, rxm's buffers, slack
+  Shape s;
+  s.L = 16;
+  s.heads = 8;
+  s.hd = 128;
+  s.T = 512;
+  s.page_tokens = 256;  // 64 pages of 512 KiB
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_BF16;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    kvxfer_comm_t c = init_rank(id, 1);
+    if (c == nullptr) return 10;
+    PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+    kv.fill(21);
+    if (!reset_peak_rss()) return 11;
+    const int64_t before = vm_rss_kb();
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.mode = KVXFER_MODE_MONOLITHIC;
+    rc.page_tokens = s.page_tokens;
+    kvxfer_request_t req = nullptr;
+    if (kvxfer_send(c, 0, &kv.desc, &cfg, &rc, &req) != KVXFER_SUCCESS) return 12;
+    if (kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) return 13;
+    const int64_t grew = vm_status_kb("VmHWM") - before;
+    kvxfer_request_free(req);
+    write_all(wr, &grew, sizeof(grew));
+    kvxfer_comm_destroy(c);
+    return 0;
+  }));
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(21);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  ASSERT_TRUE(reset_peak_rss());
+  const int64_t before = vm_rss_kb();
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = s.page_tokens;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
+  const int64_t grew = vm_status_kb("VmHWM") - before;
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  int64_t sender_grew = -1;
+  ASSERT_TRUE(read_all(pair.child.from_child, &sender_grew, sizeof(sender_grew), 60000));
+  const int64_t kv_kb = int64_t{2} * s.L * s.T * s.heads * s.hd * 2 / 1024;
+  std::printf("[ memory   ] %" PRId64 " kB of BF16 KV: peak RSS +%" PRId64
+              " kB on the sender, +%" PRId64 " kB on the receiver\n",
+              kv_kb, sender_grew, grew);
+  std::fflush(stdout);
+  EXPECT_LE(sender_grew, kBoundKb);
+  EXPECT_LE(grew, kBoundKb);
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), src.bytes(l, kind)) << "layer " << l;
   finish(&pair, comm);
 }
 

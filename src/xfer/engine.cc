@@ -206,6 +206,7 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   m.anchors_unposted.assign(nranks, 0);
   m.held_residuals.resize(nranks);
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
+  m.window_bytes = static_cast<size_t>(params::StagingWindowBytes());
   m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
   m.inbox->wake_fd = m.wake_fd;

@@ -51,6 +51,7 @@ int codec_workers();
 // ---------------------------------------------------------------------------
 struct PageState {
   size_t a_off = 0, a_cap = 0;  // slot in `astore` (monolithic: both sections)
+  int32_t slot = -1;            // its slot of the staging window (-1: none held)
   size_t r_off = 0, r_cap = 0;  // sender: slot in `rstore`; receiver: staging capacity
   size_t a_len = 0, r_len = 0;  // section bytes (sender: encoded; receiver: received)
   bool encoded = false;         // sender
@@ -63,6 +64,18 @@ struct Work {
   std::vector<PageRef> pages;
   std::vector<PageState> ps;
   Staging astore, rstore;  // from the engine's StagingCache
+  // The staging window (KVXFER_STAGING_WINDOW_BYTES): `astore` holds
+  // `free_slots.size()` + slots in use of `slot_bytes` each.  A sender's page
+  // takes a slot when its encode is queued and gives it back when its anchor
+  // (or monolithic) message is sent; a monolithic receiver's page takes one
+  // when its receive is posted and gives it back when it is decoded.  So the
+  // sections cycle through a few cache-resident slots instead of a fresh
+  // buffer the size of the KV.  A progressive receiver keeps one slot per
+  // page: the full decode reads the anchor again.
+  size_t slot_bytes = 0;
+  std::vector<int32_t> free_slots;
+  size_t next_encode = 0;       // sender: pages whose encode is queued
+  size_t next_anchor_post = 0;  // receiver: anchor (or monolithic) receives posted
   // Device requests: astore/rstore page-locked (xfer/device.h, pin); released
   // before the stores (declared after them, reset first in finalise).
   std::shared_ptr<void> apin, rpin;
@@ -261,6 +274,12 @@ struct Engine::Impl {
   void enqueue_residuals(const std::shared_ptr<Request>& r);
   void queue_job(Job&& j);
   void queue_full(const std::shared_ptr<Request>& r, size_t page);
+  size_t window_bytes = 4 << 20;  // KVXFER_STAGING_WINDOW_BYTES
+  /** Slots for a request's `astore`: its whole need when `window` is false. */
+  bool make_window(const std::shared_ptr<Request>& r, bool window);
+  void release_slot(Work& w, size_t page);
+  void queue_encodes(const std::shared_ptr<Request>& r);               // sender: as slots allow
+  void post_anchor_recvs(const std::shared_ptr<Request>& r);           // receiver: as slots allow
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
   int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
   void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);

@@ -196,7 +196,7 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
     kvxfer_codec_config_t sz = w.codec;
     if (sz.alpha == KVXFER_ALPHA_AUTO) sz.alpha = 0.0f;
     const int32_t H = r->mine.kv_heads * r->mine.head_dim;
-    size_t atot = 0, rtot = 0;
+    size_t rtot = 0;
     for (size_t i = 0; i < w.pages.size(); ++i) {
       size_t a = 0, b = 0;
       const kvxfer_result_t rc = codec::max_sizes(&sz, w.pages[i].num_tokens, H, &a, &b);
@@ -206,26 +206,22 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
       }
       PageState& p = w.ps[i];
       if (w.mode == KVXFER_MODE_MONOLITHIC) {
-        p.a_off = atot;
         p.a_cap = a + b;
-        atot += a + b;
         p.r_cap = b;  // the encoder writes the residual after the anchor's capacity
       } else {
-        p.a_off = atot;
         p.a_cap = a;
         p.r_off = rtot;
         p.r_cap = b;
-        atot += a;
         rtot += b;
       }
     }
-    if (!staging->get(atot, &w.astore) ||
+    if (!make_window(r, true) ||
         (w.mode == KVXFER_MODE_PROGRESSIVE && !staging->get(rtot, &w.rstore))) {
       fail(r, KVXFER_ERR_OUT_OF_MEMORY,
-           strprintf("no memory for %zu bytes of encoded sections", atot + rtot));
+           strprintf("no memory for %zu bytes of encoded sections",
+                     w.slot_bytes * w.free_slots.size() + rtot));
       return;
     }
-    w.apin = pin_store(*r, w.astore.get(), atot);
     if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), rtot);
     {
       std::lock_guard<std::mutex> lk(r->mu);
@@ -242,29 +238,83 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
       !post_link_recv(r, TrafficClass::kAnchor, OpKind::kStatusRecv, MsgKind::kStatus, 0,
                       w.status_in.data(), w.status_in.size()))
     return;
-  if (r->is_send) {
-    // Encode at once, overlapping the handshake; pages go out as they are ready.
-    for (size_t i = 0; i < w.pages.size(); ++i) {
-      PageState& p = w.ps[i];
-      Job j;
-      j.req = r;
-      j.kind = JobKind::kEncode;
-      j.page = i;
-      j.codec = w.codec;
-      j.ref = w.pages[i];
-      j.monolithic = w.mode == KVXFER_MODE_MONOLITHIC;
-      j.a = w.astore.get() + p.a_off;
-      if (j.monolithic) {
-        j.a_cap = p.a_cap - p.r_cap;
-        j.r = j.a + j.a_cap;
-        j.r_cap = p.r_cap;
-      } else {
-        j.a_cap = p.a_cap;
-        j.r = w.rstore.get() + p.r_off;
-        j.r_cap = p.r_cap;
-      }
-      queue_job(std::move(j));
+  // Encode at once, overlapping the handshake, as far as the staging window
+  // allows; pages go out as they are ready.
+  if (r->is_send) queue_encodes(r);
+}
+
+bool Engine::Impl::make_window(const std::shared_ptr<Request>& r, bool window) {
+  Work& w = *r->work;
+  w.slot_bytes = 1;
+  for (const PageState& p : w.ps) w.slot_bytes = std::max(w.slot_bytes, p.a_cap);
+  const size_t pages = w.pages.size();
+  size_t slots = pages;
+  if (window) slots = std::min(pages, std::max<size_t>(2, window_bytes / w.slot_bytes));
+  w.free_slots.clear();
+  for (size_t i = slots; i-- > 0;) w.free_slots.push_back(static_cast<int32_t>(i));
+  if (!staging->get(slots * w.slot_bytes, &w.astore)) return false;
+  w.apin = pin_store(*r, w.astore.get(), slots * w.slot_bytes);
+  return true;
+}
+
+void Engine::Impl::release_slot(Work& w, size_t page) {
+  PageState& p = w.ps[page];
+  if (p.slot < 0) return;
+  w.free_slots.push_back(p.slot);
+  p.slot = -1;
+}
+
+void Engine::Impl::queue_encodes(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  while (!w.failed && w.next_encode < w.pages.size() && !w.free_slots.empty()) {
+    const size_t i = w.next_encode++;
+    PageState& p = w.ps[i];
+    p.slot = w.free_slots.back();
+    w.free_slots.pop_back();
+    p.a_off = static_cast<size_t>(p.slot) * w.slot_bytes;
+    Job j;
+    j.req = r;
+    j.kind = JobKind::kEncode;
+    j.page = i;
+    j.codec = w.codec;
+    j.ref = w.pages[i];
+    j.monolithic = w.mode == KVXFER_MODE_MONOLITHIC;
+    j.a = w.astore.get() + p.a_off;
+    if (j.monolithic) {
+      j.a_cap = p.a_cap - p.r_cap;
+      j.r = j.a + j.a_cap;
+      j.r_cap = p.r_cap;
+    } else {
+      j.a_cap = p.a_cap;
+      j.r = w.rstore.get() + p.r_off;
+      j.r_cap = p.r_cap;
     }
+    queue_job(std::move(j));
+  }
+}
+
+// Receives are posted in page order (the order the sender sends); a failed
+// request drains the rest into zero-capacity receives at once, so nothing
+// lands in the blocks and the sender's message sequence completes.
+void Engine::Impl::post_anchor_recvs(const std::shared_ptr<Request>& r) {
+  static uint8_t sink;
+  Work& w = *r->work;
+  while (w.next_anchor_post < w.pages.size()) {
+    const size_t i = w.next_anchor_post;
+    PageState& p = w.ps[i];
+    uint8_t* buf = &sink;
+    size_t cap = 0;
+    if (!w.failed) {
+      if (w.free_slots.empty()) return;
+      p.slot = w.free_slots.back();
+      w.free_slots.pop_back();
+      p.a_off = static_cast<size_t>(p.slot) * w.slot_bytes;
+      buf = w.astore.get() + p.a_off;
+      cap = p.a_cap;
+    }
+    w.next_anchor_post++;
+    if (!post_link_recv(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i, buf, cap))
+      return;  // failed: fail() posted the drains of the rest
   }
 }
 
@@ -289,7 +339,6 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     kvxfer_codec_config_t sz = w.codec;
     if (sz.alpha == KVXFER_ALPHA_AUTO) sz.alpha = 0.0f;
     const int32_t H = r->mine.kv_heads * r->mine.head_dim;
-    size_t atot = 0;
     for (size_t i = 0; i < w.pages.size(); ++i) {
       size_t a = 0, b = 0;
       rc = codec::max_sizes(&sz, w.pages[i].num_tokens, H, &a, &b);
@@ -299,15 +348,13 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
         return;
       }
       PageState& p = w.ps[i];
-      p.a_off = atot;
       p.a_cap = w.mode == KVXFER_MODE_MONOLITHIC ? a + b : a;
       p.r_cap = b;
-      atot += p.a_cap;
     }
-    if (!w.failed && !staging->get(atot, &w.astore))
+    if (!w.failed && !make_window(r, w.mode == KVXFER_MODE_MONOLITHIC))
       fail(r, KVXFER_ERR_OUT_OF_MEMORY,
-           strprintf("no memory for %zu bytes of anchor sections", atot));
-    if (!w.failed) w.apin = pin_store(*r, w.astore.get(), atot);
+           strprintf("no memory for %zu bytes of anchor sections",
+                     w.slot_bytes * w.free_slots.size()));
   }
   {
     std::lock_guard<std::mutex> lk(r->mu);
@@ -331,16 +378,10 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
   // drains the sender's page messages into zero-capacity receives: nothing
   // lands in the blocks and none of its anchors is awaited by the strict
   // anchor priority (anchors_unapplied).
-  static uint8_t sink;
-  for (size_t i = 0; i < w.pages.size(); ++i) {
-    PageState& p = w.ps[i];
-    if (!post_link_recv(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
-                        w.failed ? &sink : w.astore.get() + p.a_off, w.failed ? 0 : p.a_cap))
-      return;
-  }
+  post_anchor_recvs(r);
   w.anchors_remaining = w.failed ? 0 : static_cast<int64_t>(w.pages.size());
   anchors_unapplied += w.anchors_remaining;
-  if (w.mode == KVXFER_MODE_PROGRESSIVE && !w.pages.empty()) {
+  if (w.mode == KVXFER_MODE_PROGRESSIVE && !w.pages.empty() && !w.in_residual_fifo) {
     w.in_residual_fifo = true;
     enqueue_residuals(r);
   }
@@ -513,6 +554,17 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
     case OpKind::kResidual: {
       const bool anchor = ref.kind == OpKind::kAnchor;
       PageState& p = w.ps[ref.page];
+      // A sender's slot is free once its message is sent; a monolithic
+      // receiver's one once decoded, or now if nothing will be decoded.
+      const bool release =
+          anchor && (r->is_send || !ok || w.failed || c.bytes == 0 || w.peer_gave_up);
+      if (release && (r->is_send || w.mode == KVXFER_MODE_MONOLITHIC)) {
+        release_slot(w, ref.page);
+        if (r->is_send)
+          queue_encodes(r);
+        else
+          post_anchor_recvs(r);
+      }
       if (!ok) {
         if (anchor || !w.failed)
           fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));
@@ -578,6 +630,10 @@ void Engine::Impl::on_job_done(JobDone& d) {
   if (d.kind == JobKind::kDecodeFull && p.staging) {
     staging_used -= p.r_cap;
     p.staging.reset();
+  }
+  if (d.kind == JobKind::kDecodeMono) {
+    release_slot(w, d.page);
+    post_anchor_recvs(r);
   }
   if (d.skipped || w.failed) return;
   if (d.rc < 0) {
@@ -703,6 +759,7 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
           l->empty_unstarted_send(op);
     sender_pump(r);
   }
+  if (!r->is_send && w.handshake_ok) post_anchor_recvs(r);  // drains for the pages left
   if (!r->is_send && w.handshake_ok && !w.in_residual_fifo && w.mode == KVXFER_MODE_PROGRESSIVE &&
       w.next_residual_post < w.pages.size()) {
     w.in_residual_fifo = true;
