@@ -46,6 +46,7 @@
 #include "model/llama2.h"
 #include "model/synthetic_kv.h"
 #include "perf/common/harness.h"
+#include "xfer/engine.h"
 
 namespace {
 
@@ -130,6 +131,7 @@ struct Options {
   int page_tokens = 0;
   int chunk = 32, anchor_bits = 4;
   bool stories = false;
+  bool engine_only = false;  // --engine_only: codec jobs do no work (xfer::testing_skip_codec)
   std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
   int rank = -1;  // -1: fork mode (both ranks here)
   std::string id_file;
@@ -1395,11 +1397,11 @@ std::string options_line(const Options& o, const Plan& p) {
   for (const CodecCase& c : p.codecs) codecs += (codecs.empty() ? "" : ",") + c.name;
   return kp::strprintf(
       "# Options: -b %" PRIu64 " -e %" PRIu64
-      " -f %d -w %d -n %d -c %d -m %s -r %s -R %d%s | "
+      " -f %d -w %d -n %d -c %d -m %s -r %s -R %d%s%s | "
       "%s | time = median of -n batches, CLOCK_MONOTONIC",
       o.min_b, o.max_b, o.factor, p.warmup, p.iters, o.common.check, codecs.c_str(),
       o.rate_given ? (o.rate.empty() ? "''" : o.rate.c_str()) : "(KVXFER_RATE_LIMIT)", p.requests,
-      o.stories ? " --stories" : "",
+      o.stories ? " --stories" : "", o.engine_only ? " --engine_only" : "",
       o.fork_mode() ? "receiver = forked child (rank 1), sender = this process (rank 0)"
                     : kp::strprintf("cross-host: this is rank %d (%s)", o.rank,
                                     o.rank == 0 ? "sender" : "receiver")
@@ -1433,6 +1435,7 @@ json options_json(const Options& o, const Plan& p) {
           {"warmup_iters", p.warmup},
           {"iters", p.iters},
           {"check", o.common.check},
+          {"engine_only", o.engine_only},
           {"codecs", codecs},
           {"rate_limit", o.rate_given ? json(o.rate) : json(nullptr)},
           {"requests", p.requests},
@@ -1825,6 +1828,9 @@ int main(int argc, char** argv) {
                "take the KV from the stories260K model (shape from the model, tokens tiled)");
   app.add_option("--model", o.model_path, "llama2.c checkpoint for --stories")
       ->capture_default_str();
+  app.add_flag("--engine_only", o.engine_only,
+               "measure the engine and the wire alone: codec jobs do no work, sections carry "
+               "whatever staging holds, nothing is checked (-c 0); both ranks need it");
   auto* rank_opt = app.add_option("--rank", o.rank,
                                   "cross-host mode: this process is rank 0 (sender) or 1 "
                                   "(receiver); needs --id")
@@ -1842,6 +1848,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   o.rate_given = r_opt->count() > 0;
+  if (o.engine_only) {
+    o.common.check = 0;                      // the receiver's blocks are undefined
+    kvxfer::xfer::testing_skip_codec(true);  // before the fork: both ranks
+  }
   if (o.common.quick) {
     if (b_opt->count() == 0) o.minbytes = "2M";
     if (e_opt->count() == 0) o.maxbytes = "8M";

@@ -4,7 +4,8 @@
 #
 #   1. unlimited rate: BF16 monolithic kvxfer_send/recv throughput against
 #      fi_pingpong -p "tcp;ofi_rxm" -e rdm on 127.0.0.1 at the same message
-#      size (the whole KV), and at the size of one page message;
+#      size (the whole KV), and at the size of one page message; and the
+#      same transfer with --engine_only (the codec jobs do no work);
 #   2. -r 1gbit: Lynx progressive against INT8 monolithic,
 #      t_anchor(lynx)/t_complete(int8) and t_complete(lynx)/t_complete(int8);
 #   3. -R 16: whether the anchors of all 16 requests were ANCHOR_READY before
@@ -110,9 +111,17 @@ if run fig1 -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 5; then
   echo "    t_complete $tc us, algbw $alg GB/s, wirebw $wbw GB/s (median of 5)"
   echo "  fi_pingpong at $kv B (one message of the whole KV): $pp_kv GB/s"
   echo "  fi_pingpong at $page_msg B (one page message):      $pp_page GB/s"
-  python3 - "$wbw" "$pp_kv" "$pp_page" <<'EOF'
+  # The same transfer with the codec jobs doing no work (--engine_only): the
+  # engine, the Link and the wire alone, so the gap to fi_pingpong splits into
+  # the engine's share and the passthrough's copies and checksums.
+  ewbw="n/a"
+  if run fig1e -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 5 --engine_only; then
+    ewbw=$(json "$out/fig1e.json" '"%.3f" % j["rows"][0]["wirebw_gbps"]')
+    echo "    --engine_only (codec jobs do no work): wirebw $ewbw GB/s (median of 5)"
+  fi
+  python3 - "$wbw" "$pp_kv" "$pp_page" "$ewbw" <<'EOF'
 import sys
-w, a, b = sys.argv[1:]
+w, a, b, e = sys.argv[1:]
 def ratio(x, y):
     try:
         return "%.3f" % (float(x) / float(y))
@@ -120,6 +129,7 @@ def ratio(x, y):
         return "n/a"
 print("  ratio wirebw(kvxfer) / fi_pingpong: %s at the KV size, %s at the page size" %
       (ratio(w, a), ratio(w, b)))
+print("  ratio wirebw(kvxfer --engine_only) / fi_pingpong at the KV size: %s" % ratio(e, a))
 EOF
 fi
 echo

@@ -190,4 +190,13 @@ void testing_codec_workers(int n);
  *  byte flipped before decoding (tests/xfer_test.cc, corruption cases). */
 void testing_corrupt_next_sections(int count);
 
+/**
+ * Measurement seam (kvxfer_perf --engine_only): while set, codec jobs do no
+ * work.  An encode reports its pages at their largest encoded size with
+ * whatever bytes staging holds; a decode writes nothing and fails nothing.  So
+ * a transfer measures the engine and the wire alone.  Both processes must set
+ * it; the receiver's blocks are then undefined.  Never for real transfers.
+ */
+void testing_skip_codec(bool skip);
+
 }  // namespace kvxfer::xfer

@@ -36,6 +36,14 @@ void Engine::Impl::codec_main() {
     Request& r = *j.req;
     if (r.work->cancel.load()) {
       d.skipped = true;
+    } else if (g_skip_codec.load()) {
+      if (j.kind == JobKind::kEncode) {  // the largest sizes, the bytes staging holds
+        kvxfer_codec_config_t cc = j.codec;
+        if (cc.alpha == KVXFER_ALPHA_AUTO) cc.alpha = 0.0f;
+        d.rc = codec::max_sizes(&cc, j.ref.num_tokens, r.mine.kv_heads * r.mine.head_dim, &d.a_len,
+                                &d.r_len);
+        if (d.rc < 0) d.error = last_error();
+      }
     } else if (j.kind == JobKind::kEncode) {
       kvxfer_codec_config_t cc = j.codec;
       Work& w = *r.work;  // alpha fields: codec threads, under alpha_mu

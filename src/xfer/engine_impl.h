@@ -42,6 +42,7 @@ using transport::TrafficClass;
 extern std::atomic<int> g_corrupt_sections;
 extern std::atomic<bool> g_pause_residuals;
 extern std::atomic<int> g_codec_workers;
+extern std::atomic<bool> g_skip_codec;
 
 /** Codec worker threads of an engine (engine.cc). */
 int codec_workers();
