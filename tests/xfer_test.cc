@@ -988,7 +988,7 @@ TEST(Xfer, BadArgumentsAreRefusedAtPostWithoutProcMaps) { bad_arguments_case(tru
  */
 int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed0,
               const kvxfer_codec_config_t& codec, kvxfer_mode_t mode, int timeout_ms,
-              const char* rate, bool tag_by_index) {
+              const char* rate, bool tag_by_index, int ready_fd = -1) {
   kvxfer_comm_t comm = init_rank(id, 1, timeout_ms, rate);
   if (comm == nullptr) return 10;
   std::vector<std::unique_ptr<PagedKV>> kvs;
@@ -1000,6 +1000,9 @@ int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed
     kvs.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
     kvs.back()->fill(seed0 + static_cast<uint64_t>(i));
   }
+  // The fills take seconds on a loaded machine: a receiver with a short
+  // timeout posts only after this byte, or its first request times out idle.
+  if (ready_fd >= 0 && !write_all(ready_fd, "r", 1)) return 14;
   for (int i = 0; i < n; ++i) {
     rc.tag = tag_by_index ? static_cast<uint64_t>(i) : 0;
     if (kvxfer_send(comm, 0, &kvs[static_cast<size_t>(i)]->desc, &codec, &rc,
@@ -1121,11 +1124,13 @@ TEST(Xfer, ManyMidSizeMessagesDoNotStall) {
   kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
   c.codec = KVXFER_CODEC_INT8;
   Pair pair;
-  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
-    return send_many(id, kN, s, 40, c, KVXFER_MODE_MONOLITHIC, kShortTimeoutMs, nullptr, false);
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) -> int {
+    return send_many(id, kN, s, 40, c, KVXFER_MODE_MONOLITHIC, kShortTimeoutMs, nullptr, false, wr);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
   ASSERT_NE(comm, nullptr);
+  char ready;
+  ASSERT_TRUE(read_all(pair.child.from_child, &ready, 1, 120000));
   std::vector<std::unique_ptr<PagedKV>> dsts;
   std::vector<kvxfer_request_t> reqs(kN);
   for (int i = 0; i < kN; ++i) {
@@ -1160,12 +1165,14 @@ TEST(Xfer, ResidualsBeyondTheStagingPoolKeepFlowing) {
   s.T = 512;  // 16 MiB of bf16 KV and 4 MiB of residual sections per request
   s.page_tokens = 256;
   Pair pair;
-  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) -> int {
     return send_many(id, kN, s, 70, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO,
-                     kShortTimeoutMs, nullptr, false);
+                     kShortTimeoutMs, nullptr, false, wr);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
   ASSERT_NE(comm, nullptr);
+  char ready;
+  ASSERT_TRUE(read_all(pair.child.from_child, &ready, 1, 120000));
   std::vector<std::unique_ptr<PagedKV>> dsts;
   std::vector<kvxfer_request_t> reqs(kN);
   for (int i = 0; i < kN; ++i) {
