@@ -46,6 +46,25 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
   const char kind = id.kind == KVXFER_KV_KEY ? 'K' : 'V';
 
   NonfiniteAt bad;
+  if (cfg.codec == KVXFER_CODEC_BF16 && src.dtype == KVXFER_DTYPE_BF16) {
+    // The values go out as they are, FLAG_RAW or not: copy and scan at once.
+    h.flags = 0;
+    h.sink_rows = 0;
+    KVXFER_CHECK(fits());
+    KVXFER_CHECK(be->pack_bf16_scanning(h, &bad));
+    if (bad.found && cfg.nonfinite == KVXFER_NONFINITE_ERROR)
+      return nonfinite_error(id, bad.t, bad.c, bad.is_nan);
+    if (bad.found) {
+      h.flags = FLAG_RAW;
+      KVXFER_WARN(LOG_CODEC,
+                  "layer %u %c tokens [%" PRId64 ", +%" PRId64
+                  "): non-finite input, page stored raw (lossless, not progressive)",
+                  id.layer, kind, id.token_begin, T);
+    }
+    KVXFER_CHECK(be->finish(h));
+    seal_page(h, anchor, residual, anchor_len, residual_len, seal_threads);
+    return KVXFER_SUCCESS;
+  }
   if (cfg.codec == KVXFER_CODEC_BF16) {
     KVXFER_CHECK(be->scan_nonfinite(&bad));
   } else {

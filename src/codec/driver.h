@@ -46,6 +46,15 @@ class EncodeBackend {
   virtual kvxfer_result_t quantize(const PageHeader& h, EncodeStatus* status, NonfiniteAt* at) = 0;
   /** RAW fallback or BF16 passthrough: the values, as `dtype`, into the anchor payload. */
   virtual kvxfer_result_t pack_values(const PageHeader& h, kvxfer_dtype_t dtype) = 0;
+  /**
+   * BF16 passthrough of a bf16 source, whose bytes are the same with and
+   * without FLAG_RAW: pack_values(h, BF16) and scan_nonfinite(at) in one pass
+   * over the source.  Default: the two calls.
+   */
+  virtual kvxfer_result_t pack_bf16_scanning(const PageHeader& h, NonfiniteAt* at) {
+    const kvxfer_result_t rc = scan_nonfinite(at);
+    return rc < 0 ? rc : pack_values(h, KVXFER_DTYPE_BF16);
+  }
   /** Rows 0..h.sink_rows-1 as sink_dtype(h), at the anchor payload's sink_offset(). */
   virtual kvxfer_result_t pack_sinks(const PageHeader& h) = 0;
   /** Makes the payloads of `h` final in the host sections (device: the copies back). */

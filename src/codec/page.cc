@@ -315,6 +315,23 @@ class HostBackend final : public EncodeBackend {
     return KVXFER_SUCCESS;
   }
 
+  kvxfer_result_t pack_bf16_scanning(const PageHeader& h, NonfiniteAt* at) override {
+    // Row by row: each row is scanned while it is in L1 from its copy.
+    const int64_t T = static_cast<int64_t>(h.num_tokens);
+    const int32_t H = static_cast<int32_t>(h.num_channels);
+    const size_t bytes = static_cast<size_t>(H) * 2;
+    uint8_t* out = anc_ + kHeaderBytes;
+    bool any = false;
+    for (int64_t t = 0; t < T; ++t) {
+      uint8_t* orow = out + static_cast<size_t>(t) * bytes;
+      std::memcpy(orow, lay_.row(t), bytes);
+      any |= row_has_nonfinite(orow, H, KVXFER_DTYPE_BF16);
+    }
+    at->found = false;
+    if (any) locate(at);  // the first one, as scan_nonfinite reports it
+    return KVXFER_SUCCESS;
+  }
+
   kvxfer_result_t pack_sinks(const PageHeader& h) override {
     const PayloadSizes s = payload_sizes(h);
     uint8_t* out = anc_ + kHeaderBytes + s.sink_offset();
