@@ -1402,7 +1402,10 @@ int scripted_sender(const kvxfer_unique_id_t& id, int rd, int wr) {
     };
     switch (cmd) {
       case 's':
+      case 'm':  // monolithic
+        rc.mode = cmd == 'm' ? KVXFER_MODE_MONOLITHIC : KVXFER_MODE_AUTO;
         if (kvxfer_send(comm, 0, &big.desc, nullptr, &rc, &req) != KVXFER_SUCCESS) return 12;
+        rc.mode = KVXFER_MODE_AUTO;
         break;
       case 'c':
         if (kvxfer_request_cancel(req) != KVXFER_SUCCESS) return 13;
@@ -1443,10 +1446,19 @@ enum class CancelCase {
   kReceiverMidResidual,
 };
 
-void cancel_case(CancelCase k) {
-  constexpr double kPromptMs = 1500;  // "promptly": well inside the 8 mbit/s transfer
+// window_bytes > 0: both processes stage that much per request (two slots
+// when it is tiny), so encodes wait for sends and monolithic receives are
+// posted as slots free up; mono: the sender sends monolithic (no residual
+// stages then).
+void cancel_case(CancelCase k, size_t window_bytes = 0, bool mono = false) {
+  constexpr double kPromptMs = 1500;           // "promptly": well inside the 8 mbit/s transfer
+  xfer::testing_staging_window(window_bytes);  // before the fork: both sides
+  struct Reset {
+    ~Reset() { xfer::testing_staging_window(0); }
+  } reset;
   Pair pair;
   ASSERT_TRUE(pair.start(scripted_sender));
+  const char send_cmd = mono ? 'm' : 's';
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
   const int to = pair.child.to_child, from = pair.child.from_child;
@@ -1489,7 +1501,7 @@ void cancel_case(CancelCase k) {
   };
   switch (k) {
     case CancelCase::kSenderBeforeHandshake: {
-      cmd('s');
+      cmd(send_cmd);
       cmd('c');
       expect_cancelled_there(false);
       post_recv();  // the sender's DESC, empty pages and STATUS are waiting
@@ -1500,13 +1512,13 @@ void cancel_case(CancelCase k) {
       post_recv();
       ASSERT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
       expect_cancelled_here(false);
-      cmd('s');
+      cmd(send_cmd);
       expect_cancelled_there(true);
       break;
     case CancelCase::kReceiverMidAnchor:
     case CancelCase::kSenderMidAnchor: {
       post_recv();
-      cmd('s');
+      cmd(send_cmd);
       wait_anchors_applied(2);
       const kvxfer_request_info_t mid = info_of(req);
       ASSERT_EQ(mid.stage, KVXFER_STAGE_POSTED) << "the transfer went faster than 8 mbit/s";
@@ -1525,7 +1537,7 @@ void cancel_case(CancelCase k) {
     case CancelCase::kSenderMidResidual:
     case CancelCase::kReceiverMidResidual: {
       post_recv();
-      cmd('s');
+      cmd(send_cmd);
       ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 30000), KVXFER_SUCCESS)
           << kvxfer_get_last_error();
       ASSERT_EQ(info_of(req).stage, KVXFER_STAGE_ANCHOR_READY)
@@ -1576,6 +1588,27 @@ TEST(XferCancel, ReceiverMidAnchor) { cancel_case(CancelCase::kReceiverMidAnchor
 TEST(XferCancel, SenderMidAnchor) { cancel_case(CancelCase::kSenderMidAnchor); }
 TEST(XferCancel, SenderMidResidual) { cancel_case(CancelCase::kSenderMidResidual); }
 TEST(XferCancel, ReceiverMidResidual) { cancel_case(CancelCase::kReceiverMidResidual); }
+// The same with a staging window of two slots on both sides.
+TEST(XferCancelWindow, SenderBeforeHandshake) {
+  cancel_case(CancelCase::kSenderBeforeHandshake, 1);
+}
+TEST(XferCancelWindow, ReceiverBeforeHandshake) {
+  cancel_case(CancelCase::kReceiverBeforeHandshake, 1);
+}
+TEST(XferCancelWindow, ReceiverMidAnchor) { cancel_case(CancelCase::kReceiverMidAnchor, 1); }
+TEST(XferCancelWindow, SenderMidAnchor) { cancel_case(CancelCase::kSenderMidAnchor, 1); }
+TEST(XferCancelWindow, SenderMidResidual) { cancel_case(CancelCase::kSenderMidResidual, 1); }
+TEST(XferCancelWindow, ReceiverMidResidual) { cancel_case(CancelCase::kReceiverMidResidual, 1); }
+// Monolithic, two slots: the receiver's pages are posted as slots free up.
+TEST(XferCancelWindow, MonolithicReceiverBeforeHandshake) {
+  cancel_case(CancelCase::kReceiverBeforeHandshake, 1, true);
+}
+TEST(XferCancelWindow, MonolithicReceiverMidway) {
+  cancel_case(CancelCase::kReceiverMidAnchor, 1, true);
+}
+TEST(XferCancelWindow, MonolithicSenderMidway) {
+  cancel_case(CancelCase::kSenderMidAnchor, 1, true);
+}
 
 // ---------------------------------------------------------------------------
 // Failure detection: a peer that is killed (SIGKILL) or destroys its

@@ -11,11 +11,13 @@ std::atomic<int> g_corrupt_sections{0};
 std::atomic<bool> g_pause_residuals{false};
 std::atomic<int> g_codec_workers{0};
 std::atomic<bool> g_skip_codec{false};
+std::atomic<size_t> g_staging_window{0};
 
 void testing_corrupt_next_sections(int count) { g_corrupt_sections.store(count); }
 void testing_pause_residuals(bool paused) { g_pause_residuals.store(paused); }
 void testing_codec_workers(int n) { g_codec_workers.store(n); }
 void testing_skip_codec(bool skip) { g_skip_codec.store(skip); }
+void testing_staging_window(size_t bytes) { g_staging_window.store(bytes); }
 
 /**
  * Codec worker threads of an engine: KVXFER_CODEC_THREADS when set, else
@@ -208,7 +210,8 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   m.anchors_unposted.assign(nranks, 0);
   m.held_residuals.resize(nranks);
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
-  m.window_bytes = static_cast<size_t>(params::StagingWindowBytes());
+  m.window_bytes = g_staging_window.load() > 0 ? g_staging_window.load()
+                                               : static_cast<size_t>(params::StagingWindowBytes());
   m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
   m.inbox->wake_fd = m.wake_fd;

@@ -186,6 +186,10 @@ void testing_pause_residuals(bool paused);
  *  default rule, KVXFER_CODEC_THREADS or half the CPUs). */
 void testing_codec_workers(int n);
 
+/** Test seam: engines created from now on stage `bytes` per request
+ *  (KVXFER_STAGING_WINDOW_BYTES; at least two pages); 0: the parameter. */
+void testing_staging_window(size_t bytes);
+
 /** Test seam: the next `count` page sections this process receives get one
  *  byte flipped before decoding (tests/xfer_test.cc, corruption cases). */
 void testing_corrupt_next_sections(int count);
