@@ -562,12 +562,11 @@ typedef struct {
  * magic and version (major.minor of this header); sizes that cannot
  * overflow (num_tokens <= 2^32, num_layers * num_blocks <= 2^32, KV below
  * 2^62 bytes); the block tables readable; every block a token lives in
- * non-NULL and aligned to the element size; in host memory, every byte from
- * its first to its last used one readable (send) or writable (recv), checked
- * against /proc/self/maps, so that a bad pointer is an error, never a crash.
- * Where /proc cannot be read, the first and last byte are probed with
- * process_vm_readv/writev and the pages between must be mapped (mincore); a
- * mapped but protected page between them is then not detected.
+ * non-NULL and aligned to the element size; in host memory, its first and
+ * last used byte readable (send) or writable (recv), probed with
+ * process_vm_readv/writev, and every page between them mapped (mincore), so
+ * that a bad pointer is an error, never a crash.  A page between them that is
+ * mapped but protected (PROT_NONE; read-only, for recv) is not detected.
  * Errors (nothing is sent): KVXFER_ERR_INVALID_ARGUMENT (a NULL, a bad
  * descriptor, codec or peer; the message names the field), or
  * KVXFER_ERR_INVALID_USAGE (communicator aborted,
