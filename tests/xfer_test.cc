@@ -1116,6 +1116,75 @@ TEST(Xfer, ManyMidSizeMessagesDoNotStall) {
   finish(&pair, comm);
 }
 
+// Progressive and monolithic requests to one peer, in flight together, with
+// 1-token pages beside 256-token ones (found by an adversarial run): the
+// sender's windowed encodes once interleaved the requests' page messages, so
+// pages the receiver had no receive for yet filled rxm's unexpected buffers
+// and the anchor class stalled until the timeout.  Every request completes,
+// and the BF16 ones are exact.
+TEST(Xfer, MixedModesOnOnePeerDoNotStall) {
+  struct Req {
+    kvxfer_codec_t codec;
+    int64_t T;
+    int32_t page_tokens;
+  };
+  const std::vector<Req> reqs = {{KVXFER_CODEC_LYNX, 212, 1},   {KVXFER_CODEC_INT8, 360, 1},
+                                 {KVXFER_CODEC_INT8, 471, 256}, {KVXFER_CODEC_BF16, 119, 256},
+                                 {KVXFER_CODEC_BF16, 230, 64},  {KVXFER_CODEC_LYNX, 267, 256},
+                                 {KVXFER_CODEC_INT8, 415, 256}};
+  auto kv_of = [](const Req& q) { return std::make_unique<PagedKV>(4, 8, 128, q.T, 16); };
+  auto post = [&](kvxfer_comm_t c, bool send, PagedKV* kv, const Req& q, size_t i,
+                  kvxfer_request_t* out) {
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.tag = i;
+    rc.page_tokens = q.page_tokens;
+    kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
+    cc.codec = q.codec;
+    return send ? kvxfer_send(c, 0, &kv->desc, &cc, &rc, out)
+                : kvxfer_recv(c, 1, &kv->desc, &rc, out);
+  };
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    kvxfer_comm_t c = init_rank(id, 1);
+    if (c == nullptr) return 10;
+    std::vector<std::unique_ptr<PagedKV>> kvs;
+    std::vector<kvxfer_request_t> out(reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      kvs.push_back(kv_of(reqs[i]));
+      kvs.back()->fill(500 + i);
+      if (post(c, true, kvs.back().get(), reqs[i], i, &out[i]) != KVXFER_SUCCESS) return 11;
+    }
+    int bad = 0;
+    for (auto r : out) {
+      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
+      kvxfer_request_free(r);
+    }
+    kvxfer_comm_destroy(c);
+    return bad == 0 ? 0 : 12;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dsts;
+  std::vector<kvxfer_request_t> out(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    dsts.push_back(kv_of(reqs[i]));
+    ASSERT_EQ(post(comm, false, dsts.back().get(), reqs[i], i, &out[i]), KVXFER_SUCCESS);
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(kvxfer_wait(out[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << i << ": " << kvxfer_get_last_error();
+    if (reqs[i].codec == KVXFER_CODEC_BF16) {
+      auto src = kv_of(reqs[i]);
+      src->fill(500 + i);
+      for (int32_t l = 0; l < 4; ++l)
+        for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+          EXPECT_EQ(dsts[i]->bytes(l, kind), src->bytes(l, kind)) << i << " layer " << l;
+    }
+    kvxfer_request_free(out[i]);
+  }
+  finish(&pair, comm);
+}
+
 // More residual bytes in flight than the receiver's staging pool (16 MiB),
 // in rendezvous-size sections (256-token pages of 1024 channels): the
 // receiver must post residual receives in the order the sender sends them,
@@ -1411,10 +1480,9 @@ enum class CancelCase {
   kReceiverMidResidual,
 };
 
-// window_bytes > 0: both processes stage that much per request (two slots
-// when it is tiny), so encodes wait for sends and monolithic receives are
-// posted as slots free up; mono: the sender sends monolithic (no residual
-// stages then).
+// window_bytes > 0: both processes stage that much per sending request (two
+// slots when it is tiny), so encodes wait for sends; mono: the sender sends
+// monolithic (no residual stages then).
 void cancel_case(CancelCase k, size_t window_bytes = 0, bool mono = false) {
   constexpr double kPromptMs = 1500;           // "promptly": well inside the 8 mbit/s transfer
   xfer::testing_staging_window(window_bytes);  // before the fork: both sides
@@ -1553,7 +1621,7 @@ TEST(XferCancel, ReceiverMidAnchor) { cancel_case(CancelCase::kReceiverMidAnchor
 TEST(XferCancel, SenderMidAnchor) { cancel_case(CancelCase::kSenderMidAnchor); }
 TEST(XferCancel, SenderMidResidual) { cancel_case(CancelCase::kSenderMidResidual); }
 TEST(XferCancel, ReceiverMidResidual) { cancel_case(CancelCase::kReceiverMidResidual); }
-// The same with a staging window of two slots on both sides.
+// The same with a staging window of two slots (set in both processes; senders window).
 TEST(XferCancelWindow, SenderBeforeHandshake) {
   cancel_case(CancelCase::kSenderBeforeHandshake, 1);
 }
@@ -1564,7 +1632,7 @@ TEST(XferCancelWindow, ReceiverMidAnchor) { cancel_case(CancelCase::kReceiverMid
 TEST(XferCancelWindow, SenderMidAnchor) { cancel_case(CancelCase::kSenderMidAnchor, 1); }
 TEST(XferCancelWindow, SenderMidResidual) { cancel_case(CancelCase::kSenderMidResidual, 1); }
 TEST(XferCancelWindow, ReceiverMidResidual) { cancel_case(CancelCase::kReceiverMidResidual, 1); }
-// Monolithic, two slots: the receiver's pages are posted as slots free up.
+// Monolithic, two slots.
 TEST(XferCancelWindow, MonolithicReceiverBeforeHandshake) {
   cancel_case(CancelCase::kReceiverBeforeHandshake, 1, true);
 }
@@ -1735,11 +1803,12 @@ TEST(XferMemory, CommunicatorResidentSetIsBounded) {
   finish(&pair, comm);
 }
 
-// A monolithic transfer stages its pages through the staging window
-// (KVXFER_STAGING_WINDOW_BYTES, 4 MiB by default) on both sides: 32 MiB of
-// BF16 KV raise neither side's peak resident set by the KV's size (before the
-// window, each side staged the whole KV), and the bytes arrive exact.
-TEST(XferMemory, StagingWindowBoundsBothSides) {
+// A monolithic send stages its pages through the staging window
+// (KVXFER_STAGING_WINDOW_BYTES, 4 MiB by default): 32 MiB of BF16 KV do not
+// raise the sender's peak resident set by the KV's size (before the window it
+// staged the whole KV), and the bytes arrive exact.  The receiver stages
+// every page (docs/TRANSPORT.md, "Memory"); its growth is printed.
+TEST(XferMemory, StagingWindowBoundsTheSender) {
   constexpr int64_t kBoundKb = 12 * 1024;  // the 4 MiB window, rxm's buffers, slack
   Shape s;
   s.L = 16;
@@ -1791,7 +1860,6 @@ TEST(XferMemory, StagingWindowBoundsBothSides) {
               kv_kb, sender_grew, grew);
   std::fflush(stdout);
   EXPECT_LE(sender_grew, kBoundKb);
-  EXPECT_LE(grew, kBoundKb);
   for (int32_t l = 0; l < s.L; ++l)
     for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
       ASSERT_EQ(dst.bytes(l, kind), src.bytes(l, kind)) << "layer " << l;

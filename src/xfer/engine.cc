@@ -209,6 +209,7 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   m.ops.resize(nranks);
   m.anchors_unposted.assign(nranks, 0);
   m.held_residuals.resize(nranks);
+  m.encode_fifo.resize(nranks);
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
   m.window_bytes = g_staging_window.load() > 0 ? g_staging_window.load()
                                                : static_cast<size_t>(params::StagingWindowBytes());

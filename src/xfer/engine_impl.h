@@ -68,11 +68,10 @@ struct Work {
   // The staging window (KVXFER_STAGING_WINDOW_BYTES): `astore` holds
   // `free_slots.size()` + slots in use of `slot_bytes` each.  A sender's page
   // takes a slot when its encode is queued and gives it back when its anchor
-  // (or monolithic) message is sent; a monolithic receiver's page takes one
-  // when its receive is posted and gives it back when it is decoded.  So the
-  // sections cycle through a few cache-resident slots instead of a fresh
-  // buffer the size of the KV.  A progressive receiver keeps one slot per
-  // page: the full decode reads the anchor again.
+  // (or monolithic) message is sent, so its sections cycle through a few
+  // cache-resident slots instead of a buffer the size of the KV.  A receiver
+  // has one slot per page, all posted at the handshake (engine_progress.cc,
+  // on_handshake, says why).
   size_t slot_bytes = 0;
   std::vector<int32_t> free_slots;
   size_t next_encode = 0;       // sender: pages whose encode is queued
@@ -279,7 +278,15 @@ struct Engine::Impl {
   /** Slots for a request's `astore`: its whole need when `window` is false. */
   bool make_window(const std::shared_ptr<Request>& r, bool window);
   void release_slot(Work& w, size_t page);
-  void queue_encodes(const std::shared_ptr<Request>& r);               // sender: as slots allow
+  void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots allow
+  // Per peer, the sends whose encodes are not all queued, in post order: only
+  // the first may queue encodes, so page messages leave in request order,
+  // then page order, which is the order the receiver posts its receives in.
+  // Interleaving the requests' windows sent pages the receiver had no
+  // receive for yet; rxm's unexpected-message buffers filled and the anchor
+  // class stalled when progressive and monolithic requests shared a peer.
+  std::vector<std::deque<std::shared_ptr<Request>>> encode_fifo;
+  void pump_encodes(int peer);
   void post_anchor_recvs(const std::shared_ptr<Request>& r);           // receiver: as slots allow
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
   int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded

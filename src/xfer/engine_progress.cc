@@ -240,7 +240,21 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
     return;
   // Encode at once, overlapping the handshake, as far as the staging window
   // allows; pages go out as they are ready.
-  if (r->is_send) queue_encodes(r);
+  if (r->is_send) {
+    encode_fifo[r->peer].push_back(r);
+    pump_encodes(r->peer);
+  }
+}
+
+void Engine::Impl::pump_encodes(int peer) {
+  auto& q = encode_fifo[peer];
+  while (!q.empty()) {
+    const std::shared_ptr<Request> r = q.front();
+    queue_encodes(r);
+    Work& w = *r->work;
+    if (!w.failed && w.next_encode < w.pages.size()) return;  // waits for its slots
+    q.pop_front();
+  }
 }
 
 bool Engine::Impl::make_window(const std::shared_ptr<Request>& r, bool window) {
@@ -351,7 +365,12 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
       p.a_cap = w.mode == KVXFER_MODE_MONOLITHIC ? a + b : a;
       p.r_cap = b;
     }
-    if (!w.failed && !make_window(r, w.mode == KVXFER_MODE_MONOLITHIC))
+    // One slot per page: the receiver posts every page receive at once, in
+    // the order the sender sends.  Posting a monolithic request's pages as
+    // slots free up put them behind other requests' receives in the Link's
+    // posting order, and with progressive and monolithic requests mixed on
+    // one peer the anchor class stalled until the timeout.
+    if (!w.failed && !make_window(r, false))
       fail(r, KVXFER_ERR_OUT_OF_MEMORY,
            strprintf("no memory for %zu bytes of anchor sections",
                      w.slot_bytes * w.free_slots.size()));
@@ -554,16 +573,10 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
     case OpKind::kResidual: {
       const bool anchor = ref.kind == OpKind::kAnchor;
       PageState& p = w.ps[ref.page];
-      // A sender's slot is free once its message is sent; a monolithic
-      // receiver's one once decoded, or now if nothing will be decoded.
-      const bool release =
-          anchor && (r->is_send || !ok || w.failed || c.bytes == 0 || w.peer_gave_up);
-      if (release && (r->is_send || w.mode == KVXFER_MODE_MONOLITHIC)) {
+      // A sender's slot is free once its message is sent.
+      if (anchor && r->is_send) {
         release_slot(w, ref.page);
-        if (r->is_send)
-          queue_encodes(r);
-        else
-          post_anchor_recvs(r);
+        pump_encodes(r->peer);
       }
       if (!ok) {
         if (anchor || !w.failed)
@@ -630,10 +643,6 @@ void Engine::Impl::on_job_done(JobDone& d) {
   if (d.kind == JobKind::kDecodeFull && p.staging) {
     staging_used -= p.r_cap;
     p.staging.reset();
-  }
-  if (d.kind == JobKind::kDecodeMono) {
-    release_slot(w, d.page);
-    post_anchor_recvs(r);
   }
   if (d.skipped || w.failed) return;
   if (d.rc < 0) {
@@ -758,6 +767,7 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
         if (ref.req == r && (ref.kind == OpKind::kAnchor || ref.kind == OpKind::kResidual))
           l->empty_unstarted_send(op);
     sender_pump(r);
+    pump_encodes(r->peer);  // its encodes stop: the next request's may go
   }
   if (!r->is_send && w.handshake_ok) post_anchor_recvs(r);  // drains for the pages left
   if (!r->is_send && w.handshake_ok && !w.in_residual_fifo && w.mode == KVXFER_MODE_PROGRESSIVE &&
