@@ -69,9 +69,9 @@ struct Work {
   // `free_slots.size()` + slots in use of `slot_bytes` each.  A sender's page
   // takes a slot when its encode is queued and gives it back when its anchor
   // (or monolithic) message is sent, so its sections cycle through a few
-  // cache-resident slots instead of a buffer the size of the KV.  A receiver
-  // has one slot per page, all posted at the handshake (engine_progress.cc,
-  // on_handshake, says why).
+  // cache-resident slots instead of a buffer the size of the KV.  A
+  // receiver's page i sits at i * slot_bytes, every receive posted at the
+  // handshake (engine_progress.cc, on_handshake, says why).
   size_t slot_bytes = 0;
   std::vector<int32_t> free_slots;
   size_t next_encode = 0;       // sender: pages whose encode is queued
@@ -275,7 +275,8 @@ struct Engine::Impl {
   void queue_job(Job&& j);
   void queue_full(const std::shared_ptr<Request>& r, size_t page);
   size_t window_bytes = 4 << 20;  // KVXFER_STAGING_WINDOW_BYTES
-  /** Slots for a request's `astore`: its whole need when `window` is false. */
+  /** A request's `astore`: `window` (sender) a few slots, tracked in free_slots; else one per page.
+   */
   bool make_window(const std::shared_ptr<Request>& r, bool window);
   void release_slot(Work& w, size_t page);
   void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots allow

@@ -263,9 +263,11 @@ bool Engine::Impl::make_window(const std::shared_ptr<Request>& r, bool window) {
   for (const PageState& p : w.ps) w.slot_bytes = std::max(w.slot_bytes, p.a_cap);
   const size_t pages = w.pages.size();
   size_t slots = pages;
-  if (window) slots = std::min(pages, std::max<size_t>(2, window_bytes / w.slot_bytes));
-  w.free_slots.clear();
-  for (size_t i = slots; i-- > 0;) w.free_slots.push_back(static_cast<int32_t>(i));
+  if (window) {
+    slots = std::min(pages, std::max<size_t>(2, window_bytes / w.slot_bytes));
+    w.free_slots.clear();
+    for (size_t i = slots; i-- > 0;) w.free_slots.push_back(static_cast<int32_t>(i));
+  }
   if (!staging->get(slots * w.slot_bytes, &w.astore)) return false;
   w.apin = pin_store(*r, w.astore.get(), slots * w.slot_bytes);
   return true;
@@ -319,10 +321,7 @@ void Engine::Impl::post_anchor_recvs(const std::shared_ptr<Request>& r) {
     uint8_t* buf = &sink;
     size_t cap = 0;
     if (!w.failed) {
-      if (w.free_slots.empty()) return;
-      p.slot = w.free_slots.back();
-      w.free_slots.pop_back();
-      p.a_off = static_cast<size_t>(p.slot) * w.slot_bytes;
+      p.a_off = i * w.slot_bytes;  // a receiver has a slot per page
       buf = w.astore.get() + p.a_off;
       cap = p.a_cap;
     }
@@ -372,8 +371,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     // one peer the anchor class stalled until the timeout.
     if (!w.failed && !make_window(r, false))
       fail(r, KVXFER_ERR_OUT_OF_MEMORY,
-           strprintf("no memory for %zu bytes of anchor sections",
-                     w.slot_bytes * w.free_slots.size()));
+           strprintf("no memory for %zu bytes of anchor sections", w.slot_bytes * w.pages.size()));
   }
   {
     std::lock_guard<std::mutex> lk(r->mu);
