@@ -951,6 +951,18 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
  * KVs of shape `s` (filled from seed0 + i; tagged i when `tag_by_index`),
  * then posts all n sends back to back and waits for all of them.
  */
+/** A sending child's end: waits for every request, frees it, destroys the
+ *  communicator; 0 if all completed, else 12. */
+int finish_sends(kvxfer_comm_t comm, const std::vector<kvxfer_request_t>& reqs) {
+  int bad = 0;
+  for (auto r : reqs) {
+    if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
+    kvxfer_request_free(r);
+  }
+  kvxfer_comm_destroy(comm);
+  return bad == 0 ? 0 : 12;
+}
+
 int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed0,
               const kvxfer_codec_config_t& codec, kvxfer_mode_t mode, int timeout_ms,
               const char* rate, bool tag_by_index, int ready_fd = -1) {
@@ -974,13 +986,7 @@ int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed
                     &reqs[static_cast<size_t>(i)]) != KVXFER_SUCCESS)
       return 11;
   }
-  int bad = 0;
-  for (auto r : reqs) {
-    if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
-    kvxfer_request_free(r);
-  }
-  kvxfer_comm_destroy(comm);
-  return bad == 0 ? 0 : 12;
+  return finish_sends(comm, reqs);
 }
 
 // 64 requests in flight at once, each with its own KV; every one bit-exact.
@@ -1154,13 +1160,7 @@ TEST(Xfer, MixedModesOnOnePeerDoNotStall) {
       kvs.back()->fill(500 + i);
       if (post(c, true, kvs.back().get(), reqs[i], i, &out[i]) != KVXFER_SUCCESS) return 11;
     }
-    int bad = 0;
-    for (auto r : out) {
-      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) bad++;
-      kvxfer_request_free(r);
-    }
-    kvxfer_comm_destroy(c);
-    return bad == 0 ? 0 : 12;
+    return finish_sends(c, out);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
