@@ -92,7 +92,7 @@ TEST_P(QMatmul, EveryBatchThreadAndPathGivesTheSameBits) {
   for (int rows : {37, 192, 577}) {
     const int cols = rows == 37 ? 96 : 576;
     const Matrix m = random_matrix(type, rows, cols, 7u + rows);
-    const int n_max = 64;
+    const int n_max = 130;  // past the 64-token chunk of the batched products
     const std::vector<float> x = random_acts(n_max, cols, 11u + rows);
     // Sequential, one token at a time, one thread, scalar: the baseline.
     std::vector<float> base(static_cast<std::size_t>(n_max) * rows);
@@ -110,7 +110,7 @@ TEST_P(QMatmul, EveryBatchThreadAndPathGivesTheSameBits) {
     if (kd::have_avx2()) paths.push_back(kd::Path::kAvx2);
     for (kd::Path path : paths)
       for (int threads : {1, 2})
-        for (int n : {1, 2, 3, 7, 16, 17, 64}) {
+        for (int n : {1, 2, 3, 7, 16, 17, 64, 130}) {
           omp_set_num_threads(threads);
           std::vector<float> out(static_cast<std::size_t>(n) * rows);
           kd::matmul_path(path, m.w, x.data(), n, out.data());

@@ -4,6 +4,7 @@
 #include "model/qmatmul.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -13,8 +14,17 @@
 namespace kvxfer::model {
 namespace {
 
-constexpr int kPanelRows = 4;  // rows dequantized together and reused by every token
+// Rows dequantized together and reused by every token (the AVX2 tile).
+constexpr int kPanelRows = 3;
 constexpr std::int64_t kParallelWork = 1 << 15;
+constexpr int kTokenChunk = 64;  // tokens per product: 64 x 1536 floats fit in L2
+
+// n floats in *mem, the returned pointer 32-byte aligned.
+float* aligned32(std::vector<float>* mem, std::size_t n) {
+  mem->resize(n + 8);
+  const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(mem->data());
+  return reinterpret_cast<float*>((p + 31) & ~static_cast<std::uintptr_t>(31));
+}
 
 float half(const std::uint8_t* p) {
   std::uint16_t h;
@@ -98,26 +108,52 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
   if (n <= 0 || w.rows <= 0) return;
   if (w.type == WeightType::kF32) return matmul_f32(w, x, n, out);
   const int rows = w.rows, cols = w.cols;
+  // Prefill-sized batches go in chunks of tokens whose activations stay in L2
+  // while every panel reads them (each output still has one fixed order).
+  if (n > kTokenChunk) {
+    for (int t0 = 0; t0 < n; t0 += kTokenChunk)
+      matmul_path(path, w, x + static_cast<std::size_t>(t0) * cols,
+                  n - t0 < kTokenChunk ? n - t0 : kTokenChunk,
+                  out + static_cast<std::size_t>(t0) * rows);
+    return;
+  }
   const int n_panels = (rows + kPanelRows - 1) / kPanelRows;
   const bool avx2 = path == Path::kAvx2;
   const std::int64_t work = static_cast<std::int64_t>(n) * rows * cols;
+  // The batched AVX2 tile reads x with 32-byte loads: give it aligned rows.
+  std::vector<float> x_mem;
+  if (avx2 && n > 1 && reinterpret_cast<std::uintptr_t>(x) % 32 != 0) {
+    const std::size_t len = static_cast<std::size_t>(n) * cols;
+    float* xa = aligned32(&x_mem, len);
+    std::memcpy(xa, x, len * sizeof(float));
+    x = xa;
+  }
 #pragma omp parallel if (work >= kParallelWork)
   {
     // One token on the AVX2 path dequantizes in registers and needs no panel.
-    std::vector<float> panel(avx2 && n == 1 ? 0 : static_cast<std::size_t>(kPanelRows) * cols + 8);
+    std::vector<float> panel_mem, acc_mem;
+    float* panel = avx2 && n == 1
+                       ? nullptr
+                       : aligned32(&panel_mem, static_cast<std::size_t>(kPanelRows) * cols);
     std::vector<float> tile(static_cast<std::size_t>(n) * kPanelRows);
-#pragma omp for schedule(static)
+    // The AVX2 accumulators, one 8-lane vector per (token, row).
+    float* acc =
+        avx2 && n > 1 ? aligned32(&acc_mem, static_cast<std::size_t>(n) * kPanelRows * 8) : nullptr;
+    // Dynamic chunks: on a shared machine one thread may run slower; every
+    // output is still computed by one thread in one order.
+#pragma omp for schedule(dynamic, 16)
     for (int p = 0; p < n_panels; ++p) {
       const int r0 = p * kPanelRows, nr = rows - r0 < kPanelRows ? rows - r0 : kPanelRows;
       if (avx2 && n == 1) {
         // One token: dequantize in registers, no panel (the same values and fmas).
         rows_one_token_avx2(w, r0, nr, x, tile.data());
       } else if (avx2) {
-        dequantize_rows_avx2(w, r0, nr, panel.data());
-        panel_products_avx2(panel.data(), nr, cols, x, n, tile.data(), kPanelRows);
+        dequantize_rows_avx2(w, r0, nr, panel);
+        panel_products_avx2(panel, nr, cols, x, n, tile.data(), kPanelRows, acc);
       } else {
-        for (int r = 0; r < nr; ++r) dequantize_row(w, r0 + r, panel.data() + static_cast<std::size_t>(r) * cols);
-        panel_products_scalar(panel.data(), nr, cols, x, n, tile.data(), kPanelRows);
+        for (int r = 0; r < nr; ++r)
+          dequantize_row(w, r0 + r, panel + static_cast<std::size_t>(r) * cols);
+        panel_products_scalar(panel, nr, cols, x, n, tile.data(), kPanelRows);
       }
       for (int t = 0; t < n; ++t)
         for (int r = 0; r < nr; ++r)

@@ -55,13 +55,15 @@ enum class Path { kScalar, kAvx2 };
 bool have_avx2();
 void matmul_path(Path path, const WeightMatrix& w, const float* x, int n_tokens, float* out);
 // AVX2 kernels (qmatmul_avx2.cc): dequantize `n` rows starting at `row0`
-// into panel[n][cols], and the lane-ordered products of a panel.
+// into panel[n][cols] (32-byte aligned), and the lane-ordered products of a
+// panel.
 void dequantize_rows_avx2(const WeightMatrix& w, int row0, int n, float* panel);
 // One token against rows [row0, row0 + n), n <= 4: out[r] = row r0+r times x,
 // the weights dequantized in registers (the bits of the panel path).
 void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const float* x, float* out);
+// n_rows <= 3; acc: scratch of n_tokens * n_rows * 8 floats, 32-byte aligned.
 void panel_products_avx2(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                         float* out, int out_stride);
+                         float* out, int out_stride, float* acc);
 }  // namespace detail
 
 }  // namespace kvxfer::model

@@ -1,7 +1,9 @@
 // AVX2 + FMA kernels of qmatmul.h (compiled with -mavx2 -mfma; called only
 // when the CPU has both).  They compute exactly the scalar definition of
-// qmatmul.cc: the dequantization is the same multiply and add, and lane l of
-// an accumulator holds the fma chain of the elements k = l (mod 8).
+// qmatmul.cc: the dequantization gives the same values (Q4_1's d*q has at
+// most 11 + 4 significant bits, so it is exact and fma(d, q, m) rounds once,
+// as the multiply and add do), and lane l of an accumulator holds the fma
+// chain of the elements k = l (mod 8).
 #include <immintrin.h>
 
 #include <cstring>
@@ -28,32 +30,59 @@ inline void half2(const std::uint8_t* p, __m256* d, __m256* m) {
   *m = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
 }
 
+// acc[t][r] = the 8 lanes of panel row r times x row t, for NR rows and NT
+// tokens (acc: one __m256 per (token, row), rows fastest).  3 x 4 is the
+// largest tile whose 12 accumulators, 3 weights and 1 activation fit in the
+// 16 registers: per 8 k, 7 loads and 12 fmas.
 template <int NR, int NT>
-void tile(const float* panel, int cols, const float* x, float* out, int out_stride) {
-  __m256 acc[NR][NT];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int k = 0; k < cols; k += 8) {
+void tile(const float* panel, int cols, const float* x, __m256* acc) {
+  __m256 a[NR][NT];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < NR; ++r) a[r][t] = _mm256_setzero_ps();
+  int k = 0;
+  do {  // cols >= 32: a do-while keeps the accumulators in registers
     __m256 w[NR];
     for (int r = 0; r < NR; ++r) w[r] = _mm256_loadu_ps(panel + static_cast<std::size_t>(r) * cols + k);
     for (int t = 0; t < NT; ++t) {
       const __m256 xv = _mm256_loadu_ps(x + static_cast<std::size_t>(t) * cols + k);
-      for (int r = 0; r < NR; ++r) acc[r][t] = _mm256_fmadd_ps(w[r], xv, acc[r][t]);
+      for (int r = 0; r < NR; ++r) a[r][t] = _mm256_fmadd_ps(w[r], xv, a[r][t]);
     }
-  }
+    k += 8;
+  } while (k < cols);
   for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < NR; ++r) out[static_cast<std::size_t>(t) * out_stride + r] = lane_sum(acc[r][t]);
+    for (int r = 0; r < NR; ++r)
+      _mm256_store_ps(reinterpret_cast<float*>(acc + t * NR + r), a[r][t]);
+}
+
+// The lane sums of 8 accumulators v[0..7] at once, each in lane_sum's order:
+// u = lo + hi (l0+l4, l1+l5, l2+l6, l3+l7), then (u0+u2) + (u1+u3).
+inline __m256 lane_sum8(const __m256* v) {
+  __m256 u[4];
+  for (int i = 0; i < 4; ++i)  // [v2i.lo | v2i+1.lo] + [v2i.hi | v2i+1.hi]
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  // [u0+u2, u1+u3] of v0, v2 | of v1, v3 (and of v4, v6 | v5, v7).
+  const __m256 s0 =
+      _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x44), _mm256_shuffle_ps(u[0], u[1], 0xEE));
+  const __m256 s1 =
+      _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], 0x44), _mm256_shuffle_ps(u[2], u[3], 0xEE));
+  // (u0+u2) + (u1+u3): lanes hold v0, v2, v4, v6 | v1, v3, v5, v7.
+  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, 0x88), _mm256_shuffle_ps(s0, s1, 0xDD));
+  return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 template <int NR>
-void rows_tile(const float* panel, int cols, const float* x, int n_tokens, float* out, int stride) {
+void rows_tile(const float* panel, int cols, const float* x, int n_tokens, __m256* acc) {
   int t = 0;
-  for (; t + 3 <= n_tokens; t += 3)
-    tile<NR, 3>(panel, cols, x + static_cast<std::size_t>(t) * cols, out + static_cast<std::size_t>(t) * stride, stride);
-  if (n_tokens - t == 2)
-    tile<NR, 2>(panel, cols, x + static_cast<std::size_t>(t) * cols, out + static_cast<std::size_t>(t) * stride, stride);
-  else if (n_tokens - t == 1)
-    tile<NR, 1>(panel, cols, x + static_cast<std::size_t>(t) * cols, out + static_cast<std::size_t>(t) * stride, stride);
+  for (; t + 4 <= n_tokens; t += 4)
+    tile<NR, 4>(panel, cols, x + static_cast<std::size_t>(t) * cols, acc + t * NR);
+  const float* xt = x + static_cast<std::size_t>(t) * cols;
+  switch (n_tokens - t) {
+    case 3: return tile<NR, 3>(panel, cols, xt, acc + t * NR);
+    case 2: return tile<NR, 2>(panel, cols, xt, acc + t * NR);
+    case 1: return tile<NR, 1>(panel, cols, xt, acc + t * NR);
+    default: return;
+  }
 }
 
 }  // namespace
@@ -61,7 +90,7 @@ void rows_tile(const float* panel, int cols, const float* x, int n_tokens, float
 void dequantize_rows_avx2(const WeightMatrix& w, int row0, int n, float* panel) {
   const int cols = w.cols, nb = cols / 32;
   const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int r = 0; r < n; ++r) {
     float* out = panel + static_cast<std::size_t>(r) * cols;
     if (w.type == WeightType::kQ4_1) {
@@ -70,14 +99,20 @@ void dequantize_rows_avx2(const WeightMatrix& w, int row0, int n, float* panel) 
       for (int b = 0; b < nb; ++b, p += 20) {
         __m256 d, m;
         half2(p, &d, &m);
-        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-        const __m128i lo = _mm_and_si128(qs, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int g = 0; g < 4; ++g) {
-          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g]));
-          _mm256_storeu_ps(out + b * 32 + g * 8, _mm256_add_ps(_mm256_mul_ps(d, q), m));
-        }
+        // Bytes j..j+7 widened once give elements j.. (low nibbles) and
+        // 16+j.. (high nibbles).
+        const __m256i b0 =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
+        const __m256i b1 =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
+        float* o = out + b * 32;  // d*q exact: fma = RN(RN(d*q) + m)
+        _mm256_store_ps(o, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), m));
+        _mm256_store_ps(o + 8,
+                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), m));
+        _mm256_store_ps(o + 16,
+                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m));
+        _mm256_store_ps(o + 24,
+                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m));
       }
     } else if (w.type == WeightType::kQ8_0) {
       const std::uint8_t* p = base + static_cast<std::size_t>(row0 + r) * nb * 34;
@@ -117,10 +152,10 @@ void one_token_q4_1(const std::uint8_t* base, std::size_t row_bytes, int nb, con
       // elements j..j+7, the high ones elements 16+j..16+j+7.
       const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
       const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
-      const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4))), m);
-      const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4))), m);
-      const __m256 w2 = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4))), m);
-      const __m256 w3 = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))), m);
+      const __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), m);
+      const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), m);
+      const __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
+      const __m256 w3 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
       acc[r] = _mm256_fmadd_ps(w0, x0, acc[r]);
       acc[r] = _mm256_fmadd_ps(w1, x1, acc[r]);
       acc[r] = _mm256_fmadd_ps(w2, x2, acc[r]);
@@ -174,13 +209,19 @@ void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const float* x,
 }
 
 void panel_products_avx2(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                         float* out, int out_stride) {
+                         float* out, int out_stride, float* acc_buf) {
+  __m256* acc = reinterpret_cast<__m256*>(acc_buf);
   switch (n_rows) {
-    case 4: return rows_tile<4>(panel, cols, x, n_tokens, out, out_stride);
-    case 3: return rows_tile<3>(panel, cols, x, n_tokens, out, out_stride);
-    case 2: return rows_tile<2>(panel, cols, x, n_tokens, out, out_stride);
-    default: return rows_tile<1>(panel, cols, x, n_tokens, out, out_stride);
+    case 3: rows_tile<3>(panel, cols, x, n_tokens, acc); break;
+    case 2: rows_tile<2>(panel, cols, x, n_tokens, acc); break;
+    default: rows_tile<1>(panel, cols, x, n_tokens, acc); break;
   }
+  // acc is [token][row]; out_stride == n_rows makes out the same order.
+  const int n = n_tokens * n_rows;
+  int i = 0;
+  if (out_stride == n_rows)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, lane_sum8(acc + i));
+  for (; i < n; ++i) out[(i / n_rows) * out_stride + i % n_rows] = lane_sum(acc[i]);
 }
 
 }  // namespace kvxfer::model::detail
