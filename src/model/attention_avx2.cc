@@ -71,12 +71,13 @@ template <int NV>
 inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t stride, __m256 divv) {
   const int nv = NV > 0 ? NV : nv_run;
   __m256 acc[8];
-  for (int u = 0; u < 8; ++u) {
-    const float* k = k0 + static_cast<std::size_t>(u) * stride;
-    __m256 a = _mm256_setzero_ps();
-    for (int j = 0; j < nv; ++j) a = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a);
-    acc[u] = a;
-  }
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  // j outermost: the 8 keys' chains interleave, so consecutive fmas are
+  // independent (each key's chain is still j ascending).
+  for (int j = 0; j < nv; ++j)
+    for (int u = 0; u < 8; ++u)
+      acc[u] = _mm256_fmadd_ps(
+          qv[j], _mm256_loadu_ps(k0 + static_cast<std::size_t>(u) * stride + 8 * j), acc[u]);
   __m256 h[4];
   for (int i = 0; i < 4; ++i)
     h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
@@ -141,8 +142,17 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
   for (int g = 0; g < n_q; ++g) {
     float* sc = scores + static_cast<std::size_t>(g) * score_stride;
     const int n = counts[g];
+    // The maximum (exact, so any order gives its value; a zero's sign
+    // cannot change exp8(s - max)).
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int t8 = 0;
+    for (; t8 + 8 <= n; t8 += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sc + t8), mv);
+    alignas(32) float ml[8];
+    _mm256_store_ps(ml, mv);
     float max_val = -INFINITY;
-    for (int t = 0; t < n; ++t)
+    for (float v : ml)
+      if (v > max_val) max_val = v;
+    for (int t = t8; t < n; ++t)
       if (sc[t] > max_val) max_val = sc[t];
     int present = 0, seen = 0;  // keys not dropped among the first n
     for (int s = 0; s < n_segs && seen < n; ++s) {
