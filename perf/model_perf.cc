@@ -8,6 +8,7 @@
 //
 // Each figure is the median of -n repetitions (after one warm-up).  Exit 77
 // when the default model has not been fetched (scripts/install-deps.sh).
+#include <immintrin.h>
 #include <omp.h>
 #include <time.h>
 
@@ -44,6 +45,46 @@ double median_time(int reps, F&& f) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// The FMA throughput of one thread: 12 independent chains of 8-lane fmas for
+// about `seconds` (AVX2; 0 when the CPU has none).  GFLOP/s, 2 per lane-fma.
+__attribute__((target("avx2,fma"))) double fma_gflops_avx2(double seconds) {
+  __m256 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(1.0f + 1e-7f * static_cast<float>(i));
+  const __m256 b = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
+  long iters = 0;
+  const double t0 = now_s();
+  double t = t0;
+  while (t - t0 < seconds) {
+    for (int n = 0; n < 100000; ++n)
+      for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], b, c);
+    iters += 100000;
+    t = now_s();
+  }
+  float sink = 0;
+  for (int i = 0; i < 12; ++i) sink += _mm256_cvtss_f32(a[i]);
+  volatile float keep = sink;
+  (void)keep;
+  return static_cast<double>(iters) * 12 * 16 / (t - t0) / 1e9;
+}
+
+// The FMA peak of the OpenMP threads running at once: the compute limit of a
+// batched pass.
+double fma_peak_gflops() {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+  double total = 0;
+#pragma omp parallel reduction(+ : total)
+  total += fma_gflops_avx2(0.2);
+  return total;
+}
+
+// Multiply-adds of one token's forward pass at `keys` keys (attention over
+// them, q.k and p.v): the matrices, the classifier and the attention.
+double token_macs(const km::Config& c, double keys) {
+  const double d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
+  const double per_layer = d * d * 2 + 2 * kv * d + 3 * d * h + 2.0 * c.n_heads * c.head_size() * keys;
+  return c.n_layers * per_layer + static_cast<double>(c.vocab_size) * d;
 }
 
 }  // namespace
@@ -121,19 +162,30 @@ int main(int argc, char** argv) {
     });
   }
 
-  std::printf("#%10s %8s %12s %12s %10s\n", "what", "tokens", "time_ms", "per_token", "steps");
-  std::printf(" %10s %8d %12.1f %12.3f %10s\n", "prefill", ctx, t_prefill * 1e3, t_prefill * 1e3 / ctx, "-");
-  std::printf(" %10s %8d %12.2f %12.2f %10.2f\n", "decode", 1, t_step * 1e3, t_step * 1e3, 1.0);
+  const double peak = fma_peak_gflops();
+  std::printf("#%10s %8s %12s %12s %10s %12s\n", "what", "tokens", "time_ms", "per_token", "steps",
+              "floor_steps");
+  std::printf(" %10s %8d %12.1f %12.3f %10s %12s\n", "prefill", ctx, t_prefill * 1e3,
+              t_prefill * 1e3 / ctx, "-", "-");
+  std::printf(" %10s %8d %12.2f %12.2f %10.2f %12s\n", "decode", 1, t_step * 1e3, t_step * 1e3, 1.0,
+              "-");
   for (int v : passes) {
     const std::vector<int> draft(static_cast<size_t>(v), 7);
     const double t = median_time(reps, [&] {
       km::KVCache tail;
       m->verify(draft, ctx, view, &tail, &logits, &err);
     });
-    std::printf(" %10s %8d %12.2f %12.3f %10.2f\n", "verify", v, t * 1e3, t * 1e3 / v, t / t_step);
+    // The pass at the FMA peak: v tokens at ctx + 1 .. ctx + v keys.
+    const double flops = 2 * v * token_macs(c, ctx + (v + 1) / 2.0);
+    std::printf(" %10s %8d %12.2f %12.3f %10.2f %12.2f\n", "verify", v, t * 1e3, t * 1e3 / v,
+                t / t_step, peak > 0 ? flops / (peak * 1e9) / t_step : 0.0);
   }
   std::printf("# prefill %.0f tokens/s at %d tokens; decode step at context %d: %.2f ms (TPOT)\n",
               ctx / t_prefill, ctx, ctx, t_step * 1e3);
+  if (peak > 0)
+    std::printf("# FMA peak of the %d threads in the same run: %.1f GFLOP/s; floor_steps = the pass's "
+                "multiply-adds at that peak, in decode steps\n",
+                omp_get_max_threads(), peak);
   if (t_copy > 0)
     std::printf("# memcpy of the %.1f MB of tensors in the same run: %.2f ms = %.3f of a decode step\n",
                 static_cast<double>(weight_bytes) / 1e6, t_copy * 1e3, t_copy / t_step);
