@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "model/attention_kernels.h"
 #include "model/lanes.h"
@@ -65,6 +66,18 @@ inline void softmax_scores(float* sc, int n, float max_val, const Segment* segs,
   for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
 }
 
+// The lane_sum of each of 8 accumulators, as one vector in their order.
+inline __m256 lane_sums8(const __m256* acc) {
+  __m256 h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+  const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
+  const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // Scores of 8 consecutive keys (rows k0 + u*stride, u < 8) for one query in
 // registers: the 8-lane dots reduced by the shuffles of lane_sum, divided.
 template <int NV>
@@ -78,14 +91,35 @@ inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t
     for (int u = 0; u < 8; ++u)
       acc[u] = _mm256_fmadd_ps(
           qv[j], _mm256_loadu_ps(k0 + static_cast<std::size_t>(u) * stride + 8 * j), acc[u]);
-  __m256 h[4];
-  for (int i = 0; i < 4; ++i)
-    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
-  const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
-  const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
-  return _mm256_div_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), divv);
+  return _mm256_div_ps(lane_sums8(acc), divv);
+}
+
+// scores8 for two queries at once: per 8 elements of the head, 4 keys are
+// loaded once for both (8 accumulators, 4 key registers), so the fmas, not
+// the loads, bound the loop.  Each score is still its own chain over j.
+template <int NV>
+inline void scores8x2(const float* qa, const float* qb, int nv_run, const float* k0,
+                      std::size_t stride, __m256 divv, float* outa, float* outb) {
+  const int nv = NV > 0 ? NV : nv_run;
+  for (int half = 0; half < 2; ++half) {
+    __m256 a[2][4];
+    for (int g = 0; g < 2; ++g)
+      for (int u = 0; u < 4; ++u) a[g][u] = _mm256_setzero_ps();
+    const float* kh = k0 + static_cast<std::size_t>(4 * half) * stride;
+    for (int j = 0; j < nv; ++j) {
+      __m256 kv[4];
+      for (int u = 0; u < 4; ++u) kv[u] = _mm256_loadu_ps(kh + static_cast<std::size_t>(u) * stride + 8 * j);
+      const __m256 x = _mm256_loadu_ps(qa + 8 * j);
+      for (int u = 0; u < 4; ++u) a[0][u] = _mm256_fmadd_ps(x, kv[u], a[0][u]);
+      const __m256 y = _mm256_loadu_ps(qb + 8 * j);
+      for (int u = 0; u < 4; ++u) a[1][u] = _mm256_fmadd_ps(y, kv[u], a[1][u]);
+    }
+    // Keys 4*half.. of query a in the low half, of query b in the high half.
+    const __m256 acc[8] = {a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3]};
+    const __m256 r = _mm256_div_ps(lane_sums8(acc), divv);
+    _mm_storeu_ps(outa + 4 * half, _mm256_castps256_ps128(r));
+    _mm_storeu_ps(outb + 4 * half, _mm256_extractf128_ps(r, 1));
+  }
 }
 
 }  // namespace
@@ -104,6 +138,7 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
   // Pass 1: scores, keys outermost in blocks of 8, so a block of K stays in
   // L1 while every query reads it.  A score's bits do not depend on the
   // blocking (scores8 == lane_sum / div, key by key).
+  std::vector<int> active(static_cast<std::size_t>(n_q));
   int base = 0;
   for (int s = 0; s < n_segs; ++s) {
     const Segment& sg = segs[s];
@@ -111,12 +146,18 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
     if (sg.drop == nullptr) {
       for (; t + 8 <= sg.count; t += 8) {
         const float* k0 = sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off;
-        for (int g = 0; g < n_q; ++g) {
-          if (counts[g] < base + t + 8) continue;  // this query stops inside the block
+        int na = 0;  // the queries that see the whole block, in pairs
+        for (int g = 0; g < n_q; ++g)
+          if (counts[g] >= base + t + 8) active[na++] = g;
+        auto dst = [&](int g) { return scores + static_cast<std::size_t>(g) * score_stride + base + t; };
+        int i = 0;
+        for (; i + 2 <= na; i += 2)
+          scores8x2<NV>(q[active[i]], q[active[i + 1]], nv, k0, sg.k_stride, divv, dst(active[i]),
+                        dst(active[i + 1]));
+        if (i < na) {
           __m256 qv[16];
-          for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q[g] + 8 * j);
-          _mm256_storeu_ps(scores + static_cast<std::size_t>(g) * score_stride + base + t,
-                           scores8<NV>(qv, nv, k0, sg.k_stride, divv));
+          for (int j = 0; j < nv; ++j) qv[j] = _mm256_loadu_ps(q[active[i]] + 8 * j);
+          _mm256_storeu_ps(dst(active[i]), scores8<NV>(qv, nv, k0, sg.k_stride, divv));
         }
       }
     }
@@ -173,14 +214,44 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
   }
   // Pass 3: out_g = fma chain over keys in order, keys outermost in blocks of
   // 16 so a block of V stays in L1; each query's accumulators live in
-  // registers for the block.
+  // registers for the block.  Queries that see the whole block (no drop
+  // mask) go three at a time over 32 elements of the head: 12 independent
+  // chains, where one query's 8 would wait on the fma latency.
   constexpr int kBlock = 16;
   base = 0;
   for (int s = 0; s < n_segs; ++s) {
     const Segment& sg = segs[s];
     for (int t0 = 0; t0 < sg.count; t0 += kBlock) {
       const int t1 = std::min(sg.count, t0 + kBlock);
+      int nfull = 0;
+      if (sg.drop == nullptr && nv % 4 == 0)
+        for (int g = 0; g < n_q; ++g)
+          if (counts[g] - base >= t1) active[nfull++] = g;
+      nfull -= nfull % 3;
+      for (int i = 0; i < nfull; i += 3) {
+        const float* p[3];
+        for (int r = 0; r < 3; ++r) p[r] = scores + static_cast<std::size_t>(active[i + r]) * score_stride + base;
+        for (int h = 0; h < nv; h += 4) {
+          __m256 o[3][4];
+          for (int r = 0; r < 3; ++r)
+            for (int j = 0; j < 4; ++j) o[r][j] = _mm256_loadu_ps(out[active[i + r]] + 8 * (h + j));
+          for (int t = t0; t < t1; ++t) {
+            const __m256 a0 = _mm256_set1_ps(p[0][t]), a1 = _mm256_set1_ps(p[1][t]),
+                         a2 = _mm256_set1_ps(p[2][t]);
+            const float* v = sg.v + static_cast<std::size_t>(t) * sg.v_stride + kv_off + 8 * h;
+            for (int j = 0; j < 4; ++j) {
+              const __m256 vv = _mm256_loadu_ps(v + 8 * j);
+              o[0][j] = _mm256_fmadd_ps(a0, vv, o[0][j]);
+              o[1][j] = _mm256_fmadd_ps(a1, vv, o[1][j]);
+              o[2][j] = _mm256_fmadd_ps(a2, vv, o[2][j]);
+            }
+          }
+          for (int r = 0; r < 3; ++r)
+            for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[active[i + r]] + 8 * (h + j), o[r][j]);
+        }
+      }
       for (int g = 0; g < n_q; ++g) {
+        if (std::find(active.begin(), active.begin() + nfull, g) != active.begin() + nfull) continue;
         const int end = std::min(t1, counts[g] - base);
         if (end <= t0) continue;
         const float* p = scores + static_cast<std::size_t>(g) * score_stride + base;
