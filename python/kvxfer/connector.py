@@ -58,7 +58,7 @@ import weakref
 
 from . import core
 from ._abi import Dtype, Mode, Stage
-from ._errors import KvxferError
+from ._errors import KvxferError, Result
 
 __all__ = ["KVArgs", "KVManager", "KVPoll", "KVReceiver", "KVSender", "Role"]
 
@@ -298,6 +298,14 @@ class _Transfer:
                 return before_handshake
             return KVPoll.Transferring
         except KvxferError as e:
+            if self._placeholder and e.code != Result.ERR_CANCELLED:
+                # A placeholder exists only to be cancelled, and its descriptor
+                # differs from the peer's by design: when the handshake
+                # beats the cancel, the engine reports the mismatch.
+                e = KvxferError(Result.ERR_CANCELLED,
+                                "room %d was cancelled before its pages were given; its "
+                                "placeholder request ended first with: %s" % (self.room, e),
+                                core.error_string(Result.ERR_CANCELLED), e.function)
             self._fail(e)
             return KVPoll.Failed
 

@@ -172,3 +172,35 @@ def test_kvargs_from_sglang_and_bootstrap_failure():
         assert "malformed" in e.value.message
     finally:
         mgr.close()
+
+
+class _FailedRequest:
+    """A request that ended in ERROR with `code` (no engine needed)."""
+
+    def __init__(self, code):
+        self.code = code
+        self.stage = kvxfer.Stage.ERROR
+
+    def test(self):
+        raise kvxfer.KvxferError(self.code, "descriptors differ", "mismatch", "kvxfer_test")
+
+
+class _Mgr:
+    peer = 1
+
+
+@pytest.mark.parametrize("placeholder, want", [(True, kvxfer.Result.ERR_CANCELLED),
+                                               (False, kvxfer.Result.ERR_MISMATCH)])
+def test_a_placeholder_whose_handshake_beat_its_cancel_still_reports_cancelled(placeholder, want):
+    # The zero-token placeholder's descriptor never matches the peer's, so a
+    # handshake that runs before the cancel is processed ends it in
+    # ERR_MISMATCH; the room was cancelled, and says so.  A real transfer
+    # keeps its own error.
+    t = connector.KVSender(_Mgr(), bootstrap_room=3)
+    t._placeholder = placeholder
+    t.request = _FailedRequest(kvxfer.Result.ERR_MISMATCH)
+    assert t._request_state(KVPoll.Transferring) == KVPoll.Failed
+    with pytest.raises(kvxfer.KvxferError) as e:
+        t.failure_exception()
+    assert e.value.code == want
+    assert "descriptors differ" in str(e.value)
