@@ -250,6 +250,50 @@ TEST(AttentionKernel, SwigluAvx2EqualsScalar) {
 namespace {
 // attend_group (keys read once for several queries) gives each query the
 // bits of attend_head on the segments cut to its key count.
+// A head wider than the AVX2 kernels hold (136 > 128) takes attend_group's
+// per-query fallback; with five segments every one of them must count.
+TEST(AttentionKernel, WideHeadGroupOverFiveSegmentsEqualsOneQueryAtATime) {
+  std::mt19937 rng(22);
+  std::normal_distribution<float> g(0, 2);
+  const int hs = 136, n_segs = 5, per = 3;
+  std::vector<std::vector<float>> k(n_segs, std::vector<float>(per * hs)), v(k);
+  std::vector<kd::Segment> segs;
+  for (int s = 0; s < n_segs; ++s) {
+    for (auto& x : k[s]) x = g(rng);
+    for (auto& x : v[s]) x = g(rng);
+    segs.push_back({k[s].data(), v[s].data(), static_cast<std::size_t>(hs),
+                    static_cast<std::size_t>(hs), per});
+  }
+  const int n_q = 3;
+  std::vector<std::vector<float>> qs(n_q, std::vector<float>(hs)),
+      outs(n_q, std::vector<float>(hs));
+  std::vector<const float*> qp;
+  std::vector<float*> op;
+  const std::vector<int> counts = {n_segs * per, n_segs * per - 1, 4};
+  for (int i = 0; i < n_q; ++i) {
+    for (auto& x : qs[i]) x = g(rng);
+    qp.push_back(qs[i].data());
+    op.push_back(outs[i].data());
+  }
+  const std::size_t stride = n_segs * per + 8;
+  std::vector<float> scores(n_q * stride);
+  kd::attend_group(qp.data(), counts.data(), n_q, hs, 0, segs.data(), n_segs, scores.data(), stride,
+                   op.data());
+  for (int i = 0; i < n_q; ++i) {
+    std::vector<kd::Segment> cut;
+    for (int s = 0, left = counts[i]; s < n_segs && left > 0; ++s) {
+      cut.push_back(segs[s]);
+      cut.back().count = std::min(per, left);
+      left -= cut.back().count;
+    }
+    std::vector<float> s1(stride), o1(hs);
+    kd::attend_head_scalar(qs[i].data(), hs, 0, cut.data(), static_cast<int>(cut.size()), s1.data(),
+                           o1.data());
+    SCOPED_TRACE(testing::Message() << "query " << i);
+    expect_bits(outs[i], o1, "group vs single");
+  }
+}
+
 TEST(AttentionKernel, GroupEqualsOneQueryAtATime) {
   std::mt19937 rng(21);
   std::normal_distribution<float> g(0, 2);

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "model/lanes.h"
 #include "model/qmatmul.h"
@@ -119,15 +120,16 @@ void attend_group(const float* const* q, const int* counts, int n_q, int head_si
     attend_group_avx2(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
     return;
   }
+  std::vector<Segment> cut(static_cast<std::size_t>(n_segs));
   for (int g = 0; g < n_q; ++g) {
-    Segment cut[4];
     int left = counts[g], m = 0;
-    for (int s = 0; s < n_segs && m < 4 && left > 0; ++s, ++m) {
+    for (int s = 0; s < n_segs && left > 0; ++s, ++m) {
       cut[m] = segs[s];
       cut[m].count = segs[s].count < left ? segs[s].count : left;
       left -= cut[m].count;
     }
-    attend_head(q[g], head_size, kv_off, cut, m, scores + static_cast<std::size_t>(g) * score_stride, out[g]);
+    attend_head(q[g], head_size, kv_off, cut.data(), m,
+                scores + static_cast<std::size_t>(g) * score_stride, out[g]);
   }
 }
 

@@ -47,7 +47,9 @@ void attend_group_avx2(const float* const* q, const int* counts, int n_q, int he
                        std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
                        std::size_t score_stride, float* const* out);
 
-// The two paths, for the tests; attend_head picks AVX2 when the CPU has it.
+// The two paths, for the tests; attend_head picks AVX2 when the CPU has it
+// and head_size <= 128.  The *_avx2 entry points require head_size <= 128 (a
+// multiple of 8): they hold a head in 16 registers' worth of stack.
 void attend_head_scalar(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
                         int n_segs, float* scores, float* out);
 void attend_head_avx2(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
