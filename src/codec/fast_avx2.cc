@@ -617,6 +617,29 @@ void decode_row_avx2(const uint8_t* idx, int32_t H, const float* m, const float*
 
 }  // namespace
 
+bool copy_row_bf16_scanning_avx2(uint8_t* dst, const uint8_t* src, int32_t H) {
+  const __m256i mask = _mm256_set1_epi16(0x7F80);
+  __m256i any = _mm256_setzero_si256();
+  const size_t n = static_cast<size_t>(H) * 2;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi16(_mm256_and_si256(a, mask), mask));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi16(_mm256_and_si256(b, mask), mask));
+  }
+  bool bad = !_mm256_testz_si256(any, any);
+  for (; i < n; i += 2) {
+    uint16_t u;
+    std::memcpy(&u, src + i, 2);
+    std::memcpy(dst + i, &u, 2);
+    bad = bad || (u & 0x7F80) == 0x7F80;
+  }
+  return bad;
+}
+
 const RowKernels& avx2_kernels() {
   static const RowKernels k{chunk_minmax_avx2,  chunk_meta_avx2,    load_meta_avx2,
                             encode_row_avx2,    encode_params_avx2, encode_row_nibbles_avx2,

@@ -322,10 +322,15 @@ class HostBackend final : public EncodeBackend {
     const size_t bytes = static_cast<size_t>(H) * 2;
     uint8_t* out = anc_ + kHeaderBytes;
     bool any = false;
+    const bool avx2 = impl_ == Impl::AVX2;
     for (int64_t t = 0; t < T; ++t) {
       uint8_t* orow = out + static_cast<size_t>(t) * bytes;
-      std::memcpy(orow, lay_.row(t), bytes);
-      any |= row_has_nonfinite(orow, H, KVXFER_DTYPE_BF16);
+      if (avx2) {
+        any |= fast::copy_row_bf16_scanning_avx2(orow, lay_.row(t), H);
+      } else {
+        std::memcpy(orow, lay_.row(t), bytes);
+        any |= row_has_nonfinite(orow, H, KVXFER_DTYPE_BF16);
+      }
     }
     at->found = false;
     if (any) locate(at);  // the first one, as scan_nonfinite reports it

@@ -264,6 +264,13 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads);
 void decode(const DecodeJob& job, bool avx2, int threads);
 /** True if this CPU can run the AVX2 path (AVX2 + F16C). */
 bool cpu_has_avx2();
+/**
+ * The BF16 passthrough of one bf16 row (fast_avx2.cc; only if cpu_has_avx2()):
+ * copies H values (2*H bytes) from src to dst, which must not overlap, and
+ * returns whether any is NaN or Inf (exponent bits all set), as
+ * row_has_nonfinite does, in the same pass.
+ */
+bool copy_row_bf16_scanning_avx2(uint8_t* dst, const uint8_t* src, int32_t H);
 }  // namespace fast
 
 /**
