@@ -66,18 +66,6 @@ inline void softmax_scores(float* sc, int n, float max_val, const Segment* segs,
   for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
 }
 
-// The lane_sum of each of 8 accumulators, as one vector in their order.
-inline __m256 lane_sums8(const __m256* acc) {
-  __m256 h[4];
-  for (int i = 0; i < 4; ++i)
-    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
-  const __m256 x0 = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44), _mm256_shuffle_ps(h[0], h[1], 0xEE));
-  const __m256 x1 = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44), _mm256_shuffle_ps(h[2], h[3], 0xEE));
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x88), _mm256_shuffle_ps(x0, x1, 0xDD));
-  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
 // Scores of 8 consecutive keys (rows k0 + u*stride, u < 8) for one query in
 // registers: the 8-lane dots reduced by the shuffles of lane_sum, divided.
 template <int NV>
@@ -250,8 +238,11 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
             for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[active[i + r]] + 8 * (h + j), o[r][j]);
         }
       }
-      for (int g = 0; g < n_q; ++g) {
-        if (std::find(active.begin(), active.begin() + nfull, g) != active.begin() + nfull) continue;
+      for (int g = 0, k = 0; g < n_q; ++g) {
+        if (k < nfull && active[k] == g) {  // done above (active is ascending)
+          ++k;
+          continue;
+        }
         const int end = std::min(t1, counts[g] - base);
         if (end <= t0) continue;
         const float* p = scores + static_cast<std::size_t>(g) * score_stride + base;

@@ -21,6 +21,24 @@ inline float lane_sum(__m256 v) {
   const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
+
+// lane_sum of each of v[0..7] at once, as one vector in their order: the
+// same additions, u = lo + hi (l0+l4, l1+l5, l2+l6, l3+l7), then
+// (u0+u2) + (u1+u3), on transposed vectors.
+inline __m256 lane_sums8(const __m256* v) {
+  __m256 u[4];
+  for (int i = 0; i < 4; ++i)  // [v2i.lo | v2i+1.lo] + [v2i.hi | v2i+1.hi]
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  // [u0+u2, u1+u3] of v0, v2 | of v1, v3 (and of v4, v6 | v5, v7).
+  const __m256 s0 =
+      _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x44), _mm256_shuffle_ps(u[0], u[1], 0xEE));
+  const __m256 s1 =
+      _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], 0x44), _mm256_shuffle_ps(u[2], u[3], 0xEE));
+  // (u0+u2) + (u1+u3): lanes hold v0, v2, v4, v6 | v1, v3, v5, v7.
+  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, 0x88), _mm256_shuffle_ps(s0, s1, 0xDD));
+  return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 #endif
 
 }  // namespace kvxfer::model::detail

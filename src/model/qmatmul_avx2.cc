@@ -54,23 +54,6 @@ void tile(const float* panel, int cols, const float* x, __m256* acc) {
       _mm256_store_ps(reinterpret_cast<float*>(acc + t * NR + r), a[r][t]);
 }
 
-// The lane sums of 8 accumulators v[0..7] at once, each in lane_sum's order:
-// u = lo + hi (l0+l4, l1+l5, l2+l6, l3+l7), then (u0+u2) + (u1+u3).
-inline __m256 lane_sum8(const __m256* v) {
-  __m256 u[4];
-  for (int i = 0; i < 4; ++i)  // [v2i.lo | v2i+1.lo] + [v2i.hi | v2i+1.hi]
-    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
-  // [u0+u2, u1+u3] of v0, v2 | of v1, v3 (and of v4, v6 | v5, v7).
-  const __m256 s0 =
-      _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x44), _mm256_shuffle_ps(u[0], u[1], 0xEE));
-  const __m256 s1 =
-      _mm256_add_ps(_mm256_shuffle_ps(u[2], u[3], 0x44), _mm256_shuffle_ps(u[2], u[3], 0xEE));
-  // (u0+u2) + (u1+u3): lanes hold v0, v2, v4, v6 | v1, v3, v5, v7.
-  const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(s0, s1, 0x88), _mm256_shuffle_ps(s0, s1, 0xDD));
-  return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
 template <int NR>
 void rows_tile(const float* panel, int cols, const float* x, int n_tokens, __m256* acc) {
   int t = 0;
@@ -220,7 +203,7 @@ void panel_products_avx2(const float* panel, int n_rows, int cols, const float* 
   const int n = n_tokens * n_rows;
   int i = 0;
   if (out_stride == n_rows)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, lane_sum8(acc + i));
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, lane_sums8(acc + i));
   for (; i < n; ++i) out[(i / n_rows) * out_stride + i % n_rows] = lane_sum(acc[i]);
 }
 
