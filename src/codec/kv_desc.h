@@ -50,14 +50,15 @@ enum class KvAccess {
  * Memory, when num_tokens > 0: both tables must be readable (copied with
  * process_vm_readv, so a bad table pointer is an error, not a crash); every
  * block a token lives in is non-NULL and aligned to the element size.  For
- * host memory (device -1) the first and last used byte of every such block,
- * and one byte in every page between, must be readable (kRead) or writable
- * (kWrite), checked the same way; the write probe writes back the bytes it read, so nothing may write those blocks
- * during the call (the descriptor's contract: they belong to the request
- * from the post on).  Device pointers are left to the CUDA checks.
+ * host memory (device -1) the first and last used byte of every such block
+ * must be readable (kRead) or writable (kWrite), probed with
+ * process_vm_readv/writev in batches of 1024, and every page between them
+ * mapped (mincore); a mapped but protected page between them is not caught.
+ * The write probe writes back the bytes it read, so nothing may write those
+ * blocks during the call (the descriptor's contract: they belong to the
+ * request from the post on).  Device pointers are left to the CUDA checks.
  *
- * Thread-safe.  Cost: one system call per 1024 probed bytes (a 64 MiB KV
- * about 16).
+ * Thread-safe.
  */
 kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                                  const std::string& prefix, KvDesc* out);

@@ -288,7 +288,8 @@ struct Engine::Impl {
   // class stalled when progressive and monolithic requests shared a peer.
   std::vector<std::deque<std::shared_ptr<Request>>> encode_fifo;
   void pump_encodes(int peer);
-  void post_anchor_recvs(const std::shared_ptr<Request>& r);           // receiver: as slots allow
+  void post_anchor_recvs(
+      const std::shared_ptr<Request>& r);  // receiver: every page, at the handshake
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
   int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
   void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);
