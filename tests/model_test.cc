@@ -254,6 +254,63 @@ TEST(Llama2, ExternalViewIsReallyUsed) {
     for (int d = 0; d < 8; ++d) EXPECT_EQ(o_ref[h * 8 + d], rq.kv.v(0)[(h / 2) * 8 + d]);
 }
 
+// Scoring over a view: over the prompt's own KV, every row has prefill's
+// bits (whole sequence and a later chunk); a changed V row changes the rows
+// from its position on and none before it.
+TEST(Llama2, ScoreOverViewEqualsPrefillAndIsCausal) {
+  REQUIRE_MODEL(m);
+  std::string err;
+  const int n = 20;
+  const std::vector<int> toks = prompt(n);
+  km::PrefillOptions opt;
+  opt.all_logits = true;
+  km::PrefillResult pre;
+  ASSERT_TRUE(m->prefill(toks, opt, &pre, &err)) << err;
+  const std::size_t V = 512;
+  std::vector<float> all, part;
+  ASSERT_TRUE(m->score_over_view(toks, 0, pre.kv.view(), &all, &err)) << err;
+  ASSERT_EQ(all.size(), n * V);
+  EXPECT_EQ(0, std::memcmp(all.data(), pre.all_logits.data(), all.size() * sizeof(float)));
+  const std::vector<int> tail(toks.begin() + 12, toks.end());
+  ASSERT_TRUE(m->score_over_view(tail, 12, pre.kv.view(), &part, &err)) << err;
+  ASSERT_EQ(part.size(), tail.size() * V);
+  for (std::size_t i = 0; i < tail.size(); ++i)
+    EXPECT_LE(rel_diff(part.data() + i * V, pre.all_logits.data() + (12 + i) * V, V), 1e-5)
+        << "row " << 12 + i;
+
+  km::KVCache changed = pre.kv;
+  for (int c = 0; c < 32; ++c) changed.v(2)[10 * 32 + c] += 0.5f;
+  std::vector<float> ch;
+  ASSERT_TRUE(m->score_over_view(toks, 0, changed.view(), &ch, &err)) << err;
+  EXPECT_EQ(0, std::memcmp(ch.data(), all.data(), 10 * V * sizeof(float)));
+  for (int i = 10; i < n; ++i)
+    EXPECT_GT(rel_diff(ch.data() + i * V, all.data() + i * V, V), 1e-6) << "row " << i;
+
+  // Dropping a row is not zeroing it: rows 0..9 keep their bits, later ones
+  // move.
+  std::vector<std::uint8_t> drop(n, 0);
+  drop[10] = 1;
+  km::KVView dv = pre.kv.view();
+  for (auto& lv : dv.layers) lv.drop = drop.data();
+  ASSERT_TRUE(m->score_over_view(toks, 0, dv, &ch, &err)) << err;
+  EXPECT_EQ(0, std::memcmp(ch.data(), all.data(), 10 * V * sizeof(float)));
+  EXPECT_GT(rel_diff(ch.data() + 10 * V, all.data() + 10 * V, V), 1e-6);
+
+  // Bad arguments.
+  EXPECT_FALSE(m->score_over_view(toks, 1, pre.kv.view(), &ch, &err));
+  EXPECT_NE(err.find("not all in the view"), std::string::npos) << err;
+  EXPECT_FALSE(m->score_over_view(toks, -1, pre.kv.view(), &ch, &err));
+  drop[0] = 1;
+  EXPECT_FALSE(m->score_over_view(toks, 0, dv, &ch, &err));
+  EXPECT_NE(err.find("drops token 0"), std::string::npos) << err;
+  EXPECT_FALSE(m->score_over_view(toks, 0, pre.kv.view(), nullptr, &err));
+  EXPECT_FALSE(m->score_over_view({}, 0, pre.kv.view(), &ch, &err));
+  EXPECT_FALSE(m->decode_step(1, 0, km::KVView{}, nullptr, &ch, &err));
+  EXPECT_NE(err.find("tail cache is null"), std::string::npos) << err;
+  EXPECT_FALSE(m->verify({1, 2}, 0, km::KVView{}, nullptr, &ch, &err));
+  EXPECT_NE(err.find("tail cache is null"), std::string::npos) << err;
+}
+
 TEST(Llama2, DeterministicAcrossThreadCounts) {
   REQUIRE_MODEL(m);
   std::string err;
@@ -570,6 +627,13 @@ TEST(SmolLM2, BatchedPassesAreBitIdenticalToSequentialDecoding) {
   km::PrefillResult whole;
   ASSERT_TRUE(m->prefill(all, {}, &whole, &why)) << why;
   EXPECT_EQ(std::memcmp(whole.last_logits.data(), step.data(), V * 4), 0);
+
+  // Scoring the draft over the whole sequence's own KV gives verification's
+  // bits too (the products and attention are batch-independent).
+  std::vector<float> scored;
+  ASSERT_TRUE(m->score_over_view(draft, n0, whole.kv.view(), &scored, &why)) << why;
+  ASSERT_EQ(scored.size(), batch_logits.size());
+  EXPECT_EQ(std::memcmp(scored.data(), batch_logits.data(), scored.size() * 4), 0);
 }
 
 }  // namespace

@@ -387,10 +387,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     set_error(error, "no tokens to run");
     return false;
   }
-  if (tail == nullptr) {
-    set_error(error, "tail cache is null");
-    return false;
-  }
+  // tail == nullptr: score_over_view (the keys are the view's rows only).
+  const bool over_view = tail == nullptr;
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= c.vocab_size) {
       set_error(error, "token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
@@ -399,22 +397,36 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     }
   }
   if (!check_view(view, error)) return false;
-  if (tail->n_layers() == 0 && tail->n_tokens() == 0) {
+  const int T = static_cast<int>(tokens.size());
+  const int n_view = view.n_tokens;
+  if (over_view) {
+    if (start_pos < 0 || static_cast<std::int64_t>(start_pos) + T > n_view) {
+      set_error(error, "positions " + std::to_string(start_pos) + ".." +
+                           std::to_string(static_cast<std::int64_t>(start_pos) + T - 1) +
+                           " are not all in the view's " + std::to_string(n_view) + " tokens");
+      return false;
+    }
+    for (int l = 0; l < c.n_layers; ++l) {
+      if (view.layers[l].drop != nullptr && view.layers[l].drop[0] != 0) {
+        set_error(error, "KV view layer " + std::to_string(l) +
+                             " drops token 0: every query must see a present key");
+        return false;
+      }
+    }
+  } else if (tail->n_layers() == 0 && tail->n_tokens() == 0) {
     *tail = make_cache();
   } else if (tail->n_layers() != c.n_layers || tail->kv_dim() != c.kv_dim()) {
     set_error(error, "tail cache shape (" + std::to_string(tail->n_layers()) + " layers, kv_dim " +
                          std::to_string(tail->kv_dim()) + ") does not match the model");
     return false;
   }
-  const int n_view = view.n_tokens;
-  const int n_tail0 = tail->n_tokens();
-  if (start_pos != n_view + n_tail0) {
+  const int n_tail0 = over_view ? 0 : tail->n_tokens();
+  if (!over_view && start_pos != n_view + n_tail0) {
     set_error(error, "position " + std::to_string(start_pos) + " != view tokens (" +
                          std::to_string(n_view) + ") + tail tokens (" + std::to_string(n_tail0) +
                          ")");
     return false;
   }
-  const int T = static_cast<int>(tokens.size());
   if (static_cast<std::int64_t>(start_pos) + T > c.seq_len) {
     set_error(error, "positions up to " +
                          std::to_string(static_cast<std::int64_t>(start_pos) + T - 1) +
@@ -455,26 +467,31 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     }
   }
 
-  tail->resize(n_tail0 + T);
-  int max_keys = n_view + n_tail0 + T;
+  if (!over_view) tail->resize(n_tail0 + T);
+  // Keys of query t: the view, the tail rows before this pass and this
+  // pass's rows 0..t; over the view, the view's rows 0..start_pos+t.
+  const int max_keys = over_view ? start_pos + T : n_view + n_tail0 + T;
+  const int n_segs = over_view ? 1 : 2;
 
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& lw = layers_[static_cast<std::size_t>(l)];
     rmsnorm(xb.data(), x.data(), lw.rms_att, T, dim, c.norm_eps);
-    float* kt = tail->k(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
-    float* vt = tail->v(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
+    float* kt = over_view ? nullptr : tail->k(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
+    float* vt = over_view ? nullptr : tail->v(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
     matmul(lw.wq, xb.data(), T, q.data());
-    matmul(lw.wk, xb.data(), T, kt);
-    matmul(lw.wv, xb.data(), T, vt);
+    if (!over_view) {
+      matmul(lw.wk, xb.data(), T, kt);
+      matmul(lw.wv, xb.data(), T, vt);
+    }
 
     for (int t = 0; t < T; ++t) {
       float* qr = &q[static_cast<std::size_t>(t) * dim];
-      float* kr = kt + static_cast<std::size_t>(t) * kv_dim;
+      float* kr = over_view ? nullptr : kt + static_cast<std::size_t>(t) * kv_dim;
       const float* cs = &rope_cos[static_cast<std::size_t>(t) * (hs / 2)];
       const float* sn = &rope_sin[static_cast<std::size_t>(t) * (hs / 2)];
       for (int i = 0; i < dim; i += 2) {
         const float fcr = cs[(i % hs) / 2], fci = sn[(i % hs) / 2];
-        const int rotn = i < kv_dim ? 2 : 1;
+        const int rotn = i < kv_dim && !over_view ? 2 : 1;
         for (int r = 0; r < rotn; ++r) {
           float* vec = r == 0 ? qr : kr;
           const float v0 = vec[i], v1 = vec[i + 1];
@@ -486,11 +503,9 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     if (queries != nullptr)
       std::memcpy(queries->data() + static_cast<std::size_t>(l) * TD, q.data(), TD * sizeof(float));
 
-    // Attention: query t sees the view, the tail rows before this pass and
-    // this pass's rows 0..t.
     const KVLayerView lv = n_view > 0 ? view.layers[l] : KVLayerView{};
-    const float* tail_k = tail->k(l);
-    const float* tail_v = tail->v(l);
+    const float* tail_k = over_view ? nullptr : tail->k(l);
+    const float* tail_v = over_view ? nullptr : tail->v(l);
     const std::int64_t att_work = static_cast<std::int64_t>(T) * c.n_heads * max_keys * hs;
     const Segment segs_all[2] = {
         {lv.k, lv.v, lv.k_stride, lv.v_stride, n_view, lv.drop},
@@ -520,10 +535,11 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
                     static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
                 qp[static_cast<std::size_t>(n_q)] = &q[off];
                 op[static_cast<std::size_t>(n_q)] = &xb2[off];
-                counts[static_cast<std::size_t>(n_q)] = n_view + n_tail0 + t + 1;
+                counts[static_cast<std::size_t>(n_q)] =
+                    over_view ? start_pos + t + 1 : n_view + n_tail0 + t + 1;
               }
             detail::attend_group(qp.data(), counts.data(), n_q, hs,
-                                 static_cast<std::size_t>(kh) * hs, segs_all, 2, scores.data(),
+                                 static_cast<std::size_t>(kh) * hs, segs_all, n_segs, scores.data(),
                                  stride, op.data());
           }
         }
@@ -536,10 +552,13 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
       for (int t = 0; t < T; ++t) {
         for (int h = 0; h < c.n_heads; ++h) {
           Segment segs[2] = {segs_all[0], segs_all[1]};
-          segs[1].count = n_tail0 + t + 1;
+          if (over_view)
+            segs[0].count = start_pos + t + 1;
+          else
+            segs[1].count = n_tail0 + t + 1;
           const std::size_t off =
               static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
-          attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, 2,
+          attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, n_segs,
                       scores.data(), &xb2[off]);
           if (!probs.empty())
             std::memcpy(&probs[(static_cast<std::size_t>(h) * T + t) * T], scores.data(),
@@ -611,6 +630,10 @@ bool Model::prefill(const std::vector<int>& tokens, const PrefillOptions& option
 
 bool Model::decode_step(int token, int pos, const KVView& view, KVCache* tail,
                         std::vector<float>* logits, std::string* error) const {
+  if (tail == nullptr) {
+    set_error(error, "tail cache is null");
+    return false;
+  }
   std::vector<float> tmp;
   if (!forward({token}, pos, view, tail, 1, logits != nullptr ? logits : &tmp, nullptr, error))
     return false;
@@ -619,9 +642,22 @@ bool Model::decode_step(int token, int pos, const KVView& view, KVCache* tail,
 
 bool Model::verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
                    std::vector<float>* logits, std::string* error) const {
+  if (tail == nullptr) {
+    set_error(error, "tail cache is null");
+    return false;
+  }
   std::vector<float> tmp;
   return forward(draft, start_pos, view, tail, 2, logits != nullptr ? logits : &tmp, nullptr,
                  error);
+}
+
+bool Model::score_over_view(const std::vector<int>& tokens, int start_pos, const KVView& view,
+                            std::vector<float>* logits, std::string* error) const {
+  if (logits == nullptr) {
+    set_error(error, "logits output is null");
+    return false;
+  }
+  return forward(tokens, start_pos, view, nullptr, 2, logits, nullptr, error);
 }
 
 bool Model::attention_outputs(const float* queries, int n_q, int q_pos0, const KVView& view,

@@ -210,6 +210,18 @@ class Model {
   bool verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
               std::vector<float>* logits, std::string* error) const;
 
+  // Teacher-forced scoring over a given KV, e.g. a transferred and
+  // compressed copy of a prompt's own cache: tokens[i] runs at position
+  // start_pos + i and attends to rows 0..start_pos+i of the view (its own row
+  // included, as the view holds it; dropped rows skipped) and to nothing
+  // else.  No K/V is computed or appended.  Requires 0 <= start_pos,
+  // start_pos + tokens.size() <= view.n_tokens, and token 0 present in every
+  // layer (so every query sees a key).  logits: resized to
+  // [tokens.size()][vocab_size].  Over the prompt's own full-precision KV,
+  // row i has the bits of prefill's all_logits row start_pos + i.
+  bool score_over_view(const std::vector<int>& tokens, int start_pos, const KVView& view,
+                       std::vector<float>* logits, std::string* error) const;
+
   // Attention outputs of recorded queries against a (possibly modified) view,
   // for every layer: queries and out are [n_layers][n_q][dim]; query i of a
   // layer is at position q_pos0 + i and attends to keys 0..q_pos0+i of the
@@ -235,7 +247,8 @@ class Model {
   static std::unique_ptr<Model> load_llama2c(const std::string& path, std::string* error);
   static std::unique_ptr<Model> load_gguf(const std::string& path, std::string* error);
   bool check_view(const KVView& view, std::string* error) const;
-  // Batched forward of tokens at positions start_pos.. over view + tail.
+  // Batched forward of tokens at positions start_pos.. over view + tail
+  // (tail == nullptr: over the view only, as score_over_view).
   // logits_rows: 0 = none, 1 = last row only, 2 = all rows.
   // att_mass: if non-null (prefill only: empty view and tail), filled as
   // PrefillResult::attention_mass.
