@@ -39,13 +39,18 @@
 //   PPL       exp(mean -log p(target)) over the continuation: the model's own
 //             full-precision greedy tokens (stories), the real text (smollm2)
 //   dPPL%     100 (PPL_hat / PPL - 1), PPL over the full-precision KV
+//   PPLseq    the paper's protocol (our reading, docs/SPECTRUMKV.md): every
+//             transferred token re-scored over the transferred KV of itself
+//             and the tokens before it (Model::score_over_view), predicting
+//             the next token of the sequence; exp(mean -log p) over them
+//   dPPLseq%  100 (PPLseq_hat / PPLseq - 1) against the full-precision KV
 // Data sets: stories = stories260K prefilled on sampled prompts, importance
 // from its prefill attention mass; synth = the synthetic Llama-like KV
 // (src/model/synthetic_kv.h), importance from the KV-norm fallback;
 // smollm2 = SmolLM2-135M-Instruct on the real text data/apache-2.0.txt: the
-// KV of its first P tokens is transferred, the next --text-steps tokens of the
-// text are teacher-forced over it (P = all but the last steps + 1 tokens
-// unless --text-prompt), importance from the prefill attention mass.
+// KV of its first P = --text-prompt tokens (default 1024) is transferred, the
+// next --text-steps tokens (1024) of the text are teacher-forced over it (P = 0:
+// all but the last steps + 1), importance from the prefill attention mass.
 //
 // Table 2 (smollm2): needle in a haystack.  The passkey sentence at each of
 // --niah-depths depths of the text, a question in the chat template; the KV
@@ -104,6 +109,7 @@ struct Seq {
   std::vector<std::vector<float>> o_ref;   // [L][nq*qdim]
   const km::Model* model = nullptr;        // scores cont (stories, smollm2)
   const ks::Continuation* cont = nullptr;  // stories, smollm2
+  double nll_prefix_full = 0;              // ks::score_prefix_view over the full KV
   size_t qdim() const { return static_cast<size_t>(shape.n_heads) * shape.head_size; }
 };
 
@@ -139,6 +145,7 @@ void model_seq(const km::Model& m, const ks::Continuation& c, const std::string&
   s->nq = static_cast<int>(c.feed.size());
   s->queries = c.queries;
   if (!ks::attention_importance(m, c, lambda, &s->importance, &e)) die(e);
+  if (!ks::score_prefix_view(m, c, c.kv.view(), &s->nll_prefix_full, &e)) die(e);
   compute_reference(s);
 }
 
@@ -154,7 +161,8 @@ struct Row {
 
 struct Acc {
   double bytes = 0, fp16_bytes = 0, se = 0, norm = 0, nll = 0, nll_full = 0;
-  int agree = 0, positions = 0;
+  double nll_seq = 0, nll_seq_full = 0;  // the prompt re-scored over its transferred KV
+  int agree = 0, positions = 0, seq_positions = 0;
   double tiers[4] = {0, 0, 0, 0};
   void add(const Acc& o) {
     bytes += o.bytes;
@@ -163,8 +171,11 @@ struct Acc {
     norm += o.norm;
     nll += o.nll;
     nll_full += o.nll_full;
+    nll_seq += o.nll_seq;
+    nll_seq_full += o.nll_seq_full;
     agree += o.agree;
     positions += o.positions;
+    seq_positions += o.seq_positions;
     for (int t = 0; t < 4; ++t) tiers[t] += o.tiers[t];
   }
 };
@@ -249,6 +260,9 @@ Acc eval(const Row& r, const Seq& s, const PolicyParams& pp, uint64_t seed) {
     a.positions = static_cast<int>(s.cont->feed.size());
     a.nll = nll;
     a.nll_full = s.cont->nll_full;
+    if (!ks::score_prefix_view(*s.model, *s.cont, view, &a.nll_seq, &err)) die(r.name + ": " + err);
+    a.nll_seq_full = s.nll_prefix_full;
+    a.seq_positions = static_cast<int>(s.cont->prefix.size());
   }
   return a;
 }
@@ -419,7 +433,9 @@ int main(int argc, char** argv) {
   std::string niah_budgets_s = "0.3,0.5,0.7";
   int prompts = 3, prompt_tokens = 320, steps = 64, seeds = 3;
   int synth_layers = 2, synth_tokens = 512, synth_queries = 16;
-  int text_prompt = 0, text_steps = 256, niah_depths = 11, niah_haystack = 0;
+  // seq = 2048 as the paper's Tables 2 and 3: the first half transferred,
+  // the second half scored.
+  int text_prompt = 1024, text_steps = 1024, niah_depths = 11, niah_haystack = 0;
   PolicyParams pp;
   auto* quick_opt = app.add_flag(
       "--quick", quick,
@@ -633,10 +649,11 @@ int main(int argc, char** argv) {
   if (use_smollm2)
     std::printf(
         "# smollm2: %s, %s (%zu tokens): KV of tokens 0..%d transferred, the next %d tokens of "
-        "the text teacher-forced (PPL %.4f over the full-precision KV); importance from prefill "
-        "attention mass\n",
+        "the text teacher-forced (PPL %.4f over the full-precision KV), and the %d transferred "
+        "tokens re-scored over it (PPLseq %.4f); importance from prefill attention mass\n",
         sm.model->config().name.c_str(), text_path.substr(text_path.rfind('/') + 1).c_str(),
-        text_tokens.size(), text_prompt - 1, text_steps, std::exp(text_cont.nll_full / text_steps));
+        text_tokens.size(), text_prompt - 1, text_steps, std::exp(text_cont.nll_full / text_steps),
+        text_prompt, std::exp(text_seq.nll_prefix_full / text_prompt));
   else if (!smollm2_skip.empty())
     std::printf("# smollm2: skipped: %s\n", smollm2_skip.c_str());
   std::printf(
@@ -672,7 +689,9 @@ int main(int argc, char** argv) {
                    {"vNMSE", 9},
                    {"agree", 6},
                    {"PPL", 8},
-                   {"dPPL%", 8}});
+                   {"dPPL%", 8},
+                   {"PPLseq", 8},
+                   {"dPPLseq%", 8}});
   std::printf("%s\n", table.header().c_str());
   struct DataSet {
     std::string name;
@@ -711,7 +730,7 @@ int main(int argc, char** argv) {
   auto key = [](const std::string& d, const std::string& p, double b) {
     return d + "/" + p + "/" + kp::strprintf("%.2f", b);
   };
-  std::map<std::string, double> dppl_of, niah_of;
+  std::map<std::string, double> dppl_of, dppl_seq_of, niah_of;
   for (size_t j = 0; j < jobs.size(); ++j) {
     const DataSet& ds = sets[jobs[j].set];
     const Row& r = ds.rows[jobs[j].row];
@@ -725,13 +744,20 @@ int main(int argc, char** argv) {
     const double agree = scored ? static_cast<double>(a.agree) / a.positions : NAN;
     const double ppl = scored ? std::exp(a.nll / a.positions) : NAN;
     const double dppl = scored ? 100.0 * (std::exp((a.nll - a.nll_full) / a.positions) - 1.0) : NAN;
-    if (scored) dppl_of[key(ds.name, r.name, r.b)] = dppl;
+    const double ppl_seq = scored ? std::exp(a.nll_seq / a.seq_positions) : NAN;
+    const double dppl_seq =
+        scored ? 100.0 * (std::exp((a.nll_seq - a.nll_seq_full) / a.seq_positions) - 1.0) : NAN;
+    if (scored) {
+      dppl_of[key(ds.name, r.name, r.b)] = dppl;
+      dppl_seq_of[key(ds.name, r.name, r.b)] = dppl_seq;
+    }
     // Sanity (-c 1): finite error; payload within the budget (metadata, map
     // and headers add at most 0.15 of fp16 here: stories has 32 channels, so
     // 4 bytes of metadata per 32-token chunk and channel are 1/16 alone);
     // agreement a fraction.
-    const bool ok = std::isfinite(vn) && vn >= 0 && ratio <= r.b + 0.15 && ratio > 0 &&
-                    (!scored || (agree >= 0 && agree <= 1 && std::isfinite(dppl)));
+    const bool ok =
+        std::isfinite(vn) && vn >= 0 && ratio <= r.b + 0.15 && ratio > 0 &&
+        (!scored || (agree >= 0 && agree <= 1 && std::isfinite(dppl) && std::isfinite(dppl_seq)));
     if (!ok) ++bad;
     std::printf("%s%s\n",
                 table
@@ -739,7 +765,9 @@ int main(int argc, char** argv) {
                           frac(3), kp::strprintf("%.0f", a.bytes), kp::strprintf("%.4f", ratio),
                           kp::strprintf("%.3e", vn), scored ? kp::strprintf("%.4f", agree) : "-",
                           scored ? kp::strprintf("%.4f", ppl) : "-",
-                          scored ? kp::strprintf("%+.2f", dppl) : "-"})
+                          scored ? kp::strprintf("%+.2f", dppl) : "-",
+                          scored ? kp::strprintf("%.4f", ppl_seq) : "-",
+                          scored ? kp::strprintf("%+.2f", dppl_seq) : "-"})
                     .c_str(),
                 ok ? "" : "  <- out of bounds");
     json jr = {{"dataset", ds.name},
@@ -755,6 +783,9 @@ int main(int argc, char** argv) {
       jr["ppl"] = ppl;
       jr["dppl_percent"] = dppl;
       jr["positions"] = a.positions;
+      jr["ppl_seq"] = ppl_seq;
+      jr["dppl_seq_percent"] = dppl_seq;
+      jr["seq_positions"] = a.seq_positions;
     }
     jrows.push_back(jr);
   }
@@ -844,24 +875,34 @@ int main(int argc, char** argv) {
       const auto it = m.find(k);
       return it == m.end() ? NAN : it->second;
     };
-    const double g5 = get(dppl_of, key("smollm2", "Greedy", 0.5));
-    const double i8 = get(dppl_of, key("smollm2", "INT8", 0.5));
-    if (std::isfinite(g5) && std::isfinite(i8))
-      std::printf("#   Greedy b=0.5 dPPL %+.2f%% vs INT8 %+.2f%%: |diff| %.2f %s 0.5 -> %s\n", g5,
-                  i8, std::fabs(g5 - i8), std::fabs(g5 - i8) <= 0.5 ? "<=" : ">",
-                  std::fabs(g5 - i8) <= 0.5 ? "reached" : "NOT reached");
-    for (const char* pol : {"Greedy", "Adaptive"}) {
-      const double g3 = get(dppl_of, key("smollm2", pol, 0.3));
-      const double p3 = get(dppl_of, key("smollm2", "PDTrim", 0.3));
-      if (std::isfinite(g3) && std::isfinite(p3))
+    // Both perplexity protocols (docs/SPECTRUMKV.md): the prompt re-scored
+    // over its transferred KV (seq, the paper's Tables 2 and 3) and the
+    // continuation after it (cont).
+    for (const auto& proto :
+         {std::make_pair("seq", &dppl_seq_of), std::make_pair("cont", &dppl_of)}) {
+      const std::map<std::string, double>& m = *proto.second;
+      const double g5 = get(m, key("smollm2", "Greedy", 0.5));
+      const double i8 = get(m, key("smollm2", "INT8", 0.5));
+      if (std::isfinite(g5) && std::isfinite(i8))
         std::printf(
-            "#   %s b=0.3 dPPL %+.2f%% vs PDTrim %+.2f%%: %s (figure: PDTrim's >= 3x, "
-            "if the probe enables INT4; probe: INT4 %s) -> %s\n",
-            pol, g3, p3,
-            g3 > 0 ? kp::strprintf("PDTrim's is %.1fx", p3 / g3).c_str()
-                   : "no loss against full precision",
-            niah_probe.allow_int4 ? "ALLOWED" : "BLOCKED",
-            p3 >= 3 * g3 ? "reached" : "NOT reached");
+            "#   %-4s Greedy b=0.5 dPPL %+.2f%% vs INT8 %+.2f%%: |diff| %.2f %s 0.5 -> %s\n",
+            proto.first, g5, i8, std::fabs(g5 - i8), std::fabs(g5 - i8) <= 0.5 ? "<=" : ">",
+            std::fabs(g5 - i8) <= 0.5 ? "reached" : "NOT reached");
+      for (const char* pol : {"Greedy", "Adaptive"}) {
+        const double g3 = get(m, key("smollm2", pol, 0.3));
+        const double p3 = get(m, key("smollm2", "PDTrim", 0.3));
+        if (std::isfinite(g3) && std::isfinite(p3))
+          std::printf(
+              "#   %-4s %s b=0.3 dPPL %+.2f%% vs PDTrim %+.2f%%: %s (figure: PDTrim's >= 3x, "
+              "if the probe enables INT4; probe: INT4 %s) -> %s\n",
+              proto.first, pol, g3, p3,
+              g3 > 0 ? kp::strprintf("PDTrim's is %.1fx", p3 / g3).c_str()
+                     : "no loss against full precision",
+              niah_probe.allow_int4 ? "ALLOWED" : "BLOCKED",
+              p3 >= 3 * g3 ? "reached" : "NOT reached");
+      }
+    }
+    for (const char* pol : {"Greedy", "Adaptive"}) {
       const double n3 = get(niah_of, key("smollm2", pol, 0.3));
       const double np3 = get(niah_of, key("smollm2", "PDTrim", 0.3));
       if (std::isfinite(n3) && std::isfinite(np3))
@@ -921,6 +962,7 @@ int main(int argc, char** argv) {
                       {"prompt_kv_tokens", text_prompt},
                       {"steps", text_steps},
                       {"ppl_full", std::exp(text_cont.nll_full / text_steps)},
+                      {"ppl_seq_full", std::exp(text_seq.nll_prefix_full / text_prompt)},
                       {"niah", jniah}};
     } else if (!smollm2_skip.empty()) {
       j["smollm2"] = {{"skipped", smollm2_skip}};

@@ -5,7 +5,9 @@
 // NIAH probe (spectrum/model_probe.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -112,6 +114,42 @@ TEST(SpectrumSmolLM2, MixedPrecisionMatchesInt8AndBeatsKeepDropOnRealText) {
   EXPECT_GT(d_pd3, 5.0) << "dropping 70 % of the prompt should cost perplexity";
   EXPECT_GE(d_pd3, 3.0 * std::max(d_g3, 0.0));
   EXPECT_GE(a_g3, a_pd3);
+
+  // The other protocol: the 512 prompt tokens re-scored over their own
+  // transferred KV.  Full precision gives prefill's perplexity; PDTrim's
+  // dropped middle leaves those tokens without their context.
+  auto rescore = [&](const std::vector<uint8_t>& tiers) {
+    kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
+    cc.codec = KVXFER_CODEC_SPECTRUM;
+    ks::TransferredKV t;
+    std::string e;
+    double nll = 0;
+    EXPECT_TRUE(ks::transfer_kv(c.kv, cc, tiers.data(), false, &t, &e)) << e;
+    EXPECT_TRUE(ks::score_prefix_view(*sm.model, c, t.view(), &nll, &e)) << e;
+    return nll;
+  };
+  double nll_full = 0;
+  ASSERT_TRUE(ks::score_prefix_view(*sm.model, c, c.kv.view(), &nll_full, &err)) << err;
+  km::PrefillOptions po;
+  po.all_logits = true;
+  km::PrefillResult pr;
+  std::vector<int> seq(ids.begin(), ids.begin() + 513);
+  ASSERT_TRUE(sm.model->prefill(seq, po, &pr, &err)) << err;
+  const size_t V = static_cast<size_t>(sm.model->config().vocab_size);
+  double nll_prefill = 0;
+  for (int i = 0; i < 512; ++i) {
+    const float* row = pr.all_logits.data() + i * V;
+    double mx = row[0], z = 0;
+    for (size_t k = 1; k < V; ++k) mx = std::max(mx, static_cast<double>(row[k]));
+    for (size_t k = 0; k < V; ++k) z += std::exp(row[k] - mx);
+    nll_prefill += -(row[seq[i + 1]] - mx - std::log(z));
+  }
+  EXPECT_NEAR(nll_full, nll_prefill, 1e-6 * nll_prefill);
+  const double s_g3 = 100.0 * (std::exp((rescore(g3) - nll_full) / 512) - 1.0);
+  const double s_pd3 = 100.0 * (std::exp((rescore(pd3) - nll_full) / 512) - 1.0);
+  std::printf("  re-scored prompt dPPL%%: Greedy b=0.3 %+.2f, PDTrim b=0.3 %+.2f\n", s_g3, s_pd3);
+  EXPECT_LT(s_g3, 2.0);
+  EXPECT_GT(s_pd3, 50.0);
 }
 
 // The needle sits where make_niah_case says, and the prompt is the chat

@@ -1,6 +1,7 @@
 // SpectrumKV on the reference model runner; see model_probe.h.
 #include "spectrum/model_probe.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -194,6 +195,7 @@ bool prefill_prefix(const km::Model& m, const std::vector<int>& prefix, Continua
   po.record_attention_mass = true;
   km::PrefillResult pr;
   if (!m.prefill(prefix, po, &pr, error)) return false;
+  c->prefix = prefix;
   c->kv = std::move(pr.kv);
   c->attention_mass = std::move(pr.attention_mass);
   return true;
@@ -254,6 +256,16 @@ bool make_text_continuation(const km::Model& m, const std::vector<int>& tokens,
   return true;
 }
 
+namespace {
+// -log softmax(row)[target] (natural log, double).
+double neg_log_prob(const float* row, size_t V, int target) {
+  double mx = row[0], z = 0;
+  for (size_t i = 1; i < V; ++i) mx = std::max(mx, static_cast<double>(row[i]));
+  for (size_t i = 0; i < V; ++i) z += std::exp(row[i] - mx);
+  return -(row[target] - mx - std::log(z));
+}
+}  // namespace
+
 bool score_view(const km::Model& m, const Continuation& c, const km::KVView& view, int* agree,
                 double* nll, std::string* error) {
   km::KVCache tail;
@@ -265,13 +277,32 @@ bool score_view(const km::Model& m, const Continuation& c, const km::KVView& vie
   for (size_t j = 0; j < c.feed.size(); ++j) {
     const float* row = logits.data() + j * V;
     if (km::argmax(row, V) == c.ref[j]) ++a;
-    double mx = row[0], z = 0;
-    for (size_t i = 1; i < V; ++i) mx = std::max(mx, static_cast<double>(row[i]));
-    for (size_t i = 0; i < V; ++i) z += std::exp(row[i] - mx);
-    const int t = c.target.empty() ? c.ref[j] : c.target[j];
-    s += -(row[t] - mx - std::log(z));
+    s += neg_log_prob(row, V, c.target.empty() ? c.ref[j] : c.target[j]);
   }
   *agree = a;
+  *nll = s;
+  return true;
+}
+
+bool score_prefix_view(const km::Model& m, const Continuation& c, const km::KVView& view,
+                       double* nll, std::string* error) {
+  const int n = static_cast<int>(c.prefix.size());
+  if (n < 1 || c.feed.empty() || view.n_tokens != n)
+    return fail(error, "score_prefix_view: the view holds " + std::to_string(view.n_tokens) +
+                           " tokens, the prefix " + std::to_string(n) +
+                           " (and the continuation must not be empty)");
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  constexpr int kBatch = 128;
+  std::vector<float> logits;
+  double s = 0;
+  for (int i0 = 0; i0 < n; i0 += kBatch) {
+    const int i1 = std::min(n, i0 + kBatch);
+    const std::vector<int> toks(c.prefix.begin() + i0, c.prefix.begin() + i1);
+    if (!m.score_over_view(toks, i0, view, &logits, error)) return false;
+    for (int i = i0; i < i1; ++i)
+      s += neg_log_prob(logits.data() + static_cast<size_t>(i - i0) * V, V,
+                        i + 1 < n ? c.prefix[i + 1] : c.feed[0]);
+  }
   *nll = s;
   return true;
 }

@@ -57,6 +57,7 @@ bool sample_tokens(const km::Model& m, int length, uint64_t seed, std::vector<in
  * tokens, and ref[j] is the full-precision argmax after feed[0..j].
  */
 struct Continuation {
+  std::vector<int> prefix;            // the prefilled tokens, n - 1
   km::KVCache kv;                     // prefill of the prefix, n - 1 tokens
   std::vector<float> attention_mass;  // PrefillResult::attention_mass of the prefix
   std::vector<int> feed, ref;         // [steps]
@@ -89,6 +90,18 @@ bool make_text_continuation(const km::Model& m, const std::vector<int>& tokens,
  */
 bool score_view(const km::Model& m, const Continuation& c, const km::KVView& view, int* agree,
                 double* nll, std::string* error);
+
+/**
+ * Perplexity of the prefix itself over `view` (a transferred copy of c.kv,
+ * docs/SPECTRUMKV.md "Two perplexity protocols"): position i of the prefix
+ * is re-scored over rows 0..i of the view (Model::score_over_view, in
+ * batches of 128 tokens) and predicts the next token of the sequence
+ * (prefix[i+1], then feed[0]).  *nll = the sum of -log p over those
+ * prefix.size() positions (natural log, double); perplexity = exp(nll / n).
+ * The view must hold prefix.size() tokens with token 0 present.
+ */
+bool score_prefix_view(const km::Model& m, const Continuation& c, const km::KVView& view,
+                       double* nll, std::string* error);
 
 /** Importance of the prefix tokens from c.attention_mass
  * (kvxfer_spectrum_importance_from_attention). */
