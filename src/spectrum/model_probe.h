@@ -93,7 +93,7 @@ bool score_view(const km::Model& m, const Continuation& c, const km::KVView& vie
 
 /**
  * Perplexity of the prefix itself over `view` (a transferred copy of c.kv,
- * docs/SPECTRUMKV.md "Two perplexity protocols"): position i of the prefix
+ * docs/SPECTRUMKV.md, "Perplexity: two protocols"): position i of the prefix
  * is re-scored over rows 0..i of the view (Model::score_over_view, in
  * batches of 128 tokens) and predicts the next token of the sequence
  * (prefix[i+1], then feed[0]).  *nll = the sum of -log p over those
