@@ -31,8 +31,10 @@ struct Page {
 bool encode(kvxfer_codec_t codec, float alpha, int chunk, int abits, int64_t T, int32_t H,
             kvxfer_dtype_t dt, uint32_t seed, float scale, bool nan, Page* out,
             kvxfer_page_id_t id = {7, KVXFER_KV_VALUE, 4096, 0x1234},
-            const std::vector<uint8_t>* tiers = nullptr, bool sinks = false) {
+            const std::vector<uint8_t>* tiers = nullptr, bool sinks = false,
+            kvxfer_value_groups_t groups = KVXFER_VALUE_GROUPS_CHANNEL) {
   kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.value_groups = groups;
   cfg.codec = codec;
   cfg.alpha = alpha;
   cfg.chunk_tokens = chunk;
@@ -158,6 +160,30 @@ int main(int argc, char** argv) {
       continue;
     }
     emit(c.name, c.mode, p.anchor, p.residual);
+  }
+  // V pages grouped per token (docs/FORMAT.md 2.8): T and H not multiples of
+  // the chunk, and a wide page whose two groupings have different sizes.
+  struct GroupCase {
+    const char* name;
+    kvxfer_codec_t codec;
+    int chunk;
+    int64_t T;
+    int32_t H;
+    kvxfer_dtype_t dt;
+  };
+  const GroupCase group_cases[] = {
+      {"lynx-token-groups-c16-bf16", KVXFER_CODEC_LYNX, 16, 21, 37, KVXFER_DTYPE_BF16},
+      {"int8-token-groups-c32-fp16", KVXFER_CODEC_INT8, 32, 40, 70, KVXFER_DTYPE_FP16},
+      {"int4-token-groups-c16-fp32", KVXFER_CODEC_INT4, 16, 5, 18, KVXFER_DTYPE_FP32},
+  };
+  for (const GroupCase& c : group_cases) {
+    Page p;
+    if (!encode(c.codec, 0.0f, c.chunk, 4, c.T, c.H, c.dt, 0x51ed27u ^ written, 1, false, &p,
+                {7, KVXFER_KV_VALUE, 0, 0x1234}, nullptr, false, KVXFER_VALUE_GROUPS_TOKEN)) {
+      ++failed;
+      continue;
+    }
+    emit(c.name, kReseal | 2, p.anchor, p.residual);
   }
   // SpectrumKV pages: token t gets tier pattern[t % len] ('0' FP16, '1' INT8,
   // '2' INT4, '3' DROP); `nan_tier` >= 0 forces the tier of the NaN's token

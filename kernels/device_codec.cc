@@ -267,11 +267,17 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "alpha=auto is not available on the GPU path; calibrate on the host "
                      "(kvxfer_codec_calibrate_alpha) and pass the chosen alpha");
+  if (cfg->value_groups == KVXFER_VALUE_GROUPS_TOKEN && id->kind == KVXFER_KV_VALUE)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "value_groups=token is not available on the GPU path (docs/FORMAT.md 2.8); "
+                     "use channel or auto (channel on the GPU)");
+  kvxfer_codec_config_t c = *cfg;
+  c.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;  // AUTO on the GPU
   auto* anc = static_cast<uint8_t*>(anchor);
   auto* res = static_cast<uint8_t*>(residual);
   DeviceBackend be(src, scratch, anc, res, stream);
-  if (cfg->codec != KVXFER_CODEC_BF16) KVXFER_CHECK(be.use(*cfg));
-  return codec::encode_with(*cfg, *id, *src, anc, anchor_cap, anchor_len, res, residual_cap,
+  if (c.codec != KVXFER_CODEC_BF16) KVXFER_CHECK(be.use(c));
+  return codec::encode_with(c, *id, *src, anc, anchor_cap, anchor_len, res, residual_cap,
                             residual_len, &be, 1);
 }
 
@@ -282,6 +288,11 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
   codec::DecodePlan plan;
   KVXFER_CHECK(codec::plan_decode(anchor, anchor_len, residual, residual_len, expect, dst, &plan));
   const codec::PageHeader& ah = plan.anchor;
+  if (ah.flags & codec::FLAG_TOKEN_GROUPS)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "layer %u V page with token groups: the GPU path decodes channel groups only "
+                     "(docs/FORMAT.md 2.8); decode it on the host",
+                     ah.layer);
   KVXFER_REQUIRE(scratch.anchor_payload != nullptr && scratch.residual_payload != nullptr &&
                      scratch.status != nullptr,
                  "device scratch not allocated (alloc_scratch)");

@@ -4,6 +4,7 @@
 
 #include <cinttypes>
 #include <limits>
+#include <random>
 
 #include "test_util.h"
 
@@ -845,6 +846,151 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
           }
         }
       }
+}
+
+// Token groups (docs/FORMAT.md 2.8): the payload of a V page with
+// value_groups TOKEN is, byte for byte, the payload of its transpose encoded
+// with channel groups, on every path; decoding it gives the transposed
+// decode back, and the sink row stays exact.
+TEST(PageCodec, TokenGroupsEncodeTheTransposedPageOnEveryPath) {
+  const Shape shapes[] = {{37, 40, 16}, {256, 192, 64}, {5, 8, 4}, {70, 33, 16}};
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4})
+    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32})
+      for (const Shape& sh : shapes)
+        for (int sinks : {0, 1}) {
+          const int64_t T = sh.T;
+          const int32_t H = sh.H;
+          PagedBuffer src(T, H, dt, sh.block);
+          fill_kv_like(&src, 500 + static_cast<uint64_t>(T * H), 0.1f);
+          PagedBuffer tr(H, static_cast<int32_t>(T), dt, 7);  // the transpose
+          for (int64_t t = 0; t < T; ++t)
+            for (int32_t c = 0; c < H; ++c) tr.set(c, static_cast<int32_t>(t), src.get(t, c));
+          kvxfer_codec_config_t cfg = config(codec, 0.0f, 16);
+          cfg.sink_tokens = sinks;
+          cfg.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+          kvxfer_codec_config_t chan = cfg;
+          chan.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
+          chan.sink_tokens = 0;
+          const kvxfer_page_id_t id{2, KVXFER_KV_VALUE, 0, 7};
+          const std::string what = "codec " + std::to_string(codec) + " dtype " +
+                                   std::to_string(dt) + " T " + std::to_string(T) + " H " +
+                                   std::to_string(H) + " sinks " + std::to_string(sinks);
+          const auto ref = test::encode(cfg, src, Impl::REFERENCE, id);
+          const auto want = test::encode(chan, tr, Impl::REFERENCE, id);
+          ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << what << ": " << last_error();
+          ASSERT_EQ(want.rc, KVXFER_SUCCESS) << what << ": " << last_error();
+          PageHeader h;
+          ASSERT_EQ(parse_section(ref.anchor.data(), ref.anchor.size(), &h), KVXFER_SUCCESS);
+          EXPECT_EQ(h.flags & FLAG_TOKEN_GROUPS, FLAG_TOKEN_GROUPS) << what;
+          const size_t body = want.anchor.size() - kHeaderBytes;
+          ASSERT_GE(ref.anchor.size(), kHeaderBytes + body) << what;
+          EXPECT_EQ(0, std::memcmp(ref.anchor.data() + kHeaderBytes,
+                                   want.anchor.data() + kHeaderBytes, body))
+              << what;
+          ASSERT_EQ(ref.residual.size(), want.residual.size()) << what;
+          EXPECT_EQ(0, std::memcmp(ref.residual.data() + kHeaderBytes,
+                                   want.residual.data() + kHeaderBytes,
+                                   ref.residual.size() - kHeaderBytes))
+              << what;
+          size_t amax = 0, rmax = 0;
+          ASSERT_EQ(max_sizes(&cfg, T, H, &amax, &rmax), KVXFER_SUCCESS);
+          EXPECT_LE(ref.anchor.size(), amax) << what;
+          EXPECT_LE(ref.residual.size(), rmax) << what;
+          for (Impl impl : fast_impls()) {
+            const auto e = test::encode(cfg, src, impl, id, 2);
+            ASSERT_EQ(e.anchor, ref.anchor) << what << " impl " << static_cast<int>(impl);
+            ASSERT_EQ(e.residual, ref.residual) << what;
+          }
+          for (bool full : {false, true}) {
+            if (full && codec == KVXFER_CODEC_INT4) continue;
+            for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AUTO}) {
+              PagedBuffer out(T, H, KVXFER_DTYPE_FP32, 8);
+              PagedBuffer tout(H, static_cast<int32_t>(T), KVXFER_DTYPE_FP32, 8);
+              ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                    full ? ref.residual.data() : nullptr,
+                                    full ? ref.residual.size() : 0, &id, &out.layout, impl, 2),
+                        KVXFER_SUCCESS)
+                  << what << ": " << last_error();
+              ASSERT_EQ(decode_page(want.anchor.data(), want.anchor.size(),
+                                    full ? want.residual.data() : nullptr,
+                                    full ? want.residual.size() : 0, &id, &tout.layout, impl, 2),
+                        KVXFER_SUCCESS);
+              for (int64_t t = 0; t < T; ++t)
+                for (int32_t c = 0; c < H; ++c) {
+                  const float exact = dt == KVXFER_DTYPE_FP32
+                                          ? bf16_to_f32(f32_to_bf16(src.get(t, c)))
+                                          : src.get(t, c);
+                  const float w = t < sinks ? exact : tout.get(c, static_cast<int32_t>(t));
+                  ASSERT_EQ(out.get(t, c), w)
+                      << what << " full " << full << " t " << t << " c " << c;
+                }
+            }
+          }
+        }
+}
+
+// AUTO keeps, per V page, the grouping whose anchor-only decode is closer to
+// the input: values whose scale changes from token to token go to token
+// groups, channel outliers stay in channel groups, and K pages never move.
+TEST(PageCodec, ValueGroupsAutoPicksTheSmallerAnchorError) {
+  const int64_t T = 128;
+  const int32_t H = 128;
+  PagedBuffer per_token(T, H, KVXFER_DTYPE_BF16, 32), per_channel(T, H, KVXFER_DTYPE_BF16, 32);
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int32_t c = 0; c < H; ++c) {
+      per_token.set(t, c, u(rng) * (t % 4 == 0 ? 20.0f : 0.5f));
+      per_channel.set(t, c, u(rng) * (c % 8 == 0 ? 20.0f : 0.5f));
+    }
+  kvxfer_codec_config_t autoc = config(KVXFER_CODEC_LYNX, 0.0f, 32);
+  autoc.value_groups = KVXFER_VALUE_GROUPS_AUTO;
+  kvxfer_codec_config_t tok = autoc, chan = autoc;
+  tok.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+  chan.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
+  const kvxfer_page_id_t v{0, KVXFER_KV_VALUE, 0, 1}, k{0, KVXFER_KV_KEY, 0, 1};
+  for (Impl impl : {Impl::REFERENCE, Impl::AUTO}) {
+    EXPECT_EQ(test::encode(autoc, per_token, impl, v).anchor,
+              test::encode(tok, per_token, impl, v).anchor);
+    EXPECT_NE(test::encode(autoc, per_token, impl, v).anchor,
+              test::encode(chan, per_token, impl, v).anchor);
+    EXPECT_EQ(test::encode(autoc, per_channel, impl, v).anchor,
+              test::encode(chan, per_channel, impl, v).anchor);
+    EXPECT_EQ(test::encode(autoc, per_token, impl, k).anchor,
+              test::encode(chan, per_token, impl, k).anchor);
+    EXPECT_EQ(test::encode(tok, per_token, impl, k).anchor,
+              test::encode(chan, per_token, impl, k).anchor)
+        << "K pages keep channel groups";
+  }
+}
+
+TEST(PageCodecBadInput, ValueGroupsAreValidatedAndTheFlagIsCheckedOnParse) {
+  PagedBuffer src(40, 16, KVXFER_DTYPE_BF16, 16);
+  fill_kv_like(&src, 3);
+  kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX, 0.0f, 32);
+  cfg.value_groups = static_cast<kvxfer_value_groups_t>(3);
+  EXPECT_EQ(test::encode(cfg, src, Impl::AUTO).rc, KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(last_error()).find("value_groups"), std::string::npos) << last_error();
+  for (kvxfer_codec_t c : {KVXFER_CODEC_BF16, KVXFER_CODEC_SPECTRUM}) {
+    kvxfer_codec_config_t b = config(c, 0.0f, 32);
+    b.value_groups = KVXFER_VALUE_GROUPS_AUTO;
+    size_t a = 0, r = 0;
+    EXPECT_EQ(max_sizes(&b, 40, 16, &a, &r), KVXFER_ERR_INVALID_ARGUMENT) << c;
+  }
+  // A token-group flag on a K page or a BF16 page is refused by the parser,
+  // checksum or not.
+  PageHeader h;
+  h.codec = KVXFER_CODEC_LYNX;
+  h.kind = KVXFER_KV_KEY;
+  h.flags = FLAG_TOKEN_GROUPS;
+  h.num_channels = 16;
+  h.num_tokens = 40;
+  h.payload_bytes = payload_sizes(h).anchor_payload();
+  std::vector<uint8_t> buf(kHeaderBytes + h.payload_bytes, 0);
+  write_header(h, buf.data());
+  PageHeader got;
+  EXPECT_EQ(parse_section(buf.data(), buf.size(), &got), KVXFER_ERR_CORRUPT);
+  EXPECT_NE(std::string(last_error()).find("token groups"), std::string::npos) << last_error();
 }
 
 TEST(PageCodec, LynxAlphaZeroAnchorDecodesToInt4sBytes) {

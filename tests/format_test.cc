@@ -307,10 +307,12 @@ INSTANTIATE_TEST_SUITE_P(
                   "SpectrumKV tier counts"},
         FieldCase{"CodecOnResidual", KVXFER_CODEC_INT8, true, set<uint8_t>(O_CODEC, 0xFF),
                   "bad codec 255"},
-        FieldCase{"UnknownFlag", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_FLAGS, 0x04),
-                  "unknown flags 0x04"},
+        FieldCase{"UnknownFlag", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_FLAGS, 0x08),
+                  "unknown flags 0x08"},
         FieldCase{"UnknownHighFlag", KVXFER_CODEC_INT8, true, set<uint8_t>(O_FLAGS, 0x80),
                   "unknown flags 0x80"},
+        FieldCase{"TokenGroupsOnBf16", KVXFER_CODEC_BF16, false, set<uint8_t>(O_FLAGS, 0x04),
+                  "token groups on a page that is not a quantized V page"},
         FieldCase{"SrcDtype", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_SRC_DTYPE, 3),
                   "bad source dtype 3"},
         FieldCase{"ChunkTokens48", KVXFER_CODEC_LYNX, false, set<uint8_t>(O_CHUNK, 48),
@@ -771,7 +773,7 @@ TEST(WireFormat, HeaderBytesAreFixed) {
 
   const uint8_t expect_anchor[72] = {
       'K',  'V',  'X',  'P',                           // magic
-      0x04, 0x00,                                      // version 4
+      0x05, 0x00,                                      // version 5
       0x50, 0x00,                                      // header_bytes 80
       0x01,                                            // section: anchor
       0x00,                                            // codec LYNX

@@ -486,6 +486,40 @@ TEST_F(GpuCodec, ErrorsMatchTheCpuApi) {
   EXPECT_EQ(gpu_encode(cfg, dsrc).rc, KVXFER_ERR_INVALID_ARGUMENT);
 }
 
+// Token-grouped V pages (docs/FORMAT.md 2.8) are a host format: the device
+// refuses to make one, AUTO makes the channel page, K pages are unaffected,
+// and a token-grouped page from the host is refused before anything is
+// written.
+TEST_F(GpuCodec, TokenGroupsAreRefusedAndAutoIsChannel) {
+  PagedBuffer src(40, 16, KVXFER_DTYPE_BF16);
+  fill_kv_like(&src, 5);
+  DevicePage dsrc(src);
+  kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX, 0.0f);
+  cfg.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+  EXPECT_EQ(gpu_encode(cfg, dsrc).rc, KVXFER_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(last_error()).find("value_groups=token"), std::string::npos);
+  const kvxfer_page_id_t key{3, KVXFER_KV_KEY, 1000, 42};
+  kvxfer_codec_config_t chan = cfg;
+  chan.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
+  EXPECT_EQ(gpu_encode(cfg, dsrc, key).anchor,
+            encode(chan, src, codec::Impl::REFERENCE, key).anchor);
+  kvxfer_codec_config_t autoc = cfg;
+  autoc.value_groups = KVXFER_VALUE_GROUPS_AUTO;
+  const Encoded g = gpu_encode(autoc, dsrc);
+  ASSERT_EQ(g.rc, KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(g.anchor, encode(chan, src, codec::Impl::REFERENCE).anchor);
+
+  const Encoded host = encode(cfg, src, codec::Impl::REFERENCE);
+  ASSERT_EQ(host.rc, KVXFER_SUCCESS) << last_error();
+  PagedBuffer out(40, 16, KVXFER_DTYPE_BF16);
+  DevicePage dout(out);
+  EXPECT_EQ(gpu_decode(host.anchor, &host.residual, dout), KVXFER_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(last_error()).find("token groups"), std::string::npos);
+  PagedBuffer back(40, 16, KVXFER_DTYPE_BF16);
+  dout.download(&back);
+  EXPECT_EQ(back.bytes(), out.bytes()) << "nothing written";
+}
+
 TEST_F(GpuCodec, AnchorStreamHasTheGreatestPriority) {
   int least = 0, greatest = 0, prio = 0;
   CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest));

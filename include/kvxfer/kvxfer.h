@@ -134,6 +134,24 @@ typedef enum {
   KVXFER_NONFINITE_RAW = 1
 } kvxfer_nonfinite_policy_t;
 
+/**
+ * How the V pages of LYNX, INT8 and INT4 are grouped for the min/max
+ * normalisation (docs/FORMAT.md 2.8).  K pages are always grouped per
+ * (chunk of C tokens, channel), as Lynx's Algorithm 1 does.
+ */
+typedef enum {
+  /** Per (chunk of C tokens, channel): Lynx Algorithm 1 (the default). */
+  KVXFER_VALUE_GROUPS_CHANNEL = 0,
+  /** Per (token, run of C channels): KIVI's value grouping (Liu et al. 2024),
+   *  for values whose scale varies from token to token.  CPU pages only: a
+   *  CUDA encode or decode of such a page fails with KVXFER_ERR_UNSUPPORTED. */
+  KVXFER_VALUE_GROUPS_TOKEN = 1,
+  /** Per V page, the one of the two whose anchor-only decode has the smaller
+   *  squared error on that page (the encoder runs both; about 3x the encode
+   *  time of V pages).  On a CUDA device: CHANNEL. */
+  KVXFER_VALUE_GROUPS_AUTO = 2
+} kvxfer_value_groups_t;
+
 #define KVXFER_CONFIG_MAGIC 0x6b767866u /* 'kvxf' */
 
 /**
@@ -166,12 +184,15 @@ typedef struct {
    *  on the pages that hold them.  Why: docs/FORMAT.md 2.7 (a model's first
    *  token takes most of the attention; StreamingLLM, Xiao et al. 2024). */
   int32_t sink_tokens;
+  /** Grouping of V pages, default KVXFER_VALUE_GROUPS_CHANNEL; LYNX, INT8
+   *  and INT4 (the others need CHANNEL). */
+  kvxfer_value_groups_t value_groups;
 } kvxfer_codec_config_t;
 
 #define KVXFER_CODEC_CONFIG_INITIALIZER                                                         \
   {                                                                                             \
     sizeof(kvxfer_codec_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, KVXFER_CODEC_LYNX, \
-        0.0f, 32, 4, KVXFER_NONFINITE_ERROR, 1                                                  \
+        0.0f, 32, 4, KVXFER_NONFINITE_ERROR, 1, KVXFER_VALUE_GROUPS_CHANNEL                     \
   }
 
 /**

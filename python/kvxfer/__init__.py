@@ -31,6 +31,7 @@ from ._abi import (  # noqa: F401
     NonfinitePolicy,
     Stage,
     Tier,
+    ValueGroups,
 )
 from ._errors import KvxferError, LibraryNotFoundError, Result, result_name  # noqa: F401
 from .core import (  # noqa: F401

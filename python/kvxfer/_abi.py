@@ -69,6 +69,14 @@ class NonfinitePolicy(enum.IntEnum):
     RAW = 1
 
 
+class ValueGroups(enum.IntEnum):
+    """kvxfer_value_groups_t."""
+
+    CHANNEL = 0
+    TOKEN = 1
+    AUTO = 2
+
+
 class Stage(enum.IntEnum):
     """kvxfer_stage_t; ERROR is final and may follow any other."""
 
@@ -110,6 +118,7 @@ class CodecConfigStruct(ctypes.Structure):
         ("anchor_bits", ctypes.c_int32),
         ("nonfinite", _c_enum),
         ("sink_tokens", ctypes.c_int32),
+        ("value_groups", _c_enum),
     ]
 
 
@@ -257,7 +266,7 @@ class ArrivalStruct(ctypes.Structure):
 # sizeof() of each struct with the C layout rules of LP64 (x86-64 System V):
 # 8-byte size_t, pointers and int64, 4-byte enums, natural alignment.
 EXPECTED_SIZES = {
-    "kvxfer_codec_config_t": (CodecConfigStruct, 40),
+    "kvxfer_codec_config_t": (CodecConfigStruct, 48),
     "kvxfer_page_layout_t": (PageLayoutStruct, 56),
     "kvxfer_page_id_t": (PageIdStruct, 24),
     "kvxfer_page_info_t": (PageInfoStruct, 88),
@@ -301,6 +310,7 @@ def init_config(struct_type):
         s.codec, s.alpha, s.chunk_tokens, s.anchor_bits = Codec.LYNX, 0.0, 32, 4
         s.nonfinite = NonfinitePolicy.ERROR
         s.sink_tokens = 1
+        s.value_groups = ValueGroups.CHANNEL
     elif struct_type is KVDescStruct:
         s.dtype, s.device = Dtype.BF16, -1
     elif struct_type is RequestConfigStruct:

@@ -50,6 +50,7 @@ from ._abi import (
     Mode,
     NonfinitePolicy,
     Stage,
+    ValueGroups,
 )
 from ._errors import KvxferError, Result
 from ._lib import load as _load
@@ -210,12 +211,16 @@ class CodecConfig:
     anchor_bits: int = 4  # 2..6 for LYNX and INT8; 4 for INT4; ignored by BF16
     nonfinite: NonfinitePolicy = NonfinitePolicy.ERROR
     sink_tokens: int = 1  # 0..1024 leading tokens sent exactly; not SPECTRUM
+    # V pages per (chunk, channel), per (token, channels) as KIVI, or the
+    # better of the two per page (docs/FORMAT.md 2.8); not BF16 or SPECTRUM
+    value_groups: ValueGroups = ValueGroups.CHANNEL
 
     ALPHA_AUTO = ALPHA_AUTO
 
     def __post_init__(self):
         self.codec = _enum(Codec, self.codec, "codec")
         self.nonfinite = _enum(NonfinitePolicy, self.nonfinite, "nonfinite")
+        self.value_groups = _enum(ValueGroups, self.value_groups, "value_groups")
 
     def _struct(self):
         s = _abi.init_config(_abi.CodecConfigStruct)
@@ -225,6 +230,7 @@ class CodecConfig:
         s.anchor_bits = int(self.anchor_bits)
         s.nonfinite = int(_enum(NonfinitePolicy, self.nonfinite, "nonfinite"))
         s.sink_tokens = int(self.sink_tokens)
+        s.value_groups = int(_enum(ValueGroups, self.value_groups, "value_groups"))
         return s
 
 

@@ -63,6 +63,7 @@ int main(void) {
   FIELD(kvxfer_codec_config_t, anchor_bits)
   FIELD(kvxfer_codec_config_t, nonfinite)
   FIELD(kvxfer_codec_config_t, sink_tokens)
+  FIELD(kvxfer_codec_config_t, value_groups)
   END_STRUCT()
   BEGIN_STRUCT(kvxfer_page_layout_t)
   FIELD(kvxfer_page_layout_t, blocks)
@@ -196,6 +197,9 @@ int main(void) {
   ENUM(KVXFER_TIER_DROP)
   ENUM(KVXFER_NONFINITE_ERROR)
   ENUM(KVXFER_NONFINITE_RAW)
+  ENUM(KVXFER_VALUE_GROUPS_CHANNEL)
+  ENUM(KVXFER_VALUE_GROUPS_TOKEN)
+  ENUM(KVXFER_VALUE_GROUPS_AUTO)
   ENUM(KVXFER_STAGE_POSTED)
   ENUM(KVXFER_STAGE_ANCHOR_READY)
   ENUM(KVXFER_STAGE_COMPLETE)
@@ -212,8 +216,9 @@ int main(void) {
   first = 1;
   INIT_BEGIN(kvxfer_codec_config_t, KVXFER_CODEC_CONFIG_INITIALIZER)
   INIT_INT(size)
-  INIT_INT(magic) INIT_INT(version) INIT_INT(codec) INIT_FLOAT(alpha) INIT_INT(chunk_tokens)
-      INIT_INT(anchor_bits) INIT_INT(nonfinite) INIT_INT(sink_tokens) INIT_END() INIT_BEGIN(
+  INIT_INT(magic)
+  INIT_INT(version) INIT_INT(codec) INIT_FLOAT(alpha) INIT_INT(chunk_tokens) INIT_INT(anchor_bits)
+      INIT_INT(nonfinite) INIT_INT(sink_tokens) INIT_INT(value_groups) INIT_END() INIT_BEGIN(
           kvxfer_comm_config_t, KVXFER_COMM_CONFIG_INITIALIZER) INIT_INT(size) INIT_INT(magic)
           INIT_INT(version) INIT_INT(timeout_ms) INIT_PTR(bind_address) INIT_PTR(rate_limit)
               INIT_END() INIT_BEGIN(kvxfer_kv_desc_t, KVXFER_KV_DESC_INITIALIZER) INIT_INT(

@@ -47,7 +47,8 @@ def test_enums_and_constants_match_c(dump):
     groups = [("KVXFER_", kvxfer.Result), ("KVXFER_DTYPE_", kvxfer.Dtype),
               ("KVXFER_KV_", kvxfer.KVKind), ("KVXFER_CODEC_", kvxfer.Codec),
               ("KVXFER_NONFINITE_", kvxfer.NonfinitePolicy), ("KVXFER_STAGE_", kvxfer.Stage),
-              ("KVXFER_MODE_", kvxfer.Mode), ("KVXFER_TIER_", kvxfer.Tier)]
+              ("KVXFER_MODE_", kvxfer.Mode), ("KVXFER_TIER_", kvxfer.Tier),
+              ("KVXFER_VALUE_GROUPS_", kvxfer.ValueGroups)]
     seen = set()
     for prefix, enum_type in groups:
         for m in enum_type:

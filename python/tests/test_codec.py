@@ -64,6 +64,25 @@ def test_nonfinite_is_rejected_naming_the_element():
     assert kvxfer.inspect_page(a).raw_fallback
 
 
+def test_value_groups_token_and_auto():
+    """V pages grouped per token (docs/FORMAT.md 2.8) decode close to the
+    input; a name or the enum both work, and an unknown name is refused."""
+    src = kvdata.HostKV(1, 2, 32, 100, 16, Dtype.BF16, pad=4).fill(5)
+    pid = kvxfer.PageId(0, KVKind.VALUE, 0, 1)
+    x = kvdata.decode_floats(src.rows(0, KVKind.VALUE), Dtype.BF16)
+    for groups in ("token", kvxfer.ValueGroups.AUTO):
+        cfg = kvxfer.CodecConfig(value_groups=groups)
+        anchor, residual = kvxfer.encode_page(src.layout(0, KVKind.VALUE), pid, cfg)
+        amax, rmax = kvxfer.page_max_size(100, 64, cfg)
+        assert len(anchor) <= amax and len(residual) <= rmax
+        full = kvdata.HostKV(1, 2, 32, 100, 7, Dtype.FP32)
+        kvxfer.decode_page(full.layout(0, KVKind.VALUE), anchor, residual, expect=pid)
+        y = kvdata.decode_floats(full.rows(0, KVKind.VALUE), Dtype.FP32)
+        assert math.sqrt(sum((a - b) ** 2 for a, b in zip(x, y)) / len(x)) < 0.05
+    with pytest.raises(ValueError):
+        kvxfer.CodecConfig(value_groups="rows")
+
+
 def test_memory_kinds():
     """bytearray, array.array, ctypes arrays, raw int addresses and bytes
     (read-only: encode only) all work as blocks."""

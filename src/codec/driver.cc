@@ -71,7 +71,8 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
     EncodeStatus st = EncodeStatus::NEED_FP32;
     for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
       // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.
-      h.flags = attempt == 1 ? FLAG_META_FP32 : 0;
+      h.flags =
+          static_cast<uint8_t>((h.flags & FLAG_TOKEN_GROUPS) | (attempt == 1 ? FLAG_META_FP32 : 0));
       KVXFER_CHECK(fits());
       KVXFER_CHECK(be->quantize(h, &st, &bad));
       if (st == EncodeStatus::NEED_FP32)

@@ -97,8 +97,13 @@ PayloadSizes payload_sizes(const PageHeader& h) {
   } else if (h.codec == KVXFER_CODEC_BF16) {
     s.anchor_codes = n * 2;
   } else {
-    const uint64_t chunks = (h.num_tokens + h.chunk_tokens - 1) / h.chunk_tokens;
-    s.meta_bytes = chunks * h.num_channels * 2 * ((h.flags & FLAG_META_FP32) ? 4 : 2);
+    // Groups: C tokens of one channel, or with FLAG_TOKEN_GROUPS C channels
+    // of one token (docs/FORMAT.md 2.8).
+    const bool tg = (h.flags & FLAG_TOKEN_GROUPS) != 0;
+    const uint64_t along = tg ? h.num_channels : h.num_tokens;
+    const uint64_t across = tg ? h.num_tokens : h.num_channels;
+    const uint64_t chunks = (along + h.chunk_tokens - 1) / h.chunk_tokens;
+    s.meta_bytes = chunks * across * 2 * ((h.flags & FLAG_META_FP32) ? 4 : 2);
     s.anchor_codes = ceil_div8(n * h.anchor_bits);
     s.residual_codes = ceil_div8(n * (h.code_bits - h.anchor_bits));
     if (carries_anchor_table(static_cast<kvxfer_codec_t>(h.codec), h.alpha, h.code_bits,
@@ -222,7 +227,12 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
   CORRUPT_IF(h.section != SECTION_ANCHOR && h.section != SECTION_RESIDUAL, "bad section kind %u",
              h.section);
   CORRUPT_IF(h.codec > KVXFER_CODEC_SPECTRUM, "bad codec %u", h.codec);
-  CORRUPT_IF(h.flags & ~(FLAG_RAW | FLAG_META_FP32), "unknown flags 0x%02x", h.flags);
+  CORRUPT_IF(h.flags & ~(FLAG_RAW | FLAG_META_FP32 | FLAG_TOKEN_GROUPS), "unknown flags 0x%02x",
+             h.flags);
+  CORRUPT_IF((h.flags & FLAG_TOKEN_GROUPS) &&
+                 ((h.flags & FLAG_RAW) || h.codec == KVXFER_CODEC_BF16 ||
+                  h.codec == KVXFER_CODEC_SPECTRUM || h.kind != KVXFER_KV_VALUE),
+             "token groups on a page that is not a quantized V page (flags 0x%02x)", h.flags);
   CORRUPT_IF(h.src_dtype > KVXFER_DTYPE_FP32, "bad source dtype %u", h.src_dtype);
   CORRUPT_IF(!valid_chunk_tokens(h.chunk_tokens), "bad chunk_tokens %u", h.chunk_tokens);
   CORRUPT_IF(h.kind > KVXFER_KV_VALUE, "bad K/V kind %u", h.kind);

@@ -27,7 +27,7 @@
 namespace kvxfer::codec {
 
 constexpr uint32_t kMagic = 0x5058564Bu;  // bytes "KVXP"
-constexpr uint16_t kWireVersion = 4;
+constexpr uint16_t kWireVersion = 5;
 constexpr size_t kHeaderBytes = 80;
 constexpr uint32_t kMaxChannels = 1u << 20;
 constexpr uint64_t kMaxTokens = 1ull << 32;
@@ -35,7 +35,13 @@ constexpr uint64_t kMaxTokens = 1ull << 32;
 constexpr int32_t kMaxSinkTokens = 1024;
 
 enum SectionKind : uint8_t { SECTION_ANCHOR = 1, SECTION_RESIDUAL = 2 };
-enum HeaderFlags : uint8_t { FLAG_RAW = 1u << 0, FLAG_META_FP32 = 1u << 1 };
+// FLAG_TOKEN_GROUPS: the codes and metadata are those of the page's
+// transpose (docs/FORMAT.md 2.8): groups of C channels of one token.
+enum HeaderFlags : uint8_t {
+  FLAG_RAW = 1u << 0,
+  FLAG_META_FP32 = 1u << 1,
+  FLAG_TOKEN_GROUPS = 1u << 2
+};
 
 /** Host-side view of a section header.  Field order = wire order. */
 struct PageHeader {
@@ -116,6 +122,21 @@ inline kvxfer_dtype_t sink_dtype(const PageHeader& h) {
  * SPECTRUM also `tiers`), which must already be valid.
  */
 PayloadSizes payload_sizes(const PageHeader& h);
+
+/**
+ * The header of the grouped body of a FLAG_TOKEN_GROUPS page (docs/FORMAT.md
+ * 2.8): h with num_tokens and num_channels swapped, the flag and the sink
+ * rows cleared.  The encoders and decoders run on it over the transposed
+ * page; its payload_sizes give the same metadata and code sizes as h's.
+ */
+inline PageHeader grouped_body_header(const PageHeader& h) {
+  PageHeader b = h;
+  b.num_tokens = h.num_channels;
+  b.num_channels = static_cast<uint32_t>(h.num_tokens);
+  b.flags = static_cast<uint8_t>(h.flags & ~FLAG_TOKEN_GROUPS);
+  b.sink_rows = 0;
+  return b;
+}
 
 /** Bytes of one element of `dtype` (2 or 4). */
 size_t dtype_size(kvxfer_dtype_t dtype);

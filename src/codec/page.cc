@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <vector>
 
 #include "codec/codec.h"
 #include "codec/driver.h"
@@ -142,6 +143,14 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
                  "unknown nonfinite policy %d", static_cast<int>(cfg->nonfinite));
   KVXFER_REQUIRE(cfg->sink_tokens >= 0 && cfg->sink_tokens <= kMaxSinkTokens,
                  "codec config: sink_tokens %d outside [0, %d]", cfg->sink_tokens, kMaxSinkTokens);
+  KVXFER_REQUIRE(cfg->value_groups >= KVXFER_VALUE_GROUPS_CHANNEL &&
+                     cfg->value_groups <= KVXFER_VALUE_GROUPS_AUTO,
+                 "codec config: unknown value_groups %d", static_cast<int>(cfg->value_groups));
+  KVXFER_REQUIRE(cfg->value_groups == KVXFER_VALUE_GROUPS_CHANNEL ||
+                     (cfg->codec != KVXFER_CODEC_BF16 && cfg->codec != KVXFER_CODEC_SPECTRUM),
+                 "codec config: value_groups %d needs LYNX, INT8 or INT4 (BF16 and SPECTRUM "
+                 "have no groups to choose)",
+                 static_cast<int>(cfg->value_groups));
   if (cfg->codec == KVXFER_CODEC_SPECTRUM) {
     // anchor_bits is the INT8 tier's split (docs/FORMAT.md 6.2); alpha is unused.
     KVXFER_REQUIRE(cfg->anchor_bits >= 2 && cfg->anchor_bits <= 6,
@@ -199,6 +208,10 @@ PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t&
   h.stream_id = id.stream_id;
   if (h.code_bits != 0 && cfg.codec != KVXFER_CODEC_SPECTRUM && id.token_begin < cfg.sink_tokens)
     h.sink_rows = static_cast<uint32_t>(std::min<int64_t>(cfg.sink_tokens - id.token_begin, T));
+  // AUTO is resolved per page before the header is made (encode_page).
+  if (h.code_bits != 0 && cfg.codec != KVXFER_CODEC_SPECTRUM && id.kind == KVXFER_KV_VALUE &&
+      cfg.value_groups == KVXFER_VALUE_GROUPS_TOKEN)
+    h.flags = FLAG_TOKEN_GROUPS;
   return h;
 }
 
@@ -217,12 +230,20 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
   KVXFER_REQUIRE(H >= 1 && static_cast<uint32_t>(H) <= kMaxChannels,
                  "num_channels %d outside [1, %u]", H, kMaxChannels);
   kvxfer_page_id_t id{};  // token_begin 0: the most sink rows
-  PageHeader h = make_header(*cfg, id, T, H, KVXFER_DTYPE_FP32);
+  id.kind = KVXFER_KV_VALUE;  // V: the kind whose grouping may change
+  kvxfer_codec_config_t channel = *cfg;
+  channel.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
+  PageHeader h = make_header(channel, id, T, H, KVXFER_DTYPE_FP32);
   // SPECTRUM: every token FP16 is the largest page (docs/FORMAT.md 6.3).
   if (cfg->codec == KVXFER_CODEC_SPECTRUM) h.tiers[KVXFER_TIER_FP16] = static_cast<uint64_t>(T);
   if (cfg->codec != KVXFER_CODEC_BF16) h.flags = FLAG_META_FP32;
   PayloadSizes s = payload_sizes(h);
   uint64_t anchor = s.anchor_payload();
+  if (cfg->value_groups != KVXFER_VALUE_GROUPS_CHANNEL) {  // the larger of the two groupings
+    PageHeader t = h;
+    t.flags |= FLAG_TOKEN_GROUPS;
+    anchor = std::max<uint64_t>(anchor, payload_sizes(t).anchor_payload());
+  }
   if (cfg->nonfinite == KVXFER_NONFINITE_RAW) {
     h.flags = FLAG_RAW;
     h.sink_rows = 0;
@@ -268,6 +289,48 @@ kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
 
 namespace {
 
+/**
+ * A page's transpose in host memory, in its own dtype: row c holds channel c
+ * of the T tokens (the layout of a token-grouped body, docs/FORMAT.md 2.8).
+ */
+class TransposedPage {
+ public:
+  TransposedPage() = default;
+  TransposedPage(const TransposedPage&) = delete;  // its layout points into it
+  TransposedPage& operator=(const TransposedPage&) = delete;
+  /** Allocates H rows of T elements of `dt` (contents undefined). */
+  void shape(int64_t T, int32_t H, kvxfer_dtype_t dt) {
+    elem_ = dtype_size(dt);
+    buf_.resize(static_cast<size_t>(T) * H * elem_);
+    ptr_ = buf_.data();
+    l_ = kvxfer_page_layout_t{&ptr_, 1, H, T, 0, H, static_cast<int32_t>(T), dt};
+  }
+  /** The transpose of rows 0..T-1 of src. */
+  void fill_from(const Layout& src, int64_t T, int32_t H) {
+    shape(T, H, src.l->dtype);
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t* row = src.row(t);
+      for (int32_t c = 0; c < H; ++c)
+        std::memcpy(buf_.data() + (static_cast<size_t>(c) * T + t) * elem_, row + c * elem_, elem_);
+    }
+  }
+  /** Writes the transpose back: row t of dst gets element t of every row. */
+  void store_to(const Layout& dst, int64_t T, int32_t H) const {
+    for (int64_t t = 0; t < T; ++t) {
+      uint8_t* row = dst.row(t);
+      for (int32_t c = 0; c < H; ++c)
+        std::memcpy(row + c * elem_, buf_.data() + (static_cast<size_t>(c) * T + t) * elem_, elem_);
+    }
+  }
+  Layout layout() const { return Layout{&l_, elem_}; }
+
+ private:
+  std::vector<uint8_t> buf_;
+  void* ptr_ = nullptr;
+  kvxfer_page_layout_t l_{};
+  size_t elem_ = 0;
+};
+
 /** The CPU paths as an EncodeBackend: payloads straight into the host sections. */
 class HostBackend final : public EncodeBackend {
  public:
@@ -286,9 +349,19 @@ class HostBackend final : public EncodeBackend {
     const Codebook& cb = *cb_;
     uint64_t hist[256] = {0};
     const PayloadSizes s = payload_sizes(h);
+    // Token groups: the body is the encoding of the transposed page
+    // (docs/FORMAT.md 2.8), encoded by the same paths.
+    const bool tg = (h.flags & FLAG_TOKEN_GROUPS) != 0;
+    const PageHeader body = tg ? grouped_body_header(h) : h;
+    Layout qlay = lay_;
+    TransposedPage tp;
+    if (tg) {
+      tp.fill_from(lay_, static_cast<int64_t>(h.num_tokens), static_cast<int32_t>(h.num_channels));
+      qlay = tp.layout();
+    }
     EncodeJob job{&cb,
-                  &h,
-                  lay_,
+                  &body,
+                  qlay,
                   (h.flags & FLAG_META_FP32) != 0,
                   anc_ + kHeaderBytes,
                   nullptr,
@@ -376,6 +449,47 @@ class HostBackend final : public EncodeBackend {
 
 }  // namespace
 
+namespace {
+/**
+ * KVXFER_VALUE_GROUPS_AUTO for one V page (cfg's other fields resolved): the
+ * grouping whose anchor-only decode has the smaller sum of squared errors
+ * against the source (double), CHANNEL on a tie or when a trial encode
+ * fails (the real encode then reports the failure).
+ */
+kvxfer_value_groups_t choose_value_groups(const kvxfer_codec_config_t& cfg,
+                                          const kvxfer_page_id_t& id,
+                                          const kvxfer_page_layout_t& src, const Layout& lay,
+                                          Impl impl, int threads) {
+  const int64_t T = src.num_tokens;
+  const int32_t H = src.num_channels;
+  std::vector<float> out(static_cast<size_t>(T) * H);
+  void* block = out.data();
+  const kvxfer_page_layout_t dst{
+      &block, 1, static_cast<int32_t>(std::max<int64_t>(T, 1)), H, 0, T, H, KVXFER_DTYPE_FP32};
+  double sse[2] = {0, 0};
+  for (int g = 0; g < 2; ++g) {
+    kvxfer_codec_config_t c = cfg;
+    c.value_groups = g == 0 ? KVXFER_VALUE_GROUPS_CHANNEL : KVXFER_VALUE_GROUPS_TOKEN;
+    size_t acap = 0, rcap = 0, alen = 0, rlen = 0;
+    if (max_sizes(&c, T, H, &acap, &rcap) < 0) return KVXFER_VALUE_GROUPS_CHANNEL;
+    std::vector<uint8_t> a(acap), r(rcap);
+    if (encode_page(&c, &id, &src, a.data(), acap, &alen, r.data(), rcap, &rlen, impl, threads) <
+            0 ||
+        decode_page(a.data(), alen, nullptr, 0, &id, &dst, impl, threads) < 0)
+      return KVXFER_VALUE_GROUPS_CHANNEL;
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t* row = lay.row(t);
+      for (int32_t ch = 0; ch < H; ++ch) {
+        const double d = static_cast<double>(out[static_cast<size_t>(t) * H + ch]) -
+                         load_elem(row, ch, src.dtype);
+        sse[g] += d * d;
+      }
+    }
+  }
+  return sse[1] < sse[0] ? KVXFER_VALUE_GROUPS_TOKEN : KVXFER_VALUE_GROUPS_CHANNEL;
+}
+}  // namespace
+
 kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                             const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
                             size_t* anchor_len, void* residual, size_t residual_cap,
@@ -390,6 +504,13 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     KVXFER_TRACE(LOG_CODEC, "alpha=auto chose %g", static_cast<double>(chosen.alpha));
   }
   const int t = effective_threads(threads);
+  if (chosen.value_groups == KVXFER_VALUE_GROUPS_AUTO) {
+    chosen.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
+    if (id->kind == KVXFER_KV_VALUE)
+      chosen.value_groups = choose_value_groups(chosen, *id, *src, lay, impl, t);
+    KVXFER_TRACE(LOG_CODEC, "value_groups=auto chose %s",
+                 chosen.value_groups == KVXFER_VALUE_GROUPS_TOKEN ? "token" : "channel");
+  }
   HostBackend be(lay, static_cast<uint8_t*>(anchor), static_cast<uint8_t*>(residual), impl, t);
   if (chosen.codec != KVXFER_CODEC_BF16) KVXFER_CHECK(be.use(chosen));
   return encode_with(chosen, *id, *src, static_cast<uint8_t*>(anchor), anchor_cap, anchor_len,
@@ -483,19 +604,22 @@ kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const voi
 
   // Every metadata entry and table value, before anything is written: a
   // checksum-valid section can still be hostile.
-  const int32_t H = dst->num_channels;
+  // Entries [chunk][channel], or with token groups [run of channels][token].
+  const bool tg = (ah.flags & FLAG_TOKEN_GROUPS) != 0;
+  const PageHeader body = tg ? grouped_body_header(ah) : ah;
+  const int64_t across = static_cast<int64_t>(body.num_channels);
   const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
   int64_t entries =
-      static_cast<int64_t>((ah.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * H;
+      static_cast<int64_t>((body.num_tokens + ah.chunk_tokens - 1) / ah.chunk_tokens) * across;
   if (!fp32 && !any_bad_fp16_meta(plan->payload, entries)) entries = 0;  // the common case
   for (int64_t i = 0; i < entries; ++i) {
     const Affine a = get_affine(plan->payload, i, fp32);
     if (!std::isfinite(a.m) || !std::isfinite(a.d) || !(a.d >= 0.0f))
       return set_error(KVXFER_ERR_CORRUPT,
-                       "metadata entry %lld (chunk %lld, channel %lld) is invalid: offset %g, "
+                       "metadata entry %lld (%s %lld, %s %lld) is invalid: offset %g, "
                        "half-range %g",
-                       (long long)i, (long long)(i / H), (long long)(i % H), (double)a.m,
-                       (double)a.d);
+                       (long long)i, tg ? "channel run" : "chunk", (long long)(i / across),
+                       tg ? "token" : "channel", (long long)(i % across), (double)a.m, (double)a.d);
   }
   std::string why;
   plan->cb = get_codebook(static_cast<kvxfer_codec_t>(ah.codec), ah.alpha, ah.anchor_bits, &why);
@@ -517,7 +641,8 @@ kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const voi
     const uint16_t v = static_cast<uint16_t>(sinks[2 * i] | sinks[2 * i + 1] << 8);
     if ((v & emask) == emask)
       return set_error(KVXFER_ERR_CORRUPT, "sink row %llu, channel %llu is not finite (0x%04x)",
-                       (unsigned long long)(i / H), (unsigned long long)(i % H), v);
+                       (unsigned long long)(i / ah.num_channels),
+                       (unsigned long long)(i % ah.num_channels), v);
   }
   return KVXFER_SUCCESS;
 }
@@ -555,9 +680,14 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
   const PayloadSizes& s = plan.sizes;
   const CodebookRef& cb = plan.cb;
+  // Token groups: decode the transposed page, then transpose it into place.
+  const bool tg = (ah.flags & FLAG_TOKEN_GROUPS) != 0;
+  const PageHeader body = tg ? grouped_body_header(ah) : ah;
+  TransposedPage tp;
+  if (tg) tp.shape(T, H, dst->dtype);
   const DecodeJob job{cb.get(),
-                      &ah,
-                      lay,
+                      &body,
+                      tg ? tp.layout() : lay,
                       fp32,
                       plan.payload,
                       plan.payload + s.meta_bytes,
@@ -567,6 +697,7 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
     reference::decode(job);
   else
     fast::decode(job, impl == Impl::AVX2, effective_threads(threads));
+  if (tg) tp.store_to(lay, T, H);
   // The sink rows, exact, over their decoded codes (docs/FORMAT.md 2.7).
   const kvxfer_dtype_t kdt = sink_dtype(ah);
   const uint8_t* sinks = plan.payload + s.sink_offset();
