@@ -110,6 +110,15 @@ TEST(XferProtocol, DescriptorRoundTripsAndRejectsGarbage) {
   EXPECT_EQ(back.num_tokens, 400);
   EXPECT_EQ(back.codec.alpha, 5.0f);
   EXPECT_EQ(back.codec.sink_tokens, s.codec.sink_tokens);
+  EXPECT_EQ(back.codec.value_groups, KVXFER_VALUE_GROUPS_CHANNEL);
+  Desc t = s;
+  t.codec.value_groups = KVXFER_VALUE_GROUPS_AUTO;
+  const auto tb = xfer::encode_desc(t);
+  ASSERT_EQ(xfer::decode_desc(tb.data(), tb.size(), &back), KVXFER_SUCCESS);
+  EXPECT_EQ(back.codec.value_groups, KVXFER_VALUE_GROUPS_AUTO);
+  auto badg = tb;
+  badg[73] = 9;  // value_groups, after sink_tokens
+  EXPECT_EQ(xfer::decode_desc(badg.data(), badg.size(), &back), KVXFER_ERR_CORRUPT);
   EXPECT_EQ(back.page_tokens, 128);
   EXPECT_EQ(back.mode, KVXFER_MODE_PROGRESSIVE);
   auto bad = b;
@@ -158,6 +167,15 @@ TEST(XferProtocol, MismatchNamesTheFieldTheSameOnBothSides) {
   EXPECT_EQ(xfer::compare_desc(back, spec), KVXFER_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(last_error()).find("no GPU decoder"), std::string::npos);
   EXPECT_EQ(xfer::compare_desc(s, back), KVXFER_SUCCESS);  // other codecs decode on the GPU
+  // Token-grouped V pages have no GPU decoder either.
+  for (kvxfer_value_groups_t g : {KVXFER_VALUE_GROUPS_TOKEN, KVXFER_VALUE_GROUPS_AUTO}) {
+    Desc tg = sample_desc(true);
+    tg.codec.value_groups = g;
+    EXPECT_EQ(xfer::compare_desc(tg, back), KVXFER_ERR_UNSUPPORTED);
+    EXPECT_EQ(xfer::compare_desc(back, tg), KVXFER_ERR_UNSUPPORTED);
+    EXPECT_NE(std::string(last_error()).find("value_groups"), std::string::npos);
+    EXPECT_EQ(xfer::compare_desc(tg, sample_desc(false)), KVXFER_SUCCESS);
+  }
 }
 
 TEST(XferProtocol, StatusRoundTripsAndRejectsGarbage) {
@@ -307,6 +325,17 @@ TEST(Xfer, SinkRowsOfTheSendersCodecArriveExactly) {
   kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
   c.sink_tokens = 200;
   round_trip(c, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_BF16);
+}
+
+// Token-grouped V pages (docs/FORMAT.md 2.8): the receiver sizes its buffers
+// for either grouping and decodes what each page's header says.
+TEST(Xfer, ValueGroupsTokenAndAutoArriveBitExact) {
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+  round_trip(c, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_BF16);
+  c.value_groups = KVXFER_VALUE_GROUPS_AUTO;
+  c.codec = KVXFER_CODEC_INT8;
+  round_trip(c, KVXFER_MODE_MONOLITHIC, KVXFER_DTYPE_FP16);
 }
 
 TEST(Xfer, Int8MonolithicBitExact) {

@@ -396,6 +396,10 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
       return set_error(KVXFER_ERR_UNSUPPORTED,
                        "alpha=auto is not available for KV on a CUDA device: calibrate on a host "
                        "copy (kvxfer_codec_calibrate_alpha) and pass the chosen alpha");
+    if (kv->device >= 0 && cc.value_groups == KVXFER_VALUE_GROUPS_TOKEN)
+      return set_error(KVXFER_ERR_UNSUPPORTED,
+                       "value_groups=token is not available for KV on a CUDA device "
+                       "(docs/FORMAT.md 2.8): use channel, or auto (channel on the GPU)");
     const int32_t pt = rc.page_tokens > 0 ? rc.page_tokens : m.default_page_tokens;
     const uint64_t per = static_cast<uint64_t>((kv->num_tokens + pt - 1) / pt);
     KVXFER_REQUIRE(static_cast<uint64_t>(kv->num_layers) * 2 * per <= kMaxPages,

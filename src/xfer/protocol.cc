@@ -69,6 +69,7 @@ std::vector<uint8_t> encode_desc(const Desc& d) {
   put<int32_t>(&b, d.page_tokens);
   put<uint8_t>(&b, d.on_device ? 1 : 0);
   put<int32_t>(&b, d.codec.sink_tokens);  // version 2
+  put<int32_t>(&b, d.codec.value_groups);  // version 3
   b.resize(kDescBytes, 0);                // reserved
   return b;
 }
@@ -106,6 +107,10 @@ kvxfer_result_t decode_desc(const uint8_t* buf, size_t len, Desc* out) {
   if (dev > 1) return set_error(KVXFER_ERR_CORRUPT, "descriptor message has on_device %u", dev);
   d.on_device = dev == 1;
   d.codec.sink_tokens = get<int32_t>(p);
+  const int32_t groups = get<int32_t>(p);
+  if (groups < KVXFER_VALUE_GROUPS_CHANNEL || groups > KVXFER_VALUE_GROUPS_AUTO)
+    return set_error(KVXFER_ERR_CORRUPT, "descriptor message has value_groups %d", groups);
+  d.codec.value_groups = static_cast<kvxfer_value_groups_t>(groups);
   *out = d;
   return KVXFER_SUCCESS;
 }
@@ -141,6 +146,12 @@ kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer) {
                      "the sender's codec is SPECTRUM, which has no GPU decoder, and the "
                      "receiver's KV is on a CUDA device: receive into host memory or use "
                      "another codec");
+  if (s.codec.value_groups != KVXFER_VALUE_GROUPS_CHANNEL && r.on_device && s.num_tokens > 0)
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "the sender's value_groups is %s, which may send token-grouped V pages, and "
+                     "the receiver's KV is on a CUDA device, which decodes channel groups only "
+                     "(docs/FORMAT.md 2.8): receive into host memory or send with channel groups",
+                     s.codec.value_groups == KVXFER_VALUE_GROUPS_TOKEN ? "token" : "auto");
   if (s.num_tokens > 0 && (s.page_tokens <= 0 ||
                            (s.mode != KVXFER_MODE_PROGRESSIVE && s.mode != KVXFER_MODE_MONOLITHIC)))
     return set_error(KVXFER_ERR_CORRUPT, "sender's descriptor has page_tokens %d and mode %d",

@@ -82,7 +82,7 @@ struct Desc {
 constexpr size_t kDescBytes = 80;
 constexpr uint32_t kDescMagic = 0x4458564bu;    // "KVXD" little-endian
 constexpr uint32_t kStatusMagic = 0x5358564bu;  // "KVXS" little-endian
-constexpr uint16_t kProtocolVersion = 2;        // 2: the codec's sink_tokens
+constexpr uint16_t kProtocolVersion = 3;        // 2: the codec's sink_tokens, 3: value_groups
 constexpr size_t kMaxStatusText = 1024;
 constexpr size_t kStatusHeaderBytes = 16;
 
