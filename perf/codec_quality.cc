@@ -7,7 +7,9 @@
 //   alpha             LYNX alpha ("auto": KVXFER_ALPHA_AUTO; the chosen values
 //                     are printed on a '#' line after the row)
 //   C                 chunk tokens (kvxfer), group size (KIVI) or "tok" (one
-//                     group per token row)
+//                     group per token row); a suffix t / a: V pages grouped
+//                     per (token, C channels) / the better grouping per page
+//                     (value_groups TOKEN / AUTO, docs/FORMAT.md 2.8)
 //   s                 sink_tokens (kvxfer codecs): leading token rows sent
 //                     exactly (docs/FORMAT.md 2.7); "-" where not applicable
 //   bits_a / bits_t   bits per element on the wire: anchor section / anchor +
@@ -152,7 +154,10 @@ struct RowSpec {
                  ? "tok"
                  : "32";
     if (cfg.codec == KVXFER_CODEC_BF16) return "-";
-    return kp::strprintf("%d", cfg.chunk_tokens);
+    const char* v = cfg.value_groups == KVXFER_VALUE_GROUPS_TOKEN  ? "t"
+                    : cfg.value_groups == KVXFER_VALUE_GROUPS_AUTO ? "a"
+                                                                   : "";
+    return kp::strprintf("%d%s", cfg.chunk_tokens, v);
   }
   // Attention-sink rows sent exactly (kvxfer codecs; docs/FORMAT.md 2.7).
   std::string sinks() const {
@@ -192,6 +197,15 @@ RowSpec auto_alpha_row() {
 }
 #endif
 
+// Lynx 4+4, alpha 0, C = 32 with V pages grouped per token / chosen per page.
+void add_value_group_rows(std::vector<RowSpec>* rows) {
+  for (kvxfer_value_groups_t g : {KVXFER_VALUE_GROUPS_TOKEN, KVXFER_VALUE_GROUPS_AUTO}) {
+    RowSpec r = kvx(KVXFER_CODEC_LYNX, 0.0f, 32, 4);
+    r.cfg.value_groups = g;
+    rows->push_back(r);
+  }
+}
+
 // The external baselines and BF16, last in every data set's list.
 void add_baseline_rows(std::vector<RowSpec>* rows) {
   for (kb::Baseline b : {kb::Baseline::kInt8PerToken, kb::Baseline::kInt4PerToken,
@@ -214,6 +228,7 @@ std::vector<RowSpec> make_rows() {
 #ifdef KVXFER_ALPHA_AUTO
   rows.push_back(auto_alpha_row());
 #endif
+  add_value_group_rows(&rows);
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT8, 0.0f, c, 4));
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT4, 0.0f, c, 4));
   add_baseline_rows(&rows);
@@ -230,6 +245,7 @@ std::vector<RowSpec> make_rows_smollm2() {
   rows.push_back(auto_alpha_row());
 #endif
   for (int ab : {3, 5}) rows.push_back(kvx(KVXFER_CODEC_LYNX, 0.0f, 32, ab));
+  add_value_group_rows(&rows);
   rows.push_back(kvx(KVXFER_CODEC_INT8, 0.0f, 32, 4));
   for (int c : {16, 32, 64}) rows.push_back(kvx(KVXFER_CODEC_INT4, 0.0f, c, 4));
   // Without the sink row: the codec of format 2, and textbook min/max INT4.
@@ -741,22 +757,24 @@ void print_row(const kp::Table& table, const std::string& dataset, const RowSpec
                                 has_agree ? kp::strprintf("%.4f", aa) : "-",
                                 has_agree ? kp::strprintf("%.4f", af) : "-"})
                           .c_str());
-  json jr = {{"dataset", dataset},
-             {"codec", row.codec_name()},
-             {"split", row.split()},
-             {"alpha", row.alpha()},
-             {"group", row.group()},
-             {"sink_tokens", row.sinks()},
-             {"progressive", row.progressive()},
-             {"bits_anchor", ba},
-             {"bits_total", bt},
-             {"vnmse_anchor", va},
-             {"vnmse_full", vf},
-             {"key_cos_anchor", kca},
-             {"key_cos_full", kcf},
-             {"value_cos_anchor", vca},
-             {"value_cos_full", vcf},
-             {"per_seq", acc.per_seq}};
+  json jr = {
+      {"dataset", dataset},
+      {"codec", row.codec_name()},
+      {"split", row.split()},
+      {"alpha", row.alpha()},
+      {"group", row.group()},
+      {"value_groups", row.kind == RowSpec::kKvxfer ? static_cast<int>(row.cfg.value_groups) : -1},
+      {"sink_tokens", row.sinks()},
+      {"progressive", row.progressive()},
+      {"bits_anchor", ba},
+      {"bits_total", bt},
+      {"vnmse_anchor", va},
+      {"vnmse_full", vf},
+      {"key_cos_anchor", kca},
+      {"key_cos_full", kcf},
+      {"value_cos_anchor", vca},
+      {"value_cos_full", vcf},
+      {"per_seq", acc.per_seq}};
   if (has_agree) {
     jr["greedy_agree_anchor"] = aa;
     jr["greedy_agree_full"] = af;
