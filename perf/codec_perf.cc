@@ -563,7 +563,7 @@ constexpr const char* kGpuTimerName = "steady_clock (CPU emulation)";
 #else
 constexpr const char* kGpuTimerName = "CUDA events, L2 flushed before each";
 #endif
-constexpr double kHbmTarget = 0.8;  // issue 5: >= 80% of HBM bandwidth
+constexpr double kHbmTarget = 0.8;  // the target: >= 80% of HBM bandwidth
 
 /** The "# skipped" line (and JSON file) of --gpu without a usable device; exit status 0. */
 int gpu_skip(const Options& o, const std::string& why) {
@@ -1064,7 +1064,7 @@ int run_gpu(const Options& o, const std::vector<kvxfer_dtype_t>& dtypes,
     javg[op] = avg;
     std::printf("# Avg rw/memcpy %-10s: %.3f  (mean over %d rows)\n", op, avg, it->second.second);
   }
-  std::printf("# Rows at rw/memcpy >= %.2f (issue 5 target): %d of %d\n", kHbmTarget, met, nrows);
+  std::printf("# Rows at rw/memcpy >= %.2f (target): %d of %d\n", kHbmTarget, met, nrows);
   std::printf("#\n");
   std::fflush(stdout);
 

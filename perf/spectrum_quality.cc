@@ -868,7 +868,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  // The figures of issue 17 (docs/SPECTRUMKV.md): measurements, not checks.
+  // The SpectrumKV figures (docs/SPECTRUMKV.md): measurements, not checks.
   if (use_smollm2) {
     std::printf("#\n# figures (smollm2):\n");
     auto get = [](const std::map<std::string, double>& m, const std::string& k) {

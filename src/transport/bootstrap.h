@@ -1,4 +1,4 @@
-// Out-of-band bootstrap of a communicator (issue 4, "Communicators").
+// Out-of-band bootstrap of a communicator (docs/TRANSPORT.md).
 //
 // One side calls create_unique_id(): it opens a TCP listener (the root) and
 // fills a 128-byte UniqueId with the listener's address and a 32-byte random

@@ -1,4 +1,4 @@
-// A communicator of N ranks over the libfabric layer (issue 4, "Communicators").
+// A communicator of N ranks over the libfabric layer (docs/TRANSPORT.md).
 //
 // Internal (no public API).  Every rank holds one Link (ofi.h) per peer: the
 // pair (i, j) is joined by Link i->j on rank i and Link j->i on rank j, each
