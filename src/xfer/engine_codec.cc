@@ -134,7 +134,8 @@ void Engine::Impl::codec_main() {
 
 void Engine::Impl::queue_full(const std::shared_ptr<Request>& r, size_t page) {
   // Strict priority on the receiver: no residual is applied while an anchor
-  // of any request is still expected (docs/TRANSPORT.md, "Strict anchor priority across requests").
+  // of any request is still expected (docs/TRANSPORT.md, "Strict anchor
+  // priority across requests").
   if (g_pause_residuals.load() || anchors_unapplied > 0) {
     held_full.emplace_back(r, page);
     return;
