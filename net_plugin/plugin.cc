@@ -178,21 +178,56 @@ using namespace kvxfer::netplugin;  // NOLINT: the tables below name the wrapper
 
 extern "C" {
 
+// One slot per line, in the order of nccl_net_abi.h (NCCL's net_v11.h and
+// net_v10.h), named as NCCL names them.
+// clang-format off
 __attribute__((visibility("default"))) ncclNet_v11_t ncclNetPlugin_v11 = {
-    "kvxfer",   init_v11,     devices,       get_properties_v11, listen_v11,   connect_v11,
-    accept_any, reg_mr,       reg_mr_dmabuf, dereg_mr,           isend,        irecv,
-    iflush,     test,         close_send,    close_recv,         close_listen,
-    nullptr,  // getDeviceMr: no device offload
-    nullptr,  // irecvConsumed: no device offload
-    nullptr,  // makeVDevice: NCCL then uses the physical devices
-    finalize,   set_net_attr,
+    "kvxfer",            // name
+    init_v11,            // init
+    devices,             // devices
+    get_properties_v11,  // getProperties
+    listen_v11,          // listen
+    connect_v11,         // connect
+    accept_any,          // accept
+    reg_mr,              // regMr
+    reg_mr_dmabuf,       // regMrDmaBuf
+    dereg_mr,            // deregMr
+    isend,               // isend
+    irecv,               // irecv
+    iflush,              // iflush
+    test,                // test
+    close_send,          // closeSend
+    close_recv,          // closeRecv
+    close_listen,        // closeListen
+    nullptr,             // getDeviceMr: no device offload
+    nullptr,             // irecvConsumed: no device offload
+    nullptr,             // makeVDevice: NCCL then uses the physical devices
+    finalize,            // finalize
+    set_net_attr,        // setNetAttr
 };
 
 __attribute__((visibility("default"))) ncclNet_v10_t ncclNetPlugin_v10 = {
-    "kvxfer",   init_v10, devices,       get_properties_v10, listen_v10,   connect_v10,
-    accept_any, reg_mr,   reg_mr_dmabuf, dereg_mr,           isend,        irecv,
-    iflush,     test,     close_send,    close_recv,         close_listen, nullptr,
-    nullptr,    nullptr,
+    "kvxfer",            // name
+    init_v10,            // init
+    devices,             // devices
+    get_properties_v10,  // getProperties
+    listen_v10,          // listen
+    connect_v10,         // connect
+    accept_any,          // accept
+    reg_mr,              // regMr
+    reg_mr_dmabuf,       // regMrDmaBuf
+    dereg_mr,            // deregMr
+    isend,               // isend
+    irecv,               // irecv
+    iflush,              // iflush
+    test,                // test
+    close_send,          // closeSend
+    close_recv,          // closeRecv
+    close_listen,        // closeListen
+    nullptr,             // getDeviceMr: no device offload
+    nullptr,             // irecvConsumed: no device offload
+    nullptr,             // makeVDevice: NCCL then uses the physical devices
 };
+// clang-format on
 
 }  // extern "C"
