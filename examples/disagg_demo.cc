@@ -119,7 +119,8 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/** A link rate in tc syntax ("50mbit", "1.5gbit", "10mbps" = bytes/s); a bare number is mbit. */
+/** A link rate in tc syntax ("50mbit", "1.5gbit", "10mbps" = bytes/s), the grammar of
+ *  KVXFER_RATE_LIMIT (docs/ENV.md): the unit is required. */
 bool parse_rate(const std::string& text, double* bytes_per_s) {
   size_t i = 0;
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))
@@ -130,7 +131,6 @@ bool parse_rate(const std::string& text, double* bytes_per_s) {
   if (!(v > 0) || !std::isfinite(v)) return false;
   std::string unit = text.substr(i);
   for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (unit.empty()) unit = "mbit";
   double scale = 1;
   const std::pair<const char*, double> prefixes[] = {
       {"ki", 1024.0}, {"mi", 1048576.0}, {"gi", 1073741824.0}, {"k", 1e3}, {"m", 1e6}, {"g", 1e9}};
@@ -1137,7 +1137,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"adaptive", "all"}));
   app.add_option("-r,--rate", o.rate,
                  "link rate of the main table, tc syntax (20mbit, 1gbit, "
-                 "10mbps = bytes/s); a bare number is mbit");
+                 "10mbps = bytes/s); the unit is required, as in KVXFER_RATE_LIMIT");
   app.add_option("-p,--prompt_len", o.prompt_len, "prompt tokens (BOS + sampled tokens)");
   app.add_option("--prompt", o.prompt_ids, "comma-separated prompt token ids instead");
   app.add_option("-n,--tokens", o.tokens, "output tokens per run (>= 1; TT64T needs 64)");

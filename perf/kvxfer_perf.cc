@@ -41,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "codec/codec_math.h"
 #include "common/fdio.h"
 #include "kvxfer/spectrum.h"
 #include "model/llama2.h"
@@ -72,35 +73,7 @@ int64_t mono_ns() {
 
 using kp::split;  // perf/common/harness.h
 
-/** "8M", "1G", "512K", "1048576", "64MiB": bytes; K/M/G/T are powers of 1024. */
-bool parse_size(const std::string& s, uint64_t* out) {
-  size_t i = 0;
-  uint64_t v = 0;
-  while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) {
-    const uint64_t d = static_cast<uint64_t>(s[i] - '0');
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-    ++i;
-  }
-  if (i == 0) return false;
-  int shift = 0;
-  if (i < s.size()) {
-    switch (std::tolower(static_cast<unsigned char>(s[i]))) {
-      case 'k': shift = 10; break;
-      case 'm': shift = 20; break;
-      case 'g': shift = 30; break;
-      case 't': shift = 40; break;
-      default: break;
-    }
-    if (shift != 0) ++i;
-  }
-  std::string rest = s.substr(i);
-  for (char& c : rest) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (!(rest.empty() || rest == "b" || (shift != 0 && rest == "ib"))) return false;
-  if (shift != 0 && v > (UINT64_MAX >> shift)) return false;
-  *out = v << shift;
-  return true;
-}
+using kp::parse_size;  // perf/common/harness.h
 
 using kp::codec_name;  // perf/common/harness.h
 using kp::dtype_name;
@@ -231,29 +204,9 @@ struct Plan {
 // ---------------------------------------------------------------------------
 // KV data: float values per (request, layer, kind), converted to the dtype.
 // ---------------------------------------------------------------------------
-uint16_t f32_to_bf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // NaN
-  x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(x >> 16);
-}
-
-uint16_t f32_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const uint32_t a = x & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to Inf
-  if (a < 0x38800000u) {  // below 2^-14: subnormal (or zero); the scaling by 2^24 is exact
-    float af;
-    std::memcpy(&af, &a, 4);
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::lrint(af * 16777216.0f)));
-  }
-  const uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;  // round, rebias 127 -> 15
-  return static_cast<uint16_t>(sign | (r >> 13));
-}
+// The exact conversions of the codec (src/codec/codec_math.h).
+using kvxfer::codec::f32_to_bf16;
+using kvxfer::codec::f32_to_f16;
 
 void store_row(const float* src, int32_t H, kvxfer_dtype_t dt, uint8_t* dst) {
   switch (dt) {

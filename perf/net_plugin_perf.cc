@@ -63,26 +63,6 @@ double best(const std::vector<double>& v) {
   return v.empty() ? 0 : *std::min_element(v.begin(), v.end());
 }
 
-bool parse_size(const std::string& s, uint64_t* out) {
-  size_t i = 0;
-  uint64_t v = 0;
-  while (i < s.size() && s[i] >= '0' && s[i] <= '9') {
-    v = v * 10 + static_cast<uint64_t>(s[i] - '0');
-    if (v > (uint64_t{1} << 40)) return false;
-    ++i;
-  }
-  if (i == 0) return false;
-  int shift = 0;
-  if (i < s.size()) {
-    const char c = static_cast<char>(std::tolower(static_cast<unsigned char>(s[i])));
-    shift = c == 'k' ? 10 : c == 'm' ? 20 : c == 'g' ? 30 : 0;
-    if (shift != 0) ++i;
-  }
-  if (i != s.size()) return false;
-  *out = v << shift;
-  return true;
-}
-
 // ---------------------------------------------------------------------------
 // Pipes
 // ---------------------------------------------------------------------------

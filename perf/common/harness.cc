@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdarg>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -221,6 +223,35 @@ int emit_json(const char* tool, const std::string& path, const nlohmann::json& j
   }
   std::printf("# JSON written to %s\n", path.c_str());
   return 0;
+}
+
+bool parse_size(const std::string& s, uint64_t* out) {
+  size_t i = 0;
+  uint64_t v = 0;
+  while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) {
+    const uint64_t d = static_cast<uint64_t>(s[i] - '0');
+    if (v > (UINT64_MAX - d) / 10) return false;
+    v = v * 10 + d;
+    ++i;
+  }
+  if (i == 0) return false;
+  int shift = 0;
+  if (i < s.size()) {
+    switch (std::tolower(static_cast<unsigned char>(s[i]))) {
+      case 'k': shift = 10; break;
+      case 'm': shift = 20; break;
+      case 'g': shift = 30; break;
+      case 't': shift = 40; break;
+      default: break;
+    }
+    if (shift != 0) ++i;
+  }
+  std::string rest = s.substr(i);
+  for (char& c : rest) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (!(rest.empty() || rest == "b" || (shift != 0 && rest == "ib"))) return false;
+  if (shift != 0 && v > (UINT64_MAX >> shift)) return false;
+  *out = v << shift;
+  return true;
 }
 
 }  // namespace kvxfer::perf

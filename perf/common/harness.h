@@ -69,6 +69,13 @@ bool time_paired(int warmup, int iters, const std::function<bool()>& base,
 /** Throughput in GB/s (10^9 bytes per second) of `bytes` processed in `us`. */
 inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 : 0.0; }
 
+/**
+ * A byte count: digits, then an optional K, M, G or T (powers of 1024), then
+ * an optional "B" (or "iB" after a unit): "8M", "1G", "512K", "1048576",
+ * "64MiB".  Case-insensitive.  False on anything else or on overflow.
+ */
+bool parse_size(const std::string& s, uint64_t* out);
+
 /** Splits a comma list ("lynx,int8"), dropping empty items. */
 inline std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
