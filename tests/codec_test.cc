@@ -977,6 +977,24 @@ TEST(PageCodecBadInput, ValueGroupsAreValidatedAndTheFlagIsCheckedOnParse) {
     size_t a = 0, r = 0;
     EXPECT_EQ(max_sizes(&b, 40, 16, &a, &r), KVXFER_ERR_INVALID_ARGUMENT) << c;
   }
+  // A V page longer than 2^20 tokens has no token-grouped form (its
+  // transpose would have too many channels): TOKEN refuses it, AUTO and
+  // CHANNEL encode it alike.
+  {
+    const int64_t T = (int64_t{1} << 20) + 1;
+    PagedBuffer longp(T, 1, KVXFER_DTYPE_BF16, 1 << 16, 0, 0);
+    for (int64_t t = 0; t < T; ++t) longp.set(t, 0, static_cast<float>(t % 97) - 48.0f);
+    kvxfer_codec_config_t tok = config(KVXFER_CODEC_LYNX, 0.0f, 32);
+    tok.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+    EXPECT_EQ(test::encode(tok, longp, Impl::AUTO).rc, KVXFER_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(last_error()).find("exceeds 2^20"), std::string::npos) << last_error();
+    kvxfer_codec_config_t au = tok, ch = tok;
+    au.value_groups = KVXFER_VALUE_GROUPS_AUTO;
+    ch.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
+    const auto a = test::encode(au, longp, Impl::AUTO);
+    ASSERT_EQ(a.rc, KVXFER_SUCCESS) << last_error();
+    EXPECT_EQ(a.anchor, test::encode(ch, longp, Impl::AUTO).anchor);
+  }
   // A token-group flag on a K page or a BF16 page is refused by the parser,
   // checksum or not.
   PageHeader h;
@@ -991,6 +1009,14 @@ TEST(PageCodecBadInput, ValueGroupsAreValidatedAndTheFlagIsCheckedOnParse) {
   PageHeader got;
   EXPECT_EQ(parse_section(buf.data(), buf.size(), &got), KVXFER_ERR_CORRUPT);
   EXPECT_NE(std::string(last_error()).find("token groups"), std::string::npos) << last_error();
+  h.kind = KVXFER_KV_VALUE;
+  h.num_channels = 1;
+  h.num_tokens = (uint64_t{1} << 20) + 1;
+  h.payload_bytes = payload_sizes(h).anchor_payload();
+  buf.assign(kHeaderBytes + h.payload_bytes, 0);
+  write_header(h, buf.data());
+  EXPECT_EQ(parse_section(buf.data(), buf.size(), &got), KVXFER_ERR_CORRUPT);
+  EXPECT_NE(std::string(last_error()).find("at most 2^20"), std::string::npos) << last_error();
 }
 
 TEST(PageCodec, LynxAlphaZeroAnchorDecodesToInt4sBytes) {

@@ -233,6 +233,9 @@ kvxfer_result_t parse_section(const void* buf, size_t len, PageHeader* out) {
                  ((h.flags & FLAG_RAW) || h.codec == KVXFER_CODEC_BF16 ||
                   h.codec == KVXFER_CODEC_SPECTRUM || h.kind != KVXFER_KV_VALUE),
              "token groups on a page that is not a quantized V page (flags 0x%02x)", h.flags);
+  CORRUPT_IF((h.flags & FLAG_TOKEN_GROUPS) && h.num_tokens > kMaxChannels,
+             "token groups on a page of %llu tokens (at most 2^20)",
+             (unsigned long long)h.num_tokens);
   CORRUPT_IF(h.src_dtype > KVXFER_DTYPE_FP32, "bad source dtype %u", h.src_dtype);
   CORRUPT_IF(!valid_chunk_tokens(h.chunk_tokens), "bad chunk_tokens %u", h.chunk_tokens);
   CORRUPT_IF(h.kind > KVXFER_KV_VALUE, "bad K/V kind %u", h.kind);

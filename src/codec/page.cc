@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstring>
 #include <vector>
 
 #include "codec/codec.h"
@@ -135,17 +136,26 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
   KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
                  "codec config from header version %u, library is %d", cfg->version,
                  KVXFER_VERSION_CODE);
-  KVXFER_REQUIRE(cfg->codec >= KVXFER_CODEC_LYNX && cfg->codec <= KVXFER_CODEC_SPECTRUM,
-                 "unknown codec %d", static_cast<int>(cfg->codec));
+  // The enum fields as the integers the caller stored: an out-of-range value
+  // must not be loaded as the enum type (undefined in C++).
+  auto raw = [](const auto& field) {
+    int32_t v;
+    static_assert(sizeof(field) == sizeof(v), "C enums are int-sized");
+    std::memcpy(&v, &field, sizeof v);
+    return v;
+  };
+  const int32_t codec = raw(cfg->codec), nonfinite = raw(cfg->nonfinite),
+                groups = raw(cfg->value_groups);
+  KVXFER_REQUIRE(codec >= KVXFER_CODEC_LYNX && codec <= KVXFER_CODEC_SPECTRUM, "unknown codec %d",
+                 codec);
   KVXFER_REQUIRE(valid_chunk_tokens(cfg->chunk_tokens), "chunk_tokens %d is not 16, 32, 64 or 128",
                  cfg->chunk_tokens);
-  KVXFER_REQUIRE(cfg->nonfinite == KVXFER_NONFINITE_ERROR || cfg->nonfinite == KVXFER_NONFINITE_RAW,
-                 "unknown nonfinite policy %d", static_cast<int>(cfg->nonfinite));
+  KVXFER_REQUIRE(nonfinite == KVXFER_NONFINITE_ERROR || nonfinite == KVXFER_NONFINITE_RAW,
+                 "unknown nonfinite policy %d", nonfinite);
   KVXFER_REQUIRE(cfg->sink_tokens >= 0 && cfg->sink_tokens <= kMaxSinkTokens,
                  "codec config: sink_tokens %d outside [0, %d]", cfg->sink_tokens, kMaxSinkTokens);
-  KVXFER_REQUIRE(cfg->value_groups >= KVXFER_VALUE_GROUPS_CHANNEL &&
-                     cfg->value_groups <= KVXFER_VALUE_GROUPS_AUTO,
-                 "codec config: unknown value_groups %d", static_cast<int>(cfg->value_groups));
+  KVXFER_REQUIRE(groups >= KVXFER_VALUE_GROUPS_CHANNEL && groups <= KVXFER_VALUE_GROUPS_AUTO,
+                 "codec config: unknown value_groups %d", groups);
   KVXFER_REQUIRE(cfg->value_groups == KVXFER_VALUE_GROUPS_CHANNEL ||
                      (cfg->codec != KVXFER_CODEC_BF16 && cfg->codec != KVXFER_CODEC_SPECTRUM),
                  "codec config: value_groups %d needs LYNX, INT8 or INT4 (BF16 and SPECTRUM "
@@ -504,9 +514,15 @@ kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_
     KVXFER_TRACE(LOG_CODEC, "alpha=auto chose %g", static_cast<double>(chosen.alpha));
   }
   const int t = effective_threads(threads);
+  KVXFER_REQUIRE(chosen.value_groups != KVXFER_VALUE_GROUPS_TOKEN || id->kind != KVXFER_KV_VALUE ||
+                     src->num_tokens <= static_cast<int64_t>(kMaxChannels),
+                 "value_groups=token: a V page of %" PRId64
+                 " tokens exceeds 2^20, the channel limit of its transpose (docs/FORMAT.md 2.8)",
+                 src->num_tokens);
   if (chosen.value_groups == KVXFER_VALUE_GROUPS_AUTO) {
     chosen.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
-    if (id->kind == KVXFER_KV_VALUE)
+    // The transposed page has T channels: at most kMaxChannels (FORMAT.md 2.8).
+    if (id->kind == KVXFER_KV_VALUE && src->num_tokens <= static_cast<int64_t>(kMaxChannels))
       chosen.value_groups = choose_value_groups(chosen, *id, *src, lay, impl, t);
     KVXFER_TRACE(LOG_CODEC, "value_groups=auto chose %s",
                  chosen.value_groups == KVXFER_VALUE_GROUPS_TOKEN ? "token" : "channel");
