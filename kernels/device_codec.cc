@@ -271,13 +271,12 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "value_groups=token is not available on the GPU path (docs/FORMAT.md 2.8); "
                      "use channel or auto (channel on the GPU)");
-  kvxfer_codec_config_t c = *cfg;
-  c.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;  // AUTO on the GPU
+  // AUTO: make_header sets token groups for TOKEN only, so the page is channel-grouped.
   auto* anc = static_cast<uint8_t*>(anchor);
   auto* res = static_cast<uint8_t*>(residual);
   DeviceBackend be(src, scratch, anc, res, stream);
-  if (c.codec != KVXFER_CODEC_BF16) KVXFER_CHECK(be.use(c));
-  return codec::encode_with(c, *id, *src, anc, anchor_cap, anchor_len, res, residual_cap,
+  if (cfg->codec != KVXFER_CODEC_BF16) KVXFER_CHECK(be.use(*cfg));
+  return codec::encode_with(*cfg, *id, *src, anc, anchor_cap, anchor_len, res, residual_cap,
                             residual_len, &be, 1);
 }
 

@@ -350,6 +350,13 @@ TEST(XferGpu, DeviceRequestsRefusedAtPost) {
                 "alpha=auto: %s", kvxfer_get_last_error());
     CHILD_CHECK(std::string(kvxfer_get_last_error()).find("calibrate") != std::string::npos,
                 "alpha=auto message: %s", kvxfer_get_last_error());
+    cfg = codec(KVXFER_CODEC_LYNX);  // no GPU kernels for token-grouped V pages
+    cfg.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+    CHILD_CHECK(kvxfer_send(comm, 1, &dev.desc, &cfg, nullptr, &req) == KVXFER_ERR_UNSUPPORTED,
+                "value_groups=token on a device: %s", kvxfer_get_last_error());
+    CHILD_CHECK(
+        std::string(kvxfer_get_last_error()).find("value_groups=token") != std::string::npos,
+        "value_groups=token message: %s", kvxfer_get_last_error());
     cfg = codec(KVXFER_CODEC_SPECTRUM);  // no GPU encoder for SpectrumKV pages
     CHILD_CHECK(kvxfer_send(comm, 1, &dev.desc, &cfg, nullptr, &req) == KVXFER_ERR_UNSUPPORTED,
                 "SPECTRUM on a device: %s", kvxfer_get_last_error());
