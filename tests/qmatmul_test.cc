@@ -108,6 +108,7 @@ TEST_P(QMatmul, EveryBatchThreadAndPathGivesTheSameBits) {
       }
     std::vector<kd::Path> paths = {kd::Path::kScalar};
     if (kd::have_avx2()) paths.push_back(kd::Path::kAvx2);
+    if (kd::have_avx512()) paths.push_back(kd::Path::kAvx512);
     for (kd::Path path : paths)
       for (int threads : {1, 2})
         for (int n : {1, 2, 3, 7, 16, 17, 64, 130}) {
@@ -116,7 +117,9 @@ TEST_P(QMatmul, EveryBatchThreadAndPathGivesTheSameBits) {
           kd::matmul_path(path, m.w, x.data(), n, out.data());
           const std::vector<float> want(base.begin(), base.begin() + static_cast<std::ptrdiff_t>(out.size()));
           SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " threads " << threads
-                                          << (path == kd::Path::kAvx2 ? " avx2" : " scalar"));
+                                          << (path == kd::Path::kAvx512 ? " avx512"
+                                              : path == kd::Path::kAvx2 ? " avx2"
+                                                                        : " scalar"));
           expect_bits(out, want, "batched vs sequential");
         }
   }

@@ -14,16 +14,18 @@
 namespace kvxfer::model {
 namespace {
 
-// Rows dequantized together and reused by every token (the AVX2 tile).
+// Rows dequantized together and reused by every token: the AVX2 tile's 3,
+// the AVX-512 tile's 3 row pairs.
 constexpr int kPanelRows = 3;
+constexpr int kPanelRows512 = 6;
 constexpr std::int64_t kParallelWork = 1 << 15;
 constexpr int kTokenChunk = 64;  // tokens per product: 64 x 1536 floats fit in L2
 
-// n floats in *mem, the returned pointer 32-byte aligned.
-float* aligned32(std::vector<float>* mem, std::size_t n) {
-  mem->resize(n + 8);
+// n floats in *mem, the returned pointer 64-byte aligned.
+float* aligned64(std::vector<float>* mem, std::size_t n) {
+  mem->resize(n + 16);
   const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(mem->data());
-  return reinterpret_cast<float*>((p + 31) & ~static_cast<std::uintptr_t>(31));
+  return reinterpret_cast<float*>((p + 63) & ~static_cast<std::uintptr_t>(63));
 }
 
 float half(const std::uint8_t* p) {
@@ -104,6 +106,15 @@ bool have_avx2() {
   return yes;
 }
 
+bool have_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return have_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return yes;
+}
+
 void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float* out) {
   if (n <= 0 || w.rows <= 0) return;
   if (w.type == WeightType::kF32) return matmul_f32(w, x, n, out);
@@ -117,47 +128,54 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
                   out + static_cast<std::size_t>(t0) * rows);
     return;
   }
-  const int n_panels = (rows + kPanelRows - 1) / kPanelRows;
-  const bool avx2 = path == Path::kAvx2;
+  // One token on the SIMD paths dequantizes in registers (AVX2, also for
+  // the AVX-512 path: the same values and fmas) and needs no panel.
+  const bool one = path != Path::kScalar && n == 1;
+  const bool wide = path == Path::kAvx512 && n > 1;
+  const bool avx2 = path == Path::kAvx2 || (path == Path::kAvx512 && n == 1);
+  const int panel_rows = wide ? kPanelRows512 : kPanelRows;
+  const int n_panels = (rows + panel_rows - 1) / panel_rows;
   const std::int64_t work = static_cast<std::int64_t>(n) * rows * cols;
-  // The batched AVX2 tile reads x with 32-byte loads: give it aligned rows.
+  // The batched tiles read x with aligned 32-byte loads: give them aligned rows.
   std::vector<float> x_mem;
-  if (avx2 && n > 1 && reinterpret_cast<std::uintptr_t>(x) % 32 != 0) {
+  if (path != Path::kScalar && n > 1 && reinterpret_cast<std::uintptr_t>(x) % 32 != 0) {
     const std::size_t len = static_cast<std::size_t>(n) * cols;
-    float* xa = aligned32(&x_mem, len);
+    float* xa = aligned64(&x_mem, len);
     std::memcpy(xa, x, len * sizeof(float));
     x = xa;
   }
 #pragma omp parallel if (work >= kParallelWork)
   {
-    // One token on the AVX2 path dequantizes in registers and needs no panel.
     std::vector<float> panel_mem, acc_mem;
-    float* panel = avx2 && n == 1
-                       ? nullptr
-                       : aligned32(&panel_mem, static_cast<std::size_t>(kPanelRows) * cols);
-    std::vector<float> tile(static_cast<std::size_t>(n) * kPanelRows);
-    // The AVX2 accumulators, one 8-lane vector per (token, row).
-    float* acc =
-        avx2 && n > 1 ? aligned32(&acc_mem, static_cast<std::size_t>(n) * kPanelRows * 8) : nullptr;
+    float* panel =
+        one ? nullptr : aligned64(&panel_mem, static_cast<std::size_t>(panel_rows) * cols);
+    std::vector<float> tile(static_cast<std::size_t>(n) * panel_rows);
+    // The SIMD accumulators, 8 lanes per (token, row).
+    float* acc = one || path == Path::kScalar
+                     ? nullptr
+                     : aligned64(&acc_mem, static_cast<std::size_t>(n) * panel_rows * 8);
     // Dynamic chunks: on a shared machine one thread may run slower; every
     // output is still computed by one thread in one order.
 #pragma omp for schedule(dynamic, 16)
     for (int p = 0; p < n_panels; ++p) {
-      const int r0 = p * kPanelRows, nr = rows - r0 < kPanelRows ? rows - r0 : kPanelRows;
-      if (avx2 && n == 1) {
-        // One token: dequantize in registers, no panel (the same values and fmas).
+      const int r0 = p * panel_rows, nr = rows - r0 < panel_rows ? rows - r0 : panel_rows;
+      if (one) {
         rows_one_token_avx2(w, r0, nr, x, tile.data());
+      } else if (wide) {
+        dequantize_pairs_avx512(w, r0, nr, panel);
+        pair_products_avx512(panel, nr, cols, x, n, tile.data(), panel_rows, acc);
       } else if (avx2) {
         dequantize_rows_avx2(w, r0, nr, panel);
-        panel_products_avx2(panel, nr, cols, x, n, tile.data(), kPanelRows, acc);
+        panel_products_avx2(panel, nr, cols, x, n, tile.data(), panel_rows, acc);
       } else {
         for (int r = 0; r < nr; ++r)
           dequantize_row(w, r0 + r, panel + static_cast<std::size_t>(r) * cols);
-        panel_products_scalar(panel, nr, cols, x, n, tile.data(), kPanelRows);
+        panel_products_scalar(panel, nr, cols, x, n, tile.data(), panel_rows);
       }
       for (int t = 0; t < n; ++t)
         for (int r = 0; r < nr; ++r)
-          out[static_cast<std::size_t>(t) * rows + r0 + r] = tile[static_cast<std::size_t>(t) * kPanelRows + r];
+          out[static_cast<std::size_t>(t) * rows + r0 + r] =
+              tile[static_cast<std::size_t>(t) * panel_rows + r];
     }
   }
 }
@@ -165,8 +183,10 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
 }  // namespace detail
 
 void matmul(const WeightMatrix& w, const float* x, int n_tokens, float* out) {
-  detail::matmul_path(detail::have_avx2() ? detail::Path::kAvx2 : detail::Path::kScalar, w, x,
-                      n_tokens, out);
+  detail::matmul_path(detail::have_avx512() ? detail::Path::kAvx512
+                      : detail::have_avx2() ? detail::Path::kAvx2
+                                            : detail::Path::kScalar,
+                      w, x, n_tokens, out);
 }
 
 }  // namespace kvxfer::model

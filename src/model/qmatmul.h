@@ -13,7 +13,7 @@
 //     ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
 // out[t][i] depends only on weight row i and activation row t: not on the
 // number of tokens, the tile it falls in, the thread count or the CPU path
-// (AVX2+FMA+F16C or the scalar emulation).  That is what makes a batched pass
+// (AVX-512, AVX2+FMA+F16C or the scalar emulation).  That is what makes a batched pass
 // (prefill, speculative verification) bit-identical to decoding one token at
 // a time.
 //
@@ -51,8 +51,9 @@ void dequantize_row(const WeightMatrix& w, int row, float* out);
 
 namespace detail {
 // Exposed for the tests: the same product on a chosen path.
-enum class Path { kScalar, kAvx2 };
+enum class Path { kScalar, kAvx2, kAvx512 };
 bool have_avx2();
+bool have_avx512();  // AVX-512 F, DQ and VL, and have_avx2()
 void matmul_path(Path path, const WeightMatrix& w, const float* x, int n_tokens, float* out);
 // AVX2 kernels (qmatmul_avx2.cc): dequantize `n` rows starting at `row0`
 // into panel[n][cols] (32-byte aligned), and the lane-ordered products of a
@@ -64,6 +65,15 @@ void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const float* x,
 // n_rows <= 3; acc: scratch of n_tokens * n_rows * 8 floats, 32-byte aligned.
 void panel_products_avx2(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
                          float* out, int out_stride, float* acc);
+// AVX-512 kernels (qmatmul_avx512.cc), for passes of 2 or more tokens:
+// dequantize rows [row0, row0 + n), n <= 6, as row pairs into
+// panel[(n + 1) / 2][cols / 8][16] (64-byte aligned; pair p's group g holds
+// row 2p's elements 8g.. then row 2p+1's, an odd last row paired with
+// itself), and the lane-ordered products of such a panel.  x: 32-byte
+// aligned rows; acc: scratch of n_tokens * 6 * 8 floats, 64-byte aligned.
+void dequantize_pairs_avx512(const WeightMatrix& w, int row0, int n, float* panel);
+void pair_products_avx512(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
+                          float* out, int out_stride, float* acc);
 }  // namespace detail
 
 }  // namespace kvxfer::model
