@@ -338,3 +338,62 @@ TEST(AttentionKernel, GroupEqualsOneQueryAtATime) {
   }
 }
 }  // namespace
+
+namespace {
+// The AVX-512 group kernel (pairs of queries per register for the scores,
+// 16 elements per register for p.v) gives every query the bits of the AVX2
+// group kernel: whole blocks, causal ends inside a block, fewer keys than a
+// block, dropped keys, two segments, odd and even query counts past the
+// 6-query tiles, and both head sizes it serves.
+TEST(AttentionKernel, Avx512GroupEqualsAvx2GroupBitForBit) {
+  if (!kd::have_avx512()) GTEST_SKIP() << "no AVX-512 (F, DQ, VL) on this CPU";
+  std::mt19937 rng(31);
+  std::normal_distribution<float> g(0, 2);
+  for (int hs : {64, 128}) {
+    const int kv_dim = 3 * hs, n_view = 45, n_tail = 19;
+    std::vector<float> kv(static_cast<std::size_t>(n_view) * kv_dim), vv(kv.size());
+    std::vector<float> kt(static_cast<std::size_t>(n_tail) * kv_dim), vt(kt.size());
+    for (auto* v : {&kv, &vv, &kt, &vt})
+      for (auto& x : *v) x = g(rng);
+    std::vector<std::uint8_t> drop(n_view, 0);
+    for (int t = 4; t < n_view; t += 6) drop[t] = 1;
+    for (bool use_drop : {false, true}) {
+      const kd::Segment segs[2] = {
+          {kv.data(), vv.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
+           n_view, use_drop ? drop.data() : nullptr},
+          {kt.data(), vt.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
+           n_tail}};
+      for (int n_q : {2, 3, 6, 7, 11, 24}) {
+        std::vector<std::vector<float>> qs(n_q, std::vector<float>(hs));
+        std::vector<std::vector<float>> o2(n_q, std::vector<float>(hs)), o5(o2);
+        std::vector<const float*> qp;
+        std::vector<float*> p2, p5;
+        std::vector<int> counts;
+        for (int i = 0; i < n_q; ++i) {
+          for (auto& x : qs[i]) x = g(rng);
+          qp.push_back(qs[i].data());
+          p2.push_back(o2[i].data());
+          p5.push_back(o5[i].data());
+          // a few keys, then causal ends at every offset of the view and the tail
+          counts.push_back(i % 5 == 0 ? 1 + i % 7 : n_view - 8 + (i * 5) % (n_tail + 8));
+        }
+        const std::size_t stride = n_view + n_tail + 8;
+        std::vector<float> s2(n_q * stride), s5(s2.size());
+        const std::size_t off = static_cast<std::size_t>(hs);  // the second KV head
+        kd::attend_group_avx2(qp.data(), counts.data(), n_q, hs, off, segs, 2, s2.data(), stride,
+                              p2.data());
+        kd::attend_group_avx512(qp.data(), counts.data(), n_q, hs, off, segs, 2, s5.data(), stride,
+                                p5.data());
+        SCOPED_TRACE(testing::Message()
+                     << "head " << hs << " queries " << n_q << " drop " << use_drop);
+        for (int i = 0; i < n_q; ++i) {
+          expect_bits(o5[i], o2[i], "avx512 vs avx2 output");
+          const std::vector<float> a(s5.begin() + i * stride, s5.begin() + i * stride + counts[i]);
+          const std::vector<float> b(s2.begin() + i * stride, s2.begin() + i * stride + counts[i]);
+          expect_bits(a, b, "avx512 vs avx2 probabilities");
+        }
+      }
+    }
+  }
+}
+}  // namespace

@@ -1,5 +1,6 @@
 // AVX2 + FMA path of the attention kernel (compiled with -mavx2 -mfma): the
-// operations of attention_kernels.cc on 8 lanes, so the bits are the same.
+// operations of attention_kernels.cc on 8 lanes, so the bits are the same;
+// and the AVX-512 kernels of the batched pass (target attribute).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -110,14 +111,142 @@ inline void scores8x2(const float* qa, const float* qb, int nv_run, const float*
   }
 }
 
+// The AVX-512 kernels of the batched pass (attend_group_avx512).  They are
+// compiled for AVX-512 by a target attribute and called only when the CPU
+// has it; the rest of the group kernel is shared with the AVX2 path.  A
+// 512-bit register holds two queries' 8 lanes side by side (scores) or 16
+// elements of one output row (p.v); both keep each value's chain of
+// operations, so the bits are those of the AVX2 path.
+#define KVXFER_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx2,fma,f16c")))
+
+// lane_sum (lanes.h) of both 8-lane halves of v[0..7] at once:
+// r[u] = lane_sum(low half of v[u]), r[8 + u] = lane_sum(high half).  The
+// same additions: u = lo + hi (l0+l4, l1+l5, l2+l6, l3+l7), then
+// (u0+u2) + (u1+u3), on transposed vectors.
+KVXFER_AVX512 inline __m512 lane_sums16(const __m512* v) {
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i)  // 128-bit lanes: [lo, lo, lo, lo] + [hi, hi, hi, hi]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  const __m512 s0 =
+      _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xEE));
+  const __m512 s1 =
+      _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x44), _mm512_shuffle_ps(u[2], u[3], 0xEE));
+  // 128-bit lane L of f: half (L & 1) of v[2i + (L >> 1)], i = 0..3.
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), f);
+}
+
+// Scores of 8 consecutive keys for NP query pairs: qpair holds pair p's
+// element group j as [query 2p | query 2p+1] at (p * nv + j) * 16 (64-byte
+// aligned); dst[2p], dst[2p+1] receive 8 scores each (nullptr: dropped).
+// At NP = 3: 24 accumulators, 3 queries and 1 key in the 32 registers.
+template <int NP, int NV>
+KVXFER_AVX512 void scores_pairs(const float* qpair, int nv_run, const float* k0, std::size_t stride,
+                                float div, float* const* dst) {
+  const int nv = NV > 0 ? NV : nv_run;
+  __m512 acc[NP][8];
+  for (int p = 0; p < NP; ++p)
+    for (int u = 0; u < 8; ++u) acc[p][u] = _mm512_setzero_ps();
+  for (int j = 0; j < nv; ++j) {
+    __m512 qv[NP];
+    for (int p = 0; p < NP; ++p)
+      qv[p] = _mm512_load_ps(qpair + (static_cast<std::size_t>(p) * nv + j) * 16);
+    for (int u = 0; u < 8; ++u) {
+      const __m512 kb = _mm512_broadcast_f32x8(
+          _mm256_loadu_ps(k0 + static_cast<std::size_t>(u) * stride + 8 * j));
+      for (int p = 0; p < NP; ++p) acc[p][u] = _mm512_fmadd_ps(qv[p], kb, acc[p][u]);
+    }
+  }
+  const __m512 divv = _mm512_set1_ps(div);
+  for (int p = 0; p < NP; ++p) {
+    const __m512 r = _mm512_div_ps(lane_sums16(acc[p]), divv);
+    if (dst[2 * p] != nullptr) _mm256_storeu_ps(dst[2 * p], _mm512_castps512_ps256(r));
+    if (dst[2 * p + 1] != nullptr) _mm256_storeu_ps(dst[2 * p + 1], _mm512_extractf32x8_ps(r, 1));
+  }
+}
+
+// qpair (see scores_pairs) of the queries g[0..n): pair i is g[2i], g[2i+1]
+// (an odd last query paired with itself).
+KVXFER_AVX512 void build_pairs(const float* const* q, const int* g, int n, int nv, float* qpair) {
+  for (int i = 0; i < n; i += 2) {
+    const float* a = q[g[i]];
+    const float* b = q[g[i + 1 < n ? i + 1 : i]];
+    for (int j = 0; j < nv; ++j) {
+      float* o = qpair + (static_cast<std::size_t>(i / 2) * nv + j) * 16;
+      _mm256_store_ps(o, _mm256_loadu_ps(a + 8 * j));
+      _mm256_store_ps(o + 8, _mm256_loadu_ps(b + 8 * j));
+    }
+  }
+}
+
+template <int NV>
+KVXFER_AVX512 void scores_block512(const float* qpair, int n, int nv, const float* k0,
+                                   std::size_t stride, float div, float* const* dst) {
+  int i = 0;  // queries, 6 per tile
+  for (; i + 6 <= n; i += 6)
+    scores_pairs<3, NV>(qpair + static_cast<std::size_t>(i / 2) * nv * 16, nv, k0, stride, div,
+                        dst + i);
+  float* rest[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  for (int r = 0; r < n - i; ++r) rest[r] = dst[i + r];
+  const float* qp = qpair + static_cast<std::size_t>(i / 2) * nv * 16;
+  switch ((n - i + 1) / 2) {
+    case 2: return scores_pairs<2, NV>(qp, nv, k0, stride, div, rest);
+    case 1: return scores_pairs<1, NV>(qp, nv, k0, stride, div, rest);
+    default:
+      if (n > i) scores_pairs<3, NV>(qp, nv, k0, stride, div, rest);
+      return;
+  }
+}
+
+// out[r] += sum over t in [t0, t1) of p[r][t] * v_t (fma chains, t ascending,
+// per element) for NQ queries and a head of 64 * nh elements: 16 per
+// register, 4 registers of each of up to 6 queries at a time.
+template <int NQ>
+KVXFER_AVX512 void pv_rows(const float* const* p, float* const* out, int nh, const float* v0,
+                           std::size_t v_stride, int t0, int t1) {
+  for (int h = 0; h < nh; ++h) {
+    __m512 o[NQ][4];
+    for (int r = 0; r < NQ; ++r)
+      for (int j = 0; j < 4; ++j) o[r][j] = _mm512_loadu_ps(out[r] + 64 * h + 16 * j);
+    for (int t = t0; t < t1; ++t) {
+      const float* v = v0 + static_cast<std::size_t>(t) * v_stride + 64 * h;
+      __m512 vv[4];
+      for (int j = 0; j < 4; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+      for (int r = 0; r < NQ; ++r) {
+        const __m512 a = _mm512_set1_ps(p[r][t]);
+        for (int j = 0; j < 4; ++j) o[r][j] = _mm512_fmadd_ps(a, vv[j], o[r][j]);
+      }
+    }
+    for (int r = 0; r < NQ; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out[r] + 64 * h + 16 * j, o[r][j]);
+  }
+}
+
+KVXFER_AVX512 void pv_block512(const float* const* p, float* const* out, int n, int nh,
+                               const float* v0, std::size_t v_stride, int t0, int t1) {
+  int i = 0;
+  for (; i + 6 <= n; i += 6) pv_rows<6>(p + i, out + i, nh, v0, v_stride, t0, t1);
+  switch (n - i) {
+    case 5: return pv_rows<5>(p + i, out + i, nh, v0, v_stride, t0, t1);
+    case 4: return pv_rows<4>(p + i, out + i, nh, v0, v_stride, t0, t1);
+    case 3: return pv_rows<3>(p + i, out + i, nh, v0, v_stride, t0, t1);
+    case 2: return pv_rows<2>(p + i, out + i, nh, v0, v_stride, t0, t1);
+    case 1: return pv_rows<1>(p + i, out + i, nh, v0, v_stride, t0, t1);
+    default: return;
+  }
+}
+
 }  // namespace
 
 namespace {
 
 // NV = head_size / 8 as a constant (0: known only at run time), so that the
 // query and output registers stay in registers.
+// wide: the AVX-512 kernels for whole blocks (head_size a multiple of 64).
 template <int NV>
-void attend_group_impl(const float* const* q, const int* counts, int n_q, int head_size,
+void attend_group_impl(bool wide, const float* const* q, const int* counts, int n_q, int head_size,
                        std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
                        std::size_t score_stride, float* const* out) {
   const float div = std::sqrt(static_cast<float>(head_size));
@@ -127,6 +256,17 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
   // L1 while every query reads it.  A score's bits do not depend on the
   // blocking (scores8 == lane_sum / div, key by key).
   std::vector<int> active(static_cast<std::size_t>(n_q));
+  // wide: the active queries in pairs (scores_pairs), rebuilt when the set
+  // changes (it only shrinks, at the causal end of the keys).
+  std::vector<float> pair_mem;
+  float* qpair = nullptr;
+  int paired = -1;
+  std::vector<float*> dsts(static_cast<std::size_t>(n_q));
+  if (wide) {
+    pair_mem.resize(static_cast<std::size_t>(n_q + 1) / 2 * nv * 16 + 16);
+    const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(pair_mem.data());
+    qpair = reinterpret_cast<float*>((a + 63) & ~static_cast<std::uintptr_t>(63));
+  }
   int base = 0;
   for (int s = 0; s < n_segs; ++s) {
     const Segment& sg = segs[s];
@@ -138,6 +278,13 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
         for (int g = 0; g < n_q; ++g)
           if (counts[g] >= base + t + 8) active[na++] = g;
         auto dst = [&](int g) { return scores + static_cast<std::size_t>(g) * score_stride + base + t; };
+        if (wide) {
+          if (na != paired) build_pairs(q, active.data(), na, nv, qpair);
+          paired = na;
+          for (int i = 0; i < na; ++i) dsts[i] = dst(active[i]);
+          scores_block512<NV>(qpair, na, nv, k0, sg.k_stride, div, dsts.data());
+          continue;
+        }
         int i = 0;
         for (; i + 2 <= na; i += 2)
           scores8x2<NV>(q[active[i]], q[active[i + 1]], nv, k0, sg.k_stride, divv, dst(active[i]),
@@ -206,6 +353,8 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
   // mask) go three at a time over 32 elements of the head: 12 independent
   // chains, where one query's 8 would wait on the fma latency.
   constexpr int kBlock = 16;
+  std::vector<const float*> wide_p(wide ? static_cast<std::size_t>(n_q) : 0);
+  std::vector<float*> wide_o(wide_p.size());
   base = 0;
   for (int s = 0; s < n_segs; ++s) {
     const Segment& sg = segs[s];
@@ -215,8 +364,18 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
       if (sg.drop == nullptr && nv % 4 == 0)
         for (int g = 0; g < n_q; ++g)
           if (counts[g] - base >= t1) active[nfull++] = g;
-      nfull -= nfull % 3;
-      for (int i = 0; i < nfull; i += 3) {
+      if (wide && nfull > 0) {
+        std::vector<const float*>& pr = wide_p;
+        std::vector<float*>& orow = wide_o;
+        for (int i = 0; i < nfull; ++i) {
+          pr[i] = scores + static_cast<std::size_t>(active[i]) * score_stride + base;
+          orow[i] = out[active[i]];
+        }
+        pv_block512(pr.data(), orow.data(), nfull, head_size / 64, sg.v + kv_off, sg.v_stride, t0,
+                    t1);
+      }
+      nfull -= wide ? 0 : nfull % 3;
+      for (int i = 0; i < nfull && !wide; i += 3) {
         const float* p[3];
         for (int r = 0; r < 3; ++r) p[r] = scores + static_cast<std::size_t>(active[i + r]) * score_stride + base;
         for (int h = 0; h < nv; h += 4) {
@@ -263,15 +422,38 @@ void attend_group_impl(const float* const* q, const int* counts, int n_q, int he
 
 }  // namespace
 
+namespace {
+void attend_group_on(bool wide, const float* const* q, const int* counts, int n_q, int head_size,
+                     std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                     std::size_t score_stride, float* const* out) {
+  switch (head_size) {
+    case 64:
+      return attend_group_impl<8>(wide, q, counts, n_q, head_size, kv_off, segs, n_segs, scores,
+                                  score_stride, out);
+    case 128:
+      return attend_group_impl<16>(wide, q, counts, n_q, head_size, kv_off, segs, n_segs, scores,
+                                   score_stride, out);
+    case 8:
+      return attend_group_impl<1>(false, q, counts, n_q, head_size, kv_off, segs, n_segs, scores,
+                                  score_stride, out);
+    default:
+      return attend_group_impl<0>(false, q, counts, n_q, head_size, kv_off, segs, n_segs, scores,
+                                  score_stride, out);
+  }
+}
+}  // namespace
+
 void attend_group_avx2(const float* const* q, const int* counts, int n_q, int head_size,
                        std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
                        std::size_t score_stride, float* const* out) {
-  switch (head_size) {
-    case 64: return attend_group_impl<8>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
-    case 128: return attend_group_impl<16>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
-    case 8: return attend_group_impl<1>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
-    default: return attend_group_impl<0>(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
-  }
+  attend_group_on(false, q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride,
+                  out);
+}
+
+void attend_group_avx512(const float* const* q, const int* counts, int n_q, int head_size,
+                         std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                         std::size_t score_stride, float* const* out) {
+  attend_group_on(true, q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
 }
 
 // One query is a group of one: the same operations, so the same bits.

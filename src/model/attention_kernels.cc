@@ -116,6 +116,10 @@ void attend_head(const float* q, int head_size, std::size_t kv_off, const Segmen
 void attend_group(const float* const* q, const int* counts, int n_q, int head_size,
                   std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
                   std::size_t score_stride, float* const* out) {
+  if (have_avx512() && n_q > 1 && head_size % 8 == 0 && head_size <= 128) {
+    attend_group_avx512(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
+    return;
+  }
   if (have_avx2() && head_size % 8 == 0 && head_size <= 128) {
     attend_group_avx2(q, counts, n_q, head_size, kv_off, segs, n_segs, scores, score_stride, out);
     return;

@@ -46,6 +46,12 @@ void attend_group(const float* const* q, const int* counts, int n_q, int head_si
 void attend_group_avx2(const float* const* q, const int* counts, int n_q, int head_size,
                        std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
                        std::size_t score_stride, float* const* out);
+// The same with AVX-512 kernels for head_size 64 or 128 (the AVX2 path for
+// other sizes); requires have_avx512().  attend_group picks it when the CPU
+// has AVX-512 and n_q > 1.
+void attend_group_avx512(const float* const* q, const int* counts, int n_q, int head_size,
+                         std::size_t kv_off, const Segment* segs, int n_segs, float* scores,
+                         std::size_t score_stride, float* const* out);
 
 // The two paths, for the tests; attend_head picks AVX2 when the CPU has it
 // and head_size <= 128.  The *_avx2 entry points require head_size <= 128 (a
