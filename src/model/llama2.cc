@@ -27,6 +27,29 @@ void set_error(std::string* error, const std::string& msg) {
 // Work (multiply-adds) below which a parallel region costs more than it saves.
 constexpr std::int64_t kParallelWork = 1 << 15;
 
+// A 64-byte aligned allocator: matmul reads activations with aligned loads
+// and copies any that are not (qmatmul.h).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}  // NOLINT(google-explicit-constructor): the allocator model
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+  }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const {
+    return true;
+  }
+  template <class U>
+  bool operator!=(const Aligned64<U>&) const {
+    return false;
+  }
+};
+using Activations = std::vector<float, Aligned64<float>>;
+
 // Row-wise RMSNorm: o = weight * (x / sqrt(mean(x^2) + eps)).
 void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size, float eps) {
 #pragma omp parallel for schedule(static) if (static_cast <std::int64_t>(n_rows) * size >= \
@@ -437,8 +460,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
   const int dim = c.dim, kv_dim = c.kv_dim(), hidden = c.hidden_dim, hs = c.head_size();
   const int kv_mul = c.kv_group();
   const std::size_t TD = static_cast<std::size_t>(T) * dim;
-  std::vector<float> x(TD), xb(TD), xb2(TD), q(TD);
-  std::vector<float> hb(static_cast<std::size_t>(T) * hidden), hb2(hb.size());
+  Activations x(TD), xb(TD), xb2(TD), q(TD);
+  Activations hb(static_cast<std::size_t>(T) * hidden), hb2(hb.size());
   if (queries != nullptr) queries->assign(static_cast<std::size_t>(c.n_layers) * TD, 0.0f);
   // Attention probabilities of this layer, [head][query t][key] (prefill only).
   std::vector<float> probs;
