@@ -119,25 +119,6 @@ inline void scores8x2(const float* qa, const float* qb, int nv_run, const float*
 // operations, so the bits are those of the AVX2 path.
 #define KVXFER_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx2,fma,f16c")))
 
-// lane_sum (lanes.h) of both 8-lane halves of v[0..7] at once:
-// r[u] = lane_sum(low half of v[u]), r[8 + u] = lane_sum(high half).  The
-// same additions: u = lo + hi (l0+l4, l1+l5, l2+l6, l3+l7), then
-// (u0+u2) + (u1+u3), on transposed vectors.
-KVXFER_AVX512 inline __m512 lane_sums16(const __m512* v) {
-  __m512 u[4];
-  for (int i = 0; i < 4; ++i)  // 128-bit lanes: [lo, lo, lo, lo] + [hi, hi, hi, hi]
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
-  const __m512 s0 =
-      _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xEE));
-  const __m512 s1 =
-      _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], 0x44), _mm512_shuffle_ps(u[2], u[3], 0xEE));
-  // 128-bit lane L of f: half (L & 1) of v[2i + (L >> 1)], i = 0..3.
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x88), _mm512_shuffle_ps(s0, s1, 0xDD));
-  return _mm512_permutexvar_ps(
-      _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), f);
-}
-
 // Scores of 8 consecutive keys for NP query pairs: qpair holds pair p's
 // element group j as [query 2p | query 2p+1] at (p * nv + j) * 16 (64-byte
 // aligned); dst[2p], dst[2p+1] receive 8 scores each (nullptr: dropped).
@@ -184,6 +165,11 @@ KVXFER_AVX512 void build_pairs(const float* const* q, const int* g, int n, int n
 template <int NV>
 KVXFER_AVX512 void scores_block512(const float* qpair, int n, int nv, const float* k0,
                                    std::size_t stride, float div, float* const* dst) {
+  // The next block's keys: the KV of a long context streams from memory.
+  for (int u = 8; u < 16; ++u)
+    for (int l = 0; l < nv * 8; l += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(k0 + static_cast<std::size_t>(u) * stride + l),
+                   _MM_HINT_T0);
   int i = 0;  // queries, 6 per tile
   for (; i + 6 <= n; i += 6)
     scores_pairs<3, NV>(qpair + static_cast<std::size_t>(i / 2) * nv * 16, nv, k0, stride, div,
@@ -226,6 +212,10 @@ KVXFER_AVX512 void pv_rows(const float* const* p, float* const* out, int nh, con
 
 KVXFER_AVX512 void pv_block512(const float* const* p, float* const* out, int n, int nh,
                                const float* v0, std::size_t v_stride, int t0, int t1) {
+  for (int t = t1; t < 2 * t1 - t0; ++t)  // the next block's values
+    for (int l = 0; l < 64 * nh; l += 16)
+      _mm_prefetch(reinterpret_cast<const char*>(v0 + static_cast<std::size_t>(t) * v_stride + l),
+                   _MM_HINT_T0);
   int i = 0;
   for (; i + 6 <= n; i += 6) pv_rows<6>(p + i, out + i, nh, v0, v_stride, t0, t1);
   switch (n - i) {

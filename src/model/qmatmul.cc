@@ -149,11 +149,12 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
     std::vector<float> panel_mem, acc_mem;
     float* panel =
         one ? nullptr : aligned64(&panel_mem, static_cast<std::size_t>(panel_rows) * cols);
-    std::vector<float> tile(static_cast<std::size_t>(n) * panel_rows);
-    // The SIMD accumulators, 8 lanes per (token, row).
-    float* acc = one || path == Path::kScalar
-                     ? nullptr
-                     : aligned64(&acc_mem, static_cast<std::size_t>(n) * panel_rows * 8);
+    // The products of a panel: [token][row], the AVX-512 tile's [row][token].
+    const int ld = (n + 7) / 8 * 8;
+    std::vector<float> tile(static_cast<std::size_t>(ld) * panel_rows);
+    // The AVX2 accumulators, 8 lanes per (token, row).
+    float* acc =
+        avx2 && !one ? aligned64(&acc_mem, static_cast<std::size_t>(n) * panel_rows * 8) : nullptr;
     // Dynamic chunks: on a shared machine one thread may run slower; every
     // output is still computed by one thread in one order.
 #pragma omp for schedule(dynamic, 16)
@@ -163,7 +164,13 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
         rows_one_token_avx2(w, r0, nr, x, tile.data());
       } else if (wide) {
         dequantize_pairs_avx512(w, r0, nr, panel);
-        pair_products_avx512(panel, nr, cols, x, n, tile.data(), panel_rows, acc);
+        pair_products_avx512(panel, nr, cols, x, n, tile.data(), ld);
+        // Token-major, as out is (its token rows may share few cache sets).
+        for (int t = 0; t < n; ++t)
+          for (int r = 0; r < nr; ++r)
+            out[static_cast<std::size_t>(t) * rows + r0 + r] =
+                tile[static_cast<std::size_t>(r) * ld + t];
+        continue;
       } else if (avx2) {
         dequantize_rows_avx2(w, r0, nr, panel);
         panel_products_avx2(panel, nr, cols, x, n, tile.data(), panel_rows, acc);

@@ -69,11 +69,12 @@ void panel_products_avx2(const float* panel, int n_rows, int cols, const float* 
 // dequantize rows [row0, row0 + n), n <= 6, as row pairs into
 // panel[(n + 1) / 2][cols / 8][16] (64-byte aligned; pair p's group g holds
 // row 2p's elements 8g.. then row 2p+1's, an odd last row paired with
-// itself), and the lane-ordered products of such a panel.  x: 32-byte
-// aligned rows; acc: scratch of n_tokens * 6 * 8 floats, 64-byte aligned.
+// itself), and the lane-ordered products of such a panel with x (32-byte
+// aligned rows): out[r * ld + t] for r < n_rows rounded up to even and
+// t < n_tokens rounded up to 8 (the padding is scratch), ld >= that.
 void dequantize_pairs_avx512(const WeightMatrix& w, int row0, int n, float* panel);
 void pair_products_avx512(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                          float* out, int out_stride, float* acc);
+                          float* out, int ld);
 }  // namespace detail
 
 }  // namespace kvxfer::model
