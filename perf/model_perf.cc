@@ -6,7 +6,9 @@
 //   ./build/perf/model_perf                 context 1024, passes of 16 and 64
 //   ./build/perf/model_perf -c 2048 -v 8,16,32,64 --model FILE -n 5
 //
-// Each figure is the median of -n repetitions (after one warm-up).  Exit 77
+// Each figure is the median of -n repetitions (after one warm-up); the decode
+// step and the passes are timed in turn within each repetition, so that a
+// slow minute of a shared machine weighs on both sides of their ratio.  Exit 77
 // when the default model has not been fetched (scripts/install-deps.sh).
 #include <immintrin.h>
 #include <omp.h>
@@ -23,6 +25,7 @@
 #include "model/gguf.h"
 #include "model/llama2.h"
 #include "model/model_paths.h"
+#include "model/qmatmul.h"
 
 namespace km = kvxfer::model;
 
@@ -69,13 +72,35 @@ __attribute__((target("avx2,fma"))) double fma_gflops_avx2(double seconds) {
   return static_cast<double>(iters) * 12 * 16 / (t - t0) / 1e9;
 }
 
-// The FMA peak of the OpenMP threads running at once: the compute limit of a
-// batched pass.
-double fma_peak_gflops() {
+// The same with 16-lane fmas (AVX-512F), the path of the runner's batched
+// passes where the CPU has it.
+__attribute__((target("avx512f"))) double fma_gflops_avx512(double seconds) {
+  __m512 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(1.0f + 1e-7f * static_cast<float>(i));
+  const __m512 b = _mm512_set1_ps(0.9999999f), c = _mm512_set1_ps(1e-7f);
+  long iters = 0;
+  const double t0 = now_s();
+  double t = t0;
+  while (t - t0 < seconds) {
+    for (int n = 0; n < 100000; ++n)
+      for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
+    iters += 100000;
+    t = now_s();
+  }
+  float sink = 0;
+  for (int i = 0; i < 12; ++i) sink += _mm512_cvtss_f32(a[i]);
+  volatile float keep = sink;
+  (void)keep;
+  return static_cast<double>(iters) * 12 * 32 / (t - t0) / 1e9;
+}
+
+// The FMA peak of the OpenMP threads running at once, on the widest path
+// the runner's batched passes use: the compute limit of a batched pass.
+double fma_peak_gflops(bool avx512) {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
   double total = 0;
 #pragma omp parallel reduction(+ : total)
-  total += fma_gflops_avx2(0.2);
+  total += avx512 ? fma_gflops_avx512(0.2) : fma_gflops_avx2(0.2);
   return total;
 }
 
@@ -141,10 +166,30 @@ int main(int argc, char** argv) {
   });
   const km::KVView view = pr.kv.view();
   std::vector<float> logits;
-  const double t_step = median_time(reps, [&] {
-    km::KVCache tail;
-    m->decode_step(5, ctx, view, &tail, &logits, &err);
-  });
+  // The decode step and the passes, in turn: sample [0] is the step, [1 + i]
+  // pass i; one warm-up round first.
+  const int n_items = 1 + static_cast<int>(passes.size());
+  std::vector<std::vector<double>> samples(static_cast<std::size_t>(n_items));
+  for (int r = 0; r <= reps; ++r) {
+    for (int i = 0; i < n_items; ++i) {
+      const double a = now_s();
+      km::KVCache tail;
+      if (i == 0) {
+        m->decode_step(5, ctx, view, &tail, &logits, &err);
+      } else {
+        const std::vector<int> draft(
+            static_cast<std::size_t>(passes[static_cast<std::size_t>(i - 1)]), 7);
+        m->verify(draft, ctx, view, &tail, &logits, &err);
+      }
+      if (r > 0) samples[static_cast<std::size_t>(i)].push_back(now_s() - a);
+    }
+  }
+  auto median_of = [&](int i) {
+    std::vector<double>& t = samples[static_cast<std::size_t>(i)];
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  const double t_step = median_of(0);
 
   // The weight bytes of the file's tensors, copied once: the physical limit
   // of a decode step, which reads each of them once.
@@ -162,19 +207,17 @@ int main(int argc, char** argv) {
     });
   }
 
-  const double peak = fma_peak_gflops();
+  const bool avx512 = km::detail::have_avx512();
+  const double peak = fma_peak_gflops(avx512);
   std::printf("#%10s %8s %12s %12s %10s %12s\n", "what", "tokens", "time_ms", "per_token", "steps",
               "floor_steps");
   std::printf(" %10s %8d %12.1f %12.3f %10s %12s\n", "prefill", ctx, t_prefill * 1e3,
               t_prefill * 1e3 / ctx, "-", "-");
   std::printf(" %10s %8d %12.2f %12.2f %10.2f %12s\n", "decode", 1, t_step * 1e3, t_step * 1e3, 1.0,
               "-");
-  for (int v : passes) {
-    const std::vector<int> draft(static_cast<size_t>(v), 7);
-    const double t = median_time(reps, [&] {
-      km::KVCache tail;
-      m->verify(draft, ctx, view, &tail, &logits, &err);
-    });
+  for (std::size_t i = 0; i < passes.size(); ++i) {
+    const int v = passes[i];
+    const double t = median_of(static_cast<int>(i) + 1);
     // The pass at the FMA peak: v tokens at ctx + 1 .. ctx + v keys.
     const double flops = 2 * v * token_macs(c, ctx + (v + 1) / 2.0);
     std::printf(" %10s %8d %12.2f %12.3f %10.2f %12.2f\n", "verify", v, t * 1e3, t * 1e3 / v,
@@ -183,9 +226,10 @@ int main(int argc, char** argv) {
   std::printf("# prefill %.0f tokens/s at %d tokens; decode step at context %d: %.2f ms (TPOT)\n",
               ctx / t_prefill, ctx, ctx, t_step * 1e3);
   if (peak > 0)
-    std::printf("# FMA peak of the %d threads in the same run: %.1f GFLOP/s; floor_steps = the pass's "
-                "multiply-adds at that peak, in decode steps\n",
-                omp_get_max_threads(), peak);
+    std::printf(
+        "# FMA peak (%s, the batched passes' path) of the %d threads in the same run: %.1f "
+        "GFLOP/s; floor_steps = the pass's multiply-adds at that peak, in decode steps\n",
+        avx512 ? "AVX-512" : "AVX2", omp_get_max_threads(), peak);
   if (t_copy > 0)
     std::printf("# memcpy of the %.1f MB of tensors in the same run: %.2f ms = %.3f of a decode step\n",
                 static_cast<double>(weight_bytes) / 1e6, t_copy * 1e3, t_copy / t_step);
