@@ -354,15 +354,13 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
       if (sg.drop == nullptr && nv % 4 == 0)
         for (int g = 0; g < n_q; ++g)
           if (counts[g] - base >= t1) active[nfull++] = g;
-      if (wide && nfull > 0) {
-        std::vector<const float*>& pr = wide_p;
-        std::vector<float*>& orow = wide_o;
+      if (wide && nfull > 0) {  // all the queries that see the whole block
         for (int i = 0; i < nfull; ++i) {
-          pr[i] = scores + static_cast<std::size_t>(active[i]) * score_stride + base;
-          orow[i] = out[active[i]];
+          wide_p[i] = scores + static_cast<std::size_t>(active[i]) * score_stride + base;
+          wide_o[i] = out[active[i]];
         }
-        pv_block512(pr.data(), orow.data(), nfull, head_size / 64, sg.v + kv_off, sg.v_stride, t0,
-                    t1);
+        pv_block512(wide_p.data(), wide_o.data(), nfull, head_size / 64, sg.v + kv_off, sg.v_stride,
+                    t0, t1);
       }
       nfull -= wide ? 0 : nfull % 3;
       for (int i = 0; i < nfull && !wide; i += 3) {
