@@ -501,10 +501,10 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     rmsnorm(xb.data(), x.data(), lw.rms_att, T, dim, c.norm_eps);
     float* kt = over_view ? nullptr : tail->k(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
     float* vt = over_view ? nullptr : tail->v(l) + static_cast<std::size_t>(n_tail0) * kv_dim;
-    matmul(lw.wq, xb.data(), T, q.data());
-    if (!over_view) {
-      matmul(lw.wk, xb.data(), T, kt);
-      matmul(lw.wv, xb.data(), T, vt);
+    {
+      const WeightMatrix* ws[3] = {&lw.wq, &lw.wk, &lw.wv};
+      float* outs[3] = {q.data(), kt, vt};
+      matmul_many(ws, outs, over_view ? 1 : 3, xb.data(), T);
     }
 
     for (int t = 0; t < T; ++t) {
@@ -608,8 +608,11 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
 
     // SwiGLU feed-forward.
     rmsnorm(xb.data(), x.data(), lw.rms_ffn, T, dim, c.norm_eps);
-    matmul(lw.w1, xb.data(), T, hb.data());
-    matmul(lw.w3, xb.data(), T, hb2.data());
+    {
+      const WeightMatrix* ws[2] = {&lw.w1, &lw.w3};
+      float* outs[2] = {hb.data(), hb2.data()};
+      matmul_many(ws, outs, 2, xb.data(), T);
+    }
     detail::swiglu(hb.data(), hb2.data(), hb.size());
     matmul(lw.w2, hb.data(), T, xb.data());
     for (std::size_t i = 0; i < TD; ++i) x[i] += xb[i];

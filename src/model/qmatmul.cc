@@ -19,7 +19,9 @@ namespace {
 constexpr int kPanelRows = 3;
 constexpr int kPanelRows512 = 6;
 constexpr std::int64_t kParallelWork = 1 << 15;
-constexpr int kTokenChunk = 64;  // tokens per product: 64 x 1536 floats fit in L2
+constexpr int kTokenChunk = 64;
+constexpr int kMaxMats =
+    4;  // matmul_many's matrices in one loop  // tokens per product: 64 x 1536 floats fit in L2
 
 // n floats in *mem, the returned pointer 64-byte aligned.
 float* aligned64(std::vector<float>* mem, std::size_t n) {
@@ -116,16 +118,35 @@ bool have_avx512() {
 }
 
 void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float* out) {
-  if (n <= 0 || w.rows <= 0) return;
-  if (w.type == WeightType::kF32) return matmul_f32(w, x, n, out);
-  const int rows = w.rows, cols = w.cols;
+  const WeightMatrix* ws[1] = {&w};
+  float* outs[1] = {out};
+  matmul_many_path(path, ws, outs, 1, x, n);
+}
+
+void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* outs, int n_mats,
+                      const float* x, int n) {
+  if (n <= 0 || n_mats <= 0) return;
+  const int cols = ws[0]->cols;
+  bool quantized = n_mats <= kMaxMats;
+  for (int m = 0; m < n_mats; ++m) quantized = quantized && ws[m]->type != WeightType::kF32;
+  if (!quantized) {  // one matrix at a time
+    for (int m = 0; m < n_mats; ++m)
+      if (ws[m]->type == WeightType::kF32)
+        matmul_f32(*ws[m], x, n, outs[m]);
+      else
+        matmul_many_path(path, ws + m, outs + m, 1, x, n);
+    return;
+  }
   // Prefill-sized batches go in chunks of tokens whose activations stay in L2
   // while every panel reads them (each output still has one fixed order).
   if (n > kTokenChunk) {
-    for (int t0 = 0; t0 < n; t0 += kTokenChunk)
-      matmul_path(path, w, x + static_cast<std::size_t>(t0) * cols,
-                  n - t0 < kTokenChunk ? n - t0 : kTokenChunk,
-                  out + static_cast<std::size_t>(t0) * rows);
+    float* part[kMaxMats];
+    for (int t0 = 0; t0 < n; t0 += kTokenChunk) {
+      for (int m = 0; m < n_mats; ++m)
+        part[m] = outs[m] + static_cast<std::size_t>(t0) * ws[m]->rows;
+      matmul_many_path(path, ws, part, n_mats, x + static_cast<std::size_t>(t0) * cols,
+                       n - t0 < kTokenChunk ? n - t0 : kTokenChunk);
+    }
     return;
   }
   // One token on the SIMD paths dequantizes in registers (AVX2, also for
@@ -134,8 +155,15 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
   const bool wide = path == Path::kAvx512 && n > 1;
   const bool avx2 = path == Path::kAvx2 || (path == Path::kAvx512 && n == 1);
   const int panel_rows = wide ? kPanelRows512 : kPanelRows;
-  const int n_panels = (rows + panel_rows - 1) / panel_rows;
-  const std::int64_t work = static_cast<std::int64_t>(n) * rows * cols;
+  // The panels of all the matrices in one loop: one join, and the threads
+  // share out the rows of all of them.
+  int first_panel[kMaxMats + 1] = {};
+  std::int64_t work = 0;
+  for (int m = 0; m < n_mats; ++m) {
+    first_panel[m + 1] = first_panel[m] + (ws[m]->rows + panel_rows - 1) / panel_rows;
+    work += static_cast<std::int64_t>(n) * ws[m]->rows * cols;
+  }
+  const int n_panels = first_panel[n_mats];
   // The batched tiles read x with aligned 32-byte loads: give them aligned rows.
   std::vector<float> x_mem;
   if (path != Path::kScalar && n > 1 && reinterpret_cast<std::uintptr_t>(x) % 32 != 0) {
@@ -158,7 +186,12 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
     // Dynamic chunks: on a shared machine one thread may run slower; every
     // output is still computed by one thread in one order.
 #pragma omp for schedule(dynamic, 16)
-    for (int p = 0; p < n_panels; ++p) {
+    for (int pi = 0; pi < n_panels; ++pi) {
+      int m = 0;
+      while (pi >= first_panel[m + 1]) ++m;
+      const WeightMatrix& w = *ws[m];
+      float* out = outs[m];
+      const int rows = w.rows, p = pi - first_panel[m];
       const int r0 = p * panel_rows, nr = rows - r0 < panel_rows ? rows - r0 : panel_rows;
       if (one) {
         rows_one_token_avx2(w, r0, nr, x, tile.data());
@@ -189,11 +222,21 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
 
 }  // namespace detail
 
+namespace {
+detail::Path best_path() {
+  return detail::have_avx512() ? detail::Path::kAvx512
+         : detail::have_avx2() ? detail::Path::kAvx2
+                               : detail::Path::kScalar;
+}
+}  // namespace
+
+void matmul_many(const WeightMatrix* const* ws, float* const* outs, int n_mats, const float* x,
+                 int n_tokens) {
+  detail::matmul_many_path(best_path(), ws, outs, n_mats, x, n_tokens);
+}
+
 void matmul(const WeightMatrix& w, const float* x, int n_tokens, float* out) {
-  detail::matmul_path(detail::have_avx512() ? detail::Path::kAvx512
-                      : detail::have_avx2() ? detail::Path::kAvx2
-                                            : detail::Path::kScalar,
-                      w, x, n_tokens, out);
+  detail::matmul_path(best_path(), w, x, n_tokens, out);
 }
 
 }  // namespace kvxfer::model

@@ -46,6 +46,13 @@ struct WeightMatrix {
 // may alias the other.
 void matmul(const WeightMatrix& w, const float* x, int n_tokens, float* out);
 
+// matmul of n_mats matrices with the same cols on the same x: outs[m] as
+// out above for ws[m], with matmul's bits.  Up to 4 matrices share one
+// parallel loop over their panels (one join, the rows of all of them shared
+// out), as the runner does for q/k/v and for the two feed-forward inputs.
+void matmul_many(const WeightMatrix* const* ws, float* const* outs, int n_mats, const float* x,
+                 int n_tokens);
+
 // Row `row` of w as float32 [w.cols] (the w[i][k] of the definition above).
 void dequantize_row(const WeightMatrix& w, int row, float* out);
 
@@ -55,6 +62,8 @@ enum class Path { kScalar, kAvx2, kAvx512 };
 bool have_avx2();
 bool have_avx512();  // AVX-512 F, DQ and VL, and have_avx2()
 void matmul_path(Path path, const WeightMatrix& w, const float* x, int n_tokens, float* out);
+void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* outs, int n_mats,
+                      const float* x, int n_tokens);
 // AVX2 kernels (qmatmul_avx2.cc): dequantize `n` rows starting at `row0`
 // into panel[n][cols] (32-byte aligned), and the lane-ordered products of a
 // panel.
