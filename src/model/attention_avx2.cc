@@ -15,18 +15,14 @@ namespace {
 
 // exp8 of attention_kernels.cc on 8 lanes.
 __m256 exp8v(__m256 x) {
-  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GT_OQ);
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLow), _CMP_GT_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(kExpHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kExpLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kExpLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kExpLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
@@ -118,6 +114,53 @@ inline void scores8x2(const float* qa, const float* qb, int nv_run, const float*
 // elements of one output row (p.v); both keep each value's chain of
 // operations, so the bits are those of the AVX2 path.
 #define KVXFER_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx2,fma,f16c")))
+
+// exp8v on 16 lanes: the same operations per lane.
+KVXFER_AVX512 inline __m512 exp8v512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_GT_OQ);
+  x = _mm512_min_ps(x, _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kExpLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kExpLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kExpLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(live, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+// softmax_scores with 16 lanes for the exps and the divisions; the sum still
+// adds each group of 8 exps in order, so the bits are softmax_scores'.
+KVXFER_AVX512 void softmax_scores512(float* sc, int n, float max_val, const Segment* segs,
+                                     int n_segs) {
+  const int n8 = (n + 7) / 8 * 8;
+  for (int t = n; t < n8; ++t) sc[t] = -INFINITY;  // exp8 -> 0, and + 0 leaves a lane unchanged
+  const __m512 mx = _mm512_set1_ps(max_val);
+  __m256 sumv = _mm256_setzero_ps();
+  int t = 0;
+  for (; t + 16 <= n8; t += 16) {
+    const __m512 e = exp8v512(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mx));
+    _mm512_storeu_ps(sc + t, e);
+    sumv = _mm256_add_ps(sumv, _mm512_castps512_ps256(e));
+    sumv = _mm256_add_ps(sumv, _mm512_extractf32x8_ps(e, 1));
+  }
+  if (t < n8) {  // the last 8
+    const __m256 e = exp8v(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm512_castps512_ps256(mx)));
+    _mm256_storeu_ps(sc + t, e);
+    sumv = _mm256_add_ps(sumv, e);
+  }
+  bool dropping = false;  // with a drop mask, lanes go by present rank (present_sum)
+  for (int s = 0, seen = 0; s < n_segs && seen < n; seen += segs[s].count, ++s)
+    dropping = dropping || segs[s].drop != nullptr;
+  const float total = dropping ? present_sum(sc, segs, n_segs, n) : lane_sum(sumv);
+  const __m512 sum = _mm512_set1_ps(total);
+  for (t = 0; t + 16 <= n8; t += 16)
+    _mm512_storeu_ps(sc + t, _mm512_div_ps(_mm512_loadu_ps(sc + t), sum));
+  if (t < n8)
+    _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(total)));
+}
 
 // Scores of 8 consecutive keys for NP query pairs: qpair holds pair p's
 // element group j as [query 2p | query 2p+1] at (p * nv + j) * 16 (64-byte
@@ -335,7 +378,10 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
       for (int t = 0; t < n; ++t) sc[t] = 0.0f;
       continue;
     }
-    softmax_scores(sc, n, max_val, segs, n_segs);
+    if (wide)
+      softmax_scores512(sc, n, max_val, segs, n_segs);
+    else
+      softmax_scores(sc, n, max_val, segs, n_segs);
   }
   // Pass 3: out_g = fma chain over keys in order, keys outermost in blocks of
   // 16 so a block of V stays in L1; each query's accumulators live in

@@ -28,17 +28,13 @@ float present_sum(const float* e, const Segment* segs, int n_segs, int n_keys) {
 // degree-6 Taylor/minimax polynomial of r by Horner fma, times 2^n built in
 // the exponent bits.  Below -87.3 the result is 0.
 float exp8(float x) {
-  if (!(x > -87.3f)) return 0.0f;  // also NaN -> 0
-  if (x > 88.3f) x = 88.3f;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = std::fma(n, -0.693145751953125f, x);
-  r = std::fma(n, -1.428606765330187045e-06f, r);
-  float p = 1.0f / 720.0f;
-  p = std::fma(p, r, 1.0f / 120.0f);
-  p = std::fma(p, r, 1.0f / 24.0f);
-  p = std::fma(p, r, 1.0f / 6.0f);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
+  if (!(x > kExpLow)) return 0.0f;  // also NaN -> 0
+  if (x > kExpHigh) x = kExpHigh;
+  const float n = std::nearbyint(x * kExpLog2e);
+  float r = std::fma(n, -kExpLn2Hi, x);
+  r = std::fma(n, -kExpLn2Lo, r);
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
   p = std::fma(p, r, 1.0f);
   const std::int32_t e = (static_cast<std::int32_t>(n) + 127) << 23;
   float scale;

@@ -68,6 +68,13 @@ float present_sum(const float* e, const Segment* segs, int n_segs, int n_keys);
 // exp8 of one value (the scalar definition of the polynomial).
 float exp8(float x);
 
+// exp8's constants, shared by its scalar and vector forms: 0 at or below
+// kExpLow, inputs clamped to kExpHigh, n = round(x log2 e), r = x - n ln2 in
+// two parts, p = Horner over kExpPoly (degree 6 down to 1) then + 1.
+constexpr float kExpLow = -87.3f, kExpHigh = 88.3f, kExpLog2e = 1.44269504088896341f;
+constexpr float kExpLn2Hi = 0.693145751953125f, kExpLn2Lo = 1.428606765330187045e-06f;
+constexpr float kExpPoly[6] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f};
+
 // SwiGLU of the feed-forward, in place: h[i] = (h[i] * (1 / (1 + exp8(-h[i])))) * up[i]
 // (exp8 clamps -h[i] above 88.3, so a very negative h gives silu ~ -0).
 // Same bits on the scalar and AVX2 paths; parallel over i (OpenMP).
