@@ -50,19 +50,32 @@ struct Aligned64 {
 };
 using Activations = std::vector<float, Aligned64<float>>;
 
-// Row-wise RMSNorm: o = weight * (x / sqrt(mean(x^2) + eps)).
+// Row-wise RMSNorm: o = weight * (x / sqrt(mean(x^2) + eps)), each row's
+// sum of squares in run.c's order (j ascending, one float accumulator).  The
+// sums of up to 8 rows run side by side, so a batched pass does not wait on
+// one add chain at a time.
 void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size, float eps) {
+  constexpr int kRows = 8;
+  const int groups = (n_rows + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static) if (static_cast <std::int64_t>(n_rows) * size >= \
                                               kParallelWork)
-  for (int t = 0; t < n_rows; ++t) {
-    const float* xr = x + static_cast<std::size_t>(t) * size;
-    float* orow = o + static_cast<std::size_t>(t) * size;
-    float ss = 0.0f;
-    for (int j = 0; j < size; ++j) ss += xr[j] * xr[j];
-    ss /= static_cast<float>(size);
-    ss += eps;
-    ss = 1.0f / std::sqrt(ss);
-    for (int j = 0; j < size; ++j) orow[j] = weight[j] * (ss * xr[j]);
+  for (int gi = 0; gi < groups; ++gi) {
+    const int t0 = gi * kRows, nr = n_rows - t0 < kRows ? n_rows - t0 : kRows;
+    float ss[kRows] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const float* x0 = x + static_cast<std::size_t>(t0) * size;
+    for (int j = 0; j < size; ++j)
+      for (int r = 0; r < nr; ++r) {
+        const float v = x0[static_cast<std::size_t>(r) * size + j];
+        ss[r] += v * v;
+      }
+    for (int r = 0; r < nr; ++r) {
+      const float* xr = x0 + static_cast<std::size_t>(r) * size;
+      float* orow = o + static_cast<std::size_t>(t0 + r) * size;
+      float s = ss[r] / static_cast<float>(size);
+      s += eps;
+      s = 1.0f / std::sqrt(s);
+      for (int j = 0; j < size; ++j) orow[j] = weight[j] * (s * xr[j]);
+    }
   }
 }
 
