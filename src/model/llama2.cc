@@ -636,7 +636,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     const int n = T - first;
     rmsnorm(xb.data(), x.data() + static_cast<std::size_t>(first) * dim, rms_final_, n, dim,
             c.norm_eps);
-    logits->assign(static_cast<std::size_t>(n) * c.vocab_size, 0.0f);
+    logits->resize(static_cast<std::size_t>(n) * c.vocab_size);  // matmul writes every element
     matmul(wcls_, xb.data(), n, logits->data());
   }
   return true;
