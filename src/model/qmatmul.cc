@@ -183,10 +183,7 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
     // The AVX2 accumulators, 8 lanes per (token, row).
     float* acc =
         avx2 && !one ? aligned64(&acc_mem, static_cast<std::size_t>(n) * panel_rows * 8) : nullptr;
-    // Dynamic chunks: on a shared machine one thread may run slower; every
-    // output is still computed by one thread in one order.
-#pragma omp for schedule(dynamic, 16)
-    for (int pi = 0; pi < n_panels; ++pi) {
+    auto run_panel = [&](int pi) {
       int m = 0;
       while (pi >= first_panel[m + 1]) ++m;
       const WeightMatrix& w = *ws[m];
@@ -203,7 +200,7 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
           for (int r = 0; r < nr; ++r)
             out[static_cast<std::size_t>(t) * rows + r0 + r] =
                 tile[static_cast<std::size_t>(r) * ld + t];
-        continue;
+        return;
       } else if (avx2) {
         dequantize_rows_avx2(w, r0, nr, panel);
         panel_products_avx2(panel, nr, cols, x, n, tile.data(), panel_rows, acc);
@@ -216,6 +213,17 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
         for (int r = 0; r < nr; ++r)
           out[static_cast<std::size_t>(t) * rows + r0 + r] =
               tile[static_cast<std::size_t>(t) * panel_rows + r];
+    };
+    // On a shared machine one thread may run slower, so panels are handed out
+    // as the threads ask; every output is still computed by one thread in one
+    // order.  The AVX-512 tiles prefetch the next panel, so their chunks
+    // shrink only towards the end (guided).
+    if (wide) {
+#pragma omp for schedule(guided, 4)
+      for (int pi = 0; pi < n_panels; ++pi) run_panel(pi);
+    } else {
+#pragma omp for schedule(dynamic, 16)
+      for (int pi = 0; pi < n_panels; ++pi) run_panel(pi);
     }
   }
 }
