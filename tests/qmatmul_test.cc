@@ -397,3 +397,41 @@ TEST(AttentionKernel, Avx512GroupEqualsAvx2GroupBitForBit) {
   }
 }
 }  // namespace
+
+namespace {
+// matmul_many (one parallel loop over the panels of several matrices) gives
+// each matrix matmul's bits: row counts that end panels mid-way, mixed block
+// types, an F32 matrix among them (taken one at a time), one token, a
+// batch, and a batch past the 64-token chunk, on every path of this CPU.
+TEST(QMatmulMany, EachMatrixGetsTheBitsOfItsOwnProduct) {
+  const int cols = 192;
+  const Matrix a = random_matrix(km::WeightType::kQ4_1, 37, cols, 41);
+  const Matrix b = random_matrix(km::WeightType::kQ8_0, 64, cols, 42);
+  const Matrix c = random_matrix(km::WeightType::kQ4_1, 7, cols, 43);
+  const Matrix f = random_matrix(km::WeightType::kF32, 11, cols, 44);
+  std::vector<kd::Path> paths = {kd::Path::kScalar};
+  if (kd::have_avx2()) paths.push_back(kd::Path::kAvx2);
+  if (kd::have_avx512()) paths.push_back(kd::Path::kAvx512);
+  for (bool with_f32 : {false, true}) {
+    std::vector<const km::WeightMatrix*> ws = {&a.w, &b.w, &c.w};
+    if (with_f32) ws.insert(ws.begin() + 1, &f.w);
+    for (kd::Path path : paths)
+      for (int n : {1, 16, 70}) {
+        const std::vector<float> x = random_acts(n, cols, 45u + n);
+        std::vector<std::vector<float>> many(ws.size()), one(ws.size());
+        std::vector<float*> outs;
+        for (std::size_t m = 0; m < ws.size(); ++m) {
+          many[m].assign(static_cast<std::size_t>(n) * ws[m]->rows, -1.0f);
+          one[m].assign(many[m].size(), -2.0f);
+          outs.push_back(many[m].data());
+          kd::matmul_path(path, *ws[m], x.data(), n, one[m].data());
+        }
+        kd::matmul_many_path(path, ws.data(), outs.data(), static_cast<int>(ws.size()), x.data(),
+                             n);
+        SCOPED_TRACE(testing::Message()
+                     << "n " << n << " f32 " << with_f32 << " path " << static_cast<int>(path));
+        for (std::size_t m = 0; m < ws.size(); ++m) expect_bits(many[m], one[m], "many vs one");
+      }
+  }
+}
+}  // namespace
