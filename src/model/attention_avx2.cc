@@ -166,9 +166,11 @@ KVXFER_AVX512 void softmax_scores512(float* sc, int n, float max_val, const Segm
 // element group j as [query 2p | query 2p+1] at (p * nv + j) * 16 (64-byte
 // aligned); dst[2p], dst[2p+1] receive 8 scores each (nullptr: dropped).
 // At NP = 3: 24 accumulators, 3 queries and 1 key in the 32 registers.
+// pow2: div is a power of two (head_size 64: 8), so multiplying by its
+// inverse gives the bits of the division (both are the rounded x / div).
 template <int NP, int NV>
 KVXFER_AVX512 void scores_pairs(const float* qpair, int nv_run, const float* k0, std::size_t stride,
-                                float div, float* const* dst) {
+                                float div, bool pow2, float* const* dst) {
   const int nv = NV > 0 ? NV : nv_run;
   __m512 acc[NP][8];
   for (int p = 0; p < NP; ++p)
@@ -183,9 +185,10 @@ KVXFER_AVX512 void scores_pairs(const float* qpair, int nv_run, const float* k0,
       for (int p = 0; p < NP; ++p) acc[p][u] = _mm512_fmadd_ps(qv[p], kb, acc[p][u]);
     }
   }
-  const __m512 divv = _mm512_set1_ps(div);
+  const __m512 divv = _mm512_set1_ps(div), inv = _mm512_set1_ps(1.0f / div);
   for (int p = 0; p < NP; ++p) {
-    const __m512 r = _mm512_div_ps(lane_sums16(acc[p]), divv);
+    const __m512 r =
+        pow2 ? _mm512_mul_ps(lane_sums16(acc[p]), inv) : _mm512_div_ps(lane_sums16(acc[p]), divv);
     if (dst[2 * p] != nullptr) _mm256_storeu_ps(dst[2 * p], _mm512_castps512_ps256(r));
     if (dst[2 * p + 1] != nullptr) _mm256_storeu_ps(dst[2 * p + 1], _mm512_extractf32x8_ps(r, 1));
   }
@@ -207,7 +210,7 @@ KVXFER_AVX512 void build_pairs(const float* const* q, const int* g, int n, int n
 
 template <int NV>
 KVXFER_AVX512 void scores_block512(const float* qpair, int n, int nv, const float* k0,
-                                   std::size_t stride, float div, float* const* dst) {
+                                   std::size_t stride, float div, bool pow2, float* const* dst) {
   // The next block's keys: the KV of a long context streams from memory.
   for (int u = 8; u < 16; ++u)
     for (int l = 0; l < nv * 8; l += 16)
@@ -216,15 +219,15 @@ KVXFER_AVX512 void scores_block512(const float* qpair, int n, int nv, const floa
   int i = 0;  // queries, 6 per tile
   for (; i + 6 <= n; i += 6)
     scores_pairs<3, NV>(qpair + static_cast<std::size_t>(i / 2) * nv * 16, nv, k0, stride, div,
-                        dst + i);
+                        pow2, dst + i);
   float* rest[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
   for (int r = 0; r < n - i; ++r) rest[r] = dst[i + r];
   const float* qp = qpair + static_cast<std::size_t>(i / 2) * nv * 16;
   switch ((n - i + 1) / 2) {
-    case 2: return scores_pairs<2, NV>(qp, nv, k0, stride, div, rest);
-    case 1: return scores_pairs<1, NV>(qp, nv, k0, stride, div, rest);
+    case 2: return scores_pairs<2, NV>(qp, nv, k0, stride, div, pow2, rest);
+    case 1: return scores_pairs<1, NV>(qp, nv, k0, stride, div, pow2, rest);
     default:
-      if (n > i) scores_pairs<3, NV>(qp, nv, k0, stride, div, rest);
+      if (n > i) scores_pairs<3, NV>(qp, nv, k0, stride, div, pow2, rest);
       return;
   }
 }
@@ -284,11 +287,27 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
                        std::size_t score_stride, float* const* out) {
   const float div = std::sqrt(static_cast<float>(head_size));
   const __m256 divv = _mm256_set1_ps(div);
+  const bool div_pow2 = div == std::exp2(std::round(std::log2(div)));
   const int nv = NV > 0 ? NV : head_size / 8;
   // Pass 1: scores, keys outermost in blocks of 8, so a block of K stays in
   // L1 while every query reads it.  A score's bits do not depend on the
   // blocking (scores8 == lane_sum / div, key by key).
   std::vector<int> active(static_cast<std::size_t>(n_q));
+  // Before the fewest keys any query has, every query sees every block.
+  const int min_count = *std::min_element(counts, counts + n_q);
+  // The queries that see the whole block ending at key `end` (counting from
+  // the first segment) into active; their number.  The set only shrinks as
+  // end grows, so equal counts mean equal sets.
+  auto seeing = [&](int end) {
+    int na = 0;
+    if (end <= min_count) {
+      for (int g = 0; g < n_q; ++g) active[na++] = g;
+      return na;
+    }
+    for (int g = 0; g < n_q; ++g)
+      if (counts[g] >= end) active[na++] = g;
+    return na;
+  };
   // wide: the active queries in pairs (scores_pairs), rebuilt when the set
   // changes (it only shrinks, at the causal end of the keys).
   std::vector<float> pair_mem;
@@ -305,19 +324,25 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
     const Segment& sg = segs[s];
     int t = 0;
     if (sg.drop == nullptr) {
+      int placed = -1;  // wide: dsts hold the rows of these many queries at key t - 8
       for (; t + 8 <= sg.count; t += 8) {
         const float* k0 = sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off;
-        int na = 0;  // the queries that see the whole block, in pairs
-        for (int g = 0; g < n_q; ++g)
-          if (counts[g] >= base + t + 8) active[na++] = g;
         auto dst = [&](int g) { return scores + static_cast<std::size_t>(g) * score_stride + base + t; };
         if (wide) {
+          // Inside the fewest keys the set and its pairs stay; the rows move on by 8.
+          const int na = placed == n_q && base + t + 8 <= min_count ? n_q : seeing(base + t + 8);
           if (na != paired) build_pairs(q, active.data(), na, nv, qpair);
           paired = na;
-          for (int i = 0; i < na; ++i) dsts[i] = dst(active[i]);
-          scores_block512<NV>(qpair, na, nv, k0, sg.k_stride, div, dsts.data());
+          if (na == placed) {
+            for (int i = 0; i < na; ++i) dsts[i] += 8;
+          } else {
+            for (int i = 0; i < na; ++i) dsts[i] = dst(active[i]);
+          }
+          placed = na;
+          scores_block512<NV>(qpair, na, nv, k0, sg.k_stride, div, div_pow2, dsts.data());
           continue;
         }
+        const int na = seeing(base + t + 8);  // the queries that see the whole block, in pairs
         int i = 0;
         for (; i + 2 <= na; i += 2)
           scores8x2<NV>(q[active[i]], q[active[i + 1]], nv, k0, sg.k_stride, divv, dst(active[i]),
@@ -394,16 +419,17 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
   base = 0;
   for (int s = 0; s < n_segs; ++s) {
     const Segment& sg = segs[s];
+    int listed = -1;  // wide: wide_p/wide_o hold these many queries of this segment
     for (int t0 = 0; t0 < sg.count; t0 += kBlock) {
       const int t1 = std::min(sg.count, t0 + kBlock);
-      int nfull = 0;
-      if (sg.drop == nullptr && nv % 4 == 0)
-        for (int g = 0; g < n_q; ++g)
-          if (counts[g] - base >= t1) active[nfull++] = g;
+      int nfull = sg.drop == nullptr && nv % 4 == 0 ? seeing(base + t1) : 0;
       if (wide && nfull > 0) {  // all the queries that see the whole block
-        for (int i = 0; i < nfull; ++i) {
-          wide_p[i] = scores + static_cast<std::size_t>(active[i]) * score_stride + base;
-          wide_o[i] = out[active[i]];
+        if (nfull != listed) {
+          for (int i = 0; i < nfull; ++i) {
+            wide_p[i] = scores + static_cast<std::size_t>(active[i]) * score_stride + base;
+            wide_o[i] = out[active[i]];
+          }
+          listed = nfull;
         }
         pv_block512(wide_p.data(), wide_o.data(), nfull, head_size / 64, sg.v + kv_off, sg.v_stride,
                     t0, t1);
