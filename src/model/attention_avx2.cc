@@ -378,9 +378,16 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
     const int n = counts[g];
     // The maximum (exact, so any order gives its value; a zero's sign
     // cannot change exp8(s - max)).
-    __m256 mv = _mm256_set1_ps(-INFINITY);
+    __m256 mv = _mm256_set1_ps(-INFINITY), m1 = mv, m2 = mv, m3 = mv;  // 4 chains
     int t8 = 0;
+    for (; t8 + 32 <= n; t8 += 32) {
+      mv = _mm256_max_ps(_mm256_loadu_ps(sc + t8), mv);
+      m1 = _mm256_max_ps(_mm256_loadu_ps(sc + t8 + 8), m1);
+      m2 = _mm256_max_ps(_mm256_loadu_ps(sc + t8 + 16), m2);
+      m3 = _mm256_max_ps(_mm256_loadu_ps(sc + t8 + 24), m3);
+    }
     for (; t8 + 8 <= n; t8 += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sc + t8), mv);
+    mv = _mm256_max_ps(_mm256_max_ps(mv, m1), _mm256_max_ps(m2, m3));
     alignas(32) float ml[8];
     _mm256_store_ps(ml, mv);
     float max_val = -INFINITY;
@@ -457,7 +464,7 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
             for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[active[i + r]] + 8 * (h + j), o[r][j]);
         }
       }
-      for (int g = 0, k = 0; g < n_q; ++g) {
+      for (int g = 0, k = 0; g < n_q && nfull < n_q; ++g) {
         if (k < nfull && active[k] == g) {  // done above (active is ascending)
           ++k;
           continue;
