@@ -211,8 +211,8 @@ KVXFER_AVX512 void build_pairs(const float* const* q, const int* g, int n, int n
 template <int NV>
 KVXFER_AVX512 void scores_block512(const float* qpair, int n, int nv, const float* k0,
                                    std::size_t stride, float div, bool pow2, float* const* dst) {
-  // The next block's keys: the KV of a long context streams from memory.
-  for (int u = 8; u < 16; ++u)
+  // The keys two blocks on: the KV of a long context streams from memory.
+  for (int u = 16; u < 24; ++u)
     for (int l = 0; l < nv * 8; l += 16)
       _mm_prefetch(reinterpret_cast<const char*>(k0 + static_cast<std::size_t>(u) * stride + l),
                    _MM_HINT_T0);
