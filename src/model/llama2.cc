@@ -57,8 +57,7 @@ using Activations = std::vector<float, Aligned64<float>>;
 void rmsnorm(float* o, const float* x, const float* weight, int n_rows, int size, float eps) {
   constexpr int kRows = 8;
   const int groups = (n_rows + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static) if (static_cast <std::int64_t>(n_rows) * size >= \
-                                              kParallelWork)
+#pragma omp parallel for schedule(static) if (groups > 1 && n_rows * size >= 4096)
   for (int gi = 0; gi < groups; ++gi) {
     const int t0 = gi * kRows, nr = n_rows - t0 < kRows ? n_rows - t0 : kRows;
     float ss[kRows] = {0, 0, 0, 0, 0, 0, 0, 0};
