@@ -519,6 +519,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
       matmul_many(ws, outs, over_view ? 1 : 3, xb.data(), T);
     }
 
+#pragma omp parallel for schedule(static) if (T >= 8)
     for (int t = 0; t < T; ++t) {
       float* qr = &q[static_cast<std::size_t>(t) * dim];
       float* kr = over_view ? nullptr : kt + static_cast<std::size_t>(t) * kv_dim;
