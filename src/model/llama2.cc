@@ -557,7 +557,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
 #pragma omp parallel if (att_work >= kParallelWork)
       {
         const int nq_max = kTokensPerItem * kv_mul;
-        std::vector<float> scores(static_cast<std::size_t>(nq_max) * stride);
+        // Scratch the kernel writes before it reads: not zero-filled.
+        const std::unique_ptr<float[]> scores(new float[static_cast<std::size_t>(nq_max) * stride]);
         std::vector<const float*> qp(static_cast<std::size_t>(nq_max));
         std::vector<float*> op(static_cast<std::size_t>(nq_max));
         std::vector<int> counts(static_cast<std::size_t>(nq_max));
@@ -575,7 +576,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
                     over_view ? start_pos + t + 1 : n_view + n_tail0 + t + 1;
               }
             detail::attend_group(qp.data(), counts.data(), n_q, hs,
-                                 static_cast<std::size_t>(kh) * hs, segs_all, n_segs, scores.data(),
+                                 static_cast<std::size_t>(kh) * hs, segs_all, n_segs, scores.get(),
                                  stride, op.data());
           }
         }
