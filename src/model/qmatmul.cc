@@ -19,9 +19,8 @@ namespace {
 constexpr int kPanelRows = 3;
 constexpr int kPanelRows512 = 6;
 constexpr std::int64_t kParallelWork = 1 << 15;
-constexpr int kTokenChunk = 64;
-constexpr int kMaxMats =
-    4;  // matmul_many's matrices in one loop  // tokens per product: 64 x 1536 floats fit in L2
+constexpr int kTokenChunk = 64;  // tokens per product: 64 x 1536 floats fit in L2
+constexpr int kMaxMats = 4;      // matmul_many's matrices in one parallel loop
 
 // n floats in *mem, the returned pointer 64-byte aligned.
 float* aligned64(std::vector<float>* mem, std::size_t n) {
@@ -127,9 +126,10 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
                       const float* x, int n) {
   if (n <= 0 || n_mats <= 0) return;
   const int cols = ws[0]->cols;
-  bool quantized = n_mats <= kMaxMats;
-  for (int m = 0; m < n_mats; ++m) quantized = quantized && ws[m]->type != WeightType::kF32;
-  if (!quantized) {  // one matrix at a time
+  // One loop over the panels of all the matrices needs block types only.
+  bool one_loop = n_mats <= kMaxMats;
+  for (int m = 0; m < n_mats; ++m) one_loop = one_loop && ws[m]->type != WeightType::kF32;
+  if (!one_loop) {  // one matrix at a time
     for (int m = 0; m < n_mats; ++m)
       if (ws[m]->type == WeightType::kF32)
         matmul_f32(*ws[m], x, n, outs[m]);
