@@ -108,7 +108,8 @@ double fma_peak_gflops(bool avx512) {
 // them, q.k and p.v): the matrices, the classifier and the attention.
 double token_macs(const km::Config& c, double keys) {
   const double d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
-  const double per_layer = d * d * 2 + 2 * kv * d + 3 * d * h + 2.0 * c.n_heads * c.head_size() * keys;
+  const double per_layer =
+      d * d * 2 + 2 * kv * d + 3 * d * h + 2.0 * c.n_heads * c.head_size() * keys;
   return c.n_layers * per_layer + static_cast<double>(c.vocab_size) * d;
 }
 
@@ -119,7 +120,8 @@ int main(int argc, char** argv) {
   std::string model_path;
   int ctx = 1024, reps = 5, threads = 0;
   std::vector<int> passes = {16, 64};
-  app.add_option("--model", model_path, "GGUF or llama2.c checkpoint (default: the fetched SmolLM2)");
+  app.add_option("--model", model_path,
+                 "GGUF or llama2.c checkpoint (default: the fetched SmolLM2)");
   app.add_option("-c,--context", ctx, "prompt tokens before the decode step and the passes");
   app.add_option("-v,--verify", passes, "tokens of the verification passes")->delimiter(',');
   app.add_option("-n,--reps", reps, "repetitions (median)")->check(CLI::PositiveNumber);
@@ -144,12 +146,14 @@ int main(int argc, char** argv) {
   int max_pass = 0;
   for (int v : passes) max_pass = std::max(max_pass, v);
   if (ctx < 1 || ctx + max_pass > c.seq_len) {
-    std::fprintf(stderr, "model_perf: context %d + pass %d exceeds seq_len %d\n", ctx, max_pass, c.seq_len);
+    std::fprintf(stderr, "model_perf: context %d + pass %d exceeds seq_len %d\n", ctx, max_pass,
+                 c.seq_len);
     return 2;
   }
-  std::printf("# model_perf: %s (%s, %d layers, dim %d, vocab %d), %d OpenMP threads, median of %d\n",
-              model_path.c_str(), c.format.c_str(), c.n_layers, c.dim, c.vocab_size,
-              omp_get_max_threads(), reps);
+  std::printf(
+      "# model_perf: %s (%s, %d layers, dim %d, vocab %d), %d OpenMP threads, median of %d\n",
+      model_path.c_str(), c.format.c_str(), c.n_layers, c.dim, c.vocab_size, omp_get_max_threads(),
+      reps);
   std::FILE* la = std::fopen("/proc/loadavg", "r");
   if (la != nullptr) {
     char b[128] = {};
@@ -159,7 +163,8 @@ int main(int argc, char** argv) {
 
   // A fixed token sequence (deterministic, every id valid).
   std::vector<int> prompt(static_cast<size_t>(ctx));
-  for (int i = 0; i < ctx; ++i) prompt[static_cast<size_t>(i)] = 100 + (i * 7919) % (c.vocab_size - 200);
+  for (int i = 0; i < ctx; ++i)
+    prompt[static_cast<size_t>(i)] = 100 + (i * 7919) % (c.vocab_size - 200);
   km::PrefillResult pr;
   const double t_prefill = median_time(1, [&] {
     if (!m->prefill(prompt, {}, &pr, &err)) std::fprintf(stderr, "%s\n", err.c_str());
@@ -231,7 +236,8 @@ int main(int argc, char** argv) {
         "GFLOP/s; floor_steps = the pass's multiply-adds at that peak, in decode steps\n",
         avx512 ? "AVX-512" : "AVX2", omp_get_max_threads(), peak);
   if (t_copy > 0)
-    std::printf("# memcpy of the %.1f MB of tensors in the same run: %.2f ms = %.3f of a decode step\n",
-                static_cast<double>(weight_bytes) / 1e6, t_copy * 1e3, t_copy / t_step);
+    std::printf(
+        "# memcpy of the %.1f MB of tensors in the same run: %.2f ms = %.3f of a decode step\n",
+        static_cast<double>(weight_bytes) / 1e6, t_copy * 1e3, t_copy / t_step);
   return 0;
 }

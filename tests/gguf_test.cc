@@ -1,6 +1,8 @@
 // Tests of the GGUF reader (src/model/gguf.h): a tampered file is refused
 // naming the field, and the real SmolLM2 file reads to values computed
 // independently by the Python `gguf` package (GGUFReader + quants.dequantize).
+#include "model/gguf.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,7 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "model/gguf.h"
 #include "model/model_paths.h"
 
 namespace gg = kvxfer::model::gguf;
@@ -55,8 +56,8 @@ std::string write_file(const Spec& s, const std::string& name) {
   Builder b;
   b.raw(s.magic.data(), 4);
   b.u32(s.version);
-  b.u64(1);                     // tensors
-  b.u64(s.dup_key ? 3 : 2);     // metadata
+  b.u64(1);                  // tensors
+  b.u64(s.dup_key ? 3 : 2);  // metadata
   b.str("llama.block_count");
   b.u32(4);  // uint32
   b.u32(30);
@@ -90,7 +91,8 @@ std::string write_file(const Spec& s, const std::string& name) {
   b.bytes.resize(b.bytes.size() - s.truncate);
   const std::string path = ::testing::TempDir() + "/gguf_test_" + name + ".gguf";
   std::ofstream(path, std::ios::binary)
-      .write(reinterpret_cast<const char*>(b.bytes.data()), static_cast<std::streamsize>(b.bytes.size()));
+      .write(reinterpret_cast<const char*>(b.bytes.data()),
+             static_cast<std::streamsize>(b.bytes.size()));
   return path;
 }
 
@@ -195,7 +197,8 @@ TEST(Gguf, EveryTruncationIsRefusedWithoutACrash) {
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::string path = ::testing::TempDir() + "/gguf_test_cut.gguf";
   for (std::size_t n = 0; n < bytes.size(); ++n) {
-    std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(n));
+    std::ofstream(path, std::ios::binary | std::ios::trunc)
+        .write(bytes.data(), static_cast<std::streamsize>(n));
     std::string error;
     EXPECT_EQ(gg::File::open(path, &error), nullptr) << "prefix of " << n << " bytes";
     EXPECT_FALSE(error.empty());
@@ -206,7 +209,8 @@ TEST(Gguf, EveryTruncationIsRefusedWithoutACrash) {
 // gguf 0.x: quants.dequantize(t.data, t.tensor_type), as float32 bits.
 TEST(GgufSmolLM2, MetadataAndDequantizedRows) {
   const std::string path = kvxfer::model::smollm2_gguf_path();
-  if (!std::ifstream(path).good()) GTEST_SKIP() << "SmolLM2 not fetched (" << path << "); run scripts/install-deps.sh";
+  if (!std::ifstream(path).good())
+    GTEST_SKIP() << "SmolLM2 not fetched (" << path << "); run scripts/install-deps.sh";
   std::string error;
   auto f = gg::File::open(path, &error);
   ASSERT_NE(f, nullptr) << error;
@@ -233,14 +237,34 @@ TEST(GgufSmolLM2, MetadataAndDequantizedRows) {
     double sum;
   };
   const Row rows[] = {
-      {"token_embd.weight", 576, 49152, gg::TensorType::kQ8_0, 0,
-       {3185193984u, 1023874048u, 1034646016u, 3192731392u, 3189440000u}, -2.2541093826293945},
-      {"token_embd.weight", 576, 49152, gg::TensorType::kQ8_0, 49151,
-       {1010597888u, 1002209280u, 1056972544u, 1060833024u, 1036261376u}, -0.4662208557128906},
-      {"blk.0.attn_q.weight", 576, 576, gg::TensorType::kQ4_1, 5,
-       {1033633792u, 3196887040u, 1033633792u, 1033633792u, 3202031616u}, -3.731201171875},
-      {"blk.29.ffn_down.weight", 1536, 576, gg::TensorType::kQ4_1, 575,
-       {3194662912u, 3173007360u, 3198550016u, 1053223936u, 1041674240u}, -5.229949951171875},
+      {"token_embd.weight",
+       576,
+       49152,
+       gg::TensorType::kQ8_0,
+       0,
+       {3185193984u, 1023874048u, 1034646016u, 3192731392u, 3189440000u},
+       -2.2541093826293945},
+      {"token_embd.weight",
+       576,
+       49152,
+       gg::TensorType::kQ8_0,
+       49151,
+       {1010597888u, 1002209280u, 1056972544u, 1060833024u, 1036261376u},
+       -0.4662208557128906},
+      {"blk.0.attn_q.weight",
+       576,
+       576,
+       gg::TensorType::kQ4_1,
+       5,
+       {1033633792u, 3196887040u, 1033633792u, 1033633792u, 3202031616u},
+       -3.731201171875},
+      {"blk.29.ffn_down.weight",
+       1536,
+       576,
+       gg::TensorType::kQ4_1,
+       575,
+       {3194662912u, 3173007360u, 3198550016u, 1053223936u, 1041674240u},
+       -5.229949951171875},
   };
   for (const Row& r : rows) {
     const gg::TensorInfo* t = f->expect(r.name, r.ne0, r.ne1, {r.type}, &error);

@@ -552,10 +552,10 @@ const km::Model* smollm2(std::string* why) {
 
 // "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 // with the default system turn, as SmolLM2's tokenizer encodes it.
-const std::vector<int> kChat = {1,    9690, 198,  2683, 359, 253,   5356, 5646, 11173, 3365,
-                                3511, 308,  34519, 28,  7018, 411,  407,  19712, 8182, 2,
-                                198,  1,    4093, 198,  1780, 314,  260,  3575, 282,   4649,
-                                47,   2,    198,  1,    520,  9531, 198};
+const std::vector<int> kChat = {1,    9690, 198,   2683, 359,  253,  5356, 5646,  11173, 3365,
+                                3511, 308,  34519, 28,   7018, 411,  407,  19712, 8182,  2,
+                                198,  1,    4093,  198,  1780, 314,  260,  3575,  282,   4649,
+                                47,   2,    198,   1,    520,  9531, 198};
 
 TEST(SmolLM2, LoadsTheArchitectureFromTheGguf) {
   std::string why;
@@ -589,7 +589,9 @@ TEST(SmolLM2, AnswersTheChatPrompt) {
   std::vector<float> logits;
   const km::KVView view = pr.kv.view();
   for (int i = 0; i < 7; ++i) {
-    ASSERT_TRUE(m->decode_step(out.back(), static_cast<int>(kChat.size()) + i, view, &tail, &logits, &why)) << why;
+    ASSERT_TRUE(
+        m->decode_step(out.back(), static_cast<int>(kChat.size()) + i, view, &tail, &logits, &why))
+        << why;
     out.push_back(argmax(logits));
   }
   EXPECT_EQ(out, (std::vector<int>{504, 3575, 282, 4649, 314, 7042, 30, 2}));
@@ -611,7 +613,8 @@ TEST(SmolLM2, BatchedPassesAreBitIdenticalToSequentialDecoding) {
   km::KVCache seq_tail, batch_tail;
   std::vector<float> seq_logits, step, batch_logits;
   for (std::size_t i = 0; i < draft.size(); ++i) {
-    ASSERT_TRUE(m->decode_step(draft[i], n0 + static_cast<int>(i), view, &seq_tail, &step, &why)) << why;
+    ASSERT_TRUE(m->decode_step(draft[i], n0 + static_cast<int>(i), view, &seq_tail, &step, &why))
+        << why;
     seq_logits.insert(seq_logits.end(), step.begin(), step.end());
   }
   ASSERT_TRUE(m->verify(draft, n0, view, &batch_tail, &batch_logits, &why)) << why;

@@ -1,6 +1,8 @@
 // Tests of the runner's matrix products (src/model/qmatmul.h): every output
 // element has the same bits whatever the batch, the tile, the thread count
 // and the CPU path, and equals the lane-ordered definition.
+#include "model/qmatmul.h"
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "codec/codec_math.h"
-#include "model/qmatmul.h"
 
 namespace km = kvxfer::model;
 namespace kd = kvxfer::model::detail;
@@ -42,10 +43,12 @@ Matrix random_matrix(km::WeightType type, int rows, int cols, std::uint32_t seed
     m.bytes.resize(static_cast<std::size_t>(rows) * nb * bb);
     for (std::size_t b = 0; b < static_cast<std::size_t>(rows) * nb; ++b) {
       std::uint8_t* p = &m.bytes[b * bb];
-      const std::uint16_t d = kvxfer::codec::f32_to_f16(scale(rng)), mm = kvxfer::codec::f32_to_f16(mn(rng));
+      const std::uint16_t d = kvxfer::codec::f32_to_f16(scale(rng)),
+                          mm = kvxfer::codec::f32_to_f16(mn(rng));
       std::memcpy(p, &d, 2);
       if (type == km::WeightType::kQ4_1) std::memcpy(p + 2, &mm, 2);
-      for (int j = (type == km::WeightType::kQ4_1 ? 4 : 2); j < bb; ++j) p[j] = static_cast<std::uint8_t>(rng());
+      for (int j = (type == km::WeightType::kQ4_1 ? 4 : 2); j < bb; ++j)
+        p[j] = static_cast<std::uint8_t>(rng());
     }
   }
   m.w = km::WeightMatrix{type, rows, cols, m.bytes.data()};
@@ -115,7 +118,8 @@ TEST_P(QMatmul, EveryBatchThreadAndPathGivesTheSameBits) {
           omp_set_num_threads(threads);
           std::vector<float> out(static_cast<std::size_t>(n) * rows);
           kd::matmul_path(path, m.w, x.data(), n, out.data());
-          const std::vector<float> want(base.begin(), base.begin() + static_cast<std::ptrdiff_t>(out.size()));
+          const std::vector<float> want(base.begin(),
+                                        base.begin() + static_cast<std::ptrdiff_t>(out.size()));
           SCOPED_TRACE(testing::Message() << "rows " << rows << " n " << n << " threads " << threads
                                           << (path == kd::Path::kAvx512 ? " avx512"
                                               : path == kd::Path::kAvx2 ? " avx2"
@@ -144,13 +148,15 @@ TEST_P(QMatmul, CloseToTheExactProductOfTheDequantizedWeights) {
       }
       // Recursive summation of n terms: |error| <= (n-1) u sum|terms| (+ the lanes' sums).
       const double bound = (cols / 8 + 3) * std::ldexp(1.0, -24) * mag;
-      EXPECT_LE(std::fabs(out[static_cast<std::size_t>(t) * rows + i] - exact), bound) << i << " " << t;
+      EXPECT_LE(std::fabs(out[static_cast<std::size_t>(t) * rows + i] - exact), bound)
+          << i << " " << t;
     }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, QMatmul,
-                         ::testing::Values(km::WeightType::kQ4_1, km::WeightType::kQ8_0, km::WeightType::kF32),
+                         ::testing::Values(km::WeightType::kQ4_1, km::WeightType::kQ8_0,
+                                           km::WeightType::kF32),
                          [](const auto& info) {
                            return info.param == km::WeightType::kQ4_1   ? std::string("Q4_1")
                                   : info.param == km::WeightType::kQ8_0 ? std::string("Q8_0")
@@ -161,7 +167,8 @@ TEST(QMatmulDequantize, Q4_1AndQ8_0OfAFixedBlock) {
   std::uint8_t q41[20] = {0x00, 0x3C, 0x00, 0xC0};  // d = 1, m = -2
   for (int j = 0; j < 16; ++j) q41[4 + j] = static_cast<std::uint8_t>(j | ((15 - j) << 4));
   std::uint8_t q80[34] = {0x00, 0x38};  // d = 0.5
-  for (int j = 0; j < 32; ++j) q80[2 + j] = static_cast<std::uint8_t>(static_cast<std::int8_t>(j * 8 - 128));
+  for (int j = 0; j < 32; ++j)
+    q80[2 + j] = static_cast<std::uint8_t>(static_cast<std::int8_t>(j * 8 - 128));
   float out[32];
   km::dequantize_row(km::WeightMatrix{km::WeightType::kQ4_1, 1, 32, q41}, 0, out);
   for (int j = 0; j < 16; ++j) {
@@ -205,15 +212,17 @@ TEST(AttentionKernel, Avx2EqualsTheScalarDefinitionBitForBit) {
     for (int split : {0, n_keys / 2}) {
       for (bool use_drop : {false, true}) {
         kd::Segment segs[2] = {
-            {k.data(), v.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), split,
-             use_drop ? drop.data() : nullptr},
-            {k.data() + static_cast<std::size_t>(split) * kv_dim, v.data() + static_cast<std::size_t>(split) * kv_dim,
-             static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), n_keys - split, nullptr},
+            {k.data(), v.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
+             split, use_drop ? drop.data() : nullptr},
+            {k.data() + static_cast<std::size_t>(split) * kv_dim,
+             v.data() + static_cast<std::size_t>(split) * kv_dim, static_cast<std::size_t>(kv_dim),
+             static_cast<std::size_t>(kv_dim), n_keys - split, nullptr},
         };
         std::vector<float> s1(n_keys + 8), s2(n_keys + 8), o1(hs), o2(hs);
         kd::attend_head_scalar(q.data(), hs, 64, segs, 2, s1.data(), o1.data());
         kd::attend_head_avx2(q.data(), hs, 64, segs, 2, s2.data(), o2.data());
-        SCOPED_TRACE(testing::Message() << n_keys << " keys, split " << split << " drop " << use_drop);
+        SCOPED_TRACE(testing::Message()
+                     << n_keys << " keys, split " << split << " drop " << use_drop);
         expect_bits(o1, o2, "attention output");
         s1.resize(n_keys);
         s2.resize(n_keys);
@@ -309,11 +318,13 @@ TEST(AttentionKernel, GroupEqualsOneQueryAtATime) {
   for (int t = 2; t < n_view; t += 7) drop[t] = 1;
   for (bool use_drop : {false, true}) {
     const kd::Segment segs[2] = {
-        {kv.data(), vv.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), n_view,
-         use_drop ? drop.data() : nullptr},
-        {kt.data(), vt.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim), n_tail}};
+        {kv.data(), vv.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
+         n_view, use_drop ? drop.data() : nullptr},
+        {kt.data(), vt.data(), static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
+         n_tail}};
     const int n_q = 12;
-    std::vector<std::vector<float>> qs(n_q, std::vector<float>(hs)), outs(n_q, std::vector<float>(hs));
+    std::vector<std::vector<float>> qs(n_q, std::vector<float>(hs)),
+        outs(n_q, std::vector<float>(hs));
     std::vector<const float*> qp;
     std::vector<float*> op;
     std::vector<int> counts;
@@ -321,11 +332,13 @@ TEST(AttentionKernel, GroupEqualsOneQueryAtATime) {
       for (auto& x : qs[i]) x = g(rng);
       qp.push_back(qs[i].data());
       op.push_back(outs[i].data());
-      counts.push_back(i == 0 ? 3 : n_view + 1 + (i * 7) % n_tail);  // inside the view, then the tail
+      counts.push_back(i == 0 ? 3
+                              : n_view + 1 + (i * 7) % n_tail);  // inside the view, then the tail
     }
     const std::size_t stride = n_view + n_tail + 8;
     std::vector<float> scores(n_q * stride);
-    kd::attend_group(qp.data(), counts.data(), n_q, hs, 64, segs, 2, scores.data(), stride, op.data());
+    kd::attend_group(qp.data(), counts.data(), n_q, hs, 64, segs, 2, scores.data(), stride,
+                     op.data());
     for (int i = 0; i < n_q; ++i) {
       kd::Segment cut[2] = {segs[0], segs[1]};
       cut[0].count = std::min(n_view, counts[i]);

@@ -928,7 +928,8 @@ TEST(SpecVerifyLength, RejectsBadArguments) {
   EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, 0.003, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_spec_verify_length(-1, 0.9, 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_spec_verify_length(64, 1.1, 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvxfer_spec_verify_length(64, std::nan(""), 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, std::nan(""), 0.03, 0.003, &n),
+            KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.0, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, -1.0, &n), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvxfer_get_last_error()).find("verify_per_token_s"), std::string::npos);

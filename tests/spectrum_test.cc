@@ -13,8 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>

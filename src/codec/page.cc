@@ -239,7 +239,7 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
                  "num_tokens %" PRId64 " outside [0, 2^32]", T);
   KVXFER_REQUIRE(H >= 1 && static_cast<uint32_t>(H) <= kMaxChannels,
                  "num_channels %d outside [1, %u]", H, kMaxChannels);
-  kvxfer_page_id_t id{};  // token_begin 0: the most sink rows
+  kvxfer_page_id_t id{};      // token_begin 0: the most sink rows
   id.kind = KVXFER_KV_VALUE;  // V: the kind whose grouping may change
   kvxfer_codec_config_t channel = *cfg;
   channel.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;

@@ -24,7 +24,8 @@ __m256 exp8v(__m256 x) {
   __m256 p = _mm256_set1_ps(kExpPoly[0]);
   for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
 }
 
@@ -60,13 +61,15 @@ inline void softmax_scores(float* sc, int n, float max_val, const Segment* segs,
   for (int s = 0, seen = 0; s < n_segs && seen < n; seen += segs[s].count, ++s)
     dropping = dropping || segs[s].drop != nullptr;
   const __m256 sum = _mm256_set1_ps(dropping ? present_sum(sc, segs, n_segs, n) : lane_sum(sumv));
-  for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
+  for (int t = 0; t < n8; t += 8)
+    _mm256_storeu_ps(sc + t, _mm256_div_ps(_mm256_loadu_ps(sc + t), sum));
 }
 
 // Scores of 8 consecutive keys (rows k0 + u*stride, u < 8) for one query in
 // registers: the 8-lane dots reduced by the shuffles of lane_sum, divided.
 template <int NV>
-inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t stride, __m256 divv) {
+inline __m256 scores8(const __m256* qv, int nv_run, const float* k0, std::size_t stride,
+                      __m256 divv) {
   const int nv = NV > 0 ? NV : nv_run;
   __m256 acc[8];
   for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
@@ -93,7 +96,8 @@ inline void scores8x2(const float* qa, const float* qb, int nv_run, const float*
     const float* kh = k0 + static_cast<std::size_t>(4 * half) * stride;
     for (int j = 0; j < nv; ++j) {
       __m256 kv[4];
-      for (int u = 0; u < 4; ++u) kv[u] = _mm256_loadu_ps(kh + static_cast<std::size_t>(u) * stride + 8 * j);
+      for (int u = 0; u < 4; ++u)
+        kv[u] = _mm256_loadu_ps(kh + static_cast<std::size_t>(u) * stride + 8 * j);
       const __m256 x = _mm256_loadu_ps(qa + 8 * j);
       for (int u = 0; u < 4; ++u) a[0][u] = _mm256_fmadd_ps(x, kv[u], a[0][u]);
       const __m256 y = _mm256_loadu_ps(qb + 8 * j);
@@ -327,7 +331,9 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
       int placed = -1;  // wide: dsts hold the rows of these many queries at key t - 8
       for (; t + 8 <= sg.count; t += 8) {
         const float* k0 = sg.k + static_cast<std::size_t>(t) * sg.k_stride + kv_off;
-        auto dst = [&](int g) { return scores + static_cast<std::size_t>(g) * score_stride + base + t; };
+        auto dst = [&](int g) {
+          return scores + static_cast<std::size_t>(g) * score_stride + base + t;
+        };
         if (wide) {
           // Inside the fewest keys the set and its pairs stay; the rows move on by 8.
           const int na = placed == n_q && base + t + 8 <= min_count ? n_q : seeing(base + t + 8);
@@ -446,7 +452,8 @@ void attend_group_impl(bool wide, const float* const* q, const int* counts, int 
       nfull -= wide ? 0 : nfull % 3;
       for (int i = 0; i < nfull && !wide; i += 3) {
         const float* p[3];
-        for (int r = 0; r < 3; ++r) p[r] = scores + static_cast<std::size_t>(active[i + r]) * score_stride + base;
+        for (int r = 0; r < 3; ++r)
+          p[r] = scores + static_cast<std::size_t>(active[i + r]) * score_stride + base;
         for (int h = 0; h < nv; h += 4) {
           __m256 o[3][4];
           for (int r = 0; r < 3; ++r)

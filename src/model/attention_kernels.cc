@@ -101,8 +101,8 @@ void swiglu(float* h, const float* up, std::size_t n) {
   }
 }
 
-void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
-                 int n_segs, float* scores, float* out) {
+void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs, int n_segs,
+                 float* scores, float* out) {
   if (have_avx2() && head_size % 8 == 0 && head_size <= 128)
     attend_head_avx2(q, head_size, kv_off, segs, n_segs, scores, out);
   else

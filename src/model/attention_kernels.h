@@ -30,8 +30,8 @@ struct Segment {
 
 // One query head against up to n_segs segments (in order).  q, out:
 // head_size floats; scores: scratch of at least the total key count + 8.
-void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs,
-                 int n_segs, float* scores, float* out);
+void attend_head(const float* q, int head_size, std::size_t kv_off, const Segment* segs, int n_segs,
+                 float* scores, float* out);
 
 // Several queries against one run of keys: query g attends to the first
 // counts[g] keys of the segments (concatenated), as attend_head would on the

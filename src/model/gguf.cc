@@ -47,30 +47,27 @@ std::size_t scalar_size(ValueType t) {
   switch (t) {
     case ValueType::kUint8:
     case ValueType::kInt8:
-    case ValueType::kBool:
-      return 1;
+    case ValueType::kBool: return 1;
     case ValueType::kUint16:
-    case ValueType::kInt16:
-      return 2;
+    case ValueType::kInt16: return 2;
     case ValueType::kUint32:
     case ValueType::kInt32:
-    case ValueType::kFloat32:
-      return 4;
+    case ValueType::kFloat32: return 4;
     case ValueType::kUint64:
     case ValueType::kInt64:
-    case ValueType::kFloat64:
-      return 8;
-    default:
-      return 0;
+    case ValueType::kFloat64: return 8;
+    default: return 0;
   }
 }
 
-bool known_value_type(std::uint32_t t) { return t <= static_cast<std::uint32_t>(ValueType::kFloat64); }
+bool known_value_type(std::uint32_t t) {
+  return t <= static_cast<std::uint32_t>(ValueType::kFloat64);
+}
 
 const char* value_type_name(ValueType t) {
-  static const char* const kNames[] = {"uint8", "int8",    "uint16", "int16",  "uint32",
-                                       "int32", "float32", "bool",   "string", "array",
-                                       "uint64", "int64",  "float64"};
+  static const char* const kNames[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
+                                       "int32",  "float32", "bool",   "string", "array",
+                                       "uint64", "int64",   "float64"};
   const auto i = static_cast<std::uint32_t>(t);
   return i < 13 ? kNames[i] : "unknown";
 }
@@ -113,14 +110,56 @@ class Cursor {
 bool integer_value(const std::uint8_t* raw, ValueType t, std::int64_t* out_i, std::uint64_t* out_u,
                    bool* is_signed) {
   switch (t) {
-    case ValueType::kUint8: *out_u = raw[0]; *is_signed = false; return true;
-    case ValueType::kInt8: *out_i = static_cast<std::int8_t>(raw[0]); *is_signed = true; return true;
-    case ValueType::kUint16: { std::uint16_t v; std::memcpy(&v, raw, 2); *out_u = v; *is_signed = false; return true; }
-    case ValueType::kInt16: { std::int16_t v; std::memcpy(&v, raw, 2); *out_i = v; *is_signed = true; return true; }
-    case ValueType::kUint32: { std::uint32_t v; std::memcpy(&v, raw, 4); *out_u = v; *is_signed = false; return true; }
-    case ValueType::kInt32: { std::int32_t v; std::memcpy(&v, raw, 4); *out_i = v; *is_signed = true; return true; }
-    case ValueType::kUint64: { std::uint64_t v; std::memcpy(&v, raw, 8); *out_u = v; *is_signed = false; return true; }
-    case ValueType::kInt64: { std::int64_t v; std::memcpy(&v, raw, 8); *out_i = v; *is_signed = true; return true; }
+    case ValueType::kUint8:
+      *out_u = raw[0];
+      *is_signed = false;
+      return true;
+    case ValueType::kInt8:
+      *out_i = static_cast<std::int8_t>(raw[0]);
+      *is_signed = true;
+      return true;
+    case ValueType::kUint16: {
+      std::uint16_t v;
+      std::memcpy(&v, raw, 2);
+      *out_u = v;
+      *is_signed = false;
+      return true;
+    }
+    case ValueType::kInt16: {
+      std::int16_t v;
+      std::memcpy(&v, raw, 2);
+      *out_i = v;
+      *is_signed = true;
+      return true;
+    }
+    case ValueType::kUint32: {
+      std::uint32_t v;
+      std::memcpy(&v, raw, 4);
+      *out_u = v;
+      *is_signed = false;
+      return true;
+    }
+    case ValueType::kInt32: {
+      std::int32_t v;
+      std::memcpy(&v, raw, 4);
+      *out_i = v;
+      *is_signed = true;
+      return true;
+    }
+    case ValueType::kUint64: {
+      std::uint64_t v;
+      std::memcpy(&v, raw, 8);
+      *out_u = v;
+      *is_signed = false;
+      return true;
+    }
+    case ValueType::kInt64: {
+      std::int64_t v;
+      std::memcpy(&v, raw, 8);
+      *out_i = v;
+      *is_signed = true;
+      return true;
+    }
     default: return false;
   }
 }
@@ -130,11 +169,9 @@ bool integer_value(const std::uint8_t* raw, ValueType t, std::int64_t* out_i, st
 int block_elements(TensorType type) {
   switch (type) {
     case TensorType::kF32:
-    case TensorType::kF16:
-      return 1;
+    case TensorType::kF16: return 1;
     case TensorType::kQ4_1:
-    case TensorType::kQ8_0:
-      return 32;
+    case TensorType::kQ8_0: return 32;
   }
   return 0;
 }
@@ -186,7 +223,8 @@ std::unique_ptr<File> File::open(const std::string& path, std::string* error) {
   f->size_ = static_cast<std::uint64_t>(st.st_size);
   if (f->size_ < 24) {
     ::close(fd);
-    return fail("file of " + std::to_string(f->size_) + " bytes is too small for a GGUF header (24)");
+    return fail("file of " + std::to_string(f->size_) +
+                " bytes is too small for a GGUF header (24)");
   }
   void* m = mmap(nullptr, static_cast<std::size_t>(f->size_), PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
@@ -204,7 +242,8 @@ std::unique_ptr<File> File::open(const std::string& path, std::string* error) {
   c.get(&n_tensors);
   c.get(&n_kv);
   // Each key-value takes at least 13 bytes and each tensor at least 24.
-  if (n_kv > f->size_ / 13) return fail("metadata count " + std::to_string(n_kv) + " exceeds the file");
+  if (n_kv > f->size_ / 13)
+    return fail("metadata count " + std::to_string(n_kv) + " exceeds the file");
   if (n_tensors > f->size_ / 24)
     return fail("tensor count " + std::to_string(n_tensors) + " exceeds the file");
 
@@ -214,31 +253,37 @@ std::unique_ptr<File> File::open(const std::string& path, std::string* error) {
       return fail("metadata entry " + std::to_string(i) + ": key truncated or too long");
     std::uint32_t t = 0;
     if (!c.get(&t)) return fail("metadata '" + key + "': type truncated");
-    if (!known_value_type(t)) return fail("metadata '" + key + "': unknown type " + std::to_string(t));
+    if (!known_value_type(t))
+      return fail("metadata '" + key + "': unknown type " + std::to_string(t));
     auto v = std::make_unique<Value>();
     v->type = static_cast<ValueType>(t);
     if (v->type == ValueType::kString) {
       if (!c.string(&v->str, f->size_)) return fail("metadata '" + key + "': string truncated");
     } else if (v->type == ValueType::kArray) {
       std::uint32_t et = 0;
-      if (!c.get(&et) || !c.get(&v->count)) return fail("metadata '" + key + "': array header truncated");
+      if (!c.get(&et) || !c.get(&v->count))
+        return fail("metadata '" + key + "': array header truncated");
       if (!known_value_type(et) || et == static_cast<std::uint32_t>(ValueType::kArray))
         return fail("metadata '" + key + "': unsupported array element type " + std::to_string(et));
       v->elem = static_cast<ValueType>(et);
       if (v->elem == ValueType::kString) {
-        if (v->count > (f->size_ - c.pos()) / 8) return fail("metadata '" + key + "': array truncated");
+        if (v->count > (f->size_ - c.pos()) / 8)
+          return fail("metadata '" + key + "': array truncated");
         v->strings.resize(static_cast<std::size_t>(v->count));
         for (auto& s : v->strings)
-          if (!c.string(&s, f->size_)) return fail("metadata '" + key + "': array string truncated");
+          if (!c.string(&s, f->size_))
+            return fail("metadata '" + key + "': array string truncated");
       } else {
         const std::uint64_t es = scalar_size(v->elem);
-        if (v->count > (f->size_ - c.pos()) / es) return fail("metadata '" + key + "': array truncated");
+        if (v->count > (f->size_ - c.pos()) / es)
+          return fail("metadata '" + key + "': array truncated");
         v->raw.resize(static_cast<std::size_t>(v->count * es));
         c.read(v->raw.data(), v->raw.size());
       }
     } else {
       v->raw.resize(scalar_size(v->type));
-      if (!c.read(v->raw.data(), v->raw.size())) return fail("metadata '" + key + "': value truncated");
+      if (!c.read(v->raw.data(), v->raw.size()))
+        return fail("metadata '" + key + "': value truncated");
     }
     if (f->find(key) != nullptr) return fail("metadata key '" + key + "' appears twice");
     f->kv_.emplace_back(std::move(key), std::move(v));
@@ -268,14 +313,14 @@ std::unique_ptr<File> File::open(const std::string& path, std::string* error) {
     for (std::uint32_t d = 0; d < nd; ++d) {
       if (!c.get(&t.ne[d])) return fail(tw + "shape truncated");
       if (t.ne[d] == 0) return fail(tw + "dimension " + std::to_string(d) + " is 0");
-      if (t.ne[d] > (std::uint64_t{1} << 62) / n_el)
-        return fail(tw + "element count overflows");
+      if (t.ne[d] > (std::uint64_t{1} << 62) / n_el) return fail(tw + "element count overflows");
       n_el *= t.ne[d];
     }
     std::uint32_t ty = 0;
     if (!c.get(&ty)) return fail(tw + "type truncated");
     if (ty != 0 && ty != 1 && ty != 3 && ty != 8)
-      return fail(tw + "unsupported tensor type " + std::to_string(ty) + " (F32, F16, Q4_1, Q8_0 are)");
+      return fail(tw + "unsupported tensor type " + std::to_string(ty) +
+                  " (F32, F16, Q4_1, Q8_0 are)");
     t.type = static_cast<TensorType>(ty);
     if (t.ne[0] % static_cast<std::uint64_t>(block_elements(t.type)) != 0)
       return fail(tw + "ne[0] " + std::to_string(t.ne[0]) + " is not a multiple of the " +
@@ -350,7 +395,8 @@ bool File::get_u32(const std::string& key, std::uint32_t* out, std::string* erro
       !integer_value(v->raw.data(), v->type, &i, &u, &is_signed))
     return set_error(error, wrong_type(path_, key, v->type, "an integer")), false;
   if (is_signed) {
-    if (i < 0) return set_error(error, "gguf '" + path_ + "': metadata '" + key + "' is negative"), false;
+    if (i < 0)
+      return set_error(error, "gguf '" + path_ + "': metadata '" + key + "' is negative"), false;
     u = static_cast<std::uint64_t>(i);
   }
   if (u > std::numeric_limits<std::uint32_t>::max())
@@ -377,7 +423,8 @@ bool File::get_f32(const std::string& key, float* out, std::string* error) const
 bool File::get_bool(const std::string& key, bool* out, std::string* error) const {
   const Value* v = find(key);
   if (v == nullptr) return set_error(error, missing(path_, key)), false;
-  if (v->type != ValueType::kBool) return set_error(error, wrong_type(path_, key, v->type, "bool")), false;
+  if (v->type != ValueType::kBool)
+    return set_error(error, wrong_type(path_, key, v->type, "bool")), false;
   *out = v->raw[0] != 0;
   return true;
 }

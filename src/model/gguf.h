@@ -58,10 +58,10 @@ const char* type_name(TensorType type);
 
 struct TensorInfo {
   std::string name;
-  int n_dims = 0;                // 1..4
+  int n_dims = 0;                      // 1..4
   std::uint64_t ne[4] = {1, 1, 1, 1};  // ne[0] is the contiguous dimension
   TensorType type = TensorType::kF32;
-  std::uint64_t offset = 0;      // from the start of the data section
+  std::uint64_t offset = 0;            // from the start of the data section
   const std::uint8_t* data = nullptr;  // into the mapping
   std::uint64_t n_bytes = 0;
 

@@ -3,9 +3,6 @@
 // order), batched over tokens.
 #include "model/llama2.h"
 
-#include "model/attention_kernels.h"
-#include "model/gguf.h"
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +10,9 @@
 #include <limits>
 #include <new>
 #include <sstream>
+
+#include "model/attention_kernels.h"
+#include "model/gguf.h"
 
 namespace kvxfer::model {
 namespace {
@@ -36,9 +36,9 @@ struct Aligned64 {
   template <class U>
   Aligned64(const Aligned64<U>&) {}  // NOLINT(google-explicit-constructor): the allocator model
   T* allocate(std::size_t n) {
-    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
+    return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64}));
   }
-  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  void deallocate(T* p, std::size_t) { ::operator delete (p, std::align_val_t{64}); }
   template <class U>
   bool operator==(const Aligned64<U>&) const {
     return true;
@@ -312,14 +312,16 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, std::string* er
       hidden > (1u << 18) || n_heads == 0 || n_kv_heads == 0 || ctx == 0 || ctx > (1u << 20))
     return bad("a dimension in llama.* is zero or exceeds the supported limits");
   if (dim % n_heads != 0) return bad("llama.embedding_length is not a multiple of head_count");
-  if (n_heads % n_kv_heads != 0) return bad("llama.attention.head_count is not a multiple of head_count_kv");
+  if (n_heads % n_kv_heads != 0)
+    return bad("llama.attention.head_count is not a multiple of head_count_kv");
   const std::uint32_t hs = dim / n_heads;
   if (hs % 2 != 0) return bad("head size must be even for RoPE");
   if (f->has("llama.rope.dimension_count")) {
     std::uint32_t rd = 0;
     if (!f->get_u32("llama.rope.dimension_count", &rd, error)) return nullptr;
-    if (rd != hs) return bad("llama.rope.dimension_count " + std::to_string(rd) +
-                             " != head size " + std::to_string(hs) + " (partial RoPE is not supported)");
+    if (rd != hs)
+      return bad("llama.rope.dimension_count " + std::to_string(rd) + " != head size " +
+                 std::to_string(hs) + " (partial RoPE is not supported)");
   }
   std::unique_ptr<Model> m(new Model());
   Config& c = m->cfg_;
@@ -348,7 +350,7 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, std::string* er
                     WeightMatrix* out) {
     const gguf::TensorInfo* t = f->expect(name, cols, rows, mat_types, error);
     if (t == nullptr) return false;
-    const WeightType wt = t->type == TT::kF32 ? WeightType::kF32
+    const WeightType wt = t->type == TT::kF32    ? WeightType::kF32
                           : t->type == TT::kQ4_1 ? WeightType::kQ4_1
                                                  : WeightType::kQ8_0;
     *out = WeightMatrix{wt, static_cast<int>(rows), static_cast<int>(cols), t->data};
@@ -366,10 +368,11 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, std::string* er
     const std::string b = "blk." + std::to_string(l) + ".";
     LayerWeights& lw = m->layers_[l];
     if (!vec(b + "attn_norm.weight", &lw.rms_att) || !matrix(b + "attn_q.weight", D, D, &lw.wq) ||
-        !matrix(b + "attn_k.weight", D, KV, &lw.wk) || !matrix(b + "attn_v.weight", D, KV, &lw.wv) ||
-        !matrix(b + "attn_output.weight", D, D, &lw.wo) || !vec(b + "ffn_norm.weight", &lw.rms_ffn) ||
-        !matrix(b + "ffn_gate.weight", D, H, &lw.w1) || !matrix(b + "ffn_down.weight", H, D, &lw.w2) ||
-        !matrix(b + "ffn_up.weight", D, H, &lw.w3))
+        !matrix(b + "attn_k.weight", D, KV, &lw.wk) ||
+        !matrix(b + "attn_v.weight", D, KV, &lw.wv) ||
+        !matrix(b + "attn_output.weight", D, D, &lw.wo) ||
+        !vec(b + "ffn_norm.weight", &lw.rms_ffn) || !matrix(b + "ffn_gate.weight", D, H, &lw.w1) ||
+        !matrix(b + "ffn_down.weight", H, D, &lw.w2) || !matrix(b + "ffn_up.weight", D, H, &lw.w3))
       return nullptr;
   }
   if (!vec("output_norm.weight", &m->rms_final_)) return nullptr;
@@ -583,26 +586,26 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
       }
     } else {
 #pragma omp parallel if (att_work >= kParallelWork)
-    {
-      std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
+      {
+        std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
 #pragma omp for collapse(2) schedule(static)
-      for (int t = 0; t < T; ++t) {
-        for (int h = 0; h < c.n_heads; ++h) {
-          Segment segs[2] = {segs_all[0], segs_all[1]};
-          if (over_view)
-            segs[0].count = start_pos + t + 1;
-          else
-            segs[1].count = n_tail0 + t + 1;
-          const std::size_t off =
-              static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
-          attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, n_segs,
-                      scores.data(), &xb2[off]);
-          if (!probs.empty())
-            std::memcpy(&probs[(static_cast<std::size_t>(h) * T + t) * T], scores.data(),
-                        static_cast<std::size_t>(t + 1) * sizeof(float));
+        for (int t = 0; t < T; ++t) {
+          for (int h = 0; h < c.n_heads; ++h) {
+            Segment segs[2] = {segs_all[0], segs_all[1]};
+            if (over_view)
+              segs[0].count = start_pos + t + 1;
+            else
+              segs[1].count = n_tail0 + t + 1;
+            const std::size_t off =
+                static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
+            attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, n_segs,
+                        scores.data(), &xb2[off]);
+            if (!probs.empty())
+              std::memcpy(&probs[(static_cast<std::size_t>(h) * T + t) * T], scores.data(),
+                          static_cast<std::size_t>(t + 1) * sizeof(float));
+          }
         }
       }
-    }
     }
     if (att_mass != nullptr) {
       // mass[l][h][j] = sum_{t >= j} p(t, j), t ascending: one thread per (h, j).

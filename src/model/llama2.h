@@ -257,12 +257,12 @@ class Model {
                std::string* error, std::vector<float>* att_mass = nullptr) const;
 
   Config cfg_;
-  std::vector<float> data_;          // llama2.c: all float32 weights of the file
+  std::vector<float> data_;           // llama2.c: all float32 weights of the file
   std::unique_ptr<gguf::File> gguf_;  // GGUF: the mapped file the weights point into
   std::vector<LayerWeights> layers_;
-  WeightMatrix token_embedding_{};  // [vocab][dim]
+  WeightMatrix token_embedding_{};    // [vocab][dim]
   const float* rms_final_ = nullptr;  // [dim]
-  WeightMatrix wcls_{};             // [vocab][dim]
+  WeightMatrix wcls_{};               // [vocab][dim]
 };
 
 // Shape of a (GQA) attention computation.

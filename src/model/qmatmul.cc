@@ -35,8 +35,8 @@ float half(const std::uint8_t* p) {
   return codec::f16_to_f32(h);
 }
 
-void panel_products_scalar(const float* panel, int n_rows, int cols, const float* x,
-                           int n_tokens, float* out, int out_stride) {
+void panel_products_scalar(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
+                           float* out, int out_stride) {
   for (int t = 0; t < n_tokens; ++t) {
     const float* xr = x + static_cast<std::size_t>(t) * cols;
     for (int r = 0; r < n_rows; ++r) {

@@ -42,7 +42,8 @@ void tile(const float* panel, int cols, const float* x, __m256* acc) {
   int k = 0;
   do {  // cols >= 32: a do-while keeps the accumulators in registers
     __m256 w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = _mm256_loadu_ps(panel + static_cast<std::size_t>(r) * cols + k);
+    for (int r = 0; r < NR; ++r)
+      w[r] = _mm256_loadu_ps(panel + static_cast<std::size_t>(r) * cols + k);
     for (int t = 0; t < NT; ++t) {
       const __m256 xv = _mm256_loadu_ps(x + static_cast<std::size_t>(t) * cols + k);
       for (int r = 0; r < NR; ++r) a[r][t] = _mm256_fmadd_ps(w[r], xv, a[r][t]);
@@ -127,14 +128,17 @@ void one_token_q4_1(const std::uint8_t* base, std::size_t row_bytes, int nb, con
     const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8),
                  x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
     for (int r = 0; r < NR; ++r) {
-      const std::uint8_t* p = base + static_cast<std::size_t>(r) * row_bytes + static_cast<std::size_t>(b) * 20;
+      const std::uint8_t* p =
+          base + static_cast<std::size_t>(r) * row_bytes + static_cast<std::size_t>(b) * 20;
       _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
       __m256 d, m;
       half2(p, &d, &m);
       // One widening per 8 bytes serves two groups: the low nibbles are
       // elements j..j+7, the high ones elements 16+j..16+j+7.
-      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
-      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
+      const __m256i b0 =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
+      const __m256i b1 =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
       const __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), m);
       const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), m);
       const __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
@@ -156,7 +160,8 @@ void one_token_q8_0(const std::uint8_t* base, std::size_t row_bytes, int nb, con
   for (int b = 0; b < nb; ++b) {
     const float* xb = x + b * 32;
     for (int r = 0; r < NR; ++r) {
-      const std::uint8_t* p = base + static_cast<std::size_t>(r) * row_bytes + static_cast<std::size_t>(b) * 34;
+      const std::uint8_t* p =
+          base + static_cast<std::size_t>(r) * row_bytes + static_cast<std::size_t>(b) * 34;
       _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
       const __m256 d = half1(p);
       for (int g = 0; g < 4; ++g) {
@@ -173,7 +178,8 @@ template <int NR>
 void one_token(const WeightMatrix& w, int row0, const float* x, float* out) {
   const int nb = w.cols / 32;
   const std::size_t bb = w.type == WeightType::kQ4_1 ? 20 : 34;
-  const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * nb * bb;
+  const std::uint8_t* base =
+      static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * nb * bb;
   if (w.type == WeightType::kQ4_1)
     one_token_q4_1<NR>(base, nb * bb, nb, x, out);
   else

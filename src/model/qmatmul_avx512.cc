@@ -112,9 +112,12 @@ void dequantize_pairs_avx512(const WeightMatrix& w, int row0, int n, float* pane
         const __m512i b0 = bytes_pair_u8(p + 4, q + 4), b1 = bytes_pair_u8(p + 12, q + 12);
         float* o = out + static_cast<std::size_t>(b) * 64;
         _mm512_store_ps(o, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b0, low4)), m));
-        _mm512_store_ps(o + 16, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b1, low4)), m));
-        _mm512_store_ps(o + 32, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), m));
-        _mm512_store_ps(o + 48, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), m));
+        _mm512_store_ps(o + 16,
+                        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b1, low4)), m));
+        _mm512_store_ps(o + 32,
+                        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), m));
+        _mm512_store_ps(o + 48,
+                        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), m));
       }
     } else if (w.type == WeightType::kQ8_0) {
       const std::uint8_t* p = base + static_cast<std::size_t>(ra) * nb * 34;
@@ -125,8 +128,9 @@ void dequantize_pairs_avx512(const WeightMatrix& w, int row0, int n, float* pane
         __m512 d, m;  // m: the block's first two codes as fp16, unused
         scales_pair(p, q, &d, &m);
         for (int g = 0; g < 4; ++g)
-          _mm512_store_ps(out + static_cast<std::size_t>(b) * 64 + g * 16,
-                          _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_pair_i8(p + 2 + g * 8, q + 2 + g * 8))));
+          _mm512_store_ps(
+              out + static_cast<std::size_t>(b) * 64 + g * 16,
+              _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_pair_i8(p + 2 + g * 8, q + 2 + g * 8))));
       }
     } else {
       const float* fa = w.f32() + static_cast<std::size_t>(ra) * cols;

@@ -117,8 +117,8 @@ kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot
   KVXFER_REQUIRE(accept_rate >= 0.0 && accept_rate <= 1.0, "accept_rate %g is outside [0, 1]",
                  accept_rate);
   KVXFER_REQUIRE(std::isfinite(tpot_s) && tpot_s > 0.0, "tpot_s %g is not > 0", tpot_s);
-  KVXFER_REQUIRE(finite_nonneg(verify_per_token_s), "verify_per_token_s %g is negative or not finite",
-                 verify_per_token_s);
+  KVXFER_REQUIRE(finite_nonneg(verify_per_token_s),
+                 "verify_per_token_s %g is negative or not finite", verify_per_token_s);
   if (verify_per_token_s >= tpot_s) {
     *length = 0;
   } else if (accept_rate >= 1.0 || verify_per_token_s == 0.0) {

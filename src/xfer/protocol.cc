@@ -68,9 +68,9 @@ std::vector<uint8_t> encode_desc(const Desc& d) {
   put<int32_t>(&b, d.mode);
   put<int32_t>(&b, d.page_tokens);
   put<uint8_t>(&b, d.on_device ? 1 : 0);
-  put<int32_t>(&b, d.codec.sink_tokens);  // version 2
+  put<int32_t>(&b, d.codec.sink_tokens);   // version 2
   put<int32_t>(&b, d.codec.value_groups);  // version 3
-  b.resize(kDescBytes, 0);                // reserved
+  b.resize(kDescBytes, 0);                 // reserved
   return b;
 }
 
