@@ -132,7 +132,14 @@ const std::vector<std::string>& auto_providers() {
 }
 
 namespace {
-std::string g_provider_defaults;  // what apply_provider_memory_defaults set
+// What apply_provider_memory_defaults set.  A function-local static: the
+// load-time constructor below may run before this file's namespace-scope
+// objects are constructed (AddressSanitizer reported the string built there,
+// then lost to its own constructor).
+std::string& provider_defaults_set() {
+  static std::string set;
+  return set;
+}
 }  // namespace
 
 std::string apply_provider_memory_defaults() {
@@ -143,14 +150,14 @@ std::string apply_provider_memory_defaults() {
         {"FI_OFI_RXM_BUFFER_SIZE", "4096"},
         {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
     };
+    std::string& set = provider_defaults_set();
     for (const auto& kv : kDefaults) {
       if (std::getenv(kv[0]) != nullptr) continue;  // the user's value wins
       if (setenv(kv[0], kv[1], 0) == 0)
-        g_provider_defaults +=
-            strprintf("%s%s=%s", g_provider_defaults.empty() ? "" : " ", kv[0], kv[1]);
+        set += strprintf("%s%s=%s", set.empty() ? "" : " ", kv[0], kv[1]);
     }
   });
-  return g_provider_defaults;
+  return provider_defaults_set();
 }
 
 namespace {
