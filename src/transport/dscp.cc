@@ -100,7 +100,8 @@ std::vector<MarkedSocket> mark_matching_sockets(const sockaddr* local, const soc
     m.connected = connected;
     m.tos_before = read_tos(fd, family);
     if (m.type == SOCK_STREAM) m.nodelay = get_int(fd, IPPROTO_TCP, TCP_NODELAY);
-    const int tos = (dscp << 2) | (m.tos_before > 0 ? (m.tos_before & 0x3) : 0);
+    // dscp < 0 inspects only (and a negative value must not be shifted).
+    const int tos = dscp < 0 ? 0 : (dscp << 2) | (m.tos_before > 0 ? (m.tos_before & 0x3) : 0);
     if (dscp < 0) {
       // Inspect only.
     } else if (family == AF_INET) {
