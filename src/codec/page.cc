@@ -18,9 +18,10 @@ namespace kvxfer::codec {
 
 kvxfer_result_t validate_layout_shape(const kvxfer_page_layout_t* l, const char* what) {
   KVXFER_REQUIRE(l != nullptr, "%s layout is NULL", what);
-  KVXFER_REQUIRE(l->dtype == KVXFER_DTYPE_BF16 || l->dtype == KVXFER_DTYPE_FP16 ||
-                     l->dtype == KVXFER_DTYPE_FP32,
-                 "%s dtype %d is not BF16, FP16 or FP32", what, static_cast<int>(l->dtype));
+  const int32_t dtype = c_enum_value(l->dtype);
+  KVXFER_REQUIRE(
+      dtype == KVXFER_DTYPE_BF16 || dtype == KVXFER_DTYPE_FP16 || dtype == KVXFER_DTYPE_FP32,
+      "%s dtype %d is not BF16, FP16 or FP32", what, dtype);
   KVXFER_REQUIRE(l->num_channels >= 1 && static_cast<uint32_t>(l->num_channels) <= kMaxChannels,
                  "%s num_channels %d outside [1, %u]", what, l->num_channels, kMaxChannels);
   KVXFER_REQUIRE(l->num_tokens >= 0 && static_cast<uint64_t>(l->num_tokens) <= kMaxTokens,
@@ -136,16 +137,9 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
   KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
                  "codec config from header version %u, library is %d", cfg->version,
                  KVXFER_VERSION_CODE);
-  // The enum fields as the integers the caller stored: an out-of-range value
-  // must not be loaded as the enum type (undefined in C++).
-  auto raw = [](const auto& field) {
-    int32_t v;
-    static_assert(sizeof(field) == sizeof(v), "C enums are int-sized");
-    std::memcpy(&v, &field, sizeof v);
-    return v;
-  };
-  const int32_t codec = raw(cfg->codec), nonfinite = raw(cfg->nonfinite),
-                groups = raw(cfg->value_groups);
+  // The enum fields as the integers the caller stored (c_enum_value).
+  const int32_t codec = c_enum_value(cfg->codec), nonfinite = c_enum_value(cfg->nonfinite),
+                groups = c_enum_value(cfg->value_groups);
   KVXFER_REQUIRE(codec >= KVXFER_CODEC_LYNX && codec <= KVXFER_CODEC_SPECTRUM, "unknown codec %d",
                  codec);
   KVXFER_REQUIRE(valid_chunk_tokens(cfg->chunk_tokens), "chunk_tokens %d is not 16, 32, 64 or 128",

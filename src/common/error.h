@@ -5,11 +5,28 @@
 // under KVXFER_DEBUG=INFO, as NCCL does.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer {
+
+/**
+ * The integer a C caller stored in an enum field of a public struct.  C lets
+ * any int be stored there; C++ must not load a value outside the enum's range
+ * as the enum type (undefined behaviour, which UBSan reports), so validation
+ * reads the field's bits.  Compare the result with the enumerators.
+ */
+template <class E>
+inline int32_t c_enum_value(const E& field) {
+  static_assert(std::is_enum<E>::value && sizeof(E) == sizeof(int32_t), "C enums are int-sized");
+  int32_t v;
+  std::memcpy(&v, &field, sizeof v);
+  return v;
+}
 
 /** Records `fmt` as the calling thread's last error and returns `r`. */
 kvxfer_result_t set_error(kvxfer_result_t r, const char* fmt, ...)

@@ -81,9 +81,9 @@ kvxfer_result_t validate_config(const kvxfer_spectrum_config_t* c) {
   KVXFER_REQUIRE(c->sink_tokens >= 0, "config->sink_tokens = %d is negative", c->sink_tokens);
   KVXFER_REQUIRE(std::isfinite(c->lambda) && c->lambda >= 0.0f,
                  "config->lambda = %g must be finite and >= 0", static_cast<double>(c->lambda));
-  KVXFER_REQUIRE(c->variant >= KVXFER_SPECTRUM_GREEDY && c->variant <= KVXFER_SPECTRUM_RANDOM,
-                 "config->variant = %d is not a kvxfer_spectrum_variant_t",
-                 static_cast<int>(c->variant));
+  const int32_t variant = c_enum_value(c->variant);
+  KVXFER_REQUIRE(variant >= KVXFER_SPECTRUM_GREEDY && variant <= KVXFER_SPECTRUM_RANDOM,
+                 "config->variant = %d is not a kvxfer_spectrum_variant_t", variant);
   KVXFER_REQUIRE(c->allow_int4 == 0 || c->allow_int4 == 1, "config->allow_int4 = %d is not 0 or 1",
                  c->allow_int4);
   KVXFER_REQUIRE(c->balance_tokens >= 1, "config->balance_tokens = %d must be >= 1",
