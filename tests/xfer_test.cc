@@ -1314,6 +1314,9 @@ TEST(Xfer, PeerKilledMidTransferGivesErrorWithinTimeout) {
 // (and SIGINT, SIGILL, SIGABRT, SIGBUS, SIGTERM) into "print a backtrace,
 // write a .btr file, exit 1".  A process using kvxfer must die by its signal.
 TEST(Xfer, CrashAfterCommInitDiesBySignal) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's own SIGSEGV handler turns the crash into an exit";
+#endif
   for (int sig : {SIGINT, SIGILL, SIGABRT, SIGBUS, SIGSEGV, SIGTERM}) {
     struct sigaction sa {};
     ASSERT_EQ(sigaction(sig, nullptr, &sa), 0);
@@ -1329,7 +1332,7 @@ TEST(Xfer, CrashAfterCommInitDiesBySignal) {
     if (c == nullptr) return 21;
     rlimit none{0, 0};
     setrlimit(RLIMIT_CORE, &none);  // no core file for an intended crash
-    *static_cast<volatile int*>(nullptr) = 1;
+    raise(SIGSEGV);                 // the crash (a null store would stop at UBSan instead)
     return 22;
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
