@@ -32,6 +32,7 @@ packages=(
   libcli11-dev        # command lines of perf/ and examples/
   nlohmann-json3-dev  # JSON output of perf/
   clang               # libFuzzer targets (KVXFER_BUILD_FUZZ)
+  clang-format        # clang-format 14: .ci/run checks the tree's format (.clang-format)
   libclang-rt-14-dev  # libFuzzer and sanitizer runtimes for clang 14
   libomp-14-dev       # OpenMP for clang 14 (the fuzz build)
   python3
