@@ -68,11 +68,11 @@
 #include <vector>
 
 #include "common/fdio.h"
-#include "model/bpe_tokenizer.h"
-#include "model/chat_template.h"
-#include "model/gguf.h"
-#include "model/llama2.h"
-#include "model/model_paths.h"
+#include "models/bpe_tokenizer.h"
+#include "models/chat_template.h"
+#include "models/gguf.h"
+#include "models/llama2.h"
+#include "models/model_paths.h"
 
 namespace km = kvxfer::model;
 using json = nlohmann::json;

@@ -37,7 +37,7 @@
 #include "codec/codec.h"
 #include "codec/format.h"
 #include "codec/page.h"
-#include "codec/spectrum.h"
+#include "codec/tiered_format.h"
 #include "common/error.h"
 #include "fuzz_input.h"
 

@@ -29,8 +29,8 @@
 #include "common/error.h"
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
-#include "model/llama2.h"
-#include "model/synthetic_kv.h"
+#include "models/llama2.h"
+#include "models/synthetic_kv.h"
 #include "perf/common/harness.h"
 #ifdef KVXFER_CODEC_PERF_GPU
 #include "kvxfer_kernels.h"
@@ -193,7 +193,7 @@ bool make_synth(const Options& o, int64_t T, Dataset* ds, bool k_only = false) {
                     " tokens x %d channels (8 KV heads x 128 head_dim)",
                     spec.seed, spec.key_outlier_pairs, static_cast<double>(spec.key_outlier_ratio),
                     k_only ? "K = 1 page" : "K,V = 2 pages", T, ds->H);
-  ds->info = {{"source", "model/synthetic_kv.h"},
+  ds->info = {{"source", "models/synthetic_kv.h"},
               {"seed", spec.seed},
               {"rope_theta", 500000.0},
               {"layer", 0},

@@ -36,7 +36,7 @@
 //     heads x 8 dims), prefilled on deterministic token sequences; the
 //     queries are the model's own recorded queries at every position.  Pages:
 //     one page per (sequence, layer, K/V) holding all T tokens.
-//   synth: the synthetic Llama-like generator (src/model/synthetic_kv.h; 8 KV
+//   synth: the synthetic Llama-like generator (models/synthetic_kv.h; 8 KV
 //     heads x 128 dims, 100x persistent key outlier channels, Laplacian bulk,
 //     RoPE keys).  There are no real queries, so queries are drawn from the
 //     same generator family: the *keys* of an independent seed with the outlier
@@ -83,11 +83,11 @@
 #include "common/error.h"
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
-#include "model/bpe_tokenizer.h"
-#include "model/chat_template.h"
-#include "model/llama2.h"
-#include "model/model_paths.h"
-#include "model/synthetic_kv.h"
+#include "models/bpe_tokenizer.h"
+#include "models/chat_template.h"
+#include "models/llama2.h"
+#include "models/model_paths.h"
+#include "models/synthetic_kv.h"
 #include "perf/baselines/kv_baselines.h"
 #include "perf/common/harness.h"
 

@@ -44,8 +44,8 @@
 #include "codec/codec_math.h"
 #include "common/fdio.h"
 #include "kvxfer/spectrum.h"
-#include "model/llama2.h"
-#include "model/synthetic_kv.h"
+#include "models/llama2.h"
+#include "models/synthetic_kv.h"
 #include "perf/common/harness.h"
 #include "xfer/engine.h"
 
@@ -234,7 +234,7 @@ class DataSource {
                     std::string* err) const = 0;
 };
 
-/** Llama-3-8B-like synthetic KV (src/model/synthetic_kv.h); request r has seed 1 + r. */
+/** Llama-3-8B-like synthetic KV (models/synthetic_kv.h); request r has seed 1 + r. */
 class SyntheticSource : public DataSource {
  public:
   explicit SyntheticSource(const Shape& s) {
@@ -1928,7 +1928,7 @@ int main(int argc, char** argv) {
                      {"tiling", "token t of request r = real token (t + 97 r) mod real_tokens"}};
   else
     jbase["data"] = {{"source", "synthetic"},
-                     {"generator", "model/synthetic_kv.h"},
+                     {"generator", "models/synthetic_kv.h"},
                      {"seed", "1 + request index"},
                      {"rope_theta", 500000}};
   signal(SIGPIPE, SIG_IGN);

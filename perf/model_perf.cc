@@ -1,4 +1,4 @@
-// model_perf: the speed of the model runner (src/model, docs/MODEL.md) on
+// model_perf: the speed of the model runner (models/, docs/MODEL.md) on
 // SmolLM2-135M-Instruct: prefill, a decode step at a context, and batched
 // verification passes in decode steps, with a memcpy of the weight bytes in
 // the same run as the physical limit of a decode step.
@@ -22,10 +22,10 @@
 #include <string>
 #include <vector>
 
-#include "model/gguf.h"
-#include "model/llama2.h"
-#include "model/model_paths.h"
-#include "model/qmatmul.h"
+#include "models/gguf.h"
+#include "models/llama2.h"
+#include "models/model_paths.h"
+#include "models/qmatmul.h"
 
 namespace km = kvxfer::model;
 

@@ -46,7 +46,7 @@
 //   dPPLseq%  100 (PPLseq_hat / PPLseq - 1) against the full-precision KV
 // Data sets: stories = stories260K prefilled on sampled prompts, importance
 // from its prefill attention mass; synth = the synthetic Llama-like KV
-// (src/model/synthetic_kv.h), importance from the KV-norm fallback;
+// (models/synthetic_kv.h), importance from the KV-norm fallback;
 // smollm2 = SmolLM2-135M-Instruct on the real text data/apache-2.0.txt: the
 // KV of its first P = --text-prompt tokens (default 1024) is transferred, the
 // next --text-steps tokens (1024) of the text are teacher-forced over it (P = 0:
@@ -76,15 +76,15 @@
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
 #include "kvxfer/spectrum.h"
-#include "model/bpe_tokenizer.h"
-#include "model/chat_template.h"
-#include "model/gguf.h"
-#include "model/llama2.h"
-#include "model/model_paths.h"
-#include "model/synthetic_kv.h"
+#include "models/bpe_tokenizer.h"
+#include "models/chat_template.h"
+#include "models/gguf.h"
+#include "models/llama2.h"
+#include "models/model_paths.h"
+#include "models/model_probe.h"
+#include "models/synthetic_kv.h"
 #include "perf/common/harness.h"
-#include "spectrum/model_probe.h"
-#include "spectrum/spectrum_impl.h"
+#include "tiers/spectrum_impl.h"
 
 namespace km = kvxfer::model;
 namespace ks = kvxfer::spectrum;

@@ -1,7 +1,7 @@
-// Tests of the GGUF reader (src/model/gguf.h): a tampered file is refused
+// Tests of the GGUF reader (models/gguf.h): a tampered file is refused
 // naming the field, and the real SmolLM2 file reads to values computed
 // independently by the Python `gguf` package (GGUFReader + quants.dequantize).
-#include "model/gguf.h"
+#include "models/gguf.h"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "model/model_paths.h"
+#include "models/model_paths.h"
 
 namespace gg = kvxfer::model::gguf;
 

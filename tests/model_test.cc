@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "model/llama2.h"
-#include "model/synthetic_kv.h"
+#include "models/llama2.h"
+#include "models/synthetic_kv.h"
 
 namespace km = kvxfer::model;
 
@@ -532,7 +532,7 @@ TEST(SyntheticKV, RejectsBadSpecs) {
 }
 
 // SmolLM2-135M-Instruct (GGUF, Q4_1/Q8_0), fetched by scripts/install-deps.sh.
-#include "model/model_paths.h"
+#include "models/model_paths.h"
 
 namespace {
 

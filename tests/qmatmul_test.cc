@@ -1,7 +1,7 @@
-// Tests of the runner's matrix products (src/model/qmatmul.h): every output
+// Tests of the runner's matrix products (models/qmatmul.h): every output
 // element has the same bits whatever the batch, the tile, the thread count
 // and the CPU path, and equals the lane-ordered definition.
-#include "model/qmatmul.h"
+#include "models/qmatmul.h"
 
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -181,7 +181,7 @@ TEST(QMatmulDequantize, Q4_1AndQ8_0OfAFixedBlock) {
 
 }  // namespace
 
-#include "model/attention_kernels.h"
+#include "models/attention_kernels.h"
 
 namespace {
 

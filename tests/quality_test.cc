@@ -16,7 +16,7 @@
 #include "codec/codec.h"
 #include "codec/page.h"
 #include "kvxfer/kvxfer.h"
-#include "model/llama2.h"
+#include "models/llama2.h"
 #include "smollm2_fixture.h"
 
 namespace km = kvxfer::model;

@@ -9,10 +9,10 @@
 #include <memory>
 #include <string>
 
-#include "model/bpe_tokenizer.h"
-#include "model/chat_template.h"
-#include "model/llama2.h"
-#include "model/model_paths.h"
+#include "models/bpe_tokenizer.h"
+#include "models/chat_template.h"
+#include "models/llama2.h"
+#include "models/model_paths.h"
 
 namespace kvxfer::test {
 

@@ -1,5 +1,5 @@
 // Tests of speculative decoding on anchor KV (include/kvxfer/spec.h,
-// src/spec/): greedy and stochastic verification with their edge cases, a
+// src/speculative/): greedy and stochastic verification with their edge cases, a
 // chi-square test that stochastic verification samples exactly the target
 // distribution, the residual-time estimate, the adaptive window, the
 // acceptance monitor, the latency model, and a greedy speculative decode of
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "common/log.h"
-#include "model/llama2.h"
+#include "models/llama2.h"
 
 namespace km = kvxfer::model;
 

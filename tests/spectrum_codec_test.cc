@@ -15,7 +15,7 @@
 #include <limits>
 #include <random>
 
-#include "codec/spectrum.h"
+#include "codec/tiered_format.h"
 #include "test_util.h"
 
 namespace kvxfer::codec {

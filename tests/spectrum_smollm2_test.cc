@@ -16,9 +16,9 @@
 
 #include "kvxfer/kvxfer.h"
 #include "kvxfer/spectrum.h"
-#include "model/gguf.h"
+#include "models/gguf.h"
+#include "models/model_probe.h"
 #include "smollm2_fixture.h"
-#include "spectrum/model_probe.h"
 
 namespace km = kvxfer::model;
 namespace ks = kvxfer::spectrum;

@@ -1,4 +1,4 @@
-// Tests of the SpectrumKV policy (include/kvxfer/spectrum.h, src/spectrum/):
+// Tests of the SpectrumKV policy (include/kvxfer/spectrum.h, src/tiers/):
 // the budget mapping's exact fractions at the edges, token counts within the
 // budget, the sorted-importance rule (exchange argument and rearrangement
 // optimality on random scores), pinned sinks, the variants, the importance
@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "codec/codec_math.h"
-#include "model/llama2.h"
-#include "spectrum/model_probe.h"
+#include "models/llama2.h"
+#include "models/model_probe.h"
 #include "test_util.h"
 
 namespace km = kvxfer::model;

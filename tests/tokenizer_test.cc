@@ -1,5 +1,5 @@
 // Tests of the byte-level BPE tokenizer and the chat prompt
-// (src/model/bpe_tokenizer.h, src/model/chat_template.h).
+// (models/bpe_tokenizer.h, models/chat_template.h).
 //
 // Two kinds:
 //   * Tokenizer*, ChatTemplate*: a small vocabulary built here, and GGUF
@@ -25,10 +25,10 @@
 #include <thread>
 #include <vector>
 
-#include "model/bpe_tokenizer.h"
-#include "model/chat_template.h"
-#include "model/gguf.h"
-#include "model/model_paths.h"
+#include "models/bpe_tokenizer.h"
+#include "models/chat_template.h"
+#include "models/gguf.h"
+#include "models/model_paths.h"
 
 namespace km = kvxfer::model;
 

@@ -149,7 +149,7 @@ kvxfer_result_t kvxfer_spectrum_tier_counts(const kvxfer_spectrum_config_t* conf
  *   I_j = A_j * exp(-lambda * Delta_j),  Delta_j = num_tokens - 1 - j
  * so the last token has Delta 0.  Rows r are what the runtime aggregates
  * over, typically one per (layer, head), each the attention probability that
- * token j received, summed over the prefill queries (src/model's
+ * token j received, summed over the prefill queries (models/llama2.h's
  * PrefillResult::attention_mass has this layout).  Delta counts tokens to the
  * end of the given range: pass the whole sequence.
  * attention_mass: float32 [num_rows][num_tokens], finite, >= 0 (read only).
@@ -229,7 +229,7 @@ kvxfer_result_t kvxfer_spectrum_assign(const kvxfer_spectrum_config_t* config, i
  * and sets *passed to 1 (the model kept its answer) or 0.
  * Returning a negative result aborts the probe with that result.
  * The paper's trial (and the built-in one on kvxfer's reference runner,
- * probe_niah in src/spectrum/model_probe.h): a needle-in-a-haystack prompt
+ * probe_niah in models/model_probe.h): a needle-in-a-haystack prompt
  * with a passkey hidden at a different depth per trial; passed = the greedy
  * answer over the KV transferred under `config` contains the passkey.
  * `config` is owned by the probe and valid during the call only; user_data

@@ -93,7 +93,7 @@ inline unsigned tier_at(const uint8_t* map, uint64_t t) {
  * SPECTRUM pages: meta_bytes = tier counts + precision map + metadata;
  * anchor_codes = fp16 high bytes + int8-tier anchors + int4-tier codes (or the
  * raw values); residual_codes = tier counts + fp16 low bytes + int8-tier
- * residuals (spectrum_parts in codec/spectrum.h has each part).
+ * residuals (spectrum_parts in codec/tiered_format.h has each part).
  */
 struct PayloadSizes {
   uint64_t meta_bytes = 0;      // anchor section: per-(chunk, channel) metadata

@@ -9,7 +9,7 @@
 
 #include "codec/codec.h"
 #include "codec/driver.h"
-#include "codec/spectrum.h"
+#include "codec/tiered_format.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"

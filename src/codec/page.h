@@ -243,7 +243,7 @@ kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* r
                             const kvxfer_page_layout_t* dst, DecodePlan* plan);
 /**
  * plan_decode for every codec, SPECTRUM included (its checks:
- * plan_spectrum in codec/spectrum.h).  threads != 1 verifies the two
+ * plan_spectrum in codec/tiered_format.h).  threads != 1 verifies the two
  * checksums of a page of 1 MiB or more on two threads.  For a SPECTRUM page plan->cb is the
  * INT8 tier's codebook (nullptr for a raw page).
  */

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "common/error.h"
-#include "spec/spec_impl.h"
+#include "speculative/spec_impl.h"
 
 namespace kvxfer::spec {
 

@@ -1,14 +1,14 @@
 // Scalar definition of the attention kernel; see attention_kernels.h.
 // Built with -ffp-contract=off: every operation is the one written, and
 // attention_avx2.cc performs the same operations on 8 lanes.
-#include "model/attention_kernels.h"
+#include "models/attention_kernels.h"
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "model/lanes.h"
-#include "model/qmatmul.h"
+#include "models/lanes.h"
+#include "models/qmatmul.h"
 
 namespace kvxfer::model::detail {
 float present_sum(const float* e, const Segment* segs, int n_segs, int n_keys) {

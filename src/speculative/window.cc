@@ -8,7 +8,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
-#include "spec/spec_impl.h"
+#include "speculative/spec_impl.h"
 
 namespace kvxfer::spec {
 

@@ -8,8 +8,8 @@
 
 #include <cstring>
 
-#include "model/lanes.h"
-#include "model/qmatmul.h"
+#include "models/lanes.h"
+#include "models/qmatmul.h"
 
 namespace kvxfer::model::detail {
 namespace {

@@ -1,4 +1,4 @@
-#include "model/bpe_tokenizer.h"
+#include "models/bpe_tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -8,7 +8,7 @@
 #include <queue>
 #include <utility>
 
-#include "model/gguf.h"
+#include "models/gguf.h"
 
 namespace kvxfer::model {
 

@@ -6,7 +6,7 @@
 //   padding to general.alignment (default 32), then the data section.
 // A string is uint64 length + bytes; an array is uint32 type + uint64 count +
 // elements.  Everything is little-endian.
-#include "model/gguf.h"
+#include "models/gguf.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -21,7 +21,7 @@
 #include <utility>
 
 #include "codec/codec_math.h"
-#include "model/qmatmul.h"
+#include "models/qmatmul.h"
 
 namespace kvxfer::model::gguf {
 

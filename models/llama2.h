@@ -44,7 +44,7 @@
 #include <string>
 #include <vector>
 
-#include "model/qmatmul.h"
+#include "models/qmatmul.h"
 
 namespace kvxfer::model {
 

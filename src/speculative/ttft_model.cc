@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "common/error.h"
-#include "spec/spec_impl.h"
+#include "speculative/spec_impl.h"
 
 namespace kvxfer::spec {
 

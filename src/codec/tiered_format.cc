@@ -3,7 +3,7 @@
 // (OpenMP) when every token starts on a byte boundary of its streams; the
 // quantizers are the INT8 and INT4 codebooks (codebook.h), the normalisation
 // and conversions codec_math.h.
-#include "codec/spectrum.h"
+#include "codec/tiered_format.h"
 
 #include <omp.h>
 

@@ -2,7 +2,7 @@
 // "INT4 tolerance probe"): the paper's (arXiv:2606.08635) three aggressive
 // trials under the 3-tier policy, INT4 allowed when at least 2 pass.
 #include "common/error.h"
-#include "spectrum/spectrum_impl.h"
+#include "tiers/spectrum_impl.h"
 
 namespace kvxfer::spectrum {
 

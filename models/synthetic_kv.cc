@@ -1,5 +1,5 @@
 // Synthetic KV generator; see synthetic_kv.h for the exact definition.
-#include "model/synthetic_kv.h"
+#include "models/synthetic_kv.h"
 
 #include <algorithm>
 #include <cmath>

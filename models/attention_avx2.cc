@@ -7,8 +7,8 @@
 #include <cmath>
 #include <vector>
 
-#include "model/attention_kernels.h"
-#include "model/lanes.h"
+#include "models/attention_kernels.h"
+#include "models/lanes.h"
 
 namespace kvxfer::model::detail {
 namespace {

@@ -1,7 +1,7 @@
 // Quantized matrix products: dispatch, the scalar emulation and the F32
 // path; see qmatmul.h.  Built with -ffp-contract=off (CMakeLists.txt), so
 // every float operation here is the one written.
-#include "model/qmatmul.h"
+#include "models/qmatmul.h"
 
 #include <cmath>
 #include <cstdint>
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "codec/codec_math.h"
-#include "model/lanes.h"
+#include "models/lanes.h"
 
 namespace kvxfer::model {
 namespace {

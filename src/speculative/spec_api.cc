@@ -3,7 +3,7 @@
 // into results; KVXFER_SPEC_MIN_ACCEPT, whose syntax params.def cannot
 // express, is checked here for every kvxfer_spec_* call.
 #include "api/api_call.h"
-#include "spec/spec_impl.h"
+#include "speculative/spec_impl.h"
 
 namespace {
 

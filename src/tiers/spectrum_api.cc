@@ -2,7 +2,7 @@
 // api_call (api/api_call.h), which checks the KVXFER_* environment and turns
 // exceptions into results.
 #include "api/api_call.h"
-#include "spectrum/spectrum_impl.h"
+#include "tiers/spectrum_impl.h"
 
 namespace ks = kvxfer::spectrum;
 

@@ -1,8 +1,8 @@
-#include "model/chat_template.h"
+#include "models/chat_template.h"
 
 #include <utility>
 
-#include "model/gguf.h"
+#include "models/gguf.h"
 
 namespace kvxfer::model {
 

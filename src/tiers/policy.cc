@@ -11,7 +11,7 @@
 
 #include "codec/page.h"
 #include "common/error.h"
-#include "spectrum/spectrum_impl.h"
+#include "tiers/spectrum_impl.h"
 
 namespace kvxfer::spectrum {
 namespace {

@@ -1,5 +1,5 @@
 // SpectrumKV on the reference model runner; see model_probe.h.
-#include "spectrum/model_probe.h"
+#include "models/model_probe.h"
 
 #include <algorithm>
 #include <cmath>

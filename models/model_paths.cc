@@ -1,4 +1,4 @@
-#include "model/model_paths.h"
+#include "models/model_paths.h"
 
 #include <cstdlib>
 

@@ -1,7 +1,7 @@
 // Reference llama2.c runner; see llama2.h.  The arithmetic follows
 // karpathy/llama2.c run.c operation by operation (float32, same summation
 // order), batched over tokens.
-#include "model/llama2.h"
+#include "models/llama2.h"
 
 #include <cmath>
 #include <cstdint>
@@ -11,8 +11,8 @@
 #include <new>
 #include <sstream>
 
-#include "model/attention_kernels.h"
-#include "model/gguf.h"
+#include "models/attention_kernels.h"
+#include "models/gguf.h"
 
 namespace kvxfer::model {
 namespace {
