@@ -633,6 +633,13 @@ TEST(PageCodecBadInput, EncodeArgumentsCheckedBeforeAnyOutput) {
   EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), a.size(), &al, r.data(), r.size(), &rl),
             KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(last_error()).find("overflows"), std::string::npos) << last_error();
+  // A C caller may store any int in the enum field; it is refused, not loaded
+  // as the enum (undefined behaviour, which the UBSan build would report).
+  id.token_begin = 0;
+  id.kind = static_cast<kvxfer_kv_kind_t>(7);
+  EXPECT_EQ(encode_page(&cfg, &id, &src.layout, a.data(), a.size(), &al, r.data(), r.size(), &rl),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(last_error()).find("bad K/V kind 7"), std::string::npos) << last_error();
 }
 
 TEST(PageCodecBadInput, InvalidConfigs) {

@@ -420,6 +420,9 @@ TEST(Xfer, CallbacksInOrderAndPerLayerWaits) {
   EXPECT_EQ(kvxfer_wait_layer(req, 0, KVXFER_STAGE_COMPLETE, 50), KVXFER_IN_PROGRESS);
   EXPECT_EQ(kvxfer_wait_layer(req, s.L, KVXFER_STAGE_COMPLETE, 50), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_POSTED, 50), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_wait(req, static_cast<kvxfer_stage_t>(9), 50), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("not 9"), std::string::npos)
+      << kvxfer_get_last_error();
   xfer::testing_pause_residuals(false);
   for (int32_t l = 0; l < s.L; ++l)
     ASSERT_EQ(kvxfer_wait_layer(req, l, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS) << l;
@@ -854,6 +857,13 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
         << kvxfer_get_last_error();
     EXPECT_EQ(req, nullptr);
   };
+  // A mode no enumerator names (a C caller may store any int there).
+  kvxfer_request_config_t bad_mode = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  bad_mode.mode = static_cast<kvxfer_mode_t>(7);
+  EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &bad_mode, &req), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("mode 7 is not"), std::string::npos)
+      << kvxfer_get_last_error();
+  EXPECT_EQ(req, nullptr);
   kvxfer_kv_desc_t d = kv.desc;
   d.num_blocks = 2;
   expect_bad(d, "cannot hold 40 tokens");

@@ -277,8 +277,8 @@ kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
   if (residual_len != nullptr) *residual_len = 0;
   KVXFER_CHECK(validate_config(cfg));
   KVXFER_REQUIRE(id != nullptr, "page id is NULL");
-  KVXFER_REQUIRE(id->kind == KVXFER_KV_KEY || id->kind == KVXFER_KV_VALUE, "bad K/V kind %d",
-                 static_cast<int>(id->kind));
+  const int32_t kind = c_enum_value(id->kind);
+  KVXFER_REQUIRE(kind == KVXFER_KV_KEY || kind == KVXFER_KV_VALUE, "bad K/V kind %d", kind);
   KVXFER_REQUIRE(id->token_begin >= 0, "negative token_begin %" PRId64, id->token_begin);
   KVXFER_REQUIRE(
       anchor != nullptr && residual != nullptr && anchor_len != nullptr && residual_len != nullptr,

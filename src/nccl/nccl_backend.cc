@@ -866,10 +866,10 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
                        index);
     const kvxfer_result_t v = codec::validate_config(&cc);
     if (v < 0) return set_error(v, "op %d: %s", index, last_error());
-    KVXFER_REQUIRE(op->mode == KVXFER_MODE_AUTO || op->mode == KVXFER_MODE_PROGRESSIVE ||
-                       op->mode == KVXFER_MODE_MONOLITHIC,
-                   "op %d: mode %d is not AUTO, PROGRESSIVE or MONOLITHIC", index,
-                   static_cast<int>(op->mode));
+    const int32_t op_mode = c_enum_value(op->mode);
+    KVXFER_REQUIRE(op_mode == KVXFER_MODE_AUTO || op_mode == KVXFER_MODE_PROGRESSIVE ||
+                       op_mode == KVXFER_MODE_MONOLITHIC,
+                   "op %d: mode %d is not AUTO, PROGRESSIVE or MONOLITHIC", index, op_mode);
     const kvxfer_mode_t mode = xfer::resolve_mode(op->mode, cc);
     KVXFER_REQUIRE(!(mode == KVXFER_MODE_PROGRESSIVE && cc.codec == KVXFER_CODEC_BF16),
                    "op %d: BF16 passthrough has no residual: use MONOLITHIC or AUTO mode", index);

@@ -86,9 +86,9 @@ kvxfer_result_t request_test(const Request& r, int32_t layer, kvxfer_stage_t* st
 
 kvxfer_result_t request_wait(Request& r, int32_t layer, kvxfer_stage_t stage, int timeout_ms) {
   KVXFER_CHECK(check_layer(r, layer));
-  KVXFER_REQUIRE(stage == KVXFER_STAGE_ANCHOR_READY || stage == KVXFER_STAGE_COMPLETE,
-                 "kvxfer_wait: stage must be ANCHOR_READY or COMPLETE, not %d",
-                 static_cast<int>(stage));
+  const int32_t want = c_enum_value(stage);
+  KVXFER_REQUIRE(want == KVXFER_STAGE_ANCHOR_READY || want == KVXFER_STAGE_COMPLETE,
+                 "kvxfer_wait: stage must be ANCHOR_READY or COMPLETE, not %d", want);
   std::unique_lock<std::mutex> lk(r.mu);
   auto reached = [&] {
     const kvxfer_stage_t s = stage_of(r, layer);
@@ -350,9 +350,10 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                    cfg->version, KVXFER_VERSION_CODE);
     rc = *cfg;
   }
-  KVXFER_REQUIRE(rc.mode == KVXFER_MODE_AUTO || rc.mode == KVXFER_MODE_PROGRESSIVE ||
-                     rc.mode == KVXFER_MODE_MONOLITHIC,
-                 "mode %d is not AUTO, PROGRESSIVE or MONOLITHIC", static_cast<int>(rc.mode));
+  const int32_t mode = c_enum_value(rc.mode);
+  KVXFER_REQUIRE(
+      mode == KVXFER_MODE_AUTO || mode == KVXFER_MODE_PROGRESSIVE || mode == KVXFER_MODE_MONOLITHIC,
+      "mode %d is not AUTO, PROGRESSIVE or MONOLITHIC", mode);
   KVXFER_REQUIRE(rc.page_tokens >= 0, "page_tokens %d is negative", rc.page_tokens);
 
   auto r = std::make_shared<Request>();
