@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/rate.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::params {
@@ -26,16 +27,7 @@ kvxfer_result_t validate();
 // for malformed text; never throw.
 bool parse_int(const char* text, int64_t lo, int64_t hi, int64_t* out, std::string* why);
 bool parse_enum(const char* text, const char* choices, std::string* out, std::string* why);
-/**
- * Parses a rate in the dialect of tc(8): a decimal number, an optional SI
- * (k, m, g, t: powers of 1000) or IEC (ki, mi, gi, ti: powers of 1024) prefix
- * and a mandatory unit: "bit" (bits per second) or "bps" (BYTES per second, as
- * in tc).  Case-insensitive, no spaces: "25gbit", "500mbit", "1.5gbit",
- * "100mibps".  The empty string means "no limit" (*bytes_per_sec = 0).
- * Anything else (a bare number, an unknown unit, junk, zero, negative, NaN,
- * overflow) returns false with the reason in *why.
- */
-bool parse_rate(const std::string& text, double* bytes_per_sec, std::string* why);
+// parse_rate (common/rate.h) is the grammar of KVXFER_RATE_LIMIT.
 /** A number in [0, 1] (KVXFER_SPEC_MIN_ACCEPT).  False with *why if not. */
 bool parse_unit_interval(const std::string& text, double* out, std::string* why);
 
