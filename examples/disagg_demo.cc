@@ -68,6 +68,7 @@
 #include <vector>
 
 #include "common/fdio.h"
+#include "common/rate.h"
 #include "models/bpe_tokenizer.h"
 #include "models/chat_template.h"
 #include "models/gguf.h"
@@ -119,37 +120,13 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/** A link rate in tc syntax ("50mbit", "1.5gbit", "10mbps" = bytes/s), the grammar of
- *  KVXFER_RATE_LIMIT (docs/ENV.md): the unit is required. */
-bool parse_rate(const std::string& text, double* bytes_per_s) {
-  size_t i = 0;
-  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))
-    ++i;
-  if (i == 0) return false;
-  char* end = nullptr;
-  const double v = std::strtod(text.substr(0, i).c_str(), &end);
-  if (!(v > 0) || !std::isfinite(v)) return false;
-  std::string unit = text.substr(i);
-  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  double scale = 1;
-  const std::pair<const char*, double> prefixes[] = {
-      {"ki", 1024.0}, {"mi", 1048576.0}, {"gi", 1073741824.0}, {"k", 1e3}, {"m", 1e6}, {"g", 1e9}};
-  for (const auto& p : prefixes) {
-    const size_t n = std::strlen(p.first);
-    if (unit.size() == n + 3 && unit.compare(0, n, p.first) == 0) {
-      scale = p.second;
-      unit = unit.substr(n);
-      break;
-    }
-  }
-  if (unit == "bit") {
-    *bytes_per_s = v * scale / 8;
-  } else if (unit == "bps") {
-    *bytes_per_s = v * scale;
-  } else {
-    return false;
-  }
-  return true;
+/** A link rate in tc syntax ("50mbit", "1.5gbit", "10mbps" = bytes/s), parsed by the one parser
+ *  of KVXFER_RATE_LIMIT (common/rate.h).  Empty (no limit) is refused: the demo needs a link. */
+bool parse_link_rate(const std::string& text, double* bytes_per_s, std::string* why) {
+  if (!kvxfer::params::parse_rate(text, bytes_per_s, why)) return false;
+  if (*bytes_per_s > 0) return true;
+  *why = "is empty";
+  return false;
 }
 
 std::string rate_text(double bytes_per_s) {
@@ -1197,7 +1174,9 @@ int main(int argc, char** argv) {
     if (app.count("--rate") == 0 && !gguf_model) o.rate = "20mbit";
   }
   double main_rate = 0;
-  if (!parse_rate(o.rate, &main_rate)) die("bad rate '%s'", o.rate.c_str());
+  std::string why;
+  if (!parse_link_rate(o.rate, &main_rate, &why))
+    die("bad rate '%s': %s", o.rate.c_str(), why.c_str());
   std::vector<int> given;
   if (!o.prompt_ids.empty()) {
     size_t at = 0;
@@ -1257,7 +1236,7 @@ int main(int argc, char** argv) {
   if (!o.no_sweep) {
     for (const std::string& r : o.sweep_rates) {
       double b = 0;
-      if (!parse_rate(r, &b)) die("bad sweep rate '%s'", r.c_str());
+      if (!parse_link_rate(r, &b, &why)) die("bad sweep rate '%s': %s", r.c_str(), why.c_str());
       points.insert({b, text_mode ? 0 : o.prompt_len});
     }
     if (!text_mode)
@@ -1265,7 +1244,8 @@ int main(int argc, char** argv) {
   }
   if (text_mode && !text.sets[1].empty()) {
     double b = 0;
-    if (!parse_rate(o.long_rate, &b)) die("bad --long_rate '%s'", o.long_rate.c_str());
+    if (!parse_link_rate(o.long_rate, &b, &why))
+      die("bad --long_rate '%s': %s", o.long_rate.c_str(), why.c_str());
     points.insert({b, 1});
   }
   int max_len = 0;

@@ -40,9 +40,8 @@ ClassPresets TcMap::presets_from_params() {
   ClassPresets p;
   p.anchor_dscp = static_cast<int>(params::AnchorDscp());
   p.residual_dscp = static_cast<int>(params::ResidualDscp());
-  // params.def restricts both names to the table tclass_from_name knows.
-  (void)transport::tclass_from_name(params::AnchorTc(), p.anchor_dscp, &p.anchor_tclass);
-  (void)transport::tclass_from_name(params::ResidualTc(), p.residual_dscp, &p.residual_tclass);
+  p.anchor_tclass = transport::tclass_value(params::AnchorTc(), p.anchor_dscp);
+  p.residual_tclass = transport::tclass_value(params::ResidualTc(), p.residual_dscp);
   return p;
 }
 
@@ -99,8 +98,7 @@ bool TcMap::parse(const std::string& text, const ClassPresets& presets, TcMap* o
       }
       if (!transport::tclass_from_name(tc, dscp < 0 ? 0 : static_cast<int>(dscp), &cs.tclass)) {
         *why = "has an unknown traffic class '" + tc + "' in '" + entry +
-               "' (allowed: anchor, residual, UNSPEC, DSCP, LABEL, BEST_EFFORT, LOW_LATENCY, "
-               "DEDICATED_ACCESS, BULK_DATA, SCAVENGER, NETWORK_CTRL)";
+               "' (allowed: anchor, residual, " + params::choices_text<params::Tclass>(", ") + ")";
         return false;
       }
       cs.dscp = static_cast<int>(dscp);

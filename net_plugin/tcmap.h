@@ -7,8 +7,8 @@
 //   key    = an integer >= -1 (the NCCL trafficClass; -1 = not set), or * (any
 //            class without its own entry)
 //   value  = anchor | residual | TC[/DSCP]
-//   TC     = a KVXFER_*_TC name: UNSPEC, DSCP, LABEL, BEST_EFFORT, LOW_LATENCY,
-//            DEDICATED_ACCESS, BULK_DATA, SCAVENGER, NETWORK_CTRL
+//   TC     = a KVXFER_*_TC name (KVXFER_TRAFFIC_CLASSES in common/params.h:
+//            UNSPEC, ..., NETWORK_CTRL)
 //   DSCP   = 0..63: mark the sockets with it; omitted = leave them unmarked.
 //            TC "DSCP" requires it and means FI_TC_DSCP | DSCP.
 //

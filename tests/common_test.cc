@@ -122,32 +122,85 @@ TEST(ParseInt, Empty) {
 // params::parse_enum
 // ---------------------------------------------------------------------------
 
-constexpr const char* kImpls = "auto|avx2|scalar|reference";
+using params::CodecPath;
+using params::Tclass;
 
 TEST(ParseEnum, ExactMatchEveryPosition) {
-  for (const char* c : {"auto", "avx2", "scalar", "reference"}) {
-    std::string out, why;
-    ASSERT_TRUE(params::parse_enum(c, kImpls, &out, &why)) << c;
-    EXPECT_EQ(out, c);
+  const std::pair<const char*, CodecPath> cases[] = {{"auto", CodecPath::kAuto},
+                                                     {"avx2", CodecPath::kAvx2},
+                                                     {"scalar", CodecPath::kScalar},
+                                                     {"reference", CodecPath::kReference}};
+  for (const auto& c : cases) {
+    CodecPath out = CodecPath::kAuto;
+    std::string why;
+    ASSERT_TRUE(params::parse_enum(c.first, &out, &why)) << c.first;
+    EXPECT_EQ(out, c.second) << c.first;
+    EXPECT_STREQ(params::name_of(out), c.first);
   }
 }
 
-TEST(ParseEnum, CaseInsensitiveReturnsCanonicalSpelling) {
-  std::string out, why;
-  ASSERT_TRUE(params::parse_enum("AVX2", kImpls, &out, &why));
-  EXPECT_EQ(out, "avx2");
-  ASSERT_TRUE(params::parse_enum("ReFeReNcE", kImpls, &out, &why));
-  EXPECT_EQ(out, "reference");
-  ASSERT_TRUE(params::parse_enum("info", "NONE|VERSION|WARN|INFO|TRACE", &out, &why));
-  EXPECT_EQ(out, "INFO");
+TEST(ParseEnum, CaseInsensitiveReturnsTypedValue) {
+  CodecPath path = CodecPath::kAuto;
+  std::string why;
+  ASSERT_TRUE(params::parse_enum("AVX2", &path, &why));
+  EXPECT_EQ(path, CodecPath::kAvx2);
+  ASSERT_TRUE(params::parse_enum("ReFeReNcE", &path, &why));
+  EXPECT_EQ(path, CodecPath::kReference);
+  LogLevel level = LOG_NONE;
+  ASSERT_TRUE(params::parse_enum("info", &level, &why));
+  EXPECT_EQ(level, LOG_INFO);
+  ASSERT_TRUE(params::parse_enum("trace", &level, &why));
+  EXPECT_EQ(level, LOG_TRACE);  // 5: the list maps names to values, not to positions
+  Tclass tc = Tclass::kUnspec;
+  ASSERT_TRUE(params::parse_enum("bulk_data", &tc, &why));
+  EXPECT_EQ(tc, Tclass::kBulkData);
+  EXPECT_STREQ(params::name_of(tc), "BULK_DATA");
 }
 
 TEST(ParseEnum, Unknown) {
   for (const char* text : {"sse", "", "av", "avx2 ", " avx2", "auto|avx2", "avx512"}) {
-    std::string out = "untouched", why;
-    EXPECT_FALSE(params::parse_enum(text, kImpls, &out, &why)) << "'" << text << "'";
+    CodecPath out = CodecPath::kScalar;
+    std::string why;
+    EXPECT_FALSE(params::parse_enum(text, &out, &why)) << "'" << text << "'";
     EXPECT_EQ(why, "is not one of auto|avx2|scalar|reference") << "'" << text << "'";
-    EXPECT_EQ(out, "untouched") << "'" << text << "'";
+    EXPECT_EQ(out, CodecPath::kScalar) << "'" << text << "'";
+  }
+}
+
+TEST(ParseEnum, ChoicesListedOnce) {
+  EXPECT_EQ(params::choices_text<LogLevel>(), "NONE|VERSION|WARN|INFO|TRACE");
+  EXPECT_EQ(params::choices_text<Tclass>(", "),
+            "UNSPEC, DSCP, LABEL, BEST_EFFORT, LOW_LATENCY, DEDICATED_ACCESS, BULK_DATA, "
+            "SCAVENGER, NETWORK_CTRL");
+  EXPECT_STREQ(params::name_of(static_cast<LogLevel>(4)), "");  // not a listed value
+}
+
+// ---------------------------------------------------------------------------
+// params::parse_float
+// ---------------------------------------------------------------------------
+
+TEST(ParseFloat, InRange) {
+  const std::pair<const char*, double> cases[] = {{"0", 0.0},    {"1", 1.0},    {"0.5", 0.5},
+                                                  {".25", 0.25}, {"1e-1", 0.1}, {"+0.75", 0.75}};
+  for (const auto& c : cases) {
+    double v = -1;
+    std::string why;
+    ASSERT_TRUE(params::parse_float(c.first, 0.0, 1.0, &v, &why)) << c.first << " " << why;
+    EXPECT_EQ(v, c.second) << c.first;
+  }
+}
+
+TEST(ParseFloat, Malformed) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"", "is empty"},           {"half", "is not a number"},  {"0.5x", "is not a number"},
+      {"nan", "is not a number"}, {"inf", "is not a number"},   {"1e999", "is not a number"},
+      {"2", "is outside [0, 1]"}, {"-0.1", "is outside [0, 1]"}};
+  for (const auto& c : cases) {
+    double v = 7;
+    std::string why;
+    EXPECT_FALSE(params::parse_float(c.first, 0.0, 1.0, &v, &why)) << "'" << c.first << "'";
+    EXPECT_EQ(why, c.second) << "'" << c.first << "'";
+    EXPECT_EQ(v, 7) << "'" << c.first << "'";
   }
 }
 
@@ -291,14 +344,29 @@ TEST(Params, DeclaredDefaultsAreValid) {
     EXPECT_STRNE(doc, "") << env;                         \
     EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env; \
   }
-#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc)                           \
-  {                                                                               \
-    ++n;                                                                          \
-    std::string v, why;                                                           \
-    EXPECT_TRUE(params::parse_enum(def, choices, &v, &why)) << env << " " << why; \
-    EXPECT_EQ(v, def) << env << ": default must use the canonical spelling";      \
-    EXPECT_STRNE(doc, "") << env;                                                 \
-    EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env;                         \
+#define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc)   \
+  {                                                       \
+    ++n;                                                  \
+    EXPECT_LE(lo, def) << env;                            \
+    EXPECT_LE(def, hi) << env;                            \
+    EXPECT_STRNE(doc, "") << env;                         \
+    EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env; \
+  }
+#define KVXFER_PARAM_RATE(Name, env, def, doc)                           \
+  {                                                                      \
+    ++n;                                                                 \
+    double v = 0;                                                        \
+    std::string why;                                                     \
+    EXPECT_TRUE(params::parse_rate(def, &v, &why)) << env << " " << why; \
+    EXPECT_STRNE(doc, "") << env;                                        \
+    EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env;                \
+  }
+#define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc)                        \
+  {                                                                                  \
+    ++n;                                                                             \
+    EXPECT_LT(params::choice_index(Type::def), params::Choices<Type>::count) << env; \
+    EXPECT_STRNE(doc, "") << env;                                                    \
+    EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env;                            \
   }
 #define KVXFER_PARAM_STRING(Name, env, def, doc)          \
   {                                                       \
@@ -306,8 +374,12 @@ TEST(Params, DeclaredDefaultsAreValid) {
     EXPECT_STRNE(doc, "") << env;                         \
     EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env; \
   }
+#define KVXFER_PARAM_SECTION(title, doc)
 #include "common/params.def"
+#undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_FLOAT
+#undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
 #undef KVXFER_PARAM_STRING
   EXPECT_GT(n, 0);
@@ -344,11 +416,18 @@ TEST(Params, DocumentedInParametersMd) {
     const std::string want = def.empty() ? "Default: (empty)" : "Default: `" + def + "`";
     EXPECT_NE(section.find(want), std::string::npos) << env << ": its section must say " << want;
   };
+#define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) documented(env, std::to_string(def));
-#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc) documented(env, def);
+#define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) documented(env, strprintf("%g", def));
+#define KVXFER_PARAM_RATE(Name, env, def, doc) documented(env, def);
+#define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) \
+  documented(env, params::name_of(Type::def));
 #define KVXFER_PARAM_STRING(Name, env, def, doc) documented(env, def);
 #include "common/params.def"
+#undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_FLOAT
+#undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
 #undef KVXFER_PARAM_STRING
 }
@@ -408,6 +487,49 @@ TEST_F(Environment, MalformedRateFailsEveryCall) {
               "KVXFER_RATE_LIMIT='25gb'");
 }
 
+TEST_F(Environment, MalformedFloatFailsEveryCall) {
+  EXPECT_EXIT(ExpectMalformed("KVXFER_SPEC_MIN_ACCEPT", "half"), ::testing::ExitedWithCode(0),
+              "KVXFER_SPEC_MIN_ACCEPT='half' is not a number");
+  EXPECT_EXIT(ExpectMalformed("KVXFER_SPEC_MIN_ACCEPT", "2"), ::testing::ExitedWithCode(0),
+              "KVXFER_SPEC_MIN_ACCEPT='2' is outside \\[0, 1\\]");
+}
+
+TEST_F(Environment, MalformedTrafficClassFailsEveryCall) {
+  EXPECT_EXIT(ExpectMalformed("KVXFER_RESIDUAL_TC", "FAST"), ::testing::ExitedWithCode(0),
+              "KVXFER_RESIDUAL_TC='FAST' is not one of UNSPEC\\|DSCP\\|");
+}
+
+// Callers get typed values: bytes/s, a number, enumerators; parsed once, here.
+TEST_F(Environment, TypedValues) {
+  EXPECT_EXIT(
+      {
+        setenv("KVXFER_RATE_LIMIT", "8mbit", 1);
+        setenv("KVXFER_SPEC_MIN_ACCEPT", "0.25", 1);
+        setenv("KVXFER_ANCHOR_TC", "scavenger", 1);
+        int version = 0;
+        kvxfer_result_t r = kvxfer_get_version(&version);
+        std::fprintf(stderr, "result %d: %s\n", static_cast<int>(r), kvxfer_get_last_error());
+        std::_Exit(r == KVXFER_SUCCESS && params::RateLimit() == 1e6 &&
+                           params::SpecMinAccept() == 0.25 &&
+                           params::AnchorTc() == Tclass::kScavenger &&
+                           params::ResidualTc() == Tclass::kBulkData &&
+                           params::CodecImpl() == CodecPath::kAuto && params::Debug() == LOG_WARN
+                       ? 0
+                       : 1);
+      },
+      ::testing::ExitedWithCode(0), "result 0");
+  EXPECT_EXIT(
+      {
+        int version = 0;
+        kvxfer_result_t r = kvxfer_get_version(&version);
+        std::fprintf(stderr, "result %d\n", static_cast<int>(r));
+        std::_Exit(r == KVXFER_SUCCESS && params::RateLimit() == 0 && params::SpecMinAccept() == 0.5
+                       ? 0
+                       : 1);
+      },
+      ::testing::ExitedWithCode(0), "result 0");
+}
+
 TEST_F(Environment, WellFormedValuesAreAccepted) {
   EXPECT_EXIT(
       {
@@ -419,7 +541,7 @@ TEST_F(Environment, WellFormedValuesAreAccepted) {
         kvxfer_result_t r = kvxfer_get_version(&version);
         std::fprintf(stderr, "result %d: %s\n", static_cast<int>(r), kvxfer_get_last_error());
         std::_Exit(r == KVXFER_SUCCESS && params::CodecThreads() == 2 &&
-                           params::CodecImpl() == "scalar" && params::Debug() == "NONE"
+                           params::CodecImpl() == CodecPath::kScalar && params::Debug() == LOG_NONE
                        ? 0
                        : 1);
       },

@@ -152,14 +152,24 @@ MachineInfo machine_info() {
 
 std::vector<Setting> kvxfer_settings() {
   std::vector<Setting> out;
+  // A rate is shown as written ("25gbit"), the other kinds as parsed.
+#define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) \
   out.push_back({env, std::to_string(params::Name()), std::getenv(env) != nullptr});
-#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc) \
-  out.push_back({env, params::Name(), std::getenv(env) != nullptr});
+#define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) \
+  out.push_back({env, strprintf("%g", params::Name()), std::getenv(env) != nullptr});
+#define KVXFER_PARAM_RATE(Name, env, def, doc) \
+  out.push_back(                               \
+      {env, std::getenv(env) != nullptr ? std::getenv(env) : def, std::getenv(env) != nullptr});
+#define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) \
+  out.push_back({env, params::name_of(params::Name()), std::getenv(env) != nullptr});
 #define KVXFER_PARAM_STRING(Name, env, def, doc) \
   out.push_back({env, params::Name(), std::getenv(env) != nullptr});
 #include "common/params.def"
+#undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_FLOAT
+#undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
 #undef KVXFER_PARAM_STRING
   return out;

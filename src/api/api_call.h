@@ -19,7 +19,7 @@ namespace kvxfer {
 inline void log_version_once() {
   static std::once_flag once;
   std::call_once(once, [] {
-    const LogLevel lvl = params::Debug() == "VERSION" ? LOG_VERSION : LOG_INFO;
+    const LogLevel lvl = params::Debug() == LOG_VERSION ? LOG_VERSION : LOG_INFO;
     KVXFER_LOG_AT_(lvl, LOG_INIT, "kvxfer %d.%d.%d", KVXFER_MAJOR, KVXFER_MINOR, KVXFER_PATCH);
   });
 }

@@ -113,11 +113,12 @@ bool find_nonfinite(const Layout& src, int64_t T, int32_t H, int64_t* t, int32_t
 kvxfer_result_t resolve_impl(Impl requested, Impl* out) {
   Impl impl = requested;
   if (impl == Impl::AUTO) {
-    const std::string& p = params::CodecImpl();
-    impl = p == "reference" ? Impl::REFERENCE
-           : p == "scalar"  ? Impl::SCALAR
-           : p == "avx2"    ? Impl::AVX2
-                            : Impl::AUTO;
+    switch (params::CodecImpl()) {
+      case params::CodecPath::kAuto: impl = Impl::AUTO; break;
+      case params::CodecPath::kAvx2: impl = Impl::AVX2; break;
+      case params::CodecPath::kScalar: impl = Impl::SCALAR; break;
+      case params::CodecPath::kReference: impl = Impl::REFERENCE; break;
+    }
     if (impl == Impl::AUTO) impl = fast::cpu_has_avx2() ? Impl::AVX2 : Impl::SCALAR;
   }
   if (impl == Impl::AVX2 && !fast::cpu_has_avx2())

@@ -60,17 +60,7 @@ std::atomic<LogSink> g_sink{nullptr};
 LogState& state() {
   static LogState* s = [] {
     auto* st = new LogState();  // intentionally leaked: usable during exit
-    const std::string& lvl = params::Debug();
-    if (lvl == "NONE")
-      st->level = LOG_NONE;
-    else if (lvl == "VERSION")
-      st->level = LOG_VERSION;
-    else if (lvl == "WARN")
-      st->level = LOG_WARN;
-    else if (lvl == "INFO")
-      st->level = LOG_INFO;
-    else if (lvl == "TRACE")
-      st->level = LOG_TRACE;
+    st->level = params::Debug();
     std::string why;
     if (!parse_log_subsys(params::DebugSubsys().c_str(), &st->mask, &why)) st->mask = LOG_ALL;
     gethostname(st->host, sizeof(st->host) - 1);

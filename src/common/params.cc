@@ -28,91 +28,37 @@ bool parse_int(const char* text, int64_t lo, int64_t hi, int64_t* out, std::stri
   return true;
 }
 
-bool parse_enum(const char* text, const char* choices, std::string* out, std::string* why) {
-  std::string all(choices);
-  size_t start = 0;
-  while (start <= all.size()) {
-    size_t bar = all.find('|', start);
-    if (bar == std::string::npos) bar = all.size();
-    std::string choice = all.substr(start, bar - start);
-    if (strcasecmp(choice.c_str(), text) == 0) {
-      *out = choice;
-      return true;
-    }
-    start = bar + 1;
+bool parse_float(const char* text, double lo, double hi, double* out, std::string* why) {
+  if (*text == '\0') {
+    *why = "is empty";
+    return false;
   }
-  *why = std::string("is not one of ") + choices;
-  return false;
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);
+  if (end == text || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
+    *why = "is not a number";
+    return false;
+  }
+  if (v < lo || v > hi) {
+    *why = strprintf("is outside [%g, %g]", lo, hi);
+    return false;
+  }
+  *out = v;
+  return true;
 }
 
-bool parse_rate(const std::string& text, double* bytes_per_sec, std::string* why) {
-  *bytes_per_sec = 0;
-  if (text.empty()) return true;  // no limit
-  // Number: digits with at most one '.', at least one digit, no sign, no exponent.
-  size_t i = 0;
-  bool dot = false, digit = false;
-  for (; i < text.size(); ++i) {
-    const char c = text[i];
-    if (c >= '0' && c <= '9') {
-      digit = true;
-    } else if (c == '.' && !dot) {
-      dot = true;
-    } else {
-      break;
+bool parse_enum(const char* text, const char* const* names, size_t n, size_t* index,
+                std::string* why) {
+  for (size_t i = 0; i < n; ++i) {
+    if (strcasecmp(names[i], text) == 0) {
+      *index = i;
+      return true;
     }
   }
-  if (!digit) {
-    *why = "does not start with a number (expected e.g. 25gbit, 500mbit, 100mbps)";
-    return false;
-  }
-  const std::string num = text.substr(0, i);
-  std::string unit = text.substr(i);
-  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  char* end = nullptr;
-  const double v = std::strtod(num.c_str(), &end);
-  if (end == nullptr || *end != '\0' || !std::isfinite(v)) {
-    *why = "has a malformed number";
-    return false;
-  }
-  double scale = 1;
-  static const struct {
-    const char* prefix;
-    double scale;
-  } kPrefixes[] = {{"ki", 1024.0},
-                   {"mi", 1024.0 * 1024},
-                   {"gi", 1024.0 * 1024 * 1024},
-                   {"ti", 1024.0 * 1024 * 1024 * 1024},
-                   {"k", 1e3},
-                   {"m", 1e6},
-                   {"g", 1e9},
-                   {"t", 1e12}};
-  for (const auto& p : kPrefixes) {
-    const size_t n = std::strlen(p.prefix);
-    if (unit.compare(0, n, p.prefix) == 0 && (unit.size() - n == 3)) {
-      scale = p.scale;
-      unit = unit.substr(n);
-      break;
-    }
-  }
-  double bytes;
-  if (unit == "bit") {
-    bytes = v * scale / 8.0;
-  } else if (unit == "bps") {
-    bytes = v * scale;
-  } else if (unit.empty()) {
-    *why = "has no unit (write e.g. 25gbit for bits/s or 100mbps for bytes/s)";
-    return false;
-  } else {
-    *why = "has an unknown unit '" + text.substr(i) +
-           "' (allowed: [k|m|g|t|ki|mi|gi|ti]bit or ...bps = bytes/s)";
-    return false;
-  }
-  if (!(bytes >= 1.0) || !std::isfinite(bytes)) {
-    *why = "is not a positive rate of at least 1 byte/s";
-    return false;
-  }
-  *bytes_per_sec = bytes;
-  return true;
+  *why = "is not one of ";
+  for (size_t i = 0; i < n; ++i) (*why += i ? "|" : "") += names[i];
+  return false;
 }
 
 namespace {
@@ -135,6 +81,7 @@ void record_bad(const char* env, const char* text, const std::string& why) {
 // Each accessor reads its variable exactly once (function-local static).  The
 // ENV log line is written after the value is cached, so logging (which reads
 // KVXFER_DEBUG through these same accessors) never recurses into itself.
+#define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc)                                 \
   int64_t Name() {                                                                    \
     static const int64_t value = [] {                                                 \
@@ -154,24 +101,63 @@ void record_bad(const char* env, const char* text, const std::string& why) {
     });                                                                               \
     return value;                                                                     \
   }
-#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc)                            \
-  const std::string& Name() {                                                      \
-    static const std::string value = [] {                                          \
-      const char* t = std::getenv(env);                                            \
-      std::string v = def, why;                                                    \
-      if (t != nullptr && !parse_enum(t, choices, &v, &why)) {                     \
-        record_bad(env, t, why);                                                   \
-        v = def;                                                                   \
-      }                                                                            \
-      return v;                                                                    \
-    }();                                                                           \
-    static std::once_flag logged;                                                  \
-    if (std::strcmp(env, "KVXFER_DEBUG") != 0)                                     \
-      std::call_once(logged, [] {                                                  \
-        if (std::getenv(env) != nullptr)                                           \
-          KVXFER_INFO(LOG_ENV, "%s set by environment to %s", env, value.c_str()); \
-      });                                                                          \
-    return value;                                                                  \
+#define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc)                  \
+  double Name() {                                                        \
+    static const double value = [] {                                     \
+      const char* t = std::getenv(env);                                  \
+      double v = def;                                                    \
+      std::string why;                                                   \
+      if (t != nullptr && !parse_float(t, lo, hi, &v, &why)) {           \
+        record_bad(env, t, why);                                         \
+        v = def;                                                         \
+      }                                                                  \
+      return v;                                                          \
+    }();                                                                 \
+    static std::once_flag logged;                                        \
+    std::call_once(logged, [] {                                          \
+      if (std::getenv(env) != nullptr)                                   \
+        KVXFER_INFO(LOG_ENV, "%s set by environment to %g", env, value); \
+    });                                                                  \
+    return value;                                                        \
+  }
+#define KVXFER_PARAM_RATE(Name, env, def, doc)                                             \
+  double Name() {                                                                          \
+    static const double value = [] {                                                       \
+      const char* t = std::getenv(env);                                                    \
+      double v = 0;                                                                        \
+      std::string why;                                                                     \
+      if (!parse_rate(t != nullptr ? t : def, &v, &why)) {                                 \
+        record_bad(env, t != nullptr ? t : def, why);                                      \
+        v = 0;                                                                             \
+      }                                                                                    \
+      return v;                                                                            \
+    }();                                                                                   \
+    static std::once_flag logged;                                                          \
+    std::call_once(logged, [] {                                                            \
+      if (const char* t = std::getenv(env))                                                \
+        KVXFER_INFO(LOG_ENV, "%s set by environment to %s = %.0f bytes/s", env, t, value); \
+    });                                                                                    \
+    return value;                                                                          \
+  }
+#define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc)                       \
+  Type Name() {                                                                     \
+    static const Type value = [] {                                                  \
+      const char* t = std::getenv(env);                                             \
+      Type v = Type::def;                                                           \
+      std::string why;                                                              \
+      if (t != nullptr && !parse_enum(t, &v, &why)) {                               \
+        record_bad(env, t, why);                                                    \
+        v = Type::def;                                                              \
+      }                                                                             \
+      return v;                                                                     \
+    }();                                                                            \
+    static std::once_flag logged;                                                   \
+    if (std::strcmp(env, "KVXFER_DEBUG") != 0)                                      \
+      std::call_once(logged, [] {                                                   \
+        if (std::getenv(env) != nullptr)                                            \
+          KVXFER_INFO(LOG_ENV, "%s set by environment to %s", env, name_of(value)); \
+      });                                                                           \
+    return value;                                                                   \
   }
 #define KVXFER_PARAM_STRING(Name, env, def, doc)  \
   const std::string& Name() {                     \
@@ -182,50 +168,33 @@ void record_bad(const char* env, const char* text, const std::string& why) {
     return value;                                 \
   }
 #include "common/params.def"
+#undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_FLOAT
+#undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
 #undef KVXFER_PARAM_STRING
-
-bool parse_unit_interval(const std::string& text, double* out, std::string* why) {
-  if (text.empty()) {
-    *why = "is empty";
-    return false;
-  }
-  errno = 0;
-  char* end = nullptr;
-  const double v = std::strtod(text.c_str(), &end);
-  if (end == text.c_str() || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
-    *why = "is not a number";
-    return false;
-  }
-  if (v < 0.0 || v > 1.0) {
-    *why = "is outside [0, 1]";
-    return false;
-  }
-  *out = v;
-  return true;
-}
 
 kvxfer_result_t validate() {
   // Every value is read once, so the verdict is computed once too.
   static const std::string problem = [] {
+#define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) (void)Name();
-#define KVXFER_PARAM_ENUM(Name, env, def, choices, doc) (void)Name();
+#define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) (void)Name();
+#define KVXFER_PARAM_RATE(Name, env, def, doc) (void)Name();
+#define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) (void)Name();
 #define KVXFER_PARAM_STRING(Name, env, def, doc) (void)Name();
 #include "common/params.def"
+#undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_FLOAT
+#undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
 #undef KVXFER_PARAM_STRING
     uint32_t mask = 0;
     std::string why;
     if (!parse_log_subsys(DebugSubsys().c_str(), &mask, &why))
       record_bad("KVXFER_DEBUG_SUBSYS", DebugSubsys().c_str(), why);
-    double bps = 0;
-    if (!parse_rate(RateLimit(), &bps, &why))
-      record_bad("KVXFER_RATE_LIMIT", RateLimit().c_str(), why);
-    double fraction = 0;
-    if (!parse_unit_interval(SpecMinAccept(), &fraction, &why))
-      record_bad("KVXFER_SPEC_MIN_ACCEPT", SpecMinAccept().c_str(), why);
     std::lock_guard<std::mutex> lk(bad().mu);
     return bad().first;
   }();

@@ -10,14 +10,6 @@
 
 namespace kvxfer::spec {
 
-// ---- environment (KVXFER_SPEC_MIN_ACCEPT: params::parse_unit_interval, also checked by
-// params::validate)
-
-/** Fails naming KVXFER_SPEC_MIN_ACCEPT when it is malformed (checked once). */
-kvxfer_result_t validate_env();
-/** KVXFER_SPEC_MIN_ACCEPT (valid after validate_env succeeded). */
-double env_min_accept();
-
 // ---- RNG: draw j of `seed` is uniform in [0, 1) (53 bits).
 uint64_t splitmix64(uint64_t x);
 double uniform(uint64_t seed, uint64_t draw);

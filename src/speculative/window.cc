@@ -1,6 +1,5 @@
 // How long to draft (residual-time prediction, adaptive window) and when to
 // stop (acceptance monitor); include/kvxfer/spec.h, docs/SPEC.md.
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -14,39 +13,9 @@ namespace kvxfer::spec {
 
 namespace {
 
-struct MinAccept {
-  double value = 0.5;
-  std::string problem;  // empty when valid
-};
-
-const MinAccept& min_accept() {
-  static const MinAccept m = [] {
-    MinAccept r;
-    const std::string& text = params::SpecMinAccept();
-    std::string why;
-    if (!params::parse_unit_interval(text, &r.value, &why)) {
-      r.problem = "KVXFER_SPEC_MIN_ACCEPT='" + text + "' " + why;
-      r.value = 0.5;
-    } else if (std::getenv("KVXFER_SPEC_MIN_ACCEPT") != nullptr) {
-      KVXFER_INFO(LOG_ENV, "KVXFER_SPEC_MIN_ACCEPT set by environment to %g", r.value);
-    }
-    return r;
-  }();
-  return m;
-}
-
 bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0.0; }
 
 }  // namespace
-
-kvxfer_result_t validate_env() {
-  const MinAccept& m = min_accept();
-  if (!m.problem.empty())
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s", m.problem.c_str());
-  return KVXFER_SUCCESS;
-}
-
-double env_min_accept() { return min_accept().value; }
 
 kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
                               const kvxfer_request_info_t* info, int64_t now_ns, double* t_res_s) {
@@ -161,7 +130,7 @@ kvxfer_result_t monitor_update(kvxfer_spec_monitor_t* m, int32_t draft_len, int3
   m->accepted += accepted;
   if (accepted < draft_len) m->rejected++;
   if (draft_len > 0 && accepted == draft_len) m->full_accepts++;
-  const double threshold = m->min_accept >= 0.0 ? m->min_accept : env_min_accept();
+  const double threshold = m->min_accept >= 0.0 ? m->min_accept : params::SpecMinAccept();
   const int64_t examined = m->accepted + m->rejected;
   const double rate = rate_of(*m);
   if (!m->fallen_back && examined >= m->min_tokens && rate < threshold) {

@@ -81,31 +81,24 @@ const char* class_name(TrafficClass c) {
 }
 
 namespace {
-struct TcName {
-  const char* name;
-  uint32_t value;
-};
-constexpr TcName kTcNames[] = {
-    {"UNSPEC", FI_TC_UNSPEC},
-    {"DSCP", FI_TC_DSCP},
-    {"LABEL", FI_TC_LABEL},
-    {"BEST_EFFORT", FI_TC_BEST_EFFORT},
-    {"LOW_LATENCY", FI_TC_LOW_LATENCY},
-    {"DEDICATED_ACCESS", FI_TC_DEDICATED_ACCESS},
-    {"BULK_DATA", FI_TC_BULK_DATA},
-    {"SCAVENGER", FI_TC_SCAVENGER},
-    {"NETWORK_CTRL", FI_TC_NETWORK_CTRL},
-};
+// FI_TC_<name> of each params::Tclass, in the order of KVXFER_TRAFFIC_CLASSES.
+#define KVXFER_FI_TC_(e, name) FI_TC_##name,
+constexpr uint32_t kFiTc[] = {KVXFER_TRAFFIC_CLASSES(KVXFER_FI_TC_)};
+#undef KVXFER_FI_TC_
+static_assert(sizeof(kFiTc) / sizeof(kFiTc[0]) == params::Choices<params::Tclass>::count);
 }  // namespace
 
+uint32_t tclass_value(params::Tclass c, int dscp) {
+  const uint32_t v = kFiTc[params::choice_index(c)];
+  return v == FI_TC_DSCP ? fi_tc_dscp_set(static_cast<uint8_t>(dscp)) : v;
+}
+
 bool tclass_from_name(const std::string& name, int dscp, uint32_t* out) {
-  if (dscp < 0 || dscp > 63) return false;
-  for (const auto& t : kTcNames) {
-    if (strcasecmp(t.name, name.c_str()) != 0) continue;
-    *out = t.value == FI_TC_DSCP ? fi_tc_dscp_set(static_cast<uint8_t>(dscp)) : t.value;
-    return true;
-  }
-  return false;
+  params::Tclass c;
+  std::string why;
+  if (dscp < 0 || dscp > 63 || !params::parse_enum(name.c_str(), &c, &why)) return false;
+  *out = tclass_value(c, dscp);
+  return true;
 }
 
 std::string tclass_to_string(uint32_t tclass) {
@@ -113,8 +106,9 @@ std::string tclass_to_string(uint32_t tclass) {
     return strprintf("DSCP(%u)", static_cast<unsigned>(fi_tc_dscp_get(tclass)));
   // LABEL and BEST_EFFORT share one value; name it BEST_EFFORT.
   if (tclass == FI_TC_BEST_EFFORT) return "BEST_EFFORT";
-  for (const auto& t : kTcNames)
-    if (t.value == tclass && t.value != FI_TC_DSCP) return t.name;
+  using Names = params::Choices<params::Tclass>;
+  for (size_t i = 0; i < Names::count; ++i)
+    if (kFiTc[i] == tclass && kFiTc[i] != FI_TC_DSCP) return Names::names[i];
   return strprintf("0x%x", tclass);
 }
 
@@ -389,9 +383,8 @@ kvxfer_result_t LinkConfig::from_params(LinkConfig* out) {
   c.provider = params::OfiProvider();
   const int anchor_dscp = static_cast<int>(params::AnchorDscp());
   const int residual_dscp = static_cast<int>(params::ResidualDscp());
-  if (!tclass_from_name(params::AnchorTc(), anchor_dscp, &c.tclass[0]) ||
-      !tclass_from_name(params::ResidualTc(), residual_dscp, &c.tclass[1]))
-    return set_error(KVXFER_ERR_INTERNAL, "traffic class table out of sync with params.def");
+  c.tclass = {tclass_value(params::AnchorTc(), anchor_dscp),
+              tclass_value(params::ResidualTc(), residual_dscp)};
   c.dscp = {anchor_dscp, residual_dscp};
   c.chunk_bytes = static_cast<size_t>(params::NetChunkBytes());
   c.residual_inflight_bytes = static_cast<size_t>(params::ResidualInflightBytes());

@@ -36,6 +36,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/params.h"
 #include "kvxfer/kvxfer.h"
 #include "transport/dscp.h"
 #include "transport/rate_limiter.h"
@@ -103,9 +104,13 @@ inline int idx(TrafficClass c) { return static_cast<int>(c); }
 const char* class_name(TrafficClass c);
 
 /**
- * Maps a KVXFER_*_TC name (UNSPEC, DSCP, LABEL, BEST_EFFORT, LOW_LATENCY,
- * DEDICATED_ACCESS, BULK_DATA, SCAVENGER, NETWORK_CTRL; case-insensitive) to
- * the tx_attr.tclass value.  "DSCP" gives FI_TC_DSCP | dscp.  False if the
+ * The tx_attr.tclass value of a traffic class: FI_TC_<name>
+ * (KVXFER_TRAFFIC_CLASSES, common/params.h); kDscp gives FI_TC_DSCP | dscp,
+ * dscp in 0..63.
+ */
+uint32_t tclass_value(params::Tclass c, int dscp);
+/**
+ * The same for a KVXFER_TRAFFIC_CLASSES name (case-insensitive).  False if the
  * name is unknown or dscp is outside 0..63.
  */
 bool tclass_from_name(const std::string& name, int dscp, uint32_t* out);

@@ -53,29 +53,15 @@ Clock::duration RateLimiter::wait_hint(uint64_t bytes, Clock::time_point now) {
 }
 
 kvxfer_result_t RateLimiter::from_params(std::shared_ptr<RateLimiter>* out) {
-  // Parsed and created once; the verdict (limiter or error text) is cached.
-  struct Global {
-    std::shared_ptr<RateLimiter> limiter;
-    std::string error;
-  };
-  static const Global g = [] {
-    Global r;
-    const std::string& text = params::RateLimit();
-    double bps = 0;
-    std::string why;
-    if (!parse_rate(text, &bps, &why)) {
-      r.error = "KVXFER_RATE_LIMIT='" + text + "' " + why;
-    } else if (bps > 0) {
-      r.limiter =
-          std::make_shared<RateLimiter>(bps, static_cast<uint64_t>(params::NetChunkBytes()));
-      KVXFER_INFO(LOG_NET, "OFI : rate limit %s = %.0f bytes/s shared by all links", text.c_str(),
-                  bps);
-    }
-    return r;
+  // A malformed KVXFER_RATE_LIMIT fails here, as everywhere, through validate().
+  KVXFER_CHECK(params::validate());
+  static const std::shared_ptr<RateLimiter> limiter = []() -> std::shared_ptr<RateLimiter> {
+    const double bps = params::RateLimit();
+    if (bps <= 0) return nullptr;
+    KVXFER_INFO(LOG_NET, "OFI : rate limit %.0f bytes/s shared by all links", bps);
+    return std::make_shared<RateLimiter>(bps, static_cast<uint64_t>(params::NetChunkBytes()));
   }();
-  if (!g.error.empty())
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "malformed environment: %s", g.error.c_str());
-  *out = g.limiter;
+  *out = limiter;
   return KVXFER_SUCCESS;
 }
 

@@ -18,7 +18,7 @@ namespace kvxfer::transport {
 
 using Clock = std::chrono::steady_clock;
 
-// KVXFER_RATE_LIMIT's parser lives with the other parameter parsers.
+// The rate grammar (common/rate.h), for kvxfer_comm_config_t.rate_limit.
 using params::parse_rate;
 
 /**
@@ -51,8 +51,9 @@ class RateLimiter {
   /**
    * The process-wide limiter from KVXFER_RATE_LIMIT (burst =
    * KVXFER_NET_CHUNK_BYTES), created on first use.  *out is null when the
-   * variable is empty (no limit).  A malformed value is an error naming the
-   * variable.
+   * variable is empty (no limit).  A malformed value (or any malformed
+   * KVXFER_* variable) is KVXFER_ERR_INVALID_ARGUMENT naming it
+   * (params::validate).
    */
   static kvxfer_result_t from_params(std::shared_ptr<RateLimiter>* out);
 

@@ -1,0 +1,22 @@
+// The rate grammar of KVXFER_RATE_LIMIT and kvxfer_comm_config_t.rate_limit,
+// in one place.  No dependencies (not even logging), so that programs that
+// link only the public library (examples/disagg_demo.cc) can use it too.
+#pragma once
+
+#include <string>
+
+namespace kvxfer::params {
+
+/**
+ * Parses a rate in the dialect of tc(8): a decimal number, an optional SI
+ * (k, m, g, t: powers of 1000) or IEC (ki, mi, gi, ti: powers of 1024) prefix
+ * and a mandatory unit: "bit" (bits per second) or "bps" (BYTES per second, as
+ * in tc).  Case-insensitive, no spaces: "25gbit", "500mbit", "1.5gbit",
+ * "100mibps".  The empty string means "no limit" (*bytes_per_sec = 0).
+ * Anything else (a bare number, an unknown unit, junk, zero, negative, NaN,
+ * overflow) returns false with the reason in *why.  Never throws except
+ * std::bad_alloc.
+ */
+bool parse_rate(const std::string& text, double* bytes_per_sec, std::string* why);
+
+}  // namespace kvxfer::params
