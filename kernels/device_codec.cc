@@ -20,23 +20,10 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "cuda/cuda_check.h"
 #include "kvxfer_kernels.h"
 
 namespace kvxfer::cuda {
-
-namespace {
-
-kvxfer_result_t cuda_error(cudaError_t e, const char* what) {
-  return set_error(e == cudaErrorMemoryAllocation ? KVXFER_ERR_OUT_OF_MEMORY : KVXFER_ERR_SYSTEM,
-                   "%s failed: %s", what, cudaGetErrorString(e));
-}
-#define KVXFER_CUDA(call)                                              \
-  do {                                                                 \
-    const cudaError_t kvxfer_e_ = (call);                              \
-    if (kvxfer_e_ != cudaSuccess) return cuda_error(kvxfer_e_, #call); \
-  } while (0)
-
-}  // namespace
 
 kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char* what) {
   // The host cannot dereference a device block table: shape checks only.
@@ -46,7 +33,7 @@ kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char
 kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) {
   KVXFER_REQUIRE(cb != nullptr && out != nullptr, "NULL codebook");
   int dev = 0;
-  KVXFER_CUDA(cudaGetDevice(&dev));
+  KVXFER_CUDA_CHECK(cudaGetDevice(&dev));
   // Keyed by the codebook's identity, never by its address: a host codebook
   // dropped from the CPU cache may be freed and its address reused.
   using Key = std::tuple<int, uint32_t, int, int>;
@@ -76,11 +63,11 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   std::memcpy(p + kFixed * sizeof(float), cb->lut_next.data(), cells * sizeof(float));
   std::memcpy(p + (kFixed + cells) * sizeof(float), cb->lut_base.data(), cells * sizeof(int32_t));
   void* d = nullptr;
-  KVXFER_CUDA(cudaMalloc(&d, bytes));
+  KVXFER_CUDA_CHECK(cudaMalloc(&d, bytes));
   const cudaError_t e = cudaMemcpy(d, p, bytes, cudaMemcpyHostToDevice);
   if (e != cudaSuccess) {
     cudaFree(d);
-    return cuda_error(e, "cudaMemcpy(codebook)");
+    return cuda_result(e, "cudaMemcpy(codebook)");
   }
   const auto* f = static_cast<const float*>(d);
   DeviceCodebook dc;
@@ -127,7 +114,7 @@ kvxfer_result_t alloc_scratch(const kvxfer_codec_config_t* cfg, int64_t T, int32
   if (e == cudaSuccess) e = cudaMalloc(&s.status, sizeof(DeviceStatus));
   if (e != cudaSuccess) {
     free_scratch(&s);
-    return cuda_error(e, "cudaMalloc(scratch)");
+    return cuda_result(e, "cudaMalloc(scratch)");
   }
   *out = s;
   return KVXFER_SUCCESS;
@@ -144,8 +131,8 @@ void free_scratch(DeviceScratch* s) {
 kvxfer_result_t create_anchor_stream(cudaStream_t* out) {
   KVXFER_REQUIRE(out != nullptr, "NULL stream output");
   int least = 0, greatest = 0;
-  KVXFER_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  KVXFER_CUDA(cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, greatest));
+  KVXFER_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  KVXFER_CUDA_CHECK(cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, greatest));
   return KVXFER_SUCCESS;
 }
 
@@ -217,7 +204,8 @@ class DeviceBackend final : public codec::EncodeBackend {
     kvxfer_page_layout_t rows = *src_;
     rows.num_tokens = h.sink_rows;
     uint8_t* out = scratch_.anchor_payload + s.sink_offset();
-    if (s.sink_pad > 0) KVXFER_CUDA(cudaMemsetAsync(out - s.sink_pad, 0, s.sink_pad, stream_));
+    if (s.sink_pad > 0)
+      KVXFER_CUDA_CHECK(cudaMemsetAsync(out - s.sink_pad, 0, s.sink_pad, stream_));
     return launch_pack_values(&rows, codec::sink_dtype(h), out, stream_);
   }
 
@@ -225,12 +213,12 @@ class DeviceBackend final : public codec::EncodeBackend {
     // Payloads to the host; headers and checksums are sealed there.
     const codec::PayloadSizes s = codec::payload_sizes(h);
     if (s.anchor_payload() > 0)
-      KVXFER_CUDA(cudaMemcpyAsync(anc_ + codec::kHeaderBytes, scratch_.anchor_payload,
-                                  s.anchor_payload(), cudaMemcpyDeviceToHost, stream_));
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(anc_ + codec::kHeaderBytes, scratch_.anchor_payload,
+                                        s.anchor_payload(), cudaMemcpyDeviceToHost, stream_));
     if (s.residual_codes > 0)
-      KVXFER_CUDA(cudaMemcpyAsync(res_ + codec::kHeaderBytes, scratch_.residual_payload,
-                                  s.residual_codes, cudaMemcpyDeviceToHost, stream_));
-    KVXFER_CUDA(cudaStreamSynchronize(stream_));
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(res_ + codec::kHeaderBytes, scratch_.residual_payload,
+                                        s.residual_codes, cudaMemcpyDeviceToHost, stream_));
+    KVXFER_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return KVXFER_SUCCESS;
   }
 
@@ -310,8 +298,8 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
                                    ? static_cast<kvxfer_dtype_t>(ah.src_dtype)
                                    : KVXFER_DTYPE_BF16;
     if (s.anchor_payload() > 0)
-      KVXFER_CUDA(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
-                                  cudaMemcpyHostToDevice, stream));
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
+                                        cudaMemcpyHostToDevice, stream));
     return launch_unpack_values(scratch.anchor_payload, sdt, dst, stream);
   }
 
@@ -319,12 +307,12 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
   DeviceCodebook dcb;
   KVXFER_CHECK(upload_codebook(cb.get(), &dcb));
   if (s.anchor_payload() > 0)
-    KVXFER_CUDA(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
-                                cudaMemcpyHostToDevice, stream));
+    KVXFER_CUDA_CHECK(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
+                                      cudaMemcpyHostToDevice, stream));
   if (residual != nullptr && s.residual_codes > 0)
-    KVXFER_CUDA(cudaMemcpyAsync(scratch.residual_payload,
-                                static_cast<const uint8_t*>(residual) + codec::kHeaderBytes,
-                                s.residual_codes, cudaMemcpyHostToDevice, stream));
+    KVXFER_CUDA_CHECK(cudaMemcpyAsync(scratch.residual_payload,
+                                      static_cast<const uint8_t*>(residual) + codec::kHeaderBytes,
+                                      s.residual_codes, cudaMemcpyHostToDevice, stream));
   KVXFER_CHECK(launch_reset_status(scratch.status, stream));
   KVXFER_CHECK(launch_decode(ah, dcb, scratch.anchor_payload,
                              residual != nullptr ? scratch.residual_payload : nullptr, dst,

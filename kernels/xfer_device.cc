@@ -11,21 +11,12 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "cuda/cuda_check.h"
 #include "kvxfer_kernels.h"
 #include "xfer/device.h"
 
 namespace kvxfer::cuda {
 namespace {
-
-kvxfer_result_t cuda_fail(cudaError_t e, const char* what, int device) {
-  return set_error(e == cudaErrorMemoryAllocation ? KVXFER_ERR_OUT_OF_MEMORY : KVXFER_ERR_SYSTEM,
-                   "CUDA device %d: %s failed: %s", device, what, cudaGetErrorString(e));
-}
-#define XFER_CUDA(call, dev)                                             \
-  do {                                                                   \
-    const cudaError_t xfer_e_ = (call);                                  \
-    if (xfer_e_ != cudaSuccess) return cuda_fail(xfer_e_, #call, (dev)); \
-  } while (0)
 
 /** Streams and scratch of one device, used by the codec thread only. */
 struct DeviceState {
@@ -53,21 +44,23 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
 
   kvxfer_result_t upload_table(int device, void* const* ptrs, size_t n,
                                std::shared_ptr<void>* table) override {
-    XFER_CUDA(cudaSetDevice(device), device);
+    KVXFER_CHECK(cuda_result(cudaSetDevice(device), "cudaSetDevice(device)", device));
     void* d = nullptr;
-    XFER_CUDA(cudaMalloc(&d, std::max<size_t>(n, 1) * sizeof(void*)), device);
+    KVXFER_CHECK(cuda_result(cudaMalloc(&d, std::max<size_t>(n, 1) * sizeof(void*)),
+                             "cudaMalloc(block table)", device));
     std::shared_ptr<void> owner(d, [device](void* p) {
       cudaSetDevice(device);
       cudaFree(p);
     });
-    XFER_CUDA(cudaMemcpy(d, ptrs, n * sizeof(void*), cudaMemcpyHostToDevice), device);
+    KVXFER_CHECK(cuda_result(cudaMemcpy(d, ptrs, n * sizeof(void*), cudaMemcpyHostToDevice),
+                             "cudaMemcpy(block table)", device));
     *table = std::move(owner);
     return KVXFER_SUCCESS;
   }
 
   kvxfer_result_t pin(void* p, size_t len, std::shared_ptr<void>* handle) override {
     if (len == 0) return KVXFER_SUCCESS;
-    XFER_CUDA(cudaHostRegister(p, len, cudaHostRegisterPortable), -1);
+    KVXFER_CUDA_CHECK(cudaHostRegister(p, len, cudaHostRegisterPortable));
     *handle = std::shared_ptr<void>(p, [](void* q) { cudaHostUnregister(q); });
     return KVXFER_SUCCESS;
   }
@@ -104,11 +97,12 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
  private:
   /** The codec thread's streams and scratch on `device`, grown to T x H. */
   kvxfer_result_t state(int device, int64_t T, int32_t H, DeviceState** out) {
-    XFER_CUDA(cudaSetDevice(device), device);
+    KVXFER_CHECK(cuda_result(cudaSetDevice(device), "cudaSetDevice(device)", device));
     DeviceState& s = states_[device];
     if (s.anchor_stream == nullptr) {
       KVXFER_CHECK(create_anchor_stream(&s.anchor_stream));
-      XFER_CUDA(cudaStreamCreateWithFlags(&s.residual_stream, cudaStreamNonBlocking), device);
+      KVXFER_CHECK(cuda_result(cudaStreamCreateWithFlags(&s.residual_stream, cudaStreamNonBlocking),
+                               "cudaStreamCreateWithFlags(residual stream)", device));
     }
     if (T > s.scratch_tokens || H > s.scratch_channels) {
       free_scratch(&s.scratch);

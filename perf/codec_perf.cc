@@ -33,6 +33,7 @@
 #include "model/synthetic_kv.h"
 #include "perf/common/harness.h"
 #ifdef KVXFER_CODEC_PERF_GPU
+#include "cuda/cuda_check.h"
 #include "kvxfer_kernels.h"
 #endif
 
@@ -582,17 +583,11 @@ int gpu_skip(const Options& o, const std::string& why) {
 #ifdef KVXFER_CODEC_PERF_GPU
 namespace kcu = kvxfer::cuda;
 
-/** Prints a failed CUDA runtime call; returns false. */
+/** A CUDA runtime result through kcu::cuda_result; prints a failure and returns false. */
 bool cuda_ok(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return true;
-  std::fprintf(stderr, "codec_perf: %s failed: %s (%d)\n", what, cudaGetErrorString(e),
-               static_cast<int>(e));
-  return false;
+  const kvxfer_result_t r = kcu::cuda_result(e, what);
+  return r >= 0 || report_failure(what, r);
 }
-#define CODEC_PERF_CUDA(call)                  \
-  do {                                         \
-    if (!cuda_ok((call), #call)) return false; \
-  } while (0)
 #define CODEC_PERF_KV(call)                       \
   do {                                            \
     const kvxfer_result_t r_ = (call);            \
@@ -618,20 +613,25 @@ struct DevicePool {
     for (void* b : h.blocks[0])
       blocks.push_back(storage.p + (static_cast<uint8_t*>(b) - h.storage.data()));
     if (!alloc(&table, blocks.size() * sizeof(void*))) return false;
-    CODEC_PERF_CUDA(
-        cudaMemcpy(table.p, blocks.data(), blocks.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    if (!cuda_ok(cudaMemcpy(table.p, blocks.data(), blocks.size() * sizeof(void*),
+                            cudaMemcpyHostToDevice),
+                 "cudaMemcpy(block table)"))
+      return false;
     layout = h.layouts[0];
     layout.blocks = reinterpret_cast<void* const*>(table.p);
     return true;
   }
   bool upload(const Pool& h) {
-    CODEC_PERF_CUDA(
-        cudaMemcpy(storage.p, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice));
+    if (!cuda_ok(cudaMemcpy(storage.p, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice),
+                 "cudaMemcpy(upload)"))
+      return false;
     return true;
   }
   bool download(Pool* h) const {
-    CODEC_PERF_CUDA(
-        cudaMemcpy(h->storage.data(), storage.p, h->storage.size(), cudaMemcpyDeviceToHost));
+    if (!cuda_ok(
+            cudaMemcpy(h->storage.data(), storage.p, h->storage.size(), cudaMemcpyDeviceToHost),
+            "cudaMemcpy(download)"))
+      return false;
     return true;
   }
 };
@@ -667,8 +667,8 @@ class GpuTimer {
   bool init(cudaStream_t s, size_t l2_bytes) {
     stream_ = s;
 #ifndef KVXFER_GPU_EMULATION
-    CODEC_PERF_CUDA(cudaEventCreate(&start_));
-    CODEC_PERF_CUDA(cudaEventCreate(&stop_));
+    if (!cuda_ok(cudaEventCreate(&start_), "cudaEventCreate")) return false;
+    if (!cuda_ok(cudaEventCreate(&stop_), "cudaEventCreate")) return false;
     if (l2_bytes > 0 && !alloc(&flush_, 2 * l2_bytes)) return false;
 #else
     (void)l2_bytes;
@@ -680,18 +680,20 @@ class GpuTimer {
     std::vector<double> us;
     for (int i = 0; i < w + n; ++i) {
 #ifndef KVXFER_GPU_EMULATION
-      if (flush_.n > 0) CODEC_PERF_CUDA(cudaMemsetAsync(flush_.p, i & 0xff, flush_.n, stream_));
-      CODEC_PERF_CUDA(cudaEventRecord(start_, stream_));
+      if (flush_.n > 0 &&
+          !cuda_ok(cudaMemsetAsync(flush_.p, i & 0xff, flush_.n, stream_), "cudaMemsetAsync"))
+        return false;
+      if (!cuda_ok(cudaEventRecord(start_, stream_), "cudaEventRecord")) return false;
       if (!enqueue()) return false;
-      CODEC_PERF_CUDA(cudaEventRecord(stop_, stream_));
-      CODEC_PERF_CUDA(cudaEventSynchronize(stop_));
+      if (!cuda_ok(cudaEventRecord(stop_, stream_), "cudaEventRecord")) return false;
+      if (!cuda_ok(cudaEventSynchronize(stop_), "cudaEventSynchronize")) return false;
       float ms = 0;
-      CODEC_PERF_CUDA(cudaEventElapsedTime(&ms, start_, stop_));
+      if (!cuda_ok(cudaEventElapsedTime(&ms, start_, stop_), "cudaEventElapsedTime")) return false;
       if (i >= w) us.push_back(1e3 * static_cast<double>(ms));
 #else
       const auto t0 = std::chrono::steady_clock::now();
       if (!enqueue()) return false;
-      CODEC_PERF_CUDA(cudaStreamSynchronize(stream_));
+      if (!cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize")) return false;
       const auto t1 = std::chrono::steady_clock::now();
       if (i >= w) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
 #endif
@@ -724,7 +726,8 @@ struct GpuRow {
 bool gpu_memcpy(const Options& o, GpuTimer* timer, cudaStream_t s, uint64_t bytes, kp::Stats* out) {
   DevBuf a, b;
   if (!alloc(&a, bytes) || !alloc(&b, bytes)) return false;
-  CODEC_PERF_CUDA(cudaMemcpy(a.p, b.p, bytes, cudaMemcpyDeviceToDevice));  // touch both
+  if (!cuda_ok(cudaMemcpy(a.p, b.p, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy(touch)"))
+    return false;
   return timer->loop(
       o.common.warmup, o.common.iters,
       [&] {
@@ -822,7 +825,8 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   auto count = [&](const uint8_t* dev, uint64_t n, const std::vector<uint8_t>& cpu, size_t cpu_len,
                    uint64_t* wrong) {
     tmp.resize(n);
-    if (n > 0) CODEC_PERF_CUDA(cudaMemcpy(tmp.data(), dev, n, cudaMemcpyDeviceToHost));
+    if (n > 0 && !cuda_ok(cudaMemcpy(tmp.data(), dev, n, cudaMemcpyDeviceToHost), "cudaMemcpy"))
+      return false;
     *wrong += count_wrong(tmp.data(), n, cpu.data() + kc::kHeaderBytes, cpu_len - kc::kHeaderBytes);
     return true;
   };
