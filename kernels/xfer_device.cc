@@ -45,16 +45,15 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
   kvxfer_result_t upload_table(int device, void* const* ptrs, size_t n,
                                std::shared_ptr<void>* table) override {
     KVXFER_CHECK(cuda_result(cudaSetDevice(device), "cudaSetDevice(device)", device));
-    void* d = nullptr;
-    KVXFER_CHECK(cuda_result(cudaMalloc(&d, std::max<size_t>(n, 1) * sizeof(void*)),
-                             "cudaMalloc(block table)", device));
-    std::shared_ptr<void> owner(d, [device](void* p) {
+    // Freed on the device it lives on, whichever thread drops the last reference.
+    std::shared_ptr<DeviceBuffer> owner(new DeviceBuffer, [device](DeviceBuffer* b) {
       cudaSetDevice(device);
-      cudaFree(p);
+      delete b;
     });
-    KVXFER_CHECK(cuda_result(cudaMemcpy(d, ptrs, n * sizeof(void*), cudaMemcpyHostToDevice),
+    KVXFER_CHECK(cuda_result(owner->alloc(n * sizeof(void*)), "cudaMalloc(block table)", device));
+    KVXFER_CHECK(cuda_result(cudaMemcpy(owner->p, ptrs, n * sizeof(void*), cudaMemcpyHostToDevice),
                              "cudaMemcpy(block table)", device));
-    *table = std::move(owner);
+    *table = std::shared_ptr<void>(owner, owner->p);  // owns the buffer, points at the table
     return KVXFER_SUCCESS;
   }
 
@@ -87,7 +86,7 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
     // COMPLETE promise the values are in dst: read_status waits for the
     // stream, after the decode kernel.
     DeviceStatus st{};
-    KVXFER_CHECK(read_status(s->scratch.status, &st, stream));
+    KVXFER_CHECK(read_status(s->scratch.status(), &st, stream));
     if (st.flags & STATUS_BAD_META)
       return set_error(KVXFER_ERR_CORRUPT,
                        "the device decoder rejected the page's metadata (nothing written)");
@@ -105,7 +104,6 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
                                "cudaStreamCreateWithFlags(residual stream)", device));
     }
     if (T > s.scratch_tokens || H > s.scratch_channels) {
-      free_scratch(&s.scratch);
       s.scratch_tokens = 0;
       // Sized for the worst case of every codec at this shape, so one scratch
       // serves any sender's codec: codec::max_sizes counts the raw fallback

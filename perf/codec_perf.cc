@@ -636,15 +636,6 @@ struct DevicePool {
   }
 };
 
-/** alloc_scratch'd device scratch, freed on destruction. */
-struct Scratch {
-  kcu::DeviceScratch s;
-  Scratch() = default;
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() { kcu::free_scratch(&s); }
-};
-
 /**
  * Times work enqueued on one stream.  Each of the w + n iterations: the L2
  * cache is flushed (a cudaMemsetAsync of twice its size, not timed), then a
@@ -741,7 +732,7 @@ bool gpu_memcpy(const Options& o, GpuTimer* timer, cudaStream_t s, uint64_t byte
 bool gpu_status(const kcu::DeviceScratch& sc, cudaStream_t s, uint32_t allowed, uint32_t* flags,
                 const char* what) {
   kcu::DeviceStatus st{};
-  CODEC_PERF_KV(kcu::read_status(sc.status, &st, s));
+  CODEC_PERF_KV(kcu::read_status(sc.status(), &st, s));
   *flags = st.flags;
   if ((st.flags & ~allowed) != 0) {
     std::fprintf(stderr, "codec_perf: %s: device status 0x%x (%s%s%s)\n", what, st.flags,
@@ -800,20 +791,20 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   }
   kcu::DeviceCodebook dcb;
   CODEC_PERF_KV(kcu::upload_codebook(cb.get(), &dcb));
-  Scratch sc;
-  CODEC_PERF_KV(kcu::alloc_scratch(&cc.cfg, T, H, &sc.s));
+  kcu::DeviceScratch sc;
+  CODEC_PERF_KV(kcu::alloc_scratch(&cc.cfg, T, H, &sc));
   kc::PageHeader h = kc::make_header(cc.cfg, id, T, H, hsrc.dtype);
   bool fp32 = false;
   auto encode = [&] {
-    const kvxfer_result_t r1 = kcu::launch_reset_status(sc.s.status, s);
+    const kvxfer_result_t r1 = kcu::launch_reset_status(sc.status(), s);
     if (r1 < 0) return report_failure("launch_reset_status", r1);
     const kvxfer_result_t r2 =
-        kcu::launch_encode(dcb, &dsrc.layout, cc.cfg.chunk_tokens, fp32, sc.s.anchor_payload,
-                           sc.s.residual_payload, sc.s.status, s);
+        kcu::launch_encode(dcb, &dsrc.layout, cc.cfg.chunk_tokens, fp32, sc.anchor_payload(),
+                           sc.residual_payload(), sc.status(), s);
     return r2 < 0 ? report_failure("launch_encode", r2) : true;
   };
   uint32_t flags = 0;
-  if (!encode() || !gpu_status(sc.s, s, kcu::STATUS_NEED_FP32, &flags, "encode")) return false;
+  if (!encode() || !gpu_status(sc, s, kcu::STATUS_NEED_FP32, &flags, "encode")) return false;
   if (flags & kcu::STATUS_NEED_FP32) {
     fp32 = true;
     h.flags = kc::FLAG_META_FP32;
@@ -834,11 +825,11 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   // encode
   GpuRow enc{"encode", page, apay + rpay};
   if (!timer->loop(o.common.warmup, o.common.iters, encode, &enc.t)) return false;
-  if (!gpu_status(sc.s, s, 0, &flags, "encode")) return false;
+  if (!gpu_status(sc, s, 0, &flags, "encode")) return false;
   if (check) {
     uint64_t w = 0;
-    if (!count(sc.s.anchor_payload, apay, canc, cal, &w) ||
-        !count(sc.s.residual_payload, rpay, cres, crl, &w))
+    if (!count(sc.anchor_payload(), apay, canc, cal, &w) ||
+        !count(sc.residual_payload(), rpay, cres, crl, &w))
       return false;
     enc.wrong = static_cast<int64_t>(w);
   }
@@ -849,15 +840,15 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
     hdst->poison();  // 0xA5 everywhere: a row the kernel skipped cannot match
     if (!ddst->upload(*hdst)) return false;
     auto run = [&] {
-      const kvxfer_result_t r1 = kcu::launch_reset_status(sc.s.status, s);
+      const kvxfer_result_t r1 = kcu::launch_reset_status(sc.status(), s);
       if (r1 < 0) return report_failure("launch_reset_status", r1);
       const kvxfer_result_t r2 =
-          kcu::launch_decode(h, dcb, sc.s.anchor_payload, full ? sc.s.residual_payload : nullptr,
-                             &ddst->layout, sc.s.status, s);
+          kcu::launch_decode(h, dcb, sc.anchor_payload(), full ? sc.residual_payload() : nullptr,
+                             &ddst->layout, sc.status(), s);
       return r2 < 0 ? report_failure("launch_decode", r2) : true;
     };
     if (!timer->loop(o.common.warmup, o.common.iters, run, &row->t)) return false;
-    if (!gpu_status(sc.s, s, 0, &flags, full ? "full decode" : "anchor decode")) return false;
+    if (!gpu_status(sc, s, 0, &flags, full ? "full decode" : "anchor decode")) return false;
     if (check) {
       if (!ddst->download(hdst)) return false;
       const std::vector<uint8_t> got = hdst->gather(0);

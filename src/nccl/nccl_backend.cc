@@ -91,13 +91,6 @@ kvxfer_result_t alloc(Buf* b, size_t bytes) {
   KVXFER_CUDA_CHECK(b->alloc(bytes));
   return KVXFER_SUCCESS;
 }
-struct Scratch {
-  cuda::DeviceScratch s;
-  Scratch() = default;
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() { cuda::free_scratch(&s); }
-};
 
 // ---- per-op state -------------------------------------------------------------
 struct OpState {
@@ -121,7 +114,7 @@ struct OpState {
   uint64_t atot = 0, rtot = 0;
   HostBuf hmeta, hanc, hres, hstat;
   DevBuf dmeta, danc, dres, dstat;
-  Scratch scratch;
+  cuda::DeviceScratch scratch;
 
   kvxfer_page_layout_t layout(const xfer::PageRef& p) const {
     kvxfer_page_layout_t l{};
@@ -434,7 +427,7 @@ kvxfer_result_t Call::encode_all() {
     }
     NCCLB_FATAL(alloc(&s.hanc, acap));
     NCCLB_FATAL(alloc(&s.hres, rcap));
-    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.mine.page_tokens, s.H, &s.scratch.s));
+    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.mine.page_tokens, s.H, &s.scratch));
     uint64_t ao = 0, ro = 0;
     for (size_t i = 0; i < np; ++i) {
       const xfer::PageRef& p = s.pages[i];
@@ -442,7 +435,7 @@ kvxfer_result_t Call::encode_all() {
       const kvxfer_page_id_t id = s.page_id(p);
       size_t al = 0, rl = 0;
       const kvxfer_result_t r =
-          cuda::encode_page_device(&s.codec, &id, &l, s.scratch.s, s.hanc.p + ao, acap - ao, &al,
+          cuda::encode_page_device(&s.codec, &id, &l, s.scratch, s.hanc.p + ao, acap - ao, &al,
                                    s.hres.p + ro, rcap - ro, &rl, c_->astream);
       if (r < 0) {
         mark_failed(s, r, last_error());
@@ -548,7 +541,7 @@ kvxfer_result_t Call::phase_lengths() {
     }
     NCCLB_FATAL(alloc(&s.hanc, s.atot));
     NCCLB_FATAL(alloc(&s.hres, s.rtot));
-    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.peer.page_tokens, s.H, &s.scratch.s));
+    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.peer.page_tokens, s.H, &s.scratch));
     s.in_data = true;
   }
   return KVXFER_SUCCESS;
@@ -561,7 +554,7 @@ void Call::decode_pages(OpState& s, bool full, cudaStream_t stream) {
     const kvxfer_page_id_t id = s.page_id(p);
     const uint8_t* res = full && s.rlen[i] > 0 ? s.hres.p + s.roff[i] : nullptr;
     const kvxfer_result_t r = cuda::decode_page_device(
-        s.hanc.p + s.aoff[i], s.alen[i], res, res ? s.rlen[i] : 0, &id, &l, s.scratch.s, stream);
+        s.hanc.p + s.aoff[i], s.alen[i], res, res ? s.rlen[i] : 0, &id, &l, s.scratch, stream);
     if (r < 0)
       mark_failed(s, r,
                   strprintf("page of layer %d %s, tokens [%" PRId64 ", %" PRId64 "): %s", p.layer,
