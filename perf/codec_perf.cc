@@ -34,7 +34,7 @@
 #include "perf/common/harness.h"
 #ifdef KVXFER_CODEC_PERF_GPU
 #include "cuda/cuda_check.h"
-#include "kvxfer_kernels.h"
+#include "cuda/device_codec.h"
 #endif
 
 namespace {
@@ -551,7 +551,7 @@ std::string fmt2(double v) { return kp::strprintf("%.2f", v); }
 std::string fmt4(double v) { return kp::strprintf("%.4f", v); }
 
 // ---------------------------------------------------------------------------
-// --gpu: the CUDA kernels of kernels/kvxfer_kernels.h on one device page
+// --gpu: the CUDA kernels (src/cuda/device_codec.h) on one device page
 // (docs/PERFORMANCE.md, "codec_perf --gpu").  Built when CMake found CUDA
 // (KVXFER_HAVE_CUDA defines KVXFER_CODEC_PERF_GPU); elsewhere --gpu only
 // prints why it skipped.
@@ -594,7 +594,7 @@ bool cuda_ok(cudaError_t e, const char* what) {
     if (r_ < 0) return report_failure(#call, r_); \
   } while (0)
 
-using DevBuf = kvxfer::cuda::DeviceBuffer;  // kernels/kvxfer_kernels.h
+using DevBuf = kvxfer::cuda::DeviceBuffer;  // src/cuda/device_buffer.h
 
 /** DevBuf::alloc, printing a failure; returns false then. */
 bool alloc(DevBuf* b, size_t bytes) { return cuda_ok(b->alloc(bytes), "cudaMalloc"); }
@@ -602,7 +602,7 @@ bool alloc(DevBuf* b, size_t bytes) { return cuda_ok(b->alloc(bytes), "cudaMallo
 /**
  * A one-page host Pool mirrored in device memory: the same bytes, the same
  * pseudo-random block order, and the block table itself in device memory
- * (kernels/kvxfer_kernels.h, "Device layouts"), as a vLLM runtime holds it.
+ * (src/cuda/device_codec.h, "Device layouts"), as a vLLM runtime holds it.
  */
 struct DevicePool {
   DevBuf storage, table;

@@ -1,4 +1,4 @@
-// GPU page codec (kernels/) against the CPU reference: encoded sections and
+// GPU page codec (src/cuda/, kernels/) against the CPU reference: encoded sections and
 // decoded values must be byte-identical (docs/GPU.md, docs/FORMAT.md section
 // 3).  Every test needs a CUDA device and skips itself when there is none;
 // ctest label "gpu".  scripts/gpu-check.sh runs them on a GPU machine.
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "kvxfer_kernels.h"
+#include "cuda/device_codec.h"
 #include "test_util.h"
 
 namespace kvxfer::test {

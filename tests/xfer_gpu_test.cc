@@ -1,5 +1,5 @@
 // The GPU path of kvxfer_send / kvxfer_recv (src/xfer/device.h,
-// kernels/xfer_device.cc): KV blocks in CUDA device memory on either side,
+// src/cuda/xfer_device.cc): KV blocks in CUDA device memory on either side,
 // staged through pinned host buffers over the libfabric loopback.
 //
 // Received values are copied back to the host and compared bit for bit with

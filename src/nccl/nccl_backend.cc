@@ -40,7 +40,7 @@
 #include "common/log.h"
 #include "common/params.h"
 #include "cuda/cuda_check.h"
-#include "kvxfer_kernels.h"
+#include "cuda/device_codec.h"
 #include "xfer/protocol.h"
 
 using kvxfer::set_error;

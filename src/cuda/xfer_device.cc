@@ -12,7 +12,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "cuda/cuda_check.h"
-#include "kvxfer_kernels.h"
+#include "cuda/device_codec.h"
 #include "xfer/device.h"
 
 namespace kvxfer::cuda {

@@ -3,6 +3,8 @@
 // and the high-priority anchor stream.  Headers and checksums are written here
 // on the host, with codec::write_header / codec::seal_section, once the
 // payloads are in host memory (docs/GPU.md).
+#include "cuda/device_codec.h"
+
 #include <cuda_runtime.h>
 
 #include <cinttypes>
@@ -21,7 +23,6 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "cuda/cuda_check.h"
-#include "kvxfer_kernels.h"
 
 namespace kvxfer::cuda {
 

@@ -1,4 +1,5 @@
-// GPU page codec (internal C++ interface of the static library kvxfer_cuda).
+// GPU page codec: the device codec API (src/cuda/, static library
+// kvxfer_cuda) over the kernels of kernels/ (kernels/codec_kernels.h).
 //
 // The kernels produce exactly the payload bytes of docs/FORMAT.md section 4
 // (the same bytes as codec::encode_page with Impl::REFERENCE) and decode to
@@ -28,6 +29,7 @@
 #include <memory>
 
 #include "codec/format.h"
+#include "codec_kernels.h"
 #include "cuda/device_buffer.h"
 #include "kvxfer/kvxfer.h"
 
@@ -66,20 +68,7 @@ struct DeviceCodebook {
  */
 kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out);
 
-/** Outcome of the kernels, in device memory (8-byte aligned). */
-struct DeviceStatus {
-  uint32_t flags;  // STATUS_* bits
-  uint32_t reserved;
-  uint64_t first_bad;  // (t * H + c) << 1 | is_inf of the first non-finite element
-                       // in token-major order; ~0 if none
-  uint64_t hist[256];  // encode: the page's histogram of full codes (anchor table, FORMAT 2.4)
-};
-enum : uint32_t {
-  STATUS_NEED_FP32 = 1u << 0,  // a (chunk, channel) range does not fit binary16 metadata
-  STATUS_NONFINITE = 1u << 1,  // NaN or Inf in the input
-  STATUS_BAD_META = 1u << 2,   // decode: a metadata entry is not finite or d < 0, or an anchor
-                               // table entry is outside its bin; nothing written
-};
+// DeviceStatus and its STATUS_* bits: kernels/codec_kernels.h.
 
 /** Checks the host-visible fields of a device layout (everything but the block pointers). */
 kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char* what);
