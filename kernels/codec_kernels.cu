@@ -28,9 +28,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "codec/codebook.h"
 #include "codec_kernels.cuh"
-#include "common/error.h"
 
 namespace kvxfer::cuda {
 
@@ -368,30 +366,7 @@ __global__ void __launch_bounds__(kThreads)
 // Launch helpers
 // ---------------------------------------------------------------------------
 
-KLayout klayout(const kvxfer_page_layout_t* l) {
-  KLayout k;
-  k.blocks = l->blocks;
-  k.block_size = l->block_size;
-  k.row_stride_bytes = l->row_stride * static_cast<int64_t>(codec::dtype_size(l->dtype));
-  k.first_token = l->first_token;
-  k.T = l->num_tokens;
-  k.H = l->num_channels;
-  return k;
-}
-
-KCodebook kcodebook(const DeviceCodebook& d) {
-  return KCodebook{d.lut_base,      d.lut_next, d.recon_full, d.recon_anchor,   d.anchor_lo,
-                   d.anchor_hi,     d.lut_log2, d.lut_origin, d.sign_magnitude, d.anchor_bits,
-                   d.residual_bits, d.kind,     d.max_code,   d.scale_num,      d.bias};
-}
-
-kvxfer_result_t launched(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    return set_error(KVXFER_ERR_SYSTEM, "CUDA launch of %s failed: %s", what,
-                     cudaGetErrorString(e));
-  return KVXFER_SUCCESS;
-}
+kernels::Launched launched(const char* kernel) { return {cudaGetLastError(), kernel}; }
 
 // Grid for grid-stride loops over `work` items of kThreads threads.
 unsigned grid_for(uint64_t work) {
@@ -408,115 +383,72 @@ dim3 row_grid(int64_t T, int32_t H) {
   return dim3(x, y);
 }
 
+// The host side (src/cuda/launch.cc) has checked the dtype.
 template <typename F>
-kvxfer_result_t by_dtype(kvxfer_dtype_t dt, F&& f) {
+kernels::Launched by_dtype(int32_t dt, F&& f) {
   switch (dt) {
     case KVXFER_DTYPE_BF16: return f(std::integral_constant<int, KVXFER_DTYPE_BF16>{});
     case KVXFER_DTYPE_FP16: return f(std::integral_constant<int, KVXFER_DTYPE_FP16>{});
     case KVXFER_DTYPE_FP32: return f(std::integral_constant<int, KVXFER_DTYPE_FP32>{});
   }
-  return set_error(KVXFER_ERR_INVALID_ARGUMENT, "bad dtype %d", static_cast<int>(dt));
+  return {cudaErrorInvalidValue, "dtype dispatch"};
 }
-
-bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
 
 }  // namespace
 
-kvxfer_result_t launch_reset_status(DeviceStatus* status, cudaStream_t stream) {
-  KVXFER_REQUIRE(status != nullptr && aligned8(status), "device status is NULL or misaligned");
+namespace kernels {
+
+Launched reset_status(DeviceStatus* status, cudaStream_t stream) {
   KVXFER_LAUNCH(1, 256, stream, k_reset_status)(status);
   return launched("reset_status");
 }
 
-kvxfer_result_t read_status(const DeviceStatus* status, DeviceStatus* out, cudaStream_t stream) {
-  cudaError_t e =
-      cudaMemcpyAsync(out, status, sizeof(DeviceStatus), cudaMemcpyDeviceToHost, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  if (e != cudaSuccess)
-    return set_error(KVXFER_ERR_SYSTEM, "reading the device status failed: %s",
-                     cudaGetErrorString(e));
-  return KVXFER_SUCCESS;
-}
-
-kvxfer_result_t launch_encode(const DeviceCodebook& cb, const kvxfer_page_layout_t* src,
-                              int chunk_tokens, bool meta_fp32, uint8_t* anchor_payload,
-                              uint8_t* residual_payload, DeviceStatus* status,
-                              cudaStream_t stream) {
-  KVXFER_CHECK(validate_device_layout(src, "source"));
-  KVXFER_REQUIRE(codec::valid_chunk_tokens(chunk_tokens), "chunk_tokens %d", chunk_tokens);
-  KVXFER_REQUIRE(cb.lut_base != nullptr, "device codebook not uploaded");
-  KVXFER_REQUIRE(anchor_payload != nullptr && aligned8(anchor_payload),
-                 "anchor payload is NULL or not 8-byte aligned");
-  KVXFER_REQUIRE(cb.residual_bits == 0 || (residual_payload != nullptr),
-                 "residual payload is NULL");
-  KVXFER_REQUIRE(status != nullptr && aligned8(status), "device status is NULL or misaligned");
-  const int64_t T = src->num_tokens;
-  const int32_t H = src->num_channels;
-  const int64_t chunks = (T + chunk_tokens - 1) / chunk_tokens;
-  KVXFER_REQUIRE(chunks <= 0x7FFFFFFF, "too many chunks");
-  const int A = cb.anchor_bits, R = cb.residual_bits;
-  const uint64_t meta_bytes = static_cast<uint64_t>(chunks) * H * (meta_fp32 ? 8 : 4);
-  const uint64_t anchor_codes = (static_cast<uint64_t>(T) * H * A + 7) / 8;
-  uint8_t* meta = anchor_payload;
-  uint8_t* anchors = anchor_payload + meta_bytes;
-  const KLayout L = klayout(src);
-  const KCodebook K = kcodebook(cb);
-  if (T > 0) {
-    const bool fused =
-        (static_cast<int64_t>(H) * A) % 8 == 0 && (static_cast<int64_t>(H) * R) % 8 == 0;
-    KVXFER_CHECK(by_dtype(src->dtype, [&](auto dt) -> kvxfer_result_t {
-      constexpr int DT = decltype(dt)::value;
-      if (fused) {
-        const dim3 grid(static_cast<unsigned>(chunks),
-                        static_cast<unsigned>((H + kGroup - 1) / kGroup));
-        KVXFER_LAUNCH(grid, kGroup, stream, k_encode_fused<DT>)
-        (L, K, chunk_tokens, meta_fp32, meta, anchors, residual_payload, status);
-        return launched("encode_fused");
-      }
+Launched encode(const KLayout& L, const KCodebook& K, int chunk_tokens, int64_t chunks,
+                bool meta_fp32, uint8_t* meta, uint8_t* anchors, uint8_t* residuals,
+                DeviceStatus* status, cudaStream_t stream) {
+  const int64_t H = L.H;
+  const bool fused = (H * K.A) % 8 == 0 && (H * K.R) % 8 == 0;
+  return by_dtype(L.dtype, [&](auto dt) -> Launched {
+    constexpr int DT = decltype(dt)::value;
+    if (fused) {
       const dim3 grid(static_cast<unsigned>(chunks),
-                      static_cast<unsigned>((H + kThreads - 1) / kThreads));
-      KVXFER_LAUNCH(grid, kThreads, stream, k_encode_meta<DT>)
-      (L, chunk_tokens, meta_fp32, meta, status);
-      KVXFER_CHECK(launched("encode_meta"));
-      const uint64_t octets = (static_cast<uint64_t>(T) * H + 7) / 8;
-      KVXFER_LAUNCH(grid_for(octets), kThreads, stream, k_encode_codes<DT>)
-      (L, K, chunk_tokens, meta_fp32, meta, anchors, residual_payload, status);
-      return launched("encode_codes");
-    }));
-  }
-  // Split codecs with a table (codec::has_anchor_table): the per-page anchor
-  // table, after the codes (also for T = 0, where it holds the bin centres).
-  if (cb.anchor_table) {
-    KVXFER_LAUNCH(1, 64, stream, k_anchor_table)(K, anchors + anchor_codes, status);
-    KVXFER_CHECK(launched("anchor_table"));
-  }
-  return KVXFER_SUCCESS;
+                      static_cast<unsigned>((H + kGroup - 1) / kGroup));
+      KVXFER_LAUNCH(grid, kGroup, stream, k_encode_fused<DT>)
+      (L, K, chunk_tokens, meta_fp32, meta, anchors, residuals, status);
+      return launched("encode_fused");
+    }
+    const dim3 grid(static_cast<unsigned>(chunks),
+                    static_cast<unsigned>((H + kThreads - 1) / kThreads));
+    KVXFER_LAUNCH(grid, kThreads, stream, k_encode_meta<DT>)
+    (L, chunk_tokens, meta_fp32, meta, status);
+    const Launched m = launched("encode_meta");
+    if (m.error != cudaSuccess) return m;
+    const uint64_t octets = (static_cast<uint64_t>(L.T) * L.H + 7) / 8;
+    KVXFER_LAUNCH(grid_for(octets), kThreads, stream, k_encode_codes<DT>)
+    (L, K, chunk_tokens, meta_fp32, meta, anchors, residuals, status);
+    return launched("encode_codes");
+  });
 }
 
-kvxfer_result_t launch_scan_nonfinite(const kvxfer_page_layout_t* src, DeviceStatus* status,
-                                      cudaStream_t stream) {
-  KVXFER_CHECK(validate_device_layout(src, "source"));
-  if (src->num_tokens == 0) return KVXFER_SUCCESS;
-  const KLayout L = klayout(src);
-  return by_dtype(src->dtype, [&](auto dt) -> kvxfer_result_t {
+Launched anchor_table(const KCodebook& K, uint8_t* out, const DeviceStatus* status,
+                      cudaStream_t stream) {
+  KVXFER_LAUNCH(1, 64, stream, k_anchor_table)(K, out, status);
+  return launched("anchor_table");
+}
+
+Launched scan_nonfinite(const KLayout& L, DeviceStatus* status, cudaStream_t stream) {
+  return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
     KVXFER_LAUNCH(row_grid(L.T, L.H), kThreads, stream, k_scan_nonfinite<DT>)(L, status);
     return launched("scan_nonfinite");
   });
 }
 
-kvxfer_result_t launch_pack_values(const kvxfer_page_layout_t* src, kvxfer_dtype_t out_dtype,
-                                   uint8_t* payload, cudaStream_t stream) {
-  KVXFER_CHECK(validate_device_layout(src, "source"));
-  KVXFER_REQUIRE(out_dtype == src->dtype || out_dtype == KVXFER_DTYPE_BF16,
-                 "values are packed as the source dtype or as bf16");
-  KVXFER_REQUIRE(payload != nullptr && aligned8(payload), "payload is NULL or misaligned");
-  if (src->num_tokens == 0) return KVXFER_SUCCESS;
-  const KLayout L = klayout(src);
+Launched pack_values(const KLayout& L, int32_t out_dtype, uint8_t* payload, cudaStream_t stream) {
   const dim3 grid = row_grid(L.T, L.H);
-  return by_dtype(src->dtype, [&](auto dt) -> kvxfer_result_t {
+  return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
-    if (out_dtype == src->dtype)
+    if (out_dtype == L.dtype)
       KVXFER_LAUNCH(grid, kThreads, stream, k_pack_values<DT, DT>)(L, payload);
     else
       KVXFER_LAUNCH(grid, kThreads, stream, k_pack_values<DT, KVXFER_DTYPE_BF16>)(L, payload);
@@ -524,16 +456,12 @@ kvxfer_result_t launch_pack_values(const kvxfer_page_layout_t* src, kvxfer_dtype
   });
 }
 
-kvxfer_result_t launch_unpack_values(const uint8_t* payload, kvxfer_dtype_t in_dtype,
-                                     const kvxfer_page_layout_t* dst, cudaStream_t stream) {
-  KVXFER_CHECK(validate_device_layout(dst, "destination"));
-  KVXFER_REQUIRE(payload != nullptr && aligned8(payload), "payload is NULL or misaligned");
-  if (dst->num_tokens == 0) return KVXFER_SUCCESS;
-  const KLayout L = klayout(dst);
+Launched unpack_values(const uint8_t* payload, int32_t in_dtype, const KLayout& L,
+                       cudaStream_t stream) {
   const dim3 grid = row_grid(L.T, L.H);
-  return by_dtype(dst->dtype, [&](auto dt) -> kvxfer_result_t {
+  return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
-    return by_dtype(in_dtype, [&](auto sdt) -> kvxfer_result_t {
+    return by_dtype(in_dtype, [&](auto sdt) -> Launched {
       constexpr int SDT = decltype(sdt)::value;
       KVXFER_LAUNCH(grid, kThreads, stream, k_unpack_values<SDT, DT>)(payload, L);
       return launched("unpack_values");
@@ -541,42 +469,22 @@ kvxfer_result_t launch_unpack_values(const uint8_t* payload, kvxfer_dtype_t in_d
   });
 }
 
-kvxfer_result_t launch_decode(const codec::PageHeader& h, const DeviceCodebook& cb,
-                              const uint8_t* anchor_payload, const uint8_t* residual_payload,
-                              const kvxfer_page_layout_t* dst, DeviceStatus* status,
-                              cudaStream_t stream) {
-  KVXFER_CHECK(validate_device_layout(dst, "destination"));
-  KVXFER_REQUIRE(cb.lut_base != nullptr, "device codebook not uploaded");
-  KVXFER_REQUIRE(static_cast<uint64_t>(dst->num_tokens) == h.num_tokens &&
-                     static_cast<uint32_t>(dst->num_channels) == h.num_channels,
-                 "destination is not the page's shape");
-  KVXFER_REQUIRE(h.anchor_bits == cb.anchor_bits && h.code_bits == cb.code_bits,
-                 "codebook does not match the header");
-  KVXFER_REQUIRE(!(h.flags & codec::FLAG_RAW) && h.codec != KVXFER_CODEC_BF16,
-                 "raw and BF16 sections decode with launch_unpack_values");
-  KVXFER_REQUIRE(anchor_payload != nullptr && aligned8(anchor_payload),
-                 "anchor payload is NULL or not 8-byte aligned");
-  KVXFER_REQUIRE(status != nullptr && aligned8(status), "device status is NULL or misaligned");
-  const int64_t T = dst->num_tokens;
-  const int32_t H = dst->num_channels;
-  if (T == 0) return KVXFER_SUCCESS;
-  const bool fp32 = (h.flags & codec::FLAG_META_FP32) != 0;
-  const codec::PayloadSizes s = codec::payload_sizes(h);
-  const uint64_t entries = (static_cast<uint64_t>(T) + h.chunk_tokens - 1) / h.chunk_tokens * H;
-  const KLayout L = klayout(dst);
-  const KCodebook K = kcodebook(cb);
-  const uint8_t* table = s.table_bytes > 0 ? anchor_payload + s.table_offset() : nullptr;
+Launched decode(const KLayout& L, const KCodebook& K, int chunk_tokens, bool meta_fp32,
+                uint64_t entries, const uint8_t* meta, const uint8_t* anchors,
+                const uint8_t* residuals, const uint8_t* table, DeviceStatus* status,
+                cudaStream_t stream) {
   KVXFER_LAUNCH(grid_for(entries), kThreads, stream, k_check_meta)
-  (anchor_payload, entries, fp32, K, table, status);
-  KVXFER_CHECK(launched("check_meta"));
-  const uint64_t octets = (static_cast<uint64_t>(T) * H + 7) / 8;
-  return by_dtype(dst->dtype, [&](auto dt) -> kvxfer_result_t {
+  (meta, entries, meta_fp32, K, table, status);
+  const Launched c = launched("check_meta");
+  if (c.error != cudaSuccess) return c;
+  const uint64_t octets = (static_cast<uint64_t>(L.T) * L.H + 7) / 8;
+  return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
     KVXFER_LAUNCH(grid_for(octets), kThreads, stream, k_decode<DT>)
-    (L, K, h.chunk_tokens, fp32, anchor_payload, anchor_payload + s.meta_bytes, residual_payload,
-     table, status);
+    (L, K, chunk_tokens, meta_fp32, meta, anchors, residuals, table, status);
     return launched("decode");
   });
 }
 
+}  // namespace kernels
 }  // namespace kvxfer::cuda

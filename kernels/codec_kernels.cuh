@@ -6,11 +6,11 @@
 #include <cstdint>
 
 #include "codec/codec_math.h"
+#include "codec_kernels.h"
 #include "kvxfer/kvxfer.h"
-#include "kvxfer_kernels.h"
 
 // Kernel launch on a stream: KVXFER_LAUNCH(grid, block, stream, kernel)(args...).
-// A macro so that kernels/emu (a CPU emulation used to exercise the kernels on
+// A macro so that cuda_emu/ (a CPU emulation used to exercise the kernels on
 // machines without a GPU) can run the same source.
 #ifndef KVXFER_LAUNCH
 #define KVXFER_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<(grid), (block), 0, (stream)>>>
@@ -21,29 +21,8 @@ namespace kvxfer::cuda::detail {
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ uint64_t umin(uint64_t a, uint64_t b) { return a < b ? a : b; }
 
-/** A page layout as the kernels see it (a device block table). */
-struct KLayout {
-  void* const* blocks;       // device array of device block pointers
-  int64_t block_size;        // tokens per block
-  int64_t row_stride_bytes;  // bytes between consecutive tokens of a block
-  int64_t first_token;
-  int64_t T;
-  int32_t H;
-};
-
-/** Tables and widths of a codebook, by value in kernel parameters. */
-struct KCodebook {
-  const int32_t* __restrict__ base;
-  const float* __restrict__ next;
-  const float* __restrict__ recon_full;
-  const float* __restrict__ recon_anchor;
-  const float* __restrict__ anchor_lo;
-  const float* __restrict__ anchor_hi;
-  int lut_log2, lut_origin, sign_magnitude;
-  int A, R;               // anchor / residual bits
-  int kind, max_code;     // Codebook::kind, max_code
-  float scale_num, bias;  // Codebook::scale_num, bias
-};
+using kernels::KCodebook;
+using kernels::KLayout;
 
 __device__ __forceinline__ uint8_t* row_ptr(const KLayout& L, int64_t t) {
   const int64_t u = L.first_token + t;

@@ -33,7 +33,8 @@
 #include "models/synthetic_kv.h"
 #include "perf/common/harness.h"
 #ifdef KVXFER_CODEC_PERF_GPU
-#include "kvxfer_kernels.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_codec.h"
 #endif
 
 namespace {
@@ -550,7 +551,7 @@ std::string fmt2(double v) { return kp::strprintf("%.2f", v); }
 std::string fmt4(double v) { return kp::strprintf("%.4f", v); }
 
 // ---------------------------------------------------------------------------
-// --gpu: the CUDA kernels of kernels/kvxfer_kernels.h on one device page
+// --gpu: the CUDA kernels (src/cuda/device_codec.h) on one device page
 // (docs/PERFORMANCE.md, "codec_perf --gpu").  Built when CMake found CUDA
 // (KVXFER_HAVE_CUDA defines KVXFER_CODEC_PERF_GPU); elsewhere --gpu only
 // prints why it skipped.
@@ -582,24 +583,18 @@ int gpu_skip(const Options& o, const std::string& why) {
 #ifdef KVXFER_CODEC_PERF_GPU
 namespace kcu = kvxfer::cuda;
 
-/** Prints a failed CUDA runtime call; returns false. */
+/** A CUDA runtime result through kcu::cuda_result; prints a failure and returns false. */
 bool cuda_ok(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return true;
-  std::fprintf(stderr, "codec_perf: %s failed: %s (%d)\n", what, cudaGetErrorString(e),
-               static_cast<int>(e));
-  return false;
+  const kvxfer_result_t r = kcu::cuda_result(e, what);
+  return r >= 0 || report_failure(what, r);
 }
-#define CODEC_PERF_CUDA(call)                  \
-  do {                                         \
-    if (!cuda_ok((call), #call)) return false; \
-  } while (0)
 #define CODEC_PERF_KV(call)                       \
   do {                                            \
     const kvxfer_result_t r_ = (call);            \
     if (r_ < 0) return report_failure(#call, r_); \
   } while (0)
 
-using DevBuf = kvxfer::cuda::DeviceBuffer;  // kernels/kvxfer_kernels.h
+using DevBuf = kvxfer::cuda::DeviceBuffer;  // src/cuda/device_buffer.h
 
 /** DevBuf::alloc, printing a failure; returns false then. */
 bool alloc(DevBuf* b, size_t bytes) { return cuda_ok(b->alloc(bytes), "cudaMalloc"); }
@@ -607,7 +602,7 @@ bool alloc(DevBuf* b, size_t bytes) { return cuda_ok(b->alloc(bytes), "cudaMallo
 /**
  * A one-page host Pool mirrored in device memory: the same bytes, the same
  * pseudo-random block order, and the block table itself in device memory
- * (kernels/kvxfer_kernels.h, "Device layouts"), as a vLLM runtime holds it.
+ * (src/cuda/device_codec.h, "Device layouts"), as a vLLM runtime holds it.
  */
 struct DevicePool {
   DevBuf storage, table;
@@ -618,31 +613,27 @@ struct DevicePool {
     for (void* b : h.blocks[0])
       blocks.push_back(storage.p + (static_cast<uint8_t*>(b) - h.storage.data()));
     if (!alloc(&table, blocks.size() * sizeof(void*))) return false;
-    CODEC_PERF_CUDA(
-        cudaMemcpy(table.p, blocks.data(), blocks.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    if (!cuda_ok(cudaMemcpy(table.p, blocks.data(), blocks.size() * sizeof(void*),
+                            cudaMemcpyHostToDevice),
+                 "cudaMemcpy(block table)"))
+      return false;
     layout = h.layouts[0];
     layout.blocks = reinterpret_cast<void* const*>(table.p);
     return true;
   }
   bool upload(const Pool& h) {
-    CODEC_PERF_CUDA(
-        cudaMemcpy(storage.p, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice));
+    if (!cuda_ok(cudaMemcpy(storage.p, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice),
+                 "cudaMemcpy(upload)"))
+      return false;
     return true;
   }
   bool download(Pool* h) const {
-    CODEC_PERF_CUDA(
-        cudaMemcpy(h->storage.data(), storage.p, h->storage.size(), cudaMemcpyDeviceToHost));
+    if (!cuda_ok(
+            cudaMemcpy(h->storage.data(), storage.p, h->storage.size(), cudaMemcpyDeviceToHost),
+            "cudaMemcpy(download)"))
+      return false;
     return true;
   }
-};
-
-/** alloc_scratch'd device scratch, freed on destruction. */
-struct Scratch {
-  kcu::DeviceScratch s;
-  Scratch() = default;
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() { kcu::free_scratch(&s); }
 };
 
 /**
@@ -667,8 +658,8 @@ class GpuTimer {
   bool init(cudaStream_t s, size_t l2_bytes) {
     stream_ = s;
 #ifndef KVXFER_GPU_EMULATION
-    CODEC_PERF_CUDA(cudaEventCreate(&start_));
-    CODEC_PERF_CUDA(cudaEventCreate(&stop_));
+    if (!cuda_ok(cudaEventCreate(&start_), "cudaEventCreate")) return false;
+    if (!cuda_ok(cudaEventCreate(&stop_), "cudaEventCreate")) return false;
     if (l2_bytes > 0 && !alloc(&flush_, 2 * l2_bytes)) return false;
 #else
     (void)l2_bytes;
@@ -680,18 +671,20 @@ class GpuTimer {
     std::vector<double> us;
     for (int i = 0; i < w + n; ++i) {
 #ifndef KVXFER_GPU_EMULATION
-      if (flush_.n > 0) CODEC_PERF_CUDA(cudaMemsetAsync(flush_.p, i & 0xff, flush_.n, stream_));
-      CODEC_PERF_CUDA(cudaEventRecord(start_, stream_));
+      if (flush_.n > 0 &&
+          !cuda_ok(cudaMemsetAsync(flush_.p, i & 0xff, flush_.n, stream_), "cudaMemsetAsync"))
+        return false;
+      if (!cuda_ok(cudaEventRecord(start_, stream_), "cudaEventRecord")) return false;
       if (!enqueue()) return false;
-      CODEC_PERF_CUDA(cudaEventRecord(stop_, stream_));
-      CODEC_PERF_CUDA(cudaEventSynchronize(stop_));
+      if (!cuda_ok(cudaEventRecord(stop_, stream_), "cudaEventRecord")) return false;
+      if (!cuda_ok(cudaEventSynchronize(stop_), "cudaEventSynchronize")) return false;
       float ms = 0;
-      CODEC_PERF_CUDA(cudaEventElapsedTime(&ms, start_, stop_));
+      if (!cuda_ok(cudaEventElapsedTime(&ms, start_, stop_), "cudaEventElapsedTime")) return false;
       if (i >= w) us.push_back(1e3 * static_cast<double>(ms));
 #else
       const auto t0 = std::chrono::steady_clock::now();
       if (!enqueue()) return false;
-      CODEC_PERF_CUDA(cudaStreamSynchronize(stream_));
+      if (!cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize")) return false;
       const auto t1 = std::chrono::steady_clock::now();
       if (i >= w) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
 #endif
@@ -724,7 +717,8 @@ struct GpuRow {
 bool gpu_memcpy(const Options& o, GpuTimer* timer, cudaStream_t s, uint64_t bytes, kp::Stats* out) {
   DevBuf a, b;
   if (!alloc(&a, bytes) || !alloc(&b, bytes)) return false;
-  CODEC_PERF_CUDA(cudaMemcpy(a.p, b.p, bytes, cudaMemcpyDeviceToDevice));  // touch both
+  if (!cuda_ok(cudaMemcpy(a.p, b.p, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy(touch)"))
+    return false;
   return timer->loop(
       o.common.warmup, o.common.iters,
       [&] {
@@ -738,7 +732,7 @@ bool gpu_memcpy(const Options& o, GpuTimer* timer, cudaStream_t s, uint64_t byte
 bool gpu_status(const kcu::DeviceScratch& sc, cudaStream_t s, uint32_t allowed, uint32_t* flags,
                 const char* what) {
   kcu::DeviceStatus st{};
-  CODEC_PERF_KV(kcu::read_status(sc.status, &st, s));
+  CODEC_PERF_KV(kcu::read_status(sc.status(), &st, s));
   *flags = st.flags;
   if ((st.flags & ~allowed) != 0) {
     std::fprintf(stderr, "codec_perf: %s: device status 0x%x (%s%s%s)\n", what, st.flags,
@@ -797,20 +791,20 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   }
   kcu::DeviceCodebook dcb;
   CODEC_PERF_KV(kcu::upload_codebook(cb.get(), &dcb));
-  Scratch sc;
-  CODEC_PERF_KV(kcu::alloc_scratch(&cc.cfg, T, H, &sc.s));
+  kcu::DeviceScratch sc;
+  CODEC_PERF_KV(kcu::alloc_scratch(&cc.cfg, T, H, &sc));
   kc::PageHeader h = kc::make_header(cc.cfg, id, T, H, hsrc.dtype);
   bool fp32 = false;
   auto encode = [&] {
-    const kvxfer_result_t r1 = kcu::launch_reset_status(sc.s.status, s);
+    const kvxfer_result_t r1 = kcu::launch_reset_status(sc.status(), s);
     if (r1 < 0) return report_failure("launch_reset_status", r1);
     const kvxfer_result_t r2 =
-        kcu::launch_encode(dcb, &dsrc.layout, cc.cfg.chunk_tokens, fp32, sc.s.anchor_payload,
-                           sc.s.residual_payload, sc.s.status, s);
+        kcu::launch_encode(dcb, &dsrc.layout, cc.cfg.chunk_tokens, fp32, sc.anchor_payload(),
+                           sc.residual_payload(), sc.status(), s);
     return r2 < 0 ? report_failure("launch_encode", r2) : true;
   };
   uint32_t flags = 0;
-  if (!encode() || !gpu_status(sc.s, s, kcu::STATUS_NEED_FP32, &flags, "encode")) return false;
+  if (!encode() || !gpu_status(sc, s, kcu::STATUS_NEED_FP32, &flags, "encode")) return false;
   if (flags & kcu::STATUS_NEED_FP32) {
     fp32 = true;
     h.flags = kc::FLAG_META_FP32;
@@ -822,7 +816,8 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   auto count = [&](const uint8_t* dev, uint64_t n, const std::vector<uint8_t>& cpu, size_t cpu_len,
                    uint64_t* wrong) {
     tmp.resize(n);
-    if (n > 0) CODEC_PERF_CUDA(cudaMemcpy(tmp.data(), dev, n, cudaMemcpyDeviceToHost));
+    if (n > 0 && !cuda_ok(cudaMemcpy(tmp.data(), dev, n, cudaMemcpyDeviceToHost), "cudaMemcpy"))
+      return false;
     *wrong += count_wrong(tmp.data(), n, cpu.data() + kc::kHeaderBytes, cpu_len - kc::kHeaderBytes);
     return true;
   };
@@ -830,11 +825,11 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   // encode
   GpuRow enc{"encode", page, apay + rpay};
   if (!timer->loop(o.common.warmup, o.common.iters, encode, &enc.t)) return false;
-  if (!gpu_status(sc.s, s, 0, &flags, "encode")) return false;
+  if (!gpu_status(sc, s, 0, &flags, "encode")) return false;
   if (check) {
     uint64_t w = 0;
-    if (!count(sc.s.anchor_payload, apay, canc, cal, &w) ||
-        !count(sc.s.residual_payload, rpay, cres, crl, &w))
+    if (!count(sc.anchor_payload(), apay, canc, cal, &w) ||
+        !count(sc.residual_payload(), rpay, cres, crl, &w))
       return false;
     enc.wrong = static_cast<int64_t>(w);
   }
@@ -845,15 +840,15 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
     hdst->poison();  // 0xA5 everywhere: a row the kernel skipped cannot match
     if (!ddst->upload(*hdst)) return false;
     auto run = [&] {
-      const kvxfer_result_t r1 = kcu::launch_reset_status(sc.s.status, s);
+      const kvxfer_result_t r1 = kcu::launch_reset_status(sc.status(), s);
       if (r1 < 0) return report_failure("launch_reset_status", r1);
       const kvxfer_result_t r2 =
-          kcu::launch_decode(h, dcb, sc.s.anchor_payload, full ? sc.s.residual_payload : nullptr,
-                             &ddst->layout, sc.s.status, s);
+          kcu::launch_decode(h, dcb, sc.anchor_payload(), full ? sc.residual_payload() : nullptr,
+                             &ddst->layout, sc.status(), s);
       return r2 < 0 ? report_failure("launch_decode", r2) : true;
     };
     if (!timer->loop(o.common.warmup, o.common.iters, run, &row->t)) return false;
-    if (!gpu_status(sc.s, s, 0, &flags, full ? "full decode" : "anchor decode")) return false;
+    if (!gpu_status(sc, s, 0, &flags, full ? "full decode" : "anchor decode")) return false;
     if (check) {
       if (!ddst->download(hdst)) return false;
       const std::vector<uint8_t> got = hdst->gather(0);
@@ -932,7 +927,7 @@ int run_gpu(const Options& o, const std::vector<kvxfer_dtype_t>& dtypes,
           {"peak_gbps", peak_gbps}};
 #else
   std::printf(
-      "# GPU %d: CPU emulation of the kernels (kernels/emu): checks the bytes, "
+      "# GPU %d: CPU emulation of the kernels (cuda_emu/): checks the bytes, "
       "times are not GPU figures\n",
       dev);
   jgpu = {{"device", dev}, {"name", "emulation"}};

@@ -1,10 +1,10 @@
-// GPU page codec (kernels/) against the CPU reference: encoded sections and
+// GPU page codec (src/cuda/, kernels/) against the CPU reference: encoded sections and
 // decoded values must be byte-identical (docs/GPU.md, docs/FORMAT.md section
 // 3).  Every test needs a CUDA device and skips itself when there is none;
 // ctest label "gpu".  scripts/gpu-check.sh runs them on a GPU machine.
 //
 // The same file also builds gpu_emu_test (kernels/CMakeLists.txt): the kernels
-// compiled as C++ and run by a CPU emulation (kernels/emu/), which checks their
+// compiled as C++ and run by a CPU emulation (cuda_emu/), which checks their
 // indexing and packing where no GPU exists (KVXFER_GPU_EMULATION).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "kvxfer_kernels.h"
+#include "cuda/device_codec.h"
 #include "test_util.h"
 
 namespace kvxfer::test {
@@ -117,7 +117,7 @@ class GpuCodec : public ::testing::Test {
   }
   void TearDown() override {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    cuda::free_scratch(&scratch_);
+    scratch_.reset();
   }
 
   /** Scratch large enough for any codec of a T x H page (raw fp32, or fp32 metadata + codes +
@@ -126,13 +126,10 @@ class GpuCodec : public ::testing::Test {
     const size_t n = static_cast<size_t>(T) * H;
     const size_t acap = n * 4 + static_cast<size_t>((T + 15) / 16) * H * 8 + 4 * 64 + 8,
                  rcap = n + 8;
-    if (scratch_.anchor_cap < acap || scratch_.residual_cap < rcap) {
-      cuda::free_scratch(&scratch_);
-      EXPECT_EQ(cudaMalloc(&scratch_.anchor_payload, acap), cudaSuccess);
-      EXPECT_EQ(cudaMalloc(&scratch_.residual_payload, rcap), cudaSuccess);
-      EXPECT_EQ(cudaMalloc(&scratch_.status, sizeof(cuda::DeviceStatus)), cudaSuccess);
-      scratch_.anchor_cap = acap;
-      scratch_.residual_cap = rcap;
+    if (scratch_.anchor_cap() < acap || scratch_.residual_cap() < rcap) {
+      EXPECT_EQ(scratch_.anchor.alloc(acap), cudaSuccess);
+      EXPECT_EQ(scratch_.residual.alloc(rcap), cudaSuccess);
+      EXPECT_EQ(scratch_.status_word.alloc(sizeof(cuda::DeviceStatus)), cudaSuccess);
     }
     return scratch_;
   }
@@ -145,7 +142,7 @@ class GpuCodec : public ::testing::Test {
                                           const codec::PageHeader& h, float alpha,
                                           const DevicePage& dst) {
     const auto& sc = scratch(dst.layout.num_tokens, dst.layout.num_channels);
-    EXPECT_EQ(cudaMemcpy(sc.anchor_payload, anchor.data() + codec::kHeaderBytes, h.payload_bytes,
+    EXPECT_EQ(cudaMemcpy(sc.anchor_payload(), anchor.data() + codec::kHeaderBytes, h.payload_bytes,
                          cudaMemcpyHostToDevice),
               cudaSuccess);
     std::string why;
@@ -153,12 +150,12 @@ class GpuCodec : public ::testing::Test {
     EXPECT_EQ(
         cuda::upload_codebook(codec::get_codebook(KVXFER_CODEC_LYNX, alpha, 4, &why).get(), &dcb),
         KVXFER_SUCCESS);
-    EXPECT_EQ(cuda::launch_reset_status(sc.status, stream_), KVXFER_SUCCESS);
-    EXPECT_EQ(
-        cuda::launch_decode(h, dcb, sc.anchor_payload, nullptr, &dst.layout, sc.status, stream_),
-        KVXFER_SUCCESS);
+    EXPECT_EQ(cuda::launch_reset_status(sc.status(), stream_), KVXFER_SUCCESS);
+    EXPECT_EQ(cuda::launch_decode(h, dcb, sc.anchor_payload(), nullptr, &dst.layout, sc.status(),
+                                  stream_),
+              KVXFER_SUCCESS);
     cuda::DeviceStatus st{};
-    EXPECT_EQ(cuda::read_status(sc.status, &st, stream_), KVXFER_SUCCESS);
+    EXPECT_EQ(cuda::read_status(sc.status(), &st, stream_), KVXFER_SUCCESS);
     return st.flags;
   }
 
@@ -324,7 +321,6 @@ TEST_F(GpuCodec, LargePageWithPinnedBuffers) {
     const std::vector<uint8_t> ga(pa, pa + al), gr(pr, pr + rl);
     EXPECT_EQ(section_diff(ref.anchor, ga), "") << "anchor section " << dtype_name(dt);
     EXPECT_EQ(section_diff(ref.residual, gr), "") << "residual section " << dtype_name(dt);
-    cuda::free_scratch(&sc);
     cudaFreeHost(pa);
     cudaFreeHost(pr);
   }

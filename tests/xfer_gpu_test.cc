@@ -1,5 +1,5 @@
 // The GPU path of kvxfer_send / kvxfer_recv (src/xfer/device.h,
-// kernels/xfer_device.cc): KV blocks in CUDA device memory on either side,
+// src/cuda/xfer_device.cc): KV blocks in CUDA device memory on either side,
 // staged through pinned host buffers over the libfabric loopback.
 //
 // Received values are copied back to the host and compared bit for bit with
@@ -10,7 +10,7 @@
 //  - xfer_gpu_test (label "gpu"): the real kernels.  Without a usable device
 //    every transfer case skips, and NoDeviceIsAClearError checks the error.
 //  - xfer_gpu_emu_test (label "gpu-emu"): the kernels' CPU emulation
-//    (kernels/emu/, "device" memory is host memory), so the engine's device
+//    (cuda_emu/, "device" memory is host memory), so the engine's device
 //    path runs in CI.
 //
 // CUDA cannot be used in a child forked after the parent initialised it, so

@@ -39,7 +39,8 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
-#include "kvxfer_kernels.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_codec.h"
 #include "xfer/protocol.h"
 
 using kvxfer::set_error;
@@ -74,16 +75,6 @@ int64_t now_ns() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
-kvxfer_result_t cuda_fail(cudaError_t e, const char* what) {
-  return set_error(e == cudaErrorMemoryAllocation ? KVXFER_ERR_OUT_OF_MEMORY : KVXFER_ERR_SYSTEM,
-                   "%s failed: %s", what, cudaGetErrorString(e));
-}
-#define NCCLB_CUDA(call)                                                      \
-  do {                                                                        \
-    const cudaError_t nb_e_ = (call);                                         \
-    if (nb_e_ != cudaSuccess) return ::kvxfer::nccl::cuda_fail(nb_e_, #call); \
-  } while (0)
-
 kvxfer_result_t nccl_fail(ncclResult_t r, const char* what, ncclComm_t c = nullptr) {
   const char* last = c != nullptr ? ncclGetLastError(c) : ncclGetLastError(nullptr);
   return set_error(KVXFER_ERR_SYSTEM, "%s failed: %s%s%s", what, ncclGetErrorString(r),
@@ -97,16 +88,9 @@ using HostBuf = cuda::PinnedBuffer;  // page-locked, so copies are asynchronous 
 /** Buf::alloc with the error as a kvxfer_result_t. */
 template <class Buf>
 kvxfer_result_t alloc(Buf* b, size_t bytes) {
-  NCCLB_CUDA(b->alloc(bytes));
+  KVXFER_CUDA_CHECK(b->alloc(bytes));
   return KVXFER_SUCCESS;
 }
-struct Scratch {
-  cuda::DeviceScratch s;
-  Scratch() = default;
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() { cuda::free_scratch(&s); }
-};
 
 // ---- per-op state -------------------------------------------------------------
 struct OpState {
@@ -130,7 +114,7 @@ struct OpState {
   uint64_t atot = 0, rtot = 0;
   HostBuf hmeta, hanc, hres, hstat;
   DevBuf dmeta, danc, dres, dstat;
-  Scratch scratch;
+  cuda::DeviceScratch scratch;
 
   kvxfer_page_layout_t layout(const xfer::PageRef& p) const {
     kvxfer_page_layout_t l{};
@@ -285,12 +269,12 @@ class Call {
 
   /** Waits for everything enqueued so far on `stream`, polling both communicators. */
   kvxfer_result_t wait(cudaStream_t stream, cudaEvent_t ev, const char* phase) {
-    NCCLB_CUDA(cudaEventRecord(ev, stream));
+    KVXFER_CUDA_CHECK(cudaEventRecord(ev, stream));
     const int64_t end = deadline();
     for (;;) {
       const cudaError_t e = cudaEventQuery(ev);
       if (e == cudaSuccess) return KVXFER_SUCCESS;
-      if (e != cudaErrorNotReady) return cuda_fail(e, phase);
+      if (e != cudaErrorNotReady) return cuda::cuda_result(e, phase);
       for (ncclComm_t comm : {c_->anchor, c_->residual}) {
         ncclResult_t a = ncclSuccess;
         const ncclResult_t q = ncclCommGetAsyncError(comm, &a);
@@ -353,8 +337,10 @@ kvxfer_result_t Call::setup() {
       const size_t n = static_cast<size_t>(kv.num_layers) * static_cast<size_t>(kv.num_blocks);
       KVXFER_CHECK(alloc(&s.ktable, n * sizeof(void*)));
       KVXFER_CHECK(alloc(&s.vtable, n * sizeof(void*)));
-      NCCLB_CUDA(cudaMemcpy(s.ktable.p, kv.k_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
-      NCCLB_CUDA(cudaMemcpy(s.vtable.p, kv.v_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
+      KVXFER_CUDA_CHECK(
+          cudaMemcpy(s.ktable.p, kv.k_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
+      KVXFER_CUDA_CHECK(
+          cudaMemcpy(s.vtable.p, kv.v_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
     }
   }
   KVXFER_CHECK(alloc(&desc_, 2 * xfer::kDescBytes * st_.size()));
@@ -370,7 +356,7 @@ kvxfer_result_t Call::phase_desc() {
   }
   const cudaError_t e0 =
       cudaMemcpyAsync(desc_.p, host.data(), host.size(), cudaMemcpyHostToDevice, c_->astream);
-  if (e0 != cudaSuccess) NCCLB_FATAL(cuda_fail(e0, "cudaMemcpyAsync(desc)"));
+  if (e0 != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e0, "cudaMemcpyAsync(desc)"));
   // Pairing on each (this rank -> peer) channel, where NCCL matches sends and
   // receives in issue order: every rank sends the descriptors of its send ops
   // first, then those of its recv ops, and receives into its recv ops first,
@@ -395,7 +381,7 @@ kvxfer_result_t Call::phase_desc() {
   }));
   NCCLB_FATAL(wait(c_->astream, c_->aevent, "descriptor exchange"));
   const cudaError_t e = cudaMemcpy(host.data(), desc_.p, host.size(), cudaMemcpyDeviceToHost);
-  if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpy(desc)"));
+  if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(desc)"));
 
   for (size_t i = 0; i < st_.size(); ++i) {
     OpState& s = *st_[i];
@@ -441,7 +427,7 @@ kvxfer_result_t Call::encode_all() {
     }
     NCCLB_FATAL(alloc(&s.hanc, acap));
     NCCLB_FATAL(alloc(&s.hres, rcap));
-    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.mine.page_tokens, s.H, &s.scratch.s));
+    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.mine.page_tokens, s.H, &s.scratch));
     uint64_t ao = 0, ro = 0;
     for (size_t i = 0; i < np; ++i) {
       const xfer::PageRef& p = s.pages[i];
@@ -449,7 +435,7 @@ kvxfer_result_t Call::encode_all() {
       const kvxfer_page_id_t id = s.page_id(p);
       size_t al = 0, rl = 0;
       const kvxfer_result_t r =
-          cuda::encode_page_device(&s.codec, &id, &l, s.scratch.s, s.hanc.p + ao, acap - ao, &al,
+          cuda::encode_page_device(&s.codec, &id, &l, s.scratch, s.hanc.p + ao, acap - ao, &al,
                                    s.hres.p + ro, rcap - ro, &rl, c_->astream);
       if (r < 0) {
         mark_failed(s, r, last_error());
@@ -486,7 +472,7 @@ kvxfer_result_t Call::phase_lengths() {
         }
       const cudaError_t e = cudaMemcpyAsync(s.dmeta.p, s.hmeta.p, s.meta_bytes(),
                                             cudaMemcpyHostToDevice, c_->astream);
-      if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpyAsync(lengths)"));
+      if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(lengths)"));
     }
   }
   NCCLB_FATAL(group(c_->anchor, "lengths", [&]() -> kvxfer_result_t {
@@ -515,7 +501,7 @@ kvxfer_result_t Call::phase_lengths() {
       continue;
     }
     const cudaError_t e = cudaMemcpy(s.hmeta.p, s.dmeta.p, s.meta_bytes(), cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpy(lengths)"));
+    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(lengths)"));
     kvxfer_result_t sr = KVXFER_SUCCESS;
     std::string text;
     if (read_status_block(s.hmeta.p, &sr, &text) < 0) {
@@ -555,7 +541,7 @@ kvxfer_result_t Call::phase_lengths() {
     }
     NCCLB_FATAL(alloc(&s.hanc, s.atot));
     NCCLB_FATAL(alloc(&s.hres, s.rtot));
-    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.peer.page_tokens, s.H, &s.scratch.s));
+    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.peer.page_tokens, s.H, &s.scratch));
     s.in_data = true;
   }
   return KVXFER_SUCCESS;
@@ -568,7 +554,7 @@ void Call::decode_pages(OpState& s, bool full, cudaStream_t stream) {
     const kvxfer_page_id_t id = s.page_id(p);
     const uint8_t* res = full && s.rlen[i] > 0 ? s.hres.p + s.roff[i] : nullptr;
     const kvxfer_result_t r = cuda::decode_page_device(
-        s.hanc.p + s.aoff[i], s.alen[i], res, res ? s.rlen[i] : 0, &id, &l, s.scratch.s, stream);
+        s.hanc.p + s.aoff[i], s.alen[i], res, res ? s.rlen[i] : 0, &id, &l, s.scratch, stream);
     if (r < 0)
       mark_failed(s, r,
                   strprintf("page of layer %d %s, tokens [%" PRId64 ", %" PRId64 "): %s", p.layer,
@@ -596,7 +582,7 @@ kvxfer_result_t Call::phase_data() {
         e = cudaMemcpyAsync(s.danc.p, s.hanc.p, s.atot, cudaMemcpyHostToDevice, c_->astream);
       if (e == cudaSuccess && s.rtot > 0)
         e = cudaMemcpyAsync(s.dres.p, s.hres.p, s.rtot, cudaMemcpyHostToDevice, c_->astream);
-      if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpyAsync(sections)"));
+      if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(sections)"));
     }
   }
   auto p2p = [&](OpState& s, uint8_t* buf, uint64_t n, ncclComm_t comm,
@@ -620,7 +606,7 @@ kvxfer_result_t Call::phase_data() {
   {
     cudaError_t e = cudaEventRecord(c_->aevent, c_->astream);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(c_->rstream, c_->aevent, 0);
-    if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaStreamWaitEvent(anchors)"));
+    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaStreamWaitEvent(anchors)"));
   }
   NCCLB_FATAL(group(c_->residual, "residual sections", [&]() -> kvxfer_result_t {
     for (auto& sp : st_) {
@@ -640,7 +626,7 @@ kvxfer_result_t Call::phase_data() {
     if (s.atot > 0) e = cudaMemcpy(s.hanc.p, s.danc.p, s.atot, cudaMemcpyDeviceToHost);
     if (e == cudaSuccess && s.mode == KVXFER_MODE_MONOLITHIC && s.rtot > 0)
       e = cudaMemcpy(s.hres.p, s.dres.p, s.rtot, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpy(anchor sections)"));
+    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(anchor sections)"));
     decode_pages(s, s.mode == KVXFER_MODE_MONOLITHIC, c_->astream);
   }
   NCCLB_FATAL(wait(c_->astream, c_->aevent, "anchor decode"));
@@ -655,7 +641,7 @@ kvxfer_result_t Call::phase_data() {
     if (s.final || !s.in_data || s.mine.is_sender || s.mode == KVXFER_MODE_MONOLITHIC) continue;
     if (s.rtot > 0) {
       const cudaError_t e = cudaMemcpy(s.hres.p, s.dres.p, s.rtot, cudaMemcpyDeviceToHost);
-      if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpy(residual sections)"));
+      if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(residual sections)"));
     }
     decode_pages(s, true, c_->rstream);
   }
@@ -675,7 +661,7 @@ kvxfer_result_t Call::phase_status() {
                         s.failed ? s.fail_text : std::string());
       const cudaError_t e =
           cudaMemcpyAsync(s.dstat.p, s.hstat.p, kStatusBlock, cudaMemcpyHostToDevice, c_->astream);
-      if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpyAsync(status)"));
+      if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(status)"));
     }
   }
   NCCLB_FATAL(group(c_->anchor, "final status", [&]() -> kvxfer_result_t {
@@ -699,7 +685,7 @@ kvxfer_result_t Call::phase_status() {
       continue;
     }
     const cudaError_t e = cudaMemcpy(s.hstat.p, s.dstat.p, kStatusBlock, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) NCCLB_FATAL(cuda_fail(e, "cudaMemcpy(status)"));
+    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(status)"));
     kvxfer_result_t rr = KVXFER_SUCCESS;
     std::string text;
     if (read_status_block(s.hstat.p, &rr, &text) < 0)
@@ -754,10 +740,10 @@ kvxfer_result_t wait_init(ncclComm_t comm, int64_t timeout_ms, const char* what)
 kvxfer_result_t make_streams(kvxfer_nccl_comm_s* c) {
   KVXFER_CHECK(cuda::create_anchor_stream(&c->astream));
   int least = 0, greatest = 0;
-  NCCLB_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  NCCLB_CUDA(cudaStreamCreateWithPriority(&c->rstream, cudaStreamNonBlocking, least));
-  NCCLB_CUDA(cudaEventCreateWithFlags(&c->aevent, cudaEventDisableTiming));
-  NCCLB_CUDA(cudaEventCreateWithFlags(&c->revent, cudaEventDisableTiming));
+  KVXFER_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  KVXFER_CUDA_CHECK(cudaStreamCreateWithPriority(&c->rstream, cudaStreamNonBlocking, least));
+  KVXFER_CUDA_CHECK(cudaEventCreateWithFlags(&c->aevent, cudaEventDisableTiming));
+  KVXFER_CUDA_CHECK(cudaEventCreateWithFlags(&c->revent, cudaEventDisableTiming));
   return KVXFER_SUCCESS;
 }
 
@@ -902,9 +888,9 @@ kvxfer_result_t kvxfer_nccl_comm_init(kvxfer_nccl_comm_t* comm, int nranks, nccl
                    "the anchor and residual ids are equal: call ncclGetUniqueId twice");
     knccl::Options opt;
     KVXFER_CHECK(knccl::check_config(config, &opt));
-    if (device >= 0) NCCLB_CUDA(cudaSetDevice(device));
+    if (device >= 0) KVXFER_CUDA_CHECK(cudaSetDevice(device));
     int dev = 0;
-    NCCLB_CUDA(cudaGetDevice(&dev));
+    KVXFER_CUDA_CHECK(cudaGetDevice(&dev));
 
     auto c = std::make_unique<kvxfer_nccl_comm_s>();
     c->owned = true;
@@ -980,7 +966,7 @@ kvxfer_result_t kvxfer_nccl_comm_init_from_comms(kvxfer_nccl_comm_t* comm, ncclC
                    "the communicators differ: %d/%d ranks, rank %d/%d, device %d/%d (anchor/"
                    "residual)",
                    n[0], n[1], r[0], r[1], d[0], d[1]);
-    NCCLB_CUDA(cudaSetDevice(d[0]));
+    KVXFER_CUDA_CHECK(cudaSetDevice(d[0]));
     auto c = std::make_unique<kvxfer_nccl_comm_s>();
     c->anchor = anchor_comm;
     c->residual = residual_comm;
@@ -1093,7 +1079,7 @@ kvxfer_result_t kvxfer_nccl_xfer(kvxfer_nccl_comm_t comm, kvxfer_nccl_op_t* ops,
       o.t_anchor_ready_ns = o.t_complete_ns = 0;
     }
     if (num_ops == 0) return KVXFER_SUCCESS;
-    NCCLB_CUDA(cudaSetDevice(comm->device));
+    KVXFER_CUDA_CHECK(cudaSetDevice(comm->device));
     knccl::Call call(comm, ops, num_ops);
     return call.run();
   });

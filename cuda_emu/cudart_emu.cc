@@ -1,5 +1,5 @@
-// The CUDA runtime calls of kvxfer_cuda and tests/gpu_test.cc, emulated on the
-// host for gpu_emu_test (see cuda_emu.h): one fake device whose memory is host
+// The CUDA runtime calls of src/cuda/ and tests/gpu_test.cc, emulated on the
+// host for kvxfer_cuda_emu (see cuda_emu.h): one fake device whose memory is host
 // memory, streams that run everything at once.  Not a general cudart.
 // clang-format off
 #include "cuda_emu.h"  // first: it must define __shared__ before any CUDA header

@@ -11,21 +11,12 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "kvxfer_kernels.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_codec.h"
 #include "xfer/device.h"
 
 namespace kvxfer::cuda {
 namespace {
-
-kvxfer_result_t cuda_fail(cudaError_t e, const char* what, int device) {
-  return set_error(e == cudaErrorMemoryAllocation ? KVXFER_ERR_OUT_OF_MEMORY : KVXFER_ERR_SYSTEM,
-                   "CUDA device %d: %s failed: %s", device, what, cudaGetErrorString(e));
-}
-#define XFER_CUDA(call, dev)                                             \
-  do {                                                                   \
-    const cudaError_t xfer_e_ = (call);                                  \
-    if (xfer_e_ != cudaSuccess) return cuda_fail(xfer_e_, #call, (dev)); \
-  } while (0)
 
 /** Streams and scratch of one device, used by the codec thread only. */
 struct DeviceState {
@@ -53,21 +44,22 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
 
   kvxfer_result_t upload_table(int device, void* const* ptrs, size_t n,
                                std::shared_ptr<void>* table) override {
-    XFER_CUDA(cudaSetDevice(device), device);
-    void* d = nullptr;
-    XFER_CUDA(cudaMalloc(&d, std::max<size_t>(n, 1) * sizeof(void*)), device);
-    std::shared_ptr<void> owner(d, [device](void* p) {
+    KVXFER_CHECK(cuda_result(cudaSetDevice(device), "cudaSetDevice(device)", device));
+    // Freed on the device it lives on, whichever thread drops the last reference.
+    std::shared_ptr<DeviceBuffer> owner(new DeviceBuffer, [device](DeviceBuffer* b) {
       cudaSetDevice(device);
-      cudaFree(p);
+      delete b;
     });
-    XFER_CUDA(cudaMemcpy(d, ptrs, n * sizeof(void*), cudaMemcpyHostToDevice), device);
-    *table = std::move(owner);
+    KVXFER_CHECK(cuda_result(owner->alloc(n * sizeof(void*)), "cudaMalloc(block table)", device));
+    KVXFER_CHECK(cuda_result(cudaMemcpy(owner->p, ptrs, n * sizeof(void*), cudaMemcpyHostToDevice),
+                             "cudaMemcpy(block table)", device));
+    *table = std::shared_ptr<void>(owner, owner->p);  // owns the buffer, points at the table
     return KVXFER_SUCCESS;
   }
 
   kvxfer_result_t pin(void* p, size_t len, std::shared_ptr<void>* handle) override {
     if (len == 0) return KVXFER_SUCCESS;
-    XFER_CUDA(cudaHostRegister(p, len, cudaHostRegisterPortable), -1);
+    KVXFER_CUDA_CHECK(cudaHostRegister(p, len, cudaHostRegisterPortable));
     *handle = std::shared_ptr<void>(p, [](void* q) { cudaHostUnregister(q); });
     return KVXFER_SUCCESS;
   }
@@ -94,7 +86,7 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
     // COMPLETE promise the values are in dst: read_status waits for the
     // stream, after the decode kernel.
     DeviceStatus st{};
-    KVXFER_CHECK(read_status(s->scratch.status, &st, stream));
+    KVXFER_CHECK(read_status(s->scratch.status(), &st, stream));
     if (st.flags & STATUS_BAD_META)
       return set_error(KVXFER_ERR_CORRUPT,
                        "the device decoder rejected the page's metadata (nothing written)");
@@ -104,14 +96,14 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
  private:
   /** The codec thread's streams and scratch on `device`, grown to T x H. */
   kvxfer_result_t state(int device, int64_t T, int32_t H, DeviceState** out) {
-    XFER_CUDA(cudaSetDevice(device), device);
+    KVXFER_CHECK(cuda_result(cudaSetDevice(device), "cudaSetDevice(device)", device));
     DeviceState& s = states_[device];
     if (s.anchor_stream == nullptr) {
       KVXFER_CHECK(create_anchor_stream(&s.anchor_stream));
-      XFER_CUDA(cudaStreamCreateWithFlags(&s.residual_stream, cudaStreamNonBlocking), device);
+      KVXFER_CHECK(cuda_result(cudaStreamCreateWithFlags(&s.residual_stream, cudaStreamNonBlocking),
+                               "cudaStreamCreateWithFlags(residual stream)", device));
     }
     if (T > s.scratch_tokens || H > s.scratch_channels) {
-      free_scratch(&s.scratch);
       s.scratch_tokens = 0;
       // Sized for the worst case of every codec at this shape, so one scratch
       // serves any sender's codec: codec::max_sizes counts the raw fallback

@@ -3,6 +3,8 @@
 // and the high-priority anchor stream.  Headers and checksums are written here
 // on the host, with codec::write_header / codec::seal_section, once the
 // payloads are in host memory (docs/GPU.md).
+#include "cuda/device_codec.h"
+
 #include <cuda_runtime.h>
 
 #include <cinttypes>
@@ -20,23 +22,9 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "kvxfer_kernels.h"
+#include "cuda/cuda_check.h"
 
 namespace kvxfer::cuda {
-
-namespace {
-
-kvxfer_result_t cuda_error(cudaError_t e, const char* what) {
-  return set_error(e == cudaErrorMemoryAllocation ? KVXFER_ERR_OUT_OF_MEMORY : KVXFER_ERR_SYSTEM,
-                   "%s failed: %s", what, cudaGetErrorString(e));
-}
-#define KVXFER_CUDA(call)                                              \
-  do {                                                                 \
-    const cudaError_t kvxfer_e_ = (call);                              \
-    if (kvxfer_e_ != cudaSuccess) return cuda_error(kvxfer_e_, #call); \
-  } while (0)
-
-}  // namespace
 
 kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char* what) {
   // The host cannot dereference a device block table: shape checks only.
@@ -46,7 +34,7 @@ kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char
 kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) {
   KVXFER_REQUIRE(cb != nullptr && out != nullptr, "NULL codebook");
   int dev = 0;
-  KVXFER_CUDA(cudaGetDevice(&dev));
+  KVXFER_CUDA_CHECK(cudaGetDevice(&dev));
   // Keyed by the codebook's identity, never by its address: a host codebook
   // dropped from the CPU cache may be freed and its address reused.
   using Key = std::tuple<int, uint32_t, int, int>;
@@ -75,16 +63,13 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   std::memcpy(p + 384 * sizeof(float), cb->anchor_hi, 64 * sizeof(float));
   std::memcpy(p + kFixed * sizeof(float), cb->lut_next.data(), cells * sizeof(float));
   std::memcpy(p + (kFixed + cells) * sizeof(float), cb->lut_base.data(), cells * sizeof(int32_t));
-  void* d = nullptr;
-  KVXFER_CUDA(cudaMalloc(&d, bytes));
-  const cudaError_t e = cudaMemcpy(d, p, bytes, cudaMemcpyHostToDevice);
-  if (e != cudaSuccess) {
-    cudaFree(d);
-    return cuda_error(e, "cudaMemcpy(codebook)");
-  }
-  const auto* f = static_cast<const float*>(d);
+  auto mem = std::make_shared<DeviceBuffer>();
+  KVXFER_CHECK(cuda_result(mem->alloc(bytes), "cudaMalloc(codebook)"));
+  KVXFER_CHECK(
+      cuda_result(cudaMemcpy(mem->p, p, bytes, cudaMemcpyHostToDevice), "cudaMemcpy(codebook)"));
+  const auto* f = reinterpret_cast<const float*>(mem->p);
   DeviceCodebook dc;
-  dc.mem = std::shared_ptr<void>(d, [](void* q) { cudaFree(q); });
+  dc.mem = std::move(mem);
   dc.recon_full = f;
   dc.recon_anchor = f + 256;
   dc.anchor_lo = f + 320;
@@ -115,37 +100,24 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
 kvxfer_result_t alloc_scratch(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H,
                               DeviceScratch* out) {
   KVXFER_REQUIRE(out != nullptr, "NULL scratch");
-  *out = DeviceScratch{};
+  out->reset();
   size_t a = 0, r = 0;
   KVXFER_CHECK(codec::max_sizes(cfg, T, H, &a, &r));
-  DeviceScratch s;
-  s.anchor_cap = a - codec::kHeaderBytes;
-  s.residual_cap = r - codec::kHeaderBytes;
-  cudaError_t e = cudaMalloc(&s.anchor_payload, s.anchor_cap > 0 ? s.anchor_cap : 8);
-  if (e == cudaSuccess)
-    e = cudaMalloc(&s.residual_payload, s.residual_cap > 0 ? s.residual_cap : 8);
-  if (e == cudaSuccess) e = cudaMalloc(&s.status, sizeof(DeviceStatus));
+  cudaError_t e = out->anchor.alloc(a - codec::kHeaderBytes);
+  if (e == cudaSuccess) e = out->residual.alloc(r - codec::kHeaderBytes);
+  if (e == cudaSuccess) e = out->status_word.alloc(sizeof(DeviceStatus));
   if (e != cudaSuccess) {
-    free_scratch(&s);
-    return cuda_error(e, "cudaMalloc(scratch)");
+    out->reset();
+    return cuda_result(e, "cudaMalloc(scratch)");
   }
-  *out = s;
   return KVXFER_SUCCESS;
-}
-
-void free_scratch(DeviceScratch* s) {
-  if (s == nullptr) return;
-  cudaFree(s->anchor_payload);
-  cudaFree(s->residual_payload);
-  cudaFree(s->status);
-  *s = DeviceScratch{};
 }
 
 kvxfer_result_t create_anchor_stream(cudaStream_t* out) {
   KVXFER_REQUIRE(out != nullptr, "NULL stream output");
   int least = 0, greatest = 0;
-  KVXFER_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  KVXFER_CUDA(cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, greatest));
+  KVXFER_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  KVXFER_CUDA_CHECK(cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, greatest));
   return KVXFER_SUCCESS;
 }
 
@@ -160,20 +132,20 @@ class DeviceBackend final : public codec::EncodeBackend {
 
   kvxfer_result_t check_capacity(const codec::PageHeader& h) override {
     const codec::PayloadSizes s = codec::payload_sizes(h);
-    if (scratch_.anchor_cap < s.anchor_payload() || scratch_.residual_cap < s.residual_codes)
+    if (scratch_.anchor_cap() < s.anchor_payload() || scratch_.residual_cap() < s.residual_codes)
       return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
                        "page needs %llu anchor and %llu residual payload bytes on the device; "
                        "the scratch holds %zu and %zu (alloc_scratch)",
                        (unsigned long long)s.anchor_payload(), (unsigned long long)s.residual_codes,
-                       scratch_.anchor_cap, scratch_.residual_cap);
+                       scratch_.anchor_cap(), scratch_.residual_cap());
     return KVXFER_SUCCESS;
   }
 
   kvxfer_result_t scan_nonfinite(codec::NonfiniteAt* at) override {
     DeviceStatus st{};
-    KVXFER_CHECK(launch_reset_status(scratch_.status, stream_));
-    KVXFER_CHECK(launch_scan_nonfinite(src_, scratch_.status, stream_));
-    KVXFER_CHECK(read_status(scratch_.status, &st, stream_));
+    KVXFER_CHECK(launch_reset_status(scratch_.status(), stream_));
+    KVXFER_CHECK(launch_scan_nonfinite(src_, scratch_.status(), stream_));
+    KVXFER_CHECK(read_status(scratch_.status(), &st, stream_));
     if (st.flags & STATUS_NONFINITE) locate(st, at);
     return KVXFER_SUCCESS;
   }
@@ -189,11 +161,11 @@ class DeviceBackend final : public codec::EncodeBackend {
                            codec::NonfiniteAt* at) override {
     const DeviceCodebook& dcb = dcb_;
     DeviceStatus st{};
-    KVXFER_CHECK(launch_reset_status(scratch_.status, stream_));
+    KVXFER_CHECK(launch_reset_status(scratch_.status(), stream_));
     KVXFER_CHECK(launch_encode(dcb, src_, h.chunk_tokens, (h.flags & codec::FLAG_META_FP32) != 0,
-                               scratch_.anchor_payload, scratch_.residual_payload, scratch_.status,
-                               stream_));
-    KVXFER_CHECK(read_status(scratch_.status, &st, stream_));
+                               scratch_.anchor_payload(), scratch_.residual_payload(),
+                               scratch_.status(), stream_));
+    KVXFER_CHECK(read_status(scratch_.status(), &st, stream_));
     if (st.flags & STATUS_NONFINITE) {  // decides, whatever else
       *status = codec::EncodeStatus::NONFINITE;
       locate(st, at);
@@ -208,7 +180,7 @@ class DeviceBackend final : public codec::EncodeBackend {
   }
 
   kvxfer_result_t pack_values(const codec::PageHeader&, kvxfer_dtype_t dtype) override {
-    return launch_pack_values(src_, dtype, scratch_.anchor_payload, stream_);
+    return launch_pack_values(src_, dtype, scratch_.anchor_payload(), stream_);
   }
 
   kvxfer_result_t pack_sinks(const codec::PageHeader& h) override {
@@ -216,8 +188,9 @@ class DeviceBackend final : public codec::EncodeBackend {
     const codec::PayloadSizes s = codec::payload_sizes(h);
     kvxfer_page_layout_t rows = *src_;
     rows.num_tokens = h.sink_rows;
-    uint8_t* out = scratch_.anchor_payload + s.sink_offset();
-    if (s.sink_pad > 0) KVXFER_CUDA(cudaMemsetAsync(out - s.sink_pad, 0, s.sink_pad, stream_));
+    uint8_t* out = scratch_.anchor_payload() + s.sink_offset();
+    if (s.sink_pad > 0)
+      KVXFER_CUDA_CHECK(cudaMemsetAsync(out - s.sink_pad, 0, s.sink_pad, stream_));
     return launch_pack_values(&rows, codec::sink_dtype(h), out, stream_);
   }
 
@@ -225,12 +198,12 @@ class DeviceBackend final : public codec::EncodeBackend {
     // Payloads to the host; headers and checksums are sealed there.
     const codec::PayloadSizes s = codec::payload_sizes(h);
     if (s.anchor_payload() > 0)
-      KVXFER_CUDA(cudaMemcpyAsync(anc_ + codec::kHeaderBytes, scratch_.anchor_payload,
-                                  s.anchor_payload(), cudaMemcpyDeviceToHost, stream_));
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(anc_ + codec::kHeaderBytes, scratch_.anchor_payload(),
+                                        s.anchor_payload(), cudaMemcpyDeviceToHost, stream_));
     if (s.residual_codes > 0)
-      KVXFER_CUDA(cudaMemcpyAsync(res_ + codec::kHeaderBytes, scratch_.residual_payload,
-                                  s.residual_codes, cudaMemcpyDeviceToHost, stream_));
-    KVXFER_CUDA(cudaStreamSynchronize(stream_));
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(res_ + codec::kHeaderBytes, scratch_.residual_payload(),
+                                        s.residual_codes, cudaMemcpyDeviceToHost, stream_));
+    KVXFER_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return KVXFER_SUCCESS;
   }
 
@@ -260,8 +233,8 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
                                    void* residual, size_t residual_cap, size_t* residual_len,
                                    cudaStream_t stream) {
   KVXFER_CHECK(codec::check_encode_args(cfg, id, src, anchor, anchor_len, residual, residual_len));
-  KVXFER_REQUIRE(scratch.anchor_payload != nullptr && scratch.residual_payload != nullptr &&
-                     scratch.status != nullptr,
+  KVXFER_REQUIRE(scratch.anchor_payload() != nullptr && scratch.residual_payload() != nullptr &&
+                     scratch.status() != nullptr,
                  "device scratch not allocated (alloc_scratch)");
   if (cfg->codec == KVXFER_CODEC_LYNX && cfg->alpha == KVXFER_ALPHA_AUTO)
     return set_error(KVXFER_ERR_UNSUPPORTED,
@@ -292,17 +265,17 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
                      "layer %u V page with token groups: the GPU path decodes channel groups only "
                      "(docs/FORMAT.md 2.8); decode it on the host",
                      ah.layer);
-  KVXFER_REQUIRE(scratch.anchor_payload != nullptr && scratch.residual_payload != nullptr &&
-                     scratch.status != nullptr,
+  KVXFER_REQUIRE(scratch.anchor_payload() != nullptr && scratch.residual_payload() != nullptr &&
+                     scratch.status() != nullptr,
                  "device scratch not allocated (alloc_scratch)");
   const codec::PayloadSizes& s = plan.sizes;
-  if (scratch.anchor_cap < s.anchor_payload() ||
-      (residual != nullptr && scratch.residual_cap < s.residual_codes))
+  if (scratch.anchor_cap() < s.anchor_payload() ||
+      (residual != nullptr && scratch.residual_cap() < s.residual_codes))
     return set_error(KVXFER_ERR_BUFFER_TOO_SMALL,
                      "page needs %llu anchor and %llu residual payload bytes on the device; the "
                      "scratch holds %zu and %zu",
                      (unsigned long long)s.anchor_payload(), (unsigned long long)s.residual_codes,
-                     scratch.anchor_cap, scratch.residual_cap);
+                     scratch.anchor_cap(), scratch.residual_cap());
 
   const uint8_t* payload = plan.payload;
   if (plan.cb == nullptr) {  // raw fallback or BF16
@@ -310,30 +283,30 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
                                    ? static_cast<kvxfer_dtype_t>(ah.src_dtype)
                                    : KVXFER_DTYPE_BF16;
     if (s.anchor_payload() > 0)
-      KVXFER_CUDA(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
-                                  cudaMemcpyHostToDevice, stream));
-    return launch_unpack_values(scratch.anchor_payload, sdt, dst, stream);
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(scratch.anchor_payload(), payload, s.anchor_payload(),
+                                        cudaMemcpyHostToDevice, stream));
+    return launch_unpack_values(scratch.anchor_payload(), sdt, dst, stream);
   }
 
   const codec::CodebookRef& cb = plan.cb;
   DeviceCodebook dcb;
   KVXFER_CHECK(upload_codebook(cb.get(), &dcb));
   if (s.anchor_payload() > 0)
-    KVXFER_CUDA(cudaMemcpyAsync(scratch.anchor_payload, payload, s.anchor_payload(),
-                                cudaMemcpyHostToDevice, stream));
+    KVXFER_CUDA_CHECK(cudaMemcpyAsync(scratch.anchor_payload(), payload, s.anchor_payload(),
+                                      cudaMemcpyHostToDevice, stream));
   if (residual != nullptr && s.residual_codes > 0)
-    KVXFER_CUDA(cudaMemcpyAsync(scratch.residual_payload,
-                                static_cast<const uint8_t*>(residual) + codec::kHeaderBytes,
-                                s.residual_codes, cudaMemcpyHostToDevice, stream));
-  KVXFER_CHECK(launch_reset_status(scratch.status, stream));
-  KVXFER_CHECK(launch_decode(ah, dcb, scratch.anchor_payload,
-                             residual != nullptr ? scratch.residual_payload : nullptr, dst,
-                             scratch.status, stream));
+    KVXFER_CUDA_CHECK(cudaMemcpyAsync(scratch.residual_payload(),
+                                      static_cast<const uint8_t*>(residual) + codec::kHeaderBytes,
+                                      s.residual_codes, cudaMemcpyHostToDevice, stream));
+  KVXFER_CHECK(launch_reset_status(scratch.status(), stream));
+  KVXFER_CHECK(launch_decode(ah, dcb, scratch.anchor_payload(),
+                             residual != nullptr ? scratch.residual_payload() : nullptr, dst,
+                             scratch.status(), stream));
   if (ah.sink_rows == 0) return KVXFER_SUCCESS;
   // The sink rows over their decoded codes, in stream order (docs/FORMAT.md 2.7).
   kvxfer_page_layout_t rows = *dst;
   rows.num_tokens = ah.sink_rows;
-  return launch_unpack_values(scratch.anchor_payload + s.sink_offset(), codec::sink_dtype(ah),
+  return launch_unpack_values(scratch.anchor_payload() + s.sink_offset(), codec::sink_dtype(ah),
                               &rows, stream);
 }
 

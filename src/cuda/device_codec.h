@@ -1,4 +1,5 @@
-// GPU page codec (internal C++ interface of the static library kvxfer_cuda).
+// GPU page codec: the device codec API (src/cuda/, static library
+// kvxfer_cuda) over the kernels of kernels/ (kernels/codec_kernels.h).
 //
 // The kernels produce exactly the payload bytes of docs/FORMAT.md section 4
 // (the same bytes as codec::encode_page with Impl::REFERENCE) and decode to
@@ -28,6 +29,8 @@
 #include <memory>
 
 #include "codec/format.h"
+#include "codec_kernels.h"
+#include "cuda/device_buffer.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::codec {
@@ -44,7 +47,7 @@ namespace kvxfer::cuda {
  * bounded cache has dropped them.
  */
 struct DeviceCodebook {
-  std::shared_ptr<void> mem;
+  std::shared_ptr<const DeviceBuffer> mem;
   const int32_t* lut_base = nullptr;    // Codebook::lut_base
   const float* lut_next = nullptr;      // Codebook::lut_next
   const float* recon_full = nullptr;    // Codebook::recon_full[256]
@@ -65,20 +68,7 @@ struct DeviceCodebook {
  */
 kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out);
 
-/** Outcome of the kernels, in device memory (8-byte aligned). */
-struct DeviceStatus {
-  uint32_t flags;  // STATUS_* bits
-  uint32_t reserved;
-  uint64_t first_bad;  // (t * H + c) << 1 | is_inf of the first non-finite element
-                       // in token-major order; ~0 if none
-  uint64_t hist[256];  // encode: the page's histogram of full codes (anchor table, FORMAT 2.4)
-};
-enum : uint32_t {
-  STATUS_NEED_FP32 = 1u << 0,  // a (chunk, channel) range does not fit binary16 metadata
-  STATUS_NONFINITE = 1u << 1,  // NaN or Inf in the input
-  STATUS_BAD_META = 1u << 2,   // decode: a metadata entry is not finite or d < 0, or an anchor
-                               // table entry is outside its bin; nothing written
-};
+// DeviceStatus and its STATUS_* bits: kernels/codec_kernels.h.
 
 /** Checks the host-visible fields of a device layout (everything but the block pointers). */
 kvxfer_result_t validate_device_layout(const kvxfer_page_layout_t* l, const char* what);
@@ -142,19 +132,27 @@ kvxfer_result_t launch_unpack_values(const uint8_t* payload, kvxfer_dtype_t in_d
 // High level: the page codec for device pages, synchronous on `stream`.
 // ---------------------------------------------------------------------------
 
-/** Device scratch for one page in flight: payload buffers and a status word. */
+/** Device scratch for one page in flight: payload buffers and a status word, owned. */
 struct DeviceScratch {
-  uint8_t* anchor_payload = nullptr;  // >= max anchor payload (kvxfer_page_max_size - 80)
-  size_t anchor_cap = 0;
-  uint8_t* residual_payload = nullptr;
-  size_t residual_cap = 0;
-  DeviceStatus* status = nullptr;
+  DeviceBuffer anchor;       // anchor payload, >= max anchor payload (kvxfer_page_max_size - 80)
+  DeviceBuffer residual;     // residual payload
+  DeviceBuffer status_word;  // one DeviceStatus
+
+  uint8_t* anchor_payload() const { return anchor.p; }
+  size_t anchor_cap() const { return anchor.n; }
+  uint8_t* residual_payload() const { return residual.p; }
+  size_t residual_cap() const { return residual.n; }
+  DeviceStatus* status() const { return reinterpret_cast<DeviceStatus*>(status_word.p); }
+  void reset() {
+    anchor.reset();
+    residual.reset();
+    status_word.reset();
+  }
 };
 
-/** cudaMalloc's scratch for pages of up to T x H under `cfg`. */
+/** (Re)allocates `out` for pages of up to T x H under `cfg`; empty on failure. */
 kvxfer_result_t alloc_scratch(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H,
                               DeviceScratch* out);
-void free_scratch(DeviceScratch* s);
 
 /**
  * codec::encode_page for a device page: same arguments, checks, errors and
@@ -186,47 +184,5 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
 
 /** A non-blocking stream with the greatest priority the device offers (the anchor path). */
 kvxfer_result_t create_anchor_stream(cudaStream_t* out);
-
-/**
- * CUDA memory owned by the object, freed on destruction or on the next
- * alloc: device memory (cudaMalloc) or page-locked host memory
- * (cudaMallocHost, so copies are asynchronous and fast).  Not copyable.
- */
-template <bool kPinnedHost>
-class CudaBuffer {
- public:
-  uint8_t* p = nullptr;
-  size_t n = 0;  // bytes asked for
-
-  CudaBuffer() = default;
-  CudaBuffer(const CudaBuffer&) = delete;
-  CudaBuffer& operator=(const CudaBuffer&) = delete;
-  ~CudaBuffer() { reset(); }
-
-  /** Allocates max(bytes, 8) bytes (never a null pointer for 0). */
-  cudaError_t alloc(size_t bytes) {
-    reset();
-    void* q = nullptr;
-    const size_t m = bytes > 8 ? bytes : 8;
-    const cudaError_t e = kPinnedHost ? cudaMallocHost(&q, m) : cudaMalloc(&q, m);
-    if (e == cudaSuccess) {
-      p = static_cast<uint8_t*>(q);
-      n = bytes;
-    }
-    return e;
-  }
-  void reset() {
-    if (p != nullptr) {
-      if (kPinnedHost)
-        cudaFreeHost(p);
-      else
-        cudaFree(p);
-    }
-    p = nullptr;
-    n = 0;
-  }
-};
-using DeviceBuffer = CudaBuffer<false>;
-using PinnedBuffer = CudaBuffer<true>;
 
 }  // namespace kvxfer::cuda

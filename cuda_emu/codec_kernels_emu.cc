@@ -3,5 +3,5 @@
 // clang-format off
 #include "cuda_emu.h"  // first: it must define __shared__ before any CUDA header
 
-#include "../codec_kernels.cu"
+#include "codec_kernels.cu"  // kernels/, on the include path
 // clang-format on
