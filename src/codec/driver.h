@@ -5,7 +5,7 @@
 // the lossless raw page), the BF16 passthrough, the capacity checks and the
 // seal.  A backend only produces payload bytes where it keeps them: the CPU
 // paths (codec/page.cc) in the caller's host sections, the CUDA kernels
-// (kernels/device_codec.cc) in device scratch copied back by finish().
+// (src/cuda/device_codec.cc) in device scratch copied back by finish().
 #pragma once
 
 #include <cstddef>

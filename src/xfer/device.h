@@ -2,7 +2,7 @@
 //
 // The engine (engine.cc) has no CUDA dependency: when a request's KV is on a
 // CUDA device (kvxfer_kv_desc_t::device >= 0), it calls the DeviceCodec
-// registered at load time.  kernels/xfer_device.cc implements it on the page
+// registered at load time.  src/cuda/xfer_device.cc implements it on the page
 // codec of kernels/ (cuda::encode_page_device / decode_page_device) and
 // registers it; a build without CUDA registers none, and device requests fail
 // with KVXFER_ERR_UNSUPPORTED.  docs/GPU.md, "GPU path of kvxfer_send/recv".
@@ -70,7 +70,7 @@ class DeviceCodec {
 /** The registered device codec, or nullptr in a build without CUDA. */
 DeviceCodec* device_codec();
 
-/** Registers `c` (static lifetime).  Called once, by kernels/xfer_device.cc. */
+/** Registers `c` (static lifetime).  Called once, by src/cuda/xfer_device.cc. */
 void register_device_codec(DeviceCodec* c);
 
 }  // namespace kvxfer::xfer
