@@ -68,7 +68,7 @@
 #include <vector>
 
 #include "common/fdio.h"
-#include "common/rate.h"
+#include "common/units.h"
 #include "models/bpe_tokenizer.h"
 #include "models/chat_template.h"
 #include "models/gguf.h"
@@ -121,7 +121,7 @@ double median(std::vector<double> v) {
 }
 
 /** A link rate in tc syntax ("50mbit", "1.5gbit", "10mbps" = bytes/s), parsed by the one parser
- *  of KVXFER_RATE_LIMIT (common/rate.h).  Empty (no limit) is refused: the demo needs a link. */
+ *  of KVXFER_RATE_LIMIT (common/units.h).  Empty (no limit) is refused: the demo needs a link. */
 bool parse_link_rate(const std::string& text, double* bytes_per_s, std::string* why) {
   if (!kvxfer::params::parse_rate(text, bytes_per_s, why)) return false;
   if (*bytes_per_s > 0) return true;

@@ -204,6 +204,55 @@ TEST(ParseFloat, Malformed) {
   }
 }
 
+TEST(ParseSize, CountsAndBinaryUnits) {
+  const std::pair<const char*, uint64_t> cases[] = {{"0", 0},
+                                                    {"262144", 262144},
+                                                    {"256k", 262144},
+                                                    {"256KiB", 262144},
+                                                    {"256kb", 262144},
+                                                    {"4M", 4u << 20},
+                                                    {"16MB", 16u << 20},
+                                                    {"1g", 1u << 30},
+                                                    {"2T", 2ull << 40},
+                                                    {"512b", 512},
+                                                    {"18446744073709551615", UINT64_MAX},
+                                                    {"16777215T", 16777215ull << 40}};
+  for (const auto& c : cases) {
+    uint64_t v = 7;
+    std::string why;
+    ASSERT_TRUE(params::parse_size(c.first, &v, &why)) << c.first << " " << why;
+    EXPECT_EQ(v, c.second) << c.first;
+  }
+}
+
+TEST(ParseSize, Malformed) {
+  const char* const bad[] = {
+      "",         "k",   "-1",  "+4",  "1.5M", "0x100", " 4",
+      "4 M",      "4Mi", "4iB", "4MX", "4P",   "4bb",   "18446744073709551616",
+      "16777216T"};
+  for (const char* b : bad) {
+    uint64_t v = 7;
+    std::string why;
+    EXPECT_FALSE(params::parse_size(b, &v, &why)) << "'" << b << "' was accepted as " << v;
+    EXPECT_FALSE(why.empty()) << "'" << b << "'";
+    EXPECT_EQ(v, 7u) << "'" << b << "'";
+  }
+}
+
+TEST(ParseSize, InRange) {
+  int64_t v = 0;
+  std::string why;
+  EXPECT_TRUE(params::parse_size_in("4k", 4096, 8192, &v, &why)) << why;
+  EXPECT_EQ(v, 4096);
+  EXPECT_FALSE(params::parse_size_in("4095", 4096, 8192, &v, &why));
+  EXPECT_EQ(why, "is outside [4096, 8192] bytes");
+  EXPECT_TRUE(params::parse_size_in("16T", 0, INT64_MAX, &v, &why)) << why;
+  EXPECT_EQ(v, int64_t{1} << 44);
+  // Above INT64_MAX, yet a valid size: out of range, not wrapped negative.
+  EXPECT_FALSE(params::parse_size_in("18446744073709551615", 0, INT64_MAX, &v, &why));
+  EXPECT_EQ(v, int64_t{1} << 44);
+}
+
 // ---------------------------------------------------------------------------
 // parse_log_subsys
 // ---------------------------------------------------------------------------
@@ -344,6 +393,7 @@ TEST(Params, DeclaredDefaultsAreValid) {
     EXPECT_STRNE(doc, "") << env;                         \
     EXPECT_EQ(std::strncmp(env, "KVXFER_", 7), 0) << env; \
   }
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc) KVXFER_PARAM_INT(Name, env, def, lo, hi, doc)
 #define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc)   \
   {                                                       \
     ++n;                                                  \
@@ -378,6 +428,7 @@ TEST(Params, DeclaredDefaultsAreValid) {
 #include "common/params.def"
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_SIZE
 #undef KVXFER_PARAM_FLOAT
 #undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
@@ -418,6 +469,7 @@ TEST(Params, DocumentedInParametersMd) {
   };
 #define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) documented(env, std::to_string(def));
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc) documented(env, std::to_string(def));
 #define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) documented(env, strprintf("%g", def));
 #define KVXFER_PARAM_RATE(Name, env, def, doc) documented(env, def);
 #define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) \
@@ -426,6 +478,7 @@ TEST(Params, DocumentedInParametersMd) {
 #include "common/params.def"
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_SIZE
 #undef KVXFER_PARAM_FLOAT
 #undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
@@ -487,6 +540,13 @@ TEST_F(Environment, MalformedRateFailsEveryCall) {
               "KVXFER_RATE_LIMIT='25gb'");
 }
 
+TEST_F(Environment, MalformedSizeFailsEveryCall) {
+  EXPECT_EXIT(ExpectMalformed("KVXFER_NET_CHUNK_BYTES", "4 MB"), ::testing::ExitedWithCode(0),
+              "KVXFER_NET_CHUNK_BYTES='4 MB' has an unknown unit");
+  EXPECT_EXIT(ExpectMalformed("KVXFER_NET_CHUNK_BYTES", "1k"), ::testing::ExitedWithCode(0),
+              "KVXFER_NET_CHUNK_BYTES='1k' is outside \\[4096, 67108864\\] bytes");
+}
+
 TEST_F(Environment, MalformedFloatFailsEveryCall) {
   EXPECT_EXIT(ExpectMalformed("KVXFER_SPEC_MIN_ACCEPT", "half"), ::testing::ExitedWithCode(0),
               "KVXFER_SPEC_MIN_ACCEPT='half' is not a number");
@@ -506,16 +566,19 @@ TEST_F(Environment, TypedValues) {
         setenv("KVXFER_RATE_LIMIT", "8mbit", 1);
         setenv("KVXFER_SPEC_MIN_ACCEPT", "0.25", 1);
         setenv("KVXFER_ANCHOR_TC", "scavenger", 1);
+        setenv("KVXFER_NET_CHUNK_BYTES", "512k", 1);
+        setenv("KVXFER_RECV_STAGING_BYTES", "33554432", 1);
         int version = 0;
         kvxfer_result_t r = kvxfer_get_version(&version);
         std::fprintf(stderr, "result %d: %s\n", static_cast<int>(r), kvxfer_get_last_error());
-        std::_Exit(r == KVXFER_SUCCESS && params::RateLimit() == 1e6 &&
-                           params::SpecMinAccept() == 0.25 &&
-                           params::AnchorTc() == Tclass::kScavenger &&
-                           params::ResidualTc() == Tclass::kBulkData &&
-                           params::CodecImpl() == CodecPath::kAuto && params::Debug() == LOG_WARN
-                       ? 0
-                       : 1);
+        std::_Exit(
+            r == KVXFER_SUCCESS && params::RateLimit() == 1e6 && params::SpecMinAccept() == 0.25 &&
+                    params::AnchorTc() == Tclass::kScavenger &&
+                    params::ResidualTc() == Tclass::kBulkData &&
+                    params::NetChunkBytes() == 524288 && params::RecvStagingBytes() == 33554432 &&
+                    params::CodecImpl() == CodecPath::kAuto && params::Debug() == LOG_WARN
+                ? 0
+                : 1);
       },
       ::testing::ExitedWithCode(0), "result 0");
   EXPECT_EXIT(

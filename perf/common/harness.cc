@@ -156,6 +156,8 @@ std::vector<Setting> kvxfer_settings() {
 #define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) \
   out.push_back({env, std::to_string(params::Name()), std::getenv(env) != nullptr});
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc) \
+  out.push_back({env, std::to_string(params::Name()), std::getenv(env) != nullptr});
 #define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) \
   out.push_back({env, strprintf("%g", params::Name()), std::getenv(env) != nullptr});
 #define KVXFER_PARAM_RATE(Name, env, def, doc) \
@@ -168,6 +170,7 @@ std::vector<Setting> kvxfer_settings() {
 #include "common/params.def"
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_SIZE
 #undef KVXFER_PARAM_FLOAT
 #undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
@@ -236,32 +239,8 @@ int emit_json(const char* tool, const std::string& path, const nlohmann::json& j
 }
 
 bool parse_size(const std::string& s, uint64_t* out) {
-  size_t i = 0;
-  uint64_t v = 0;
-  while (i < s.size() && std::isdigit(static_cast<unsigned char>(s[i]))) {
-    const uint64_t d = static_cast<uint64_t>(s[i] - '0');
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-    ++i;
-  }
-  if (i == 0) return false;
-  int shift = 0;
-  if (i < s.size()) {
-    switch (std::tolower(static_cast<unsigned char>(s[i]))) {
-      case 'k': shift = 10; break;
-      case 'm': shift = 20; break;
-      case 'g': shift = 30; break;
-      case 't': shift = 40; break;
-      default: break;
-    }
-    if (shift != 0) ++i;
-  }
-  std::string rest = s.substr(i);
-  for (char& c : rest) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (!(rest.empty() || rest == "b" || (shift != 0 && rest == "ib"))) return false;
-  if (shift != 0 && v > (UINT64_MAX >> shift)) return false;
-  *out = v << shift;
-  return true;
+  std::string why;
+  return params::parse_size(s, out, &why);
 }
 
 }  // namespace kvxfer::perf

@@ -71,9 +71,9 @@ bool time_paired(int warmup, int iters, const std::function<bool()>& base,
 inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 : 0.0; }
 
 /**
- * A byte count: digits, then an optional K, M, G or T (powers of 1024), then
- * an optional "B" (or "iB" after a unit): "8M", "1G", "512K", "1048576",
- * "64MiB".  Case-insensitive.  False on anything else or on overflow.
+ * A byte count in the size grammar of the KVXFER_*_BYTES parameters
+ * (params::parse_size, src/common/units.h): "8M", "1G", "512K", "1048576",
+ * "64MiB".  False on anything else or on overflow.
  */
 bool parse_size(const std::string& s, uint64_t* out);
 

@@ -47,6 +47,12 @@ std::string parameters() {
            "Integer `" + std::to_string(lo) + "` to `" + std::to_string(hi) + "`. " + \
                default_text(std::to_string(def)),                                     \
            doc);
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc)                               \
+  variable(&s, env,                                                                  \
+           "Size in bytes, `" + std::to_string(lo) + "` to `" + std::to_string(hi) + \
+               "` (a count or k/m/g/t binary units: `256k`, `4MiB`). " +             \
+               default_text(std::to_string(def)),                                    \
+           doc);
 #define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc)                                         \
   variable(&s, env,                                                                             \
            "Number `" + number(lo) + "` to `" + number(hi) + "`. " + default_text(number(def)), \
@@ -59,6 +65,7 @@ std::string parameters() {
 #include "common/params.def"
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_SIZE
 #undef KVXFER_PARAM_FLOAT
 #undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM

@@ -28,6 +28,17 @@ bool parse_int(const char* text, int64_t lo, int64_t hi, int64_t* out, std::stri
   return true;
 }
 
+bool parse_size_in(const char* text, int64_t lo, int64_t hi, int64_t* out, std::string* why) {
+  uint64_t v = 0;
+  if (!parse_size(text, &v, why)) return false;
+  if (v < static_cast<uint64_t>(lo) || v > static_cast<uint64_t>(hi)) {
+    *why = "is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "] bytes";
+    return false;
+  }
+  *out = static_cast<int64_t>(v);
+  return true;
+}
+
 bool parse_float(const char* text, double lo, double hi, double* out, std::string* why) {
   if (*text == '\0') {
     *why = "is empty";
@@ -89,6 +100,25 @@ void record_bad(const char* env, const char* text, const std::string& why) {
       int64_t v = def;                                                                \
       std::string why;                                                                \
       if (t != nullptr && !parse_int(t, lo, hi, &v, &why)) {                          \
+        record_bad(env, t, why);                                                      \
+        v = def;                                                                      \
+      }                                                                               \
+      return v;                                                                       \
+    }();                                                                              \
+    static std::once_flag logged;                                                     \
+    std::call_once(logged, [] {                                                       \
+      if (std::getenv(env) != nullptr)                                                \
+        KVXFER_INFO(LOG_ENV, "%s set by environment to %lld", env, (long long)value); \
+    });                                                                               \
+    return value;                                                                     \
+  }
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc)                                \
+  int64_t Name() {                                                                    \
+    static const int64_t value = [] {                                                 \
+      const char* t = std::getenv(env);                                               \
+      int64_t v = def;                                                                \
+      std::string why;                                                                \
+      if (t != nullptr && !parse_size_in(t, lo, hi, &v, &why)) {                      \
         record_bad(env, t, why);                                                      \
         v = def;                                                                      \
       }                                                                               \
@@ -170,6 +200,7 @@ void record_bad(const char* env, const char* text, const std::string& why) {
 #include "common/params.def"
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_SIZE
 #undef KVXFER_PARAM_FLOAT
 #undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
@@ -180,6 +211,7 @@ kvxfer_result_t validate() {
   static const std::string problem = [] {
 #define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) (void)Name();
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc) (void)Name();
 #define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) (void)Name();
 #define KVXFER_PARAM_RATE(Name, env, def, doc) (void)Name();
 #define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) (void)Name();
@@ -187,6 +219,7 @@ kvxfer_result_t validate() {
 #include "common/params.def"
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_SIZE
 #undef KVXFER_PARAM_FLOAT
 #undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "common/log.h"
-#include "common/rate.h"
+#include "common/units.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::params {
@@ -100,6 +100,7 @@ std::string choices_text(const char* sep = "|") {
 
 // One accessor per parameter, typed by its kind (params.def):
 //   INT     int64_t Name()             the integer, inside [min, max]
+//   SIZE    int64_t Name()             bytes, inside [min, max] (size grammar: common/units.h)
 //   FLOAT   double Name()              the number, inside [min, max]
 //   RATE    double Name()              bytes per second; 0 = no limit
 //   ENUM    Type Name()                the choice (Type: LogLevel, CodecPath, Tclass)
@@ -108,6 +109,7 @@ std::string choices_text(const char* sep = "|") {
 // default from the accessor and makes validate() fail.
 #define KVXFER_PARAM_SECTION(title, doc)
 #define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) int64_t Name();
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc) int64_t Name();
 #define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) double Name();
 #define KVXFER_PARAM_RATE(Name, env, def, doc) double Name();
 #define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) Type Name();
@@ -115,6 +117,7 @@ std::string choices_text(const char* sep = "|") {
 #include "common/params.def"
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
+#undef KVXFER_PARAM_SIZE
 #undef KVXFER_PARAM_FLOAT
 #undef KVXFER_PARAM_RATE
 #undef KVXFER_PARAM_ENUM
@@ -127,13 +130,15 @@ std::string choices_text(const char* sep = "|") {
 kvxfer_result_t validate();
 
 // ---------------------------------------------------------------------------
-// Parsers, one per kind (parse_rate: common/rate.h), exposed for
+// Parsers, one per kind (parse_rate: common/units.h), exposed for
 // tests/common_test.cc.  Return false (and the reason, e.g. "is not an
 // integer") for malformed text, leaving *out untouched; never throw.
 // ---------------------------------------------------------------------------
 
 /** strtoll base 0 (decimal, 0x hex, leading 0 = octal), the whole text, in [lo, hi]. */
 bool parse_int(const char* text, int64_t lo, int64_t hi, int64_t* out, std::string* why);
+/** A size (parse_size: "262144", "256k", "4MiB"), in [lo, hi] bytes. */
+bool parse_size_in(const char* text, int64_t lo, int64_t hi, int64_t* out, std::string* why);
 /** strtod, the whole text, finite, in [lo, hi]. */
 bool parse_float(const char* text, double lo, double hi, double* out, std::string* why);
 /** One of names[0..n), case-insensitive; *index is its position. */

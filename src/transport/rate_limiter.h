@@ -18,7 +18,7 @@ namespace kvxfer::transport {
 
 using Clock = std::chrono::steady_clock;
 
-// The rate grammar (common/rate.h), for kvxfer_comm_config_t.rate_limit.
+// The rate grammar (common/units.h), for kvxfer_comm_config_t.rate_limit.
 using params::parse_rate;
 
 /**

@@ -1,4 +1,4 @@
-#include "common/rate.h"
+#include "common/units.h"
 
 #include <cctype>
 #include <cmath>
@@ -74,6 +74,46 @@ bool parse_rate(const std::string& text, double* bytes_per_sec, std::string* why
     return false;
   }
   *bytes_per_sec = bytes;
+  return true;
+}
+
+bool parse_size(const std::string& text, uint64_t* bytes, std::string* why) {
+  size_t i = 0;
+  uint64_t v = 0;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    const uint64_t d = static_cast<uint64_t>(text[i] - '0');
+    if (v > (UINT64_MAX - d) / 10) {
+      *why = "is more than 2^64 - 1 bytes";
+      return false;
+    }
+    v = v * 10 + d;
+  }
+  if (i == 0) {
+    *why = "does not start with a decimal number (expected e.g. 262144, 256k, 4MiB)";
+    return false;
+  }
+  int shift = 0;
+  if (i < text.size()) {
+    switch (std::tolower(static_cast<unsigned char>(text[i]))) {
+      case 'k': shift = 10; break;
+      case 'm': shift = 20; break;
+      case 'g': shift = 30; break;
+      case 't': shift = 40; break;
+      default: break;
+    }
+    if (shift != 0) ++i;
+  }
+  std::string rest = text.substr(i);
+  for (char& c : rest) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (!(rest.empty() || rest == "b" || (shift != 0 && rest == "ib"))) {
+    *why = "has an unknown unit '" + text.substr(i) + "' (expected k, m, g or t, then b or ib)";
+    return false;
+  }
+  if (shift != 0 && v > (UINT64_MAX >> shift)) {
+    *why = "is more than 2^64 - 1 bytes";
+    return false;
+  }
+  *bytes = v << shift;
   return true;
 }
 
