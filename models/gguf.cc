@@ -499,7 +499,7 @@ void dequantize_row(const TensorInfo& t, std::uint64_t row, float* out) {
     }
     return;
   }
-  // The runner's own dequantization (model/qmatmul.h), in one-row pieces of
+  // The runner's own dequantization (models/qmatmul.h), in one-row pieces of
   // at most 2^20 elements (a multiple of the block) so that int columns hold.
   const WeightType wt = t.type == TensorType::kF32    ? WeightType::kF32
                         : t.type == TensorType::kQ4_1 ? WeightType::kQ4_1

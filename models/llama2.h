@@ -14,7 +14,7 @@
 // GGUF, whose Q/K weights are stored permuted for this pairing), scores
 // scaled by 1/sqrt(head_size), SwiGLU feed-forward w2(silu(w1 x) * w3 x).
 // Float32 matrices keep run.c's summation order; quantized matrices use the
-// products of model/qmatmul.h (activations quantized per 32-block, integer
+// products of models/qmatmul.h (activations quantized per 32-block, integer
 // block dot products, one fixed float order).
 //
 // Data layout used throughout:

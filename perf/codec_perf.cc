@@ -189,7 +189,7 @@ bool make_synth(const Options& o, int64_t T, Dataset* ds, bool k_only = false) {
   }
   (void)o;
   ds->description =
-      kp::strprintf("synthetic Llama-3-8B-like KV (model/synthetic_kv.h, seed %" PRIu64
+      kp::strprintf("synthetic Llama-3-8B-like KV (models/synthetic_kv.h, seed %" PRIu64
                     ", rope_theta 500000, %d outlier key pairs at %gx), layer 0 %s of %" PRId64
                     " tokens x %d channels (8 KV heads x 128 head_dim)",
                     spec.seed, spec.key_outlier_pairs, static_cast<double>(spec.key_outlier_ratio),

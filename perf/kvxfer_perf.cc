@@ -1380,7 +1380,7 @@ std::string data_line(const Options& o, const Plan& p, int stories_T) {
         "t of request r is real token (t + 97 r) mod %d) | %s | %s",
         o.model_path.c_str(), stories_T, stories_T, shape.c_str(), layout.c_str());
   return kp::strprintf(
-      "# Data: synthetic Llama-3-8B-like KV (model/synthetic_kv.h, seed 1 + request, rope_theta "
+      "# Data: synthetic Llama-3-8B-like KV (models/synthetic_kv.h, seed 1 + request, rope_theta "
       "500000, 4 outlier key pairs at 100x) | %s | %s",
       shape.c_str(), layout.c_str());
 }

@@ -1,6 +1,6 @@
 // SmolLM2-135M-Instruct for the tests that need a real LLM: the model, its
 // tokenizer and chat template from the GGUF that scripts/install-deps.sh
-// fetches (model/model_paths.h).  Loaded once per test binary; when the file
+// fetches (models/model_paths.h).  Loaded once per test binary; when the file
 // is absent or does not load, `model` is null and `why` says why, so that the
 // cases skip with that message.
 #pragma once

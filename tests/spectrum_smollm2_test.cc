@@ -2,7 +2,7 @@
 // scripts/install-deps.sh; every case skips without it): the qualitative
 // results of perf/spectrum_quality's smollm2 tables (docs/SPECTRUMKV.md) on
 // a short prompt of the shipped text data/apache-2.0.txt, and the built-in
-// NIAH probe (spectrum/model_probe.h).
+// NIAH probe (models/model_probe.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -5,7 +5,7 @@
 //   * Tokenizer*, ChatTemplate*: a small vocabulary built here, and GGUF
 //     files written here; they run everywhere.
 //   * SmolLM2Tokenizer*: the real SmolLM2 GGUF (scripts/install-deps.sh
-//     fetches it; model/model_paths.h says where).  Token ids are compared
+//     fetches it; models/model_paths.h says where).  Token ids are compared
 //     with values computed once by Hugging Face `tokenizers` from the GGUF's
 //     own vocabulary and merges, and the chat prompt with the GGUF's Jinja
 //     template rendered by jinja2 (tests/gen_tokenizer_expect.py, hard-coded

@@ -93,63 +93,32 @@ void record_bad(const char* env, const char* text, const std::string& why) {
 // ENV log line is written after the value is cached, so logging (which reads
 // KVXFER_DEBUG through these same accessors) never recurses into itself.
 #define KVXFER_PARAM_SECTION(title, doc)
-#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc)                                 \
-  int64_t Name() {                                                                    \
-    static const int64_t value = [] {                                                 \
-      const char* t = std::getenv(env);                                               \
-      int64_t v = def;                                                                \
-      std::string why;                                                                \
-      if (t != nullptr && !parse_int(t, lo, hi, &v, &why)) {                          \
-        record_bad(env, t, why);                                                      \
-        v = def;                                                                      \
-      }                                                                               \
-      return v;                                                                       \
-    }();                                                                              \
-    static std::once_flag logged;                                                     \
-    std::call_once(logged, [] {                                                       \
-      if (std::getenv(env) != nullptr)                                                \
-        KVXFER_INFO(LOG_ENV, "%s set by environment to %lld", env, (long long)value); \
-    });                                                                               \
-    return value;                                                                     \
+// INT, SIZE and FLOAT: a number in [lo, hi] read by `parse`, logged with `fmt`.
+#define KVXFER_RANGED_ACCESSOR(Type, Name, env, def, lo, hi, parse, fmt, shown)   \
+  Type Name() {                                                                   \
+    static const Type value = [] {                                                \
+      const char* t = std::getenv(env);                                           \
+      Type v = def;                                                               \
+      std::string why;                                                            \
+      if (t != nullptr && !parse(t, lo, hi, &v, &why)) {                          \
+        record_bad(env, t, why);                                                  \
+        v = def;                                                                  \
+      }                                                                           \
+      return v;                                                                   \
+    }();                                                                          \
+    static std::once_flag logged;                                                 \
+    std::call_once(logged, [] {                                                   \
+      if (std::getenv(env) != nullptr)                                            \
+        KVXFER_INFO(LOG_ENV, "%s set by environment to " fmt, env, shown(value)); \
+    });                                                                           \
+    return value;                                                                 \
   }
-#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc)                                \
-  int64_t Name() {                                                                    \
-    static const int64_t value = [] {                                                 \
-      const char* t = std::getenv(env);                                               \
-      int64_t v = def;                                                                \
-      std::string why;                                                                \
-      if (t != nullptr && !parse_size_in(t, lo, hi, &v, &why)) {                      \
-        record_bad(env, t, why);                                                      \
-        v = def;                                                                      \
-      }                                                                               \
-      return v;                                                                       \
-    }();                                                                              \
-    static std::once_flag logged;                                                     \
-    std::call_once(logged, [] {                                                       \
-      if (std::getenv(env) != nullptr)                                                \
-        KVXFER_INFO(LOG_ENV, "%s set by environment to %lld", env, (long long)value); \
-    });                                                                               \
-    return value;                                                                     \
-  }
-#define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc)                  \
-  double Name() {                                                        \
-    static const double value = [] {                                     \
-      const char* t = std::getenv(env);                                  \
-      double v = def;                                                    \
-      std::string why;                                                   \
-      if (t != nullptr && !parse_float(t, lo, hi, &v, &why)) {           \
-        record_bad(env, t, why);                                         \
-        v = def;                                                         \
-      }                                                                  \
-      return v;                                                          \
-    }();                                                                 \
-    static std::once_flag logged;                                        \
-    std::call_once(logged, [] {                                          \
-      if (std::getenv(env) != nullptr)                                   \
-        KVXFER_INFO(LOG_ENV, "%s set by environment to %g", env, value); \
-    });                                                                  \
-    return value;                                                        \
-  }
+#define KVXFER_PARAM_INT(Name, env, def, lo, hi, doc) \
+  KVXFER_RANGED_ACCESSOR(int64_t, Name, env, def, lo, hi, parse_int, "%lld", (long long))
+#define KVXFER_PARAM_SIZE(Name, env, def, lo, hi, doc) \
+  KVXFER_RANGED_ACCESSOR(int64_t, Name, env, def, lo, hi, parse_size_in, "%lld bytes", (long long))
+#define KVXFER_PARAM_FLOAT(Name, env, def, lo, hi, doc) \
+  KVXFER_RANGED_ACCESSOR(double, Name, env, def, lo, hi, parse_float, "%g", (double))
 #define KVXFER_PARAM_RATE(Name, env, def, doc)                                             \
   double Name() {                                                                          \
     static const double value = [] {                                                       \
@@ -198,6 +167,7 @@ void record_bad(const char* env, const char* text, const std::string& why) {
     return value;                                 \
   }
 #include "common/params.def"
+#undef KVXFER_RANGED_ACCESSOR
 #undef KVXFER_PARAM_SECTION
 #undef KVXFER_PARAM_INT
 #undef KVXFER_PARAM_SIZE
