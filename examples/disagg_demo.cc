@@ -1117,7 +1117,7 @@ int main(int argc, char** argv) {
                  "10mbps = bytes/s); the unit is required, as in KVXFER_RATE_LIMIT");
   app.add_option("-p,--prompt_len", o.prompt_len, "prompt tokens (BOS + sampled tokens)");
   app.add_option("--prompt", o.prompt_ids, "comma-separated prompt token ids instead");
-  app.add_option("-n,--tokens", o.tokens, "output tokens per run (>= 1; TT64T needs 64)");
+  app.add_option("--tokens", o.tokens, "output tokens per run (>= 1; TT64T needs 64)");
   app.add_option("--reps", o.reps, "runs per mode and point (different prompts)");
   app.add_option("--sweep_rates", o.sweep_rates, "rates of the sweep (at the main prompt length)");
   app.add_option("--sweep_lens", o.sweep_lens, "prompt lengths of the sweep (at the main rate)");

@@ -807,7 +807,7 @@ int main(int argc, char** argv) {
                "smaller data sets (2 prompts, 2 x 512 synthetic tokens; SmolLM2: 2 chat prompts "
                "and 512 tokens of text)");
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
-  app.add_option("--data", data_sets,
+  app.add_option("-D,--datasets,--data", data_sets,
                  "data sets: stories, synth, smollm2 (skipped with a note "
                  "when its model file is absent)")
       ->capture_default_str()

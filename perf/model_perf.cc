@@ -4,7 +4,7 @@
 // the same run as the physical limit of a decode step.
 //
 //   ./build/perf/model_perf                 context 1024, passes of 16 and 64
-//   ./build/perf/model_perf -c 2048 -v 8,16,32,64 --model FILE -n 5
+//   ./build/perf/model_perf -C 2048 -v 8,16,32,64 --model FILE -n 5
 //
 // Each figure is the median of -n repetitions (after one warm-up); the decode
 // step and the passes are timed in turn within each repetition, so that a
@@ -122,9 +122,10 @@ int main(int argc, char** argv) {
   std::vector<int> passes = {16, 64};
   app.add_option("--model", model_path,
                  "GGUF or llama2.c checkpoint (default: the fetched SmolLM2)");
-  app.add_option("-c,--context", ctx, "prompt tokens before the decode step and the passes");
+  app.add_option("-C,--context", ctx, "prompt tokens before the decode step and the passes");
   app.add_option("-v,--verify", passes, "tokens of the verification passes")->delimiter(',');
-  app.add_option("-n,--reps", reps, "repetitions (median)")->check(CLI::PositiveNumber);
+  app.add_option("-n,--iters", reps, "timed iterations (the median is reported)")
+      ->check(CLI::PositiveNumber);
   app.add_option("-t,--threads", threads, "OpenMP threads (0 = OpenMP's default)");
   CLI11_PARSE(app, argc, argv);
   if (model_path.empty()) {

@@ -519,7 +519,7 @@ int main(int argc, char** argv) {
   app.add_option("--fi_pingpong", o.fi_pingpong, "fabtests' fi_pingpong")->capture_default_str();
   app.add_option("--tc", o.traffic_class, "NCCL trafficClass of both communicators")
       ->capture_default_str();
-  app.add_option("-R,--repeats", o.repeats,
+  app.add_option("--repeats", o.repeats,
                  "runs of each side per size, alternating; the best of each is reported")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();

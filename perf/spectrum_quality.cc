@@ -445,10 +445,10 @@ int main(int argc, char** argv) {
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
   app.add_option("-c,--check", check, "1: fail (exit 1) on an out-of-bounds result")
       ->capture_default_str();
-  app.add_option("-d,--datasets", datasets_s,
+  app.add_option("-D,--datasets", datasets_s,
                  "comma list of stories, synth, smollm2 (default all; smollm2 is skipped with a "
                  "message when its GGUF is absent)");
-  app.add_option("-b,--budgets", budgets_s, "comma list of budgets in [0.25, 1]")
+  app.add_option("-B,--budgets", budgets_s, "comma list of budgets in [0.25, 1]")
       ->capture_default_str()
       ->excludes(quick_opt);
   app.add_option("--model", model_path, "llama2.c checkpoint (stories)")->capture_default_str();
@@ -519,7 +519,7 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<double> budgets, niah_budgets;
-  if (!parse_budgets(budgets_s, "-b", &budgets) ||
+  if (!parse_budgets(budgets_s, "-B", &budgets) ||
       !parse_budgets(niah_budgets_s, "--niah-budgets", &niah_budgets))
     return 2;
   if (niah_depths < 1 || text_steps < 1 || text_prompt < 0 || niah_haystack < 0) {

@@ -185,7 +185,7 @@ TEST(Quality, LynxFullBeatsInt4) {
 
 // ---------------------------------------------------------------------------
 // The same on SmolLM2-135M-Instruct (fetched by scripts/install-deps.sh; the
-// cases skip without it), as perf/codec_quality --data smollm2 measures it
+// cases skip without it), as perf/codec_quality -D smollm2 measures it
 // (docs/ACCURACY.md), on one short chat prompt.
 // ---------------------------------------------------------------------------
 namespace {

@@ -78,7 +78,7 @@ std::vector<uint8_t> pdtrim_tiers(double b, size_t n) {
   return t;
 }
 
-// The paper's Tables 2/3 in small (perf/spectrum_quality --quick -d smollm2):
+// The paper's Tables 2/3 in small (perf/spectrum_quality --quick -D smollm2):
 // 512 tokens of real text as the prompt KV, the next 64 teacher-forced.  At b = 1/2 Greedy is all
 // INT8 and so matches uniform INT8; at b = 0.3 keeping every token (80 % INT4) loses far less than
 // dropping 70 % of them.
