@@ -29,9 +29,9 @@
 #include "common/error.h"
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
-#include "models/llama2.h"
 #include "models/synthetic_kv.h"
 #include "perf/common/harness.h"
+#include "perf/common/kv_data.h"
 #ifdef KVXFER_CODEC_PERF_GPU
 #include "cuda/cuda_check.h"
 #include "cuda/device_codec.h"
@@ -112,66 +112,47 @@ struct Dataset {
 
 /**
  * stories260K: greedy generation of T-1 tokens from BOS (token 1), then one
- * prefill over the T tokens; every layer's K (after RoPE) and V is a page.
+ * prefill over the T tokens (perf/common/kv_data.h); every layer's K (after
+ * RoPE) and V is a page.
  */
 bool make_real(const Options& o, Dataset* ds) {
   std::string err;
-  std::unique_ptr<km::Model> m = km::Model::load(o.model_path, &err);
-  if (!m) {
-    std::fprintf(stderr, "codec_perf: cannot load %s: %s\n", o.model_path.c_str(), err.c_str());
+  kp::GreedyPrefillKV kv;
+  if (!kp::greedy_prefill_kv(o.model_path, &kv, &err)) {
+    std::fprintf(stderr, "codec_perf: cannot build the stories260K KV from %s: %s\n",
+                 o.model_path.c_str(), err.c_str());
     return false;
   }
-  const km::Config& c = m->config();
-  const int T = c.seq_len;
-  std::vector<int> toks{1};
-  km::KVCache tail;
-  std::vector<float> logits;
-  for (int pos = 0; pos + 1 < T; ++pos) {
-    if (!m->decode_step(toks[pos], pos, km::KVView{}, &tail, &logits, &err)) {
-      std::fprintf(stderr, "codec_perf: model decode_step failed: %s\n", err.c_str());
-      return false;
-    }
-    toks.push_back(km::argmax(logits.data(), logits.size()));
-  }
-  km::PrefillResult pre;
-  if (!m->prefill(toks, km::PrefillOptions{}, &pre, &err)) {
-    std::fprintf(stderr, "codec_perf: model prefill failed: %s\n", err.c_str());
-    return false;
-  }
+  const int T = kv.tokens;
   ds->name = "real";
   ds->T = T;
-  ds->H = c.kv_dim();
-  for (int l = 0; l < c.n_layers; ++l)
+  ds->H = kv.channels();
+  for (int l = 0; l < kv.layers; ++l)
     for (int kind = 0; kind < 2; ++kind) {
       FloatPage p;
       p.id = kvxfer_page_id_t{static_cast<uint32_t>(l), static_cast<kvxfer_kv_kind_t>(kind), 0, 0};
-      const float* src = kind == 0 ? pre.kv.k(l) : pre.kv.v(l);
-      p.data.assign(src, src + static_cast<size_t>(T) * ds->H);
+      p.data = std::move(kind == 0 ? kv.k[static_cast<size_t>(l)] : kv.v[static_cast<size_t>(l)]);
       ds->pages.push_back(std::move(p));
     }
   std::string first;
-  for (int i = 0; i < 12 && i < T; ++i) first += (i ? " " : "") + std::to_string(toks[i]);
+  for (int i = 0; i < 12 && i < T; ++i) first += (i ? " " : "") + std::to_string(kv.ids[i]);
   ds->description = kp::strprintf(
       "stories260K prefill of %d tokens greedy-generated from BOS (ids %s ...), "
       "%d layers x K,V = %zu pages of %d tokens x %d channels (%d KV heads x %d head_dim)",
-      T, first.c_str(), c.n_layers, ds->pages.size(), T, ds->H, c.n_kv_heads, c.head_size());
+      T, first.c_str(), kv.layers, ds->pages.size(), T, ds->H, kv.kv_heads, kv.head_dim);
   ds->info = {{"source", "stories260K.bin"},
               {"model_path", o.model_path},
               {"tokens", "greedy from BOS (1), then prefill"},
               {"first_ids", first},
-              {"n_layers", c.n_layers},
-              {"n_kv_heads", c.n_kv_heads},
-              {"head_dim", c.head_size()}};
+              {"n_layers", kv.layers},
+              {"n_kv_heads", kv.kv_heads},
+              {"head_dim", kv.head_dim}};
   return true;
 }
 
 /** Llama-3-8B-like synthetic KV: layer 0 K and V, T tokens x 8 heads x 128. */
 bool make_synth(const Options& o, int64_t T, Dataset* ds, bool k_only = false) {
-  km::SyntheticKVSpec spec;
-  spec.seed = 1;
-  spec.n_kv_heads = 8;
-  spec.head_dim = 128;
-  spec.rope_theta = 500000.0f;  // Llama-3
+  const km::SyntheticKVSpec spec = kp::llama3_8b_like_spec(32);  // only layer 0 is used
   ds->name = "synth";
   ds->T = T;
   ds->H = spec.row_channels();

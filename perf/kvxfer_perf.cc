@@ -44,9 +44,9 @@
 #include "codec/codec_math.h"
 #include "common/fdio.h"
 #include "kvxfer/spectrum.h"
-#include "models/llama2.h"
 #include "models/synthetic_kv.h"
 #include "perf/common/harness.h"
+#include "perf/common/kv_data.h"
 #include "xfer/engine.h"
 
 namespace {
@@ -237,12 +237,9 @@ class DataSource {
 /** Llama-3-8B-like synthetic KV (models/synthetic_kv.h); request r has seed 1 + r. */
 class SyntheticSource : public DataSource {
  public:
-  explicit SyntheticSource(const Shape& s) {
-    spec_.seed = 1;
-    spec_.n_layers = s.layers;
+  explicit SyntheticSource(const Shape& s) : spec_(kp::llama3_8b_like_spec(s.layers)) {
     spec_.n_kv_heads = s.kv_heads;
     spec_.head_dim = s.head_dim;
-    spec_.rope_theta = 500000.0f;  // Llama-3
   }
   const km::SyntheticKVSpec& spec() const { return spec_; }
   bool fill(int r, int32_t layer, int kind, int64_t T, float* out,
@@ -265,52 +262,22 @@ class SyntheticSource : public DataSource {
 class StoriesSource : public DataSource {
  public:
   bool load(const std::string& path, std::string* err) {
-    std::unique_ptr<km::Model> m = km::Model::load(path, err);
-    if (!m) return false;
-    const km::Config& c = m->config();
-    T_ = c.seq_len;
-    H_ = c.kv_dim();
-    layers_ = c.n_layers;
-    kv_heads_ = c.n_kv_heads;
-    head_dim_ = c.head_size();
-    std::vector<int> toks{1};
-    km::KVCache tail;
-    std::vector<float> logits;
-    for (int pos = 0; pos + 1 < T_; ++pos) {
-      if (!m->decode_step(toks[static_cast<size_t>(pos)], pos, km::KVView{}, &tail, &logits, err))
-        return false;
-      toks.push_back(km::argmax(logits.data(), logits.size()));
-    }
-    km::PrefillResult pre;
-    if (!m->prefill(toks, km::PrefillOptions{}, &pre, err)) return false;
-    for (int l = 0; l < layers_; ++l)
-      for (int kind = 0; kind < 2; ++kind) {
-        const float* src = kind == 0 ? pre.kv.k(l) : pre.kv.v(l);
-        kv_.emplace_back(src, src + static_cast<size_t>(T_) * static_cast<size_t>(H_));
-      }
-    for (int i = 0; i < 8 && i < T_; ++i) first_ids_ += (i ? " " : "") + std::to_string(toks[i]);
-    return true;
+    return kp::greedy_prefill_kv(path, &kv_, err);
   }
   bool fill(int r, int32_t layer, int kind, int64_t T, float* out,
             std::string* err) const override {
     (void)err;
-    const std::vector<float>& src = kv_[static_cast<size_t>(layer) * 2 + static_cast<size_t>(kind)];
+    const std::vector<float>& src = (kind == 0 ? kv_.k : kv_.v)[static_cast<size_t>(layer)];
+    const int64_t T_real = kv_.tokens, H = kv_.channels();
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t u = (t + 97 * int64_t{r}) % T_;
-      std::memcpy(out + t * H_, src.data() + u * H_, static_cast<size_t>(H_) * sizeof(float));
+      const int64_t u = (t + 97 * int64_t{r}) % T_real;
+      std::memcpy(out + t * H, src.data() + u * H, static_cast<size_t>(H) * sizeof(float));
     }
     return true;
   }
-  int layers() const { return layers_; }
-  int kv_heads() const { return kv_heads_; }
-  int head_dim() const { return head_dim_; }
-  int tokens() const { return T_; }
-  const std::string& first_ids() const { return first_ids_; }
 
  private:
-  int T_ = 0, H_ = 0, layers_ = 0, kv_heads_ = 0, head_dim_ = 0;
-  std::vector<std::vector<float>> kv_;  // [layer * 2 + kind][T][H]
-  std::string first_ids_;
+  kp::GreedyPrefillKV kv_;  // perf/common/kv_data.h
 };
 
 /** Reads only the llama2.c header (7 int32) of the checkpoint: the KV shape. */
