@@ -1886,7 +1886,7 @@ int main(int argc, char** argv) {
     p.codecs.push_back(c);
   }
   const uint64_t bpt = p.shape.bytes_per_token();
-  for (uint64_t s = o.min_b; s <= o.max_b;) {
+  for (const uint64_t s : kp::size_sweep(o.min_b, o.max_b, static_cast<uint64_t>(o.factor))) {
     SizePoint sp;
     sp.requested = s;
     sp.tokens = static_cast<int64_t>(s / bpt);
@@ -1903,8 +1903,6 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (p.sizes.empty() || p.sizes.back().tokens != sp.tokens) p.sizes.push_back(sp);
-    if (s > o.max_b / static_cast<uint64_t>(o.factor)) break;
-    s *= static_cast<uint64_t>(o.factor);
   }
 
   kp::print_preamble(stdout, kTool, mach, settings);

@@ -339,8 +339,8 @@ int run(const Options& o) {
     std::fprintf(stderr, "net_plugin_perf: bad -b/-e (sizes 1 .. 1G, -b <= -e)\n");
     return 2;
   }
-  std::vector<size_t> sizes;
-  for (uint64_t s = minb; s <= maxb; s *= static_cast<uint64_t>(o.factor)) sizes.push_back(s);
+  const std::vector<uint64_t> sweep = size_sweep(minb, maxb, static_cast<uint64_t>(o.factor));
+  const std::vector<size_t> sizes(sweep.begin(), sweep.end());
   const int iters = o.common.iters, warmup = o.common.warmup;
 
   int down[2], up[2];

@@ -243,4 +243,14 @@ bool parse_size(const std::string& s, uint64_t* out) {
   return params::parse_size(s, out, &why);
 }
 
+std::vector<uint64_t> size_sweep(uint64_t min, uint64_t max, uint64_t factor) {
+  std::vector<uint64_t> out;
+  for (uint64_t s = min; s <= max;) {
+    out.push_back(s);
+    if (factor <= 1 || s > max / factor) break;  // the next step passes max (or overflows)
+    s *= factor;
+  }
+  return out;
+}
+
 }  // namespace kvxfer::perf

@@ -1,4 +1,5 @@
-// Shared harness of the kvxfer perf binaries (perf/codec_perf, perf/kvxfer_perf).
+// Shared harness of the kvxfer perf binaries (perf/codec_perf, perf/kvxfer_perf,
+// perf/net_plugin_perf, ...).
 //
 // What it gives a benchmark, in the nccl-tests dialect:
 //   * the common flags (-w warmup iterations, -n timed iterations, -c check,
@@ -10,7 +11,8 @@
 //     like nccl-tests and parses with awk;
 //   * the preamble: one line for the machine (CPU model, CPUs, AVX2/F16C) and
 //     one for the KVXFER_* settings in effect;
-//   * a JSON writer (nlohmann_json).
+//   * a JSON writer (nlohmann_json);
+//   * the -b/-e/-f size sweep.
 // Formulas are defined in docs/PERFORMANCE.md.  Nothing here asserts on time.
 #pragma once
 
@@ -76,6 +78,15 @@ inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 
  * "64MiB".  False on anything else or on overflow.
  */
 bool parse_size(const std::string& s, uint64_t* out);
+
+/**
+ * The sizes of a -b/-e/-f sweep, as nccl-tests walks them: min, min * factor,
+ * min * factor^2, ... while <= max.  Empty when min > max; just {min} when
+ * factor <= 1 (no step to take).  A step that would pass max, or overflow
+ * uint64_t, ends the sweep.  The binaries round each size as they need to
+ * (kvxfer_perf: to whole tokens).
+ */
+std::vector<uint64_t> size_sweep(uint64_t min, uint64_t max, uint64_t factor);
 
 /** Splits a comma list ("lynx,int8"), dropping empty items. */
 inline std::vector<std::string> split(const std::string& s) {
