@@ -1,10 +1,13 @@
-// Unit tests of perf/common/harness: the -b/-e/-f size sweep.
+// Unit tests of perf/common/harness: the -b/-e/-f size sweep and ForkedChild.
 #include "perf/common/harness.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace kvxfer::perf {
@@ -27,6 +30,42 @@ TEST(PerfHarness, SizeSweepEdgeCases) {
   const V v = size_sweep(uint64_t{1} << 62, top, 2);  // the next step would overflow
   EXPECT_EQ(v, (V{uint64_t{1} << 62, uint64_t{1} << 63}));
   EXPECT_EQ(size_sweep(top, top, 1024), (V{top}));
+}
+
+TEST(PerfHarness, ForkedChildReportsItsExitCode) {
+  ForkedChild c;
+  std::string err;
+  ASSERT_TRUE(c.start([] { return 7; }, &err)) << err;
+  EXPECT_TRUE(c.wait_for(30));
+  EXPECT_FALSE(c.alive());
+  EXPECT_FALSE(c.exited_ok());
+  EXPECT_EQ(c.describe(), "exit code 7");
+
+  ForkedChild ok;
+  ASSERT_TRUE(ok.start([&ok] { return ok.parent_alive() ? 0 : 1; }, &err)) << err;
+  ok.wait();
+  EXPECT_TRUE(ok.exited_ok());
+  EXPECT_EQ(ok.describe(), "exit code 0");
+}
+
+TEST(PerfHarness, ForkedChildIsKilledAfterItsTimeout) {
+  ForkedChild c;
+  EXPECT_EQ(c.describe(), "not started");
+  std::string err;
+  ASSERT_TRUE(c.start(
+      [] {
+        pause();
+        return 0;
+      },
+      &err))
+      << err;
+  EXPECT_TRUE(c.alive());
+  EXPECT_EQ(c.describe(), "running");
+  EXPECT_FALSE(c.wait_for(0.05));
+  EXPECT_FALSE(c.alive());
+  EXPECT_EQ(c.describe(), "killed by signal " + std::to_string(SIGKILL));
+  c.kill();  // already reaped: nothing
+  EXPECT_FALSE(c.exited_ok());
 }
 
 }  // namespace
