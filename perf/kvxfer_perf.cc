@@ -20,9 +20,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1436,59 +1434,37 @@ int run_fork(const Options& o, const Plan& p, const json& jbase) {
   }
   // Fork before any codec (OpenMP) work in this process: a child forked
   // after OpenMP started may hang in it.
-  std::fflush(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t child = ::fork();
-  if (child < 0) {
-    std::fprintf(stderr, "%s: fork: %s\n", kTool, std::strerror(errno));
+  kp::ForkedChild child;
+  std::string ferr;
+  const bool started = child.start(
+      [&] {
+        ::close(up[0]);
+        const int wr = up[1];
+        std::string err;
+        kvxfer_comm_t comm = init_comm(o, id, 1, &err);
+        if (comm == nullptr) {
+          send_msg(wr, kMsgFatal, err.data(), err.size());
+          return 2;
+        }
+        PipeBarrier barrier(wr, -1);
+        const int st = run_receiver(
+            o, p, comm, &barrier, [&child] { return child.parent_alive(); },
+            [wr](size_t, size_t, int, const Batch& b) {
+              const std::vector<uint8_t> bytes = b.serialize();
+              return send_msg(wr, kMsgBatch, bytes.data(), bytes.size());
+            });
+        kvxfer_comm_destroy(comm);
+        ::close(wr);
+        std::fflush(stderr);
+        return st;
+      },
+      &ferr);
+  if (!started) {
+    std::fprintf(stderr, "%s: %s\n", kTool, ferr.c_str());
     return 2;
-  }
-  if (child == 0) {
-    ::close(up[0]);
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the parent
-    if (::getppid() != parent) ::_exit(3);
-    const int wr = up[1];
-    std::string err;
-    kvxfer_comm_t comm = init_comm(o, id, 1, &err);
-    if (comm == nullptr) {
-      send_msg(wr, kMsgFatal, err.data(), err.size());
-      ::_exit(2);
-    }
-    PipeBarrier barrier(wr, -1);
-    const int st = run_receiver(
-        o, p, comm, &barrier, [parent] { return ::getppid() == parent; },
-        [wr](size_t, size_t, int, const Batch& b) {
-          const std::vector<uint8_t> bytes = b.serialize();
-          return send_msg(wr, kMsgBatch, bytes.data(), bytes.size());
-        });
-    kvxfer_comm_destroy(comm);
-    ::close(wr);
-    std::fflush(stderr);
-    ::_exit(st);
   }
   ::close(up[1]);
   const int rd = up[0];
-  int child_status = -1;
-  bool child_reaped = false;
-  auto child_alive = [&]() {
-    if (child_reaped) return false;
-    if (::waitpid(child, &child_status, WNOHANG) == child) child_reaped = true;
-    return !child_reaped;
-  };
-  auto stop_child = [&](double seconds) {
-    const int64_t end = mono_ns() + static_cast<int64_t>(seconds * 1e9);
-    while (!child_reaped && mono_ns() < end) {
-      if (!child_alive()) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    if (!child_reaped) {
-      ::kill(child, SIGKILL);
-      ::waitpid(child, &child_status, 0);
-      child_reaped = true;
-      return false;
-    }
-    return true;
-  };
 
   std::string err;
   kvxfer_comm_t comm = init_comm(o, id, 0, &err);
@@ -1501,8 +1477,7 @@ int run_fork(const Options& o, const Plan& p, const json& jbase) {
     if (recv_msg(rd, &type, &msg, 200, &unused) && type == kMsgFatal)
       std::fprintf(stderr, "%s: receiver (rank 1): %s\n", kTool,
                    std::string(msg.begin(), msg.end()).c_str());
-    ::kill(child, SIGKILL);
-    ::waitpid(child, &child_status, 0);
+    child.kill();
     ::close(rd);
     return 2;
   }
@@ -1512,7 +1487,7 @@ int run_fork(const Options& o, const Plan& p, const json& jbase) {
   PipeBarrier barrier(-1, rd);
   bool reported_failure = false;
   const int st = run_sender(
-      o, p, comm, &barrier, child_alive,
+      o, p, comm, &barrier, [&child] { return child.alive(); },
       [&](size_t si, size_t ci, int it, int64_t t_post, kvxfer_result_t src,
           const std::string& serr) {
         if (src != KVXFER_SUCCESS) {
@@ -1549,12 +1524,12 @@ int run_fork(const Options& o, const Plan& p, const json& jbase) {
         return b.h.ok != 0;
       });
   kvxfer_comm_destroy(comm);
-  const bool exited = stop_child(st == 0 ? 60.0 : 10.0);
+  const bool exited = child.wait_for(st == 0 ? 60.0 : 10.0);
   ::close(rd);
   bool run_failed = st != 0;
-  if (st == 0 && (!exited || !WIFEXITED(child_status) || WEXITSTATUS(child_status) != 0)) {
+  if (st == 0 && (!exited || !child.exited_ok())) {
     std::fprintf(stderr, "%s: the receiver process ended abnormally (status %d)\n", kTool,
-                 child_status);
+                 child.status());
     run_failed = true;
   }
   if (run_failed && !reported_failure)
@@ -1853,7 +1828,7 @@ int main(int argc, char** argv) {
     p.codecs.push_back(c);
   }
   const uint64_t bpt = p.shape.bytes_per_token();
-  for (uint64_t s = o.min_b; s <= o.max_b;) {
+  for (const uint64_t s : kp::size_sweep(o.min_b, o.max_b, static_cast<uint64_t>(o.factor))) {
     SizePoint sp;
     sp.requested = s;
     sp.tokens = static_cast<int64_t>(s / bpt);
@@ -1870,8 +1845,6 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (p.sizes.empty() || p.sizes.back().tokens != sp.tokens) p.sizes.push_back(sp);
-    if (s > o.max_b / static_cast<uint64_t>(o.factor)) break;
-    s *= static_cast<uint64_t>(o.factor);
   }
 
   kp::print_preamble(stdout, kTool, mach, settings);

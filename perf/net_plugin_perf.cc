@@ -339,48 +339,55 @@ int run(const Options& o) {
     std::fprintf(stderr, "net_plugin_perf: bad -b/-e (sizes 1 .. 1G, -b <= -e)\n");
     return 2;
   }
-  std::vector<size_t> sizes;
-  for (uint64_t s = minb; s <= maxb; s *= static_cast<uint64_t>(o.factor)) sizes.push_back(s);
+  const std::vector<uint64_t> sweep = size_sweep(minb, maxb, static_cast<uint64_t>(o.factor));
+  const std::vector<size_t> sizes(sweep.begin(), sweep.end());
   const int iters = o.common.iters, warmup = o.common.warmup;
 
   int down[2], up[2];
   if (pipe(down) != 0 || pipe(up) != 0) return 2;
-  std::fflush(nullptr);
-  const pid_t child = fork();
-  if (child == 0) {  // rank 1: answers every ping; waits blocked between sizes
-    close(down[1]);
-    close(up[0]);
-    Rank r;
-    if (!setup_rank(o, 1, down[0], up[1], &r)) {
-      std::fprintf(stderr, "rank 1: %s\n", r.error.c_str());
-      _exit(3);
-    }
-    std::vector<uint8_t> sbuf(maxb), rbuf(maxb);
-    for (size_t i = 0; i < sizes.size() * static_cast<size_t>(o.repeats); ++i) {
-      uint32_t go = 0;
-      if (!read_all(down[0], &go, sizeof(go)) || go != i / static_cast<size_t>(o.repeats)) _exit(4);
-      double us = 0;
-      uint64_t wrong = 0;
-      const size_t size = sizes[i / static_cast<size_t>(o.repeats)];
-      if (!pingpong(&r, 1, size, warmup, iters, o.common.check != 0, &sbuf, &rbuf, &us, &wrong)) {
-        std::fprintf(stderr, "rank 1: %s\n", r.error.c_str());
-        _exit(5);
-      }
-      const uint64_t w = wrong;
-      if (!write_all(up[1], &w, sizeof(w))) _exit(6);
-    }
-    r.net->closeSend(r.send);
-    r.net->closeRecv(r.recv);
-    r.net->finalize(r.ctx);
-    _exit(0);
+  ForkedChild child;
+  std::string ferr;
+  const bool started = child.start(
+      [&] {  // rank 1: answers every ping; waits blocked between sizes
+        close(down[1]);
+        close(up[0]);
+        Rank r;
+        if (!setup_rank(o, 1, down[0], up[1], &r)) {
+          std::fprintf(stderr, "rank 1: %s\n", r.error.c_str());
+          return 3;
+        }
+        std::vector<uint8_t> sbuf(maxb), rbuf(maxb);
+        for (size_t i = 0; i < sizes.size() * static_cast<size_t>(o.repeats); ++i) {
+          uint32_t go = 0;
+          if (!read_all(down[0], &go, sizeof(go)) || go != i / static_cast<size_t>(o.repeats))
+            return 4;
+          double us = 0;
+          uint64_t wrong = 0;
+          const size_t size = sizes[i / static_cast<size_t>(o.repeats)];
+          if (!pingpong(&r, 1, size, warmup, iters, o.common.check != 0, &sbuf, &rbuf, &us,
+                        &wrong)) {
+            std::fprintf(stderr, "rank 1: %s\n", r.error.c_str());
+            return 5;
+          }
+          const uint64_t w = wrong;
+          if (!write_all(up[1], &w, sizeof(w))) return 6;
+        }
+        r.net->closeSend(r.send);
+        r.net->closeRecv(r.recv);
+        r.net->finalize(r.ctx);
+        return 0;
+      },
+      &ferr);
+  if (!started) {
+    std::fprintf(stderr, "net_plugin_perf: %s\n", ferr.c_str());
+    return 2;
   }
   close(down[0]);
   close(up[1]);
   Rank r;
   if (!setup_rank(o, 0, up[0], down[1], &r)) {
     std::fprintf(stderr, "rank 0: %s\n", r.error.c_str());
-    kill(child, SIGKILL);
-    waitpid(child, nullptr, 0);
+    child.kill();
     return 3;
   }
   const char* ifname = std::getenv("KVXFER_NET_IF");
@@ -471,9 +478,8 @@ int run(const Options& o) {
   r.net->closeSend(r.send);
   r.net->closeRecv(r.recv);
   r.net->finalize(r.ctx);
-  int st = 0;
-  if (failed) kill(child, SIGKILL);
-  waitpid(child, &st, 0);
+  if (failed) child.kill();
+  child.wait();
   std::printf("# Out of bounds values : %llu %s\n", static_cast<unsigned long long>(wrong_total),
               wrong_total == 0 ? "OK" : "FAILED");
   if (nratio > 0)
@@ -494,7 +500,7 @@ int run(const Options& o) {
       return 2;
     }
   }
-  return failed || wrong_total != 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0 ? 1 : 0;
+  return failed || wrong_total != 0 || !child.exited_ok() ? 1 : 0;
 }
 
 }  // namespace

@@ -1,15 +1,20 @@
 #include "perf/common/harness.h"
 
 #include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <thread>
 
@@ -241,6 +246,83 @@ int emit_json(const char* tool, const std::string& path, const nlohmann::json& j
 bool parse_size(const std::string& s, uint64_t* out) {
   std::string why;
   return params::parse_size(s, out, &why);
+}
+
+std::vector<uint64_t> size_sweep(uint64_t min, uint64_t max, uint64_t factor) {
+  std::vector<uint64_t> out;
+  for (uint64_t s = min; s <= max;) {
+    out.push_back(s);
+    if (factor <= 1 || s > max / factor) break;  // the next step passes max (or overflows)
+    s *= factor;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// ForkedChild
+// ---------------------------------------------------------------------------
+ForkedChild::~ForkedChild() { kill(); }
+
+bool ForkedChild::start(const std::function<int()>& body, std::string* error) {
+  std::fflush(nullptr);
+  parent_ = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    *error = std::string("fork: ") + std::strerror(errno);
+    return false;
+  }
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the parent
+    if (!parent_alive()) ::_exit(3);     // it died before prctl took effect
+    ::_exit(body());
+  }
+  pid_ = pid;
+  status_ = -1;
+  reaped_ = false;
+  return true;
+}
+
+bool ForkedChild::parent_alive() const { return ::getppid() == parent_; }
+
+bool ForkedChild::alive() {
+  if (pid_ < 0 || reaped_) return false;
+  if (::waitpid(pid_, &status_, WNOHANG) == pid_) reaped_ = true;
+  return !reaped_;
+}
+
+void ForkedChild::wait() {
+  if (pid_ < 0 || reaped_) return;
+  ::waitpid(pid_, &status_, 0);
+  reaped_ = true;
+}
+
+bool ForkedChild::wait_for(double seconds) {
+  using clock = std::chrono::steady_clock;
+  const auto end = clock::now() + std::chrono::duration<double>(seconds);
+  while (alive() && clock::now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (pid_ < 0) return false;
+  if (reaped_) return true;
+  kill();
+  return false;
+}
+
+void ForkedChild::kill() {
+  if (pid_ < 0 || reaped_) return;
+  ::kill(pid_, SIGKILL);
+  ::waitpid(pid_, &status_, 0);
+  reaped_ = true;
+}
+
+bool ForkedChild::exited_ok() const {
+  return reaped_ && WIFEXITED(status_) && WEXITSTATUS(status_) == 0;
+}
+
+std::string ForkedChild::describe() const {
+  if (pid_ < 0) return "not started";
+  if (!reaped_) return "running";
+  if (WIFEXITED(status_)) return "exit code " + std::to_string(WEXITSTATUS(status_));
+  if (WIFSIGNALED(status_)) return "killed by signal " + std::to_string(WTERMSIG(status_));
+  return "status " + std::to_string(status_);
 }
 
 }  // namespace kvxfer::perf

@@ -1,4 +1,5 @@
-// Shared harness of the kvxfer perf binaries (perf/codec_perf, perf/kvxfer_perf).
+// Shared harness of the kvxfer perf binaries (perf/codec_perf, perf/kvxfer_perf,
+// perf/net_plugin_perf, ...).
 //
 // What it gives a benchmark, in the nccl-tests dialect:
 //   * the common flags (-w warmup iterations, -n timed iterations, -c check,
@@ -10,9 +11,12 @@
 //     like nccl-tests and parses with awk;
 //   * the preamble: one line for the machine (CPU model, CPUs, AVX2/F16C) and
 //     one for the KVXFER_* settings in effect;
-//   * a JSON writer (nlohmann_json).
+//   * a JSON writer (nlohmann_json);
+//   * the -b/-e/-f size sweep, and a forked peer process (ForkedChild).
 // Formulas are defined in docs/PERFORMANCE.md.  Nothing here asserts on time.
 #pragma once
+
+#include <sys/types.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
@@ -76,6 +80,15 @@ inline double gbps(double bytes, double us) { return us > 0 ? bytes / us * 1e-3 
  * "64MiB".  False on anything else or on overflow.
  */
 bool parse_size(const std::string& s, uint64_t* out);
+
+/**
+ * The sizes of a -b/-e/-f sweep, as nccl-tests walks them: min, min * factor,
+ * min * factor^2, ... while <= max.  Empty when min > max; just {min} when
+ * factor <= 1 (no step to take).  A step that would pass max, or overflow
+ * uint64_t, ends the sweep.  The binaries round each size as they need to
+ * (kvxfer_perf: to whole tokens).
+ */
+std::vector<uint64_t> size_sweep(uint64_t min, uint64_t max, uint64_t factor);
 
 /** Splits a comma list ("lynx,int8"), dropping empty items. */
 inline std::vector<std::string> split(const std::string& s) {
@@ -172,5 +185,60 @@ bool write_json_file(const std::string& path, const nlohmann::json& j, std::stri
  * Returns 0, or 2 (the binaries' usage/IO exit status) on failure.
  */
 int emit_json(const char* tool, const std::string& path, const nlohmann::json& j);
+
+// ---------------------------------------------------------------------------
+// A forked peer process (the other rank of a two-process benchmark).
+// ---------------------------------------------------------------------------
+/**
+ * One child process running `body`.  start() flushes every stdio stream
+ * (so nothing buffered is written twice), forks, and in the child sets
+ * PR_SET_PDEATHSIG to SIGKILL (it never outlives the parent), exits with
+ * status 3 if the parent is already gone, then ends with _exit(body()) (no
+ * atexit handlers, no stdio flush, no destructors of the parent's objects).
+ * Pipes between the two are the caller's: create them before start(), close
+ * the unused ends in the body and after it.  Fork before the parent starts
+ * threads (OpenMP): a child forked after may hang in them.
+ *
+ * The parent polls alive(), waits with wait() or wait_for(), or kill()s.
+ * The destructor kills and reaps a child that is still running.
+ */
+class ForkedChild {
+ public:
+  ForkedChild() = default;
+  ~ForkedChild();
+  ForkedChild(const ForkedChild&) = delete;
+  ForkedChild& operator=(const ForkedChild&) = delete;
+
+  /** Starts the child; false and *error ("fork: <strerror>") if fork fails. */
+  bool start(const std::function<int()>& body, std::string* error);
+
+  /** In the child (from the body): whether the parent that forked it still runs. */
+  bool parent_alive() const;
+
+  /** In the parent: false once the child has ended (it is then reaped). */
+  bool alive();
+  /** Blocks until the child ends. */
+  void wait();
+  /**
+   * Waits up to `seconds` for the child to end (polling every 10 ms), then
+   * SIGKILLs and reaps it.  True if it ended on its own.
+   */
+  bool wait_for(double seconds);
+  /** SIGKILL and reap (nothing when it has already been reaped). */
+  void kill();
+
+  /** The waitpid status once reaped, -1 before. */
+  int status() const { return status_; }
+  /** Reaped after exiting with status 0. */
+  bool exited_ok() const;
+  /** How it ended: "exit code N", "killed by signal S", "running" or "not started". */
+  std::string describe() const;
+
+ private:
+  pid_t pid_ = -1;
+  pid_t parent_ = -1;
+  int status_ = -1;
+  bool reaped_ = false;
+};
 
 }  // namespace kvxfer::perf
