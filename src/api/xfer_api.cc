@@ -195,7 +195,7 @@ kvxfer_result_t kvxfer_test(kvxfer_request_t request, kvxfer_stage_t* stage) {
 kvxfer_result_t kvxfer_wait(kvxfer_request_t request, kvxfer_stage_t stage, int timeout_ms) {
   return kvxfer::api_call(__func__, [&] {
     KVXFER_REQUIRE(request != nullptr, "request is NULL");
-    return kvxfer::xfer::request_wait(*request->req, -1, stage, timeout_ms);
+    return kvxfer::xfer::request_wait(*request->req, -1, kvxfer::c_enum_value(stage), timeout_ms);
   });
 }
 
@@ -212,7 +212,8 @@ kvxfer_result_t kvxfer_wait_layer(kvxfer_request_t request, int32_t layer, kvxfe
   return kvxfer::api_call(__func__, [&] {
     KVXFER_REQUIRE(request != nullptr, "request is NULL");
     KVXFER_REQUIRE(layer >= 0, "layer %d is negative", layer);
-    return kvxfer::xfer::request_wait(*request->req, layer, stage, timeout_ms);
+    return kvxfer::xfer::request_wait(*request->req, layer, kvxfer::c_enum_value(stage),
+                                      timeout_ms);
   });
 }
 

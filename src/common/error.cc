@@ -49,7 +49,7 @@ void breadcrumb(const char* file, int line, kvxfer_result_t r) {
 }  // namespace kvxfer
 
 extern "C" const char* kvxfer_get_error_string(kvxfer_result_t r) {
-  switch (r) {
+  switch (kvxfer::c_enum_value(r)) {  // any int a C caller passes (c_enum_value)
     case KVXFER_SUCCESS: return "success";
     case KVXFER_IN_PROGRESS: return "in progress";
     case KVXFER_ERR_INVALID_ARGUMENT: return "invalid argument";

@@ -84,15 +84,14 @@ kvxfer_result_t request_test(const Request& r, int32_t layer, kvxfer_stage_t* st
   return report(r, s);
 }
 
-kvxfer_result_t request_wait(Request& r, int32_t layer, kvxfer_stage_t stage, int timeout_ms) {
+kvxfer_result_t request_wait(Request& r, int32_t layer, int32_t want, int timeout_ms) {
   KVXFER_CHECK(check_layer(r, layer));
-  const int32_t want = c_enum_value(stage);
   KVXFER_REQUIRE(want == KVXFER_STAGE_ANCHOR_READY || want == KVXFER_STAGE_COMPLETE,
                  "kvxfer_wait: stage must be ANCHOR_READY or COMPLETE, not %d", want);
   std::unique_lock<std::mutex> lk(r.mu);
   auto reached = [&] {
     const kvxfer_stage_t s = stage_of(r, layer);
-    return s == KVXFER_STAGE_ERROR || s >= stage;
+    return s == KVXFER_STAGE_ERROR || s >= want;
   };
   if (timeout_ms < 0) {
     r.cv.wait(lk, reached);
