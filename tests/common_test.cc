@@ -426,13 +426,6 @@ TEST(Params, DeclaredDefaultsAreValid) {
   }
 #define KVXFER_PARAM_SECTION(title, doc)
 #include "common/params.def"
-#undef KVXFER_PARAM_SECTION
-#undef KVXFER_PARAM_INT
-#undef KVXFER_PARAM_SIZE
-#undef KVXFER_PARAM_FLOAT
-#undef KVXFER_PARAM_RATE
-#undef KVXFER_PARAM_ENUM
-#undef KVXFER_PARAM_STRING
   EXPECT_GT(n, 0);
   uint32_t mask = 0;
   std::string why;
@@ -476,13 +469,6 @@ TEST(Params, DocumentedInParametersMd) {
   documented(env, params::name_of(Type::def));
 #define KVXFER_PARAM_STRING(Name, env, def, doc) documented(env, def);
 #include "common/params.def"
-#undef KVXFER_PARAM_SECTION
-#undef KVXFER_PARAM_INT
-#undef KVXFER_PARAM_SIZE
-#undef KVXFER_PARAM_FLOAT
-#undef KVXFER_PARAM_RATE
-#undef KVXFER_PARAM_ENUM
-#undef KVXFER_PARAM_STRING
 }
 
 // ---------------------------------------------------------------------------

@@ -173,13 +173,6 @@ std::vector<Setting> kvxfer_settings() {
 #define KVXFER_PARAM_STRING(Name, env, def, doc) \
   out.push_back({env, params::Name(), std::getenv(env) != nullptr});
 #include "common/params.def"
-#undef KVXFER_PARAM_SECTION
-#undef KVXFER_PARAM_INT
-#undef KVXFER_PARAM_SIZE
-#undef KVXFER_PARAM_FLOAT
-#undef KVXFER_PARAM_RATE
-#undef KVXFER_PARAM_ENUM
-#undef KVXFER_PARAM_STRING
   return out;
 }
 

@@ -63,13 +63,6 @@ std::string parameters() {
 #define KVXFER_PARAM_STRING(Name, env, def, doc) \
   variable(&s, env, "String. " + default_text(def), doc);
 #include "common/params.def"
-#undef KVXFER_PARAM_SECTION
-#undef KVXFER_PARAM_INT
-#undef KVXFER_PARAM_SIZE
-#undef KVXFER_PARAM_FLOAT
-#undef KVXFER_PARAM_RATE
-#undef KVXFER_PARAM_ENUM
-#undef KVXFER_PARAM_STRING
   return s;
 }
 

@@ -168,13 +168,6 @@ void record_bad(const char* env, const char* text, const std::string& why) {
   }
 #include "common/params.def"
 #undef KVXFER_RANGED_ACCESSOR
-#undef KVXFER_PARAM_SECTION
-#undef KVXFER_PARAM_INT
-#undef KVXFER_PARAM_SIZE
-#undef KVXFER_PARAM_FLOAT
-#undef KVXFER_PARAM_RATE
-#undef KVXFER_PARAM_ENUM
-#undef KVXFER_PARAM_STRING
 
 kvxfer_result_t validate() {
   // Every value is read once, so the verdict is computed once too.
@@ -187,13 +180,6 @@ kvxfer_result_t validate() {
 #define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) (void)Name();
 #define KVXFER_PARAM_STRING(Name, env, def, doc) (void)Name();
 #include "common/params.def"
-#undef KVXFER_PARAM_SECTION
-#undef KVXFER_PARAM_INT
-#undef KVXFER_PARAM_SIZE
-#undef KVXFER_PARAM_FLOAT
-#undef KVXFER_PARAM_RATE
-#undef KVXFER_PARAM_ENUM
-#undef KVXFER_PARAM_STRING
     uint32_t mask = 0;
     std::string why;
     if (!parse_log_subsys(DebugSubsys().c_str(), &mask, &why))

@@ -115,13 +115,6 @@ std::string choices_text(const char* sep = "|") {
 #define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc) Type Name();
 #define KVXFER_PARAM_STRING(Name, env, def, doc) const std::string& Name();
 #include "common/params.def"
-#undef KVXFER_PARAM_SECTION
-#undef KVXFER_PARAM_INT
-#undef KVXFER_PARAM_SIZE
-#undef KVXFER_PARAM_FLOAT
-#undef KVXFER_PARAM_RATE
-#undef KVXFER_PARAM_ENUM
-#undef KVXFER_PARAM_STRING
 
 /**
  * Checks every parameter once; KVXFER_ERR_INVALID_ARGUMENT naming the first
@@ -130,7 +123,7 @@ std::string choices_text(const char* sep = "|") {
 kvxfer_result_t validate();
 
 // ---------------------------------------------------------------------------
-// Parsers, one per kind (parse_rate: common/units.h), exposed for
+// Parsers, one per kind (parse_rate and parse_size: common/units.h), exposed for
 // tests/common_test.cc.  Return false (and the reason, e.g. "is not an
 // integer") for malformed text, leaving *out untouched; never throw.
 // ---------------------------------------------------------------------------
