@@ -1524,12 +1524,17 @@ int run_fork(const Options& o, const Plan& p, const json& jbase) {
         return b.h.ok != 0;
       });
   kvxfer_comm_destroy(comm);
-  const bool exited = child.wait_for(st == 0 ? 60.0 : 10.0);
+  const double grace_s = st == 0 ? 60.0 : 10.0;
+  const bool exited = child.wait_for(grace_s);
   ::close(rd);
   bool run_failed = st != 0;
-  if (st == 0 && (!exited || !child.exited_ok())) {
-    std::fprintf(stderr, "%s: the receiver process ended abnormally (status %d)\n", kTool,
-                 child.status());
+  if (st == 0 && !exited) {
+    std::fprintf(stderr, "%s: the receiver process did not end within %.0f s and was killed\n",
+                 kTool, grace_s);
+    run_failed = true;
+  } else if (st == 0 && !child.exited_ok()) {
+    std::fprintf(stderr, "%s: the receiver process ended abnormally (%s)\n", kTool,
+                 child.describe().c_str());
     run_failed = true;
   }
   if (run_failed && !reported_failure)
