@@ -119,8 +119,8 @@ int64_t now_ns();
 
 /** kvxfer_test / kvxfer_test_layer (layer -1 = the whole request). */
 kvxfer_result_t request_test(const Request& r, int32_t layer, kvxfer_stage_t* stage);
-/** kvxfer_wait / kvxfer_wait_layer; `stage` is the integer the caller passed (c_enum_value). */
-kvxfer_result_t request_wait(Request& r, int32_t layer, int32_t stage, int timeout_ms);
+/** kvxfer_wait / kvxfer_wait_layer; `want`: the caller's stage as its integer (c_enum_value). */
+kvxfer_result_t request_wait(Request& r, int32_t layer, int32_t want, int timeout_ms);
 kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info);
 /**
  * kvxfer_request_cancel: asks the progress thread to fail `r` with
