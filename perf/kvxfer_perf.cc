@@ -1528,13 +1528,13 @@ int run_fork(const Options& o, const Plan& p, const json& jbase) {
   const bool exited = child.wait_for(grace_s);
   ::close(rd);
   bool run_failed = st != 0;
-  if (st == 0 && !exited) {
-    std::fprintf(stderr, "%s: the receiver process did not end within %.0f s and was killed\n",
-                 kTool, grace_s);
-    run_failed = true;
-  } else if (st == 0 && !child.exited_ok()) {
-    std::fprintf(stderr, "%s: the receiver process ended abnormally (%s)\n", kTool,
-                 child.describe().c_str());
+  if (st == 0 && !child.exited_ok()) {  // also after wait_for killed it
+    if (!exited)
+      std::fprintf(stderr, "%s: the receiver process did not end within %.0f s and was killed\n",
+                   kTool, grace_s);
+    else
+      std::fprintf(stderr, "%s: the receiver process ended abnormally (%s)\n", kTool,
+                   child.describe().c_str());
     run_failed = true;
   }
   if (run_failed && !reported_failure)
