@@ -72,20 +72,25 @@ __device__ __forceinline__ void hist_flush(const unsigned int* sh, DeviceStatus*
  */
 template <int DT>
 __device__ __forceinline__ bool chunk_channel_affine(const KLayout& L, const uint8_t* const* rows,
-                                                     int64_t t0, int nrows, int64_t k, int64_t c,
-                                                     bool fp32, uint8_t* meta, DeviceStatus* st,
-                                                     codec::Affine* out) {
-  float mn = detail::load_x<DT>(rows[0], c), mx = mn;
+                                                     int64_t t0, int nrows, int rr0, int64_t k,
+                                                     int64_t c, bool fp32, uint8_t* meta,
+                                                     DeviceStatus* st, codec::Affine* out,
+                                                     float* range_lo, float* range_hi) {
+  // The range over rows rr0.. (the sink rows left out: codec_math.h range_row0).
+  float mn = detail::load_x<DT>(rows[rr0], c), mx = mn;
   for (int r = 0; r < nrows; ++r) {
     const float x = detail::load_x<DT>(rows[r], c);
     if (codec::f32_nonfinite(x)) {
       detail::report_nonfinite(st, t0 + r, c, L.H, x);
       return false;
     }
+    if (r < rr0) continue;
     if (x < mn) mn = x;
     if (x > mx) mx = x;
   }
   codec::canonical_minmax(&mn, &mx);
+  *range_lo = mn;
+  *range_hi = mx;
   codec::Affine a{0.0f, 0.0f};
   if (!codec::chunk_affine(mn, mx, fp32, &a)) {
     atomicOr(reinterpret_cast<unsigned int*>(&st->flags), STATUS_NEED_FP32);
@@ -99,16 +104,17 @@ __device__ __forceinline__ bool chunk_channel_affine(const KLayout& L, const uin
 /** Fused encoder: block = (chunk blockIdx.x, channels [blockIdx.y*256, +256)). */
 template <int DT>
 __global__ void __launch_bounds__(kGroup)
-    k_encode_fused(KLayout L, KCodebook cb, int C, int fp32, uint8_t* __restrict__ meta,
-                   uint8_t* __restrict__ anchors, uint8_t* __restrict__ residuals,
-                   DeviceStatus* st) {
+    k_encode_fused(KLayout L, KCodebook cb, int C, int64_t sink_rows, int fp32,
+                   uint8_t* __restrict__ meta, uint8_t* __restrict__ anchors,
+                   uint8_t* __restrict__ residuals, DeviceStatus* st) {
   __shared__ const uint8_t* rows[kMaxChunk];
-  __shared__ float sm[kGroup], sd[kGroup];
+  __shared__ float sm[kGroup], sd[kGroup], slo[kGroup], shi[kGroup];
   __shared__ unsigned int hist[256];
   __shared__ int skip;
   const int64_t k = blockIdx.x;
   const int64_t t0 = k * C;
   const int nrows = static_cast<int>(detail::imin(C, L.T - t0));
+  const int rr0 = static_cast<int>(codec::range_row0(t0, t0 + nrows, sink_rows) - t0);
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kGroup;
   const int ng = static_cast<int>(detail::imin(kGroup, L.H - c0));
   if (threadIdx.x == 0) skip = 0;
@@ -118,8 +124,12 @@ __global__ void __launch_bounds__(kGroup)
 
   if (static_cast<int>(threadIdx.x) < ng) {
     codec::Affine a{0.0f, 0.0f};
-    if (!chunk_channel_affine<DT>(L, rows, t0, nrows, k, c0 + threadIdx.x, fp32 != 0, meta, st, &a))
+    float lo = 0.0f, hi = 0.0f;
+    if (!chunk_channel_affine<DT>(L, rows, t0, nrows, rr0, k, c0 + threadIdx.x, fp32 != 0, meta, st,
+                                  &a, &lo, &hi))
       skip = 1;
+    slo[threadIdx.x] = lo;
+    shi[threadIdx.x] = hi;
     sm[threadIdx.x] = a.m;
     sd[threadIdx.x] = detail::code_scale(cb, a.d);  // the code scale s, not d
   }
@@ -142,12 +152,14 @@ __global__ void __launch_bounds__(kGroup)
     } else {
       for (int j = 0; j < n; ++j) x[j] = detail::load_x<DT>(row, c + j);
     }
+    if (r < rr0)  // a sink row: its values clamped to the chunk's range
+      for (int j = 0; j < n; ++j) x[j] = codec::clamp_to_range(x[j], slo[cl + j], shi[cl + j]);
     uint64_t acc_a = 0, acc_r = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (j < n) {
         const uint8_t code = detail::code_of(cb, x[j], sm[cl + j], sd[cl + j]);
-        if (codec::hist_row(t0 + r)) atomicAdd(&hist[code], 1u);
+        if (codec::hist_row(t0 + r) && t0 + r >= sink_rows) atomicAdd(&hist[code], 1u);
         acc_a |= static_cast<uint64_t>(code >> R) << (j * A);
         acc_r |= static_cast<uint64_t>(code & rmask) << (j * R);
       }
@@ -165,25 +177,28 @@ __global__ void __launch_bounds__(kGroup)
 /** General encoder, kernel 1: metadata of (chunk blockIdx.x, channel). */
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    k_encode_meta(KLayout L, int C, int fp32, uint8_t* __restrict__ meta, DeviceStatus* st) {
+    k_encode_meta(KLayout L, int C, int64_t sink_rows, int fp32, uint8_t* __restrict__ meta,
+                  DeviceStatus* st) {
   __shared__ const uint8_t* rows[kMaxChunk];
   const int64_t k = blockIdx.x;
   const int64_t t0 = k * C;
   const int nrows = static_cast<int>(detail::imin(C, L.T - t0));
+  const int rr0 = static_cast<int>(codec::range_row0(t0, t0 + nrows, sink_rows) - t0);
   for (int r = threadIdx.x; r < nrows; r += blockDim.x) rows[r] = detail::row_ptr(L, t0 + r);
   __syncthreads();
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= L.H) return;
   codec::Affine a;
-  chunk_channel_affine<DT>(L, rows, t0, nrows, k, c, fp32 != 0, meta, st, &a);
+  float lo, hi;
+  chunk_channel_affine<DT>(L, rows, t0, nrows, rr0, k, c, fp32 != 0, meta, st, &a, &lo, &hi);
 }
 
 /** General encoder, kernel 2: thread j encodes elements [8j, 8j+8) of the stream. */
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    k_encode_codes(KLayout L, KCodebook cb, int C, int fp32, const uint8_t* __restrict__ meta,
-                   uint8_t* __restrict__ anchors, uint8_t* __restrict__ residuals,
-                   DeviceStatus* st) {
+    k_encode_codes(KLayout L, KCodebook cb, int C, int64_t sink_rows, int fp32,
+                   const uint8_t* __restrict__ meta, uint8_t* __restrict__ anchors,
+                   uint8_t* __restrict__ residuals, DeviceStatus* st) {
   // Metadata may be missing (non-finite input, fp16 overflow): then the host
   // discards this attempt, and garbage metadata must not index the LUT.  The
   // flags were set by the previous kernel: the same value for every thread.
@@ -207,9 +222,23 @@ __global__ void __launch_bounds__(kThreads)
     uint64_t acc_a = 0, acc_r = 0;
     for (int i = 0; i < n; ++i) {
       const codec::Affine a = detail::get_meta(meta, (t / C) * L.H + c, fp32 != 0);
-      const uint8_t code =
-          detail::code_of(cb, detail::load_x<DT>(row, c), a.m, detail::code_scale(cb, a.d));
-      if (codec::hist_row(t)) atomicAdd(&hist[code], 1u);
+      float x = detail::load_x<DT>(row, c);
+      if (t < sink_rows) {  // a sink row: clamped to its chunk's range, if it has other rows
+        const int64_t t0 = (t / C) * C, t1 = detail::imin(t0 + C, L.T);
+        const int64_t r0 = codec::range_row0(t0, t1, sink_rows);
+        if (t < r0) {
+          float mn = detail::load_x<DT>(detail::row_ptr(L, r0), c), mx = mn;
+          for (int64_t u = r0 + 1; u < t1; ++u) {
+            const float y = detail::load_x<DT>(detail::row_ptr(L, u), c);
+            if (y < mn) mn = y;
+            if (y > mx) mx = y;
+          }
+          codec::canonical_minmax(&mn, &mx);
+          x = codec::clamp_to_range(x, mn, mx);
+        }
+      }
+      const uint8_t code = detail::code_of(cb, x, a.m, detail::code_scale(cb, a.d));
+      if (codec::hist_row(t) && t >= sink_rows) atomicAdd(&hist[code], 1u);
       acc_a |= static_cast<uint64_t>(code >> R) << (i * A);
       acc_r |= static_cast<uint64_t>(code & rmask) << (i * R);
       if (++c == L.H && i + 1 < n) {
@@ -404,8 +433,8 @@ Launched reset_status(DeviceStatus* status, cudaStream_t stream) {
 }
 
 Launched encode(const KLayout& L, const KCodebook& K, int chunk_tokens, int64_t chunks,
-                bool meta_fp32, uint8_t* meta, uint8_t* anchors, uint8_t* residuals,
-                DeviceStatus* status, cudaStream_t stream) {
+                int64_t sink_rows, bool meta_fp32, uint8_t* meta, uint8_t* anchors,
+                uint8_t* residuals, DeviceStatus* status, cudaStream_t stream) {
   const int64_t H = L.H;
   const bool fused = (H * K.A) % 8 == 0 && (H * K.R) % 8 == 0;
   return by_dtype(L.dtype, [&](auto dt) -> Launched {
@@ -414,18 +443,18 @@ Launched encode(const KLayout& L, const KCodebook& K, int chunk_tokens, int64_t 
       const dim3 grid(static_cast<unsigned>(chunks),
                       static_cast<unsigned>((H + kGroup - 1) / kGroup));
       KVXFER_LAUNCH(grid, kGroup, stream, k_encode_fused<DT>)
-      (L, K, chunk_tokens, meta_fp32, meta, anchors, residuals, status);
+      (L, K, chunk_tokens, sink_rows, meta_fp32, meta, anchors, residuals, status);
       return launched("encode_fused");
     }
     const dim3 grid(static_cast<unsigned>(chunks),
                     static_cast<unsigned>((H + kThreads - 1) / kThreads));
     KVXFER_LAUNCH(grid, kThreads, stream, k_encode_meta<DT>)
-    (L, chunk_tokens, meta_fp32, meta, status);
+    (L, chunk_tokens, sink_rows, meta_fp32, meta, status);
     const Launched m = launched("encode_meta");
     if (m.error != cudaSuccess) return m;
     const uint64_t octets = (static_cast<uint64_t>(L.T) * L.H + 7) / 8;
     KVXFER_LAUNCH(grid_for(octets), kThreads, stream, k_encode_codes<DT>)
-    (L, K, chunk_tokens, meta_fp32, meta, anchors, residuals, status);
+    (L, K, chunk_tokens, sink_rows, meta_fp32, meta, anchors, residuals, status);
     return launched("encode_codes");
   });
 }

@@ -70,10 +70,12 @@ Launched reset_status(DeviceStatus* status, cudaStream_t stream);
  * Quantizes a page of T > 0 tokens in `chunks` chunks: metadata at `meta`,
  * packed anchors at `anchors`, residuals at `residuals`; ORs STATUS_NEED_FP32 /
  * STATUS_NONFINITE into *status and counts the full codes into status->hist.
+ * Rows before `sink_rows` do not set the range of a chunk that holds other
+ * rows, and are encoded clamped to it (codec_math.h range_row0).
  */
 Launched encode(const KLayout& L, const KCodebook& cb, int chunk_tokens, int64_t chunks,
-                bool meta_fp32, uint8_t* meta, uint8_t* anchors, uint8_t* residuals,
-                DeviceStatus* status, cudaStream_t stream);
+                int64_t sink_rows, bool meta_fp32, uint8_t* meta, uint8_t* anchors,
+                uint8_t* residuals, DeviceStatus* status, cudaStream_t stream);
 
 /** The per-page anchor table (64 floats at `out`) from status->hist, after encode. */
 Launched anchor_table(const KCodebook& cb, uint8_t* out, const DeviceStatus* status,

@@ -779,9 +779,9 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   auto encode = [&] {
     const kvxfer_result_t r1 = kcu::launch_reset_status(sc.status(), s);
     if (r1 < 0) return report_failure("launch_reset_status", r1);
-    const kvxfer_result_t r2 =
-        kcu::launch_encode(dcb, &dsrc.layout, cc.cfg.chunk_tokens, fp32, sc.anchor_payload(),
-                           sc.residual_payload(), sc.status(), s);
+    const kvxfer_result_t r2 = kcu::launch_encode(
+        dcb, &dsrc.layout, cc.cfg.chunk_tokens, static_cast<int64_t>(h.sink_rows), fp32,
+        sc.anchor_payload(), sc.residual_payload(), sc.status(), s);
     return r2 < 0 ? report_failure("launch_encode", r2) : true;
   };
   uint32_t flags = 0;

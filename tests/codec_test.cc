@@ -793,66 +793,99 @@ TEST(AlphaAuto, RejectsBadCalibrationInput) {
 // sink_tokens decode exactly at anchor and full precision, on every path;
 // the other rows are what they are without sinks; the wire holds exactly
 // 2 bytes per channel per sink row after the 8-aligned end of the table.
+// Sink rows travel exactly and do not widen the ranges of their chunk
+// (FORMAT.md 2.7): every other row decodes as in a page without sinks whose
+// sink rows of a mixed chunk are copies of that chunk's first other row
+// (which sets the same ranges), on every CPU path, bit for bit.
 TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
   const int64_t T = 40;
   const int32_t H = 70;
   for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4})
     for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32})
-      for (int64_t begin : {int64_t{0}, int64_t{2}, int64_t{5}, int64_t{64}}) {
-        PagedBuffer src(T, H, dt, 16);
-        fill_kv_like(&src, 77 + static_cast<uint64_t>(begin), 0.01f);
-        for (int32_t c = 0; c < H; ++c) src.set(0, c, 300.0f * (c % 2 ? 1.0f : -1.0f));  // a sink
-        kvxfer_codec_config_t cfg = config(codec, 0.0f, 16);
-        cfg.sink_tokens = 5;
-        kvxfer_codec_config_t none = cfg;
-        none.sink_tokens = 0;
-        const kvxfer_page_id_t id{1, KVXFER_KV_VALUE, begin, 9};
-        const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(5 - begin, T));
-        const auto ref = test::encode(cfg, src, Impl::REFERENCE, id);
-        const auto plain = test::encode(none, src, Impl::REFERENCE, id);
-        ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
-        ASSERT_EQ(plain.rc, KVXFER_SUCCESS) << last_error();
-        const std::string what = "codec " + std::to_string(codec) + " dtype " + std::to_string(dt) +
-                                 " begin " + std::to_string(begin);
-        // Size: the plain page, padded to 8, plus the rows.
-        const size_t plain_payload = plain.anchor.size() - kHeaderBytes;
-        const size_t pad = rows > 0 ? (8 - plain_payload % 8) % 8 : 0;
-        EXPECT_EQ(ref.anchor.size(), plain.anchor.size() + pad + static_cast<size_t>(rows * H * 2))
-            << what;
-        EXPECT_EQ(ref.residual.size(), plain.residual.size()) << what;
-        for (Impl impl : {Impl::SCALAR, Impl::AVX2}) {
-          if (impl == Impl::AVX2 && resolve_impl(Impl::AVX2, &impl) != KVXFER_SUCCESS) continue;
-          const auto e = test::encode(cfg, src, impl, id);
-          ASSERT_EQ(e.anchor, ref.anchor) << what;
-          ASSERT_EQ(e.residual, ref.residual) << what;
-        }
-        for (bool full : {false, true}) {
-          if (full && codec == KVXFER_CODEC_INT4) continue;
-          PagedBuffer out(T, H, KVXFER_DTYPE_FP32, 8), out_plain(T, H, KVXFER_DTYPE_FP32, 8);
-          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
-                                full ? ref.residual.data() : nullptr,
-                                full ? ref.residual.size() : 0, &id, &out.layout, Impl::AUTO, 1),
-                    KVXFER_SUCCESS)
-              << last_error();
-          ASSERT_EQ(
-              decode_page(plain.anchor.data(), plain.anchor.size(),
-                          full ? plain.residual.data() : nullptr, full ? plain.residual.size() : 0,
-                          &id, &out_plain.layout, Impl::AUTO, 1),
-              KVXFER_SUCCESS);
-          for (int64_t t = 0; t < T; ++t)
-            for (int32_t c = 0; c < H; ++c) {
-              // fp32 sources travel as bf16: the BF16 codec's rounding.
-              const float want =
-                  t < rows ? (dt == KVXFER_DTYPE_FP32 ? bf16_to_f32(f32_to_bf16(src.get(t, c)))
-                                                      : src.get(t, c))
-                           : out_plain.get(t, c);
-              ASSERT_EQ(out.get(t, c), want) << what << " full " << full << " t " << t;
+      for (int64_t begin : {int64_t{0}, int64_t{2}, int64_t{5}, int64_t{64}})
+        for (int sinks : {5, 20}) {  // 20: chunk 0 all sinks, chunk 1 mixed
+          PagedBuffer src(T, H, dt, 16), same_ranges(T, H, dt, 16);
+          for (PagedBuffer* b : {&src, &same_ranges}) {
+            fill_kv_like(b, 77 + static_cast<uint64_t>(begin), 0.01f);
+            for (int32_t c = 0; c < H; ++c) {  // sinks far outside the other rows' range
+              b->set(0, c, 300.0f * (c % 2 ? 1.0f : -1.0f));
+              b->set(17, c, -200.0f * (c % 3 ? 1.0f : -1.0f));
             }
-          if (rows > 0) {
-            EXPECT_NE(out_plain.get(0, 1), out.get(0, 1)) << "the sink changed nothing";
+          }
+          kvxfer_codec_config_t cfg = config(codec, 0.0f, 16);
+          cfg.sink_tokens = sinks;
+          kvxfer_codec_config_t none = cfg;
+          none.sink_tokens = 0;
+          const kvxfer_page_id_t id{1, KVXFER_KV_VALUE, begin, 9};
+          const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(sinks - begin, T));
+          for (int64_t t0 = 0; t0 < T; t0 += 16) {
+            const int64_t r0 = range_row0(t0, std::min<int64_t>(T, t0 + 16), rows);
+            for (int64_t t = t0; t < r0; ++t)
+              for (int32_t c = 0; c < H; ++c) same_ranges.set(t, c, src.get(r0, c));
+          }
+          const auto ref = test::encode(cfg, src, Impl::REFERENCE, id);
+          const auto plain = test::encode(none, src, Impl::REFERENCE, id);
+          const auto same = test::encode(cfg, same_ranges, Impl::REFERENCE, id);
+          ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+          ASSERT_EQ(plain.rc, KVXFER_SUCCESS) << last_error();
+          ASSERT_EQ(same.rc, KVXFER_SUCCESS) << last_error();
+          const std::string what = "codec " + std::to_string(codec) + " dtype " +
+                                   std::to_string(dt) + " begin " + std::to_string(begin) +
+                                   " sinks " + std::to_string(sinks);
+          // Size: the plain page, padded to 8, plus the rows.
+          const size_t plain_payload = plain.anchor.size() - kHeaderBytes;
+          const size_t pad = rows > 0 ? (8 - plain_payload % 8) % 8 : 0;
+          EXPECT_EQ(ref.anchor.size(),
+                    plain.anchor.size() + pad + static_cast<size_t>(rows * H * 2))
+              << what;
+          EXPECT_EQ(ref.residual.size(), plain.residual.size()) << what;
+          for (Impl impl : {Impl::SCALAR, Impl::AVX2}) {
+            if (impl == Impl::AVX2 && resolve_impl(Impl::AVX2, &impl) != KVXFER_SUCCESS) continue;
+            const auto e = test::encode(cfg, src, impl, id);
+            ASSERT_EQ(e.anchor, ref.anchor) << what;
+            ASSERT_EQ(e.residual, ref.residual) << what;
+          }
+          for (bool full : {false, true}) {
+            if (full && codec == KVXFER_CODEC_INT4) continue;
+            PagedBuffer out(T, H, KVXFER_DTYPE_FP32, 8), out_plain(T, H, KVXFER_DTYPE_FP32, 8),
+                out_same(T, H, KVXFER_DTYPE_FP32, 8);
+            ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                  full ? ref.residual.data() : nullptr,
+                                  full ? ref.residual.size() : 0, &id, &out.layout, Impl::AUTO, 1),
+                      KVXFER_SUCCESS)
+                << last_error();
+            ASSERT_EQ(decode_page(plain.anchor.data(), plain.anchor.size(),
+                                  full ? plain.residual.data() : nullptr,
+                                  full ? plain.residual.size() : 0, &id, &out_plain.layout,
+                                  Impl::AUTO, 1),
+                      KVXFER_SUCCESS);
+            ASSERT_EQ(
+                decode_page(same.anchor.data(), same.anchor.size(),
+                            full ? same.residual.data() : nullptr, full ? same.residual.size() : 0,
+                            &id, &out_same.layout, Impl::AUTO, 1),
+                KVXFER_SUCCESS);
+            for (int64_t t = 0; t < T; ++t)
+              for (int32_t c = 0; c < H; ++c) {
+                // fp32 sources travel as bf16: the BF16 codec's rounding.
+                const float want =
+                    t < rows ? (dt == KVXFER_DTYPE_FP32 ? bf16_to_f32(f32_to_bf16(src.get(t, c)))
+                                                        : src.get(t, c))
+                             : out_same.get(t, c);
+                ASSERT_EQ(out.get(t, c), want) << what << " full " << full << " t " << t;
+              }
+            if (rows > 0) {
+              EXPECT_NE(out_plain.get(0, 1), out.get(0, 1)) << "the sink changed nothing";
+            }
+          }
+          if (rows > 0 && rows < 16) {  // chunk 0 is mixed: its ranges left the sinks out
+            const auto wide = test::encode(none, src, Impl::REFERENCE, id);
+            EXPECT_NE(std::vector<uint8_t>(wide.anchor.begin() + kHeaderBytes,
+                                           wide.anchor.begin() + kHeaderBytes + 4 * H),
+                      std::vector<uint8_t>(ref.anchor.begin() + kHeaderBytes,
+                                           ref.anchor.begin() + kHeaderBytes + 4 * H))
+                << what << ": chunk 0's metadata still spans the sinks";
           }
         }
-      }
 }
 
 // Token groups (docs/FORMAT.md 2.8): the payload of a V page with

@@ -233,17 +233,27 @@ class GpuCodec : public ::testing::Test {
 
 // Attention sinks (docs/FORMAT.md 2.7): a page from position 0 carries its
 // first sink_tokens rows exactly; the device writes and reads them as the CPU.
+// Sink rows far outside their chunk's other rows, which alone set its ranges:
+// H 70 takes the fused kernel, H 33 the general ones; 20 sinks fill chunk 0
+// and part of chunk 1.
 TEST_F(GpuCodec, SinkRowsAreByteIdenticalToTheCpu) {
   for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4})
-    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP32}) {
-      PagedBuffer src(37, 70, dt, 16);
-      test::fill_kv_like(&src, 31 + codec);
-      kvxfer_codec_config_t cfg = test::config(codec, 0.0f, 16);
-      cfg.sink_tokens = 3;
-      SCOPED_TRACE("codec " + std::to_string(codec) + " dtype " + std::to_string(dt));
-      check(cfg, src, KVXFER_DTYPE_FP16, kvxfer_page_id_t{0, KVXFER_KV_KEY, 0, 7});
-      check(cfg, src, KVXFER_DTYPE_FP32, kvxfer_page_id_t{0, KVXFER_KV_KEY, 1, 7});
-    }
+    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP32})
+      for (int32_t H : {70, 33})
+        for (int sinks : {3, 20}) {
+          PagedBuffer src(37, H, dt, 16);
+          test::fill_kv_like(&src, 31 + codec);
+          for (int32_t c = 0; c < H; ++c) {
+            src.set(0, c, 300.0f * (c % 2 ? 1.0f : -1.0f));
+            src.set(17, c, -200.0f * (c % 3 ? 1.0f : -1.0f));
+          }
+          kvxfer_codec_config_t cfg = test::config(codec, 0.0f, 16);
+          cfg.sink_tokens = sinks;
+          SCOPED_TRACE("codec " + std::to_string(codec) + " dtype " + std::to_string(dt) + " H " +
+                       std::to_string(H) + " sinks " + std::to_string(sinks));
+          check(cfg, src, KVXFER_DTYPE_FP16, kvxfer_page_id_t{0, KVXFER_KV_KEY, 0, 7});
+          check(cfg, src, KVXFER_DTYPE_FP32, kvxfer_page_id_t{0, KVXFER_KV_KEY, 1, 7});
+        }
 }
 
 struct CodecCase {

@@ -184,6 +184,22 @@ KVXFER_HD inline bool chunk_affine(float mn, float mx, bool fp32, Affine* a) {
 }
 
 /**
+ * The first row of chunk [t0, t1) whose values set the chunk's ranges
+ * (docs/FORMAT.md 2.7): sink rows, sent exactly and overwritten by every
+ * decoder, do not widen d, unless the chunk holds nothing else.  The
+ * elements of the rows before it are encoded clamped to the range
+ * (clamp_to_range), so that their codes stay in the codebook's domain.
+ */
+KVXFER_HD inline int64_t range_row0(int64_t t0, int64_t t1, int64_t sink_rows) {
+  return sink_rows > t0 && sink_rows < t1 ? sink_rows : t0;
+}
+
+/** x clamped to the canonical range [mn, mx] of its (chunk, channel). */
+KVXFER_HD inline float clamp_to_range(float x, float mn, float mx) {
+  return x < mn ? mn : (x > mx ? mx : x);
+}
+
+/**
  * The code scale of one (chunk, channel), s = RN(L / d): one correctly
  * rounded division per (chunk, channel), then a multiply per element
  * (docs/FORMAT.md 2.2).  0 for a zero range.  L is Codebook::scale_num.
@@ -319,7 +335,7 @@ KVXFER_HD inline float recon_linear(int kind, unsigned code, float step) {
  * The per-page anchor table counts the full codes of the page's rows t with
  * t % kHistRowStride == 0 (t from 0 at the page's first token): a fixed
  * one-in-eight sample, so that counting costs an eighth of a pass
- * (docs/FORMAT.md 2.4).  Row 0 is always counted.
+ * (docs/FORMAT.md 2.4).  Sink rows (2.7) are not counted: decoders overwrite them.
  */
 constexpr int kHistRowStride = 16;
 KVXFER_HD inline bool hist_row(int64_t t) { return t % kHistRowStride == 0; }

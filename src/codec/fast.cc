@@ -255,7 +255,8 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
 
 #pragma omp parallel num_threads(thread_count(threads, chunks, T* H))
   {
-    std::vector<float> mn(H), mx(H), m(H), d(H), sc(H), pm(H), ps(H);
+    std::vector<float> mn(H), mx(H), m(H), d(H), sc(H), pm(H), ps(H), lo, hi;
+    std::vector<uint8_t> clamped(static_cast<size_t>(H) * job.src.elem);
     std::vector<uint8_t> codes(H);
     std::vector<const uint8_t*> rows(static_cast<size_t>(C));
     // Eight interleaved histograms: runs of equal codes (common near zero)
@@ -268,10 +269,19 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
       const int n = static_cast<int>(t1 - t0);
       for (int r = 0; r < n; ++r) rows[r] = job.src.row(t0 + r);
-      // Pass 1 (while the chunk is in cache): min/max and the non-finite scan.
+      // Pass 1 (while the chunk is in cache): min/max and the non-finite scan,
+      // then the range over the rows from r0 (the sink rows left out,
+      // docs/FORMAT.md 2.7).
       if (!K.chunk_minmax(rows.data(), n, dt, H, mn.data(), mx.data())) {
         nonfinite = true;
         continue;
+      }
+      const int64_t r0 = range_row0(t0, t1, static_cast<int64_t>(h.sink_rows));
+      if (r0 > t0) {
+        K.chunk_minmax(rows.data() + (r0 - t0), static_cast<int>(t1 - r0), dt, H, mn.data(),
+                       mx.data());
+        lo.assign(mn.begin(), mn.end());  // before chunk_meta: it may canonicalise in place
+        hi.assign(mx.begin(), mx.end());
       }
       const size_t entry = job.meta_fp32 ? 8 : 4;
       if (!K.chunk_meta(mn.data(), mx.data(), H, job.meta_fp32, job.cb->scale_num,
@@ -289,17 +299,25 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       const size_t row_bytes = static_cast<size_t>(H) * job.src.elem;
       for (int64_t t = t0; t < t1; ++t) {
         if (t + C < T) prefetch_bytes(job.src.row(t + C), row_bytes, false);
-        const bool counted = count_hist && hist_row(t);
+        const bool counted = count_hist && hist_row(t) && t >= static_cast<int64_t>(h.sink_rows);
+        const uint8_t* row = rows[t - t0];
+        if (t < r0) {  // a sink row: its values clamped to the chunk's range
+          for (int32_t c = 0; c < H; ++c)
+            store_elem(
+                clamped.data(), c, dt,
+                clamp_to_range(load_elem(row, c, dt), f_add(lo[c], 0.0f), f_add(hi[c], 0.0f)));
+          row = clamped.data();
+        }
         if (nibbles) {
           const uint64_t off = (static_cast<uint64_t>(t - t0) * H) / 2;
           // The output of rows a few ahead, for writing: the stores then
           // find their lines instead of waiting for them.
           prefetch_bytes(wa.out + off + 4 * static_cast<uint64_t>(H) / 2, H / 2, true);
           if (R > 0) prefetch_bytes(wr.out + off + 4 * static_cast<uint64_t>(H) / 2, H / 2, true);
-          K.encode_row_nibbles(rows[t - t0], dt, H, pm.data(), ps.data(), *job.cb, wa.out + off,
+          K.encode_row_nibbles(row, dt, H, pm.data(), ps.data(), *job.cb, wa.out + off,
                                R > 0 ? wr.out + off : nullptr, counted ? codes.data() : nullptr);
         } else {
-          K.encode_row(rows[t - t0], dt, H, m.data(), sc.data(), *job.cb, codes.data());
+          K.encode_row(row, dt, H, m.data(), sc.data(), *job.cb, codes.data());
           for (int32_t c = 0; c < H; ++c) {
             wa.put(codes[c] >> R, A);
             if (R > 0) wr.put(codes[c] & ((1u << R) - 1), R);

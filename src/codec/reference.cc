@@ -21,11 +21,14 @@ EncodeStatus encode(const EncodeJob& job) {
   for (int64_t t0 = 0, k = 0; t0 < T; t0 += C, ++k) {
     const int64_t t1 = std::min<int64_t>(T, t0 + C);
     for (int32_t c = 0; c < H; ++c) {
-      // Lynx Alg. 1 lines 2-5: per-(chunk, channel) affine normalisation.
-      float mn = load_elem(job.src.row(t0), c, dt), mx = mn;
+      // Lynx Alg. 1 lines 2-5: per-(chunk, channel) affine normalisation,
+      // over the rows from r0 (the sink rows left out, FORMAT.md 2.7).
+      const int64_t r0 = range_row0(t0, t1, static_cast<int64_t>(h.sink_rows));
+      float mn = load_elem(job.src.row(r0), c, dt), mx = mn;
       for (int64_t t = t0; t < t1; ++t) {
         const float x = load_elem(job.src.row(t), c, dt);
         if (!std::isfinite(x)) return EncodeStatus::NONFINITE;
+        if (t < r0) continue;
         if (x < mn) mn = x;
         if (x > mx) mx = x;
       }
@@ -36,8 +39,10 @@ EncodeStatus encode(const EncodeJob& job) {
       // Lines 6-9: companding, 8-bit code, anchor/residual split.
       const float s = job.cb->scale(a.d);
       for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t code = job.cb->encode(load_elem(job.src.row(t), c, dt), a.m, s);
-        if (hist_row(t)) ++job.hist[code];
+        float x = load_elem(job.src.row(t), c, dt);
+        if (t < r0) x = clamp_to_range(x, mn, mx);
+        const uint8_t code = job.cb->encode(x, a.m, s);
+        if (hist_row(t) && t >= static_cast<int64_t>(h.sink_rows)) ++job.hist[code];
         const uint64_t e = static_cast<uint64_t>(t) * H + c;
         put_bits(job.anchors, e * A, A, code >> R);
         if (R > 0) put_bits(job.residuals, e * R, R, code & ((1u << R) - 1));

@@ -162,9 +162,9 @@ class DeviceBackend final : public codec::EncodeBackend {
     const DeviceCodebook& dcb = dcb_;
     DeviceStatus st{};
     KVXFER_CHECK(launch_reset_status(scratch_.status(), stream_));
-    KVXFER_CHECK(launch_encode(dcb, src_, h.chunk_tokens, (h.flags & codec::FLAG_META_FP32) != 0,
-                               scratch_.anchor_payload(), scratch_.residual_payload(),
-                               scratch_.status(), stream_));
+    KVXFER_CHECK(launch_encode(dcb, src_, h.chunk_tokens, static_cast<int64_t>(h.sink_rows),
+                               (h.flags & codec::FLAG_META_FP32) != 0, scratch_.anchor_payload(),
+                               scratch_.residual_payload(), scratch_.status(), stream_));
     KVXFER_CHECK(read_status(scratch_.status(), &st, stream_));
     if (st.flags & STATUS_NONFINITE) {  // decides, whatever else
       *status = codec::EncodeStatus::NONFINITE;

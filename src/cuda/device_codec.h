@@ -91,12 +91,15 @@ kvxfer_result_t read_status(const DeviceStatus* status, DeviceStatus* out, cudaS
  * and the residual payload at `residual_payload` (unused when
  * cb.residual_bits == 0), exactly as FORMAT.md 4.2 lays them out, every byte
  * written (no memset needed).
+ * The first `sink_rows` rows (>= 0) are the page's sink rows: they do not set
+ * the ranges of a chunk that holds other rows (FORMAT.md 2.7).
  * ORs STATUS_NEED_FP32 / STATUS_NONFINITE into *status (reset it first); in
  * either case the payload is incomplete and must not be used.
  */
 kvxfer_result_t launch_encode(const DeviceCodebook& cb, const kvxfer_page_layout_t* src,
-                              int chunk_tokens, bool meta_fp32, uint8_t* anchor_payload,
-                              uint8_t* residual_payload, DeviceStatus* status, cudaStream_t stream);
+                              int chunk_tokens, int64_t sink_rows, bool meta_fp32,
+                              uint8_t* anchor_payload, uint8_t* residual_payload,
+                              DeviceStatus* status, cudaStream_t stream);
 
 /** ORs STATUS_NONFINITE and the first bad element into *status (BF16 codec path). */
 kvxfer_result_t launch_scan_nonfinite(const kvxfer_page_layout_t* src, DeviceStatus* status,

@@ -69,9 +69,9 @@ kvxfer_result_t read_status(const DeviceStatus* status, DeviceStatus* out, cudaS
 }
 
 kvxfer_result_t launch_encode(const DeviceCodebook& cb, const kvxfer_page_layout_t* src,
-                              int chunk_tokens, bool meta_fp32, uint8_t* anchor_payload,
-                              uint8_t* residual_payload, DeviceStatus* status,
-                              cudaStream_t stream) {
+                              int chunk_tokens, int64_t sink_rows, bool meta_fp32,
+                              uint8_t* anchor_payload, uint8_t* residual_payload,
+                              DeviceStatus* status, cudaStream_t stream) {
   KVXFER_CHECK(validate_device_layout(src, "source"));
   KVXFER_REQUIRE(codec::valid_chunk_tokens(chunk_tokens), "chunk_tokens %d", chunk_tokens);
   KVXFER_REQUIRE(cb.lut_base != nullptr, "device codebook not uploaded");
@@ -80,6 +80,7 @@ kvxfer_result_t launch_encode(const DeviceCodebook& cb, const kvxfer_page_layout
   KVXFER_REQUIRE(cb.residual_bits == 0 || (residual_payload != nullptr),
                  "residual payload is NULL");
   KVXFER_REQUIRE(status != nullptr && aligned8(status), "device status is NULL or misaligned");
+  KVXFER_REQUIRE(sink_rows >= 0, "sink_rows %lld is negative", static_cast<long long>(sink_rows));
   const int64_t T = src->num_tokens;
   const int32_t H = src->num_channels;
   const int64_t chunks = (T + chunk_tokens - 1) / chunk_tokens;
@@ -92,8 +93,8 @@ kvxfer_result_t launch_encode(const DeviceCodebook& cb, const kvxfer_page_layout
   const KCodebook K = kcodebook(cb);
   if (T > 0) {
     KVXFER_CHECK(check_dtype(src->dtype));
-    KVXFER_CHECK(result(kernels::encode(klayout(src), K, chunk_tokens, chunks, meta_fp32, meta,
-                                        anchors, residual_payload, status, stream)));
+    KVXFER_CHECK(result(kernels::encode(klayout(src), K, chunk_tokens, chunks, sink_rows, meta_fp32,
+                                        meta, anchors, residual_payload, status, stream)));
   }
   // Split codecs with a table (codec::has_anchor_table): the per-page anchor
   // table, after the codes (also for T = 0, where it holds the bin centres).
