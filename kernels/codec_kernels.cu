@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kGroup)
     for (int j = 0; j < 8; ++j) {
       if (j < n) {
         const uint8_t code = detail::code_of(cb, x[j], sm[cl + j], sd[cl + j]);
-        if (codec::hist_row(t0 + r) && t0 + r >= sink_rows) atomicAdd(&hist[code], 1u);
+        if (codec::hist_row(t0 + r, sink_rows)) atomicAdd(&hist[code], 1u);
         acc_a |= static_cast<uint64_t>(code >> R) << (j * A);
         acc_r |= static_cast<uint64_t>(code & rmask) << (j * R);
       }
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       const uint8_t code = detail::code_of(cb, x, a.m, detail::code_scale(cb, a.d));
-      if (codec::hist_row(t) && t >= sink_rows) atomicAdd(&hist[code], 1u);
+      if (codec::hist_row(t, sink_rows)) atomicAdd(&hist[code], 1u);
       acc_a |= static_cast<uint64_t>(code >> R) << (i * A);
       acc_r |= static_cast<uint64_t>(code & rmask) << (i * R);
       if (++c == L.H && i + 1 < n) {

@@ -695,7 +695,7 @@ PageErrors page_errors(const std::vector<PagedBuffer*>& pages, float alpha) {
                       full ? enc.residual.size() : 0, nullptr, &out.layout),
           KVXFER_SUCCESS);
       for (int64_t t = 0; t < p->layout.num_tokens; ++t)
-        for (int32_t c = 0; c < p->layout.num_channels && hist_row(t); ++c) {
+        for (int32_t c = 0; c < p->layout.num_channels && hist_row(t, 0); ++c) {
           const double d = static_cast<double>(p->get(t, c)) - out.get(t, c);
           (full ? e.full : e.anchor) += d * d;
         }

@@ -77,7 +77,7 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
         sok.push_back(cf ? 1 : 0);
       }
       for (int64_t t = t0; t < t1; ++t)
-        if (hist_row(t)) srows.push_back({lay.row(t), static_cast<int64_t>(sm.size() / H - 1)});
+        if (hist_row(t, 0)) srows.push_back({lay.row(t), static_cast<int64_t>(sm.size() / H - 1)});
     }
     // Each candidate: codes, this page's anchor values (the table as the
     // encoder builds it, from the code histogram of the same rows, or the

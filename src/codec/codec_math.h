@@ -335,10 +335,13 @@ KVXFER_HD inline float recon_linear(int kind, unsigned code, float step) {
  * The per-page anchor table counts the full codes of the page's rows t with
  * t % kHistRowStride == 0 (t from 0 at the page's first token): a fixed
  * one-in-eight sample, so that counting costs an eighth of a pass
- * (docs/FORMAT.md 2.4).  Sink rows (2.7) are not counted: decoders overwrite them.
+ * (docs/FORMAT.md 2.4).  Rows before sink_rows (2.7) are not counted:
+ * decoders overwrite them; callers without sink rows pass 0.
  */
 constexpr int kHistRowStride = 16;
-KVXFER_HD inline bool hist_row(int64_t t) { return t % kHistRowStride == 0; }
+KVXFER_HD inline bool hist_row(int64_t t, int64_t sink_rows) {
+  return t % kHistRowStride == 0 && t >= sink_rows;
+}
 
 /**
  * Entry `a` of the per-page anchor table (docs/FORMAT.md section 2.4) from the

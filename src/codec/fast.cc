@@ -299,7 +299,7 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
       const size_t row_bytes = static_cast<size_t>(H) * job.src.elem;
       for (int64_t t = t0; t < t1; ++t) {
         if (t + C < T) prefetch_bytes(job.src.row(t + C), row_bytes, false);
-        const bool counted = count_hist && hist_row(t) && t >= static_cast<int64_t>(h.sink_rows);
+        const bool counted = count_hist && hist_row(t, h.sink_rows);
         const uint8_t* row = rows[t - t0];
         if (t < r0) {  // a sink row: its values clamped to the chunk's range
           for (int32_t c = 0; c < H; ++c)

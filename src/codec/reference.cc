@@ -42,7 +42,7 @@ EncodeStatus encode(const EncodeJob& job) {
         float x = load_elem(job.src.row(t), c, dt);
         if (t < r0) x = clamp_to_range(x, mn, mx);
         const uint8_t code = job.cb->encode(x, a.m, s);
-        if (hist_row(t) && t >= static_cast<int64_t>(h.sink_rows)) ++job.hist[code];
+        if (hist_row(t, h.sink_rows)) ++job.hist[code];
         const uint64_t e = static_cast<uint64_t>(t) * H + c;
         put_bits(job.anchors, e * A, A, code >> R);
         if (R > 0) put_bits(job.residuals, e * R, R, code & ((1u << R) - 1));

@@ -204,7 +204,7 @@ EncodeStatus encode_payloads(const PageHeader& h, const Layout& src, const uint8
         case KVXFER_TIER_INT8:
           for (int32_t c = 0; c < H; ++c) {
             const uint8_t code = cb8->encode(load_elem(row, c, dt), aff[c].m, s8[c]);
-            if (hist_row(t)) ++hist[code];
+            if (hist_row(t, 0)) ++hist[code];
             w8a.put(code >> R, A);
             w8r.put(code & ((1u << R) - 1), R);
           }
