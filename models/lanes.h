@@ -1,4 +1,4 @@
-// The one lane order of the runner's 8-lane sums (qmatmul, attention): lane
+// The one lane order of the runner's 8-lane float sums (attention): lane
 // l accumulates the elements i = l (mod 8), and the lanes are summed as
 //   ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
 // The scalar form is the definition; the AVX2 form (only in files compiled

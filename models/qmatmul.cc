@@ -9,25 +9,13 @@
 #include <vector>
 
 #include "codec/codec_math.h"
-#include "models/lanes.h"
 
 namespace kvxfer::model {
 namespace {
 
-// Rows dequantized together and reused by every token: the AVX2 tile's 3,
-// the AVX-512 tile's 3 row pairs.
-constexpr int kPanelRows = 3;
-constexpr int kPanelRows512 = 6;
 constexpr std::int64_t kParallelWork = 1 << 15;
 constexpr int kTokenChunk = 64;  // tokens per product: 64 x 1536 floats fit in L2
 constexpr int kMaxMats = 4;      // matmul_many's matrices in one parallel loop
-
-// n floats in *mem, the returned pointer 64-byte aligned.
-float* aligned64(std::vector<float>* mem, std::size_t n) {
-  mem->resize(n + 16);
-  const std::uintptr_t p = reinterpret_cast<std::uintptr_t>(mem->data());
-  return reinterpret_cast<float*>((p + 63) & ~static_cast<std::uintptr_t>(63));
-}
 
 float half(const std::uint8_t* p) {
   std::uint16_t h;
@@ -35,15 +23,21 @@ float half(const std::uint8_t* p) {
   return codec::f16_to_f32(h);
 }
 
-void panel_products_scalar(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                           float* out, int out_stride) {
-  for (int t = 0; t < n_tokens; ++t) {
-    const float* xr = x + static_cast<std::size_t>(t) * cols;
-    for (int r = 0; r < n_rows; ++r) {
-      const float* wr = panel + static_cast<std::size_t>(r) * cols;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int k = 0; k < cols; ++k) acc[k % 8] = std::fma(wr[k], xr[k], acc[k % 8]);
-      out[static_cast<std::size_t>(t) * out_stride + r] = detail::lane_sum(acc);
+// The definition of qmatmul.h, one (row, token) at a time.
+void panel_products_scalar(const detail::Panel& p, const detail::QuantizedX& x, int g, int n_lanes,
+                           float* out) {
+  for (int r = 0; r < detail::kPanelRows; ++r) {
+    const std::int16_t* w = &p.w[static_cast<std::size_t>(r) * p.cols];
+    for (int t = 0; t < n_lanes; ++t) {
+      float acc = 0.0f;
+      for (int b = 0; b < p.nb; ++b) {
+        std::int32_t isum = 0;
+        for (int k = 0; k < 32; ++k) isum += w[b * 32 + k] * x.qrow(g, b, k / 2)[2 * t + k % 2];
+        const std::size_t rb = static_cast<std::size_t>(r) * p.nb + b, at = x.at(g, b) + t;
+        acc = std::fma(p.d[rb] * x.dx[at], static_cast<float>(isum), acc);
+        if (p.q4) acc = std::fma(p.m[rb], x.sx[at], acc);
+      }
+      out[r * detail::kGroup + t] = acc;
     }
   }
 }
@@ -98,6 +92,87 @@ void dequantize_row(const WeightMatrix& w, int row, float* out) {
 
 namespace detail {
 
+void quantize_x(const float* x, int n, int cols, QuantizedX* out) {
+  out->prepare(n, cols / 32);
+  quantize_tokens(x, cols, 0, n, out);
+}
+
+void quantize_tokens(const float* x, int cols, int t0, int t1, QuantizedX* out) {
+  const int nb = cols / 32;
+  for (int t = t0; t < t1; ++t) {
+    const int g = t / kGroup, lane = t % kGroup;
+    for (int b = 0; b < nb; ++b) {
+      const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
+      float amax = 0.0f;
+      for (int k = 0; k < 32; ++k) amax = std::fabs(xb[k]) > amax ? std::fabs(xb[k]) : amax;
+      const float dx = amax / 32767.0f;
+      const float id = dx > 0.0f ? 1.0f / dx : 0.0f;
+      std::int32_t qsum = 0;
+      for (int k = 0; k < 32; ++k) {
+        const float v = xb[k] * id;
+        const std::int32_t q = v >= 32767.0f    ? 32767
+                               : v <= -32767.0f ? -32767
+                               : v == v         ? static_cast<std::int32_t>(std::nearbyint(v))
+                                                : 0;
+        out->qrow_mut(g, b, k / 2)[2 * lane + k % 2] = static_cast<std::int16_t>(q);
+        qsum += q;
+      }
+      const std::size_t at = out->at(g, b) + lane;
+      out->dx[at] = dx;
+      out->qsum[at] = qsum;
+      out->sx[at] = dx * static_cast<float>(qsum);
+    }
+  }
+}
+
+void QuantizedX::prepare(int n_, int nb_) {
+  n = n_;
+  nb = nb_;
+  groups = (n_ + kGroup - 1) / kGroup;
+  const std::size_t slots = static_cast<std::size_t>(groups) * nb * kGroup;
+  q.assign(slots * 32, 0);
+  dx.assign(slots, 0.0f);
+  sx.assign(slots, 0.0f);
+  qsum.assign(slots, 0);
+}
+
+void Panel::reset(int cols_) {
+  cols = cols_;
+  nb = cols_ / 32;
+  w.resize(static_cast<std::size_t>(kPanelRows) * cols);
+  d.resize(static_cast<std::size_t>(kPanelRows) * nb);
+  m.resize(d.size());
+}
+
+void unpack_panel(const WeightMatrix& w, int row0, int n, Panel* p) {
+  const int cols = w.cols, nb = cols / 32;
+  p->reset(cols);
+  p->q4 = w.type == WeightType::kQ4_1;
+  const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data);
+  const std::size_t row_bytes = static_cast<std::size_t>(nb) * (p->q4 ? 20 : 34);
+  for (int r = 0; r < kPanelRows; ++r) {
+    const std::uint8_t* src = base + static_cast<std::size_t>(row0 + (r < n ? r : 0)) * row_bytes;
+    std::int16_t* dst = &p->w[static_cast<std::size_t>(r) * cols];
+    for (int b = 0; b < nb; ++b) {
+      const std::size_t rb = static_cast<std::size_t>(r) * nb + b;
+      if (p->q4) {
+        const std::uint8_t* blk = src + static_cast<std::size_t>(b) * 20;
+        p->d[rb] = half(blk);
+        p->m[rb] = half(blk + 2);
+        for (int j = 0; j < 16; ++j) {
+          dst[b * 32 + j] = blk[4 + j] & 0xF;
+          dst[b * 32 + 16 + j] = blk[4 + j] >> 4;
+        }
+      } else {
+        const std::uint8_t* blk = src + static_cast<std::size_t>(b) * 34;
+        p->d[rb] = half(blk);
+        p->m[rb] = 0.0f;
+        for (int j = 0; j < 32; ++j) dst[b * 32 + j] = static_cast<std::int8_t>(blk[2 + j]);
+      }
+    }
+  }
+}
+
 bool have_avx2() {
   static const bool yes = [] {
     __builtin_cpu_init();
@@ -111,7 +186,8 @@ bool have_avx512() {
   static const bool yes = [] {
     __builtin_cpu_init();
     return have_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vl");
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
   }();
   return yes;
 }
@@ -149,81 +225,87 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
     }
     return;
   }
-  // One token on the SIMD paths dequantizes in registers (AVX2, also for
-  // the AVX-512 path: the same values and fmas) and needs no panel.
-  const bool one = path != Path::kScalar && n == 1;
-  const bool wide = path == Path::kAvx512 && n > 1;
-  const bool avx2 = path == Path::kAvx2 || (path == Path::kAvx512 && n == 1);
-  const int panel_rows = wide ? kPanelRows512 : kPanelRows;
+  QuantizedX qx;
+  qx.prepare(n, cols / 32);
+  auto quantize = [&](int t0, int t1) {
+    if (path == Path::kScalar)
+      quantize_tokens(x, cols, t0, t1, &qx);
+    else
+      quantize_tokens_avx2(x, cols, t0, t1, &qx);
+  };
+  if (n == 1) quantize(0, 1);
   // The panels of all the matrices in one loop: one join, and the threads
   // share out the rows of all of them.
   int first_panel[kMaxMats + 1] = {};
   std::int64_t work = 0;
   for (int m = 0; m < n_mats; ++m) {
-    first_panel[m + 1] = first_panel[m] + (ws[m]->rows + panel_rows - 1) / panel_rows;
+    first_panel[m + 1] = first_panel[m] + (ws[m]->rows + kPanelRows - 1) / kPanelRows;
     work += static_cast<std::int64_t>(n) * ws[m]->rows * cols;
   }
   const int n_panels = first_panel[n_mats];
-  // The batched tiles read x with aligned 32-byte loads: give them aligned rows.
-  std::vector<float> x_mem;
-  if (path != Path::kScalar && n > 1 && reinterpret_cast<std::uintptr_t>(x) % 32 != 0) {
-    const std::size_t len = static_cast<std::size_t>(n) * cols;
-    float* xa = aligned64(&x_mem, len);
-    std::memcpy(xa, x, len * sizeof(float));
-    x = xa;
+  if (path != Path::kScalar && n == 1) {
+    // A decode step: 16 (AVX-512) or 8 (AVX2) rows at a time, read in place,
+    // the token's codes in order.
+    const int per = path == Path::kAvx512 ? kOneTokenRows : kOneTokenRows / 2;
+    std::vector<std::int16_t> xq(static_cast<std::size_t>(cols));
+    std::vector<float> dx(static_cast<std::size_t>(qx.nb)), sx(dx.size());
+    for (int b = 0; b < qx.nb; ++b) {
+      for (int k = 0; k < 32; ++k)
+        xq[static_cast<std::size_t>(b) * 32 + k] = qx.qrow(0, b, k / 2)[k % 2];
+      dx[static_cast<std::size_t>(b)] = qx.dx[qx.at(0, b)];
+      sx[static_cast<std::size_t>(b)] = qx.sx[qx.at(0, b)];
+    }
+    int first[kMaxMats + 1] = {};
+    for (int m = 0; m < n_mats; ++m) first[m + 1] = first[m] + (ws[m]->rows + per - 1) / per;
+#pragma omp parallel for schedule(guided, 4) if (work >= kParallelWork)
+    for (int pi = 0; pi < first[n_mats]; ++pi) {
+      int m = 0;
+      while (pi >= first[m + 1]) ++m;
+      const int rows = ws[m]->rows, r0 = (pi - first[m]) * per,
+                nr = rows - r0 < per ? rows - r0 : per;
+      if (path == Path::kAvx512)
+        rows_one_token_avx512(*ws[m], r0, nr, xq.data(), dx.data(), sx.data(), outs[m] + r0);
+      else
+        rows_one_token_avx2(*ws[m], r0, nr, xq.data(), dx.data(), sx.data(), outs[m] + r0);
+    }
+    return;
   }
 #pragma omp parallel if (work >= kParallelWork)
   {
-    std::vector<float> panel_mem, acc_mem;
-    float* panel =
-        one ? nullptr : aligned64(&panel_mem, static_cast<std::size_t>(panel_rows) * cols);
-    // The products of a panel: [token][row], the AVX-512 tile's [row][token].
-    const int ld = (n + 7) / 8 * 8;
-    std::vector<float> tile(static_cast<std::size_t>(ld) * panel_rows);
-    // The AVX2 accumulators, 8 lanes per (token, row).
-    float* acc =
-        avx2 && !one ? aligned64(&acc_mem, static_cast<std::size_t>(n) * panel_rows * 8) : nullptr;
-    auto run_panel = [&](int pi) {
+    Panel panel;
+    float tile[kPanelRows * kGroup];
+    if (n > 1) {  // the threads quantize the tokens, then share out the panels
+#pragma omp for schedule(static)
+      for (int t = 0; t < n; ++t) quantize(t, t + 1);
+    }
+    // On a shared machine one thread may run slower, so panels are handed
+    // out as the threads ask; every output is still computed by one thread
+    // in one order.  The unpacking prefetches the next panel, so chunks
+    // shrink only towards the end (guided).
+#pragma omp for schedule(guided, 4)
+    for (int pi = 0; pi < n_panels; ++pi) {
       int m = 0;
       while (pi >= first_panel[m + 1]) ++m;
       const WeightMatrix& w = *ws[m];
       float* out = outs[m];
-      const int rows = w.rows, p = pi - first_panel[m];
-      const int r0 = p * panel_rows, nr = rows - r0 < panel_rows ? rows - r0 : panel_rows;
-      if (one) {
-        rows_one_token_avx2(w, r0, nr, x, tile.data());
-      } else if (wide) {
-        dequantize_pairs_avx512(w, r0, nr, panel);
-        pair_products_avx512(panel, nr, cols, x, n, tile.data(), ld);
-        // Token-major, as out is (its token rows may share few cache sets).
-        for (int t = 0; t < n; ++t)
+      const int rows = w.rows, r0 = (pi - first_panel[m]) * kPanelRows;
+      const int nr = rows - r0 < kPanelRows ? rows - r0 : kPanelRows;
+      if (path == Path::kScalar)
+        unpack_panel(w, r0, nr, &panel);
+      else
+        unpack_panel_avx2(w, r0, nr, &panel);
+      for (int g = 0; g < qx.groups; ++g) {
+        const int lanes = n - g * kGroup < kGroup ? n - g * kGroup : kGroup;
+        if (path == Path::kAvx512)
+          panel_products_avx512(panel, qx, g, lanes, tile);
+        else if (path == Path::kAvx2)
+          panel_products_avx2(panel, qx, g, lanes, tile);
+        else
+          panel_products_scalar(panel, qx, g, lanes, tile);
+        for (int t = 0; t < lanes; ++t)
           for (int r = 0; r < nr; ++r)
-            out[static_cast<std::size_t>(t) * rows + r0 + r] =
-                tile[static_cast<std::size_t>(r) * ld + t];
-        return;
-      } else if (avx2) {
-        dequantize_rows_avx2(w, r0, nr, panel);
-        panel_products_avx2(panel, nr, cols, x, n, tile.data(), panel_rows, acc);
-      } else {
-        for (int r = 0; r < nr; ++r)
-          dequantize_row(w, r0 + r, panel + static_cast<std::size_t>(r) * cols);
-        panel_products_scalar(panel, nr, cols, x, n, tile.data(), panel_rows);
+            out[static_cast<std::size_t>(g * kGroup + t) * rows + r0 + r] = tile[r * kGroup + t];
       }
-      for (int t = 0; t < n; ++t)
-        for (int r = 0; r < nr; ++r)
-          out[static_cast<std::size_t>(t) * rows + r0 + r] =
-              tile[static_cast<std::size_t>(t) * panel_rows + r];
-    };
-    // On a shared machine one thread may run slower, so panels are handed out
-    // as the threads ask; every output is still computed by one thread in one
-    // order.  The AVX-512 tiles prefetch the next panel, so their chunks
-    // shrink only towards the end (guided).
-    if (wide) {
-#pragma omp for schedule(guided, 4)
-      for (int pi = 0; pi < n_panels; ++pi) run_panel(pi);
-    } else {
-#pragma omp for schedule(dynamic, 16)
-      for (int pi = 0; pi < n_panels; ++pi) run_panel(pi);
     }
   }
 }

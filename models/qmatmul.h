@@ -2,20 +2,25 @@
 // read in place from the mapped checkpoint.
 //
 // Definition (one for every CPU path; docs/MODEL.md):
-//   out[t][i] = sum over k of w[i][k] * x[t][k], where
-//   * w[i][k] is the dequantized weight, exactly as dequantize_row writes it
-//     (Q4_1: d*q + m, Q8_0: d*q; d, m from fp16; one float32 multiply and one
-//     float32 add, no fma);
 //   * F32 matrices keep llama2.c run.c's order: one float32 accumulator, k
 //     ascending, v += w*x (no fma), so llama2.c checkpoints keep run.c's bits;
-//   * Q4_1/Q8_0 matrices use 8 float32 accumulators: element k goes to lane
-//     k mod 8 by fma in ascending k, and the lanes are summed as
-//     ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
-// out[t][i] depends only on weight row i and activation row t: not on the
-// number of tokens, the tile it falls in, the thread count or the CPU path
-// (AVX-512, AVX2+FMA+F16C or the scalar emulation).  That is what makes a batched pass
-// (prefill, speculative verification) bit-identical to decoding one token at
-// a time.
+//   * Q4_1/Q8_0 matrices take x quantized per block of 32 elements to int16
+//     (quantize_x below; ggml's Q8_1 with 16-bit codes, because 8-bit codes
+//     changed SmolLM2's greedy answers), and sum integer products per block:
+//       isum[b] = sum over k in block b of qw[k] * qx[k]    (exact, int32)
+//     with qw the block's 4-bit code (Q4_1) or int8 code (Q8_0).  Then, per
+//     (row, token), blocks ascending, acc starting at +0:
+//       acc = fma(RN(dw[b] * dx[b]), RN(float(isum[b])), acc)
+//       acc = fma(mw[b], sx[b], acc)                          (Q4_1 only)
+//     where dw, mw are the block's fp16 scale and minimum as float32 and dx,
+//     sx the activation block's scale and dx * sum(qx) (quantize_x).  This is
+//     ggml's vec_dot_q4_1_q8_1 / q8_0_q8_0 with 16-bit activation codes
+//     and one rounding order fixed.
+// The integer sums are exact, so out[t][i] depends only on weight row i and
+// activation row t: not on the number of tokens, the tile it falls in, the
+// thread count or the CPU path (AVX-512 VNNI, AVX2 or scalar).  That is what
+// makes a batched pass (prefill, speculative verification) bit-identical to
+// decoding one token at a time.
 //
 // Threading: matmul parallelises over panels of rows with OpenMP; every
 // output element is computed by one thread.  Safe to call concurrently with
@@ -24,6 +29,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace kvxfer::model {
 
@@ -60,30 +66,69 @@ namespace detail {
 // Exposed for the tests: the same product on a chosen path.
 enum class Path { kScalar, kAvx2, kAvx512 };
 bool have_avx2();
-bool have_avx512();  // AVX-512 F, DQ and VL, and have_avx2()
+bool have_avx512();  // AVX-512 F, DQ, BW, VL and VNNI, and have_avx2()
 void matmul_path(Path path, const WeightMatrix& w, const float* x, int n_tokens, float* out);
 void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* outs, int n_mats,
                       const float* x, int n_tokens);
-// AVX2 kernels (qmatmul_avx2.cc): dequantize `n` rows starting at `row0`
-// into panel[n][cols] (32-byte aligned), and the lane-ordered products of a
-// panel.
-void dequantize_rows_avx2(const WeightMatrix& w, int row0, int n, float* panel);
-// One token against rows [row0, row0 + n), n <= 4: out[r] = row r0+r times x,
-// the weights dequantized in registers (the bits of the panel path).
-void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const float* x, float* out);
-// n_rows <= 3; acc: scratch of n_tokens * n_rows * 8 floats, 32-byte aligned.
-void panel_products_avx2(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                         float* out, int out_stride, float* acc);
-// AVX-512 kernels (qmatmul_avx512.cc), for passes of 2 or more tokens:
-// dequantize rows [row0, row0 + n), n <= 6, as row pairs into
-// panel[(n + 1) / 2][cols / 8][16] (64-byte aligned; pair p's group g holds
-// row 2p's elements 8g.. then row 2p+1's, an odd last row paired with
-// itself), and the lane-ordered products of such a panel with x (32-byte
-// aligned rows): out[r * ld + t] for r < n_rows rounded up to even and
-// t < n_tokens rounded up to 8 (the padding is scratch), ld >= that.
-void dequantize_pairs_avx512(const WeightMatrix& w, int row0, int n, float* panel);
-void pair_products_avx512(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                          float* out, int ld);
+
+// Tokens per group of quantized activations, and weight rows per panel.
+constexpr int kGroup = 16;
+constexpr int kPanelRows = 8;
+
+// x [n][cols] (cols a multiple of 32) quantized per 32-element block:
+//   amax = max |x[k]|, dx = amax / 32767, id = dx > 0 ? 1 / dx : 0,
+//   qx[k] = nearbyint(x[k] * id) (ties to even) clamped to [-32767, 32767]
+//   (NaN -> 0), qsum = sum qx[k], sx = dx * float(qsum).
+// Stored for the kernels in groups of kGroup tokens (the last padded with
+// zeros): q [group][block][k / 2][token][2] int16, so one 64-byte row holds 2
+// consecutive codes of 16 tokens; dx, sx, qsum [group][block][token].
+struct QuantizedX {
+  int n = 0, nb = 0, groups = 0;
+  std::vector<std::int16_t> q;
+  std::vector<float> dx, sx;
+  std::vector<std::int32_t> qsum;
+  const std::int16_t* qrow(int g, int b, int k2) const {
+    return q.data() + ((static_cast<std::size_t>(g) * nb + b) * 16 + k2) * 32;
+  }
+  std::int16_t* qrow_mut(int g, int b, int k2) { return const_cast<std::int16_t*>(qrow(g, b, k2)); }
+  std::size_t at(int g, int b) const { return (static_cast<std::size_t>(g) * nb + b) * kGroup; }
+  void prepare(int n_, int nb_);  // sizes the arrays; the padding lanes zero
+};
+void quantize_x(const float* x, int n, int cols, QuantizedX* out);       // scalar
+void quantize_x_avx2(const float* x, int n, int cols, QuantizedX* out);  // the same bits
+// Tokens [t0, t1) only, into an out already prepare()d (threads may quantize
+// disjoint token ranges at once).
+void quantize_tokens(const float* x, int cols, int t0, int t1, QuantizedX* out);
+void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, QuantizedX* out);
+
+// Up to kPanelRows weight rows unpacked for the kernels: w [kPanelRows][cols]
+// codes as int16 (Q4_1: 0..15; Q8_0: -128..127), d and m [kPanelRows][nb]
+// float32 (m 0 for Q8_0).  Rows past n repeat row row0 (their products are
+// dropped).
+struct Panel {
+  int cols = 0, nb = 0;
+  bool q4 = true;
+  std::vector<std::int16_t> w;
+  std::vector<float> d, m;
+  void reset(int cols_);
+};
+void unpack_panel(const WeightMatrix& w, int row0, int n, Panel* p);       // scalar
+void unpack_panel_avx2(const WeightMatrix& w, int row0, int n, Panel* p);  // the same bytes
+
+// out[r * kGroup + t] for the panel's kPanelRows rows and group g's tokens
+// t < n_lanes (n_lanes <= kGroup; out has kPanelRows * kGroup floats, the
+// lanes past n_lanes are scratch): the definition above.
+void panel_products_avx2(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out);
+void panel_products_avx512(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out);
+// One token (a decode step): rows [row0, row0 + n), n <= 16 (AVX-512) or 8
+// (AVX2), read in place; xq [cols] the token's codes in order, dx and sx
+// [nb] its block scales (from a QuantizedX of one token).  out[r] for r < n:
+// the definition above.
+constexpr int kOneTokenRows = 16;
+void rows_one_token_avx512(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
+                           const float* dx, const float* sx, float* out);
+void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
+                         const float* dx, const float* sx, float* out);
 }  // namespace detail
 
 }  // namespace kvxfer::model

@@ -1,216 +1,235 @@
-// AVX2 + FMA kernels of qmatmul.h (compiled with -mavx2 -mfma; called only
-// when the CPU has both).  They compute exactly the scalar definition of
-// qmatmul.cc: the dequantization gives the same values (Q4_1's d*q has at
-// most 11 + 4 significant bits, so it is exact and fma(d, q, m) rounds once,
-// as the multiply and add do), and lane l of an accumulator holds the fma
-// chain of the elements k = l (mod 8).
+// AVX2 kernels of qmatmul.h (compiled with -mavx2 -mfma -mf16c; called only
+// when the CPU has them).  The integer block sums are exact, so any order
+// gives qmatmul.h's isum; the float steps are those of the definition, lane
+// by lane (one token per lane).
 #include <immintrin.h>
 
 #include <cstring>
 
-#include "models/lanes.h"
 #include "models/qmatmul.h"
 
 namespace kvxfer::model::detail {
 namespace {
 
-// d of a Q8_0 block by F16C, broadcast.
-inline __m256 half1(const std::uint8_t* p) {
-  std::uint16_t v;
-  std::memcpy(&v, p, 2);
-  return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
+inline float half(const std::uint8_t* p) {
+  std::uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // F16C: exact, as codec::f16_to_f32
 }
 
-// d and m of a Q4_1 block (two fp16 at p) by F16C: exact, as f16_to_f32 is.
-inline void half2(const std::uint8_t* p, __m256* d, __m256* m) {
+inline __m256i bcast2(const std::int16_t* p) {
   std::int32_t v;
   std::memcpy(&v, p, 4);
-  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(v));
-  *d = _mm256_broadcastss_ps(f);
-  *m = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+  return _mm256_set1_epi32(v);
 }
 
-// acc[t][r] = the 8 lanes of panel row r times x row t, for NR rows and NT
-// tokens (acc: one __m256 per (token, row), rows fastest).  3 x 4 is the
-// largest tile whose 12 accumulators, 3 weights and 1 activation fit in the
-// 16 registers: per 8 k, 7 loads and 12 fmas.
-template <int NR, int NT>
-void tile(const float* panel, int cols, const float* x, __m256* acc) {
-  __m256 a[NR][NT];
-  for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < NR; ++r) a[r][t] = _mm256_setzero_ps();
-  int k = 0;
-  do {  // cols >= 32: a do-while keeps the accumulators in registers
-    __m256 w[NR];
-    for (int r = 0; r < NR; ++r)
-      w[r] = _mm256_loadu_ps(panel + static_cast<std::size_t>(r) * cols + k);
-    for (int t = 0; t < NT; ++t) {
-      const __m256 xv = _mm256_loadu_ps(x + static_cast<std::size_t>(t) * cols + k);
-      for (int r = 0; r < NR; ++r) a[r][t] = _mm256_fmadd_ps(w[r], xv, a[r][t]);
+// Rows [r0, r0 + R) of the panel against tokens [lo, lo + 8) of group g:
+// out[r * kGroup + lo + t].  madd_epi16 adds 2 products of 16-bit codes.
+template <int R, bool Q4>
+void rows8(const Panel& p, int r0, const QuantizedX& x, int g, int lo, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < p.nb; ++b) {
+    __m256i ai[R];
+    for (int r = 0; r < R; ++r) ai[r] = _mm256_setzero_si256();
+    const std::int16_t* w = p.w.data() + static_cast<std::size_t>(r0) * p.cols + b * 32;
+    for (int k2 = 0; k2 < 16; ++k2) {
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qrow(g, b, k2) + 2 * lo));
+      for (int r = 0; r < R; ++r)
+        ai[r] = _mm256_add_epi32(
+            ai[r],
+            _mm256_madd_epi16(bcast2(w + static_cast<std::size_t>(r) * p.cols + 2 * k2), xv));
     }
-    k += 8;
-  } while (k < cols);
-  for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < NR; ++r)
-      _mm256_store_ps(reinterpret_cast<float*>(acc + t * NR + r), a[r][t]);
-}
-
-template <int NR>
-void rows_tile(const float* panel, int cols, const float* x, int n_tokens, __m256* acc) {
-  int t = 0;
-  for (; t + 4 <= n_tokens; t += 4)
-    tile<NR, 4>(panel, cols, x + static_cast<std::size_t>(t) * cols, acc + t * NR);
-  const float* xt = x + static_cast<std::size_t>(t) * cols;
-  switch (n_tokens - t) {
-    case 3: return tile<NR, 3>(panel, cols, xt, acc + t * NR);
-    case 2: return tile<NR, 2>(panel, cols, xt, acc + t * NR);
-    case 1: return tile<NR, 1>(panel, cols, xt, acc + t * NR);
-    default: return;
+    const std::size_t at = x.at(g, b) + lo;
+    const __m256 dxv = _mm256_loadu_ps(&x.dx[at]);
+    const __m256 sxv = Q4 ? _mm256_loadu_ps(&x.sx[at]) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const std::size_t rb = static_cast<std::size_t>(r0 + r) * p.nb + b;
+      const __m256 s = _mm256_mul_ps(_mm256_set1_ps(p.d[rb]), dxv);
+      acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ai[r]), acc[r]);
+      if (Q4) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p.m[rb]), sxv, acc[r]);
+    }
   }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(out + static_cast<std::size_t>(r0 + r) * kGroup + lo, acc[r]);
 }
 
 }  // namespace
 
-void dequantize_rows_avx2(const WeightMatrix& w, int row0, int n, float* panel) {
+void unpack_panel_avx2(const WeightMatrix& w, int row0, int n, Panel* p) {
   const int cols = w.cols, nb = cols / 32;
+  p->reset(cols);
+  p->q4 = w.type == WeightType::kQ4_1;
   const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data);
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  for (int r = 0; r < n; ++r) {
-    float* out = panel + static_cast<std::size_t>(r) * cols;
-    if (w.type == WeightType::kQ4_1) {
-      const std::uint8_t* p = base + static_cast<std::size_t>(row0 + r) * nb * 20;
-      if (r + 1 < n) _mm_prefetch(reinterpret_cast<const char*>(p + nb * 20 * 4), _MM_HINT_T0);
-      for (int b = 0; b < nb; ++b, p += 20) {
-        __m256 d, m;
-        half2(p, &d, &m);
-        // Bytes j..j+7 widened once give elements j.. (low nibbles) and
-        // 16+j.. (high nibbles).
-        const __m256i b0 =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
-        const __m256i b1 =
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
-        float* o = out + b * 32;  // d*q exact: fma = RN(RN(d*q) + m)
-        _mm256_store_ps(o, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), m));
-        _mm256_store_ps(o + 8,
-                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), m));
-        _mm256_store_ps(o + 16,
-                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m));
-        _mm256_store_ps(o + 24,
-                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const std::size_t row_bytes = static_cast<std::size_t>(nb) * (p->q4 ? 20 : 34);
+  for (int r = 0; r < kPanelRows; ++r) {
+    const int row = row0 + (r < n ? r : 0);
+    const std::uint8_t* src = base + static_cast<std::size_t>(row) * row_bytes;
+    // Row r of the panel after next: in cache by the time it is unpacked.
+    for (std::size_t off = 0; off < row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(src + 2 * kPanelRows * row_bytes + off),
+                   _MM_HINT_T0);
+    std::int16_t* dst = &p->w[static_cast<std::size_t>(r) * cols];
+    float* d = &p->d[static_cast<std::size_t>(r) * nb];
+    float* m = &p->m[static_cast<std::size_t>(r) * nb];
+    for (int b = 0; b < nb; ++b) {
+      if (p->q4) {
+        const std::uint8_t* blk = src + static_cast<std::size_t>(b) * 20;
+        d[b] = half(blk);
+        m[b] = half(blk + 2);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 32),
+                            _mm256_cvtepu8_epi16(_mm_and_si128(v, low4)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 32 + 16),
+                            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+      } else {
+        const std::uint8_t* blk = src + static_cast<std::size_t>(b) * 34;
+        d[b] = half(blk);
+        m[b] = 0.0f;
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * 32 + 16 * h),
+                              _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(blk + 2 + 16 * h))));
       }
-    } else if (w.type == WeightType::kQ8_0) {
-      const std::uint8_t* p = base + static_cast<std::size_t>(row0 + r) * nb * 34;
-      for (int b = 0; b < nb; ++b, p += 34) {
-        const __m256 d = half1(p);
-        for (int g = 0; g < 4; ++g) {
-          const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + g * 8));
-          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-          _mm256_storeu_ps(out + b * 32 + g * 8, _mm256_mul_ps(d, q));
-        }
-      }
-    } else {
-      std::memcpy(out, w.f32() + static_cast<std::size_t>(row0 + r) * cols,
-                  static_cast<std::size_t>(cols) * sizeof(float));
     }
   }
 }
 
+void quantize_x_avx2(const float* x, int n, int cols, QuantizedX* out) {
+  out->prepare(n, cols / 32);
+  quantize_tokens_avx2(x, cols, 0, n, out);
+}
+
+void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, QuantizedX* out) {
+  const int nb = cols / 32;
+  const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(32767.0f),
+               lo = _mm256_set1_ps(-32767.0f);
+  for (int t = t0; t < t1; ++t) {
+    const int g = t / kGroup, lane = t % kGroup;
+    for (int b = 0; b < nb; ++b) {
+      const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
+      __m256 v[4];
+      // amax: max(|x|, acc) keeps acc where |x| is NaN, as the scalar loop does.
+      __m256 mx = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        mx = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), mx);
+      }
+      alignas(32) float ml[8];
+      _mm256_store_ps(ml, mx);
+      float amax = 0.0f;
+      for (float e : ml) amax = e > amax ? e : amax;
+      const float dx = amax / 32767.0f;
+      const float id = dx > 0.0f ? 1.0f / dx : 0.0f;
+      const __m256 idv = _mm256_set1_ps(id);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j) {
+        __m256 s = _mm256_mul_ps(v[j], idv);
+        s = _mm256_and_ps(s, _mm256_cmp_ps(s, s, _CMP_ORD_Q));               // NaN -> 0
+        q[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(s, lo), hi));  // ties to even
+      }
+      const __m256i s01 = _mm256_add_epi32(q[0], q[1]), s23 = _mm256_add_epi32(q[2], q[3]);
+      const __m256i s4 = _mm256_add_epi32(s01, s23);
+      __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+      s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4E));
+      s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1));
+      const std::int32_t qsum = _mm_cvtsi128_si32(s2);
+      // 32 codes in order: packs interleaves 128-bit lanes, the permute undoes it.
+      alignas(32) std::int32_t words[16];
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_si256(
+            reinterpret_cast<__m256i*>(words + 8 * h),
+            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8));
+      for (int k2 = 0; k2 < 16; ++k2)
+        std::memcpy(out->qrow_mut(g, b, k2) + 2 * lane, &words[k2], 4);
+      const std::size_t at = out->at(g, b) + lane;
+      out->dx[at] = dx;
+      out->qsum[at] = qsum;
+      out->sx[at] = dx * static_cast<float>(qsum);
+    }
+  }
+}
+
+void panel_products_avx2(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out) {
+  for (int lo = 0; lo < n_lanes; lo += 8) {
+    if (p.q4) {
+      rows8<4, true>(p, 0, x, g, lo, out);
+      rows8<4, true>(p, 4, x, g, lo, out);
+    } else {
+      rows8<4, false>(p, 0, x, g, lo, out);
+      rows8<4, false>(p, 4, x, g, lo, out);
+    }
+  }
+}
+
+}  // namespace kvxfer::model::detail
+
+namespace kvxfer::model::detail {
 namespace {
 
-template <int NR>
-void one_token_q4_1(const std::uint8_t* base, std::size_t row_bytes, int nb, const float* x,
-                    float* out) {
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const float* xb = x + b * 32;
-    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8),
-                 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-    for (int r = 0; r < NR; ++r) {
-      const std::uint8_t* p =
-          base + static_cast<std::size_t>(r) * row_bytes + static_cast<std::size_t>(b) * 20;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
-      __m256 d, m;
-      half2(p, &d, &m);
-      // One widening per 8 bytes serves two groups: the low nibbles are
-      // elements j..j+7, the high ones elements 16+j..16+j+7.
-      const __m256i b0 =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
-      const __m256i b1 =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
-      const __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), m);
-      const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), m);
-      const __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
-      const __m256 w3 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
-      acc[r] = _mm256_fmadd_ps(w0, x0, acc[r]);
-      acc[r] = _mm256_fmadd_ps(w1, x1, acc[r]);
-      acc[r] = _mm256_fmadd_ps(w2, x2, acc[r]);
-      acc[r] = _mm256_fmadd_ps(w3, x3, acc[r]);
-    }
-  }
-  for (int r = 0; r < NR; ++r) out[r] = lane_sum(acc[r]);
-}
-
-template <int NR>
-void one_token_q8_0(const std::uint8_t* base, std::size_t row_bytes, int nb, const float* x,
-                    float* out) {
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const float* xb = x + b * 32;
-    for (int r = 0; r < NR; ++r) {
-      const std::uint8_t* p =
-          base + static_cast<std::size_t>(r) * row_bytes + static_cast<std::size_t>(b) * 34;
-      _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
-      const __m256 d = half1(p);
-      for (int g = 0; g < 4; ++g) {
-        const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + g * 8));
-        const __m256 wv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
-        acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + g * 8), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r) out[r] = lane_sum(acc[r]);
-}
-
-template <int NR>
-void one_token(const WeightMatrix& w, int row0, const float* x, float* out) {
-  const int nb = w.cols / 32;
-  const std::size_t bb = w.type == WeightType::kQ4_1 ? 20 : 34;
-  const std::uint8_t* base =
-      static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * nb * bb;
-  if (w.type == WeightType::kQ4_1)
-    one_token_q4_1<NR>(base, nb * bb, nb, x, out);
-  else
-    one_token_q8_0<NR>(base, nb * bb, nb, x, out);
+// fp16 bits in the low 16 bits of each int32 lane, as 8 floats (F16C: exact).
+inline __m256 halves(__m256i v) {
+  const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
 }
 
 }  // namespace
 
-void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const float* x, float* out) {
-  switch (n) {
-    case 4: return one_token<4>(w, row0, x, out);
-    case 3: return one_token<3>(w, row0, x, out);
-    case 2: return one_token<2>(w, row0, x, out);
-    default: return one_token<1>(w, row0, x, out);
+void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
+                         const float* dx, const float* sx, float* out) {
+  constexpr int R = 8;
+  const bool q4 = w.type == WeightType::kQ4_1;
+  const int nb = w.cols / 32, bb = q4 ? 20 : 34;
+  const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
+  const std::uint8_t* base =
+      static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * row_bytes;
+  // Rows past n repeat row row0 (their products are dropped).
+  alignas(32) std::int32_t offs[R];
+  for (int r = 0; r < R; ++r)
+    offs[r] = r < n ? static_cast<std::int32_t>(static_cast<std::size_t>(r) * row_bytes) : 0;
+  const __m256i offv = _mm256_load_si256(reinterpret_cast<const __m256i*>(offs));
+  const std::uint8_t* next = base + R * row_bytes;
+  const std::size_t lines = (R * row_bytes + 63) / 64;
+  const std::size_t per_block = (lines + nb - 1) / nb;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+  __m256 acc = _mm256_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
+    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32 + 16));
+    for (std::size_t l = b * per_block; l < (b + 1) * per_block && l < lines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+    __m256i v[R];
+    for (int r = 0; r < R; ++r) {
+      const std::uint8_t* blk = base + offs[r] + static_cast<std::size_t>(b) * bb;
+      __m256i wa, wb;
+      if (q4) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+        wa = _mm256_cvtepu8_epi16(_mm_and_si128(c, low4));
+        wb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), low4));
+      } else {
+        wa = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+        wb = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+      }
+      v[r] = _mm256_add_epi32(_mm256_madd_epi16(wa, xa), _mm256_madd_epi16(wb, xb));
+    }
+    // The 8 rows' sums in order (integer additions: exact in any order).
+    const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                          _mm256_permute2x128_si256(u0, u1, 0x31));
+    const __m256i dm = _mm256_i32gather_epi32(
+        reinterpret_cast<const int*>(base + static_cast<std::size_t>(b) * bb), offv, 1);
+    const __m256 s = _mm256_mul_ps(halves(_mm256_and_si256(dm, lo16)), _mm256_set1_ps(dx[b]));
+    acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(isum), acc);
+    if (q4) acc = _mm256_fmadd_ps(halves(_mm256_srli_epi32(dm, 16)), _mm256_set1_ps(sx[b]), acc);
   }
-}
-
-void panel_products_avx2(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                         float* out, int out_stride, float* acc_buf) {
-  __m256* acc = reinterpret_cast<__m256*>(acc_buf);
-  switch (n_rows) {
-    case 3: rows_tile<3>(panel, cols, x, n_tokens, acc); break;
-    case 2: rows_tile<2>(panel, cols, x, n_tokens, acc); break;
-    default: rows_tile<1>(panel, cols, x, n_tokens, acc); break;
-  }
-  // acc is [token][row]; out_stride == n_rows makes out the same order.
-  const int n = n_tokens * n_rows;
-  int i = 0;
-  if (out_stride == n_rows)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, lane_sums8(acc + i));
-  for (; i < n; ++i) out[(i / n_rows) * out_stride + i % n_rows] = lane_sum(acc[i]);
+  alignas(32) float res[R];
+  _mm256_store_ps(res, acc);
+  for (int r = 0; r < n; ++r) out[r] = res[r];
 }
 
 }  // namespace kvxfer::model::detail

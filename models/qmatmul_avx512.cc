@@ -1,156 +1,204 @@
-// AVX-512 kernels of qmatmul.h for batched passes (compiled with -mavx512f
-// -mavx512dq -mavx512vl -mavx2 -mfma -mf16c; called only when the CPU has
-// them).  A 512-bit register holds two weight rows' 8 lanes side by side
-// (row 2i in the low half, row 2i+1 in the high half), each half fed the
-// same activation vector.  Lane l of each half is therefore the fma chain of
-// the elements k = l (mod 8) in ascending k, exactly as in the AVX2 and
-// scalar paths, and lane_sums16 (lanes.h) sums the lanes in the same order:
-// the bits are those of the definition in qmatmul.h.
+// AVX-512 VNNI kernels of qmatmul.h (compiled with -mavx512f -mavx512dq
+// -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma -mf16c; called only when the
+// CPU has them).  One lane per token: a 64-byte row of the quantized
+// activations holds 2 codes of 16 tokens, and vpdpwssd adds the products of
+// 2 weight codes (broadcast) with them.  The integer sums are exact; the
+// float steps are those of the definition, lane by lane.  Groups of up to 4
+// or 8 tokens use the 128- or 256-bit forms (the same operations on fewer
+// lanes).
 #include <immintrin.h>
 
 #include <cstring>
 
-#include "models/lanes.h"
 #include "models/qmatmul.h"
 
 namespace kvxfer::model::detail {
 namespace {
 
-// The fp16 pairs (d, m) at pa and pb (F16C: exact) as [da x 8 | db x 8]
-// and [ma x 8 | mb x 8]; Q8_0 uses d only.
-inline void scales_pair(const std::uint8_t* pa, const std::uint8_t* pb, __m512* d, __m512* m) {
-  std::int32_t a, b;
-  std::memcpy(&a, pa, 4);
-  std::memcpy(&b, pb, 4);
-  const __m512 f =
-      _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(a), b, 1)));
-  *d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), f);
-  *m = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), f);
+inline std::int32_t word(const std::int16_t* p) {
+  std::int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// Bytes [p, p + 8) and [q, q + 8) as 16 int32: p's in the low half.
-inline __m128i bytes_pair(const std::uint8_t* p, const std::uint8_t* q) {
-  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
-                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-}
-inline __m512i bytes_pair_u8(const std::uint8_t* p, const std::uint8_t* q) {
-  return _mm512_cvtepu8_epi32(bytes_pair(p, q));
-}
-inline __m512i bytes_pair_i8(const std::uint8_t* p, const std::uint8_t* q) {
-  return _mm512_cvtepi8_epi32(bytes_pair(p, q));
-}
+struct V16 {
+  using I = __m512i;
+  using F = __m512;
+  static I zero() { return _mm512_setzero_si512(); }
+  static I loadx(const std::int16_t* p) { return _mm512_loadu_si512(p); }
+  static I bcast(const std::int16_t* p) { return _mm512_set1_epi32(word(p)); }
+  static I dp(I a, I w, I x) { return _mm512_dpwssd_epi32(a, w, x); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+struct V8 {
+  using I = __m256i;
+  using F = __m256;
+  static I zero() { return _mm256_setzero_si256(); }
+  static I loadx(const std::int16_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const I*>(p));
+  }
+  static I bcast(const std::int16_t* p) { return _mm256_set1_epi32(word(p)); }
+  static I dp(I a, I w, I x) { return _mm256_dpwssd_epi32(a, w, x); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+struct V4 {
+  using I = __m128i;
+  using F = __m128;
+  static I zero() { return _mm_setzero_si128(); }
+  static I loadx(const std::int16_t* p) { return _mm_loadu_si128(reinterpret_cast<const I*>(p)); }
+  static I bcast(const std::int16_t* p) { return _mm_set1_epi32(word(p)); }
+  static I dp(I a, I w, I x) { return _mm_dpwssd_epi32(a, w, x); }
+  static F fzero() { return _mm_setzero_ps(); }
+  static F loadf(const float* p) { return _mm_loadu_ps(p); }
+  static F set1(float v) { return _mm_set1_ps(v); }
+  static F mul(F a, F b) { return _mm_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm_fmadd_ps(a, b, c); }
+  static F cvt(I a) { return _mm_cvtepi32_ps(a); }
+  static void store(float* p, F v) { _mm_storeu_ps(p, v); }
+};
 
-// The products of NRP row pairs with NT <= 8 tokens, reduced in registers:
-// out[r * ld + t] for the 2 * NRP rows and tokens t < 8 (those past NT are
-// padding).  24 accumulators, 3 weights and 1 activation in the 32 registers
-// at 3 x 8; per 8 k, 11 loads and 24 fmas.
-template <int NRP, int NT>
-void tile(const float* panel, int groups, const float* x, int cols, float* out, int ld) {
-  __m512 a[NRP][8];
-  for (int t = 0; t < 8; ++t)
-    for (int r = 0; r < NRP; ++r) a[r][t] = _mm512_setzero_ps();
-  int g = 0;
-  do {  // groups >= 4: a do-while keeps the accumulators in registers
-    __m512 w[NRP];
-    for (int r = 0; r < NRP; ++r)
-      w[r] = _mm512_load_ps(panel + (static_cast<std::size_t>(r) * groups + g) * 16);
-    for (int t = 0; t < NT; ++t) {
-      const __m512 xv = _mm512_broadcast_f32x8(
-          _mm256_load_ps(x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(g) * 8));
-      for (int r = 0; r < NRP; ++r) a[r][t] = _mm512_fmadd_ps(w[r], xv, a[r][t]);
+// The panel's kPanelRows rows against the first lanes of group g: 8 integer
+// and 8 float accumulators.
+template <class V, bool Q4>
+void rows(const Panel& p, const QuantizedX& x, int g, float* out) {
+  constexpr int R = kPanelRows;
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  const std::size_t cols = static_cast<std::size_t>(p.cols);
+  for (int b = 0; b < p.nb; ++b) {
+    typename V::I ai[R];
+    for (int r = 0; r < R; ++r) ai[r] = V::zero();
+    const std::int16_t* w = p.w.data() + static_cast<std::size_t>(b) * 32;
+    for (int k2 = 0; k2 < 16; ++k2) {
+      const typename V::I xv = V::loadx(x.qrow(g, b, k2));
+      for (int r = 0; r < R; ++r) ai[r] = V::dp(ai[r], V::bcast(w + r * cols + 2 * k2), xv);
     }
-  } while (++g < groups);
-  for (int r = 0; r < NRP; ++r) {  // [row 2r, tokens 0..7 | row 2r+1, tokens 0..7]
-    const __m512 sums = lane_sums16(a[r]);
-    _mm256_storeu_ps(out + static_cast<std::size_t>(2 * r) * ld, _mm512_castps512_ps256(sums));
-    _mm256_storeu_ps(out + static_cast<std::size_t>(2 * r + 1) * ld,
-                     _mm512_extractf32x8_ps(sums, 1));
+    const std::size_t at = x.at(g, b);
+    const typename V::F dxv = V::loadf(&x.dx[at]);
+    if (Q4) {
+      const typename V::F sxv = V::loadf(&x.sx[at]);
+      for (int r = 0; r < R; ++r) {
+        const std::size_t rb = static_cast<std::size_t>(r) * p.nb + b;
+        acc[r] = V::fma(V::mul(V::set1(p.d[rb]), dxv), V::cvt(ai[r]), acc[r]);
+        acc[r] = V::fma(V::set1(p.m[rb]), sxv, acc[r]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const std::size_t rb = static_cast<std::size_t>(r) * p.nb + b;
+        acc[r] = V::fma(V::mul(V::set1(p.d[rb]), dxv), V::cvt(ai[r]), acc[r]);
+      }
+    }
   }
+  for (int r = 0; r < R; ++r) V::store(out + r * kGroup, acc[r]);
 }
 
-template <int NRP>
-void pairs_tile(const float* panel, int groups, const float* x, int cols, int n_tokens, float* out,
-                int ld) {
-  int t = 0;
-  for (; t + 8 <= n_tokens; t += 8)
-    tile<NRP, 8>(panel, groups, x + static_cast<std::size_t>(t) * cols, cols, out + t, ld);
-  const float* xt = x + static_cast<std::size_t>(t) * cols;
-  float* ot = out + t;
-  switch (n_tokens - t) {
-    case 7: return tile<NRP, 7>(panel, groups, xt, cols, ot, ld);
-    case 6: return tile<NRP, 6>(panel, groups, xt, cols, ot, ld);
-    case 5: return tile<NRP, 5>(panel, groups, xt, cols, ot, ld);
-    case 4: return tile<NRP, 4>(panel, groups, xt, cols, ot, ld);
-    case 3: return tile<NRP, 3>(panel, groups, xt, cols, ot, ld);
-    case 2: return tile<NRP, 2>(panel, groups, xt, cols, ot, ld);
-    case 1: return tile<NRP, 1>(panel, groups, xt, cols, ot, ld);
-    default: return;
-  }
+template <class V>
+void rows_of(const Panel& p, const QuantizedX& x, int g, float* out) {
+  if (p.q4)
+    rows<V, true>(p, x, g, out);
+  else
+    rows<V, false>(p, x, g, out);
 }
 
 }  // namespace
 
-void dequantize_pairs_avx512(const WeightMatrix& w, int row0, int n, float* panel) {
-  const int cols = w.cols, nb = cols / 32, groups = cols / 8;
-  const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data);
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
-  for (int rp = 0; rp < (n + 1) / 2; ++rp) {
-    // An odd last row is paired with itself; the copy's products are dropped.
-    const int ra = row0 + 2 * rp, rb = 2 * rp + 1 < n ? ra + 1 : ra;
-    float* out = panel + static_cast<std::size_t>(rp) * groups * 16;
-    if (w.type == WeightType::kQ4_1) {
-      const std::uint8_t* p = base + static_cast<std::size_t>(ra) * nb * 20;
-      const std::uint8_t* q = base + static_cast<std::size_t>(rb) * nb * 20;
-      for (int b = 0; b < nb; ++b, p += 20, q += 20) {
-        // The next panel's rows (6 on): in cache by the time it is dequantized.
-        _mm_prefetch(reinterpret_cast<const char*>(p + 6 * nb * 20), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(q + 6 * nb * 20), _MM_HINT_T0);
-        __m512 d, m;
-        scales_pair(p, q, &d, &m);
-        // Bytes j..j+7 widened once give elements j.. (low nibbles) and
-        // 16+j.. (high nibbles); d*q is exact, so fma = RN(RN(d*q) + m).
-        const __m512i b0 = bytes_pair_u8(p + 4, q + 4), b1 = bytes_pair_u8(p + 12, q + 12);
-        float* o = out + static_cast<std::size_t>(b) * 64;
-        _mm512_store_ps(o, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b0, low4)), m));
-        _mm512_store_ps(o + 16,
-                        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b1, low4)), m));
-        _mm512_store_ps(o + 32,
-                        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), m));
-        _mm512_store_ps(o + 48,
-                        _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), m));
-      }
-    } else if (w.type == WeightType::kQ8_0) {
-      const std::uint8_t* p = base + static_cast<std::size_t>(ra) * nb * 34;
-      const std::uint8_t* q = base + static_cast<std::size_t>(rb) * nb * 34;
-      for (int b = 0; b < nb; ++b, p += 34, q += 34) {
-        _mm_prefetch(reinterpret_cast<const char*>(p + 6 * nb * 34), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(q + 6 * nb * 34), _MM_HINT_T0);
-        __m512 d, m;  // m: the block's first two codes as fp16, unused
-        scales_pair(p, q, &d, &m);
-        for (int g = 0; g < 4; ++g)
-          _mm512_store_ps(
-              out + static_cast<std::size_t>(b) * 64 + g * 16,
-              _mm512_mul_ps(d, _mm512_cvtepi32_ps(bytes_pair_i8(p + 2 + g * 8, q + 2 + g * 8))));
-      }
-    } else {
-      const float* fa = w.f32() + static_cast<std::size_t>(ra) * cols;
-      const float* fb = w.f32() + static_cast<std::size_t>(rb) * cols;
-      for (int g = 0; g < groups; ++g) {
-        std::memcpy(out + g * 16, fa + g * 8, 8 * sizeof(float));
-        std::memcpy(out + g * 16 + 8, fb + g * 8, 8 * sizeof(float));
-      }
-    }
-  }
+void panel_products_avx512(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out) {
+  if (n_lanes <= 4)
+    rows_of<V4>(p, x, g, out);
+  else if (n_lanes <= 8)
+    rows_of<V8>(p, x, g, out);
+  else
+    rows_of<V16>(p, x, g, out);
 }
 
-void pair_products_avx512(const float* panel, int n_rows, int cols, const float* x, int n_tokens,
-                          float* out, int ld) {
-  const int groups = cols / 8;
-  switch ((n_rows + 1) / 2) {
-    case 3: return pairs_tile<3>(panel, groups, x, cols, n_tokens, out, ld);
-    case 2: return pairs_tile<2>(panel, groups, x, cols, n_tokens, out, ld);
-    default: return pairs_tile<1>(panel, groups, x, cols, n_tokens, out, ld);
+}  // namespace kvxfer::model::detail
+
+namespace kvxfer::model::detail {
+namespace {
+
+// The sums of each of v[0..15] as one vector, in order: pairs of rows, then
+// quads, by the unpacks within 128-bit lanes, then across the 4 lanes.  Integer
+// additions, so any order gives the exact sums.
+inline __m512i transpose_sum16(const __m512i* v) {
+  __m512i t[8], u[4];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * j], v[2 * j + 1]),
+                            _mm512_unpackhi_epi32(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * j], t[2 * j + 1]),
+                            _mm512_unpackhi_epi64(t[2 * j], t[2 * j + 1]));
+  const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x44),
+                                       _mm512_shuffle_i32x4(u[0], u[1], 0xEE));
+  const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x44),
+                                       _mm512_shuffle_i32x4(u[2], u[3], 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, 0x88),
+                          _mm512_shuffle_i32x4(x01, x23, 0xDD));
+}
+
+}  // namespace
+
+void rows_one_token_avx512(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
+                           const float* dx, const float* sx, float* out) {
+  const bool q4 = w.type == WeightType::kQ4_1;
+  const int nb = w.cols / 32, bb = q4 ? 20 : 34;
+  const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
+  const std::uint8_t* base =
+      static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * row_bytes;
+  // Rows past n repeat row row0 (their products are dropped).
+  alignas(64) std::int32_t offs[kOneTokenRows];
+  for (int r = 0; r < kOneTokenRows; ++r)
+    offs[r] = r < n ? static_cast<std::int32_t>(static_cast<std::size_t>(r) * row_bytes) : 0;
+  const __m512i offv = _mm512_load_si512(offs);
+  // The next 16 rows (contiguous): their lines spread over this call's blocks.
+  const std::uint8_t* next = base + kOneTokenRows * row_bytes;
+  const std::size_t lines = (kOneTokenRows * row_bytes + 63) / 64;
+  const std::size_t per_block = (lines + nb - 1) / nb;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  __m512 acc = _mm512_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const __m512i xv = _mm512_loadu_si512(xq + static_cast<std::size_t>(b) * 32);
+    for (std::size_t l = b * per_block; l < (b + 1) * per_block && l < lines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+    __m512i v[kOneTokenRows];
+    for (int r = 0; r < kOneTokenRows; ++r) {
+      const std::uint8_t* blk = base + offs[r] + static_cast<std::size_t>(b) * bb;
+      __m512i wv;
+      if (q4) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+        const __m256i u8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(c, low4)),
+                                                   _mm_and_si128(_mm_srli_epi16(c, 4), low4), 1);
+        wv = _mm512_cvtepu8_epi16(u8);
+      } else {
+        wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
+      }
+      v[r] = _mm512_madd_epi16(wv, xv);
+    }
+    const __m512i isum = transpose_sum16(v);
+    // The rows' (d, m) fp16 pairs (Q8_0: d and the first two codes).
+    const __m512i dm = _mm512_i32gather_epi32(offv, base + static_cast<std::size_t>(b) * bb, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+    const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[b]));
+    acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), acc);
+    if (q4) {
+      const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+      acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[b]), acc);
+    }
   }
+  alignas(64) float res[kOneTokenRows];
+  _mm512_store_ps(res, acc);
+  for (int r = 0; r < n; ++r) out[r] = res[r];
 }
 
 }  // namespace kvxfer::model::detail

@@ -1,6 +1,6 @@
 // Tests of the runner's matrix products (models/qmatmul.h): every output
 // element has the same bits whatever the batch, the tile, the thread count
-// and the CPU path, and equals the lane-ordered definition.
+// and the CPU path, and equals the definition (int8 activation blocks).
 #include "models/qmatmul.h"
 
 #include <gtest/gtest.h>
@@ -64,18 +64,47 @@ std::vector<float> random_acts(int n, int cols, std::uint32_t seed) {
   return x;
 }
 
-// The definition, written out once more: dequantized row, 8 fma lanes.
+// The definition of qmatmul.h written out once more, from the block bytes:
+// x quantized per 32-element block to int16, exact integer block sums,
+// then the two fmas per block.
 float reference(const km::WeightMatrix& w, int i, const float* x) {
-  std::vector<float> row(w.cols);
-  km::dequantize_row(w, i, row.data());
   if (w.type == km::WeightType::kF32) {
+    std::vector<float> row(w.cols);
+    km::dequantize_row(w, i, row.data());
     float v = 0;
     for (int k = 0; k < w.cols; ++k) v += row[k] * x[k];
     return v;
   }
-  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int k = 0; k < w.cols; ++k) l[k % 8] = std::fma(row[k], x[k], l[k % 8]);
-  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  const bool q4 = w.type == km::WeightType::kQ4_1;
+  const int nb = w.cols / 32, bb = q4 ? 20 : 34;
+  const std::uint8_t* row =
+      static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(i) * nb * bb;
+  float acc = 0.0f;
+  for (int b = 0; b < nb; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0;
+    for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float dx = amax / 32767.0f, id = dx > 0 ? 1.0f / dx : 0.0f;
+    int isum = 0, qsum = 0;
+    const std::uint8_t* blk = row + static_cast<std::size_t>(b) * bb;
+    for (int k = 0; k < 32; ++k) {
+      const int qx =
+          static_cast<int>(std::nearbyint(std::min(32767.0f, std::max(-32767.0f, xb[k] * id))));
+      const int qw = q4 ? (k < 16 ? blk[4 + k] & 0xF : blk[4 + k - 16] >> 4)
+                        : static_cast<std::int8_t>(blk[2 + k]);
+      isum += qw * qx;
+      qsum += qx;
+    }
+    std::uint16_t h;
+    std::memcpy(&h, blk, 2);
+    const float dw = kvxfer::codec::f16_to_f32(h);
+    acc = std::fma(dw * dx, static_cast<float>(isum), acc);
+    if (q4) {
+      std::memcpy(&h, blk + 2, 2);
+      acc = std::fma(kvxfer::codec::f16_to_f32(h), dx * static_cast<float>(qsum), acc);
+    }
+  }
+  return acc;
 }
 
 void expect_bits(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
@@ -141,15 +170,29 @@ TEST_P(QMatmul, CloseToTheExactProductOfTheDequantizedWeights) {
   for (int i = 0; i < rows; ++i) {
     km::dequantize_row(m.w, i, row.data());
     for (int t = 0; t < 4; ++t) {
-      double exact = 0, mag = 0;
-      for (int k = 0; k < cols; ++k) {
-        exact += static_cast<double>(row[k]) * x[static_cast<std::size_t>(t) * cols + k];
-        mag += std::fabs(static_cast<double>(row[k]) * x[static_cast<std::size_t>(t) * cols + k]);
+      const float* xt = &x[static_cast<std::size_t>(t) * cols];
+      double exact = 0, mag = 0, quant = 0;
+      for (int b = 0; b < cols / 32; ++b) {
+        double amax = 0, wsum = 0;
+        for (int k = b * 32; k < b * 32 + 32; ++k) {
+          exact += static_cast<double>(row[k]) * xt[k];
+          mag += std::fabs(static_cast<double>(row[k]) * xt[k]);
+          amax = std::max(amax, std::fabs(static_cast<double>(xt[k])));
+          wsum += std::fabs(static_cast<double>(row[k]));
+        }
+        // Block types: each x[k] moves by at most half a step, amax / 65534.
+        if (type != km::WeightType::kF32) quant += amax / 65534.0 * wsum;
       }
-      // Recursive summation of n terms: |error| <= (n-1) u sum|terms| (+ the lanes' sums).
-      const double bound = (cols / 8 + 3) * std::ldexp(1.0, -24) * mag;
+      // Rounding: recursive summation, |error| <= (n-1) u sum|terms|, n the
+      // elements (F32) or 2 x blocks plus the block scales' products.
+      const double n_terms = type == km::WeightType::kF32 ? cols : 2 * (cols / 32) + 4;
+      const double bound = 1.001 * quant + n_terms * std::ldexp(1.0, -24) * (mag + quant);
       EXPECT_LE(std::fabs(out[static_cast<std::size_t>(t) * rows + i] - exact), bound)
           << i << " " << t;
+      // And the quantization bound is not vacuous: well under the product's size.
+      if (type != km::WeightType::kF32) {
+        EXPECT_LT(quant, 1e-3 * mag) << i << " " << t;
+      }
     }
   }
 }
@@ -412,6 +455,43 @@ TEST(AttentionKernel, Avx512GroupEqualsAvx2GroupBitForBit) {
 }  // namespace
 
 namespace {
+// The AVX2 quantizer writes the scalar one's bytes: codes at exact ties
+// (x * id = k + 0.5 rounds to even), a zero block, a block with a NaN and one
+// with an infinity, the clamp at +-32767, and the padding lanes of a group.
+TEST(QuantizeX, Avx2EqualsScalarOnTiesZerosAndNonFinite) {
+  if (!kd::have_avx2()) GTEST_SKIP() << "no AVX2+FMA on this CPU";
+  const int cols = 160, n = 19;  // 5 blocks; 2 groups, the second of 3 tokens
+  std::vector<float> x = random_acts(n, cols, 9);
+  // Token 0, block 0: amax 32767 so id = 1, and k + 0.5 values tie.
+  for (int k = 0; k < 32; ++k) x[k] = k == 0 ? 32767.0f : static_cast<float>(k % 9) - 4.5f;
+  for (int k = 32; k < 64; ++k) x[k] = 0.0f;               // token 0, block 1: all zero
+  x[static_cast<std::size_t>(cols) + 70] = std::nanf("");  // token 1, block 2
+  x[static_cast<std::size_t>(2 * cols) + 100] = INFINITY;  // token 2, block 3
+  x[static_cast<std::size_t>(3 * cols) + 130] = -1e30f;    // token 3, block 4
+  kd::QuantizedX a, b;
+  kd::quantize_x(x.data(), n, cols, &a);
+  kd::quantize_x_avx2(x.data(), n, cols, &b);
+  ASSERT_EQ(a.q, b.q);
+  ASSERT_EQ(a.qsum, b.qsum);
+  ASSERT_EQ(std::memcmp(a.dx.data(), b.dx.data(), a.dx.size() * 4), 0);
+  ASSERT_EQ(std::memcmp(a.sx.data(), b.sx.data(), a.sx.size() * 4), 0);
+  // dx = 1: the ties went to even (k = 1..7: -3.5 -2.5 -1.5 -0.5 0.5 1.5 2.5).
+  EXPECT_EQ(a.dx[a.at(0, 0)], 1.0f);
+  const int want[8] = {32767, -4, -2, -2, 0, 0, 2, 2};
+  for (int k = 0; k < 8; ++k) EXPECT_EQ(a.qrow(0, 0, k / 2)[k % 2], want[k]) << k;
+  EXPECT_EQ(a.qsum[a.at(0, 1)], 0);
+  EXPECT_EQ(a.dx[a.at(0, 1)], 0.0f);
+  // The NaN's code is 0; the infinity makes dx infinite and every code 0.
+  EXPECT_EQ(a.qrow(0, 2, 3)[2 * 1], 0);  // k = 6
+  EXPECT_TRUE(std::isinf(a.dx[a.at(0, 3) + 2]));
+  EXPECT_EQ(a.qsum[a.at(0, 3) + 2], 0);
+  // -1e30 is its block's amax: code -32767.
+  EXPECT_EQ(a.qrow(0, 4, 1)[2 * 3], -32767);  // k = 2
+  // Padding lanes of the last group are zero.
+  EXPECT_EQ(a.qrow(1, 0, 0)[2 * 5], 0);
+  EXPECT_EQ(a.dx[a.at(1, 0) + 5], 0.0f);
+}
+
 // matmul_many (one parallel loop over the panels of several matrices) gives
 // each matrix matmul's bits: row counts that end panels mid-way, mixed block
 // types, an F32 matrix among them (taken one at a time), one token, a
