@@ -94,8 +94,36 @@ __attribute__((target("avx512f"))) double fma_gflops_avx512(double seconds) {
   return static_cast<double>(iters) * 12 * 32 / (t - t0) / 1e9;
 }
 
+// The 16-bit integer product throughput of one thread (vpdpwssd, AVX-512
+// VNNI): 12 independent chains for about `seconds`.  GOP/s, 2 per product.
+__attribute__((target("avx512f,avx512vnni"))) double vnni_gops(double seconds) {
+  __m512i a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
+  const __m512i b = _mm512_set1_epi32(0x00030001), c = _mm512_set1_epi32(0x00020005);
+  long iters = 0;
+  const double t0 = now_s();
+  double t = t0;
+  while (t - t0 < seconds) {
+    for (int n = 0; n < 100000; ++n)
+      for (int i = 0; i < 12; ++i) a[i] = _mm512_dpwssd_epi32(a[i], b, c);
+    iters += 100000;
+    t = now_s();
+  }
+  alignas(64) int lanes[16];
+  int sink = 0;
+  for (int i = 0; i < 12; ++i) {
+    _mm512_store_si512(lanes, a[i]);
+    sink += lanes[0];
+  }
+  volatile int keep = sink;
+  (void)keep;
+  return static_cast<double>(iters) * 12 * 64 / (t - t0) / 1e9;
+}
+
 // The FMA peak of the OpenMP threads running at once, on the widest path
-// the runner's batched passes use: the compute limit of a batched pass.
+// the runner's batched passes use (attention), and the peak of their matrix
+// products (vpdpwssd on AVX-512, else the FMA peak: vpmaddwd costs about an
+// fma per 16-bit product pair).
 double fma_peak_gflops(bool avx512) {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
   double total = 0;
@@ -103,14 +131,22 @@ double fma_peak_gflops(bool avx512) {
   total += avx512 ? fma_gflops_avx512(0.2) : fma_gflops_avx2(0.2);
   return total;
 }
+double product_peak_gops(bool avx512, double fma_peak) {
+  if (!avx512) return fma_peak;
+  double total = 0;
+#pragma omp parallel reduction(+ : total)
+  total += vnni_gops(0.2);
+  return total;
+}
 
-// Multiply-adds of one token's forward pass at `keys` keys (attention over
-// them, q.k and p.v): the matrices, the classifier and the attention.
-double token_macs(const km::Config& c, double keys) {
+// Multiply-adds of one token's forward pass at `keys` keys: the matrices and
+// the classifier (integer products), and the attention (q.k and p.v, fmas).
+double matrix_macs(const km::Config& c) {
   const double d = c.dim, kv = c.kv_dim(), h = c.hidden_dim;
-  const double per_layer =
-      d * d * 2 + 2 * kv * d + 3 * d * h + 2.0 * c.n_heads * c.head_size() * keys;
-  return c.n_layers * per_layer + static_cast<double>(c.vocab_size) * d;
+  return c.n_layers * (d * d * 2 + 2 * kv * d + 3 * d * h) + static_cast<double>(c.vocab_size) * d;
+}
+double attention_macs(const km::Config& c, double keys) {
+  return c.n_layers * 2.0 * c.n_heads * c.head_size() * keys;
 }
 
 }  // namespace
@@ -215,6 +251,7 @@ int main(int argc, char** argv) {
 
   const bool avx512 = km::detail::have_avx512();
   const double peak = fma_peak_gflops(avx512);
+  const double ppeak = product_peak_gops(avx512, peak);
   std::printf("#%10s %8s %12s %12s %10s %12s\n", "what", "tokens", "time_ms", "per_token", "steps",
               "floor_steps");
   std::printf(" %10s %8d %12.1f %12.3f %10s %12s\n", "prefill", ctx, t_prefill * 1e3,
@@ -224,18 +261,23 @@ int main(int argc, char** argv) {
   for (std::size_t i = 0; i < passes.size(); ++i) {
     const int v = passes[i];
     const double t = median_of(static_cast<int>(i) + 1);
-    // The pass at the FMA peak: v tokens at ctx + 1 .. ctx + v keys.
-    const double flops = 2 * v * token_macs(c, ctx + (v + 1) / 2.0);
+    // The pass at the peaks: v tokens at ctx + 1 .. ctx + v keys.
+    const double t_floor = peak > 0
+                               ? 2 * v * matrix_macs(c) / (ppeak * 1e9) +
+                                     2 * v * attention_macs(c, ctx + (v + 1) / 2.0) / (peak * 1e9)
+                               : 0.0;
     std::printf(" %10s %8d %12.2f %12.3f %10.2f %12.2f\n", "verify", v, t * 1e3, t * 1e3 / v,
-                t / t_step, peak > 0 ? flops / (peak * 1e9) / t_step : 0.0);
+                t / t_step, t_floor / t_step);
   }
   std::printf("# prefill %.0f tokens/s at %d tokens; decode step at context %d: %.2f ms (TPOT)\n",
               ctx / t_prefill, ctx, ctx, t_step * 1e3);
   if (peak > 0)
     std::printf(
-        "# FMA peak (%s, the batched passes' path) of the %d threads in the same run: %.1f "
-        "GFLOP/s; floor_steps = the pass's multiply-adds at that peak, in decode steps\n",
-        avx512 ? "AVX-512" : "AVX2", omp_get_max_threads(), peak);
+        "# peaks of the %d threads in the same run: FMA (%s, attention) %.1f GFLOP/s, 16-bit "
+        "products (%s, the matrices) %.1f GOP/s; floor_steps = the pass's multiply-adds at "
+        "those peaks, in decode steps\n",
+        omp_get_max_threads(), avx512 ? "AVX-512" : "AVX2", peak, avx512 ? "vpdpwssd" : "as FMA",
+        ppeak);
   if (t_copy > 0)
     std::printf(
         "# memcpy of the %.1f MB of tensors in the same run: %.2f ms = %.3f of a decode step\n",
