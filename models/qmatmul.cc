@@ -94,14 +94,13 @@ namespace detail {
 
 void quantize_x(const float* x, int n, int cols, QuantizedX* out) {
   out->prepare(n, cols / 32);
-  quantize_tokens(x, cols, 0, n, out);
+  quantize_tokens(x, cols, 0, n, 0, cols / 32, out);
 }
 
-void quantize_tokens(const float* x, int cols, int t0, int t1, QuantizedX* out) {
-  const int nb = cols / 32;
+void quantize_tokens(const float* x, int cols, int t0, int t1, int b0, int b1, QuantizedX* out) {
   for (int t = t0; t < t1; ++t) {
     const int g = t / kGroup, lane = t % kGroup;
-    for (int b = 0; b < nb; ++b) {
+    for (int b = b0; b < b1; ++b) {
       const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
       float amax = 0.0f;
       for (int k = 0; k < 32; ++k) amax = std::fabs(xb[k]) > amax ? std::fabs(xb[k]) : amax;
@@ -227,13 +226,13 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
   }
   QuantizedX qx;
   qx.prepare(n, cols / 32);
-  auto quantize = [&](int t0, int t1) {
+  auto quantize = [&](int b0, int b1) {
     if (path == Path::kScalar)
-      quantize_tokens(x, cols, t0, t1, &qx);
+      quantize_tokens(x, cols, 0, n, b0, b1, &qx);
     else
-      quantize_tokens_avx2(x, cols, t0, t1, &qx);
+      quantize_tokens_avx2(x, cols, 0, n, b0, b1, &qx);
   };
-  if (n == 1) quantize(0, 1);
+  if (n <= kFewTokens) quantize(0, qx.nb);
   // The panels of all the matrices in one loop: one join, and the threads
   // share out the rows of all of them.
   int first_panel[kMaxMats + 1] = {};
@@ -243,18 +242,22 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
     work += static_cast<std::int64_t>(n) * ws[m]->rows * cols;
   }
   const int n_panels = first_panel[n_mats];
-  if (path != Path::kScalar && n == 1) {
-    // A decode step: 16 (AVX-512) or 8 (AVX2) rows at a time, read in place,
-    // the token's codes in order.
+  const bool few = (path == Path::kAvx512 && n <= kFewTokens) || (path == Path::kAvx2 && n == 1);
+  if (few) {
+    // A decode step or a short pass: 16 (AVX-512) or 8 (AVX2) rows at a time,
+    // read in place, each token's codes in order.
     const int per = path == Path::kAvx512 ? kOneTokenRows : kOneTokenRows / 2;
-    std::vector<std::int16_t> xq(static_cast<std::size_t>(cols));
-    std::vector<float> dx(static_cast<std::size_t>(qx.nb)), sx(dx.size());
-    for (int b = 0; b < qx.nb; ++b) {
-      for (int k = 0; k < 32; ++k)
-        xq[static_cast<std::size_t>(b) * 32 + k] = qx.qrow(0, b, k / 2)[k % 2];
-      dx[static_cast<std::size_t>(b)] = qx.dx[qx.at(0, b)];
-      sx[static_cast<std::size_t>(b)] = qx.sx[qx.at(0, b)];
-    }
+    std::vector<std::int16_t> xq(static_cast<std::size_t>(n) * cols);
+    std::vector<float> dx(static_cast<std::size_t>(n) * qx.nb), sx(dx.size());
+    for (int t = 0; t < n; ++t)
+      for (int b = 0; b < qx.nb; ++b) {
+        for (int k = 0; k < 32; ++k)
+          xq[static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32 + k] =
+              qx.qrow(t / kGroup, b, k / 2)[2 * (t % kGroup) + k % 2];
+        const std::size_t tb = static_cast<std::size_t>(t) * qx.nb + b;
+        dx[tb] = qx.dx[qx.at(t / kGroup, b) + t % kGroup];
+        sx[tb] = qx.sx[qx.at(t / kGroup, b) + t % kGroup];
+      }
     int first[kMaxMats + 1] = {};
     for (int m = 0; m < n_mats; ++m) first[m + 1] = first[m] + (ws[m]->rows + per - 1) / per;
 #pragma omp parallel for schedule(guided, 4) if (work >= kParallelWork)
@@ -264,7 +267,8 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
       const int rows = ws[m]->rows, r0 = (pi - first[m]) * per,
                 nr = rows - r0 < per ? rows - r0 : per;
       if (path == Path::kAvx512)
-        rows_one_token_avx512(*ws[m], r0, nr, xq.data(), dx.data(), sx.data(), outs[m] + r0);
+        rows_few_tokens_avx512(*ws[m], r0, nr, n, xq.data(), dx.data(), sx.data(), outs[m] + r0,
+                               static_cast<std::size_t>(rows));
       else
         rows_one_token_avx2(*ws[m], r0, nr, xq.data(), dx.data(), sx.data(), outs[m] + r0);
     }
@@ -274,9 +278,9 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
   {
     Panel panel;
     float tile[kPanelRows * kGroup];
-    if (n > 1) {  // the threads quantize the tokens, then share out the panels
+    if (n > kFewTokens) {  // the threads quantize the tokens, then share out the panels
 #pragma omp for schedule(static)
-      for (int t = 0; t < n; ++t) quantize(t, t + 1);
+      for (int b = 0; b < qx.nb; ++b) quantize(b, b + 1);
     }
     // On a shared machine one thread may run slower, so panels are handed
     // out as the threads ask; every output is still computed by one thread

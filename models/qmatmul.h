@@ -96,10 +96,12 @@ struct QuantizedX {
 };
 void quantize_x(const float* x, int n, int cols, QuantizedX* out);       // scalar
 void quantize_x_avx2(const float* x, int n, int cols, QuantizedX* out);  // the same bits
-// Tokens [t0, t1) only, into an out already prepare()d (threads may quantize
-// disjoint token ranges at once).
-void quantize_tokens(const float* x, int cols, int t0, int t1, QuantizedX* out);
-void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, QuantizedX* out);
+// Tokens [t0, t1) and blocks [b0, b1) only, into an out already prepare()d
+// (threads may quantize disjoint block ranges at once: they share no cache
+// line).
+void quantize_tokens(const float* x, int cols, int t0, int t1, int b0, int b1, QuantizedX* out);
+void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, int b0, int b1,
+                          QuantizedX* out);
 
 // Up to kPanelRows weight rows unpacked for the kernels: w [kPanelRows][cols]
 // codes as int16 (Q4_1: 0..15; Q8_0: -128..127), d and m [kPanelRows][nb]
@@ -120,13 +122,16 @@ void unpack_panel_avx2(const WeightMatrix& w, int row0, int n, Panel* p);  // th
 // lanes past n_lanes are scratch): the definition above.
 void panel_products_avx2(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out);
 void panel_products_avx512(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out);
-// One token (a decode step): rows [row0, row0 + n), n <= 16 (AVX-512) or 8
-// (AVX2), read in place; xq [cols] the token's codes in order, dx and sx
-// [nb] its block scales (from a QuantizedX of one token).  out[r] for r < n:
-// the definition above.
+// Few tokens (a decode step, a short pass): rows [row0, row0 + n), n <= 16
+// (AVX-512) or 8 (AVX2), read in place.  xq [n_tokens][cols] the tokens'
+// codes in order, dx and sx [n_tokens][nb] their block scales (from a
+// QuantizedX).  out[t * out_stride + r] for r < n: the definition above.
+// AVX-512: n_tokens <= kFewTokens; AVX2: one token.
 constexpr int kOneTokenRows = 16;
-void rows_one_token_avx512(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
-                           const float* dx, const float* sx, float* out);
+constexpr int kFewTokens = 4;
+void rows_few_tokens_avx512(const WeightMatrix& w, int row0, int n, int n_tokens,
+                            const std::int16_t* xq, const float* dx, const float* sx, float* out,
+                            std::size_t out_stride);
 void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
                          const float* dx, const float* sx, float* out);
 }  // namespace detail

@@ -99,16 +99,16 @@ void unpack_panel_avx2(const WeightMatrix& w, int row0, int n, Panel* p) {
 
 void quantize_x_avx2(const float* x, int n, int cols, QuantizedX* out) {
   out->prepare(n, cols / 32);
-  quantize_tokens_avx2(x, cols, 0, n, out);
+  quantize_tokens_avx2(x, cols, 0, n, 0, cols / 32, out);
 }
 
-void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, QuantizedX* out) {
-  const int nb = cols / 32;
+void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, int b0, int b1,
+                          QuantizedX* out) {
   const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(32767.0f),
                lo = _mm256_set1_ps(-32767.0f);
   for (int t = t0; t < t1; ++t) {
     const int g = t / kGroup, lane = t % kGroup;
-    for (int b = 0; b < nb; ++b) {
+    for (int b = b0; b < b1; ++b) {
       const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
       __m256 v[4];
       // amax: max(|x|, acc) keeps acc where |x| is NaN, as the scalar loop does.

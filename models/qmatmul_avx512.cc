@@ -149,10 +149,14 @@ inline __m512i transpose_sum16(const __m512i* v) {
 
 }  // namespace
 
-void rows_one_token_avx512(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
-                           const float* dx, const float* sx, float* out) {
+namespace {
+
+template <int T>
+void rows_tokens(const WeightMatrix& w, int row0, int n, const std::int16_t* xq, const float* dx,
+                 const float* sx, float* out, std::size_t out_stride) {
   const bool q4 = w.type == WeightType::kQ4_1;
   const int nb = w.cols / 32, bb = q4 ? 20 : 34;
+  const std::size_t cols = static_cast<std::size_t>(w.cols);
   const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
   const std::uint8_t* base =
       static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * row_bytes;
@@ -166,39 +170,55 @@ void rows_one_token_avx512(const WeightMatrix& w, int row0, int n, const std::in
   const std::size_t lines = (kOneTokenRows * row_bytes + 63) / 64;
   const std::size_t per_block = (lines + nb - 1) / nb;
   const __m128i low4 = _mm_set1_epi8(0x0F);
-  __m512 acc = _mm512_setzero_ps();
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  __m512i wv[kOneTokenRows];  // one block of each row as 32 int16 (spilled to L1 for T > 1)
   for (int b = 0; b < nb; ++b) {
-    const __m512i xv = _mm512_loadu_si512(xq + static_cast<std::size_t>(b) * 32);
     for (std::size_t l = b * per_block; l < (b + 1) * per_block && l < lines; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
-    __m512i v[kOneTokenRows];
     for (int r = 0; r < kOneTokenRows; ++r) {
       const std::uint8_t* blk = base + offs[r] + static_cast<std::size_t>(b) * bb;
-      __m512i wv;
       if (q4) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
         const __m256i u8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(c, low4)),
                                                    _mm_and_si128(_mm_srli_epi16(c, 4), low4), 1);
-        wv = _mm512_cvtepu8_epi16(u8);
+        wv[r] = _mm512_cvtepu8_epi16(u8);
       } else {
-        wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
+        wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
       }
-      v[r] = _mm512_madd_epi16(wv, xv);
     }
-    const __m512i isum = transpose_sum16(v);
     // The rows' (d, m) fp16 pairs (Q8_0: d and the first two codes).
     const __m512i dm = _mm512_i32gather_epi32(offv, base + static_cast<std::size_t>(b) * bb, 1);
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
-    const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[b]));
-    acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), acc);
-    if (q4) {
-      const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-      acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[b]), acc);
+    const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+    for (int t = 0; t < T; ++t) {
+      const __m512i xv = _mm512_loadu_si512(xq + t * cols + static_cast<std::size_t>(b) * 32);
+      __m512i v[kOneTokenRows];
+      for (int r = 0; r < kOneTokenRows; ++r) v[r] = _mm512_madd_epi16(wv[r], xv);
+      const __m512i isum = transpose_sum16(v);
+      const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[t * nb + b]));
+      acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), acc[t]);
+      if (q4) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * nb + b]), acc[t]);
     }
   }
-  alignas(64) float res[kOneTokenRows];
-  _mm512_store_ps(res, acc);
-  for (int r = 0; r < n; ++r) out[r] = res[r];
+  for (int t = 0; t < T; ++t) {
+    alignas(64) float res[kOneTokenRows];
+    _mm512_store_ps(res, acc[t]);
+    for (int r = 0; r < n; ++r) out[t * out_stride + r] = res[r];
+  }
+}
+
+}  // namespace
+
+void rows_few_tokens_avx512(const WeightMatrix& w, int row0, int n, int n_tokens,
+                            const std::int16_t* xq, const float* dx, const float* sx, float* out,
+                            std::size_t out_stride) {
+  switch (n_tokens) {
+    case 1: return rows_tokens<1>(w, row0, n, xq, dx, sx, out, out_stride);
+    case 2: return rows_tokens<2>(w, row0, n, xq, dx, sx, out, out_stride);
+    case 3: return rows_tokens<3>(w, row0, n, xq, dx, sx, out, out_stride);
+    default: return rows_tokens<4>(w, row0, n, xq, dx, sx, out, out_stride);
+  }
 }
 
 }  // namespace kvxfer::model::detail

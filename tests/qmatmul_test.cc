@@ -143,7 +143,7 @@ TEST_P(QMatmul, EveryBatchThreadAndPathGivesTheSameBits) {
     if (kd::have_avx512()) paths.push_back(kd::Path::kAvx512);
     for (kd::Path path : paths)
       for (int threads : {1, 2})
-        for (int n : {1, 2, 3, 7, 16, 17, 64, 130}) {
+        for (int n : {1, 2, 3, 4, 5, 7, 16, 17, 64, 130}) {
           omp_set_num_threads(threads);
           std::vector<float> out(static_cast<std::size_t>(n) * rows);
           kd::matmul_path(path, m.w, x.data(), n, out.data());
@@ -509,7 +509,7 @@ TEST(QMatmulMany, EachMatrixGetsTheBitsOfItsOwnProduct) {
     std::vector<const km::WeightMatrix*> ws = {&a.w, &b.w, &c.w};
     if (with_f32) ws.insert(ws.begin() + 1, &f.w);
     for (kd::Path path : paths)
-      for (int n : {1, 16, 70}) {
+      for (int n : {1, 3, 16, 70}) {
         const std::vector<float> x = random_acts(n, cols, 45u + n);
         std::vector<std::vector<float>> many(ws.size()), one(ws.size());
         std::vector<float*> outs;
