@@ -278,7 +278,7 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
   {
     Panel panel;
     float tile[kPanelRows * kGroup];
-    if (n > kFewTokens) {  // the threads quantize the tokens, then share out the panels
+    if (n > kFewTokens) {  // the threads quantize the blocks, then share out the panels
 #pragma omp for schedule(static)
       for (int b = 0; b < qx.nb; ++b) quantize(b, b + 1);
     }
