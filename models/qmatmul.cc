@@ -135,6 +135,18 @@ void QuantizedX::prepare(int n_, int nb_) {
   qsum.assign(slots, 0);
 }
 
+RowSpan::RowSpan(const WeightMatrix& w, int row0, int n, int span)
+    : q4(w.type == WeightType::kQ4_1), nb(w.cols / 32), bb(q4 ? 20 : 34) {
+  const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
+  base = static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * row_bytes;
+  for (int r = 0; r < kOneTokenRows; ++r)
+    offs[r] =
+        r < n && r < span ? static_cast<std::int32_t>(static_cast<std::size_t>(r) * row_bytes) : 0;
+  next = base + static_cast<std::size_t>(span) * row_bytes;
+  lines = (static_cast<std::size_t>(span) * row_bytes + 63) / 64;
+  per_block = (lines + nb - 1) / nb;
+}
+
 void Panel::reset(int cols_) {
   cols = cols_;
   nb = cols_ / 32;

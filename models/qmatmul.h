@@ -129,6 +129,26 @@ void panel_products_avx512(const Panel& p, const QuantizedX& x, int g, int n_lan
 // AVX-512: n_tokens <= kFewTokens; AVX2: one token.
 constexpr int kOneTokenRows = 16;
 constexpr int kFewTokens = 4;
+// Rows [row0, row0 + n) of a Q4_1/Q8_0 matrix as the few-token kernels read
+// them in place, span rows at a time (span <= kOneTokenRows): each row's
+// byte offset from base (rows past n repeat row0; their products are
+// dropped), and the lines of the next span rows, prefetched a share per block.
+struct RowSpan {
+  RowSpan(const WeightMatrix& w, int row0, int n, int span);
+  const std::uint8_t* block(int r, int b) const {
+    return base + offs[r] + static_cast<std::size_t>(b) * bb;
+  }
+  void prefetch_next(int b) const {
+    for (std::size_t l = b * per_block; l < (b + 1) * per_block && l < lines; ++l)
+      __builtin_prefetch(next + 64 * l, 0, 3);
+  }
+  bool q4;
+  int nb, bb;  // blocks per row, bytes per block
+  const std::uint8_t* base;
+  alignas(64) std::int32_t offs[kOneTokenRows];
+  const std::uint8_t* next;
+  std::size_t lines, per_block;
+};
 void rows_few_tokens_avx512(const WeightMatrix& w, int row0, int n, int n_tokens,
                             const std::int16_t* xq, const float* dx, const float* sx, float* out,
                             std::size_t out_stride);

@@ -164,9 +164,6 @@ void panel_products_avx2(const Panel& p, const QuantizedX& x, int g, int n_lanes
   }
 }
 
-}  // namespace kvxfer::model::detail
-
-namespace kvxfer::model::detail {
 namespace {
 
 // fp16 bits in the low 16 bits of each int32 lane, as 8 floats (F16C: exact).
@@ -180,32 +177,20 @@ inline __m256 halves(__m256i v) {
 void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
                          const float* dx, const float* sx, float* out) {
   constexpr int R = 8;
-  const bool q4 = w.type == WeightType::kQ4_1;
-  const int nb = w.cols / 32, bb = q4 ? 20 : 34;
-  const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
-  const std::uint8_t* base =
-      static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * row_bytes;
-  // Rows past n repeat row row0 (their products are dropped).
-  alignas(32) std::int32_t offs[R];
-  for (int r = 0; r < R; ++r)
-    offs[r] = r < n ? static_cast<std::int32_t>(static_cast<std::size_t>(r) * row_bytes) : 0;
-  const __m256i offv = _mm256_load_si256(reinterpret_cast<const __m256i*>(offs));
-  const std::uint8_t* next = base + R * row_bytes;
-  const std::size_t lines = (R * row_bytes + 63) / 64;
-  const std::size_t per_block = (lines + nb - 1) / nb;
+  const RowSpan rs(w, row0, n, R);
+  const __m256i offv = _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.offs));
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
   __m256 acc = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
+  for (int b = 0; b < rs.nb; ++b) {
     const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
     const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32 + 16));
-    for (std::size_t l = b * per_block; l < (b + 1) * per_block && l < lines; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+    rs.prefetch_next(b);
     __m256i v[R];
     for (int r = 0; r < R; ++r) {
-      const std::uint8_t* blk = base + offs[r] + static_cast<std::size_t>(b) * bb;
+      const std::uint8_t* blk = rs.block(r, b);
       __m256i wa, wb;
-      if (q4) {
+      if (rs.q4) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
         wa = _mm256_cvtepu8_epi16(_mm_and_si128(c, low4));
         wb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), low4));
@@ -221,11 +206,11 @@ void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const std::int1
     const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
     const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
                                           _mm256_permute2x128_si256(u0, u1, 0x31));
-    const __m256i dm = _mm256_i32gather_epi32(
-        reinterpret_cast<const int*>(base + static_cast<std::size_t>(b) * bb), offv, 1);
+    const __m256i dm =
+        _mm256_i32gather_epi32(reinterpret_cast<const int*>(rs.block(0, b)), offv, 1);
     const __m256 s = _mm256_mul_ps(halves(_mm256_and_si256(dm, lo16)), _mm256_set1_ps(dx[b]));
     acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(isum), acc);
-    if (q4) acc = _mm256_fmadd_ps(halves(_mm256_srli_epi32(dm, 16)), _mm256_set1_ps(sx[b]), acc);
+    if (rs.q4) acc = _mm256_fmadd_ps(halves(_mm256_srli_epi32(dm, 16)), _mm256_set1_ps(sx[b]), acc);
   }
   alignas(32) float res[R];
   _mm256_store_ps(res, acc);

@@ -87,18 +87,11 @@ void rows(const Panel& p, const QuantizedX& x, int g, float* out) {
     }
     const std::size_t at = x.at(g, b);
     const typename V::F dxv = V::loadf(&x.dx[at]);
-    if (Q4) {
-      const typename V::F sxv = V::loadf(&x.sx[at]);
-      for (int r = 0; r < R; ++r) {
-        const std::size_t rb = static_cast<std::size_t>(r) * p.nb + b;
-        acc[r] = V::fma(V::mul(V::set1(p.d[rb]), dxv), V::cvt(ai[r]), acc[r]);
-        acc[r] = V::fma(V::set1(p.m[rb]), sxv, acc[r]);
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        const std::size_t rb = static_cast<std::size_t>(r) * p.nb + b;
-        acc[r] = V::fma(V::mul(V::set1(p.d[rb]), dxv), V::cvt(ai[r]), acc[r]);
-      }
+    const typename V::F sxv = Q4 ? V::loadf(&x.sx[at]) : V::fzero();
+    for (int r = 0; r < R; ++r) {
+      const std::size_t rb = static_cast<std::size_t>(r) * p.nb + b;
+      acc[r] = V::fma(V::mul(V::set1(p.d[rb]), dxv), V::cvt(ai[r]), acc[r]);
+      if (Q4) acc[r] = V::fma(V::set1(p.m[rb]), sxv, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) V::store(out + r * kGroup, acc[r]);
@@ -123,9 +116,6 @@ void panel_products_avx512(const Panel& p, const QuantizedX& x, int g, int n_lan
     rows_of<V16>(p, x, g, out);
 }
 
-}  // namespace kvxfer::model::detail
-
-namespace kvxfer::model::detail {
 namespace {
 
 // The sums of each of v[0..15] as one vector, in order: pairs of rows, then
@@ -147,38 +137,22 @@ inline __m512i transpose_sum16(const __m512i* v) {
                           _mm512_shuffle_i32x4(x01, x23, 0xDD));
 }
 
-}  // namespace
-
-namespace {
-
 template <int T>
 void rows_tokens(const WeightMatrix& w, int row0, int n, const std::int16_t* xq, const float* dx,
                  const float* sx, float* out, std::size_t out_stride) {
-  const bool q4 = w.type == WeightType::kQ4_1;
-  const int nb = w.cols / 32, bb = q4 ? 20 : 34;
+  const RowSpan rs(w, row0, n, kOneTokenRows);
+  const int nb = rs.nb;
   const std::size_t cols = static_cast<std::size_t>(w.cols);
-  const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
-  const std::uint8_t* base =
-      static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * row_bytes;
-  // Rows past n repeat row row0 (their products are dropped).
-  alignas(64) std::int32_t offs[kOneTokenRows];
-  for (int r = 0; r < kOneTokenRows; ++r)
-    offs[r] = r < n ? static_cast<std::int32_t>(static_cast<std::size_t>(r) * row_bytes) : 0;
-  const __m512i offv = _mm512_load_si512(offs);
-  // The next 16 rows (contiguous): their lines spread over this call's blocks.
-  const std::uint8_t* next = base + kOneTokenRows * row_bytes;
-  const std::size_t lines = (kOneTokenRows * row_bytes + 63) / 64;
-  const std::size_t per_block = (lines + nb - 1) / nb;
+  const __m512i offv = _mm512_load_si512(rs.offs);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   __m512i wv[kOneTokenRows];  // one block of each row as 32 int16 (spilled to L1 for T > 1)
   for (int b = 0; b < nb; ++b) {
-    for (std::size_t l = b * per_block; l < (b + 1) * per_block && l < lines; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T0);
+    rs.prefetch_next(b);
     for (int r = 0; r < kOneTokenRows; ++r) {
-      const std::uint8_t* blk = base + offs[r] + static_cast<std::size_t>(b) * bb;
-      if (q4) {
+      const std::uint8_t* blk = rs.block(r, b);
+      if (rs.q4) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
         const __m256i u8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(c, low4)),
                                                    _mm_and_si128(_mm_srli_epi16(c, 4), low4), 1);
@@ -188,7 +162,7 @@ void rows_tokens(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
       }
     }
     // The rows' (d, m) fp16 pairs (Q8_0: d and the first two codes).
-    const __m512i dm = _mm512_i32gather_epi32(offv, base + static_cast<std::size_t>(b) * bb, 1);
+    const __m512i dm = _mm512_i32gather_epi32(offv, rs.block(0, b), 1);
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
     const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
     for (int t = 0; t < T; ++t) {
@@ -198,7 +172,7 @@ void rows_tokens(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
       const __m512i isum = transpose_sum16(v);
       const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[t * nb + b]));
       acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), acc[t]);
-      if (q4) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * nb + b]), acc[t]);
+      if (rs.q4) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * nb + b]), acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) {
