@@ -382,6 +382,23 @@ std::unique_ptr<Model> Model::load_gguf(const std::string& path, std::string* er
   else if (!matrix("output.weight", D, V, &m->wcls_))
     return nullptr;
   m->gguf_ = std::move(f);
+  if (detail::have_avx512()) {  // the AVX-512 kernel's layout, packed once
+    std::vector<WeightMatrix*> mats;
+    for (LayerWeights& lw : m->layers_)
+      for (WeightMatrix* w : {&lw.wq, &lw.wk, &lw.wv, &lw.wo, &lw.w1, &lw.w2, &lw.w3})
+        mats.push_back(w);
+    mats.push_back(&m->wcls_);
+    std::size_t total = 0;
+    for (const WeightMatrix* w : mats) total += packed_bytes(*w);
+    m->packed_.reset(new (std::align_val_t{64}) std::uint8_t[total]);
+    std::size_t off = 0;
+    for (WeightMatrix* w : mats) {
+      if (w->type == WeightType::kF32) continue;
+      pack_weights(*w, m->packed_.get() + off);
+      w->packed = m->packed_.get() + off;
+      off += packed_bytes(*w);
+    }
+  }
   return m;
 }
 

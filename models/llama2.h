@@ -41,6 +41,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -259,6 +260,12 @@ class Model {
   Config cfg_;
   std::vector<float> data_;           // llama2.c: all float32 weights of the file
   std::unique_ptr<gguf::File> gguf_;  // GGUF: the mapped file the weights point into
+  // GGUF on an AVX-512 CPU: every block matrix repacked (qmatmul.h
+  // pack_weights), 64-byte aligned; the matrices' `packed` point into it.
+  struct AlignedDelete {
+    void operator()(std::uint8_t* p) const { ::operator delete[](p, std::align_val_t{64}); }
+  };
+  std::unique_ptr<std::uint8_t[], AlignedDelete> packed_;
   std::vector<LayerWeights> layers_;
   WeightMatrix token_embedding_{};    // [vocab][dim]
   const float* rms_final_ = nullptr;  // [dim]

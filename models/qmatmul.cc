@@ -90,6 +90,21 @@ void dequantize_row(const WeightMatrix& w, int row, float* out) {
   }
 }
 
+std::size_t packed_bytes(const WeightMatrix& w) {
+  if (w.type == WeightType::kF32) return 0;
+  const std::size_t groups = (static_cast<std::size_t>(w.rows) + kPackRows - 1) / kPackRows;
+  return groups * static_cast<std::size_t>(w.cols / 32) *
+         (w.type == WeightType::kQ4_1 ? kPackedQ4_1Block : kPackedQ8_0Block);
+}
+
+void pack_weights(const WeightMatrix& w, std::uint8_t* dst) {
+  const int groups = (w.rows + kPackRows - 1) / kPackRows;
+  const std::size_t group_bytes = packed_bytes(w) / static_cast<std::size_t>(groups);
+#pragma omp parallel for schedule(static)
+  for (int g = 0; g < groups; ++g)
+    detail::pack_group(w, g, dst + static_cast<std::size_t>(g) * group_bytes);
+}
+
 namespace detail {
 
 void quantize_x(const float* x, int n, int cols, QuantizedX* out) {
@@ -99,7 +114,7 @@ void quantize_x(const float* x, int n, int cols, QuantizedX* out) {
 
 void quantize_tokens(const float* x, int cols, int t0, int t1, int b0, int b1, QuantizedX* out) {
   for (int t = t0; t < t1; ++t) {
-    const int g = t / kGroup, lane = t % kGroup;
+    const int g = t / out->group, lane = t % out->group;
     for (int b = b0; b < b1; ++b) {
       const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
       float amax = 0.0f;
@@ -124,11 +139,12 @@ void quantize_tokens(const float* x, int cols, int t0, int t1, int b0, int b1, Q
   }
 }
 
-void QuantizedX::prepare(int n_, int nb_) {
+void QuantizedX::prepare(int n_, int nb_, int group_) {
   n = n_;
   nb = nb_;
-  groups = (n_ + kGroup - 1) / kGroup;
-  const std::size_t slots = static_cast<std::size_t>(groups) * nb * kGroup;
+  group = group_;
+  groups = (n_ + group - 1) / group;
+  const std::size_t slots = static_cast<std::size_t>(groups) * nb * group;
   q.assign(slots * 32, 0);
   dx.assign(slots, 0.0f);
   sx.assign(slots, 0.0f);
@@ -184,6 +200,44 @@ void unpack_panel(const WeightMatrix& w, int row0, int n, Panel* p) {
   }
 }
 
+void pack_group(const WeightMatrix& w, int group, std::uint8_t* dst) {
+  const bool q4 = w.type == WeightType::kQ4_1;
+  const int nb = w.cols / 32, bb = q4 ? 20 : 34;
+  const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
+  const std::size_t block = q4 ? kPackedQ4_1Block : kPackedQ8_0Block;
+  const int scales = q4 ? 64 : 32;
+  const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data);
+  std::memset(dst, 0, static_cast<std::size_t>(nb) * block);
+  for (int r = 0; r < kPackRows; ++r) {
+    const int row = group * kPackRows + r;
+    if (row >= w.rows) break;  // padding rows stay zero
+    for (int b = 0; b < nb; ++b) {
+      const std::uint8_t* src =
+          base + static_cast<std::size_t>(row) * row_bytes + static_cast<std::size_t>(b) * bb;
+      std::uint8_t* blk = dst + static_cast<std::size_t>(b) * block;
+      std::memcpy(blk + 2 * r, src, 2);                   // d
+      if (q4) std::memcpy(blk + 32 + 2 * r, src + 2, 2);  // m
+      std::uint8_t* codes = blk + scales;
+      if (q4) {
+        auto code = [&](int k) { return k < 16 ? src[4 + k] & 0xF : src[4 + k - 16] >> 4; };
+        for (int j = 0; j < 4; ++j) {
+          std::uint32_t word = 0;
+          for (int p = 0; p < 4; ++p)
+            word |= static_cast<std::uint32_t>(code(8 * j + 2 * p)) << (4 * p) |
+                    static_cast<std::uint32_t>(code(8 * j + 2 * p + 1)) << (16 + 4 * p);
+          std::memcpy(codes + 64 * j + 4 * r, &word, 4);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const std::uint8_t* c = src + 2 + 4 * j;
+          const std::uint8_t bytes[4] = {c[0], c[2], c[1], c[3]};
+          std::memcpy(codes + 64 * j + 4 * r, bytes, 4);
+        }
+      }
+    }
+  }
+}
+
 bool have_avx2() {
   static const bool yes = [] {
     __builtin_cpu_init();
@@ -208,6 +262,54 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n, float*
   float* outs[1] = {out};
   matmul_many_path(path, ws, outs, 1, x, n);
 }
+
+namespace {
+
+// The AVX-512 path: groups of 16 rows of every matrix in one parallel loop,
+// each group against every token (group_products_avx512), the activations
+// quantized token-major.
+void packed_products_avx512(const WeightMatrix* const* ws, float* const* outs, int n_mats,
+                            const float* x, int n, bool parallel) {
+  const int cols = ws[0]->cols, nb = cols / 32;
+  QuantizedX qx;
+  qx.prepare(n, nb, 1);
+  if (n <= kFewTokens) quantize_tokens_avx2(x, cols, 0, n, 0, nb, &qx);
+  int first[kMaxMats + 1] = {};
+  for (int m = 0; m < n_mats; ++m)
+    first[m + 1] = first[m] + (ws[m]->rows + kPackRows - 1) / kPackRows;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<std::uint8_t> scratch;  // a group repacked, for a matrix without w.packed
+    if (n > kFewTokens) {
+#pragma omp for schedule(static)
+      for (int b = 0; b < nb; ++b) quantize_tokens_avx2(x, cols, 0, n, b, b + 1, &qx);
+    }
+    // Groups are handed out as the threads ask (one thread may run slower on
+    // a shared machine); every output is still computed by one thread in one
+    // order.
+#pragma omp for schedule(guided, 4)
+    for (int gi = 0; gi < first[n_mats]; ++gi) {
+      int m = 0;
+      while (gi >= first[m + 1]) ++m;
+      const WeightMatrix& w = *ws[m];
+      const int g = gi - first[m], r0 = g * kPackRows;
+      const int nr = w.rows - r0 < kPackRows ? w.rows - r0 : kPackRows;
+      const std::size_t group_bytes =
+          static_cast<std::size_t>(nb) *
+          (w.type == WeightType::kQ4_1 ? kPackedQ4_1Block : kPackedQ8_0Block);
+      const std::uint8_t* pg = w.packed + static_cast<std::size_t>(g) * group_bytes;
+      if (w.packed == nullptr) {
+        scratch.resize(group_bytes);
+        pack_group(w, g, scratch.data());
+        pg = scratch.data();
+      }
+      group_products_avx512(w.type, pg, nr, qx, cols, outs[m] + r0,
+                            static_cast<std::size_t>(w.rows));
+    }
+  }
+}
+
+}  // namespace
 
 void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* outs, int n_mats,
                       const float* x, int n) {
@@ -236,6 +338,13 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
     }
     return;
   }
+  int first_panel[kMaxMats + 1] = {};
+  std::int64_t work = 0;
+  for (int m = 0; m < n_mats; ++m) work += static_cast<std::int64_t>(n) * ws[m]->rows * cols;
+  if (path == Path::kAvx512) {
+    packed_products_avx512(ws, outs, n_mats, x, n, work >= kParallelWork);
+    return;
+  }
   QuantizedX qx;
   qx.prepare(n, cols / 32);
   auto quantize = [&](int b0, int b1) {
@@ -247,29 +356,20 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
   if (n <= kFewTokens) quantize(0, qx.nb);
   // The panels of all the matrices in one loop: one join, and the threads
   // share out the rows of all of them.
-  int first_panel[kMaxMats + 1] = {};
-  std::int64_t work = 0;
-  for (int m = 0; m < n_mats; ++m) {
+  for (int m = 0; m < n_mats; ++m)
     first_panel[m + 1] = first_panel[m] + (ws[m]->rows + kPanelRows - 1) / kPanelRows;
-    work += static_cast<std::int64_t>(n) * ws[m]->rows * cols;
-  }
   const int n_panels = first_panel[n_mats];
-  const bool few = (path == Path::kAvx512 && n <= kFewTokens) || (path == Path::kAvx2 && n == 1);
-  if (few) {
-    // A decode step or a short pass: 16 (AVX-512) or 8 (AVX2) rows at a time,
-    // read in place, each token's codes in order.
-    const int per = path == Path::kAvx512 ? kOneTokenRows : kOneTokenRows / 2;
-    std::vector<std::int16_t> xq(static_cast<std::size_t>(n) * cols);
-    std::vector<float> dx(static_cast<std::size_t>(n) * qx.nb), sx(dx.size());
-    for (int t = 0; t < n; ++t)
-      for (int b = 0; b < qx.nb; ++b) {
-        for (int k = 0; k < 32; ++k)
-          xq[static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32 + k] =
-              qx.qrow(t / kGroup, b, k / 2)[2 * (t % kGroup) + k % 2];
-        const std::size_t tb = static_cast<std::size_t>(t) * qx.nb + b;
-        dx[tb] = qx.dx[qx.at(t / kGroup, b) + t % kGroup];
-        sx[tb] = qx.sx[qx.at(t / kGroup, b) + t % kGroup];
-      }
+  if (path == Path::kAvx2 && n == 1) {
+    // An AVX2 decode step: 8 rows at a time, read in place.
+    constexpr int per = kOneTokenRows / 2;
+    std::vector<float> dx(static_cast<std::size_t>(qx.nb)), sx(dx.size());
+    for (int b = 0; b < qx.nb; ++b) {
+      dx[b] = qx.dx[qx.at(0, b)];
+      sx[b] = qx.sx[qx.at(0, b)];
+    }
+    std::vector<std::int16_t> xq(static_cast<std::size_t>(cols));
+    for (int b = 0; b < qx.nb; ++b)
+      for (int k = 0; k < 32; ++k) xq[b * 32 + k] = qx.qrow(0, b, k / 2)[k % 2];
     int first[kMaxMats + 1] = {};
     for (int m = 0; m < n_mats; ++m) first[m + 1] = first[m] + (ws[m]->rows + per - 1) / per;
 #pragma omp parallel for schedule(guided, 4) if (work >= kParallelWork)
@@ -278,11 +378,7 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
       while (pi >= first[m + 1]) ++m;
       const int rows = ws[m]->rows, r0 = (pi - first[m]) * per,
                 nr = rows - r0 < per ? rows - r0 : per;
-      if (path == Path::kAvx512)
-        rows_few_tokens_avx512(*ws[m], r0, nr, n, xq.data(), dx.data(), sx.data(), outs[m] + r0,
-                               static_cast<std::size_t>(rows));
-      else
-        rows_one_token_avx2(*ws[m], r0, nr, xq.data(), dx.data(), sx.data(), outs[m] + r0);
+      rows_one_token_avx2(*ws[m], r0, nr, xq.data(), dx.data(), sx.data(), outs[m] + r0);
     }
     return;
   }
@@ -312,9 +408,7 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
         unpack_panel_avx2(w, r0, nr, &panel);
       for (int g = 0; g < qx.groups; ++g) {
         const int lanes = n - g * kGroup < kGroup ? n - g * kGroup : kGroup;
-        if (path == Path::kAvx512)
-          panel_products_avx512(panel, qx, g, lanes, tile);
-        else if (path == Path::kAvx2)
+        if (path == Path::kAvx2)
           panel_products_avx2(panel, qx, g, lanes, tile);
         else
           panel_products_scalar(panel, qx, g, lanes, tile);

@@ -22,8 +22,12 @@
 // makes a batched pass (prefill, speculative verification) bit-identical to
 // decoding one token at a time.
 //
-// Threading: matmul parallelises over panels of rows with OpenMP; every
-// output element is computed by one thread.  Safe to call concurrently with
+// Kernels: AVX-512 VNNI reads 16 rows at a time from a packed copy of the
+// matrix (pack_weights; one lane per row, up to 8 tokens per pass over the
+// group); AVX2 unpacks 8-row panels to int16 (one lane per token) and reads
+// the blocks in place for one token; the scalar path is the definition.
+// Threading: matmul parallelises over groups or panels of rows with OpenMP;
+// every output element is computed by one thread.  Safe to call concurrently with
 // distinct outputs.
 #pragma once
 
@@ -44,8 +48,34 @@ struct WeightMatrix {
   int rows = 0;
   int cols = 0;
   const void* data = nullptr;
+  // Optional: the same matrix in the AVX-512 kernel's layout (pack_weights),
+  // owned by the caller; nullptr: the kernel repacks 16 rows at a time.
+  const std::uint8_t* packed = nullptr;
   const float* f32() const { return static_cast<const float*>(data); }
 };
+
+// The AVX-512 kernel's layout of a Q4_1/Q8_0 matrix.  Rows in groups of
+// kPackRows (the last group padded with zero rows); a group is its cols/32
+// blocks in order; a block holds the 16 rows' block b:
+//   Q4_1, kPackedQ4_1Block bytes: d[16] fp16, m[16] fp16 (row r at index r),
+//     then 4 chunks of 64 bytes.  Chunk j holds columns 8j..8j+7 of the
+//     block; row r is the little-endian word at byte 4r, with the code of
+//     column 8j + 2p in bits 4p..4p+3 and that of 8j + 2p + 1 in bits
+//     16+4p..19+4p (p = 0..3), so (word >> 4p) & 0x000F000F is the pair as
+//     two int16.
+//   Q8_0, kPackedQ8_0Block bytes: d[16] fp16, then 8 chunks of 64 bytes.
+//     Chunk j holds columns 4j..4j+3; row r's 4 bytes are the codes of
+//     columns (4j, 4j+2, 4j+1, 4j+3), so the int16 words' low bytes are the
+//     pair (4j, 4j+1) and their high bytes the pair (4j+2, 4j+3).
+// The bytes are the matrix's own codes and fp16 scales, moved: the products
+// (and their bits) are those of the block format.
+constexpr int kPackRows = 16;
+constexpr std::size_t kPackedQ4_1Block = 320, kPackedQ8_0Block = 544;
+// Bytes of w packed: groups x cols/32 x the block size; 0 for F32.
+std::size_t packed_bytes(const WeightMatrix& w);
+// Packs every group of w (a Q4_1/Q8_0 matrix) into dst[packed_bytes(w)]
+// (parallel over groups, OpenMP).  Use the result as w.packed.
+void pack_weights(const WeightMatrix& w, std::uint8_t* dst);
 
 // out[t * w.rows + i] = row i of w times row t of x, for t < n_tokens.
 // x: float32 [n_tokens][w.cols]; out: float32 [n_tokens][w.rows]; neither
@@ -71,7 +101,8 @@ void matmul_path(Path path, const WeightMatrix& w, const float* x, int n_tokens,
 void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* outs, int n_mats,
                       const float* x, int n_tokens);
 
-// Tokens per group of quantized activations, and weight rows per panel.
+// Tokens per group of quantized activations (the AVX2 and scalar kernels;
+// the AVX-512 kernel takes groups of 1), and weight rows per panel.
 constexpr int kGroup = 16;
 constexpr int kPanelRows = 8;
 
@@ -79,20 +110,22 @@ constexpr int kPanelRows = 8;
 //   amax = max |x[k]|, dx = amax / 32767, id = dx > 0 ? 1 / dx : 0,
 //   qx[k] = nearbyint(x[k] * id) (ties to even) clamped to [-32767, 32767]
 //   (NaN -> 0), qsum = sum qx[k], sx = dx * float(qsum).
-// Stored for the kernels in groups of kGroup tokens (the last padded with
-// zeros): q [group][block][k / 2][token][2] int16, so one 64-byte row holds 2
-// consecutive codes of 16 tokens; dx, sx, qsum [group][block][token].
+// Stored for the kernels in groups of `group` tokens (the last padded with
+// zeros): q [g][block][k / 2][token][2] int16, so with group 16 one 64-byte
+// row holds 2 consecutive codes of 16 tokens, and with group 1 the codes are
+// [token][cols]; dx, sx, qsum [g][block][token].
 struct QuantizedX {
-  int n = 0, nb = 0, groups = 0;
+  int n = 0, nb = 0, group = kGroup, groups = 0;
   std::vector<std::int16_t> q;
   std::vector<float> dx, sx;
   std::vector<std::int32_t> qsum;
   const std::int16_t* qrow(int g, int b, int k2) const {
-    return q.data() + ((static_cast<std::size_t>(g) * nb + b) * 16 + k2) * 32;
+    return q.data() + ((static_cast<std::size_t>(g) * nb + b) * 16 + k2) * 2 * group;
   }
   std::int16_t* qrow_mut(int g, int b, int k2) { return const_cast<std::int16_t*>(qrow(g, b, k2)); }
-  std::size_t at(int g, int b) const { return (static_cast<std::size_t>(g) * nb + b) * kGroup; }
-  void prepare(int n_, int nb_);  // sizes the arrays; the padding lanes zero
+  std::size_t at(int g, int b) const { return (static_cast<std::size_t>(g) * nb + b) * group; }
+  // Sizes the arrays (the padding lanes zero); group is kGroup or 1.
+  void prepare(int n_, int nb_, int group_ = kGroup);
 };
 void quantize_x(const float* x, int n, int cols, QuantizedX* out);       // scalar
 void quantize_x_avx2(const float* x, int n, int cols, QuantizedX* out);  // the same bits
@@ -121,15 +154,23 @@ void unpack_panel_avx2(const WeightMatrix& w, int row0, int n, Panel* p);  // th
 // t < n_lanes (n_lanes <= kGroup; out has kPanelRows * kGroup floats, the
 // lanes past n_lanes are scratch): the definition above.
 void panel_products_avx2(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out);
-void panel_products_avx512(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out);
-// Few tokens (a decode step, a short pass): rows [row0, row0 + n), n <= 16
-// (AVX-512) or 8 (AVX2), read in place.  xq [n_tokens][cols] the tokens'
-// codes in order, dx and sx [n_tokens][nb] their block scales (from a
-// QuantizedX).  out[t * out_stride + r] for r < n: the definition above.
-// AVX-512: n_tokens <= kFewTokens; AVX2: one token.
+// One token (an AVX2 decode step): rows [row0, row0 + n), n <= 8, read in
+// place.  xq [cols] the token's codes in order, dx and sx [nb] its block
+// scales (from a QuantizedX).  out[r] for r < n: the definition above.
 constexpr int kOneTokenRows = 16;
+// Token counts up to which the activations are quantized by one thread.
 constexpr int kFewTokens = 4;
-// Rows [row0, row0 + n) of a Q4_1/Q8_0 matrix as the few-token kernels read
+// Group `group` of a Q4_1/Q8_0 matrix in the packed layout above, into
+// dst[cols / 32 * block bytes] (scalar).
+void pack_group(const WeightMatrix& w, int group, std::uint8_t* dst);
+// The AVX-512 kernel: the first n_rows (<= 16) rows of one packed group
+// against every token of x (prepared with group 1): out[t * out_stride + r].
+// Tokens go kTileTokens at a time, so a group's blocks are read from L1 by
+// every tile after the first.
+constexpr int kTileTokens = 8;
+void group_products_avx512(WeightType type, const std::uint8_t* group, int n_rows,
+                           const QuantizedX& x, int cols, float* out, std::size_t out_stride);
+// Rows [row0, row0 + n) of a Q4_1/Q8_0 matrix as the one-token kernel reads
 // them in place, span rows at a time (span <= kOneTokenRows): each row's
 // byte offset from base (rows past n repeat row0; their products are
 // dropped), and the lines of the next span rows, prefetched a share per block.
@@ -149,9 +190,6 @@ struct RowSpan {
   const std::uint8_t* next;
   std::size_t lines, per_block;
 };
-void rows_few_tokens_avx512(const WeightMatrix& w, int row0, int n, int n_tokens,
-                            const std::int16_t* xq, const float* dx, const float* sx, float* out,
-                            std::size_t out_stride);
 void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
                          const float* dx, const float* sx, float* out);
 }  // namespace detail

@@ -107,7 +107,7 @@ void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, int b0, int 
   const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(32767.0f),
                lo = _mm256_set1_ps(-32767.0f);
   for (int t = t0; t < t1; ++t) {
-    const int g = t / kGroup, lane = t % kGroup;
+    const int g = t / out->group, lane = t % out->group;
     for (int b = b0; b < b1; ++b) {
       const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
       __m256 v[4];
@@ -142,8 +142,11 @@ void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, int b0, int 
         _mm256_store_si256(
             reinterpret_cast<__m256i*>(words + 8 * h),
             _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8));
-      for (int k2 = 0; k2 < 16; ++k2)
-        std::memcpy(out->qrow_mut(g, b, k2) + 2 * lane, &words[k2], 4);
+      if (out->group == 1)  // the block's codes in order
+        std::memcpy(out->qrow_mut(g, b, 0), words, sizeof words);
+      else
+        for (int k2 = 0; k2 < 16; ++k2)
+          std::memcpy(out->qrow_mut(g, b, k2) + 2 * lane, &words[k2], 4);
       const std::size_t at = out->at(g, b) + lane;
       out->dx[at] = dx;
       out->qsum[at] = qsum;

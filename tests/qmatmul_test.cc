@@ -1,6 +1,6 @@
 // Tests of the runner's matrix products (models/qmatmul.h): every output
 // element has the same bits whatever the batch, the tile, the thread count
-// and the CPU path, and equals the definition (int8 activation blocks).
+// and CPU path, and equals the definition (16-bit activation blocks).
 #include "models/qmatmul.h"
 
 #include <gtest/gtest.h>
@@ -525,6 +525,76 @@ TEST(QMatmulMany, EachMatrixGetsTheBitsOfItsOwnProduct) {
                      << "n " << n << " f32 " << with_f32 << " path " << static_cast<int>(path));
         for (std::size_t m = 0; m < ws.size(); ++m) expect_bits(many[m], one[m], "many vs one");
       }
+  }
+}
+// The packed layout of qmatmul.h, byte by byte: each chunk word holds the
+// codes its comment names, the scales sit at the row's index, and the rows
+// past the matrix are zero.
+TEST(QMatmulPack, LayoutOfQ4_1AndQ8_0Groups) {
+  for (km::WeightType type : {km::WeightType::kQ4_1, km::WeightType::kQ8_0}) {
+    const bool q4 = type == km::WeightType::kQ4_1;
+    const int rows = 19, cols = 64, nb = 2, bb = q4 ? 20 : 34;
+    const Matrix m = random_matrix(type, rows, cols, 61);
+    std::vector<std::uint8_t> packed(km::packed_bytes(m.w));
+    const std::size_t block = q4 ? km::kPackedQ4_1Block : km::kPackedQ8_0Block;
+    ASSERT_EQ(packed.size(), 2 * nb * block);  // 2 groups, the second 3 rows and 13 of zeros
+    km::pack_weights(m.w, packed.data());
+    for (int g = 0; g < 2; ++g)
+      for (int b = 0; b < nb; ++b)
+        for (int r = 0; r < km::kPackRows; ++r) {
+          const int row = g * km::kPackRows + r;
+          const std::uint8_t* blk = &packed[(static_cast<std::size_t>(g) * nb + b) * block];
+          const std::uint8_t* src = &m.bytes[(static_cast<std::size_t>(row) * nb + b) * bb];
+          std::uint16_t d, mn = 0, want_d = 0, want_m = 0;
+          std::memcpy(&d, blk + 2 * r, 2);
+          if (q4) std::memcpy(&mn, blk + 32 + 2 * r, 2);
+          if (row < rows) {
+            std::memcpy(&want_d, src, 2);
+            if (q4) std::memcpy(&want_m, src + 2, 2);
+          }
+          EXPECT_EQ(d, want_d);
+          EXPECT_EQ(mn, want_m);
+          for (int k = 0; k < 32; ++k) {
+            int want = 0, got;
+            if (row < rows)
+              want = q4 ? (k < 16 ? src[4 + k] & 0xF : src[4 + k - 16] >> 4)
+                        : static_cast<std::int8_t>(src[2 + k]);
+            std::uint32_t word;
+            if (q4) {  // chunk k / 8, pair p = (k % 8) / 2, high half for odd k
+              std::memcpy(&word, blk + 64 + 64 * (k / 8) + 4 * r, 4);
+              got = (word >> (4 * ((k % 8) / 2) + 16 * (k % 2))) & 0xF;
+            } else {  // chunk k / 4: bytes (k0, k2, k1, k3)
+              static const int at[4] = {0, 2, 1, 3};
+              got = static_cast<std::int8_t>(blk[32 + 64 * (k / 4) + 4 * r + at[k % 4]]);
+            }
+            ASSERT_EQ(got, want) << "group " << g << " block " << b << " row " << r << " k " << k;
+          }
+        }
+  }
+}
+
+// A matrix with its packed copy (the model's) gives the bits of the one
+// without (repacked group by group as the kernel goes) and of the scalar
+// path, for token counts around the kernel's tile of 8.
+TEST(QMatmulPack, PackedMatrixGivesTheSameBits) {
+  if (!kd::have_avx512()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  for (km::WeightType type : {km::WeightType::kQ4_1, km::WeightType::kQ8_0}) {
+    const int rows = 45, cols = 160;
+    Matrix m = random_matrix(type, rows, cols, 71);
+    std::vector<std::uint8_t> packed(km::packed_bytes(m.w));
+    km::pack_weights(m.w, packed.data());
+    km::WeightMatrix pw = m.w;
+    pw.packed = packed.data();
+    for (int n : {1, 2, 3, 7, 8, 9, 16, 23, 64}) {
+      const std::vector<float> x = random_acts(n, cols, 73u + n);
+      std::vector<float> a(static_cast<std::size_t>(n) * rows), b(a.size()), c(a.size());
+      kd::matmul_path(kd::Path::kAvx512, pw, x.data(), n, a.data());
+      kd::matmul_path(kd::Path::kAvx512, m.w, x.data(), n, b.data());
+      kd::matmul_path(kd::Path::kScalar, m.w, x.data(), n, c.data());
+      SCOPED_TRACE(testing::Message() << "n " << n << " q4 " << (type == km::WeightType::kQ4_1));
+      expect_bits(a, b, "packed vs repacked");
+      expect_bits(a, c, "packed vs scalar");
+    }
   }
 }
 }  // namespace
