@@ -145,6 +145,13 @@ void QuantizedX::prepare(int n_, int nb_, int group_) {
   group = group_;
   groups = (n_ + group - 1) / group;
   const std::size_t slots = static_cast<std::size_t>(groups) * nb * group;
+  if (group == 1) {  // every slot is written by the quantizer
+    q.resize(slots * 32);
+    dx.resize(slots);
+    sx.resize(slots);
+    qsum.resize(slots);
+    return;
+  }
   q.assign(slots * 32, 0);
   dx.assign(slots, 0.0f);
   sx.assign(slots, 0.0f);
@@ -271,9 +278,13 @@ namespace {
 void packed_products_avx512(const WeightMatrix* const* ws, float* const* outs, int n_mats,
                             const float* x, int n, bool parallel) {
   const int cols = ws[0]->cols, nb = cols / 32;
-  QuantizedX qx;
+  // The calling thread's, reused without refilling; the team reads it
+  // through this reference (a thread_local named inside the region would be
+  // each thread's own).
+  thread_local QuantizedX caller_qx;
+  QuantizedX& qx = caller_qx;
   qx.prepare(n, nb, 1);
-  if (n <= kFewTokens) quantize_tokens_avx2(x, cols, 0, n, 0, nb, &qx);
+  if (n <= kFewTokens) quantize_tokens_avx512(x, cols, 0, n, 0, nb, &qx);
   int first[kMaxMats + 1] = {};
   for (int m = 0; m < n_mats; ++m)
     first[m + 1] = first[m] + (ws[m]->rows + kPackRows - 1) / kPackRows;
@@ -282,7 +293,7 @@ void packed_products_avx512(const WeightMatrix* const* ws, float* const* outs, i
     std::vector<std::uint8_t> scratch;  // a group repacked, for a matrix without w.packed
     if (n > kFewTokens) {
 #pragma omp for schedule(static)
-      for (int b = 0; b < nb; ++b) quantize_tokens_avx2(x, cols, 0, n, b, b + 1, &qx);
+      for (int b = 0; b < nb; ++b) quantize_tokens_avx512(x, cols, 0, n, b, b + 1, &qx);
     }
     // Groups are handed out as the threads ask (one thread may run slower on
     // a shared machine); every output is still computed by one thread in one
@@ -298,12 +309,14 @@ void packed_products_avx512(const WeightMatrix* const* ws, float* const* outs, i
           static_cast<std::size_t>(nb) *
           (w.type == WeightType::kQ4_1 ? kPackedQ4_1Block : kPackedQ8_0Block);
       const std::uint8_t* pg = w.packed + static_cast<std::size_t>(g) * group_bytes;
+      const std::uint8_t* next = r0 + kPackRows < w.rows ? pg + group_bytes : nullptr;
       if (w.packed == nullptr) {
         scratch.resize(group_bytes);
         pack_group(w, g, scratch.data());
         pg = scratch.data();
+        next = nullptr;
       }
-      group_products_avx512(w.type, pg, nr, qx, cols, outs[m] + r0,
+      group_products_avx512(w.type, pg, next, nr, qx, cols, outs[m] + r0,
                             static_cast<std::size_t>(w.rows));
     }
   }

@@ -124,7 +124,9 @@ struct QuantizedX {
   }
   std::int16_t* qrow_mut(int g, int b, int k2) { return const_cast<std::int16_t*>(qrow(g, b, k2)); }
   std::size_t at(int g, int b) const { return (static_cast<std::size_t>(g) * nb + b) * group; }
-  // Sizes the arrays (the padding lanes zero); group is kGroup or 1.
+  // Sizes the arrays; group is kGroup or 1.  With group kGroup the padding
+  // lanes are zero; with group 1 there are none, and the arrays keep their
+  // old contents until quantized (a reused QuantizedX is not refilled).
   void prepare(int n_, int nb_, int group_ = kGroup);
 };
 void quantize_x(const float* x, int n, int cols, QuantizedX* out);       // scalar
@@ -135,6 +137,8 @@ void quantize_x_avx2(const float* x, int n, int cols, QuantizedX* out);  // the 
 void quantize_tokens(const float* x, int cols, int t0, int t1, int b0, int b1, QuantizedX* out);
 void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, int b0, int b1,
                           QuantizedX* out);
+void quantize_tokens_avx512(const float* x, int cols, int t0, int t1, int b0, int b1,
+                            QuantizedX* out);  // requires have_avx512()
 
 // Up to kPanelRows weight rows unpacked for the kernels: w [kPanelRows][cols]
 // codes as int16 (Q4_1: 0..15; Q8_0: -128..127), d and m [kPanelRows][nb]
@@ -166,10 +170,12 @@ void pack_group(const WeightMatrix& w, int group, std::uint8_t* dst);
 // The AVX-512 kernel: the first n_rows (<= 16) rows of one packed group
 // against every token of x (prepared with group 1): out[t * out_stride + r].
 // Tokens go kTileTokens at a time, so a group's blocks are read from L1 by
-// every tile after the first.
+// every tile after the first; the last tile prefetches `next` (the group
+// likely to come next; nullptr: none).
 constexpr int kTileTokens = 8;
-void group_products_avx512(WeightType type, const std::uint8_t* group, int n_rows,
-                           const QuantizedX& x, int cols, float* out, std::size_t out_stride);
+void group_products_avx512(WeightType type, const std::uint8_t* group, const std::uint8_t* next,
+                           int n_rows, const QuantizedX& x, int cols, float* out,
+                           std::size_t out_stride);
 // Rows [row0, row0 + n) of a Q4_1/Q8_0 matrix as the one-token kernel reads
 // them in place, span rows at a time (span <= kOneTokenRows): each row's
 // byte offset from base (rows past n repeat row0; their products are

@@ -26,10 +26,11 @@ inline __m512i bcast_pair(const std::int16_t* p) {
 // `rows`.  A token's integer sums go to C independent chains (C > 1 when
 // few tokens would leave the vpdpwssd latency exposed) and are added at the
 // end of each block: exact, so the chains change nothing but the speed.
+// next: the group to prefetch, a block's share per block (nullptr: none).
 template <bool Q4, int T>
-void group_tokens(const std::uint8_t* group, int nb, const std::int16_t* xq, std::size_t cols,
-                  const float* dx, const float* sx, __mmask16 rows, float* out,
-                  std::size_t out_stride) {
+void group_tokens(const std::uint8_t* group, const std::uint8_t* next, int nb,
+                  const std::int16_t* xq, std::size_t cols, const float* dx, const float* sx,
+                  __mmask16 rows, float* out, std::size_t out_stride) {
   constexpr int C = T == 1 ? 4 : T == 2 ? 2 : 1;
   constexpr std::size_t kBlock = Q4 ? kPackedQ4_1Block : kPackedQ8_0Block;
   constexpr int kScales = Q4 ? 64 : 32;
@@ -39,6 +40,9 @@ void group_tokens(const std::uint8_t* group, int nb, const std::int16_t* xq, std
   for (int b = 0; b < nb; ++b) {
     const std::uint8_t* blk = group + static_cast<std::size_t>(b) * kBlock;
     const std::uint8_t* codes = blk + kScales;
+    if (next != nullptr)
+      for (std::size_t off = 0; off < kBlock; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + b * kBlock + off), _MM_HINT_T0);
     __m512i ai[T][C];
     for (int t = 0; t < T; ++t)
       for (int c = 0; c < C; ++c) ai[t][c] = _mm512_setzero_si512();
@@ -80,39 +84,83 @@ void group_tokens(const std::uint8_t* group, int nb, const std::int16_t* xq, std
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(out + t * out_stride, rows, acc[t]);
 }
 
+// The last tile prefetches the next group: the first tile of a group waits
+// on memory, the others read it from L1 and would leave the link idle.
 template <bool Q4>
-void group_tiles(const std::uint8_t* group, int nb, const std::int16_t* xq, std::size_t cols,
-                 const float* dx, const float* sx, int n, __mmask16 rows, float* out,
-                 std::size_t out_stride) {
+void group_tiles(const std::uint8_t* group, const std::uint8_t* next_group, int nb,
+                 const std::int16_t* xq, std::size_t cols, const float* dx, const float* sx, int n,
+                 __mmask16 rows, float* out, std::size_t out_stride) {
   for (int t0 = 0; t0 < n; t0 += kTileTokens) {
+    const std::uint8_t* next = t0 + kTileTokens >= n ? next_group : nullptr;
     const std::int16_t* x = xq + static_cast<std::size_t>(t0) * cols;
     const float* d = dx + static_cast<std::size_t>(t0) * nb;
     const float* s = sx + static_cast<std::size_t>(t0) * nb;
     float* o = out + static_cast<std::size_t>(t0) * out_stride;
     switch (n - t0 < kTileTokens ? n - t0 : kTileTokens) {
-      case 1: group_tokens<Q4, 1>(group, nb, x, cols, d, s, rows, o, out_stride); break;
-      case 2: group_tokens<Q4, 2>(group, nb, x, cols, d, s, rows, o, out_stride); break;
-      case 3: group_tokens<Q4, 3>(group, nb, x, cols, d, s, rows, o, out_stride); break;
-      case 4: group_tokens<Q4, 4>(group, nb, x, cols, d, s, rows, o, out_stride); break;
-      case 5: group_tokens<Q4, 5>(group, nb, x, cols, d, s, rows, o, out_stride); break;
-      case 6: group_tokens<Q4, 6>(group, nb, x, cols, d, s, rows, o, out_stride); break;
-      case 7: group_tokens<Q4, 7>(group, nb, x, cols, d, s, rows, o, out_stride); break;
-      default: group_tokens<Q4, 8>(group, nb, x, cols, d, s, rows, o, out_stride); break;
+      case 1: group_tokens<Q4, 1>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
+      case 2: group_tokens<Q4, 2>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
+      case 3: group_tokens<Q4, 3>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
+      case 4: group_tokens<Q4, 4>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
+      case 5: group_tokens<Q4, 5>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
+      case 6: group_tokens<Q4, 6>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
+      case 7: group_tokens<Q4, 7>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
+      default: group_tokens<Q4, 8>(group, next, nb, x, cols, d, s, rows, o, out_stride); break;
     }
   }
 }
 
 }  // namespace
 
-void group_products_avx512(WeightType type, const std::uint8_t* group, int n_rows,
-                           const QuantizedX& x, int cols, float* out, std::size_t out_stride) {
+void quantize_tokens_avx512(const float* x, int cols, int t0, int t1, int b0, int b1,
+                            QuantizedX* out) {
+  const __m512 hi = _mm512_set1_ps(32767.0f), lo = _mm512_set1_ps(-32767.0f);
+  for (int t = t0; t < t1; ++t) {
+    const int g = t / out->group, lane = t % out->group;
+    for (int b = b0; b < b1; ++b) {
+      const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      // max(|x|, acc) keeps acc where |x| is NaN, as the scalar loop does.
+      const __m512 mx =
+          _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps()));
+      const float amax = _mm512_reduce_max_ps(mx);
+      const float dx = amax / 32767.0f;
+      const float id = dx > 0.0f ? 1.0f / dx : 0.0f;
+      const __m512 idv = _mm512_set1_ps(id);
+      __m512i q[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 s = _mm512_mul_ps(h == 0 ? v0 : v1, idv);
+        const __m512 f = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), s);  // NaN -> 0
+        q[h] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(f, lo), hi));  // ties to even
+      }
+      const std::int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+      alignas(64) std::int16_t codes[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes), _mm512_cvtepi32_epi16(q[0]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 16), _mm512_cvtepi32_epi16(q[1]));
+      if (out->group == 1)
+        std::memcpy(out->qrow_mut(g, b, 0), codes, sizeof codes);
+      else
+        for (int k2 = 0; k2 < 16; ++k2)
+          std::memcpy(out->qrow_mut(g, b, k2) + 2 * lane, codes + 2 * k2, 4);
+      const std::size_t at = out->at(g, b) + lane;
+      out->dx[at] = dx;
+      out->qsum[at] = qsum;
+      out->sx[at] = dx * static_cast<float>(qsum);
+    }
+  }
+}
+
+void group_products_avx512(WeightType type, const std::uint8_t* group, const std::uint8_t* next,
+                           int n_rows, const QuantizedX& x, int cols, float* out,
+                           std::size_t out_stride) {
   const __mmask16 rows = static_cast<__mmask16>((1u << n_rows) - 1);
   const std::int16_t* xq = x.qrow(0, 0, 0);
   const std::size_t c = static_cast<std::size_t>(cols);
   if (type == WeightType::kQ4_1)
-    group_tiles<true>(group, x.nb, xq, c, x.dx.data(), x.sx.data(), x.n, rows, out, out_stride);
+    group_tiles<true>(group, next, x.nb, xq, c, x.dx.data(), x.sx.data(), x.n, rows, out,
+                      out_stride);
   else
-    group_tiles<false>(group, x.nb, xq, c, x.dx.data(), x.sx.data(), x.n, rows, out, out_stride);
+    group_tiles<false>(group, next, x.nb, xq, c, x.dx.data(), x.sx.data(), x.n, rows, out,
+                       out_stride);
 }
 
 }  // namespace kvxfer::model::detail

@@ -455,10 +455,10 @@ TEST(AttentionKernel, Avx512GroupEqualsAvx2GroupBitForBit) {
 }  // namespace
 
 namespace {
-// The AVX2 quantizer writes the scalar one's bytes: codes at exact ties
+// The AVX2 and AVX-512 quantizers write the scalar one's bytes: codes at exact ties
 // (x * id = k + 0.5 rounds to even), a zero block, a block with a NaN and one
 // with an infinity, the clamp at +-32767, and the padding lanes of a group.
-TEST(QuantizeX, Avx2EqualsScalarOnTiesZerosAndNonFinite) {
+TEST(QuantizeX, VectorPathsEqualScalarOnTiesZerosAndNonFinite) {
   if (!kd::have_avx2()) GTEST_SKIP() << "no AVX2+FMA on this CPU";
   const int cols = 160, n = 19;  // 5 blocks; 2 groups, the second of 3 tokens
   std::vector<float> x = random_acts(n, cols, 9);
@@ -490,6 +490,30 @@ TEST(QuantizeX, Avx2EqualsScalarOnTiesZerosAndNonFinite) {
   // Padding lanes of the last group are zero.
   EXPECT_EQ(a.qrow(1, 0, 0)[2 * 5], 0);
   EXPECT_EQ(a.dx[a.at(1, 0) + 5], 0.0f);
+  // Token-major (group 1, the AVX-512 kernel's): the same codes and scales,
+  // from the scalar, AVX2 and AVX-512 quantizers, into a reused QuantizedX
+  // holding another matrix's codes.
+  std::vector<kd::QuantizedX> t(3);
+  for (kd::QuantizedX& u : t) {
+    u.prepare(n + 3, 7, 1);
+    std::fill(u.q.begin(), u.q.end(), std::int16_t{77});
+    u.prepare(n, cols / 32, 1);
+  }
+  kd::quantize_tokens(x.data(), cols, 0, n, 0, cols / 32, &t[0]);
+  kd::quantize_tokens_avx2(x.data(), cols, 0, n, 0, cols / 32, &t[1]);
+  if (kd::have_avx512()) kd::quantize_tokens_avx512(x.data(), cols, 0, n, 0, cols / 32, &t[2]);
+  for (int i = 0; i < (kd::have_avx512() ? 3 : 2); ++i)
+    for (int tok = 0; tok < n; ++tok)
+      for (int b = 0; b < cols / 32; ++b) {
+        const std::size_t s = a.at(tok / kd::kGroup, b) + tok % kd::kGroup;
+        ASSERT_EQ(t[i].qsum[t[i].at(tok, b)], a.qsum[s]) << i << " " << tok << " " << b;
+        ASSERT_EQ(std::memcmp(&t[i].dx[t[i].at(tok, b)], &a.dx[s], 4), 0);
+        ASSERT_EQ(std::memcmp(&t[i].sx[t[i].at(tok, b)], &a.sx[s], 4), 0);
+        for (int k = 0; k < 32; ++k)
+          ASSERT_EQ(t[i].qrow(tok, b, 0)[k],
+                    a.qrow(tok / kd::kGroup, b, k / 2)[2 * (tok % kd::kGroup) + k % 2])
+              << "quantizer " << i << " token " << tok << " block " << b << " k " << k;
+      }
 }
 
 // matmul_many (one parallel loop over the panels of several matrices) gives
