@@ -291,9 +291,9 @@ void packed_products_avx512(const WeightMatrix* const* ws, float* const* outs, i
 #pragma omp parallel if (parallel)
   {
     std::vector<std::uint8_t> scratch;  // a group repacked, for a matrix without w.packed
-    if (n > kFewTokens) {
+    if (n > kFewTokens) {  // by tokens: each thread writes whole rows (no shared lines)
 #pragma omp for schedule(static)
-      for (int b = 0; b < nb; ++b) quantize_tokens_avx512(x, cols, 0, n, b, b + 1, &qx);
+      for (int t = 0; t < n; ++t) quantize_tokens_avx512(x, cols, t, t + 1, 0, nb, &qx);
     }
     // Groups are handed out as the threads ask (one thread may run slower on
     // a shared machine); every output is still computed by one thread in one

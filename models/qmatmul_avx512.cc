@@ -116,35 +116,50 @@ void quantize_tokens_avx512(const float* x, int cols, int t0, int t1, int b0, in
   const __m512 hi = _mm512_set1_ps(32767.0f), lo = _mm512_set1_ps(-32767.0f);
   for (int t = t0; t < t1; ++t) {
     const int g = t / out->group, lane = t % out->group;
-    for (int b = b0; b < b1; ++b) {
-      const float* xb = x + static_cast<std::size_t>(t) * cols + static_cast<std::size_t>(b) * 32;
-      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-      // max(|x|, acc) keeps acc where |x| is NaN, as the scalar loop does.
-      const __m512 mx =
-          _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps()));
-      const float amax = _mm512_reduce_max_ps(mx);
-      const float dx = amax / 32767.0f;
-      const float id = dx > 0.0f ? 1.0f / dx : 0.0f;
-      const __m512 idv = _mm512_set1_ps(id);
-      __m512i q[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512 s = _mm512_mul_ps(h == 0 ? v0 : v1, idv);
-        const __m512 f = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), s);  // NaN -> 0
-        q[h] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(f, lo), hi));  // ties to even
+    const float* xt = x + static_cast<std::size_t>(t) * cols;
+    // 16 blocks at a time: their maxima, then their scales by one vector
+    // division each (IEEE divisions, so the scalar bits), then their codes;
+    // the blocks' long reduction chains overlap instead of following each other.
+    for (int c0 = b0; c0 < b1; c0 += 16) {
+      const int nc = b1 - c0 < 16 ? b1 - c0 : 16;
+      alignas(64) float amax[16] = {}, dxs[16], ids[16];
+      for (int i = 0; i < nc; ++i) {
+        const float* xb = xt + static_cast<std::size_t>(c0 + i) * 32;
+        // max(|x|, acc) keeps acc where |x| is NaN, as the scalar loop does.
+        amax[i] = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + 16)),
+                          _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)), _mm512_setzero_ps())));
       }
-      const std::int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
-      alignas(64) std::int16_t codes[32];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes), _mm512_cvtepi32_epi16(q[0]));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 16), _mm512_cvtepi32_epi16(q[1]));
-      if (out->group == 1)
-        std::memcpy(out->qrow_mut(g, b, 0), codes, sizeof codes);
-      else
-        for (int k2 = 0; k2 < 16; ++k2)
-          std::memcpy(out->qrow_mut(g, b, k2) + 2 * lane, codes + 2 * k2, 4);
-      const std::size_t at = out->at(g, b) + lane;
-      out->dx[at] = dx;
-      out->qsum[at] = qsum;
-      out->sx[at] = dx * static_cast<float>(qsum);
+      const __m512 dxv = _mm512_div_ps(_mm512_load_ps(amax), _mm512_set1_ps(32767.0f));
+      _mm512_store_ps(dxs, dxv);
+      _mm512_store_ps(ids,
+                      _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dxv, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                          _mm512_set1_ps(1.0f), dxv));
+      for (int i = 0; i < nc; ++i) {
+        const int b = c0 + i;
+        const float* xb = xt + static_cast<std::size_t>(b) * 32;
+        const __m512 idv = _mm512_set1_ps(ids[i]);
+        __m512i q[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(xb + 16 * h), idv);
+          const __m512 f =
+              _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q), s);    // NaN -> 0
+          q[h] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(f, lo), hi));  // ties to even
+        }
+        const std::int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        alignas(64) std::int16_t codes[32];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes), _mm512_cvtepi32_epi16(q[0]));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 16), _mm512_cvtepi32_epi16(q[1]));
+        if (out->group == 1)
+          std::memcpy(out->qrow_mut(g, b, 0), codes, sizeof codes);
+        else
+          for (int k2 = 0; k2 < 16; ++k2)
+            std::memcpy(out->qrow_mut(g, b, k2) + 2 * lane, codes + 2 * k2, 4);
+        const std::size_t at = out->at(g, b) + lane;
+        out->dx[at] = dxs[i];
+        out->qsum[at] = qsum;
+        out->sx[at] = dxs[i] * static_cast<float>(qsum);
+      }
     }
   }
 }
