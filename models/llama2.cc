@@ -571,7 +571,7 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     if (T > 1 && probs.empty()) {
       // A batched pass: the query heads of one KV head for a chunk of tokens
       // read the keys once (attend_group: the bits of attend_head per query).
-      constexpr int kTokensPerItem = 8;
+      const int kTokensPerItem = T >= 32 ? 16 : 8;
       const int chunks = (T + kTokensPerItem - 1) / kTokensPerItem;
       const std::size_t stride = static_cast<std::size_t>(max_keys) + 8;
 #pragma omp parallel if (att_work >= kParallelWork)
