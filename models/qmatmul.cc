@@ -308,13 +308,15 @@ void packed_products_avx512(const WeightMatrix* const* ws, float* const* outs, i
       const std::size_t group_bytes =
           static_cast<std::size_t>(nb) *
           (w.type == WeightType::kQ4_1 ? kPackedQ4_1Block : kPackedQ8_0Block);
-      const std::uint8_t* pg = w.packed + static_cast<std::size_t>(g) * group_bytes;
-      const std::uint8_t* next = r0 + kPackRows < w.rows ? pg + group_bytes : nullptr;
-      if (w.packed == nullptr) {
+      const std::uint8_t* pg = nullptr;
+      const std::uint8_t* next = nullptr;
+      if (w.packed != nullptr) {
+        pg = w.packed + static_cast<std::size_t>(g) * group_bytes;
+        if (r0 + kPackRows < w.rows) next = pg + group_bytes;
+      } else {
         scratch.resize(group_bytes);
         pack_group(w, g, scratch.data());
         pg = scratch.data();
-        next = nullptr;
       }
       group_products_avx512(w.type, pg, next, nr, qx, cols, outs[m] + r0,
                             static_cast<std::size_t>(w.rows));
