@@ -568,11 +568,15 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
         {tail_k, tail_v, static_cast<std::size_t>(kv_dim), static_cast<std::size_t>(kv_dim),
          n_tail0 + T},
     };
-    if (T > 1 && probs.empty()) {
-      // A batched pass: the query heads of one KV head for a chunk of tokens
-      // read the keys once (attend_group: the bits of attend_head per query).
+    if (probs.empty()) {
+      // The query heads of one KV head for a chunk of tokens read the keys
+      // once (attend_group: the bits of attend_head per query).  A decode
+      // step splits each KV head's query heads into two items, so that two
+      // threads share the KV heads' queries evenly.
       const int kTokensPerItem = T >= 32 ? 16 : 8;
       const int chunks = (T + kTokensPerItem - 1) / kTokensPerItem;
+      const int parts = T == 1 && kv_mul > 1 ? 2 : 1;
+      const int per_part = (kv_mul + parts - 1) / parts;
       const std::size_t stride = static_cast<std::size_t>(max_keys) + 8;
 #pragma omp parallel if (att_work >= kParallelWork)
       {
@@ -582,22 +586,27 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
         std::vector<const float*> qp(static_cast<std::size_t>(nq_max));
         std::vector<float*> op(static_cast<std::size_t>(nq_max));
         std::vector<int> counts(static_cast<std::size_t>(nq_max));
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(3) schedule(static)
         for (int kh = 0; kh < c.n_kv_heads; ++kh) {
           for (int ch = 0; ch < chunks; ++ch) {
-            int n_q = 0;
-            for (int t = ch * kTokensPerItem; t < T && t < (ch + 1) * kTokensPerItem; ++t)
-              for (int h = kh * kv_mul; h < (kh + 1) * kv_mul; ++h, ++n_q) {
-                const std::size_t off =
-                    static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
-                qp[static_cast<std::size_t>(n_q)] = &q[off];
-                op[static_cast<std::size_t>(n_q)] = &xb2[off];
-                counts[static_cast<std::size_t>(n_q)] =
-                    over_view ? start_pos + t + 1 : n_view + n_tail0 + t + 1;
-              }
-            detail::attend_group(qp.data(), counts.data(), n_q, hs,
-                                 static_cast<std::size_t>(kh) * hs, segs_all, n_segs, scores.get(),
-                                 stride, op.data());
+            for (int part = 0; part < parts; ++part) {
+              const int h0 = kh * kv_mul + part * per_part;
+              const int h1 = std::min((kh + 1) * kv_mul, h0 + per_part);
+              int n_q = 0;
+              for (int t = ch * kTokensPerItem; t < T && t < (ch + 1) * kTokensPerItem; ++t)
+                for (int h = h0; h < h1; ++h, ++n_q) {
+                  const std::size_t off =
+                      static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
+                  qp[static_cast<std::size_t>(n_q)] = &q[off];
+                  op[static_cast<std::size_t>(n_q)] = &xb2[off];
+                  counts[static_cast<std::size_t>(n_q)] =
+                      over_view ? start_pos + t + 1 : n_view + n_tail0 + t + 1;
+                }
+              if (n_q > 0)
+                detail::attend_group(qp.data(), counts.data(), n_q, hs,
+                                     static_cast<std::size_t>(kh) * hs, segs_all, n_segs,
+                                     scores.get(), stride, op.data());
+            }
           }
         }
       }
