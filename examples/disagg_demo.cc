@@ -1313,6 +1313,12 @@ int main(int argc, char** argv) {
   std::vector<Run> runs;
   std::vector<double> handshake_s;
   bool calibrated = false;
+  // The decode steps and verification passes of each rate's timed runs.
+  struct Samples {
+    std::vector<double> steps;
+    std::vector<std::pair<double, double>> passes;
+  };
+  std::map<double, Samples> samples_at;
   std::set<double> rates;
   for (const Point& p : points) rates.insert(p.rate_bps);
   for (double rate : rates) {
@@ -1345,6 +1351,7 @@ int main(int argc, char** argv) {
           handshake_s.push_back(ms(runs.back().t_handshake - runs.back().t0) * 1e-3);
         }
     }
+    samples_at[rate] = {dec.step_samples(), dec.verify_samples()};
     dec.close_comm();
   }
   send_msg(to_child, kMsgQuit, nullptr, 0);
@@ -1353,19 +1360,23 @@ int main(int argc, char** argv) {
   const double wall_s = ms(now_ns() - t_begin) * 1e-3;
 
   // Summaries per point and mode, with the model's predictions.
-  // The model's TPOT and verification cost: what the timed runs met (the
-  // machine may be busier than during the calibration).
-  Calibration cal = dec.calibration();
-  if (!dec.step_samples().empty()) cal.tpot_s = median(dec.step_samples());
-  {
+  // The model's TPOT and verification cost at a rate: what that rate's timed
+  // runs met (their prompts set the context; the machine may be busier than
+  // during the calibration).
+  auto cal_at = [&](double rate) {
+    Calibration c = dec.calibration();
+    const Samples& sm = samples_at[rate];
+    if (!sm.steps.empty()) c.tpot_s = median(sm.steps);
     // Per-token cost of a verification pass: the median over the timed passes
     // of (time - base) / tokens, with the calibrated base (a median, because a
     // pass the scheduler interrupted would drag a least-squares fit).
     std::vector<double> per;
-    for (const auto& [tokens, secs] : dec.verify_samples())
-      per.push_back(std::max(0.0, secs - cal.verify_base_s) / tokens);
-    if (!per.empty()) cal.verify_per_token_s = median(per);
-  }
+    for (const auto& [tokens, secs] : sm.passes)
+      per.push_back(std::max(0.0, secs - c.verify_base_s) / tokens);
+    if (!per.empty()) c.verify_per_token_s = median(per);
+    return c;
+  };
+  const Calibration cal = cal_at(main_rate);
   const double t_fixed = median(handshake_s);
   // The acceptance rate the model uses: every Lynx run of the whole session.
   long acc = 0, rej = 0;
@@ -1387,15 +1398,20 @@ int main(int argc, char** argv) {
     std::vector<Summary> s(kModes);
     for (int m = 0; m < kModes; ++m) s[m] = summarize(static_cast<Mode>(m), per[m], bf16_of);
     const int max_window = std::min(o.tokens, cfg.seq_len - p.prompt_len);
-    predict(p, cal, t_fixed, burst, alpha, o.margin, max_window, o.verify_max, s.data());
+    predict(p, cal_at(p.rate_bps), t_fixed, burst, alpha, o.margin, max_window, o.verify_max,
+            s.data());
     table[p] = s;
   }
 
-  std::printf(
-      "# calibration: TPOT %.3f ms, verify pass %.3f + %.4f ms/token, fixed latency "
-      "(post to handshake) %.3f ms, per-token acceptance used by the model %.3f\n",
-      cal.tpot_s * 1e3, cal.verify_base_s * 1e3, cal.verify_per_token_s * 1e3, t_fixed * 1e3,
-      alpha);
+  for (double rate : rates) {
+    const Calibration c = cal_at(rate);
+    std::printf(
+        "# calibration at %s (its timed runs): TPOT %.3f ms, verify pass %.3f + %.4f ms/token, "
+        "fixed latency (post to handshake) %.3f ms, per-token acceptance used by the model "
+        "%.3f\n",
+        rate_text(rate).c_str(), c.tpot_s * 1e3, c.verify_base_s * 1e3, c.verify_per_token_s * 1e3,
+        t_fixed * 1e3, alpha);
+  }
   const Point main_point{main_rate, text_mode ? 0 : o.prompt_len};
   auto what = [&](const Point& p) {
     if (!text_mode)
@@ -1438,6 +1454,29 @@ int main(int argc, char** argv) {
         s[kLynx].agreement(),
         s[kLynx].draft_runs > 0 ? static_cast<double>(s[kLynx].accepted) / s[kLynx].draft_runs
                                 : 0.0);
+    // The same differences paired by prompt: the median over the prompts of
+    // (Lynx run - INT8 run on the same prompt), so that the prompts' own
+    // spread (their lengths, their transfer times) does not enter.
+    std::map<int, const Run*> int8_of;
+    for (const Run& r : runs)
+      if (r.mode == kINT8 && r.rate_bps == p.rate_bps && r.prompt_len == p.prompt_len)
+        int8_of[r.rep] = &r;
+    std::vector<double> d32, dc;
+    for (const Run& r : runs) {
+      if (r.mode != kLynx || r.rate_bps != p.rate_bps || r.prompt_len != p.prompt_len) continue;
+      const auto it = int8_of.find(r.rep);
+      if (it == int8_of.end()) continue;
+      const Run& b = *it->second;
+      const double a = t_tokens_ms(r, 32) - t_tokens_ms(b, 32);
+      if (std::isfinite(a)) d32.push_back(a);  // runs of fewer than 32 tokens have none
+      dc.push_back(t_tokens_ms(r, 1) - ms(b.t_first_emit - b.t0));
+    }
+    if (!d32.empty() && !dc.empty())
+      std::printf(
+          "# %s, %s: paired by prompt (median of Lynx - INT8 on the same prompt, in TPOT): "
+          "TT32T %+.1f, TTFTc - TTFT %+.1f (%zu prompts)\n",
+          rate_text(p.rate_bps).c_str(), what(p).c_str(), median(d32) / tpot, median(dc) / tpot,
+          d32.size());
   }
   if (points.size() > 1) {
     std::printf("#\n# Sweep: measured against kvxfer_spec_ttft_model (Eq. 16-20), medians, ms\n");
@@ -1529,6 +1568,14 @@ int main(int argc, char** argv) {
                         {"verify_per_token_ms", cal.verify_per_token_s * 1e3},
                         {"t_fixed_ms", t_fixed * 1e3},
                         {"accept_rate", alpha}};
+    j["calibration_by_rate"] = json::array();
+    for (double rate : rates) {
+      const Calibration c = cal_at(rate);
+      j["calibration_by_rate"].push_back({{"rate", rate_text(rate)},
+                                          {"tpot_ms", c.tpot_s * 1e3},
+                                          {"verify_base_ms", c.verify_base_s * 1e3},
+                                          {"verify_per_token_ms", c.verify_per_token_s * 1e3}});
+    }
     j["summary"] = json::array();
     for (const auto& [p, s] : table)
       for (int m = 0; m < kModes; ++m) j["summary"].push_back(summary_json(p, s[m]));
