@@ -93,13 +93,12 @@ void dequantize_row(const WeightMatrix& w, int row, float* out) {
 std::size_t packed_bytes(const WeightMatrix& w) {
   if (w.type == WeightType::kF32) return 0;
   const std::size_t groups = (static_cast<std::size_t>(w.rows) + kPackRows - 1) / kPackRows;
-  return groups * static_cast<std::size_t>(w.cols / 32) *
-         (w.type == WeightType::kQ4_1 ? kPackedQ4_1Block : kPackedQ8_0Block);
+  return groups * detail::packed_group_bytes(w);
 }
 
 void pack_weights(const WeightMatrix& w, std::uint8_t* dst) {
   const int groups = (w.rows + kPackRows - 1) / kPackRows;
-  const std::size_t group_bytes = packed_bytes(w) / static_cast<std::size_t>(groups);
+  const std::size_t group_bytes = detail::packed_group_bytes(w);
 #pragma omp parallel for schedule(static)
   for (int g = 0; g < groups; ++g)
     detail::pack_group(w, g, dst + static_cast<std::size_t>(g) * group_bytes);
@@ -158,15 +157,14 @@ void QuantizedX::prepare(int n_, int nb_, int group_) {
   qsum.assign(slots, 0);
 }
 
-RowSpan::RowSpan(const WeightMatrix& w, int row0, int n, int span)
+RowSpan::RowSpan(const WeightMatrix& w, int row0, int n)
     : q4(w.type == WeightType::kQ4_1), nb(w.cols / 32), bb(q4 ? 20 : 34) {
   const std::size_t row_bytes = static_cast<std::size_t>(nb) * bb;
   base = static_cast<const std::uint8_t*>(w.data) + static_cast<std::size_t>(row0) * row_bytes;
   for (int r = 0; r < kOneTokenRows; ++r)
-    offs[r] =
-        r < n && r < span ? static_cast<std::int32_t>(static_cast<std::size_t>(r) * row_bytes) : 0;
-  next = base + static_cast<std::size_t>(span) * row_bytes;
-  lines = (static_cast<std::size_t>(span) * row_bytes + 63) / 64;
+    offs[r] = r < n ? static_cast<std::int32_t>(static_cast<std::size_t>(r) * row_bytes) : 0;
+  next = base + static_cast<std::size_t>(kOneTokenRows) * row_bytes;
+  lines = (static_cast<std::size_t>(kOneTokenRows) * row_bytes + 63) / 64;
   per_block = (lines + nb - 1) / nb;
 }
 
@@ -207,6 +205,11 @@ void unpack_panel(const WeightMatrix& w, int row0, int n, Panel* p) {
   }
 }
 
+std::size_t packed_group_bytes(const WeightMatrix& w) {
+  return static_cast<std::size_t>(w.cols / 32) *
+         (w.type == WeightType::kQ4_1 ? kPackedQ4_1Block : kPackedQ8_0Block);
+}
+
 void pack_group(const WeightMatrix& w, int group, std::uint8_t* dst) {
   const bool q4 = w.type == WeightType::kQ4_1;
   const int nb = w.cols / 32, bb = q4 ? 20 : 34;
@@ -214,7 +217,7 @@ void pack_group(const WeightMatrix& w, int group, std::uint8_t* dst) {
   const std::size_t block = q4 ? kPackedQ4_1Block : kPackedQ8_0Block;
   const int scales = q4 ? 64 : 32;
   const std::uint8_t* base = static_cast<const std::uint8_t*>(w.data);
-  std::memset(dst, 0, static_cast<std::size_t>(nb) * block);
+  std::memset(dst, 0, packed_group_bytes(w));
   for (int r = 0; r < kPackRows; ++r) {
     const int row = group * kPackRows + r;
     if (row >= w.rows) break;  // padding rows stay zero
@@ -305,9 +308,7 @@ void packed_products_avx512(const WeightMatrix* const* ws, float* const* outs, i
       const WeightMatrix& w = *ws[m];
       const int g = gi - first[m], r0 = g * kPackRows;
       const int nr = w.rows - r0 < kPackRows ? w.rows - r0 : kPackRows;
-      const std::size_t group_bytes =
-          static_cast<std::size_t>(nb) *
-          (w.type == WeightType::kQ4_1 ? kPackedQ4_1Block : kPackedQ8_0Block);
+      const std::size_t group_bytes = packed_group_bytes(w);
       const std::uint8_t* pg = nullptr;
       const std::uint8_t* next = nullptr;
       if (w.packed != nullptr) {
@@ -376,7 +377,7 @@ void matmul_many_path(Path path, const WeightMatrix* const* ws, float* const* ou
   const int n_panels = first_panel[n_mats];
   if (path == Path::kAvx2 && n == 1) {
     // An AVX2 decode step: 8 rows at a time, read in place.
-    constexpr int per = kOneTokenRows / 2;
+    constexpr int per = kOneTokenRows;
     std::vector<float> dx(static_cast<std::size_t>(qx.nb)), sx(dx.size());
     for (int b = 0; b < qx.nb; ++b) {
       dx[b] = qx.dx[qx.at(0, b)];

@@ -124,7 +124,8 @@ struct QuantizedX {
   }
   std::int16_t* qrow_mut(int g, int b, int k2) { return const_cast<std::int16_t*>(qrow(g, b, k2)); }
   std::size_t at(int g, int b) const { return (static_cast<std::size_t>(g) * nb + b) * group; }
-  // Sizes the arrays; group is kGroup or 1.  With group kGroup the padding
+  // Sizes the arrays; group is kGroup or 1 (the AVX-512 quantizer and
+  // kernel take 1).  With group kGroup the padding
   // lanes are zero; with group 1 there are none, and the arrays keep their
   // old contents until quantized (a reused QuantizedX is not refilled).
   void prepare(int n_, int nb_, int group_ = kGroup);
@@ -137,8 +138,9 @@ void quantize_x_avx2(const float* x, int n, int cols, QuantizedX* out);  // the 
 void quantize_tokens(const float* x, int cols, int t0, int t1, int b0, int b1, QuantizedX* out);
 void quantize_tokens_avx2(const float* x, int cols, int t0, int t1, int b0, int b1,
                           QuantizedX* out);
+// out prepared with group 1; requires have_avx512().
 void quantize_tokens_avx512(const float* x, int cols, int t0, int t1, int b0, int b1,
-                            QuantizedX* out);  // requires have_avx512()
+                            QuantizedX* out);
 
 // Up to kPanelRows weight rows unpacked for the kernels: w [kPanelRows][cols]
 // codes as int16 (Q4_1: 0..15; Q8_0: -128..127), d and m [kPanelRows][nb]
@@ -158,14 +160,16 @@ void unpack_panel_avx2(const WeightMatrix& w, int row0, int n, Panel* p);  // th
 // t < n_lanes (n_lanes <= kGroup; out has kPanelRows * kGroup floats, the
 // lanes past n_lanes are scratch): the definition above.
 void panel_products_avx2(const Panel& p, const QuantizedX& x, int g, int n_lanes, float* out);
-// One token (an AVX2 decode step): rows [row0, row0 + n), n <= 8, read in
-// place.  xq [cols] the token's codes in order, dx and sx [nb] its block
-// scales (from a QuantizedX).  out[r] for r < n: the definition above.
-constexpr int kOneTokenRows = 16;
+// One token (an AVX2 decode step): rows [row0, row0 + n), n <= kOneTokenRows,
+// read in place.  xq [cols] the token's codes in order, dx and sx [nb] its
+// block scales (from a QuantizedX).  out[r] for r < n: the definition above.
+constexpr int kOneTokenRows = 8;
 // Token counts up to which the activations are quantized by one thread.
 constexpr int kFewTokens = 4;
+// Bytes of one packed group of w (a Q4_1/Q8_0 matrix): cols/32 blocks.
+std::size_t packed_group_bytes(const WeightMatrix& w);
 // Group `group` of a Q4_1/Q8_0 matrix in the packed layout above, into
-// dst[cols / 32 * block bytes] (scalar).
+// dst[packed_group_bytes(w)] (scalar).
 void pack_group(const WeightMatrix& w, int group, std::uint8_t* dst);
 // The AVX-512 kernel: the first n_rows (<= 16) rows of one packed group
 // against every token of x (prepared with group 1): out[t * out_stride + r].
@@ -177,11 +181,11 @@ void group_products_avx512(WeightType type, const std::uint8_t* group, const std
                            int n_rows, const QuantizedX& x, int cols, float* out,
                            std::size_t out_stride);
 // Rows [row0, row0 + n) of a Q4_1/Q8_0 matrix as the one-token kernel reads
-// them in place, span rows at a time (span <= kOneTokenRows): each row's
-// byte offset from base (rows past n repeat row0; their products are
-// dropped), and the lines of the next span rows, prefetched a share per block.
+// them in place, kOneTokenRows rows at a time: each row's byte offset from
+// base (rows past n repeat row0; their products are dropped), and the lines
+// of the next kOneTokenRows rows, prefetched a share per block.
 struct RowSpan {
-  RowSpan(const WeightMatrix& w, int row0, int n, int span);
+  RowSpan(const WeightMatrix& w, int row0, int n);
   const std::uint8_t* block(int r, int b) const {
     return base + offs[r] + static_cast<std::size_t>(b) * bb;
   }

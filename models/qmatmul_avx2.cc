@@ -179,8 +179,8 @@ inline __m256 halves(__m256i v) {
 
 void rows_one_token_avx2(const WeightMatrix& w, int row0, int n, const std::int16_t* xq,
                          const float* dx, const float* sx, float* out) {
-  constexpr int R = 8;
-  const RowSpan rs(w, row0, n, R);
+  constexpr int R = kOneTokenRows;
+  const RowSpan rs(w, row0, n);
   const __m256i offv = _mm256_load_si256(reinterpret_cast<const __m256i*>(rs.offs));
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i lo16 = _mm256_set1_epi32(0xFFFF);

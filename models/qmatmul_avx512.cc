@@ -115,7 +115,6 @@ void quantize_tokens_avx512(const float* x, int cols, int t0, int t1, int b0, in
                             QuantizedX* out) {
   const __m512 hi = _mm512_set1_ps(32767.0f), lo = _mm512_set1_ps(-32767.0f);
   for (int t = t0; t < t1; ++t) {
-    const int g = t / out->group, lane = t % out->group;
     const float* xt = x + static_cast<std::size_t>(t) * cols;
     // 16 blocks at a time: their maxima, then their scales by one vector
     // division each (IEEE divisions, so the scalar bits), then their codes;
@@ -150,12 +149,8 @@ void quantize_tokens_avx512(const float* x, int cols, int t0, int t1, int b0, in
         alignas(64) std::int16_t codes[32];
         _mm256_store_si256(reinterpret_cast<__m256i*>(codes), _mm512_cvtepi32_epi16(q[0]));
         _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 16), _mm512_cvtepi32_epi16(q[1]));
-        if (out->group == 1)
-          std::memcpy(out->qrow_mut(g, b, 0), codes, sizeof codes);
-        else
-          for (int k2 = 0; k2 < 16; ++k2)
-            std::memcpy(out->qrow_mut(g, b, k2) + 2 * lane, codes + 2 * k2, 4);
-        const std::size_t at = out->at(g, b) + lane;
+        std::memcpy(out->qrow_mut(t, b, 0), codes, sizeof codes);  // group 1: [token][cols]
+        const std::size_t at = out->at(t, b);
         out->dx[at] = dxs[i];
         out->qsum[at] = qsum;
         out->sx[at] = dxs[i] * static_cast<float>(qsum);
