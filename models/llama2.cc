@@ -611,6 +611,8 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
         }
       }
     } else {
+      // Prefill recording the attention mass (empty view and tail): one
+      // head at a time, each query's probabilities kept.
 #pragma omp parallel if (att_work >= kParallelWork)
       {
         std::vector<float> scores(static_cast<std::size_t>(max_keys) + 8);
@@ -618,17 +620,13 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
         for (int t = 0; t < T; ++t) {
           for (int h = 0; h < c.n_heads; ++h) {
             Segment segs[2] = {segs_all[0], segs_all[1]};
-            if (over_view)
-              segs[0].count = start_pos + t + 1;
-            else
-              segs[1].count = n_tail0 + t + 1;
+            segs[1].count = t + 1;
             const std::size_t off =
                 static_cast<std::size_t>(t) * dim + static_cast<std::size_t>(h) * hs;
             attend_head(&q[off], hs, static_cast<std::size_t>(h / kv_mul) * hs, segs, n_segs,
                         scores.data(), &xb2[off]);
-            if (!probs.empty())
-              std::memcpy(&probs[(static_cast<std::size_t>(h) * T + t) * T], scores.data(),
-                          static_cast<std::size_t>(t + 1) * sizeof(float));
+            std::memcpy(&probs[(static_cast<std::size_t>(h) * T + t) * T], scores.data(),
+                        static_cast<std::size_t>(t + 1) * sizeof(float));
           }
         }
       }
