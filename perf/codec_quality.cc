@@ -89,6 +89,7 @@
 #include "models/model_paths.h"
 #include "models/synthetic_kv.h"
 #include "perf/baselines/kv_baselines.h"
+#include "perf/common/draft_tree.h"
 #include "perf/common/harness.h"
 
 namespace km = kvxfer::model;
@@ -792,6 +793,172 @@ void print_row(const kp::Table& table, const std::string& dataset, const RowSpec
   jrows->push_back(std::move(jr));
 }
 
+// ---------------------------------------------------------------------------
+// Tree study (--tree-study; issue 19's first measurement, docs/SPEC.md "Tree
+// drafting: the bound")
+// ---------------------------------------------------------------------------
+struct StudyPrompt {
+  std::vector<kp::DraftPosition> pos;  // anchor rank of the full token, anchor margin
+  std::vector<float> full_margin;      // full-precision margin at the same positions
+};
+
+// The anchor KV of the default codec (KVXFER_CODEC_CONFIG_INITIALIZER: what
+// disagg_demo sends), teacher-forced over the case's full-precision greedy tokens.
+StudyPrompt study_prompt(const km::Model& m, const GreedyCase& g, uint64_t stream) {
+  const RowSpec row;  // kvxfer, default codec config
+  const int L = g.kv.n_layers(), T = g.kv.n_tokens(), H = g.kv.kv_dim();
+  std::vector<PageOut> pk(L), pv(L);
+  km::KVView va;
+  va.n_tokens = T;
+  for (int l = 0; l < L; ++l) {
+    run_page(row, g.kv.k(l), T, H, l, true, stream, &pk[l]);
+    run_page(row, g.kv.v(l), T, H, l, false, stream, &pv[l]);
+    va.layers.push_back(
+        {pk[l].anchor.data(), pv[l].anchor.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
+  }
+  km::KVCache tail;
+  std::vector<float> logits;
+  std::string err;
+  if (!m.verify(g.feed, T, va, &tail, &logits, &err)) die(err);
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  StudyPrompt sp;
+  sp.full_margin = g.margin;
+  for (size_t j = 0; j < g.feed.size(); ++j) {
+    const float* lg = logits.data() + j * V;
+    const int top = km::argmax(lg, V);
+    float second = -INFINITY;
+    int rank = 1;  // ties rank as argmax does: the lower index first
+    const int ref = g.ref[j];
+    for (size_t i = 0; i < V; ++i) {
+      if (static_cast<int>(i) != top) second = std::max(second, lg[i]);
+      if (lg[i] > lg[ref] || (lg[i] == lg[ref] && static_cast<int>(i) < ref)) ++rank;
+    }
+    sp.pos.push_back({rank, lg[top] - second});
+  }
+  return sp;
+}
+
+void run_tree_study(const std::string& dataset, const km::Model& m,
+                    const std::vector<GreedyCase>& cases, json* out) {
+  std::vector<StudyPrompt> sps(cases.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t i = 0; i < cases.size(); ++i) sps[i] = study_prompt(m, cases[i], 1000 + i);
+  int n = 0, dis = 0;
+  std::map<int, int> rank_hist;  // at the disagreements: 2, 3, 4, 5 (= more than 4)
+  for (const StudyPrompt& sp : sps)
+    for (const kp::DraftPosition& d : sp.pos) {
+      ++n;
+      if (d.rank > 1) {
+        ++dis;
+        ++rank_hist[std::min(d.rank, 5)];
+      }
+    }
+  std::printf(
+      "# tree study: %s, the default codec's anchor KV (Lynx, C 32, 4-bit anchor, 1 sink row), "
+      "teacher-forced on the full-precision greedy tokens: %d positions over %zu prompts, "
+      "%d disagreements (anchor agreement %.4f)\n",
+      dataset.c_str(), n, sps.size(), dis, n > 0 ? 1.0 - static_cast<double>(dis) / n : 0.0);
+  std::printf(
+      "# rank of the full-precision token among the anchor's logits at the disagreements: "
+      "2: %d, 3: %d, 4: %d, >4: %d\n",
+      rank_hist[2], rank_hist[3], rank_hist[4], rank_hist[5]);
+  std::printf(
+      "# margin as a predictor (top-1 minus top-2 logit): below theta, the share of positions "
+      "(branch), the share of the disagreements there (recall), and agreement at or above "
+      "theta; anchor = what the drafter sees, full = the full-precision run's own margin\n");
+  std::printf("#  theta  branch_a  recall_a  agree_above_a  branch_f  recall_f\n");
+  json jpred = json::array();
+  for (float th : {0.1f, 0.25f, 0.5f, 1.0f, 2.0f}) {
+    int below_a = 0, dis_below_a = 0, above_a = 0, agree_above_a = 0, below_f = 0, dis_below_f = 0;
+    for (const StudyPrompt& sp : sps)
+      for (size_t j = 0; j < sp.pos.size(); ++j) {
+        const bool wrong = sp.pos[j].rank > 1;
+        if (sp.pos[j].margin < th) {
+          ++below_a;
+          dis_below_a += wrong;
+        } else {
+          ++above_a;
+          agree_above_a += !wrong;
+        }
+        if (sp.full_margin[j] < th) {
+          ++below_f;
+          dis_below_f += wrong;
+        }
+      }
+    const auto share = [](int a, int b) { return b > 0 ? static_cast<double>(a) / b : 0.0; };
+    std::printf("#  %5.2f  %8.3f  %8.3f  %13.4f  %8.3f  %8.3f\n", th, share(below_a, n),
+                share(dis_below_a, dis), share(agree_above_a, above_a), share(below_f, n),
+                share(dis_below_f, dis));
+    jpred.push_back({{"theta", th},
+                     {"branch_anchor", share(below_a, n)},
+                     {"recall_anchor", share(dis_below_a, dis)},
+                     {"agree_above_anchor", share(agree_above_a, above_a)},
+                     {"branch_full", share(below_f, n)},
+                     {"recall_full", share(dis_below_f, dis)}});
+  }
+  std::printf(
+      "# committed tokens per verification pass of B nodes (accepted + 1), mean over windows "
+      "starting at every position that leaves B more: linear = the anchor's greedy draft; "
+      "tree = the best margin tree (branch to the anchor's top-k where its margin < theta; "
+      "theta 0.1-2, k 2-4), bounded from above: wrong candidates cost one node each and "
+      "their continuations none; oracle = branches only where top-1 is wrong, the top-k "
+      "down to the right token (k <= 4)\n");
+  kp::Table table({{"B", 3},
+                   {"windows", 7},
+                   {"linear", 7},
+                   {"tree", 7},
+                   {"theta", 5},
+                   {"k", 2},
+                   {"x_lin", 5},
+                   {"oracle", 7},
+                   {"x_lin", 5},
+                   {"B+1", 4}});
+  std::printf("%s\n", table.header().c_str());
+  json jb = json::array();
+  for (int B : {4, 8, 16, 32, 64, 128}) {
+    double lin = 0, orc = 0;
+    int windows = 0;
+    std::map<std::pair<float, int>, double> tree;
+    for (const StudyPrompt& sp : sps)
+      for (size_t s = 0; s + B <= sp.pos.size(); ++s) {
+        ++windows;
+        lin += kp::linear_committed(sp.pos, s, B);
+        orc += kp::oracle_committed_bound(sp.pos, s, B, 4);
+        for (float th : {0.1f, 0.25f, 0.5f, 1.0f, 2.0f})
+          for (int k : {2, 3, 4}) tree[{th, k}] += kp::tree_committed_bound(sp.pos, s, B, th, k);
+      }
+    if (windows == 0) continue;
+    auto best = tree.begin();
+    for (auto it = tree.begin(); it != tree.end(); ++it)
+      if (it->second > best->second) best = it;
+    const double w = windows;
+    std::printf(
+        "%s\n",
+        table
+            .row({std::to_string(B), std::to_string(windows), kp::strprintf("%.2f", lin / w),
+                  kp::strprintf("%.2f", best->second / w), kp::strprintf("%g", best->first.first),
+                  std::to_string(best->first.second), kp::strprintf("%.3f", best->second / lin),
+                  kp::strprintf("%.2f", orc / w), kp::strprintf("%.3f", orc / lin),
+                  std::to_string(B + 1)})
+            .c_str());
+    json jt = json::array();
+    for (const auto& [key, v] : tree)
+      jt.push_back({{"theta", key.first}, {"k", key.second}, {"committed", v / w}});
+    jb.push_back({{"budget", B},
+                  {"windows", windows},
+                  {"linear", lin / w},
+                  {"oracle", orc / w},
+                  {"tree", jt}});
+  }
+  (*out)[dataset] = {
+      {"positions", n},
+      {"disagreements", dis},
+      {"rank_at_disagreements",
+       {{"2", rank_hist[2]}, {"3", rank_hist[3]}, {"4", rank_hist[4]}, {">4", rank_hist[5]}}},
+      {"predictor", jpred},
+      {"budgets", jb}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -803,6 +970,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> data_sets = {"stories", "synth", "smollm2"};
   SynthOptions so;
   int greedy_steps = 64, smollm2_queries = 64;
+  bool tree_study = false;
   app.add_flag("--quick", quick,
                "smaller data sets (2 prompts, 2 x 512 synthetic tokens; SmolLM2: 2 chat prompts "
                "and 512 tokens of text)");
@@ -825,7 +993,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--greedy-steps", greedy_steps, "teacher-forced decode steps per prompt")
       ->capture_default_str();
+  app.add_flag("--tree-study", tree_study,
+               "instead of the codec table: where the anchor draft fails, and the committed "
+               "tokens per pass of linear drafts and token trees (docs/SPEC.md)");
   CLI11_PARSE(app, argc, argv);
+  if (tree_study && greedy_steps < 2) {
+    std::fprintf(stderr, "codec_quality: --tree-study needs --greedy-steps >= 2\n");
+    return 2;
+  }
   // A malformed KVXFER_* variable stops the run (exit 2), as in codec_perf.
   if (kvxfer::params::validate() < 0) {
     std::fprintf(stderr, "codec_quality: %s\n", kvxfer::last_error());
@@ -882,17 +1057,17 @@ int main(int argc, char** argv) {
     d.name = "stories";
     d.model = stories.get();
     d.rows = make_rows();
-    d.seqs.resize(prompts.size());
+    d.seqs.resize(tree_study ? 0 : prompts.size());
     d.greedy.resize(greedy_steps > 0 ? prompts.size() : 0);
     for (size_t i = 0; i < prompts.size(); ++i)
-      jobs.push_back([&d, &prompts, &stories, greedy_steps, i] {
+      jobs.push_back([&d, &prompts, &stories, greedy_steps, tree_study, i] {
         const std::vector<int> toks = make_tokens(*stories, prompts[i]);
-        d.seqs[i] = stories_seq(*stories, prompts[i], toks);
+        if (!tree_study) d.seqs[i] = stories_seq(*stories, prompts[i], toks);
         if (greedy_steps > 0)
           d.greedy[i] = greedy_case(*stories, prompts[i].name(), toks, greedy_steps);
       });
   }
-  if (wanted("synth")) {
+  if (wanted("synth") && !tree_study) {
     Dataset& d = datasets.emplace_back();
     d.name = "synth";
     d.rows = make_rows();
@@ -904,11 +1079,12 @@ int main(int argc, char** argv) {
     d.name = "smollm2";
     d.model = smollm2.get();
     d.rows = make_rows_smollm2();
-    d.seqs.resize(texts.size());
+    d.seqs.resize(tree_study ? 0 : texts.size());
     d.greedy.resize(greedy_steps > 0 ? texts.size() : 0);
     for (size_t i = 0; i < texts.size(); ++i)
-      jobs.push_back([&d, &texts, &smollm2, greedy_steps, smollm2_queries, i] {
-        d.seqs[i] = model_seq(*smollm2, texts[i].name, texts[i].toks, smollm2_queries);
+      jobs.push_back([&d, &texts, &smollm2, greedy_steps, smollm2_queries, tree_study, i] {
+        if (!tree_study)
+          d.seqs[i] = model_seq(*smollm2, texts[i].name, texts[i].toks, smollm2_queries);
         if (greedy_steps > 0)
           d.greedy[i] = greedy_case(*smollm2, texts[i].name, texts[i].toks, greedy_steps);
       });
@@ -940,6 +1116,8 @@ int main(int argc, char** argv) {
           smollm2_queries);
     }
     for (const Seq& s : ds.seqs) std::printf(" %s", s.name.c_str());
+    for (size_t i = 0; tree_study && i < ds.greedy.size(); ++i)
+      std::printf(" %s", ds.greedy[i].name.c_str());
     std::printf("\n");
   }
   if (!smollm2_note.empty()) std::printf("# smollm2: %s\n", smollm2_note.c_str());
@@ -959,6 +1137,24 @@ int main(int argc, char** argv) {
         "below 1)\n",
         ds.name.c_str(), greedy_steps, ds.greedy.size(), n, close01, 100.0 * close01 / n, close05,
         100.0 * close05 / n);
+  }
+  if (tree_study) {
+    json study = json::object();
+    for (const Dataset& ds : datasets)
+      if (!ds.greedy.empty()) run_tree_study(ds.name, *ds.model, ds.greedy, &study);
+    const double t_total =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    std::printf("# time: %.1f s wall\n", t_total);
+    if (!json_path.empty()) {
+      const json j = {{"tool", "codec_quality --tree-study"},
+                      {"machine", kp::to_json(kp::machine_info())},
+                      {"settings", kp::to_json(kp::kvxfer_settings())},
+                      {"greedy_steps", greedy_steps},
+                      {"study", study},
+                      {"runtime_s", t_total}};
+      if (!kp::write_json_file(json_path, j, &err)) die(err);
+    }
+    return 0;
   }
   std::printf(
       "# _a = anchor only, _f = full (anchor + residual); single-section codecs repeat "
