@@ -3,6 +3,7 @@
 // order), batched over tokens.
 #include "models/llama2.h"
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -138,7 +139,18 @@ std::unique_ptr<Model> Model::load(const std::string& path, std::string* error) 
     set_error(error, "the model loaders require a little-endian host");
     return nullptr;
   }
-  return gguf::has_magic(path) ? load_gguf(path, error) : load_llama2c(path, error);
+  if (!std::ifstream(path, std::ios::binary)) {
+    set_error(error, "cannot open model file '" + path + "': " + std::strerror(errno));
+    return nullptr;
+  }
+  if (gguf::has_magic(path)) return load_gguf(path, error);
+  std::string why;
+  std::unique_ptr<Model> m = load_llama2c(path, &why);
+  if (!m)
+    set_error(error,
+              "'" + path +
+                  "' is neither a GGUF file (no \"GGUF\" magic) nor a llama2.c checkpoint: " + why);
+  return m;
 }
 
 std::unique_ptr<Model> Model::load_llama2c(const std::string& path, std::string* error) {

@@ -169,7 +169,9 @@ class Model {
   // stays mapped) or else a llama2.c checkpoint (legacy "version 0" format: 7
   // int32 header, then float32 weights, little-endian; the header is
   // validated and the file size must equal exactly the size it implies).
-  // Returns nullptr and sets *error (naming the field) on failure.
+  // Returns nullptr and sets *error (naming the field) on failure: "cannot
+  // open model file" when it cannot be read; a file without the GGUF magic
+  // that is no valid llama2.c checkpoint either says both.
   static std::unique_ptr<Model> load(const std::string& path, std::string* error);
   ~Model();
 

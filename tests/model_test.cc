@@ -358,7 +358,16 @@ TEST(Llama2, RejectsBadArguments) {
 TEST(Llama2, LoadFailsWithMessage) {
   std::string err;
   EXPECT_EQ(km::Model::load("/nonexistent/dir/model.bin", &err), nullptr);
-  EXPECT_NE(err.find("cannot open"), std::string::npos) << err;
+  EXPECT_NE(err.find("cannot open model file"), std::string::npos) << err;
+  EXPECT_NE(err.find("No such file"), std::string::npos) << err;
+
+  // A name ending in .gguf without the magic: both formats are named.
+  const std::string fake = temp_path("fake.gguf");
+  write_all(fake, std::vector<char>(64, 'x'));
+  err.clear();
+  EXPECT_EQ(km::Model::load(fake, &err), nullptr);
+  EXPECT_NE(err.find("neither a GGUF file"), std::string::npos) << err;
+  EXPECT_NE(err.find("llama2.c checkpoint: "), std::string::npos) << err;
 
   const std::vector<char> good = read_all(kModelPath);
   ASSERT_EQ(good.size(), 1056540u) << "reference checkpoint missing or wrong: " << kModelPath;
