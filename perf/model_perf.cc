@@ -164,11 +164,23 @@ int main(int argc, char** argv) {
   std::vector<int> passes = {16, 64};
   app.add_option("--model", model_path,
                  "GGUF or llama2.c checkpoint (default: the fetched SmolLM2)");
-  app.add_option("-C,--context", ctx, "prompt tokens before the decode step and the passes");
-  app.add_option("-v,--verify", passes, "tokens of the verification passes")->delimiter(',');
+  // The peaks are sums over threads running at once: more threads than
+  // usable CPUs would add up time slices, not throughput.
+  const int cpus = omp_get_num_procs();
+  app.add_option("-C,--context", ctx, "prompt tokens before the decode step and the passes")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  app.add_option("-v,--verify", passes, "tokens of the verification passes")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("-n,--iters", reps, "timed iterations (the median is reported)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("-t,--threads", threads, "OpenMP threads (0 = OpenMP's default)");
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("-t,--threads", threads,
+                 "OpenMP threads, at most the usable CPUs (0 = OpenMP's default)")
+      ->check(CLI::Range(0, cpus))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (model_path.empty()) {
     model_path = km::smollm2_gguf_path();
