@@ -933,7 +933,10 @@ void run_tree_study(const std::string& dataset, const km::Model& m,
         for (float th : {0.1f, 0.25f, 0.5f, 1.0f, 2.0f})
           for (int k : {2, 3, 4}) tree[{th, k}] += kp::tree_committed_bound(sp.pos, s, B, th, k);
       }
-    if (windows == 0) continue;
+    if (windows == 0) {
+      std::printf("# B = %d: no window (needs --greedy-steps >= %d)\n", B, B);
+      continue;
+    }
     auto best = tree.begin();
     for (auto it = tree.begin(); it != tree.end(); ++it)
       if (it->second > best->second) best = it;
@@ -990,21 +993,47 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--smollm2", smollm2_path, "SmolLM2-135M-Instruct GGUF (KVXFER_SMOLLM2_GGUF)")
       ->capture_default_str();
-  app.add_option("--synth-layers", so.layers, "synthetic layers")->capture_default_str();
-  app.add_option("--synth-tokens", so.tokens, "synthetic tokens")->capture_default_str();
-  app.add_option("--synth-queries", so.queries, "synthetic query positions per layer")
+  app.add_option("--synth-layers", so.layers, "synthetic layers")
+      ->check(CLI::Range(1, 128))
+      ->capture_default_str();
+  app.add_option("--synth-tokens", so.tokens, "synthetic tokens")
+      ->check(CLI::Range(1, 1 << 17))
+      ->capture_default_str();
+  app.add_option("--synth-queries", so.queries,
+                 "synthetic query positions per layer (at most --synth-tokens)")
+      ->check(CLI::Range(1, 1 << 17))
       ->capture_default_str();
   app.add_option("--smollm2-queries", smollm2_queries,
                  "SmolLM2: query positions per sequence (evenly spaced, ending with the last)")
+      ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
-  app.add_option("--greedy-steps", greedy_steps, "teacher-forced decode steps per prompt")
+  app.add_option("--greedy-steps", greedy_steps,
+                 "teacher-forced decode steps per prompt (0: no greedy agreement; at most the "
+                 "model's context - 2)")
+      ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
   app.add_flag("--tree-study", tree_study,
                "instead of the codec table: where the anchor draft fails, and the committed "
-               "tokens per pass of linear drafts and token trees (docs/SPEC.md)");
+               "tokens per pass of linear drafts and token trees (needs stories or smollm2, "
+               "--greedy-steps >= 4; docs/SPEC.md)");
   CLI11_PARSE(app, argc, argv);
-  if (tree_study && greedy_steps < 2) {
-    std::fprintf(stderr, "codec_quality: --tree-study needs --greedy-steps >= 2\n");
+  if (so.queries > so.tokens) {
+    std::fprintf(stderr, "codec_quality: --synth-queries %d exceeds --synth-tokens %d\n",
+                 so.queries, so.tokens);
+    return 2;
+  }
+  // K and V of 1024 fp32 channels per token row and layer: 8 KiB.
+  if (static_cast<int64_t>(so.layers) * so.tokens > (int64_t{4} << 30) / 8192) {
+    std::fprintf(stderr,
+                 "codec_quality: --synth-layers %d x --synth-tokens %d: the synthetic KV "
+                 "(8 KiB per token and layer) would exceed 4 GiB\n",
+                 so.layers, so.tokens);
+    return 2;
+  }
+  if (tree_study && greedy_steps < 4) {
+    std::fprintf(stderr,
+                 "codec_quality: --tree-study needs --greedy-steps >= 4 (the smallest "
+                 "verification pass it counts)\n");
     return 2;
   }
   // A malformed KVXFER_* variable stops the run (exit 2), as in codec_perf.
@@ -1048,6 +1077,20 @@ int main(int argc, char** argv) {
       smollm2 = km::Model::load(smollm2_path, &err);
       if (!smollm2) die("cannot load " + smollm2_path + ": " + err);
     }
+  }
+  // Each greedy prompt keeps at least 2 tokens before the steps.
+  for (const km::Model* mp : {stories.get(), smollm2.get()}) {
+    if (mp != nullptr && greedy_steps > mp->config().seq_len - 2) {
+      std::fprintf(stderr,
+                   "codec_quality: --greedy-steps %d leaves no prompt in a %d-token context "
+                   "(at most %d)\n",
+                   greedy_steps, mp->config().seq_len, mp->config().seq_len - 2);
+      return 2;
+    }
+  }
+  if (tree_study && !wanted("stories") && !wanted("smollm2")) {
+    std::fprintf(stderr, "codec_quality: --tree-study needs a model data set (stories, smollm2)\n");
+    return 2;
   }
   std::vector<PromptSpec> prompts = {{PromptKind::kGreedy, 512, 0},
                                      {PromptKind::kSampled, 512, 1},
