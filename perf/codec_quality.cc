@@ -895,7 +895,7 @@ void run_tree_study(const std::string& dataset, const km::Model& m,
     std::printf("#  %5.2f  %8.3f  %8.3f  %13.4f  %8.3f  %8.3f\n", th, share(below_a, n),
                 share(dis_below_a, dis), share(agree_above_a, above_a), share(below_f, n),
                 share(dis_below_f, dis));
-    jpred.push_back({{"theta", th},
+    jpred.push_back({{"theta", std::round(th * 100.0) / 100.0},  // 0.1, not 0.100000001
                      {"branch_anchor", share(below_a, n)},
                      {"recall_anchor", share(dis_below_a, dis)},
                      {"agree_above_anchor", share(agree_above_a, above_a)},
@@ -952,7 +952,9 @@ void run_tree_study(const std::string& dataset, const km::Model& m,
             .c_str());
     json jt = json::array();
     for (const auto& [key, v] : tree)
-      jt.push_back({{"theta", key.first}, {"k", key.second}, {"committed", v / w}});
+      jt.push_back({{"theta", std::round(key.first * 100.0) / 100.0},
+                    {"k", key.second},
+                    {"committed", v / w}});
     jb.push_back({{"budget", B},
                   {"windows", windows},
                   {"linear", lin / w},
