@@ -805,7 +805,7 @@ void print_row(const kp::Table& table, const std::string& dataset, const RowSpec
 // ---------------------------------------------------------------------------
 struct StudyPrompt {
   std::vector<kp::DraftPosition> pos;  // anchor rank of the full token, anchor margin
-  std::vector<float> full_margin;      // full-precision margin at the same positions
+  std::vector<float> full_margin;      // the verifier's margin at the same positions
 };
 
 // The anchor KV of the default codec (KVXFER_CODEC_CONFIG_INITIALIZER: what
@@ -814,32 +814,56 @@ StudyPrompt study_prompt(const km::Model& m, const GreedyCase& g, uint64_t strea
   const RowSpec row;  // kvxfer, default codec config
   const int L = g.kv.n_layers(), T = g.kv.n_tokens(), H = g.kv.kv_dim();
   std::vector<PageOut> pk(L), pv(L);
-  km::KVView va;
-  va.n_tokens = T;
+  km::KVView va, vf;
+  va.n_tokens = vf.n_tokens = T;
   for (int l = 0; l < L; ++l) {
     run_page(row, g.kv.k(l), T, H, l, true, stream, &pk[l]);
     run_page(row, g.kv.v(l), T, H, l, false, stream, &pv[l]);
     va.layers.push_back(
         {pk[l].anchor.data(), pv[l].anchor.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
+    vf.layers.push_back(
+        {pk[l].full.data(), pv[l].full.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
+  }
+  // The verifier's greedy tokens: decoding on the codec's full KV (anchor +
+  // residual), one step at a time from the prompt's last token.  The anchor
+  // run is teacher-forced on them, so position j holds what a draft still on
+  // the verifier's path sees.
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  const auto top2 = [V](const float* lg, int* top, float* margin) {
+    *top = km::argmax(lg, V);
+    float second = -INFINITY;
+    for (size_t i = 0; i < V; ++i)
+      if (static_cast<int>(i) != *top) second = std::max(second, lg[i]);
+    *margin = lg[*top] - second;
+  };
+  std::string err;
+  StudyPrompt sp;
+  std::vector<int> feed, ref;
+  {
+    km::KVCache tail;
+    std::vector<float> lf;
+    int tok = g.feed[0];
+    for (size_t j = 0; j < g.feed.size(); ++j) {
+      feed.push_back(tok);
+      if (!m.decode_step(tok, T + static_cast<int>(j), vf, &tail, &lf, &err)) die(err);
+      float margin = 0;
+      top2(lf.data(), &tok, &margin);
+      ref.push_back(tok);
+      sp.full_margin.push_back(margin);
+    }
   }
   km::KVCache tail;
   std::vector<float> logits;
-  std::string err;
-  if (!m.verify(g.feed, T, va, &tail, &logits, &err)) die(err);
-  const size_t V = static_cast<size_t>(m.config().vocab_size);
-  StudyPrompt sp;
-  sp.full_margin = g.margin;
-  for (size_t j = 0; j < g.feed.size(); ++j) {
+  if (!m.verify(feed, T, va, &tail, &logits, &err)) die(err);
+  for (size_t j = 0; j < feed.size(); ++j) {
     const float* lg = logits.data() + j * V;
-    const int top = km::argmax(lg, V);
-    float second = -INFINITY;
+    int top = 0;
+    float margin = 0;
+    top2(lg, &top, &margin);
     int rank = 1;  // ties rank as argmax does: the lower index first
-    const int ref = g.ref[j];
-    for (size_t i = 0; i < V; ++i) {
-      if (static_cast<int>(i) != top) second = std::max(second, lg[i]);
-      if (lg[i] > lg[ref] || (lg[i] == lg[ref] && static_cast<int>(i) < ref)) ++rank;
-    }
-    sp.pos.push_back({rank, lg[top] - second});
+    for (size_t i = 0; i < V; ++i)
+      if (lg[i] > lg[ref[j]] || (lg[i] == lg[ref[j]] && static_cast<int>(i) < ref[j])) ++rank;
+    sp.pos.push_back({rank, margin});
   }
   return sp;
 }
@@ -851,7 +875,7 @@ void run_tree_study(const std::string& dataset, const km::Model& m,
   for (size_t i = 0; i < cases.size(); ++i) sps[i] = study_prompt(m, cases[i], 1000 + i);
   int n = 0, dis = 0;
   std::map<int, int> rank_hist;  // at the disagreements: 2, 3, 4, 5 (= more than 4)
-  for (const StudyPrompt& sp : sps)
+  for (const StudyPrompt& sp : sps) {
     for (const kp::DraftPosition& d : sp.pos) {
       ++n;
       if (d.rank > 1) {
@@ -859,19 +883,20 @@ void run_tree_study(const std::string& dataset, const km::Model& m,
         ++rank_hist[std::min(d.rank, 5)];
       }
     }
+  }
   std::printf(
       "# tree study: %s, the default codec's anchor KV (Lynx, C 32, 4-bit anchor, 1 sink row), "
-      "teacher-forced on the full-precision greedy tokens: %d positions over %zu prompts, "
+      "teacher-forced on the verifier's greedy tokens: %d positions over %zu prompts, "
       "%d disagreements (anchor agreement %.4f)\n",
       dataset.c_str(), n, sps.size(), dis, n > 0 ? 1.0 - static_cast<double>(dis) / n : 0.0);
   std::printf(
-      "# rank of the full-precision token among the anchor's logits at the disagreements: "
+      "# rank of the verifier's token among the anchor's logits at the disagreements: "
       "2: %d, 3: %d, 4: %d, >4: %d\n",
       rank_hist[2], rank_hist[3], rank_hist[4], rank_hist[5]);
   std::printf(
       "# margin as a predictor (top-1 minus top-2 logit): below theta, the share of positions "
       "(branch), the share of the disagreements there (recall), and agreement at or above "
-      "theta; anchor = what the drafter sees, full = the full-precision run's own margin\n");
+      "theta; anchor = what the drafter sees, full = the verifier's own margin\n");
   std::printf("#  theta  branch_a  recall_a  agree_above_a  branch_f  recall_f\n");
   json jpred = json::array();
   for (float th : {0.1f, 0.25f, 0.5f, 1.0f, 2.0f}) {
