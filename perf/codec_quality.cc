@@ -63,11 +63,12 @@
 // generated after the prompt stay exact in the tail.  Reported: the fraction of the 64 x (number of
 // prompts) positions whose argmax equals full-precision decoding.
 //
-// --tree-study replaces the table: on the same teacher-forced positions and
-// the default codec's anchor KV, where the anchor's greedy token is wrong
-// (its margin, the full token's rank) and the committed tokens per pass of a
-// linear draft against upper bounds for token trees (docs/SPEC.md "Tree
-// drafting: the bound").
+// --tree-study replaces the table: the default codec's anchor KV,
+// teacher-forced on the verifier's greedy tokens (decoding on anchor +
+// residual); where the anchor's greedy token is wrong (its margin, the
+// verifier token's rank), and the committed tokens per pass of a linear draft
+// against upper bounds for token trees (docs/SPEC.md "Tree drafting: the
+// bound").
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
