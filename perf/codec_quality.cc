@@ -587,13 +587,46 @@ Seq synth_seq(const SynthOptions& o) {
   return s;
 }
 
+// The argmax of a row of logits and its margin over the runner-up.
+int top_with_margin(const float* logits, size_t n, float* margin) {
+  const int top = km::argmax(logits, n);
+  float second = -INFINITY;
+  for (size_t i = 0; i < n; ++i)
+    if (static_cast<int>(i) != top) second = std::max(second, logits[i]);
+  *margin = logits[top] - second;
+  return top;
+}
+
+// Greedy decoding over a KV view, one decode_step at a time from `first`.
+struct GreedyRun {
+  std::vector<int> feed;      // tokens fed at positions n_tokens .. n_tokens+steps-1
+  std::vector<int> ref;       // argmax at each step
+  std::vector<float> margin;  // top-1 minus top-2 logit at each step
+};
+
+GreedyRun greedy_decode(const km::Model& m, const km::KVView& view, int first, int steps) {
+  GreedyRun r;
+  km::KVCache tail;
+  std::vector<float> logits;
+  std::string err;
+  int tok = first;
+  for (int j = 0; j < steps; ++j) {
+    r.feed.push_back(tok);
+    if (!m.decode_step(tok, view.n_tokens + j, view, &tail, &logits, &err)) die(err);
+    float margin = 0;
+    tok = top_with_margin(logits.data(), logits.size(), &margin);
+    r.ref.push_back(tok);
+    r.margin.push_back(margin);
+  }
+  return r;
+}
+
 // Greedy-agreement case: full-precision prefix KV and the teacher-forced run.
 struct GreedyCase {
   std::string name;
-  std::vector<float> margin;  // full-precision top-1 minus top-2 logit at each step
-  km::KVCache kv;             // prefill of P[0..n-2]
-  std::vector<int> feed;      // tokens fed at positions n-1 .. n-2+steps
-  std::vector<int> ref;       // full-precision argmax at each step
+  km::KVCache kv;    // prefill of P[0..n-2]
+  int last = 0;      // P[n-1], the first token fed
+  GreedyRun greedy;  // full-precision greedy from P[n-1] (empty without a reference)
 };
 
 // One batched teacher-forced pass (Model::verify: row j equals what
@@ -604,19 +637,20 @@ int run_greedy(const km::Model& m, const GreedyCase& g, const km::KVView& view) 
   km::KVCache tail;
   std::vector<float> logits;
   std::string err;
-  if (!m.verify(g.feed, view.n_tokens, view, &tail, &logits, &err)) die(err);
+  if (!m.verify(g.greedy.feed, view.n_tokens, view, &tail, &logits, &err)) die(err);
   const size_t V = static_cast<size_t>(m.config().vocab_size);
   int agree = 0;
-  for (size_t j = 0; j < g.feed.size(); ++j)
-    if (km::argmax(logits.data() + j * V, V) == g.ref[j]) ++agree;
+  for (size_t j = 0; j < g.greedy.feed.size(); ++j)
+    if (km::argmax(logits.data() + j * V, V) == g.greedy.ref[j]) ++agree;
   const double dt = now_s() - t0;
 #pragma omp atomic
   g_time.greedy += dt;
   return agree;
 }
 
+// reference = false: the prefill only (the tree study decodes its own).
 GreedyCase greedy_case(const km::Model& m, const std::string& name, std::vector<int> toks,
-                       int steps) {
+                       int steps, bool reference) {
   const int maxlen = m.config().seq_len - steps;
   if (static_cast<int>(toks.size()) > maxlen) toks.resize(maxlen);
   GreedyCase g;
@@ -626,21 +660,10 @@ GreedyCase greedy_case(const km::Model& m, const std::string& name, std::vector<
   std::vector<int> prefix(toks.begin(), toks.end() - 1);
   if (!m.prefill(prefix, km::PrefillOptions{}, &pr, &err)) die(err);
   g.kv = std::move(pr.kv);
-  // Reference: full-precision greedy from the last prompt token.
-  km::KVCache tail;
-  std::vector<float> logits;
+  g.last = toks.back();
+  if (!reference) return g;
   const km::KVView view = g.kv.view();
-  int tok = toks.back();
-  for (int j = 0; j < steps; ++j) {
-    g.feed.push_back(tok);
-    if (!m.decode_step(tok, view.n_tokens + j, view, &tail, &logits, &err)) die(err);
-    tok = km::argmax(logits.data(), logits.size());
-    g.ref.push_back(tok);
-    float second = -INFINITY;
-    for (size_t i = 0; i < logits.size(); ++i)
-      if (static_cast<int>(i) != tok) second = std::max(second, logits[i]);
-    g.margin.push_back(logits[tok] - second);
-  }
+  g.greedy = greedy_decode(m, view, g.last, steps);
   const int self = run_greedy(m, g, view);
   if (self != steps)
     std::fprintf(stderr,
@@ -723,27 +746,43 @@ void eval_seq(const RowSpec& row, const Seq& s, uint64_t stream, Acc* acc) {
       {{"seq", s.name}, {"vnmse_anchor", se_a / norm}, {"vnmse_full", se_f / norm}});
 }
 
+// A prefill's KV through a codec, every layer's K and V as one page: the
+// decoded pages and views of them at anchor and at full precision.  The
+// views point into `k` and `v`.
+struct CodedKV {
+  std::vector<PageOut> k, v;
+  km::KVView anchor, full;
+};
+
+CodedKV code_kv(const RowSpec& row, const km::KVCache& kv, uint64_t stream) {
+  const int L = kv.n_layers(), T = kv.n_tokens(), H = kv.kv_dim();
+  CodedKV c;
+  c.k.resize(L);
+  c.v.resize(L);
+  c.anchor.n_tokens = c.full.n_tokens = T;
+  for (int l = 0; l < L; ++l) {
+    run_page(row, kv.k(l), T, H, l, true, stream, &c.k[l]);
+    run_page(row, kv.v(l), T, H, l, false, stream, &c.v[l]);
+    c.anchor.layers.push_back({c.k[l].anchor.data(), c.v[l].anchor.data(), static_cast<size_t>(H),
+                               static_cast<size_t>(H)});
+    c.full.layers.push_back(
+        {c.k[l].full.data(), c.v[l].full.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
+  }
+  return c;
+}
+
 void eval_greedy(const km::Model& m, const RowSpec& row, const GreedyCase& g, uint64_t stream,
                  Acc* acc) {
-  const int L = g.kv.n_layers(), T = g.kv.n_tokens(), H = g.kv.kv_dim();
-  std::vector<PageOut> pk(L), pv(L);
-  km::KVView va, vf;
-  va.n_tokens = vf.n_tokens = T;
-  for (int l = 0; l < L; ++l) {
-    run_page(row, g.kv.k(l), T, H, l, true, stream, &pk[l]);
-    run_page(row, g.kv.v(l), T, H, l, false, stream, &pv[l]);
-    va.layers.push_back(
-        {pk[l].anchor.data(), pv[l].anchor.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
-    vf.layers.push_back(
-        {pk[l].full.data(), pv[l].full.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
-  }
-  const int f = run_greedy(m, g, vf);
-  const int a = row.progressive() ? run_greedy(m, g, va) : f;
+  const CodedKV c = code_kv(row, g.kv, stream);
+  const int f = run_greedy(m, g, c.full);
+  const int a = row.progressive() ? run_greedy(m, g, c.anchor) : f;
   acc->agree_f += f;
   acc->agree_a += a;
-  acc->agree_n += static_cast<int>(g.feed.size());
-  acc->per_prompt.push_back(
-      {{"prompt", g.name}, {"agree_anchor", a}, {"agree_full", f}, {"positions", g.feed.size()}});
+  acc->agree_n += static_cast<int>(g.greedy.feed.size());
+  acc->per_prompt.push_back({{"prompt", g.name},
+                             {"agree_anchor", a},
+                             {"agree_full", f},
+                             {"positions", g.greedy.feed.size()}});
 }
 
 std::string sci(double x) { return kp::strprintf("%.3e", x); }
@@ -810,70 +849,37 @@ struct StudyPrompt {
 };
 
 // The anchor KV of the default codec (KVXFER_CODEC_CONFIG_INITIALIZER: what
-// disagg_demo sends), teacher-forced over the case's full-precision greedy tokens.
-StudyPrompt study_prompt(const km::Model& m, const GreedyCase& g, uint64_t stream) {
-  const RowSpec row;  // kvxfer, default codec config
-  const int L = g.kv.n_layers(), T = g.kv.n_tokens(), H = g.kv.kv_dim();
-  std::vector<PageOut> pk(L), pv(L);
-  km::KVView va, vf;
-  va.n_tokens = vf.n_tokens = T;
-  for (int l = 0; l < L; ++l) {
-    run_page(row, g.kv.k(l), T, H, l, true, stream, &pk[l]);
-    run_page(row, g.kv.v(l), T, H, l, false, stream, &pv[l]);
-    va.layers.push_back(
-        {pk[l].anchor.data(), pv[l].anchor.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
-    vf.layers.push_back(
-        {pk[l].full.data(), pv[l].full.data(), static_cast<size_t>(H), static_cast<size_t>(H)});
-  }
-  // The verifier's greedy tokens: decoding on the codec's full KV (anchor +
-  // residual), one step at a time from the prompt's last token.  The anchor
-  // run is teacher-forced on them, so position j holds what a draft still on
-  // the verifier's path sees.
-  const size_t V = static_cast<size_t>(m.config().vocab_size);
-  const auto top2 = [V](const float* lg, int* top, float* margin) {
-    *top = km::argmax(lg, V);
-    float second = -INFINITY;
-    for (size_t i = 0; i < V; ++i)
-      if (static_cast<int>(i) != *top) second = std::max(second, lg[i]);
-    *margin = lg[*top] - second;
-  };
-  std::string err;
+// disagg_demo sends), teacher-forced on the verifier's greedy tokens:
+// decoding on the codec's full KV (anchor + residual) from the prompt's last
+// token, so position j holds what a draft still on the verifier's path sees.
+StudyPrompt study_prompt(const km::Model& m, const GreedyCase& g, int steps, uint64_t stream) {
+  const CodedKV c = code_kv(RowSpec{}, g.kv, stream);
+  const GreedyRun verifier = greedy_decode(m, c.full, g.last, steps);
   StudyPrompt sp;
-  std::vector<int> feed, ref;
-  {
-    km::KVCache tail;
-    std::vector<float> lf;
-    int tok = g.feed[0];
-    for (size_t j = 0; j < g.feed.size(); ++j) {
-      feed.push_back(tok);
-      if (!m.decode_step(tok, T + static_cast<int>(j), vf, &tail, &lf, &err)) die(err);
-      float margin = 0;
-      top2(lf.data(), &tok, &margin);
-      ref.push_back(tok);
-      sp.full_margin.push_back(margin);
-    }
-  }
+  sp.full_margin = verifier.margin;
   km::KVCache tail;
   std::vector<float> logits;
-  if (!m.verify(feed, T, va, &tail, &logits, &err)) die(err);
-  for (size_t j = 0; j < feed.size(); ++j) {
+  std::string err;
+  if (!m.verify(verifier.feed, c.anchor.n_tokens, c.anchor, &tail, &logits, &err)) die(err);
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  for (size_t j = 0; j < verifier.feed.size(); ++j) {
     const float* lg = logits.data() + j * V;
-    int top = 0;
+    const int ref = verifier.ref[j];
     float margin = 0;
-    top2(lg, &top, &margin);
+    top_with_margin(lg, V, &margin);
     int rank = 1;  // ties rank as argmax does: the lower index first
     for (size_t i = 0; i < V; ++i)
-      if (lg[i] > lg[ref[j]] || (lg[i] == lg[ref[j]] && static_cast<int>(i) < ref[j])) ++rank;
+      if (lg[i] > lg[ref] || (lg[i] == lg[ref] && static_cast<int>(i) < ref)) ++rank;
     sp.pos.push_back({rank, margin});
   }
   return sp;
 }
 
 void run_tree_study(const std::string& dataset, const km::Model& m,
-                    const std::vector<GreedyCase>& cases, json* out) {
+                    const std::vector<GreedyCase>& cases, int steps, json* out) {
   std::vector<StudyPrompt> sps(cases.size());
 #pragma omp parallel for schedule(dynamic, 1)
-  for (size_t i = 0; i < cases.size(); ++i) sps[i] = study_prompt(m, cases[i], 1000 + i);
+  for (size_t i = 0; i < cases.size(); ++i) sps[i] = study_prompt(m, cases[i], steps, 1000 + i);
   int n = 0, dis = 0;
   std::map<int, int> rank_hist;  // at the disagreements: 2, 3, 4, 5 (= more than 4)
   for (const StudyPrompt& sp : sps) {
@@ -1141,7 +1147,7 @@ int main(int argc, char** argv) {
         const std::vector<int> toks = make_tokens(*stories, prompts[i]);
         if (!tree_study) d.seqs[i] = stories_seq(*stories, prompts[i], toks);
         if (greedy_steps > 0)
-          d.greedy[i] = greedy_case(*stories, prompts[i].name(), toks, greedy_steps);
+          d.greedy[i] = greedy_case(*stories, prompts[i].name(), toks, greedy_steps, !tree_study);
       });
   }
   if (wanted("synth") && !tree_study) {
@@ -1163,7 +1169,8 @@ int main(int argc, char** argv) {
         if (!tree_study)
           d.seqs[i] = model_seq(*smollm2, texts[i].name, texts[i].toks, smollm2_queries);
         if (greedy_steps > 0)
-          d.greedy[i] = greedy_case(*smollm2, texts[i].name, texts[i].toks, greedy_steps);
+          d.greedy[i] =
+              greedy_case(*smollm2, texts[i].name, texts[i].toks, greedy_steps, !tree_study);
       });
   }
   // Longest first (the SmolLM2 texts), so that the two threads finish together.
@@ -1199,10 +1206,10 @@ int main(int argc, char** argv) {
   }
   if (!smollm2_note.empty()) std::printf("# smollm2: %s\n", smollm2_note.c_str());
   for (const Dataset& ds : datasets) {
-    if (ds.greedy.empty()) continue;
+    if (ds.greedy.empty() || tree_study) continue;  // the study has no fp32 reference
     int n = 0, close01 = 0, close05 = 0;
     for (const GreedyCase& g : ds.greedy)
-      for (float mg : g.margin) {
+      for (float mg : g.greedy.margin) {
         ++n;
         close01 += mg < 0.1f;
         close05 += mg < 0.5f;
@@ -1218,7 +1225,7 @@ int main(int argc, char** argv) {
   if (tree_study) {
     json study = json::object();
     for (const Dataset& ds : datasets)
-      if (!ds.greedy.empty()) run_tree_study(ds.name, *ds.model, ds.greedy, &study);
+      if (!ds.greedy.empty()) run_tree_study(ds.name, *ds.model, ds.greedy, greedy_steps, &study);
     const double t_total =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     std::printf("# time: %.1f s wall\n", t_total);
