@@ -1,6 +1,8 @@
 // Tests of the reference llama2.c runner and the synthetic KV generator.
 #include <gtest/gtest.h>
 #include <omp.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "models/cpu_affinity.h"
 #include "models/llama2.h"
 #include "models/synthetic_kv.h"
 
@@ -646,6 +649,54 @@ TEST(SmolLM2, BatchedPassesAreBitIdenticalToSequentialDecoding) {
   ASSERT_TRUE(m->score_over_view(draft, n0, whole.kv.view(), &scored, &why)) << why;
   ASSERT_EQ(scored.size(), batch_logits.size());
   EXPECT_EQ(std::memcmp(scored.data(), batch_logits.data(), scored.size() * 4), 0);
+}
+
+// pin_openmp_threads: thread i of the team runs on the i-th CPU of the
+// process's mask, and only there; the masks are restored afterwards.
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  std::vector<int> v;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) v.push_back(c);
+  return v;
+}
+
+TEST(CpuAffinity, PinsEachThreadToItsOwnCpu) {
+  const std::vector<int> cpus = allowed_cpus();
+  ASSERT_FALSE(cpus.empty());
+  const int n = std::min<int>(2, static_cast<int>(cpus.size()));
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  for (int c : cpus) CPU_SET(c, &all);
+  std::string err;
+  ASSERT_TRUE(kvxfer::model::pin_openmp_threads(n, &err)) << err;
+  std::vector<std::vector<int>> seen(static_cast<size_t>(n));
+#pragma omp parallel num_threads(n)
+  {
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    if (pthread_getaffinity_np(pthread_self(), sizeof mine, &mine) == 0)
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &mine)) seen[static_cast<size_t>(omp_get_thread_num())].push_back(c);
+    pthread_setaffinity_np(pthread_self(), sizeof all, &all);  // restore
+  }
+  for (int i = 0; i < n; ++i)
+    EXPECT_EQ(seen[static_cast<size_t>(i)], std::vector<int>{cpus[static_cast<size_t>(i)]})
+        << "thread " << i;
+}
+
+TEST(CpuAffinity, RefusesMoreThreadsThanCpus) {
+  const std::vector<int> cpus = allowed_cpus();
+  std::string err;
+  EXPECT_FALSE(kvxfer::model::pin_openmp_threads(static_cast<int>(cpus.size()) + 1, &err));
+  EXPECT_NE(err.find("the affinity mask has " + std::to_string(cpus.size()) + " CPU"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(allowed_cpus(), cpus);  // nothing pinned
+  EXPECT_FALSE(kvxfer::model::pin_openmp_threads(0, &err));
+  EXPECT_NE(err.find("n = 0"), std::string::npos) << err;
 }
 
 }  // namespace
