@@ -13,8 +13,11 @@
 //                      on the anchor-precision KV (a snapshot taken in the
 //                      on_anchor_ready callback), for the adaptive window
 //                      kvxfer_spec_window; at COMPLETE it verifies the draft in
-//                      one batched pass on the full KV (kvxfer_spec_verify_greedy),
+//                      batched passes on the full KV (kvxfer_spec_verify_greedy),
+//                      each as long as kvxfer_spec_verify_length finds best for
+//                      the runner's cost at that context (timed at start-up),
 //                      keeps the accepted prefix, corrects, and goes on decoding.
+// The decode process pins its model threads one per CPU (--no_pin: not).
 // After each run (untimed) the decoder decodes again, plainly, on the KV it
 // received: the outputs must be identical (greedy verification is lossless).
 //
@@ -71,6 +74,7 @@
 #include "common/units.h"
 #include "models/bpe_tokenizer.h"
 #include "models/chat_template.h"
+#include "models/cpu_affinity.h"
 #include "models/gguf.h"
 #include "models/llama2.h"
 #include "models/model_paths.h"
@@ -233,6 +237,7 @@ struct Options {
   std::string prompts_path = KVXFER_DATA_DIR "/prompts/chat.txt";
   std::string long_text_path = KVXFER_DATA_DIR "/apache-2.0.txt";
   std::string long_rate = "100mbit";
+  int long_reps = 3;  // runs per mode of the long prompt (one prompt: its runs are the sample)
   int show_text = 2;
   std::string verify_rule = "adaptive";
   std::string rate = "50mbit";
@@ -252,14 +257,23 @@ struct Options {
   int draft_threads = 0;  // model threads while drafting; 0 = max(1, threads - 1)
   int margin = 2;
   int verify_max = 0;
-  int first_verify =
-      4;  // the first pass checks at most this many (its cost delays the first committed token)  //
-          // verify at most this many draft tokens; 0 = the whole draft
+  int first_verify = 4;  // the first pass checks at most this many; 0 = no cap
+  bool no_pin = false;   // leave the decode process's model threads unpinned
+  bool pinned = false;   // set in main: they are pinned, one per CPU
 };
 
 // ---------------------------------------------------------------------------
 // Prompt and KV helpers (both processes)
 // ---------------------------------------------------------------------------
+
+/** Pins the calling process's team of n model threads, one per CPU; warns and
+ *  returns false when it cannot (fewer CPUs than threads). */
+bool pin_threads(int n) {
+  std::string why;
+  if (km::pin_openmp_threads(n, &why)) return true;
+  std::fprintf(stderr, "disagg_demo: model threads left unpinned: %s\n", why.c_str());
+  return false;
+}
 
 std::vector<float> softmax(const std::vector<float>& logits, float temperature) {
   std::vector<float> p(logits.size());
@@ -447,7 +461,14 @@ struct Run {
   std::vector<int> tokens, reference;  // output; plain greedy on the same received KV
   uint64_t anchor_bytes = 0, residual_bytes = 0;
   int drafted = 0, verified = 0, accepted = 0, matched = 0, window0 = 0;
-  int passes = 0;          // verification passes (Lynx)
+  int passes = 0;  // verification passes (Lynx)
+  /** Each verification pass: tokens run (the last final token + the checked
+   *  drafts), its time and the start-up calibration's a(C) + b(C) k (ms). */
+  struct Pass {
+    int tokens = 0;
+    double ms = 0, pred_ms = 0;
+  };
+  std::vector<Pass> pass_log;
   bool rejected = false;   // a draft token was rejected (else the checked draft was all accepted)
   double t_res_pred0 = 0;  // residual time predicted at ANCHOR_READY
   bool speculated = false;
@@ -488,6 +509,15 @@ struct Calibration {
   double verify_base_s = 0;  // verify pass: base + per_token * tokens
   double verify_per_token_s = 0;
   double residual_ratio = 0.8;  // residual / anchor bytes of the last Lynx transfer
+};
+
+/** The runner's costs at one context (KV tokens), timed at start-up: a decode
+ *  step, and a verification pass of k tokens as a(C) + b(C) k (the latency
+ *  model's t_ver, docs/SPEC.md), fitted by least squares to the medians of
+ *  passes of 1, 4, 16 and 64 tokens. */
+struct PassCost {
+  double tpot_s = 0, base_s = 0, per_token_s = 0;
+  double pass_s(int tokens) const { return base_s + per_token_s * tokens; }
 };
 
 class Decoder {
@@ -633,6 +663,7 @@ class Decoder {
         if (r.t_first_emit == 0) r.t_first_emit = now_ns();
       }
       omp_set_num_threads(o_.threads);
+      if (o_.pinned) pin_threads(o_.threads);
       const kvxfer_result_t wr = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
       if (wr != KVXFER_SUCCESS) die("receive failed: %s", kvxfer_get_last_error());
       // COMPLETE: verify the draft (or its first --verify_max tokens, or as
@@ -652,15 +683,16 @@ class Decoder {
       for (;;) {
         const int64_t p0 = now_ns();
         size_t v = n_check - pos;
-        if (o_.verify_rule == "adaptive" && cal_.verify_per_token_s > 0) {
+        const PassCost& cost = cost_at(n_kv);
+        if (o_.verify_rule == "adaptive") {
           // The acceptance so far, with a prior of 9 accepted in 10 (the
           // paper's 90.4%) so that one early rejection does not stop every
           // later verification (and with it the evidence).
           const double rate = (static_cast<double>(monitor_.accepted) + 9.0) /
                               (static_cast<double>(monitor_.accepted + monitor_.rejected) + 10.0);
           int32_t n = 0;
-          CHECK_KVXFER(kvxfer_spec_verify_length(static_cast<int32_t>(v), rate, monitor_.tpot_s,
-                                                 cal_.verify_per_token_s, &n));
+          CHECK_KVXFER(kvxfer_spec_verify_length(static_cast<int32_t>(v), rate, cost.tpot_s,
+                                                 cost.base_s, cost.per_token_s, &n));
           v = static_cast<size_t>(n);
         }
         if (o_.verify_max > 0) v = std::min(v, static_cast<size_t>(o_.verify_max));
@@ -679,7 +711,9 @@ class Decoder {
         CHECK_KVXFER(kvxfer_spec_verify_greedy(draft.data() + pos, static_cast<int32_t>(v),
                                                target.data(), &a, &next));
         tail.truncate(rows0 + 1 + a);  // the rows of cur and of the accepted draft tokens
-        verify_samples_.push_back({static_cast<double>(batch.size()), ms(now_ns() - p0) * 1e-3});
+        const double pass_s = ms(now_ns() - p0) * 1e-3;
+        r.pass_log.push_back({static_cast<int>(batch.size()), pass_s * 1e3,
+                              cost.pass_s(static_cast<int>(batch.size())) * 1e3});
         // The accepted tokens become final now (the first one was emitted
         // earlier, when it was drafted).
         for (int i = 0; i < a && static_cast<int>(r.tokens.size()) < N; ++i)
@@ -742,52 +776,73 @@ class Decoder {
     return r;
   }
 
-  /** Decode-step and verify-pass costs on the KV of the last run. */
-  void calibrate(int L) {
-    const km::KVView full = recv_.view(L - 1);
+  /** Times the runner at a KV of n_kv tokens (PassCost), untimed by the
+   *  runs, on the receive buffer (the values do not change the time).  The
+   *  first call also seeds the monitor's TPOT. */
+  void calibrate_at(int n_kv) {
+    if (pass_cost_.count(n_kv) != 0) return;
+    const km::KVView kv = recv_.view(n_kv);
     std::vector<float> logits;
     std::string err;
     std::vector<double> steps;
     for (int rep = 0; rep < 3; ++rep) {
       km::KVCache t;
       int tok = 1;
-      for (int i = 0; i < 16; ++i) {
+      for (int i = 0; i < 4; ++i) {
         const int64_t a = now_ns();
-        if (!m_.decode_step(tok, L - 1 + i, full, &t, &logits, &err)) die("%s", err.c_str());
+        if (!m_.decode_step(tok, n_kv + i, kv, &t, &logits, &err)) die("%s", err.c_str());
         steps.push_back(ms(now_ns() - a) * 1e-3);
         tok = km::argmax(logits.data(), logits.size());
       }
     }
-    cal_.tpot_s = median(steps);
-    for (int i = 0; i < 8; ++i)
-      CHECK_KVXFER(kvxfer_spec_monitor_record_step(&monitor_, cal_.tpot_s));
-    const int big = std::max(2, std::min(o_.tokens, c_.seq_len - L) + 1);
-    auto verify_time = [&](int n) {
-      std::vector<double> v;
-      for (int rep = 0; rep < 5; ++rep) {
-        km::KVCache t;
-        const std::vector<int> batch(static_cast<size_t>(n), 1);
+    PassCost c;
+    c.tpot_s = median(steps);
+    // Passes of k tokens, 3 timings each; least squares over the medians.
+    std::vector<std::pair<double, double>> pts;
+    for (int k : {1, 4, 16, 64}) {
+      if (n_kv + k > c_.seq_len) break;
+      std::vector<double> t;
+      for (int rep = 0; rep < 3; ++rep) {
+        km::KVCache tail;
+        const std::vector<int> batch(static_cast<size_t>(k), 1);
         const int64_t a = now_ns();
-        if (!m_.verify(batch, L - 1, full, &t, &logits, &err)) die("%s", err.c_str());
-        v.push_back(ms(now_ns() - a) * 1e-3);
+        if (!m_.verify(batch, n_kv, kv, &tail, &logits, &err)) die("%s", err.c_str());
+        t.push_back(ms(now_ns() - a) * 1e-3);
       }
-      return median(v);
-    };
-    const double t1 = verify_time(1), tb = verify_time(big);
-    cal_.verify_per_token_s = std::max(0.0, (tb - t1) / (big - 1));
-    cal_.verify_base_s = std::max(0.0, t1 - cal_.verify_per_token_s);
+      pts.push_back({static_cast<double>(k), median(t)});
+    }
+    double sk = 0, st = 0, skk = 0, skt = 0;
+    for (const auto& [k, t] : pts) {
+      sk += k;
+      st += t;
+      skk += k * k;
+      skt += k * t;
+    }
+    const double n = static_cast<double>(pts.size());
+    const double den = n * skk - sk * sk;
+    c.per_token_s = pts.size() >= 2 && den > 0 ? std::max(0.0, (n * skt - sk * st) / den) : 0.0;
+    c.base_s = std::max(0.0, (st - c.per_token_s * sk) / n);
+    if (pass_cost_.empty())
+      for (int i = 0; i < 8; ++i)
+        CHECK_KVXFER(kvxfer_spec_monitor_record_step(&monitor_, c.tpot_s));
+    pass_cost_[n_kv] = c;
+  }
+
+  /** The calibration at the nearest timed context (calibrate_at first). */
+  const PassCost& cost_at(int n_kv) const {
+    if (pass_cost_.empty()) die("cost_at(%d) before calibrate_at", n_kv);
+    auto it = pass_cost_.lower_bound(n_kv);
+    if (it == pass_cost_.end()) return std::prev(it)->second;
+    if (it != pass_cost_.begin() && n_kv - std::prev(it)->first < it->first - n_kv)
+      return std::prev(it)->second;
+    return it->second;
   }
 
   const Calibration& calibration() const { return cal_; }
   /** Decode-step times of every timed run (seconds). */
   const std::vector<double>& step_samples() const { return step_samples_; }
-  /** (tokens in the pass, seconds) of every verification pass of a timed run. */
-  const std::vector<std::pair<double, double>>& verify_samples() const { return verify_samples_; }
   /** Forgets the samples (after the warm-up). */
-  void clear_samples() {
-    step_samples_.clear();
-    verify_samples_.clear();
-  }
+  void clear_samples() { step_samples_.clear(); }
   const kvxfer_spec_monitor_t& monitor() const { return monitor_; }
 
  private:
@@ -822,9 +877,9 @@ class Decoder {
   BlockKV recv_, snap_;
   uint64_t tag_ = 0;
   Calibration cal_;
+  std::map<int, PassCost> pass_cost_;  // by KV tokens (calibrate_at)
   kvxfer_spec_monitor_t monitor_ = KVXFER_SPEC_MONITOR_INITIALIZER;
   std::vector<double> step_samples_;
-  std::vector<std::pair<double, double>> verify_samples_;
 };
 
 // ---------------------------------------------------------------------------
@@ -1107,6 +1162,9 @@ int main(int argc, char** argv) {
   app.add_option("--long_text", o.long_text_path,
                  "a long real text, summarised as one more prompt (at --long_rate); '' = none");
   app.add_option("--long_rate", o.long_rate, "link rate of the long prompt");
+  app.add_option("--long_reps", o.long_reps,
+                 "runs per mode of the long prompt (medians and pairs over them)")
+      ->check(CLI::Range(1, 100));
   app.add_option("--show_text", o.show_text, "print the decoded text of this many prompts");
   app.add_option("--verify_rule", o.verify_rule,
                  "adaptive: verify as many draft tokens as the acceptance so far pays for "
@@ -1135,6 +1193,9 @@ int main(int argc, char** argv) {
   app.add_option("--verify_max", o.verify_max,
                  "a verification pass checks at most this many draft tokens (passes go on "
                  "while every token is accepted); 0 = no cap");
+  app.add_flag("--no_pin", o.no_pin,
+               "leave the decode process's model threads unpinned (by default each of "
+               "--threads >= 2 is pinned to its own CPU)");
   app.add_option("--first_verify", o.first_verify,
                  "the first verification pass checks at most this many draft tokens, so that "
                  "the first committed token comes soon after COMPLETE; 0 = no cap");
@@ -1198,10 +1259,6 @@ int main(int argc, char** argv) {
   // jitter on a busy 2-core machine (docs/SPEC.md, "The emulated link").
   setenv("KVXFER_NET_CHUNK_BYTES", "16384", 0);
   setenv("KVXFER_CODEC_THREADS", "1", 0);  // tiny pages; two processes share the cores
-  // The two processes' model threads and the transfer's threads share the
-  // cores: an OpenMP worker that spins between parallel regions would take
-  // the core a progress or codec thread needs (docs/SPEC.md, "The demo").
-  setenv("OMP_WAIT_POLICY", "passive", 0);
   const double burst = std::atof(std::getenv("KVXFER_NET_CHUNK_BYTES"));
 
   // Fork before anything runs OpenMP (the codec, the model) in this process.
@@ -1220,6 +1277,9 @@ int main(int argc, char** argv) {
   close(up[1]);
   const int to_child = down[1], from_child = up[0];
   omp_set_num_threads(o.threads);
+  // The decode process's model threads, one per CPU (docs/SPEC.md, "The
+  // first pass after COMPLETE"); the prefill process's are not timed.
+  o.pinned = o.threads >= 2 && !o.no_pin && pin_threads(o.threads);
 
   std::string err;
   std::unique_ptr<km::Model> model = km::Model::load(o.model_path, &err);
@@ -1270,9 +1330,10 @@ int main(int argc, char** argv) {
       cfg.vocab_size);
   std::printf(
       "# page %d tokens, KVXFER_NET_CHUNK_BYTES %s (rate-limiter burst), model threads "
-      "%d (%d while drafting), KVXFER_SPEC_MAX %s, KVXFER_SPEC_MIN_ACCEPT %s\n",
+      "%d (%d while drafting%s), KVXFER_SPEC_MAX %s, KVXFER_SPEC_MIN_ACCEPT %s\n",
       o.page_tokens, std::getenv("KVXFER_NET_CHUNK_BYTES"), o.threads,
       o.draft_threads > 0 ? o.draft_threads : std::max(1, o.threads - 1),
+      o.pinned ? "; decode process's pinned one per CPU" : "",
       std::getenv("KVXFER_SPEC_MAX") ? std::getenv("KVXFER_SPEC_MAX") : "64 (default)",
       std::getenv("KVXFER_SPEC_MIN_ACCEPT") ? std::getenv("KVXFER_SPEC_MIN_ACCEPT")
                                             : "0.5 (default)");
@@ -1284,16 +1345,23 @@ int main(int argc, char** argv) {
   std::vector<std::vector<int>> prompts_of[2], pid_of(2);
   int n_prompts = 0;
   if (text_mode) {
+    // The long prompt is one text: it runs --long_reps times per mode, each
+    // run a rep of its set (the chat set's reps are its prompts).
     for (int set = 0; set < 2; ++set)
       for (const auto& t : text.sets[set]) {
-        pid_of[set].push_back(n_prompts);
-        prompts_of[set].push_back(dec.prompt(n_prompts++, static_cast<int>(t.size()), 0, t));
+        const int pid = n_prompts++;
+        const std::vector<int> tokens = dec.prompt(pid, static_cast<int>(t.size()), 0, t);
+        for (int k = 0; k < (set == 1 ? o.long_reps : 1); ++k) {
+          pid_of[set].push_back(pid);
+          prompts_of[set].push_back(tokens);
+        }
       }
     std::printf("# %zu chat prompt(s) of %s tokens%s, prefilled in %.2f s\n", text.sets[0].size(),
                 text.len_range(0).c_str(),
-                text.sets[1].empty()
-                    ? ""
-                    : (", and a long one of " + text.len_range(1) + " tokens").c_str(),
+                text.sets[1].empty() ? ""
+                                     : (", and a long one of " + text.len_range(1) + " tokens (" +
+                                        std::to_string(o.long_reps) + " runs per mode)")
+                                           .c_str(),
                 ms(now_ns() - t_begin) * 1e-3);
   } else {
     for (int rep = 0; rep < o.reps; ++rep) {
@@ -1312,20 +1380,28 @@ int main(int argc, char** argv) {
   };
   std::vector<Run> runs;
   std::vector<double> handshake_s;
-  bool calibrated = false;
-  // The decode steps and verification passes of each rate's timed runs.
-  struct Samples {
-    std::vector<double> steps;
-    std::vector<std::pair<double, double>> passes;
-  };
-  std::map<double, Samples> samples_at;
+  // The runner's decode step and verification pass at every context the runs
+  // use, timed before any run (Decoder::calibrate_at).
+  {
+    const int64_t t_cal = now_ns();
+    std::set<int> contexts;
+    for (const Point& p : points)
+      for (size_t rep = 0; rep < prompts_of[set_of(p)].size(); ++rep)
+        contexts.insert(len_of(p, static_cast<int>(rep)) - 1);
+    for (int n_kv : contexts) dec.calibrate_at(n_kv);
+    std::printf("# the runner timed at %zu context(s) of %d-%d KV tokens in %.2f s\n",
+                contexts.size(), *contexts.begin(), *contexts.rbegin(),
+                ms(now_ns() - t_cal) * 1e-3);
+  }
+  // The decode steps of each rate's timed runs.
+  std::map<double, std::vector<double>> steps_at;
   std::set<double> rates;
   for (const Point& p : points) rates.insert(p.rate_bps);
   for (double rate : rates) {
     dec.open_comm(rate);
     // Warm-up (not recorded): a Lynx transfer of the main length (text mode:
-    // the first prompt of the rate's first set); calibrates the decode and
-    // verify costs once, and the residual/anchor ratio.
+    // the first prompt of the rate's first set); sets the residual/anchor
+    // ratio.
     Point first{};
     for (const Point& p : points)
       if (p.rate_bps == rate) {
@@ -1334,10 +1410,6 @@ int main(int argc, char** argv) {
       }
     const int L0 = text_mode ? len_of(first, 0) : std::min(o.prompt_len, max_len);
     dec.run(kLynx, pid_of[set_of(first)][0], prompts_of[set_of(first)][0], L0, 0, rate);
-    if (!calibrated) {
-      dec.calibrate(L0);
-      calibrated = true;
-    }
     dec.clear_samples();
     for (const Point& p : points) {
       if (p.rate_bps != rate) continue;
@@ -1351,7 +1423,7 @@ int main(int argc, char** argv) {
           handshake_s.push_back(ms(runs.back().t_handshake - runs.back().t0) * 1e-3);
         }
     }
-    samples_at[rate] = {dec.step_samples(), dec.verify_samples()};
+    steps_at[rate] = dec.step_samples();
     dec.close_comm();
   }
   send_msg(to_child, kMsgQuit, nullptr, 0);
@@ -1359,24 +1431,26 @@ int main(int argc, char** argv) {
   waitpid(child, &status, 0);
   const double wall_s = ms(now_ns() - t_begin) * 1e-3;
 
-  // Summaries per point and mode, with the model's predictions.
-  // The model's TPOT and verification cost at a rate: what that rate's timed
-  // runs met (their prompts set the context; the machine may be busier than
-  // during the calibration).
-  auto cal_at = [&](double rate) {
+  // Summaries per point and mode, with the model's predictions.  The model's
+  // TPOT at a point: what its rate's timed runs met (the machine may be
+  // busier than during the start-up timing); its verification cost: the
+  // start-up passes at its prompts' contexts (median over the prompts).
+  auto cal_at = [&](const Point& p) {
     Calibration c = dec.calibration();
-    const Samples& sm = samples_at[rate];
-    if (!sm.steps.empty()) c.tpot_s = median(sm.steps);
-    // Per-token cost of a verification pass: the median over the timed passes
-    // of (time - base) / tokens, with the calibrated base (a median, because a
-    // pass the scheduler interrupted would drag a least-squares fit).
-    std::vector<double> per;
-    for (const auto& [tokens, secs] : sm.passes)
-      per.push_back(std::max(0.0, secs - c.verify_base_s) / tokens);
-    if (!per.empty()) c.verify_per_token_s = median(per);
+    const std::vector<double>& steps = steps_at[p.rate_bps];
+    std::vector<double> base, per, tpot;
+    for (size_t rep = 0; rep < prompts_of[set_of(p)].size(); ++rep) {
+      const PassCost& pc = dec.cost_at(len_of(p, static_cast<int>(rep)) - 1);
+      base.push_back(pc.base_s);
+      per.push_back(pc.per_token_s);
+      tpot.push_back(pc.tpot_s);
+    }
+    c.verify_base_s = median(base);
+    c.verify_per_token_s = median(per);
+    c.tpot_s = steps.empty() ? median(tpot) : median(steps);
     return c;
   };
-  const Calibration cal = cal_at(main_rate);
+  const Calibration cal = cal_at(Point{main_rate, text_mode ? 0 : o.prompt_len});
   const double t_fixed = median(handshake_s);
   // The acceptance rate the model uses: every Lynx run of the whole session.
   long acc = 0, rej = 0;
@@ -1398,20 +1472,10 @@ int main(int argc, char** argv) {
     std::vector<Summary> s(kModes);
     for (int m = 0; m < kModes; ++m) s[m] = summarize(static_cast<Mode>(m), per[m], bf16_of);
     const int max_window = std::min(o.tokens, cfg.seq_len - p.prompt_len);
-    predict(p, cal_at(p.rate_bps), t_fixed, burst, alpha, o.margin, max_window, o.verify_max,
-            s.data());
+    predict(p, cal_at(p), t_fixed, burst, alpha, o.margin, max_window, o.verify_max, s.data());
     table[p] = s;
   }
 
-  for (double rate : rates) {
-    const Calibration c = cal_at(rate);
-    std::printf(
-        "# calibration at %s (its timed runs): TPOT %.3f ms, verify pass %.3f + %.4f ms/token, "
-        "fixed latency (post to handshake) %.3f ms, per-token acceptance used by the model "
-        "%.3f\n",
-        rate_text(rate).c_str(), c.tpot_s * 1e3, c.verify_base_s * 1e3, c.verify_per_token_s * 1e3,
-        t_fixed * 1e3, alpha);
-  }
   const Point main_point{main_rate, text_mode ? 0 : o.prompt_len};
   auto what = [&](const Point& p) {
     if (!text_mode)
@@ -1421,6 +1485,31 @@ int main(int argc, char** argv) {
            (p.prompt_len == 0 ? " chat prompt(s) of " : " long prompt(s) of ") +
            text.len_range(p.prompt_len) + " tokens";
   };
+  for (const Point& p : points) {
+    const Calibration c = cal_at(p);
+    // The timed passes against the start-up a(C) + b(C) k at their context.
+    std::vector<double> first, all;
+    for (const Run& r : runs)
+      if (r.rate_bps == p.rate_bps && r.prompt_len == p.prompt_len)
+        for (size_t i = 0; i < r.pass_log.size(); ++i) {
+          const double x = r.pass_log[i].ms / r.pass_log[i].pred_ms;
+          all.push_back(x);
+          if (i == 0) first.push_back(x);
+        }
+    std::printf(
+        "# calibration at %s, %s: TPOT %.3f ms (its timed runs); verify pass %.3f + %.4f "
+        "ms/token (passes of 1, 4, 16, 64 tokens timed at start-up at each prompt's context, "
+        "median over the prompts); fixed latency (post to handshake) %.3f ms; per-token "
+        "acceptance used by the model %.3f\n",
+        rate_text(p.rate_bps).c_str(), what(p).c_str(), c.tpot_s * 1e3, c.verify_base_s * 1e3,
+        c.verify_per_token_s * 1e3, t_fixed * 1e3, alpha);
+    if (!all.empty())
+      std::printf(
+          "#   its timed verification passes / the start-up cost at their context and size: "
+          "first passes median %.2f (max %.2f, %zu), all passes median %.2f (max %.2f, %zu)\n",
+          median(first), *std::max_element(first.begin(), first.end()), first.size(), median(all),
+          *std::max_element(all.begin(), all.end()), all.size());
+  }
   print_main_table(main_point, table[main_point].data(), o.tokens, what(main_point));
   for (const auto& [p, s] : table)
     if (text_mode && p.prompt_len == 1) print_main_table(p, s.data(), o.tokens, what(p));
@@ -1456,7 +1545,8 @@ int main(int argc, char** argv) {
                                 : 0.0);
     // The same differences paired by prompt: the median over the prompts of
     // (Lynx run - INT8 run on the same prompt), so that the prompts' own
-    // spread (their lengths, their transfer times) does not enter.
+    // spread (their lengths, their transfer times) does not enter.  The long
+    // prompt's pairs are its runs (rep k of each mode).
     std::map<int, const Run*> int8_of;
     for (const Run& r : runs)
       if (r.mode == kINT8 && r.rate_bps == p.rate_bps && r.prompt_len == p.prompt_len)
@@ -1474,7 +1564,7 @@ int main(int argc, char** argv) {
     if (!d32.empty() && !dc.empty())
       std::printf(
           "# %s, %s: paired by prompt (median of Lynx - INT8 on the same prompt, in TPOT): "
-          "TT32T %+.1f, TTFTc - TTFT %+.1f (%zu prompts)\n",
+          "TT32T %+.1f, TTFTc - TTFT %+.1f (%zu pairs)\n",
           rate_text(p.rate_bps).c_str(), what(p).c_str(), median(d32) / tpot, median(dc) / tpot,
           d32.size());
   }
@@ -1568,13 +1658,14 @@ int main(int argc, char** argv) {
                         {"verify_per_token_ms", cal.verify_per_token_s * 1e3},
                         {"t_fixed_ms", t_fixed * 1e3},
                         {"accept_rate", alpha}};
-    j["calibration_by_rate"] = json::array();
-    for (double rate : rates) {
-      const Calibration c = cal_at(rate);
-      j["calibration_by_rate"].push_back({{"rate", rate_text(rate)},
-                                          {"tpot_ms", c.tpot_s * 1e3},
-                                          {"verify_base_ms", c.verify_base_s * 1e3},
-                                          {"verify_per_token_ms", c.verify_per_token_s * 1e3}});
+    j["calibration_by_point"] = json::array();
+    for (const Point& p : points) {
+      const Calibration c = cal_at(p);
+      j["calibration_by_point"].push_back({{"rate", rate_text(p.rate_bps)},
+                                           {"prompt_len", p.prompt_len},
+                                           {"tpot_ms", c.tpot_s * 1e3},
+                                           {"verify_base_ms", c.verify_base_s * 1e3},
+                                           {"verify_per_token_ms", c.verify_per_token_s * 1e3}});
     }
     j["summary"] = json::array();
     for (const auto& [p, s] : table)
@@ -1583,6 +1674,12 @@ int main(int argc, char** argv) {
     for (const Run& r : runs) {
       json t = json::array();
       for (int64_t c : r.t_commit) t.push_back(ms(c - r.t0));
+      json pass_tokens = json::array(), pass_ms = json::array(), pass_pred = json::array();
+      for (const Run::Pass& q : r.pass_log) {
+        pass_tokens.push_back(q.tokens);
+        pass_ms.push_back(q.ms);
+        pass_pred.push_back(q.pred_ms);
+      }
       j["runs"].push_back(
           {{"mode", kModeKey[r.mode]},
            {"rate_mbit", r.rate_bps * 8 / 1e6},
@@ -1595,6 +1692,9 @@ int main(int argc, char** argv) {
            {"first_residual_ms", r.t_first_residual ? ms(r.t_first_residual - r.t0) : 0.0},
            {"complete_ms", ms(r.t_complete - r.t0)},
            {"verify_ms", r.speculated ? ms(r.t_verify_end - r.t_verify_start) : 0.0},
+           {"pass_tokens", pass_tokens},
+           {"pass_ms", pass_ms},
+           {"pass_pred_ms", pass_pred},
            {"anchor_bytes", r.anchor_bytes},
            {"residual_bytes", r.residual_bytes},
            {"drafted", r.drafted},

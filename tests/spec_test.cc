@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -900,37 +901,82 @@ TEST(SpecModelRun, DraftOnAnchorsVerifyOnFullIsIdenticalToFullDecoding) {
   EXPECT_GT(mon.accepted, 0);
 }
 
-// kvxfer_spec_verify_length: check token i while accept_rate^i * TPOT >= the
-// per-token verification cost.
-TEST(SpecVerifyLength, ChecksWhileTheExpectedSavingPaysForTheToken) {
+// kvxfer_spec_verify_length: the v in [1, draft_len] with the most expected
+// final tokens per second, E(v) / t_ver(v), or 0 when a decode step does
+// better.  The expectation here is the closed form (1 - a^(v+1)) / (1 - a)
+// over every v, not the function's running sum and early stop.
+int32_t best_length_brute_force(int32_t d, double a, double tpot, double base, double per) {
+  double best = -1.0;
+  int32_t best_v = 0;
+  for (int32_t v = 1; v <= d; ++v) {
+    const double e = a >= 1.0 ? v + 1.0 : (1.0 - std::pow(a, v + 1.0)) / (1.0 - a);
+    const double r = e / (base + per * (v + 1.0));
+    if (r >= best) {
+      best = r;
+      best_v = v;
+    }
+  }
+  return d > 0 && best * tpot >= 1.0 ? best_v : 0;
+}
+
+TEST(SpecVerifyLength, ChecksTheLengthWithTheMostTokensPerSecond) {
   int32_t n = -1;
-  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.030, 0.003, &n), KVXFER_SUCCESS);
-  EXPECT_EQ(n, 21);  // floor(ln 0.1 / ln 0.9) = floor(21.85)
-  ASSERT_EQ(kvxfer_spec_verify_length(10, 0.9, 0.030, 0.003, &n), KVXFER_SUCCESS);
-  EXPECT_EQ(n, 10);  // the draft is shorter
-  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 0.030, 0.010, &n), KVXFER_SUCCESS);
-  EXPECT_EQ(n, 1);  // floor(ln(1/3) / ln 0.5) = floor(1.58)
-  ASSERT_EQ(kvxfer_spec_verify_length(64, 1.0, 0.030, 0.003, &n), KVXFER_SUCCESS);
+  // a = 0.9: v = 6 drafts (7 tokens) cost 10 + 3 * 7 = 31 ms and commit
+  // (1 - 0.9^7) / 0.1 = 5.217 tokens, 168.3/s, above v = 5 (28 ms, 4.686:
+  // 167.3/s) and v = 7 (34 ms, 5.695: 167.5/s).
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.030, 0.010, 0.003, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 6);
+  ASSERT_EQ(kvxfer_spec_verify_length(4, 0.9, 0.030, 0.010, 0.003, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 4);  // the draft is shorter than the best pass
+  // SmolLM2 on the 2-core CPU (docs/SPEC.md): base 1.2 ms, 0.47 ms/token,
+  // TPOT 2.1 ms, a = 0.977.
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.977, 0.0021, 0.0012, 0.00047, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 13);
+  // Every draft token accepted: longer passes only amortise the base.
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 1.0, 0.030, 0.010, 0.003, &n), KVXFER_SUCCESS);
   EXPECT_EQ(n, 64);
-  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.95, 0.030, 0.0, &n), KVXFER_SUCCESS);
+  // No per-token cost (a GPU): the whole draft.
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.95, 0.030, 0.010, 0.0, &n), KVXFER_SUCCESS);
   EXPECT_EQ(n, 64);
-  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.99, 0.030, 0.030, &n), KVXFER_SUCCESS);
-  EXPECT_EQ(n, 0);  // no token pays for itself
-  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.0, 0.030, 0.001, &n), KVXFER_SUCCESS);
+  // Free passes: the whole draft.
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 0.030, 0.0, 0.0, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 64);
+  // A pass of one draft commits 1.5 tokens in 40 ms: 37.5/s, below a 20 ms
+  // decode step's 50/s.
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 0.020, 0.020, 0.010, &n), KVXFER_SUCCESS);
   EXPECT_EQ(n, 0);
-  // At the boundary the token is checked: 0.5^2 * 0.04 == 0.01 exactly.
-  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 0.04, 0.01, &n), KVXFER_SUCCESS);
-  EXPECT_EQ(n, 2);
+  // At the boundary the pass is taken: 1.5 tokens in 0.375 s = 1 / 0.25 s
+  // (values exact in binary).
+  ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 0.25, 0.125, 0.125, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 1);
+  ASSERT_EQ(kvxfer_spec_verify_length(0, 0.9, 0.030, 0.010, 0.003, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 0);
+  // A grid against the brute force.
+  for (double a : {0.0, 0.3, 0.7, 0.9, 0.977, 0.999, 1.0})
+    for (double base : {0.0005, 0.002, 0.01})
+      for (double per : {0.0001, 0.0005, 0.003})
+        for (int32_t d : {1, 7, 64, 300}) {
+          ASSERT_EQ(kvxfer_spec_verify_length(d, a, 0.004, base, per, &n), KVXFER_SUCCESS);
+          EXPECT_EQ(n, best_length_brute_force(d, a, 0.004, base, per))
+              << "a " << a << " base " << base << " per " << per << " d " << d;
+        }
 }
 
 TEST(SpecVerifyLength, RejectsBadArguments) {
   int32_t n = 0;
-  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, 0.003, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvxfer_spec_verify_length(-1, 0.9, 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvxfer_spec_verify_length(64, 1.1, 0.03, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvxfer_spec_verify_length(64, std::nan(""), 0.03, 0.003, &n),
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, 0.01, 0.003, nullptr),
             KVXFER_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.0, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, -1.0, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(-1, 0.9, 0.03, 0.01, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 1.1, 0.03, 0.01, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, std::nan(""), 0.03, 0.01, 0.003, &n),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.0, 0.01, 0.003, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, -0.01, 0.003, &n),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("verify_base_s"), std::string::npos);
+  EXPECT_EQ(
+      kvxfer_spec_verify_length(64, 0.9, 0.03, std::numeric_limits<double>::infinity(), 0.003, &n),
+      KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, 0.01, -1.0, &n), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvxfer_get_last_error()).find("verify_per_token_s"), std::string::npos);
 }

@@ -184,23 +184,30 @@ kvxfer_result_t kvxfer_spec_window(const kvxfer_spec_window_config_t* config, do
 
 /**
  * How many of `draft_len` draft tokens one verification pass should check,
- * from the acceptance seen so far.  Draft token i (1-based) is committed only
- * if tokens 1..i are all accepted, probability accept_rate^i when each is
- * accepted independently with the per-token rate (kvxfer_spec_monitor_t), and
- * it then saves one decode step (tpot_s).  Checking it costs
- * verify_per_token_s more pass time.  So check token i while
- *   accept_rate^i * tpot_s >= verify_per_token_s,
- * i.e. length = min(draft_len, floor(ln(verify_per_token_s / tpot_s) /
- * ln(accept_rate))), draft_len when accept_rate >= 1 or verify_per_token_s is
- * 0, and 0 when verify_per_token_s >= tpot_s (no token pays for itself: the
- * pass then scores only the last accepted token).  docs/SPEC.md, "Verified
- * length".
+ * from the acceptance seen so far and the pass's measured cost.  A pass over
+ * v draft tokens runs v + 1 tokens (the last final token and the v drafts)
+ * and costs, in seconds, the latency model's
+ *   t_ver(v) = verify_base_s + verify_per_token_s * (v + 1)
+ * (docs/SPEC.md, "Latency model").  With each draft token accepted with the
+ * per-token rate a (kvxfer_spec_monitor_t), independently, it commits in
+ * expectation
+ *   E(v) = sum_{i=0..v} a^i = (1 - a^(v+1)) / (1 - a)      (v + 1 when a = 1)
+ * final tokens: the accepted prefix plus the target's own next token
+ * (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+ * Decoding", Eq. 1).  length is the v in [1, draft_len] that commits the most
+ * tokens per second, E(v) / t_ver(v) (the largest such v on a tie), or 0 when
+ * that rate is below a decode step's, 1 / tpot_s, or draft_len is 0: the
+ * caller then decodes (or passes only the last final token).  A fixed cost
+ * (verify_base_s > 0) favours long passes; a per-token cost and a < 1
+ * favour short ones; with verify_per_token_s = 0 (a GPU) the whole draft.
+ * docs/SPEC.md, "Verified length".
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (length NULL, draft_len < 0,
- *   accept_rate outside [0, 1], tpot_s not > 0, verify_per_token_s negative,
- *   any value NaN).
+ *   accept_rate outside [0, 1], tpot_s not > 0, verify_base_s or
+ *   verify_per_token_s negative, any value NaN or infinite).
  */
 kvxfer_result_t kvxfer_spec_verify_length(int32_t draft_len, double accept_rate, double tpot_s,
-                                          double verify_per_token_s, int32_t* length);
+                                          double verify_base_s, double verify_per_token_s,
+                                          int32_t* length);
 
 /* ------------------------------------------------------------------------ */
 /* Acceptance monitor                                                        */

@@ -44,9 +44,11 @@ kvxfer_result_t kvxfer_spec_window(const kvxfer_spec_window_config_t* config, do
 }
 
 kvxfer_result_t kvxfer_spec_verify_length(int32_t draft_len, double accept_rate, double tpot_s,
-                                          double verify_per_token_s, int32_t* length) {
+                                          double verify_base_s, double verify_per_token_s,
+                                          int32_t* length) {
   return kvxfer::api_call(__func__, [&] {
-    return kvxfer::spec::verify_length(draft_len, accept_rate, tpot_s, verify_per_token_s, length);
+    return kvxfer::spec::verify_length(draft_len, accept_rate, tpot_s, verify_base_s,
+                                       verify_per_token_s, length);
   });
 }
 

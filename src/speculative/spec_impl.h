@@ -4,6 +4,7 @@
 // success.  The exported wrappers are in spec_api.cc.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kvxfer/spec.h"
@@ -13,6 +14,21 @@ namespace kvxfer::spec {
 // ---- RNG: draw j of `seed` is uniform in [0, 1) (53 bits).
 uint64_t splitmix64(uint64_t x);
 double uniform(uint64_t seed, uint64_t draw);
+
+// ---- the latency model's cost of a verification pass over v draft tokens
+// (v + 1 tokens run): t_ver(v) = base + per_token (v + 1), docs/SPEC.md
+// "Latency model".  Used by ttft_model and verify_length.
+inline double verify_pass_s(double base_s, double per_token_s, double v) {
+  return base_s + per_token_s * (v + 1.0);
+}
+
+// Expected final tokens of a pass over v draft tokens, each accepted with
+// probability alpha independently: the accepted prefix plus the target's
+// next token, sum_{i=0..v} alpha^i = (1 - alpha^(v+1)) / (1 - alpha)
+// (Leviathan et al. 2023, Eq. 1); v + 1 when alpha >= 1.
+inline double expected_pass_tokens(double alpha, double v) {
+  return alpha >= 1.0 ? v + 1.0 : (1.0 - std::pow(alpha, v + 1.0)) / (1.0 - alpha);
+}
 
 // ---- verification (verify.cc)
 kvxfer_result_t verify_greedy(const int32_t* draft, int32_t draft_len, const int32_t* target,
@@ -26,7 +42,7 @@ kvxfer_result_t sample(const float* probs, int32_t vocab, uint64_t seed, int32_t
 kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
                               const kvxfer_request_info_t* info, int64_t now_ns, double* t_res_s);
 kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot_s,
-                              double verify_per_token_s, int32_t* length);
+                              double verify_base_s, double verify_per_token_s, int32_t* length);
 kvxfer_result_t window(const kvxfer_spec_window_config_t* config, double t_res_s, double tpot_s,
                        double elapsed_s, int32_t* out);
 kvxfer_result_t monitor_update(kvxfer_spec_monitor_t* m, int32_t draft_len, int32_t accepted,

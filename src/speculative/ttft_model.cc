@@ -42,7 +42,7 @@ kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_mode
     return in->t_fixed_s + (over > 0.0 ? over : 0.0) / R;
   };
   auto t_ver = [&](int d) {
-    return in->t_verify_base_s + in->t_verify_per_token_s * static_cast<double>(d + 1);
+    return verify_pass_s(in->t_verify_base_s, in->t_verify_per_token_s, static_cast<double>(d));
   };
   kvxfer_spec_model_output_t o = *out;
   // (17), (18): monolithic schemes decode once everything has landed.
@@ -66,7 +66,7 @@ kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_mode
   const double v = in->max_verify > 0 ? std::fmin(d, in->max_verify) : d;
   const double alpha = in->accept_rate;
   // abar = sum_{i=1..v} alpha^i, in closed form.
-  const double abar = alpha >= 1.0 ? v : alpha * (1.0 - std::pow(alpha, v)) / (1.0 - alpha);
+  const double abar = expected_pass_tokens(alpha, v) - 1.0;
   const int L = KVXFER_SPEC_SCHEME_LYNX;
   o.t_ready_s[L] = in->t_prefill_s + t_a;
   const double commit =

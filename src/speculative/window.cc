@@ -80,24 +80,39 @@ kvxfer_result_t window(const kvxfer_spec_window_config_t* config, double t_res_s
 }
 
 kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot_s,
-                              double verify_per_token_s, int32_t* length) {
+                              double verify_base_s, double verify_per_token_s, int32_t* length) {
   KVXFER_REQUIRE(length != nullptr, "length is NULL");
   KVXFER_REQUIRE(draft_len >= 0, "draft_len %d is negative", draft_len);
   KVXFER_REQUIRE(accept_rate >= 0.0 && accept_rate <= 1.0, "accept_rate %g is outside [0, 1]",
                  accept_rate);
   KVXFER_REQUIRE(std::isfinite(tpot_s) && tpot_s > 0.0, "tpot_s %g is not > 0", tpot_s);
+  KVXFER_REQUIRE(finite_nonneg(verify_base_s), "verify_base_s %g is negative or not finite",
+                 verify_base_s);
   KVXFER_REQUIRE(finite_nonneg(verify_per_token_s),
                  "verify_per_token_s %g is negative or not finite", verify_per_token_s);
-  if (verify_per_token_s >= tpot_s) {
+  // spec.h: the v in [1, draft_len] with the most expected final tokens per
+  // second, E(v) / t_ver(v) (expected_pass_tokens, verify_pass_s).
+  // E is concave and t_ver affine, so the rate rises to one peak (or
+  // plateau) and then falls: the scan stops at the first fall.
+  if (draft_len == 0) {
     *length = 0;
-  } else if (accept_rate >= 1.0 || verify_per_token_s == 0.0) {
-    *length = draft_len;
-  } else if (accept_rate <= 0.0) {
-    *length = 0;
-  } else {
-    const double n = std::floor(std::log(verify_per_token_s / tpot_s) / std::log(accept_rate));
-    *length = n >= draft_len ? draft_len : static_cast<int32_t>(n);
+    return KVXFER_SUCCESS;
   }
+  if (verify_base_s + verify_per_token_s == 0.0) {  // passes are free
+    *length = draft_len;
+    return KVXFER_SUCCESS;
+  }
+  double best = 0.0;
+  int32_t best_v = 0;
+  for (int32_t v = 1; v <= draft_len; ++v) {
+    const double x = static_cast<double>(v);
+    const double rate =
+        expected_pass_tokens(accept_rate, x) / verify_pass_s(verify_base_s, verify_per_token_s, x);
+    if (rate < best) break;
+    best = rate;
+    best_v = v;
+  }
+  *length = best * tpot_s >= 1.0 ? best_v : 0;
   return KVXFER_SUCCESS;
 }
 
