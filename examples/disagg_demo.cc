@@ -666,16 +666,17 @@ class Decoder {
       if (o_.pinned) pin_threads(o_.threads);
       const kvxfer_result_t wr = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
       if (wr != KVXFER_SUCCESS) die("receive failed: %s", kvxfer_get_last_error());
-      // COMPLETE: verify the draft (or its first --verify_max tokens, or as
-      // many as the acceptance so far pays for: kvxfer_spec_verify_length) in
-      // one batched pass on the full KV; row i of the logits scores draft[i].
+      // COMPLETE: verify the draft in batched passes on the full KV; row i of
+      // a pass's logits scores its draft token i.
       r.t_verify_start = now_ns();
       // Passes until a rejection or the end of the draft.  Each pass checks
-      // the next v draft tokens: all that are left (--verify_rule all), or as
-      // many as the acceptance so far pays for (kvxfer_spec_verify_length);
-      // at most --verify_max per pass.  A pass whose tokens are all accepted also
-      // yields the model's next token; when that equals the next draft token
-      // it is accepted too and the next pass goes on from there.
+      // the next v draft tokens: all that are left (--verify_rule all), or
+      // the v with the most expected final tokens per second at this
+      // context's pass cost (kvxfer_spec_verify_length); at most
+      // --verify_max per pass, and --first_verify in the first.  A pass
+      // whose tokens are all accepted also yields the model's next token;
+      // when that equals the next draft token it is accepted too and the
+      // next pass goes on from there.
       const size_t n_check = draft.size();
       size_t pos = 0;  // draft tokens accepted so far
       int cur = tok;   // the last final token, whose KV row is not in the tail yet
@@ -1167,8 +1168,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100));
   app.add_option("--show_text", o.show_text, "print the decoded text of this many prompts");
   app.add_option("--verify_rule", o.verify_rule,
-                 "adaptive: verify as many draft tokens as the acceptance so far pays for "
-                 "(kvxfer_spec_verify_length); all: the whole draft")
+                 "adaptive: passes of the length with the most expected final tokens per second, "
+                 "from the acceptance so far and the pass cost timed at start-up "
+                 "(kvxfer_spec_verify_length); all: the whole draft in one pass")
       ->check(CLI::IsMember({"adaptive", "all"}));
   app.add_option("-r,--rate", o.rate,
                  "link rate of the main table, tc syntax (20mbit, 1gbit, "
