@@ -447,8 +447,8 @@ bool Model::check_view(const KVView& view, std::string* error) const {
 
 bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView& view,
                     KVCache* tail, int logits_rows, std::vector<float>* logits,
-                    std::vector<float>* queries, std::string* error,
-                    std::vector<float>* att_mass) const {
+                    std::vector<float>* queries, std::string* error, std::vector<float>* att_mass,
+                    const std::function<bool(int)>* layer_ready) const {
   const Config& c = cfg_;
   if (tokens.empty()) {
     set_error(error, "no tokens to run");
@@ -571,6 +571,10 @@ bool Model::forward(const std::vector<int>& tokens, int start_pos, const KVView&
     if (queries != nullptr)
       std::memcpy(queries->data() + static_cast<std::size_t>(l) * TD, q.data(), TD * sizeof(float));
 
+    if (layer_ready != nullptr && n_view > 0 && !(*layer_ready)(l)) {
+      set_error(error, "layer " + std::to_string(l) + " of the KV view did not become ready");
+      return false;
+    }
     const KVLayerView lv = n_view > 0 ? view.layers[l] : KVLayerView{};
     const float* tail_k = over_view ? nullptr : tail->k(l);
     const float* tail_v = over_view ? nullptr : tail->v(l);
@@ -721,13 +725,19 @@ bool Model::decode_step(int token, int pos, const KVView& view, KVCache* tail,
 
 bool Model::verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
                    std::vector<float>* logits, std::string* error) const {
+  return verify(draft, start_pos, view, tail, logits, error, nullptr);
+}
+
+bool Model::verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
+                   std::vector<float>* logits, std::string* error,
+                   const std::function<bool(int)>& layer_ready) const {
   if (tail == nullptr) {
     set_error(error, "tail cache is null");
     return false;
   }
   std::vector<float> tmp;
-  return forward(draft, start_pos, view, tail, 2, logits != nullptr ? logits : &tmp, nullptr,
-                 error);
+  return forward(draft, start_pos, view, tail, 2, logits != nullptr ? logits : &tmp, nullptr, error,
+                 nullptr, layer_ready ? &layer_ready : nullptr);
 }
 
 bool Model::score_over_view(const std::vector<int>& tokens, int start_pos, const KVView& view,

@@ -40,6 +40,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <new>
 #include <string>
@@ -212,6 +213,15 @@ class Model {
   // draft[0] is the last accepted token, so row i scores draft[i+1].)
   bool verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
               std::vector<float>* logits, std::string* error) const;
+  // The same pass, calling layer_ready(l) before it first reads the view's
+  // layer l, on the calling thread, layers in order; so the pass can start
+  // while the view's later layers are still being written, each read only
+  // once layer_ready(l) has returned true.  layer_ready returning false
+  // stops the pass: verify returns false and leaves *error, *tail and
+  // *logits unspecified.  The bits are those of verify without it.
+  bool verify(const std::vector<int>& draft, int start_pos, const KVView& view, KVCache* tail,
+              std::vector<float>* logits, std::string* error,
+              const std::function<bool(int)>& layer_ready) const;
 
   // Teacher-forced scoring over a given KV, e.g. a transferred and
   // compressed copy of a prompt's own cache: tokens[i] runs at position
@@ -257,7 +267,8 @@ class Model {
   // PrefillResult::attention_mass.
   bool forward(const std::vector<int>& tokens, int start_pos, const KVView& view, KVCache* tail,
                int logits_rows, std::vector<float>* logits, std::vector<float>* queries,
-               std::string* error, std::vector<float>* att_mass = nullptr) const;
+               std::string* error, std::vector<float>* att_mass = nullptr,
+               const std::function<bool(int)>* layer_ready = nullptr) const;
 
   Config cfg_;
   std::vector<float> data_;           // llama2.c: all float32 weights of the file

@@ -196,6 +196,42 @@ TEST(Llama2, VerifyEqualsSequentialDecode) {
   EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float)));
 }
 
+// verify with layer_ready: the hook sees layers 0..n-1 in order before each
+// is read, the bits equal the plain pass, and a false stops the pass.
+TEST(Llama2, VerifyWaitsForEachLayerAndKeepsTheBits) {
+  REQUIRE_MODEL(m);
+  std::string err;
+  km::PrefillResult pre;
+  ASSERT_TRUE(m->prefill(prompt(8), {}, &pre, &err)) << err;
+  const km::KVView view = pre.kv.view();
+  const std::vector<int> draft = {kReference[7], kReference[8], 77};
+  km::KVCache plain_tail, hooked_tail;
+  std::vector<float> plain, hooked;
+  ASSERT_TRUE(m->verify(draft, 8, view, &plain_tail, &plain, &err)) << err;
+  std::vector<int> seen;
+  ASSERT_TRUE(m->verify(draft, 8, view, &hooked_tail, &hooked, &err, [&](int l) {
+    seen.push_back(l);
+    return true;
+  })) << err;
+  std::vector<int> all(static_cast<size_t>(m->config().n_layers));
+  for (size_t l = 0; l < all.size(); ++l) all[l] = static_cast<int>(l);
+  EXPECT_EQ(seen, all);
+  ASSERT_EQ(plain.size(), hooked.size());
+  EXPECT_EQ(0, std::memcmp(plain.data(), hooked.data(), plain.size() * sizeof(float)));
+  ASSERT_EQ(hooked_tail.n_tokens(), plain_tail.n_tokens());
+  EXPECT_EQ(0, std::memcmp(plain_tail.k(m->config().n_layers - 1),
+                           hooked_tail.k(m->config().n_layers - 1),
+                           plain_tail.n_tokens() * m->config().kv_dim() * sizeof(float)));
+  seen.clear();
+  km::KVCache stopped;
+  EXPECT_FALSE(m->verify(draft, 8, view, &stopped, nullptr, &err, [&](int l) {
+    seen.push_back(l);
+    return l < 2;
+  }));
+  EXPECT_EQ(seen, (std::vector<int>{0, 1, 2}));
+  EXPECT_NE(err.find("layer 2"), std::string::npos) << err;
+}
+
 TEST(Llama2, ExternalViewIsReallyUsed) {
   REQUIRE_MODEL(m);
   std::string err;
