@@ -12,8 +12,9 @@
 //   Lynx               progressive: at ANCHOR_READY the decoder drafts greedily
 //                      on the anchor-precision KV (a snapshot taken in the
 //                      on_anchor_ready callback), for the adaptive window
-//                      kvxfer_spec_window; at COMPLETE it verifies the draft in
-//                      batched passes on the full KV (kvxfer_spec_verify_greedy),
+//                      kvxfer_spec_window; then it verifies the draft in batched
+//                      passes on the full KV (kvxfer_spec_verify_greedy), the
+//                      first reading each layer as its residual completes,
 //                      each as long as kvxfer_spec_verify_length finds best for
 //                      the runner's cost at that context (timed at start-up),
 //                      keeps the accepted prefix, corrects, and goes on decoding.
@@ -635,7 +636,9 @@ class Decoder {
       // Drafting runs while the residual is in flight: it leaves the
       // transfer's progress and decode threads one of the model's threads
       // (docs/SPEC.md, "Results on SmolLM2").
-      omp_set_num_threads(o_.draft_threads > 0 ? o_.draft_threads : std::max(1, o_.threads - 1));
+      const int draft_threads =
+          o_.draft_threads > 0 ? o_.draft_threads : std::max(1, o_.threads - 1);
+      omp_set_num_threads(draft_threads);
       for (;;) {
         kvxfer_stage_t st;
         const kvxfer_result_t tr = kvxfer_test(req, &st);
@@ -664,10 +667,27 @@ class Decoder {
       }
       omp_set_num_threads(o_.threads);
       if (o_.pinned) pin_threads(o_.threads);
-      const kvxfer_result_t wr = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
-      if (wr != KVXFER_SUCCESS) die("receive failed: %s", kvxfer_get_last_error());
-      // COMPLETE: verify the draft in batched passes on the full KV; row i of
-      // a pass's logits scores its draft token i.
+      // Verify the draft in batched passes on the full KV; row i of a pass's
+      // logits scores its draft token i.  The first pass starts now, the
+      // residual perhaps still in flight: it reads layer l of the full KV
+      // only once kvxfer_wait_layer says that layer is COMPLETE (all its
+      // pages' residuals applied and checked), so what is left of it at
+      // COMPLETE is the last layers' share (docs/SPEC.md, "The first pass
+      // after COMPLETE").  Until the last layer is complete it runs on the
+      // drafting threads, leaving the transfer its core.  The later passes
+      // run after COMPLETE.
+      auto team_for_rest = [&] {
+        kvxfer_stage_t last = KVXFER_STAGE_POSTED;
+        (void)kvxfer_test_layer(req, c_.n_layers - 1, &last);
+        omp_set_num_threads(last == KVXFER_STAGE_COMPLETE ? o_.threads : draft_threads);
+      };
+      auto layer_complete = [&](int layer) {
+        if (kvxfer_wait_layer(req, layer, KVXFER_STAGE_COMPLETE, -1) != KVXFER_SUCCESS)
+          return false;
+        team_for_rest();
+        return true;
+      };
+      team_for_rest();
       r.t_verify_start = now_ns();
       // Passes until a rejection or the end of the draft.  Each pass checks
       // the next v draft tokens: all that are left (--verify_rule all), or
@@ -703,8 +723,19 @@ class Decoder {
         batch.insert(batch.end(), draft.begin() + static_cast<std::ptrdiff_t>(pos),
                      draft.begin() + static_cast<std::ptrdiff_t>(pos + v));
         const int rows0 = tail.n_tokens();
-        if (!m_.verify(batch, L - 1 + rows0, full, &tail, &logits, &err))
-          die("verify: %s", err.c_str());
+        const bool first = r.passes == 0;
+        if (!(first ? m_.verify(batch, L - 1 + rows0, full, &tail, &logits, &err, layer_complete)
+                    : m_.verify(batch, L - 1 + rows0, full, &tail, &logits, &err)))
+          die("verify: %s (%s)", err.c_str(), kvxfer_get_last_error());
+        int64_t p_start = p0;  // the first pass: its time after COMPLETE
+        if (first) {
+          omp_set_num_threads(o_.threads);
+          if (kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1) != KVXFER_SUCCESS)
+            die("receive failed: %s", kvxfer_get_last_error());
+          kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
+          CHECK_KVXFER(kvxfer_request_get_info(req, &info));
+          p_start = std::max(p0, info.t_complete_ns);
+        }
         std::vector<int32_t> target(batch.size());
         for (size_t i = 0; i < batch.size(); ++i)
           target[i] = km::argmax(logits.data() + i * c_.vocab_size, c_.vocab_size);
@@ -712,7 +743,7 @@ class Decoder {
         CHECK_KVXFER(kvxfer_spec_verify_greedy(draft.data() + pos, static_cast<int32_t>(v),
                                                target.data(), &a, &next));
         tail.truncate(rows0 + 1 + a);  // the rows of cur and of the accepted draft tokens
-        const double pass_s = ms(now_ns() - p0) * 1e-3;
+        const double pass_s = ms(now_ns() - p_start) * 1e-3;
         r.pass_log.push_back({static_cast<int>(batch.size()), pass_s * 1e3,
                               cost.pass_s(static_cast<int>(batch.size())) * 1e3});
         // The accepted tokens become final now (the first one was emitted
@@ -861,7 +892,9 @@ class Decoder {
       if (r->speculated && !(r->t_snapshot >= r->t_anchor && r->t_snapshot <= r->t_complete))
         bad("the anchor snapshot is not between ANCHOR_READY and COMPLETE");
       if (r->drafted > 0 && !(r->t_first_emit >= r->t_anchor)) bad("drafted before ANCHOR_READY");
-      if (r->speculated && !(r->t_verify_start >= r->t_complete)) bad("verified before COMPLETE");
+      // The first pass may start before COMPLETE: it reads each layer only
+      // after kvxfer_wait_layer(COMPLETE) (Model::verify's layer_ready).
+      if (r->speculated && !(r->t_verify_start >= r->t_anchor)) bad("verified before ANCHOR_READY");
     } else if (r->t_first_residual != 0 || r->residual_bytes != 0) {
       bad("a monolithic transfer carried residual sections");
     }
