@@ -261,6 +261,11 @@ struct Options {
   int first_verify = 4;  // the first pass checks at most this many; 0 = no cap
   bool no_pin = false;   // leave the decode process's model threads unpinned
   bool pinned = false;   // set in main: they are pinned, one per CPU
+
+  /** Model threads while drafting (--draft_threads, or one fewer than --threads). */
+  int drafting_threads() const {
+    return draft_threads > 0 ? draft_threads : std::max(1, threads - 1);
+  }
 };
 
 // ---------------------------------------------------------------------------
@@ -505,11 +510,11 @@ void on_anchor_ready(kvxfer_request_t, kvxfer_stage_t stage, kvxfer_result_t, vo
   s->cv.notify_all();
 }
 
+/** The latency model's runner costs at one point of the table (cal_at in main). */
 struct Calibration {
   double tpot_s = 0;         // decode step (median)
   double verify_base_s = 0;  // verify pass: base + per_token * tokens
   double verify_per_token_s = 0;
-  double residual_ratio = 0.8;  // residual / anchor bytes of the last Lynx transfer
 };
 
 /** The runner's costs at one context (KV tokens), timed at start-up: a decode
@@ -627,7 +632,7 @@ class Decoder {
       kvxfer_spec_window_config_t wc = KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER;
       wc.margin = o_.margin;
       wc.max_tokens = std::min(N, c_.seq_len - L);
-      wc.residual_ratio = cal_.residual_ratio;
+      wc.residual_ratio = residual_ratio_;
       wc.link_bytes_per_s = rate_bps;
       std::vector<int32_t> draft;
       km::KVCache dtail;
@@ -636,8 +641,7 @@ class Decoder {
       // Drafting runs while the residual is in flight: it leaves the
       // transfer's progress and decode threads one of the model's threads
       // (docs/SPEC.md, "Results on SmolLM2").
-      const int draft_threads =
-          o_.draft_threads > 0 ? o_.draft_threads : std::max(1, o_.threads - 1);
+      const int draft_threads = o_.drafting_threads();
       omp_set_num_threads(draft_threads);
       for (;;) {
         kvxfer_stage_t st;
@@ -665,7 +669,6 @@ class Decoder {
         draft.push_back(t);
         if (r.t_first_emit == 0) r.t_first_emit = now_ns();
       }
-      omp_set_num_threads(o_.threads);
       if (o_.pinned) pin_threads(o_.threads);
       // Verify the draft in batched passes on the full KV; row i of a pass's
       // logits scores its draft token i.  The first pass starts now, the
@@ -794,7 +797,7 @@ class Decoder {
     const DoneMsg done = as<DoneMsg>(recv_msg(from_, kMsgDone));
     if (done.result != KVXFER_SUCCESS) die("send failed: %s", done.error);
     if (mode == kLynx && r.anchor_bytes > 0)
-      cal_.residual_ratio = static_cast<double>(r.residual_bytes) / r.anchor_bytes;
+      residual_ratio_ = static_cast<double>(r.residual_bytes) / r.anchor_bytes;
     {
       km::KVCache t2;
       int tk = prompt[L - 1];
@@ -870,7 +873,6 @@ class Decoder {
     return it->second;
   }
 
-  const Calibration& calibration() const { return cal_; }
   /** Decode-step times of every timed run (seconds). */
   const std::vector<double>& step_samples() const { return step_samples_; }
   /** Forgets the samples (after the warm-up). */
@@ -910,7 +912,7 @@ class Decoder {
   std::string rate_;
   BlockKV recv_, snap_;
   uint64_t tag_ = 0;
-  Calibration cal_;
+  double residual_ratio_ = 0.8;        // residual / anchor bytes of the last Lynx transfer
   std::map<int, PassCost> pass_cost_;  // by KV tokens (calibrate_at)
   kvxfer_spec_monitor_t monitor_ = KVXFER_SPEC_MONITOR_INITIALIZER;
   std::vector<double> step_samples_;
@@ -1366,8 +1368,7 @@ int main(int argc, char** argv) {
   std::printf(
       "# page %d tokens, KVXFER_NET_CHUNK_BYTES %s (rate-limiter burst), model threads "
       "%d (%d while drafting%s), KVXFER_SPEC_MAX %s, KVXFER_SPEC_MIN_ACCEPT %s\n",
-      o.page_tokens, std::getenv("KVXFER_NET_CHUNK_BYTES"), o.threads,
-      o.draft_threads > 0 ? o.draft_threads : std::max(1, o.threads - 1),
+      o.page_tokens, std::getenv("KVXFER_NET_CHUNK_BYTES"), o.threads, o.drafting_threads(),
       o.pinned ? "; decode process's pinned one per CPU" : "",
       std::getenv("KVXFER_SPEC_MAX") ? std::getenv("KVXFER_SPEC_MAX") : "64 (default)",
       std::getenv("KVXFER_SPEC_MIN_ACCEPT") ? std::getenv("KVXFER_SPEC_MIN_ACCEPT")
@@ -1471,7 +1472,7 @@ int main(int argc, char** argv) {
   // busier than during the start-up timing); its verification cost: the
   // start-up passes at its prompts' contexts (median over the prompts).
   auto cal_at = [&](const Point& p) {
-    Calibration c = dec.calibration();
+    Calibration c;
     const std::vector<double>& steps = steps_at[p.rate_bps];
     std::vector<double> base, per, tpot;
     for (size_t rep = 0; rep < prompts_of[set_of(p)].size(); ++rep) {
