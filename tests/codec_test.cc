@@ -681,7 +681,7 @@ struct PageErrors {
 };
 
 // Squared error of pages encoded with `alpha`, through the real codec, over
-// the rows of the calibration sample (hist_row: t % 8 == 0; these pages have
+// the rows of the calibration sample (hist_row: t % 16 == 0; these pages have
 // at most 8 chunks, so every chunk is sampled).
 PageErrors page_errors(const std::vector<PagedBuffer*>& pages, float alpha) {
   PageErrors e;
@@ -819,7 +819,11 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
           const kvxfer_page_id_t id{1, KVXFER_KV_VALUE, begin, 9};
           const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(sinks - begin, T));
           for (int64_t t0 = 0; t0 < T; t0 += 16) {
-            const int64_t r0 = range_row0(t0, std::min<int64_t>(T, t0 + 16), rows);
+            // FORMAT.md 2.7, not range_row0: a chunk holding sink rows and
+            // others takes its ranges from the others; a sink-only chunk
+            // keeps its own.
+            const int64_t t1 = std::min<int64_t>(T, t0 + 16);
+            const int64_t r0 = rows > t0 && rows < t1 ? rows : t0;
             for (int64_t t = t0; t < r0; ++t)
               for (int32_t c = 0; c < H; ++c) same_ranges.set(t, c, src.get(r0, c));
           }
@@ -886,6 +890,83 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
                 << what << ": chunk 0's metadata still spans the sinks";
           }
         }
+}
+
+// The ranges of chunks with sink rows (FORMAT.md 2.7), read from the wire and
+// compared with values chosen to be exact in binary16: a chunk of sink rows
+// only (sink_rows at a chunk's end) keeps its own range; a mixed chunk takes
+// the range of its other rows.
+TEST(PageCodec, SinkChunkRangesFollowTheFormatAtChunkBoundaries) {
+  const int64_t T = 40;
+  const int32_t H = 8;
+  for (int sinks : {16, 20, 32})
+    for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8, KVXFER_CODEC_INT4}) {
+      PagedBuffer src(T, H, KVXFER_DTYPE_FP32, 16);
+      for (int64_t t = 0; t < T; ++t)
+        for (int32_t c = 0; c < H; ++c) {
+          const bool sink = t < sinks;
+          // sink rows span [-2, 6] (m 2, d 4); the others [-1, 1] (m 0, d 1)
+          const float lo = sink ? -2.0f : -1.0f, hi = sink ? 6.0f : 1.0f;
+          src.set(t, c, t % 3 == 0 ? lo : (t % 3 == 1 ? hi : 0.5f * (lo + hi) + 0.25f));
+        }
+      kvxfer_codec_config_t cfg = config(codec, 0.0f, 16);
+      cfg.sink_tokens = sinks;
+      const auto e = test::encode(cfg, src, Impl::REFERENCE, {0, KVXFER_KV_KEY, 0, 1});
+      ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+      for (int64_t chunk = 0; chunk < 3; ++chunk) {
+        const int64_t t0 = chunk * 16, t1 = std::min<int64_t>(T, t0 + 16);
+        // a chunk of sink rows only has every row < sinks and so takes their range
+        const bool sink_range = t1 <= sinks;
+        for (int32_t c = 0; c < H; ++c) {
+          const uint8_t* pair = e.anchor.data() + kHeaderBytes + 4 * (chunk * H + c);
+          const float m = f16_to_f32(static_cast<uint16_t>(pair[0] | pair[1] << 8));
+          const float d = f16_to_f32(static_cast<uint16_t>(pair[2] | pair[3] << 8));
+          EXPECT_EQ(m, sink_range ? 2.0f : 0.0f) << "sinks " << sinks << " chunk " << chunk;
+          EXPECT_EQ(d, sink_range ? 4.0f : 1.0f) << "sinks " << sinks << " chunk " << chunk;
+        }
+      }
+    }
+}
+
+// The anchor table samples rows t % 16 == 0 after the sink rows (FORMAT.md
+// 2.4): changing any other row, keeping every range, leaves the table's bytes
+// as they were; changing a sampled row moves them.
+TEST(PageCodec, AnchorTableSamplesEverySixteenthRowAfterTheSinks) {
+  const int64_t T = 64;
+  const int32_t H = 64;
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8})
+    for (int anchor_bits : {3, 4}) {
+      if (codec == KVXFER_CODEC_LYNX && anchor_bits == 4) continue;  // INT4's levels, no table
+      kvxfer_codec_config_t cfg = config(codec, 0.0f, 32, anchor_bits);
+      const size_t table_bytes = 4u << anchor_bits;
+      // values in (-1, 1), rows 1 and 2 of every chunk at -1 and 1: the ranges
+      // stay (0, 1) whatever the other rows hold
+      auto page = [&](int64_t changed_row) {
+        PagedBuffer p(T, H, KVXFER_DTYPE_FP32, 16);
+        std::mt19937_64 rng(5);
+        std::uniform_real_distribution<float> u(-0.99f, 0.99f);
+        for (int64_t t = 0; t < T; ++t)
+          for (int32_t c = 0; c < H; ++c) {
+            float v = t % 32 == 1 ? -1.0f : (t % 32 == 2 ? 1.0f : u(rng));
+            if (t == changed_row) v = -0.5f * v;
+            p.set(t, c, v);
+          }
+        const auto e = test::encode(cfg, p, Impl::REFERENCE, {0, KVXFER_KV_KEY, 0, 1});
+        EXPECT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+        // FORMAT.md 4: the table ends the anchor section before the sink rows'
+        // padding; the sink row (sink_tokens 1) is H bf16 values.
+        const size_t sink_bytes = 2 * H;
+        const size_t end = e.anchor.size() - sink_bytes;
+        const size_t pad = (end - kHeaderBytes) % 8;  // none for these sizes
+        EXPECT_EQ(pad, 0u);
+        return std::vector<uint8_t>(e.anchor.begin() + end - table_bytes, e.anchor.begin() + end);
+      };
+      const auto base = page(-1);
+      for (int64_t row : {0, 8, 24, 40, 63})  // row 0 is the sink row
+        EXPECT_EQ(page(row), base) << "codec " << codec << " A " << anchor_bits << " row " << row;
+      for (int64_t row : {16, 32, 48})
+        EXPECT_NE(page(row), base) << "codec " << codec << " A " << anchor_bits << " row " << row;
+    }
 }
 
 // Token groups (docs/FORMAT.md 2.8): the payload of a V page with

@@ -821,7 +821,7 @@ TEST(WireFormat, HeaderBytesAreFixed) {
 
   // Anchor table (docs/FORMAT.md 2.4), recomputed from the page's own codes:
   // per anchor, the mean of recon_full over the codes of the sampled rows
-  // (t % 8 == 0: row 0, elements 0 and 1; double sums in ascending code
+  // (t % 16 == 0: row 0, elements 0 and 1; double sums in ascending code
   // order), clamped to the anchor's bin; the bin centre if unused.
   const CodebookRef cb = get_codebook(KVXFER_CODEC_LYNX, 20.0f, 4, nullptr);
   ASSERT_NE(cb, nullptr);
@@ -900,7 +900,7 @@ TEST(WireFormat, SpectrumPageBytesAreFixed) {
   EXPECT_EQ(r[114], 0x0F);
   // INT4 token 2: z = -1 -> 0; z = +1 -> 15 (the odd element in the high nibble).
   EXPECT_EQ(a[124], 0xF0);
-  // Anchor table: the histogram samples row 0 only (t % 8 == 0), an FP16
+  // Anchor table: the histogram samples row 0 only (t % 16 == 0), an FP16
   // token, so no INT8 code is counted and every entry is its bin centre.
   const CodebookRef cb = get_codebook(KVXFER_CODEC_INT8, 0.0f, 4, nullptr);
   for (unsigned k = 0; k < 16; ++k) {

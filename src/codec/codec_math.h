@@ -334,7 +334,7 @@ KVXFER_HD inline float recon_linear(int kind, unsigned code, float step) {
 /**
  * The per-page anchor table counts the full codes of the page's rows t with
  * t % kHistRowStride == 0 (t from 0 at the page's first token): a fixed
- * one-in-eight sample, so that counting costs an eighth of a pass
+ * one-in-sixteen sample, so that counting costs a sixteenth of a pass
  * (docs/FORMAT.md 2.4).  Rows before sink_rows (2.7) are not counted:
  * decoders overwrite them; callers without sink rows pass 0.
  */
