@@ -1,7 +1,8 @@
 // model_perf: the speed of the model runner (models/, docs/MODEL.md) on
 // SmolLM2-135M-Instruct: prefill, a decode step at a context, and batched
 // verification passes in decode steps, with a memcpy of the weight bytes in
-// the same run as the physical limit of a decode step.
+// the same run as the physical limit of a decode step, and the tokenizer's
+// encoding of 10,000 characters against the prefill of the tokens it yields.
 //
 //   ./build/perf/model_perf                 context 1024, passes of 16 and 64
 //   ./build/perf/model_perf -C 2048 -v 8,16,32,64 --model FILE -n 5
@@ -22,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "models/bpe_tokenizer.h"
 #include "models/gguf.h"
 #include "models/llama2.h"
 #include "models/model_paths.h"
@@ -316,5 +318,31 @@ int main(int argc, char** argv) {
     std::printf(
         "# memcpy of the %.1f MB of tensors in the same run: %.2f ms = %.3f of a decode step\n",
         static_cast<double>(weight_bytes) / 1e6, t_copy * 1e3, t_copy / t_step);
+
+  // The tokenizer (GGUF models only): 10,000 characters of English prose and
+  // a run of 10,000 spaces (the longest pre-token there is), each against the
+  // prefill of as many tokens as it yields, at this run's prefill speed.
+  if (m->gguf_file() != nullptr) {
+    const auto tok = km::BpeTokenizer::from_gguf(*m->gguf_file(), &err);
+    std::ifstream in(KVXFER_DATA_DIR "/apache-2.0.txt", std::ios::binary);
+    std::string prose((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!tok || prose.size() < 10000) {
+      std::fprintf(stderr, "model_perf: tokenizer or text unavailable: %s\n", err.c_str());
+      return 1;
+    }
+    prose.resize(10000);
+    for (const auto& [what, text] : {std::pair<const char*, std::string>{"prose", prose},
+                                     {"spaces", std::string(10000, ' ')}}) {
+      std::vector<std::int32_t> ids;
+      const double t = median_time(reps, [&] {
+        ids.clear();
+        if (!tok->encode(text, false, &ids, &err)) std::fprintf(stderr, "%s\n", err.c_str());
+      });
+      std::printf(
+          "# tokenizer, %zu characters of %s: %.2f ms for %zu tokens = %.2g of their "
+          "prefill\n",
+          text.size(), what, t * 1e3, ids.size(), t / (t_prefill / ctx * ids.size()));
+    }
+  }
   return 0;
 }

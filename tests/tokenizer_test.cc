@@ -13,7 +13,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -928,25 +927,22 @@ TEST_F(SmolLM2Tokenizer, RandomUtf8RoundTrips) {
   }
 }
 
-TEST_F(SmolLM2Tokenizer, EncodesTenThousandCharactersInUnder50ms) {
+// Long inputs round-trip: 10,000 characters of prose, and a 10,000-character
+// run of one class (the longest piece possible).  Their speed is a benchmark:
+// perf/model_perf prints it against the prefill of the same tokens.
+TEST_F(SmolLM2Tokenizer, EncodesTenThousandCharactersAndDecodesThemBack) {
   std::ifstream in(KVXFER_DATA_DIR "/apache-2.0.txt", std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   ASSERT_GE(text.size(), 10000u);
   text.resize(10000);
   Ids ids;
   std::string error;
-  const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(tok().encode(text, true, &ids, &error)) << error;
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_LT(ms, 50.0) << ids.size() << " tokens";
-  // A 10,000-character run of one class (the longest piece possible).
+  EXPECT_GT(ids.size(), 1000u);
+  EXPECT_LT(ids.size(), 5000u);
+  EXPECT_EQ(decode(tok(), ids), text);
   const std::string spaces(10000, ' ');
-  const auto t1 = std::chrono::steady_clock::now();
   const Ids space_ids = encode(tok(), spaces);
-  const double ms_spaces =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count();
-  EXPECT_LT(ms_spaces, 50.0);
   EXPECT_EQ(decode(tok(), space_ids), spaces);
 }
 

@@ -1402,7 +1402,9 @@ TEST(Xfer, DestroyWithRequestsInFlightEndsThemInError) {
   EXPECT_EQ(kvxfer_request_free(reqs[0]), KVXFER_ERR_INVALID_USAGE);  // still in flight
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.5);
+  // Not the 20 s timeout: a quarter of it holds on a loaded 2-core machine.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+            kTimeoutMs / 4000.0);
   for (auto r : reqs) {
     kvxfer_stage_t st;
     EXPECT_EQ(kvxfer_test(r, &st), KVXFER_ERR_INVALID_USAGE);
@@ -1722,7 +1724,9 @@ int doomed_peer(const kvxfer_unique_id_t& id, int rd, int wr, bool sender, const
 }
 
 void detection_case(bool parent_sends, const char* rate, Loss how) {
-  constexpr double kBoundS = 1.5;
+  // Found, not timed out (kTimeoutMs, 20 s): measured 0.13 s at most; a
+  // quarter of the timeout holds on a loaded 2-core machine.
+  constexpr double kBoundS = kTimeoutMs / 4000.0;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int wr) {
     return doomed_peer(id, rd, wr, !parent_sends, rate, how);
@@ -1770,7 +1774,7 @@ void detection_case(bool parent_sends, const char* rate, Loss how) {
   const double dsecs = std::chrono::duration<double>(std::chrono::steady_clock::now() - d0).count();
   std::printf("[ detect   ] then this side's destroy took %.3f s\n", dsecs);
   std::fflush(stdout);
-  EXPECT_LT(dsecs, 1.0) << "destroy after the peer was lost";
+  EXPECT_LT(dsecs, kBoundS) << "destroy after the peer was lost";
   if (how == Loss::kDestroyed) write_all(pair.child.to_child, "q", 1);  // (killed: no reader)
   pair.child.wait(30);
 }
