@@ -48,6 +48,7 @@ from .core import (  # noqa: F401
     calibrate_alpha,
     decode_page,
     encode_page,
+    encode_page_tiered,
     error_string,
     get_version,
     inspect_page,

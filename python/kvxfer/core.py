@@ -1069,6 +1069,36 @@ def encode_page(layout, page_id, codec=None):
     return abuf.raw[:alen.value], rbuf.raw[:rlen.value]
 
 
+def encode_page_tiered(layout, page_id, tiers, codec=None):
+    """kvxfer_page_encode_tiered: (anchor: bytes, residual: bytes) of one
+    SpectrumKV page (docs/FORMAT.md section 6).
+
+    tiers: layout.num_tokens Tier values (or ints 0..3), one per token, any
+    sequence or bytes.  codec: a CodecConfig whose codec is SPECTRUM (None:
+    the defaults with codec SPECTRUM); its anchor_bits splits the INT8 tier.
+    Errors: ValueError when len(tiers) != num_tokens; KvxferError
+    (ERR_INVALID_ARGUMENT for a tier out of range or a codec not SPECTRUM,
+    ERR_NONFINITE) from the library.
+    """
+    if codec is None:
+        codec = CodecConfig(codec=Codec.SPECTRUM)
+    tiers = bytes(int(t) for t in tiers)
+    if len(tiers) != layout.num_tokens:
+        raise ValueError("encode_page_tiered: %d tiers for %d tokens" %
+                         (len(tiers), layout.num_tokens))
+    c = _codec_struct(codec)
+    acap, rcap = page_max_size(layout.num_tokens, layout.num_channels, codec)
+    abuf = ctypes.create_string_buffer(max(acap, 1))
+    rbuf = ctypes.create_string_buffer(max(rcap, 1))
+    alen, rlen = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    tbuf = (ctypes.c_uint8 * max(len(tiers), 1)).from_buffer_copy(tiers or b"\0")
+    pid = _page_id_struct(page_id) or _abi.PageIdStruct()
+    _L.kvxfer_page_encode_tiered(ctypes.byref(c), ctypes.byref(pid), ctypes.byref(layout._struct),
+                                 tbuf if tiers else None, abuf, acap, ctypes.byref(alen), rbuf,
+                                 rcap, ctypes.byref(rlen))
+    return abuf.raw[:alen.value], rbuf.raw[:rlen.value]
+
+
 def _section(obj, what):
     m = memory_of(obj, what)
     if m.nbytes is None:
