@@ -84,8 +84,10 @@ fi
 # Without them the tests that need them skip themselves (exit 77).
 #   pytest      the Python binding's tests (python/CMakeLists.txt)
 #   matplotlib  perf/plot_perf.py and examples/plot_demo.py (the figures)
+#   numpy       python/tests/format_oracle.py (the NumPy oracle of docs/FORMAT.md)
+#   xxhash      python/tests/format_oracle.py (XXH3_64 section checksums)
 if command -v python3 >/dev/null 2>&1; then
-  for module in pytest matplotlib; do
+  for module in pytest matplotlib numpy xxhash; do
     if ! python3 -c "import $module" >/dev/null 2>&1; then
       echo "install-deps.sh: installing $module for $(command -v python3)"
       if ! PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet "$module"; then
