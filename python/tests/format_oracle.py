@@ -58,6 +58,15 @@ def fma32(a, b, c):
     return out
 
 
+def round_exact_to_f32(v):
+    """The binary32 nearest the exact rational v (ties to even), finite range."""
+    v = Fraction(v)
+    r = np.float32(float(v))
+    cands = [np.nextafter(r, np.float32(-np.inf)), r, np.nextafter(r, np.float32(np.inf))]
+    return min(cands, key=lambda c: (abs(Fraction(float(c)) - v),
+                                     int(np.float32(c).view(np.uint32)) & 1))
+
+
 def bf16_bits(x32):
     """float32 -> bf16 bits, round to nearest even (section 3.4)."""
     u = f32(x32).view(np.uint32).astype(np.uint64)
@@ -154,8 +163,6 @@ def alpha_table(alpha):
 def alpha_table_exact(alpha):
     """The same table from the exact g(k + 1/2), correctly rounded (a cross-check:
     Appendix A is accurate enough that both agree for the alphas tested)."""
-    from decimal import Decimal, localcontext
-    from fractions import Fraction
     alpha = float(np.float32(alpha))
     out = []
     with localcontext() as ctx:
@@ -163,11 +170,7 @@ def alpha_table_exact(alpha):
         a = Decimal(alpha)
         ln1a = (1 + a).ln()
         for k in range(127):
-            v = Fraction(((ln1a * (Decimal(2 * k + 1) / 254)).exp() - 1) / a)
-            r = np.float32(float(v))
-            cands = [np.nextafter(r, np.float32(-1)), r, np.nextafter(r, np.float32(2))]
-            out.append(min(cands, key=lambda c: (abs(Fraction(float(c)) - v),
-                                                 int(np.float32(c).view(np.uint32)) & 1)))
+            out.append(round_exact_to_f32(((ln1a * (Decimal(2 * k + 1) / 254)).exp() - 1) / a))
     return np.array(out, dtype=np.float32)
 
 
@@ -673,7 +676,6 @@ def _decode_spectrum(h, ap, rp):
         dt = {0: "bf16", 1: "fp16", 2: "fp32"}[h["src_dtype"]]
         sent = tiers != TIER_DROP
         n = int(sent.sum()) * H
-        w = 4 if dt == "fp32" else 2
         raw = np.frombuffer(ap, dtype="<f4" if dt == "fp32" else "<u2", count=n, offset=off)
         if dt == "fp16":
             raw = raw.view("<f2")

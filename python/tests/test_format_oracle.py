@@ -313,6 +313,28 @@ def test_product_alpha_auto_survives_nonfinite_sample_rows(policy):
         assert "error %d" % kvxfer.Result.ERR_NONFINITE in p.stdout
 
 
+def test_fma32_rounds_once():
+    """The oracle's RN(a*b + c) against the exact value rounded once: random
+    triples over many scales (subnormal results included) and the case where
+    binary64 lands on a binary32 midpoint (double rounding would give 1 + 2^-22)."""
+    from fractions import Fraction
+    rng = np.random.default_rng(15)
+    n = 3000
+    a = (rng.standard_normal(n) * 2.0 ** rng.integers(-70, 40, n)).astype(np.float32)
+    b = (rng.standard_normal(n) * 2.0 ** rng.integers(-70, 40, n)).astype(np.float32)
+    c = (rng.standard_normal(n) * 2.0 ** rng.integers(-149, 70, n)).astype(np.float32)
+    c[: n // 3] = -(a[: n // 3].astype(np.float64) * b[: n // 3]).astype(np.float32)  # cancel
+    a = np.append(a, np.float32(2.0 ** -12 * (1 + 2.0 ** -23)))
+    b = np.append(b, np.float32(2.0 ** -12 * (1 - 2.0 ** -23)))
+    c = np.append(c, np.float32(1 + 2.0 ** -23))
+    got = O.fma32(a, b, c)
+    assert got[-1] == np.float32(1 + 2.0 ** -23)
+    for i in range(n + 1):
+        want = O.round_exact_to_f32(Fraction(float(a[i])) * Fraction(float(b[i])) +
+                                    Fraction(float(c[i])))
+        assert got[i].view(np.uint32) == np.float32(want).view(np.uint32), (a[i], b[i], c[i])
+
+
 def test_alpha_table_is_the_correctly_rounded_g():
     """Appendix A's double arithmetic gives g(k + 1/2) correctly rounded for
     the alphas docs/FORMAT.md 2.2 names."""
