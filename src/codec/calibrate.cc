@@ -3,6 +3,7 @@
 // codebooks and reconstruction, in fp32, on a deterministic chunk sample.
 #include <algorithm>
 #include <cinttypes>
+#include <list>
 
 #include "codec/codec.h"
 #include "codec/fast.h"
@@ -54,7 +55,8 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
       int64_t k;
     };
     std::vector<SampleRow> srows;
-    std::vector<float> sm, sd;  // [sampled chunk][channel]
+    std::list<std::vector<uint8_t>> clean;  // finite copies of rows with NaN/Inf (stable addresses)
+    std::vector<float> sm, sd;              // [sampled chunk][channel]
     std::vector<uint8_t> sok;
     for (int64_t si = 0; si < samples; ++si) {
       const int64_t k = si * chunks / samples;  // evenly spaced, deterministic
@@ -76,8 +78,21 @@ kvxfer_result_t calibrate_alpha(const kvxfer_codec_config_t* cfg, const kvxfer_p
         sd.push_back(a.d);
         sok.push_back(cf ? 1 : 0);
       }
-      for (int64_t t = t0; t < t1; ++t)
-        if (hist_row(t, 0)) srows.push_back({lay.row(t), static_cast<int64_t>(sm.size() / H - 1)});
+      for (int64_t t = t0; t < t1; ++t) {
+        if (!hist_row(t, 0)) continue;
+        const uint8_t* row = lay.row(t);
+        if (!finite) {
+          // The channels left out (sok 0) still go through encode_row, whose
+          // code lookup needs a finite z: their NaN/Inf become +0 in a copy.
+          const size_t es = dtype_size(dt);
+          clean.emplace_back(row, row + es * static_cast<size_t>(H));
+          for (int32_t c = 0; c < H; ++c)
+            if (f32_nonfinite(load_elem(row, c, dt)))
+              std::fill_n(clean.back().begin() + es * static_cast<size_t>(c), es, uint8_t{0});
+          row = clean.back().data();
+        }
+        srows.push_back({row, static_cast<int64_t>(sm.size() / H - 1)});
+      }
     }
     // Each candidate: codes, this page's anchor values (the table as the
     // encoder builds it, from the code histogram of the same rows, or the
