@@ -681,7 +681,7 @@ struct PageErrors {
 };
 
 // Squared error of pages encoded with `alpha`, through the real codec, over
-// the rows of the calibration sample (hist_row: t % 16 == 0; these pages have
+// the rows of the calibration sample (FORMAT.md 2.6: rows t % 16 == 0; these pages have
 // at most 8 chunks, so every chunk is sampled).
 PageErrors page_errors(const std::vector<PagedBuffer*>& pages, float alpha) {
   PageErrors e;
@@ -695,7 +695,7 @@ PageErrors page_errors(const std::vector<PagedBuffer*>& pages, float alpha) {
                       full ? enc.residual.size() : 0, nullptr, &out.layout),
           KVXFER_SUCCESS);
       for (int64_t t = 0; t < p->layout.num_tokens; ++t)
-        for (int32_t c = 0; c < p->layout.num_channels && hist_row(t, 0); ++c) {
+        for (int32_t c = 0; c < p->layout.num_channels && t % 16 == 0; ++c) {
           const double d = static_cast<double>(p->get(t, c)) - out.get(t, c);
           (full ? e.full : e.anchor) += d * d;
         }
