@@ -67,13 +67,14 @@ run_tests() {
       echo "$t: crashed"
     fi
   done
+  local rc=0
   (cd "$work/python" && KVXFER_LIBRARY="$build/src/libkvxfer.so" PYTHONPATH=. \
     PYTHONDONTWRITEBYTECODE=1 KVXFER_CODEC_THREADS=1 \
     "$python" -m pytest -q -p no:cacheprovider tests/test_format_oracle.py \
-    >"$parent/pytest.log" 2>&1) || true
+    >"$parent/pytest.log" 2>&1) || rc=$?
   sed -n 's/^FAILED \([^ ]*\).*/python: \1/p' "$parent/pytest.log" | sort -u
   if ! grep -q ' passed\| failed' "$parent/pytest.log"; then
-    echo "python: did not run ($(tail -n 1 "$parent/pytest.log"))"
+    echo "python: tests/test_format_oracle.py died (exit $rc$( ((rc > 128)) && echo ", signal $((rc - 128))"))"
   fi
 }
 
