@@ -1,0 +1,527 @@
+// Golden bytes of the control messages (docs/TRANSPORT.md, "Wire layouts"):
+// each message is built with fixed, distinctive field values and compared
+// with a checked-in hex string written from the documented layout, and the
+// checked-in bytes are parsed back with every field checked.  A change made
+// to both an encoder and its decoder fails here, since it would break an
+// older peer.  The page sections are pinned in tests/format_test.cc
+// (WireFormat.HeaderBytesAreFixed).
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstring>
+#include <future>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "transport/bootstrap.h"
+#include "transport/comm.h"
+#include "xfer/protocol.h"
+
+namespace kvxfer {
+namespace {
+
+using Bytes = std::vector<uint8_t>;
+
+/** "4b 56 58 44" -> bytes; spaces and '|' are ignored. */
+Bytes hex(const std::string& s) {
+  Bytes out;
+  int hi = -1;
+  for (char c : s) {
+    int v;
+    if (c >= '0' && c <= '9')
+      v = c - '0';
+    else if (c >= 'a' && c <= 'f')
+      v = c - 'a' + 10;
+    else
+      continue;
+    if (hi < 0) {
+      hi = v;
+    } else {
+      out.push_back(static_cast<uint8_t>(hi << 4 | v));
+      hi = -1;
+    }
+  }
+  EXPECT_EQ(hi, -1) << "odd number of hex digits in " << s;
+  return out;
+}
+
+std::string to_hex(const Bytes& b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < b.size(); ++i) {
+    if (i) s += ' ';
+    s += d[b[i] >> 4];
+    s += d[b[i] & 15];
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Request protocol (src/xfer/protocol.h): DESC version 3.
+// ---------------------------------------------------------------------------
+// off type field          (docs/TRANSPORT.md, "DESC")
+const char* const kSenderDesc =
+    "4b 56 58 44"              // 0  u32 magic "KVXD"
+    "03 00"                    // 4  u16 version 3
+    "01 00"                    // 6  u16 role 1 sender
+    "88 77 66 55 44 33 22 11"  // 8  u64 tag 0x1122334455667788
+    "1c 00 00 00"              // 16 i32 num_layers 28
+    "08 00 00 00"              // 20 i32 kv_heads 8
+    "80 00 00 00"              // 24 i32 head_dim 128
+    "01 00 00 00"              // 28 i32 dtype FP16
+    "05 04 03 02 01 00 00 00"  // 32 i64 num_tokens 0x0102030405
+    "01 00 00 00"              // 40 i32 codec INT8
+    "00 00 a0 41"              // 44 f32 alpha 20.0
+    "40 00 00 00"              // 48 i32 chunk_tokens 64
+    "05 00 00 00"              // 52 i32 anchor_bits 5
+    "01 00 00 00"              // 56 i32 nonfinite RAW
+    "02 00 00 00"              // 60 i32 mode MONOLITHIC
+    "00 01 00 00"              // 64 i32 page_tokens 256
+    "01"                       // 68 u8  on_device 1
+    "04 00 00 00"              // 69 i32 sink_tokens 4
+    "01 00 00 00"              // 73 i32 value_groups TOKEN
+    "00 00 00";                // 77 reserved
+const char* const kReceiverDesc =
+    "4b 56 58 44 03 00"                    // magic, version 3
+    "00 00"                                // role 0 receiver
+    "88 77 66 55 44 33 22 11"              // tag
+    "1c 00 00 00 08 00 00 00 80 00 00 00"  // num_layers 28, kv_heads 8, head_dim 128
+    "02 00 00 00"                          // dtype FP32
+    "e8 03 00 00 00 00 00 00"              // num_tokens 1000
+    // codec, alpha, chunk_tokens, anchor_bits, nonfinite, mode, page_tokens: 0 on a receiver
+    "00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00"
+    "00"                       // on_device 0
+    "00 00 00 00 00 00 00 00"  // sink_tokens, value_groups: 0
+    "00 00 00";                // reserved
+
+xfer::Desc sender_desc() {
+  xfer::Desc d;
+  d.is_sender = true;
+  d.tag = 0x1122334455667788ull;
+  d.num_layers = 28;
+  d.kv_heads = 8;
+  d.head_dim = 128;
+  d.dtype = KVXFER_DTYPE_FP16;
+  d.num_tokens = 0x0102030405ll;
+  d.codec = KVXFER_CODEC_CONFIG_INITIALIZER;
+  d.codec.codec = KVXFER_CODEC_INT8;
+  d.codec.alpha = 20.0f;
+  d.codec.chunk_tokens = 64;
+  d.codec.anchor_bits = 5;
+  d.codec.nonfinite = KVXFER_NONFINITE_RAW;
+  d.codec.sink_tokens = 4;
+  d.codec.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+  d.mode = KVXFER_MODE_MONOLITHIC;
+  d.page_tokens = 256;
+  d.on_device = true;
+  return d;
+}
+
+xfer::Desc receiver_desc() {
+  xfer::Desc d;  // codec{}, mode and page_tokens stay zero on a receiver (protocol.h)
+  d.is_sender = false;
+  d.tag = 0x1122334455667788ull;
+  d.num_layers = 28;
+  d.kv_heads = 8;
+  d.head_dim = 128;
+  d.dtype = KVXFER_DTYPE_FP32;
+  d.num_tokens = 1000;
+  return d;
+}
+
+TEST(WireBytes, SenderDescriptorIsFixed) {
+  const Bytes want = hex(kSenderDesc);
+  ASSERT_EQ(want.size(), xfer::kDescBytes);
+  EXPECT_EQ(to_hex(xfer::encode_desc(sender_desc())), to_hex(want));
+
+  xfer::Desc d;
+  ASSERT_EQ(xfer::decode_desc(want.data(), want.size(), &d), KVXFER_SUCCESS) << last_error();
+  EXPECT_TRUE(d.is_sender);
+  EXPECT_EQ(d.tag, 0x1122334455667788ull);
+  EXPECT_EQ(d.num_layers, 28);
+  EXPECT_EQ(d.kv_heads, 8);
+  EXPECT_EQ(d.head_dim, 128);
+  EXPECT_EQ(d.dtype, KVXFER_DTYPE_FP16);
+  EXPECT_EQ(d.num_tokens, 0x0102030405ll);
+  EXPECT_EQ(d.codec.codec, KVXFER_CODEC_INT8);
+  EXPECT_EQ(d.codec.alpha, 20.0f);
+  EXPECT_EQ(d.codec.chunk_tokens, 64);
+  EXPECT_EQ(d.codec.anchor_bits, 5);
+  EXPECT_EQ(d.codec.nonfinite, KVXFER_NONFINITE_RAW);
+  EXPECT_EQ(d.codec.sink_tokens, 4);
+  EXPECT_EQ(d.codec.value_groups, KVXFER_VALUE_GROUPS_TOKEN);
+  EXPECT_EQ(d.mode, KVXFER_MODE_MONOLITHIC);
+  EXPECT_EQ(d.page_tokens, 256);
+  EXPECT_TRUE(d.on_device);
+  // The fields the wire does not carry come from KVXFER_CODEC_CONFIG_INITIALIZER.
+  const kvxfer_codec_config_t init = KVXFER_CODEC_CONFIG_INITIALIZER;
+  EXPECT_EQ(d.codec.size, init.size);
+  EXPECT_EQ(d.codec.magic, init.magic);
+  EXPECT_EQ(d.codec.version, init.version);
+}
+
+TEST(WireBytes, ReceiverDescriptorIsFixed) {
+  const Bytes want = hex(kReceiverDesc);
+  ASSERT_EQ(want.size(), xfer::kDescBytes);
+  EXPECT_EQ(to_hex(xfer::encode_desc(receiver_desc())), to_hex(want));
+
+  xfer::Desc d;
+  d.page_tokens = 99;  // overwritten
+  ASSERT_EQ(xfer::decode_desc(want.data(), want.size(), &d), KVXFER_SUCCESS) << last_error();
+  EXPECT_FALSE(d.is_sender);
+  EXPECT_EQ(d.tag, 0x1122334455667788ull);
+  EXPECT_EQ(d.num_layers, 28);
+  EXPECT_EQ(d.kv_heads, 8);
+  EXPECT_EQ(d.head_dim, 128);
+  EXPECT_EQ(d.dtype, KVXFER_DTYPE_FP32);
+  EXPECT_EQ(d.num_tokens, 1000);
+  EXPECT_EQ(d.codec.codec, KVXFER_CODEC_LYNX);  // 0
+  EXPECT_EQ(d.codec.alpha, 0.0f);
+  EXPECT_EQ(d.codec.chunk_tokens, 0);
+  EXPECT_EQ(d.codec.anchor_bits, 0);
+  EXPECT_EQ(d.codec.nonfinite, KVXFER_NONFINITE_ERROR);
+  EXPECT_EQ(d.codec.sink_tokens, 0);
+  EXPECT_EQ(d.codec.value_groups, KVXFER_VALUE_GROUPS_CHANNEL);
+  EXPECT_EQ(d.mode, KVXFER_MODE_AUTO);
+  EXPECT_EQ(d.page_tokens, 0);
+  EXPECT_FALSE(d.on_device);
+  // The pair handshakes (compare_desc reads these very fields) once the
+  // receiver agrees on dtype and size.
+  xfer::Desc s = d;
+  ASSERT_EQ(xfer::decode_desc(hex(kSenderDesc).data(), xfer::kDescBytes, &s), KVXFER_SUCCESS);
+  EXPECT_EQ(xfer::compare_desc(s, d), KVXFER_ERR_MISMATCH);  // num_tokens differ
+  EXPECT_NE(std::string(last_error()).find("num_tokens is 4328719365 on the sender and 1000"),
+            std::string::npos)
+      << last_error();
+}
+
+TEST(WireBytes, OnlyDescriptorVersion3IsAccepted) {
+  // Versions 1 and 2 (before sink_tokens, before value_groups) and any later
+  // one are refused, as are a wrong magic, role, on_device or value_groups.
+  const Bytes good = hex(kSenderDesc);
+  xfer::Desc d;
+  for (uint8_t v : {0, 1, 2, 4, 0xff}) {
+    Bytes b = good;
+    b[4] = v;
+    EXPECT_EQ(xfer::decode_desc(b.data(), b.size(), &d), KVXFER_ERR_CORRUPT) << int(v);
+    EXPECT_NE(std::string(last_error()).find("not a kvxfer peer of this version"),
+              std::string::npos);
+  }
+  struct Case {
+    size_t off;
+    uint8_t value;
+  } cases[] = {{0, 0x4c}, {6, 2}, {68, 2}, {73, 3}};
+  for (const Case& c : cases) {
+    Bytes b = good;
+    b[c.off] = c.value;
+    EXPECT_EQ(xfer::decode_desc(b.data(), b.size(), &d), KVXFER_ERR_CORRUPT) << c.off;
+  }
+  EXPECT_EQ(xfer::decode_desc(good.data(), 79, &d), KVXFER_ERR_CORRUPT);
+}
+
+// ---------------------------------------------------------------------------
+// STATUS version 3: ok, an error with its text, the peer's cancel.
+// ---------------------------------------------------------------------------
+TEST(WireBytes, StatusMessagesAreFixed) {
+  struct Case {
+    kvxfer_result_t result;
+    const char* text;
+    const char* bytes;
+  } cases[] = {{KVXFER_SUCCESS, "",
+                "4b 56 58 53 03 00 00 00"  // magic "KVXS", version 3, reserved 0
+                "00 00 00 00"              // 8  i32 result 0 (SUCCESS)
+                "00 00 00 00"},            // 12 u32 text length 0
+               {KVXFER_ERR_CORRUPT, "bad page",
+                "4b 56 58 53 03 00 00 00"
+                "fa ff ff ff"                // result -6 (CORRUPT)
+                "08 00 00 00"                // length 8
+                "62 61 64 20 70 61 67 65"},  // "bad page", no NUL
+               {KVXFER_ERR_CANCELLED, "stop",
+                "4b 56 58 53 03 00 00 00"
+                "f3 ff ff ff"     // result -13 (CANCELLED): the peer's kvxfer_request_cancel
+                "04 00 00 00"     // length 4
+                "73 74 6f 70"}};  // "stop"
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    const Bytes want = hex(c.bytes);
+    EXPECT_EQ(to_hex(xfer::encode_status(c.result, c.text)), to_hex(want));
+    kvxfer_result_t r = KVXFER_IN_PROGRESS;
+    std::string text = "x";
+    ASSERT_EQ(xfer::decode_status(want.data(), want.size(), &r, &text), KVXFER_SUCCESS)
+        << last_error();
+    EXPECT_EQ(r, c.result);
+    EXPECT_EQ(text, c.text);
+    // Exactly 16 + length bytes; another version is refused.
+    EXPECT_EQ(xfer::decode_status(want.data(), want.size() - 1, &r, &text), KVXFER_ERR_CORRUPT);
+    Bytes v2 = want;
+    v2[4] = 2;
+    EXPECT_EQ(xfer::decode_status(v2.data(), v2.size(), &r, &text), KVXFER_ERR_CORRUPT);
+  }
+  // Text longer than 1024 bytes is cut to 1024.
+  const Bytes big = xfer::encode_status(KVXFER_ERR_SYSTEM, std::string(1500, 'z'));
+  ASSERT_EQ(big.size(), 16u + 1024u);
+  EXPECT_EQ(to_hex(Bytes(big.begin(), big.begin() + 16)),
+            to_hex(hex("4b 56 58 53 03 00 00 00 f7 ff ff ff 00 04 00 00")));  // -9, 1024
+}
+
+// The Link tag of a request message: seq (15) | from_receiver (1) | kind (2) | page (21).
+TEST(WireBytes, RequestTagLayoutIsFixed) {
+  using xfer::MsgKind;
+  EXPECT_EQ(xfer::make_tag(0x1234, true, MsgKind::kResidual, 0x1abcde), 0x1234fabcdeull);
+  EXPECT_EQ(xfer::make_tag(0x1234, false, MsgKind::kDesc, 0), 0x1234000000ull);
+  EXPECT_EQ(xfer::make_tag(0x1234, false, MsgKind::kStatus, 0), 0x1234200000ull);
+  EXPECT_EQ(xfer::make_tag(0x1234, false, MsgKind::kAnchor, 7), 0x1234400007ull);
+  EXPECT_EQ(xfer::make_tag(0x8005, false, MsgKind::kDesc, 0), 0x0005000000ull);  // seq mod 2^15
+  EXPECT_EQ(xfer::make_tag(0x7fff, true, MsgKind::kResidual, 0x1fffff), (uint64_t{1} << 39) - 1);
+}
+
+// ---------------------------------------------------------------------------
+// Communicator payload (transport/comm.h), version 1.
+// ---------------------------------------------------------------------------
+TEST(WireBytes, CommPayloadIsFixed) {
+  const Bytes want =
+      hex("4b 56 58 43 01 00 00 00"  // magic "KVXC", version 1, 0
+          "01 00 00 00 03 00 00 00"  // rank 1, nranks 3
+          "03 00 00 00 aa bb cc"     // peer 0: 3 bytes
+          "00 00 00 00"              // peer 1: this rank, empty
+          "01 00 00 00 5a");         // peer 2: 1 byte
+  const std::vector<Bytes> addrs = {{0xaa, 0xbb, 0xcc}, {}, {0x5a}};
+  EXPECT_EQ(to_hex(transport::encode_comm_payload(1, addrs)), to_hex(want));
+  std::vector<Bytes> back;
+  ASSERT_EQ(transport::decode_comm_payload(want, 1, 3, &back), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(back, addrs);
+  Bytes v2 = want;
+  v2[4] = 2;
+  EXPECT_EQ(transport::decode_comm_payload(v2, 1, 3, &back), KVXFER_ERR_CORRUPT);
+}
+
+// ---------------------------------------------------------------------------
+// Bootstrap (transport/bootstrap.h), version 1: the unique id, the hello, the
+// table and its timeout status.  Every frame starts with a u32 length.
+// ---------------------------------------------------------------------------
+TEST(WireBytes, UniqueIdLayoutIsFixed) {
+  transport::UniqueId id{};
+  id.magic = transport::kBootstrapMagic;
+  id.version = transport::kBootstrapVersion;
+  id.family = AF_INET;
+  id.port = htons(0x1234);
+  id.scope_id = 0x0a0b0c0d;
+  const uint8_t addr[4] = {127, 0, 0, 1};
+  std::memcpy(id.addr, addr, 4);
+  for (size_t i = 0; i < transport::kBootstrapSecretBytes; ++i)
+    id.secret[i] = static_cast<uint8_t>(0xc0 + i);
+  Bytes got(sizeof id);
+  std::memcpy(got.data(), &id, sizeof id);
+  const Bytes want = hex(
+      "4b 56 58 42 01 00"                                // magic "KVXB", version 1 (host order)
+      "02 00"                                            // family AF_INET
+      "12 34"                                            // port, network order
+      "00 00"                                            // reserved
+      "0d 0c 0b 0a"                                      // scope_id
+      "7f 00 00 01 00 00 00 00 00 00 00 00 00 00 00 00"  // addr
+      "c0 c1 c2 c3 c4 c5 c6 c7 c8 c9 ca cb cc cd ce cf"  // secret
+      "d0 d1 d2 d3 d4 d5 d6 d7 d8 d9 da db dc dd de df"
+      // reserved, 64 bytes
+      "00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 "
+      "00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 00 "
+      "00 00 00 00");
+  EXPECT_EQ(to_hex(got), to_hex(want));
+}
+
+/** Sends all of `b`; false on error. */
+bool send_bytes(int fd, const Bytes& b) {
+  size_t off = 0;
+  while (off < b.size()) {
+    const ssize_t n = ::send(fd, b.data() + off, b.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    off += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+/** Reads one length-prefixed frame (prefix included); empty on EOF or timeout. */
+Bytes recv_frame(int fd) {
+  Bytes b(4);
+  size_t off = 0, want = 4;
+  while (off < want) {
+    const ssize_t n = ::recv(fd, b.data() + off, want - off, 0);
+    if (n <= 0) return {};
+    off += static_cast<size_t>(n);
+    if (off == 4 && want == 4) {
+      const uint32_t len = b[0] | b[1] << 8 | b[2] << 16 | uint32_t{b[3]} << 24;
+      if (len > (1u << 20)) return {};
+      want = 4 + len;
+      b.resize(want);
+    }
+  }
+  return b;
+}
+
+void set_timeouts(int fd) {
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+// A fake root on a loopback listener of this test: what bootstrap_connect
+// emits, and how it parses a checked-in table.
+class FakeRoot {
+ public:
+  FakeRoot() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof sa;
+    ok_ = fd_ >= 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&sa), len) == 0 &&
+          ::listen(fd_, 4) == 0 && ::getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
+    id_ = transport::UniqueId{};
+    id_.magic = transport::kBootstrapMagic;
+    id_.version = transport::kBootstrapVersion;
+    id_.family = AF_INET;
+    id_.port = sa.sin_port;
+    std::memcpy(id_.addr, &sa.sin_addr, 4);
+    for (size_t i = 0; i < transport::kBootstrapSecretBytes; ++i)
+      id_.secret[i] = static_cast<uint8_t>(0xc0 + i);
+  }
+  ~FakeRoot() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  bool ok() const { return ok_; }
+  const transport::UniqueId& id() const { return id_; }
+  /** Accepts one rank, returns its hello frame and answers with `reply`. */
+  Bytes serve(const Bytes& reply) {
+    const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) return {};
+    set_timeouts(c);
+    Bytes hello = recv_frame(c);
+    if (!send_bytes(c, reply)) hello.clear();
+    ::shutdown(c, SHUT_WR);
+    char drain;
+    while (::recv(c, &drain, 1, 0) > 0) {
+    }
+    ::close(c);
+    return hello;
+  }
+
+ private:
+  int fd_ = -1;
+  bool ok_ = false;
+  transport::UniqueId id_{};
+};
+
+// The hello of rank 1 of 2 with payload "kv", under the secret c0..df.
+const char* const kHello =
+    "36 00 00 00"                                      // frame length 54
+    "4b 56 58 42 01 00 00 00"                          // magic "KVXB", version 1, 0
+    "01 00 00 00 02 00 00 00"                          // rank 1, nranks 2
+    "c0 c1 c2 c3 c4 c5 c6 c7 c8 c9 ca cb cc cd ce cf"  // secret
+    "d0 d1 d2 d3 d4 d5 d6 d7 d8 d9 da db dc dd de df"
+    "02 00 00 00 6b 76";  // payload length 2, "kv"
+// The table for 2 ranks: "r0", "kv".
+const char* const kTable2 =
+    "18 00 00 00"              // frame length 24
+    "4b 56 58 42 01 00 00 00"  // magic, version 1, status 0 OK
+    "02 00 00 00"              // nranks 2
+    "02 00 00 00 72 30"        // rank 0: "r0"
+    "02 00 00 00 6b 76";       // rank 1: "kv"
+
+TEST(WireBytes, BootstrapHelloIsFixedAndTheTableParses) {
+  FakeRoot root;
+  ASSERT_TRUE(root.ok());
+  auto served = std::async(std::launch::async, [&] { return root.serve(hex(kTable2)); });
+  transport::AddressTable table;
+  const uint8_t payload[2] = {'k', 'v'};
+  ASSERT_EQ(transport::bootstrap_connect(root.id(), 1, 2, 5000, payload, 2, &table), KVXFER_SUCCESS)
+      << last_error();
+  EXPECT_EQ(to_hex(served.get()), to_hex(hex(kHello)));
+  ASSERT_EQ(table.size(), 2u);
+  EXPECT_EQ(table[0], (Bytes{'r', '0'}));
+  EXPECT_EQ(table[1], (Bytes{'k', 'v'}));
+}
+
+TEST(WireBytes, BootstrapTimeoutStatusParses) {
+  FakeRoot root;
+  ASSERT_TRUE(root.ok());
+  auto served = std::async(std::launch::async, [&] {
+    return root.serve(
+        hex("0c 00 00 00 4b 56 58 42 01 00"
+            "01 00"           // status 1: the root timed out
+            "02 00 00 00"));  // nranks 2
+  });
+  transport::AddressTable table;
+  const uint8_t payload[2] = {'k', 'v'};
+  EXPECT_EQ(transport::bootstrap_connect(root.id(), 1, 2, 5000, payload, 2, &table),
+            KVXFER_ERR_TIMEOUT);
+  EXPECT_NE(std::string(last_error()).find("timed out waiting for the other ranks"),
+            std::string::npos)
+      << last_error();
+  EXPECT_EQ(to_hex(served.get()), to_hex(hex(kHello)));
+}
+
+/** A raw connection to a real root, with timeouts. */
+int connect_to(const transport::UniqueId& id) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  set_timeouts(fd);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = id.port;
+  std::memcpy(&sa.sin_addr, id.addr, 4);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/** kHello with the rank, nranks and the real root's secret patched in. */
+Bytes hello_for(const transport::UniqueId& id, uint8_t rank, uint8_t nranks) {
+  Bytes h = hex(kHello);
+  h[4 + 8] = rank;
+  h[4 + 12] = nranks;
+  std::memcpy(h.data() + 4 + 16, id.secret, transport::kBootstrapSecretBytes);
+  return h;
+}
+
+TEST(WireBytes, RootParsesTheHelloAndSendsAFixedTable) {
+  transport::UniqueId id;
+  std::unique_ptr<transport::BootstrapRoot> root;
+  ASSERT_EQ(transport::create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto accepted = std::async(std::launch::async, [&] { return root->accept_all(1, 5000); });
+  const int fd = connect_to(id);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_bytes(fd, hello_for(id, 0, 1)));
+  const Bytes table = recv_frame(fd);
+  ::close(fd);
+  EXPECT_EQ(accepted.get(), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(to_hex(table), to_hex(hex("12 00 00 00"              // frame length 18
+                                      "4b 56 58 42 01 00 00 00"  // magic, version 1, OK
+                                      "01 00 00 00"              // nranks 1
+                                      "02 00 00 00 6b 76")));    // rank 0: "kv"
+}
+
+TEST(WireBytes, RootSendsAFixedTimeoutStatus) {
+  transport::UniqueId id;
+  std::unique_ptr<transport::BootstrapRoot> root;
+  ASSERT_EQ(transport::create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto accepted = std::async(std::launch::async, [&] { return root->accept_all(2, 300); });
+  const int fd = connect_to(id);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_bytes(fd, hello_for(id, 0, 2)));  // rank 1 never comes
+  const Bytes status = recv_frame(fd);
+  ::close(fd);
+  EXPECT_EQ(accepted.get(), KVXFER_ERR_TIMEOUT);
+  EXPECT_EQ(to_hex(status), to_hex(hex("0c 00 00 00 4b 56 58 42 01 00"
+                                       "01 00"            // status 1: timed out
+                                       "02 00 00 00")));  // nranks 2
+}
+
+}  // namespace
+}  // namespace kvxfer
