@@ -198,6 +198,29 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   Impl& m = *e->impl_;
   KVXFER_CHECK(
       transport::Communicator::create(id, root.get(), rank, nranks, lc, timeout_ms, &m.comm));
+  init_state(&m, rank, nranks, timeout_ms);
+  m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
+  m.inbox->wake_fd = m.wake_fd;
+  const int workers = codec_workers();
+  for (int i = 0; i < workers; ++i) m.codec_threads.emplace_back([&m] { m.codec_main(); });
+  m.progress_thread = std::thread([&m] { m.progress_main(); });
+  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (provider %s, %d codec thread%s)", rank,
+              nranks, m.comm->link(rank == 0 ? 1 : 0)->provider().c_str(), workers,
+              workers == 1 ? "" : "s");
+  *out = std::move(e);
+  return KVXFER_SUCCESS;
+}
+
+std::unique_ptr<Engine> Engine::testing_unlinked(int rank, int nranks) {
+  std::unique_ptr<Engine> e(new Engine);
+  e->impl_.reset(new Impl);
+  init_state(e->impl_.get(), rank, nranks, 0);  // timeout 0: the destructor does not wait
+  return e;
+}
+
+void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms) {
+  Impl& m = *mp;
   m.rank = rank;
   m.nranks = nranks;
   m.timeout_ms = timeout_ms;
@@ -212,20 +235,9 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
   m.window_bytes = g_staging_window.load() > 0 ? g_staging_window.load()
                                                : static_cast<size_t>(params::StagingWindowBytes());
-  m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
-  m.inbox->wake_fd = m.wake_fd;
   m.staging = StagingCache::create(static_cast<size_t>(params::StagingCacheBytes()), 1000);
   m.max_requests = params::MaxRequests();
   m.default_page_tokens = static_cast<int32_t>(params::PageTokens());
-  const int workers = codec_workers();
-  for (int i = 0; i < workers; ++i) m.codec_threads.emplace_back([&m] { m.codec_main(); });
-  m.progress_thread = std::thread([&m] { m.progress_main(); });
-  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (provider %s, %d codec thread%s)", rank,
-              nranks, m.comm->link(rank == 0 ? 1 : 0)->provider().c_str(), workers,
-              workers == 1 ? "" : "s");
-  *out = std::move(e);
-  return KVXFER_SUCCESS;
 }
 
 Engine::~Engine() {

@@ -173,8 +173,19 @@ class Engine {
 
   struct Impl;
 
+  /**
+   * Test seam (fuzz/peer_message_fuzz.cc): rank `rank` of `nranks` with no
+   * Communicator and no threads.  Its Link posts are recorded in
+   * Impl::testing_posts; the caller completes them (Impl::on_completion),
+   * runs the codec jobs (Impl::run_job) and the progress rounds (Impl::step).
+   */
+  static std::unique_ptr<Engine> testing_unlinked(int rank, int nranks);
+  Impl* testing_impl() { return impl_.get(); }
+
  private:
   Engine() = default;
+  /** Impl's state from the parameters (everything but the Links and threads). */
+  static void init_state(Impl* m, int rank, int nranks, int timeout_ms);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -28,108 +28,110 @@ void Engine::Impl::codec_main() {
       }
       if (!found) return;  // stop requested and nothing left
     }
-    JobDone d;
-    d.req = j.req;
-    d.kind = j.kind;
-    d.page = j.page;
-    d.rc = KVXFER_SUCCESS;
-    Request& r = *j.req;
-    if (r.work->cancel.load()) {
-      d.skipped = true;
-    } else if (g_skip_codec.load()) {
-      if (j.kind == JobKind::kEncode) {  // the largest sizes, the bytes staging holds
-        kvxfer_codec_config_t cc = j.codec;
-        if (cc.alpha == KVXFER_ALPHA_AUTO) cc.alpha = 0.0f;
-        d.rc = codec::max_sizes(&cc, j.ref.num_tokens, r.mine.kv_heads * r.mine.head_dim, &d.a_len,
-                                &d.r_len);
-        if (d.rc < 0) d.error = last_error();
-      }
-    } else if (j.kind == JobKind::kEncode) {
-      kvxfer_codec_config_t cc = j.codec;
-      Work& w = *r.work;  // alpha fields: codec threads, under alpha_mu
-      if (cc.alpha == KVXFER_ALPHA_AUTO) {
-        std::lock_guard<std::mutex> alk(w.alpha_mu);  // the first encode calibrates, once
-        if (!w.alpha_resolved) {
-          // Calibrate on up to 16 pages spread over the request.
-          std::vector<kvxfer_page_layout_t> sample;
-          const size_t n = static_cast<size_t>(r.num_pages);
-          const size_t step = std::max<size_t>(1, n / 16);
-          const auto pages = plan_pages(r.mine.num_layers, r.mine.num_tokens, r.mine.page_tokens);
-          for (size_t i = 0; i < pages.size(); i += step)
-            sample.push_back(page_layout(r, pages[i]));
-          kvxfer_codec_config_t c0 = cc;
-          c0.alpha = 0.0f;
-          float a = 0.0f;
-          d.rc =
-              codec::calibrate_alpha(&c0, sample.data(), static_cast<int32_t>(sample.size()), &a);
-          if (d.rc < 0) d.error = strprintf("alpha calibration failed: %s", last_error());
-          w.alpha = a;
-          w.alpha_resolved = true;
-        }
-        cc.alpha = w.alpha;
-      }
-      if (d.rc == KVXFER_SUCCESS) {
-        const kvxfer_page_layout_t src = codec_layout(r, j.ref);
-        const kvxfer_page_id_t id = page_id(r, j.ref);
-        if (r.device >= 0) {
-          std::lock_guard<std::mutex> lk(device_mu);
-          d.rc = xfer::device_codec()->encode(r.device, &cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r,
-                                              j.r_cap, &d.r_len);
-        } else if (cc.codec == KVXFER_CODEC_SPECTRUM) {
-          d.rc = codec::encode_page_tiered(&cc, &id, &src,
-                                           r.tiers.data() + static_cast<size_t>(j.ref.token_begin),
-                                           j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len, 1);
-        } else {
-          d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len,
-                                    codec::Impl::AUTO, 1);
-        }
-        if (d.rc < 0) {
-          d.error = strprintf("encoding the %s failed: %s", page_name(j.ref).c_str(), last_error());
-        } else if (j.monolithic && d.r_len > 0) {
-          std::memmove(j.a + d.a_len, j.r, d.r_len);  // one message: anchor then residual
-        }
-      }
-    } else {
-      const kvxfer_page_layout_t dst = codec_layout(r, j.ref);
-      const kvxfer_page_id_t id = page_id(r, j.ref);
-      const uint8_t* a = j.a;
-      size_t a_len = j.a_len;
-      const uint8_t* res = nullptr;
-      size_t r_len = 0;
-      if (j.kind == JobKind::kDecodeMono) {
-        // Both sections back to back: the first one's header gives its
-        // length; decode_page validates both in full.
-        const size_t first = codec::section_extent(j.a, j.a_len);
-        if (first > 0) {
-          a_len = first;
-          res = j.a + first;
-          r_len = j.a_len - first;
-        }
-      } else if (j.kind == JobKind::kDecodeFull) {
-        res = j.r;
-        r_len = j.r_len;
-      }
-      if (d.rc == KVXFER_SUCCESS && r.device >= 0) {
-        std::lock_guard<std::mutex> lk(device_mu);
-        d.rc = xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst);
-      } else if (d.rc == KVXFER_SUCCESS) {
-        d.rc = codec::decode_page(a, a_len, res, r_len, &id, &dst, codec::Impl::AUTO, 1);
-      }
-      // SpectrumKV: the tiers of the request's tokens, from the layer-0 K
-      // pages' precision maps (the same for every layer, K and V).
-      if (d.rc == KVXFER_SUCCESS && j.kind != JobKind::kDecodeFull && j.ref.layer == 0 &&
-          j.ref.kind == KVXFER_KV_KEY && r.work->codec.codec == KVXFER_CODEC_SPECTRUM)
-        d.rc = codec::get_page_tiers(
-            a, a_len, r.tiers.data() + static_cast<size_t>(j.ref.token_begin), j.ref.num_tokens);
-      if (d.rc < 0)
-        d.error = strprintf("the %s failed to decode: %s", page_name(j.ref).c_str(), last_error());
-    }
-    {
-      std::lock_guard<std::mutex> lk(cmu);
-      jobs_done.push_back(std::move(d));
-    }
-    kick();
+    run_job(j);
   }
+}
+
+void Engine::Impl::run_job(Job& j) {
+  JobDone d;
+  d.req = j.req;
+  d.kind = j.kind;
+  d.page = j.page;
+  d.rc = KVXFER_SUCCESS;
+  Request& r = *j.req;
+  if (r.work->cancel.load()) {
+    d.skipped = true;
+  } else if (g_skip_codec.load()) {
+    if (j.kind == JobKind::kEncode) {  // the largest sizes, the bytes staging holds
+      kvxfer_codec_config_t cc = j.codec;
+      if (cc.alpha == KVXFER_ALPHA_AUTO) cc.alpha = 0.0f;
+      d.rc = codec::max_sizes(&cc, j.ref.num_tokens, r.mine.kv_heads * r.mine.head_dim, &d.a_len,
+                              &d.r_len);
+      if (d.rc < 0) d.error = last_error();
+    }
+  } else if (j.kind == JobKind::kEncode) {
+    kvxfer_codec_config_t cc = j.codec;
+    Work& w = *r.work;  // alpha fields: codec threads, under alpha_mu
+    if (cc.alpha == KVXFER_ALPHA_AUTO) {
+      std::lock_guard<std::mutex> alk(w.alpha_mu);  // the first encode calibrates, once
+      if (!w.alpha_resolved) {
+        // Calibrate on up to 16 pages spread over the request.
+        std::vector<kvxfer_page_layout_t> sample;
+        const size_t n = static_cast<size_t>(r.num_pages);
+        const size_t step = std::max<size_t>(1, n / 16);
+        const auto pages = plan_pages(r.mine.num_layers, r.mine.num_tokens, r.mine.page_tokens);
+        for (size_t i = 0; i < pages.size(); i += step) sample.push_back(page_layout(r, pages[i]));
+        kvxfer_codec_config_t c0 = cc;
+        c0.alpha = 0.0f;
+        float a = 0.0f;
+        d.rc = codec::calibrate_alpha(&c0, sample.data(), static_cast<int32_t>(sample.size()), &a);
+        if (d.rc < 0) d.error = strprintf("alpha calibration failed: %s", last_error());
+        w.alpha = a;
+        w.alpha_resolved = true;
+      }
+      cc.alpha = w.alpha;
+    }
+    if (d.rc == KVXFER_SUCCESS) {
+      const kvxfer_page_layout_t src = codec_layout(r, j.ref);
+      const kvxfer_page_id_t id = page_id(r, j.ref);
+      if (r.device >= 0) {
+        std::lock_guard<std::mutex> lk(device_mu);
+        d.rc = xfer::device_codec()->encode(r.device, &cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r,
+                                            j.r_cap, &d.r_len);
+      } else if (cc.codec == KVXFER_CODEC_SPECTRUM) {
+        d.rc = codec::encode_page_tiered(&cc, &id, &src,
+                                         r.tiers.data() + static_cast<size_t>(j.ref.token_begin),
+                                         j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len, 1);
+      } else {
+        d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len,
+                                  codec::Impl::AUTO, 1);
+      }
+      if (d.rc < 0) {
+        d.error = strprintf("encoding the %s failed: %s", page_name(j.ref).c_str(), last_error());
+      } else if (j.monolithic && d.r_len > 0) {
+        std::memmove(j.a + d.a_len, j.r, d.r_len);  // one message: anchor then residual
+      }
+    }
+  } else {
+    const kvxfer_page_layout_t dst = codec_layout(r, j.ref);
+    const kvxfer_page_id_t id = page_id(r, j.ref);
+    const uint8_t* a = j.a;
+    size_t a_len = j.a_len;
+    const uint8_t* res = nullptr;
+    size_t r_len = 0;
+    if (j.kind == JobKind::kDecodeMono) {
+      // Both sections back to back: the first one's header gives its
+      // length; decode_page validates both in full.
+      const size_t first = codec::section_extent(j.a, j.a_len);
+      if (first > 0) {
+        a_len = first;
+        res = j.a + first;
+        r_len = j.a_len - first;
+      }
+    } else if (j.kind == JobKind::kDecodeFull) {
+      res = j.r;
+      r_len = j.r_len;
+    }
+    if (d.rc == KVXFER_SUCCESS && r.device >= 0) {
+      std::lock_guard<std::mutex> lk(device_mu);
+      d.rc = xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst);
+    } else if (d.rc == KVXFER_SUCCESS) {
+      d.rc = codec::decode_page(a, a_len, res, r_len, &id, &dst, codec::Impl::AUTO, 1);
+    }
+    // SpectrumKV: the tiers of the request's tokens, from the layer-0 K
+    // pages' precision maps (the same for every layer, K and V).
+    if (d.rc == KVXFER_SUCCESS && j.kind != JobKind::kDecodeFull && j.ref.layer == 0 &&
+        j.ref.kind == KVXFER_KV_KEY && r.work->codec.codec == KVXFER_CODEC_SPECTRUM)
+      d.rc = codec::get_page_tiers(
+          a, a_len, r.tiers.data() + static_cast<size_t>(j.ref.token_begin), j.ref.num_tokens);
+    if (d.rc < 0)
+      d.error = strprintf("the %s failed to decode: %s", page_name(j.ref).c_str(), last_error());
+  }
+  {
+    std::lock_guard<std::mutex> lk(cmu);
+    jobs_done.push_back(std::move(d));
+  }
+  kick();
 }
 
 void Engine::Impl::queue_full(const std::shared_ptr<Request>& r, size_t page) {

@@ -206,7 +206,19 @@ inline std::string page_name(const PageRef& p) {
 }
 
 struct Engine::Impl {
-  std::unique_ptr<transport::Communicator> comm;
+  std::unique_ptr<transport::Communicator> comm;  // null: Engine::testing_unlinked
+  // Engine::testing_unlinked: with no Communicator, every Link post is
+  // recorded here (its op id is the index + 1) and the caller completes it
+  // with on_completion; step() then polls no Link.
+  struct TestingPost {
+    int peer;
+    TrafficClass cls;
+    uint64_t tag;
+    bool is_send;
+    uint8_t* buf;  // a receive's buffer (cap bytes), or the bytes sent
+    size_t len;
+  };
+  std::vector<TestingPost> testing_posts;
   int rank = -1, nranks = 0;
   int64_t timeout_ms = 30000;
 
@@ -254,7 +266,8 @@ struct Engine::Impl {
   // ------------------------------------------------------------------------
   void progress_main();
   void codec_main();
-  bool step();  // one round of progress; true if anything happened
+  void run_job(Job& j);  // one codec job; its JobDone goes to jobs_done
+  bool step();           // one round of progress; true if anything happened
   void wait_for_work(int idle);
   std::vector<pollfd> wait_fds;
 
