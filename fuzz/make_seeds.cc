@@ -3,9 +3,12 @@
 // and a few deliberately mismatched pairs, framed as fuzz/fuzz_input.h says.
 // SpectrumKV pages (seed-spectrum-*) take their token tiers from a fixed
 // pattern string, so every seed is deterministic.
-//   make_fuzz_seeds <output dir>
+//   make_fuzz_seeds <output dir> [<peer_message_fuzz output dir>]
 // The committed copies live in tests/data/fuzz/ (seed-*), where
-// tests/format_test.cc replays them.
+// tests/format_test.cc replays them.  With a second directory it also
+// writes the seeds of peer_message_fuzz (tests/data/fuzz-peer/): whole
+// request transcripts as a peer would send them, framed as
+// fuzz/peer_message_fuzz.cc reads them.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +19,7 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "fuzz_input.h"
+#include "xfer/protocol.h"
 
 namespace {
 
@@ -74,11 +78,165 @@ bool encode(kvxfer_codec_t codec, float alpha, int chunk, int abits, int64_t T, 
   return true;
 }
 
+// ---------------------------------------------------------------------------
+// peer_message_fuzz seeds: byte 0 flags, then records
+// op u8 | page u16 | length u16 | bytes (fuzz/peer_message_fuzz.cc).
+// ---------------------------------------------------------------------------
+struct Transcript {
+  std::vector<uint8_t> bytes;
+  explicit Transcript(uint8_t flags) { bytes.push_back(flags); }
+  void add(uint8_t op, uint32_t page, const std::vector<uint8_t>& msg) {
+    bytes.push_back(op);
+    bytes.push_back(static_cast<uint8_t>(page));
+    bytes.push_back(static_cast<uint8_t>(page >> 8));
+    bytes.push_back(static_cast<uint8_t>(msg.size()));
+    bytes.push_back(static_cast<uint8_t>(msg.size() >> 8));
+    bytes.insert(bytes.end(), msg.begin(), msg.end());
+  }
+};
+
+constexpr uint64_t kPeerTag = 0x7a6;  // as fuzz/peer_message_fuzz.cc
+const int64_t kPeerTokens[4] = {0, 5, 24, 40};
+
+/** The DESC of a fuzz-target request (2 layers, 1 head of 4) from the peer's side. */
+std::vector<uint8_t> peer_desc(bool is_sender, uint8_t flags, const kvxfer_codec_config_t& cc,
+                               kvxfer_mode_t mode, int32_t page_tokens) {
+  xfer::Desc d;
+  d.is_sender = is_sender;
+  d.tag = kPeerTag;
+  d.num_layers = 2;
+  d.kv_heads = 1;
+  d.head_dim = 4;
+  d.dtype = flags & 8 ? KVXFER_DTYPE_FP32 : KVXFER_DTYPE_BF16;
+  d.num_tokens = kPeerTokens[(flags >> 1) & 3];
+  if (is_sender) {
+    d.codec = cc;
+    d.mode = mode;
+    d.page_tokens = page_tokens;
+  }
+  return xfer::encode_desc(d);
+}
+
+/**
+ * A sender's whole request to the target's receiver: DESC, every page
+ * (anchor then residual, or one monolithic message), STATUS ok.
+ * `order`: 0 page by page, 1 every anchor first, 2 residual before anchor.
+ */
+Transcript sender_transcript(uint8_t flags, kvxfer_codec_t codec, float alpha, int abits,
+                             kvxfer_mode_t mode, int32_t page_tokens, int order) {
+  kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cc.codec = codec;
+  cc.alpha = alpha;
+  cc.chunk_tokens = 16;
+  cc.anchor_bits = abits;
+  cc.nonfinite = KVXFER_NONFINITE_RAW;
+  Transcript t(flags);
+  t.add(static_cast<uint8_t>(xfer::MsgKind::kDesc), 0,
+        peer_desc(true, flags, cc, mode, page_tokens));
+  const int64_t T = kPeerTokens[(flags >> 1) & 3];
+  const auto pages = xfer::plan_pages(2, T, page_tokens);
+  std::vector<Page> enc(pages.size());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const kvxfer_page_id_t id{static_cast<uint32_t>(pages[i].layer), pages[i].kind,
+                              pages[i].token_begin, kPeerTag};
+    if (!encode(codec, alpha, 16, abits, pages[i].num_tokens, 4,
+                flags & 8 ? KVXFER_DTYPE_FP32 : KVXFER_DTYPE_BF16, static_cast<uint32_t>(i + 1),
+                1.0f, false, &enc[i], id))
+      return Transcript(0);
+  }
+  const uint8_t A = static_cast<uint8_t>(xfer::MsgKind::kAnchor);
+  const uint8_t R = static_cast<uint8_t>(xfer::MsgKind::kResidual);
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (mode == KVXFER_MODE_MONOLITHIC) {
+      std::vector<uint8_t> both = enc[i].anchor;
+      both.insert(both.end(), enc[i].residual.begin(), enc[i].residual.end());
+      t.add(A, static_cast<uint32_t>(i), both);
+    } else if (order == 2) {
+      t.add(R, static_cast<uint32_t>(i), enc[i].residual);
+      t.add(A, static_cast<uint32_t>(i), enc[i].anchor);
+    } else {
+      t.add(A, static_cast<uint32_t>(i), enc[i].anchor);
+      if (order == 0) t.add(R, static_cast<uint32_t>(i), enc[i].residual);
+    }
+  }
+  if (order == 1 && mode != KVXFER_MODE_MONOLITHIC)
+    for (size_t i = 0; i < pages.size(); ++i) t.add(R, static_cast<uint32_t>(i), enc[i].residual);
+  t.add(static_cast<uint8_t>(xfer::MsgKind::kStatus), 0, xfer::encode_status(KVXFER_SUCCESS, ""));
+  return t;
+}
+
+/** A receiver's side for the target's sender: DESC, then its STATUS. */
+Transcript receiver_transcript(uint8_t flags, kvxfer_result_t result, const char* text) {
+  Transcript t(flags);
+  t.add(static_cast<uint8_t>(xfer::MsgKind::kDesc), 0,
+        peer_desc(false, flags, {}, KVXFER_MODE_AUTO, 0));
+  t.add(static_cast<uint8_t>(xfer::MsgKind::kStatus), 0, xfer::encode_status(result, text));
+  return t;
+}
+
+int write_peer_seeds(const std::string& dir) {
+  int failed = 0, written = 0;
+  auto emit = [&](const std::string& name, const Transcript& t) {
+    const std::string path = dir + "/seed-" + name;
+    FILE* f = std::fopen(path.c_str(), "wb");
+    if (t.bytes.size() < 2 || f == nullptr ||
+        std::fwrite(t.bytes.data(), 1, t.bytes.size(), f) != t.bytes.size()) {
+      std::fprintf(stderr, "%s: cannot write the seed\n", path.c_str());
+      ++failed;
+    } else {
+      ++written;
+    }
+    if (f) std::fclose(f);
+  };
+  // The target receives (flags bit 0 clear).  Flags: bits 1-2 tokens, bit 3 fp32.
+  emit("recv-lynx-progressive",
+       sender_transcript(0x04, KVXFER_CODEC_LYNX, 20.0f, 4, KVXFER_MODE_PROGRESSIVE, 8, 0));
+  emit("recv-lynx-anchors-first",
+       sender_transcript(0x06, KVXFER_CODEC_LYNX, 0.0f, 3, KVXFER_MODE_PROGRESSIVE, 16, 1));
+  emit("recv-int8-residual-first-fp32",
+       sender_transcript(0x0c, KVXFER_CODEC_INT8, 0.0f, 4, KVXFER_MODE_PROGRESSIVE, 16, 2));
+  emit("recv-int4-monolithic",
+       sender_transcript(0x06, KVXFER_CODEC_INT4, 0.0f, 4, KVXFER_MODE_MONOLITHIC, 8, 0));
+  emit("recv-bf16-monolithic-fp32",
+       sender_transcript(0x0a, KVXFER_CODEC_BF16, 0.0f, 0, KVXFER_MODE_MONOLITHIC, 8, 0));
+  emit("recv-empty",
+       sender_transcript(0x00, KVXFER_CODEC_LYNX, 0.0f, 4, KVXFER_MODE_PROGRESSIVE, 8, 0));
+  {  // the sender fails: STATUS with its error, then every page message empty
+    Transcript t =
+        sender_transcript(0x02, KVXFER_CODEC_LYNX, 0.0f, 4, KVXFER_MODE_PROGRESSIVE, 8, 0);
+    Transcript f(0x02);
+    f.bytes.assign(t.bytes.begin(), t.bytes.begin() + 1 + 5 + xfer::kDescBytes);  // flags, DESC
+    f.add(static_cast<uint8_t>(xfer::MsgKind::kStatus), 0,
+          xfer::encode_status(KVXFER_ERR_CORRUPT, "encoding the page failed"));
+    for (uint32_t i = 0; i < 4; ++i) {
+      f.add(static_cast<uint8_t>(xfer::MsgKind::kAnchor), i, {});
+      f.add(static_cast<uint8_t>(xfer::MsgKind::kResidual), i, {});
+    }
+    emit("recv-peer-failed", f);
+    // Cancelled here after the DESC (op bit 4), then the data still flows.
+    Transcript c(0x02);
+    c.bytes.assign(t.bytes.begin(), t.bytes.end());
+    c.bytes[1 + 5 + xfer::kDescBytes] |= 0x10;  // the first page record cancels
+    emit("recv-cancelled", c);
+  }
+  // The target sends (flags bit 0 set; bits 4-5 its codec, bit 6 page_tokens 16).
+  emit("send-lynx", receiver_transcript(0x05, KVXFER_SUCCESS, ""));
+  emit("send-int8-fp32", receiver_transcript(0x1d, KVXFER_SUCCESS, ""));
+  emit("send-int4", receiver_transcript(0x27, KVXFER_SUCCESS, ""));
+  emit("send-bf16", receiver_transcript(0x73, KVXFER_SUCCESS, ""));
+  emit("send-empty", receiver_transcript(0x01, KVXFER_SUCCESS, ""));
+  emit("send-peer-failed", receiver_transcript(0x05, KVXFER_ERR_CORRUPT, "checksum of page 3"));
+  emit("send-peer-cancelled", receiver_transcript(0x05, KVXFER_ERR_CANCELLED, "cancelled"));
+  std::printf("wrote %d peer_message_fuzz seeds to %s (%d failures)\n", written, dir.c_str(),
+              failed);
+  return failed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s <output dir>\n", argv[0]);
+  if (argc != 2 && argc != 3) {
+    std::fprintf(stderr, "usage: %s <output dir> [<peer_message_fuzz output dir>]\n", argv[0]);
     return 2;
   }
   const std::string dir = argv[1];
@@ -304,5 +462,6 @@ int main(int argc, char** argv) {
     ++failed;
   }
   std::printf("wrote %d seeds to %s (%d failures)\n", written, dir.c_str(), failed);
+  if (argc == 3) failed += write_peer_seeds(argv[2]);
   return failed ? 1 : 0;
 }
