@@ -3,8 +3,8 @@
 // with a checked-in hex string written from the documented layout, and the
 // checked-in bytes are parsed back with every field checked.  A change made
 // to both an encoder and its decoder fails here, since it would break an
-// older peer.  The page sections are pinned in tests/format_test.cc
-// (WireFormat.HeaderBytesAreFixed).
+// older peer.  Also replays the peer_message_fuzz corpus.  The page sections are pinned in
+// tests/format_test.cc (WireFormat.HeaderBytesAreFixed).
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -12,12 +12,17 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <future>
+#include <iterator>
 #include <string>
 #include <vector>
 
+#include "../fuzz/peer_message_check.h"
 #include "common/error.h"
 #include "transport/bootstrap.h"
 #include "transport/comm.h"
@@ -216,7 +221,18 @@ TEST(WireBytes, OnlyDescriptorVersion3IsAccepted) {
   struct Case {
     size_t off;
     uint8_t value;
-  } cases[] = {{0, 0x4c}, {6, 2}, {68, 2}, {73, 3}};
+  } cases[] = {{0, 0x4c},
+               {6, 2},
+               {68, 2},
+               {73, 3},
+               // Enumerations out of range (peer_message_fuzz found a dtype
+               // of -196606 loaded as kvxfer_dtype_t: undefined behaviour).
+               {28, 3},
+               {31, 0xff},
+               {40, 5},
+               {43, 0x80},
+               {56, 2},
+               {60, 3}};
   for (const Case& c : cases) {
     Bytes b = good;
     b[c.off] = c.value;
@@ -521,6 +537,43 @@ TEST(WireBytes, RootSendsAFixedTimeoutStatus) {
   EXPECT_EQ(to_hex(status), to_hex(hex("0c 00 00 00 4b 56 58 42 01 00"
                                        "01 00"            // status 1: timed out
                                        "02 00 00 00")));  // nranks 2
+}
+
+// ---------------------------------------------------------------------------
+// The peer_message_fuzz corpus (tests/data/fuzz-peer/, fuzz/README.md),
+// through the same checks, without sanitizers; each seed ends as it should.
+// ---------------------------------------------------------------------------
+TEST(PeerMessages, CorpusReplaysWithoutViolations) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(KVXFER_TEST_DATA_DIR) / "fuzz-peer";
+  ASSERT_TRUE(fs::is_directory(dir)) << dir;
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file()) files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  size_t seeds = 0, complete = 0;
+  for (const auto& f : files) {
+    const std::string name = f.filename().string();
+    SCOPED_TRACE(name);
+    std::ifstream in(f, std::ios::binary);
+    const Bytes data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const fuzz::peer::Outcome o = fuzz::peer::play(data.data(), data.size());
+    EXPECT_EQ(o.violation, "");
+    complete += o.stage == KVXFER_STAGE_COMPLETE;
+    if (name.rfind("seed-", 0) != 0) continue;
+    ++seeds;
+    if (name.find("peer-failed") != std::string::npos) {
+      EXPECT_EQ(o.stage, KVXFER_STAGE_ERROR);
+      EXPECT_EQ(o.result, KVXFER_ERR_CORRUPT) << o.error;
+    } else if (name.find("cancelled") != std::string::npos) {
+      EXPECT_EQ(o.stage, KVXFER_STAGE_ERROR);
+      EXPECT_EQ(o.result, KVXFER_ERR_CANCELLED) << o.error;
+    } else {
+      EXPECT_EQ(o.stage, KVXFER_STAGE_COMPLETE) << o.error;
+    }
+  }
+  EXPECT_GE(seeds, 15u) << "the seeds (make_fuzz_seeds <dir> tests/data/fuzz-peer) are missing";
+  EXPECT_GE(complete, 11u);
 }
 
 }  // namespace

@@ -93,15 +93,27 @@ kvxfer_result_t decode_desc(const uint8_t* buf, size_t len, Desc* out) {
   d.num_layers = get<int32_t>(p);
   d.kv_heads = get<int32_t>(p);
   d.head_dim = get<int32_t>(p);
-  d.dtype = static_cast<kvxfer_dtype_t>(get<int32_t>(p));
+  // Enumerations are range-checked before the cast: a value outside an
+  // enumeration is undefined behaviour in C++.
+  auto enum_field = [&p](const char* name, int32_t hi, int32_t* v) {
+    *v = get<int32_t>(p);
+    if (*v >= 0 && *v <= hi) return KVXFER_SUCCESS;
+    return set_error(KVXFER_ERR_CORRUPT, "descriptor message has %s %d", name, *v);
+  };
+  int32_t dtype, codec, nonfinite, mode;
+  KVXFER_CHECK(enum_field("dtype", KVXFER_DTYPE_FP32, &dtype));
+  d.dtype = static_cast<kvxfer_dtype_t>(dtype);
   d.num_tokens = get<int64_t>(p);
   d.codec = KVXFER_CODEC_CONFIG_INITIALIZER;
-  d.codec.codec = static_cast<kvxfer_codec_t>(get<int32_t>(p));
+  KVXFER_CHECK(enum_field("codec", KVXFER_CODEC_SPECTRUM, &codec));
+  d.codec.codec = static_cast<kvxfer_codec_t>(codec);
   d.codec.alpha = get<float>(p);
   d.codec.chunk_tokens = get<int32_t>(p);
   d.codec.anchor_bits = get<int32_t>(p);
-  d.codec.nonfinite = static_cast<kvxfer_nonfinite_policy_t>(get<int32_t>(p));
-  d.mode = static_cast<kvxfer_mode_t>(get<int32_t>(p));
+  KVXFER_CHECK(enum_field("nonfinite", KVXFER_NONFINITE_RAW, &nonfinite));
+  d.codec.nonfinite = static_cast<kvxfer_nonfinite_policy_t>(nonfinite);
+  KVXFER_CHECK(enum_field("mode", KVXFER_MODE_MONOLITHIC, &mode));
+  d.mode = static_cast<kvxfer_mode_t>(mode);
   d.page_tokens = get<int32_t>(p);
   const uint8_t dev = get<uint8_t>(p);
   if (dev > 1) return set_error(KVXFER_ERR_CORRUPT, "descriptor message has on_device %u", dev);
