@@ -26,6 +26,7 @@
 #include "common/error.h"
 #include "transport/bootstrap.h"
 #include "transport/comm.h"
+#include "transport/ofi.h"
 #include "xfer/protocol.h"
 
 namespace kvxfer {
@@ -295,6 +296,65 @@ TEST(WireBytes, RequestTagLayoutIsFixed) {
   EXPECT_EQ(xfer::make_tag(0x1234, false, MsgKind::kAnchor, 7), 0x1234400007ull);
   EXPECT_EQ(xfer::make_tag(0x8005, false, MsgKind::kDesc, 0), 0x0005000000ull);  // seq mod 2^15
   EXPECT_EQ(xfer::make_tag(0x7fff, true, MsgKind::kResidual, 0x1fffff), (uint64_t{1} << 39) - 1);
+}
+
+// ---------------------------------------------------------------------------
+// Link framing (transport/ofi.h), version 1: the header chunk and the hello.
+// ---------------------------------------------------------------------------
+TEST(WireBytes, LinkHeaderAndHelloAreFixed) {
+  using transport::WireHeader;
+  const Bytes want =
+      hex("46 58 56 4b"                // 0  u32 magic 0x4B565846
+          "01 00"                      // 4  u16 version 1
+          "00 00"                      // 6  u16 flags 0
+          "80 3e 00 00"                // 8  u32 chunk_bytes 16000
+          "00 00 00 00"                // 12 u32 reserved
+          "05 04 03 02 01 00 00 00"    // 16 u64 total 0x0102030405
+          "78 56 34 12 00 00 00 00");  // 24 u64 user tag 0x12345678
+  const WireHeader h = transport::make_wire_header(16000, 0x0102030405ull, 0x12345678);
+  Bytes got(sizeof h);
+  std::memcpy(got.data(), &h, sizeof h);
+  EXPECT_EQ(to_hex(got), to_hex(want));
+
+  WireHeader back;
+  ASSERT_EQ(want.size(), sizeof back);
+  std::memcpy(&back, want.data(), sizeof back);
+  EXPECT_EQ(back.magic, 0x4B565846u);
+  EXPECT_EQ(back.version, 1);
+  EXPECT_EQ(back.flags, 0);
+  EXPECT_EQ(back.chunk_bytes, 16000u);
+  EXPECT_EQ(back.reserved, 0u);
+  EXPECT_EQ(back.total, 0x0102030405ull);
+  EXPECT_EQ(back.tag, 0x12345678u);
+  EXPECT_TRUE(transport::wire_header_ok(back, 32, 0x12345678));
+  EXPECT_FALSE(transport::wire_header_ok(back, 31, 0x12345678));  // a short header chunk
+  EXPECT_FALSE(transport::wire_header_ok(back, 32, 0x12345679));  // another tag
+  auto bad = [&](auto mutate) {
+    WireHeader b = back;
+    mutate(&b);
+    return !transport::wire_header_ok(b, 32, 0x12345678);
+  };
+  EXPECT_TRUE(bad([](WireHeader* b) { b->magic ^= 1; }));
+  EXPECT_TRUE(bad([](WireHeader* b) { b->version = 2; }));
+  EXPECT_TRUE(bad([](WireHeader* b) { b->chunk_bytes = 0; }));
+  EXPECT_TRUE(bad([](WireHeader* b) { b->chunk_bytes = (1u << 30) + 1; }));
+  EXPECT_TRUE(bad([](WireHeader* b) {  // 2^24 chunks: one too many
+    b->chunk_bytes = 1;
+    b->total = uint64_t{1} << 24;
+  }));
+  EXPECT_FALSE(bad([](WireHeader* b) {
+    b->chunk_bytes = 1;
+    b->total = (uint64_t{1} << 24) - 1;
+  }));
+  // A total near 2^64 must not wrap the chunk count into range.
+  EXPECT_TRUE(bad([](WireHeader* b) {
+    b->chunk_bytes = 2;
+    b->total = ~uint64_t{0};
+  }));
+
+  Bytes hello(8);
+  std::memcpy(hello.data(), &transport::kHelloMagic, 8);
+  EXPECT_EQ(to_hex(hello), to_hex(hex("48 45 4c 4c 46 58 56 4b")));  // "HELLFXVK"
 }
 
 // ---------------------------------------------------------------------------

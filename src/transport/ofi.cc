@@ -36,21 +36,7 @@ kvxfer_result_t fi_fail(const char* call, int ret) {
 constexpr int kChunkBits = 24;
 constexpr uint64_t kMaxChunks = (uint64_t{1} << kChunkBits) - 1;
 constexpr uint64_t kHelloUserTag = (uint64_t{1} << 40) - 1;  // reserved: Link::kMaxTag + 1
-constexpr uint32_t kWireMagic = 0x4B565846;                  // "KVXF"
-constexpr uint16_t kWireVersion = 1;
 constexpr uint64_t kMaxPeerChunk = uint64_t{1} << 30;
-constexpr uint64_t kHelloMagic = 0x4B5658464C4C4548ull;  // "HELLFXVK"
-
-struct WireHeader {
-  uint32_t magic;
-  uint16_t version;
-  uint16_t flags;
-  uint32_t chunk_bytes;  // the sender's chunk size: data chunk i covers [(i-1)c, ic)
-  uint32_t reserved;
-  uint64_t total;  // message length in bytes
-  uint64_t tag;    // user tag, checked by the receiver
-};
-static_assert(sizeof(WireHeader) == 32, "wire header is 32 bytes");
 
 uint64_t wire_tag(uint64_t user_tag, uint64_t chunk) { return (user_tag << kChunkBits) | chunk; }
 
@@ -62,6 +48,22 @@ constexpr uint8_t kBlobVersion = 1;
 enum Kind : int { kHelloSend, kHelloRecv, kHeader, kData };
 
 }  // namespace
+
+WireHeader make_wire_header(uint32_t chunk_bytes, uint64_t total, uint64_t tag) {
+  WireHeader h{};
+  h.magic = kWireMagic;
+  h.version = kWireVersion;
+  h.chunk_bytes = chunk_bytes;
+  h.total = total;
+  h.tag = tag;
+  return h;
+}
+
+bool wire_header_ok(const WireHeader& h, size_t len, uint64_t tag) {
+  return len == sizeof(WireHeader) && h.magic == kWireMagic && h.version == kWireVersion &&
+         h.tag == tag && h.chunk_bytes != 0 && h.chunk_bytes <= kMaxPeerChunk &&
+         h.total / h.chunk_bytes + (h.total % h.chunk_bytes != 0) <= kMaxChunks;  // no wrap
+}
 
 void close_fid(fid_t f, const char* what) noexcept {
   const int r = fi_close(f);
@@ -622,11 +624,7 @@ kvxfer_result_t Link::post_send(TrafficClass c, const void* buf, size_t len, uin
   op->total = len;
   op->chunk = chunk_bytes;
   op->nchunks = static_cast<uint32_t>(nchunks);
-  op->hdr.magic = kWireMagic;
-  op->hdr.version = kWireVersion;
-  op->hdr.chunk_bytes = static_cast<uint32_t>(chunk_bytes);
-  op->hdr.total = len;
-  op->hdr.tag = tag;
+  op->hdr = make_wire_header(static_cast<uint32_t>(chunk_bytes), len, tag);
   op->posted = op->last_activity = Clock::now();
   op->queued = true;
   send_queue_[idx(c)].push_back(op.get());
@@ -821,9 +819,7 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
   last_recv_activity_ = now;
   if (ctx->kind == kHeader) {
     const WireHeader& h = op->hdr;
-    if (ev.len != sizeof(WireHeader) || h.magic != kWireMagic || h.version != kWireVersion ||
-        h.tag != op->tag || h.chunk_bytes == 0 || h.chunk_bytes > kMaxPeerChunk ||
-        (h.total + h.chunk_bytes - 1) / h.chunk_bytes > kMaxChunks) {
+    if (!wire_header_ok(h, ev.len, op->tag)) {
       fail_recv(op, KVXFER_ERR_CORRUPT,
                 strprintf("message header of tag %" PRIu64 " on the %s class is malformed", op->tag,
                           class_name(op->cls)),

@@ -96,6 +96,32 @@ std::string apply_provider_memory_defaults();
 constexpr uint32_t kFiVersion = FI_VERSION(1, 17);
 
 // ---------------------------------------------------------------------------
+// Wire format of a Link (docs/TRANSPORT.md, "Message framing"; pinned by
+// tests/wire_test.cc).  Chunk 0 of a message is a WireHeader, chunks 1..n
+// its data; the handshake is one kHelloMagic each way per class.  Sent as
+// the host's bytes: hosts are little-endian (x86-64, aarch64).
+// ---------------------------------------------------------------------------
+constexpr uint32_t kWireMagic = 0x4B565846;  // bytes "FXVK"
+constexpr uint16_t kWireVersion = 1;
+constexpr uint64_t kHelloMagic = 0x4B5658464C4C4548ull;  // bytes "HELLFXVK"
+
+struct WireHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t flags;
+  uint32_t chunk_bytes;  // the sender's chunk size: data chunk i covers [(i-1)c, ic)
+  uint32_t reserved;
+  uint64_t total;  // message length in bytes
+  uint64_t tag;    // user tag, checked by the receiver
+};
+static_assert(sizeof(WireHeader) == 32, "wire header is 32 bytes");
+
+/** The header of a message of `total` bytes, in `chunk_bytes` chunks, with user tag `tag`. */
+WireHeader make_wire_header(uint32_t chunk_bytes, uint64_t total, uint64_t tag);
+/** True when `h`, a header chunk of `len` bytes, is valid for a receive of user tag `tag`. */
+bool wire_header_ok(const WireHeader& h, size_t len, uint64_t tag);
+
+// ---------------------------------------------------------------------------
 // Traffic classes
 // ---------------------------------------------------------------------------
 enum class TrafficClass : int { kAnchor = 0, kResidual = 1 };
