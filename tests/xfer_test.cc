@@ -209,6 +209,7 @@ struct Shape {
   int32_t L = 3, heads = 2, hd = 64;
   int64_t T = 300;
   int32_t page_tokens = 128;
+  kvxfer_dtype_t dt = KVXFER_DTYPE_BF16;  // of the KV on both sides
 };
 
 /** The sender side, used in children: send `kv` and report both byte counts. */
@@ -217,7 +218,7 @@ int run_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, int32_t bs,
                int expect_result = KVXFER_SUCCESS) {
   kvxfer_comm_t comm = init_rank(id, 1);
   if (comm == nullptr) return 10;
-  PagedKV kv(s.L, s.heads, s.hd, s.T, bs);
+  PagedKV kv(s.L, s.heads, s.hd, s.T, bs, s.dt);
   kv.fill(seed);
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.mode = mode;
@@ -239,10 +240,11 @@ int run_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, int32_t bs,
 
 // The main case: Lynx 4+4, the receiver with a different block size and row
 // stride; anchor-only values at ANCHOR_READY, full values at COMPLETE, both
-// bit-exact against the codec; byte counts equal on both sides.
-void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dtype_t dt_unused) {
-  (void)dt_unused;
+// bit-exact against the codec's own decode of `dt` pages into `dt`; byte
+// counts equal on both sides.  Both sides hold their KV in `dt`.
+void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dtype_t dt) {
   Shape s;
+  s.dt = dt;
   const uint64_t seed = 1234;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
@@ -250,7 +252,7 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
-  PagedKV dst(s.L, s.heads, s.hd, s.T, 48, KVXFER_DTYPE_BF16, 5);  // other block size, padded rows
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 48, dt, 5);  // other block size, padded rows
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = 9;
   xfer::testing_pause_residuals(true);
@@ -260,9 +262,13 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
       << kvxfer_get_last_error();
   const kvxfer_request_info_t mid = info_of(req);
   const bool progressive = mid.mode == KVXFER_MODE_PROGRESSIVE;
+  EXPECT_EQ(progressive, mode == KVXFER_MODE_PROGRESSIVE ||
+                             (mode == KVXFER_MODE_AUTO &&
+                              (cfg.codec == KVXFER_CODEC_LYNX || cfg.codec == KVXFER_CODEC_INT8)));
 
-  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16, dt);
   src.fill(seed);
+  PagedKV anchor(s.L, s.heads, s.hd, s.T, 64, dt);  // the anchor-only decode
   if (progressive) {
     kvxfer_stage_t st;
     EXPECT_EQ(kvxfer_test(req, &st), KVXFER_IN_PROGRESS);
@@ -271,7 +277,6 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
       EXPECT_EQ(kvxfer_test_layer(req, l, &st), KVXFER_IN_PROGRESS);
       EXPECT_EQ(st, KVXFER_STAGE_ANCHOR_READY);
     }
-    PagedKV anchor(s.L, s.heads, s.hd, s.T, 64);
     expected_decode(src, cfg, s.page_tokens, 9, false, &anchor);
     for (int32_t l = 0; l < s.L; ++l)
       for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
@@ -282,11 +287,15 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
   xfer::testing_pause_residuals(false);
   ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
       << kvxfer_get_last_error();
-  PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+  PagedKV full(s.L, s.heads, s.hd, s.T, 64, dt);
   expected_decode(src, cfg, s.page_tokens, 9, true, &full);
   for (int32_t l = 0; l < s.L; ++l)
     for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
       ASSERT_EQ(dst.bytes(l, kind), full.bytes(l, kind)) << "full, layer " << l;
+  // The ANCHOR_READY check above saw something other than the full values.
+  if (progressive) {
+    EXPECT_NE(anchor.bytes(0, KVXFER_KV_KEY), full.bytes(0, KVXFER_KV_KEY));
+  }
 
   const kvxfer_request_info_t end = info_of(req);
   EXPECT_EQ(end.stage, KVXFER_STAGE_COMPLETE);
@@ -295,7 +304,7 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
   EXPECT_GT(end.t_anchor_ready_ns, 0);
   EXPECT_GE(end.t_complete_ns, end.t_anchor_ready_ns);
   EXPECT_GE(end.t_anchor_ready_ns, end.t_handshake_ns);
-  EXPECT_EQ(end.kv_bytes, uint64_t(3 * 2 * 300 * 128 * 2));
+  EXPECT_EQ(end.kv_bytes, uint64_t(3 * 2 * 300 * 128) * codec::dtype_size(dt));
   SenderReport rep;
   ASSERT_TRUE(read_report(pair.child.from_child, &rep));
   EXPECT_EQ(rep.anchor, end.anchor_wire_bytes);  // bytes received == bytes sent
@@ -311,6 +320,31 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
 
 TEST(Xfer, LynxProgressiveAnchorThenFullBitExact) {
   round_trip(KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, KVXFER_DTYPE_BF16);
+}
+
+// FP16 and FP32 KV through kvxfer_send / kvxfer_recv, progressive and
+// monolithic: the codec's own decode of those dtypes, bit for bit.
+TEST(Xfer, LynxProgressiveFp16BitExact) {
+  round_trip(KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_FP16);
+}
+
+TEST(Xfer, LynxProgressiveFp32BitExact) {
+  round_trip(KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_FP32);
+}
+
+kvxfer_codec_config_t bf16_codec() {
+  kvxfer_codec_config_t c = KVXFER_CODEC_CONFIG_INITIALIZER;
+  c.codec = KVXFER_CODEC_BF16;
+  c.anchor_bits = 0;
+  return c;
+}
+
+TEST(Xfer, Bf16MonolithicFp16BitExact) {
+  round_trip(bf16_codec(), KVXFER_MODE_MONOLITHIC, KVXFER_DTYPE_FP16);
+}
+
+TEST(Xfer, Bf16MonolithicFp32BitExact) {
+  round_trip(bf16_codec(), KVXFER_MODE_MONOLITHIC, KVXFER_DTYPE_FP32);
 }
 
 TEST(Xfer, LynxAlphaAutoProgressive) {

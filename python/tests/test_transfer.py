@@ -44,6 +44,37 @@ def test_bf16_monolithic_round_trip_is_byte_exact(spawn_peer):
     assert rep["info"]["residual_wire_bytes"] == info.residual_wire_bytes == 0
 
 
+@pytest.mark.parametrize("dtype", [kvxfer.Dtype.BF16, kvxfer.Dtype.FP16, kvxfer.Dtype.FP32])
+@pytest.mark.parametrize("codec,mode", [("lynx", kvxfer.Mode.PROGRESSIVE),
+                                        ("bf16", kvxfer.Mode.MONOLITHIC)])
+def test_every_dtype_arrives_as_the_codec_decodes_it(spawn_peer, dtype, codec, mode):
+    """The KV in each dtype, on both sides: the receiver holds the codec's own
+    decode of the sender's pages of that dtype, bit for bit; byte counts agree."""
+    page_tokens, tag = 64, 6
+    shape = dict(SHAPE, T=100)
+    uid = kvxfer.UniqueId.create()
+    peer = spawn_peer(role="send", uid=uid, block_size=16, seed=8, tag=tag, dtype=int(dtype),
+                      codec={"codec": codec}, mode=int(mode), page_tokens=page_tokens, **shape)
+    with comm0(uid) as comm:
+        dst = kvdata.HostKV(shape["L"], shape["heads"], shape["hd"], shape["T"], 24, dtype, pad=3)
+        req = comm.recv(1, dst.descriptor(), tag=tag)
+        assert req.wait(timeout=30)
+        info = req.info()
+        req.free()
+    rep = peer.result()
+    assert rep.get("ok"), rep
+    assert info.mode == mode
+    assert info.kv_bytes == 2 * shape["L"] * shape["T"] * 64 * kvdata.ITEMSIZE[dtype]
+    assert rep["info"]["anchor_wire_bytes"] == info.anchor_wire_bytes > 0
+    assert rep["info"]["residual_wire_bytes"] == info.residual_wire_bytes
+    assert (info.residual_wire_bytes > 0) == (mode == kvxfer.Mode.PROGRESSIVE)
+    src = kvdata.HostKV(shape["L"], shape["heads"], shape["hd"], shape["T"], 16, dtype).fill(8)
+    want = kvdata.expected_decode(src, kvxfer.CodecConfig(codec=codec), page_tokens, tag)
+    for layer in range(shape["L"]):
+        for kind in (kvxfer.KVKind.KEY, kvxfer.KVKind.VALUE):
+            assert dst.rows(layer, kind) == want.rows(layer, kind), (layer, kind)
+
+
 def test_spectrum_tiers_agree_and_sinks_are_fp16(spawn_peer):
     uid = kvxfer.UniqueId.create()
     peer = spawn_peer(role="send", uid=uid, block_size=16, seed=9, tag=4,
