@@ -815,6 +815,101 @@ TEST(Xfer, CorruptedSectionFailsWithChecksumAndNeverCompletes) {
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
+// A residual section corrupted on the wire after the receiver reached
+// ANCHOR_READY: the request ends in ERROR on both sides with the checksum
+// named, COMPLETE is never reported, and no page holds anything but its
+// anchor-only or its full values (the corrupted one stays at anchor
+// precision: its residual is checked before any value is written).
+TEST(Xfer, CorruptedResidualAfterAnchorReadyFailsBothSidesNeverCompletes) {
+  Shape s;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_PROGRESSIVE, 11,
+                      KVXFER_ERR_CORRUPT);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  struct Finals {
+    std::mutex mu;
+    std::vector<std::pair<kvxfer_stage_t, kvxfer_result_t>> seen;
+  } finals;
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  rc.on_complete = [](kvxfer_request_t, kvxfer_stage_t st, kvxfer_result_t res, void* u) {
+    auto* f = static_cast<Finals*>(u);
+    std::lock_guard<std::mutex> lk(f->mu);
+    f->seen.emplace_back(st, res);
+  };
+  rc.user_data = &finals;
+  xfer::testing_pause_residuals(true);
+  xfer::testing_corrupt_next_residuals(1);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  const kvxfer_request_info_t mid = info_of(req);
+  EXPECT_EQ(mid.stage, KVXFER_STAGE_ANCHOR_READY);
+  EXPECT_EQ(mid.mode, KVXFER_MODE_PROGRESSIVE);
+  EXPECT_EQ(mid.pages_anchor_ready, mid.num_pages);
+  EXPECT_EQ(mid.pages_complete, 0);
+  xfer::testing_pause_residuals(false);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_CORRUPT);
+  const std::string err = kvxfer_get_last_error();
+  EXPECT_NE(err.find("checksum"), std::string::npos) << err;
+  EXPECT_NE(err.find("residual"), std::string::npos) << err;
+  EXPECT_NE(err.find("the page of layer "), std::string::npos) << err;  // names the page
+  kvxfer_stage_t st;
+  EXPECT_EQ(kvxfer_test(req, &st), KVXFER_ERR_CORRUPT);
+  EXPECT_EQ(st, KVXFER_STAGE_ERROR);
+  const kvxfer_request_info_t end = info_of(req);
+  EXPECT_EQ(end.stage, KVXFER_STAGE_ERROR);
+  EXPECT_EQ(end.result, KVXFER_ERR_CORRUPT);
+  EXPECT_GT(end.t_anchor_ready_ns, 0);
+  EXPECT_GE(end.t_error_ns, end.t_anchor_ready_ns);
+  EXPECT_EQ(end.t_complete_ns, 0);
+  EXPECT_LT(end.pages_complete, end.num_pages);
+  for (int32_t l = 0; l < s.L; ++l) {
+    kvxfer_stage_t ls;
+    EXPECT_EQ(kvxfer_test_layer(req, l, &ls), KVXFER_ERR_CORRUPT);
+    EXPECT_EQ(ls, KVXFER_STAGE_ERROR);
+  }
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));  // the sender's wait gave CORRUPT
+  EXPECT_NE(rep.error.find("checksum"), std::string::npos) << rep.error;
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  {
+    std::lock_guard<std::mutex> lk(finals.mu);
+    EXPECT_EQ(finals.seen, (std::vector<std::pair<kvxfer_stage_t, kvxfer_result_t>>{
+                               {KVXFER_STAGE_ERROR, KVXFER_ERR_CORRUPT}}));
+  }
+  // Every page holds exactly its anchor-only or its full values; at least
+  // one (the corrupted) is still at anchor precision.
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(11);
+  PagedKV anchor(s.L, s.heads, s.hd, s.T, 64), full(s.L, s.heads, s.hd, s.T, 64);
+  expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, s.page_tokens, 9, false, &anchor);
+  expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, s.page_tokens, 9, true, &full);
+  int anchor_only = 0;
+  const size_t row = static_cast<size_t>(dst.H()) * codec::dtype_size(dst.dt);
+  for (const auto& p : xfer::plan_pages(s.L, s.T, s.page_tokens)) {
+    auto slice = [&](PagedKV& kv) {
+      const std::vector<uint8_t> b = kv.bytes(p.layer, p.kind);
+      return std::vector<uint8_t>(b.begin() + p.token_begin * row,
+                                  b.begin() + (p.token_begin + p.num_tokens) * row);
+    };
+    const auto got = slice(dst), a = slice(anchor), f = slice(full);
+    ASSERT_NE(a, f);
+    EXPECT_TRUE(got == a || got == f) << "layer " << p.layer << " token " << p.token_begin;
+    anchor_only += got == a;
+  }
+  EXPECT_GE(anchor_only, 1);
+  kvxfer_comm_destroy(comm);
+  xfer::testing_corrupt_next_residuals(0);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
 TEST(Xfer, NonFiniteInputFailsBothSidesNamingTheElement) {
   Shape s;
   Pair pair;

@@ -8,12 +8,14 @@
 namespace kvxfer::xfer {
 
 std::atomic<int> g_corrupt_sections{0};
+std::atomic<int> g_corrupt_residuals{0};
 std::atomic<bool> g_pause_residuals{false};
 std::atomic<int> g_codec_workers{0};
 std::atomic<bool> g_skip_codec{false};
 std::atomic<size_t> g_staging_window{0};
 
 void testing_corrupt_next_sections(int count) { g_corrupt_sections.store(count); }
+void testing_corrupt_next_residuals(int count) { g_corrupt_residuals.store(count); }
 void testing_pause_residuals(bool paused) { g_pause_residuals.store(paused); }
 void testing_codec_workers(int n) { g_codec_workers.store(n); }
 void testing_skip_codec(bool skip) { g_skip_codec.store(skip); }

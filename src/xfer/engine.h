@@ -205,6 +205,11 @@ void testing_staging_window(size_t bytes);
  *  byte flipped before decoding (tests/xfer_test.cc, corruption cases). */
 void testing_corrupt_next_sections(int count);
 
+/** Test seam: likewise for the next `count` residual sections only (anchor
+ *  sections pass untouched), so a test can corrupt a residual after the
+ *  request reached ANCHOR_READY. */
+void testing_corrupt_next_residuals(int count);
+
 /**
  * Measurement seam (kvxfer_perf --engine_only): while set, codec jobs do no
  * work.  An encode reports its pages at their largest encoded size with

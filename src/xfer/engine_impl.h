@@ -40,6 +40,7 @@ using transport::TrafficClass;
 
 // Test seams (engine.h): set by tests, read by the progress thread.
 extern std::atomic<int> g_corrupt_sections;
+extern std::atomic<int> g_corrupt_residuals;
 extern std::atomic<bool> g_pause_residuals;
 extern std::atomic<int> g_codec_workers;
 extern std::atomic<bool> g_skip_codec;

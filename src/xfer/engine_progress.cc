@@ -624,6 +624,9 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
       uint8_t* section = anchor ? w.astore.get() + p.a_off : p.staging.get();
       if (c.bytes > 0 && g_corrupt_sections.load() > 0 && g_corrupt_sections.fetch_sub(1) > 0)
         section[c.bytes / 2] ^= 0x5a;  // test seam: the checksum must catch this
+      else if (!anchor && c.bytes > 0 && g_corrupt_residuals.load() > 0 &&
+               g_corrupt_residuals.fetch_sub(1) > 0)
+        section[c.bytes / 2] ^= 0x5a;  // test seam: likewise, residuals only
       if (anchor) {
         p.a_len = c.bytes;
         Job j;
