@@ -584,19 +584,36 @@ TEST(SyntheticKV, RejectsBadSpecs) {
 
 namespace {
 
-const km::Model* smollm2(std::string* why) {
-  static std::string error;
-  static std::unique_ptr<km::Model> m = [] {
+struct SmolLM2Model {
+  std::unique_ptr<km::Model> model;  // null if unavailable
+  std::string why;                   // why it is unavailable
+  bool present = false;              // the file exists: not loading it is a failure
+};
+
+const SmolLM2Model& smollm2() {
+  static const SmolLM2Model s = [] {
+    SmolLM2Model r;
     const std::string path = km::smollm2_gguf_path();
     if (!std::ifstream(path).good()) {
-      error = path + " is absent; scripts/install-deps.sh fetches it";
-      return std::unique_ptr<km::Model>();
+      r.why = path + " is absent; scripts/install-deps.sh fetches it";
+      return r;
     }
-    return km::Model::load(path, &error);
+    r.present = true;
+    r.model = km::Model::load(path, &r.why);
+    if (!r.model) r.why = "cannot load " + path + ": " + r.why;
+    return r;
   }();
-  if (!m && why != nullptr) *why = error;
-  return m.get();
+  return s;
 }
+
+// Skips when the GGUF is absent; fails when it is present but does not load.
+#define REQUIRE_SMOLLM2()                                                                  \
+  const km::Model* m = smollm2().model.get();                                              \
+  if (m == nullptr) {                                                                      \
+    if (smollm2().present) FAIL() << "SmolLM2 is present but unusable: " << smollm2().why; \
+    GTEST_SKIP() << smollm2().why;                                                         \
+  }                                                                                        \
+  std::string why
 
 // "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 // with the default system turn, as SmolLM2's tokenizer encodes it.
@@ -606,9 +623,7 @@ const std::vector<int> kChat = {1,    9690, 198,   2683, 359,  253,  5356, 5646,
                                 47,   2,    198,   1,    520,  9531, 198};
 
 TEST(SmolLM2, LoadsTheArchitectureFromTheGguf) {
-  std::string why;
-  const km::Model* m = smollm2(&why);
-  if (m == nullptr) GTEST_SKIP() << why;
+  REQUIRE_SMOLLM2();
   const km::Config& c = m->config();
   EXPECT_EQ(c.format, "gguf");
   EXPECT_EQ(c.n_layers, 30);
@@ -627,9 +642,7 @@ TEST(SmolLM2, LoadsTheArchitectureFromTheGguf) {
 // <|im_end|> (a float64 numpy forward pass of the dequantized weights gives
 // the same tokens).
 TEST(SmolLM2, AnswersTheChatPrompt) {
-  std::string why;
-  const km::Model* m = smollm2(&why);
-  if (m == nullptr) GTEST_SKIP() << why;
+  REQUIRE_SMOLLM2();
   km::PrefillResult pr;
   ASSERT_TRUE(m->prefill(kChat, {}, &pr, &why)) << why;
   std::vector<int> out = {argmax(pr.last_logits)};
@@ -649,9 +662,7 @@ TEST(SmolLM2, AnswersTheChatPrompt) {
 // verification pass over 9 tokens equals 9 decode steps (logits and KV rows),
 // and a prefill of the whole sequence equals prefill of a prefix plus steps.
 TEST(SmolLM2, BatchedPassesAreBitIdenticalToSequentialDecoding) {
-  std::string why;
-  const km::Model* m = smollm2(&why);
-  if (m == nullptr) GTEST_SKIP() << why;
+  REQUIRE_SMOLLM2();
   const int n0 = static_cast<int>(kChat.size());
   km::PrefillResult pr;
   ASSERT_TRUE(m->prefill(kChat, {}, &pr, &why)) << why;

@@ -36,10 +36,10 @@ const std::string& apache_text() {
   return text;
 }
 
-#define REQUIRE_SMOLLM2()                                             \
-  const kvxfer::test::SmolLM2& sm = kvxfer::test::smollm2();          \
-  if (!sm.model) GTEST_SKIP() << "SmolLM2 not available: " << sm.why; \
-  const std::string& text = apache_text();                            \
+#define REQUIRE_SMOLLM2()                                    \
+  const kvxfer::test::SmolLM2& sm = kvxfer::test::smollm2(); \
+  KVXFER_REQUIRE_SMOLLM2(sm);                                \
+  const std::string& text = apache_text();                   \
   ASSERT_FALSE(text.empty())
 
 // dPPL% of the continuation over c's KV sent through `codec` with `tiers`
