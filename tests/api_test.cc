@@ -558,6 +558,43 @@ TEST(CApi, ConfigWithWrongSizeMagicOrVersionIsRejected) {
   EXPECT_EQ(api().page_max_size(&patch, 8, 4, &a, &r), KVXFER_SUCCESS) << last_error();
 }
 
+// kvxfer_page_max_size of a shape no page can have: INVALID_ARGUMENT naming
+// the field, the outputs untouched; the same config then sizes a page.
+TEST(CApi, PageMaxSizeRefusesABadShape) {
+  REQUIRE_API();
+  const kvxfer_codec_config_t cfg = default_config();
+  struct Case {
+    int64_t tokens;
+    int32_t channels;
+    const char* message;
+  } const cases[] = {
+      {-1, 16, "num_tokens -1 outside [0, 2^32]"},
+      {(int64_t{1} << 32) + 1, 16, "num_tokens 4294967297 outside [0, 2^32]"},
+      {8, 0, "num_channels 0 outside [1, 1048576]"},
+      {8, -4, "num_channels -4 outside [1, 1048576]"},
+      {8, 1048577, "num_channels 1048577 outside [1, 1048576]"},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.message);
+    size_t a = 7, r = 7;
+    EXPECT_EQ(api().page_max_size(&cfg, k.tokens, k.channels, &a, &r), KVXFER_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(contains(last_error(), k.message)) << last_error();
+    EXPECT_EQ(a, 7u);
+    EXPECT_EQ(r, 7u);
+  }
+  // The limits themselves are shapes, and the config still works.
+  size_t a = 0, r = 0;
+  EXPECT_EQ(api().page_max_size(&cfg, 0, 1048576, &a, &r), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(api().page_max_size(&cfg, 8, 16, &a, &r), KVXFER_SUCCESS) << last_error();
+  EXPECT_TRUE(last_error().empty());
+  Page src(8, 16, KVXFER_DTYPE_BF16);
+  fill(&src, 3);
+  const Sections s = encode(cfg, src);
+  ASSERT_EQ(s.rc, KVXFER_SUCCESS);
+  EXPECT_LE(s.anchor.size(), a);
+  EXPECT_LE(s.residual.size(), r);
+}
+
 TEST(CApi, NullPointersAreInvalidArguments) {
   REQUIRE_API();
   Page src(8, 4, KVXFER_DTYPE_FP32);
