@@ -32,6 +32,7 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/fdio.h"
+#include "common/params.h"
 #include "fork_child.h"
 #include "kvxfer/kvxfer.h"
 #include "kvxfer/spectrum.h"
@@ -1115,6 +1116,392 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, &c, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
   kvxfer_comm_abort(comm);
   EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &req), KVXFER_ERR_INVALID_USAGE);
+  kvxfer_comm_destroy(comm);
+  EXPECT_TRUE(release_idle_peer(&pair));
+}
+
+// ---------------------------------------------------------------------------
+// Documented errors of the communicator and request calls (kvxfer.h): each
+// returns its code and names the problem in the last error, and the call
+// loses nothing (the id, the communicator, the request keep working).
+// ---------------------------------------------------------------------------
+void expect_error(kvxfer_result_t got, kvxfer_result_t want, const char* what) {
+  EXPECT_EQ(got, want) << what << ": " << kvxfer_get_last_error();
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find(what), std::string::npos)
+      << "wanted \"" << what << "\" in \"" << kvxfer_get_last_error() << "\"";
+}
+
+// Bad arguments to kvxfer_comm_init on rank 0 are refused before the id's
+// listener is taken: the same id then builds the communicator, which a
+// second kvxfer_comm_init with it cannot (an id is used once), and which
+// still transfers afterwards.
+TEST(XferApi, CommInitRefusesBadArgumentsAndAReusedIdAndLosesNothing) {
+  Shape s;
+  s.L = 2;
+  s.T = 40;
+  s.page_tokens = 16;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, bf16_codec(), KVXFER_MODE_AUTO, 21);
+  }));
+  kvxfer_comm_config_t good = KVXFER_COMM_CONFIG_INITIALIZER;
+  good.timeout_ms = kTimeoutMs;
+  good.bind_address = "127.0.0.1";
+  auto refused = [&](int nranks, int rank, const kvxfer_comm_config_t* cfg,
+                     const kvxfer_unique_id_t& uid, const char* what) {
+    kvxfer_comm_t c = reinterpret_cast<kvxfer_comm_t>(0x10);  // must come back NULL
+    expect_error(kvxfer_comm_init(&c, nranks, uid, rank, cfg), KVXFER_ERR_INVALID_ARGUMENT, what);
+    EXPECT_EQ(c, nullptr) << what;
+  };
+  expect_error(kvxfer_comm_init(nullptr, 2, pair.id, 0, &good), KVXFER_ERR_INVALID_ARGUMENT,
+               "comm is NULL");
+  refused(1, 0, &good, pair.id, "nranks 1 outside [2, 65536]");
+  refused(65537, 0, &good, pair.id, "nranks 65537 outside [2, 65536]");
+  refused(2, 2, &good, pair.id, "rank 2 outside [0, 2)");
+  refused(2, -1, &good, pair.id, "rank -1 outside [0, 2)");
+  kvxfer_comm_config_t bad = good;
+  bad.size = sizeof(bad) - 1;
+  refused(2, 0, &bad, pair.id, "communicator config not initialised (size");
+  bad = good;
+  bad.magic = 0x1234u;
+  refused(2, 0, &bad, pair.id, "magic 0x1234): use KVXFER_COMM_CONFIG_INITIALIZER");
+  bad = good;
+  bad.timeout_ms = -5;
+  refused(2, 0, &bad, pair.id, "timeout_ms -5 is negative");
+  kvxfer_unique_id_t zero{};
+  refused(2, 0, &good, zero, "the unique id is malformed");
+  refused(2, 1, &good, zero, "the unique id is malformed");
+  // None of these took the listener: the id still builds rank 0.
+  kvxfer_comm_t comm = nullptr;
+  ASSERT_EQ(kvxfer_comm_init(&comm, 2, pair.id, 0, &good), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  // A reused id: rank 0 may build one communicator from it.
+  refused(2, 0, &good, pair.id, "may use it once");
+  int n = 0, rank = -1;
+  EXPECT_EQ(kvxfer_comm_count(comm, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_comm_user_rank(comm, &rank), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(rank, 0);
+  // The communicator works: a BF16 transfer of BF16 KV arrives byte for byte.
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 8);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(21);
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      EXPECT_EQ(dst.bytes(l, kind), src.bytes(l, kind)) << l;
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  finish(&pair, comm);
+}
+
+// Rank 0 must be the process whose kvxfer_get_unique_id made the id: an id
+// another process made (well-formed, with its own listener) is refused there.
+TEST(XferApi, CommInitRank0RefusesAnIdMadeByAnotherProcess) {
+  Child maker;
+  ASSERT_TRUE(maker.start([](int rd, int wr) {
+    kvxfer_unique_id_t id{};
+    if (kvxfer_get_unique_id(&id) != KVXFER_SUCCESS) return 1;
+    if (!write_all(wr, &id, sizeof(id))) return 2;
+    char b;
+    read_all(rd, &b, 1);  // keep the listener until the parent is done
+    return 0;
+  }));
+  kvxfer_unique_id_t foreign{};
+  ASSERT_TRUE(read_all(maker.from_child, &foreign, sizeof(foreign)));
+  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
+  cfg.timeout_ms = kShortTimeoutMs;
+  cfg.bind_address = "127.0.0.1";
+  kvxfer_comm_t c = reinterpret_cast<kvxfer_comm_t>(0x10);
+  expect_error(kvxfer_comm_init(&c, 2, foreign, 0, &cfg), KVXFER_ERR_INVALID_ARGUMENT,
+               "rank 0 must be the process that called kvxfer_get_unique_id for this id");
+  EXPECT_EQ(c, nullptr);
+  write_all(maker.to_child, "x", 1);
+  ASSERT_TRUE(maker.wait(60));
+  EXPECT_EQ(WEXITSTATUS(maker.status), 0);
+}
+
+// NULL handles and outputs, and uninitialised or missing outputs, of the
+// communicator and request calls: INVALID_ARGUMENT naming the argument,
+// nothing written, and the communicator and the request unharmed.
+TEST(XferApi, NullAndBadOutputsAreRefusedAndLoseNothing) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(idle_peer));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  const kvxfer_result_t kInvalid = KVXFER_ERR_INVALID_ARGUMENT;
+  int n = -7;
+  expect_error(kvxfer_comm_abort(nullptr), kInvalid, "comm is NULL");
+  expect_error(kvxfer_comm_count(nullptr, &n), kInvalid, "comm or nranks is NULL");
+  expect_error(kvxfer_comm_count(comm, nullptr), kInvalid, "comm or nranks is NULL");
+  expect_error(kvxfer_comm_user_rank(nullptr, &n), kInvalid, "comm or rank is NULL");
+  expect_error(kvxfer_comm_user_rank(comm, nullptr), kInvalid, "comm or rank is NULL");
+  EXPECT_EQ(n, -7);  // nothing written
+
+  PagedKV dst(1, 2, 8, 20, 16);
+  kvxfer_request_t req = nullptr;
+  expect_error(kvxfer_recv(nullptr, 1, &dst.desc, nullptr, &req), kInvalid,
+               "comm or request is NULL");
+  expect_error(kvxfer_recv(comm, 1, &dst.desc, nullptr, nullptr), kInvalid,
+               "comm or request is NULL");
+  expect_error(kvxfer_recv(comm, 1, nullptr, nullptr, &req), kInvalid, "KV descriptor is NULL");
+  expect_error(kvxfer_recv(comm, 0, &dst.desc, nullptr, &req), kInvalid,
+               "peer 0 is not another rank");
+  expect_error(kvxfer_recv(comm, -1, &dst.desc, nullptr, &req), kInvalid,
+               "peer -1 is not another rank");
+  EXPECT_EQ(req, nullptr);
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &req), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();  // never matched: the peer posts nothing
+
+  kvxfer_stage_t st = KVXFER_STAGE_COMPLETE;
+  expect_error(kvxfer_wait(nullptr, KVXFER_STAGE_COMPLETE, 10), kInvalid, "request is NULL");
+  expect_error(kvxfer_test(nullptr, &st), kInvalid, "request is NULL");
+  expect_error(kvxfer_test_layer(nullptr, 0, &st), kInvalid, "request is NULL");
+  expect_error(kvxfer_wait_layer(nullptr, 0, KVXFER_STAGE_COMPLETE, 10), kInvalid,
+               "request is NULL");
+  expect_error(kvxfer_test_layer(req, -1, &st), kInvalid, "layer -1 is negative");
+  EXPECT_EQ(st, KVXFER_STAGE_COMPLETE);  // not written
+
+  kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
+  expect_error(kvxfer_request_get_info(nullptr, &info), kInvalid, "request is NULL");
+  expect_error(kvxfer_request_get_info(req, nullptr), kInvalid, "info is NULL");
+  kvxfer_request_info_t raw;
+  std::memset(&raw, 0x5a, sizeof(raw));  // never initialised
+  const kvxfer_request_info_t raw_copy = raw;
+  expect_error(kvxfer_request_get_info(req, &raw), kInvalid,
+               "not initialised (size 6510615555426900570, magic 0x5a5a5a5a): use "
+               "KVXFER_REQUEST_INFO_INITIALIZER");
+  EXPECT_EQ(std::memcmp(&raw, &raw_copy, sizeof(raw)), 0);  // not written
+  kvxfer_request_info_t short_info = KVXFER_REQUEST_INFO_INITIALIZER;
+  short_info.size -= 8;  // a struct from an older header
+  expect_error(kvxfer_request_get_info(req, &short_info), kInvalid,
+               "KVXFER_REQUEST_INFO_INITIALIZER");
+  kvxfer_request_info_t bad_magic = KVXFER_REQUEST_INFO_INITIALIZER;
+  bad_magic.magic = 0;
+  expect_error(kvxfer_request_get_info(req, &bad_magic), kInvalid, "magic 0x0)");
+  EXPECT_EQ(bad_magic.stage, KVXFER_STAGE_POSTED);
+  EXPECT_EQ(bad_magic.num_pages, 0);
+
+  size_t count = 99;
+  kvxfer_arrival_t arr[2];
+  expect_error(kvxfer_request_get_arrivals(nullptr, arr, 2, &count), kInvalid,
+               "request or count is NULL");
+  expect_error(kvxfer_request_get_arrivals(req, arr, 2, nullptr), kInvalid,
+               "request or count is NULL");
+  expect_error(kvxfer_request_get_arrivals(req, nullptr, 4, &count), kInvalid,
+               "out is NULL with capacity 4");
+  EXPECT_EQ(count, 99u);  // not written
+
+  // Nothing was lost: the request is still in flight and answers queries,
+  // the communicator still reports itself.
+  EXPECT_EQ(kvxfer_test(req, &st), KVXFER_IN_PROGRESS);
+  EXPECT_EQ(st, KVXFER_STAGE_POSTED);
+  const kvxfer_request_info_t i = info_of(req);
+  EXPECT_EQ(i.stage, KVXFER_STAGE_POSTED);
+  EXPECT_EQ(i.result, KVXFER_IN_PROGRESS);
+  EXPECT_EQ(i.is_send, 0);
+  EXPECT_EQ(i.peer, 1);
+  EXPECT_GT(i.t_posted_ns, 0);
+  EXPECT_EQ(kvxfer_request_get_arrivals(req, nullptr, 0, &count), KVXFER_SUCCESS);
+  EXPECT_EQ(count, 0u);
+  EXPECT_EQ(kvxfer_comm_count(comm, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(kvxfer_comm_user_rank(comm, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 0);
+
+  // Abort: the request ends in ERROR; later posts, either way, are refused.
+  ASSERT_EQ(kvxfer_comm_abort(comm), KVXFER_SUCCESS);
+  expect_error(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_INVALID_USAGE, "abort");
+  EXPECT_EQ(kvxfer_comm_abort(comm), KVXFER_SUCCESS);  // idempotent
+  kvxfer_request_t late = nullptr;
+  expect_error(kvxfer_recv(comm, 1, &dst.desc, nullptr, &late), KVXFER_ERR_INVALID_USAGE,
+               "the communicator was aborted");
+  expect_error(kvxfer_send(comm, 1, &dst.desc, nullptr, nullptr, &late), KVXFER_ERR_INVALID_USAGE,
+               "the communicator was aborted");
+  EXPECT_EQ(late, nullptr);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  kvxfer_comm_destroy(comm);
+  EXPECT_TRUE(release_idle_peer(&pair));
+}
+
+/**
+ * Runs this binary's case `test` (e.g. a DISABLED_ one) in a fresh process
+ * with `var`=`value` in its environment: the KVXFER_* parameters are read once
+ * per process, so a case that needs another value runs there.  True if it
+ * passed; `out` receives its output.
+ */
+bool run_case_with_env(const std::string& test, const char* var, const char* value,
+                       std::string* out) {
+  Child c;
+  const std::string filter = "--gtest_filter=" + test;
+  if (!c.start([&](int, int wr) {
+        dup2(wr, STDOUT_FILENO);
+        dup2(wr, STDERR_FILENO);
+        setenv(var, value, 1);
+        execl("/proc/self/exe", "xfer_test", filter.c_str(), "--gtest_also_run_disabled_tests",
+              static_cast<char*>(nullptr));
+        return 127;
+      }))
+    return false;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(c.from_child, buf, sizeof(buf))) > 0) out->append(buf, static_cast<size_t>(n));
+  return c.wait(120) && WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0 &&
+         out->find("[  PASSED  ] 1 test.") != std::string::npos;
+}
+
+// KVXFER_MAX_REQUESTS receives in flight from a peer: the next kvxfer_recv is
+// refused (INVALID_USAGE, nothing posted, no sequence number taken); once the
+// peer's sends complete them, the places come back and the next receive
+// matches the peer's next send, bit for bit.  Run with KVXFER_MAX_REQUESTS=8
+// by MaxRequestsRefusesTheNextRecvWhichLaterMatches: at the default of 1024,
+// 1024 receives posted before the peer's sends stall the link until the
+// timeout (1023 do not), a transport limit this case is not about.
+TEST(XferApi, DISABLED_MaxRequestsRecvUnderTheLimitOfTheEnvironment) {
+  const int64_t max = params::MaxRequests();
+  ASSERT_GE(max, 1);
+  const int32_t L = 1, heads = 1, hd = 8;
+  const int64_t T = 3;  // tiny KVs: the count matters, not the size
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1);
+    if (comm == nullptr) return 10;
+    std::vector<std::unique_ptr<PagedKV>> kvs;
+    for (int64_t i = 0; i <= max; ++i) {
+      kvs.emplace_back(new PagedKV(L, heads, hd, T, 2));
+      kvs.back()->fill(500 + static_cast<uint64_t>(i));
+    }
+    const kvxfer_codec_config_t c = bf16_codec();
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    char go;
+    if (!read_all(rd, &go, 1)) return 14;  // the parent has seen its refusal
+    std::vector<kvxfer_request_t> reqs;
+    for (int64_t i = 0; i < max; ++i) {
+      rc.tag = static_cast<uint64_t>(i);
+      kvxfer_request_t r = nullptr;
+      if (kvxfer_send(comm, 0, &kvs[static_cast<size_t>(i)]->desc, &c, &rc, &r) != KVXFER_SUCCESS)
+        return 11;
+      reqs.push_back(r);
+    }
+    for (kvxfer_request_t r : reqs) {
+      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) return 12;
+      kvxfer_request_free(r);
+    }
+    rc.tag = static_cast<uint64_t>(max);  // the one the parent posts after its refusal
+    kvxfer_request_t r = nullptr;
+    if (kvxfer_send(comm, 0, &kvs.back()->desc, &c, &rc, &r) != KVXFER_SUCCESS) return 13;
+    if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) return 15;
+    kvxfer_request_free(r);
+    kvxfer_comm_destroy(comm);
+    return 0;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dsts;
+  std::vector<kvxfer_request_t> reqs;
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  for (int64_t i = 0; i < max; ++i) {
+    dsts.emplace_back(new PagedKV(L, heads, hd, T, 4));
+    rc.tag = static_cast<uint64_t>(i);
+    kvxfer_request_t r = nullptr;
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dsts.back()->desc, &rc, &r), KVXFER_SUCCESS)
+        << i << ": " << kvxfer_get_last_error();
+    reqs.push_back(r);
+  }
+  dsts.emplace_back(new PagedKV(L, heads, hd, T, 4));
+  rc.tag = static_cast<uint64_t>(max);
+  kvxfer_request_t extra = nullptr;
+  const std::string full = std::to_string(max) +
+                           " kvxfer_recv requests already in flight with peer 1 "
+                           "(KVXFER_MAX_REQUESTS)";
+  expect_error(kvxfer_recv(comm, 1, &dsts.back()->desc, &rc, &extra), KVXFER_ERR_INVALID_USAGE,
+               full.c_str());
+  std::printf("refused: %s\n", kvxfer_get_last_error());  // for the case that runs this one
+  EXPECT_EQ(extra, nullptr);
+  kvxfer_stage_t st;
+  EXPECT_EQ(kvxfer_test(reqs.back(), &st), KVXFER_IN_PROGRESS);  // the others are untouched
+  ASSERT_TRUE(write_all(pair.child.to_child, "g", 1));
+  for (int64_t i = 0; i < max; ++i) {
+    ASSERT_EQ(kvxfer_wait(reqs[static_cast<size_t>(i)], KVXFER_STAGE_COMPLETE, 60000),
+              KVXFER_SUCCESS)
+        << i << ": " << kvxfer_get_last_error();
+    ASSERT_EQ(kvxfer_request_free(reqs[static_cast<size_t>(i)]), KVXFER_SUCCESS);
+  }
+  // The places come back as the progress thread retires the requests.
+  kvxfer_result_t again = KVXFER_ERR_INVALID_USAGE;
+  for (int tries = 0; tries < 6000 && again == KVXFER_ERR_INVALID_USAGE; ++tries) {
+    again = kvxfer_recv(comm, 1, &dsts.back()->desc, &rc, &extra);
+    if (again == KVXFER_ERR_INVALID_USAGE)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(again, KVXFER_SUCCESS) << kvxfer_get_last_error();
+  // It matches the peer's next send (tag max): the refusal took no sequence
+  // number.
+  ASSERT_EQ(kvxfer_wait(extra, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  EXPECT_EQ(kvxfer_request_free(extra), KVXFER_SUCCESS);
+  for (int64_t i = 0; i <= max; ++i) {
+    PagedKV src(L, heads, hd, T, 2);
+    src.fill(500 + static_cast<uint64_t>(i));
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dsts[static_cast<size_t>(i)]->bytes(0, kind), src.bytes(0, kind)) << i;
+  }
+  finish(&pair, comm);
+}
+
+TEST(XferApi, MaxRequestsRefusesTheNextRecvWhichLaterMatches) {
+  std::string out;
+  EXPECT_TRUE(run_case_with_env("XferApi.DISABLED_MaxRequestsRecvUnderTheLimitOfTheEnvironment",
+                                "KVXFER_MAX_REQUESTS", "8", &out))
+      << out;
+  EXPECT_NE(out.find("8 kvxfer_recv requests already in flight"), std::string::npos) << out;
+}
+
+// KVXFER_MAX_REQUESTS sends in flight to a peer: the next kvxfer_send is
+// refused (INVALID_USAGE, nothing posted); those in flight go on, and the
+// other direction has its own count.
+TEST(XferApi, MaxRequestsRefusesTheNextSend) {
+  const int64_t max = params::MaxRequests();
+  ASSERT_GE(max, 1);
+  Pair pair;
+  ASSERT_TRUE(pair.start(idle_peer));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV kv(1, 1, 8, 1, 16);  // the peer posts nothing, so no send is matched
+  kv.fill(3);
+  std::vector<kvxfer_request_t> reqs;
+  for (int64_t i = 0; i < max; ++i) {
+    kvxfer_request_t r = nullptr;
+    ASSERT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &r), KVXFER_SUCCESS)
+        << i << ": " << kvxfer_get_last_error();
+    reqs.push_back(r);
+  }
+  kvxfer_request_t extra = nullptr;
+  const std::string full = std::to_string(max) +
+                           " kvxfer_send requests already in flight with peer 1 "
+                           "(KVXFER_MAX_REQUESTS)";
+  expect_error(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &extra), KVXFER_ERR_INVALID_USAGE,
+               full.c_str());
+  EXPECT_EQ(extra, nullptr);
+  for (kvxfer_request_t r : reqs) {
+    kvxfer_stage_t st;
+    ASSERT_EQ(kvxfer_test(r, &st), KVXFER_IN_PROGRESS);
+  }
+  PagedKV dst(1, 1, 8, 1, 16);
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &extra), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  reqs.push_back(extra);
+  kvxfer_comm_abort(comm);
+  for (kvxfer_request_t r : reqs) {
+    EXPECT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_INVALID_USAGE);
+    EXPECT_EQ(kvxfer_request_free(r), KVXFER_SUCCESS);
+  }
   kvxfer_comm_destroy(comm);
   EXPECT_TRUE(release_idle_peer(&pair));
 }
