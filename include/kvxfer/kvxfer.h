@@ -404,7 +404,7 @@ typedef struct {
   uint32_t magic;   /**< KVXFER_CONFIG_MAGIC */
   uint32_t version; /**< KVXFER_VERSION_CODE of the header used */
   /** Deadline of kvxfer_comm_init and inactivity timeout of every transfer,
-   *  in ms; 0 = KVXFER_TIMEOUT_MS. */
+   *  in ms; 0 = KVXFER_TIMEOUT_MS; negative is refused. */
   int32_t timeout_ms;
   /** Local address the libfabric endpoints bind to (numeric IPv4/IPv6);
    *  NULL = KVXFER_BIND_ADDR.  Copied; need not outlive the call. */
@@ -426,8 +426,11 @@ typedef struct {
  * counted.  A progress thread per communicator drives the network and a codec
  * thread encodes and decodes pages; both are joined by destroy.
  * `config` may be NULL (defaults).
- * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, 2 > nranks, rank out of range,
- * id malformed, or rank 0 in a process that did not make the id);
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, nranks outside [2, 65536], rank
+ * out of range, config not initialised (size or magic), timeout_ms negative,
+ * id malformed, rank 0 in a process that did not make the id, or rank 0 with
+ * an id already used: each id makes one communicator; `*comm` is then NULL,
+ * and an id refused for a bad argument is still usable);
  * KVXFER_ERR_TIMEOUT (a rank missing, a peer unreachable); KVXFER_ERR_SYSTEM
  * (wrong secret: "bootstrap refused by root"; socket errors).
  * Thread-safety: any thread; the communicator is then usable from any thread.
@@ -622,6 +625,7 @@ kvxfer_result_t kvxfer_recv(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t
  * Non-blocking check.  `*stage` (may be NULL) receives the current stage.
  * Returns KVXFER_SUCCESS once COMPLETE, KVXFER_IN_PROGRESS before, or the
  * request's error code (stage ERROR; the text is the last error).
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (request NULL).
  */
 kvxfer_result_t kvxfer_test(kvxfer_request_t request, kvxfer_stage_t* stage);
 
@@ -631,6 +635,8 @@ kvxfer_result_t kvxfer_test(kvxfer_request_t request, kvxfer_stage_t* stage);
  * KVXFER_TIMEOUT_MS still ends a stalled transfer).  Returns KVXFER_SUCCESS,
  * KVXFER_IN_PROGRESS if timeout_ms passed first (the request goes on), or the
  * request's error code.  Do not call it from a callback.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (request NULL, stage not ANCHOR_READY or
+ * COMPLETE).
  */
 kvxfer_result_t kvxfer_wait(kvxfer_request_t request, kvxfer_stage_t stage, int timeout_ms);
 
@@ -639,6 +645,8 @@ kvxfer_result_t kvxfer_wait(kvxfer_request_t request, kvxfer_stage_t stage, int 
  * ANCHOR_READY once every page of `layer` (K and V) is at anchor precision in
  * the receiver's blocks, COMPLETE once at full precision, ERROR if the
  * request failed.  Same return values as kvxfer_test.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (request NULL, layer negative or not
+ * below the request's num_layers).
  */
 kvxfer_result_t kvxfer_test_layer(kvxfer_request_t request, int32_t layer, kvxfer_stage_t* stage);
 
