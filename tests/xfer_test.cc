@@ -1463,6 +1463,44 @@ TEST(XferApi, MaxRequestsRefusesTheNextRecvWhichLaterMatches) {
   EXPECT_NE(out.find("8 kvxfer_recv requests already in flight"), std::string::npos) << out;
 }
 
+// kvxfer_get_unique_id on the address KVXFER_BOOTSTRAP_ADDR names (set by
+// GetUniqueIdRefusesAnUnusableAddress): a wildcard is INVALID_ARGUMENT, an
+// address of no local interface fails its bind with SYSTEM; the id is not
+// written either way.
+TEST(XferApi, DISABLED_GetUniqueIdOnTheBootstrapAddrOfTheEnvironment) {
+  const char* addr = std::getenv("KVXFER_BOOTSTRAP_ADDR");
+  ASSERT_NE(addr, nullptr);
+  kvxfer_unique_id_t id;
+  std::memset(&id, 0x5a, sizeof(id));
+  const kvxfer_unique_id_t before = id;
+  const std::string a = addr;
+  if (a == "0.0.0.0" || a == "::")
+    expect_error(kvxfer_get_unique_id(&id), KVXFER_ERR_INVALID_ARGUMENT, "is a wildcard address");
+  else
+    expect_error(kvxfer_get_unique_id(&id), KVXFER_ERR_SYSTEM, "bootstrap: bind: ");
+  EXPECT_EQ(std::memcmp(&id, &before, sizeof(id)), 0);
+  std::printf("refused: %s\n", kvxfer_get_last_error());
+}
+
+TEST(XferApi, GetUniqueIdRefusesAnUnusableAddress) {
+  const struct {
+    const char* addr;
+    const char* message;
+  } cases[] = {
+      {"0.0.0.0", "bootstrap: bind host '0.0.0.0' is a wildcard address"},
+      {"::", "bootstrap: bind host '::' is a wildcard address"},
+      {"192.0.2.1", "bootstrap: bind: "},  // TEST-NET-1: no interface has it
+  };
+  for (const auto& c : cases) {
+    std::string out;
+    EXPECT_TRUE(run_case_with_env("XferApi.DISABLED_GetUniqueIdOnTheBootstrapAddrOfTheEnvironment",
+                                  "KVXFER_BOOTSTRAP_ADDR", c.addr, &out))
+        << c.addr << ":\n"
+        << out;
+    EXPECT_NE(out.find(std::string("refused: ") + c.message), std::string::npos) << out;
+  }
+}
+
 // KVXFER_MAX_REQUESTS sends in flight to a peer: the next kvxfer_send is
 // refused (INVALID_USAGE, nothing posted); those in flight go on, and the
 // other direction has its own count.
