@@ -594,7 +594,12 @@ typedef struct {
  * Errors (nothing is sent): KVXFER_ERR_INVALID_ARGUMENT (a NULL, a bad
  * descriptor, codec or peer; the message names the field), or
  * KVXFER_ERR_INVALID_USAGE (communicator aborted,
- * or KVXFER_MAX_REQUESTS requests already in flight with this peer).
+ * or KVXFER_MAX_REQUESTS requests already in flight with this peer in this
+ * direction).  A request keeps its place until the progress thread retires
+ * it: shortly after its final stage (so a post right after kvxfer_wait saw
+ * COMPLETE may still be refused), and for a request that failed or was
+ * cancelled while messages of it were still posted, once those complete or
+ * time out (KVXFER_TIMEOUT_MS).
  * Later failures (descriptor mismatch, NaN/Inf with the ERROR policy, a peer
  * that dies, a corrupted section) put the request in stage ERROR.
  * Thread-safety: any thread; posts from different threads to one peer are
