@@ -24,6 +24,8 @@
 #   OUT                    if set, logs, the gtest XML and codec_perf's table and JSON
 #                          are copied there
 #   JOBS                   build parallelism (default nproc)
+#   KVXFER_GPU_CHECK_STRICT_DEPS=1  a dependency taken from outside the prefix
+#                          (CMake cache, headers, ldd; always reported) is a FAIL (.ci/run)
 #
 # Exit status: 0 PASS (bit-exact, every step passed), 1 FAIL (build, test or
 # codec_perf), 2 NOT RUN (no usable CUDA device: the GPU tests skipped).
@@ -71,9 +73,11 @@ fi
 # 2. Dependencies from third_party/debs into a private prefix
 # ---------------------------------------------------------------------------
 ma=x86_64-linux-gnu
-if [[ ! -f "$prefix/.unpacked" ]]; then
-  ls "$debs"/*.deb >/dev/null 2>&1 ||
-    finish 1 "FAIL: no .debs in third_party/debs (run scripts/fetch-gpu-deps.sh where apt works)"
+ls "$debs"/*.deb >/dev/null 2>&1 ||
+  finish 1 "FAIL: no .debs in third_party/debs (run scripts/fetch-gpu-deps.sh where apt works)"
+# The stamp names the .debs it was made from: new .debs are unpacked afresh.
+stamp="$(cd "$debs" && ls -l ./*.deb | awk '{print $5, $NF}' | sha256sum | cut -c1-16)"
+if [[ "$(cat "$prefix/.unpacked" 2>/dev/null)" != "$stamp" ]]; then
   if [[ -f "$debs/SHA256SUMS" ]]; then
     (cd "$debs" && sha256sum --quiet -c SHA256SUMS) || finish 1 "FAIL: third_party/debs do not match SHA256SUMS"
   fi
@@ -114,11 +118,15 @@ if [[ ! -f "$prefix/.unpacked" ]]; then
   for pc in "$prefix"/usr/lib/$ma/pkgconfig/*.pc "$prefix"/usr/share/pkgconfig/*.pc; do
     [[ -f "$pc" ]] && sed -i "s|^prefix=/usr\$|prefix=$prefix/usr|" "$pc"
   done
-  touch "$prefix/.unpacked"
+  rm -f "$build/CMakeCache.txt"
+  echo "$stamp" > "$prefix/.unpacked"
   say "unpacked $(ls "$debs"/*.deb | wc -l) packages into $prefix"
 fi
-export PKG_CONFIG_PATH="$prefix/usr/lib/$ma/pkgconfig:$prefix/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
-pkgconf_arg=()
+# pkg-config searches the prefix only (PKG_CONFIG_LIBDIR replaces its default
+# path), so a system libfabric, hwloc, xxhash or PCRE2 cannot be picked up.
+export PKG_CONFIG_LIBDIR="$prefix/usr/lib/$ma/pkgconfig:$prefix/usr/share/pkgconfig"
+unset PKG_CONFIG_PATH
+pkgconf_arg=(-DPKG_CONFIG_EXECUTABLE="$(command -v pkg-config)")
 if ! command -v pkg-config >/dev/null; then
   mkdir -p "$prefix/bin"
   cat > "$prefix/bin/pkg-config" <<EOF
@@ -166,11 +174,17 @@ if [[ ! -f "$cuda_home/include/nccl.h" ]] && command -v python3 >/dev/null; then
     say "NCCL: the nvidia-nccl wheel in $nccl_dir"
   fi
 fi
+# find_package() is given each package's own directory in the prefix.
+gtest_dir="$gtest_prefix/lib/cmake/GTest"
+[[ -d "$gtest_dir" ]] || gtest_dir="$prefix/usr/lib/$ma/cmake/GTest"
 say "configuring $build"
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
      -DKVXFER_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" \
      -DKVXFER_BUILD_PERF=ON -DKVXFER_BUILD_FUZZ=OFF "${nccl_arg[@]}" \
-     -DCMAKE_PREFIX_PATH="$gtest_prefix;$prefix/usr" "${pkgconf_arg[@]}" >"$logs/configure.log" 2>&1; then
+     -DCMAKE_PREFIX_PATH="$gtest_prefix;$prefix/usr" "${pkgconf_arg[@]}" \
+     -DGTest_DIR="$gtest_dir" -DCLI11_DIR="$prefix/usr/share/cmake/CLI11" \
+     -Dnlohmann_json_DIR="$prefix/usr/share/cmake/nlohmann_json" \
+     -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF >"$logs/configure.log" 2>&1; then
   tail -n 30 "$logs/configure.log"
   finish 1 "FAIL: configure (see $logs/configure.log)"
 fi
@@ -200,6 +214,47 @@ check_libs() {  # check_libs <binary>
   echo "$miss" | sed 's/^/   /'
   return 1
 }
+
+# Did the build take the packaged dependencies from the prefix only?  Three
+# records say: the CMake cache (where find_package and pkg-config found
+# them), ninja's header dependencies (no packaged header from /usr/include or
+# /usr/local/include) and ldd with this script's LD_LIBRARY_PATH (every
+# library the prefix has resolves there; base/'s libnuma, libudev, libuuid and
+# libatomic come from the system by design).  Sets deps_note and deps_leaks.
+deps_leaks=()
+check_prefix() {
+  local cache="$build/CMakeCache.txt" line v h n_libs=0 n_hdrs=0 bin lib path
+  for v in pkgcfg_lib_LIBFABRIC_fabric pkgcfg_lib_HWLOC_hwloc pkgcfg_lib_XXHASH_xxhash \
+           pkgcfg_lib_PCRE2_pcre2-8 GTest_DIR CLI11_DIR nlohmann_json_DIR; do
+    line="$(grep -m 1 "^$v:" "$cache")"
+    [[ "${line#*=}" == "$prefix"/* ]] || deps_leaks+=("cache ${line:-$v missing}")
+  done
+  while read -r path; do
+    # A system header is a leak when the prefix has the same file.
+    h="${path#/usr/local/include/}"; h="${h#/usr/include/}"
+    if [[ "$h" != "$path" && ( -e "$prefix/usr/include/$h" || -e "$gtest_prefix/include/$h" ) ]]; then
+      deps_leaks+=("header $path")
+    fi
+    [[ "$path" == "$prefix"/* ]] && n_hdrs=$((n_hdrs + 1))
+  done < <(ninja -C "$build" -t deps 2>/dev/null | sed -n 's/^ \{4\}\(\/.*\)/\1/p' | sort -u)
+  for bin in "$build"/tests/{gpu_test,codec_test,xfer_gpu_test,nccl_test} "$build/perf/codec_perf"; do
+    [[ -x "$bin" ]] || continue
+    while read -r lib path; do
+      [[ -e "$prefix/usr/lib/$ma/$lib" || -e "$prefix/lib/$ma/$lib" ]] || continue
+      if [[ "$path" == "$prefix"/* ]]; then n_libs=$((n_libs + 1)); else deps_leaks+=("$(basename "$bin"): $lib => $path"); fi
+    done < <(ldd "$bin" 2>/dev/null | awk '$2 == "=>" { print $1, $3 }')
+  done
+  if ((${#deps_leaks[@]} > 0)); then
+    mapfile -t deps_leaks < <(printf '%s\n' "${deps_leaks[@]}" | sort -u)
+    say "dependencies from outside $prefix:"
+    printf '   %s\n' "${deps_leaks[@]}" | head -n 20
+    deps_note="deps: ${#deps_leaks[@]} from outside the prefix"
+  else
+    deps_note="deps: prefix only (cache, $n_hdrs headers, $n_libs library loads)"
+    say "$deps_note"
+  fi
+}
+check_prefix
 
 # Per-step time limits: every later step keeps a share of the budget.
 cap() {  # cap <seconds> [reserve]: min(seconds, time left - reserve), >= 5
@@ -294,12 +349,14 @@ gtest_summary() {  # gtest_summary <name>
   if [[ "${!rc}" == 127 ]]; then echo "$1 not built"; return; fi
   echo "$1 passed ${!p}, failed ${!f}, skipped ${!s} (rc ${!rc})"
 }
-summary="gpu_test passed ${passed:-0}, failed ${failed:-0}, skipped ${skipped:-0} (rc $gpu_rc); codec_test rc $cpu_rc; codec_perf --gpu: $perf_note; $(gtest_summary xfer_gpu_test); $(gtest_summary nccl_test); build rc $build_rc; $(( $(date +%s) - start ))s"
+summary="gpu_test passed ${passed:-0}, failed ${failed:-0}, skipped ${skipped:-0} (rc $gpu_rc); codec_test rc $cpu_rc; codec_perf --gpu: $perf_note; $(gtest_summary xfer_gpu_test); $(gtest_summary nccl_test); build rc $build_rc; $deps_note; $(( $(date +%s) - start ))s"
 bad=()
 ((gpu_rc == 124)) && bad+=("gpu_test ran out of time")
 ((gpu_rc != 0 && gpu_rc != 124 || ${failed:-0} > 0)) && bad+=("gpu_test")
 ((cpu_rc != 0)) && bad+=("codec_test")
 ((build_rc != 0)) && bad+=("build")
+# KVXFER_GPU_CHECK_STRICT_DEPS=1 (CI): a dependency from outside the prefix fails.
+((${#deps_leaks[@]} > 0)) && [[ "${KVXFER_GPU_CHECK_STRICT_DEPS:-0}" == 1 ]] && bad+=("deps outside the prefix")
 ((perf_rc != 0)) && bad+=("codec_perf --gpu")
 for t in xfer_gpu_test nccl_test; do
   rc="${t}_rc" f="${t}_failed"
