@@ -75,6 +75,16 @@ fi
 ma=x86_64-linux-gnu
 ls "$debs"/*.deb >/dev/null 2>&1 ||
   finish 1 "FAIL: no .debs in third_party/debs (run scripts/fetch-gpu-deps.sh where apt works)"
+# Every package fetch-gpu-deps.sh names must be there (a fetch by an older
+# version of it lacks some): say which, before anything is built.
+packages=()
+eval "$(sed -n '/^packages=(/,/^)/p' "$root/scripts/fetch-gpu-deps.sh")"
+lacking=()
+for p in "${packages[@]}"; do
+  ls "$debs/${p}"_*.deb >/dev/null 2>&1 || lacking+=("$p")
+done
+((${#lacking[@]} == 0)) ||
+  finish 1 "FAIL: third_party/debs lack ${lacking[*]} (run scripts/fetch-gpu-deps.sh again where apt works)"
 # The stamp names the .debs it was made from: new .debs are unpacked afresh.
 stamp="$(cd "$debs" && ls -l ./*.deb | awk '{print $5, $NF}' | sha256sum | cut -c1-16)"
 if [[ "$(cat "$prefix/.unpacked" 2>/dev/null)" != "$stamp" ]]; then
