@@ -53,8 +53,17 @@ mkdir -p "$dest"
 cd "$dest"
 rm -f ./*.deb SHA256SUMS
 if ! apt-get download "${packages[@]}"; then
-  echo "fetch-gpu-deps.sh: apt-get download failed; run 'apt-get update' (as root) and retry" >&2
-  exit 1
+  # Package lists missing or stale (a machine whose packages were installed
+  # long ago): update them once, as root or with sudo, and retry.
+  sudo=()
+  [[ "$(id -u)" == 0 ]] || { command -v sudo >/dev/null && sudo=(sudo -n); }
+  if [[ "$(id -u)" == 0 || ${#sudo[@]} -gt 0 ]] && "${sudo[@]}" apt-get update -q &&
+     apt-get download "${packages[@]}"; then
+    :
+  else
+    echo "fetch-gpu-deps.sh: apt-get download failed; run 'apt-get update' (as root) and retry" >&2
+    exit 1
+  fi
 fi
 sha256sum ./*.deb > SHA256SUMS
 echo "fetch-gpu-deps.sh: $(ls ./*.deb | wc -l) packages, $(du -sh . | cut -f1), in $dest"
