@@ -193,7 +193,20 @@ __global__ void __launch_bounds__(kThreads)
   chunk_channel_affine<DT>(L, rows, t0, nrows, rr0, k, c, fp32 != 0, meta, st, &a, &lo, &hi);
 }
 
-/** General encoder, kernel 2: thread j encodes elements [8j, 8j+8) of the stream. */
+// Rows a block of k_encode_codes can touch in one round: its 8 * kThreads
+// elements start anywhere in a row, so at most 8 * kThreads + 1 rows (H = 1).
+constexpr int kSpanRows = 8 * kThreads + 1;
+
+/**
+ * General encoder, kernel 2: thread j encodes elements [8j, 8j+8) of the
+ * token-major stream (A anchor bytes and R residual bytes of its own), which
+ * may span rows and chunks.  Per round, thread 0 finds the row and channel of
+ * the block's first element (one 64-bit division per 8 * kThreads elements)
+ * and the block fills a shared table of the round's rows: row pointer and
+ * metadata base (t / C) * H, once per row.  A thread then needs one 32-bit
+ * division for its first row in the table and none per element; a full
+ * octet inside one row is loaded with 16-byte loads where aligned (load_x8).
+ */
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
     k_encode_codes(KLayout L, KCodebook cb, int C, int64_t sink_rows, int fp32,
@@ -206,23 +219,66 @@ __global__ void __launch_bounds__(kThreads)
       (STATUS_NEED_FP32 | STATUS_NONFINITE))
     return;
   __shared__ unsigned int hist[256];
+  __shared__ const uint8_t* srow[kSpanRows];
+  __shared__ int64_t smeta[kSpanRows];
+  __shared__ int64_t s_t0;   // the round's first row
+  __shared__ uint32_t s_c0;  // channel of the round's first element in it
+  __shared__ int s_nrows;
   hist_zero(hist);
-  __syncthreads();
   const int A = cb.A, R = cb.R;
   const unsigned rmask = (1u << R) - 1u;
-  const uint64_t total = static_cast<uint64_t>(L.T) * static_cast<uint64_t>(L.H);
+  const uint32_t H = static_cast<uint32_t>(L.H);
+  const uint64_t total = static_cast<uint64_t>(L.T) * H;
   const uint64_t octets = (total + 7) / 8;
-  for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < octets;
-       j += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t e0 = j * 8;
-    const int n = static_cast<int>(detail::umin(8, total - e0));
-    int64_t t = static_cast<int64_t>(e0 / L.H);
-    int64_t c = static_cast<int64_t>(e0 - static_cast<uint64_t>(t) * L.H);
-    const uint8_t* row = detail::row_ptr(L, t);
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  // The loop's trip count depends on blockIdx only: every thread meets the barriers.
+  for (uint64_t jb = static_cast<uint64_t>(blockIdx.x) * blockDim.x; jb < octets; jb += step) {
+    __syncthreads();  // the previous round is done with the table
+    if (threadIdx.x == 0) {
+      const uint64_t eb = jb * 8, ee = detail::umin(total, eb + 8ull * blockDim.x);
+      const uint64_t t0 = eb / H;
+      const uint32_t c0 = static_cast<uint32_t>(eb - t0 * H);
+      s_t0 = static_cast<int64_t>(t0);
+      s_c0 = c0;
+      s_nrows = static_cast<int>((c0 + (ee - eb) - 1) / H + 1);
+    }
+    __syncthreads();
+    const int64_t tb = s_t0;
+    const int nrows = s_nrows;
+    for (int r = threadIdx.x; r < nrows; r += blockDim.x) {
+      srow[r] = detail::row_ptr(L, tb + r);
+      smeta[r] = ((tb + r) / C) * static_cast<int64_t>(H);
+    }
+    __syncthreads();
+    const uint64_t j = jb + threadIdx.x;
+    if (j >= octets) continue;
+    const int n = static_cast<int>(detail::umin(8, total - j * 8));
+    // Offset of the thread's first element from the round's first row: below
+    // H + 8 * kThreads, so 32 bits hold it.
+    const uint32_t off = s_c0 + 8u * threadIdx.x;
+    int r = static_cast<int>(off / H);
+    uint32_t c = off - static_cast<uint32_t>(r) * H;
+    float x[8] = {};  // indexed by constants only (unrolled loops): registers, not stack
+    if (n == 8 && c + 8 <= H) {
+      detail::load_x8<DT>(srow[r], c, x);
+    } else {
+      int rr = r;
+      uint32_t cc = c;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (i < n) {
+          x[i] = detail::load_x<DT>(srow[rr], cc);
+          if (++cc == H) cc = 0, ++rr;
+        }
+      }
+    }
     uint64_t acc_a = 0, acc_r = 0;
-    for (int i = 0; i < n; ++i) {
-      const codec::Affine a = detail::get_meta(meta, (t / C) * L.H + c, fp32 != 0);
-      float x = detail::load_x<DT>(row, c);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (i >= n) break;
+      const int64_t t = tb + r;
+      const codec::Affine a = detail::get_meta(meta, smeta[r] + c, fp32 != 0);
+      float xi = x[i];
       if (t < sink_rows) {  // a sink row: clamped to its chunk's range, if it has other rows
         const int64_t t0 = (t / C) * C, t1 = detail::imin(t0 + C, L.T);
         const int64_t r0 = codec::range_row0(t0, t1, sink_rows);
@@ -234,17 +290,14 @@ __global__ void __launch_bounds__(kThreads)
             if (y > mx) mx = y;
           }
           codec::canonical_minmax(&mn, &mx);
-          x = codec::clamp_to_range(x, mn, mx);
+          xi = codec::clamp_to_range(xi, mn, mx);
         }
       }
-      const uint8_t code = detail::code_of(cb, x, a.m, detail::code_scale(cb, a.d));
+      const uint8_t code = detail::code_of(cb, xi, a.m, detail::code_scale(cb, a.d));
       if (codec::hist_row(t, sink_rows)) atomicAdd(&hist[code], 1u);
       acc_a |= static_cast<uint64_t>(code >> R) << (i * A);
       acc_r |= static_cast<uint64_t>(code & rmask) << (i * R);
-      if (++c == L.H && i + 1 < n) {
-        c = 0;
-        row = detail::row_ptr(L, ++t);
-      }
+      if (++c == H) c = 0, ++r;
     }
     detail::store_bytes(anchors + j * A, acc_a, (n * A + 7) / 8);
     if (R > 0) detail::store_bytes(residuals + j * R, acc_r, (n * R + 7) / 8);
@@ -343,7 +396,16 @@ __global__ void __launch_bounds__(kThreads)
   if (bad) atomicOr(reinterpret_cast<unsigned int*>(&st->flags), STATUS_BAD_META);
 }
 
-/** Decode, step 2: thread j decodes elements [8j, 8j+8) (anchor-only when residuals == NULL). */
+/**
+ * Decode, step 2 (anchor-only when residuals == NULL), row by row: block
+ * threads (x, y) take row y of the block's rows and octet x (channels
+ * [8x, 8x+8)) of it.  Per row, one thread computes the row pointer and the
+ * row's metadata base (t / C) * H into shared memory; per octet, the codes are
+ * read from their bit offset (t*H + c) * A, with no division, and the 8 values
+ * go out as one 16-byte store where aligned (store_x8).  Any H: an octet that
+ * is not byte-aligned in the streams (H not a multiple of 8) reads at a bit
+ * offset, which only costs a shift.
+ */
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
     k_decode(KLayout L, KCodebook cb, int C, int fp32, const uint8_t* __restrict__ meta,
@@ -352,10 +414,13 @@ __global__ void __launch_bounds__(kThreads)
   // Values by index: recon_full (full), the page's anchor table (anchor-only,
   // split codecs) or recon_anchor (anchor-only, INT4).
   __shared__ float table[256];
+  __shared__ uint8_t* srow[kThreads];
+  __shared__ int64_t smeta[kThreads];
   const bool full = residuals != nullptr;
   const int A = cb.A, R = cb.R;
   const int nt = full ? (1 << (A + R)) : (1 << A);
-  for (int i = threadIdx.x; i < nt; i += blockDim.x)
+  const unsigned tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (unsigned i = tid; i < static_cast<unsigned>(nt); i += blockDim.x * blockDim.y)
     table[i] =
         full ? cb.recon_full[i]
         : anchor_table != nullptr
@@ -363,31 +428,46 @@ __global__ void __launch_bounds__(kThreads)
             : cb.recon_anchor[i];
   __syncthreads();
   // Hostile metadata: nothing is written (as the CPU decoder validates first).
+  // The same flags for every thread: the whole block returns.
   if (*reinterpret_cast<const volatile uint32_t*>(&st->flags) & STATUS_BAD_META) return;
   const unsigned amask = (1u << A) - 1u, rmask = (1u << R) - 1u;
-  const uint64_t total = static_cast<uint64_t>(L.T) * static_cast<uint64_t>(L.H);
-  const uint64_t octets = (total + 7) / 8;
-  for (uint64_t j = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < octets;
-       j += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t e0 = j * 8;
-    const int n = static_cast<int>(detail::umin(8, total - e0));
-    const uint64_t acc_a = detail::load_bytes(anchors + j * A, (n * A + 7) / 8);
-    const uint64_t acc_r =
-        full && R > 0 ? detail::load_bytes(residuals + j * R, (n * R + 7) / 8) : 0;
-    int64_t t = static_cast<int64_t>(e0 / L.H);
-    int64_t c = static_cast<int64_t>(e0 - static_cast<uint64_t>(t) * L.H);
-    uint8_t* row = detail::row_ptr(L, t);
-    for (int i = 0; i < n; ++i) {
-      const codec::Affine a = detail::get_meta(meta, (t / C) * L.H + c, fp32 != 0);
-      const unsigned an = static_cast<unsigned>(acc_a >> (i * A)) & amask;
-      const unsigned idx =
-          full ? (an << R) | (static_cast<unsigned>(acc_r >> (i * R)) & rmask) : an;
-      detail::store_x<DT>(row, c, codec::denormalise(table[idx], a));
-      if (++c == L.H && i + 1 < n) {
-        c = 0;
-        row = detail::row_ptr(L, ++t);
+  const int H = L.H;
+  const int noct = (H + 7) / 8;
+  const int64_t rows_step = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  // The loop's trip count depends on blockIdx only: every thread of the block
+  // meets the barriers.
+  for (int64_t tb = static_cast<int64_t>(blockIdx.x) * blockDim.y; tb < L.T; tb += rows_step) {
+    const int64_t t = tb + threadIdx.y;
+    if (threadIdx.x == 0 && t < L.T) {
+      srow[threadIdx.y] = detail::row_ptr(L, t);
+      smeta[threadIdx.y] = (t / C) * H;
+    }
+    __syncthreads();
+    if (t < L.T) {
+      uint8_t* const row = srow[threadIdx.y];
+      const int64_t mb = smeta[threadIdx.y];
+      const uint64_t erow = static_cast<uint64_t>(t) * static_cast<uint64_t>(H);
+      for (int o = blockIdx.y * blockDim.x + threadIdx.x; o < noct; o += gridDim.y * blockDim.x) {
+        const int c = 8 * o;
+        const int n = H - c < 8 ? H - c : 8;
+        const uint64_t e = erow + static_cast<uint64_t>(c);
+        const uint64_t acc_a = detail::load_bits(anchors, e * A, n * A);
+        const uint64_t acc_r = full ? detail::load_bits(residuals, e * R, n * R) : 0;
+        float v[8] = {};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (i < n) {
+            const codec::Affine a = detail::get_meta(meta, mb + c + i, fp32 != 0);
+            const unsigned an = static_cast<unsigned>(acc_a >> (i * A)) & amask;
+            const unsigned idx =
+                full ? (an << R) | (static_cast<unsigned>(acc_r >> (i * R)) & rmask) : an;
+            v[i] = codec::denormalise(table[idx], a);
+          }
+        }
+        detail::store_x8<DT>(row, c, n, v);
       }
     }
+    __syncthreads();  // srow / smeta are rewritten by the next round
   }
 }
 
@@ -410,6 +490,22 @@ dim3 row_grid(int64_t T, int32_t H) {
   const unsigned y = static_cast<unsigned>(std::min<int64_t>((H + kThreads - 1) / kThreads, 65535));
   const unsigned x = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(T, 1 << 20)));
   return dim3(x, y);
+}
+
+// Block and grid of the octet-row kernels (k_decode): x over the row's
+// octets (a power of two up to kThreads, so short rows share a block), y over
+// rows; grid x over row groups (grid-stride), y over octet tiles.
+struct OctetRowGrid {
+  dim3 grid, block;
+};
+OctetRowGrid octet_row_grid(int64_t T, int32_t H) {
+  const int64_t noct = (static_cast<int64_t>(H) + 7) / 8;
+  unsigned bx = 1;
+  while (bx < static_cast<unsigned>(kThreads) && bx < noct) bx *= 2;
+  const unsigned by = kThreads / bx;
+  const int64_t gy = std::min<int64_t>((noct + bx - 1) / bx, 65535);
+  const int64_t gx = std::max<int64_t>(1, std::min<int64_t>((T + by - 1) / by, 1 << 20));
+  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(bx, by)};
 }
 
 // The host side (src/cuda/launch.cc) has checked the dtype.
@@ -506,10 +602,10 @@ Launched decode(const KLayout& L, const KCodebook& K, int chunk_tokens, bool met
   (meta, entries, meta_fp32, K, table, status);
   const Launched c = launched("check_meta");
   if (c.error != cudaSuccess) return c;
-  const uint64_t octets = (static_cast<uint64_t>(L.T) * L.H + 7) / 8;
   return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
-    KVXFER_LAUNCH(grid_for(octets), kThreads, stream, k_decode<DT>)
+    const OctetRowGrid g = octet_row_grid(L.T, L.H);
+    KVXFER_LAUNCH(g.grid, g.block, stream, k_decode<DT>)
     (L, K, chunk_tokens, meta_fp32, meta, anchors, residuals, table, status);
     return launched("decode");
   });

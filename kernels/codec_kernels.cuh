@@ -88,6 +88,76 @@ __device__ __forceinline__ void store_x(uint8_t* row, int64_t c, float v) {
   }
 }
 
+/** The element bits of v in dtype DT (2-byte dtypes), rounded as codec::store_elem does. */
+template <int DT>
+__device__ __forceinline__ uint32_t half_bits(float v) {
+  if constexpr (DT == KVXFER_DTYPE_BF16)
+    return codec::f32_to_bf16(v);
+  else
+    return codec::f32_to_f16(v);
+}
+
+/**
+ * Stores n (1..8) values at channels c.. of a row of dtype DT, rounded as
+ * store_x.  A full octet goes out as one 16-byte store (two for FP32) when its
+ * address is 16-byte aligned, which the run-time check decides (a row stride
+ * or block base need not be); otherwise as the widest stores its alignment
+ * allows (8, 4, then element size).  The bytes are the same either way.
+ */
+template <int DT>
+__device__ __forceinline__ void store_x8(uint8_t* row, int64_t c, int n, const float* v) {
+  constexpr int es = DT == KVXFER_DTYPE_FP32 ? 4 : 2;
+  uint8_t* p = row + c * es;
+  if (n < 8) {
+    for (int i = 0; i < n; ++i) store_x<DT>(row, c + i, v[i]);
+    return;
+  }
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if constexpr (es == 2) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = half_bits<DT>(v[2 * i]) | (half_bits<DT>(v[2 * i + 1]) << 16);
+    if ((a & 15u) == 0) {
+      uint4 q;
+      q.x = w[0], q.y = w[1], q.z = w[2], q.w = w[3];
+      *reinterpret_cast<uint4*>(p) = q;
+    } else if ((a & 7u) == 0) {
+      uint2 q0, q1;
+      q0.x = w[0], q0.y = w[1], q1.x = w[2], q1.y = w[3];
+      reinterpret_cast<uint2*>(p)[0] = q0;
+      reinterpret_cast<uint2*>(p)[1] = q1;
+    } else if ((a & 3u) == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) reinterpret_cast<uint32_t*>(p)[i] = w[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        reinterpret_cast<uint16_t*>(p)[2 * i] = static_cast<uint16_t>(w[i]);
+        reinterpret_cast<uint16_t*>(p)[2 * i + 1] = static_cast<uint16_t>(w[i] >> 16);
+      }
+    }
+  } else {
+    if ((a & 15u) == 0) {
+      float4 q0, q1;
+      q0.x = v[0], q0.y = v[1], q0.z = v[2], q0.w = v[3];
+      q1.x = v[4], q1.y = v[5], q1.z = v[6], q1.w = v[7];
+      reinterpret_cast<float4*>(p)[0] = q0;
+      reinterpret_cast<float4*>(p)[1] = q1;
+    } else if ((a & 7u) == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 q;
+        q.x = v[2 * i], q.y = v[2 * i + 1];
+        reinterpret_cast<float2*>(p)[i] = q;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) reinterpret_cast<float*>(p)[i] = v[i];
+    }
+  }
+}
+
 // Metadata entries [chunk][channel]{m, d}: 2 x binary16 (4 bytes) or 2 x
 // binary32 (8 bytes), little-endian, as codec::put_affine / get_affine.
 __device__ __forceinline__ void put_meta(uint8_t* meta, int64_t idx, bool fp32, codec::Affine a) {
@@ -108,17 +178,30 @@ __device__ __forceinline__ codec::Affine get_meta(const uint8_t* meta, int64_t i
                        codec::f16_to_f32(static_cast<uint16_t>(v >> 16))};
 }
 
-/** Writes the low `nbytes` (1..8) bytes of v, little-endian, at p (any alignment). */
+/**
+ * Writes the low `nbytes` (1..8) bytes of v, little-endian, at p (any
+ * alignment): one store when the address allows, else the widest aligned
+ * pieces (4, 2, 1 bytes) in address order.
+ */
 __device__ __forceinline__ void store_bytes(uint8_t* p, uint64_t v, int nbytes) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   if (nbytes == 8 && (a & 7u) == 0) {
     *reinterpret_cast<uint64_t*>(p) = v;
-  } else if (nbytes == 4 && (a & 3u) == 0) {
-    *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(v);
-  } else if (nbytes == 2 && (a & 1u) == 0) {
-    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(v);
-  } else {
-    for (int i = 0; i < nbytes; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+    return;
+  }
+  int i = 0;
+  while (i < nbytes) {
+    const uintptr_t q = a + i;
+    if (nbytes - i >= 4 && (q & 3u) == 0) {
+      *reinterpret_cast<uint32_t*>(p + i) = static_cast<uint32_t>(v >> (8 * i));
+      i += 4;
+    } else if (nbytes - i >= 2 && (q & 1u) == 0) {
+      *reinterpret_cast<uint16_t*>(p + i) = static_cast<uint16_t>(v >> (8 * i));
+      i += 2;
+    } else {
+      p[i] = static_cast<uint8_t>(v >> (8 * i));
+      i += 1;
+    }
   }
 }
 /** Reads `nbytes` (1..8) bytes at p, little-endian. */
@@ -129,6 +212,17 @@ __device__ __forceinline__ uint64_t load_bytes(const uint8_t* p, int nbytes) {
   uint64_t v = 0;
   for (int i = 0; i < nbytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
   return v;
+}
+
+/**
+ * Reads `nbits` (0..56) bits of a little-endian bit stream starting at bit
+ * `bit`: the bytes that hold them (at most 8), shifted down.  Higher bits of
+ * the result are the stream's following bits, not zero.
+ */
+__device__ __forceinline__ uint64_t load_bits(const uint8_t* p, uint64_t bit, int nbits) {
+  if (nbits == 0) return 0;
+  const int sh = static_cast<int>(bit & 7u);
+  return load_bytes(p + (bit >> 3), (sh + nbits + 7) / 8) >> sh;
 }
 
 /** The code scale s of a (chunk, channel) with half-range d (codec_math's code_scale). */
