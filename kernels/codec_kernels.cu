@@ -475,7 +475,19 @@ __global__ void __launch_bounds__(kThreads)
 // Launch helpers
 // ---------------------------------------------------------------------------
 
+// Launch outcomes.  cudaGetLastError() returns (and clears) the last error
+// of any runtime call of this thread, not only of the launch just made: an
+// error left by earlier work (an unchecked launch, a failed cudaMemcpyAsync)
+// would come back after the next launch and be blamed on it.  So every entry
+// point below first takes such a pending error (KVXFER_PENDING) and returns
+// it, named as earlier work, without launching anything; launched() after a
+// launch then reports the launch's own error.  A sticky error (the context is
+// lost, e.g. an earlier kernel faulted) cannot be cleared: it is reported
+// before the launch too, and every later call reports it again.
 kernels::Launched launched(const char* kernel) { return {cudaGetLastError(), kernel}; }
+#define KVXFER_PENDING(name)                                                    \
+  if (const cudaError_t pending_ = cudaGetLastError(); pending_ != cudaSuccess) \
+    return kernels::Launched { pending_, "earlier work (an error pending before " name ")" }
 
 // Grid for grid-stride loops over `work` items of kThreads threads.
 unsigned grid_for(uint64_t work) {
@@ -524,6 +536,7 @@ kernels::Launched by_dtype(int32_t dt, F&& f) {
 namespace kernels {
 
 Launched reset_status(DeviceStatus* status, cudaStream_t stream) {
+  KVXFER_PENDING("reset_status");
   KVXFER_LAUNCH(1, 256, stream, k_reset_status)(status);
   return launched("reset_status");
 }
@@ -531,6 +544,7 @@ Launched reset_status(DeviceStatus* status, cudaStream_t stream) {
 Launched encode(const KLayout& L, const KCodebook& K, int chunk_tokens, int64_t chunks,
                 int64_t sink_rows, bool meta_fp32, uint8_t* meta, uint8_t* anchors,
                 uint8_t* residuals, DeviceStatus* status, cudaStream_t stream) {
+  KVXFER_PENDING("encode");
   const int64_t H = L.H;
   const bool fused = (H * K.A) % 8 == 0 && (H * K.R) % 8 == 0;
   return by_dtype(L.dtype, [&](auto dt) -> Launched {
@@ -557,11 +571,13 @@ Launched encode(const KLayout& L, const KCodebook& K, int chunk_tokens, int64_t 
 
 Launched anchor_table(const KCodebook& K, uint8_t* out, const DeviceStatus* status,
                       cudaStream_t stream) {
+  KVXFER_PENDING("anchor_table");
   KVXFER_LAUNCH(1, 64, stream, k_anchor_table)(K, out, status);
   return launched("anchor_table");
 }
 
 Launched scan_nonfinite(const KLayout& L, DeviceStatus* status, cudaStream_t stream) {
+  KVXFER_PENDING("scan_nonfinite");
   return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
     KVXFER_LAUNCH(row_grid(L.T, L.H), kThreads, stream, k_scan_nonfinite<DT>)(L, status);
@@ -570,6 +586,7 @@ Launched scan_nonfinite(const KLayout& L, DeviceStatus* status, cudaStream_t str
 }
 
 Launched pack_values(const KLayout& L, int32_t out_dtype, uint8_t* payload, cudaStream_t stream) {
+  KVXFER_PENDING("pack_values");
   const dim3 grid = row_grid(L.T, L.H);
   return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
@@ -583,6 +600,7 @@ Launched pack_values(const KLayout& L, int32_t out_dtype, uint8_t* payload, cuda
 
 Launched unpack_values(const uint8_t* payload, int32_t in_dtype, const KLayout& L,
                        cudaStream_t stream) {
+  KVXFER_PENDING("unpack_values");
   const dim3 grid = row_grid(L.T, L.H);
   return by_dtype(L.dtype, [&](auto dt) -> Launched {
     constexpr int DT = decltype(dt)::value;
@@ -598,6 +616,7 @@ Launched decode(const KLayout& L, const KCodebook& K, int chunk_tokens, bool met
                 uint64_t entries, const uint8_t* meta, const uint8_t* anchors,
                 const uint8_t* residuals, const uint8_t* table, DeviceStatus* status,
                 cudaStream_t stream) {
+  KVXFER_PENDING("decode");
   KVXFER_LAUNCH(grid_for(entries), kThreads, stream, k_check_meta)
   (meta, entries, meta_fp32, K, table, status);
   const Launched c = launched("check_meta");

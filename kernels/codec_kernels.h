@@ -57,7 +57,15 @@ struct KCodebook {
   float scale_num, bias;  // Codebook::scale_num, bias
 };
 
-/** A launch's outcome: cudaGetLastError() after it, and the kernel that failed. */
+/**
+ * A call's outcome: cudaSuccess, or the error and what it belongs to.  Each
+ * call first takes an error left pending by earlier work on this thread
+ * (cudaGetLastError() before launching): it returns that error with `kernel`
+ * "earlier work (an error pending before <call>)" and launches nothing, so
+ * that an old failure is not blamed on this launch.  Otherwise `kernel` names
+ * the kernel whose launch failed (cudaGetLastError() right after it).  A
+ * sticky error (a lost context) is reported by every call.
+ */
 struct Launched {
   cudaError_t error;
   const char* kernel;

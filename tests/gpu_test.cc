@@ -526,6 +526,26 @@ TEST_F(GpuCodec, TokenGroupsAreRefusedAndAutoIsChannel) {
   EXPECT_EQ(back.bytes(), out.bytes()) << "nothing written";
 }
 
+// An error left pending by earlier work is reported as such by the next
+// launch call, which launches nothing, and is not blamed on its kernel; the
+// call after it succeeds (kernels/codec_kernels.h, Launched).
+TEST_F(GpuCodec, PendingErrorIsNotBlamedOnTheNextLaunch) {
+#ifdef KVXFER_GPU_EMULATION
+  GTEST_SKIP() << "the emulated runtime has no error state";
+#endif
+  const auto& sc = scratch(4, 8);
+  void* p = nullptr;
+  ASSERT_NE(cudaMalloc(&p, size_t{1} << 62), cudaSuccess);  // leaves an error pending
+  EXPECT_EQ(cuda::launch_reset_status(sc.status(), stream_), KVXFER_ERR_SYSTEM);
+  EXPECT_NE(std::string(last_error()).find("earlier work (an error pending before reset_status)"),
+            std::string::npos)
+      << last_error();
+  EXPECT_EQ(cuda::launch_reset_status(sc.status(), stream_), KVXFER_SUCCESS) << last_error();
+  cuda::DeviceStatus st{};
+  EXPECT_EQ(cuda::read_status(sc.status(), &st, stream_), KVXFER_SUCCESS);
+  EXPECT_EQ(st.first_bad, ~0ull);
+}
+
 TEST_F(GpuCodec, AnchorStreamHasTheGreatestPriority) {
   int least = 0, greatest = 0, prio = 0;
   CUDA_OK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
