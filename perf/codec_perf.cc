@@ -581,6 +581,27 @@ using DevBuf = kvxfer::cuda::DeviceBuffer;  // src/cuda/device_buffer.h
 bool alloc(DevBuf* b, size_t bytes) { return cuda_ok(b->alloc(bytes), "cudaMalloc"); }
 
 /**
+ * Copies n bytes host <-> device in order with the work on stream s: through a
+ * pinned staging buffer, by cudaMemcpyAsync on s, then waits for s (before the
+ * staging buffer goes).  A pageable cudaMemcpy runs on the legacy default
+ * stream, which s (non-blocking) does not wait for: an upload might not have
+ * landed when the next kernel on s starts.
+ */
+bool copy_on_stream(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s,
+                    const char* what) {
+  if (n == 0) return true;
+  kvxfer::cuda::PinnedBuffer pin;
+  if (!cuda_ok(pin.alloc(n), "cudaMallocHost")) return false;
+  const bool up = kind == cudaMemcpyHostToDevice;
+  if (up) std::memcpy(pin.p, src, n);
+  if (!cuda_ok(cudaMemcpyAsync(up ? dst : pin.p, up ? pin.p : src, n, kind, s), what) ||
+      !cuda_ok(cudaStreamSynchronize(s), "cudaStreamSynchronize"))
+    return false;
+  if (!up) std::memcpy(dst, pin.p, n);
+  return true;
+}
+
+/**
  * A one-page host Pool mirrored in device memory: the same bytes, the same
  * pseudo-random block order, and the block table itself in device memory
  * (src/cuda/device_codec.h, "Device layouts"), as a vLLM runtime holds it.
@@ -588,32 +609,28 @@ bool alloc(DevBuf* b, size_t bytes) { return cuda_ok(b->alloc(bytes), "cudaMallo
 struct DevicePool {
   DevBuf storage, table;
   kvxfer_page_layout_t layout{};
-  bool init(const Pool& h) {
+  cudaStream_t stream = nullptr;  // the stream of the kernels: every copy is ordered on it
+  bool init(const Pool& h, cudaStream_t s) {
+    stream = s;
     if (!alloc(&storage, h.storage.size())) return false;
     std::vector<void*> blocks;
     for (void* b : h.blocks[0])
       blocks.push_back(storage.p + (static_cast<uint8_t*>(b) - h.storage.data()));
     if (!alloc(&table, blocks.size() * sizeof(void*))) return false;
-    if (!cuda_ok(cudaMemcpy(table.p, blocks.data(), blocks.size() * sizeof(void*),
-                            cudaMemcpyHostToDevice),
-                 "cudaMemcpy(block table)"))
+    if (!copy_on_stream(table.p, blocks.data(), blocks.size() * sizeof(void*),
+                        cudaMemcpyHostToDevice, stream, "cudaMemcpyAsync(block table)"))
       return false;
     layout = h.layouts[0];
     layout.blocks = reinterpret_cast<void* const*>(table.p);
     return true;
   }
   bool upload(const Pool& h) {
-    if (!cuda_ok(cudaMemcpy(storage.p, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice),
-                 "cudaMemcpy(upload)"))
-      return false;
-    return true;
+    return copy_on_stream(storage.p, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice,
+                          stream, "cudaMemcpyAsync(upload)");
   }
   bool download(Pool* h) const {
-    if (!cuda_ok(
-            cudaMemcpy(h->storage.data(), storage.p, h->storage.size(), cudaMemcpyDeviceToHost),
-            "cudaMemcpy(download)"))
-      return false;
-    return true;
+    return copy_on_stream(h->storage.data(), storage.p, h->storage.size(), cudaMemcpyDeviceToHost,
+                          stream, "cudaMemcpyAsync(download)");
   }
 };
 
@@ -698,7 +715,8 @@ struct GpuRow {
 bool gpu_memcpy(const Options& o, GpuTimer* timer, cudaStream_t s, uint64_t bytes, kp::Stats* out) {
   DevBuf a, b;
   if (!alloc(&a, bytes) || !alloc(&b, bytes)) return false;
-  if (!cuda_ok(cudaMemcpy(a.p, b.p, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy(touch)"))
+  if (!cuda_ok(cudaMemcpyAsync(a.p, b.p, bytes, cudaMemcpyDeviceToDevice, s),
+               "cudaMemcpyAsync(touch)"))
     return false;
   return timer->loop(
       o.common.warmup, o.common.iters,
@@ -797,7 +815,7 @@ bool gpu_codec(const Options& o, const CodecCase& cc, kc::Impl ref, const Pool& 
   auto count = [&](const uint8_t* dev, uint64_t n, const std::vector<uint8_t>& cpu, size_t cpu_len,
                    uint64_t* wrong) {
     tmp.resize(n);
-    if (n > 0 && !cuda_ok(cudaMemcpy(tmp.data(), dev, n, cudaMemcpyDeviceToHost), "cudaMemcpy"))
+    if (!copy_on_stream(tmp.data(), dev, n, cudaMemcpyDeviceToHost, s, "cudaMemcpyAsync"))
       return false;
     *wrong += count_wrong(tmp.data(), n, cpu.data() + kc::kHeaderBytes, cpu_len - kc::kHeaderBytes);
     return true;
@@ -962,7 +980,7 @@ int run_gpu(const Options& o, const std::vector<kvxfer_dtype_t>& dtypes,
     Pool hsrc(1, ds.T, ds.H, dt, 0x5eed0001), hdst(1, ds.T, ds.H, dt, 0x5eed0002);
     hsrc.fill(0, ds.pages[0].data);
     DevicePool dsrc, ddst;
-    if (!dsrc.init(hsrc) || !dsrc.upload(hsrc) || !ddst.init(hdst)) {
+    if (!dsrc.init(hsrc, stream) || !dsrc.upload(hsrc) || !ddst.init(hdst, stream)) {
       ok = false;
       break;
     }
