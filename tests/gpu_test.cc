@@ -11,6 +11,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -39,38 +40,73 @@ bool gpu_available(std::string* why) {
 #define CUDA_OK(call) \
   ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
 
-/** A host PagedBuffer mirrored in device memory: device blocks and a device block table. */
+/**
+ * Copies n bytes host <-> device in order with the kernels on `stream`:
+ * through a pinned staging buffer, by cudaMemcpyAsync on that stream, then
+ * waits for it (before the staging buffer goes).  A pageable cudaMemcpy runs
+ * on the legacy default stream, which the codec's non-blocking stream does not
+ * wait for.
+ */
+void copy_on_stream(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
+                    cudaStream_t stream) {
+  if (n == 0) return;
+  void* pin = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pin, n), cudaSuccess);
+  const bool up = kind == cudaMemcpyHostToDevice;
+  if (up) std::memcpy(pin, src, n);
+  EXPECT_EQ(cudaMemcpyAsync(up ? dst : pin, up ? pin : src, n, kind, stream), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  if (!up) std::memcpy(dst, pin, n);
+  cudaFreeHost(pin);
+}
+
+/**
+ * A host PagedBuffer mirrored in device memory: device blocks and a device
+ * block table, copied on `stream` (the one the kernels run on).  Each block
+ * starts `base_offset` bytes into its allocation (a multiple of the element
+ * size): a base that is not 16-byte aligned makes the kernels take their
+ * narrower loads and stores.
+ */
 struct DevicePage {
-  std::vector<void*> blocks;
+  std::vector<void*> allocs, blocks;
   void** table = nullptr;
   kvxfer_page_layout_t layout{};
+  cudaStream_t stream = nullptr;
+  size_t base_offset = 0;
 
-  explicit DevicePage(const PagedBuffer& h) {
+  DevicePage(const PagedBuffer& h, cudaStream_t s, size_t offset = 0)
+      : stream(s), base_offset(offset) {
     layout = h.layout;
-    for (const auto& s : h.storage) {
+    for (const auto& st : h.storage) {
       void* d = nullptr;
-      EXPECT_EQ(cudaMalloc(&d, s.size()), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(d, s.data(), s.size(), cudaMemcpyHostToDevice), cudaSuccess);
-      blocks.push_back(d);
+      EXPECT_EQ(cudaMalloc(&d, st.size() + base_offset), cudaSuccess);
+      allocs.push_back(d);
+      blocks.push_back(static_cast<uint8_t*>(d) + base_offset);
+      copy_on_stream(blocks.back(), st.data(), st.size(), cudaMemcpyHostToDevice, stream);
     }
     EXPECT_EQ(cudaMalloc(&table, blocks.size() * sizeof(void*)), cudaSuccess);
-    EXPECT_EQ(
-        cudaMemcpy(table, blocks.data(), blocks.size() * sizeof(void*), cudaMemcpyHostToDevice),
-        cudaSuccess);
+    copy_on_stream(table, blocks.data(), blocks.size() * sizeof(void*), cudaMemcpyHostToDevice,
+                   stream);
     layout.blocks = table;
   }
   DevicePage(const DevicePage&) = delete;
   DevicePage& operator=(const DevicePage&) = delete;
   ~DevicePage() {
-    for (void* b : blocks) cudaFree(b);
+    for (void* b : allocs) cudaFree(b);
     cudaFree(table);
   }
   /** Copies the device blocks back over h's blocks (same geometry). */
   void download(PagedBuffer* h) const {
     for (size_t b = 0; b < blocks.size(); ++b)
-      EXPECT_EQ(
-          cudaMemcpy(h->storage[b].data(), blocks[b], h->storage[b].size(), cudaMemcpyDeviceToHost),
-          cudaSuccess);
+      copy_on_stream(h->storage[b].data(), blocks[b], h->storage[b].size(), cudaMemcpyDeviceToHost,
+                     stream);
+  }
+  /** Device address of channel c of token t (arithmetic only: never dereferenced here). */
+  uintptr_t address(int64_t t, int64_t c) const {
+    const int64_t u = layout.first_token + t;
+    return reinterpret_cast<uintptr_t>(blocks[static_cast<size_t>(u / layout.block_size)]) +
+           static_cast<uintptr_t>(((u % layout.block_size) * layout.row_stride + c) *
+                                  static_cast<int64_t>(codec::dtype_size(layout.dtype)));
   }
 };
 
@@ -142,9 +178,8 @@ class GpuCodec : public ::testing::Test {
                                           const codec::PageHeader& h, float alpha,
                                           const DevicePage& dst) {
     const auto& sc = scratch(dst.layout.num_tokens, dst.layout.num_channels);
-    EXPECT_EQ(cudaMemcpy(sc.anchor_payload(), anchor.data() + codec::kHeaderBytes, h.payload_bytes,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    copy_on_stream(sc.anchor_payload(), anchor.data() + codec::kHeaderBytes, h.payload_bytes,
+                   cudaMemcpyHostToDevice, stream_);
     std::string why;
     cuda::DeviceCodebook dcb;
     EXPECT_EQ(
@@ -196,7 +231,7 @@ class GpuCodec : public ::testing::Test {
              kvxfer_page_id_t id = {3, KVXFER_KV_VALUE, 1000, 42}) {
     const Encoded ref = encode(cfg, src, codec::Impl::REFERENCE, id);
     ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
-    DevicePage dsrc(src);
+    DevicePage dsrc(src, stream_);
     const Encoded gpu = gpu_encode(cfg, dsrc, id);
     ASSERT_EQ(gpu.rc, KVXFER_SUCCESS) << last_error();
     EXPECT_EQ(section_diff(ref.anchor, gpu.anchor), "") << "anchor section";
@@ -205,7 +240,7 @@ class GpuCodec : public ::testing::Test {
     const int64_t T = src.layout.num_tokens;
     const int32_t H = src.layout.num_channels;
     PagedBuffer cpu_dst(T, H, out_dt, 7, 1, 3), gpu_dst(T, H, out_dt, 7, 1, 3);
-    DevicePage ddst(gpu_dst);
+    DevicePage ddst(gpu_dst, stream_);
     // Anchor precision first ...
     ASSERT_EQ(codec::decode_page(ref.anchor.data(), ref.anchor.size(), nullptr, 0, nullptr,
                                  &cpu_dst.layout, codec::Impl::REFERENCE),
@@ -306,6 +341,80 @@ TEST_F(GpuCodec, EncodeAndDecodeAreByteIdenticalToReferenceEverywhere) {
     }
 }
 
+// The kernels pick their access width at run time from the address: a full
+// octet of a row goes out (and, encoding, comes in) as one 16-byte access
+// where it is 16-byte aligned, else as 8-, 4- or element-size pieces.  Pages
+// of every such alignment, by row stride (pad), block offset (first token)
+// and a block base 2, 4 or 8 bytes past a 16-byte boundary: encode from them
+// and decode into them, byte-identical to the CPU either way.  H 64 and 40
+// take the fused encoder, H 33 and 7 the general one.
+TEST_F(GpuCodec, AlignedAndUnalignedPagesAreByteIdentical) {
+  struct Geometry {
+    int32_t block;
+    int64_t pad, first;
+    size_t base_offset;
+  };
+  const Geometry geometries[] = {{16, 0, 0, 0}, {16, 0, 0, 8}, {16, 0, 0, 4}, {16, 0, 0, 2},
+                                 {16, 4, 0, 0}, {16, 2, 0, 0}, {16, 1, 3, 0}, {5, 8, 2, 0}};
+  const CodecCase cases[] = {{KVXFER_CODEC_LYNX, 0.0f, 4},
+                             {KVXFER_CODEC_LYNX, 100.0f, 3},
+                             {KVXFER_CODEC_INT8, 0.0f, 5},
+                             {KVXFER_CODEC_INT4, 0.0f, 4}};
+  const int64_t T = 37;
+  int aligned16 = 0, unaligned16 = 0;
+  for (int32_t H : {64, 40, 33, 7})
+    for (kvxfer_dtype_t dt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
+      PagedBuffer values(T, H, dt);
+      fill_kv_like(&values, 4000 + H + dt);
+      for (const Geometry& g : geometries) {
+        if (g.base_offset % codec::dtype_size(dt) != 0) continue;
+        PagedBuffer src(T, H, dt, g.block, g.pad, g.first);
+        for (int64_t t = 0; t < T; ++t)
+          for (int32_t c = 0; c < H; ++c) src.set(t, c, values.get(t, c));
+        DevicePage dsrc(src, stream_, g.base_offset);
+        for (int64_t t = 0; t < T; ++t)
+          for (int32_t c = 0; c + 8 <= H; c += 8)
+            ++((dsrc.address(t, c) & 15u) ? unaligned16 : aligned16);
+        for (const CodecCase& cc : cases) {
+          SCOPED_TRACE(testing::Message()
+                       << codec_name(cc.codec) << " A " << cc.anchor_bits << " H " << H << " "
+                       << dtype_name(dt) << " block " << g.block << " pad " << g.pad << " first "
+                       << g.first << " base +" << g.base_offset);
+          const kvxfer_codec_config_t cfg = config(cc.codec, cc.alpha, 16, cc.anchor_bits);
+          const Encoded ref = encode(cfg, values, codec::Impl::REFERENCE);
+          ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+          const Encoded gpu = gpu_encode(cfg, dsrc);
+          ASSERT_EQ(gpu.rc, KVXFER_SUCCESS) << last_error();
+          EXPECT_EQ(section_diff(ref.anchor, gpu.anchor), "") << "anchor section";
+          EXPECT_EQ(section_diff(ref.residual, gpu.residual), "") << "residual section";
+          // Decode (anchor-only, then full) into a page of this geometry, poisoned first.
+          PagedBuffer cpu_dst(T, H, dt, g.block, g.pad, g.first);
+          PagedBuffer gpu_dst(T, H, dt, g.block, g.pad, g.first);
+          DevicePage ddst(gpu_dst, stream_, g.base_offset);
+          for (const bool full : {false, true}) {
+            const std::vector<uint8_t>* res = full ? &ref.residual : nullptr;
+            ASSERT_EQ(codec::decode_page(ref.anchor.data(), ref.anchor.size(),
+                                         full ? ref.residual.data() : nullptr,
+                                         full ? ref.residual.size() : 0, nullptr, &cpu_dst.layout,
+                                         codec::Impl::REFERENCE),
+                      KVXFER_SUCCESS)
+                << last_error();
+            ASSERT_EQ(gpu_decode(ref.anchor, res, ddst), KVXFER_SUCCESS) << last_error();
+            ddst.download(&gpu_dst);
+            EXPECT_EQ(diff(cpu_dst.bytes(), gpu_dst.bytes()), "")
+                << (full ? "full" : "anchor-only") << " decode";
+            // Rows' padding and the blocks' unused rows untouched too.
+            EXPECT_EQ(cpu_dst.storage, gpu_dst.storage) << "bytes outside the page's elements";
+          }
+          if (HasFatalFailure() || HasNonfatalFailure()) return;
+        }
+      }
+    }
+  // Both access paths were taken (octets of 8 elements, by address).
+  EXPECT_GT(aligned16, 0);
+  EXPECT_GT(unaligned16, 0);
+}
+
 TEST_F(GpuCodec, LargePageWithPinnedBuffers) {
   const int64_t T = 4096 + 17;
   const int32_t H = 1024;
@@ -315,7 +424,7 @@ TEST_F(GpuCodec, LargePageWithPinnedBuffers) {
     const kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX, 0.0f, 32, A);
     const Encoded ref = encode(cfg, src, codec::Impl::REFERENCE);
     ASSERT_EQ(ref.rc, KVXFER_SUCCESS);
-    DevicePage dsrc(src);
+    DevicePage dsrc(src, stream_);
     size_t amax = 0, rmax = 0, al = 0, rl = 0;
     ASSERT_EQ(codec::max_sizes(&cfg, T, H, &amax, &rmax), KVXFER_SUCCESS);
     uint8_t *pa = nullptr, *pr = nullptr;
@@ -347,7 +456,7 @@ TEST_F(GpuCodec, HugeValuesUseFp32MetadataLikeTheCpu) {
           CodecCase{KVXFER_CODEC_INT8, 0.0f, 3}, CodecCase{KVXFER_CODEC_INT4, 0.0f, 4}}) {
       SCOPED_TRACE(testing::Message() << codec_name(cc.codec) << " " << dtype_name(dt));
       const kvxfer_codec_config_t cfg = config(cc.codec, cc.alpha, 32, cc.anchor_bits);
-      DevicePage dsrc(src);
+      DevicePage dsrc(src, stream_);
       const Encoded gpu = gpu_encode(cfg, dsrc);
       ASSERT_EQ(gpu.rc, KVXFER_SUCCESS) << last_error();
       EXPECT_TRUE(gpu.anchor[10] & codec::FLAG_META_FP32)
@@ -390,7 +499,7 @@ TEST_F(GpuCodec, NonFiniteErrorNamesTheFirstElementAndRawFallbackMatches) {
         src.set(41, 0, bad);
         src.set(33, 5, 1e6f);  // a chunk that also needs fp32 metadata
         kvxfer_codec_config_t cfg = config(codec, 5.0f, 32, 4);
-        DevicePage dsrc(src);
+        DevicePage dsrc(src, stream_);
         const Encoded ref = encode(cfg, src, codec::Impl::REFERENCE);
         const std::string ref_err = last_error();
         const Encoded gpu = gpu_encode(cfg, dsrc);
@@ -430,7 +539,7 @@ TEST_F(GpuCodec, HostileMetadataWritesNothing) {
   ref.anchor[codec::kHeaderBytes + 17 * 4 + 3] = 0x7E;
   codec::seal_section(ref.anchor.data());
   PagedBuffer before(40, 16, KVXFER_DTYPE_BF16, 7, 1, 3), after(40, 16, KVXFER_DTYPE_BF16, 7, 1, 3);
-  DevicePage ddst(before);
+  DevicePage ddst(before, stream_);
   EXPECT_EQ(gpu_decode(ref.anchor, nullptr, ddst), KVXFER_ERR_CORRUPT);
   EXPECT_NE(std::string(last_error()).find("metadata entry 17"), std::string::npos) << last_error();
   ddst.download(&after);
@@ -462,7 +571,7 @@ TEST_F(GpuCodec, AnchorTableOutsideItsBinWritesNothing) {
                                &after.layout, codec::Impl::REFERENCE),
             KVXFER_ERR_CORRUPT);
   const std::string cpu_err = last_error();
-  DevicePage ddst(before);
+  DevicePage ddst(before, stream_);
   EXPECT_EQ(gpu_decode(ref.anchor, nullptr, ddst), KVXFER_ERR_CORRUPT);
   EXPECT_EQ(std::string(last_error()), cpu_err);
   ddst.download(&after);
@@ -477,7 +586,7 @@ TEST_F(GpuCodec, AnchorTableOutsideItsBinWritesNothing) {
 TEST_F(GpuCodec, ErrorsMatchTheCpuApi) {
   PagedBuffer src(20, 8, KVXFER_DTYPE_BF16);
   fill_kv_like(&src, 1);
-  DevicePage dsrc(src);
+  DevicePage dsrc(src, stream_);
   kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX);
   cfg.alpha = KVXFER_ALPHA_AUTO;
   EXPECT_EQ(gpu_encode(cfg, dsrc).rc, KVXFER_ERR_UNSUPPORTED);
@@ -499,7 +608,7 @@ TEST_F(GpuCodec, ErrorsMatchTheCpuApi) {
 TEST_F(GpuCodec, TokenGroupsAreRefusedAndAutoIsChannel) {
   PagedBuffer src(40, 16, KVXFER_DTYPE_BF16);
   fill_kv_like(&src, 5);
-  DevicePage dsrc(src);
+  DevicePage dsrc(src, stream_);
   kvxfer_codec_config_t cfg = config(KVXFER_CODEC_LYNX, 0.0f);
   cfg.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
   EXPECT_EQ(gpu_encode(cfg, dsrc).rc, KVXFER_ERR_UNSUPPORTED);
@@ -518,7 +627,7 @@ TEST_F(GpuCodec, TokenGroupsAreRefusedAndAutoIsChannel) {
   const Encoded host = encode(cfg, src, codec::Impl::REFERENCE);
   ASSERT_EQ(host.rc, KVXFER_SUCCESS) << last_error();
   PagedBuffer out(40, 16, KVXFER_DTYPE_BF16);
-  DevicePage dout(out);
+  DevicePage dout(out, stream_);
   EXPECT_EQ(gpu_decode(host.anchor, &host.residual, dout), KVXFER_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(last_error()).find("token groups"), std::string::npos);
   PagedBuffer back(40, 16, KVXFER_DTYPE_BF16);
