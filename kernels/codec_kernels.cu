@@ -15,14 +15,22 @@
 //  - general (any H): kernel 1 is pass 1 over (chunk, channel); kernel 2 gives
 //    each thread 8 consecutive elements of the token-major stream (they may
 //    span rows and chunks), which are exactly A anchor bytes and R residual
-//    bytes; metadata comes back from the payload just written.
+//    bytes; metadata comes back from the payload just written.  The rows a
+//    block touches (row pointer, metadata base) sit in a shared table filled
+//    once per row, so no element divides by H or C.
 // Both encoders count the page's full codes (shared-memory histogram per
 // block, merged with 64-bit atomics: integer sums, independent of order); one
 // more block then computes the per-page anchor table of the split codecs
 // (FORMAT.md 2.4) with codec::anchor_table_entry and writes it last in the
 // anchor payload.
-// Decode: one thread per 8 consecutive elements of the stream, likewise; the
-// anchor-only values of the split codecs come from the page's anchor table.
+// Decode: row by row, one thread per octet (8 consecutive channels) of a row,
+// the row pointer and metadata base computed once per row; codes are read at
+// their bit offset (any H), and the 8 values go out as one 16-byte store when
+// the address is 16-byte aligned (checked at run time; narrower stores
+// otherwise).  The anchor-only values of the split codecs come from the
+// page's anchor table.
+// Loads and stores of elements pick their width from the address at run
+// time (load_x8, store_x8): the bytes never depend on it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
