@@ -461,11 +461,13 @@ __global__ void __launch_bounds__(kThreads)
         const uint64_t e = erow + static_cast<uint64_t>(c);
         const uint64_t acc_a = detail::load_bits(anchors, e * A, n * A);
         const uint64_t acc_r = full ? detail::load_bits(residuals, e * R, n * R) : 0;
+        codec::Affine a8[8];
+        detail::get_meta8(meta, mb + c, fp32 != 0, n, a8);
         float v[8] = {};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           if (i < n) {
-            const codec::Affine a = detail::get_meta(meta, mb + c + i, fp32 != 0);
+            const codec::Affine& a = a8[i];
             const unsigned an = static_cast<unsigned>(acc_a >> (i * A)) & amask;
             const unsigned idx =
                 full ? (an << R) | (static_cast<unsigned>(acc_r >> (i * R)) & rmask) : an;

@@ -179,6 +179,40 @@ __device__ __forceinline__ codec::Affine get_meta(const uint8_t* meta, int64_t i
 }
 
 /**
+ * The n (1..8) metadata entries idx.. (channels of one chunk row): with 16-byte
+ * loads when they are 8 and 16-byte aligned (2 loads for binary16 entries, 4
+ * for binary32), else one by one.  The same values as get_meta.
+ */
+__device__ __forceinline__ void get_meta8(const uint8_t* meta, int64_t idx, bool fp32, int n,
+                                          codec::Affine* out) {
+  const uint8_t* p = meta + idx * (fp32 ? 8 : 4);
+  if (n == 8 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+    if (fp32) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 v = reinterpret_cast<const float4*>(p)[i];
+        out[2 * i] = codec::Affine{v.x, v.y};
+        out[2 * i + 1] = codec::Affine{v.z, v.w};
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          out[4 * i + k] = codec::Affine{codec::f16_to_f32(static_cast<uint16_t>(w[k])),
+                                         codec::f16_to_f32(static_cast<uint16_t>(w[k] >> 16))};
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (i < n) out[i] = get_meta(meta, idx + i, fp32);
+}
+
+/**
  * Writes the low `nbytes` (1..8) bytes of v, little-endian, at p (any
  * alignment): one store when the address allows, else the widest aligned
  * pieces (4, 2, 1 bytes) in address order.
@@ -204,13 +238,29 @@ __device__ __forceinline__ void store_bytes(uint8_t* p, uint64_t v, int nbytes) 
     }
   }
 }
-/** Reads `nbytes` (1..8) bytes at p, little-endian. */
+/**
+ * Reads `nbytes` (1..8) bytes at p, little-endian: one load when the address
+ * allows, else the widest aligned pieces (4, 2, 1 bytes).
+ */
 __device__ __forceinline__ uint64_t load_bytes(const uint8_t* p, int nbytes) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   if (nbytes == 4 && (a & 3u) == 0) return *reinterpret_cast<const uint32_t*>(p);
   if (nbytes == 8 && (a & 7u) == 0) return *reinterpret_cast<const uint64_t*>(p);
   uint64_t v = 0;
-  for (int i = 0; i < nbytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  int i = 0;
+  while (i < nbytes) {
+    const uintptr_t q = a + i;
+    if (nbytes - i >= 4 && (q & 3u) == 0) {
+      v |= static_cast<uint64_t>(*reinterpret_cast<const uint32_t*>(p + i)) << (8 * i);
+      i += 4;
+    } else if (nbytes - i >= 2 && (q & 1u) == 0) {
+      v |= static_cast<uint64_t>(*reinterpret_cast<const uint16_t*>(p + i)) << (8 * i);
+      i += 2;
+    } else {
+      v |= static_cast<uint64_t>(p[i]) << (8 * i);
+      i += 1;
+    }
+  }
   return v;
 }
 
