@@ -25,7 +25,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fork_child.h"
@@ -89,7 +91,10 @@ struct DeviceKV {
   kvxfer_kv_desc_t desc;
 
   explicit DeviceKV(PagedKV& h) : host(h), desc(h.desc) {}
-  bool upload() {
+  /** Copies the blocks to `device` and waits until they are there. */
+  bool upload(int device = 0) {
+    int prev = 0;
+    if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) return false;
     for (size_t i = 0; i < host.k.size() + host.v.size(); ++i) {
       const bool is_k = i < host.k.size();
       void* hp = is_k ? host.k[i] : host.v[i - host.k.size()];
@@ -99,10 +104,14 @@ struct DeviceKV {
       if (cudaMemcpy(d, hp, n, cudaMemcpyHostToDevice) != cudaSuccess) return false;
       (is_k ? k : v).push_back(d);
     }
+    // A cudaMemcpy from pageable memory may return before the DMA has landed;
+    // kvxfer's streams are non-blocking, so wait here (the stream-ordered
+    // case has its own test: kvxfer_send_on_stream).
+    if (cudaDeviceSynchronize() != cudaSuccess) return false;
     desc.k_blocks = k.data();
     desc.v_blocks = v.data();
-    desc.device = 0;
-    return true;
+    desc.device = device;
+    return cudaSetDevice(prev) == cudaSuccess;
   }
   /** Copies the device blocks back into the host mirror. */
   bool download() {
@@ -407,6 +416,263 @@ TEST(XferGpu, SpectrumIntoDeviceMemoryFailsAtTheHandshake) {
     return WEXITSTATUS(pair.child.status);
   });
   EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+
+// ---------------------------------------------------------------------------
+// Process-wide device state, device guards, stream order (issue 44).
+// Both ranks of a communicator live in one process here, on threads.
+// ---------------------------------------------------------------------------
+
+#ifdef KVXFER_GPU_EMULATION
+extern "C" int kvxfer_emu_allocs, kvxfer_emu_frees, kvxfer_emu_sync_copies,
+    kvxfer_emu_host_registers, kvxfer_emu_host_register_device;
+#endif
+
+/** The calling thread's current device, or -1. */
+int current_device() {
+  int d = -1;
+  return cudaGetDevice(&d) == cudaSuccess ? d : -1;
+}
+
+/** rank 0 on a thread: receives into host blocks, checks full values bit for bit. */
+int host_receive_exact(kvxfer_comm_t comm, const Shape& s, const kvxfer_codec_config_t& cfg,
+                       uint64_t seed, uint64_t tag) {
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 48, KVXFER_DTYPE_BF16, 5);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = tag;
+  kvxfer_request_t req = nullptr;
+  CHILD_CHECK(kvxfer_recv(comm, 1, &dst.desc, &rc, &req) == KVXFER_SUCCESS, "recv: %s",
+              kvxfer_get_last_error());
+  CHILD_CHECK(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) == KVXFER_SUCCESS, "recv wait: %s",
+              kvxfer_get_last_error());
+  kvxfer_request_free(req);
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(seed);
+  PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+  expected_decode(src, cfg, s.page_tokens, tag, true, &full);
+  return compare(dst, full, "full");
+}
+
+/** Both ranks of one communicator, initialised on two threads. */
+struct LocalPair {
+  kvxfer_comm_t c[2] = {nullptr, nullptr};
+  bool init() {
+    kvxfer_unique_id_t id{};
+    if (kvxfer_get_unique_id(&id) != KVXFER_SUCCESS) return false;
+    std::thread t([&] { c[1] = init_rank(id, 1); });
+    c[0] = init_rank(id, 0);
+    t.join();
+    return c[0] != nullptr && c[1] != nullptr;
+  }
+  ~LocalPair() {
+    std::thread t([&] { kvxfer_comm_destroy(c[1]); });
+    kvxfer_comm_destroy(c[0]);
+    t.join();
+  }
+};
+
+/** rank 1's send of `dev` on `stream` (NULL: kvxfer_send), waited for. */
+int send_and_wait(kvxfer_comm_t comm, const kvxfer_kv_desc_t& d, const Shape& s,
+                  const kvxfer_codec_config_t& cfg, uint64_t tag, void* stream, bool on_stream) {
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.mode = KVXFER_MODE_PROGRESSIVE;
+  rc.page_tokens = s.page_tokens;
+  rc.tag = tag;
+  kvxfer_request_t req = nullptr;
+  const kvxfer_result_t r = on_stream ? kvxfer_send_on_stream(comm, 0, &d, &cfg, &rc, stream, &req)
+                                      : kvxfer_send(comm, 0, &d, &cfg, &rc, &req);
+  CHILD_CHECK(r == KVXFER_SUCCESS, "send: %s", kvxfer_get_last_error());
+  CHILD_CHECK(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) == KVXFER_SUCCESS, "send wait: %s",
+              kvxfer_get_last_error());
+  kvxfer_request_free(req);
+  return 0;
+}
+
+// Two communicators of one process send device KV from the same device at
+// once: their encodes share the device's streams and scratch (one owner per
+// device), and every page arrives bit-exact.  The second round, after a
+// warm-up round of the same shapes, allocates nothing, copies nothing
+// synchronously and registers no host memory (the emulation counts).
+TEST(XferGpu, TwoCommunicatorsEncodeConcurrentlyOnOneDeviceBitExact) {
+  REQUIRE_DEVICE();
+  const int rc = in_child([] {
+    Shape s;
+    s.T = 260;
+    s.page_tokens = 64;
+    LocalPair p[2];
+    for (auto& q : p) CHILD_CHECK(q.init(), "communicator init");
+    const kvxfer_codec_config_t cfg[2] = {codec(KVXFER_CODEC_LYNX, 5.0f), codec(KVXFER_CODEC_INT8)};
+    const uint64_t seed[2] = {101, 202};
+    std::vector<std::unique_ptr<PagedKV>> kv;
+    std::vector<std::unique_ptr<DeviceKV>> dev;
+    for (int i = 0; i < 2; ++i) {
+      kv.push_back(std::make_unique<PagedKV>(s.L, s.heads, s.hd, s.T, 16));
+      kv.back()->fill(seed[i]);
+      dev.push_back(std::make_unique<DeviceKV>(*kv.back()));
+      CHILD_CHECK(dev.back()->upload(0), "upload");
+    }
+    int counts[4] = {0, 0, 0, 0};
+    for (int round = 0; round < 2; ++round) {
+#ifdef KVXFER_GPU_EMULATION
+      if (round == 1) {
+        counts[0] = kvxfer_emu_allocs;
+        counts[1] = kvxfer_emu_frees;
+        counts[2] = kvxfer_emu_sync_copies;
+        counts[3] = kvxfer_emu_host_registers;
+      }
+#endif
+      int res[4] = {-1, -1, -1, -1};
+      std::vector<std::thread> th;
+      for (int i = 0; i < 2; ++i) {
+        const uint64_t tag = 10 * round + i;
+        th.emplace_back([&, i, tag] {
+          res[2 * i] = send_and_wait(p[i].c[1], dev[i]->desc, s, cfg[i], tag, nullptr, false);
+        });
+        th.emplace_back([&, i, tag] {
+          res[2 * i + 1] = host_receive_exact(p[i].c[0], s, cfg[i], seed[i], tag);
+        });
+      }
+      for (auto& t : th) t.join();
+      for (int i = 0; i < 4; ++i) CHILD_CHECK(res[i] == 0, "round %d, thread %d failed", round, i);
+    }
+#ifdef KVXFER_GPU_EMULATION
+    CHILD_CHECK(kvxfer_emu_allocs == counts[0] && kvxfer_emu_frees == counts[1] &&
+                    kvxfer_emu_sync_copies == counts[2] && kvxfer_emu_host_registers == counts[3],
+                "after warm-up: %d allocations, %d frees, %d synchronous copies, %d host "
+                "registrations (expected none)",
+                kvxfer_emu_allocs - counts[0], kvxfer_emu_frees - counts[1],
+                kvxfer_emu_sync_copies - counts[2], kvxfer_emu_host_registers - counts[3]);
+#else
+    (void)counts;
+#endif
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+
+// Every API call leaves the calling thread's current device as it was, with
+// the KV on another device; host registrations are made on the KV's device
+// (the progress thread's default device 0 would create a context there).
+TEST(XferGpu, ApiCallsKeepTheCallersCurrentDevice) {
+  REQUIRE_DEVICE();
+  const int rc = in_child([] {
+    int n = 0;
+    CHILD_CHECK(cudaGetDeviceCount(&n) == cudaSuccess && n >= 1, "device count");
+    const int kvd = n > 1 ? 1 : 0;   // the KV's device
+    const int mine = n > 2 ? 2 : 0;  // the caller's current device
+    Shape s;
+    s.T = 100;
+    s.page_tokens = 64;
+    LocalPair p;
+    CHILD_CHECK(p.init(), "communicator init");
+    PagedKV kv(s.L, s.heads, s.hd, s.T, 16);
+    kv.fill(7);
+    DeviceKV dev(kv);
+    CHILD_CHECK(dev.upload(kvd), "upload");
+    PagedKV back(s.L, s.heads, s.hd, s.T, 16);
+    DeviceKV rdev(back);
+    CHILD_CHECK(rdev.upload(kvd), "upload");
+    const kvxfer_codec_config_t cfg = codec(KVXFER_CODEC_LYNX, 5.0f);
+    int rres = -1;
+    std::thread recv_thread([&] {  // rank 0: device blocks, its own current device
+      const int other = n > 3 ? 3 : 0;
+      if (cudaSetDevice(other) != cudaSuccess) return;
+      kvxfer_request_t req = nullptr;
+      kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+      rc.tag = 3;
+      if (kvxfer_recv(p.c[0], 1, &rdev.desc, &rc, &req) != KVXFER_SUCCESS) return;
+      if (current_device() != other) return;
+      const kvxfer_result_t w = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+      if (current_device() != other || w != KVXFER_SUCCESS) return;
+      kvxfer_request_free(req);
+      rres = current_device() == other ? 0 : 1;
+    });
+    CHILD_CHECK(cudaSetDevice(mine) == cudaSuccess, "cudaSetDevice");
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.tag = 3;
+    rc.page_tokens = s.page_tokens;
+    kvxfer_request_t req = nullptr;
+    CHILD_CHECK(
+        kvxfer_send_on_stream(p.c[1], 0, &dev.desc, &cfg, &rc, nullptr, &req) == KVXFER_SUCCESS,
+        "send: %s", kvxfer_get_last_error());
+    CHILD_CHECK(current_device() == mine, "kvxfer_send_on_stream changed the device to %d",
+                current_device());
+    kvxfer_stage_t st;
+    (void)kvxfer_test(req, &st);
+    CHILD_CHECK(current_device() == mine, "kvxfer_test changed the device");
+    CHILD_CHECK(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) == KVXFER_SUCCESS, "wait: %s",
+                kvxfer_get_last_error());
+    CHILD_CHECK(current_device() == mine, "kvxfer_wait changed the device");
+    kvxfer_request_free(req);
+    recv_thread.join();
+    CHILD_CHECK(rres == 0, "the receiving thread's device changed, or its transfer failed");
+    CHILD_CHECK(rdev.download(), "download");
+    PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+    expected_decode(kv, cfg, s.page_tokens, 3, true, &full);
+    if (compare(back, full, "full") != 0) return 1;
+#ifdef KVXFER_GPU_EMULATION
+    CHILD_CHECK(kvxfer_emu_host_register_device == kvd,
+                "staging was registered with device %d current, not the KV's device %d",
+                kvxfer_emu_host_register_device, kvd);
+#endif
+    CHILD_CHECK(current_device() == mine, "the device changed");
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+}
+
+#ifndef KVXFER_GPU_EMULATION
+void CUDART_CB sleep_on_stream(void*) { usleep(300 * 1000); }
+#endif
+
+// kvxfer_send_on_stream right after a producer that has not finished: the
+// KV's final values are copied in on a non-blocking stream behind a 300 ms
+// host function, and the send is posted at once, unsynchronised.  The
+// receiver must get the final values, bit for bit (not the stale ones).
+// Needs real streams: skipped in the emulation, where everything runs at once.
+TEST(XferGpu, SendOnStreamWaitsForAnUnsynchronisedProducer) {
+  REQUIRE_DEVICE();
+#ifdef KVXFER_GPU_EMULATION
+  GTEST_SKIP() << "emulated streams run everything at once: nothing to wait for";
+#else
+  const int rc = in_child([] {
+    Shape s;
+    s.page_tokens = 64;
+    LocalPair p;
+    CHILD_CHECK(p.init(), "communicator init");
+    PagedKV stale(s.L, s.heads, s.hd, s.T, 16);
+    stale.fill(1);
+    DeviceKV dev(stale);
+    CHILD_CHECK(dev.upload(0), "upload");
+    PagedKV fresh(s.L, s.heads, s.hd, s.T, 16);
+    fresh.fill(2);
+    cudaStream_t prod = nullptr;
+    CHILD_CHECK(cudaStreamCreateWithFlags(&prod, cudaStreamNonBlocking) == cudaSuccess, "stream");
+    std::vector<void*> pinned;
+    CHILD_CHECK(cudaLaunchHostFunc(prod, sleep_on_stream, nullptr) == cudaSuccess, "host func");
+    for (size_t i = 0; i < fresh.storage.size(); ++i) {
+      const bool is_k = i < fresh.k.size();
+      const size_t n = fresh.storage[i].size();
+      void* h = nullptr;
+      CHILD_CHECK(cudaMallocHost(&h, n) == cudaSuccess, "cudaMallocHost");
+      std::memcpy(h, is_k ? fresh.k[i] : fresh.v[i - fresh.k.size()], n);
+      pinned.push_back(h);
+      void* d = is_k ? dev.k[i] : dev.v[i - fresh.k.size()];
+      CHILD_CHECK(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, prod) == cudaSuccess, "copy");
+    }
+    const kvxfer_codec_config_t cfg = codec(KVXFER_CODEC_LYNX, 5.0f);
+    int rres = -1;
+    std::thread rt([&] { rres = host_receive_exact(p.c[0], s, cfg, 2, 4); });
+    const int sres = send_and_wait(p.c[1], dev.desc, s, cfg, 4, prod, true);
+    rt.join();
+    cudaStreamSynchronize(prod);
+    for (void* h : pinned) cudaFreeHost(h);
+    cudaStreamDestroy(prod);
+    CHILD_CHECK(sres == 0 && rres == 0, "sender %d, receiver %d (stale KV encoded?)", sres, rres);
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << "see the children's messages above";
+#endif
 }
 
 #ifndef KVXFER_GPU_EMULATION

@@ -578,7 +578,10 @@ typedef struct {
  * Codec SPECTRUM uses the default SpectrumKV policy and the KV norm as
  * importance; kvxfer_send_spectrum (kvxfer/spectrum.h) takes both.
  * KV on a CUDA device (kv->device >= 0) is encoded there and staged through
- * pinned host memory (docs/GPU.md): KVXFER_ERR_UNSUPPORTED in a build
+ * pinned host memory (docs/GPU.md).  Stream order: kvxfer_send is
+ * kvxfer_send_on_stream with stream NULL, the legacy default stream (see
+ * there for what that waits for; a KV written on a non-blocking stream needs
+ * kvxfer_send_on_stream).  KVXFER_ERR_UNSUPPORTED in a build
  * without CUDA, where CUDA reports no usable driver or device (the message
  * quotes CUDA), or for SPECTRUM; KVXFER_ERR_INVALID_ARGUMENT for an ordinal
  * past the last device.
@@ -610,6 +613,39 @@ kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t
                             const kvxfer_request_config_t* config, kvxfer_request_t* request);
 
 /**
+ * kvxfer_send of KV in CUDA device memory, stream-ordered as NCCL's
+ * operations are: the encoding reads the KV only after every operation
+ * enqueued on `stream` before this call has completed, so the send may be
+ * posted right after the kernels that write the KV (a forward pass), without
+ * synchronising.  Work enqueued on `stream` after the call is not waited for
+ * and does not wait for kvxfer: the blocks must not be written until the
+ * request is final (as kvxfer_send).  The call itself never blocks on the
+ * device: it records an event on `stream` (cudaEventRecord, on the calling
+ * thread) and kvxfer's own streams wait on it (cudaStreamWaitEvent).
+ *
+ * `stream` is a cudaStream_t (as void*, so that this header needs no CUDA
+ * header) of the KV's device (kv->device).  NULL means the legacy default
+ * stream (cudaStreamLegacy) of that device: work on it, and by its implicit
+ * synchronisation work on blocking streams, is waited for; work on streams
+ * created with cudaStreamNonBlocking or on a per-thread default stream is
+ * NOT, so a framework that writes the KV there must pass that stream (or
+ * synchronise before the call).  For host KV (kv->device < 0) `stream` is
+ * ignored and the call is kvxfer_send.
+ *
+ * The calling thread's current CUDA device is the same after the call as
+ * before (true of every kvxfer call).
+ * Errors: as kvxfer_send; KVXFER_ERR_INVALID_ARGUMENT also when recording
+ * on `stream` fails (a stream of another device, a destroyed stream).
+ * Thread-safety: as kvxfer_send; the event is recorded during the call, so
+ * the order of the call relative to the caller's own launches on `stream`
+ * is what counts.
+ */
+kvxfer_result_t kvxfer_send_on_stream(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                                      const kvxfer_codec_config_t* codec,
+                                      const kvxfer_request_config_t* config, void* stream,
+                                      kvxfer_request_t* request);
+
+/**
  * Receives a KV cache from rank `peer` into the blocks of `kv` (see
  * kvxfer_send for matching).  The codec and page size are the sender's.
  * The descriptor is checked as kvxfer_send's; the writability probe writes
@@ -621,6 +657,12 @@ kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t
  * applied only after its anchor.  Every section's checksum is verified before
  * any of its values is written; a failure ends the request in ERROR and
  * COMPLETE is never reported.
+ * Device KV (kv->device >= 0): the decode is synchronous per page on
+ * kvxfer's streams, so when a stage is reported (kvxfer_test, kvxfer_wait,
+ * the callbacks, kvxfer_test_layer) the values are already in device memory:
+ * any stream may read them with work enqueued after that report, no stream
+ * wait or event is needed.  Work enqueued before the report is not ordered
+ * against the decode.
  * Errors as kvxfer_send.
  */
 kvxfer_result_t kvxfer_recv(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,

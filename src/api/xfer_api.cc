@@ -134,12 +134,13 @@ kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank) {
 static kvxfer_result_t post(bool is_send, kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_codec_config_t* codec,
                             const kvxfer_request_config_t* config, kvxfer_request_t* request,
-                            const kvxfer::xfer::SpectrumArgs* spectrum = nullptr) {
+                            const kvxfer::xfer::SpectrumArgs* spectrum = nullptr,
+                            void* cuda_stream = nullptr) {
   KVXFER_REQUIRE(comm != nullptr && request != nullptr, "comm or request is NULL");
   *request = nullptr;
   auto* h = new kvxfer_request;
   const kvxfer_result_t rc =
-      comm->engine->post(is_send, peer, kv, codec, config, h, &h->req, spectrum);
+      comm->engine->post(is_send, peer, kv, codec, config, h, &h->req, spectrum, cuda_stream);
   if (rc < 0) {
     delete h;
     return rc;
@@ -153,6 +154,15 @@ kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t
                             const kvxfer_request_config_t* config, kvxfer_request_t* request) {
   return kvxfer::api_call(__func__,
                           [&] { return post(true, comm, peer, kv, codec, config, request); });
+}
+
+kvxfer_result_t kvxfer_send_on_stream(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
+                                      const kvxfer_codec_config_t* codec,
+                                      const kvxfer_request_config_t* config, void* stream,
+                                      kvxfer_request_t* request) {
+  return kvxfer::api_call(__func__, [&] {
+    return post(true, comm, peer, kv, codec, config, request, nullptr, stream);
+  });
 }
 
 kvxfer_result_t kvxfer_send_spectrum(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,

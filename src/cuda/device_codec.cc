@@ -256,7 +256,7 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
 kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const void* residual,
                                    size_t residual_len, const kvxfer_page_id_t* expect,
                                    const kvxfer_page_layout_t* dst, const DeviceScratch& scratch,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, DeviceCodebook* keep) {
   codec::DecodePlan plan;
   KVXFER_CHECK(codec::plan_decode(anchor, anchor_len, residual, residual_len, expect, dst, &plan));
   const codec::PageHeader& ah = plan.anchor;
@@ -291,6 +291,7 @@ kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const 
   const codec::CodebookRef& cb = plan.cb;
   DeviceCodebook dcb;
   KVXFER_CHECK(upload_codebook(cb.get(), &dcb));
+  if (keep != nullptr) *keep = dcb;
   if (s.anchor_payload() > 0)
     KVXFER_CUDA_CHECK(cudaMemcpyAsync(scratch.anchor_payload(), payload, s.anchor_payload(),
                                       cudaMemcpyHostToDevice, stream));

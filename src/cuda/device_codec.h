@@ -178,12 +178,15 @@ kvxfer_result_t encode_page_device(const kvxfer_codec_config_t* cfg, const kvxfe
  * metadata entry, the anchor table), exactly as the CPU decoder does, before anything is
  * written.  Then the payloads are copied to the scratch and the decode kernel
  * runs on `stream`.  Returns after enqueueing: the host sections must stay
- * valid and dst untouched until the stream has passed this point.
+ * valid and dst untouched until the stream has passed this point.  `keep`
+ * (optional) receives the codebook the kernel reads: hold it until the
+ * stream has passed this point, so that a cache eviction meanwhile cannot
+ * free tables a queued decode still reads.
  */
 kvxfer_result_t decode_page_device(const void* anchor, size_t anchor_len, const void* residual,
                                    size_t residual_len, const kvxfer_page_id_t* expect,
                                    const kvxfer_page_layout_t* dst, const DeviceScratch& scratch,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, DeviceCodebook* keep = nullptr);
 
 /** A non-blocking stream with the greatest priority the device offers (the anchor path). */
 kvxfer_result_t create_anchor_stream(cudaStream_t* out);

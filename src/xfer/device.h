@@ -15,9 +15,16 @@
 // device and runs the decode kernel; decode returns once the values are in
 // the receiver's device blocks, so ANCHOR_READY / COMPLETE keep their meaning.
 //
-// Threading: check_device, upload_table and pin may be called from any
-// thread; encode and decode from one thread at a time (the engine's codec
-// thread), which owns the per-device streams and scratch.
+// Stream order (kvxfer_send_on_stream): post() records an event on the
+// caller's stream on the caller's thread (record_ready); every encode of the
+// request makes kvxfer's stream wait on it, so the kernels read the KV only
+// after the work the caller had enqueued before the post.
+//
+// Threading: every method may be called from any thread, by any number of
+// engines (communicators) at once.  The implementation owns one state per
+// device for the whole process (streams, scratch, pools) and serialises
+// encode/decode per device; it leaves the calling thread's current CUDA
+// device as it found it.
 #pragma once
 
 #include <cstddef>
@@ -37,21 +44,40 @@ class DeviceCodec {
 
   /**
    * Copies `n` block pointers (device addresses, as the runtime's block table
-   * holds them) into a device array.  *table owns it (freed on release).
+   * holds them) into a device array, asynchronously, in stream order before
+   * every later encode/decode on `device` (`ptrs` may be reused on return).
+   * *table owns it: on release it goes back to a per-device pool, reused once
+   * the device has passed every use of it.
    */
   virtual kvxfer_result_t upload_table(int device, void* const* ptrs, size_t n,
                                        std::shared_ptr<void>* table) = 0;
 
   /**
    * Page-locks `len` bytes of host memory at `p` for fast copies (a staging
-   * buffer).  *handle unpins on release.  A failure is not an error for the
-   * transfer (copies through pageable memory are correct, only slower): the
-   * caller logs it and goes on.
+   * buffer), with `device` current (its context, not device 0's).  The
+   * registration is kept past *handle for the next request that stages
+   * through the same buffer, until forget(p, ...) (call it before unmapping).
+   * A failure is not an error for the transfer (copies through pageable
+   * memory are correct, only slower): the caller logs it and goes on.
    */
-  virtual kvxfer_result_t pin(void* p, size_t len, std::shared_ptr<void>* handle) = 0;
+  virtual kvxfer_result_t pin(int device, void* p, size_t len, std::shared_ptr<void>* handle) = 0;
 
-  /** codec::encode_page for a device page (src.blocks is a device array). */
-  virtual kvxfer_result_t encode(int device, const kvxfer_codec_config_t* cfg,
+  /** Drops every registration of pin() that starts in [p, p + len) (the buffer is going away). */
+  virtual void forget(void* p, size_t len) = 0;
+
+  /**
+   * Records, on the calling thread, an event on `stream` (a cudaStream_t of
+   * `device`; NULL = the legacy default stream) into *ready; pass ready.get()
+   * to encode.  Errors: INVALID_ARGUMENT (a stream of another device).
+   */
+  virtual kvxfer_result_t record_ready(int device, void* stream, std::shared_ptr<void>* ready) = 0;
+
+  /**
+   * codec::encode_page for a device page (src.blocks is a device array),
+   * ordered after `ready` (from record_ready; NULL: no wait).  Returns when
+   * the sections are in the host buffers.
+   */
+  virtual kvxfer_result_t encode(int device, const void* ready, const kvxfer_codec_config_t* cfg,
                                  const kvxfer_page_id_t* id, const kvxfer_page_layout_t* src,
                                  void* anchor, size_t anchor_cap, size_t* anchor_len,
                                  void* residual, size_t residual_cap, size_t* residual_len) = 0;

@@ -331,7 +331,7 @@ kvxfer_result_t spectrum_tiers(Request& r, const kvxfer_kv_desc_t* kv, const Spe
 kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                              const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
                              void* handle, std::shared_ptr<Request>* out,
-                             const SpectrumArgs* spectrum) {
+                             const SpectrumArgs* spectrum, void* cuda_stream) {
   Impl& m = *impl_;
   KVXFER_REQUIRE(peer >= 0 && peer < m.nranks && peer != m.rank,
                  "peer %d is not another rank of this %d-rank communicator (this is rank %d)", peer,
@@ -393,6 +393,10 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     KVXFER_CHECK(dev->upload_table(kv->device, r->k_blocks.data(), n, &r->dev_k_blocks));
     KVXFER_CHECK(dev->upload_table(kv->device, r->v_blocks.data(), n, &r->dev_v_blocks));
   }
+  // The encodes wait for the producer's work: an event on the caller's stream,
+  // recorded here, on the caller's thread, in the order of the caller's calls.
+  if (dev != nullptr && is_send && kv->num_tokens > 0)
+    KVXFER_CHECK(dev->record_ready(kv->device, cuda_stream, &r->ready));
   r->device = kv->device;
   if (!is_send) r->tiers.assign(static_cast<size_t>(kv->num_tokens), KVXFER_TIER_FP16);
 

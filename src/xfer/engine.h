@@ -86,6 +86,9 @@ class Request {
   // device >= 0: the block tables copied to the device (device arrays of
   // num_layers * num_blocks pointers), which the kernels read (xfer/device.h).
   std::shared_ptr<void> dev_k_blocks, dev_v_blocks;
+  // Sender, device >= 0: the event recorded on the caller's stream at post
+  // (DeviceCodec::record_ready); every encode waits on it.
+  std::shared_ptr<void> ready;
   uint64_t kv_bytes = 0;
   // SpectrumKV (codec SPECTRUM): one tier (kvxfer_tier_t) per token, the
   // same for every layer's K and V.  Sender: the policy's choice, fixed at
@@ -162,11 +165,14 @@ class Engine {
   /**
    * Validates and queues a send (is_send) or receive.  `handle` is what the
    * callbacks receive.  Errors are returned at once; nothing is queued.
+   * A send of device KV is ordered after the work enqueued on `cuda_stream`
+   * (a cudaStream_t of the KV's device; NULL = the legacy default stream)
+   * before this call (kvxfer_send_on_stream).
    */
   kvxfer_result_t post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                        const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
                        void* handle, std::shared_ptr<Request>* out,
-                       const SpectrumArgs* spectrum = nullptr);
+                       const SpectrumArgs* spectrum = nullptr, void* cuda_stream = nullptr);
 
   /** Fails every request not yet final and closes the Links; never blocks on a peer. */
   void abort(const char* why);

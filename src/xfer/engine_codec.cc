@@ -74,10 +74,9 @@ void Engine::Impl::run_job(Job& j) {
     if (d.rc == KVXFER_SUCCESS) {
       const kvxfer_page_layout_t src = codec_layout(r, j.ref);
       const kvxfer_page_id_t id = page_id(r, j.ref);
-      if (r.device >= 0) {
-        std::lock_guard<std::mutex> lk(device_mu);
-        d.rc = xfer::device_codec()->encode(r.device, &cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r,
-                                            j.r_cap, &d.r_len);
+      if (r.device >= 0) {  // serialised per device by the codec (process-wide)
+        d.rc = xfer::device_codec()->encode(r.device, r.ready.get(), &cc, &id, &src, j.a, j.a_cap,
+                                            &d.a_len, j.r, j.r_cap, &d.r_len);
       } else if (cc.codec == KVXFER_CODEC_SPECTRUM) {
         d.rc = codec::encode_page_tiered(&cc, &id, &src,
                                          r.tiers.data() + static_cast<size_t>(j.ref.token_begin),
@@ -112,8 +111,7 @@ void Engine::Impl::run_job(Job& j) {
       res = j.r;
       r_len = j.r_len;
     }
-    if (d.rc == KVXFER_SUCCESS && r.device >= 0) {
-      std::lock_guard<std::mutex> lk(device_mu);
+    if (d.rc == KVXFER_SUCCESS && r.device >= 0) {  // serialised per device by the codec
       d.rc = xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst);
     } else if (d.rc == KVXFER_SUCCESS) {
       d.rc = codec::decode_page(a, a_len, res, r_len, &id, &dst, codec::Impl::AUTO, 1);

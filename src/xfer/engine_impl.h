@@ -181,11 +181,15 @@ inline kvxfer_page_layout_t codec_layout(const Request& r, const PageRef& ref) {
   return l;
 }
 
-/** Page-locks a staging store of a device request (a failure only costs speed). */
+/**
+ * Page-locks a staging store of a device request (a failure only costs
+ * speed): all `len` bytes of its capacity, so the registration, kept by the
+ * device codec, serves every later request the store's buffer stages.
+ */
 inline std::shared_ptr<void> pin_store(const Request& r, uint8_t* p, size_t len) {
   std::shared_ptr<void> h;
   if (r.device < 0 || p == nullptr) return h;
-  if (xfer::device_codec()->pin(p, len, &h) < 0)
+  if (xfer::device_codec()->pin(r.device, p, len, &h) < 0)
     KVXFER_WARN(LOG_NET,
                 "could not page-lock %zu bytes of staging (%s); copying through pageable memory",
                 len, last_error());
@@ -252,7 +256,6 @@ struct Engine::Impl {
   std::deque<JobDone> jobs_done;
   bool codec_stop = false;
   std::vector<std::thread> codec_threads;
-  std::mutex device_mu;  // device codec calls, one at a time
 
   // ---- progress thread only ----
   std::thread progress_thread;

@@ -233,7 +233,7 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
                      w.slot_bytes * w.free_slots.size() + rtot));
       return;
     }
-    if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), rtot);
+    if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), w.rstore.capacity());
     {
       std::lock_guard<std::mutex> lk(r->mu);
       r->num_pages = static_cast<int64_t>(w.pages.size());
@@ -280,7 +280,7 @@ bool Engine::Impl::make_window(const std::shared_ptr<Request>& r, bool window) {
     for (size_t i = slots; i-- > 0;) w.free_slots.push_back(static_cast<int32_t>(i));
   }
   if (!staging->get(slots * w.slot_bytes, &w.astore)) return false;
-  w.apin = pin_store(*r, w.astore.get(), slots * w.slot_bytes);
+  w.apin = pin_store(*r, w.astore.get(), w.astore.capacity());
   return true;
 }
 

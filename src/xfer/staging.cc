@@ -4,6 +4,8 @@
 
 #include <vector>
 
+#include "xfer/device.h"
+
 namespace kvxfer::xfer {
 namespace {
 
@@ -38,7 +40,7 @@ std::shared_ptr<StagingCache> StagingCache::create(size_t keep_bytes, int64_t ke
 }
 
 StagingCache::~StagingCache() {
-  for (auto& [cap, k] : kept_) munmap(k.p, cap);
+  for (auto& [cap, k] : kept_) unmap(k.p, cap);
 }
 
 bool StagingCache::get(size_t n, Staging* out) {
@@ -74,6 +76,13 @@ void StagingCache::put(uint8_t* p, size_t cap) {
       return;
     }
   }
+  unmap(p, cap);
+}
+
+void StagingCache::unmap(uint8_t* p, size_t cap) {
+  // A device request page-locked it (DeviceCodec::pin keeps registrations
+  // for the buffer's next request): unregister before the pages go.
+  if (DeviceCodec* d = device_codec()) d->forget(p, cap);
   munmap(p, cap);
 }
 
@@ -91,7 +100,7 @@ void StagingCache::trim(Clock::time_point now) {
       }
     }
   }
-  for (auto& [p, cap] : drop) munmap(p, cap);
+  for (auto& [p, cap] : drop) unmap(p, cap);
 }
 
 size_t StagingCache::kept_bytes() const {

@@ -66,6 +66,8 @@ class StagingCache : public std::enable_shared_from_this<StagingCache> {
   friend class Staging;
   StagingCache(size_t keep_bytes, int64_t keep_ms) : keep_bytes_(keep_bytes), keep_ms_(keep_ms) {}
   void put(uint8_t* p, size_t cap);
+  /** munmap, after DeviceCodec::forget (a device request may have page-locked it). */
+  static void unmap(uint8_t* p, size_t cap);
   struct Kept {
     uint8_t* p;
     Clock::time_point since;
