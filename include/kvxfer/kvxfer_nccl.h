@@ -21,6 +21,17 @@
  * ANCHOR_READY (every page at anchor precision in the receiver's blocks, no
  * residual applied yet) and then COMPLETE.
  *
+ * Stream order: kvxfer_nccl_xfer_on_stream takes the caller's CUDA stream;
+ * kvxfer_nccl_xfer is the same call with the legacy default stream.  See
+ * there.  Every call leaves the calling thread's current CUDA device as it
+ * found it.
+ *
+ * Allocation: the device and pinned buffers of a call (block tables,
+ * staging, scratch, descriptors) are kept by the communicator for later
+ * calls and grown only when an op needs more, so a call whose ops' shapes
+ * were seen before allocates nothing; they are freed by
+ * kvxfer_nccl_comm_destroy.
+ *
  * Thread-safety: a kvxfer_nccl_comm_t is used by one thread at a time (as an
  * ncclComm_t); different communicators are independent.
  */
@@ -207,6 +218,26 @@ typedef struct {
  * op not yet final and aborts the owned communicators.
  */
 kvxfer_result_t kvxfer_nccl_xfer(kvxfer_nccl_comm_t comm, kvxfer_nccl_op_t* ops, int num_ops);
+
+/**
+ * kvxfer_nccl_xfer, stream-ordered after the caller's work as NCCL's own
+ * operations are: every kernel and copy kvxfer enqueues for the call (the
+ * sender's encodes, which read the KV; the receiver's decodes, which write
+ * it) runs after every operation enqueued on `stream` before this call, so
+ * the call may follow the kernels that wrote the KV (or still read the
+ * destination) without a synchronisation.  The call is still blocking: when
+ * it returns, every op is final and kvxfer's work on the device is done, so
+ * work enqueued on any stream afterwards sees the received values (no stream
+ * wait is needed).  `stream` must belong to the communicator's device; NULL
+ * is the legacy default stream (cudaStreamLegacy), which orders after work
+ * on it and on blocking streams, NOT after work on non-blocking streams
+ * (cudaStreamNonBlocking) or per-thread default streams: pass that stream.
+ * kvxfer_nccl_xfer(comm, ops, n) is kvxfer_nccl_xfer_on_stream(comm, ops, n, NULL).
+ * Errors: as kvxfer_nccl_xfer; KVXFER_ERR_INVALID_ARGUMENT also when
+ * recording an event on `stream` fails (a stream of another device).
+ */
+kvxfer_result_t kvxfer_nccl_xfer_on_stream(kvxfer_nccl_comm_t comm, kvxfer_nccl_op_t* ops,
+                                           int num_ops, cudaStream_t stream);
 
 /** Text of the last error of this library on the calling thread ("" if none). */
 const char* kvxfer_nccl_get_last_error(void);

@@ -65,8 +65,14 @@ kvxfer_result_t upload_codebook(const codec::Codebook* cb, DeviceCodebook* out) 
   std::memcpy(p + (kFixed + cells) * sizeof(float), cb->lut_base.data(), cells * sizeof(int32_t));
   auto mem = std::make_shared<DeviceBuffer>();
   KVXFER_CHECK(cuda_result(mem->alloc(bytes), "cudaMalloc(codebook)"));
+  // Once per codebook identity and device (warm-up).  A cudaMemcpy from
+  // pageable memory may return before the DMA has landed, and the kernels run
+  // on non-blocking streams: copy on this thread's stream and wait for it.
   KVXFER_CHECK(
-      cuda_result(cudaMemcpy(mem->p, p, bytes, cudaMemcpyHostToDevice), "cudaMemcpy(codebook)"));
+      cuda_result(cudaMemcpyAsync(mem->p, p, bytes, cudaMemcpyHostToDevice, cudaStreamPerThread),
+                  "cudaMemcpyAsync(codebook)"));
+  KVXFER_CHECK(
+      cuda_result(cudaStreamSynchronize(cudaStreamPerThread), "cudaStreamSynchronize(codebook)"));
   const auto* f = reinterpret_cast<const float*>(mem->p);
   DeviceCodebook dc;
   dc.mem = std::move(mem);

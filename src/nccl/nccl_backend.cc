@@ -41,6 +41,7 @@
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_codec.h"
+#include "cuda/device_guard.h"
 #include "xfer/protocol.h"
 
 using kvxfer::set_error;
@@ -50,6 +51,23 @@ using kvxfer::strprintf;
 // NCCL failure): kept until destroy, when the streams are idle.
 struct ParkedCall;
 
+namespace kvxfer::nccl {
+/**
+ * The device and pinned buffers of the i-th op of a call, kept by the
+ * communicator for the i-th op of later calls: grown when an op needs more,
+ * never freed before kvxfer_nccl_comm_destroy (or parked with a call that
+ * could not be drained), so a call of shapes already seen allocates nothing.
+ * Reuse is safe: a call returns only once its streams have passed every use.
+ */
+struct OpBuffers {
+  cuda::DeviceBuffer ktable, vtable, dmeta, danc, dres, dstat;
+  cuda::PinnedBuffer hmeta, hanc, hres, hstat;
+  cuda::DeviceScratch scratch;
+  int64_t scratch_tokens = 0;
+  int32_t scratch_channels = 0;
+};
+}  // namespace kvxfer::nccl
+
 struct kvxfer_nccl_comm_s {
   ncclComm_t anchor = nullptr;
   ncclComm_t residual = nullptr;
@@ -58,6 +76,12 @@ struct kvxfer_nccl_comm_s {
   kvxfer::nccl::Options opt;
   cudaStream_t astream = nullptr, rstream = nullptr;
   cudaEvent_t aevent = nullptr, revent = nullptr;
+  cudaEvent_t ready = nullptr;  // recorded on the caller's stream at each call
+  // Reused by every call (kvxfer::nccl::OpBuffers): op i's buffers, the
+  // descriptors on the device and their pinned host copy.
+  std::vector<std::unique_ptr<kvxfer::nccl::OpBuffers>> bufs;
+  kvxfer::cuda::DeviceBuffer desc;
+  kvxfer::cuda::PinnedBuffer hdesc;
   bool aborted = false;
   std::string abort_why;
   std::vector<std::shared_ptr<ParkedCall>> parked;
@@ -85,15 +109,52 @@ kvxfer_result_t nccl_fail(ncclResult_t r, const char* what, ncclComm_t c = nullp
 using DevBuf = cuda::DeviceBuffer;
 using HostBuf = cuda::PinnedBuffer;  // page-locked, so copies are asynchronous and fast
 
-/** Buf::alloc with the error as a kvxfer_result_t. */
+/**
+ * At least `bytes` in *b: the buffer kept from an earlier call when it is
+ * large enough, else a new one (Buf::alloc; the error as a kvxfer_result_t).
+ */
 template <class Buf>
 kvxfer_result_t alloc(Buf* b, size_t bytes) {
+  if (b->p != nullptr && b->n >= bytes) return KVXFER_SUCCESS;
   KVXFER_CUDA_CHECK(b->alloc(bytes));
+  return KVXFER_SUCCESS;
+}
+
+/** Scratch for pages of up to T x H under any codec (the worst case), kept in `b`. */
+kvxfer_result_t reserve_scratch(OpBuffers* b, int64_t T, int32_t H) {
+  if (b->scratch.status() != nullptr && T <= b->scratch_tokens && H <= b->scratch_channels)
+    return KVXFER_SUCCESS;
+  const int64_t t = std::max(T, b->scratch_tokens);
+  const int32_t h = std::max(H, b->scratch_channels);
+  b->scratch_tokens = 0;
+  b->scratch_channels = 0;
+  kvxfer_codec_config_t worst = KVXFER_CODEC_CONFIG_INITIALIZER;  // as src/cuda/xfer_device.cc
+  worst.codec = KVXFER_CODEC_INT8;
+  worst.anchor_bits = 2;
+  worst.chunk_tokens = 16;
+  worst.nonfinite = KVXFER_NONFINITE_RAW;
+  KVXFER_CHECK(cuda::alloc_scratch(&worst, t, h, &b->scratch));
+  b->scratch_tokens = t;
+  b->scratch_channels = h;
   return KVXFER_SUCCESS;
 }
 
 // ---- per-op state -------------------------------------------------------------
 struct OpState {
+  explicit OpState(OpBuffers& b)
+      : buffers(b),
+        ktable(b.ktable),
+        vtable(b.vtable),
+        hmeta(b.hmeta),
+        hanc(b.hanc),
+        hres(b.hres),
+        hstat(b.hstat),
+        dmeta(b.dmeta),
+        danc(b.danc),
+        dres(b.dres),
+        dstat(b.dstat),
+        scratch(b.scratch) {}
+  OpBuffers& buffers;  // the communicator's, for this op index
   kvxfer_nccl_op_t* op = nullptr;
   int index = 0;
   bool final = false;    // COMPLETE or ERROR published
@@ -108,13 +169,16 @@ struct OpState {
   int32_t H = 0;
   int64_t row_stride = 0;
   std::vector<xfer::PageRef> pages;
-  DevBuf ktable, vtable;
+  DevBuf &ktable, &vtable;
 
   std::vector<uint64_t> alen, rlen, aoff, roff;
   uint64_t atot = 0, rtot = 0;
-  HostBuf hmeta, hanc, hres, hstat;
-  DevBuf dmeta, danc, dres, dstat;
-  cuda::DeviceScratch scratch;
+  // Receiver: the codebooks of the decodes enqueued, held until the streams
+  // have passed them (a cache eviction meanwhile must not free their tables).
+  std::vector<cuda::DeviceCodebook> codebooks;
+  HostBuf &hmeta, &hanc, &hres, &hstat;
+  DevBuf &dmeta, &danc, &dres, &dstat;
+  cuda::DeviceScratch& scratch;
 
   kvxfer_page_layout_t layout(const xfer::PageRef& p) const {
     kvxfer_page_layout_t l{};
@@ -147,7 +211,9 @@ struct OpState {
 
 struct ParkedCall {
   std::vector<std::unique_ptr<kvxfer::nccl::OpState>> ops;
+  std::vector<std::unique_ptr<kvxfer::nccl::OpBuffers>> bufs;  // the ops' buffers
   kvxfer::nccl::DevBuf desc;
+  kvxfer::nccl::HostBuf hdesc;
 };
 
 namespace kvxfer::nccl {
@@ -169,9 +235,13 @@ kvxfer_result_t read_status_block(const uint8_t* src, kvxfer_result_t* r, std::s
 /** One kvxfer_nccl_xfer call. */
 class Call {
  public:
-  Call(kvxfer_nccl_comm_t c, kvxfer_nccl_op_t* ops, int n) : c_(c) {
+  /** wait_ready: c->ready was recorded on the caller's stream; kvxfer's streams wait on it. */
+  Call(kvxfer_nccl_comm_t c, kvxfer_nccl_op_t* ops, int n, bool wait_ready)
+      : c_(c), desc_(c->desc), wait_ready_(wait_ready) {
+    while (c->bufs.size() < static_cast<size_t>(n))
+      c->bufs.push_back(std::make_unique<OpBuffers>());
     for (int i = 0; i < n; ++i) {
-      auto s = std::make_unique<OpState>();
+      auto s = std::make_unique<OpState>(*c->bufs[static_cast<size_t>(i)]);
       s->op = &ops[i];
       s->index = i;
       st_.push_back(std::move(s));
@@ -182,7 +252,8 @@ class Call {
  private:
   kvxfer_nccl_comm_t c_;
   std::vector<std::unique_ptr<OpState>> st_;
-  DevBuf desc_;
+  DevBuf& desc_;  // the communicator's
+  bool wait_ready_ = false;
   bool fatal_ = false;
 
   // ---- outcome of one op ----
@@ -227,9 +298,17 @@ class Call {
     KVXFER_WARN(LOG_NET, "NCCL backend: %s; communicator %s", why.c_str(),
                 c_->owned ? "aborted" : "unusable (abort the user's communicators)");
     for (auto& s : st_) finish(*s, r, why);
+    // Work may still be pending on the streams: the buffers go with the
+    // parked call (freed at destroy, once the streams are idle); a later
+    // call starts new ones.
     auto p = std::make_shared<ParkedCall>();
     p->ops = std::move(st_);
-    std::swap(p->desc.p, desc_.p);
+    p->bufs = std::move(c_->bufs);
+    c_->bufs.clear();
+    std::swap(p->desc.p, c_->desc.p);
+    std::swap(p->desc.n, c_->desc.n);
+    std::swap(p->hdesc.p, c_->hdesc.p);
+    std::swap(p->hdesc.n, c_->hdesc.n);
     c_->parked.push_back(std::move(p));
     return set_error(r, "%s", why.c_str());
   }
@@ -337,25 +416,30 @@ kvxfer_result_t Call::setup() {
       const size_t n = static_cast<size_t>(kv.num_layers) * static_cast<size_t>(kv.num_blocks);
       KVXFER_CHECK(alloc(&s.ktable, n * sizeof(void*)));
       KVXFER_CHECK(alloc(&s.vtable, n * sizeof(void*)));
-      KVXFER_CUDA_CHECK(
-          cudaMemcpy(s.ktable.p, kv.k_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
-      KVXFER_CUDA_CHECK(
-          cudaMemcpy(s.vtable.p, kv.v_blocks, n * sizeof(void*), cudaMemcpyHostToDevice));
+      // In stream order before every kernel that reads them (the residual
+      // stream waits for the anchor stream before it decodes).  Pageable
+      // source: staged by the runtime before the call returns.
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(s.ktable.p, kv.k_blocks, n * sizeof(void*),
+                                        cudaMemcpyHostToDevice, c_->astream));
+      KVXFER_CUDA_CHECK(cudaMemcpyAsync(s.vtable.p, kv.v_blocks, n * sizeof(void*),
+                                        cudaMemcpyHostToDevice, c_->astream));
     }
   }
   KVXFER_CHECK(alloc(&desc_, 2 * xfer::kDescBytes * st_.size()));
+  KVXFER_CHECK(alloc(&c_->hdesc, 2 * xfer::kDescBytes * st_.size()));
   return KVXFER_SUCCESS;
 }
 
 // P1: descriptors both ways on the anchor communicator.
 kvxfer_result_t Call::phase_desc() {
-  std::vector<uint8_t> host(2 * xfer::kDescBytes * st_.size());
+  const size_t host_bytes = 2 * xfer::kDescBytes * st_.size();
+  uint8_t* host = c_->hdesc.p;  // pinned: the copies below are truly asynchronous
   for (size_t i = 0; i < st_.size(); ++i) {
     const std::vector<uint8_t> d = xfer::encode_desc(st_[i]->mine);
-    std::memcpy(host.data() + 2 * i * xfer::kDescBytes, d.data(), xfer::kDescBytes);
+    std::memcpy(host + 2 * i * xfer::kDescBytes, d.data(), xfer::kDescBytes);
   }
   const cudaError_t e0 =
-      cudaMemcpyAsync(desc_.p, host.data(), host.size(), cudaMemcpyHostToDevice, c_->astream);
+      cudaMemcpyAsync(desc_.p, host, host_bytes, cudaMemcpyHostToDevice, c_->astream);
   if (e0 != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e0, "cudaMemcpyAsync(desc)"));
   // Pairing on each (this rank -> peer) channel, where NCCL matches sends and
   // receives in issue order: every rank sends the descriptors of its send ops
@@ -379,13 +463,14 @@ kvxfer_result_t Call::phase_desc() {
       }
     return KVXFER_SUCCESS;
   }));
+  const cudaError_t e =
+      cudaMemcpyAsync(host, desc_.p, host_bytes, cudaMemcpyDeviceToHost, c_->astream);
+  if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(desc)"));
   NCCLB_FATAL(wait(c_->astream, c_->aevent, "descriptor exchange"));
-  const cudaError_t e = cudaMemcpy(host.data(), desc_.p, host.size(), cudaMemcpyDeviceToHost);
-  if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(desc)"));
 
   for (size_t i = 0; i < st_.size(); ++i) {
     OpState& s = *st_[i];
-    const uint8_t* theirs = host.data() + (2 * i + 1) * xfer::kDescBytes;
+    const uint8_t* theirs = host + (2 * i + 1) * xfer::kDescBytes;
     kvxfer_result_t r = xfer::decode_desc(theirs, xfer::kDescBytes, &s.peer);
     if (r == KVXFER_SUCCESS) r = xfer::compare_desc(s.mine, s.peer);
     if (r == KVXFER_SUCCESS && !s.mine.is_sender) {
@@ -427,7 +512,7 @@ kvxfer_result_t Call::encode_all() {
     }
     NCCLB_FATAL(alloc(&s.hanc, acap));
     NCCLB_FATAL(alloc(&s.hres, rcap));
-    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.mine.page_tokens, s.H, &s.scratch));
+    if (np > 0) NCCLB_FATAL(reserve_scratch(&s.buffers, s.mine.page_tokens, s.H));
     uint64_t ao = 0, ro = 0;
     for (size_t i = 0; i < np; ++i) {
       const xfer::PageRef& p = s.pages[i];
@@ -487,6 +572,13 @@ kvxfer_result_t Call::phase_lengths() {
     }
     return KVXFER_SUCCESS;
   }));
+  for (auto& sp : st_) {  // the lengths to the (pinned) host, in stream order
+    OpState& s = *sp;
+    if (s.final || s.mine.is_sender) continue;
+    const cudaError_t e =
+        cudaMemcpyAsync(s.hmeta.p, s.dmeta.p, s.meta_bytes(), cudaMemcpyDeviceToHost, c_->astream);
+    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(lengths)"));
+  }
   NCCLB_FATAL(wait(c_->astream, c_->aevent, "lengths"));
 
   for (auto& sp : st_) {
@@ -500,8 +592,6 @@ kvxfer_result_t Call::phase_lengths() {
       s.in_data = true;
       continue;
     }
-    const cudaError_t e = cudaMemcpy(s.hmeta.p, s.dmeta.p, s.meta_bytes(), cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(lengths)"));
     kvxfer_result_t sr = KVXFER_SUCCESS;
     std::string text;
     if (read_status_block(s.hmeta.p, &sr, &text) < 0) {
@@ -541,7 +631,7 @@ kvxfer_result_t Call::phase_lengths() {
     }
     NCCLB_FATAL(alloc(&s.hanc, s.atot));
     NCCLB_FATAL(alloc(&s.hres, s.rtot));
-    if (np > 0) NCCLB_FATAL(cuda::alloc_scratch(&s.codec, s.peer.page_tokens, s.H, &s.scratch));
+    if (np > 0) NCCLB_FATAL(reserve_scratch(&s.buffers, s.peer.page_tokens, s.H));
     s.in_data = true;
   }
   return KVXFER_SUCCESS;
@@ -553,8 +643,11 @@ void Call::decode_pages(OpState& s, bool full, cudaStream_t stream) {
     const kvxfer_page_layout_t l = s.layout(p);
     const kvxfer_page_id_t id = s.page_id(p);
     const uint8_t* res = full && s.rlen[i] > 0 ? s.hres.p + s.roff[i] : nullptr;
-    const kvxfer_result_t r = cuda::decode_page_device(
-        s.hanc.p + s.aoff[i], s.alen[i], res, res ? s.rlen[i] : 0, &id, &l, s.scratch, stream);
+    cuda::DeviceCodebook keep;
+    const kvxfer_result_t r =
+        cuda::decode_page_device(s.hanc.p + s.aoff[i], s.alen[i], res, res ? s.rlen[i] : 0, &id, &l,
+                                 s.scratch, stream, &keep);
+    if (keep.mem != nullptr) s.codebooks.push_back(std::move(keep));
     if (r < 0)
       mark_failed(s, r,
                   strprintf("page of layer %d %s, tokens [%" PRId64 ", %" PRId64 "): %s", p.layer,
@@ -617,16 +710,22 @@ kvxfer_result_t Call::phase_data() {
     return KVXFER_SUCCESS;
   }));
 
-  // Anchors landed: the receiver copies them to the host, validates and decodes.
-  NCCLB_FATAL(wait(c_->astream, c_->aevent, "anchor sections"));
+  // Anchors landed: the receiver copies them to the host (in stream order,
+  // after the receives), validates and decodes.
   for (auto& sp : st_) {
     OpState& s = *sp;
     if (s.final || !s.in_data || s.mine.is_sender) continue;
     cudaError_t e = cudaSuccess;
-    if (s.atot > 0) e = cudaMemcpy(s.hanc.p, s.danc.p, s.atot, cudaMemcpyDeviceToHost);
+    if (s.atot > 0)
+      e = cudaMemcpyAsync(s.hanc.p, s.danc.p, s.atot, cudaMemcpyDeviceToHost, c_->astream);
     if (e == cudaSuccess && s.mode == KVXFER_MODE_MONOLITHIC && s.rtot > 0)
-      e = cudaMemcpy(s.hres.p, s.dres.p, s.rtot, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(anchor sections)"));
+      e = cudaMemcpyAsync(s.hres.p, s.dres.p, s.rtot, cudaMemcpyDeviceToHost, c_->astream);
+    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(anchor sections)"));
+  }
+  NCCLB_FATAL(wait(c_->astream, c_->aevent, "anchor sections"));
+  for (auto& sp : st_) {
+    OpState& s = *sp;
+    if (s.final || !s.in_data || s.mine.is_sender) continue;
     decode_pages(s, s.mode == KVXFER_MODE_MONOLITHIC, c_->astream);
   }
   NCCLB_FATAL(wait(c_->astream, c_->aevent, "anchor decode"));
@@ -635,14 +734,19 @@ kvxfer_result_t Call::phase_data() {
     if (!s.final && s.in_data && !s.failed) anchor_ready(s);
   }
 
-  NCCLB_FATAL(wait(c_->rstream, c_->revent, "residual sections"));
   for (auto& sp : st_) {
     OpState& s = *sp;
     if (s.final || !s.in_data || s.mine.is_sender || s.mode == KVXFER_MODE_MONOLITHIC) continue;
     if (s.rtot > 0) {
-      const cudaError_t e = cudaMemcpy(s.hres.p, s.dres.p, s.rtot, cudaMemcpyDeviceToHost);
-      if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(residual sections)"));
+      const cudaError_t e =
+          cudaMemcpyAsync(s.hres.p, s.dres.p, s.rtot, cudaMemcpyDeviceToHost, c_->rstream);
+      if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(residual sections)"));
     }
+  }
+  NCCLB_FATAL(wait(c_->rstream, c_->revent, "residual sections"));
+  for (auto& sp : st_) {
+    OpState& s = *sp;
+    if (s.final || !s.in_data || s.mine.is_sender || s.mode == KVXFER_MODE_MONOLITHIC) continue;
     decode_pages(s, true, c_->rstream);
   }
   NCCLB_FATAL(wait(c_->rstream, c_->revent, "residual decode"));
@@ -676,6 +780,13 @@ kvxfer_result_t Call::phase_status() {
     }
     return KVXFER_SUCCESS;
   }));
+  for (auto& sp : st_) {
+    OpState& s = *sp;
+    if (s.final || !s.in_data || !s.mine.is_sender) continue;
+    const cudaError_t e =
+        cudaMemcpyAsync(s.hstat.p, s.dstat.p, kStatusBlock, cudaMemcpyDeviceToHost, c_->astream);
+    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpyAsync(status)"));
+  }
   NCCLB_FATAL(wait(c_->astream, c_->aevent, "final status"));
   for (auto& sp : st_) {
     OpState& s = *sp;
@@ -684,8 +795,6 @@ kvxfer_result_t Call::phase_status() {
       finish(s, s.failed ? s.fail_r : KVXFER_SUCCESS, s.failed ? s.fail_text : std::string());
       continue;
     }
-    const cudaError_t e = cudaMemcpy(s.hstat.p, s.dstat.p, kStatusBlock, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess) NCCLB_FATAL(cuda::cuda_result(e, "cudaMemcpy(status)"));
     kvxfer_result_t rr = KVXFER_SUCCESS;
     std::string text;
     if (read_status_block(s.hstat.p, &rr, &text) < 0)
@@ -697,6 +806,10 @@ kvxfer_result_t Call::phase_status() {
 }
 
 kvxfer_result_t Call::run() {
+  if (wait_ready_) {  // stream order: nothing of this call runs before the caller's work
+    KVXFER_CUDA_CHECK(cudaStreamWaitEvent(c_->astream, c_->ready, 0));
+    KVXFER_CUDA_CHECK(cudaStreamWaitEvent(c_->rstream, c_->ready, 0));
+  }
   KVXFER_CHECK(setup());  // nothing sent yet
   KVXFER_CHECK(phase_desc());
   if (!fatal_) KVXFER_CHECK(encode_all());
@@ -744,6 +857,7 @@ kvxfer_result_t make_streams(kvxfer_nccl_comm_s* c) {
   KVXFER_CUDA_CHECK(cudaStreamCreateWithPriority(&c->rstream, cudaStreamNonBlocking, least));
   KVXFER_CUDA_CHECK(cudaEventCreateWithFlags(&c->aevent, cudaEventDisableTiming));
   KVXFER_CUDA_CHECK(cudaEventCreateWithFlags(&c->revent, cudaEventDisableTiming));
+  KVXFER_CUDA_CHECK(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
   return KVXFER_SUCCESS;
 }
 
@@ -758,6 +872,11 @@ bool release_streams(kvxfer_nccl_comm_s* c, int64_t timeout_ms) {
     }
   }
   c->parked.clear();
+  c->bufs.clear();
+  c->desc.reset();
+  c->hdesc.reset();
+  if (c->ready) cudaEventDestroy(c->ready);
+  c->ready = nullptr;
   if (c->aevent) cudaEventDestroy(c->aevent);
   if (c->revent) cudaEventDestroy(c->revent);
   if (c->astream) cudaStreamDestroy(c->astream);
@@ -867,6 +986,46 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
 
 }  // namespace kvxfer::nccl
 
+namespace kvxfer::nccl {
+namespace {
+/** kvxfer_nccl_xfer_on_stream (stream NULL: kvxfer_nccl_xfer). */
+kvxfer_result_t nccl_xfer(kvxfer_nccl_comm_t comm, kvxfer_nccl_op_t* ops, int num_ops,
+                          cudaStream_t stream) {
+  {
+    KVXFER_REQUIRE(comm != nullptr, "NULL communicator");
+    KVXFER_REQUIRE(num_ops >= 0, "num_ops %d is negative", num_ops);
+    KVXFER_REQUIRE(num_ops == 0 || ops != nullptr, "NULL ops with num_ops %d", num_ops);
+    for (int i = 0; i < num_ops; ++i)
+      KVXFER_CHECK(validate_op(&ops[i], i, comm->nranks, comm->device));
+    KVXFER_CHECK(check_comm(comm));
+    for (int i = 0; i < num_ops; ++i) {
+      kvxfer_nccl_op_t& o = ops[i];
+      o.stage = KVXFER_STAGE_POSTED;
+      o.result = KVXFER_IN_PROGRESS;
+      o.error[0] = '\0';
+      o.num_pages = 0;
+      o.anchor_wire_bytes = o.residual_wire_bytes = 0;
+      o.t_anchor_ready_ns = o.t_complete_ns = 0;
+    }
+    if (num_ops == 0) return KVXFER_SUCCESS;
+    kvxfer::cuda::DeviceGuard dg;  // the caller's device is given back on return
+    KVXFER_CHECK(dg.set(comm->device));
+    // Stream order: record the caller's stream now (NULL: the legacy default
+    // stream); every kernel and copy of the call waits on it.
+    const cudaError_t e =
+        cudaEventRecord(comm->ready, stream != nullptr ? stream : cudaStreamLegacy);
+    if (e != cudaSuccess)
+      return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                       "CUDA device %d: recording an event on the caller's stream %p failed (%s); "
+                       "the stream must belong to the communicator's device",
+                       comm->device, static_cast<void*>(stream), cudaGetErrorString(e));
+    Call call(comm, ops, num_ops, true);
+    return call.run();
+  }
+}
+}  // namespace
+}  // namespace kvxfer::nccl
+
 // ---------------------------------------------------------------------------
 // Exported C API
 // ---------------------------------------------------------------------------
@@ -888,9 +1047,13 @@ kvxfer_result_t kvxfer_nccl_comm_init(kvxfer_nccl_comm_t* comm, int nranks, nccl
                    "the anchor and residual ids are equal: call ncclGetUniqueId twice");
     knccl::Options opt;
     KVXFER_CHECK(knccl::check_config(config, &opt));
-    if (device >= 0) KVXFER_CUDA_CHECK(cudaSetDevice(device));
+    // The communicator's device for the calls below; the caller's current
+    // device is given back on return (kvxfer::cuda::DeviceGuard).
+    kvxfer::cuda::DeviceGuard dg;
     int dev = 0;
     KVXFER_CUDA_CHECK(cudaGetDevice(&dev));
+    if (device >= 0) dev = device;
+    KVXFER_CHECK(dg.set(dev));
 
     auto c = std::make_unique<kvxfer_nccl_comm_s>();
     c->owned = true;
@@ -966,7 +1129,8 @@ kvxfer_result_t kvxfer_nccl_comm_init_from_comms(kvxfer_nccl_comm_t* comm, ncclC
                    "the communicators differ: %d/%d ranks, rank %d/%d, device %d/%d (anchor/"
                    "residual)",
                    n[0], n[1], r[0], r[1], d[0], d[1]);
-    KVXFER_CUDA_CHECK(cudaSetDevice(d[0]));
+    kvxfer::cuda::DeviceGuard dg;  // the caller's device is given back on return
+    KVXFER_CHECK(dg.set(d[0]));
     auto c = std::make_unique<kvxfer_nccl_comm_s>();
     c->anchor = anchor_comm;
     c->residual = residual_comm;
@@ -1003,8 +1167,9 @@ kvxfer_result_t kvxfer_nccl_comm_abort(kvxfer_nccl_comm_t comm) {
 kvxfer_result_t kvxfer_nccl_comm_destroy(kvxfer_nccl_comm_t comm) {
   return api_call("kvxfer_nccl_comm_destroy", [&]() -> kvxfer_result_t {
     if (comm == nullptr) return KVXFER_SUCCESS;
+    kvxfer::cuda::DeviceGuard dg;  // declared first: restored after the buffers are freed
     std::unique_ptr<kvxfer_nccl_comm_s> c(comm);
-    cudaSetDevice(c->device);
+    (void)dg.set(c->device);
     kvxfer_result_t result = KVXFER_SUCCESS;
     if (c->owned && !c->aborted) {
       // Finalize (non-blocking: polled under the timeout), then destroy; abort if it stalls.
@@ -1062,27 +1227,14 @@ kvxfer_result_t kvxfer_nccl_comm_user_rank(kvxfer_nccl_comm_t comm, int* rank) {
 }
 
 kvxfer_result_t kvxfer_nccl_xfer(kvxfer_nccl_comm_t comm, kvxfer_nccl_op_t* ops, int num_ops) {
-  return api_call("kvxfer_nccl_xfer", [&]() -> kvxfer_result_t {
-    KVXFER_REQUIRE(comm != nullptr, "NULL communicator");
-    KVXFER_REQUIRE(num_ops >= 0, "num_ops %d is negative", num_ops);
-    KVXFER_REQUIRE(num_ops == 0 || ops != nullptr, "NULL ops with num_ops %d", num_ops);
-    for (int i = 0; i < num_ops; ++i)
-      KVXFER_CHECK(knccl::validate_op(&ops[i], i, comm->nranks, comm->device));
-    KVXFER_CHECK(knccl::check_comm(comm));
-    for (int i = 0; i < num_ops; ++i) {
-      kvxfer_nccl_op_t& o = ops[i];
-      o.stage = KVXFER_STAGE_POSTED;
-      o.result = KVXFER_IN_PROGRESS;
-      o.error[0] = '\0';
-      o.num_pages = 0;
-      o.anchor_wire_bytes = o.residual_wire_bytes = 0;
-      o.t_anchor_ready_ns = o.t_complete_ns = 0;
-    }
-    if (num_ops == 0) return KVXFER_SUCCESS;
-    KVXFER_CUDA_CHECK(cudaSetDevice(comm->device));
-    knccl::Call call(comm, ops, num_ops);
-    return call.run();
-  });
+  return api_call("kvxfer_nccl_xfer",
+                  [&] { return knccl::nccl_xfer(comm, ops, num_ops, nullptr); });
+}
+
+kvxfer_result_t kvxfer_nccl_xfer_on_stream(kvxfer_nccl_comm_t comm, kvxfer_nccl_op_t* ops,
+                                           int num_ops, cudaStream_t stream) {
+  return api_call("kvxfer_nccl_xfer_on_stream",
+                  [&] { return knccl::nccl_xfer(comm, ops, num_ops, stream); });
 }
 
 const char* kvxfer_nccl_get_last_error(void) { return kvxfer::last_error(); }
