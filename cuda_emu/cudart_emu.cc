@@ -28,6 +28,7 @@ namespace {
 extern "C" {
 void* __tsan_get_current_fiber(void);
 void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
 void __tsan_switch_to_fiber(void* fiber, unsigned flags);
 }
 void* g_tsan_sched = nullptr;
@@ -55,11 +56,14 @@ unsigned g_cur = 0;
 
 void fiber_main() {
   (*g_body)();
-  g_fibers[g_cur].done = true;  // returns to uc_link = g_sched
+  g_fibers[g_cur].done = true;
 #if defined(__SANITIZE_THREAD__)
+  // Leave without returning (a return would be instrumented on the
+  // scheduler's fiber): straight back to the scheduler, this fiber is done.
   tsan_switch(g_tsan_sched);
+  setcontext(&g_sched);
 #endif
-}
+}  // returns to uc_link = g_sched
 }  // namespace
 
 void syncthreads() {
@@ -75,8 +79,6 @@ void run_locked(dim3 g, dim3 b, const std::function<void()>& body) {
   if (g_fibers.size() < nt) g_fibers.resize(nt);
 #if defined(__SANITIZE_THREAD__)
   g_tsan_sched = __tsan_get_current_fiber();
-  for (Fiber& f : g_fibers)
-    if (f.tsan == nullptr) f.tsan = __tsan_create_fiber(0);
 #endif
   g_body = &body;
   block_dim = b;
@@ -93,6 +95,10 @@ void run_locked(dim3 g, dim3 b, const std::function<void()>& body) {
           f.ctx.uc_link = &g_sched;
           makecontext(&f.ctx, fiber_main, 0);
           f.done = false;
+#if defined(__SANITIZE_THREAD__)
+          if (f.tsan != nullptr) __tsan_destroy_fiber(f.tsan);  // a fresh one per context
+          f.tsan = __tsan_create_fiber(0);
+#endif
         }
         for (bool live = true; live;) {
           live = false;
