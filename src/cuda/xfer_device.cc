@@ -137,6 +137,7 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
         return cuda_result(e, "cudaHostRegister(staging)", device);
       }
       reg.len = len;
+      reg.device = device;
     }
     // The registration outlives the handle: it is dropped by forget, when the
     // staging buffer is unmapped.
@@ -148,7 +149,9 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
     std::lock_guard<std::mutex> lk(pin_mu_);
     const auto b = reinterpret_cast<uintptr_t>(p);
     for (auto it = pinned_.lower_bound(b); it != pinned_.end() && it->first < b + len;) {
-      cudaHostUnregister(reinterpret_cast<void*>(it->first));  // portable: any device
+      DeviceGuard g;  // the device it was registered with: no context made elsewhere
+      if (g.set(it->second.device) == KVXFER_SUCCESS)
+        cudaHostUnregister(reinterpret_cast<void*>(it->first));
       it = pinned_.erase(it);
     }
   }
@@ -231,6 +234,7 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
  private:
   struct Pinned {
     size_t len = 0;
+    int device = 0;  // current when it was registered
   };
 
   /** Back to the pool once the streams have passed every use of the table. */
@@ -297,8 +301,10 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
 
 struct Registrar {
   Registrar() {
-    static CudaDeviceCodec codec;
-    xfer::register_device_codec(&codec);
+    // Never destroyed: requests, and the streams' last work, may outlive
+    // static destruction at exit; the device state lives as long as the process.
+    static CudaDeviceCodec* codec = new CudaDeviceCodec;
+    xfer::register_device_codec(codec);
   }
 };
 const Registrar g_registrar;
