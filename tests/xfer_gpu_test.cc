@@ -497,15 +497,16 @@ int send_and_wait(kvxfer_comm_t comm, const kvxfer_kv_desc_t& d, const Shape& s,
 // device), and every page arrives bit-exact.  The second round, after a
 // warm-up round of the same shapes, allocates nothing, copies nothing
 // synchronously and registers no host memory (the emulation counts).  The
-// values are checked after both rounds, so that the rounds follow each other
-// within the staging cache's 1 s (an idle buffer is unmapped after it, and
-// its registration with it).
+// staging cache keeps idle buffers 60 s here instead of 1 s (it unmaps an
+// idle buffer, and drops its registration, after that), so that a slow run
+// (ThreadSanitizer) does not lose them between the rounds.
 TEST(XferGpu, TwoCommunicatorsEncodeConcurrentlyOnOneDeviceBitExact) {
   REQUIRE_DEVICE();
   const int rc = in_child([] {
     Shape s;
     s.T = 260;
     s.page_tokens = 64;
+    xfer::testing_staging_keep_ms(60000);
     LocalPair p[2];
     for (auto& q : p) CHILD_CHECK(q.init(), "communicator init");
     const kvxfer_codec_config_t cfg[2] = {codec(KVXFER_CODEC_LYNX, 5.0f), codec(KVXFER_CODEC_INT8)};

@@ -13,6 +13,7 @@ std::atomic<bool> g_pause_residuals{false};
 std::atomic<int> g_codec_workers{0};
 std::atomic<bool> g_skip_codec{false};
 std::atomic<size_t> g_staging_window{0};
+std::atomic<int64_t> g_staging_keep_ms{0};
 
 void testing_corrupt_next_sections(int count) { g_corrupt_sections.store(count); }
 void testing_corrupt_next_residuals(int count) { g_corrupt_residuals.store(count); }
@@ -20,6 +21,7 @@ void testing_pause_residuals(bool paused) { g_pause_residuals.store(paused); }
 void testing_codec_workers(int n) { g_codec_workers.store(n); }
 void testing_skip_codec(bool skip) { g_skip_codec.store(skip); }
 void testing_staging_window(size_t bytes) { g_staging_window.store(bytes); }
+void testing_staging_keep_ms(int64_t ms) { g_staging_keep_ms.store(ms); }
 
 /**
  * Codec worker threads of an engine: KVXFER_CODEC_THREADS when set, else
@@ -237,7 +239,9 @@ void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms) {
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
   m.window_bytes = g_staging_window.load() > 0 ? g_staging_window.load()
                                                : static_cast<size_t>(params::StagingWindowBytes());
-  m.staging = StagingCache::create(static_cast<size_t>(params::StagingCacheBytes()), 1000);
+  const int64_t keep_ms = g_staging_keep_ms.load();
+  m.staging = StagingCache::create(static_cast<size_t>(params::StagingCacheBytes()),
+                                   keep_ms > 0 ? keep_ms : 1000);
   m.max_requests = params::MaxRequests();
   m.default_page_tokens = static_cast<int32_t>(params::PageTokens());
 }

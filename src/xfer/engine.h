@@ -207,6 +207,11 @@ void testing_codec_workers(int n);
  *  (KVXFER_STAGING_WINDOW_BYTES; at least two pages); 0: the parameter. */
 void testing_staging_window(size_t bytes);
 
+/** Test seam: engines created from now on keep an idle staging buffer (and a
+ *  device request's registration of it) `ms` ms before unmapping it; 0: 1000.
+ *  Lets a slow run (ThreadSanitizer) check reuse across requests. */
+void testing_staging_keep_ms(int64_t ms);
+
 /** Test seam: the next `count` page sections this process receives get one
  *  byte flipped before decoding (tests/xfer_test.cc, corruption cases). */
 void testing_corrupt_next_sections(int count);
