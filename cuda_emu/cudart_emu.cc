@@ -236,6 +236,11 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
 cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+// Streams run their work when it is enqueued: a host function runs at once.
+cudaError_t cudaLaunchHostFunc(cudaStream_t, cudaHostFn_t fn, void* data) {
+  fn(data);
+  return cudaSuccess;
+}
 int kvxfer_emu_host_register_device = -1;  // the current device of the last cudaHostRegister
 int kvxfer_emu_host_registers = 0;         // cudaHostRegister calls so far
 cudaError_t cudaHostRegister(void*, size_t, unsigned int) {

@@ -124,6 +124,17 @@ struct DeviceKV {
     }
     return true;
   }
+  /** download() in `st`'s order: after the work enqueued on it before (then synchronised). */
+  bool download_on(cudaStream_t st) {
+    for (size_t i = 0; i < host.k.size() + host.v.size(); ++i) {
+      const bool is_k = i < host.k.size();
+      void* hp = is_k ? host.k[i] : host.v[i - host.k.size()];
+      void* d = is_k ? k[i] : v[i - host.k.size()];
+      if (cudaMemcpyAsync(hp, d, host.storage[i].size(), cudaMemcpyDeviceToHost, st) != cudaSuccess)
+        return false;
+    }
+    return cudaStreamSynchronize(st) == cudaSuccess;
+  }
   ~DeviceKV() {
     for (void* p : k) cudaFree(p);
     for (void* p : v) cudaFree(p);
@@ -211,6 +222,26 @@ int gpu_receiver(const kvxfer_unique_id_t& id, int rd, const Shape& s, Where whe
     CHILD_CHECK(mid.pages_complete == 0, "residuals applied while paused");
   }
   xfer::testing_pause_residuals(false);
+  if (where == Where::kDevice) {
+    // Stream-ordered: a copy enqueued after kvxfer_request_wait_on_stream
+    // on a non-blocking stream reads the full values.
+    CHILD_CHECK(kvxfer_request_wait_on_stream(req, KVXFER_STAGE_POSTED, nullptr) ==
+                    KVXFER_ERR_INVALID_ARGUMENT,
+                "receiver: a stream wait for POSTED was not refused");
+    cudaStream_t st = nullptr;
+    CHILD_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) == cudaSuccess,
+                "receiver: stream");
+    CHILD_CHECK(kvxfer_request_wait_on_stream(req, KVXFER_STAGE_COMPLETE, st) == KVXFER_SUCCESS,
+                "receiver: stream wait: %s", kvxfer_get_last_error());
+    CHILD_CHECK(dev.download_on(st), "receiver: download on the stream");
+    cudaStreamDestroy(st);
+    kvxfer_stage_t stage = KVXFER_STAGE_POSTED;
+    CHILD_CHECK(kvxfer_test(req, &stage) == KVXFER_SUCCESS && stage == KVXFER_STAGE_COMPLETE,
+                "receiver: the stream passed its wait at stage %d", static_cast<int>(stage));
+    PagedKV full(s.L, s.heads, s.hd, s.T, 64);
+    expected_decode(src, cfg, s.page_tokens, 9, true, &full);
+    if (compare(dst, full, "full, read on the stream") != 0) return 1;
+  }
   CHILD_CHECK(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) == KVXFER_SUCCESS,
               "receiver: complete wait: %s", kvxfer_get_last_error());
   PagedKV full(s.L, s.heads, s.hd, s.T, 64);

@@ -1267,6 +1267,10 @@ TEST(XferApi, NullAndBadOutputsAreRefusedAndLoseNothing) {
                "request is NULL");
   expect_error(kvxfer_test_layer(req, -1, &st), kInvalid, "layer -1 is negative");
   EXPECT_EQ(st, KVXFER_STAGE_COMPLETE);  // not written
+  expect_error(kvxfer_request_wait_on_stream(nullptr, KVXFER_STAGE_COMPLETE, nullptr), kInvalid,
+               "request is NULL");
+  expect_error(kvxfer_request_wait_on_stream(req, KVXFER_STAGE_ERROR, nullptr), kInvalid,
+               "a stream can wait for ANCHOR_READY or COMPLETE");
 
   kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
   expect_error(kvxfer_request_get_info(nullptr, &info), kInvalid, "request is NULL");

@@ -688,6 +688,25 @@ kvxfer_result_t kvxfer_test(kvxfer_request_t request, kvxfer_stage_t* stage);
 kvxfer_result_t kvxfer_wait(kvxfer_request_t request, kvxfer_stage_t stage, int timeout_ms);
 
 /**
+ * Stream-ordered kvxfer_wait: enqueues on `stream` (a cudaStream_t; NULL =
+ * the legacy default stream) a wait for `request` to reach `stage`
+ * (ANCHOR_READY or COMPLETE) or a final stage, so that work enqueued on
+ * `stream` after this call, e.g. the decode step reading received device KV,
+ * starts only then, while the calling thread goes on at once.  The wait is a
+ * host function (cudaLaunchHostFunc) that blocks its stream, not the device;
+ * it holds its own reference to the request, so kvxfer_request_free may run
+ * before the stream has passed it.  The stream is released when the request
+ * ends in ERROR too: check its stage (kvxfer_test) before trusting the
+ * values, as after kvxfer_wait.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL request, a stage other than
+ * ANCHOR_READY or COMPLETE, or a stream CUDA refuses; nothing enqueued),
+ * KVXFER_ERR_UNSUPPORTED (a build without CUDA).
+ * Thread-safety: any thread.
+ */
+kvxfer_result_t kvxfer_request_wait_on_stream(kvxfer_request_t request, kvxfer_stage_t stage,
+                                              void* stream);
+
+/**
  * Per-layer progress for layer-pipelined decode: `*stage` receives
  * ANCHOR_READY once every page of `layer` (K and V) is at anchor precision in
  * the receiver's blocks, COMPLETE once at full precision, ERROR if the

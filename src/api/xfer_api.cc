@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/params.h"
 #include "transport/bootstrap.h"
+#include "xfer/device.h"
 #include "xfer/engine.h"
 
 struct kvxfer_comm {
@@ -206,6 +207,37 @@ kvxfer_result_t kvxfer_wait(kvxfer_request_t request, kvxfer_stage_t stage, int 
   return kvxfer::api_call(__func__, [&] {
     KVXFER_REQUIRE(request != nullptr, "request is NULL");
     return kvxfer::xfer::request_wait(*request->req, -1, kvxfer::c_enum_value(stage), timeout_ms);
+  });
+}
+
+kvxfer_result_t kvxfer_request_wait_on_stream(kvxfer_request_t request, kvxfer_stage_t stage,
+                                              void* stream) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    KVXFER_REQUIRE(stage == KVXFER_STAGE_ANCHOR_READY || stage == KVXFER_STAGE_COMPLETE,
+                   "stage %d: a stream can wait for ANCHOR_READY or COMPLETE",
+                   static_cast<int>(stage));
+    kvxfer::xfer::DeviceCodec* dc = kvxfer::xfer::device_codec();
+    if (dc == nullptr)
+      return set_error(KVXFER_ERR_UNSUPPORTED, "this build of kvxfer has no CUDA support");
+    // The host function owns its reference to the request: freeing the
+    // handle before the stream gets there is safe.
+    struct Wait {
+      std::shared_ptr<kvxfer::xfer::Request> req;
+      int32_t stage;
+    };
+    auto* w = new Wait{request->req, kvxfer::c_enum_value(stage)};
+    const kvxfer_result_t rc = dc->enqueue_host_func(
+        stream,
+        [](void* p) {
+          std::unique_ptr<Wait> w(static_cast<Wait*>(p));
+          // Ends at the stage or at a final stage: a request always ends
+          // (the transport's timeout, cancel, abort, destroy).
+          kvxfer::xfer::request_wait(*w->req, -1, w->stage, -1);
+        },
+        w);
+    if (rc != KVXFER_SUCCESS) delete w;
+    return rc;
   });
 }
 

@@ -156,6 +156,16 @@ class CudaDeviceCodec final : public xfer::DeviceCodec {
     }
   }
 
+  kvxfer_result_t enqueue_host_func(void* stream, void (*fn)(void*), void* arg) override {
+    cudaStream_t st = stream != nullptr ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy;
+    const cudaError_t e = cudaLaunchHostFunc(st, fn, arg);
+    if (e != cudaSuccess)
+      return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                       "cudaLaunchHostFunc on the caller's stream %p failed (%s)", stream,
+                       cudaGetErrorString(e));
+    return KVXFER_SUCCESS;
+  }
+
   kvxfer_result_t record_ready(int device, void* stream, std::shared_ptr<void>* ready) override {
     DeviceGuard g;
     KVXFER_CHECK(g.set(device));

@@ -91,6 +91,14 @@ class DeviceCodec {
                                  const void* residual, size_t residual_len,
                                  const kvxfer_page_id_t* expect,
                                  const kvxfer_page_layout_t* dst) = 0;
+
+  /**
+   * Enqueues fn(arg) on `stream` (a cudaStream_t; NULL = the legacy default
+   * stream) with cudaLaunchHostFunc: later work on the stream waits for it to
+   * return.  fn must not call CUDA.  Errors: INVALID_ARGUMENT (CUDA refused
+   * the stream; fn is not called and arg stays the caller's).
+   */
+  virtual kvxfer_result_t enqueue_host_func(void* stream, void (*fn)(void*), void* arg) = 0;
 };
 
 /** The registered device codec, or nullptr in a build without CUDA. */
