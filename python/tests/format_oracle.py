@@ -76,6 +76,18 @@ def bf16_bits(x32):
     return r.astype(np.uint16)
 
 
+def as_dtype(v, dtype):
+    """float32 values as a source page of `dtype`: bf16 bits (uint16), float16 or float32
+    (section 3.4's rounding; beyond range becomes infinity)."""
+    v = np.asarray(v, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        if dtype == "bf16":
+            return bf16_bits(v)
+        if dtype == "fp16":
+            return v.astype(np.float16)
+    return v
+
+
 def bf16_to_f32(bits):
     return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32)
 

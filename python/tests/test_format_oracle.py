@@ -88,14 +88,7 @@ def compare(x, dtype, codec="lynx", **kw):
     return pa, pr, problems
 
 
-def as_dtype(v, dtype):
-    v = np.asarray(v, dtype=np.float32)
-    with np.errstate(over="ignore"):
-        if dtype == "bf16":
-            return O.bf16_bits(v)
-        if dtype == "fp16":
-            return v.astype(np.float16)
-    return v
+as_dtype = O.as_dtype
 
 
 def kv_like(rng, T, H, dtype, scale=1.0):
