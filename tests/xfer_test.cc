@@ -1034,10 +1034,14 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   ASSERT_NE(wild, MAP_FAILED);
   expect_bad_blocks(wild, "first byte");
   ASSERT_EQ(munmap(wild, page), 0);
-  void* gone = mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  ASSERT_NE(gone, MAP_FAILED);
-  ASSERT_EQ(munmap(gone, page), 0);
-  expect_bad_blocks(gone, "is not readable memory");  // a freed mapping
+  // Unmapped memory.  Not a freed mapping's address: another thread (ours,
+  // or the sanitizer's allocator) may map it again before the call.  Linux
+  // places mappings top-down from below the stack, so without MAP_FIXED
+  // nothing lands at 8 KiB.
+  void* gone = reinterpret_cast<void*>(uintptr_t{0x2000});
+  std::vector<unsigned char> in_core(1);
+  ASSERT_NE(mincore(gone, static_cast<size_t>(page), in_core.data()), 0) << "0x2000 is mapped";
+  expect_bad_blocks(gone, "is not readable memory");
   expect_bad_blocks(gone, "is not readable memory", true);
   // Readable but not writable: fine to send from, refused to receive into.
   const size_t block_bytes = static_cast<size_t>(16 * kv.stride) * 2;
@@ -1045,9 +1049,10 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   ASSERT_NE(ro, MAP_FAILED);
   expect_bad_blocks(ro, "is not writable memory", true);
   // The first byte mapped, the last not: the block runs off its mapping.
+  // (The second page stays reserved, PROT_NONE, so nothing can map it meanwhile.)
   void* two = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(two, MAP_FAILED);
-  ASSERT_EQ(munmap(static_cast<uint8_t*>(two) + page, page), 0);
+  ASSERT_EQ(mprotect(static_cast<uint8_t*>(two) + page, page, PROT_NONE), 0);
   expect_bad_blocks(static_cast<uint8_t*>(two) + page - 64, "its last byte");
   // First and last byte mapped, a page between them not (a block of 16 rows of
   // 16 bf16 elements is 512 bytes, so this needs a larger block: 64 KiB rows).
@@ -1104,7 +1109,7 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
         << kvxfer_get_last_error();
   }
   munmap(ro, block_bytes);
-  munmap(two, page);
+  munmap(two, 2 * page);
   d = kv.desc;
   d.device = 0;  // device memory: not in a host-only transfer path
   EXPECT_EQ(kvxfer_send(comm, 1, &d, nullptr, nullptr, &req), KVXFER_ERR_UNSUPPORTED);
