@@ -4,6 +4,9 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cinttypes>
@@ -40,10 +43,13 @@ constexpr uint64_t kMaxPeerChunk = uint64_t{1} << 30;
 
 uint64_t wire_tag(uint64_t user_tag, uint64_t chunk) { return (user_tag << kChunkBits) | chunk; }
 
-// Address blob: "KVXL" | version | nclasses | provider length | provider |
-// per class: u16 length, fi_getname bytes.
+// Address blob (docs/TRANSPORT.md, "Address blob"): "KVXL" | version |
+// nclasses | npaths | u8 host length, host_identity() | u32 pid |
+// npaths x (u8 provider length, provider, nclasses x (u16 length, fi_getname
+// bytes)).
 constexpr char kBlobMagic[4] = {'K', 'V', 'X', 'L'};
-constexpr uint8_t kBlobVersion = 1;
+constexpr uint8_t kBlobVersion = 2;
+constexpr int kMaxPaths = 2;
 
 enum Kind : int { kHelloSend, kHelloRecv, kHeader, kData };
 
@@ -127,6 +133,26 @@ const std::vector<std::string>& auto_providers() {
   return list;
 }
 
+const std::string& host_identity() {
+  static const std::string id = [] {
+    std::string boot = "?";
+    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re")) {
+      char buf[64] = {0};
+      if (std::fgets(buf, sizeof buf, f) != nullptr) boot.assign(buf, strcspn(buf, "\n"));
+      std::fclose(f);
+    }
+    struct stat pidns {};
+    struct stat shm {};
+    if (::stat("/proc/self/ns/pid", &pidns) != 0) pidns.st_ino = 0;
+    if (::stat("/dev/shm", &shm) != 0) shm.st_dev = shm.st_ino = 0;
+    return strprintf("%s/pidns:%llu/shm:%llu:%llu/uid:%u", boot.c_str(),
+                     static_cast<unsigned long long>(pidns.st_ino),
+                     static_cast<unsigned long long>(shm.st_dev),
+                     static_cast<unsigned long long>(shm.st_ino), static_cast<unsigned>(getuid()));
+  }();
+  return id;
+}
+
 namespace {
 // What apply_provider_memory_defaults set.  A function-local static: the
 // load-time constructor below may run before this file's namespace-scope
@@ -190,7 +216,11 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->fabric_attr->prov_name = strdup(p.c_str());
     fi_info* raw = nullptr;
-    const int r = node.empty()
+    // shm names each endpoint after its source address; with none given it
+    // uses the pid and a per-process counter, unique on the host.  (A node
+    // gives every process the same names: fi_enable fails with -FI_EBUSY.)
+    const bool no_node = node.empty() || p == kShmProvider;
+    const int r = no_node
                       ? fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints.get(), &raw)
                       : fi_getinfo(kFiVersion, node.c_str(), nullptr, FI_SOURCE, hints.get(), &raw);
     InfoPtr list(raw);
@@ -225,7 +255,7 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
                   "libpsm took over",
                   n);
     KVXFER_INFO(LOG_NET, "OFI : provider %s (asked %s), domain %s, node %s", d->provider_.c_str(),
-                p.c_str(), d->info_->domain_attr->name, node.empty() ? "(default)" : node.c_str());
+                p.c_str(), d->info_->domain_attr->name, no_node ? "(default)" : node.c_str());
     *out = std::move(d);
     return KVXFER_SUCCESS;
   }
@@ -249,14 +279,17 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
   fi_cq_attr cq_attr{};
   cq_attr.format = FI_CQ_FORMAT_TAGGED;
   // A file descriptor to sleep on when there is nothing to do
-  // (Link::prepare_wait); a provider without one is polled.
-  cq_attr.wait_obj = FI_WAIT_FD;
+  // (Link::prepare_wait); a provider without one is polled.  shm's peers
+  // never signal it (libfabric 1.17 wakes no one across processes), so shm
+  // is always polled.
+  const bool shm = e->domain_->provider() == kShmProvider;
+  cq_attr.wait_obj = shm ? FI_WAIT_NONE : FI_WAIT_FD;
   fid_cq* cq = nullptr;
   int r = fi_cq_open(e->domain_->fid(), &cq_attr, &cq, nullptr);
-  if (r != 0) {
+  if (r != 0 && !shm) {
     cq_attr.wait_obj = FI_WAIT_NONE;
     r = fi_cq_open(e->domain_->fid(), &cq_attr, &cq, nullptr);
-  } else if (fi_control(&cq->fid, FI_GETWAIT, &e->wait_fd_) != 0) {
+  } else if (!shm && fi_control(&cq->fid, FI_GETWAIT, &e->wait_fd_) != 0) {
     e->wait_fd_ = -1;
   }
   if (r != 0) return fi_fail("fi_cq_open", r);
@@ -469,35 +502,55 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
     KVXFER_REQUIRE(cfg.dscp[c] >= -1 && cfg.dscp[c] <= 63, "dscp %d outside -1..63", cfg.dscp[c]);
   std::unique_ptr<Link> l(new Link());
   l->cfg_ = cfg;
+  l->asked_chunk_bytes_ = cfg.chunk_bytes;
+  l->asked_posted_recvs_ = cfg.max_posted_recvs;
   KVXFER_CHECK(Domain::open(cfg.provider, cfg.node, &l->domain_));
   for (int c = 0; c < kNumClasses; ++c)
     KVXFER_CHECK(Endpoint::open(l->domain_, cfg.tclass[c], &l->ep_[c]));
-  const uint64_t max_msg = l->domain_->info()->ep_attr->max_msg_size;
-  if (max_msg > 0 && l->cfg_.chunk_bytes > max_msg) l->cfg_.chunk_bytes = max_msg;
-  // Receives are posted far ahead (docs/TRANSPORT.md, "Receive window"):
-  // a message that arrives with its receive posted is placed at once; one
-  // that arrives unexpected holds one of the provider's few receive buffers
-  // (rxm: 128 per connection), and with too many of those the connection
-  // stalls behind them.
-  if (l->cfg_.max_posted_recvs == 0) {
-    const fi_rx_attr* rx = l->domain_->info()->rx_attr;
-    l->cfg_.max_posted_recvs = rx != nullptr && rx->size >= 2 ? rx->size : 1024;
+  // The auto provider also offers shared memory, for a peer on this host.
+  // Without it (no shm provider, /dev/shm full) every peer takes the network.
+  if (cfg.provider.empty()) {
+    std::shared_ptr<Domain> d;
+    std::array<std::unique_ptr<Endpoint>, kNumClasses> e;
+    kvxfer_result_t r = Domain::open(kShmProvider, "", &d);
+    for (int c = 0; c < kNumClasses && r == KVXFER_SUCCESS; ++c)
+      r = Endpoint::open(d, cfg.tclass[c], &e[c]);
+    if (r == KVXFER_SUCCESS) {
+      l->shm_domain_ = std::move(d);
+      l->shm_ep_ = std::move(e);
+    } else {
+      KVXFER_INFO(LOG_NET, "OFI : no shared-memory path (%s); same-host peers use %s", last_error(),
+                  l->domain_->provider().c_str());
+    }
   }
+  l->apply_path_limits();
 
   // Address blob.
   std::vector<uint8_t>& a = l->address_;
-  const std::string& prov = l->domain_->provider();
+  const std::string& host = host_identity();
+  const uint32_t pid = static_cast<uint32_t>(getpid());
   a.insert(a.end(), kBlobMagic, kBlobMagic + 4);
   a.push_back(kBlobVersion);
   a.push_back(kNumClasses);
-  a.push_back(static_cast<uint8_t>(std::min<size_t>(prov.size(), 255)));
-  a.insert(a.end(), prov.begin(), prov.begin() + std::min<size_t>(prov.size(), 255));
-  for (int c = 0; c < kNumClasses; ++c) {
-    const std::vector<uint8_t>& n = l->ep_[c]->name();
-    a.push_back(static_cast<uint8_t>(n.size() & 0xFF));
-    a.push_back(static_cast<uint8_t>(n.size() >> 8));
-    a.insert(a.end(), n.begin(), n.end());
-  }
+  a.push_back(l->shm_domain_ ? 2 : 1);
+  a.push_back(static_cast<uint8_t>(std::min<size_t>(host.size(), 255)));
+  a.insert(a.end(), host.begin(), host.begin() + std::min<size_t>(host.size(), 255));
+  for (int i = 0; i < 4; ++i) a.push_back(static_cast<uint8_t>(pid >> (8 * i)));
+  auto put_path = [&a](const Domain& d,
+                       const std::array<std::unique_ptr<Endpoint>, kNumClasses>& e) {
+    const std::string& prov = d.provider();
+    a.push_back(static_cast<uint8_t>(std::min<size_t>(prov.size(), 255)));
+    a.insert(a.end(), prov.begin(), prov.begin() + std::min<size_t>(prov.size(), 255));
+    for (int c = 0; c < kNumClasses; ++c) {
+      const std::vector<uint8_t>& n = e[c]->name();
+      a.push_back(static_cast<uint8_t>(n.size() & 0xFF));
+      a.push_back(static_cast<uint8_t>(n.size() >> 8));
+      a.insert(a.end(), n.begin(), n.end());
+    }
+  };
+  if (l->shm_domain_) put_path(*l->shm_domain_, l->shm_ep_);
+  put_path(*l->domain_, l->ep_);
+  const std::string& prov = l->domain_->provider();
   l->dscp_.supported = is_inet_sockaddr(l->ep_[0]->name().data(), l->ep_[0]->name().size()) &&
                        is_inet_sockaddr(l->ep_[1]->name().data(), l->ep_[1]->name().size());
   if (!l->dscp_.supported) {
@@ -516,10 +569,28 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
   return KVXFER_SUCCESS;
 }
 
+void Link::apply_path_limits() {
+  const fi_info* info = domain_->info();
+  cfg_.chunk_bytes = asked_chunk_bytes_;
+  const uint64_t max_msg = info->ep_attr->max_msg_size;
+  if (max_msg > 0 && cfg_.chunk_bytes > max_msg) cfg_.chunk_bytes = max_msg;
+  // Receives are posted far ahead (docs/TRANSPORT.md, "Receive window"):
+  // a message that arrives with its receive posted is placed at once; one
+  // that arrives unexpected holds one of the provider's few receive buffers
+  // (rxm: 128 per connection), and with too many of those the connection
+  // stalls behind them.
+  cfg_.max_posted_recvs = asked_posted_recvs_;
+  if (cfg_.max_posted_recvs == 0) {
+    const fi_rx_attr* rx = info->rx_attr;
+    cfg_.max_posted_recvs = rx != nullptr && rx->size >= 2 ? rx->size : 1024;
+  }
+}
+
 Link::~Link() {
   const size_t n = ops_in_flight();
   if (n > 0) KVXFER_INFO(LOG_NET, "OFI : link destroyed with %zu operations in flight", n);
   abort("link destroyed");
+  if (peer_pidfd_ >= 0) ::close(peer_pidfd_);
 }
 
 size_t Link::ops_in_flight() const {
@@ -533,31 +604,120 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());
   if (connecting_) return set_error(KVXFER_ERR_INVALID_USAGE, "Link::connect called twice");
   KVXFER_REQUIRE(blob != nullptr, "null peer address");
+  // Parse every path the peer offers.
+  struct Path {
+    std::string provider;
+    std::array<std::vector<uint8_t>, kNumClasses> names;
+  };
   const uint8_t* p = static_cast<const uint8_t*>(blob);
   const uint8_t* end = p + len;
-  if (len < 7 || std::memcmp(p, kBlobMagic, 4) != 0 || p[4] != kBlobVersion || p[5] != kNumClasses)
+  if (len < 8 || std::memcmp(p, kBlobMagic, 4) != 0)
     return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is not a kvxfer link address");
-  const size_t plen = p[6];
-  p += 7;
-  if (static_cast<size_t>(end - p) < plen)
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
-  const std::string peer_prov(reinterpret_cast<const char*>(p), plen);
-  p += plen;
-  if (peer_prov != domain_->provider())
+  if (p[4] != kBlobVersion)
     return set_error(KVXFER_ERR_MISMATCH,
-                     "peer uses provider %s, this side %s (set KVXFER_OFI_PROVIDER "
-                     "to the same value on both)",
-                     peer_prov.c_str(), domain_->provider().c_str());
-  for (int c = 0; c < kNumClasses; ++c) {
-    if (end - p < 2) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
-    const size_t n = p[0] | (static_cast<size_t>(p[1]) << 8);
-    p += 2;
-    if (static_cast<size_t>(end - p) < n || n == 0)
+                     "peer address has version %u, this side %u (different kvxfer versions)", p[4],
+                     kBlobVersion);
+  if (p[5] != kNumClasses || p[6] < 1 || p[6] > kMaxPaths)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                     "peer address has %u classes and %u paths (expected %d, 1..%d)", p[5], p[6],
+                     kNumClasses, kMaxPaths);
+  const int npaths = p[6];
+  const size_t hlen = p[7];
+  p += 8;
+  if (static_cast<size_t>(end - p) < hlen + 4)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+  const std::string peer_host(reinterpret_cast<const char*>(p), hlen);
+  p += hlen;
+  const uint32_t peer_pid =
+      p[0] | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
+  p += 4;
+  std::vector<Path> theirs(static_cast<size_t>(npaths));
+  for (Path& path : theirs) {
+    if (end - p < 1) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+    const size_t plen = *p++;
+    if (static_cast<size_t>(end - p) < plen)
       return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
-    peer_name_[c].assign(p, p + n);
-    p += n;
+    path.provider.assign(reinterpret_cast<const char*>(p), plen);
+    p += plen;
+    for (int c = 0; c < kNumClasses; ++c) {
+      if (end - p < 2) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+      const size_t n = p[0] | (static_cast<size_t>(p[1]) << 8);
+      p += 2;
+      if (static_cast<size_t>(end - p) < n || n == 0)
+        return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+      path.names[c].assign(p, p + n);
+      p += n;
+    }
   }
   if (p != end) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address has trailing bytes");
+
+  // Choose: shared memory when both offer it on one host, else the network
+  // provider both offer.  Both sides apply the same rule to the same two
+  // blobs, so they choose alike.
+  const bool same_host = peer_host == host_identity();
+  const Path* pick = nullptr;
+  bool pick_shm = false;
+  for (const Path& path : theirs) {
+    if (path.provider == kShmProvider) {
+      const bool mine = shm_domain_ != nullptr || domain_->provider() == kShmProvider;
+      if (mine && same_host) {
+        pick = &path;
+        pick_shm = true;
+        break;
+      }
+    } else if (path.provider == domain_->provider() && domain_->provider() != kShmProvider) {
+      if (pick == nullptr) pick = &path;
+    }
+  }
+  if (pick == nullptr) {
+    std::string offered;
+    for (const Path& path : theirs) offered += (offered.empty() ? "" : ", ") + path.provider;
+    std::string mine = domain_->provider();
+    if (shm_domain_) mine = std::string(kShmProvider) + ", " + mine;
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "no path to the peer: it offers %s, this side %s%s (set KVXFER_OFI_PROVIDER "
+                     "to the same value on both, or leave it empty on both)",
+                     offered.c_str(), mine.c_str(),
+                     same_host ? "" : "; shm needs both on one host");
+  }
+  if (pick_shm && shm_domain_) {  // the network path goes; shared memory takes its place
+    for (auto& e : ep_) e.reset();
+    domain_ = std::move(shm_domain_);
+    ep_ = std::move(shm_ep_);
+    apply_path_limits();
+    dscp_ = DscpReport{};
+    dscp_.note = "same-host peer over shm: no sockets to mark";
+  }
+  for (auto& e : shm_ep_) e.reset();
+  shm_domain_.reset();
+  shm_path_ = pick_shm;
+  for (int c = 0; c < kNumClasses; ++c) peer_name_[c] = pick->names[c];
+  if (shm_path_) {
+    peer_pid_ = peer_pid;
+    // The region's file in /dev/shm: the name without its "fi_shm://" prefix.
+    for (int c = 0; c < kNumClasses; ++c) {
+      std::string n(
+          reinterpret_cast<const char*>(peer_name_[c].data()),
+          strnlen(reinterpret_cast<const char*>(peer_name_[c].data()), peer_name_[c].size()));
+      const size_t slash = n.rfind('/');
+      peer_region_[c] = "/dev/shm/" + (slash == std::string::npos ? n : n.substr(slash + 1));
+    }
+    // libfabric 1.17 keeps a closed endpoint's region in its per-process
+    // list of names, and fi_av_insert of that name maps the freed region
+    // (SIGSEGV).  A closed endpoint's file is gone, so check it first.
+    for (int c = 0; c < kNumClasses; ++c) {
+      struct stat st {};
+      if (::stat(peer_region_[c].c_str(), &st) != 0)
+        return fail_link(KVXFER_ERR_SYSTEM,
+                         strprintf("the peer's shared-memory endpoint %s is gone (%s)",
+                                   peer_region_[c].c_str(), std::strerror(errno)));
+    }
+#ifdef SYS_pidfd_open
+    peer_pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer_pid), 0));
+#endif
+    KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)", peer_pid,
+                peer_region_[0].c_str());
+  }
   for (int c = 0; c < kNumClasses; ++c)
     KVXFER_CHECK(ep_[c]->insert_peer(peer_name_[c].data(), peer_name_[c].size(), &peer_[c]));
 
@@ -886,7 +1046,7 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
 // rescan only when that fails.  Providers whose sockets cannot tell are not
 // checked again.
 bool Link::connection_open(int c) {
-  if (!probe_conn_[c]) return true;
+  if (shm_path_ || !probe_conn_[c]) return true;
   if (conn_[c].fd >= 0 && conn_socket_open(conn_[c])) return true;
   conn_[c] = ConnSocket{};
   switch (find_conn_socket(ep_[c]->name(), peer_name_[c], &conn_[c])) {
@@ -907,6 +1067,30 @@ bool Link::connection_open(int c) {
 kvxfer_result_t Link::check_liveness() {
   if (ops_in_flight() == 0) {
     peer_closed_checks_ = {};
+    return KVXFER_SUCCESS;
+  }
+  if (shm_path_) {
+    // No sockets: the peer's process (a pidfd turns readable when it exits)
+    // and its regions (its endpoint close unlinks them).  Twice in a row, as
+    // above, so that what it sent before it went is read first.
+    std::string gone;
+    if (peer_pidfd_ >= 0) {
+      pollfd f{peer_pidfd_, POLLIN, 0};
+      if (::poll(&f, 1, 0) > 0) gone = strprintf("the peer process (pid %u) exited", peer_pid_);
+    }
+    for (int c = 0; c < kNumClasses && gone.empty(); ++c) {
+      struct stat st {};
+      if (::stat(peer_region_[c].c_str(), &st) != 0 && errno == ENOENT)
+        gone = strprintf("the peer closed its shared-memory endpoint of the %s class (%s)",
+                         class_name(static_cast<TrafficClass>(c)), peer_region_[c].c_str());
+    }
+    if (gone.empty()) {
+      peer_closed_checks_ = {};
+      return KVXFER_SUCCESS;
+    }
+    if (++peer_closed_checks_[0] >= 2)
+      return fail_link(KVXFER_ERR_SYSTEM,
+                       gone + " (it exited, was killed or destroyed its communicator)");
     return KVXFER_SUCCESS;
   }
   for (int c = 0; c < kNumClasses; ++c) {

@@ -149,6 +149,18 @@ std::string tclass_to_string(uint32_t tclass);
 /** Providers tried, in order, when none is named (see docs/TRANSPORT.md). */
 const std::vector<std::string>& auto_providers();
 
+/** libfabric's shared-memory provider: same-host peers (Link, "Paths"). */
+constexpr const char* kShmProvider = "shm";
+
+/**
+ * Who can reach this process's shared memory and, with CMA, its memory:
+ * the kernel boot (/proc/sys/kernel/random/boot_id), the PID namespace
+ * (CMA names processes by pid), the /dev/shm file system (device and inode)
+ * and the user id.  Two processes with equal identities are on the same
+ * host for the shm provider.  Computed once; never empty.
+ */
+const std::string& host_identity();
+
 class Domain {
  public:
   /**
@@ -240,8 +252,12 @@ class Endpoint {
 // Link: one peer, one endpoint per traffic class
 // ---------------------------------------------------------------------------
 struct LinkConfig {
-  std::string provider;  // "" = auto
-  std::string node;      // local address to bind; "" = provider default
+  // "" = auto: a peer on the same host (host_identity()) over kShmProvider,
+  // any other over the first of auto_providers(); "shm" = shared memory only
+  // (a peer on another host fails connect); any other name = that provider
+  // only.  KVXFER_OFI_PROVIDER sets it.
+  std::string provider;
+  std::string node;  // local address to bind; "" = provider default
   std::array<uint32_t, kNumClasses> tclass{FI_TC_LOW_LATENCY, FI_TC_BULK_DATA};
   std::array<int, kNumClasses> dscp{46, 8};  // -1 = do not mark sockets (still inspected)
   size_t chunk_bytes = 256 * 1024;           // messages are split into chunks of at most this
@@ -296,13 +312,22 @@ class Link {
   Link(const Link&) = delete;
   Link& operator=(const Link&) = delete;
 
-  /** This side's address: an opaque blob to hand to the peer's connect(). */
+  /**
+   * This side's address: an opaque blob to hand to the peer's connect().  It
+   * lists every path this side offers (a network provider, and with the auto
+   * provider also kShmProvider) with this host's identity and pid
+   * (docs/TRANSPORT.md, "Address blob").
+   */
   const std::vector<uint8_t>& local_address() const { return address_; }
   /**
    * Inserts the peer's blob and starts the handshake (one empty "hello" each
-   * way on each class).  Non-blocking: sends queue until ready(); receives can
-   * be posted at once.  Fails if the blob is malformed or names another
-   * provider.  The handshake is bound by the timeout like every operation.
+   * way on each class).  Chooses the path: kShmProvider when both sides offer
+   * it and their host_identity() is equal, else the network provider both
+   * offer; the other path's endpoints are closed.  Non-blocking: sends queue
+   * until ready(); receives can be posted at once.  Errors:
+   * KVXFER_ERR_INVALID_ARGUMENT for a malformed blob, KVXFER_ERR_MISMATCH
+   * when the two sides share no path (the message lists both sides'
+   * providers).  The handshake is bound by the timeout like every operation.
    */
   kvxfer_result_t connect(const void* blob, size_t len);
   bool ready() const { return ready_; }
@@ -346,7 +371,11 @@ class Link {
 
   /** Operations posted and not yet returned by poll(). */
   size_t ops_in_flight() const;
+  /** The provider of the path in use ("shm", "tcp;ofi_rxm", ...); before
+   *  connect(), the network path's (kShmProvider when it is the only one). */
   const std::string& provider() const { return domain_->provider(); }
+  /** True once connect() chose the shared-memory path. */
+  bool same_host() const { return shm_path_; }
   const LinkConfig& config() const { return cfg_; }
   const DscpReport& dscp_report() const { return dscp_; }
   const LinkStats& stats() const { return stats_; }
@@ -368,6 +397,8 @@ class Link {
   struct Ctx;
   Link() = default;
 
+  /** cfg_.chunk_bytes and max_posted_recvs: the asked values, bounded by domain_'s provider. */
+  void apply_path_limits();
   kvxfer_result_t handle_event(TrafficClass c, const CqEvent& ev, Clock::time_point now);
   kvxfer_result_t on_send_done(Ctx* ctx, const CqEvent& ev, Clock::time_point now);
   kvxfer_result_t on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_point now);
@@ -385,8 +416,21 @@ class Link {
   void abort_with(kvxfer_result_t code, const std::string& why);
 
   LinkConfig cfg_;
+  size_t asked_chunk_bytes_ = 0, asked_posted_recvs_ = 0;  // before apply_path_limits
   std::shared_ptr<Domain> domain_;
   std::array<std::unique_ptr<Endpoint>, kNumClasses> ep_;
+  // The shared-memory path of the auto provider, offered beside the network
+  // path until connect() picks one of the two (then these are closed or
+  // moved into domain_ / ep_).
+  std::shared_ptr<Domain> shm_domain_;
+  std::array<std::unique_ptr<Endpoint>, kNumClasses> shm_ep_;
+  bool shm_path_ = false;  // connect() chose shared memory
+  // Liveness of a same-host peer (check_liveness): a pidfd of its process,
+  // and the /dev/shm file of each class's region, which its endpoint close
+  // unlinks.
+  int peer_pidfd_ = -1;
+  uint32_t peer_pid_ = 0;
+  std::array<std::string, kNumClasses> peer_region_;
   std::array<fi_addr_t, kNumClasses> peer_{FI_ADDR_UNSPEC, FI_ADDR_UNSPEC};
   std::vector<uint8_t> address_;
   std::array<std::vector<uint8_t>, kNumClasses> peer_name_;

@@ -225,7 +225,9 @@ peer_args=(--id "$work/id" --layers 8 --kv-heads 8 --head-dim 128 --tokens "$tok
 # One codec thread: on a loaded 2-core machine the default (an OpenMP team per
 # core, per page) encoded and decoded at half the speed, and the anchors'
 # timing then measured the CPU rather than the network.
-common_env=(KVXFER_DEBUG=WARN KVXFER_CODEC_THREADS=1)
+# The two namespaces share this host's /dev/shm and pids, so the auto
+# provider would join them over shared memory: name the network provider.
+common_env=(KVXFER_DEBUG=WARN KVXFER_CODEC_THREADS=1 "KVXFER_OFI_PROVIDER=tcp;ofi_rxm")
 [[ "$anchor_dscp" == 46 ]] || common_env+=(KVXFER_ANCHOR_DSCP="$anchor_dscp")
 ip netns exec "$ns_r" timeout -k 5 65 env "${common_env[@]}" KVXFER_BOOTSTRAP_ADDR="$addr_r" \
   KVXFER_BIND_ADDR="$addr_r" "$peer" --role recv "${peer_args[@]}" \
