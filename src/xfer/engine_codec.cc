@@ -8,6 +8,7 @@ namespace kvxfer::xfer {
 // Codec thread
 // ---------------------------------------------------------------------------
 void Engine::Impl::codec_main() {
+  pthread_setname_np(pthread_self(), "kvxfer-codec");  // for top -H, perf, gdb
   for (;;) {
     Job j;
     {

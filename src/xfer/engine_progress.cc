@@ -8,6 +8,7 @@ namespace kvxfer::xfer {
 // Progress thread
 // ---------------------------------------------------------------------------
 void Engine::Impl::progress_main() {
+  pthread_setname_np(pthread_self(), "kvxfer-progress");  // for top -H, perf, gdb
   int idle = 0;
   Clock::time_point stop_deadline = Clock::time_point::max();
   for (;;) {
