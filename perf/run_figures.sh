@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Measures the three kvxfer_perf figures (docs/PERFORMANCE.md, "kvxfer_perf",
+# Measures the kvxfer_perf figures (docs/PERFORMANCE.md, "kvxfer_perf",
 # "The three figures") in one go and prints them:
 #
 #   1. unlimited rate: BF16 monolithic kvxfer_send/recv throughput against
-#      fi_pingpong -p "tcp;ofi_rxm" -e rdm on 127.0.0.1 at the same message
-#      size (the whole KV), and at the size of one page message; and the
-#      same transfer with --engine_only (the codec jobs do no work);
+#      fi_pingpong -e rdm at the same message size (the whole KV), on the
+#      path each takes: (a) the default, which joins two processes of one
+#      host over libfabric's shm provider, against fi_pingpong -p shm,
+#      in 3 interleaved rounds (the ratio is their median); (b) the network,
+#      KVXFER_OFI_PROVIDER="tcp;ofi_rxm" on 127.0.0.1, against fi_pingpong
+#      -p "tcp;ofi_rxm", also at the size of one page message; each with
+#      --engine_only (the codec jobs do no work);
 #   2. -r 1gbit: Lynx progressive against INT8 monolithic,
 #      t_anchor(lynx)/t_complete(int8) and t_complete(lynx)/t_complete(int8);
 #   3. -R 16: whether the anchors of all 16 requests were ANCHOR_READY before
@@ -67,21 +71,22 @@ run() {
   return 0
 }
 
-# pingpong SIZE ITERS: one-way GB/s of fi_pingpong tcp;ofi_rxm rdm on 127.0.0.1.
+# pingpong PROVIDER SIZE ITERS: one-way GB/s of fi_pingpong PROVIDER rdm on 127.0.0.1.
 pingpong() {
-  local size="$1" iters="$2" port=$((20000 + RANDOM % 20000))
-  timeout 300 fi_pingpong -p "tcp;ofi_rxm" -e rdm -B "$port" -S "$size" -I "$iters" \
-    >"$out/pingpong-$size.server" 2>&1 &
+  local prov="$1" size="$2" iters="$3" port=$((20000 + RANDOM % 20000))
+  local tag="${prov//[^a-z]/_}-$size"
+  timeout 300 fi_pingpong -p "$prov" -e rdm -B "$port" -S "$size" -I "$iters" \
+    >"$out/pingpong-$tag.server" 2>&1 &
   local server=$!
   local line="" try
   for try in 1 2 3 4 5 6 7 8 9 10; do
     sleep 0.3
-    line="$(timeout 300 fi_pingpong -p "tcp;ofi_rxm" -e rdm -P "$port" -S "$size" -I "$iters" \
-      127.0.0.1 2>>"$out/pingpong-$size.client" | tail -n 1)"
+    line="$(timeout 300 fi_pingpong -p "$prov" -e rdm -P "$port" -S "$size" -I "$iters" \
+      127.0.0.1 2>>"$out/pingpong-$tag.client" | tail -n 1)"
     [[ "$line" =~ ^[0-9] ]] && break
   done
   wait "$server" 2>/dev/null
-  echo "$line" >>"$out/pingpong-$size.client"
+  echo "$line" >>"$out/pingpong-$tag.client"
   # bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
   if [[ "$line" =~ ^[0-9] ]]; then
     awk '{ printf "%.3f", $6 / 1000 }' <<<"$line"
@@ -95,7 +100,48 @@ echo "# logs and JSON in $out"
 echo
 
 # ---- 1. unlimited rate: BF16 monolithic against fi_pingpong -------------------
-echo "## 1. Unlimited rate: BF16 monolithic against fi_pingpong (tcp;ofi_rxm, rdm, 127.0.0.1)"
+# ratio X Y: X / Y to 3 places, or n/a.
+ratio() {
+  python3 -c 'import sys
+try:
+    print("%.3f" % (float(sys.argv[1]) / float(sys.argv[2])))
+except (ValueError, ZeroDivisionError):
+    print("n/a")' "$1" "$2"
+}
+# median A B C ...: the median of numbers (n/a ignored), or n/a.
+median() {
+  python3 -c 'import sys, statistics
+v = [float(x) for x in sys.argv[1:] if x != "n/a"]
+print("%.3f" % statistics.median(v) if v else "n/a")' "$@"
+}
+
+echo "## 1a. Same host (the default path: libfabric shm): BF16 monolithic against fi_pingpong -p shm"
+ratios=()
+for round in 1 2 3; do
+  pp1=$(pingpong shm 67108864 10)
+  if run "fig1a-$round" -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 10; then
+    j="$out/fig1a-$round.json"
+    wbw=$(json "$j" '"%.3f" % j["rows"][0]["wirebw_gbps"]')
+    tc=$(json "$j" '"%.1f" % j["rows"][0]["t_complete"]["median_us"]')
+  else
+    wbw="n/a" tc="n/a"
+  fi
+  pp2=$(pingpong shm 67108864 10)
+  pp=$(python3 -c 'import sys; v=[float(x) for x in sys.argv[1:] if x != "n/a"]; print("%.3f" % max(v) if v else "n/a")' "$pp1" "$pp2")  # the better of the two: the bound
+  r=$(ratio "$wbw" "$pp")
+  ratios+=("$r")
+  echo "  round $round: kvxfer bf16 mono t_complete $tc us, wirebw $wbw GB/s (median of 10); fi_pingpong -p shm $pp1, $pp2 GB/s; ratio $r"
+done
+ewbw="n/a"
+if run fig1a-e -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 10 --engine_only; then
+  ewbw=$(json "$out/fig1a-e.json" '"%.3f" % j["rows"][0]["wirebw_gbps"]')
+fi
+echo "  --engine_only (codec jobs do no work): wirebw $ewbw GB/s"
+echo "  ratio wirebw(kvxfer) / fi_pingpong -p shm at 64 MiB, median of 3 rounds: $(median "${ratios[@]}") (target >= 0.75)"
+echo
+
+echo "## 1b. Network (KVXFER_OFI_PROVIDER=tcp;ofi_rxm, 127.0.0.1): BF16 monolithic against fi_pingpong"
+export KVXFER_OFI_PROVIDER="tcp;ofi_rxm"
 if run fig1 -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 5; then
   j="$out/fig1.json"
   kv=$(json "$j" 'j["rows"][0]["kv_bytes"]')
@@ -105,8 +151,8 @@ if run fig1 -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 5; then
   alg=$(json "$j" '"%.3f" % j["rows"][0]["algbw_gbps"]')
   wbw=$(json "$j" '"%.3f" % j["rows"][0]["wirebw_gbps"]')
   page_msg=$((wire / pages))
-  pp_kv=$(pingpong "$kv" 10)
-  pp_page=$(pingpong "$page_msg" 200)
+  pp_kv=$(pingpong "tcp;ofi_rxm" "$kv" 10)
+  pp_page=$(pingpong "tcp;ofi_rxm" "$page_msg" 200)
   echo "  kvxfer bf16 mono, $kv B of KV ($pages page messages of $page_msg B, $wire B on the wire):"
   echo "    t_complete $tc us, algbw $alg GB/s, wirebw $wbw GB/s (median of 5)"
   echo "  fi_pingpong at $kv B (one message of the whole KV): $pp_kv GB/s"
@@ -119,19 +165,10 @@ if run fig1 -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 5; then
     ewbw=$(json "$out/fig1e.json" '"%.3f" % j["rows"][0]["wirebw_gbps"]')
     echo "    --engine_only (codec jobs do no work): wirebw $ewbw GB/s (median of 5)"
   fi
-  python3 - "$wbw" "$pp_kv" "$pp_page" "$ewbw" <<'EOF'
-import sys
-w, a, b, e = sys.argv[1:]
-def ratio(x, y):
-    try:
-        return "%.3f" % (float(x) / float(y))
-    except (ValueError, ZeroDivisionError):
-        return "n/a"
-print("  ratio wirebw(kvxfer) / fi_pingpong: %s at the KV size, %s at the page size" %
-      (ratio(w, a), ratio(w, b)))
-print("  ratio wirebw(kvxfer --engine_only) / fi_pingpong at the KV size: %s" % ratio(e, a))
-EOF
+  echo "  ratio wirebw(kvxfer) / fi_pingpong: $(ratio "$wbw" "$pp_kv") at the KV size, $(ratio "$wbw" "$pp_page") at the page size"
+  echo "  ratio wirebw(kvxfer --engine_only) / fi_pingpong at the KV size: $(ratio "$ewbw" "$pp_kv")"
 fi
+unset KVXFER_OFI_PROVIDER
 echo
 
 # ---- 2. -r 1gbit: Lynx progressive against INT8 monolithic --------------------
@@ -144,7 +181,7 @@ fi
 echo
 
 # ---- 3. -R 16: anchors of all requests before any residual --------------------
-echo "## 3. 16 requests in flight: anchors of all requests before any residual?"
+echo "## 3. 16 requests in flight (default path): anchors of all requests before any residual?"
 fig3() {
   local name="$1"
   shift

@@ -1076,21 +1076,22 @@ kvxfer_result_t Link::check_liveness() {
     std::string gone;
     if (peer_pidfd_ >= 0) {
       pollfd f{peer_pidfd_, POLLIN, 0};
-      if (::poll(&f, 1, 0) > 0) gone = strprintf("the peer process (pid %u) exited", peer_pid_);
+      if (::poll(&f, 1, 0) > 0)
+        gone = strprintf("the peer process (pid %u) exited or was killed", peer_pid_);
     }
     for (int c = 0; c < kNumClasses && gone.empty(); ++c) {
       struct stat st {};
       if (::stat(peer_region_[c].c_str(), &st) != 0 && errno == ENOENT)
-        gone = strprintf("the peer closed its shared-memory endpoint of the %s class (%s)",
-                         class_name(static_cast<TrafficClass>(c)), peer_region_[c].c_str());
+        gone = strprintf(
+            "the peer closed its shared-memory endpoint of the %s class (%s): it "
+            "destroyed its communicator or exited",
+            class_name(static_cast<TrafficClass>(c)), peer_region_[c].c_str());
     }
     if (gone.empty()) {
       peer_closed_checks_ = {};
       return KVXFER_SUCCESS;
     }
-    if (++peer_closed_checks_[0] >= 2)
-      return fail_link(KVXFER_ERR_SYSTEM,
-                       gone + " (it exited, was killed or destroyed its communicator)");
+    if (++peer_closed_checks_[0] >= 2) return fail_link(KVXFER_ERR_SYSTEM, gone);
     return KVXFER_SUCCESS;
   }
   for (int c = 0; c < kNumClasses; ++c) {
