@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -592,6 +593,12 @@ TEST(ofiLink, PeerKilledMidTransferEndsWithError) {
   EXPECT_LT(done[0].bytes, dst.size());
   std::printf("[ info ] ended %.2f s after the kill with %zu of %zu bytes: %s\n",
               Sec(Clock::now() - killed).count(), done[0].bytes, dst.size(), done[0].error.c_str());
+  if (link->same_host()) {
+    // The killed child's shared-memory regions were removed by the survivor.
+    const std::string prefix = std::to_string(child.pid) + ":";
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm"))
+      EXPECT_NE(e.path().filename().string().rfind(prefix, 0), 0u) << e.path() << " left behind";
+  }
   child.wait(10);
 }
 

@@ -1076,8 +1076,13 @@ kvxfer_result_t Link::check_liveness() {
     std::string gone;
     if (peer_pidfd_ >= 0) {
       pollfd f{peer_pidfd_, POLLIN, 0};
-      if (::poll(&f, 1, 0) > 0)
+      if (::poll(&f, 1, 0) > 0) {
         gone = strprintf("the peer process (pid %u) exited or was killed", peer_pid_);
+        // A killed process leaves its regions in /dev/shm (tmpfs: memory)
+        // for good.  The pidfd names exactly that process, so they are no
+        // one's now: remove them.
+        for (const std::string& f : peer_region_) (void)::unlink(f.c_str());
+      }
     }
     for (int c = 0; c < kNumClasses && gone.empty(); ++c) {
       struct stat st {};
