@@ -60,7 +60,9 @@ run() {
   local name="$1"
   shift
   echo "\$ kvxfer_perf $*" >"$out/$name.log"
-  timeout 900 "$perf" "$@" -J "$out/$name.json" >>"$out/$name.log" 2>&1
+  # INIT's INFO lines name the path each rank took ("ready (provider shm").
+  KVXFER_DEBUG="${KVXFER_DEBUG:-INFO}" KVXFER_DEBUG_SUBSYS="${KVXFER_DEBUG_SUBSYS:-INIT}" \
+    timeout 900 "$perf" "$@" -J "$out/$name.json" >>"$out/$name.log" 2>&1
   local rc=$?
   if ((rc != 0)); then
     echo "  kvxfer_perf $* FAILED (exit $rc); last lines of $out/$name.log:"
@@ -69,6 +71,11 @@ run() {
     return 1
   fi
   return 0
+}
+
+# path NAME: the providers the ranks of run NAME used, from its log.
+path() {
+  grep -o 'ready (provider [^,]*' "$out/$1.log" | sed 's/ready (provider //' | sort -u | paste -sd/ -
 }
 
 # pingpong PROVIDER SIZE ITERS: one-way GB/s of fi_pingpong PROVIDER rdm on 127.0.0.1.
@@ -130,7 +137,7 @@ for round in 1 2 3; do
   pp=$(python3 -c 'import sys; v=[float(x) for x in sys.argv[1:] if x != "n/a"]; print("%.3f" % max(v) if v else "n/a")' "$pp1" "$pp2")  # the better of the two: the bound
   r=$(ratio "$wbw" "$pp")
   ratios+=("$r")
-  echo "  round $round: kvxfer bf16 mono t_complete $tc us, wirebw $wbw GB/s (median of 10); fi_pingpong -p shm $pp1, $pp2 GB/s; ratio $r"
+  echo "  round $round: kvxfer bf16 mono over $(path "fig1a-$round") t_complete $tc us, wirebw $wbw GB/s (median of 10); fi_pingpong -p shm $pp1, $pp2 GB/s; ratio $r"
 done
 ewbw="n/a"
 if run fig1a-e -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 10 --engine_only; then
@@ -153,7 +160,7 @@ if run fig1 -b "$fig1_size" -e "$fig1_size" -m bf16 -w 1 -n 5; then
   page_msg=$((wire / pages))
   pp_kv=$(pingpong "tcp;ofi_rxm" "$kv" 10)
   pp_page=$(pingpong "tcp;ofi_rxm" "$page_msg" 200)
-  echo "  kvxfer bf16 mono, $kv B of KV ($pages page messages of $page_msg B, $wire B on the wire):"
+  echo "  kvxfer bf16 mono over $(path fig1), $kv B of KV ($pages page messages of $page_msg B, $wire B on the wire):"
   echo "    t_complete $tc us, algbw $alg GB/s, wirebw $wbw GB/s (median of 5)"
   echo "  fi_pingpong at $kv B (one message of the whole KV): $pp_kv GB/s"
   echo "  fi_pingpong at $page_msg B (one page message):      $pp_page GB/s"
@@ -177,6 +184,7 @@ if run fig2 "${fig2_sizes[@]}" -m lynx,int8 -r 1gbit -w 1 -n 3; then
   j="$out/fig2.json"
   json "$j" '"\n".join("  %9d B: t_anchor(lynx)/t_complete(int8) = %.3f   t_complete(lynx)/t_complete(int8) = %.3f" % (r["kv_bytes"], r["anchor_lynx_over_complete_int8"], r["complete_lynx_over_complete_int8"]) for r in j["ratios"] if "anchor_lynx_over_complete_int8" in r) or "  no ratios"'
   json "$j" '"\n".join("    %-4s %-4s %9d B: t_anchor %.1f ms, t_complete %.1f ms, %d B on the wire" % (r["codec"], r["mode"], r["kv_bytes"], r["t_anchor"]["median_us"] / 1e3, r["t_complete"]["median_us"] / 1e3, r["wire_bytes"]) for r in j["rows"])'
+  echo "    path: $(path fig2)"
 fi
 echo
 
@@ -193,7 +201,9 @@ fig3() {
   return 1
 }
 echo "  Llama-3-8B-like shape, $fig3_size per request:"
-if ! fig3 fig3 -b "$fig3_size" -e "$fig3_size" -m lynx,int8 -R 16 -w 1 -n 3 --timeout_ms 10000; then
+if fig3 fig3 -b "$fig3_size" -e "$fig3_size" -m lynx,int8 -R 16 -w 1 -n 3 --timeout_ms 10000; then
+  echo "    path: $(path fig3)"
+else
   echo "  the same with 2 layers (64 page messages per class instead of 1024):"
   fig3 fig3-small -L 2 -b 1M -e 1M -m lynx,int8 -R 16 -w 1 -n 3 --timeout_ms 10000
 fi
@@ -204,6 +214,7 @@ echo "## 4. Rates 10gbit and 25gbit, 64 MiB: Lynx 4+4 against the link alone, IN
 echo "  bound: t <= 1.15 x (wire bytes / rate) + 2 ms, for t_anchor (anchor bytes) and t_complete (all bytes)"
 for rate in 10gbit 25gbit; do
   if run "fig4-$rate" -b 64M -e 64M -m lynx,int8,bf16 -r "$rate" -w 1 -n 3; then
+    echo "  $rate, path $(path "fig4-$rate"):"
     json "$out/fig4-$rate.json" '"\n".join(
       (lambda bps: "    %-4s %-4s t_anchor %7.1f ms (bound %7.1f, %s)  t_complete %7.1f ms (bound %7.1f, %s)" % (
         r["codec"], r["mode"],
