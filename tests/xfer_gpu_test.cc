@@ -525,9 +525,13 @@ int send_and_wait(kvxfer_comm_t comm, const kvxfer_kv_desc_t& d, const Shape& s,
 
 // Two communicators of one process send device KV from the same device at
 // once: their encodes share the device's streams and scratch (one owner per
-// device), and every page arrives bit-exact.  The second round, after a
-// warm-up round of the same shapes, allocates nothing, copies nothing
-// synchronously and registers no host memory (the emulation counts).  The
+// device), and every page arrives bit-exact.  After a warm-up round of the
+// same shapes, the pools are full: no later round copies synchronously or
+// frees, and the three later rounds together allocate and register at most
+// one more block table and staging buffer per communicator (a loaded machine
+// may run the warm-up's two requests one after the other, so only a later
+// round holds two at once), and one of them allocates nothing (the
+// emulation counts).  The
 // staging cache keeps idle buffers 60 s here instead of 1 s (it unmaps an
 // idle buffer, and drops its registration, after that), so that a slow run
 // (ThreadSanitizer) does not lose them between the rounds.
@@ -550,19 +554,23 @@ TEST(XferGpu, TwoCommunicatorsEncodeConcurrentlyOnOneDeviceBitExact) {
       dev.push_back(std::make_unique<DeviceKV>(*kv.back()));
       CHILD_CHECK(dev.back()->upload(0), "upload");
     }
-    int counts[4] = {0, 0, 0, 0};
+    constexpr int kRounds = 4;
+    int counts[kRounds + 1][4] = {};            // before each round and after the last
     std::vector<std::unique_ptr<PagedKV>> got;  // [round * 2 + i]
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < 2 * kRounds; ++r)
       got.push_back(std::make_unique<PagedKV>(s.L, s.heads, s.hd, s.T, 48, KVXFER_DTYPE_BF16, 5));
-    for (int round = 0; round < 2; ++round) {
+    auto count = [&](int at) {
 #ifdef KVXFER_GPU_EMULATION
-      if (round == 1) {
-        counts[0] = kvxfer_emu_allocs;
-        counts[1] = kvxfer_emu_frees;
-        counts[2] = kvxfer_emu_sync_copies;
-        counts[3] = kvxfer_emu_host_registers;
-      }
+      counts[at][0] = kvxfer_emu_allocs;
+      counts[at][1] = kvxfer_emu_frees;
+      counts[at][2] = kvxfer_emu_sync_copies;
+      counts[at][3] = kvxfer_emu_host_registers;
+#else
+      (void)at;
 #endif
+    };
+    for (int round = 0; round < kRounds; ++round) {
+      count(round);
       int res[4] = {-1, -1, -1, -1};
       std::vector<std::thread> th;
       for (int i = 0; i < 2; ++i) {
@@ -577,17 +585,23 @@ TEST(XferGpu, TwoCommunicatorsEncodeConcurrentlyOnOneDeviceBitExact) {
       for (auto& t : th) t.join();
       for (int i = 0; i < 4; ++i) CHILD_CHECK(res[i] == 0, "round %d, thread %d failed", round, i);
     }
+    count(kRounds);
 #ifdef KVXFER_GPU_EMULATION
-    CHILD_CHECK(kvxfer_emu_allocs == counts[0] && kvxfer_emu_frees == counts[1] &&
-                    kvxfer_emu_sync_copies == counts[2] && kvxfer_emu_host_registers == counts[3],
+    const int* w = counts[1];  // after the warm-up round
+    const int* e = counts[kRounds];
+    bool some_round_allocates_nothing = false;
+    for (int r = 1; r < kRounds; ++r)
+      some_round_allocates_nothing |= counts[r + 1][0] == counts[r][0];
+    CHILD_CHECK(e[1] == w[1] && e[2] == w[2] && e[0] - w[0] <= 2 && e[3] - w[3] <= 2 &&
+                    some_round_allocates_nothing,
                 "after warm-up: %d allocations, %d frees, %d synchronous copies, %d host "
-                "registrations (expected none)",
-                kvxfer_emu_allocs - counts[0], kvxfer_emu_frees - counts[1],
-                kvxfer_emu_sync_copies - counts[2], kvxfer_emu_host_registers - counts[3]);
+                "registrations in %d rounds (expected at most 2, 0, 0, 2, and a round with no "
+                "allocation)",
+                e[0] - w[0], e[1] - w[1], e[2] - w[2], e[3] - w[3], kRounds - 1);
 #else
     (void)counts;
 #endif
-    for (int round = 0; round < 2; ++round)
+    for (int round = 0; round < kRounds; ++round)
       for (int i = 0; i < 2; ++i)
         if (check_full(*got[2 * round + i], s, cfg[i], seed[i], 10 * round + i) != 0) return 1;
     return 0;

@@ -386,7 +386,8 @@ class Link {
    * For a thread with nothing to do: appends one pollfd (POLLIN) per class
    * for this link's completion queues and returns true, or returns false
    * when the thread must not sleep (a completion is already waiting, or the
-   * provider has no wait object: poll instead).  After poll(2), or a timeout
+   * provider has no wait object: poll instead; a shm link with nothing in
+   * flight adds nothing and returns true).  After poll(2), or a timeout
    * no later than next_deadline(), call progress() again.  A failed link
    * adds nothing and returns true.
    */

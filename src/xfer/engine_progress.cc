@@ -32,7 +32,8 @@ void Engine::Impl::progress_main() {
       idle = 0;
       continue;
     }
-    wait_for_work(++idle);
+    idle = std::min(idle + 1, 1 << 20);  // no overflow on a long idle
+    wait_for_work(idle);
   }
 }
 
@@ -41,7 +42,10 @@ void Engine::Impl::progress_main() {
 // completion queue, a post, a codec result or a cancel wakes us, or the rate
 // limiter's next token is due; at most 100 ms, so timeouts and liveness
 // checks still run.  The thread never spins against the codec threads for a
-// core.  A provider without CQ wait objects is polled: 100 us sleeps.
+// core.  A provider without CQ wait objects (shm) is polled: 100 us sleeps,
+// doubling every 64 idle rounds to 800 us, so that an idle engine wakes about
+// 1,250 times a second and a message to one that has been idle for 45 ms
+// waits at most 0.8 ms.
 void Engine::Impl::wait_for_work(int idle) {
   if (idle < 8) {
     std::this_thread::yield();
@@ -61,7 +65,8 @@ void Engine::Impl::wait_for_work(int idle) {
     if (idle < 64) {
       std::this_thread::yield();
     } else {
-      deadline = std::min(deadline, Clock::now() + std::chrono::microseconds(100));
+      const int doublings = std::min(3, (idle - 64) / 64);
+      deadline = std::min(deadline, Clock::now() + std::chrono::microseconds(100 << doublings));
       std::this_thread::sleep_until(deadline);
     }
     return;
