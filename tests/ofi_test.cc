@@ -6,13 +6,16 @@
 #include "transport/ofi.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/if_ether.h>
 #include <linux/if_packet.h>
 #include <net/if.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -35,6 +38,7 @@
 #include "fork_child.h"
 #include "transport/dscp.h"
 #include "transport/rate_limiter.h"
+#include "transport/shm_reaper.h"
 
 namespace kvxfer::transport {
 namespace {
@@ -866,6 +870,78 @@ TEST(ofiPath, SharedMemoryPeerThatClosesIsSeenBeforeTheTimeout) {
   std::printf("[ info ] closed shm peer seen after %.3f s (timeout %.0f s)\n", s,
               cfg.timeout_ms / 1000.0);
   EXPECT_LT(s, 2.0);
+}
+
+/** The /dev/shm file of the anchor region a blob of the auto provider offers (its shm path). */
+std::string shm_anchor_file(const std::vector<uint8_t>& blob) {
+  size_t off = 8 + blob[7] + 4;  // header, host, pid
+  const std::string prov(reinterpret_cast<const char*>(&blob[off + 1]), blob[off]);
+  if (blob[6] != 2 || prov != kShmProvider) return "";
+  off += 1 + blob[off];
+  const size_t len = blob[off] | (blob[off + 1] << 8);
+  std::string name(reinterpret_cast<const char*>(&blob[off + 2]), len);
+  name.resize(strnlen(name.c_str(), name.size()));
+  return "/dev/shm/" + name.substr(name.rfind('/') + 1);
+}
+
+// libfabric 1.17's shm keeps a spinlock in each region; a receiver holds its
+// own while it copies, and a sender takes it to post.  A peer killed holding
+// it would leave this side spinning in fi_tsend for good: the watcher
+// (shm_reaper.h) releases it, and the link fails as for any dead peer.
+TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  const uint64_t released_before = ShmLockWatch::released();
+  Child child;
+  ASSERT_TRUE(child.start([&](int rfd, int wfd) {
+    std::unique_ptr<Link> link;
+    if (Link::create(loopback_config(), &link) != KVXFER_SUCCESS ||
+        !send_blob(wfd, link->local_address()))
+      return 2;
+    std::vector<uint8_t> peer;
+    if (!recv_blob(rfd, &peer, 30000) || link->connect(peer.data(), peer.size()) != KVXFER_SUCCESS)
+      return 3;
+    while (!link->ready())
+      if (link->progress() != KVXFER_SUCCESS) return 4;
+    // Die inside the section libfabric's progress holds the lock for.
+    const int fd = open(shm_anchor_file(link->local_address()).c_str(), O_RDWR);
+    void* p = fd < 0 ? MAP_FAILED : mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return 5;
+    pthread_spin_lock(reinterpret_cast<pthread_spinlock_t*>(static_cast<char*>(p) + 24));
+    const char m = 'h';
+    (void)write_all(wfd, &m, 1);
+    usleep(300 * 1000);
+    raise(SIGKILL);
+    return 6;
+  }));
+  std::unique_ptr<Link> link;
+  ASSERT_EQ(Link::create(loopback_config(), &link), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_TRUE(send_blob(child.to_child, link->local_address()));
+  std::vector<uint8_t> peer;
+  ASSERT_TRUE(recv_blob(child.from_child, &peer, 30000));
+  ASSERT_FALSE(shm_anchor_file(peer).empty());
+  ASSERT_EQ(link->connect(peer.data(), peer.size()), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  const auto t0 = Clock::now();
+  while (!link->ready()) {
+    ASSERT_LT(Clock::now() - t0, std::chrono::seconds(30)) << "handshake with the child";
+    ASSERT_EQ(link->progress(), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  }
+  pollfd pf{child.from_child, POLLIN, 0};
+  ASSERT_EQ(poll(&pf, 1, 30000), 1) << "the child never took its lock";
+  std::vector<uint8_t> src(1 << 20, 7);
+  uint64_t s;
+  ASSERT_EQ(link->post_send(kA, src.data(), src.size(), 1, &s), KVXFER_SUCCESS);
+  const auto posted = Clock::now();
+  std::vector<Completion> done;
+  while (done.empty() && Clock::now() - posted < std::chrono::seconds(20)) link->poll(&done);
+  ASSERT_EQ(done.size(), 1u) << "the send hung";
+  EXPECT_NE(done[0].status, KVXFER_SUCCESS);
+  EXPECT_NE(done[0].error.find("exited or was killed"), std::string::npos) << done[0].error;
+  EXPECT_GT(ShmLockWatch::released(), released_before);
+  std::printf(
+      "[ info ] the send failed %.2f s after it was posted (the child died holding its "
+      "lock 0.3 s in): %s\n",
+      Sec(Clock::now() - posted).count(), done[0].error.c_str());
+  child.wait(10);
 }
 
 // ---------------------------------------------------------------------------

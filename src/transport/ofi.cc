@@ -21,6 +21,7 @@
 #include "common/params.h"
 #include "transport/crash_signals.h"
 #include "transport/dscp.h"
+#include "transport/shm_reaper.h"
 
 namespace kvxfer::transport {
 
@@ -52,6 +53,14 @@ constexpr uint8_t kBlobVersion = 2;
 constexpr int kMaxPaths = 2;
 
 enum Kind : int { kHelloSend, kHelloRecv, kHeader, kData };
+
+/** The /dev/shm file of a shm endpoint name ("fi_shm://<pid>:<uid>:<n>"). */
+std::string shm_region_file(const std::vector<uint8_t>& name) {
+  const std::string n(reinterpret_cast<const char*>(name.data()),
+                      strnlen(reinterpret_cast<const char*>(name.data()), name.size()));
+  const size_t slash = n.rfind('/');
+  return "/dev/shm/" + (slash == std::string::npos ? n : n.substr(slash + 1));
+}
 
 }  // namespace
 
@@ -590,6 +599,7 @@ Link::~Link() {
   const size_t n = ops_in_flight();
   if (n > 0) KVXFER_INFO(LOG_NET, "OFI : link destroyed with %zu operations in flight", n);
   abort("link destroyed");
+  shm_watch_.reset();  // before the pidfd it borrows
   if (peer_pidfd_ >= 0) ::close(peer_pidfd_);
 }
 
@@ -694,14 +704,7 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
   for (int c = 0; c < kNumClasses; ++c) peer_name_[c] = pick->names[c];
   if (shm_path_) {
     peer_pid_ = peer_pid;
-    // The region's file in /dev/shm: the name without its "fi_shm://" prefix.
-    for (int c = 0; c < kNumClasses; ++c) {
-      std::string n(
-          reinterpret_cast<const char*>(peer_name_[c].data()),
-          strnlen(reinterpret_cast<const char*>(peer_name_[c].data()), peer_name_[c].size()));
-      const size_t slash = n.rfind('/');
-      peer_region_[c] = "/dev/shm/" + (slash == std::string::npos ? n : n.substr(slash + 1));
-    }
+    for (int c = 0; c < kNumClasses; ++c) peer_region_[c] = shm_region_file(peer_name_[c]);
     // libfabric 1.17 keeps a closed endpoint's region in its per-process
     // list of names, and fi_av_insert of that name maps the freed region
     // (SIGSEGV).  A closed endpoint's file is gone, so check it first.
@@ -715,6 +718,9 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
 #ifdef SYS_pidfd_open
     peer_pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer_pid), 0));
 #endif
+    std::vector<std::string> regions(peer_region_.begin(), peer_region_.end());
+    for (int c = 0; c < kNumClasses; ++c) regions.push_back(shm_region_file(ep_[c]->name()));
+    shm_watch_ = ShmLockWatch::start(peer_pidfd_, peer_pid_, regions, &progress_epoch_);
     KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)", peer_pid,
                 peer_region_[0].c_str());
   }
@@ -862,6 +868,7 @@ void Link::abort_with(kvxfer_result_t code, const std::string& why) {
   ready_ = false;
   fail_code_ = code;
   fail_why_ = why;
+  shm_watch_.reset();
   // Closing the endpoints flushes the provider's queues: from here on no
   // posted buffer or context is touched again.
   for (auto& e : ep_)
@@ -1319,6 +1326,7 @@ kvxfer_result_t Link::check_timeouts(Clock::time_point now) {
 }
 
 kvxfer_result_t Link::progress() {
+  progress_epoch_.fetch_add(1, std::memory_order_relaxed);
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());
   Clock::time_point now = Clock::now();
   CqEvent evs[64];

@@ -27,6 +27,7 @@
 #include <rdma/fi_endpoint.h>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -42,6 +43,8 @@
 #include "transport/rate_limiter.h"
 
 namespace kvxfer::transport {
+
+class ShmLockWatch;  // transport/shm_reaper.h
 
 // ---------------------------------------------------------------------------
 // RAII for libfabric objects.
@@ -432,6 +435,10 @@ class Link {
   int peer_pidfd_ = -1;
   uint32_t peer_pid_ = 0;
   std::array<std::string, kNumClasses> peer_region_;
+  // Bumped by every progress(); a watcher (shm_reaper.h) releases the shm
+  // locks a killed peer left held once this stops moving.
+  std::atomic<uint64_t> progress_epoch_{0};
+  std::unique_ptr<ShmLockWatch> shm_watch_;
   std::array<fi_addr_t, kNumClasses> peer_{FI_ADDR_UNSPEC, FI_ADDR_UNSPEC};
   std::vector<uint8_t> address_;
   std::array<std::vector<uint8_t>, kNumClasses> peer_name_;
