@@ -272,7 +272,7 @@ struct Engine::Impl {
   void codec_main();
   void run_job(Job& j);  // one codec job; its JobDone goes to jobs_done
   bool step();           // one round of progress; true if anything happened
-  void wait_for_work(int idle);
+  void wait_for_work(int idle, Clock::time_point idle_since);
   std::vector<pollfd> wait_fds;
 
   void start(const std::shared_ptr<Request>& r);

@@ -10,6 +10,7 @@ namespace kvxfer::xfer {
 void Engine::Impl::progress_main() {
   pthread_setname_np(pthread_self(), "kvxfer-progress");  // for top -H, perf, gdb
   int idle = 0;
+  Clock::time_point idle_since;
   Clock::time_point stop_deadline = Clock::time_point::max();
   for (;;) {
     const bool busy = step();
@@ -32,8 +33,9 @@ void Engine::Impl::progress_main() {
       idle = 0;
       continue;
     }
+    if (idle == 0) idle_since = Clock::now();
     idle = std::min(idle + 1, 1 << 20);  // no overflow on a long idle
-    wait_for_work(idle);
+    wait_for_work(idle, idle_since);
   }
 }
 
@@ -42,16 +44,21 @@ void Engine::Impl::progress_main() {
 // completion queue, a post, a codec result or a cancel wakes us, or the rate
 // limiter's next token is due; at most 100 ms, so timeouts and liveness
 // checks still run.  The thread never spins against the codec threads for a
-// core.  A provider without CQ wait objects (shm) is polled: 100 us sleeps,
-// doubling every 64 idle rounds to 800 us, so that an idle engine wakes about
-// 1,250 times a second and a message to one that has been idle for 45 ms
-// waits at most 0.8 ms.
-void Engine::Impl::wait_for_work(int idle) {
+// core.
+//
+// A link without CQ wait objects (shm) with operations in flight must be
+// polled: the peer's next message lands in this side's region and nothing
+// signals it.  The thread yields for the first 200 us of idleness (a
+// transfer's next chunk is microseconds away), then sleeps on the wake fd
+// alone (a post or a codec result still wakes it at once) for 100 us,
+// doubling after 5, 10 and 20 ms of idleness to 800 us.
+void Engine::Impl::wait_for_work(int idle, Clock::time_point idle_since) {
   if (idle < 8) {
     std::this_thread::yield();
     return;
   }
-  Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(100);
+  const Clock::time_point now = Clock::now();
+  Clock::time_point deadline = now + std::chrono::milliseconds(100);
   wait_fds.clear();
   wait_fds.push_back(pollfd{wake_fd, POLLIN, 0});
   bool can_sleep = true;
@@ -62,14 +69,17 @@ void Engine::Impl::wait_for_work(int idle) {
     deadline = std::min(deadline, l->next_deadline());
   }
   if (!can_sleep) {
-    if (idle < 64) {
+    const auto idle_for = now - idle_since;
+    if (idle_for < std::chrono::microseconds(200)) {
       std::this_thread::yield();
-    } else {
-      const int doublings = std::min(3, (idle - 64) / 64);
-      deadline = std::min(deadline, Clock::now() + std::chrono::microseconds(100 << doublings));
-      std::this_thread::sleep_until(deadline);
+      return;
     }
-    return;
+    const int doublings = idle_for < std::chrono::milliseconds(5)    ? 0
+                          : idle_for < std::chrono::milliseconds(10) ? 1
+                          : idle_for < std::chrono::milliseconds(20) ? 2
+                                                                     : 3;
+    deadline = std::min(deadline, now + std::chrono::microseconds(100 << doublings));
+    wait_fds.resize(1);  // the wake fd
   }
   const auto wait = deadline - Clock::now();
   if (wait <= Clock::duration::zero()) return;
