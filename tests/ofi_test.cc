@@ -890,6 +890,7 @@ std::string shm_anchor_file(const std::vector<uint8_t>& blob) {
 // (shm_reaper.h) releases it, and the link fails as for any dead peer.
 TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
   if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  alarm(120);  // without the watcher this side spins inside libfabric: die, do not hang
   const uint64_t released_before = ShmLockWatch::released();
   Child child;
   ASSERT_TRUE(child.start([&](int rfd, int wfd) {
@@ -942,6 +943,7 @@ TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
       "lock 0.3 s in): %s\n",
       Sec(Clock::now() - posted).count(), done[0].error.c_str());
   child.wait(10);
+  alarm(0);
 }
 
 // ---------------------------------------------------------------------------
