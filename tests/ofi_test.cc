@@ -885,25 +885,26 @@ std::string shm_anchor_file(const std::vector<uint8_t>& blob) {
 }
 
 // libfabric 1.17's shm keeps a spinlock in each region; a receiver holds its
-// own while it copies, and a sender takes it to post.  A peer killed holding
-// it would leave this side spinning in fi_tsend for good: the watcher
-// (shm_reaper.h) releases it, and the link fails as for any dead peer.
-TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
-  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+// own while it copies, and a sender takes it to post.  A peer killed (or
+// stopped) holding it would leave this side spinning in fi_tsend for good:
+// the watcher (shm_reaper.h) releases it, and the link fails as for any dead
+// (or silent) peer.
+void peer_holding_its_region_lock(bool stop) {
   alarm(120);  // without the watcher this side spins inside libfabric: die, do not hang
   const uint64_t released_before = ShmLockWatch::released();
+  LinkConfig cfg = loopback_config();
+  cfg.timeout_ms = 1000;
   Child child;
   ASSERT_TRUE(child.start([&](int rfd, int wfd) {
     std::unique_ptr<Link> link;
-    if (Link::create(loopback_config(), &link) != KVXFER_SUCCESS ||
-        !send_blob(wfd, link->local_address()))
+    if (Link::create(cfg, &link) != KVXFER_SUCCESS || !send_blob(wfd, link->local_address()))
       return 2;
     std::vector<uint8_t> peer;
     if (!recv_blob(rfd, &peer, 30000) || link->connect(peer.data(), peer.size()) != KVXFER_SUCCESS)
       return 3;
     while (!link->ready())
       if (link->progress() != KVXFER_SUCCESS) return 4;
-    // Die inside the section libfabric's progress holds the lock for.
+    // Die, or stop, inside the section libfabric's progress holds the lock for.
     const int fd = open(shm_anchor_file(link->local_address()).c_str(), O_RDWR);
     void* p = fd < 0 ? MAP_FAILED : mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) return 5;
@@ -911,11 +912,11 @@ TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
     const char m = 'h';
     (void)write_all(wfd, &m, 1);
     usleep(300 * 1000);
-    raise(SIGKILL);
+    raise(stop ? SIGSTOP : SIGKILL);
     return 6;
   }));
   std::unique_ptr<Link> link;
-  ASSERT_EQ(Link::create(loopback_config(), &link), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_EQ(Link::create(cfg, &link), KVXFER_SUCCESS) << kvxfer_get_last_error();
   ASSERT_TRUE(send_blob(child.to_child, link->local_address()));
   std::vector<uint8_t> peer;
   ASSERT_TRUE(recv_blob(child.from_child, &peer, 30000));
@@ -936,14 +937,28 @@ TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
   while (done.empty() && Clock::now() - posted < std::chrono::seconds(20)) link->poll(&done);
   ASSERT_EQ(done.size(), 1u) << "the send hung";
   EXPECT_NE(done[0].status, KVXFER_SUCCESS);
-  EXPECT_NE(done[0].error.find("exited or was killed"), std::string::npos) << done[0].error;
+  EXPECT_NE(done[0].error.find(stop ? "made no progress" : "exited or was killed"),
+            std::string::npos)
+      << done[0].error;
   EXPECT_GT(ShmLockWatch::released(), released_before);
   std::printf(
-      "[ info ] the send failed %.2f s after it was posted (the child died holding its "
-      "lock 0.3 s in): %s\n",
-      Sec(Clock::now() - posted).count(), done[0].error.c_str());
+      "[ info ] the send failed %.2f s after it was posted (the child %s holding its "
+      "lock 0.3 s in; timeout %lld ms): %s\n",
+      Sec(Clock::now() - posted).count(), stop ? "stopped" : "died",
+      static_cast<long long>(cfg.timeout_ms), done[0].error.c_str());
+  if (stop) kill(child.pid, SIGKILL);
   child.wait(10);
   alarm(0);
+}
+
+TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  peer_holding_its_region_lock(false);
+}
+
+TEST(ofiPath, PeerStoppedHoldingItsRegionLockFailsAfterTheTimeout) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  peer_holding_its_region_lock(true);
 }
 
 // ---------------------------------------------------------------------------

@@ -720,7 +720,8 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
 #endif
     std::vector<std::string> regions(peer_region_.begin(), peer_region_.end());
     for (int c = 0; c < kNumClasses; ++c) regions.push_back(shm_region_file(ep_[c]->name()));
-    shm_watch_ = ShmLockWatch::start(peer_pidfd_, peer_pid_, regions, &progress_epoch_);
+    shm_watch_ =
+        ShmLockWatch::start(peer_pidfd_, peer_pid_, regions, &progress_epoch_, cfg_.timeout_ms);
     KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)", peer_pid,
                 peer_region_[0].c_str());
   }

@@ -35,7 +35,9 @@ struct Watched {
   std::vector<void*> pages;
   const std::atomic<uint64_t>* epoch = nullptr;
   uint64_t last_epoch = 0;
-  int stuck = 0;
+  std::vector<int> held;  // per page: consecutive looks that found its lock held
+  std::chrono::milliseconds stall{0};
+  std::chrono::steady_clock::time_point moved;  // when the epoch last changed
 };
 
 // Leaked on purpose: the watcher thread may outlive static destruction.
@@ -65,30 +67,33 @@ bool peer_exited(int pidfd) {
 }
 
 void look(Watched* w, Registry* r) {
-  if (!peer_exited(w->pidfd)) {
-    w->stuck = 0;
-    return;
-  }
+  const auto now = std::chrono::steady_clock::now();
   const uint64_t e = w->epoch->load(std::memory_order_relaxed);
-  if (e != w->last_epoch) {
+  const bool moved = e != w->last_epoch;
+  if (moved) {
     w->last_epoch = e;
-    w->stuck = 0;
-    return;
+    w->moved = now;
   }
-  if (++w->stuck < kStuckLooks) return;
+  const bool exited = !moved && peer_exited(w->pidfd);
+  // A live peer stopped inside its section (SIGSTOP, a debugger) holds the
+  // lock as long as it likes; past the link's timeout it counts as dead.
+  const bool stalled = !moved && !exited && now - w->moved >= w->stall;
   for (size_t i = 0; i < w->pages.size(); ++i) {
     auto* lock =
         reinterpret_cast<pthread_spinlock_t*>(static_cast<char*>(w->pages[i]) + kLockOffset);
     const int v = __atomic_load_n(reinterpret_cast<volatile int*>(lock), __ATOMIC_ACQUIRE);
-    if (v == 1) continue;  // glibc's unlocked value
+    // Held (glibc's unlocked value is 1) on every look for kStuckLooks: no
+    // live section lasts that long.
+    w->held[i] = (exited || stalled) && v != 1 ? w->held[i] + 1 : 0;
+    if (w->held[i] < kStuckLooks) continue;
+    w->held[i] = 0;
     pthread_spin_unlock(lock);
     r->released.fetch_add(1);
     KVXFER_WARN(LOG_NET,
-                "OFI : released the shm region lock of %s, left held by the exited peer pid %u "
+                "OFI : released the shm region lock of %s, left held by the %s peer pid %u "
                 "(libfabric 1.17 shm)",
-                w->files[i].c_str(), w->peer_pid);
+                w->files[i].c_str(), exited ? "exited" : "stalled", w->peer_pid);
   }
-  w->stuck = 0;
 }
 
 void watcher_main() {
@@ -106,9 +111,12 @@ void watcher_main() {
 
 std::unique_ptr<ShmLockWatch> ShmLockWatch::start(int pidfd, uint32_t peer_pid,
                                                   const std::vector<std::string>& files,
-                                                  const std::atomic<uint64_t>* epoch) {
+                                                  const std::atomic<uint64_t>* epoch,
+                                                  int64_t stall_ms) {
   if (pidfd < 0 || epoch == nullptr) return nullptr;
   Watched w;
+  w.stall = std::chrono::milliseconds(stall_ms);
+  w.moved = std::chrono::steady_clock::now();
   w.pidfd = pidfd;
   w.peer_pid = peer_pid;
   w.files = files;
@@ -130,6 +138,7 @@ std::unique_ptr<ShmLockWatch> ShmLockWatch::start(int pidfd, uint32_t peer_pid,
     }
     w.pages.push_back(p);
   }
+  w.held.assign(w.pages.size(), 0);
   std::unique_ptr<ShmLockWatch> h(new ShmLockWatch());
   Registry& r = registry();
   std::lock_guard<std::mutex> lk(r.mu);

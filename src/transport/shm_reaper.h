@@ -8,11 +8,14 @@
 // good, and its peer's next post or progress spins on it forever
 // (XferDetect.Killed* hung that way).  A watcher thread (one per process,
 // started on first use, "kvxfer-shm-watch") looks every 20 ms at each
-// watched link: when the peer's process has exited (its pidfd is readable)
-// and the link's progress counter has not moved for 3 looks, it releases
-// whichever of the four region locks (two of the peer's, two of this
-// side's) is held.  The stuck thread then returns from libfabric and the
-// link fails on its next liveness check.
+// watched link: when the link's progress counter has not moved for 3 looks
+// and the peer's process has exited (its pidfd is readable), or for the
+// link's timeout while the peer lives (stopped, say, by SIGSTOP), it
+// releases whichever of the four region locks (two of the peer's, two of
+// this side's) is held.  The stuck thread then returns from libfabric and
+// the link fails on its next liveness or timeout check.  A stalled peer that
+// resumes may find its region's queue written during its section: it
+// counted as failed already.
 //
 // Only regions with libfabric 1.17's header (version 4, the lock at byte
 // 24, pthread's unlocked value 1) are watched.  Thread-safe.
@@ -34,12 +37,13 @@ class ShmLockWatch {
    * Watches the regions at `files` (/dev/shm paths: the peer's and this
    * side's) of a link whose peer process is `pidfd` (borrowed; it must stay
    * open until the watch is destroyed) and whose progress() bumps `*epoch`
-   * (borrowed likewise).  nullptr when a region cannot be mapped or has
-   * another layout: nothing is then watched (logged at INFO).
+   * (borrowed likewise); `stall_ms` is the link's timeout.  nullptr when a
+   * region cannot be mapped or has another layout: nothing is then watched
+   * (logged at INFO).
    */
   static std::unique_ptr<ShmLockWatch> start(int pidfd, uint32_t peer_pid,
                                              const std::vector<std::string>& files,
-                                             const std::atomic<uint64_t>* epoch);
+                                             const std::atomic<uint64_t>* epoch, int64_t stall_ms);
   /** Stops watching (waits for a look in progress) and unmaps. */
   ~ShmLockWatch();
   ShmLockWatch(const ShmLockWatch&) = delete;
