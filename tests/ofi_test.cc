@@ -961,6 +961,42 @@ TEST(ofiPath, PeerStoppedHoldingItsRegionLockFailsAfterTheTimeout) {
   peer_holding_its_region_lock(true);
 }
 
+// shm's first endpoint installs SIGINT/SIGTERM/SIGSEGV/SIGBUS handlers that
+// unlink the process's regions.  The Link keeps the process's own: a server
+// that drains on SIGTERM keeps its same-host links.
+std::atomic<int> g_sigterm_seen{0};
+void on_sigterm(int) { g_sigterm_seen.fetch_add(1); }
+
+TEST(ofiPath, ProcessSignalHandlersAreKept) {
+  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
+    GTEST_SKIP() << "shared memory only";
+  Child child;  // its own process: the handlers are process-wide
+  ASSERT_TRUE(child.start([&](int, int) {
+    struct sigaction mine {};
+    mine.sa_handler = on_sigterm;
+    sigemptyset(&mine.sa_mask);
+    if (sigaction(SIGTERM, &mine, nullptr) != 0) return 2;
+    struct sigaction before_int {};
+    sigaction(SIGINT, nullptr, &before_int);
+    Pair p;
+    if (!make_pair(loopback_config(), loopback_config(), &p) || !p.a->same_host()) return 3;
+    struct sigaction now {};
+    sigaction(SIGTERM, nullptr, &now);
+    if (now.sa_handler != on_sigterm) return 4;
+    sigaction(SIGINT, nullptr, &now);
+    if (now.sa_handler != before_int.sa_handler) return 5;
+    raise(SIGTERM);  // handled: the process goes on, its links too
+    if (g_sigterm_seen.load() != 1) return 6;
+    if (!exchange(&p, 1 << 20)) return 7;
+    return 0;
+  }));
+  ASSERT_TRUE(child.wait(30)) << "the child hung";
+  ASSERT_TRUE(WIFEXITED(child.status)) << "the child died of signal " << WTERMSIG(child.status);
+  EXPECT_EQ(WEXITSTATUS(child.status), 0)
+      << "2-3: setup, 4-5: a handler replaced, 6: SIGTERM not seen, 7: the links failed after "
+         "SIGTERM";
+}
+
 // ---------------------------------------------------------------------------
 // DSCP marking
 // ---------------------------------------------------------------------------

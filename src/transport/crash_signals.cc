@@ -39,6 +39,26 @@ int restore_crash_signals() {
 }
 
 namespace {
+constexpr int kKept[] = {SIGINT, SIGTERM, SIGSEGV, SIGBUS};
+}  // namespace
+
+KeepSignalDispositions::KeepSignalDispositions() {
+  static_assert(sizeof(kKept) / sizeof(kKept[0]) == kCount, "one slot per signal");
+  for (int i = 0; i < kCount; ++i) have_[i] = sigaction(kKept[i], nullptr, &saved_[i]) == 0;
+}
+
+KeepSignalDispositions::~KeepSignalDispositions() {
+  for (int i = 0; i < kCount; ++i) {
+    struct sigaction now {};
+    if (!have_[i] || sigaction(kKept[i], nullptr, &now) != 0) continue;
+    const bool same = now.sa_flags == saved_[i].sa_flags &&
+                      ((now.sa_flags & SA_SIGINFO) != 0 ? now.sa_sigaction == saved_[i].sa_sigaction
+                                                        : now.sa_handler == saved_[i].sa_handler);
+    if (!same) (void)sigaction(kKept[i], &saved_[i], nullptr);
+  }
+}
+
+namespace {
 // After every library this one depends on (libfabric and its psm
 // dependencies) has run its constructors.  Silent: the logger may not be
 // initialised yet.

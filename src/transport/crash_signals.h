@@ -9,6 +9,8 @@
 // and HFI_BACKTRACE only help when set before the library loads.
 #pragma once
 
+#include <signal.h>
+
 namespace kvxfer::transport {
 
 /**
@@ -21,5 +23,29 @@ namespace kvxfer::transport {
  * Thread-safe (sigaction is).  Logs nothing (it runs before main).
  */
 int restore_crash_signals();
+
+/**
+ * Keeps the dispositions of SIGINT, SIGTERM, SIGSEGV and SIGBUS across its
+ * scope.  libfabric 1.17's shm provider installs handlers for these four on
+ * its first endpoint: they unlink every shm region of the process, then
+ * re-raise.  A server that handles SIGTERM to drain, or a Python program
+ * that catches KeyboardInterrupt, would go on with its regions gone and its
+ * same-host peers would fail their links.  The destructor puts back each
+ * disposition that changed (the surviving peer of a killed process removes
+ * its regions instead).  Not thread-safe against other sigaction calls made
+ * meanwhile.
+ */
+class KeepSignalDispositions {
+ public:
+  KeepSignalDispositions();
+  ~KeepSignalDispositions();
+  KeepSignalDispositions(const KeepSignalDispositions&) = delete;
+  KeepSignalDispositions& operator=(const KeepSignalDispositions&) = delete;
+
+ private:
+  static constexpr int kCount = 4;
+  struct sigaction saved_[kCount];
+  bool have_[kCount];
+};
 
 }  // namespace kvxfer::transport

@@ -513,17 +513,24 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
   l->cfg_ = cfg;
   l->asked_chunk_bytes_ = cfg.chunk_bytes;
   l->asked_posted_recvs_ = cfg.max_posted_recvs;
-  KVXFER_CHECK(Domain::open(cfg.provider, cfg.node, &l->domain_));
-  for (int c = 0; c < kNumClasses; ++c)
-    KVXFER_CHECK(Endpoint::open(l->domain_, cfg.tclass[c], &l->ep_[c]));
+  {
+    const KeepSignalDispositions keep;  // shm (when named) installs handlers
+    KVXFER_CHECK(Domain::open(cfg.provider, cfg.node, &l->domain_));
+    for (int c = 0; c < kNumClasses; ++c)
+      KVXFER_CHECK(Endpoint::open(l->domain_, cfg.tclass[c], &l->ep_[c]));
+  }
   // The auto provider also offers shared memory, for a peer on this host.
   // Without it (no shm provider, /dev/shm full) every peer takes the network.
   if (cfg.provider.empty()) {
     std::shared_ptr<Domain> d;
     std::array<std::unique_ptr<Endpoint>, kNumClasses> e;
-    kvxfer_result_t r = Domain::open(kShmProvider, "", &d);
-    for (int c = 0; c < kNumClasses && r == KVXFER_SUCCESS; ++c)
-      r = Endpoint::open(d, cfg.tclass[c], &e[c]);
+    kvxfer_result_t r;
+    {
+      const KeepSignalDispositions keep;  // shm's first endpoint installs handlers
+      r = Domain::open(kShmProvider, "", &d);
+      for (int c = 0; c < kNumClasses && r == KVXFER_SUCCESS; ++c)
+        r = Endpoint::open(d, cfg.tclass[c], &e[c]);
+    }
     if (r == KVXFER_SUCCESS) {
       l->shm_domain_ = std::move(d);
       l->shm_ep_ = std::move(e);
