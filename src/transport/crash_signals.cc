@@ -39,7 +39,7 @@ int restore_crash_signals() {
 }
 
 namespace {
-constexpr int kKept[] = {SIGINT, SIGTERM, SIGSEGV, SIGBUS};
+constexpr int kKept[] = {SIGINT, SIGTERM};
 }  // namespace
 
 KeepSignalDispositions::KeepSignalDispositions() {

@@ -25,15 +25,16 @@ namespace kvxfer::transport {
 int restore_crash_signals();
 
 /**
- * Keeps the dispositions of SIGINT, SIGTERM, SIGSEGV and SIGBUS across its
- * scope.  libfabric 1.17's shm provider installs handlers for these four on
- * its first endpoint: they unlink every shm region of the process, then
- * re-raise.  A server that handles SIGTERM to drain, or a Python program
- * that catches KeyboardInterrupt, would go on with its regions gone and its
- * same-host peers would fail their links.  The destructor puts back each
- * disposition that changed (the surviving peer of a killed process removes
- * its regions instead).  Not thread-safe against other sigaction calls made
- * meanwhile.
+ * Keeps the dispositions of SIGINT and SIGTERM across its scope.  libfabric
+ * 1.17's shm provider installs handlers for SIGINT, SIGTERM, SIGSEGV and
+ * SIGBUS on its first endpoint: they unlink every shm region of the process,
+ * then re-raise with the handler they replaced.  A server that handles
+ * SIGTERM to drain, or a Python program that catches KeyboardInterrupt,
+ * would go on with its regions gone and its same-host peers would fail their
+ * links.  The destructor puts back each of the two that changed (the
+ * surviving peer of a killed process removes its regions instead).  The
+ * crash handlers stay: they clean up, then the process dies by its signal.
+ * Not thread-safe against other sigaction calls made meanwhile.
  */
 class KeepSignalDispositions {
  public:
@@ -43,7 +44,7 @@ class KeepSignalDispositions {
   KeepSignalDispositions& operator=(const KeepSignalDispositions&) = delete;
 
  private:
-  static constexpr int kCount = 4;
+  static constexpr int kCount = 2;
   struct sigaction saved_[kCount];
   bool have_[kCount];
 };

@@ -514,7 +514,7 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
   l->asked_chunk_bytes_ = cfg.chunk_bytes;
   l->asked_posted_recvs_ = cfg.max_posted_recvs;
   {
-    const KeepSignalDispositions keep;  // shm (when named) installs handlers
+    const KeepSignalDispositions keep;  // shm (when named) installs SIGINT/SIGTERM handlers
     KVXFER_CHECK(Domain::open(cfg.provider, cfg.node, &l->domain_));
     for (int c = 0; c < kNumClasses; ++c)
       KVXFER_CHECK(Endpoint::open(l->domain_, cfg.tclass[c], &l->ep_[c]));
@@ -526,7 +526,7 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
     std::array<std::unique_ptr<Endpoint>, kNumClasses> e;
     kvxfer_result_t r;
     {
-      const KeepSignalDispositions keep;  // shm's first endpoint installs handlers
+      const KeepSignalDispositions keep;  // shm's first endpoint installs SIGINT/SIGTERM handlers
       r = Domain::open(kShmProvider, "", &d);
       for (int c = 0; c < kNumClasses && r == KVXFER_SUCCESS; ++c)
         r = Endpoint::open(d, cfg.tclass[c], &e[c]);
