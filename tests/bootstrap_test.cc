@@ -294,6 +294,153 @@ TEST(Bootstrap, UniqueIdRoundTripsThroughBytes) {
   EXPECT_EQ(ra->accept_all(1, 100), KVXFER_ERR_INVALID_USAGE);
 }
 
+// ---------------------------------------------------------------------------
+// Fail fast: a failure report (bootstrap_report_failure) or the root's own
+// rank failing (fail_all) ends every rank's wait within about a second.
+// ---------------------------------------------------------------------------
+struct Report {
+  kvxfer_result_t r = KVXFER_ERR_INTERNAL;
+  std::string err;
+  long ms = 0;
+};
+Report report(const UniqueId& id, int rank, int nranks, int timeout_ms, const char* reason) {
+  Report o;
+  auto t0 = Clock::now();
+  o.r = bootstrap_report_failure(id, rank, nranks, timeout_ms, reason);
+  o.ms = ms_since(t0);
+  o.err = last_error();
+  return o;
+}
+
+TEST(Bootstrap, FailureReportFailsEveryRankFast) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  constexpr int kTimeoutMs = 30000;
+  const auto t0 = Clock::now();
+  auto rootf = start_root(root.get(), 4, kTimeoutMs);
+  auto r0 = start_rank(id, 0, 4, kTimeoutMs);
+  auto r2 = start_rank(id, 2, 4, kTimeoutMs);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // 0 and 2 are waiting
+  Report rep = report(id, 1, 4, kTimeoutMs, "no NIC\nat all");
+  EXPECT_EQ(rep.r, KVXFER_SUCCESS) << rep.err;  // the root acknowledged
+  EXPECT_LT(rep.ms, 2000);
+  // Rank 3 comes within the grace: told as well.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  Outcome o3 = run_rank(id, 3, 4, kTimeoutMs, blob_for(3));
+  for (Outcome o : {r0.get(), r2.get(), o3}) {
+    EXPECT_EQ(o.r, KVXFER_ERR_SYSTEM) << o.err;
+    EXPECT_NE(o.err.find("rank 1 failed: no NIC?at all"), std::string::npos) << o.err;
+    EXPECT_LT(o.ms, 5000) << o.err;
+    EXPECT_TRUE(o.table.empty());
+  }
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_ERR_SYSTEM) << ro.err;
+  EXPECT_NE(ro.err.find("rank 1 failed: no NIC?at all"), std::string::npos) << ro.err;
+  EXPECT_NE(ro.err.find("told 4 of 4 ranks"), std::string::npos) << ro.err;
+  EXPECT_EQ(root->failed_rank(), 1);
+  const long total = ms_since(t0);
+  EXPECT_LT(total, 5000);  // not the 30 s timeout
+  std::printf("[ fail fast ] every rank failed %ld ms after the start (timeout %d ms)\n", total,
+              kTimeoutMs);
+}
+
+TEST(Bootstrap, FailureReportWaitsInTheBacklogUntilTheRootServes) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  // Nobody serves yet: the report is sent, unanswered, within its 1 s bound.
+  Report rep = report(id, 1, 2, 30000, "bad config");
+  EXPECT_EQ(rep.r, KVXFER_ERR_TIMEOUT) << rep.err;
+  EXPECT_GE(rep.ms, kBootstrapFailGraceMs - 50);
+  EXPECT_LT(rep.ms, kBootstrapFailGraceMs + 1500);
+  // The root reads it from the backlog when it starts, and fails rank 0 at once.
+  auto rootf = start_root(root.get(), 2, 30000);
+  Outcome o0 = run_rank(id, 0, 2, 30000, blob_for(0));
+  EXPECT_EQ(o0.r, KVXFER_ERR_SYSTEM) << o0.err;
+  EXPECT_NE(o0.err.find("rank 1 failed: bad config"), std::string::npos) << o0.err;
+  EXPECT_LT(o0.ms, 5000);
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_ERR_SYSTEM) << ro.err;
+  EXPECT_LT(ro.ms, 5000);
+}
+
+TEST(Bootstrap, RootsOwnRankFailingFailsTheOthersFast) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto r1 = start_rank(id, 1, 3, 30000);
+  auto r2 = start_rank(id, 2, 3, 30000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  auto t0 = Clock::now();
+  EXPECT_EQ(root->fail_all(3, 0, "cannot open the NIC", 30000), KVXFER_SUCCESS) << last_error();
+  EXPECT_LT(ms_since(t0), 2000);  // returns once both others are told
+  EXPECT_EQ(root->failed_rank(), 0);
+  for (auto* f : {&r1, &r2}) {
+    Outcome o = f->get();
+    EXPECT_EQ(o.r, KVXFER_ERR_SYSTEM) << o.err;
+    EXPECT_NE(o.err.find("rank 0 failed: cannot open the NIC"), std::string::npos) << o.err;
+    EXPECT_LT(o.ms, 5000);
+  }
+  // One-shot: the listener is gone.
+  EXPECT_EQ(root->fail_all(3, 0, "again", 100), KVXFER_ERR_INVALID_USAGE);
+  EXPECT_EQ(root->accept_all(3, 100), KVXFER_ERR_INVALID_USAGE);
+}
+
+TEST(Bootstrap, FailAllGivesUpAfterTheGraceWhenRanksStayAway) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto t0 = Clock::now();
+  EXPECT_EQ(root->fail_all(3, 0, "gone", 30000), KVXFER_ERR_TIMEOUT);
+  const long ms = ms_since(t0);
+  EXPECT_NE(std::string(last_error()).find("not told: 1, 2"), std::string::npos) << last_error();
+  EXPECT_GE(ms, kBootstrapFailGraceMs - 50);
+  EXPECT_LT(ms, kBootstrapFailGraceMs + 1500);
+  // Bounded by its timeout too.
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  t0 = Clock::now();
+  EXPECT_EQ(root->fail_all(2, 1, "gone", 100), KVXFER_ERR_TIMEOUT);
+  EXPECT_LT(ms_since(t0), 1000);
+  EXPECT_EQ(root->fail_all(2, 2, "x", 100), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(root->fail_all(2, 0, nullptr, 100), KVXFER_ERR_INVALID_ARGUMENT);
+}
+
+TEST(Bootstrap, FailureReportWithAWrongSecretAbortsNothing) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_root(root.get(), 2, 10000);
+  auto r0 = start_rank(id, 0, 2, 10000);
+  UniqueId bad = id;
+  bad.secret[7] ^= 0x80;
+  Report rep = report(bad, 1, 2, 10000, "forged");
+  EXPECT_EQ(rep.r, KVXFER_ERR_SYSTEM) << rep.err;
+  EXPECT_NE(rep.err.find("bootstrap refused by root"), std::string::npos) << rep.err;
+  // Nor does a report for another nranks.
+  Report mismatch = report(id, 1, 3, 10000, "wrong size");
+  EXPECT_EQ(mismatch.r, KVXFER_ERR_SYSTEM) << mismatch.err;
+  // The legitimate rank 1 completes the table.
+  auto r1 = start_rank(id, 1, 2, 10000);
+  expect_full_table(r0.get(), 2);
+  expect_full_table(r1.get(), 2);
+  EXPECT_EQ(rootf.get().r, KVXFER_SUCCESS);
+  EXPECT_EQ(root->failed_rank(), -1);
+}
+
+TEST(Bootstrap, FailureReportInvalidArguments) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(bootstrap_report_failure(id, 0, 2, 100, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_report_failure(id, 2, 2, 100, "x"), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_report_failure(id, 0, 0, 100, "x"), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bootstrap_report_failure(id, 0, 2, 0, "x"), KVXFER_ERR_INVALID_ARGUMENT);
+  UniqueId bad = id;
+  bad.magic ^= 1;
+  EXPECT_EQ(bootstrap_report_failure(bad, 0, 2, 100, "x"), KVXFER_ERR_INVALID_ARGUMENT);
+}
+
 /** Local addresses (hex, as in /proc/net/tcp{,6}) of sockets listening on `port`. */
 std::vector<std::string> listeners_on_port(uint16_t port) {
   std::vector<std::string> out;

@@ -379,7 +379,8 @@ TEST(WireBytes, CommPayloadIsFixed) {
 
 // ---------------------------------------------------------------------------
 // Bootstrap (transport/bootstrap.h), version 1: the unique id, the hello, the
-// table and its timeout status.  Every frame starts with a u32 length.
+// table, its timeout status, the failure report and the rank-failed status.
+// Every frame starts with a u32 length.
 // ---------------------------------------------------------------------------
 TEST(WireBytes, UniqueIdLayoutIsFixed) {
   transport::UniqueId id{};
@@ -597,6 +598,112 @@ TEST(WireBytes, RootSendsAFixedTimeoutStatus) {
   EXPECT_EQ(to_hex(status), to_hex(hex("0c 00 00 00 4b 56 58 42 01 00"
                                        "01 00"            // status 1: timed out
                                        "02 00 00 00")));  // nranks 2
+}
+
+// Fail fast: a failure report is a hello with flags 1 and the reason as its
+// payload; the root answers every rank with status 3, the failed rank and
+// the reason.
+// The failure report of rank 1 of 2, reason "no nic", under the secret c0..df.
+const char* const kFailedHello =
+    "3a 00 00 00"                                      // frame length 58
+    "4b 56 58 42 01 00 01 00"                          // magic, version 1, flags 1: failed
+    "01 00 00 00 02 00 00 00"                          // rank 1, nranks 2
+    "c0 c1 c2 c3 c4 c5 c6 c7 c8 c9 ca cb cc cd ce cf"  // secret
+    "d0 d1 d2 d3 d4 d5 d6 d7 d8 d9 da db dc dd de df"
+    "06 00 00 00 6e 6f 20 6e 69 63";  // reason length 6, "no nic"
+// The rank-failed status for 2 ranks: rank 1 failed, "no nic".
+const char* const kRankFailed2 =
+    "1a 00 00 00"                     // frame length 26
+    "4b 56 58 42 01 00 03 00"         // magic, version 1, status 3: a rank failed
+    "02 00 00 00"                     // nranks 2
+    "01 00 00 00"                     // failed rank 1
+    "06 00 00 00 6e 6f 20 6e 69 63";  // reason length 6, "no nic"
+
+TEST(WireBytes, BootstrapFailureReportIsFixed) {
+  FakeRoot root;
+  ASSERT_TRUE(root.ok());
+  auto served = std::async(std::launch::async, [&] { return root.serve(hex(kRankFailed2)); });
+  EXPECT_EQ(transport::bootstrap_report_failure(root.id(), 1, 2, 5000, "no nic"), KVXFER_SUCCESS)
+      << last_error();
+  EXPECT_EQ(to_hex(served.get()), to_hex(hex(kFailedHello)));
+}
+
+TEST(WireBytes, BootstrapRankFailedStatusParses) {
+  FakeRoot root;
+  ASSERT_TRUE(root.ok());
+  Bytes reply = hex(kRankFailed2);
+  reply[4 + 12] = 0;  // rank 0 failed, as rank 1 hears it
+  auto served = std::async(std::launch::async, [&] { return root.serve(reply); });
+  transport::AddressTable table;
+  const uint8_t payload[2] = {'k', 'v'};
+  EXPECT_EQ(transport::bootstrap_connect(root.id(), 1, 2, 5000, payload, 2, &table),
+            KVXFER_ERR_SYSTEM);
+  EXPECT_NE(std::string(last_error()).find("bootstrap: rank 0 failed: no nic"), std::string::npos)
+      << last_error();
+  EXPECT_TRUE(table.empty());
+  EXPECT_EQ(to_hex(served.get()), to_hex(hex(kHello)));
+}
+
+TEST(WireBytes, BootstrapMalformedRankFailedStatusIsCorrupt) {
+  for (int k = 0; k < 3; ++k) {
+    FakeRoot root;
+    ASSERT_TRUE(root.ok());
+    Bytes reply = hex(kRankFailed2);
+    if (k == 0) reply[4 + 12] = 2;  // failed rank out of range
+    if (k == 1) reply[4 + 16] = 7;  // reason longer than the frame
+    if (k == 2) {                   // truncated before the reason length
+      reply.resize(4 + 16);
+      reply[0] = 16;
+    }
+    auto served = std::async(std::launch::async, [&] { return root.serve(reply); });
+    transport::AddressTable table;
+    const uint8_t payload[2] = {'k', 'v'};
+    EXPECT_EQ(transport::bootstrap_connect(root.id(), 1, 2, 5000, payload, 2, &table),
+              KVXFER_ERR_CORRUPT)
+        << k << ": " << last_error();
+    served.get();
+  }
+}
+
+TEST(WireBytes, RootSendsAFixedRankFailedStatus) {
+  transport::UniqueId id;
+  std::unique_ptr<transport::BootstrapRoot> root;
+  ASSERT_EQ(transport::create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto accepted = std::async(std::launch::async, [&] { return root->accept_all(2, 5000); });
+  const int r0 = connect_to(id);
+  ASSERT_GE(r0, 0);
+  ASSERT_TRUE(send_bytes(r0, hello_for(id, 0, 2)));
+  const int r1 = connect_to(id);
+  ASSERT_GE(r1, 0);
+  Bytes report = hex(kFailedHello);
+  std::memcpy(report.data() + 4 + 16, id.secret, transport::kBootstrapSecretBytes);
+  ASSERT_TRUE(send_bytes(r1, report));
+  const Bytes to_r0 = recv_frame(r0), to_r1 = recv_frame(r1);
+  ::close(r0);
+  ::close(r1);
+  EXPECT_EQ(accepted.get(), KVXFER_ERR_SYSTEM);
+  EXPECT_EQ(to_hex(to_r0), to_hex(hex(kRankFailed2)));
+  EXPECT_EQ(to_hex(to_r1), to_hex(hex(kRankFailed2)));
+}
+
+TEST(WireBytes, RootRefusesUnknownHelloFlags) {
+  transport::UniqueId id;
+  std::unique_ptr<transport::BootstrapRoot> root;
+  ASSERT_EQ(transport::create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto accepted = std::async(std::launch::async, [&] { return root->accept_all(1, 5000); });
+  int fd = connect_to(id);
+  ASSERT_GE(fd, 0);
+  Bytes h = hello_for(id, 0, 1);
+  h[4 + 6] = 2;  // a flag this version does not know
+  ASSERT_TRUE(send_bytes(fd, h));
+  EXPECT_TRUE(recv_frame(fd).empty());  // closed, no answer
+  ::close(fd);
+  fd = connect_to(id);  // the slot is still free
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(send_bytes(fd, hello_for(id, 0, 1)));
+  EXPECT_FALSE(recv_frame(fd).empty());
+  ::close(fd);
+  EXPECT_EQ(accepted.get(), KVXFER_SUCCESS) << last_error();
 }
 
 // ---------------------------------------------------------------------------

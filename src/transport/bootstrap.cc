@@ -32,6 +32,7 @@ constexpr size_t kMaxPending = 256;  // unauthenticated connections held at once
 constexpr uint16_t kStatusOk = 0;
 constexpr uint16_t kStatusTimeout = 1;
 constexpr uint16_t kStatusTooLarge = 2;
+constexpr uint16_t kStatusRankFailed = kBootstrapStatusRankFailed;
 
 Deadline deadline_after(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
 
@@ -250,6 +251,91 @@ std::vector<uint8_t> status_frame(uint16_t status, int nranks) {
   return f;
 }
 
+/** At most kBootstrapMaxReason bytes of `text`, control bytes shown as '?'. */
+std::string clean_reason(const uint8_t* p, size_t n) {
+  std::string out(reinterpret_cast<const char*>(p), std::min(n, kBootstrapMaxReason));
+  for (char& c : out)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return out;
+}
+std::string clean_reason(const std::string& s) {
+  return clean_reason(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
+/** The rank-failed status: the table header, then failed rank u32, reason. */
+std::vector<uint8_t> failure_frame(int nranks, int failed_rank, const std::string& reason) {
+  std::vector<uint8_t> f = status_frame(kStatusRankFailed, nranks);
+  put_u32(&f, static_cast<uint32_t>(failed_rank));
+  put_u32(&f, static_cast<uint32_t>(reason.size()));
+  f.insert(f.end(), reason.begin(), reason.end());
+  finish_frame(&f);
+  return f;
+}
+
+std::vector<uint8_t> hello_frame(const UniqueId& id, uint16_t flags, int rank, int nranks,
+                                 const uint8_t* payload, size_t payload_len) {
+  std::vector<uint8_t> hello(4, 0);
+  hello.reserve(4 + kHelloFixed + payload_len);
+  put_u32(&hello, kBootstrapMagic);
+  put_u16(&hello, kBootstrapVersion);
+  put_u16(&hello, flags);
+  put_u32(&hello, static_cast<uint32_t>(rank));
+  put_u32(&hello, static_cast<uint32_t>(nranks));
+  hello.insert(hello.end(), id.secret, id.secret + kBootstrapSecretBytes);
+  put_u32(&hello, static_cast<uint32_t>(payload_len));
+  if (payload_len > 0) hello.insert(hello.end(), payload, payload + payload_len);
+  finish_frame(&hello);
+  return hello;
+}
+
+/**
+ * Connects to the root, retrying while it is not listening (yet), until `d`.
+ * KVXFER_ERR_TIMEOUT (naming `rank` and `budget_ms`) when it cannot.
+ */
+kvxfer_result_t connect_root(const sockaddr_storage& sa, socklen_t sl, Deadline d, int rank,
+                             const std::string& root, int budget_ms, Fd* fd) {
+  auto backoff = std::chrono::milliseconds(5);
+  for (;;) {
+    bool retry = false;
+    kvxfer_result_t r = connect_once(sa, sl, d, fd, &retry);
+    if (r == KVXFER_SUCCESS) break;
+    if (r == KVXFER_ERR_TIMEOUT || (retry && remaining_ms(d) == 0)) {
+      std::string detail = last_error();
+      return set_error(KVXFER_ERR_TIMEOUT,
+                       "bootstrap: rank %d could not reach the root %s within %d ms (%s)", rank,
+                       root.c_str(), budget_ms, detail.c_str());
+    }
+    if (!retry) return r;
+    std::this_thread::sleep_for(
+        std::min<std::chrono::milliseconds>(backoff, std::chrono::milliseconds(remaining_ms(d))));
+    backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::milliseconds(100));
+  }
+  set_nodelay(fd->get());
+  return KVXFER_SUCCESS;
+}
+
+/**
+ * Parses the body of a rank-failed status frame (`len` bytes at b, the table
+ * header included) into KVXFER_ERR_SYSTEM "rank N failed: reason", or
+ * KVXFER_ERR_CORRUPT when malformed.
+ */
+kvxfer_result_t rank_failed_error(const uint8_t* b, size_t len, int nranks, int rank,
+                                  const std::string& root) {
+  if (len < kTableFixed + 8)
+    return set_error(KVXFER_ERR_CORRUPT, "bootstrap: rank-failed status from %s truncated",
+                     root.c_str());
+  const uint32_t failed = get_u32(b + kTableFixed);
+  const uint32_t rlen = get_u32(b + kTableFixed + 4);
+  if (failed >= static_cast<uint32_t>(nranks) || rlen != len - kTableFixed - 8)
+    return set_error(KVXFER_ERR_CORRUPT,
+                     "bootstrap: rank-failed status from %s: bad rank %u or reason length %u",
+                     root.c_str(), failed, rlen);
+  const std::string reason = clean_reason(b + kTableFixed + 8, rlen);
+  return set_error(KVXFER_ERR_SYSTEM,
+                   "bootstrap: rank %u failed: %s (relayed by the root %s to rank %d of %d)",
+                   failed, reason.c_str(), root.c_str(), rank, nranks);
+}
+
 /** A connection whose hello has not been read completely yet. */
 struct Pending {
   Fd fd;
@@ -388,6 +474,25 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
   if (listen_fd_ < 0)
     return set_error(KVXFER_ERR_INVALID_USAGE,
                      "bootstrap accept_all: the root has no listener (accept_all is one-shot)");
+  return serve(nranks, timeout_ms, -1, std::string());
+}
+
+kvxfer_result_t BootstrapRoot::fail_all(int nranks, int failed_rank, const char* reason,
+                                        int timeout_ms) {
+  KVXFER_REQUIRE(nranks > 0 && nranks <= kBootstrapMaxRanks,
+                 "bootstrap fail_all: nranks %d out of range [1, %d]", nranks, kBootstrapMaxRanks);
+  KVXFER_REQUIRE(failed_rank >= 0 && failed_rank < nranks,
+                 "bootstrap fail_all: failed_rank %d out of range [0, %d)", failed_rank, nranks);
+  KVXFER_REQUIRE(reason != nullptr, "bootstrap fail_all: reason is NULL");
+  KVXFER_REQUIRE(timeout_ms > 0, "bootstrap fail_all: timeout_ms must be > 0 (got %d)", timeout_ms);
+  if (listen_fd_ < 0)
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "bootstrap fail_all: the root has no listener (the root is one-shot)");
+  return serve(nranks, timeout_ms, failed_rank, reason);
+}
+
+kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_rank,
+                                     const std::string& own_reason) {
   struct ListenerCloser {
     BootstrapRoot* r;
     ~ListenerCloser() { r->close_listener(); }
@@ -403,13 +508,51 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
   std::vector<pollfd> fds;
   std::vector<int> accepted_idx;  // rank for each accepted-rank pollfd
 
+  // Failure mode: once a rank has failed, every rank is answered with
+  // failure_frame instead of the table, until all are told or the grace ends.
+  std::string failed_reason;
+  std::vector<uint8_t> failed_frame;
+  Deadline grace_end = d;
+  std::vector<bool> told(static_cast<size_t>(nranks), false);
+  int ntold = 0;
+  auto mark_told = [&](int r) {
+    if (!told[r]) {
+      told[r] = true;
+      ++ntold;
+    }
+  };
+  auto tell = [&](int r, Fd fd) {
+    bool closed;
+    if (send_all(fd.get(), failed_frame.data(), failed_frame.size(), deadline_after(200),
+                 "sending the rank-failed status", &closed) == KVXFER_SUCCESS)
+      KVXFER_INFO(LOG_NET, "bootstrap: root %s told rank %d that rank %d failed", self.c_str(), r,
+                  failed_rank_);
+    mark_told(r);
+  };
+  auto start_failure = [&](int r, const std::string& reason, Fd reporter) {
+    failed_rank_ = r;
+    failed_reason = clean_reason(reason);
+    failed_frame = failure_frame(nranks, r, failed_reason);
+    grace_end = std::min(d, deadline_after(kBootstrapFailGraceMs));
+    KVXFER_WARN(LOG_NET, "bootstrap: root %s: rank %d failed (%s); telling every rank",
+                self.c_str(), r, failed_reason.c_str());
+    mark_told(r);
+    if (reporter.valid()) tell(r, std::move(reporter));
+    for (int k = 0; k < nranks; ++k)
+      if (ranks[k].valid()) tell(k, std::move(ranks[k]));
+    accepted = 0;
+  };
+  if (own_failed_rank >= 0) start_failure(own_failed_rank, own_reason, Fd());
+
   auto refuse = [&](const std::string& peer, const std::string& why) {
     KVXFER_WARN(LOG_NET, "bootstrap: root %s refused %s: %s", self.c_str(), peer.c_str(),
                 why.c_str());
   };
 
-  while (accepted < nranks) {
-    int left = remaining_ms(d);
+  for (;;) {
+    const bool failing = failed_rank_ >= 0;
+    if (failing ? ntold == nranks : accepted == nranks) break;
+    int left = remaining_ms(failing ? grace_end : d);
     if (left == 0) break;
     fds.clear();
     accepted_idx.clear();
@@ -434,6 +577,7 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
       const pollfd& f = fds[1 + npend + k];
       if (f.revents == 0) continue;
       int r = accepted_idx[k];
+      if (!ranks[r].valid()) continue;  // told of a failure meanwhile
       KVXFER_WARN(LOG_NET, "bootstrap: root %s: rank %d (%s) hung up before the table; slot freed",
                   self.c_str(), r, peers[r].c_str());
       ranks[r].reset();
@@ -456,12 +600,16 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
       const uint8_t* b = p->body.data();
       uint32_t magic = get_u32(b);
       uint16_t version = get_u16(b + 4);
+      uint16_t flags = get_u16(b + 6);
       int32_t rank = static_cast<int32_t>(get_u32(b + 8));
       int32_t their_n = static_cast<int32_t>(get_u32(b + 12));
       const uint8_t* secret = b + 16;
       uint32_t plen = get_u32(b + 16 + kBootstrapSecretBytes);
+      const bool failed_hello = (flags & kBootstrapHelloFailed) != 0;
       if (magic != kBootstrapMagic || version != kBootstrapVersion) {
         why = "bad hello (magic/version)";
+      } else if ((flags & ~kBootstrapHelloFailed) != 0) {
+        why = "bad hello (unknown flags " + std::to_string(flags) + ")";
       } else if (!secret_equal(secret, id_.secret, kBootstrapSecretBytes)) {
         why = "wrong secret";
       } else if (plen != p->len - kHelloFixed) {
@@ -471,7 +619,7 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
               std::to_string(nranks) + ")";
       } else if (rank < 0 || rank >= nranks) {
         why = "rank " + std::to_string(rank) + " out of range";
-      } else if (ranks[rank].valid()) {
+      } else if (!failed_hello && failed_rank_ < 0 && ranks[rank].valid()) {
         why = "rank " + std::to_string(rank) + " already taken by " + peers[rank];
       }
       if (!why.empty()) {
@@ -479,12 +627,25 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
         pending.erase(pending.begin() + static_cast<long>(i));
         continue;
       }
-      blobs[rank].assign(b + kHelloFixed, b + p->len);
-      peers[rank] = p->peer;
-      ranks[rank] = std::move(p->fd);
-      ++accepted;
-      KVXFER_INFO(LOG_NET, "bootstrap: root %s accepted rank %d/%d from %s (%u-byte payload)",
-                  self.c_str(), rank, nranks, peers[rank].c_str(), plen);
+      if (failed_hello) {
+        const std::string reason = clean_reason(b + kHelloFixed, plen);
+        if (failed_rank_ < 0) {
+          start_failure(rank, reason, std::move(p->fd));
+        } else {
+          KVXFER_WARN(LOG_NET, "bootstrap: root %s: rank %d failed too (%s)", self.c_str(), rank,
+                      reason.c_str());
+          tell(rank, std::move(p->fd));
+        }
+      } else if (failed_rank_ >= 0) {
+        tell(rank, std::move(p->fd));
+      } else {
+        blobs[rank].assign(b + kHelloFixed, b + p->len);
+        peers[rank] = p->peer;
+        ranks[rank] = std::move(p->fd);
+        ++accepted;
+        KVXFER_INFO(LOG_NET, "bootstrap: root %s accepted rank %d/%d from %s (%u-byte payload)",
+                    self.c_str(), rank, nranks, peers[rank].c_str(), plen);
+      }
       pending.erase(pending.begin() + static_cast<long>(i));
     }
 
@@ -511,6 +672,28 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
         pending.push_back(std::move(p));
       }
     }
+  }
+
+  if (failed_rank_ >= 0) {
+    std::string untold;
+    int shown = 0;
+    for (int r = 0; r < nranks; ++r) {
+      if (told[r]) continue;
+      if (shown < 8) untold += (shown ? ", " : "") + std::to_string(r);
+      ++shown;
+    }
+    if (shown > 8) untold += ", ...";
+    if (own_failed_rank >= 0) {
+      if (ntold == nranks) return KVXFER_SUCCESS;
+      return set_error(KVXFER_ERR_TIMEOUT,
+                       "bootstrap: root %s told %d of %d ranks of rank %d's failure (not told: "
+                       "%s)",
+                       self.c_str(), ntold, nranks, own_failed_rank, untold.c_str());
+    }
+    return set_error(KVXFER_ERR_SYSTEM,
+                     "bootstrap: rank %d failed: %s (root %s told %d of %d ranks%s%s)",
+                     failed_rank_, failed_reason.c_str(), self.c_str(), ntold, nranks,
+                     ntold < nranks ? "; not told: " : "", untold.c_str());
   }
 
   if (accepted < nranks) {
@@ -598,38 +781,11 @@ kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int 
   const std::string root = unique_id_address(id);
   const Deadline d = deadline_after(timeout_ms);
 
-  // Connect, retrying while the root is not listening (yet).
   Fd fd;
-  auto backoff = std::chrono::milliseconds(5);
-  for (;;) {
-    bool retry = false;
-    kvxfer_result_t r = connect_once(sa, sl, d, &fd, &retry);
-    if (r == KVXFER_SUCCESS) break;
-    if (r == KVXFER_ERR_TIMEOUT || (retry && remaining_ms(d) == 0)) {
-      std::string detail = last_error();
-      return set_error(KVXFER_ERR_TIMEOUT,
-                       "bootstrap: rank %d could not reach the root %s within %d ms (%s)", rank,
-                       root.c_str(), timeout_ms, detail.c_str());
-    }
-    if (!retry) return r;
-    std::this_thread::sleep_for(
-        std::min<std::chrono::milliseconds>(backoff, std::chrono::milliseconds(remaining_ms(d))));
-    backoff = std::min<std::chrono::milliseconds>(backoff * 2, std::chrono::milliseconds(100));
-  }
-  set_nodelay(fd.get());
-
-  std::vector<uint8_t> hello(4, 0);
-  hello.reserve(4 + kHelloFixed + payload_len);
-  put_u32(&hello, kBootstrapMagic);
-  put_u16(&hello, kBootstrapVersion);
-  put_u16(&hello, 0);
-  put_u32(&hello, static_cast<uint32_t>(rank));
-  put_u32(&hello, static_cast<uint32_t>(nranks));
-  hello.insert(hello.end(), id.secret, id.secret + kBootstrapSecretBytes);
-  put_u32(&hello, static_cast<uint32_t>(payload_len));
-  const auto* pb = static_cast<const uint8_t*>(payload);
-  if (payload_len > 0) hello.insert(hello.end(), pb, pb + payload_len);
-  finish_frame(&hello);
+  kvxfer_result_t cr = connect_root(sa, sl, d, rank, root, timeout_ms, &fd);
+  if (cr < 0) return cr;
+  const std::vector<uint8_t> hello =
+      hello_frame(id, 0, rank, nranks, static_cast<const uint8_t*>(payload), payload_len);
 
   bool closed = false;
   kvxfer_result_t r =
@@ -665,6 +821,7 @@ kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int 
     return set_error(KVXFER_ERR_TIMEOUT,
                      "bootstrap: root %s timed out waiting for the other ranks (rank %d of %d)",
                      root.c_str(), rank, nranks);
+  if (status == kStatusRankFailed) return rank_failed_error(b, len, nranks, rank, root);
   if (status == kStatusTooLarge)
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "bootstrap: root %s says the address table exceeds %zu bytes", root.c_str(),
@@ -701,6 +858,65 @@ kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int 
   *table = std::move(out);
   KVXFER_INFO(LOG_NET, "bootstrap: rank %d/%d received the address table from %s", rank, nranks,
               root.c_str());
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t bootstrap_report_failure(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                                         const char* reason) {
+  KVXFER_REQUIRE(reason != nullptr, "bootstrap_report_failure: reason is NULL");
+  KVXFER_REQUIRE(nranks > 0 && nranks <= kBootstrapMaxRanks,
+                 "bootstrap_report_failure: nranks %d out of range [1, %d]", nranks,
+                 kBootstrapMaxRanks);
+  KVXFER_REQUIRE(rank >= 0 && rank < nranks,
+                 "bootstrap_report_failure: rank %d out of range [0, %d)", rank, nranks);
+  KVXFER_REQUIRE(timeout_ms > 0, "bootstrap_report_failure: timeout_ms must be > 0 (got %d)",
+                 timeout_ms);
+  sockaddr_storage sa;
+  socklen_t sl = 0;
+  KVXFER_REQUIRE(id_sockaddr(id, &sa, &sl), "bootstrap_report_failure: not a valid unique id");
+  const std::string root = unique_id_address(id);
+  const int budget = std::min(timeout_ms, kBootstrapFailGraceMs);
+  const Deadline d = deadline_after(budget);
+
+  Fd fd;
+  kvxfer_result_t cr = connect_root(sa, sl, d, rank, root, budget, &fd);
+  if (cr < 0) return cr;
+  const std::string text = clean_reason(std::string(reason));
+  const std::vector<uint8_t> hello =
+      hello_frame(id, kBootstrapHelloFailed, rank, nranks,
+                  reinterpret_cast<const uint8_t*>(text.data()), text.size());
+  bool closed = false;
+  kvxfer_result_t r =
+      send_all(fd.get(), hello.data(), hello.size(), d, "sending the failure report", &closed);
+  if (r < 0) return closed ? refused_error(root) : r;
+
+  // The root answers with the rank-failed status (ours, or an earlier
+  // rank's).  If it is not serving yet, the report waits in its backlog.
+  uint8_t hdr[4];
+  r = recv_all(fd.get(), hdr, 4, d, "waiting for the root's answer", &closed);
+  if (r == KVXFER_ERR_TIMEOUT)
+    return set_error(KVXFER_ERR_TIMEOUT,
+                     "bootstrap: rank %d sent its failure report to %s, no answer within %d ms "
+                     "(the root reads it when it starts serving)",
+                     rank, root.c_str(), budget);
+  if (r < 0) return closed ? refused_error(root) : r;
+  const uint32_t len = get_u32(hdr);
+  if (len < kTableFixed || len > kBootstrapMaxMessage)
+    return set_error(KVXFER_ERR_CORRUPT, "bootstrap: answer of %u bytes from %s is out of bounds",
+                     len, root.c_str());
+  std::vector<uint8_t> body(len);
+  r = recv_all(fd.get(), body.data(), len, d, "receiving the root's answer", &closed);
+  if (r < 0) return r;
+  if (get_u32(body.data()) != kBootstrapMagic || get_u16(body.data() + 4) != kBootstrapVersion ||
+      get_u16(body.data() + 6) != kStatusRankFailed)
+    return set_error(KVXFER_ERR_CORRUPT,
+                     "bootstrap: the root %s answered a failure report with something else than "
+                     "the rank-failed status",
+                     root.c_str());
+  r = rank_failed_error(body.data(), len, nranks, rank, root);
+  if (r == KVXFER_ERR_CORRUPT) return r;
+  KVXFER_INFO(LOG_NET, "bootstrap: rank %d/%d: the root %s acknowledged the failure report (%s)",
+              rank, nranks, root.c_str(), last_error());
   return KVXFER_SUCCESS;
 }
 

@@ -10,10 +10,22 @@
 //
 // Wire format (all integers little-endian, every message length-prefixed by a
 // u32 that counts the bytes after it, every message <= kBootstrapMaxMessage):
-//   hello  magic u32, version u16, 0 u16, rank u32, nranks u32, secret[32],
+//   hello  magic u32, version u16, flags u16, rank u32, nranks u32, secret[32],
 //          payload_len u32, payload
 //   table  magic u32, version u16, status u16, nranks u32,
 //          nranks x (len u32, bytes)        (entries only when status == OK)
+//          failed_rank u32, reason_len u32, reason   (status == RANK_FAILED)
+// flags is 0 in a rank's hello; kBootstrapHelloFailed marks a failure report
+// (bootstrap_report_failure), whose payload is the reason text.  Statuses:
+// 0 OK, 1 the root timed out, 2 the table is too large, 3 RANK_FAILED.
+//
+// Fail fast: a rank that fails before it has joined reports it
+// (bootstrap_report_failure); the root's own rank failing calls fail_all.
+// The root then answers every rank it holds, and every rank that says hello
+// within kBootstrapFailGraceMs after (bounded by its deadline), with
+// RANK_FAILED naming the first failing rank and its reason, so no rank waits
+// for the whole timeout.  A rank that comes later still waits for its own
+// deadline (the listener is closed by then).
 //
 // Security: a hello whose secret differs (compared in constant time), or that
 // is malformed, names a rank out of range or already taken, or disagrees on
@@ -48,6 +60,15 @@ constexpr size_t kBootstrapMaxMessage = size_t{1} << 20;
 constexpr size_t kBootstrapMaxPayload = size_t{64} << 10;
 /** Upper bound on nranks. */
 constexpr int kBootstrapMaxRanks = 1 << 16;
+/** Hello flag: a failure report, whose payload is the reason text. */
+constexpr uint16_t kBootstrapHelloFailed = 0x0001;
+/** Table status: a rank failed; failed_rank u32, reason_len u32, reason follow. */
+constexpr uint16_t kBootstrapStatusRankFailed = 3;
+/** Upper bound on a failure reason (longer ones are cut). */
+constexpr size_t kBootstrapMaxReason = 512;
+/** How long the root keeps answering ranks after a failure, and the bound on
+ *  bootstrap_report_failure (both also bounded by their timeout_ms). */
+constexpr int kBootstrapFailGraceMs = 1000;
 
 /**
  * The unique id: a 128-byte POD, copied as bytes (memcpy) between processes.
@@ -88,8 +109,30 @@ class BootstrapRoot {
    * the table; KVXFER_ERR_INVALID_ARGUMENT / _INVALID_USAGE on bad calls;
    * KVXFER_ERR_UNSUPPORTED if the table would exceed kBootstrapMaxMessage.
    * The table phase gets max(remaining, 1 s) to finish its writes.
+   * A valid failure report (a hello with kBootstrapHelloFailed and the right
+   * secret, nranks and an in-range rank, taken or not) ends the wait: every
+   * accepted rank, the reporter, and every rank whose hello arrives within
+   * min(kBootstrapFailGraceMs, what is left of timeout_ms) is sent
+   * RANK_FAILED with the reporter's rank and reason (the grace ends early
+   * once every rank is told); then KVXFER_ERR_SYSTEM "bootstrap: rank N
+   * failed: <reason>" (failed_rank() is then N).  A failure report with a
+   * wrong secret is refused like any bad hello and aborts nothing.
    */
   kvxfer_result_t accept_all(int nranks, int timeout_ms);
+
+  /**
+   * For a root whose own rank `failed_rank` failed before it could serve:
+   * answers every rank that says hello (or reports a failure) with
+   * RANK_FAILED naming `failed_rank` and `reason`, for up to
+   * min(kBootstrapFailGraceMs, timeout_ms) or until every other rank is told.
+   * One-shot, like accept_all (the listener is closed when it returns).
+   * Errors: KVXFER_ERR_TIMEOUT when some ranks were not told in time (they
+   * time out on their own); KVXFER_ERR_INVALID_ARGUMENT / _INVALID_USAGE.
+   */
+  kvxfer_result_t fail_all(int nranks, int failed_rank, const char* reason, int timeout_ms);
+
+  /** The rank whose failure accept_all/fail_all relayed; -1 when none. */
+  int failed_rank() const { return failed_rank_; }
 
   const UniqueId& id() const { return id_; }
 
@@ -97,8 +140,11 @@ class BootstrapRoot {
   friend kvxfer_result_t create_unique_id(const char*, UniqueId*, std::unique_ptr<BootstrapRoot>*);
   BootstrapRoot() = default;
   void close_listener();
+  kvxfer_result_t serve(int nranks, int timeout_ms, int own_failed_rank,
+                        const std::string& own_reason);
 
   int listen_fd_ = -1;
+  int failed_rank_ = -1;
   UniqueId id_{};
 };
 
@@ -125,10 +171,30 @@ kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
  * time, or the root gave up waiting for other ranks); KVXFER_ERR_SYSTEM with
  * "bootstrap refused by root (wrong secret or bad hello)" when the root closes
  * the connection without a table, or with errno text on other socket
- * failures; KVXFER_ERR_CORRUPT for a malformed table.
+ * failures; KVXFER_ERR_SYSTEM with "bootstrap: rank N failed: <reason>" when
+ * the root relays another rank's failure (RANK_FAILED); KVXFER_ERR_CORRUPT
+ * for a malformed table.
  */
 kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
                                   const void* payload, size_t payload_len, AddressTable* table);
+
+/**
+ * Tells the root that `rank` of `nranks` failed, with `reason` (cut to
+ * kBootstrapMaxReason bytes), so the root fails every rank at once instead of
+ * letting them wait for their timeout.  Bounded by min(timeout_ms,
+ * kBootstrapFailGraceMs) in all: connects (retrying a refused connect), sends
+ * a hello with kBootstrapHelloFailed and the reason as payload, and waits for
+ * the root's RANK_FAILED answer.  Best effort: the caller keeps its own error
+ * (and must save its last_error() text first: this call overwrites it).
+ * Returns KVXFER_SUCCESS when the root acknowledged.
+ * Errors: KVXFER_ERR_TIMEOUT (root unreachable, or no answer yet: a report
+ * that reached the root's backlog is still read when the root serves);
+ * KVXFER_ERR_SYSTEM "bootstrap refused by root" (wrong secret, nranks
+ * mismatch: the root ignores the report); KVXFER_ERR_INVALID_ARGUMENT;
+ * KVXFER_ERR_CORRUPT for a malformed answer.
+ */
+kvxfer_result_t bootstrap_report_failure(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                                         const char* reason);
 
 /** "127.0.0.1:4242" / "[::1]:4242" for logs; "<invalid id>" for a bad id. */
 std::string unique_id_address(const UniqueId& id);
