@@ -328,6 +328,103 @@ TEST(Comm, TamperedSecretFailsWhileOthersTimeOut) {
   }
 }
 
+// Fail fast (bootstrap.h): a rank that fails before the bootstrap tells the
+// root, and the others fail within about a second with its reason, not at
+// their 30 s deadline.  The failure: a libfabric provider that does not exist.
+constexpr int kFailFastTimeoutMs = 30000;
+constexpr const char* kNoProvider = "no-such-provider";
+
+bool read_all_fd(int fd, void* buf, size_t n) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    const ssize_t r = read(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+TEST(Comm, RankFailingToOpenItsLinkFailsTheOthersFast) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  Child child;  // rank 1: its provider does not exist
+  ASSERT_TRUE(child.start([id](int, int) {
+    LinkConfig cfg = loopback_config();
+    cfg.provider = kNoProvider;
+    std::unique_ptr<Communicator> c;
+    const kvxfer_result_t r = Communicator::create(id, nullptr, 1, 2, cfg, kFailFastTimeoutMs, &c);
+    const std::string err = last_error();
+    if (r == KVXFER_SUCCESS || err.find("comm rank 1/2: opening the link to rank 0") != 0) {
+      std::fprintf(stderr, "child: unexpected result %d: %s\n", r, err.c_str());
+      return 1;
+    }
+    return 0;
+  }));
+  Created c = create_rank(id, root.get(), 0, 2, kFailFastTimeoutMs);
+  EXPECT_EQ(c.r, KVXFER_ERR_SYSTEM) << c.err;
+  EXPECT_EQ(c.comm, nullptr);
+  EXPECT_NE(c.err.find("comm rank 0/2: bootstrap failed"), std::string::npos) << c.err;
+  EXPECT_NE(c.err.find("rank 1 failed: comm rank 1/2: opening the link to rank 0"),
+            std::string::npos)
+      << c.err;
+  EXPECT_NE(c.err.find(kNoProvider), std::string::npos) << c.err;
+  EXPECT_LT(c.ms, 5000) << "rank 0 waited for its timeout instead of failing fast";
+  std::printf(
+      "[ fail fast ] rank 0 failed after %.3f s (rank 1 could not open its link; "
+      "timeout %d s)\n",
+      c.ms / 1000.0, kFailFastTimeoutMs / 1000);
+  ASSERT_TRUE(child.wait(30)) << "child hung";
+  ASSERT_TRUE(WIFEXITED(child.status)) << "child status " << child.status;
+  EXPECT_EQ(WEXITSTATUS(child.status), 0) << "child failed (see its stderr)";
+}
+
+TEST(Comm, RootRankFailingToOpenItsLinkFailsTheOthersFast) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  Child child;  // rank 1, healthy: reports how long its create took
+  ASSERT_TRUE(child.start([id](int, int to_parent) {
+    if (!write_byte(to_parent, 's')) return 2;
+    Created c = create_rank(id, nullptr, 1, 2, kFailFastTimeoutMs);
+    const int32_t ms = static_cast<int32_t>(c.ms);
+    if (write(to_parent, &ms, sizeof ms) != sizeof ms) return 3;
+    if (c.r != KVXFER_ERR_SYSTEM ||
+        c.err.find("rank 0 failed: comm rank 0/2: opening the link to "
+                   "rank 1") == std::string::npos ||
+        c.err.find(kNoProvider) == std::string::npos) {
+      std::fprintf(stderr, "child: unexpected result %d: %s\n", c.r, c.err.c_str());
+      return 1;
+    }
+    return 0;
+  }));
+  char started = 0;
+  ASSERT_TRUE(read_all_fd(child.from_child, &started, 1));
+  LinkConfig cfg = loopback_config();
+  cfg.provider = kNoProvider;
+  std::unique_ptr<Communicator> comm;
+  const auto t0 = Clock::now();
+  EXPECT_EQ(Communicator::create(id, root.get(), 0, 2, cfg, kFailFastTimeoutMs, &comm),
+            KVXFER_ERR_SYSTEM);
+  const long ms0 = ms_since(t0);
+  const std::string err0 = last_error();
+  EXPECT_EQ(err0.find("comm rank 0/2: opening the link to rank 1"), 0u) << err0;
+  EXPECT_LT(ms0, 5000) << err0;
+  int32_t ms1 = -1;
+  ASSERT_TRUE(read_all_fd(child.from_child, &ms1, sizeof ms1)) << "child sent no time";
+  EXPECT_GE(ms1, 0);
+  EXPECT_LT(ms1, 5000) << "rank 1 waited for its timeout instead of failing fast";
+  std::printf(
+      "[ fail fast ] rank 1 failed after %.3f s (rank 0, the root's, could not open its "
+      "link; timeout %d s); rank 0 returned after %.3f s\n",
+      ms1 / 1000.0, kFailFastTimeoutMs / 1000, ms0 / 1000.0);
+  ASSERT_TRUE(child.wait(30)) << "child hung";
+  ASSERT_TRUE(WIFEXITED(child.status)) << "child status " << child.status;
+  EXPECT_EQ(WEXITSTATUS(child.status), 0) << "child failed (see its stderr)";
+}
+
 TEST(Comm, AbortEndsPostedReceiveWithAnError) {
   UniqueId id;
   std::unique_ptr<BootstrapRoot> root;

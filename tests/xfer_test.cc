@@ -1232,6 +1232,77 @@ TEST(XferApi, CommInitRank0RefusesAnIdMadeByAnotherProcess) {
   EXPECT_EQ(WEXITSTATUS(maker.status), 0);
 }
 
+// Fail fast: when one rank's kvxfer_comm_init fails (here its rate_limit does
+// not parse), the other returns within about a second with that rank's
+// reason, not after its 30 s timeout.
+constexpr int kFailFastTimeoutMs = 30000;
+
+TEST(XferApi, CommInitFailingRankFailsTheOtherFast) {
+  kvxfer_unique_id_t id{};
+  ASSERT_EQ(kvxfer_get_unique_id(&id), KVXFER_SUCCESS);
+  Child child;  // rank 1
+  ASSERT_TRUE(child.start([id](int, int) {
+    kvxfer_comm_t comm = init_rank(id, 1, kFailFastTimeoutMs, "bogus");
+    const std::string err = kvxfer_get_last_error();
+    return comm == nullptr && err.find("rate_limit 'bogus'") != std::string::npos ? 0 : 1;
+  }));
+  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
+  cfg.timeout_ms = kFailFastTimeoutMs;
+  cfg.bind_address = "127.0.0.1";
+  kvxfer_comm_t comm = reinterpret_cast<kvxfer_comm_t>(0x10);
+  const auto t0 = std::chrono::steady_clock::now();
+  const kvxfer_result_t r = kvxfer_comm_init(&comm, 2, id, 0, &cfg);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string err = kvxfer_get_last_error();
+  EXPECT_EQ(r, KVXFER_ERR_SYSTEM) << err;
+  EXPECT_EQ(comm, nullptr);
+  EXPECT_NE(err.find("rank 1 failed: rate_limit 'bogus'"), std::string::npos) << err;
+  EXPECT_LT(secs, 5.0) << "rank 0 waited for its timeout instead of failing fast: " << err;
+  std::printf(
+      "[ fail fast ] rank 0 kvxfer_comm_init failed after %.3f s (rank 1 failed; "
+      "timeout %d s)\n",
+      secs, kFailFastTimeoutMs / 1000);
+  ASSERT_TRUE(child.wait(30));
+  EXPECT_EQ(WEXITSTATUS(child.status), 0);
+}
+
+TEST(XferApi, CommInitFailingRank0FailsTheOtherFast) {
+  kvxfer_unique_id_t id{};
+  ASSERT_EQ(kvxfer_get_unique_id(&id), KVXFER_SUCCESS);
+  Child child;  // rank 1, healthy: sends how long its kvxfer_comm_init took
+  ASSERT_TRUE(child.start([id](int, int wr) {
+    if (!write_all(wr, "s", 1)) return 2;
+    const auto t0 = std::chrono::steady_clock::now();
+    kvxfer_comm_t comm = init_rank(id, 1, kFailFastTimeoutMs);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string err = kvxfer_get_last_error();
+    if (!write_all(wr, &secs, sizeof secs)) return 3;
+    return comm == nullptr && err.find("rank 0 failed: rate_limit 'bogus'") != std::string::npos
+               ? 0
+               : 1;
+  }));
+  char started = 0;
+  ASSERT_TRUE(read_all(child.from_child, &started, 1));
+  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
+  cfg.timeout_ms = kFailFastTimeoutMs;
+  cfg.bind_address = "127.0.0.1";
+  cfg.rate_limit = "bogus";
+  kvxfer_comm_t comm = nullptr;
+  expect_error(kvxfer_comm_init(&comm, 2, id, 0, &cfg), KVXFER_ERR_INVALID_ARGUMENT,
+               "rate_limit 'bogus'");
+  EXPECT_EQ(comm, nullptr);
+  double secs = -1;
+  ASSERT_TRUE(read_all(child.from_child, &secs, sizeof secs));
+  EXPECT_LT(secs, 5.0) << "rank 1 waited for its timeout instead of failing fast";
+  std::printf(
+      "[ fail fast ] rank 1 kvxfer_comm_init failed after %.3f s (rank 0 failed; "
+      "timeout %d s)\n",
+      secs, kFailFastTimeoutMs / 1000);
+  ASSERT_TRUE(child.wait(30));
+  EXPECT_EQ(WEXITSTATUS(child.status), 0);
+}
+
 // NULL handles and outputs, and uninitialised or missing outputs, of the
 // communicator and request calls: INVALID_ARGUMENT naming the argument,
 // nothing written, and the communicator and the request unharmed.

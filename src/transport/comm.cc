@@ -1,6 +1,7 @@
 // Communicator: one Link per peer, joined through the bootstrap (comm.h).
 #include "transport/comm.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -8,6 +9,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "common/log.h"
 
 namespace kvxfer::transport {
 namespace {
@@ -120,17 +122,20 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
     if (p == rank) continue;
     if (Link::create(cfg, &c->links_[p]) != KVXFER_SUCCESS) {
       const std::string e = last_error();
-      return set_error(KVXFER_ERR_SYSTEM, "comm rank %d/%d: opening the link to rank %d: %s", rank,
-                       nranks, p, e.c_str());
+      return report_failure(
+          id, root_or_null, rank, nranks, ms_left(deadline, 1),
+          set_error(KVXFER_ERR_SYSTEM, "comm rank %d/%d: opening the link to rank %d: %s", rank,
+                    nranks, p, e.c_str()));
     }
     mine[p] = c->links_[p]->local_address();
   }
   const std::vector<uint8_t> payload = encode_comm_payload(rank, mine);
   if (payload.size() > kBootstrapMaxPayload)
-    return set_error(KVXFER_ERR_UNSUPPORTED,
-                     "comm rank %d/%d: %zu bytes of link addresses exceed the bootstrap's "
-                     "%zu-byte payload limit",
-                     rank, nranks, payload.size(), kBootstrapMaxPayload);
+    return report_failure(id, root_or_null, rank, nranks, ms_left(deadline, 1),
+                          set_error(KVXFER_ERR_UNSUPPORTED,
+                                    "comm rank %d/%d: %zu bytes of link addresses exceed the "
+                                    "bootstrap's %zu-byte payload limit",
+                                    rank, nranks, payload.size(), kBootstrapMaxPayload));
 
   // 2. Bootstrap; rank 0 also serves as the root on a helper thread.
   kvxfer_result_t root_r = KVXFER_SUCCESS;
@@ -148,7 +153,8 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
   const std::string boot_err = r != KVXFER_SUCCESS ? last_error() : "";
   if (root_thread.joinable()) root_thread.join();  // accept_all is bounded by timeout_ms
   if (r != KVXFER_SUCCESS) {
-    if (root_r != KVXFER_SUCCESS)
+    // A relayed failure: the root's error says the same as ours.
+    if (root_r != KVXFER_SUCCESS && root_or_null->failed_rank() < 0)
       return set_error(r, "comm rank %d/%d: bootstrap failed: %s (root: %s)", rank, nranks,
                        boot_err.c_str(), root_err.c_str());
     return set_error(r, "comm rank %d/%d: bootstrap failed: %s", rank, nranks, boot_err.c_str());
@@ -206,6 +212,20 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
   }
   *out = std::move(c);
   return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t Communicator::report_failure(const UniqueId& id, BootstrapRoot* root_or_null,
+                                             int rank, int nranks, int timeout_ms,
+                                             kvxfer_result_t code) {
+  const std::string why = last_error();
+  const int budget = timeout_ms > 0 ? std::min(timeout_ms, kBootstrapFailGraceMs) : 1;
+  const kvxfer_result_t r = root_or_null != nullptr
+                                ? root_or_null->fail_all(nranks, rank, why.c_str(), budget)
+                                : bootstrap_report_failure(id, rank, nranks, budget, why.c_str());
+  if (r != KVXFER_SUCCESS)
+    KVXFER_WARN(LOG_NET, "comm rank %d/%d: telling the other ranks of this rank's failure: %s",
+                rank, nranks, last_error());
+  return set_error(code, "%s", why.c_str());
 }
 
 Communicator::~Communicator() { abort("communicator destroyed"); }

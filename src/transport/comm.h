@@ -11,6 +11,9 @@
 //   4. drives every Link until all handshakes are done.
 // One deadline (timeout_ms from the start of create) bounds all four steps;
 // a wrong secret, a missing rank or a dead peer is an error, never a hang.
+// A rank that fails in step 1 reports it through the bootstrap
+// (report_failure), and every other rank fails within about a second with
+// "rank N failed: <its reason>" rather than at the deadline.
 //
 // Payload format (integers little-endian):
 //   magic u32 ("KVXC"), version u16, 0 u16, rank u32, nranks u32,
@@ -56,12 +59,28 @@ class Communicator {
    * a rank other than 0 or missing on rank 0); KVXFER_ERR_TIMEOUT (a rank
    * missing, the table or a handshake not done within timeout_ms);
    * KVXFER_ERR_SYSTEM with "bootstrap refused by root (wrong secret or bad
-   * hello)" for a wrong secret; KVXFER_ERR_CORRUPT for a malformed payload;
-   * any Link::create/connect error.  The message names the rank and the step.
+   * hello)" for a wrong secret; KVXFER_ERR_SYSTEM with "rank N failed:
+   * <reason>" when another rank failed and reported it; KVXFER_ERR_CORRUPT
+   * for a malformed payload; any Link::create/connect error.  The message
+   * names the rank and the step.
    */
   static kvxfer_result_t create(const UniqueId& id, BootstrapRoot* root_or_null, int rank,
                                 int nranks, const LinkConfig& cfg, int timeout_ms,
                                 std::unique_ptr<Communicator>* out);
+
+  /**
+   * Fails fast: tells the other ranks of `id` that `rank` failed, with this
+   * thread's last_error() as the reason, so that their create() fails within
+   * about a second instead of at its timeout (bootstrap.h).  Rank 0 passes
+   * its root (BootstrapRoot::fail_all, which consumes it), the others nullptr
+   * (bootstrap_report_failure).  Bounded by min(timeout_ms,
+   * kBootstrapFailGraceMs) plus the root's grace; best effort.  Returns
+   * `code` with the last error text as it was on entry.  create() calls it
+   * for its own failures before the bootstrap; callers that fail before
+   * create() (Engine::create) call it themselves.
+   */
+  static kvxfer_result_t report_failure(const UniqueId& id, BootstrapRoot* root_or_null, int rank,
+                                        int nranks, int timeout_ms, kvxfer_result_t code);
 
   /** Aborts and closes every Link; safe with operations in flight. */
   ~Communicator();

@@ -185,18 +185,24 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
                                int timeout_ms, const std::string& bind, const char* rate_limit,
                                std::unique_ptr<Engine>* out) {
   transport::LinkConfig lc;
-  KVXFER_CHECK(transport::LinkConfig::from_params(&lc));
-  lc.node = bind;
-  if (rate_limit != nullptr) {
-    double bps = 0;
-    std::string why;
-    KVXFER_REQUIRE(params::parse_rate(rate_limit, &bps, &why), "rate_limit '%s' %s", rate_limit,
-                   why.c_str());
-    lc.limiter = bps > 0 ? std::make_shared<transport::RateLimiter>(
-                               bps, static_cast<uint64_t>(params::NetChunkBytes()))
-                         : nullptr;
-  }
-  lc.timeout_ms = timeout_ms;
+  // A failure here still tells the other ranks (fail fast, comm.h).
+  const kvxfer_result_t prep = [&]() -> kvxfer_result_t {
+    KVXFER_CHECK(transport::LinkConfig::from_params(&lc));
+    lc.node = bind;
+    if (rate_limit != nullptr) {
+      double bps = 0;
+      std::string why;
+      KVXFER_REQUIRE(params::parse_rate(rate_limit, &bps, &why), "rate_limit '%s' %s", rate_limit,
+                     why.c_str());
+      lc.limiter = bps > 0 ? std::make_shared<transport::RateLimiter>(
+                                 bps, static_cast<uint64_t>(params::NetChunkBytes()))
+                           : nullptr;
+    }
+    lc.timeout_ms = timeout_ms;
+    return KVXFER_SUCCESS;
+  }();
+  if (prep != KVXFER_SUCCESS)
+    return transport::Communicator::report_failure(id, root.get(), rank, nranks, timeout_ms, prep);
   std::unique_ptr<Engine> e(new Engine);
   e->impl_.reset(new Impl);
   Impl& m = *e->impl_;
