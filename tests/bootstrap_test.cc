@@ -441,6 +441,134 @@ TEST(Bootstrap, FailureReportInvalidArguments) {
   EXPECT_EQ(bootstrap_report_failure(bad, 0, 2, 100, "x"), KVXFER_ERR_INVALID_ARGUMENT);
 }
 
+// ---------------------------------------------------------------------------
+// The final status round (accept_all with final_round, BootstrapSession).
+// ---------------------------------------------------------------------------
+struct Joined {
+  kvxfer_result_t r = KVXFER_ERR_INTERNAL;
+  std::string err;
+  AddressTable table;
+  std::unique_ptr<BootstrapSession> session;
+};
+std::future<Joined> start_session_rank(const UniqueId& id, int rank, int nranks, int timeout_ms) {
+  return std::async(std::launch::async, [=] {
+    Joined j;
+    const std::vector<uint8_t> p = blob_for(rank);
+    j.r = bootstrap_connect(id, rank, nranks, timeout_ms, p.data(), p.size(), &j.table, &j.session);
+    j.err = last_error();
+    return j;
+  });
+}
+std::future<Outcome> start_final_root(BootstrapRoot* root, int nranks, int timeout_ms) {
+  return std::async(std::launch::async, [=] {
+    Outcome o;
+    auto t0 = Clock::now();
+    o.r = root->accept_all(nranks, timeout_ms, /*final_round=*/true);
+    o.ms = ms_since(t0);
+    o.err = last_error();
+    return o;
+  });
+}
+/** Polls until the root's verdict or `ms`; KVXFER_ERR_INTERNAL when none came. */
+kvxfer_result_t await_verdict(BootstrapSession* s, int ms, std::string* err, long* took = nullptr) {
+  const auto t0 = Clock::now();
+  while (ms_since(t0) < ms) {
+    bool ready = false;
+    const kvxfer_result_t r = s->poll(&ready);
+    if (r != KVXFER_SUCCESS || ready) {
+      *err = r != KVXFER_SUCCESS ? last_error() : "";
+      if (took != nullptr) *took = ms_since(t0);
+      return r;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  *err = "no verdict";
+  return KVXFER_ERR_INTERNAL;
+}
+std::vector<Joined> join_all(const UniqueId& id, int nranks, int timeout_ms) {
+  std::vector<std::future<Joined>> f;
+  for (int r = 0; r < nranks; ++r) f.push_back(start_session_rank(id, r, nranks, timeout_ms));
+  std::vector<Joined> out;
+  for (auto& x : f) out.push_back(x.get());
+  return out;
+}
+
+TEST(Bootstrap, FinalRoundEveryRankReady) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_final_root(root.get(), 3, 10000);
+  std::vector<Joined> j = join_all(id, 3, 10000);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(j[r].r, KVXFER_SUCCESS) << j[r].err;
+    ASSERT_EQ(j[r].table.size(), 3u);
+    EXPECT_EQ(j[r].table[2], blob_for(2));
+  }
+  std::string err;
+  bool ready = true;
+  EXPECT_EQ(j[0].session->poll(&ready), KVXFER_SUCCESS);
+  EXPECT_FALSE(ready);  // nobody reported yet
+  for (int r = 0; r < 3; ++r) ASSERT_EQ(j[r].session->report(nullptr), KVXFER_SUCCESS);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(await_verdict(j[r].session.get(), 5000, &err), 0) << err;
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_SUCCESS) << ro.err;
+}
+
+TEST(Bootstrap, FinalRoundRelaysAFailureAtOnce) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_final_root(root.get(), 3, 30000);
+  std::vector<Joined> j = join_all(id, 3, 30000);
+  for (int r = 0; r < 3; ++r) ASSERT_EQ(j[r].r, KVXFER_SUCCESS) << j[r].err;
+  ASSERT_EQ(j[0].session->report(nullptr), KVXFER_SUCCESS);  // 0 is ready, 2 still busy
+  ASSERT_EQ(j[1].session->report("handshake with rank 2 failed"), KVXFER_SUCCESS);
+  for (int r : {0, 2}) {
+    std::string err;
+    long took = -1;
+    EXPECT_EQ(await_verdict(j[r].session.get(), 5000, &err, &took), KVXFER_ERR_SYSTEM) << err;
+    EXPECT_NE(err.find("rank 1 failed: handshake with rank 2 failed"), std::string::npos) << err;
+    EXPECT_LT(took, 5000);
+  }
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_ERR_SYSTEM) << ro.err;
+  EXPECT_NE(ro.err.find("rank 1 failed: handshake with rank 2 failed"), std::string::npos)
+      << ro.err;
+  EXPECT_LT(ro.ms, 5000);
+  EXPECT_EQ(root->failed_rank(), 1);
+}
+
+TEST(Bootstrap, FinalRoundTreatsAHangUpAsAFailure) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_final_root(root.get(), 2, 30000);
+  std::vector<Joined> j = join_all(id, 2, 30000);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(j[r].r, KVXFER_SUCCESS) << j[r].err;
+  j[1].session.reset();  // rank 1 crashed or gave up
+  std::string err;
+  EXPECT_EQ(await_verdict(j[0].session.get(), 5000, &err), KVXFER_ERR_SYSTEM) << err;
+  EXPECT_NE(err.find("rank 1 failed: its bootstrap connection ended before it was ready"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(rootf.get().r, KVXFER_ERR_SYSTEM);
+}
+
+TEST(Bootstrap, FinalRoundTimesOutAndSaysSo) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_final_root(root.get(), 2, 500);
+  std::vector<Joined> j = join_all(id, 2, 10000);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(j[r].r, KVXFER_SUCCESS) << j[r].err;
+  ASSERT_EQ(j[0].session->report(nullptr), KVXFER_SUCCESS);  // rank 1 never reports
+  std::string err;
+  EXPECT_EQ(await_verdict(j[0].session.get(), 5000, &err), KVXFER_ERR_TIMEOUT) << err;
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_ERR_TIMEOUT) << ro.err;
+  EXPECT_NE(ro.err.find("not ready: 1"), std::string::npos) << ro.err;
+}
+
 /** Local addresses (hex, as in /proc/net/tcp{,6}) of sockets listening on `port`. */
 std::vector<std::string> listeners_on_port(uint16_t port) {
   std::vector<std::string> out;

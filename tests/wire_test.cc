@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +21,8 @@
 #include <future>
 #include <iterator>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "../fuzz/peer_message_check.h"
@@ -486,6 +489,23 @@ class FakeRoot {
     ::close(c);
     return hello;
   }
+  /** Accepts one rank, answers its hello with `table`, reads its final
+   *  status and answers with `verdict`; returns {hello, final status}. */
+  std::pair<Bytes, Bytes> serve_final(const Bytes& table, const Bytes& verdict) {
+    const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) return {};
+    set_timeouts(c);
+    Bytes hello = recv_frame(c);
+    Bytes status;
+    if (send_bytes(c, table)) status = recv_frame(c);
+    if (!send_bytes(c, verdict)) status.clear();
+    ::shutdown(c, SHUT_WR);
+    char drain;
+    while (::recv(c, &drain, 1, 0) > 0) {
+    }
+    ::close(c);
+    return {hello, status};
+  }
 
  private:
   int fd_ = -1;
@@ -703,6 +723,82 @@ TEST(WireBytes, RootRefusesUnknownHelloFlags) {
   ASSERT_TRUE(send_bytes(fd, hello_for(id, 0, 1)));
   EXPECT_FALSE(recv_frame(fd).empty());
   ::close(fd);
+  EXPECT_EQ(accepted.get(), KVXFER_SUCCESS) << last_error();
+}
+
+// The final status round (accept_all with final_round): on the same
+// connection after the table, the rank sends READY (status 4, its rank, no
+// reason) or RANK_FAILED (status 3, its rank, the reason: the same bytes as
+// the root's kRankFailed2); the root answers READY (header only) when every
+// rank is ready.
+const char* const kReady1of2 =
+    "14 00 00 00"               // frame length 20
+    "4b 56 58 42 01 00 04 00"   // magic, version 1, status 4: READY
+    "02 00 00 00"               // nranks 2
+    "01 00 00 00 00 00 00 00";  // rank 1, no reason
+const char* const kAllReady2 =
+    "0c 00 00 00 4b 56 58 42 01 00"
+    "04 00"         // status 4: every rank is ready
+    "02 00 00 00";  // nranks 2
+
+TEST(WireBytes, BootstrapFinalStatusesAreFixed) {
+  for (bool ok : {true, false}) {
+    FakeRoot root;
+    ASSERT_TRUE(root.ok());
+    const Bytes verdict = hex(ok ? kAllReady2 : kRankFailed2);
+    auto served =
+        std::async(std::launch::async, [&] { return root.serve_final(hex(kTable2), verdict); });
+    transport::AddressTable table;
+    std::unique_ptr<transport::BootstrapSession> session;
+    const uint8_t payload[2] = {'k', 'v'};
+    ASSERT_EQ(transport::bootstrap_connect(root.id(), 1, 2, 5000, payload, 2, &table, &session),
+              KVXFER_SUCCESS)
+        << last_error();
+    ASSERT_EQ(session->report(ok ? nullptr : "no nic"), KVXFER_SUCCESS) << last_error();
+    bool ready = false;
+    kvxfer_result_t r = KVXFER_SUCCESS;
+    for (int i = 0; i < 5000 && r == KVXFER_SUCCESS && !ready; ++i) {
+      r = session->poll(&ready);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (ok) {
+      EXPECT_EQ(r, KVXFER_SUCCESS) << last_error();
+      EXPECT_TRUE(ready);
+    } else {
+      EXPECT_EQ(r, KVXFER_ERR_SYSTEM);
+      EXPECT_NE(std::string(last_error()).find("rank 1 failed: no nic"), std::string::npos)
+          << last_error();
+    }
+    session.reset();
+    const auto [hello, status] = served.get();
+    EXPECT_EQ(to_hex(hello), to_hex(hex(kHello)));
+    EXPECT_EQ(to_hex(status), to_hex(hex(ok ? kReady1of2 : kRankFailed2)));
+  }
+}
+
+TEST(WireBytes, RootRunsAFixedFinalRound) {
+  transport::UniqueId id;
+  std::unique_ptr<transport::BootstrapRoot> root;
+  ASSERT_EQ(transport::create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto accepted = std::async(std::launch::async, [&] { return root->accept_all(2, 5000, true); });
+  const int r0 = connect_to(id), r1 = connect_to(id);
+  ASSERT_GE(r0, 0);
+  ASSERT_GE(r1, 0);
+  Bytes h0 = hello_for(id, 0, 2);
+  h0[4 + 52] = 'r';  // payload "r0"
+  h0[4 + 53] = '0';
+  ASSERT_TRUE(send_bytes(r0, h0));
+  ASSERT_TRUE(send_bytes(r1, hello_for(id, 1, 2)));
+  EXPECT_EQ(to_hex(recv_frame(r0)), to_hex(hex(kTable2)));
+  EXPECT_EQ(to_hex(recv_frame(r1)), to_hex(hex(kTable2)));
+  Bytes ready0 = hex(kReady1of2);
+  ready0[4 + 12] = 0;  // rank 0
+  ASSERT_TRUE(send_bytes(r0, ready0));
+  ASSERT_TRUE(send_bytes(r1, hex(kReady1of2)));
+  EXPECT_EQ(to_hex(recv_frame(r0)), to_hex(hex(kAllReady2)));
+  EXPECT_EQ(to_hex(recv_frame(r1)), to_hex(hex(kAllReady2)));
+  ::close(r0);
+  ::close(r1);
   EXPECT_EQ(accepted.get(), KVXFER_SUCCESS) << last_error();
 }
 

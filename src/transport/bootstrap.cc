@@ -262,15 +262,23 @@ std::string clean_reason(const std::string& s) {
   return clean_reason(reinterpret_cast<const uint8_t*>(s.data()), s.size());
 }
 
-/** The rank-failed status: the table header, then failed rank u32, reason. */
-std::vector<uint8_t> failure_frame(int nranks, int failed_rank, const std::string& reason) {
-  std::vector<uint8_t> f = status_frame(kStatusRankFailed, nranks);
-  put_u32(&f, static_cast<uint32_t>(failed_rank));
+/**
+ * A status about one rank: the table header, then rank u32, reason_len u32,
+ * reason.  RANK_FAILED from the root (the failed rank), and a rank's final
+ * status (READY with no reason, or RANK_FAILED; its own rank).
+ */
+std::vector<uint8_t> rank_frame(uint16_t status, int nranks, int rank, const std::string& reason) {
+  std::vector<uint8_t> f = status_frame(status, nranks);
+  put_u32(&f, static_cast<uint32_t>(rank));
   put_u32(&f, static_cast<uint32_t>(reason.size()));
   f.insert(f.end(), reason.begin(), reason.end());
   finish_frame(&f);
   return f;
 }
+std::vector<uint8_t> failure_frame(int nranks, int failed_rank, const std::string& reason) {
+  return rank_frame(kStatusRankFailed, nranks, failed_rank, reason);
+}
+constexpr uint16_t kStatusReady = kBootstrapStatusReady;
 
 std::vector<uint8_t> hello_frame(const UniqueId& id, uint16_t flags, int rank, int nranks,
                                  const uint8_t* payload, size_t payload_len) {
@@ -349,7 +357,8 @@ struct Pending {
 enum class ReadState { kMore, kDone, kDrop };
 
 /** Reads what is available; kDrop with *why set when the peer must go. */
-ReadState read_hello(Pending* p, std::string* why) {
+ReadState read_frame(Pending* p, size_t min_len, size_t max_len, const char* what,
+                     std::string* why) {
   for (;;) {
     ssize_t n;
     if (p->got < 4) {
@@ -358,7 +367,7 @@ ReadState read_hello(Pending* p, std::string* why) {
       n = ::recv(p->fd.get(), p->body.data() + (p->got - 4), p->len - (p->got - 4), 0);
     }
     if (n == 0) {
-      *why = "closed the connection before a complete hello";
+      *why = std::string("closed the connection before a complete ") + what;
       return ReadState::kDrop;
     }
     if (n < 0) {
@@ -370,14 +379,116 @@ ReadState read_hello(Pending* p, std::string* why) {
     p->got += static_cast<size_t>(n);
     if (p->got == 4) {
       p->len = get_u32(p->hdr);
-      if (p->len < kHelloFixed || p->len > kHelloFixed + kBootstrapMaxPayload) {
-        *why = "bad hello (length " + std::to_string(p->len) + ")";
+      if (p->len < min_len || p->len > max_len) {
+        *why = std::string("bad ") + what + " (length " + std::to_string(p->len) + ")";
         return ReadState::kDrop;
       }
       p->body.resize(p->len);
     }
     if (p->got >= 4 && p->got == 4 + size_t{p->len}) return ReadState::kDone;
   }
+}
+
+ReadState read_hello(Pending* p, std::string* why) {
+  return read_frame(p, kHelloFixed, kHelloFixed + kBootstrapMaxPayload, "hello", why);
+}
+
+/** Upper bound on a rank_frame body. */
+constexpr size_t kFinalMax = kTableFixed + 8 + kBootstrapMaxReason;
+
+/**
+ * The final status round (accept_all with final_round): reads one final status
+ * from every rank on its bootstrap connection.  The first RANK_FAILED, hang-up
+ * or malformed status is relayed to every other rank at once; when all are
+ * READY, every rank is sent READY.  Bounded by `d`.
+ */
+kvxfer_result_t run_final_round(std::vector<Fd>* ranks_in, int nranks, Deadline d, int timeout_ms,
+                                const std::string& self, int* failed_rank) {
+  std::vector<Fd>& ranks = *ranks_in;
+  std::vector<std::unique_ptr<Pending>> in(static_cast<size_t>(nranks));
+  for (int r = 0; r < nranks; ++r) {
+    in[r] = std::make_unique<Pending>();
+    in[r]->fd = std::move(ranks[r]);
+  }
+  std::vector<bool> ready(static_cast<size_t>(nranks), false);
+  int nready = 0;
+  auto send_every = [&](const std::vector<uint8_t>& f, int except) {
+    for (int r = 0; r < nranks; ++r) {
+      bool closed;
+      if (r != except && in[r]->fd.valid())
+        (void)send_all(in[r]->fd.get(), f.data(), f.size(), deadline_after(200),
+                       "sending the final status", &closed);
+    }
+  };
+  auto fail = [&](int r, const std::string& reason) {
+    *failed_rank = r;
+    const std::string why = clean_reason(reason);
+    KVXFER_WARN(LOG_NET,
+                "bootstrap: root %s: rank %d failed after the table (%s); telling every rank",
+                self.c_str(), r, why.c_str());
+    send_every(failure_frame(nranks, r, why), r);
+    return set_error(KVXFER_ERR_SYSTEM, "bootstrap: rank %d failed: %s (root %s)", r, why.c_str(),
+                     self.c_str());
+  };
+  std::vector<pollfd> fds;
+  std::vector<int> who;
+  while (nready < nranks) {
+    const int left = remaining_ms(d);
+    if (left == 0) {
+      std::string missing;
+      int shown = 0;
+      for (int r = 0; r < nranks; ++r) {
+        if (ready[r]) continue;
+        if (shown < 8) missing += (shown ? ", " : "") + std::to_string(r);
+        ++shown;
+      }
+      if (shown > 8) missing += ", ...";
+      send_every(status_frame(kStatusTimeout, nranks), -1);
+      return set_error(KVXFER_ERR_TIMEOUT,
+                       "bootstrap: root %s: %d of %d ranks ready within %d ms (not ready: %s)",
+                       self.c_str(), nready, nranks, timeout_ms, missing.c_str());
+    }
+    fds.clear();
+    who.clear();
+    for (int r = 0; r < nranks; ++r)
+      if (!ready[r]) {
+        fds.push_back({in[r]->fd.get(), POLLIN, 0});
+        who.push_back(r);
+      }
+    const int pr = ::poll(fds.data(), fds.size(), left);
+    if (pr < 0) {
+      if (errno == EINTR) continue;
+      return sys_error("poll", errno);
+    }
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if (fds[k].revents == 0) continue;
+      const int r = who[k];
+      Pending* p = in[r].get();
+      std::string why;
+      const ReadState st = read_frame(p, kTableFixed + 8, kFinalMax, "final status", &why);
+      if (st == ReadState::kMore) continue;
+      if (st == ReadState::kDrop) {
+        p->fd.reset();
+        return fail(r, "its bootstrap connection ended before it was ready: " + why);
+      }
+      const uint8_t* b = p->body.data();
+      const uint16_t status = get_u16(b + 6);
+      const uint32_t rlen = get_u32(b + kTableFixed + 4);
+      if (get_u32(b) != kBootstrapMagic || get_u16(b + 4) != kBootstrapVersion ||
+          get_u32(b + 8) != static_cast<uint32_t>(nranks) ||
+          get_u32(b + kTableFixed) != static_cast<uint32_t>(r) ||
+          rlen != p->len - kTableFixed - 8 ||
+          (status != kStatusReady && status != kStatusRankFailed) ||
+          (status == kStatusReady && rlen != 0))
+        return fail(r, "it sent a malformed final status");
+      if (status == kStatusRankFailed) return fail(r, clean_reason(b + kTableFixed + 8, rlen));
+      ready[r] = true;
+      ++nready;
+    }
+  }
+  send_every(status_frame(kStatusReady, nranks), -1);
+  KVXFER_INFO(LOG_NET, "bootstrap: root %s: every one of %d ranks is ready", self.c_str(), nranks);
+  return KVXFER_SUCCESS;
 }
 
 }  // namespace
@@ -465,7 +576,7 @@ kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
   return KVXFER_SUCCESS;
 }
 
-kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
+kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms, bool final_round) {
   KVXFER_REQUIRE(nranks > 0 && nranks <= kBootstrapMaxRanks,
                  "bootstrap accept_all: nranks %d out of range [1, %d]", nranks,
                  kBootstrapMaxRanks);
@@ -474,7 +585,7 @@ kvxfer_result_t BootstrapRoot::accept_all(int nranks, int timeout_ms) {
   if (listen_fd_ < 0)
     return set_error(KVXFER_ERR_INVALID_USAGE,
                      "bootstrap accept_all: the root has no listener (accept_all is one-shot)");
-  return serve(nranks, timeout_ms, -1, std::string());
+  return serve(nranks, timeout_ms, -1, std::string(), final_round);
 }
 
 kvxfer_result_t BootstrapRoot::fail_all(int nranks, int failed_rank, const char* reason,
@@ -488,11 +599,11 @@ kvxfer_result_t BootstrapRoot::fail_all(int nranks, int failed_rank, const char*
   if (listen_fd_ < 0)
     return set_error(KVXFER_ERR_INVALID_USAGE,
                      "bootstrap fail_all: the root has no listener (the root is one-shot)");
-  return serve(nranks, timeout_ms, failed_rank, reason);
+  return serve(nranks, timeout_ms, failed_rank, reason, false);
 }
 
 kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_rank,
-                                     const std::string& own_reason) {
+                                     const std::string& own_reason, bool final_round) {
   struct ListenerCloser {
     BootstrapRoot* r;
     ~ListenerCloser() { r->close_listener(); }
@@ -744,6 +855,7 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
   }
   finish_frame(&table);
   kvxfer_result_t result = KVXFER_SUCCESS;
+  int unsent = -1;
   for (int r = 0; r < nranks; ++r) {
     bool closed;
     kvxfer_result_t s = send_all(ranks[r].get(), table.data(), table.size(), send_d,
@@ -752,19 +864,38 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
       std::string detail = last_error();
       result = set_error(s, "bootstrap: root %s could not send the table to rank %d (%s): %s",
                          self.c_str(), r, peers[r].c_str(), detail.c_str());
+      unsent = r;
     }
   }
   if (result == KVXFER_SUCCESS)
     KVXFER_INFO(LOG_NET, "bootstrap: root %s sent the %zu-byte table to %d ranks", self.c_str(),
                 table.size(), nranks);
-  return result;
+  if (!final_round) return result;
+  if (result != KVXFER_SUCCESS) {
+    // The others hold the table and wait for the final status: fail them now.
+    const std::string why = last_error();
+    failed_rank_ = unsent;
+    const std::vector<uint8_t> f = failure_frame(nranks, unsent, clean_reason(why));
+    for (int r = 0; r < nranks; ++r) {
+      bool closed;
+      if (r != unsent)
+        (void)send_all(ranks[r].get(), f.data(), f.size(), deadline_after(200),
+                       "sending the rank-failed status", &closed);
+    }
+    return set_error(result, "%s", why.c_str());
+  }
+  close_listener();  // nobody else may join now
+  return run_final_round(&ranks, nranks, d, timeout_ms, self, &failed_rank_);
 }
 
 // ---------------------------------------------------------------------------
 // Rank
 // ---------------------------------------------------------------------------
-kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
-                                  const void* payload, size_t payload_len, AddressTable* table) {
+namespace {
+
+kvxfer_result_t connect_impl(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                             const void* payload, size_t payload_len, AddressTable* table,
+                             Fd* keep) {
   KVXFER_REQUIRE(table != nullptr, "bootstrap_connect: table must not be NULL");
   KVXFER_REQUIRE(nranks > 0 && nranks <= kBootstrapMaxRanks,
                  "bootstrap_connect: nranks %d out of range [1, %d]", nranks, kBootstrapMaxRanks);
@@ -858,7 +989,95 @@ kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int 
   *table = std::move(out);
   KVXFER_INFO(LOG_NET, "bootstrap: rank %d/%d received the address table from %s", rank, nranks,
               root.c_str());
+  if (keep != nullptr) *keep = std::move(fd);
   return KVXFER_SUCCESS;
+}
+
+}  // namespace
+
+kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                                  const void* payload, size_t payload_len, AddressTable* table) {
+  return connect_impl(id, rank, nranks, timeout_ms, payload, payload_len, table, nullptr);
+}
+
+kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                                  const void* payload, size_t payload_len, AddressTable* table,
+                                  std::unique_ptr<BootstrapSession>* session) {
+  KVXFER_REQUIRE(session != nullptr, "bootstrap_connect: session must not be NULL");
+  session->reset();
+  Fd fd;
+  KVXFER_CHECK(connect_impl(id, rank, nranks, timeout_ms, payload, payload_len, table, &fd));
+  session->reset(new BootstrapSession(fd.release(), rank, nranks, unique_id_address(id)));
+  return KVXFER_SUCCESS;
+}
+
+BootstrapSession::BootstrapSession(int fd, int rank, int nranks, std::string root)
+    : fd_(fd), rank_(rank), nranks_(nranks), root_(std::move(root)) {}
+
+BootstrapSession::~BootstrapSession() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+kvxfer_result_t BootstrapSession::report(const char* failure_reason) {
+  const std::string why =
+      failure_reason != nullptr ? clean_reason(std::string(failure_reason)) : "";
+  const std::vector<uint8_t> f =
+      rank_frame(failure_reason != nullptr ? kStatusRankFailed : kStatusReady, nranks_, rank_, why);
+  bool closed = false;
+  const kvxfer_result_t r = send_all(fd_, f.data(), f.size(), deadline_after(kBootstrapFailGraceMs),
+                                     "sending the final status", &closed);
+  if (r < 0 && closed)
+    return set_error(KVXFER_ERR_SYSTEM,
+                     "bootstrap: the root %s closed the connection before rank %d's final status",
+                     root_.c_str(), rank_);
+  return r;
+}
+
+kvxfer_result_t BootstrapSession::poll(bool* all_ready) {
+  *all_ready = false;
+  for (;;) {
+    const size_t want = buf_.size() < 4 ? 4 : 4 + size_t{get_u32(buf_.data())};
+    if (buf_.size() >= 4 && buf_.size() == want) break;
+    uint8_t tmp[64];
+    const ssize_t n = ::recv(fd_, tmp, std::min(sizeof tmp, want - buf_.size()), MSG_DONTWAIT);
+    if (n == 0)
+      return set_error(KVXFER_ERR_SYSTEM,
+                       "bootstrap: the root %s closed the connection before every rank was ready "
+                       "(rank 0 gone?)",
+                       root_.c_str());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return KVXFER_SUCCESS;
+      return sys_error("waiting for the final status", errno);
+    }
+    buf_.insert(buf_.end(), tmp, tmp + n);
+    if (buf_.size() == 4) {
+      const uint32_t len = get_u32(buf_.data());
+      if (len < kTableFixed || len > kFinalMax)
+        return set_error(KVXFER_ERR_CORRUPT,
+                         "bootstrap: final status of %u bytes from %s is out of bounds", len,
+                         root_.c_str());
+    }
+  }
+  const uint8_t* b = buf_.data() + 4;
+  const size_t len = buf_.size() - 4;
+  if (get_u32(b) != kBootstrapMagic || get_u16(b + 4) != kBootstrapVersion ||
+      get_u32(b + 8) != static_cast<uint32_t>(nranks_))
+    return set_error(KVXFER_ERR_CORRUPT, "bootstrap: final status from %s has a bad header",
+                     root_.c_str());
+  const uint16_t status = get_u16(b + 6);
+  if (status == kStatusReady && len == kTableFixed) {
+    *all_ready = true;
+    return KVXFER_SUCCESS;
+  }
+  if (status == kStatusRankFailed) return rank_failed_error(b, len, nranks_, rank_, root_);
+  if (status == kStatusTimeout && len == kTableFixed)
+    return set_error(KVXFER_ERR_TIMEOUT,
+                     "bootstrap: the root %s timed out waiting for every rank to be ready (rank "
+                     "%d of %d)",
+                     root_.c_str(), rank_, nranks_);
+  return set_error(KVXFER_ERR_CORRUPT, "bootstrap: final status from %s has unknown status %u",
+                   root_.c_str(), status);
 }
 
 kvxfer_result_t bootstrap_report_failure(const UniqueId& id, int rank, int nranks, int timeout_ms,

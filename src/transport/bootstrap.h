@@ -17,7 +17,16 @@
 //          failed_rank u32, reason_len u32, reason   (status == RANK_FAILED)
 // flags is 0 in a rank's hello; kBootstrapHelloFailed marks a failure report
 // (bootstrap_report_failure), whose payload is the reason text.  Statuses:
-// 0 OK, 1 the root timed out, 2 the table is too large, 3 RANK_FAILED.
+// 0 OK, 1 the root timed out, 2 the table is too large, 3 RANK_FAILED,
+// 4 READY.
+//
+// Final status round (accept_all with final_round; bootstrap_connect with a
+// BootstrapSession), on the same connections after the table:
+//   rank -> root   magic u32, version u16, status u16 (4 READY or 3
+//                  RANK_FAILED), nranks u32, rank u32, reason_len u32, reason
+//   root -> rank   READY (header only) once every rank is READY; RANK_FAILED
+//                  (failed rank, reason) at the first failure or hang-up; or
+//                  1 (timed out)
 //
 // Fail fast: a rank that fails before it has joined reports it
 // (bootstrap_report_failure); the root's own rank failing calls fail_all.
@@ -64,6 +73,9 @@ constexpr int kBootstrapMaxRanks = 1 << 16;
 constexpr uint16_t kBootstrapHelloFailed = 0x0001;
 /** Table status: a rank failed; failed_rank u32, reason_len u32, reason follow. */
 constexpr uint16_t kBootstrapStatusRankFailed = 3;
+/** Status of a rank's final report, and of the root's answer once every
+ *  rank reported it (the final status round). */
+constexpr uint16_t kBootstrapStatusReady = 4;
 /** Upper bound on a failure reason (longer ones are cut). */
 constexpr size_t kBootstrapMaxReason = 512;
 /** How long the root keeps answering ranks after a failure, and the bound on
@@ -118,7 +130,17 @@ class BootstrapRoot {
    * failed: <reason>" (failed_rank() is then N).  A failure report with a
    * wrong secret is refused like any bad hello and aborts nothing.
    */
-  kvxfer_result_t accept_all(int nranks, int timeout_ms);
+  //
+  // With final_round, the connections stay open after the table and the root
+  // runs the final status round before it returns: every rank sends READY or
+  // RANK_FAILED (BootstrapSession::report); the first failure, or a rank
+  // whose connection ends first (crashed, gave up), is relayed to every other
+  // rank at once as RANK_FAILED and returned as KVXFER_ERR_SYSTEM "rank N
+  // failed: <reason>"; when all are READY every rank is sent READY and
+  // accept_all returns KVXFER_SUCCESS.  The round is bounded by timeout_ms
+  // too (then TIMEOUT to every rank, and KVXFER_ERR_TIMEOUT).  Every rank must
+  // then join with a session (bootstrap_connect's last argument).
+  kvxfer_result_t accept_all(int nranks, int timeout_ms, bool final_round = false);
 
   /**
    * For a root whose own rank `failed_rank` failed before it could serve:
@@ -141,7 +163,7 @@ class BootstrapRoot {
   BootstrapRoot() = default;
   void close_listener();
   kvxfer_result_t serve(int nranks, int timeout_ms, int own_failed_rank,
-                        const std::string& own_reason);
+                        const std::string& own_reason, bool final_round);
 
   int listen_fd_ = -1;
   int failed_rank_ = -1;
@@ -177,6 +199,55 @@ kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
  */
 kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
                                   const void* payload, size_t payload_len, AddressTable* table);
+
+/**
+ * A rank's connection to the root kept open after the table, for the final
+ * status round (BootstrapRoot::accept_all with final_round): the rank sends
+ * READY once it is connected to every peer, or RANK_FAILED with its reason,
+ * and polls for the root's verdict meanwhile, so that a failure on any rank
+ * after the table reaches every rank at once.  Destroying it closes the
+ * connection, which the root reads as this rank failing.  One thread.
+ */
+class BootstrapSession {
+ public:
+  /** Takes `fd` (made by bootstrap_connect). */
+  BootstrapSession(int fd, int rank, int nranks, std::string root);
+  ~BootstrapSession();
+  BootstrapSession(const BootstrapSession&) = delete;
+  BootstrapSession& operator=(const BootstrapSession&) = delete;
+
+  /**
+   * Sends this rank's final status: READY when `failure_reason` is NULL, else
+   * RANK_FAILED with the reason (cut to kBootstrapMaxReason).  Once.
+   * Errors: KVXFER_ERR_SYSTEM (the root closed, socket errors),
+   * KVXFER_ERR_TIMEOUT (not sent within kBootstrapFailGraceMs).
+   */
+  kvxfer_result_t report(const char* failure_reason);
+
+  /**
+   * Non-blocking: reads what the root sent.  KVXFER_SUCCESS with *all_ready
+   * false while nothing complete came, true once the root said every rank is
+   * READY.  Errors: KVXFER_ERR_SYSTEM "bootstrap: rank N failed: <reason>"
+   * (relayed), or when the root closed the connection; KVXFER_ERR_TIMEOUT
+   * when the root gave up waiting; KVXFER_ERR_CORRUPT for a malformed frame.
+   */
+  kvxfer_result_t poll(bool* all_ready);
+
+ private:
+  int fd_ = -1;
+  int rank_ = 0, nranks_ = 0;
+  std::string root_;
+  std::vector<uint8_t> buf_;  // the root's frame, prefix included, as it comes
+};
+
+/**
+ * bootstrap_connect that keeps the connection as `*session`, for a root that
+ * runs accept_all with final_round.  Errors: as bootstrap_connect;
+ * KVXFER_ERR_INVALID_ARGUMENT for a NULL session.
+ */
+kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
+                                  const void* payload, size_t payload_len, AddressTable* table,
+                                  std::unique_ptr<BootstrapSession>* session);
 
 /**
  * Tells the root that `rank` of `nranks` failed, with `reason` (cut to
