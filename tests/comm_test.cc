@@ -425,6 +425,90 @@ TEST(Comm, RootRankFailingToOpenItsLinkFailsTheOthersFast) {
   EXPECT_EQ(WEXITSTATUS(child.status), 0) << "child failed (see its stderr)";
 }
 
+// Fail fast after the table (steps 3 and 4): the bootstrap connections stay
+// open for a final status round, so a rank that fails to connect, or whose
+// process ends, fails the others at once.  Rank 1 here is a stand-in that
+// joins the bootstrap directly with a real Link's address and then fails.
+enum class Rank1Ends { kReportsFailure, kHangsUp };
+void rank1_fails_after_the_table(Rank1Ends how) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto r0 = std::async(std::launch::async, create_rank, id, root.get(), 0, 2, kFailFastTimeoutMs);
+  std::unique_ptr<Link> link;  // never connected: rank 0's handshake waits on it
+  ASSERT_EQ(Link::create(loopback_config(), &link), KVXFER_SUCCESS) << last_error();
+  const std::vector<uint8_t> payload = encode_comm_payload(1, {link->local_address(), {}});
+  AddressTable table;
+  std::unique_ptr<BootstrapSession> session;
+  ASSERT_EQ(bootstrap_connect(id, 1, 2, kFailFastTimeoutMs, payload.data(), payload.size(), &table,
+                              &session),
+            KVXFER_SUCCESS)
+      << last_error();
+  std::this_thread::sleep_for(milliseconds(100));  // rank 0 is in step 4 now
+  const auto t0 = Clock::now();
+  if (how == Rank1Ends::kReportsFailure)
+    ASSERT_EQ(session->report("cannot reach rank 0 (test)"), KVXFER_SUCCESS) << last_error();
+  else
+    session.reset();
+  ASSERT_EQ(r0.wait_for(std::chrono::seconds(20)), std::future_status::ready) << "hang";
+  const long ms = ms_since(t0);
+  Created c = r0.get();
+  EXPECT_EQ(c.r, KVXFER_ERR_SYSTEM) << c.err;
+  EXPECT_EQ(c.comm, nullptr);
+  EXPECT_NE(c.err.find(how == Rank1Ends::kReportsFailure
+                           ? "rank 1 failed: cannot reach rank 0 (test)"
+                           : "rank 1 failed: its bootstrap connection ended before it was ready"),
+            std::string::npos)
+      << c.err;
+  EXPECT_LT(ms, 5000) << c.err;
+  std::printf("[ fail fast ] rank 0 failed %.3f s after rank 1 %s in step 4 (timeout %d s)\n",
+              ms / 1000.0, how == Rank1Ends::kReportsFailure ? "reported a failure" : "hung up",
+              kFailFastTimeoutMs / 1000);
+}
+
+TEST(Comm, RankFailingAfterTheTableFailsTheOthersFast) {
+  rank1_fails_after_the_table(Rank1Ends::kReportsFailure);
+}
+
+TEST(Comm, RankHangingUpAfterTheTableFailsTheOthersFast) {
+  rank1_fails_after_the_table(Rank1Ends::kHangsUp);
+}
+
+// Rank 0 (the root's) failing in step 3 fails the others as fast: here rank 1
+// (a stand-in) gives it an address it cannot connect to.
+TEST(Comm, RootRankFailingToConnectFailsTheOthersFast) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto r0 = std::async(std::launch::async, create_rank, id, root.get(), 0, 2, kFailFastTimeoutMs);
+  const std::vector<uint8_t> payload = encode_comm_payload(1, {{'n', 'o', 'p', 'e'}, {}});
+  AddressTable table;
+  std::unique_ptr<BootstrapSession> session;
+  const auto t0 = Clock::now();
+  ASSERT_EQ(bootstrap_connect(id, 1, 2, kFailFastTimeoutMs, payload.data(), payload.size(), &table,
+                              &session),
+            KVXFER_SUCCESS)
+      << last_error();
+  kvxfer_result_t v = KVXFER_SUCCESS;
+  bool ready = false;
+  while (v == KVXFER_SUCCESS && !ready && ms_since(t0) < 20000) {
+    v = session->poll(&ready);
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+  const long ms = ms_since(t0);
+  const std::string err = last_error();
+  EXPECT_EQ(v, KVXFER_ERR_SYSTEM) << err;
+  EXPECT_NE(err.find("rank 0 failed: comm rank 0/2: connecting to rank 1"), std::string::npos)
+      << err;
+  EXPECT_LT(ms, 5000) << err;
+  std::printf("[ fail fast ] rank 1 heard of rank 0's step-3 failure after %.3f s (timeout %d s)\n",
+              ms / 1000.0, kFailFastTimeoutMs / 1000);
+  ASSERT_EQ(r0.wait_for(std::chrono::seconds(20)), std::future_status::ready) << "hang";
+  Created c = r0.get();
+  EXPECT_EQ(c.r, KVXFER_ERR_SYSTEM) << c.err;
+  EXPECT_EQ(c.err.find("comm rank 0/2: connecting to rank 1"), 0u) << c.err;
+}
+
 TEST(Comm, AbortEndsPostedReceiveWithAnError) {
   UniqueId id;
   std::unique_ptr<BootstrapRoot> root;

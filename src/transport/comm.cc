@@ -137,34 +137,49 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
                                     "bootstrap's %zu-byte payload limit",
                                     rank, nranks, payload.size(), kBootstrapMaxPayload));
 
-  // 2. Bootstrap; rank 0 also serves as the root on a helper thread.
+  // 2. Bootstrap; rank 0 also serves as the root on a helper thread, which
+  // runs until the final status round (step 4) ends.  `session` is declared
+  // after the joiner, so it closes first on every return: the root reads a
+  // closed session as this rank failing and ends its round at once.
   kvxfer_result_t root_r = KVXFER_SUCCESS;
   std::string root_err;
   std::thread root_thread;
+  struct Joiner {
+    std::thread* t;
+    ~Joiner() {
+      if (t->joinable()) t->join();  // accept_all is bounded by timeout_ms
+    }
+  } joiner{&root_thread};
+  std::unique_ptr<BootstrapSession> session;
   if (root_or_null != nullptr) {
     root_thread = std::thread([&root_r, &root_err, root_or_null, nranks, timeout_ms] {
-      root_r = root_or_null->accept_all(nranks, timeout_ms);
+      root_r = root_or_null->accept_all(nranks, timeout_ms, /*final_round=*/true);
       if (root_r != KVXFER_SUCCESS) root_err = last_error();
     });
   }
   AddressTable table;
   kvxfer_result_t r = bootstrap_connect(id, rank, nranks, ms_left(deadline, 1), payload.data(),
-                                        payload.size(), &table);
-  const std::string boot_err = r != KVXFER_SUCCESS ? last_error() : "";
-  if (root_thread.joinable()) root_thread.join();  // accept_all is bounded by timeout_ms
+                                        payload.size(), &table, &session);
   if (r != KVXFER_SUCCESS) {
+    const std::string boot_err = last_error();
+    if (root_thread.joinable()) root_thread.join();
     // A relayed failure: the root's error says the same as ours.
     if (root_r != KVXFER_SUCCESS && root_or_null->failed_rank() < 0)
       return set_error(r, "comm rank %d/%d: bootstrap failed: %s (root: %s)", rank, nranks,
                        boot_err.c_str(), root_err.c_str());
     return set_error(r, "comm rank %d/%d: bootstrap failed: %s", rank, nranks, boot_err.c_str());
   }
-  if (root_r != KVXFER_SUCCESS)
-    return set_error(root_r, "comm rank %d/%d: bootstrap root failed: %s", rank, nranks,
-                     root_err.c_str());
+  // From here on a failure of this rank goes to the root as RANK_FAILED.
+  auto fail = [&](kvxfer_result_t code) {
+    const std::string why = last_error();
+    if (session->report(why.c_str()) != KVXFER_SUCCESS)
+      KVXFER_WARN(LOG_NET, "comm rank %d/%d: telling the root of this rank's failure: %s", rank,
+                  nranks, last_error());
+    return set_error(code, "%s", why.c_str());
+  };
   if (table.size() != static_cast<size_t>(nranks))
-    return set_error(KVXFER_ERR_CORRUPT, "comm rank %d/%d: bootstrap table has %zu entries", rank,
-                     nranks, table.size());
+    return fail(set_error(KVXFER_ERR_CORRUPT, "comm rank %d/%d: bootstrap table has %zu entries",
+                          rank, nranks, table.size()));
 
   // 3. Connect each Link to the peer's entry for this rank.
   for (int p = 0; p < nranks; ++p) {
@@ -172,20 +187,23 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
     std::vector<std::vector<uint8_t>> theirs;
     if (decode_comm_payload(table[p], p, nranks, &theirs) != KVXFER_SUCCESS) {
       const std::string e = last_error();
-      return set_error(KVXFER_ERR_CORRUPT, "comm rank %d/%d: %s", rank, nranks, e.c_str());
+      return fail(set_error(KVXFER_ERR_CORRUPT, "comm rank %d/%d: %s", rank, nranks, e.c_str()));
     }
     const std::vector<uint8_t>& blob = theirs[rank];
     if (blob.empty())
-      return set_error(KVXFER_ERR_CORRUPT, "comm rank %d/%d: rank %d sent no address for us", rank,
-                       nranks, p);
+      return fail(set_error(KVXFER_ERR_CORRUPT, "comm rank %d/%d: rank %d sent no address for us",
+                            rank, nranks, p));
     if (c->links_[p]->connect(blob.data(), blob.size()) != KVXFER_SUCCESS) {
       const std::string e = last_error();
-      return set_error(KVXFER_ERR_SYSTEM, "comm rank %d/%d: connecting to rank %d: %s", rank,
-                       nranks, p, e.c_str());
+      return fail(set_error(KVXFER_ERR_SYSTEM, "comm rank %d/%d: connecting to rank %d: %s", rank,
+                            nranks, p, e.c_str()));
     }
   }
 
-  // 4. Drive every handshake to completion within the deadline.
+  // 4. Drive every handshake to completion, then tell the root this rank is
+  // ready and keep driving the Links until the root says every rank is (or
+  // relays another rank's failure), all within the deadline.
+  bool reported_ready = false;
   for (;;) {
     bool all_ready = true;
     for (int p = 0; p < nranks; ++p) {
@@ -193,23 +211,51 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
       if (l == nullptr) continue;
       if (l->progress() != KVXFER_SUCCESS || l->failed()) {
         const std::string e = last_error();
-        return set_error(KVXFER_ERR_SYSTEM, "comm rank %d/%d: handshake with rank %d failed: %s",
-                         rank, nranks, p, e.c_str());
+        return fail(set_error(KVXFER_ERR_SYSTEM,
+                              "comm rank %d/%d: handshake with rank %d failed: %s", rank, nranks, p,
+                              e.c_str()));
       }
       all_ready = all_ready && l->ready();
     }
-    if (all_ready) break;
+    if (all_ready && !reported_ready) {
+      if (session->report(nullptr) != KVXFER_SUCCESS) {
+        const std::string e = last_error();
+        return set_error(KVXFER_ERR_SYSTEM, "comm rank %d/%d: %s", rank, nranks, e.c_str());
+      }
+      reported_ready = true;
+    }
+    bool everyone_ready = false;
+    const kvxfer_result_t v = session->poll(&everyone_ready);
+    if (v != KVXFER_SUCCESS) {
+      const std::string e = last_error();
+      return set_error(v, "comm rank %d/%d: %s", rank, nranks, e.c_str());
+    }
+    if (everyone_ready && reported_ready) break;
+    if (everyone_ready)
+      return fail(set_error(KVXFER_ERR_CORRUPT,
+                            "comm rank %d/%d: the root said every rank is ready before this one",
+                            rank, nranks));
     if (Clock::now() >= deadline) {
+      if (reported_ready)
+        return set_error(KVXFER_ERR_TIMEOUT,
+                         "comm rank %d/%d: connected to every peer, but not every rank was ready "
+                         "within %d ms",
+                         rank, nranks, timeout_ms);
       std::string missing;
       for (int p = 0; p < nranks; ++p)
         if (c->links_[p] && !c->links_[p]->ready())
           missing += (missing.empty() ? "" : ", ") + std::to_string(p);
-      return set_error(KVXFER_ERR_TIMEOUT,
-                       "comm rank %d/%d: handshake not done within %d ms (peers: %s)", rank, nranks,
-                       timeout_ms, missing.c_str());
+      return fail(set_error(KVXFER_ERR_TIMEOUT,
+                            "comm rank %d/%d: handshake not done within %d ms (peers: %s)", rank,
+                            nranks, timeout_ms, missing.c_str()));
     }
     std::this_thread::yield();
   }
+  session.reset();
+  if (root_thread.joinable()) root_thread.join();
+  if (root_r != KVXFER_SUCCESS)  // every rank was told READY, so this is a late socket error
+    KVXFER_WARN(LOG_NET, "comm rank 0/%d: the bootstrap root after READY: %s", nranks,
+                root_err.c_str());
   *out = std::move(c);
   return KVXFER_SUCCESS;
 }
