@@ -432,7 +432,10 @@ typedef struct {
  * an id already used: each id makes one communicator; `*comm` is then NULL,
  * and an id refused for a bad argument is still usable);
  * KVXFER_ERR_TIMEOUT (a rank missing, a peer unreachable); KVXFER_ERR_SYSTEM
- * (wrong secret: "bootstrap refused by root"; socket errors).
+ * (wrong secret: "bootstrap refused by root"; socket errors; another rank's
+ * kvxfer_comm_init failed: "rank N failed: <its error>", within about a
+ * second rather than at the timeout, see docs/TRANSPORT.md).  A rank that
+ * fails after the bad-argument checks above tells the others so.
  * Thread-safety: any thread; the communicator is then usable from any thread.
  */
 kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id, int rank,

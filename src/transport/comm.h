@@ -6,14 +6,21 @@
 //   1. opens one Link per peer (non-blocking);
 //   2. runs the bootstrap (bootstrap.h) with a payload that lists this rank's
 //      Link addresses indexed by peer rank (format below); rank 0 also runs
-//      the root's accept_all on a helper thread;
+//      the root's accept_all (with its final status round) on a helper
+//      thread, joined before create returns;
 //   3. connects each Link to the matching entry of the peer's payload;
-//   4. drives every Link until all handshakes are done.
+//   4. drives every Link until all handshakes are done, reports READY on its
+//      bootstrap connection, and keeps driving them until the root says
+//      every rank is READY: create returns on every rank at about the same
+//      time, once every pair is connected.
 // One deadline (timeout_ms from the start of create) bounds all four steps;
 // a wrong secret, a missing rank or a dead peer is an error, never a hang.
-// A rank that fails in step 1 reports it through the bootstrap
-// (report_failure), and every other rank fails within about a second with
-// "rank N failed: <its reason>" rather than at the deadline.
+// Fail fast: a rank that fails in step 1 reports it (report_failure: a
+// failure report, or fail_all on rank 0); one that fails in step 3 or 4
+// reports RANK_FAILED on its bootstrap connection, and one whose process
+// ends closes it.  Either way the root relays it, and every other rank fails
+// within about a second with "rank N failed: <its reason>" rather than at
+// the deadline.
 //
 // Payload format (integers little-endian):
 //   magic u32 ("KVXC"), version u16, 0 u16, rank u32, nranks u32,
@@ -54,13 +61,16 @@ class Communicator {
    * create_unique_id() returned with `id` (it runs accept_all on a helper
    * thread, which is always joined before create returns); every other rank
    * passes nullptr.  `cfg` configures every Link (its timeout_ms stays the
-   * Links' inactivity timeout).  Returns when every Link is ready.
+   * Links' inactivity timeout).  Returns when every Link of every rank is
+   * ready (the final status round, bootstrap.h).
    * Errors: KVXFER_ERR_INVALID_ARGUMENT (bad rank/nranks/timeout/out, root on
    * a rank other than 0 or missing on rank 0); KVXFER_ERR_TIMEOUT (a rank
    * missing, the table or a handshake not done within timeout_ms);
    * KVXFER_ERR_SYSTEM with "bootstrap refused by root (wrong secret or bad
    * hello)" for a wrong secret; KVXFER_ERR_SYSTEM with "rank N failed:
-   * <reason>" when another rank failed and reported it; KVXFER_ERR_CORRUPT
+   * <reason>" when another rank failed (its reason, as it reported it, or
+   * "its bootstrap connection ended before it was ready" when its process
+   * ended after the table), within about a second; KVXFER_ERR_CORRUPT
    * for a malformed payload; any Link::create/connect error.  The message
    * names the rank and the step.
    */
