@@ -538,6 +538,25 @@ TEST(Bootstrap, FinalRoundRelaysAFailureAtOnce) {
   EXPECT_EQ(root->failed_rank(), 1);
 }
 
+TEST(Bootstrap, FinalRoundARankAlreadyReadyMayStillFail) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  auto rootf = start_final_root(root.get(), 3, 30000);
+  std::vector<Joined> j = join_all(id, 3, 30000);
+  for (int r = 0; r < 3; ++r) ASSERT_EQ(j[r].r, KVXFER_SUCCESS) << j[r].err;
+  ASSERT_EQ(j[0].session->report(nullptr), KVXFER_SUCCESS);
+  ASSERT_EQ(j[1].session->report(nullptr), KVXFER_SUCCESS);
+  ASSERT_EQ(j[0].session->report("the link to rank 2 died"), KVXFER_SUCCESS);
+  for (int r : {1, 2}) {
+    std::string err;
+    EXPECT_EQ(await_verdict(j[r].session.get(), 5000, &err), KVXFER_ERR_SYSTEM) << err;
+    EXPECT_NE(err.find("rank 0 failed: the link to rank 2 died"), std::string::npos) << err;
+  }
+  EXPECT_EQ(rootf.get().r, KVXFER_ERR_SYSTEM);
+  EXPECT_EQ(root->failed_rank(), 0);
+}
+
 TEST(Bootstrap, FinalRoundTreatsAHangUpAsAFailure) {
   UniqueId id;
   std::unique_ptr<BootstrapRoot> root;

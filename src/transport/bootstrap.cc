@@ -397,10 +397,11 @@ ReadState read_hello(Pending* p, std::string* why) {
 constexpr size_t kFinalMax = kTableFixed + 8 + kBootstrapMaxReason;
 
 /**
- * The final status round (accept_all with final_round): reads one final status
- * from every rank on its bootstrap connection.  The first RANK_FAILED, hang-up
- * or malformed status is relayed to every other rank at once; when all are
- * READY, every rank is sent READY.  Bounded by `d`.
+ * The final status round (accept_all with final_round): reads the final
+ * status of every rank on its bootstrap connection.  The first RANK_FAILED,
+ * hang-up or malformed status (from a rank already READY too) is relayed to
+ * every other rank at once; when all are READY, every rank is sent READY.
+ * Bounded by `d`.
  */
 kvxfer_result_t run_final_round(std::vector<Fd>* ranks_in, int nranks, Deadline d, int timeout_ms,
                                 const std::string& self, int* failed_rank) {
@@ -450,11 +451,10 @@ kvxfer_result_t run_final_round(std::vector<Fd>* ranks_in, int nranks, Deadline 
     }
     fds.clear();
     who.clear();
-    for (int r = 0; r < nranks; ++r)
-      if (!ready[r]) {
-        fds.push_back({in[r]->fd.get(), POLLIN, 0});
-        who.push_back(r);
-      }
+    for (int r = 0; r < nranks; ++r) {  // a READY rank may still fail or hang up
+      fds.push_back({in[r]->fd.get(), POLLIN, 0});
+      who.push_back(r);
+    }
     const int pr = ::poll(fds.data(), fds.size(), left);
     if (pr < 0) {
       if (errno == EINTR) continue;
@@ -479,11 +479,13 @@ kvxfer_result_t run_final_round(std::vector<Fd>* ranks_in, int nranks, Deadline 
           get_u32(b + kTableFixed) != static_cast<uint32_t>(r) ||
           rlen != p->len - kTableFixed - 8 ||
           (status != kStatusReady && status != kStatusRankFailed) ||
-          (status == kStatusReady && rlen != 0))
+          (status == kStatusReady && (rlen != 0 || ready[r])))
         return fail(r, "it sent a malformed final status");
       if (status == kStatusRankFailed) return fail(r, clean_reason(b + kTableFixed + 8, rlen));
       ready[r] = true;
       ++nready;
+      p->got = 0;  // read the next frame afresh
+      p->len = 0;
     }
   }
   send_every(status_frame(kStatusReady, nranks), -1);

@@ -218,7 +218,9 @@ class BootstrapSession {
 
   /**
    * Sends this rank's final status: READY when `failure_reason` is NULL, else
-   * RANK_FAILED with the reason (cut to kBootstrapMaxReason).  Once.
+   * RANK_FAILED with the reason (cut to kBootstrapMaxReason).  READY at
+   * most once; RANK_FAILED may follow it (a Link failing while this rank
+   * waits for the others), and the root relays it as any other.
    * Errors: KVXFER_ERR_SYSTEM (the root closed, socket errors),
    * KVXFER_ERR_TIMEOUT (not sent within kBootstrapFailGraceMs).
    */
