@@ -128,6 +128,7 @@ using params::Tclass;
 TEST(ParseEnum, ExactMatchEveryPosition) {
   const std::pair<const char*, CodecPath> cases[] = {{"auto", CodecPath::kAuto},
                                                      {"avx2", CodecPath::kAvx2},
+                                                     {"avx512", CodecPath::kAvx512},
                                                      {"scalar", CodecPath::kScalar},
                                                      {"reference", CodecPath::kReference}};
   for (const auto& c : cases) {
@@ -144,6 +145,8 @@ TEST(ParseEnum, CaseInsensitiveReturnsTypedValue) {
   std::string why;
   ASSERT_TRUE(params::parse_enum("AVX2", &path, &why));
   EXPECT_EQ(path, CodecPath::kAvx2);
+  ASSERT_TRUE(params::parse_enum("AVX512", &path, &why));
+  EXPECT_EQ(path, CodecPath::kAvx512);
   ASSERT_TRUE(params::parse_enum("ReFeReNcE", &path, &why));
   EXPECT_EQ(path, CodecPath::kReference);
   LogLevel level = LOG_NONE;
@@ -158,11 +161,11 @@ TEST(ParseEnum, CaseInsensitiveReturnsTypedValue) {
 }
 
 TEST(ParseEnum, Unknown) {
-  for (const char* text : {"sse", "", "av", "avx2 ", " avx2", "auto|avx2", "avx512"}) {
+  for (const char* text : {"sse", "", "av", "avx2 ", " avx2", "auto|avx2", "avx512f", "avx"}) {
     CodecPath out = CodecPath::kScalar;
     std::string why;
     EXPECT_FALSE(params::parse_enum(text, &out, &why)) << "'" << text << "'";
-    EXPECT_EQ(why, "is not one of auto|avx2|scalar|reference") << "'" << text << "'";
+    EXPECT_EQ(why, "is not one of auto|avx2|avx512|scalar|reference") << "'" << text << "'";
     EXPECT_EQ(out, CodecPath::kScalar) << "'" << text << "'";
   }
 }
@@ -507,7 +510,7 @@ TEST_F(Environment, MalformedIntFailsEveryCall) {
 
 TEST_F(Environment, MalformedEnumFailsEveryCall) {
   EXPECT_EXIT(ExpectMalformed("KVXFER_CODEC_IMPL", "sse9"), ::testing::ExitedWithCode(0),
-              "KVXFER_CODEC_IMPL='sse9' is not one of auto\\|avx2\\|scalar\\|reference");
+              "KVXFER_CODEC_IMPL='sse9' is not one of auto\\|avx2\\|avx512\\|scalar\\|reference");
   EXPECT_EXIT(ExpectMalformed("KVXFER_DEBUG", "LOUD"), ::testing::ExitedWithCode(0),
               "KVXFER_DEBUG='LOUD'");
 }

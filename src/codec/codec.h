@@ -11,9 +11,9 @@
 namespace kvxfer::codec {
 
 /** Which CPU path runs the quantizing codecs.  All produce identical bytes. */
-enum class Impl { AUTO, REFERENCE, SCALAR, AVX2 };
+enum class Impl { AUTO, REFERENCE, SCALAR, AVX2, AVX512 };
 
-/** Resolves AUTO/AVX2 against the CPU and KVXFER_CODEC_IMPL. */
+/** Resolves AUTO/AVX2/AVX512 against the CPU and KVXFER_CODEC_IMPL. */
 kvxfer_result_t resolve_impl(Impl requested, Impl* out);
 
 kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg);

@@ -223,10 +223,23 @@ int thread_count(int requested, int64_t chunks, int64_t elems) {
 }  // namespace
 
 const RowKernels& scalar_kernels() {
-  static const RowKernels k{chunk_minmax_scalar,  chunk_meta_scalar,    load_meta_scalar,
-                            encode_row_scalar,    encode_params_scalar, encode_row_nibbles_scalar,
-                            row_sq_errors_scalar, decode_row_scalar};
+  static const RowKernels k{chunk_minmax_scalar,
+                            chunk_meta_scalar,
+                            load_meta_scalar,
+                            encode_row_scalar,
+                            encode_params_scalar,
+                            encode_row_nibbles_scalar,
+                            row_sq_errors_scalar,
+                            decode_row_scalar,
+                            nullptr,
+                            nullptr};
   return k;
+}
+
+const RowKernels& kernels_for(Impl impl) {
+  if (impl == Impl::AVX512) return avx512_kernels();
+  if (impl == Impl::AVX2) return avx2_kernels();
+  return scalar_kernels();
 }
 
 bool cpu_has_avx2() {
@@ -240,8 +253,15 @@ bool cpu_has_avx2() {
   return has;
 }
 
-EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
-  const RowKernels& K = avx2 ? avx2_kernels() : scalar_kernels();
+bool cpu_has_avx512() {
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
+  const RowKernels& K = kernels_for(impl);
   const PageHeader& h = *job.hdr;
   const int64_t T = static_cast<int64_t>(h.num_tokens);
   const int32_t H = static_cast<int32_t>(h.num_channels);
@@ -346,8 +366,8 @@ EncodeStatus encode(const EncodeJob& job, bool avx2, int threads) {
   return EncodeStatus::OK;
 }
 
-void decode(const DecodeJob& job, bool avx2, int threads) {
-  const RowKernels& K = avx2 ? avx2_kernels() : scalar_kernels();
+void decode(const DecodeJob& job, Impl impl, int threads) {
+  const RowKernels& K = kernels_for(impl);
   const PageHeader& h = *job.hdr;
   const int64_t T = static_cast<int64_t>(h.num_tokens);
   const int32_t H = static_cast<int32_t>(h.num_channels);
@@ -366,18 +386,29 @@ void decode(const DecodeJob& job, bool avx2, int threads) {
   {
     std::vector<float> m(H), d(H);
     std::vector<uint8_t> idx(H);
+    const bool nibbles = A == 4 && (H & 1) == 0 && (!full || R == 4 || R == 0);
+    // 4-bit fields straight to values where the kernels can (no index array).
+    const bool fused = nibbles && K.decode_row_nibbles != nullptr;
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
-      K.load_meta(job.meta + static_cast<size_t>(k) * H * (job.meta_fp32 ? 8 : 4), H, job.meta_fp32,
-                  m.data(), d.data());
+      const uint8_t* meta = job.meta + static_cast<size_t>(k) * H * (job.meta_fp32 ? 8 : 4);
+      if (fused)
+        K.decode_params(meta, H, job.meta_fp32, m.data(), d.data());
+      else
+        K.load_meta(meta, H, job.meta_fp32, m.data(), d.data());
       BitReader ra{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
       BitReader rr{full ? job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8 : nullptr};
       for (int64_t t = t0; t < t1; ++t) {
-        if (A == 4 && (H & 1) == 0 && (!full || R == 4 || R == 0)) {
+        if (nibbles) {
           const uint8_t* pa = ra.in + (static_cast<uint64_t>(t - t0) * H) / 2;
           const uint8_t* pr =
               full && R > 0 ? rr.in + (static_cast<uint64_t>(t - t0) * H) / 2 : nullptr;
+          if (fused) {
+            K.decode_row_nibbles(pa, pr, H, m.data(), d.data(), v, job.dst.l->dtype,
+                                 job.dst.row(t));
+            continue;
+          }
           unpack44_row(pa, pr, H, idx.data());
         } else {
           for (int32_t c = 0; c < H; ++c) {

@@ -71,10 +71,31 @@ struct RowKernels {
   /** Values of one row: x[c] = denormalise(v.table[idx[c]], {m[c], d[c]}) in dtype dt. */
   void (*decode_row)(const uint8_t* idx, int32_t H, const float* m, const float* d, const Values& v,
                      kvxfer_dtype_t dt, uint8_t* row);
+  /**
+   * load_meta for decode_row_nibbles: m and d of the H entries at `meta`, in
+   * whatever order its vectors read them.  NULL where decode_row_nibbles is.
+   */
+  void (*decode_params)(const uint8_t* meta, int32_t H, bool fp32, float* pm, float* pd);
+  /**
+   * decode_row straight from the 4-bit fields of one row (docs/FORMAT.md 4.2,
+   * even element in the low nibble): idx[c] = anchor (pr NULL) or anchor << 4
+   * | residual, on decode_params' arrays, without an index array.  H even.
+   * NULL: the driver unpacks the fields and calls decode_row.
+   */
+  void (*decode_row_nibbles)(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
+                             const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row);
 };
 
 const RowKernels& scalar_kernels();
 /** Defined in fast_avx2.cc, compiled with -mavx2 -mf16c -mfma; call only if cpu_has_avx2(). */
 const RowKernels& avx2_kernels();
+/**
+ * Defined in fast_avx512.cc, compiled with -mavx512f -mavx512bw -mavx512vl
+ * -mavx512dq -mavx2 -mf16c -mfma; call only if cpu_has_avx512().  Kernels it
+ * does not specialise are the AVX2 ones.
+ */
+const RowKernels& avx512_kernels();
+/** The row kernels of a resolved path: SCALAR, AVX2 or AVX512. */
+const RowKernels& kernels_for(Impl impl);
 
 }  // namespace kvxfer::codec::fast

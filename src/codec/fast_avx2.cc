@@ -641,9 +641,16 @@ bool copy_row_bf16_scanning_avx2(uint8_t* dst, const uint8_t* src, int32_t H) {
 }
 
 const RowKernels& avx2_kernels() {
-  static const RowKernels k{chunk_minmax_avx2,  chunk_meta_avx2,    load_meta_avx2,
-                            encode_row_avx2,    encode_params_avx2, encode_row_nibbles_avx2,
-                            row_sq_errors_avx2, decode_row_avx2};
+  static const RowKernels k{chunk_minmax_avx2,
+                            chunk_meta_avx2,
+                            load_meta_avx2,
+                            encode_row_avx2,
+                            encode_params_avx2,
+                            encode_row_nibbles_avx2,
+                            row_sq_errors_avx2,
+                            decode_row_avx2,
+                            nullptr,
+                            nullptr};
   return k;
 }
 

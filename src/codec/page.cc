@@ -116,15 +116,23 @@ kvxfer_result_t resolve_impl(Impl requested, Impl* out) {
     switch (params::CodecImpl()) {
       case params::CodecPath::kAuto: impl = Impl::AUTO; break;
       case params::CodecPath::kAvx2: impl = Impl::AVX2; break;
+      case params::CodecPath::kAvx512: impl = Impl::AVX512; break;
       case params::CodecPath::kScalar: impl = Impl::SCALAR; break;
       case params::CodecPath::kReference: impl = Impl::REFERENCE; break;
     }
-    if (impl == Impl::AUTO) impl = fast::cpu_has_avx2() ? Impl::AVX2 : Impl::SCALAR;
+    if (impl == Impl::AUTO)
+      impl = fast::cpu_has_avx512() ? Impl::AVX512
+             : fast::cpu_has_avx2() ? Impl::AVX2
+                                    : Impl::SCALAR;
   }
   if (impl == Impl::AVX2 && !fast::cpu_has_avx2())
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "the AVX2 codec path was requested but this CPU "
                      "lacks AVX2/F16C");
+  if (impl == Impl::AVX512 && !fast::cpu_has_avx512())
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "the AVX-512 codec path was requested but this CPU "
+                     "lacks AVX-512 F/BW/VL/DQ");
   *out = impl;
   return KVXFER_SUCCESS;
 }
@@ -373,8 +381,8 @@ class HostBackend final : public EncodeBackend {
                   res_ + kHeaderBytes,
                   hist};
     job.anchors = job.meta + s.meta_bytes;
-    *status = impl_ == Impl::REFERENCE ? reference::encode(job)
-                                       : fast::encode(job, impl_ == Impl::AVX2, threads_);
+    *status =
+        impl_ == Impl::REFERENCE ? reference::encode(job) : fast::encode(job, impl_, threads_);
     if (*status == EncodeStatus::NONFINITE) {
       locate(at);
     } else if (*status == EncodeStatus::OK && has_anchor_table(cb)) {
@@ -400,7 +408,7 @@ class HostBackend final : public EncodeBackend {
     const size_t bytes = static_cast<size_t>(H) * 2;
     uint8_t* out = anc_ + kHeaderBytes;
     bool any = false;
-    const bool avx2 = impl_ == Impl::AVX2;
+    const bool avx2 = impl_ == Impl::AVX2 || impl_ == Impl::AVX512;
     for (int64_t t = 0; t < T; ++t) {
       uint8_t* orow = out + static_cast<size_t>(t) * bytes;
       if (avx2) {
@@ -707,7 +715,7 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   if (impl == Impl::REFERENCE)
     reference::decode(job);
   else
-    fast::decode(job, impl == Impl::AVX2, effective_threads(threads));
+    fast::decode(job, impl, effective_threads(threads));
   if (tg) tp.store_to(lay, T, H);
   // The sink rows, exact, over their decoded codes (docs/FORMAT.md 2.7).
   const kvxfer_dtype_t kdt = sink_dtype(ah);

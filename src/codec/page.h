@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "codec/codebook.h"
+#include "codec/codec.h"
 #include "codec/codec_math.h"
 #include "codec/format.h"
 #include "kvxfer/kvxfer.h"
@@ -259,11 +260,20 @@ void decode(const DecodeJob& job);
 }  // namespace reference
 
 namespace fast {
-/** Same bytes as reference::encode, SIMD and threads.  `impl` "scalar" or "avx2". */
-EncodeStatus encode(const EncodeJob& job, bool avx2, int threads);
-void decode(const DecodeJob& job, bool avx2, int threads);
+/**
+ * Same bytes as reference::encode, SIMD and threads.  `impl` SCALAR, AVX2 or
+ * AVX512 (resolved: the CPU has it).
+ */
+EncodeStatus encode(const EncodeJob& job, Impl impl, int threads);
+/** Same values as reference::decode; `impl` as for encode. */
+void decode(const DecodeJob& job, Impl impl, int threads);
 /** True if this CPU can run the AVX2 path (AVX2 + F16C). */
 bool cpu_has_avx2();
+/**
+ * True if this CPU can run the AVX-512 path (codec/fast_avx512.cc): AVX-512
+ * F, BW, VL and DQ, and what the AVX2 path needs.
+ */
+bool cpu_has_avx512();
 /**
  * The BF16 passthrough of one bf16 row (fast_avx2.cc; only if cpu_has_avx2()):
  * copies H values (2*H bytes) from src to dst, which must not overlap, and

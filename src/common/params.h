@@ -29,6 +29,7 @@ namespace kvxfer::params {
 #define KVXFER_CODEC_PATHS(X) \
   X(kAuto, auto)              \
   X(kAvx2, avx2)              \
+  X(kAvx512, avx512)          \
   X(kScalar, scalar)          \
   X(kReference, reference)
 /**

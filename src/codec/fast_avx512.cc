@@ -1,0 +1,545 @@
+// AVX-512 row kernels (compiled with -mavx512f -mavx512bw -mavx512vl
+// -mavx512dq -mavx2 -mf16c -mfma, selected at run time: cpu_has_avx512).
+// Specialised here: the min/max scan of 16-bit rows, the binary16 metadata,
+// the encode of whole rows into 4-bit fields and the decode straight from
+// them (docs/FORMAT.md 4.2), 32 elements per iteration; every other kernel
+// is the AVX2 one.  Per element they perform the reference's operations in
+// the same order (codec_math.h): u = x - m, then one fma (linear codes) or a
+// multiply and the threshold lookup (alpha-law codes); x = fma(d, z, m), then
+// the rounding to the output dtype.  The intrinsics are single IEEE
+// operations; contraction is off project-wide, so nothing else is fused.
+//
+// Element orders.  The encoder splits 32 bf16 values into two float vectors
+// with one unpack each (channels [0..3, 8..11, 16..19, 24..27] and the
+// others, per 32), and one packus puts the codes back in channel order; its
+// m and s arrays (encode_params) are in that order.  The decoder reads 16
+// bytes of 4-bit fields as 16 dwords: the even channels come from the low
+// nibbles and the odd ones from the high nibbles, so its m and d arrays
+// (decode_params) hold, per 32 channels, the 16 even ones and then the 16
+// odd ones; one blend or permute interleaves the two results on the store.
+// Tails (H not a multiple of 32) keep channel order and take the scalar code.
+#include <immintrin.h>
+
+#include <limits>
+
+#include "codec/fast.h"
+
+namespace kvxfer::codec::fast {
+
+namespace {
+
+// vpternlog immediates: a ? b : c (bitwise select), and a ^ (b & c).
+constexpr int kSelect = 0xCA;
+constexpr int kXorAnd = 0x78;
+
+// ---------------------------------------------------------------------------
+// Min/max of 16-bit rows over the order-preserving integer keys (as
+// fast_avx2.cc: key = u ^ ((u >> 15) & 0x7FFF); the NaN/Inf check falls out
+// of the extreme keys), 32 channels a vector, a block of up to 4 vectors of
+// minima and maxima in registers while the chunk's rows stream past.
+// ---------------------------------------------------------------------------
+inline __m512i key16(__m512i u) {
+  return _mm512_ternarylogic_epi32(u, _mm512_srai_epi16(u, 15), _mm512_set1_epi16(0x7FFF), kXorAnd);
+}
+
+// The scalar min/max of channels [from, H), as the reference scans them.
+bool minmax_tail(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t from, int32_t H,
+                 float* mn, float* mx) {
+  bool ok = true;
+  for (int32_t j = from; j < H; ++j) {
+    float a = load_elem(rows[0], j, dt), b = a;
+    for (int r = 0; r < n; ++r) {
+      const float x = load_elem(rows[r], j, dt);
+      ok &= !f32_nonfinite(x);
+      if (x < a) a = x;
+      if (x > b) b = x;
+    }
+    mn[j] = a;
+    mx[j] = b;
+  }
+  return ok;
+}
+
+// NB vectors (32 * NB channels from c0) of every row; false if a key lies
+// beyond the finite ones.  The keys go back to floats (key16 is an
+// involution on the bits) in mn, mx.
+template <int NB>
+bool minmax_block(const uint8_t* const* rows, int n, bool bf16, int32_t c0, float* mn, float* mx) {
+  __m512i kmn[NB], kmx[NB];
+  for (int j = 0; j < NB; ++j)
+    kmn[j] = kmx[j] = key16(_mm512_loadu_si512(rows[0] + 2 * (c0 + 32 * j)));
+  for (int r = 1; r < n; ++r) {
+    const uint8_t* row = rows[r] + 2 * c0;
+    for (int j = 0; j < NB; ++j) {
+      const __m512i k = key16(_mm512_loadu_si512(row + 64 * j));
+      kmn[j] = _mm512_min_epi16(kmn[j], k);
+      kmx[j] = _mm512_max_epi16(kmx[j], k);
+    }
+  }
+  const int16_t inf_key = bf16 ? 0x7F80 : 0x7C00;  // key of +Inf; -Inf's is -1 - inf_key
+  const __m512i hi = _mm512_set1_epi16(static_cast<int16_t>(inf_key - 1));
+  const __m512i lo = _mm512_set1_epi16(static_cast<int16_t>(-inf_key));
+  __mmask32 bad = 0;
+  for (int j = 0; j < NB; ++j) {
+    bad |= _mm512_cmpgt_epi16_mask(kmx[j], hi) | _mm512_cmpgt_epi16_mask(lo, kmn[j]);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i u = key16(half ? kmx[j] : kmn[j]);
+      float* out = (half ? mx : mn) + c0 + 32 * j;
+      const __m256i u0 = _mm512_castsi512_si256(u), u1 = _mm512_extracti64x4_epi64(u, 1);
+      if (bf16) {
+        _mm512_storeu_si512(out, _mm512_slli_epi32(_mm512_cvtepu16_epi32(u0), 16));
+        _mm512_storeu_si512(out + 16, _mm512_slli_epi32(_mm512_cvtepu16_epi32(u1), 16));
+      } else {
+        _mm512_storeu_ps(out, _mm512_cvtph_ps(u0));
+        _mm512_storeu_ps(out + 16, _mm512_cvtph_ps(u1));
+      }
+    }
+  }
+  return bad == 0;
+}
+
+bool chunk_minmax_avx512(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H, float* mn,
+                         float* mx) {
+  if (dt == KVXFER_DTYPE_FP32) return avx2_kernels().chunk_minmax(rows, n, dt, H, mn, mx);
+  const bool bf16 = dt == KVXFER_DTYPE_BF16;
+  const int32_t Hv = H & ~31;
+  bool ok = true;
+  int32_t c = 0;
+  for (; c + 128 <= Hv; c += 128) ok &= minmax_block<4>(rows, n, bf16, c, mn, mx);
+  switch ((Hv - c) / 32) {
+    case 3: ok &= minmax_block<3>(rows, n, bf16, c, mn, mx); break;
+    case 2: ok &= minmax_block<2>(rows, n, bf16, c, mn, mx); break;
+    case 1: ok &= minmax_block<1>(rows, n, bf16, c, mn, mx); break;
+    default: break;
+  }
+  return minmax_tail(rows, n, dt, Hv, H, mn, mx) && ok;
+}
+
+// ---------------------------------------------------------------------------
+// Metadata (codec_math.h chunk_affine, 16 channels at a time), as
+// fast_avx2.cc's chunk_meta_avx2: the F16C-style conversion rounds to nearest
+// even, overflows to infinity and keeps subnormals exactly as f32_to_f16; d
+// rounded up is that conversion plus one ulp where it fell below d.  Binary32
+// metadata (rare) takes the scalar path.
+// ---------------------------------------------------------------------------
+bool chunk_meta_avx512(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta,
+                       float* m, float* d, float* s) {
+  if (fp32) return scalar_kernels().chunk_meta(mn, mx, H, fp32, num, meta, m, d, s);
+  const __m512 zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f);
+  const __m512 inf = _mm512_set1_ps(__builtin_inff()), nv = _mm512_set1_ps(num);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __mmask16 bad = 0;
+  int32_t c = 0;
+  for (; c + 16 <= H; c += 16) {
+    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(mn + c), zero);  // canonical +0
+    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(mx + c), zero);
+    const __m256i mh =
+        _mm512_cvtps_ph(_mm512_add_ps(_mm512_mul_ps(half, lo), _mm512_mul_ps(half, hi)), kRne);
+    const __m512 mv = _mm512_cvtph_ps(mh);
+    const __m512 dv0 =
+        _mm512_add_ps(_mm512_max_ps(_mm512_sub_ps(hi, mv), _mm512_sub_ps(mv, lo)), zero);
+    __m256i dh = _mm512_cvtps_ph(dv0, kRne);
+    // Below d after rounding: the next binary16 up (d >= 0: one more in the bits).
+    const __mmask16 below = _mm512_cmp_ps_mask(_mm512_cvtph_ps(dh), dv0, _CMP_LT_OQ);
+    dh = _mm256_mask_add_epi16(dh, below, dh, _mm256_set1_epi16(1));
+    const __m512 dv = _mm512_cvtph_ps(dh);
+    bad |= _mm512_cmp_ps_mask(_mm512_andnot_ps(sign, mv), inf, _CMP_EQ_OQ) |
+           _mm512_cmp_ps_mask(dv, inf, _CMP_EQ_OQ);
+    _mm512_storeu_ps(m + c, mv);
+    _mm512_storeu_ps(d + c, dv);
+    _mm512_storeu_ps(s + c, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dv, zero, _CMP_GT_OQ), nv, dv));
+    // {m, d} binary16 pairs, little-endian.
+    _mm512_storeu_si512(meta + 4 * c,
+                        _mm512_or_si512(_mm512_cvtepu16_epi32(mh),
+                                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(dh), 16)));
+  }
+  bool ok = bad == 0;
+  if (c < H)
+    ok &= scalar_kernels().chunk_meta(mn + c, mx + c, H - c, fp32, num, meta + 4 * c, m + c, d + c,
+                                      s + c);
+  return ok;
+}
+
+// ---------------------------------------------------------------------------
+// Encode: 32 codes per iteration, as 32 words in channel order.
+// ---------------------------------------------------------------------------
+
+// encode_params for bf16 rows: per 32 channels of the vector part, the order
+// of the two unpacks (channels 8L..8L+3 of each 128-bit lane L, then 8L+4..
+// 8L+7).  Other dtypes and the tail keep channel order.
+void encode_params_avx512(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt, float* pm,
+                          float* ps) {
+  const int32_t Hv = dt == KVXFER_DTYPE_BF16 ? (H & ~31) : 0;
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i i1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int32_t c = 0; c < Hv; c += 32)
+    for (int k = 0; k < 2; ++k) {
+      const float* src = k ? s : m;
+      float* dst = k ? ps : pm;
+      const __m512 a = _mm512_loadu_ps(src + c), b = _mm512_loadu_ps(src + c + 16);
+      _mm512_storeu_ps(dst + c, _mm512_permutex2var_ps(a, i0, b));
+      _mm512_storeu_ps(dst + c + 16, _mm512_permutex2var_ps(a, i1, b));
+    }
+  for (int32_t c = Hv; c < H; ++c) {
+    pm[c] = m[c];
+    ps[c] = s[c];
+  }
+}
+
+// What the code of one element needs of the codebook, in registers.
+struct EncodeConsts {
+  __m512 bias, ncells;
+  __m512i maxc;  // UNIFORM: the largest code, in 16-bit lanes
+  const uint8_t* base;
+  const float* next;
+};
+
+// 16 int32 values from 16 floats x (u = x - m with the m, s at p + c):
+// NEST the g of nest_code, UNIFORM the unclamped q, LUT the code (sign | q).
+template <int KIND>
+inline __m512i codes16(__m512 x, const float* pm, const float* ps, int32_t c,
+                       const EncodeConsts& k) {
+  const __m512 u = _mm512_sub_ps(x, _mm512_loadu_ps(pm + c));
+  const __m512 sv = _mm512_loadu_ps(ps + c);
+  if constexpr (KIND == CODE_UNIFORM || KIND == CODE_NEST) {
+    return _mm512_cvttps_epi32(_mm512_fmadd_ps(u, sv, k.bias));
+  } else {
+    const __m512 z = _mm512_mul_ps(u, sv);
+    const __m512 a = _mm512_andnot_ps(_mm512_set1_ps(-0.0f), z);
+    // Byte counts (L1-resident), then the one threshold that can follow.
+    const __m512i i = _mm512_cvttps_epi32(_mm512_mul_ps(a, k.ncells));
+    const __m512i b =
+        _mm512_and_si512(_mm512_i32gather_epi32(i, k.base, 1), _mm512_set1_epi32(0xFF));
+    const __mmask16 ge = _mm512_cmp_ps_mask(a, _mm512_i32gather_ps(b, k.next, 4), _CMP_GE_OQ);
+    const __m512i q = _mm512_mask_add_epi32(b, ge, b, _mm512_set1_epi32(1));
+    const __mmask16 neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mask_or_epi32(q, neg, q, _mm512_set1_epi32(0x80));
+  }
+}
+
+// The codes16 values of channels c..c+31 as 32 words in channel order,
+// saturated to [0, 65535] by packus (which is the lower clamp of UNIFORM).
+template <int KIND, int DT>
+inline __m512i words32(const uint8_t* row, int32_t c, const float* pm, const float* ps,
+                       const EncodeConsts& k) {
+  if constexpr (DT == KVXFER_DTYPE_BF16) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i v = _mm512_loadu_si512(row + 2 * c);
+    const __m512i q0 =
+        codes16<KIND>(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)), pm, ps, c, k);
+    const __m512i q1 =
+        codes16<KIND>(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), pm, ps, c + 16, k);
+    return _mm512_packus_epi32(q0, q1);
+  } else {
+    __m512 x0, x1;
+    if constexpr (DT == KVXFER_DTYPE_FP16) {
+      x0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c)));
+      x1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c + 32)));
+    } else {
+      x0 = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + c);
+      x1 = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + c + 16);
+    }
+    const __m512i q0 = codes16<KIND>(x0, pm, ps, c, k), q1 = codes16<KIND>(x1, pm, ps, c + 16, k);
+    // packus interleaves the two per 128-bit lane: qwords 0, 2, 4, 6 are q0's.
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                    _mm512_packus_epi32(q0, q1));
+  }
+}
+
+// 4-bit fields of 32 channels from 16-bit lanes in channel order: `lo` holds
+// each field in bits 0..3 (bits 4.. may hold anything, `clean` says they
+// are 0), giving byte j = f[2j] | f[2j + 1] << 4.
+template <bool CLEAN>
+inline __m128i nibbles32(__m512i f) {
+  const __m512i hi = _mm512_srli_epi32(f, 12);  // field 2j+1 at bits 4..7 of dword j
+  if constexpr (CLEAN) return _mm512_cvtepi32_epi8(_mm512_or_si512(f, hi));
+  return _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F), f, hi, kSelect));
+}
+
+template <int KIND, int DT, bool RES, bool CODES>
+void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const float* ps,
+                          const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes) {
+  const EncodeConsts k{
+      _mm512_set1_ps(cb.bias), _mm512_set1_ps(static_cast<float>(1 << cb.lut_log2)),
+      _mm512_set1_epi16(static_cast<int16_t>(cb.max_code)), cb.lut_base8.data(), cb.thresholds_inf};
+  // NEST: g clamped to [16, 495] makes the anchor g >> 5 and the residual
+  // g >> sh & 15, sh = 0 in the two end cells (anchors 0 and 15), else 1:
+  // the top cell's min(g - 480, 15) and the bottom's max(g - 16, 0) are then
+  // g & 15 (codec_math.h nest_code).
+  const __m512i g_lo = _mm512_set1_epi16(16), g_hi = _mm512_set1_epi16(495);
+  const __m512i sh_of_a =
+      _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,  // unused
+                       0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0);
+  const int32_t Hv = H & ~31;
+  for (int32_t c = 0; c < Hv; c += 32) {
+    const __m512i w = words32<KIND, DT>(row, c, pm, ps, k);
+    __m512i a,
+        r = _mm512_setzero_si512();  // anchor (clean) and residual (bits 0..3) per 16-bit lane
+    if constexpr (KIND == CODE_NEST) {
+      const __m512i g = _mm512_min_epu16(_mm512_max_epu16(w, g_lo), g_hi);
+      a = _mm512_srli_epi16(g, 5);
+      r = _mm512_srlv_epi16(g, _mm512_permutexvar_epi16(a, sh_of_a));
+      if constexpr (CODES)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c),
+                            _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(
+                                _mm512_set1_epi16(0x0F), r, _mm512_slli_epi16(a, 4), kSelect)));
+    } else {
+      const __m512i q = KIND == CODE_UNIFORM ? _mm512_min_epu16(w, k.maxc) : w;
+      if constexpr (CODES)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c), _mm512_cvtepi16_epi8(q));
+      if constexpr (RES) {
+        a = _mm512_srli_epi16(q, 4);
+        r = q;
+      } else {
+        a = q;  // 4-bit codes
+      }
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pa + c / 2), nibbles32<true>(a));
+    if constexpr (RES)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pr + c / 2), nibbles32<false>(r));
+  }
+  if (Hv < H)
+    scalar_kernels().encode_row_nibbles(row + Hv * dtype_size(static_cast<kvxfer_dtype_t>(DT)),
+                                        static_cast<kvxfer_dtype_t>(DT), H - Hv, pm + Hv, ps + Hv,
+                                        cb, pa + Hv / 2, RES ? pr + Hv / 2 : nullptr,
+                                        CODES ? codes + Hv : nullptr);
+}
+
+template <int KIND, int DT>
+void encode_row_nibbles_dt(const uint8_t* row, int32_t H, const float* m, const float* s,
+                           const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes) {
+  if (pr != nullptr) {
+    if (codes != nullptr)
+      return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes);
+    return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes);
+  }
+  if (codes != nullptr)
+    return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes);
+  encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes);
+}
+
+template <int KIND>
+void encode_row_nibbles_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                             const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
+                             uint8_t* codes) {
+  switch (dt) {
+    case KVXFER_DTYPE_BF16:
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_BF16>(row, H, m, s, cb, pa, pr, codes);
+    case KVXFER_DTYPE_FP16:
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP16>(row, H, m, s, cb, pa, pr, codes);
+    default: return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP32>(row, H, m, s, cb, pa, pr, codes);
+  }
+}
+
+void encode_row_nibbles_avx512(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                               const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
+                               uint8_t* codes) {
+  switch (cb.kind) {
+    case CODE_UNIFORM:
+      return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes);
+    case CODE_NEST: return encode_row_nibbles_kind<CODE_NEST>(row, dt, H, m, s, cb, pa, pr, codes);
+    default: return encode_row_nibbles_kind<CODE_LUT>(row, dt, H, m, s, cb, pa, pr, codes);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Decode straight from the 4-bit fields, 32 values per iteration: the even
+// channels' z values from the low nibbles, the odd channels' from the high
+// ones.  The z value of an index comes from a 16-entry permute (the anchors,
+// INT4's full codes), the linear formula (full codes of the uniform and
+// nested codebooks) or a gather (alpha-law full codes).
+// ---------------------------------------------------------------------------
+
+// decode_params: per 32 channels of the vector part, m (d) of the 16 even
+// channels, then of the 16 odd ones; the tail in channel order.
+void decode_params_avx512(const uint8_t* meta, int32_t H, bool fp32, float* pm, float* pd) {
+  const int32_t Hv = H & ~31;
+  if (fp32) {
+    for (int32_t c = 0; c < Hv; c += 32)
+      for (int32_t i = 0; i < 32; ++i) {
+        const Affine a = get_affine(meta, c + 2 * (i & 15) + (i >> 4), true);
+        pm[c + i] = a.m;
+        pd[c + i] = a.d;
+      }
+  } else {
+    // {m, d} pairs: in the 64 words of two vectors, m of channel k is word
+    // 2k and d word 2k + 1.
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>(4 * (i & 15) + 2 * (i >> 4));
+    const __m512i im = _mm512_load_si512(idx);
+    const __m512i id = _mm512_add_epi16(im, _mm512_set1_epi16(1));
+    for (int32_t c = 0; c < Hv; c += 32) {
+      const __m512i e0 = _mm512_loadu_si512(meta + 4 * c),
+                    e1 = _mm512_loadu_si512(meta + 4 * c + 64);
+      const __m512i mw = _mm512_permutex2var_epi16(e0, im, e1);
+      const __m512i dw = _mm512_permutex2var_epi16(e0, id, e1);
+      _mm512_storeu_ps(pm + c, _mm512_cvtph_ps(_mm512_castsi512_si256(mw)));
+      _mm512_storeu_ps(pm + c + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(mw, 1)));
+      _mm512_storeu_ps(pd + c, _mm512_cvtph_ps(_mm512_castsi512_si256(dw)));
+      _mm512_storeu_ps(pd + c + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dw, 1)));
+    }
+  }
+  for (int32_t c = Hv; c < H; ++c) {
+    const Affine a = get_affine(meta, c, fp32);
+    pm[c] = a.m;
+    pd[c] = a.d;
+  }
+}
+
+enum class Lookup { PERM16, NEST, UNIFORM, GATHER };
+
+// The z values of channels c..c+31: *ze the even ones, *zo the odd ones.
+template <Lookup L>
+inline void zvalues32(const uint8_t* pa, const uint8_t* pr, int32_t c, const Values& v, __m512 t16,
+                      __m512 step, __m512* ze, __m512* zo) {
+  const __m128i a16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pa + c / 2));
+  if constexpr (L == Lookup::PERM16) {
+    // vpermps reads bits 0..3 of each index.
+    const __m512i ad = _mm512_cvtepu8_epi32(a16);
+    *ze = _mm512_permutexvar_ps(ad, t16);
+    *zo = _mm512_permutexvar_ps(_mm512_srli_epi32(ad, 4), t16);
+  } else if constexpr (L == Lookup::NEST) {
+    // Codes in 16-bit lanes, the 16 even channels then the 16 odd ones:
+    // (a << 4 | r) from the low nibbles, (a & 0xF0 | r >> 4) from the high.
+    const __m128i r16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pr + c / 2));
+    const __m512i aw = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(a16));
+    const __m512i rw = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(r16));
+    const __m512i sh4 = _mm512_set_epi64(0, 0, 0, 0, 0x0004000400040004, 0x0004000400040004,
+                                         0x0004000400040004, 0x0004000400040004);
+    const __m512i code = _mm512_ternarylogic_epi32(
+        _mm512_set1_epi16(0xF0), _mm512_sllv_epi16(aw, sh4),
+        _mm512_srlv_epi16(rw, _mm512_shuffle_i64x2(sh4, sh4, 0x4E)), kSelect);
+    // codec_math.h nest_level2: 4c - 510 inside, corrected by
+    // min(max(0, 2c - 479), 30) above code 239 and min(max(0, 31 - 2c), 30)
+    // below code 16 (the 30s are codes 255 and 0).
+    const __m512i c2 = _mm512_add_epi16(code, code);
+    const __m512i k30 = _mm512_set1_epi16(30);
+    const __m512i top = _mm512_min_epu16(_mm512_subs_epu16(c2, _mm512_set1_epi16(479)), k30);
+    const __m512i bot = _mm512_min_epu16(_mm512_subs_epu16(_mm512_set1_epi16(31), c2), k30);
+    __m512i n = _mm512_sub_epi16(_mm512_add_epi16(c2, c2), _mm512_set1_epi16(510));
+    n = _mm512_add_epi16(_mm512_sub_epi16(n, top), bot);
+    *ze = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(n))), step);
+    *zo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(n, 1))),
+                        step);
+  } else {
+    const __m512i ad = _mm512_cvtepu8_epi32(a16);
+    const __m512i rd =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pr + c / 2)));
+    const __m512i f0 = _mm512_set1_epi32(0xF0);
+    const __m512i ce = _mm512_ternarylogic_epi32(f0, _mm512_slli_epi32(ad, 4), rd, kSelect);
+    const __m512i co = _mm512_ternarylogic_epi32(f0, ad, _mm512_srli_epi32(rd, 4), kSelect);
+    if constexpr (L == Lookup::UNIFORM) {
+      const __m512 m1 = _mm512_set1_ps(-1.0f);
+      *ze = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ce), step, m1);
+      *zo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(co), step, m1);
+    } else {
+      *ze = _mm512_i32gather_ps(ce, v.table, 4);
+      *zo = _mm512_i32gather_ps(co, v.table, 4);
+    }
+  }
+}
+
+// Round-to-nearest-even float -> bfloat16 in the high half of each dword
+// (the decoder never produces NaN).
+inline __m512i bf16_round_hi(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+}
+
+template <Lookup L, int DT, bool CLAMP>
+void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
+                          const float* pd, const Values& v, uint8_t* row) {
+  const __m512 t16 = L == Lookup::PERM16 ? _mm512_loadu_ps(v.table) : _mm512_setzero_ps();
+  const __m512 step = _mm512_set1_ps(v.step);
+  const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
+  const __m512 nbig = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  const int32_t Hv = H & ~31;
+  for (int32_t c = 0; c < Hv; c += 32) {
+    __m512 ze, zo;
+    zvalues32<L>(pa, pr, c, v, t16, step, &ze, &zo);
+    __m512 xe = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c), ze, _mm512_loadu_ps(pm + c));
+    __m512 xo = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c + 16), zo, _mm512_loadu_ps(pm + c + 16));
+    if constexpr (CLAMP) {
+      xe = _mm512_min_ps(_mm512_max_ps(xe, nbig), big);
+      xo = _mm512_min_ps(_mm512_max_ps(xo, nbig), big);
+    }
+    if constexpr (DT == KVXFER_DTYPE_BF16) {
+      const __m512i out = _mm512_mask_blend_epi16(
+          0xAAAAAAAAu, _mm512_srli_epi32(bf16_round_hi(xe), 16), bf16_round_hi(xo));
+      _mm512_storeu_si512(row + 2 * c, out);
+    } else if constexpr (DT == KVXFER_DTYPE_FP16) {
+      constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      const __m512i il =
+          _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                           6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i out =
+          _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm512_cvtps_ph(xe, kRne)), il,
+                                    _mm512_castsi256_si512(_mm512_cvtps_ph(xo, kRne)));
+      _mm512_storeu_si512(row + 2 * c, out);
+    } else {
+      const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const __m512i i1 =
+          _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+      float* out = reinterpret_cast<float*>(row) + c;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(xe, i0, xo));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(xe, i1, xo));
+    }
+  }
+  const auto dt = static_cast<kvxfer_dtype_t>(DT);
+  for (int32_t c = Hv; c < H; ++c) {
+    const unsigned sh = (c & 1) * 4;
+    const unsigned a = (pa[c / 2] >> sh) & 15u;
+    const unsigned i = pr != nullptr ? a << 4 | ((pr[c / 2] >> sh) & 15u) : a;
+    store_elem(row, c, dt, denormalise(v.table[i], Affine{pm[c], pd[c]}));
+  }
+}
+
+template <Lookup L, bool CLAMP>
+void decode_row_nibbles_l(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
+                          const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  switch (dt) {
+    case KVXFER_DTYPE_BF16:
+      return decode_row_nibbles_t<L, KVXFER_DTYPE_BF16, CLAMP>(pa, pr, H, pm, pd, v, row);
+    case KVXFER_DTYPE_FP16:
+      return decode_row_nibbles_t<L, KVXFER_DTYPE_FP16, CLAMP>(pa, pr, H, pm, pd, v, row);
+    default: return decode_row_nibbles_t<L, KVXFER_DTYPE_FP32, CLAMP>(pa, pr, H, pm, pd, v, row);
+  }
+}
+
+template <bool CLAMP>
+void decode_row_nibbles_c(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
+                          const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  if (pr == nullptr)  // 16 entries: the anchors, or INT4's full codes
+    return decode_row_nibbles_l<Lookup::PERM16, CLAMP>(pa, pr, H, pm, pd, v, dt, row);
+  if (v.linear_kind == CODE_NEST)
+    return decode_row_nibbles_l<Lookup::NEST, CLAMP>(pa, pr, H, pm, pd, v, dt, row);
+  if (v.linear_kind == CODE_UNIFORM)
+    return decode_row_nibbles_l<Lookup::UNIFORM, CLAMP>(pa, pr, H, pm, pd, v, dt, row);
+  decode_row_nibbles_l<Lookup::GATHER, CLAMP>(pa, pr, H, pm, pd, v, dt, row);
+}
+
+void decode_row_nibbles_avx512(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
+                               const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  if (v.clamp) return decode_row_nibbles_c<true>(pa, pr, H, pm, pd, v, dt, row);
+  decode_row_nibbles_c<false>(pa, pr, H, pm, pd, v, dt, row);
+}
+
+}  // namespace
+
+const RowKernels& avx512_kernels() {
+  static const RowKernels k = [] {
+    RowKernels t = avx2_kernels();
+    t.chunk_minmax = chunk_minmax_avx512;
+    t.chunk_meta = chunk_meta_avx512;
+    t.encode_params = encode_params_avx512;
+    t.encode_row_nibbles = encode_row_nibbles_avx512;
+    t.decode_params = decode_params_avx512;
+    t.decode_row_nibbles = decode_row_nibbles_avx512;
+    return t;
+  }();
+  return k;
+}
+
+}  // namespace kvxfer::codec::fast
