@@ -17,6 +17,7 @@ using test::PagedBuffer;
 std::vector<Impl> fast_impls() {
   std::vector<Impl> v{Impl::SCALAR};
   if (fast::cpu_has_avx2()) v.push_back(Impl::AVX2);
+  if (fast::cpu_has_avx512()) v.push_back(Impl::AVX512);
   return v;
 }
 
@@ -292,6 +293,99 @@ TEST(PageCodec, WidePagesAreByteIdenticalOnEveryPath) {
         }
       }
     }
+}
+
+// The AVX-512 path against the reference, bit for bit: the nibble kernels'
+// vector part and tails (H = 2 .. 1024), every source and output dtype, the
+// linear, nested and alpha-law codes, binary32 metadata, sink rows.
+TEST(PageCodec, Avx512IsByteIdenticalToReferenceOnEveryShapeAndDtype) {
+  if (!fast::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  struct Case {
+    kvxfer_codec_t codec;
+    float alpha;
+    int anchor_bits;
+  };
+  const Case cases[] = {{KVXFER_CODEC_LYNX, 0.0f, 4}, {KVXFER_CODEC_LYNX, 20.0f, 4},
+                        {KVXFER_CODEC_INT8, 0.0f, 4}, {KVXFER_CODEC_INT4, 0.0f, 4},
+                        {KVXFER_CODEC_LYNX, 0.0f, 3}, {KVXFER_CODEC_INT8, 0.0f, 5}};
+  const kvxfer_dtype_t dts[] = {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32};
+  uint64_t seed = 77;
+  for (const Case& k : cases)
+    for (int32_t H : {2, 30, 32, 70, 96, 160, 1024})
+      for (kvxfer_dtype_t dt : dts)
+        for (int variant = 0; variant < 3; ++variant) {  // KV-like; edges; edges past fp16
+          if (variant == 2 && dt == KVXFER_DTYPE_FP16) continue;
+          const int64_t T = H >= 1024 ? 40 : 67;
+          PagedBuffer src(T, H, dt, 16);
+          if (variant == 0)
+            test::fill_kv_like(&src, seed++);
+          else
+            fill_edges(&src, *get_codebook(k.codec, k.alpha, k.anchor_bits, nullptr), variant == 2,
+                       seed++);
+          auto cfg = config(k.codec, k.alpha, 16, k.anchor_bits);
+          cfg.sink_tokens = variant == 0 ? 3 : 0;
+          const kvxfer_page_id_t id{3, KVXFER_KV_KEY, 0, 42};
+          const auto ref = test::encode(cfg, src, Impl::REFERENCE, id);
+          ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+          const std::string what = "codec " + std::to_string(k.codec) + " alpha " +
+                                   std::to_string(k.alpha) + " A " + std::to_string(k.anchor_bits) +
+                                   " H " + std::to_string(H) + " dtype " + std::to_string(dt) +
+                                   " variant " + std::to_string(variant);
+          const auto f = test::encode(cfg, src, Impl::AVX512, id);
+          ASSERT_EQ(f.rc, KVXFER_SUCCESS) << last_error();
+          ASSERT_EQ(test::first_diff(ref.anchor, f.anchor), -1) << what;
+          ASSERT_EQ(test::first_diff(ref.residual, f.residual), -1) << what;
+          for (bool full : {false, true})
+            for (kvxfer_dtype_t odt : dts) {
+              PagedBuffer a(T, H, odt, 16), b(T, H, odt, 16);
+              for (auto [out, impl] : {std::pair{&a, Impl::REFERENCE}, {&b, Impl::AVX512}})
+                ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(),
+                                      full ? ref.residual.data() : nullptr,
+                                      full ? ref.residual.size() : 0, &id, &out->layout, impl, 1),
+                          KVXFER_SUCCESS)
+                    << last_error();
+              ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1)
+                  << what << (full ? " full" : " anchor") << " decode to " << odt;
+            }
+        }
+}
+
+// Every 8-bit code of the nested and uniform codebooks, decoded from each
+// position of a 32-channel vector: the AVX-512 formulas against the table.
+TEST(PageCodec, Avx512DecodesEveryCodeAsTheReference) {
+  if (!fast::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8}) {
+    // 512 rows of 64 channels whose chunk ranges are [-1, 1] (rows 0 and 1
+    // of each chunk: m = 0, d = 1), the rest of channel c in row t the z of
+    // code (t + 9c) % 256 (within [-1, 1]).
+    const CodebookRef cb = get_codebook(codec, 0.0f, 4, nullptr);
+    const int64_t T = 512;
+    const int32_t H = 64;
+    auto code = [](int64_t t, int32_t c) { return static_cast<int>((t + 9 * c) % 256); };
+    PagedBuffer src(T, H, KVXFER_DTYPE_FP32, 16);
+    for (int64_t t = 0; t < T; ++t)
+      for (int32_t c = 0; c < H; ++c)
+        src.set(t, c,
+                t % 16 < 2 ? (t % 2 ? 1.0f : -1.0f)
+                           : std::min(1.0f, std::max(-1.0f, cb->recon_full[code(t, c)])));
+    const auto cfg = config(codec, 0.0f, 16, 4);
+    const auto ref = test::encode(cfg, src, Impl::REFERENCE);
+    ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+    for (kvxfer_dtype_t odt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
+      PagedBuffer a(T, H, odt, 16), b(T, H, odt, 16);
+      for (auto [out, impl] : {std::pair{&a, Impl::REFERENCE}, {&b, Impl::AVX512}})
+        ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), ref.residual.data(),
+                              ref.residual.size(), nullptr, &out->layout, impl, 1),
+                  KVXFER_SUCCESS)
+            << last_error();
+      ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << codec << " to " << odt;
+      // Every code occurred: each element decoded to its own code's z.
+      if (odt == KVXFER_DTYPE_FP32)
+        for (int64_t t = 0; t < T; ++t)
+          for (int32_t c = 0; c < H && t % 16 >= 2; ++c)
+            ASSERT_EQ(a.get(t, c), cb->recon_full[code(t, c)]) << codec << " t " << t << " c " << c;
+    }
+  }
 }
 
 TEST(PageCodec, LargePageManyThreadsMatchesReference) {
@@ -843,8 +937,7 @@ TEST(PageCodec, SinkRowsDecodeExactlyOnEveryPath) {
                     plain.anchor.size() + pad + static_cast<size_t>(rows * H * 2))
               << what;
           EXPECT_EQ(ref.residual.size(), plain.residual.size()) << what;
-          for (Impl impl : {Impl::SCALAR, Impl::AVX2}) {
-            if (impl == Impl::AVX2 && resolve_impl(Impl::AVX2, &impl) != KVXFER_SUCCESS) continue;
+          for (Impl impl : fast_impls()) {
             const auto e = test::encode(cfg, src, impl, id);
             ASSERT_EQ(e.anchor, ref.anchor) << what;
             ASSERT_EQ(e.residual, ref.residual) << what;
@@ -1159,8 +1252,9 @@ TEST(PageCodec, LynxAlphaZeroAnchorDecodesToInt4sBytes) {
       ASSERT_EQ(lyn.anchor.size(), i4.anchor.size());
       EXPECT_TRUE(std::equal(lyn.anchor.begin() + kHeaderBytes, lyn.anchor.end(),
                              i4.anchor.begin() + kHeaderBytes));
-      for (Impl impl : {Impl::REFERENCE, Impl::SCALAR, Impl::AVX2}) {
-        if (impl == Impl::AVX2 && resolve_impl(Impl::AVX2, &impl) != KVXFER_SUCCESS) continue;
+      std::vector<Impl> impls = fast_impls();
+      impls.insert(impls.begin(), Impl::REFERENCE);
+      for (Impl impl : impls) {
         for (kvxfer_dtype_t odt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP32}) {
           PagedBuffer a(T, H, odt, 8), b(T, H, odt, 8);
           ASSERT_EQ(decode_page(lyn.anchor.data(), lyn.anchor.size(), nullptr, 0, &id, &a.layout,

@@ -445,21 +445,26 @@ TEST(WireFormat, EveryBitFlipInAResidualIsCorrupt) { flip_every_bit(lynx_pair(),
 TEST(WireFormat, LargePageCorruptOnEitherSectionIsCorruptWithTwoThreads) {
   PagedBuffer src(2048, 512, KVXFER_DTYPE_BF16);
   test::fill_kv_like(&src, 21);
-  const auto e = test::encode(config(KVXFER_CODEC_LYNX, 0.0f, 32), src, Impl::AVX2);
-  ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
-  ASSERT_GE(e.anchor.size() + e.residual.size(), size_t{1} << 20);
-  for (bool in_residual : {false, true}) {
-    Bytes a = e.anchor, r = e.residual;
-    Bytes& hit = in_residual ? r : a;
-    hit[hit.size() / 2] ^= 0x10;  // a payload byte: the checksum fails
-    PagedBuffer out(2048, 512, KVXFER_DTYPE_BF16);
-    const Bytes before = out.bytes();
-    EXPECT_EQ(
-        decode_page(a.data(), a.size(), r.data(), r.size(), nullptr, &out.layout, Impl::AUTO, 2),
-        KVXFER_ERR_CORRUPT)
-        << in_residual;
-    EXPECT_NE(std::string(last_error()).find("checksum"), std::string::npos) << last_error();
-    EXPECT_EQ(out.bytes(), before) << "a failed decode wrote into the destination";
+  // Encoded by each vector path there is (the same bytes).
+  for (Impl impl : {Impl::AVX2, Impl::AVX512}) {
+    Impl resolved = impl;
+    if (resolve_impl(impl, &resolved) != KVXFER_SUCCESS) continue;
+    const auto e = test::encode(config(KVXFER_CODEC_LYNX, 0.0f, 32), src, impl);
+    ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+    ASSERT_GE(e.anchor.size() + e.residual.size(), size_t{1} << 20);
+    for (bool in_residual : {false, true}) {
+      Bytes a = e.anchor, r = e.residual;
+      Bytes& hit = in_residual ? r : a;
+      hit[hit.size() / 2] ^= 0x10;  // a payload byte: the checksum fails
+      PagedBuffer out(2048, 512, KVXFER_DTYPE_BF16);
+      const Bytes before = out.bytes();
+      EXPECT_EQ(
+          decode_page(a.data(), a.size(), r.data(), r.size(), nullptr, &out.layout, Impl::AUTO, 2),
+          KVXFER_ERR_CORRUPT)
+          << in_residual;
+      EXPECT_NE(std::string(last_error()).find("checksum"), std::string::npos) << last_error();
+      EXPECT_EQ(out.bytes(), before) << "a failed decode wrote into the destination";
+    }
   }
 }
 TEST(WireFormat, EveryBitFlipInAnInt4AnchorIsCorrupt) {
