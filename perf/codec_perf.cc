@@ -60,7 +60,8 @@ struct Options {
   std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
   bool gpu = false;                   // --gpu: the CUDA kernels instead of the CPU codec
   std::string gpu_ref = "reference";  // --gpu_ref: CPU path the GPU bytes are compared with
-  std::string paths = "reference,scalar,avx2,mt";  // --path: rows of the throughput table
+  // --path: rows of the throughput table (avx2, avx512: where the CPU has them)
+  std::string paths = "reference,scalar,avx2,avx512,mt";
 };
 
 using kp::split;  // perf/common/harness.h
@@ -72,6 +73,7 @@ const char* impl_name(kc::Impl i) {
     case kc::Impl::REFERENCE: return "reference";
     case kc::Impl::SCALAR: return "scalar";
     case kc::Impl::AVX2: return "avx2";
+    case kc::Impl::AVX512: return "avx512";
     default: return "auto";
   }
 }
@@ -1134,8 +1136,9 @@ int main(int argc, char** argv) {
       app.add_option("--model", o.model_path, "llama2.c checkpoint of the real dataset")
           ->capture_default_str();
   app.add_option("--path", o.paths,
-                 "paths of the throughput table: comma list of reference,scalar,avx2,mt (mt = the "
-                 "default path on -t threads); #wrong needs reference")
+                 "paths of the throughput table: comma list of reference,scalar,avx2,avx512,mt "
+                 "(avx2, avx512: rows only where the CPU has them; mt = the default path on -t "
+                 "threads); #wrong needs reference")
       ->capture_default_str();
   app.add_flag("--gpu", o.gpu,
                "measure the CUDA kernels on one device page instead of the CPU codec "
@@ -1233,8 +1236,9 @@ int main(int argc, char** argv) {
   const std::vector<kp::Setting> settings = kp::kvxfer_settings();
   kp::print_preamble(stdout, "codec_perf", mach, settings);
 
-  // Paths: reference, scalar and avx2 on one thread, then the library's
-  // default path (KVXFER_CODEC_IMPL, auto = avx2 when present) on N threads.
+  // Paths: reference, scalar, avx2 and avx512 on one thread, then the
+  // library's default path (KVXFER_CODEC_IMPL, auto = avx512, else avx2, when
+  // present) on N threads.
   // -t wins; else KVXFER_CODEC_THREADS when set (> 0); else every usable CPU.
   const int mt = o.threads > 0 ? o.threads
                  : kvxfer::params::CodecThreads() > 0
@@ -1253,10 +1257,12 @@ int main(int argc, char** argv) {
       paths.push_back({"scalar", kc::Impl::SCALAR, 1, false});
     } else if (p == "avx2") {
       if (kc::fast::cpu_has_avx2()) paths.push_back({"avx2", kc::Impl::AVX2, 1, false});
+    } else if (p == "avx512") {
+      if (kc::fast::cpu_has_avx512()) paths.push_back({"avx512", kc::Impl::AVX512, 1, false});
     } else if (p == "mt") {
       paths.push_back({impl_name(best), best, mt, false});
     } else {
-      std::fprintf(stderr, "codec_perf: unknown path '%s' (reference, scalar, avx2, mt)\n",
+      std::fprintf(stderr, "codec_perf: unknown path '%s' (reference, scalar, avx2, avx512, mt)\n",
                    p.c_str());
       return 2;
     }
