@@ -260,6 +260,11 @@ bool cpu_has_avx512() {
   return has;
 }
 
+bool cpu_has_avx512_bf16() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
 EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
   const RowKernels& K = kernels_for(impl);
   const PageHeader& h = *job.hdr;
@@ -380,6 +385,11 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
   v.linear_kind = full ? job.cb->kind : CODE_LUT;  // recon_full of a linear codebook is its formula
   v.step = job.cb->recon_step;
   v.clamp = job.meta_fp32;  // binary16 metadata: |m| + d <= 2 * 65504, nothing to clamp
+  v.tiny = false;
+  for (int i = 0; i < v.entries; ++i) {
+    const float a = f32_abs(v.table[i]);
+    v.tiny |= a > 0.0f && a < 0x1p-79f;
+  }
   const int64_t chunks = (T + C - 1) / C;
 
 #pragma omp parallel num_threads(thread_count(threads, chunks, T* H))

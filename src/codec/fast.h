@@ -19,6 +19,8 @@ struct Values {
                        // (full codes of the linear codebooks); CODE_LUT: none
   float step;          // Codebook::recon_step
   bool clamp;          // fp32 metadata: clamp to +-FLT_MAX (fp16 metadata cannot overflow)
+  bool tiny;           // some table[i] != 0 has |table[i]| < 2^-79: with binary16 metadata,
+                       // fma(d, z, m) may then be subnormal (else it is 0 or >= 2^-126)
 };
 
 struct RowKernels {
@@ -95,6 +97,12 @@ const RowKernels& avx2_kernels();
  * does not specialise are the AVX2 ones.
  */
 const RowKernels& avx512_kernels();
+/**
+ * True if this CPU has AVX512_BF16 besides cpu_has_avx512(): the AVX-512
+ * decode then rounds to bfloat16 with VCVTNE2PS2BF16 where no result can be
+ * subnormal (the instruction flushes those to zero).
+ */
+bool cpu_has_avx512_bf16();
 /** The row kernels of a resolved path: SCALAR, AVX2 or AVX512. */
 const RowKernels& kernels_for(Impl impl);
 

@@ -389,39 +389,71 @@ void decode_params_avx512(const uint8_t* meta, int32_t H, bool fp32, float* pm, 
 
 enum class Lookup { PERM16, NEST, UNIFORM, GATHER };
 
+// The nested codes' levels (codec_math.h nest_level2) are 4c - 510 but for
+// codes c < 16 and c >= 240: their corrections, at index c & 63 (constant
+// initialisation: no code of this file runs before cpu_has_avx512 is asked).
+struct NestCorrections {
+  alignas(64) int16_t t[64] = {};
+  constexpr NestCorrections() {
+    for (int c = 0; c < 16; ++c)  // nest_level2: 2c - 479, -480 at code 0
+      t[c] = static_cast<int16_t>((c == 0 ? -480 : 2 * c - 479) - (4 * c - 510));
+    for (int c = 240; c < 256; ++c)  // 2c - 31, 480 at code 255
+      t[c & 63] = static_cast<int16_t>((c == 255 ? 480 : 2 * c - 31) - (4 * c - 510));
+  }
+};
+constexpr NestCorrections kNestCorrections;
+
+// What zvalues32 needs, in registers for a row.
+struct DecodeConsts {
+  __m512 t16;                // PERM16: the table
+  __m512 step;               // NEST, UNIFORM: Codebook::recon_step
+  __m512i corr_lo, corr_hi;  // NEST: kNestCorrections
+  const float* table;        // GATHER
+  explicit DecodeConsts(const Values& v)
+      : t16(v.entries == 16 ? _mm512_loadu_ps(v.table) : _mm512_setzero_ps()),
+        step(_mm512_set1_ps(v.step)),
+        corr_lo(_mm512_load_si512(kNestCorrections.t)),
+        corr_hi(_mm512_load_si512(kNestCorrections.t + 32)),
+        table(v.table) {}
+};
+
 // The z values of channels c..c+31: *ze the even ones, *zo the odd ones.
 template <Lookup L>
-inline void zvalues32(const uint8_t* pa, const uint8_t* pr, int32_t c, const Values& v, __m512 t16,
-                      __m512 step, __m512* ze, __m512* zo) {
+inline void zvalues32(const uint8_t* pa, const uint8_t* pr, int32_t c, const DecodeConsts& k,
+                      __m512* ze, __m512* zo) {
   const __m128i a16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pa + c / 2));
   if constexpr (L == Lookup::PERM16) {
     // vpermps reads bits 0..3 of each index.
     const __m512i ad = _mm512_cvtepu8_epi32(a16);
-    *ze = _mm512_permutexvar_ps(ad, t16);
-    *zo = _mm512_permutexvar_ps(_mm512_srli_epi32(ad, 4), t16);
+    *ze = _mm512_permutexvar_ps(ad, k.t16);
+    *zo = _mm512_permutexvar_ps(_mm512_srli_epi32(ad, 4), k.t16);
   } else if constexpr (L == Lookup::NEST) {
-    // Codes in 16-bit lanes, the 16 even channels then the 16 odd ones:
-    // (a << 4 | r) from the low nibbles, (a & 0xF0 | r >> 4) from the high.
+    // 32 code bytes, the 16 even channels' (a << 4 | r of the low nibbles)
+    // then the 16 odd ones' (a & 0xF0 | r >> 4), as words in the order
+    // [even 4L..4L+3, odd 4L..4L+3] per 128-bit lane L, so that each unpack
+    // below gives 16 channels of one parity in order.
     const __m128i r16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pr + c / 2));
-    const __m512i aw = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(a16));
-    const __m512i rw = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(r16));
-    const __m512i sh4 = _mm512_set_epi64(0, 0, 0, 0, 0x0004000400040004, 0x0004000400040004,
-                                         0x0004000400040004, 0x0004000400040004);
-    const __m512i code = _mm512_ternarylogic_epi32(
-        _mm512_set1_epi16(0xF0), _mm512_sllv_epi16(aw, sh4),
-        _mm512_srlv_epi16(rw, _mm512_shuffle_i64x2(sh4, sh4, 0x4E)), kSelect);
-    // codec_math.h nest_level2: 4c - 510 inside, corrected by
-    // min(max(0, 2c - 479), 30) above code 239 and min(max(0, 31 - 2c), 30)
-    // below code 16 (the 30s are codes 255 and 0).
-    const __m512i c2 = _mm512_add_epi16(code, code);
-    const __m512i k30 = _mm512_set1_epi16(30);
-    const __m512i top = _mm512_min_epu16(_mm512_subs_epu16(c2, _mm512_set1_epi16(479)), k30);
-    const __m512i bot = _mm512_min_epu16(_mm512_subs_epu16(_mm512_set1_epi16(31), c2), k30);
-    __m512i n = _mm512_sub_epi16(_mm512_add_epi16(c2, c2), _mm512_set1_epi16(510));
-    n = _mm512_add_epi16(_mm512_sub_epi16(n, top), bot);
-    *ze = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(n))), step);
-    *zo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(n, 1))),
-                        step);
+    const __m256i sh_lo = _mm256_setr_epi64x(0x0004000400040004, 0x0004000400040004, 0, 0);
+    const __m256i sh_hi = _mm256_setr_epi64x(0, 0, 0x0004000400040004, 0x0004000400040004);
+    const __m256i code8 = _mm256_ternarylogic_epi32(
+        _mm256_set1_epi8(static_cast<char>(0xF0)),
+        _mm256_sllv_epi16(_mm256_broadcastsi128_si256(a16), sh_lo),
+        _mm256_srlv_epi16(_mm256_broadcastsi128_si256(r16), sh_hi), kSelect);
+    const __m512i w = _mm512_cvtepu8_epi16(
+        _mm256_permutevar8x32_epi32(code8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    // nest_level2(c) + 510 = 4c + the correction of codes < 16 and >= 240
+    // ((c + 16) & 0xE0 == 0 picks them), in [30, 990].
+    const __mmask32 ends = _mm512_testn_epi16_mask(_mm512_add_epi16(w, _mm512_set1_epi16(16)),
+                                                   _mm512_set1_epi16(0xE0));
+    const __m512i n510 = _mm512_add_epi16(
+        _mm512_slli_epi16(w, 2), _mm512_maskz_permutex2var_epi16(ends, k.corr_lo, w, k.corr_hi));
+    // To float exactly: the bits 0x4B000000 | v are 2^23 + v, less 2^23 + 510.
+    const __m512i e = _mm512_set1_epi16(0x4B00);
+    const __m512 bias = _mm512_set1_ps(8389118.0f);  // 2^23 + 510
+    *ze = _mm512_mul_ps(_mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(n510, e)), bias),
+                        k.step);
+    *zo = _mm512_mul_ps(_mm512_sub_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(n510, e)), bias),
+                        k.step);
   } else {
     const __m512i ad = _mm512_cvtepu8_epi32(a16);
     const __m512i rd =
@@ -431,11 +463,11 @@ inline void zvalues32(const uint8_t* pa, const uint8_t* pr, int32_t c, const Val
     const __m512i co = _mm512_ternarylogic_epi32(f0, ad, _mm512_srli_epi32(rd, 4), kSelect);
     if constexpr (L == Lookup::UNIFORM) {
       const __m512 m1 = _mm512_set1_ps(-1.0f);
-      *ze = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ce), step, m1);
-      *zo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(co), step, m1);
+      *ze = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ce), k.step, m1);
+      *zo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(co), k.step, m1);
     } else {
-      *ze = _mm512_i32gather_ps(ce, v.table, 4);
-      *zo = _mm512_i32gather_ps(co, v.table, 4);
+      *ze = _mm512_i32gather_ps(ce, k.table, 4);
+      *zo = _mm512_i32gather_ps(co, k.table, 4);
     }
   }
 }
@@ -448,17 +480,27 @@ inline __m512i bf16_round_hi(__m512 x) {
   return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
 }
 
+// Channels [Hv, H) of a row, in channel order, as the reference.
+void decode_tail(const uint8_t* pa, const uint8_t* pr, int32_t Hv, int32_t H, const float* pm,
+                 const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  for (int32_t c = Hv; c < H; ++c) {
+    const unsigned sh = (c & 1) * 4;
+    const unsigned a = (pa[c / 2] >> sh) & 15u;
+    const unsigned i = pr != nullptr ? a << 4 | ((pr[c / 2] >> sh) & 15u) : a;
+    store_elem(row, c, dt, denormalise(v.table[i], Affine{pm[c], pd[c]}));
+  }
+}
+
 template <Lookup L, int DT, bool CLAMP>
 void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
                           const float* pd, const Values& v, uint8_t* row) {
-  const __m512 t16 = L == Lookup::PERM16 ? _mm512_loadu_ps(v.table) : _mm512_setzero_ps();
-  const __m512 step = _mm512_set1_ps(v.step);
+  const DecodeConsts k(v);
   const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
   const __m512 nbig = _mm512_set1_ps(-std::numeric_limits<float>::max());
   const int32_t Hv = H & ~31;
   for (int32_t c = 0; c < Hv; c += 32) {
     __m512 ze, zo;
-    zvalues32<L>(pa, pr, c, v, t16, step, &ze, &zo);
+    zvalues32<L>(pa, pr, c, k, &ze, &zo);
     __m512 xe = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c), ze, _mm512_loadu_ps(pm + c));
     __m512 xo = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c + 16), zo, _mm512_loadu_ps(pm + c + 16));
     if constexpr (CLAMP) {
@@ -487,13 +529,33 @@ void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const
       _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(xe, i1, xo));
     }
   }
-  const auto dt = static_cast<kvxfer_dtype_t>(DT);
-  for (int32_t c = Hv; c < H; ++c) {
-    const unsigned sh = (c & 1) * 4;
-    const unsigned a = (pa[c / 2] >> sh) & 15u;
-    const unsigned i = pr != nullptr ? a << 4 | ((pr[c / 2] >> sh) & 15u) : a;
-    store_elem(row, c, dt, denormalise(v.table[i], Affine{pm[c], pd[c]}));
+  decode_tail(pa, pr, Hv, H, pm, pd, v, static_cast<kvxfer_dtype_t>(DT), row);
+}
+
+// bfloat16 output by VCVTNE2PS2BF16 (AVX512_BF16, checked at run time:
+// cpu_has_avx512_bf16), which rounds to nearest even as bf16_round_hi but
+// flushes subnormal inputs to zero: only for binary16 metadata and tables
+// without tiny values (Values::tiny), where fma(d, z, m) is 0 or normal.
+template <Lookup L>
+__attribute__((target("avx512bf16"))) void decode_row_nibbles_bf16(const uint8_t* pa,
+                                                                   const uint8_t* pr, int32_t H,
+                                                                   const float* pm, const float* pd,
+                                                                   const Values& v, uint8_t* row) {
+  const DecodeConsts k(v);
+  // Words [even 0..15, odd 0..15] to channel order.
+  const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const int32_t Hv = H & ~31;
+  for (int32_t c = 0; c < Hv; c += 32) {
+    __m512 ze, zo;
+    zvalues32<L>(pa, pr, c, k, &ze, &zo);
+    const __m512 xe = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c), ze, _mm512_loadu_ps(pm + c));
+    const __m512 xo =
+        _mm512_fmadd_ps(_mm512_loadu_ps(pd + c + 16), zo, _mm512_loadu_ps(pm + c + 16));
+    const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(xo, xe));
+    _mm512_storeu_si512(row + 2 * c, _mm512_permutexvar_epi16(il, w));
   }
+  decode_tail(pa, pr, Hv, H, pm, pd, v, KVXFER_DTYPE_BF16, row);
 }
 
 template <Lookup L, bool CLAMP>
@@ -501,6 +563,8 @@ void decode_row_nibbles_l(const uint8_t* pa, const uint8_t* pr, int32_t H, const
                           const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
   switch (dt) {
     case KVXFER_DTYPE_BF16:
+      if (!CLAMP && !v.tiny && cpu_has_avx512_bf16())
+        return decode_row_nibbles_bf16<L>(pa, pr, H, pm, pd, v, row);
       return decode_row_nibbles_t<L, KVXFER_DTYPE_BF16, CLAMP>(pa, pr, H, pm, pd, v, row);
     case KVXFER_DTYPE_FP16:
       return decode_row_nibbles_t<L, KVXFER_DTYPE_FP16, CLAMP>(pa, pr, H, pm, pd, v, row);
@@ -527,6 +591,30 @@ void decode_row_nibbles_avx512(const uint8_t* pa, const uint8_t* pr, int32_t H, 
 }
 
 }  // namespace
+
+bool any_bad_fp16_meta_avx512(const uint8_t* meta, int64_t entries) {
+  // Per dword {m, d}: m or d with the exponent all ones, or d above 0x8000
+  // (negative, -0 allowed).
+  const __m512i e = _mm512_set1_epi32(0x7C007C00);
+  const __m512i d0 = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512i dmask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __mmask32 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= entries; i += 16) {
+    const __m512i v = _mm512_loadu_si512(meta + 4 * i);
+    bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, e), e) |
+           _mm512_cmpgt_epu32_mask(_mm512_and_si512(v, dmask), d0);
+  }
+  uint32_t tail = 0;
+  for (; i < entries; ++i) {
+    uint32_t w;
+    std::memcpy(&w, meta + 4 * i, 4);
+    const uint32_t m = w & 0xFFFFu, d = w >> 16;
+    tail |= static_cast<uint32_t>((m & 0x7C00u) == 0x7C00u) | ((d & 0x7C00u) == 0x7C00u) |
+            (d > 0x8000u);
+  }
+  return bad != 0 || tail != 0;
+}
 
 const RowKernels& avx512_kernels() {
   static const RowKernels k = [] {

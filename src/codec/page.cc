@@ -543,6 +543,7 @@ namespace {
  * the compiler vectorises it; the caller then finds the entry to name it.
  */
 bool any_bad_fp16_meta(const uint8_t* meta, int64_t entries) {
+  if (fast::cpu_has_avx512()) return fast::any_bad_fp16_meta_avx512(meta, entries);
   uint32_t bad = 0;
   for (int64_t i = 0; i < entries; ++i) {
     uint32_t e;

@@ -281,6 +281,12 @@ bool cpu_has_avx512();
  * row_has_nonfinite does, in the same pass.
  */
 bool copy_row_bf16_scanning_avx2(uint8_t* dst, const uint8_t* src, int32_t H);
+/**
+ * Whether any of `entries` binary16 metadata pairs {m, d} at `meta` is
+ * invalid: m or d infinite or NaN, or d negative (fast_avx512.cc; only if
+ * cpu_has_avx512()).  The decoder's check of every entry before it writes.
+ */
+bool any_bad_fp16_meta_avx512(const uint8_t* meta, int64_t entries);
 }  // namespace fast
 
 /**
