@@ -385,6 +385,9 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
   v.linear_kind = full ? job.cb->kind : CODE_LUT;  // recon_full of a linear codebook is its formula
   v.step = job.cb->recon_step;
   v.clamp = job.meta_fp32;  // binary16 metadata: |m| + d <= 2 * 65504, nothing to clamp
+  // Pages of 4 MiB of values or more: streaming stores, as glibc's memcpy
+  // does for copies of that order (cache-sized), where the kernels have them.
+  v.stream = static_cast<uint64_t>(T) * static_cast<uint64_t>(H) * job.dst.elem >= (4u << 20);
   v.tiny = false;
   for (int i = 0; i < v.entries; ++i) {
     const float a = f32_abs(v.table[i]);
@@ -429,6 +432,9 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
         K.decode_row(idx.data(), H, m.data(), d.data(), v, job.dst.l->dtype, job.dst.row(t));
       }
     }
+    // Non-temporal stores are weakly ordered: drained before the values are
+    // seen as written (by this thread's caller or after the barrier).
+    if (fused && v.stream) _mm_sfence();
   }
 }
 

@@ -21,6 +21,8 @@ struct Values {
   bool clamp;          // fp32 metadata: clamp to +-FLT_MAX (fp16 metadata cannot overflow)
   bool tiny;           // some table[i] != 0 has |table[i]| < 2^-79: with binary16 metadata,
                        // fma(d, z, m) may then be subnormal (else it is 0 or >= 2^-126)
+  bool stream;         // decode_row_nibbles may write with non-temporal stores (a page too
+                       // large to stay in cache); the caller fences them (SFENCE)
 };
 
 struct RowKernels {

@@ -472,6 +472,15 @@ inline void zvalues32(const uint8_t* pa, const uint8_t* pr, int32_t c, const Dec
   }
 }
 
+// One 64-byte store; NT: non-temporal (p 64-byte aligned).
+template <bool NT>
+inline void store64(void* p, __m512i v) {
+  if constexpr (NT)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+  else
+    _mm512_storeu_si512(p, v);
+}
+
 // Round-to-nearest-even float -> bfloat16 in the high half of each dword
 // (the decoder never produces NaN).
 inline __m512i bf16_round_hi(__m512 x) {
@@ -491,7 +500,7 @@ void decode_tail(const uint8_t* pa, const uint8_t* pr, int32_t Hv, int32_t H, co
   }
 }
 
-template <Lookup L, int DT, bool CLAMP>
+template <Lookup L, int DT, bool CLAMP, bool NT>
 void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
                           const float* pd, const Values& v, uint8_t* row) {
   const DecodeConsts k(v);
@@ -510,7 +519,7 @@ void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const
     if constexpr (DT == KVXFER_DTYPE_BF16) {
       const __m512i out = _mm512_mask_blend_epi16(
           0xAAAAAAAAu, _mm512_srli_epi32(bf16_round_hi(xe), 16), bf16_round_hi(xo));
-      _mm512_storeu_si512(row + 2 * c, out);
+      store64<NT>(row + 2 * c, out);
     } else if constexpr (DT == KVXFER_DTYPE_FP16) {
       constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       const __m512i il =
@@ -519,14 +528,14 @@ void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const
       const __m512i out =
           _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm512_cvtps_ph(xe, kRne)), il,
                                     _mm512_castsi256_si512(_mm512_cvtps_ph(xo, kRne)));
-      _mm512_storeu_si512(row + 2 * c, out);
+      store64<NT>(row + 2 * c, out);
     } else {
       const __m512i i0 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
       const __m512i i1 =
           _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
       float* out = reinterpret_cast<float*>(row) + c;
-      _mm512_storeu_ps(out, _mm512_permutex2var_ps(xe, i0, xo));
-      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(xe, i1, xo));
+      store64<NT>(out, _mm512_castps_si512(_mm512_permutex2var_ps(xe, i0, xo)));
+      store64<NT>(out + 16, _mm512_castps_si512(_mm512_permutex2var_ps(xe, i1, xo)));
     }
   }
   decode_tail(pa, pr, Hv, H, pm, pd, v, static_cast<kvxfer_dtype_t>(DT), row);
@@ -536,7 +545,7 @@ void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const
 // cpu_has_avx512_bf16), which rounds to nearest even as bf16_round_hi but
 // flushes subnormal inputs to zero: only for binary16 metadata and tables
 // without tiny values (Values::tiny), where fma(d, z, m) is 0 or normal.
-template <Lookup L>
+template <Lookup L, bool NT>
 __attribute__((target("avx512bf16"))) void decode_row_nibbles_bf16(const uint8_t* pa,
                                                                    const uint8_t* pr, int32_t H,
                                                                    const float* pm, const float* pd,
@@ -553,23 +562,33 @@ __attribute__((target("avx512bf16"))) void decode_row_nibbles_bf16(const uint8_t
     const __m512 xo =
         _mm512_fmadd_ps(_mm512_loadu_ps(pd + c + 16), zo, _mm512_loadu_ps(pm + c + 16));
     const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(xo, xe));
-    _mm512_storeu_si512(row + 2 * c, _mm512_permutexvar_epi16(il, w));
+    store64<NT>(row + 2 * c, _mm512_permutexvar_epi16(il, w));
   }
   decode_tail(pa, pr, Hv, H, pm, pd, v, KVXFER_DTYPE_BF16, row);
 }
 
-template <Lookup L, bool CLAMP>
-void decode_row_nibbles_l(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
+template <Lookup L, bool CLAMP, bool NT>
+void decode_row_nibbles_s(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
                           const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
   switch (dt) {
     case KVXFER_DTYPE_BF16:
       if (!CLAMP && !v.tiny && cpu_has_avx512_bf16())
-        return decode_row_nibbles_bf16<L>(pa, pr, H, pm, pd, v, row);
-      return decode_row_nibbles_t<L, KVXFER_DTYPE_BF16, CLAMP>(pa, pr, H, pm, pd, v, row);
+        return decode_row_nibbles_bf16<L, NT>(pa, pr, H, pm, pd, v, row);
+      return decode_row_nibbles_t<L, KVXFER_DTYPE_BF16, CLAMP, NT>(pa, pr, H, pm, pd, v, row);
     case KVXFER_DTYPE_FP16:
-      return decode_row_nibbles_t<L, KVXFER_DTYPE_FP16, CLAMP>(pa, pr, H, pm, pd, v, row);
-    default: return decode_row_nibbles_t<L, KVXFER_DTYPE_FP32, CLAMP>(pa, pr, H, pm, pd, v, row);
+      return decode_row_nibbles_t<L, KVXFER_DTYPE_FP16, CLAMP, NT>(pa, pr, H, pm, pd, v, row);
+    default:
+      return decode_row_nibbles_t<L, KVXFER_DTYPE_FP32, CLAMP, NT>(pa, pr, H, pm, pd, v, row);
   }
+}
+
+// Streaming stores where asked (Values::stream) and the row allows them.
+template <Lookup L, bool CLAMP>
+void decode_row_nibbles_l(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
+                          const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
+  if (v.stream && (reinterpret_cast<uintptr_t>(row) & 63) == 0)
+    return decode_row_nibbles_s<L, CLAMP, true>(pa, pr, H, pm, pd, v, dt, row);
+  decode_row_nibbles_s<L, CLAMP, false>(pa, pr, H, pm, pd, v, dt, row);
 }
 
 template <bool CLAMP>
