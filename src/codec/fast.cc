@@ -232,6 +232,7 @@ const RowKernels& scalar_kernels() {
                             row_sq_errors_scalar,
                             decode_row_scalar,
                             nullptr,
+                            nullptr,
                             nullptr};
   return k;
 }
@@ -322,8 +323,10 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
       const bool nibbles = A == 4 && (R == 4 || R == 0) && (H & 1) == 0;
       if (nibbles) K.encode_params(m.data(), sc.data(), H, dt, pm.data(), ps.data());
       const size_t row_bytes = static_cast<size_t>(H) * job.src.elem;
+      const bool ahead = nibbles && K.encode_row_nibbles_ahead != nullptr;
       for (int64_t t = t0; t < t1; ++t) {
-        if (t + C < T) prefetch_bytes(job.src.row(t + C), row_bytes, false);
+        const uint8_t* next = t + C < T ? job.src.row(t + C) : nullptr;
+        if (next != nullptr && !ahead) prefetch_bytes(next, row_bytes, false);
         const bool counted = count_hist && hist_row(t, h.sink_rows);
         const uint8_t* row = rows[t - t0];
         if (t < r0) {  // a sink row: its values clamped to the chunk's range
@@ -339,8 +342,13 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
           // find their lines instead of waiting for them.
           prefetch_bytes(wa.out + off + 4 * static_cast<uint64_t>(H) / 2, H / 2, true);
           if (R > 0) prefetch_bytes(wr.out + off + 4 * static_cast<uint64_t>(H) / 2, H / 2, true);
-          K.encode_row_nibbles(row, dt, H, pm.data(), ps.data(), *job.cb, wa.out + off,
-                               R > 0 ? wr.out + off : nullptr, counted ? codes.data() : nullptr);
+          if (ahead)
+            K.encode_row_nibbles_ahead(row, dt, H, pm.data(), ps.data(), *job.cb, wa.out + off,
+                                       R > 0 ? wr.out + off : nullptr,
+                                       counted ? codes.data() : nullptr, next);
+          else
+            K.encode_row_nibbles(row, dt, H, pm.data(), ps.data(), *job.cb, wa.out + off,
+                                 R > 0 ? wr.out + off : nullptr, counted ? codes.data() : nullptr);
         } else {
           K.encode_row(row, dt, H, m.data(), sc.data(), *job.cb, codes.data());
           for (int32_t c = 0; c < H; ++c) {

@@ -88,6 +88,15 @@ struct RowKernels {
    */
   void (*decode_row_nibbles)(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
                              const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row);
+  /**
+   * encode_row_nibbles that also asks for the H values at `next` (a row of
+   * the next chunk; NULL: none) to be brought into cache, a line per vector
+   * as it goes rather than all at once (a hint: it changes no result).
+   * NULL: not offered, the driver prefetches the row before the call.
+   */
+  void (*encode_row_nibbles_ahead)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
+                                   const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
+                                   uint8_t* codes, const uint8_t* next);
 };
 
 const RowKernels& scalar_kernels();

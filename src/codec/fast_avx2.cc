@@ -650,6 +650,7 @@ const RowKernels& avx2_kernels() {
                             row_sq_errors_avx2,
                             decode_row_avx2,
                             nullptr,
+                            nullptr,
                             nullptr};
   return k;
 }

@@ -259,7 +259,8 @@ inline __m128i nibbles32(__m512i f) {
 
 template <int KIND, int DT, bool RES, bool CODES>
 void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const float* ps,
-                          const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes) {
+                          const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
+                          const uint8_t* next) {
   const EncodeConsts k{
       _mm512_set1_ps(cb.bias), _mm512_set1_ps(static_cast<float>(1 << cb.lut_log2)),
       _mm512_set1_epi16(static_cast<int16_t>(cb.max_code)), cb.lut_base8.data(), cb.thresholds_inf};
@@ -272,7 +273,13 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
       _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,  // unused
                        0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0);
   const int32_t Hv = H & ~31;
+  constexpr int32_t kElem = DT == KVXFER_DTYPE_FP32 ? 4 : 2;
   for (int32_t c = 0; c < Hv; c += 32) {
+    if (next != nullptr) {  // the lines of the next chunk's row that this vector spans
+      _mm_prefetch(reinterpret_cast<const char*>(next + kElem * c), _MM_HINT_T0);
+      if constexpr (kElem == 4)
+        _mm_prefetch(reinterpret_cast<const char*>(next + kElem * c + 64), _MM_HINT_T0);
+    }
     const __m512i w = words32<KIND, DT>(row, c, pm, ps, k);
     __m512i a,
         r = _mm512_setzero_si512();  // anchor (clean) and residual (bits 0..3) per 16-bit lane
@@ -308,39 +315,49 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
 
 template <int KIND, int DT>
 void encode_row_nibbles_dt(const uint8_t* row, int32_t H, const float* m, const float* s,
-                           const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes) {
+                           const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
+                           const uint8_t* next) {
   if (pr != nullptr) {
     if (codes != nullptr)
-      return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes);
-    return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes);
+      return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes, next);
+    return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes, next);
   }
   if (codes != nullptr)
-    return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes);
-  encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes);
+    return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes, next);
+  encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes, next);
 }
 
 template <int KIND>
 void encode_row_nibbles_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                              const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
-                             uint8_t* codes) {
+                             uint8_t* codes, const uint8_t* next) {
   switch (dt) {
     case KVXFER_DTYPE_BF16:
-      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_BF16>(row, H, m, s, cb, pa, pr, codes);
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_BF16>(row, H, m, s, cb, pa, pr, codes, next);
     case KVXFER_DTYPE_FP16:
-      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP16>(row, H, m, s, cb, pa, pr, codes);
-    default: return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP32>(row, H, m, s, cb, pa, pr, codes);
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP16>(row, H, m, s, cb, pa, pr, codes, next);
+    default:
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP32>(row, H, m, s, cb, pa, pr, codes, next);
+  }
+}
+
+void encode_row_nibbles_ahead_avx512(const uint8_t* row, kvxfer_dtype_t dt, int32_t H,
+                                     const float* m, const float* s, const Codebook& cb,
+                                     uint8_t* pa, uint8_t* pr, uint8_t* codes,
+                                     const uint8_t* next) {
+  switch (cb.kind) {
+    case CODE_UNIFORM:
+      return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes, next);
+    case CODE_NEST:
+      return encode_row_nibbles_kind<CODE_NEST>(row, dt, H, m, s, cb, pa, pr, codes, next);
+    default: return encode_row_nibbles_kind<CODE_LUT>(row, dt, H, m, s, cb, pa, pr, codes, next);
   }
 }
 
 void encode_row_nibbles_avx512(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                                const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
                                uint8_t* codes) {
-  switch (cb.kind) {
-    case CODE_UNIFORM:
-      return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes);
-    case CODE_NEST: return encode_row_nibbles_kind<CODE_NEST>(row, dt, H, m, s, cb, pa, pr, codes);
-    default: return encode_row_nibbles_kind<CODE_LUT>(row, dt, H, m, s, cb, pa, pr, codes);
-  }
+  encode_row_nibbles_ahead_avx512(row, dt, H, m, s, cb, pa, pr, codes, nullptr);
 }
 
 // ---------------------------------------------------------------------------
@@ -642,6 +659,7 @@ const RowKernels& avx512_kernels() {
     t.chunk_meta = chunk_meta_avx512;
     t.encode_params = encode_params_avx512;
     t.encode_row_nibbles = encode_row_nibbles_avx512;
+    t.encode_row_nibbles_ahead = encode_row_nibbles_ahead_avx512;
     t.decode_params = decode_params_avx512;
     t.decode_row_nibbles = decode_row_nibbles_avx512;
     return t;
