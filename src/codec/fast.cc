@@ -214,6 +214,23 @@ inline void prefetch_bytes(const uint8_t* p, size_t bytes, bool write) {
   }
 }
 
+// Rows t0 .. t0 + n - 1 of a page: one division for the block of the first,
+// then a walk (Layout::row divides for every row).
+template <typename P>
+void page_rows(const Layout& lay, int64_t t0, int n, P* out) {
+  const kvxfer_page_layout_t& l = *lay.l;
+  const int64_t u = l.first_token + t0;
+  int64_t b = u / l.block_size, o = u % l.block_size;
+  const int64_t stride = l.row_stride * static_cast<int64_t>(lay.elem);
+  for (int r = 0; r < n; ++r) {
+    out[r] = static_cast<uint8_t*>(l.blocks[b]) + o * stride;
+    if (++o == l.block_size) {
+      o = 0;
+      ++b;
+    }
+  }
+}
+
 int thread_count(int requested, int64_t chunks, int64_t elems) {
   if (elems < (1 << 16) || chunks < 2) return 1;  // not worth waking threads
   const int t = requested > 0 ? requested : omp_get_max_threads();
@@ -284,7 +301,8 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
     std::vector<float> mn(H), mx(H), m(H), d(H), sc(H), pm(H), ps(H), lo, hi;
     std::vector<uint8_t> clamped(static_cast<size_t>(H) * job.src.elem);
     std::vector<uint8_t> codes(H);
-    std::vector<const uint8_t*> rows(static_cast<size_t>(C));
+    // This chunk's rows and the next one's (prefetched during this one's pass 2).
+    std::vector<const uint8_t*> rows(static_cast<size_t>(C)), next_rows(static_cast<size_t>(C));
     // Eight interleaved histograms: runs of equal codes (common near zero)
     // would otherwise serialise on one counter's store-to-load forwarding.
     uint64_t hist[8][256] = {};
@@ -294,7 +312,9 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
         continue;
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
       const int n = static_cast<int>(t1 - t0);
-      for (int r = 0; r < n; ++r) rows[r] = job.src.row(t0 + r);
+      page_rows(job.src, t0, n, rows.data());
+      const int n_next = static_cast<int>(std::min<int64_t>(T, t1 + C) - t1);
+      page_rows(job.src, t1, n_next, next_rows.data());
       // Pass 1 (while the chunk is in cache): min/max and the non-finite scan,
       // then the range over the rows from r0 (the sink rows left out,
       // docs/FORMAT.md 2.7).
@@ -325,7 +345,7 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
       const size_t row_bytes = static_cast<size_t>(H) * job.src.elem;
       const bool ahead = nibbles && K.encode_row_nibbles_ahead != nullptr;
       for (int64_t t = t0; t < t1; ++t) {
-        const uint8_t* next = t + C < T ? job.src.row(t + C) : nullptr;
+        const uint8_t* next = t - t0 < n_next ? next_rows[t - t0] : nullptr;
         if (next != nullptr && !ahead) prefetch_bytes(next, row_bytes, false);
         const bool counted = count_hist && hist_row(t, h.sink_rows);
         const uint8_t* row = rows[t - t0];
@@ -407,6 +427,7 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
   {
     std::vector<float> m(H), d(H);
     std::vector<uint8_t> idx(H);
+    std::vector<uint8_t*> out(static_cast<size_t>(C));
     const bool nibbles = A == 4 && (H & 1) == 0 && (!full || R == 4 || R == 0);
     // 4-bit fields straight to values where the kernels can (no index array).
     const bool fused = nibbles && K.decode_row_nibbles != nullptr;
@@ -420,14 +441,14 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
         K.load_meta(meta, H, job.meta_fp32, m.data(), d.data());
       BitReader ra{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
       BitReader rr{full ? job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8 : nullptr};
+      page_rows(job.dst, t0, static_cast<int>(t1 - t0), out.data());
       for (int64_t t = t0; t < t1; ++t) {
         if (nibbles) {
           const uint8_t* pa = ra.in + (static_cast<uint64_t>(t - t0) * H) / 2;
           const uint8_t* pr =
               full && R > 0 ? rr.in + (static_cast<uint64_t>(t - t0) * H) / 2 : nullptr;
           if (fused) {
-            K.decode_row_nibbles(pa, pr, H, m.data(), d.data(), v, job.dst.l->dtype,
-                                 job.dst.row(t));
+            K.decode_row_nibbles(pa, pr, H, m.data(), d.data(), v, job.dst.l->dtype, out[t - t0]);
             continue;
           }
           unpack44_row(pa, pr, H, idx.data());
@@ -437,7 +458,7 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
             idx[c] = static_cast<uint8_t>(full ? (a << R) | (R > 0 ? rr.get(R) : 0u) : a);
           }
         }
-        K.decode_row(idx.data(), H, m.data(), d.data(), v, job.dst.l->dtype, job.dst.row(t));
+        K.decode_row(idx.data(), H, m.data(), d.data(), v, job.dst.l->dtype, out[t - t0]);
       }
     }
     // Non-temporal stores are weakly ordered: drained before the values are
