@@ -388,6 +388,54 @@ TEST(PageCodec, Avx512LargeAlignedPageDecodesAsTheReference) {
   }
 }
 
+// An anchor table value that is subnormal (a hostile but valid section: it
+// lies in its anchor's bin) makes subnormal values, which VCVTNE2PS2BF16
+// would flush to zero: the AVX-512 decode must round them as the reference.
+TEST(PageCodec, Avx512SubnormalAnchorTableValuesDecodeAsTheReference) {
+  if (!fast::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  const CodebookRef cb = get_codebook(KVXFER_CODEC_INT8, 0.0f, 4, nullptr);
+  const int64_t T = 64;
+  const int32_t H = 64;
+  // m = 0 and d = 1 in every chunk and channel; the other rows near 0.
+  PagedBuffer src(T, H, KVXFER_DTYPE_BF16, 16);
+  for (int64_t t = 0; t < T; ++t)
+    for (int32_t c = 0; c < H; ++c)
+      src.set(t, c, t % 4 == 0 ? -1.0f : t % 4 == 1 ? 1.0f : (c % 2 ? -0.03f : 0.03f));
+  const auto e = test::encode(config(KVXFER_CODEC_INT8, 0.0f, 16), src, Impl::REFERENCE);
+  ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+  PageHeader h;
+  ASSERT_EQ(parse_section(e.anchor.data(), e.anchor.size(), &h), KVXFER_SUCCESS);
+  ASSERT_EQ(h.flags & FLAG_META_FP32, 0);
+  int hits = 0;
+  std::vector<uint8_t> bad = e.anchor;
+  for (unsigned a = 0; a < 16; ++a)
+    for (float z : {1e-40f, -1e-40f})
+      if (z >= cb->anchor_lo[a] && z <= cb->anchor_hi[a]) {
+        put_f32_le(bad.data() + kHeaderBytes + payload_sizes(h).table_offset() + 4 * a, z);
+        ++hits;
+        break;
+      }
+  ASSERT_GT(hits, 0) << "no anchor bin holds a subnormal value";
+  seal_section(bad.data());
+  for (kvxfer_dtype_t odt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
+    PagedBuffer a(T, H, odt, 16), b(T, H, odt, 16);
+    for (auto [out, impl] : {std::pair{&a, Impl::REFERENCE}, {&b, Impl::AVX512}})
+      ASSERT_EQ(decode_page(bad.data(), bad.size(), nullptr, 0, nullptr, &out->layout, impl, 1),
+                KVXFER_SUCCESS)
+          << last_error();
+    ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << "to " << odt;
+    if (odt == KVXFER_DTYPE_BF16) {  // the test reaches a subnormal output
+      bool subnormal = false;
+      for (int64_t t = 0; t < T; ++t)
+        for (int32_t c = 0; c < H; ++c) {
+          const float x = a.get(t, c);
+          subnormal |= x != 0.0f && std::fabs(x) < std::numeric_limits<float>::min();
+        }
+      EXPECT_TRUE(subnormal);
+    }
+  }
+}
+
 // Every 8-bit code of the nested and uniform codebooks, decoded from each
 // position of a 32-channel vector: the AVX-512 formulas against the table.
 TEST(PageCodec, Avx512DecodesEveryCodeAsTheReference) {
