@@ -37,10 +37,6 @@ T get(const uint8_t*& p) {
 constexpr size_t kPayloadBytesOffset = 56;
 constexpr size_t kChecksumOffset = 72;
 
-// Format 2: the payload is hashed first and its hash seeds the hash of the
-// header (checksum field zero), so that the payload hashes of a page's two
-// sections are independent of the headers and of each other (the residual's
-// header holds the anchor's checksum) and can be computed at the same time.
 #if defined(__x86_64__)
 __attribute__((target("avx"))) void vzeroupper() { _mm256_zeroupper(); }
 #endif
@@ -56,6 +52,10 @@ void clear_upper_state() {
 #endif
 }
 
+// Format 2: the payload is hashed first and its hash seeds the hash of the
+// header (checksum field zero), so that the payload hashes of a page's two
+// sections are independent of the headers and of each other (the residual's
+// header holds the anchor's checksum) and can be computed at the same time.
 uint64_t payload_hash(const uint8_t* section, uint64_t payload_bytes) {
   const uint64_t h = XXH3_64bits(section + kHeaderBytes, payload_bytes);
   clear_upper_state();
