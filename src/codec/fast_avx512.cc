@@ -195,8 +195,9 @@ struct EncodeConsts {
   const float* next;
 };
 
-// 16 int32 values from 16 floats x (u = x - m with the m, s at p + c):
-// NEST the g of nest_code, UNIFORM the unclamped q, LUT the code (sign | q).
+// 16 int32 values from 16 floats x (u = x - m, with m and s at pm + c and
+// ps + c): NEST the g of nest_code, UNIFORM the unclamped q, LUT the code
+// (sign | q).
 template <int KIND>
 inline __m512i codes16(__m512 x, const float* pm, const float* ps, int32_t c,
                        const EncodeConsts& k) {
@@ -247,9 +248,9 @@ inline __m512i words32(const uint8_t* row, int32_t c, const float* pm, const flo
   }
 }
 
-// 4-bit fields of 32 channels from 16-bit lanes in channel order: `lo` holds
-// each field in bits 0..3 (bits 4.. may hold anything, `clean` says they
-// are 0), giving byte j = f[2j] | f[2j + 1] << 4.
+// 4-bit fields of 32 channels from 16-bit lanes in channel order: `f` holds
+// each field in bits 0..3 (bits 4.. may hold anything; CLEAN: they are 0),
+// giving byte j = f[2j] | f[2j + 1] << 4.
 template <bool CLEAN>
 inline __m128i nibbles32(__m512i f) {
   const __m512i hi = _mm512_srli_epi32(f, 12);  // field 2j+1 at bits 4..7 of dword j
