@@ -181,8 +181,8 @@ void unpack44_row(const uint8_t* pa, const uint8_t* pr, int32_t H, uint8_t* idx)
   }
 }
 
-void encode_params_scalar(const float* m, const float* s, int32_t H, kvxfer_dtype_t, float* pm,
-                          float* ps) {
+void encode_params_scalar(const float* m, const float* s, int32_t H, kvxfer_dtype_t,
+                          const Codebook&, float* pm, float* ps) {
   std::memcpy(pm, m, sizeof(float) * static_cast<size_t>(H));
   std::memcpy(ps, s, sizeof(float) * static_cast<size_t>(H));
 }
@@ -341,7 +341,7 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
       BitWriter wa{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
       BitWriter wr{job.residuals + (static_cast<uint64_t>(t0) * H * R) / 8};
       const bool nibbles = A == 4 && (R == 4 || R == 0) && (H & 1) == 0;
-      if (nibbles) K.encode_params(m.data(), sc.data(), H, dt, pm.data(), ps.data());
+      if (nibbles) K.encode_params(m.data(), sc.data(), H, dt, *job.cb, pm.data(), ps.data());
       const size_t row_bytes = static_cast<size_t>(H) * job.src.elem;
       const bool ahead = nibbles && K.encode_row_nibbles_ahead != nullptr;
       for (int64_t t = t0; t < t1; ++t) {

@@ -49,10 +49,10 @@ struct RowKernels {
                      const float* s, const Codebook& cb, uint8_t* codes);
   /**
    * Arranges a chunk's m and s (channel order) into pm, ps for
-   * encode_row_nibbles, in whatever order its vectors read them.
+   * encode_row_nibbles of cb's codes, in whatever order its vectors read them.
    */
-  void (*encode_params)(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt, float* pm,
-                        float* ps);
+  void (*encode_params)(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt,
+                        const Codebook& cb, float* pm, float* ps);
   /**
    * encode_row on encode_params' arrays, then the 4-bit fields of docs/FORMAT.md 4.2 (even element
    * in the low nibble): anchors (code >> 4) at pa and, when pr is non-NULL, residuals (code & 15)

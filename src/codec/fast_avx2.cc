@@ -329,8 +329,8 @@ void encode_row_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const flo
 // the order [0..3, 8..11 | 4..7, 12..15] of unpacklo/unpackhi, which turn
 // 16 bf16 into two float vectors with one shuffle each; packus then puts the
 // codes back in channel order.  Other dtypes and the tail keep channel order.
-void encode_params_avx2(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt, float* pm,
-                        float* ps) {
+void encode_params_avx2(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt,
+                        const Codebook&, float* pm, float* ps) {
   const int32_t Hv = dt == KVXFER_DTYPE_BF16 ? (H & ~31) : 0;
   for (int32_t c = 0; c < Hv; c += 16)
     for (int k = 0; k < 2; ++k) {

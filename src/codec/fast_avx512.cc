@@ -1,13 +1,13 @@
 // AVX-512 row kernels (compiled with -mavx512f -mavx512bw -mavx512vl
 // -mavx512dq -mavx2 -mf16c -mfma, selected at run time: cpu_has_avx512).
 // Specialised here: the min/max scan of 16-bit rows, the binary16 metadata,
-// the encode of whole rows into 4-bit fields and the decode straight from
-// them (docs/FORMAT.md 4.2), 32 elements per iteration; every other kernel
-// is the AVX2 one.  Per element they perform the reference's operations in
-// the same order (codec_math.h): u = x - m, then one fma (linear codes) or a
-// multiply and the threshold lookup (alpha-law codes); x = fma(d, z, m), then
-// the rounding to the output dtype.  The intrinsics are single IEEE
-// operations; contraction is off project-wide, so nothing else is fused.
+// the encode of whole rows into 4-bit fields (the nested and uniform codes;
+// the alpha-law codes' threshold lookup gathers, and takes the AVX2 kernel)
+// and the decode straight from them (docs/FORMAT.md 4.2), 32 elements per
+// iteration; every other kernel is the AVX2 one.  Per element they perform
+// the reference's operations in the same order (codec_math.h): u = x - m,
+// then one fma; x = fma(d, z, m), then the rounding to the output dtype.  The intrinsics are single
+// IEEE operations; contraction is off project-wide, so nothing else is fused.
 //
 // Element orders.  The encoder splits 32 bf16 values into two float vectors
 // with one unpack each (channels [0..3, 8..11, 16..19, 24..27] and the
@@ -167,9 +167,11 @@ bool chunk_meta_avx512(float* mn, float* mx, int32_t H, bool fp32, float num, ui
 
 // encode_params for bf16 rows: per 32 channels of the vector part, the order
 // of the two unpacks (channels 8L..8L+3 of each 128-bit lane L, then 8L+4..
-// 8L+7).  Other dtypes and the tail keep channel order.
-void encode_params_avx512(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt, float* pm,
-                          float* ps) {
+// 8L+7).  Other dtypes and the tail keep channel order.  The alpha-law codes
+// take the AVX2 kernels (encode_row_nibbles_ahead_avx512), and their order.
+void encode_params_avx512(const float* m, const float* s, int32_t H, kvxfer_dtype_t dt,
+                          const Codebook& cb, float* pm, float* ps) {
+  if (cb.kind == CODE_LUT) return avx2_kernels().encode_params(m, s, H, dt, cb, pm, ps);
   const int32_t Hv = dt == KVXFER_DTYPE_BF16 ? (H & ~31) : 0;
   const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i i1 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -189,34 +191,19 @@ void encode_params_avx512(const float* m, const float* s, int32_t H, kvxfer_dtyp
 
 // What the code of one element needs of the codebook, in registers.
 struct EncodeConsts {
-  __m512 bias, ncells;
+  __m512 bias;
   __m512i maxc;  // UNIFORM: the largest code, in 16-bit lanes
-  const uint8_t* base;
-  const float* next;
 };
 
 // 16 int32 values from 16 floats x (u = x - m, with m and s at pm + c and
-// ps + c): NEST the g of nest_code, UNIFORM the unclamped q, LUT the code
-// (sign | q).
+// ps + c), trunc(fma(u, s, bias)): NEST the g of nest_code, UNIFORM the
+// unclamped q.
 template <int KIND>
 inline __m512i codes16(__m512 x, const float* pm, const float* ps, int32_t c,
                        const EncodeConsts& k) {
+  static_assert(KIND == CODE_UNIFORM || KIND == CODE_NEST, "linear codes only");
   const __m512 u = _mm512_sub_ps(x, _mm512_loadu_ps(pm + c));
-  const __m512 sv = _mm512_loadu_ps(ps + c);
-  if constexpr (KIND == CODE_UNIFORM || KIND == CODE_NEST) {
-    return _mm512_cvttps_epi32(_mm512_fmadd_ps(u, sv, k.bias));
-  } else {
-    const __m512 z = _mm512_mul_ps(u, sv);
-    const __m512 a = _mm512_andnot_ps(_mm512_set1_ps(-0.0f), z);
-    // Byte counts (L1-resident), then the one threshold that can follow.
-    const __m512i i = _mm512_cvttps_epi32(_mm512_mul_ps(a, k.ncells));
-    const __m512i b =
-        _mm512_and_si512(_mm512_i32gather_epi32(i, k.base, 1), _mm512_set1_epi32(0xFF));
-    const __mmask16 ge = _mm512_cmp_ps_mask(a, _mm512_i32gather_ps(b, k.next, 4), _CMP_GE_OQ);
-    const __m512i q = _mm512_mask_add_epi32(b, ge, b, _mm512_set1_epi32(1));
-    const __mmask16 neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
-    return _mm512_mask_or_epi32(q, neg, q, _mm512_set1_epi32(0x80));
-  }
+  return _mm512_cvttps_epi32(_mm512_fmadd_ps(u, _mm512_loadu_ps(ps + c), k.bias));
 }
 
 // The codes16 values of channels c..c+31 as 32 words in channel order,
@@ -262,9 +249,8 @@ template <int KIND, int DT, bool RES, bool CODES>
 void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const float* ps,
                           const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
                           const uint8_t* next) {
-  const EncodeConsts k{
-      _mm512_set1_ps(cb.bias), _mm512_set1_ps(static_cast<float>(1 << cb.lut_log2)),
-      _mm512_set1_epi16(static_cast<int16_t>(cb.max_code)), cb.lut_base8.data(), cb.thresholds_inf};
+  const EncodeConsts k{_mm512_set1_ps(cb.bias),
+                       _mm512_set1_epi16(static_cast<int16_t>(cb.max_code))};
   // NEST: g clamped to [16, 495] makes the anchor g >> 5 and the residual
   // g >> sh & 15, sh = 0 in the two end cells (anchors 0 and 15), else 1:
   // the top cell's min(g - 480, 15) and the bottom's max(g - 16, 0) are then
@@ -282,8 +268,8 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
         _mm_prefetch(reinterpret_cast<const char*>(next + kElem * c + 64), _MM_HINT_T0);
     }
     const __m512i w = words32<KIND, DT>(row, c, pm, ps, k);
-    __m512i a,
-        r = _mm512_setzero_si512();  // anchor (clean) and residual (bits 0..3) per 16-bit lane
+    // The anchor (clean) and the residual (bits 0..3) of each 16-bit lane.
+    __m512i a, r = _mm512_setzero_si512();
     if constexpr (KIND == CODE_NEST) {
       const __m512i g = _mm512_min_epu16(_mm512_max_epu16(w, g_lo), g_hi);
       a = _mm512_srli_epi16(g, 5);
@@ -293,7 +279,7 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
                             _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(
                                 _mm512_set1_epi16(0x0F), r, _mm512_slli_epi16(a, 4), kSelect)));
     } else {
-      const __m512i q = KIND == CODE_UNIFORM ? _mm512_min_epu16(w, k.maxc) : w;
+      const __m512i q = _mm512_min_epu16(w, k.maxc);  // UNIFORM's upper clamp
       if constexpr (CODES)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + c), _mm512_cvtepi16_epi8(q));
       if constexpr (RES) {
@@ -351,7 +337,15 @@ void encode_row_nibbles_ahead_avx512(const uint8_t* row, kvxfer_dtype_t dt, int3
       return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes, next);
     case CODE_NEST:
       return encode_row_nibbles_kind<CODE_NEST>(row, dt, H, m, s, cb, pa, pr, codes, next);
-    default: return encode_row_nibbles_kind<CODE_LUT>(row, dt, H, m, s, cb, pa, pr, codes, next);
+    default: {
+      // The alpha-law codes' threshold lookup is two gathers per vector,
+      // which AVX2's 8 lanes did faster than 16 here (about 10%, AMD EPYC):
+      // the AVX2 kernel, on encode_params_avx512's arrays in its order.
+      if (next != nullptr)
+        for (size_t o = 0; o < static_cast<size_t>(H) * dtype_size(dt); o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+      return avx2_kernels().encode_row_nibbles(row, dt, H, m, s, cb, pa, pr, codes);
+    }
   }
 }
 
