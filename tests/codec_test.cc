@@ -466,10 +466,11 @@ TEST(PageCodec, Avx512DecodesEveryCodeAsTheReference) {
             << last_error();
       ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << codec << " to " << odt;
       // Every code occurred: each element decoded to its own code's z.
-      if (odt == KVXFER_DTYPE_FP32)
+      if (odt == KVXFER_DTYPE_FP32) {
         for (int64_t t = 0; t < T; ++t)
           for (int32_t c = 0; c < H && t % 16 >= 2; ++c)
             ASSERT_EQ(a.get(t, c), cb->recon_full[code(t, c)]) << codec << " t " << t << " c " << c;
+      }
     }
   }
 }
