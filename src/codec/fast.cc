@@ -278,6 +278,8 @@ bool cpu_has_avx512() {
   return has;
 }
 
+void stream_fence() { _mm_sfence(); }
+
 bool cpu_has_avx512_bf16() {
   static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
   return has;
@@ -413,9 +415,8 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
   v.linear_kind = full ? job.cb->kind : CODE_LUT;  // recon_full of a linear codebook is its formula
   v.step = job.cb->recon_step;
   v.clamp = job.meta_fp32;  // binary16 metadata: |m| + d <= 2 * 65504, nothing to clamp
-  // Pages of 4 MiB of values or more: streaming stores, as glibc's memcpy
-  // does for copies of that order (cache-sized), where the kernels have them.
-  v.stream = static_cast<uint64_t>(T) * static_cast<uint64_t>(H) * job.dst.elem >= (4u << 20);
+  v.stream =
+      static_cast<uint64_t>(T) * static_cast<uint64_t>(H) * job.dst.elem >= kStreamStoreBytes;
   v.tiny = false;
   for (int i = 0; i < v.entries; ++i) {
     const float a = f32_abs(v.table[i]);

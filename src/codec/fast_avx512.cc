@@ -662,4 +662,8 @@ const RowKernels& avx512_kernels() {
   return k;
 }
 
+void stream_copy_avx512(uint8_t* dst, const uint8_t* src, size_t bytes) {
+  for (size_t i = 0; i < bytes; i += 64) store64<true>(dst + i, _mm512_loadu_si512(src + i));
+}
+
 }  // namespace kvxfer::codec::fast

@@ -9,6 +9,7 @@
 
 #include "codec/codec.h"
 #include "codec/driver.h"
+#include "codec/fast.h"
 #include "codec/tiered_format.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -687,14 +688,21 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
     const kvxfer_dtype_t sdt =
         (ah.flags & FLAG_RAW) ? static_cast<kvxfer_dtype_t>(ah.src_dtype) : KVXFER_DTYPE_BF16;
     const size_t ssz = dtype_size(sdt);
+    const size_t row_bytes = static_cast<size_t>(H) * ssz;
+    // Large pages with non-temporal stores (fast::kStreamStoreBytes).
+    const bool stream = impl == Impl::AVX512 && sdt == dst->dtype && row_bytes % 64 == 0 &&
+                        static_cast<uint64_t>(T) * row_bytes >= fast::kStreamStoreBytes;
     for (int64_t t = 0; t < T; ++t) {
-      const uint8_t* srow = plan.payload + static_cast<size_t>(t) * H * ssz;
+      const uint8_t* srow = plan.payload + static_cast<size_t>(t) * row_bytes;
       uint8_t* row = lay.row(t);
-      if (sdt == dst->dtype)
-        std::memcpy(row, srow, static_cast<size_t>(H) * ssz);
+      if (stream && (reinterpret_cast<uintptr_t>(row) & 63) == 0)
+        fast::stream_copy_avx512(row, srow, row_bytes);
+      else if (sdt == dst->dtype)
+        std::memcpy(row, srow, row_bytes);
       else
         for (int32_t c = 0; c < H; ++c) store_elem(row, c, dst->dtype, load_elem(srow, c, sdt));
     }
+    if (stream) fast::stream_fence();
     return KVXFER_SUCCESS;
   }
   const bool fp32 = (ah.flags & FLAG_META_FP32) != 0;
