@@ -225,6 +225,8 @@ for rate in 10gbit 25gbit; do
         {"10gbit": 10e9 / 8, "25gbit": 25e9 / 8}["'"$rate"'"])
       for r in j["rows"])'
     json "$out/fig4-$rate.json" '(lambda t: "    t_anchor(lynx) / t_complete(int8) = %.3f, / t_complete(bf16) = %.3f" % (t[("lynx","a")] / t[("int8","c")], t[("lynx","a")] / t[("bf16","c")]))({(r["codec"], k[2]): r[k]["median_us"] for r in j["rows"] for k in ("t_anchor", "t_complete")})'
+    # The same ratio were both on the link alone: Lynx's anchor bytes over INT8's wire bytes.
+    json "$out/fig4-$rate.json" '(lambda b: "    the link alone: anchor bytes(lynx) / wire bytes(int8) = %.3f" % (b["lynx"][0] / b["int8"][1]))({r["codec"]: (r["anchor_wire_bytes"], r["wire_bytes"]) for r in j["rows"]})'
   fi
 done
 echo
