@@ -449,42 +449,50 @@ TEST(PageCodec, Avx512SubnormalAnchorTableValuesDecodeAsTheReference) {
 }
 
 // Every 8-bit code of the nested and uniform codebooks, decoded from each
-// position of a 32-channel vector: the AVX-512 formulas against the table.
+// position of a 32-channel vector: the AVX-512 formulas against the table,
+// with binary16 metadata (scale 1) and binary32 metadata (scale 2^20, beyond
+// binary16's range).
 TEST(PageCodec, Avx512DecodesEveryCodeAsTheReference) {
   if (!fast::cpu_has_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU";
-  for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8}) {
-    // 512 rows of 64 channels whose chunk ranges are [-1, 1] (rows 0 and 1
-    // of each chunk: m = 0, d = 1), the rest of channel c in row t the z of
-    // code (t + 9c) % 256 (within [-1, 1]).
-    const CodebookRef cb = get_codebook(codec, 0.0f, 4, nullptr);
-    const int64_t T = 512;
-    const int32_t H = 64;
-    auto code = [](int64_t t, int32_t c) { return static_cast<int>((t + 9 * c) % 256); };
-    PagedBuffer src(T, H, KVXFER_DTYPE_FP32, 16);
-    for (int64_t t = 0; t < T; ++t)
-      for (int32_t c = 0; c < H; ++c)
-        src.set(t, c,
-                t % 16 < 2 ? (t % 2 ? 1.0f : -1.0f)
-                           : std::min(1.0f, std::max(-1.0f, cb->recon_full[code(t, c)])));
-    const auto cfg = config(codec, 0.0f, 16, 4);
-    const auto ref = test::encode(cfg, src, Impl::REFERENCE);
-    ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
-    for (kvxfer_dtype_t odt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
-      PagedBuffer a(T, H, odt, 16), b(T, H, odt, 16);
-      for (auto [out, impl] : {std::pair{&a, Impl::REFERENCE}, {&b, Impl::AVX512}})
-        ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), ref.residual.data(),
-                              ref.residual.size(), nullptr, &out->layout, impl, 1),
-                  KVXFER_SUCCESS)
-            << last_error();
-      ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << codec << " to " << odt;
-      // Every code occurred: each element decoded to its own code's z.
-      if (odt == KVXFER_DTYPE_FP32) {
-        for (int64_t t = 0; t < T; ++t)
-          for (int32_t c = 0; c < H && t % 16 >= 2; ++c)
-            ASSERT_EQ(a.get(t, c), cb->recon_full[code(t, c)]) << codec << " t " << t << " c " << c;
+  for (const float scale : {1.0f, 0x1p20f})
+    for (kvxfer_codec_t codec : {KVXFER_CODEC_LYNX, KVXFER_CODEC_INT8}) {
+      // 512 rows of 64 channels whose chunk ranges are [-scale, scale] (rows 0
+      // and 1 of each chunk: m = 0, d = scale), the rest of channel c in row t
+      // scale times the z of code (t + 9c) % 256 (within [-1, 1]).
+      const CodebookRef cb = get_codebook(codec, 0.0f, 4, nullptr);
+      const int64_t T = 512;
+      const int32_t H = 64;
+      auto code = [](int64_t t, int32_t c) { return static_cast<int>((t + 9 * c) % 256); };
+      PagedBuffer src(T, H, KVXFER_DTYPE_FP32, 16);
+      for (int64_t t = 0; t < T; ++t)
+        for (int32_t c = 0; c < H; ++c)
+          src.set(
+              t, c,
+              scale * (t % 16 < 2 ? (t % 2 ? 1.0f : -1.0f)
+                                  : std::min(1.0f, std::max(-1.0f, cb->recon_full[code(t, c)]))));
+      const auto cfg = config(codec, 0.0f, 16, 4);
+      const auto ref = test::encode(cfg, src, Impl::REFERENCE);
+      ASSERT_EQ(ref.rc, KVXFER_SUCCESS) << last_error();
+      kvxfer_page_info_t info;
+      ASSERT_EQ(inspect_section(ref.anchor.data(), ref.anchor.size(), &info), KVXFER_SUCCESS);
+      ASSERT_EQ(info.meta_fp32, scale > 1.0f ? 1 : 0);
+      for (kvxfer_dtype_t odt : {KVXFER_DTYPE_BF16, KVXFER_DTYPE_FP16, KVXFER_DTYPE_FP32}) {
+        PagedBuffer a(T, H, odt, 16), b(T, H, odt, 16);
+        for (auto [out, impl] : {std::pair{&a, Impl::REFERENCE}, {&b, Impl::AVX512}})
+          ASSERT_EQ(decode_page(ref.anchor.data(), ref.anchor.size(), ref.residual.data(),
+                                ref.residual.size(), nullptr, &out->layout, impl, 1),
+                    KVXFER_SUCCESS)
+              << last_error();
+        ASSERT_EQ(test::first_diff(a.bytes(), b.bytes()), -1) << codec << " to " << odt;
+        // Every code occurred: each element decoded to its own code's z.
+        if (odt == KVXFER_DTYPE_FP32) {
+          for (int64_t t = 0; t < T; ++t)
+            for (int32_t c = 0; c < H && t % 16 >= 2; ++c)
+              ASSERT_EQ(a.get(t, c), scale * cb->recon_full[code(t, c)])
+                  << codec << " t " << t << " c " << c;
+        }
       }
     }
-  }
 }
 
 TEST(PageCodec, LargePageManyThreadsMatchesReference) {

@@ -402,15 +402,17 @@ void decode_params_avx512(const uint8_t* meta, int32_t H, bool fp32, float* pm, 
 enum class Lookup { PERM16, NEST, UNIFORM, GATHER };
 
 // The nested codes' levels (codec_math.h nest_level2) are 4c - 510 but for
-// codes c < 16 and c >= 240: their corrections, at index c & 63 (constant
-// initialisation: no code of this file runs before cpu_has_avx512 is asked).
+// codes c < 16 and c >= 240: their corrections, at index 16 + c (c < 16) and
+// c - 240 (c >= 240), 0 at index 32, the index of every other code (zvalues32;
+// constant initialisation: no code of this file runs before cpu_has_avx512
+// is asked).
 struct NestCorrections {
   alignas(64) int16_t t[64] = {};
   constexpr NestCorrections() {
     for (int c = 0; c < 16; ++c)  // nest_level2: 2c - 479, -480 at code 0
-      t[c] = static_cast<int16_t>((c == 0 ? -480 : 2 * c - 479) - (4 * c - 510));
+      t[16 + c] = static_cast<int16_t>((c == 0 ? -480 : 2 * c - 479) - (4 * c - 510));
     for (int c = 240; c < 256; ++c)  // 2c - 31, 480 at code 255
-      t[c & 63] = static_cast<int16_t>((c == 255 ? 480 : 2 * c - 31) - (4 * c - 510));
+      t[c - 240] = static_cast<int16_t>((c == 255 ? 480 : 2 * c - 31) - (4 * c - 510));
   }
 };
 constexpr NestCorrections kNestCorrections;
@@ -453,12 +455,14 @@ inline void zvalues32(const uint8_t* pa, const uint8_t* pr, int32_t c, const Dec
         _mm256_srlv_epi16(_mm256_broadcastsi128_si256(r16), sh_hi), kSelect);
     const __m512i w = _mm512_cvtepu8_epi16(
         _mm256_permutevar8x32_epi32(code8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    // nest_level2(c) + 510 = 4c + the correction of codes < 16 and >= 240
-    // ((c + 16) & 0xE0 == 0 picks them), in [30, 990].
-    const __mmask32 ends = _mm512_testn_epi16_mask(_mm512_add_epi16(w, _mm512_set1_epi16(16)),
-                                                   _mm512_set1_epi16(0xE0));
-    const __m512i n510 = _mm512_add_epi16(
-        _mm512_slli_epi16(w, 2), _mm512_maskz_permutex2var_epi16(ends, k.corr_lo, w, k.corr_hi));
+    // nest_level2(c) + 510 = 4c + the correction of codes < 16 and >= 240,
+    // in [30, 990].  Its index (vpermt2w reads bits 0..5): t = c + 16 is
+    // 16..31 for c < 16, 256..271 (0..15) for c >= 240 and 32..255 else; the
+    // bytewise minimum with 0x0120 keeps the first two and makes the rest 32.
+    const __m512i ci =
+        _mm512_min_epu8(_mm512_add_epi16(w, _mm512_set1_epi16(16)), _mm512_set1_epi16(0x0120));
+    const __m512i n510 = _mm512_add_epi16(_mm512_slli_epi16(w, 2),
+                                          _mm512_permutex2var_epi16(k.corr_lo, ci, k.corr_hi));
     // To float exactly: the bits 0x4B000000 | v are 2^23 + v, less 2^23 + 510.
     const __m512i e = _mm512_set1_epi16(0x4B00);
     const __m512 bias = _mm512_set1_ps(8389118.0f);  // 2^23 + 510
