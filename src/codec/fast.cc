@@ -437,7 +437,7 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
       const uint8_t* meta = job.meta + static_cast<size_t>(k) * H * (job.meta_fp32 ? 8 : 4);
       if (fused)
-        K.decode_params(meta, H, job.meta_fp32, m.data(), d.data());
+        K.decode_params(meta, H, job.meta_fp32, v, full, m.data(), d.data());
       else
         K.load_meta(meta, H, job.meta_fp32, m.data(), d.data());
       BitReader ra{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};

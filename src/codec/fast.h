@@ -77,9 +77,11 @@ struct RowKernels {
                      kvxfer_dtype_t dt, uint8_t* row);
   /**
    * load_meta for decode_row_nibbles: m and d of the H entries at `meta`, in
-   * whatever order its vectors read them.  NULL where decode_row_nibbles is.
+   * whatever order its vectors read them for the values `v` and full codes
+   * (`full`) or anchors.  NULL where decode_row_nibbles is.
    */
-  void (*decode_params)(const uint8_t* meta, int32_t H, bool fp32, float* pm, float* pd);
+  void (*decode_params)(const uint8_t* meta, int32_t H, bool fp32, const Values& v, bool full,
+                        float* pm, float* pd);
   /**
    * decode_row straight from the 4-bit fields of one row (docs/FORMAT.md 4.2,
    * even element in the low nibble): idx[c] = anchor (pr NULL) or anchor << 4

@@ -17,6 +17,9 @@
 // nibbles and the odd ones from the high nibbles, so its m and d arrays
 // (decode_params) hold, per 32 channels, the 16 even ones and then the 16
 // odd ones; one blend or permute interleaves the two results on the store.
+// The nested codes' full decode instead places each channel's byte where it
+// likes (pshufb) and works in channel order, m and d too: its bfloat16
+// results need no permute.
 // Tails (H not a multiple of 32) keep channel order and take the scalar code.
 #include <immintrin.h>
 
@@ -363,14 +366,22 @@ void encode_row_nibbles_avx512(const uint8_t* row, kvxfer_dtype_t dt, int32_t H,
 // nested codebooks) or a gather (alpha-law full codes).
 // ---------------------------------------------------------------------------
 
+// The full codes of the nested codebook are decoded in channel order (the
+// NEST lookup of zvalues32 places each code where it likes), the rest with
+// the even channels apart from the odd ones.
+inline bool channel_order(const Values& v, bool full) { return full && v.linear_kind == CODE_NEST; }
+
 // decode_params: per 32 channels of the vector part, m (d) of the 16 even
-// channels, then of the 16 odd ones; the tail in channel order.
-void decode_params_avx512(const uint8_t* meta, int32_t H, bool fp32, float* pm, float* pd) {
+// channels, then of the 16 odd ones, or (channel_order) of the 32 channels in
+// order; the tail in channel order.
+void decode_params_avx512(const uint8_t* meta, int32_t H, bool fp32, const Values& v, bool full,
+                          float* pm, float* pd) {
   const int32_t Hv = H & ~31;
+  const bool in_order = channel_order(v, full);
   if (fp32) {
     for (int32_t c = 0; c < Hv; c += 32)
       for (int32_t i = 0; i < 32; ++i) {
-        const Affine a = get_affine(meta, c + 2 * (i & 15) + (i >> 4), true);
+        const Affine a = get_affine(meta, c + (in_order ? i : 2 * (i & 15) + (i >> 4)), true);
         pm[c + i] = a.m;
         pd[c + i] = a.d;
       }
@@ -378,7 +389,8 @@ void decode_params_avx512(const uint8_t* meta, int32_t H, bool fp32, float* pm, 
     // {m, d} pairs: in the 64 words of two vectors, m of channel k is word
     // 2k and d word 2k + 1.
     alignas(64) int16_t idx[32];
-    for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>(4 * (i & 15) + 2 * (i >> 4));
+    for (int i = 0; i < 32; ++i)
+      idx[i] = static_cast<int16_t>(in_order ? 2 * i : 4 * (i & 15) + 2 * (i >> 4));
     const __m512i im = _mm512_load_si512(idx);
     const __m512i id = _mm512_add_epi16(im, _mm512_set1_epi16(1));
     for (int32_t c = 0; c < Hv; c += 32) {
@@ -417,17 +429,34 @@ struct NestCorrections {
 };
 constexpr NestCorrections kNestCorrections;
 
+// Word k of 128-bit lane L (zvalues32's NEST order) holds the byte of channel
+// ch = 4L + k (k < 4), 16 + 4L + k - 4 (k >= 4): byte ch / 2, then 0 (0x80).
+struct NestBytes {
+  alignas(64) int8_t b[64] = {};
+  constexpr NestBytes() {
+    for (int L = 0; L < 4; ++L)
+      for (int k = 0; k < 8; ++k) {
+        const int ch = k < 4 ? 4 * L + k : 16 + 4 * L + k - 4;
+        b[16 * L + 2 * k] = static_cast<int8_t>(ch / 2);
+        b[16 * L + 2 * k + 1] = static_cast<int8_t>(-128);
+      }
+  }
+};
+constexpr NestBytes kNestBytes;
+
 // What zvalues32 needs, in registers for a row.
 struct DecodeConsts {
   __m512 t16;                // PERM16: the table
   __m512 step;               // NEST, UNIFORM: Codebook::recon_step
   __m512i corr_lo, corr_hi;  // NEST: kNestCorrections
+  __m512i nest_bytes;        // NEST: the pshufb of the codes' bytes
   const float* table;        // GATHER
   explicit DecodeConsts(const Values& v)
       : t16(v.entries == 16 ? _mm512_loadu_ps(v.table) : _mm512_setzero_ps()),
         step(_mm512_set1_ps(v.step)),
         corr_lo(_mm512_load_si512(kNestCorrections.t)),
         corr_hi(_mm512_load_si512(kNestCorrections.t + 32)),
+        nest_bytes(_mm512_load_si512(kNestBytes.b)),
         table(v.table) {}
 };
 
@@ -442,19 +471,21 @@ inline void zvalues32(const uint8_t* pa, const uint8_t* pr, int32_t c, const Dec
     *ze = _mm512_permutexvar_ps(ad, k.t16);
     *zo = _mm512_permutexvar_ps(_mm512_srli_epi32(ad, 4), k.t16);
   } else if constexpr (L == Lookup::NEST) {
-    // 32 code bytes, the 16 even channels' (a << 4 | r of the low nibbles)
-    // then the 16 odd ones' (a & 0xF0 | r >> 4), as words in the order
-    // [even 4L..4L+3, odd 4L..4L+3] per 128-bit lane L, so that each unpack
-    // below gives 16 channels of one parity in order.
-    const __m128i r16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pr + c / 2));
-    const __m256i sh_lo = _mm256_setr_epi64x(0x0004000400040004, 0x0004000400040004, 0, 0);
-    const __m256i sh_hi = _mm256_setr_epi64x(0, 0, 0x0004000400040004, 0x0004000400040004);
-    const __m256i code8 = _mm256_ternarylogic_epi32(
-        _mm256_set1_epi8(static_cast<char>(0xF0)),
-        _mm256_sllv_epi16(_mm256_broadcastsi128_si256(a16), sh_lo),
-        _mm256_srlv_epi16(_mm256_broadcastsi128_si256(r16), sh_hi), kSelect);
-    const __m512i w = _mm512_cvtepu8_epi16(
-        _mm256_permutevar8x32_epi32(code8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    // Channel order: *ze channels 0..15, *zo 16..31.  The 32 codes as words,
+    // per 128-bit lane L those of channels 4L..4L+3 and then 16+4L..16+4L+3,
+    // so that the two unpacks below give 16 channels each in order.  Each
+    // word takes the byte of its channel (pshufb, the high byte 0) from the
+    // anchors and from the residuals: code = (a << 4 or a) & 0xF0 | (r or
+    // r >> 4) & 0x0F for an even (odd) channel.
+    const __m512i a64 = _mm512_broadcast_i32x4(a16);
+    const __m512i r64 =
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pr + c / 2)));
+    const __m512i wa = _mm512_shuffle_epi8(a64, k.nest_bytes);
+    const __m512i wr = _mm512_shuffle_epi8(r64, k.nest_bytes);
+    constexpr __mmask32 kEven = 0x55555555u;  // channels 4L + k: even k
+    const __m512i w =
+        _mm512_ternarylogic_epi32(_mm512_set1_epi16(0xF0), _mm512_mask_slli_epi16(wa, kEven, wa, 4),
+                                  _mm512_mask_srli_epi16(wr, ~kEven, wr, 4), kSelect);
     // nest_level2(c) + 510 = 4c + the correction of codes < 16 and >= 240,
     // in [30, 990].  Its index (vpermt2w reads bits 0..5): t = c + 16 is
     // 16..31 for c < 16, 256..271 (0..15) for c >= 240 and 32..255 else; the
@@ -532,7 +563,25 @@ void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const
       xe = _mm512_min_ps(_mm512_max_ps(xe, nbig), big);
       xo = _mm512_min_ps(_mm512_max_ps(xo, nbig), big);
     }
-    if constexpr (DT == KVXFER_DTYPE_BF16) {
+    if constexpr (L == Lookup::NEST) {  // channel order: xe channels 0..15, xo 16..31
+      if constexpr (DT == KVXFER_DTYPE_BF16) {
+        const __m512i il = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+        // packus interleaves the two per 128-bit lane: qwords 0, 2, 4, 6 are xe's.
+        store64<NT>(row + 2 * c,
+                    _mm512_permutexvar_epi64(
+                        il, _mm512_packus_epi32(_mm512_srli_epi32(bf16_round_hi(xe), 16),
+                                                _mm512_srli_epi32(bf16_round_hi(xo), 16))));
+      } else if constexpr (DT == KVXFER_DTYPE_FP16) {
+        constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        store64<NT>(row + 2 * c,
+                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(xe, kRne)),
+                                       _mm512_cvtps_ph(xo, kRne), 1));
+      } else {
+        float* out = reinterpret_cast<float*>(row) + c;
+        store64<NT>(out, _mm512_castps_si512(xe));
+        store64<NT>(out + 16, _mm512_castps_si512(xo));
+      }
+    } else if constexpr (DT == KVXFER_DTYPE_BF16) {
       const __m512i out = _mm512_mask_blend_epi16(
           0xAAAAAAAAu, _mm512_srli_epi32(bf16_round_hi(xe), 16), bf16_round_hi(xo));
       store64<NT>(row + 2 * c, out);
@@ -578,7 +627,10 @@ __attribute__((target("avx512bf16"))) void decode_row_nibbles_bf16(const uint8_t
     const __m512 xo =
         _mm512_fmadd_ps(_mm512_loadu_ps(pd + c + 16), zo, _mm512_loadu_ps(pm + c + 16));
     const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(xo, xe));
-    store64<NT>(row + 2 * c, _mm512_permutexvar_epi16(il, w));
+    if constexpr (L == Lookup::NEST)  // channel order already
+      store64<NT>(row + 2 * c, w);
+    else
+      store64<NT>(row + 2 * c, _mm512_permutexvar_epi16(il, w));
   }
   decode_tail(pa, pr, Hv, H, pm, pd, v, KVXFER_DTYPE_BF16, row);
 }
