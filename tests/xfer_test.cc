@@ -2464,6 +2464,13 @@ bool reset_peak_rss() {
 }
 
 TEST(XferMemory, CommunicatorResidentSetIsBounded) {
+#if defined(__SANITIZE_ADDRESS__)
+  // The auto provider opens a network path and shm beside it, and closes the
+  // one connect() does not take: AddressSanitizer's quarantine keeps the
+  // closed path's freed pools resident (+31 MB here, +15 MB with
+  // quarantine_size_mb=0; +12 MB without the sanitizer).
+  GTEST_SKIP() << "AddressSanitizer's quarantine keeps freed memory resident";
+#endif
   constexpr int64_t kBoundKb = 32 * 1024;
   Pair pair;
   ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& id, int rd, int wr) {
