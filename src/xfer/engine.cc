@@ -3,6 +3,9 @@
 // in engine_codec.cc, the progress thread in engine_progress.cc.
 #include "xfer/engine.h"
 
+#include <map>
+#include <string>
+
 #include "xfer/engine_impl.h"
 
 namespace kvxfer::xfer {
@@ -215,9 +218,16 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   const int workers = codec_workers();
   for (int i = 0; i < workers; ++i) m.codec_threads.emplace_back([&m] { m.codec_main(); });
   m.progress_thread = std::thread([&m] { m.progress_main(); });
-  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (provider %s, %d codec thread%s)", rank,
-              nranks, m.comm->link(rank == 0 ? 1 : 0)->provider().c_str(), workers,
-              workers == 1 ? "" : "s");
+  // Each peer's path: "provider shm", or with several "providers shm x3, tcp;ofi_rxm x1".
+  std::map<std::string, int> paths;
+  for (int p = 0; p < nranks; ++p)
+    if (const transport::Link* l = m.comm->link(p)) ++paths[l->provider()];
+  std::string path_text = paths.size() == 1 ? "provider " + paths.begin()->first : "providers";
+  if (paths.size() > 1)
+    for (const auto& [prov, n] : paths)
+      path_text += strprintf("%s %s x%d", path_text == "providers" ? "" : ",", prov.c_str(), n);
+  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (%s, %d codec thread%s)", rank, nranks,
+              path_text.c_str(), workers, workers == 1 ? "" : "s");
   *out = std::move(e);
   return KVXFER_SUCCESS;
 }
