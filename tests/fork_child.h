@@ -10,7 +10,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <functional>
+#include <string>
 #include <thread>
 
 namespace kvxfer::test {
@@ -45,6 +47,7 @@ struct Child {
     const auto end = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
     while (Clock::now() < end) {
       if (waitpid(pid, &status, WNOHANG) == pid) {
+        remove_shm_regions(pid);
         pid = -1;
         return true;
       }
@@ -52,13 +55,26 @@ struct Child {
     }
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
+    remove_shm_regions(pid);
     pid = -1;
     return false;
+  }
+  /**
+   * A killed child cannot remove its libfabric shm regions
+   * (/dev/shm/<pid>:<uid>:<n>, 16 MiB of tmpfs each); without a surviving
+   * peer that saw it die, they would pile up run after run.
+   */
+  static void remove_shm_regions(pid_t dead) {
+    const std::string prefix = std::to_string(dead) + ":";
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec))
+      if (e.path().filename().string().rfind(prefix, 0) == 0) std::filesystem::remove(e.path(), ec);
   }
   ~Child() {
     if (pid > 0) {
       kill(pid, SIGKILL);
       waitpid(pid, &status, 0);
+      remove_shm_regions(pid);
     }
     if (to_child >= 0) close(to_child);
     if (from_child >= 0) close(from_child);
