@@ -13,6 +13,7 @@
 #include "codec/codec.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -30,6 +31,7 @@
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
 #include "models/synthetic_kv.h"
+#include "perf/common/codec_bound.h"
 #include "perf/common/harness.h"
 #include "perf/common/kv_data.h"
 #ifdef KVXFER_CODEC_PERF_GPU
@@ -61,7 +63,7 @@ struct Options {
   bool gpu = false;                   // --gpu: the CUDA kernels instead of the CPU codec
   std::string gpu_ref = "reference";  // --gpu_ref: CPU path the GPU bytes are compared with
   // --path: rows of the throughput table (avx2, avx512: where the CPU has them)
-  std::string paths = "reference,scalar,avx2,avx512,mt";
+  std::string paths = "reference,scalar,avx2,avx512,mt,bound";
 };
 
 using kp::split;  // perf/common/harness.h
@@ -296,6 +298,7 @@ struct Path {
   kc::Impl impl;
   int threads;
   bool reference;
+  bool bound = false;  // the bound row (perf/common/codec_bound.h), not a codec path
 };
 
 struct Encodings {
@@ -343,6 +346,82 @@ bool alloc_encodings(const kvxfer_codec_config_t& cfg, const Dataset& ds, Encodi
   return true;
 }
 
+/**
+ * "# of bound" lines under a codec case: each path's op / memcpy divided by
+ * the bound row's (the last entry), i.e. its time over the bound's.
+ */
+void print_of_bound(const std::vector<std::pair<std::string, std::array<double, 3>>>& r) {
+  const std::array<double, 3>& b = r.back().second;
+  for (size_t i = 0; i + 1 < r.size(); ++i) {
+    const std::array<double, 3>& x = r[i].second;
+    std::printf("#   of bound (%s): enc %.3f  dec_full %.3f  dec_anchor %.3f\n", r[i].first.c_str(),
+                b[0] > 0 ? x[0] / b[0] : 0, b[1] > 0 ? x[1] / b[1] : 0, b[2] > 0 ? x[2] / b[2] : 0);
+  }
+}
+
+/** Blocks of page p of a pool, each with the bytes of its rows. */
+std::vector<kp::Span> page_spans(const Pool& pool, size_t p) {
+  std::vector<kp::Span> out;
+  for (size_t b = 0; b < pool.blocks[p].size(); ++b) {
+    const int64_t rows =
+        std::min<int64_t>(kBlockSize, pool.T - static_cast<int64_t>(b) * kBlockSize);
+    out.push_back(
+        {static_cast<uint8_t*>(pool.blocks[p][b]), static_cast<size_t>(rows) * pool.H * pool.elem});
+  }
+  return out;
+}
+
+/**
+ * The bound row: the least memory traffic of encode, full decode and anchor
+ * decode of every page (perf/common/codec_bound.h), on the sections of one
+ * untimed encode, each timed beside memcpy as the codec paths are.
+ */
+bool run_bound(const Options& o, const Dataset& ds, const CodecCase& cc, Pool* src, Pool* dst,
+               const std::function<bool()>& memcpy_once, Encodings* e, RowResult* out) {
+  const size_t np = ds.pages.size();
+  for (size_t p = 0; p < np; ++p) {
+    const kvxfer_result_t r = kc::encode_page(
+        &cc.cfg, &ds.pages[p].id, &src->layouts[p], e->anc[p].data(), e->anc[p].size(), &e->al[p],
+        e->res[p].data(), e->res[p].size(), &e->rl[p], kc::Impl::AUTO, 1);
+    if (r < 0) return report_failure("encode (" + cc.name + " bound)", r);
+  }
+  out->anchor_bytes = e->anchor_total();
+  out->residual_bytes = e->residual_total();
+  uint64_t sink = 0;
+  auto sections = [&](size_t p, bool full) {
+    std::vector<kp::Span> s{{e->anc[p].data(), e->al[p]}};
+    if (full && e->rl[p] > 0) s.push_back({e->res[p].data(), e->rl[p]});
+    return s;
+  };
+  auto encode_all = [&] {
+    for (size_t p = 0; p < np; ++p)
+      sink ^= kp::bound_encode(page_spans(*src, p), sections(p, true));
+    return true;
+  };
+  auto decode_all = [&](bool full) {
+    for (size_t p = 0; p < np; ++p) {
+      const std::vector<kp::Span> in = sections(p, full);
+      size_t in_bytes = 0;
+      for (const kp::Span& s : in) in_bytes += s.n;
+      // Section bytes per 64 written: 64 where they are about the page
+      // (BF16), 32 for about half (8-bit codes), else 16 (4-bit).
+      const size_t page = src->page_bytes();
+      const int per = 4 * in_bytes >= 3 * page ? 64 : 8 * in_bytes >= 3 * page ? 32 : 16;
+      sink ^= kp::bound_decode(in, page_spans(*dst, p), per);
+    }
+    return true;
+  };
+  const int w = o.common.warmup, n = o.common.iters;
+  const bool ok =
+      kp::time_paired(w, n, memcpy_once, encode_all, &out->mc_enc, &out->enc) &&
+      kp::time_paired(
+          w, n, memcpy_once, [&] { return decode_all(true); }, &out->mc_full, &out->dec_full) &&
+      kp::time_paired(
+          w, n, memcpy_once, [&] { return decode_all(false); }, &out->mc_anchor, &out->dec_anchor);
+  if (sink == 1) std::printf("#\n");  // keeps the work observable
+  return ok;
+}
+
 /** Times encode, full decode and anchor-only decode of every page on one path. */
 bool run_path(const Options& o, const Dataset& ds, const CodecCase& cc, const Path& path, Pool* src,
               Pool* dst, const std::function<bool()>& memcpy_once, Expected* expected,
@@ -351,6 +430,7 @@ bool run_path(const Options& o, const Dataset& ds, const CodecCase& cc, const Pa
   if (!alloc_encodings(cc.cfg, ds, &e)) return false;
   const size_t np = ds.pages.size();
   const std::string what = cc.name + " " + cc.params + " " + path.name;
+  if (path.bound) return run_bound(o, ds, cc, src, dst, memcpy_once, &e, out);
   auto encode_all = [&]() {
     for (size_t p = 0; p < np; ++p) {
       kvxfer_result_t r = kc::encode_page(
@@ -1261,14 +1341,19 @@ int main(int argc, char** argv) {
       if (kc::fast::cpu_has_avx512()) paths.push_back({"avx512", kc::Impl::AVX512, 1, false});
     } else if (p == "mt") {
       paths.push_back({impl_name(best), best, mt, false});
+    } else if (p == "bound") {
+      if (kc::fast::cpu_has_avx2()) paths.push_back({"bound", kc::Impl::AUTO, 1, false, true});
     } else {
-      std::fprintf(stderr, "codec_perf: unknown path '%s' (reference, scalar, avx2, avx512, mt)\n",
+      std::fprintf(stderr,
+                   "codec_perf: unknown path '%s' (reference, scalar, avx2, avx512, mt, bound)\n",
                    p.c_str());
       return 2;
     }
   }
-  // #wrong compares with the reference's bytes: it runs first when asked for.
+  // #wrong compares with the reference's bytes: it runs first when asked for;
+  // the bound row comes last, under the paths it bounds.
   std::stable_partition(paths.begin(), paths.end(), [](const Path& p) { return p.reference; });
+  std::stable_partition(paths.begin(), paths.end(), [](const Path& p) { return !p.bound; });
 
   std::printf("# Options: -w %d -n %d -c %d -d %s --codec %s --dataset %s --tokens %" PRId64
               " -t %d%s | time = median of -n iterations, steady_clock | block %d tokens\n",
@@ -1327,6 +1412,8 @@ int main(int argc, char** argv) {
       const std::function<bool()> memcpy_once = [&] { return memcpy_pages(*src, &dst); };
       for (const CodecCase& cc : cases) {
         Expected expected;
+        // Each codec path's ratios to memcpy, then (last) the bound row's.
+        std::vector<std::pair<std::string, std::array<double, 3>>> case_ratios;
         for (const Path& path : paths) {
           RowResult rr;
           if (!run_path(o, ds, cc, path, src.get(), &dst, memcpy_once, &expected, &rr)) {
@@ -1355,10 +1442,16 @@ int main(int argc, char** argv) {
                   .c_str());
           std::fflush(stdout);
           if (rr.wrong > 0) total_wrong += static_cast<uint64_t>(rr.wrong);
-          sum_enc += re;
-          sum_full += rf;
-          sum_anchor += ra;
-          ++nrows;
+          case_ratios.push_back(
+              {path.threads > 1 ? kp::strprintf("%s, %d threads", path.name.c_str(), path.threads)
+                                : path.name,
+               {re, rf, ra}});
+          if (!path.bound) {
+            sum_enc += re;
+            sum_full += rf;
+            sum_anchor += ra;
+            ++nrows;
+          }
           json params = {{"alpha", cc.cfg.alpha},
                          {"chunk_tokens", cc.cfg.chunk_tokens},
                          {"anchor_bits", cc.cfg.anchor_bits}};
@@ -1368,6 +1461,7 @@ int main(int argc, char** argv) {
                            {"config", params},
                            {"dtype", dtype_name(dt)},
                            {"path", path.name},
+                           {"bound", path.bound},
                            {"threads", path.threads},
                            {"bytes", static_cast<uint64_t>(bytes)},
                            {"pages", ds.pages.size()},
@@ -1390,6 +1484,7 @@ int main(int argc, char** argv) {
                            {"decode_anchor_ratio", ra},
                            {"wrong", rr.wrong < 0 ? json(nullptr) : json(rr.wrong)}});
         }
+        if (ok && !case_ratios.empty() && paths.back().bound) print_of_bound(case_ratios);
         if (!ok) break;
       }
       if (!ok) break;
