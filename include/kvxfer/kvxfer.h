@@ -562,12 +562,19 @@ typedef struct {
   kvxfer_callback_t on_anchor_ready; /**< optional: ANCHOR_READY reached */
   kvxfer_callback_t on_complete;     /**< optional: COMPLETE or ERROR reached (final) */
   void* user_data;                   /**< passed to both callbacks */
+  /** Sender only.  0: the KV is complete when the send is posted.  1: it is
+   *  produced layer by layer after the post (a prefill in progress); no page
+   *  of layer l is read before kvxfer_send_layer_ready(request, l), and
+   *  layers leave in order, each as soon as it and every layer before it are
+   *  marked.  Host KV only; not with codec SPECTRUM or alpha = auto, which
+   *  look at every layer first (KVXFER_ERR_UNSUPPORTED). */
+  int32_t stream_layers;
 } kvxfer_request_config_t;
 
 #define KVXFER_REQUEST_CONFIG_INITIALIZER                                         \
   {                                                                               \
     sizeof(kvxfer_request_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, \
-        KVXFER_MODE_AUTO, 0, NULL, NULL, NULL                                     \
+        KVXFER_MODE_AUTO, 0, NULL, NULL, NULL, 0                                  \
   }
 
 /**
@@ -649,6 +656,22 @@ kvxfer_result_t kvxfer_send_on_stream(kvxfer_comm_t comm, int peer, const kvxfer
                                       kvxfer_request_t* request);
 
 /**
+ * Marks `layer` of a send posted with stream_layers = 1 as written: its
+ * pages may now be read, encoded and sent.  Layers are sent in order, so a
+ * layer marked before an earlier one waits for it.  Marking a layer twice,
+ * or marking one of a request already final, changes nothing and succeeds.
+ * A send whose next layer is not marked within KVXFER_TIMEOUT_MS (the
+ * communicator's timeout) of the post or of the last mark ends in ERROR
+ * with KVXFER_ERR_TIMEOUT, naming the layer; its peer is told.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (request NULL, layer outside
+ * [0, num_layers)); KVXFER_ERR_INVALID_USAGE (a receive, or a send posted
+ * without stream_layers).
+ * Thread-safety: any thread, concurrently with every other call on the
+ * request but kvxfer_request_free.
+ */
+kvxfer_result_t kvxfer_send_layer_ready(kvxfer_request_t request, int32_t layer);
+
+/**
  * Receives a KV cache from rank `peer` into the blocks of `kv` (see
  * kvxfer_send for matching).  The codec and page size are the sender's.
  * The descriptor is checked as kvxfer_send's; the writability probe writes
@@ -670,6 +693,117 @@ kvxfer_result_t kvxfer_send_on_stream(kvxfer_comm_t comm, int peer, const kvxfer
  */
 kvxfer_result_t kvxfer_recv(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_request_config_t* config, kvxfer_request_t* request);
+
+/* ------------------------------------------------------------------------ */
+/* Registered KV pools: requests that name block ids                         */
+/* ------------------------------------------------------------------------ */
+
+/** Opaque handle of a registered KV pool (kvxfer_kv_pool_register). */
+typedef struct kvxfer_kv_pool* kvxfer_kv_pool_t;
+
+/**
+ * A runtime's KV pool, registered once: per layer, K and V blocks at a fixed
+ * stride from a base address, as vLLM's and SGLang's paged caches hold them.
+ * Block b of layer l's K starts at k_layers[l] + b * block_stride bytes; a
+ * block is block_size rows of kv_heads * head_dim contiguous elements of
+ * `dtype` (heads major), rows row_stride elements apart.  V likewise from
+ * v_layers[l].  vLLM's FlashAttention layout [2, num_blocks, block_size,
+ * heads, head_dim] per layer is k_layers[l] = &t[0], v_layers[l] = &t[1],
+ * block_stride 0 (one block's bytes).
+ * Ownership: the two arrays are copied at registration; the memory they
+ * point to must stay valid until kvxfer_kv_pool_deregister.
+ */
+typedef struct {
+  size_t size;           /**< sizeof(kvxfer_kv_pool_desc_t) */
+  uint32_t magic;        /**< KVXFER_CONFIG_MAGIC */
+  uint32_t version;      /**< KVXFER_VERSION_CODE of the header used */
+  int32_t num_layers;    /**< >= 1 */
+  int32_t kv_heads;      /**< >= 1 */
+  int32_t head_dim;      /**< >= 1; kv_heads * head_dim <= 65535 */
+  kvxfer_dtype_t dtype;  /**< BF16, FP16 or FP32 */
+  int32_t block_size;    /**< tokens per block, >= 1 */
+  int64_t num_blocks;    /**< blocks per layer, >= 1; num_layers * num_blocks <= 2^32 */
+  int64_t row_stride;    /**< elements between rows of a block; 0 = kv_heads * head_dim */
+  int64_t block_stride;  /**< bytes from block b to b + 1; 0 = block_size * row_stride * element */
+  void* const* k_layers; /**< [num_layers] address of block 0 of each layer's K */
+  void* const* v_layers; /**< [num_layers] address of block 0 of each layer's V */
+  int32_t device;        /**< -1 host memory; >= 0 the CUDA device of that ordinal */
+} kvxfer_kv_pool_desc_t;
+
+#define KVXFER_KV_POOL_DESC_INITIALIZER                                               \
+  {                                                                                   \
+    sizeof(kvxfer_kv_pool_desc_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, 0, 0, \
+        KVXFER_DTYPE_BF16, 0, 0, 0, 0, NULL, NULL, -1                                 \
+  }
+
+/**
+ * Registers a KV pool and validates it once: the fields as kvxfer_send
+ * checks a descriptor's, every base aligned to the element size, and in
+ * host memory each layer's K and V region (num_blocks blocks) probed as a
+ * receiver's blocks are: its first and last byte readable and writable (the
+ * write puts back the byte read, so nothing may write the pool during the
+ * call) and every page between them mapped.  Requests on the pool then check
+ * only their block ids.  A pool serves any number of communicators and
+ * requests at once.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, a bad field, a region that is
+ * not accessible; the message names the field, layer and byte).
+ * Thread-safety: any thread.
+ */
+kvxfer_result_t kvxfer_kv_pool_register(const kvxfer_kv_pool_desc_t* desc, kvxfer_kv_pool_t* pool);
+
+/**
+ * Frees a pool.  Refused with KVXFER_ERR_INVALID_USAGE while a request that
+ * names it has not reached a final stage (the message says how many); the
+ * pool is then left as it was.  NULL is a no-op.  No call may use the pool
+ * during or after a successful deregistration.
+ * Thread-safety: any thread.
+ */
+kvxfer_result_t kvxfer_kv_pool_deregister(kvxfer_kv_pool_t pool);
+
+/**
+ * The blocks of one request on a pool: tokens [0, num_tokens) live in
+ * block_ids[t / block_size] of every layer (K and V), at row t % block_size.
+ * `head_begin` and `num_heads` pick the KV heads [head_begin, head_begin +
+ * num_heads) of each row (num_heads 0: every head from head_begin): a
+ * decode rank holding more heads than a prefill rank posts one receive per
+ * prefill rank, each naming that rank's heads (vLLM's heterogeneous tensor
+ * parallelism).  Both sides of a request must name as many heads.
+ * Ownership: block_ids is copied by the call.
+ */
+typedef struct {
+  size_t size;              /**< sizeof(kvxfer_kv_blocks_t) */
+  uint32_t magic;           /**< KVXFER_CONFIG_MAGIC */
+  uint32_t version;         /**< KVXFER_VERSION_CODE of the header used */
+  int64_t num_tokens;       /**< >= 0 */
+  const int32_t* block_ids; /**< [num_block_ids] ids in [0, the pool's num_blocks) */
+  int64_t num_block_ids;    /**< >= ceil(num_tokens / block_size); extra ids are ignored */
+  int32_t head_begin;       /**< first KV head, >= 0 */
+  int32_t num_heads;        /**< heads from head_begin; 0 = to the last */
+} kvxfer_kv_blocks_t;
+
+#define KVXFER_KV_BLOCKS_INITIALIZER \
+  { sizeof(kvxfer_kv_blocks_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, NULL, 0, 0, 0 }
+
+/**
+ * kvxfer_send of the KV in `blocks` of a registered pool.  Matching, stages,
+ * codecs and every other rule are kvxfer_send's; the descriptor the peer
+ * compares has the pool's num_layers, head_dim and dtype, `num_heads` heads
+ * and num_tokens.  The blocks are not probed again (the pool was).
+ * Errors: as kvxfer_send; KVXFER_ERR_INVALID_ARGUMENT also for a NULL pool,
+ * a block id out of range (naming its index and value), too few ids, or a
+ * head range outside the pool.
+ */
+kvxfer_result_t kvxfer_send_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_t pool,
+                                   const kvxfer_kv_blocks_t* blocks,
+                                   const kvxfer_codec_config_t* codec,
+                                   const kvxfer_request_config_t* config,
+                                   kvxfer_request_t* request);
+
+/** kvxfer_recv into `blocks` of a registered pool (see kvxfer_send_blocks). */
+kvxfer_result_t kvxfer_recv_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_t pool,
+                                   const kvxfer_kv_blocks_t* blocks,
+                                   const kvxfer_request_config_t* config,
+                                   kvxfer_request_t* request);
 
 /**
  * Non-blocking check.  `*stage` (may be NULL) receives the current stage.

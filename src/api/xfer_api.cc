@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "api/api_call.h"
 #include "common/error.h"
@@ -12,6 +13,7 @@
 #include "transport/bootstrap.h"
 #include "xfer/device.h"
 #include "xfer/engine.h"
+#include "xfer/kv_pool.h"
 
 struct kvxfer_comm {
   std::unique_ptr<kvxfer::xfer::Engine> engine;
@@ -19,6 +21,10 @@ struct kvxfer_comm {
 
 struct kvxfer_request {
   std::shared_ptr<kvxfer::xfer::Request> req;
+};
+
+struct kvxfer_kv_pool {
+  std::unique_ptr<kvxfer::xfer::KvPool> pool;
 };
 
 namespace {
@@ -187,6 +193,80 @@ kvxfer_result_t kvxfer_request_get_tiers(kvxfer_request_t request, uint8_t* tier
   return kvxfer::api_call(__func__, [&] {
     KVXFER_REQUIRE(request != nullptr, "request is NULL");
     return kvxfer::xfer::request_tiers(*request->req, tiers, num_tokens);
+  });
+}
+
+kvxfer_result_t kvxfer_kv_pool_register(const kvxfer_kv_pool_desc_t* desc, kvxfer_kv_pool_t* pool) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(pool != nullptr, "pool is NULL");
+    *pool = nullptr;
+    auto h = std::make_unique<kvxfer_kv_pool>();
+    KVXFER_CHECK(kvxfer::xfer::KvPool::create(desc, &h->pool));
+    *pool = h.release();
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_kv_pool_deregister(kvxfer_kv_pool_t pool) {
+  return kvxfer::api_call(__func__, [&] {
+    if (pool == nullptr) return KVXFER_SUCCESS;
+    const int64_t n = pool->pool->in_flight();
+    if (n > 0)
+      return set_error(KVXFER_ERR_INVALID_USAGE,
+                       "%lld request(s) on the pool have not reached COMPLETE or ERROR: wait for "
+                       "them or cancel them first",
+                       static_cast<long long>(n));
+    delete pool;
+    return KVXFER_SUCCESS;
+  });
+}
+
+static kvxfer_result_t post_blocks(bool is_send, kvxfer_comm_t comm, int peer,
+                                   kvxfer_kv_pool_t pool, const kvxfer_kv_blocks_t* blocks,
+                                   const kvxfer_codec_config_t* codec,
+                                   const kvxfer_request_config_t* config,
+                                   kvxfer_request_t* request) {
+  KVXFER_REQUIRE(comm != nullptr && request != nullptr && pool != nullptr,
+                 "comm, pool or request is NULL");
+  *request = nullptr;
+  std::vector<void*> k, v;
+  kvxfer_kv_desc_t kv;
+  KVXFER_CHECK(pool->pool->describe(blocks, &k, &v, &kv));
+  auto* h = new kvxfer_request;
+  const kvxfer_result_t rc = comm->engine->post(is_send, peer, &kv, codec, config, h, &h->req,
+                                                nullptr, nullptr, /*memory_checked=*/true);
+  if (rc < 0) {
+    delete h;
+    return rc;
+  }
+  pool->pool->track(h->req);
+  *request = h;
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t kvxfer_send_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_t pool,
+                                   const kvxfer_kv_blocks_t* blocks,
+                                   const kvxfer_codec_config_t* codec,
+                                   const kvxfer_request_config_t* config,
+                                   kvxfer_request_t* request) {
+  return kvxfer::api_call(__func__, [&] {
+    return post_blocks(true, comm, peer, pool, blocks, codec, config, request);
+  });
+}
+
+kvxfer_result_t kvxfer_recv_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_t pool,
+                                   const kvxfer_kv_blocks_t* blocks,
+                                   const kvxfer_request_config_t* config,
+                                   kvxfer_request_t* request) {
+  return kvxfer::api_call(__func__, [&] {
+    return post_blocks(false, comm, peer, pool, blocks, nullptr, config, request);
+  });
+}
+
+kvxfer_result_t kvxfer_send_layer_ready(kvxfer_request_t request, int32_t layer) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(request != nullptr, "request is NULL");
+    return kvxfer::xfer::request_layer_ready(*request->req, layer);
   });
 }
 

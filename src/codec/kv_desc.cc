@@ -103,6 +103,11 @@ class Prober {
 
 }  // namespace
 
+bool copy_in_checked(const void* src, size_t len, void* dst) {
+  Prober probe;
+  return probe.copy_in(src, len, dst);
+}
+
 kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                                  const std::string& prefix, KvDesc* out) {
   const char* p = prefix.c_str();

@@ -4,6 +4,7 @@
 // name the same field in the same words.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -62,5 +63,12 @@ enum class KvAccess {
  */
 kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                                  const std::string& prefix, KvDesc* out);
+
+/**
+ * Copies `len` bytes at `src` into `dst` without trusting `src`: false (and
+ * no fault) if any of them is not readable memory (the probe of
+ * validate_kv_desc).  Thread-safe.
+ */
+bool copy_in_checked(const void* src, size_t len, void* dst);
 
 }  // namespace kvxfer::codec

@@ -155,6 +155,29 @@ kvxfer_result_t request_cancel(const std::shared_ptr<Request>& r) {
   return KVXFER_SUCCESS;
 }
 
+kvxfer_result_t request_layer_ready(Request& r, int32_t layer) {
+  {
+    std::lock_guard<std::mutex> lk(r.mu);
+    KVXFER_REQUIRE(layer >= 0 && layer < r.mine.num_layers,
+                   "layer %d is outside [0, %d), the request's layers", layer, r.mine.num_layers);
+    if (!r.is_send || r.cfg.stream_layers == 0)
+      return set_error(KVXFER_ERR_INVALID_USAGE,
+                       "kvxfer_send_layer_ready is for a send posted with stream_layers = 1");
+    if (r.layer_marked[static_cast<size_t>(layer)] != 0) return KVXFER_SUCCESS;
+    r.layer_marked[static_cast<size_t>(layer)] = 1;
+    int32_t ready = r.layers_ready.load();
+    while (ready < r.mine.num_layers && r.layer_marked[static_cast<size_t>(ready)] != 0) ++ready;
+    r.layers_ready.store(ready);
+    r.t_layer_mark.store(now_ns());
+  }
+  CancelInbox& in = *r.inbox;
+  std::lock_guard<std::mutex> lk(in.mu);
+  in.layers_marked.store(true);
+  const uint64_t one = 1;
+  if (in.wake_fd >= 0) (void)!write(in.wake_fd, &one, sizeof(one));  // wake the progress thread
+  return KVXFER_SUCCESS;
+}
+
 kvxfer_result_t request_tiers(const Request& r, uint8_t* tiers, int64_t num_tokens) {
   std::lock_guard<std::mutex> lk(r.mu);
   KVXFER_REQUIRE(tiers != nullptr || num_tokens == 0, "tiers is NULL");
@@ -351,14 +374,17 @@ kvxfer_result_t spectrum_tiers(Request& r, const kvxfer_kv_desc_t* kv, const Spe
 kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                              const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
                              void* handle, std::shared_ptr<Request>* out,
-                             const SpectrumArgs* spectrum, void* cuda_stream) {
+                             const SpectrumArgs* spectrum, void* cuda_stream, bool memory_checked) {
   Impl& m = *impl_;
   KVXFER_REQUIRE(peer >= 0 && peer < m.nranks && peer != m.rank,
                  "peer %d is not another rank of this %d-rank communicator (this is rank %d)", peer,
                  m.nranks, m.rank);
   codec::KvDesc shape;
-  KVXFER_CHECK(codec::validate_kv_desc(
-      kv, is_send ? codec::KvAccess::kRead : codec::KvAccess::kWrite, "", &shape));
+  KVXFER_CHECK(codec::validate_kv_desc(kv,
+                                       memory_checked ? codec::KvAccess::kNone
+                                       : is_send      ? codec::KvAccess::kRead
+                                                      : codec::KvAccess::kWrite,
+                                       "", &shape));
   xfer::DeviceCodec* dev = nullptr;
   if (kv->device >= 0) {
     dev = xfer::device_codec();
@@ -388,6 +414,23 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
       mode == KVXFER_MODE_AUTO || mode == KVXFER_MODE_PROGRESSIVE || mode == KVXFER_MODE_MONOLITHIC,
       "mode %d is not AUTO, PROGRESSIVE or MONOLITHIC", mode);
   KVXFER_REQUIRE(rc.page_tokens >= 0, "page_tokens %d is negative", rc.page_tokens);
+  KVXFER_REQUIRE(rc.stream_layers == 0 || rc.stream_layers == 1, "stream_layers %d is not 0 or 1",
+                 rc.stream_layers);
+  if (rc.stream_layers != 0) {
+    KVXFER_REQUIRE(is_send, "stream_layers is for a send: a receive follows its sender");
+    if (kv->device >= 0)
+      return set_error(KVXFER_ERR_UNSUPPORTED,
+                       "stream_layers is not available for KV on a CUDA device");
+    const bool spectrum_codec = codec != nullptr && codec->codec == KVXFER_CODEC_SPECTRUM;
+    const bool auto_alpha =
+        codec != nullptr && codec->codec == KVXFER_CODEC_LYNX && codec->alpha == KVXFER_ALPHA_AUTO;
+    if (spectrum_codec || auto_alpha || spectrum != nullptr)
+      return set_error(
+          KVXFER_ERR_UNSUPPORTED,
+          "stream_layers cannot serve %s, which looks at every layer before the "
+          "first is sent",
+          auto_alpha ? "alpha = auto (calibrate on a copy and pass the alpha)" : "codec SPECTRUM");
+  }
 
   auto r = std::make_shared<Request>();
   r->is_send = is_send;
@@ -451,6 +494,11 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
   }
   r->t_posted = now_ns();
   r->inbox = m.inbox;
+  r->t_layer_mark.store(r->t_posted);
+  if (rc.stream_layers != 0)
+    r->layer_marked.assign(static_cast<size_t>(kv->num_layers), 0);
+  else
+    r->layers_ready.store(kv->num_layers);
 
   {
     std::lock_guard<std::mutex> lk(m.mu);

@@ -51,8 +51,9 @@ struct CancelInbox {
   std::mutex mu;
   std::vector<std::shared_ptr<Request>> requests;
   std::atomic<bool> pending{false};
-  bool closed = false;  // the engine is gone
-  int wake_fd = -1;     // the engine's progress wake-up (eventfd); -1 once closed
+  std::atomic<bool> layers_marked{false};  // kvxfer_send_layer_ready since the last round
+  bool closed = false;                     // the engine is gone
+  int wake_fd = -1;  // the engine's progress wake-up (eventfd); -1 once closed
 };
 
 /** One section's arrival (receiver) or send completion (sender). */
@@ -90,6 +91,13 @@ class Request {
   // (DeviceCodec::record_ready); every encode waits on it.
   std::shared_ptr<void> ready;
   uint64_t kv_bytes = 0;
+  // stream_layers sends: layers [0, layers_ready) may be read (the API thread
+  // advances it, the progress thread reads it); t_layer_mark is the post or
+  // the last kvxfer_send_layer_ready (ns), for the timeout.  Others:
+  // num_layers from the post.
+  std::atomic<int32_t> layers_ready{0};
+  std::atomic<int64_t> t_layer_mark{0};
+  std::vector<uint8_t> layer_marked;  // under mu
   // SpectrumKV (codec SPECTRUM): one tier (kvxfer_tier_t) per token, the
   // same for every layer's K and V.  Sender: the policy's choice, fixed at
   // post.  Receiver: read from the layer-0 K pages' precision maps by the
@@ -131,6 +139,8 @@ kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info);
  * request, or one already being cancelled, is left as it is.
  */
 kvxfer_result_t request_cancel(const std::shared_ptr<Request>& r);
+/** kvxfer_send_layer_ready. */
+kvxfer_result_t request_layer_ready(Request& r, int32_t layer);
 /** kvxfer_request_get_tiers. */
 kvxfer_result_t request_tiers(const Request& r, uint8_t* tiers, int64_t num_tokens);
 
@@ -167,12 +177,15 @@ class Engine {
    * callbacks receive.  Errors are returned at once; nothing is queued.
    * A send of device KV is ordered after the work enqueued on `cuda_stream`
    * (a cudaStream_t of the KV's device; NULL = the legacy default stream)
-   * before this call (kvxfer_send_on_stream).
+   * before this call (kvxfer_send_on_stream).  `memory_checked`: the
+   * blocks belong to a registered pool (kv_pool.h), so their memory is not
+   * probed again.
    */
   kvxfer_result_t post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                        const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
                        void* handle, std::shared_ptr<Request>* out,
-                       const SpectrumArgs* spectrum = nullptr, void* cuda_stream = nullptr);
+                       const SpectrumArgs* spectrum = nullptr, void* cuda_stream = nullptr,
+                       bool memory_checked = false);
 
   /** Fails every request not yet final and closes the Links; never blocks on a peer. */
   void abort(const char* why);

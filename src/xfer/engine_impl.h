@@ -296,7 +296,8 @@ struct Engine::Impl {
    */
   bool make_window(const std::shared_ptr<Request>& r, bool window);
   void release_slot(Work& w, size_t page);
-  void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots allow
+  void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots and layers allow
+  void check_layer_timeouts();  // stream_layers sends waiting too long for a layer
   // Per peer, the sends whose encodes are not all queued, in post order: only
   // the first may queue encodes, so page messages leave in request order,
   // then page order, which is the order the receiver posts its receives in.

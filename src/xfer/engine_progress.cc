@@ -114,6 +114,11 @@ bool Engine::Impl::step() {
     take_cancels();
     busy = true;
   }
+  if (inbox->layers_marked.exchange(false)) {  // kvxfer_send_layer_ready: encodes may go
+    for (int p = 0; p < nranks; ++p) pump_encodes(p);
+    busy = true;
+  }
+  check_layer_timeouts();
   if (do_abort) {
     KVXFER_INFO(LOG_NET, "aborting communicator rank %d: %s", rank, why.c_str());
     if (comm) comm->abort(why.c_str());
@@ -307,9 +312,29 @@ void Engine::Impl::release_slot(Work& w, size_t page) {
   p.slot = -1;
 }
 
+// A stream_layers send waiting at the front of its peer's encode queue for a
+// layer that is not marked within the timeout fails (its peer is told).
+void Engine::Impl::check_layer_timeouts() {
+  const int64_t now = now_ns();
+  for (auto& q : encode_fifo) {
+    if (q.empty()) continue;
+    const std::shared_ptr<Request> r = q.front();
+    const Work& w = *r->work;
+    if (w.failed || w.next_encode >= w.pages.size()) continue;
+    const int32_t layer = w.pages[w.next_encode].layer;
+    if (layer < r->layers_ready.load()) continue;
+    if (now - r->t_layer_mark.load() <= timeout_ms * 1000000) continue;
+    fail(r, KVXFER_ERR_TIMEOUT,
+         strprintf("layer %d was not marked ready (kvxfer_send_layer_ready) within %lld ms", layer,
+                   static_cast<long long>(timeout_ms)));
+  }
+}
+
 void Engine::Impl::queue_encodes(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
-  while (!w.failed && w.next_encode < w.pages.size() && !w.free_slots.empty()) {
+  const int32_t ready = r->layers_ready.load();
+  while (!w.failed && w.next_encode < w.pages.size() && !w.free_slots.empty() &&
+         w.pages[w.next_encode].layer < ready) {
     const size_t i = w.next_encode++;
     PageState& p = w.ps[i];
     p.slot = w.free_slots.back();

@@ -1,0 +1,531 @@
+// Registered KV pools (kvxfer_kv_pool_register), requests that name block ids
+// and KV head ranges (kvxfer_send_blocks / kvxfer_recv_blocks), and sends
+// that stream layer by layer (stream_layers, kvxfer_send_layer_ready).
+// Transfers run between the parent and forked children over loopback; the
+// received bytes are compared bit for bit with the codec's own decode of the
+// sender's values.
+//
+// As xfer_test, the codec runs single-threaded (no OpenMP pool before fork).
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "codec/page.h"
+#include "common/fdio.h"
+#include "kvxfer/kvxfer.h"
+#include "xfer_util.h"
+
+namespace kvxfer {
+namespace {
+
+/**
+ * A host pool laid out as vLLM's FlashAttention backend holds one layer:
+ * [2][num_blocks][block_size][heads * head_dim], K then V.
+ */
+struct HostPool {
+  int32_t L, heads, hd, bs;
+  int64_t nblocks;
+  kvxfer_dtype_t dt;
+  std::vector<std::vector<uint8_t>> layers;
+  std::vector<void*> kb, vb;
+  kvxfer_kv_pool_desc_t desc = KVXFER_KV_POOL_DESC_INITIALIZER;
+  kvxfer_kv_pool_t pool = nullptr;
+
+  HostPool(int32_t L_, int32_t heads_, int32_t hd_, int32_t bs_, int64_t nblocks_,
+           kvxfer_dtype_t dt_ = KVXFER_DTYPE_BF16)
+      : L(L_), heads(heads_), hd(hd_), bs(bs_), nblocks(nblocks_), dt(dt_) {
+    for (int32_t l = 0; l < L; ++l) {
+      layers.emplace_back(2 * block_bytes() * static_cast<size_t>(nblocks), 0xA5);
+      kb.push_back(layers.back().data());
+      vb.push_back(layers.back().data() + block_bytes() * static_cast<size_t>(nblocks));
+    }
+    desc.num_layers = L;
+    desc.kv_heads = heads;
+    desc.head_dim = hd;
+    desc.dtype = dt;
+    desc.block_size = bs;
+    desc.num_blocks = nblocks;
+    desc.k_layers = kb.data();
+    desc.v_layers = vb.data();
+  }
+  ~HostPool() {
+    if (pool != nullptr) kvxfer_kv_pool_deregister(pool);
+  }
+  size_t es() const { return codec::dtype_size(dt); }
+  size_t row_bytes() const { return static_cast<size_t>(heads) * hd * es(); }
+  size_t block_bytes() const { return row_bytes() * static_cast<size_t>(bs); }
+  bool reg() { return kvxfer_kv_pool_register(&desc, &pool) == KVXFER_SUCCESS; }
+  uint8_t* row(int32_t l, kvxfer_kv_kind_t kind, int32_t id, int64_t r) {
+    uint8_t* base = static_cast<uint8_t*>(kind == KVXFER_KV_KEY ? kb[l] : vb[l]);
+    return base + static_cast<size_t>(id) * block_bytes() + static_cast<size_t>(r) * row_bytes();
+  }
+  /** Token t of a request on `ids`, heads from `h0` on. */
+  uint8_t* token(int32_t l, kvxfer_kv_kind_t kind, const std::vector<int32_t>& ids, int64_t t,
+                 int32_t h0 = 0) {
+    return row(l, kind, ids[static_cast<size_t>(t / bs)], t % bs) +
+           static_cast<size_t>(h0) * hd * es();
+  }
+  /** Layer l of `src` (its heads are heads [h0, h0 + src.heads) here) into the blocks `ids`. */
+  void put_layer(PagedKV& src, int32_t l, const std::vector<int32_t>& ids, int32_t h0 = 0) {
+    const size_t n = static_cast<size_t>(src.H()) * es();
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      for (int64_t t = 0; t < src.T; ++t)
+        std::memcpy(token(l, kind, ids, t, h0), src.row(l, kind, t), n);
+  }
+  void put(PagedKV& src, const std::vector<int32_t>& ids, int32_t h0 = 0) {
+    for (int32_t l = 0; l < src.L; ++l) put_layer(src, l, ids, h0);
+  }
+  /** Every token of every layer on `ids`, heads [h0, h0 + want.heads), equal to `want`. */
+  void expect_equal(PagedKV& want, const std::vector<int32_t>& ids, int32_t h0, const char* what) {
+    const size_t n = static_cast<size_t>(want.H()) * es();
+    for (int32_t l = 0; l < want.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        for (int64_t t = 0; t < want.T; ++t)
+          ASSERT_EQ(std::memcmp(token(l, kind, ids, t, h0), want.row(l, kind, t), n), 0)
+              << what << ": layer " << l << (kind == KVXFER_KV_KEY ? " K" : " V") << " token " << t
+              << " heads from " << h0;
+  }
+};
+
+/** `n` distinct block ids of [0, nblocks), shuffled (a runtime's free list). */
+std::vector<int32_t> shuffled_ids(int64_t nblocks, size_t n, uint64_t seed) {
+  std::vector<int32_t> all(static_cast<size_t>(nblocks));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), std::mt19937_64(seed));
+  all.resize(n);
+  return all;
+}
+
+kvxfer_kv_blocks_t blocks_of(const std::vector<int32_t>& ids, int64_t T, int32_t h0 = 0,
+                             int32_t nh = 0) {
+  kvxfer_kv_blocks_t b = KVXFER_KV_BLOCKS_INITIALIZER;
+  b.num_tokens = T;
+  b.block_ids = ids.data();
+  b.num_block_ids = static_cast<int64_t>(ids.size());
+  b.head_begin = h0;
+  b.num_heads = nh;
+  return b;
+}
+
+kvxfer_comm_t init_n(const kvxfer_unique_id_t& id, int nranks, int rank,
+                     int timeout_ms = kTimeoutMs) {
+  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
+  cfg.timeout_ms = timeout_ms;
+  cfg.bind_address = "127.0.0.1";
+  kvxfer_comm_t comm = nullptr;
+  if (kvxfer_comm_init(&comm, nranks, id, rank, &cfg) != KVXFER_SUCCESS) {
+    std::fprintf(stderr, "rank %d: kvxfer_comm_init: %s\n", rank, kvxfer_get_last_error());
+    return nullptr;
+  }
+  return comm;
+}
+
+constexpr int32_t kL = 3, kHd = 64, kBs = 16, kPageTokens = 128;
+constexpr int64_t kT = 300, kPoolBlocks = 64;
+constexpr uint64_t kTag = 7;
+
+kvxfer_request_config_t request_config(int32_t stream_layers = 0) {
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = kPageTokens;
+  rc.tag = kTag;
+  rc.stream_layers = stream_layers;
+  return rc;
+}
+
+// ---------------------------------------------------------------------------
+// Registration
+// ---------------------------------------------------------------------------
+TEST(KvPool, RegistersAndRefusesBadFieldsNamingThem) {
+  HostPool p(kL, 2, kHd, kBs, kPoolBlocks);
+  ASSERT_TRUE(p.reg()) << kvxfer_get_last_error();
+  EXPECT_EQ(kvxfer_kv_pool_deregister(p.pool), KVXFER_SUCCESS);
+  p.pool = nullptr;
+  EXPECT_EQ(kvxfer_kv_pool_deregister(nullptr), KVXFER_SUCCESS);
+
+  auto refused = [&](kvxfer_kv_pool_desc_t d, const char* words) {
+    kvxfer_kv_pool_t out = reinterpret_cast<kvxfer_kv_pool_t>(0x1);
+    EXPECT_EQ(kvxfer_kv_pool_register(&d, &out), KVXFER_ERR_INVALID_ARGUMENT) << words;
+    EXPECT_EQ(out, nullptr) << words;
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find(words), std::string::npos)
+        << kvxfer_get_last_error();
+  };
+  kvxfer_kv_pool_desc_t d = p.desc;
+  d.size = 8;
+  refused(d, "not initialised");
+  d = p.desc;
+  d.num_layers = 0;
+  refused(d, "num_layers 0");
+  d = p.desc;
+  d.block_stride = static_cast<int64_t>(p.block_bytes()) - 2;
+  refused(d, "block_stride");
+  d = p.desc;
+  d.v_layers = nullptr;
+  refused(d, "k_layers and v_layers");
+  d = p.desc;
+  d.head_dim = 0;
+  refused(d, "head_dim 0");
+  // A layer whose last block runs past the end of its memory.
+  void* m = mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  std::vector<void*> k = p.kb;
+  k[1] = m;  // 8 KiB, far less than 64 blocks of 4 KiB
+  d = p.desc;
+  d.k_layers = k.data();
+  refused(d, "KV pool: layer 1 K block");
+  munmap(m, 8192);
+  EXPECT_EQ(kvxfer_kv_pool_register(nullptr, &p.pool), KVXFER_ERR_INVALID_ARGUMENT);
+}
+
+// ---------------------------------------------------------------------------
+// Block-id requests between two processes
+// ---------------------------------------------------------------------------
+/** The sender child: a pool of `heads` heads holding `src`'s values at shuffled ids. */
+int send_blocks_child(const kvxfer_unique_id_t& id, int nranks, int rank, int wr, int32_t heads,
+                      uint64_t seed, const kvxfer_codec_config_t& cfg) {
+  kvxfer_comm_t comm = init_n(id, nranks, rank);
+  if (comm == nullptr) return 10;
+  PagedKV src(kL, heads, kHd, kT, kBs);
+  src.fill(seed);
+  HostPool pool(kL, heads, kHd, kBs, kPoolBlocks);
+  if (!pool.reg()) return 11;
+  const std::vector<int32_t> ids = shuffled_ids(kPoolBlocks, (kT + kBs - 1) / kBs, seed);
+  pool.put(src, ids);
+  const kvxfer_kv_blocks_t b = blocks_of(ids, kT);
+  const kvxfer_request_config_t rc = request_config();
+  kvxfer_request_t req = nullptr;
+  if (kvxfer_send_blocks(comm, 0, pool.pool, &b, &cfg, &rc, &req) != KVXFER_SUCCESS) {
+    std::fprintf(stderr, "send_blocks: %s\n", kvxfer_get_last_error());
+    return 12;
+  }
+  const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+  if (r != KVXFER_SUCCESS) return 13;
+  write_report(wr, req, "");
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  return 0;
+}
+
+void blocks_round_trip(const kvxfer_codec_config_t& cfg) {
+  const uint64_t seed = 99;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return send_blocks_child(id, 2, 1, wr, 2, seed, cfg);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  HostPool pool(kL, 2, kHd, kBs, kPoolBlocks);
+  ASSERT_TRUE(pool.reg()) << kvxfer_get_last_error();
+  const std::vector<int32_t> ids = shuffled_ids(kPoolBlocks, (kT + kBs - 1) / kBs, seed + 1);
+  const kvxfer_kv_blocks_t b = blocks_of(ids, kT);
+  const kvxfer_request_config_t rc = request_config();
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &b, &rc, &req), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  PagedKV src(kL, 2, kHd, kT, kBs);
+  src.fill(seed);
+  PagedKV want(kL, 2, kHd, kT, kBs);
+  expected_decode(src, cfg, kPageTokens, kTag, true, &want);
+  pool.expect_equal(want, ids, 0, "full");
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  const kvxfer_request_info_t end = info_of(req);
+  EXPECT_EQ(rep.anchor, end.anchor_wire_bytes);
+  EXPECT_EQ(rep.residual, end.residual_wire_bytes);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  finish(&pair, comm);
+}
+
+TEST(KvPool, BlocksRoundTripLynxBitExact) { blocks_round_trip(KVXFER_CODEC_CONFIG_INITIALIZER); }
+
+TEST(KvPool, BlocksRoundTripBf16Lossless) {
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_BF16;
+  blocks_round_trip(cfg);
+}
+
+// Prefill TP 2 into decode TP 1: ranks 1 and 2 hold 2 KV heads each; rank 0
+// holds all 4 in one pool and receives each prefill rank's heads into the
+// same blocks (vLLM's NixlConnector with a larger decode TP).
+void heterogeneous_tp(const kvxfer_codec_config_t& cfg) {
+  kvxfer_unique_id_t id{};
+  ASSERT_EQ(kvxfer_get_unique_id(&id), KVXFER_SUCCESS);
+  test::Child c1, c2;
+  const uint64_t seed = 500;
+  ASSERT_TRUE(c1.start([&](int, int wr) { return send_blocks_child(id, 3, 1, wr, 2, seed, cfg); }));
+  ASSERT_TRUE(
+      c2.start([&](int, int wr) { return send_blocks_child(id, 3, 2, wr, 2, seed + 1, cfg); }));
+  kvxfer_comm_t comm = init_n(id, 3, 0);
+  ASSERT_NE(comm, nullptr);
+  HostPool pool(kL, 4, kHd, kBs, kPoolBlocks);
+  ASSERT_TRUE(pool.reg()) << kvxfer_get_last_error();
+  const std::vector<int32_t> ids = shuffled_ids(kPoolBlocks, (kT + kBs - 1) / kBs, 3);
+  const kvxfer_request_config_t rc = request_config();
+  kvxfer_request_t req[2] = {nullptr, nullptr};
+  for (int r = 0; r < 2; ++r) {
+    const kvxfer_kv_blocks_t b = blocks_of(ids, kT, 2 * r, 2);
+    ASSERT_EQ(kvxfer_recv_blocks(comm, r + 1, pool.pool, &b, &rc, &req[r]), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+  }
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(kvxfer_wait(req[r], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    PagedKV src(kL, 2, kHd, kT, kBs);
+    src.fill(seed + static_cast<uint64_t>(r));
+    PagedKV want(kL, 2, kHd, kT, kBs);
+    expected_decode(src, cfg, kPageTokens, kTag, true, &want);
+    pool.expect_equal(want, ids, 2 * r, "prefill rank");
+    EXPECT_EQ(kvxfer_request_free(req[r]), KVXFER_SUCCESS);
+  }
+  kvxfer_comm_destroy(comm);
+  ASSERT_TRUE(c1.wait(60));
+  ASSERT_TRUE(c2.wait(60));
+  EXPECT_EQ(WEXITSTATUS(c1.status), 0);
+  EXPECT_EQ(WEXITSTATUS(c2.status), 0);
+}
+
+TEST(KvPool, PrefillTp2IntoDecodeTp1Bf16) {
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_BF16;
+  heterogeneous_tp(cfg);
+}
+
+TEST(KvPool, PrefillTp2IntoDecodeTp1Lynx) { heterogeneous_tp(KVXFER_CODEC_CONFIG_INITIALIZER); }
+
+TEST(KvPool, BadBlockIdsAndHeadRangesFailAtTheCallNamingThem) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(idle_peer));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  HostPool pool(kL, 2, kHd, kBs, kPoolBlocks);
+  ASSERT_TRUE(pool.reg());
+  std::vector<int32_t> ids = shuffled_ids(kPoolBlocks, 19, 1);
+  auto refused = [&](const kvxfer_kv_blocks_t& b, const char* words) {
+    kvxfer_request_t req = reinterpret_cast<kvxfer_request_t>(0x1);
+    EXPECT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &b, nullptr, &req),
+              KVXFER_ERR_INVALID_ARGUMENT)
+        << words;
+    EXPECT_EQ(req, nullptr);
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find(words), std::string::npos)
+        << kvxfer_get_last_error();
+  };
+  ids[3] = kPoolBlocks;
+  refused(blocks_of(ids, kT), "block_ids[3] = 64 is not a block of the pool");
+  ids[3] = -1;
+  refused(blocks_of(ids, kT), "block_ids[3] = -1");
+  ids[3] = 0;
+  std::vector<int32_t> few(ids.begin(), ids.begin() + 10);
+  refused(blocks_of(few, kT), "num_block_ids 10 cannot hold 300 tokens");
+  refused(blocks_of(ids, kT, 1, 2), "heads [1, 1 + 2) are outside the pool's 2 KV heads");
+  refused(blocks_of(ids, kT, 2, 0), "heads [2");
+  kvxfer_kv_blocks_t b = blocks_of(ids, kT);
+  b.magic = 0;
+  refused(b, "not initialised");
+  kvxfer_request_t req = nullptr;
+  EXPECT_EQ(kvxfer_recv_blocks(comm, 1, nullptr, &b, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(release_idle_peer(&pair));
+  kvxfer_comm_destroy(comm);
+}
+
+TEST(KvPool, DeregisterIsRefusedWhileARequestUsesThePool) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(idle_peer));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  HostPool pool(kL, 2, kHd, kBs, kPoolBlocks);
+  ASSERT_TRUE(pool.reg());
+  const std::vector<int32_t> ids = shuffled_ids(kPoolBlocks, 19, 1);
+  const kvxfer_kv_blocks_t b = blocks_of(ids, kT);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &b, nullptr, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_kv_pool_deregister(pool.pool), KVXFER_ERR_INVALID_USAGE);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("1 request(s)"), std::string::npos)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_CANCELLED);
+  EXPECT_EQ(kvxfer_kv_pool_deregister(pool.pool), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  pool.pool = nullptr;
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  EXPECT_TRUE(release_idle_peer(&pair));
+  kvxfer_comm_destroy(comm);
+}
+
+// ---------------------------------------------------------------------------
+// Layer-streamed sends
+// ---------------------------------------------------------------------------
+/**
+ * The streaming sender: posts before its KV exists, then writes and marks
+ * layers 0 .. L-2, waits for the parent's byte, and only then writes and
+ * marks the last layer.
+ */
+int streamed_sender(const kvxfer_unique_id_t& id, int rd, int wr, uint64_t seed,
+                    const kvxfer_codec_config_t& cfg) {
+  kvxfer_comm_t comm = init_rank(id, 1);
+  if (comm == nullptr) return 10;
+  PagedKV src(kL, 2, kHd, kT, kBs);
+  src.fill(seed);
+  PagedKV kv(kL, 2, kHd, kT, kBs);  // 0xA5 until each layer is written
+  const kvxfer_request_config_t rc = request_config(1);
+  kvxfer_request_t req = nullptr;
+  if (kvxfer_send(comm, 0, &kv.desc, &cfg, &rc, &req) != KVXFER_SUCCESS) return 11;
+  auto write_layer = [&](int32_t l) {
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      for (int64_t t = 0; t < kT; ++t)
+        std::memcpy(kv.row(l, kind, t), src.row(l, kind, t), static_cast<size_t>(src.H()) * 2);
+    return kvxfer_send_layer_ready(req, l) == KVXFER_SUCCESS;
+  };
+  for (int32_t l = 0; l + 1 < kL; ++l)
+    if (!write_layer(l)) return 12;
+  if (kvxfer_send_layer_ready(req, 0) != KVXFER_SUCCESS) return 13;  // twice: no change
+  char go;
+  if (!fdio::read_all(rd, &go, 1)) return 14;
+  if (!write_layer(kL - 1)) return 15;
+  if (kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) return 16;
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  return 0;
+}
+
+void streamed(const kvxfer_codec_config_t& cfg) {
+  const uint64_t seed = 77;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int wr) {
+    return streamed_sender(id, rd, wr, seed, cfg);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(kL, 2, kHd, kT, 32);
+  const kvxfer_request_config_t rc = request_config();
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  // Every layer but the last arrives while the last does not exist yet.
+  ASSERT_EQ(kvxfer_wait_layer(req, kL - 2, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kvxfer_stage_t st;
+  EXPECT_EQ(kvxfer_test_layer(req, kL - 1, &st), KVXFER_IN_PROGRESS);
+  EXPECT_EQ(st, KVXFER_STAGE_POSTED);
+  EXPECT_EQ(kvxfer_test(req, &st), KVXFER_IN_PROGRESS);
+  EXPECT_EQ(st, KVXFER_STAGE_POSTED);
+  ASSERT_TRUE(fdio::write_all(pair.child.to_child, "g", 1));
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  PagedKV src(kL, 2, kHd, kT, kBs);
+  src.fill(seed);
+  PagedKV want(kL, 2, kHd, kT, kBs);
+  expected_decode(src, cfg, kPageTokens, kTag, true, &want);
+  for (int32_t l = 0; l < kL; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), want.bytes(l, kind)) << "layer " << l;
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  finish(&pair, comm);
+}
+
+TEST(KvStream, LayersLeaveAsTheyAreMarkedLynxBitExact) {
+  streamed(KVXFER_CODEC_CONFIG_INITIALIZER);
+}
+
+TEST(KvStream, LayersLeaveAsTheyAreMarkedBf16) {
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_BF16;
+  streamed(cfg);
+}
+
+// A layer never marked: the sender fails with TIMEOUT naming it, and the
+// receiver hears of it.
+int never_marking_sender(const kvxfer_unique_id_t& id, int wr) {
+  kvxfer_comm_t comm = init_rank(id, 1, kShortTimeoutMs);
+  if (comm == nullptr) return 10;
+  PagedKV kv(kL, 2, kHd, kT, kBs);
+  const kvxfer_request_config_t rc = request_config(1);
+  kvxfer_request_t req = nullptr;
+  if (kvxfer_send(comm, 0, &kv.desc, nullptr, &rc, &req) != KVXFER_SUCCESS) return 11;
+  if (kvxfer_send_layer_ready(req, 0) != KVXFER_SUCCESS) return 12;
+  const auto t0 = std::chrono::steady_clock::now();
+  const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  write_report(wr, req, kvxfer_get_last_error());
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  if (r != KVXFER_ERR_TIMEOUT) return 13;
+  return s < kShortTimeoutMs / 1000.0 + 3 ? 0 : 14;
+}
+
+TEST(KvStream, ALayerNeverMarkedTimesOutNamingIt) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(
+      [&](const kvxfer_unique_id_t& id, int, int wr) { return never_marking_sender(id, wr); }));
+  // The receiver's own timeout is longer: the sender's layer timeout is what ends it.
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(kL, 2, kHd, kT, 32);
+  const kvxfer_request_config_t rc = request_config();
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_TIMEOUT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("layer 1 was not marked ready"),
+            std::string::npos)
+      << kvxfer_get_last_error();
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  EXPECT_NE(rep.error.find("layer 1 was not marked ready"), std::string::npos) << rep.error;
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  finish(&pair, comm);
+}
+
+TEST(KvStream, MisuseIsRefusedAtTheCall) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(idle_peer));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV kv(kL, 2, kHd, kT, kBs);
+  kvxfer_request_config_t rc = request_config(2);
+  kvxfer_request_t req = nullptr;
+  EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &rc, &req), KVXFER_ERR_INVALID_ARGUMENT);
+  rc.stream_layers = 1;
+  EXPECT_EQ(kvxfer_recv(comm, 1, &kv.desc, &rc, &req), KVXFER_ERR_INVALID_ARGUMENT);
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.alpha = KVXFER_ALPHA_AUTO;
+  EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, &cfg, &rc, &req), KVXFER_ERR_UNSUPPORTED);
+  cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_SPECTRUM;
+  EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, &cfg, &rc, &req), KVXFER_ERR_UNSUPPORTED);
+  EXPECT_EQ(kvxfer_send_layer_ready(nullptr, 0), KVXFER_ERR_INVALID_ARGUMENT);
+  // A plain send and a receive cannot be marked; a streamed send checks the layer.
+  kvxfer_request_config_t plain = request_config();
+  kvxfer_request_t s = nullptr, r = nullptr, st = nullptr;
+  ASSERT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &plain, &s), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_recv(comm, 1, &kv.desc, &plain, &r), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &rc, &st), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_send_layer_ready(s, 0), KVXFER_ERR_INVALID_USAGE);
+  EXPECT_EQ(kvxfer_send_layer_ready(r, 0), KVXFER_ERR_INVALID_USAGE);
+  EXPECT_EQ(kvxfer_send_layer_ready(st, kL), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_send_layer_ready(st, -1), KVXFER_ERR_INVALID_ARGUMENT);
+  for (kvxfer_request_t q : {s, r, st}) {
+    kvxfer_request_cancel(q);
+    EXPECT_EQ(kvxfer_wait(q, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_CANCELLED);
+    EXPECT_EQ(kvxfer_send_layer_ready(st, 1), KVXFER_SUCCESS);  // final: no change
+    EXPECT_EQ(kvxfer_request_free(q), KVXFER_SUCCESS);
+  }
+  EXPECT_TRUE(release_idle_peer(&pair));
+  kvxfer_comm_destroy(comm);
+}
+
+}  // namespace
+}  // namespace kvxfer
+
+int main(int argc, char** argv) {
+  setenv("KVXFER_CODEC_THREADS", "1", 1);  // no OpenMP pool before fork()
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
