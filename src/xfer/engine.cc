@@ -221,7 +221,8 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
       KVXFER_REQUIRE(params::parse_rate(rate_limit, &bps, &why), "rate_limit '%s' %s", rate_limit,
                      why.c_str());
       lc.limiter = bps > 0 ? std::make_shared<transport::RateLimiter>(
-                                 bps, static_cast<uint64_t>(params::NetChunkBytes()))
+                                 bps, transport::RateLimiter::burst_for(
+                                          static_cast<uint64_t>(params::NetChunkBytes())))
                            : nullptr;
     }
     lc.timeout_ms = timeout_ms;
