@@ -680,9 +680,9 @@ class DataComm {
       fail_comm(ncclInternalError, r->why);
       return;
     }
-    const std::string why =
-        strprintf("%s to/from %s failed: %s (provider errno %d)", what.c_str(),
-                  addr_string(peer_name_).c_str(), fi_strerror(ev.err), ev.prov_errno);
+    const std::string why = strprintf("%s to/from %s failed: %s (provider errno %d)", what.c_str(),
+                                      addr_string(peer_name_).c_str(),
+                                      transport::fabric_lib::strerror(ev.err), ev.prov_errno);
     if (r->error == ncclSuccess) {
       r->error = is_remote_error(ev.err) ? ncclRemoteError : ncclSystemError;
       r->why = why;
@@ -1008,8 +1008,8 @@ ncclResult_t step_connect(PendingConnect* p, bool* ready) {
       return fail(is_remote_error(ev.err) ? ncclRemoteError : ncclSystemError,
                   "connect to %s: %s failed: %s (provider errno %d)",
                   addr_string(p->peer_name).c_str(),
-                  is_req ? "the connect request" : "the acknowledgement", fi_strerror(ev.err),
-                  ev.prov_errno);
+                  is_req ? "the connect request" : "the acknowledgement",
+                  transport::fabric_lib::strerror(ev.err), ev.prov_errno);
     if (is_req) p->req_done = true;
     if (is_ack) {
       if (ev.len != sizeof(ConnectAck) || p->ack.magic != kAckMagic ||
@@ -1129,7 +1129,7 @@ ncclResult_t net_accept(void* listen_comm, void** recv_comm) {
       return lc->failed(fail(is_remote_error(ev.err) ? ncclRemoteError : ncclSystemError,
                              "accept: %s failed: %s (provider errno %d)",
                              is_req ? "the connect request" : "the acknowledgement",
-                             fi_strerror(ev.err), ev.prov_errno));
+                             transport::fabric_lib::strerror(ev.err), ev.prov_errno));
     if (is_ack) {
       lc->ack_done = true;
       continue;

@@ -18,7 +18,6 @@ so kvxfer_get_last_error() still holds the failing call's text.
 import ctypes
 import ctypes.util
 import os
-import signal
 import threading
 
 from . import _abi
@@ -117,32 +116,13 @@ def _candidates():
     return out, False
 
 
-def _load_keeping_signals(path):
-    """ctypes.CDLL(path), then Python's own SIGINT/SIGTERM handlers put back.
-
-    Debian's libfabric pulls in libinfinipath, whose constructor takes over
-    SIGINT and SIGTERM (backtrace, then exit 1); libkvxfer resets that to the
-    default action, which would turn Ctrl-C into a kill instead of
-    KeyboardInterrupt.  Only the main thread may set handlers.
-    """
-    saved = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            saved[sig] = signal.getsignal(sig)
-    cdll = ctypes.CDLL(path)
-    for sig, handler in saved.items():
-        if handler is not None:
-            signal.signal(sig, handler)
-    return cdll
-
-
 def find_library():
     """Loads libkvxfer and returns the ctypes.CDLL; raises LibraryNotFoundError."""
     cands, from_env = _candidates()
     errors = []
     for where, path in cands:
         try:
-            return _load_keeping_signals(path)
+            return ctypes.CDLL(path)
         except OSError as e:
             errors.append("%s (%s): %s" % (path, where, e))
             last = e

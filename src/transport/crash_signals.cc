@@ -19,21 +19,42 @@ bool foreign_crash_handler(void* fn) {
 
 }  // namespace
 
-int restore_crash_signals() {
-  static const int kSignals[] = {SIGINT, SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV, SIGTERM};
+namespace {
+constexpr int kCrashSignals[] = {SIGINT, SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV, SIGTERM};
+static_assert(sizeof(kCrashSignals) / sizeof(kCrashSignals[0]) == kCrashSignalCount);
+
+void* handler_of(const struct sigaction& sa) {
+  return (sa.sa_flags & SA_SIGINFO) != 0 ? reinterpret_cast<void*>(sa.sa_sigaction)
+                                         : reinterpret_cast<void*>(sa.sa_handler);
+}
+
+bool is_foreign(const struct sigaction& sa) {
+  void* fn = handler_of(sa);
+  return fn != reinterpret_cast<void*>(SIG_DFL) && fn != reinterpret_cast<void*>(SIG_IGN) &&
+         foreign_crash_handler(fn);
+}
+}  // namespace
+
+CrashSignalDispositions CrashSignalDispositions::now() {
+  CrashSignalDispositions d{};
+  for (int i = 0; i < kCrashSignalCount; ++i)
+    d.have[i] = sigaction(kCrashSignals[i], nullptr, &d.action[i]) == 0;
+  return d;
+}
+
+int restore_crash_signals(const CrashSignalDispositions* before) {
   int reset = 0;
-  for (int sig : kSignals) {
+  for (int i = 0; i < kCrashSignalCount; ++i) {
     struct sigaction sa {};
-    if (sigaction(sig, nullptr, &sa) != 0) continue;
-    void* fn = (sa.sa_flags & SA_SIGINFO) != 0 ? reinterpret_cast<void*>(sa.sa_sigaction)
-                                               : reinterpret_cast<void*>(sa.sa_handler);
-    if (fn == reinterpret_cast<void*>(SIG_DFL) || fn == reinterpret_cast<void*>(SIG_IGN) ||
-        !foreign_crash_handler(fn))
-      continue;
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    sigemptyset(&dfl.sa_mask);
-    if (sigaction(sig, &dfl, nullptr) == 0) ++reset;
+    if (sigaction(kCrashSignals[i], nullptr, &sa) != 0 || !is_foreign(sa)) continue;
+    struct sigaction put {};
+    if (before != nullptr && before->have[i] && !is_foreign(before->action[i])) {
+      put = before->action[i];
+    } else {
+      put.sa_handler = SIG_DFL;
+      sigemptyset(&put.sa_mask);
+    }
+    if (sigaction(kCrashSignals[i], &put, nullptr) == 0) ++reset;
   }
   return reset;
 }
@@ -57,12 +78,5 @@ KeepSignalDispositions::~KeepSignalDispositions() {
     if (!same) (void)sigaction(kKept[i], &saved_[i], nullptr);
   }
 }
-
-namespace {
-// After every library this one depends on (libfabric and its psm
-// dependencies) has run its constructors.  Silent: the logger may not be
-// initialised yet.
-__attribute__((constructor)) void restore_at_load() { (void)restore_crash_signals(); }
-}  // namespace
 
 }  // namespace kvxfer::transport

@@ -13,16 +13,30 @@
 
 namespace kvxfer::transport {
 
+/** The signals restore_crash_signals() looks at: SIGINT, SIGILL, SIGABRT,
+ *  SIGBUS, SIGFPE, SIGSEGV and SIGTERM. */
+constexpr int kCrashSignalCount = 7;
+
+/** The dispositions of those signals at one moment (a copy; no ownership). */
+struct CrashSignalDispositions {
+  struct sigaction action[kCrashSignalCount];
+  bool have[kCrashSignalCount];
+  /** Reads them now with sigaction (thread-safe). */
+  static CrashSignalDispositions now();
+};
+
 /**
- * Puts back SIG_DFL for every signal whose handler lives in libinfinipath or
- * libpsm* (found with dladdr).  A handler the application installed, or any
- * other library's, is left alone.  Returns how many handlers were reset.
+ * For every crash signal whose handler lives in libinfinipath or libpsm*
+ * (found with dladdr), puts back its disposition in `before` (when given and
+ * not itself such a handler), else SIG_DFL.  A handler the application
+ * installed, or any other library's, is left alone.  Returns how many
+ * dispositions were changed.
  *
- * Runs once when the transport is loaded (a constructor) and again after
- * every Domain::open (a provider may install handlers when it initialises).
- * Thread-safe (sigaction is).  Logs nothing (it runs before main).
+ * Runs when libfabric is loaded (fabric_lib::load, with the dispositions from
+ * before the dlopen) and after every Domain::open (a provider may install
+ * handlers when it initialises).  Thread-safe (sigaction is).  Logs nothing.
  */
-int restore_crash_signals();
+int restore_crash_signals(const CrashSignalDispositions* before = nullptr);
 
 /**
  * Keeps the dispositions of SIGINT and SIGTERM across its scope.  libfabric

@@ -21,6 +21,7 @@
 #include "common/params.h"
 #include "transport/crash_signals.h"
 #include "transport/dscp.h"
+#include "transport/fabric_lib.h"
 #include "transport/shm_reaper.h"
 
 namespace kvxfer::transport {
@@ -31,7 +32,7 @@ namespace kvxfer::transport {
 namespace {
 
 kvxfer_result_t fi_fail(const char* call, int ret) {
-  return set_error(KVXFER_ERR_SYSTEM, "%s failed: %s (%d)", call, fi_strerror(-ret), ret);
+  return set_error(KVXFER_ERR_SYSTEM, "%s failed: %s (%d)", call, fabric_lib::strerror(-ret), ret);
 }
 
 // Wire format.  Chunk 0 of a message is this header; chunks 1..n carry the
@@ -90,7 +91,7 @@ void close_fid(fid_t f, const char* what) noexcept {
     KVXFER_INFO(LOG_NET, "OFI : fi_close(%s) busy after cancelled transfers; leaked", what);
     return;
   }
-  KVXFER_WARN(LOG_NET, "OFI : fi_close(%s) failed: %s (%d)", what, fi_strerror(-r), r);
+  KVXFER_WARN(LOG_NET, "OFI : fi_close(%s) failed: %s (%d)", what, fabric_lib::strerror(-r), r);
 }
 
 const char* class_name(TrafficClass c) {
@@ -162,45 +163,27 @@ const std::string& host_identity() {
   return id;
 }
 
-namespace {
-// What apply_provider_memory_defaults set.  A function-local static: the
-// load-time constructor below may run before this file's namespace-scope
-// objects are constructed (AddressSanitizer reported the string built there,
-// then lost to its own constructor).
-std::string& provider_defaults_set() {
-  static std::string set;
-  return set;
-}
-}  // namespace
-
 std::string apply_provider_memory_defaults() {
   static std::once_flag once;
+  static std::string set;
   std::call_once(once, [] {
     static const char* const kDefaults[][2] = {
         {"FI_OFI_RXM_MSG_RX_SIZE", "16"},
         {"FI_OFI_RXM_BUFFER_SIZE", "4096"},
         {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
     };
-    std::string& set = provider_defaults_set();
     for (const auto& kv : kDefaults) {
       if (std::getenv(kv[0]) != nullptr) continue;  // the user's value wins
       if (setenv(kv[0], kv[1], 0) == 0)
         set += strprintf("%s%s=%s", set.empty() ? "" : " ", kv[0], kv[1]);
     }
   });
-  return provider_defaults_set();
+  return set;
 }
-
-namespace {
-// At load, while the process is most likely still single-threaded (setenv
-// races with getenv in other threads) and before anyone's first fi_getinfo.
-__attribute__((constructor)) void provider_defaults_at_load() {
-  (void)apply_provider_memory_defaults();
-}
-}  // namespace
 
 kvxfer_result_t Domain::open(const std::string& provider, const std::string& node,
                              std::shared_ptr<Domain>* out) {
+  KVXFER_CHECK(fabric_lib::load());  // sets the provider memory defaults first
   static std::once_flag logged;
   const std::string set = apply_provider_memory_defaults();
   std::call_once(logged, [&] {
@@ -216,7 +199,7 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
   }
   std::string tried;
   for (const std::string& p : candidates) {
-    InfoPtr hints(fi_allocinfo());
+    InfoPtr hints(fabric_lib::dupinfo(nullptr));
     if (!hints) return set_error(KVXFER_ERR_OUT_OF_MEMORY, "fi_allocinfo failed");
     hints->caps = FI_MSG | FI_TAGGED;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
@@ -229,13 +212,15 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
     // uses the pid and a per-process counter, unique on the host.  (A node
     // gives every process the same names: fi_enable fails with -FI_EBUSY.)
     const bool no_node = node.empty() || p == kShmProvider;
-    const int r = no_node
-                      ? fi_getinfo(kFiVersion, nullptr, nullptr, 0, hints.get(), &raw)
-                      : fi_getinfo(kFiVersion, node.c_str(), nullptr, FI_SOURCE, hints.get(), &raw);
+    const int r = no_node ? fabric_lib::getinfo(kFiVersion, nullptr, nullptr, 0, hints.get(), &raw)
+                          : fabric_lib::getinfo(kFiVersion, node.c_str(), nullptr, FI_SOURCE,
+                                                hints.get(), &raw);
     InfoPtr list(raw);
     if (r != 0 || raw == nullptr) {
-      tried += strprintf("%s%s: %s", tried.empty() ? "" : "; ", p.c_str(), fi_strerror(-r));
-      KVXFER_INFO(LOG_NET, "OFI : provider %s unavailable: %s", p.c_str(), fi_strerror(-r));
+      tried +=
+          strprintf("%s%s: %s", tried.empty() ? "" : "; ", p.c_str(), fabric_lib::strerror(-r));
+      KVXFER_INFO(LOG_NET, "OFI : provider %s unavailable: %s", p.c_str(),
+                  fabric_lib::strerror(-r));
       continue;
     }
     // Prefer the entry whose provider is exactly the one asked for ("net"
@@ -247,11 +232,11 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
         break;
       }
     std::shared_ptr<Domain> d(new Domain());
-    d->info_.reset(fi_dupinfo(pick));
+    d->info_.reset(fabric_lib::dupinfo(pick));
     if (!d->info_) return set_error(KVXFER_ERR_OUT_OF_MEMORY, "fi_dupinfo failed");
     d->provider_ = d->info_->fabric_attr->prov_name;
     fid_fabric* fabric = nullptr;
-    int rc = fi_fabric(d->info_->fabric_attr, &fabric, nullptr);
+    int rc = fabric_lib::fabric(d->info_->fabric_attr, &fabric, nullptr);
     if (rc != 0) return fi_fail("fi_fabric", rc);
     d->fabric_.reset(fabric);
     fid_domain* domain = nullptr;
@@ -281,7 +266,7 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
   std::unique_ptr<Endpoint> e(new Endpoint());
   e->domain_ = std::move(domain);
   e->tclass_ = tclass;
-  e->info_.reset(fi_dupinfo(e->domain_->info()));
+  e->info_.reset(fabric_lib::dupinfo(e->domain_->info()));
   if (!e->info_) return set_error(KVXFER_ERR_OUT_OF_MEMORY, "fi_dupinfo failed");
   e->info_->tx_attr->tclass = tclass;
 
@@ -929,7 +914,7 @@ kvxfer_result_t Link::handle_event(TrafficClass c, const CqEvent& ev, Clock::tim
     if (ev.err != 0)
       return fail_link(KVXFER_ERR_SYSTEM, strprintf("handshake %s on the %s endpoint failed: %s",
                                                     ctx->kind == kHelloSend ? "send" : "receive",
-                                                    class_name(c), fi_strerror(ev.err)));
+                                                    class_name(c), fabric_lib::strerror(ev.err)));
     if (ctx->kind == kHelloRecv && hello_buf_[idx(c)] != kHelloMagic)
       return fail_link(KVXFER_ERR_CORRUPT, "handshake message from the peer is malformed");
     if (--hello_pending_ == 0) {
@@ -953,11 +938,11 @@ kvxfer_result_t Link::on_send_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
   posted_chunks_[c]--;
   inflight_bytes_[c] -= ctx->bytes;
   if (ev.err != 0)
-    return fail_link(
-        KVXFER_ERR_SYSTEM,
-        strprintf("send of tag %" PRIu64 " chunk %u on the %s endpoint failed: %s "
-                  "(provider errno %d)",
-                  op->tag, ctx->index, class_name(ctx->cls), fi_strerror(ev.err), ev.prov_errno));
+    return fail_link(KVXFER_ERR_SYSTEM,
+                     strprintf("send of tag %" PRIu64 " chunk %u on the %s endpoint failed: %s "
+                               "(provider errno %d)",
+                               op->tag, ctx->index, class_name(ctx->cls),
+                               fabric_lib::strerror(ev.err), ev.prov_errno));
   op->done_chunks++;
   if (ctx->kind == kData) op->bytes_done += ctx->bytes;
   op->last_activity = now;
@@ -982,7 +967,7 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
   } else if (ev.err != 0 && !(ev.err == FI_ECANCELED && op->cancelling)) {
     fail_recv(op, ev.err == FI_ETRUNC ? KVXFER_ERR_TRUNCATED : KVXFER_ERR_SYSTEM,
               strprintf("receive of tag %" PRIu64 " chunk %u on the %s endpoint failed: %s",
-                        op->tag, ctx->index, class_name(ctx->cls), fi_strerror(ev.err)),
+                        op->tag, ctx->index, class_name(ctx->cls), fabric_lib::strerror(ev.err)),
               now);
   }
   if (op->cancelling) {

@@ -40,6 +40,7 @@
 #include "common/params.h"
 #include "kvxfer/kvxfer.h"
 #include "transport/dscp.h"
+#include "transport/fabric_lib.h"
 #include "transport/rate_limiter.h"
 
 namespace kvxfer::transport {
@@ -64,7 +65,7 @@ struct FidCloser {
   }
 };
 struct InfoDeleter {
-  void operator()(fi_info* p) const noexcept { fi_freeinfo(p); }
+  void operator()(fi_info* p) const noexcept { fabric_lib::freeinfo(p); }
 };
 using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 using FabricPtr = std::unique_ptr<fid_fabric, FidCloser<fid_fabric>>;
@@ -90,8 +91,10 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * FI_OFI_RXM_EAGER_LIMIT=16384 (kEagerChunkBytes stays eager), each only
  * when the environment does not set it: about 30 MB per peer
  * (docs/TRANSPORT.md, "Memory"; XferMemory.CommunicatorResidentSetIsBounded).
- * Runs once (at load, and again harmlessly from Domain::open).  Returns the
- * variables it set, for the log.
+ * Sets them once, from fabric_lib::load() before it opens libfabric (the
+ * process's first Domain::open); later calls set nothing.  Thread-safe
+ * (std::call_once), but setenv races with getenv on other threads
+ * (fabric_lib.h).  Returns the variables the first call set, for the log.
  */
 std::string apply_provider_memory_defaults();
 
