@@ -39,13 +39,13 @@
 #include <thread>
 #include <vector>
 
+#include "api/xfer_api.h"
 #include "codec/codec_math.h"
 #include "common/fdio.h"
 #include "kvxfer/spectrum.h"
 #include "models/synthetic_kv.h"
 #include "perf/common/harness.h"
 #include "perf/common/kv_data.h"
-#include "xfer/engine.h"
 
 namespace {
 
@@ -102,7 +102,7 @@ struct Options {
   int page_tokens = 0;
   int chunk = 32, anchor_bits = 4;
   bool stories = false;
-  bool engine_only = false;  // --engine_only: codec jobs do no work (xfer::testing_skip_codec)
+  bool engine_only = false;  // --engine_only: codec jobs do no work (xfer::TestHooks::skip_codec)
   std::string model_path = std::string(KVXFER_DATA_DIR) + "/stories260K.bin";
   int rank = -1;  // -1: fork mode (both ranks here)
   std::string id_file;
@@ -1396,7 +1396,12 @@ kvxfer_comm_t init_comm(const Options& o, const kvxfer_unique_id_t& id, int rank
   cfg.timeout_ms = o.timeout_ms;
   cfg.rate_limit = o.rate_given ? o.rate.c_str() : nullptr;
   kvxfer_comm_t comm = nullptr;
-  const kvxfer_result_t rc = kvxfer_comm_init(&comm, 2, id, rank, &cfg);
+  std::shared_ptr<kvxfer::xfer::TestHooks> hooks;
+  if (o.engine_only) {  // codec jobs do no work (xfer/test_hooks.h)
+    hooks = std::make_shared<kvxfer::xfer::TestHooks>();
+    hooks->skip_codec = true;
+  }
+  const kvxfer_result_t rc = kvxfer::api::comm_init(&comm, 2, id, rank, &cfg, hooks);
   if (rc < 0) {
     *err = api_error(kp::strprintf("kvxfer_comm_init (rank %d)", rank), rc);
     return nullptr;
@@ -1754,10 +1759,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   o.rate_given = r_opt->count() > 0;
-  if (o.engine_only) {
-    o.common.check = 0;                      // the receiver's blocks are undefined
-    kvxfer::xfer::testing_skip_codec(true);  // before the fork: both ranks
-  }
+  if (o.engine_only) o.common.check = 0;  // the receiver's blocks are undefined
   if (o.common.quick) {
     if (b_opt->count() == 0) o.minbytes = "2M";
     if (e_opt->count() == 0) o.maxbytes = "8M";

@@ -204,7 +204,7 @@ int gpu_receiver(const kvxfer_unique_id_t& id, int rd, const Shape& s, Where whe
   if (where == Where::kDevice) CHILD_CHECK(dev.upload(), "receiver: upload");
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = 9;
-  xfer::testing_pause_residuals(true);
+  test_hooks()->pause_residuals = true;
   kvxfer_request_t req = nullptr;
   const kvxfer_kv_desc_t& d = where == Where::kDevice ? dev.desc : dst.desc;
   CHILD_CHECK(kvxfer_recv(comm, 1, &d, &rc, &req) == KVXFER_SUCCESS, "receiver: recv: %s",
@@ -221,7 +221,7 @@ int gpu_receiver(const kvxfer_unique_id_t& id, int rd, const Shape& s, Where whe
     if (compare(dst, anchor, "anchor-only") != 0) return 1;
     CHILD_CHECK(mid.pages_complete == 0, "residuals applied while paused");
   }
-  xfer::testing_pause_residuals(false);
+  test_hooks()->pause_residuals = false;
   if (where == Where::kDevice) {
     // Stream-ordered: a copy enqueued after kvxfer_request_wait_on_stream
     // on a non-blocking stream reads the full values.
@@ -541,7 +541,7 @@ TEST(XferGpu, TwoCommunicatorsEncodeConcurrentlyOnOneDeviceBitExact) {
     Shape s;
     s.T = 260;
     s.page_tokens = 64;
-    xfer::testing_staging_keep_ms(60000);
+    test_hooks()->staging_keep_ms = 60000;
     LocalPair p[2];
     for (auto& q : p) CHILD_CHECK(q.init(), "communicator init");
     const kvxfer_codec_config_t cfg[2] = {codec(KVXFER_CODEC_LYNX, 5.0f), codec(KVXFER_CODEC_INT8)};

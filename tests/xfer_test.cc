@@ -256,7 +256,7 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
   PagedKV dst(s.L, s.heads, s.hd, s.T, 48, dt, 5);  // other block size, padded rows
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = 9;
-  xfer::testing_pause_residuals(true);
+  test_hooks()->pause_residuals = true;
   kvxfer_request_t req = nullptr;
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS) << kvxfer_get_last_error();
   ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS)
@@ -285,7 +285,7 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
     EXPECT_EQ(mid.pages_anchor_ready, mid.num_pages);
     EXPECT_EQ(mid.pages_complete, 0);
   }
-  xfer::testing_pause_residuals(false);
+  test_hooks()->pause_residuals = false;
   ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
       << kvxfer_get_last_error();
   PagedKV full(s.L, s.heads, s.hd, s.T, 64, dt);
@@ -447,7 +447,7 @@ TEST(Xfer, CallbacksInOrderAndPerLayerWaits) {
   rc.on_anchor_ready = cb;
   rc.on_complete = cb;
   rc.user_data = &log;
-  xfer::testing_pause_residuals(true);
+  test_hooks()->pause_residuals = true;
   kvxfer_request_t req = nullptr;
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
   for (int32_t l = 0; l < s.L; ++l)
@@ -458,7 +458,7 @@ TEST(Xfer, CallbacksInOrderAndPerLayerWaits) {
   EXPECT_EQ(kvxfer_wait(req, static_cast<kvxfer_stage_t>(9), 50), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvxfer_get_last_error()).find("not 9"), std::string::npos)
       << kvxfer_get_last_error();
-  xfer::testing_pause_residuals(false);
+  test_hooks()->pause_residuals = false;
   for (int32_t l = 0; l < s.L; ++l)
     ASSERT_EQ(kvxfer_wait_layer(req, l, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS) << l;
   ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
@@ -608,7 +608,7 @@ void spectrum_round_trip(const SpectrumCase& c) {
   PagedKV dst(s.L, s.heads, s.hd, s.T, 48, KVXFER_DTYPE_BF16, 5);
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = 9;
-  xfer::testing_pause_residuals(true);
+  test_hooks()->pause_residuals = true;
   kvxfer_request_t req = nullptr;
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS) << kvxfer_get_last_error();
   std::vector<uint8_t> got(static_cast<size_t>(s.T));
@@ -639,7 +639,7 @@ void spectrum_round_trip(const SpectrumCase& c) {
         ASSERT_EQ(dst.bytes(l, kind), anchor.bytes(l, kind)) << "anchor-only, layer " << l;
     EXPECT_EQ(mid.pages_complete, 0);
   }
-  xfer::testing_pause_residuals(false);
+  test_hooks()->pause_residuals = false;
   ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
       << kvxfer_get_last_error();
   PagedKV full(s.L, s.heads, s.hd, s.T, 64);
@@ -796,7 +796,7 @@ TEST(Xfer, CorruptedSectionFailsWithChecksumAndNeverCompletes) {
   PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = 9;
-  xfer::testing_corrupt_next_sections(1);
+  test_hooks()->corrupt_sections = 1;
   kvxfer_request_t req = nullptr;
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
   EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CORRUPT);
@@ -811,7 +811,7 @@ TEST(Xfer, CorruptedSectionFailsWithChecksumAndNeverCompletes) {
   EXPECT_NE(rep.error.find("checksum"), std::string::npos) << rep.error;
   kvxfer_request_free(req);
   kvxfer_comm_destroy(comm);
-  xfer::testing_corrupt_next_sections(0);
+  test_hooks()->corrupt_sections = 0;
   ASSERT_TRUE(pair.child.wait(60));
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
@@ -843,8 +843,8 @@ TEST(Xfer, CorruptedResidualAfterAnchorReadyFailsBothSidesNeverCompletes) {
     f->seen.emplace_back(st, res);
   };
   rc.user_data = &finals;
-  xfer::testing_pause_residuals(true);
-  xfer::testing_corrupt_next_residuals(1);
+  test_hooks()->pause_residuals = true;
+  test_hooks()->corrupt_residuals = 1;
   kvxfer_request_t req = nullptr;
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
   ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS)
@@ -854,7 +854,7 @@ TEST(Xfer, CorruptedResidualAfterAnchorReadyFailsBothSidesNeverCompletes) {
   EXPECT_EQ(mid.mode, KVXFER_MODE_PROGRESSIVE);
   EXPECT_EQ(mid.pages_anchor_ready, mid.num_pages);
   EXPECT_EQ(mid.pages_complete, 0);
-  xfer::testing_pause_residuals(false);
+  test_hooks()->pause_residuals = false;
   EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_CORRUPT);
   const std::string err = kvxfer_get_last_error();
   EXPECT_NE(err.find("checksum"), std::string::npos) << err;
@@ -906,7 +906,7 @@ TEST(Xfer, CorruptedResidualAfterAnchorReadyFailsBothSidesNeverCompletes) {
   }
   EXPECT_GE(anchor_only, 1);
   kvxfer_comm_destroy(comm);
-  xfer::testing_corrupt_next_residuals(0);
+  test_hooks()->corrupt_residuals = 0;
   ASSERT_TRUE(pair.child.wait(60));
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
@@ -1685,7 +1685,7 @@ int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed
 
 // 64 requests in flight at once, each with its own KV; every one bit-exact.
 void sixty_four_concurrent_requests(int codec_workers) {
-  xfer::testing_codec_workers(codec_workers);  // this process and (forked after) the child
+  test_hooks()->codec_workers = codec_workers;  // this process and (forked after) the child
   constexpr int kN = 64;
   Shape s;
   s.L = 2;
@@ -1719,7 +1719,7 @@ void sixty_four_concurrent_requests(int codec_workers) {
     EXPECT_EQ(kvxfer_request_free(reqs[i]), KVXFER_SUCCESS);
   }
   finish(&pair, comm);
-  xfer::testing_codec_workers(0);
+  test_hooks()->codec_workers = 0;
 }
 
 TEST(Xfer, SixtyFourConcurrentRequests) { sixty_four_concurrent_requests(0); }
@@ -2183,10 +2183,10 @@ enum class CancelCase {
 // slots when it is tiny), so encodes wait for sends; mono: the sender sends
 // monolithic (no residual stages then).
 void cancel_case(CancelCase k, size_t window_bytes = 0, bool mono = false) {
-  constexpr double kPromptMs = 1500;           // "promptly": well inside the 8 mbit/s transfer
-  xfer::testing_staging_window(window_bytes);  // before the fork: both sides
+  constexpr double kPromptMs = 1500;            // "promptly": well inside the 8 mbit/s transfer
+  test_hooks()->staging_window = window_bytes;  // before the fork: both sides
   struct Reset {
-    ~Reset() { xfer::testing_staging_window(0); }
+    ~Reset() { test_hooks()->staging_window = 0; }
   } reset;
   Pair pair;
   ASSERT_TRUE(pair.start(scripted_sender));

@@ -10,10 +10,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "api/xfer_api.h"
 #include "codec/codec.h"
 #include "codec/page.h"
 #include "common/error.h"
@@ -132,6 +134,16 @@ inline constexpr int kShortTimeoutMs = 4000;
 using fdio::read_all;  // common/fdio.h
 using fdio::write_all;
 
+/**
+ * The test seams (xfer/test_hooks.h) of every communicator init_rank makes in
+ * this process.  A test sets them and puts them back; a child forked after
+ * the change has the same values in its own copy.
+ */
+inline const std::shared_ptr<xfer::TestHooks>& test_hooks() {
+  static const std::shared_ptr<xfer::TestHooks> hooks = std::make_shared<xfer::TestHooks>();
+  return hooks;
+}
+
 inline kvxfer_comm_t init_rank(const kvxfer_unique_id_t& id, int rank, int timeout_ms = kTimeoutMs,
                                const char* rate = nullptr) {
   kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
@@ -139,7 +151,7 @@ inline kvxfer_comm_t init_rank(const kvxfer_unique_id_t& id, int rank, int timeo
   cfg.rate_limit = rate;
   cfg.bind_address = "127.0.0.1";
   kvxfer_comm_t comm = nullptr;
-  if (kvxfer_comm_init(&comm, 2, id, rank, &cfg) != KVXFER_SUCCESS) {
+  if (api::comm_init(&comm, 2, id, rank, &cfg, test_hooks()) != KVXFER_SUCCESS) {
     std::fprintf(stderr, "rank %d: kvxfer_comm_init: %s\n", rank, kvxfer_get_last_error());
     return nullptr;
   }

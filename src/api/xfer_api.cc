@@ -1,5 +1,7 @@
 // The exported C API of communicators and transfers (include/kvxfer/kvxfer.h,
 // section "Communicators and progressive transfers") over xfer::Engine.
+#include "api/xfer_api.h"
+
 #include <cstring>
 #include <map>
 #include <memory>
@@ -46,25 +48,12 @@ std::string id_key(const kvxfer_unique_id_t& id) {
 
 static_assert(sizeof(kvxfer_unique_id_t) == sizeof(UniqueId), "unique id sizes differ");
 
-extern "C" {
+namespace kvxfer::api {
 
-kvxfer_result_t kvxfer_get_unique_id(kvxfer_unique_id_t* id) {
-  return kvxfer::api_call(__func__, [&] {
-    KVXFER_REQUIRE(id != nullptr, "id is NULL");
-    UniqueId uid{};
-    std::unique_ptr<BootstrapRoot> root;
-    KVXFER_CHECK(
-        kvxfer::transport::create_unique_id(kvxfer::params::BootstrapAddr().c_str(), &uid, &root));
-    std::memcpy(id->internal, &uid, sizeof(uid));
-    std::lock_guard<std::mutex> lk(g_roots_mu);
-    g_roots[id_key(*id)] = std::move(root);
-    return KVXFER_SUCCESS;
-  });
-}
-
-kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id, int rank,
-                                 const kvxfer_comm_config_t* config) {
-  return kvxfer::api_call(__func__, [&] {
+kvxfer_result_t comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id, int rank,
+                          const kvxfer_comm_config_t* config,
+                          std::shared_ptr<xfer::TestHooks> hooks) {
+  return kvxfer::api_call("kvxfer_comm_init", [&] {
     KVXFER_REQUIRE(comm != nullptr, "comm is NULL");
     *comm = nullptr;
     KVXFER_REQUIRE(nranks >= 2 && nranks <= kvxfer::transport::kBootstrapMaxRanks,
@@ -101,10 +90,33 @@ kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_
     }
     std::unique_ptr<kvxfer::xfer::Engine> e;
     KVXFER_CHECK(kvxfer::xfer::Engine::create(uid, std::move(root), rank, nranks, timeout, bind,
-                                              cfg.rate_limit, &e));
+                                              cfg.rate_limit, &e, std::move(hooks)));
     *comm = new kvxfer_comm{std::move(e)};
     return KVXFER_SUCCESS;
   });
+}
+
+}  // namespace kvxfer::api
+
+extern "C" {
+
+kvxfer_result_t kvxfer_get_unique_id(kvxfer_unique_id_t* id) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(id != nullptr, "id is NULL");
+    UniqueId uid{};
+    std::unique_ptr<BootstrapRoot> root;
+    KVXFER_CHECK(
+        kvxfer::transport::create_unique_id(kvxfer::params::BootstrapAddr().c_str(), &uid, &root));
+    std::memcpy(id->internal, &uid, sizeof(uid));
+    std::lock_guard<std::mutex> lk(g_roots_mu);
+    g_roots[id_key(*id)] = std::move(root);
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id, int rank,
+                                 const kvxfer_comm_config_t* config) {
+  return kvxfer::api::comm_init(comm, nranks, id, rank, config, nullptr);
 }
 
 kvxfer_result_t kvxfer_comm_abort(kvxfer_comm_t comm) {

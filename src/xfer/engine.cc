@@ -10,31 +10,16 @@
 
 namespace kvxfer::xfer {
 
-std::atomic<int> g_corrupt_sections{0};
-std::atomic<int> g_corrupt_residuals{0};
-std::atomic<bool> g_pause_residuals{false};
-std::atomic<int> g_codec_workers{0};
-std::atomic<bool> g_skip_codec{false};
-std::atomic<size_t> g_staging_window{0};
-std::atomic<int64_t> g_staging_keep_ms{0};
-
-void testing_corrupt_next_sections(int count) { g_corrupt_sections.store(count); }
-void testing_corrupt_next_residuals(int count) { g_corrupt_residuals.store(count); }
-void testing_pause_residuals(bool paused) { g_pause_residuals.store(paused); }
-void testing_codec_workers(int n) { g_codec_workers.store(n); }
-void testing_skip_codec(bool skip) { g_skip_codec.store(skip); }
-void testing_staging_window(size_t bytes) { g_staging_window.store(bytes); }
-void testing_staging_keep_ms(int64_t ms) { g_staging_keep_ms.store(ms); }
-
 /**
  * Codec worker threads of an engine: KVXFER_CODEC_THREADS when set, else
  * half the usable CPUs (the progress thread, the provider and, on loopback,
  * the peer need the rest), between 1 and 8.  Each encodes or decodes whole
  * pages on one thread: OpenMP inside a 512 KiB page cost more than it gave
  * on a small machine (docs/PERFORMANCE.md, "Where the engine's time goes").
+ * TestHooks::codec_workers, when positive, overrides both.
  */
-int codec_workers() {
-  if (const int n = g_codec_workers.load(); n > 0) return n;
+int codec_workers(const TestHooks* hooks) {
+  if (hooks != nullptr && hooks->codec_workers > 0) return hooks->codec_workers;
   const int64_t p = params::CodecThreads();
   if (p > 0) return static_cast<int>(std::min<int64_t>(p, 64));
   cpu_set_t set;
@@ -209,7 +194,7 @@ bool request_wait_final_callbacks(Request& r) {
 kvxfer_result_t Engine::create(const transport::UniqueId& id,
                                std::unique_ptr<transport::BootstrapRoot> root, int rank, int nranks,
                                int timeout_ms, const std::string& bind, const char* rate_limit,
-                               std::unique_ptr<Engine>* out) {
+                               std::unique_ptr<Engine>* out, std::shared_ptr<TestHooks> hooks) {
   transport::LinkConfig lc;
   // A failure here still tells the other ranks (fail fast, comm.h).
   const kvxfer_result_t prep = [&]() -> kvxfer_result_t {
@@ -235,11 +220,11 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   Impl& m = *e->impl_;
   KVXFER_CHECK(
       transport::Communicator::create(id, root.get(), rank, nranks, lc, timeout_ms, &m.comm));
-  init_state(&m, rank, nranks, timeout_ms);
+  init_state(&m, rank, nranks, timeout_ms, std::move(hooks));
   m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
   m.inbox->wake_fd = m.wake_fd;
-  const int workers = codec_workers();
+  const int workers = codec_workers(m.hooks.get());
   for (int i = 0; i < workers; ++i) m.codec_threads.emplace_back([&m] { m.codec_main(); });
   m.progress_thread = std::thread([&m] { m.progress_main(); });
   // Each peer's path: "provider shm", or with several "providers shm x3, tcp;ofi_rxm x1".
@@ -259,12 +244,16 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
 std::unique_ptr<Engine> Engine::testing_unlinked(int rank, int nranks) {
   std::unique_ptr<Engine> e(new Engine);
   e->impl_.reset(new Impl);
-  init_state(e->impl_.get(), rank, nranks, 0);  // timeout 0: the destructor does not wait
+  init_state(e->impl_.get(), rank, nranks, 0, nullptr);  // timeout 0: the destructor does not wait
   return e;
 }
 
-void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms) {
+void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms,
+                        std::shared_ptr<TestHooks> hooks) {
   Impl& m = *mp;
+  m.hooks = std::move(hooks);
+  const size_t window = m.hooks ? m.hooks->staging_window : 0;
+  const int64_t keep_ms = m.hooks ? m.hooks->staging_keep_ms : 0;
   m.rank = rank;
   m.nranks = nranks;
   m.timeout_ms = timeout_ms;
@@ -277,9 +266,7 @@ void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms) {
   m.held_residuals.resize(nranks);
   m.encode_fifo.resize(nranks);
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
-  m.window_bytes = g_staging_window.load() > 0 ? g_staging_window.load()
-                                               : static_cast<size_t>(params::StagingWindowBytes());
-  const int64_t keep_ms = g_staging_keep_ms.load();
+  m.window_bytes = window > 0 ? window : static_cast<size_t>(params::StagingWindowBytes());
   m.staging = StagingCache::create(static_cast<size_t>(params::StagingCacheBytes()),
                                    keep_ms > 0 ? keep_ms : 1000);
   m.max_requests = params::MaxRequests();

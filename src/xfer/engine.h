@@ -37,6 +37,7 @@
 #include "kvxfer/spectrum.h"
 #include "transport/bootstrap.h"
 #include "xfer/protocol.h"
+#include "xfer/test_hooks.h"
 
 namespace kvxfer::xfer {
 
@@ -158,12 +159,15 @@ class Engine {
    * Joins the communicator (transport::Communicator::create) and starts the
    * threads.  `root` is the listener kvxfer_get_unique_id made (rank 0 only).
    * `rate_limit`: tc syntax for this communicator's own token bucket, "" for
-   * none, NULL for the process-wide KVXFER_RATE_LIMIT one.
+   * none, NULL for the process-wide KVXFER_RATE_LIMIT one.  `hooks`: test
+   * and benchmark seams (test_hooks.h), shared with the caller; null for a
+   * product communicator.
    */
   static kvxfer_result_t create(const transport::UniqueId& id,
                                 std::unique_ptr<transport::BootstrapRoot> root, int rank,
                                 int nranks, int timeout_ms, const std::string& bind,
-                                const char* rate_limit, std::unique_ptr<Engine>* out);
+                                const char* rate_limit, std::unique_ptr<Engine>* out,
+                                std::shared_ptr<TestHooks> hooks = nullptr);
   /** Aborts what is in flight, joins both threads, closes the Links. */
   ~Engine();
   Engine(const Engine&) = delete;
@@ -204,43 +208,9 @@ class Engine {
  private:
   Engine() = default;
   /** Impl's state from the parameters (everything but the Links and threads). */
-  static void init_state(Impl* m, int rank, int nranks, int timeout_ms);
+  static void init_state(Impl* m, int rank, int nranks, int timeout_ms,
+                         std::shared_ptr<TestHooks> hooks);
   std::unique_ptr<Impl> impl_;
 };
-
-/** Test seam: while paused, no residual is applied (full decodes wait), so a
- *  test can read the blocks at exactly anchor precision. */
-void testing_pause_residuals(bool paused);
-
-/** Test seam: engines created from now on run `n` codec threads (0: the
- *  default rule, KVXFER_CODEC_THREADS or half the CPUs). */
-void testing_codec_workers(int n);
-
-/** Test seam: engines created from now on stage `bytes` per request
- *  (KVXFER_STAGING_WINDOW_BYTES; at least two pages); 0: the parameter. */
-void testing_staging_window(size_t bytes);
-
-/** Test seam: engines created from now on keep an idle staging buffer (and a
- *  device request's registration of it) `ms` ms before unmapping it; 0: 1000.
- *  Lets a slow run (ThreadSanitizer) check reuse across requests. */
-void testing_staging_keep_ms(int64_t ms);
-
-/** Test seam: the next `count` page sections this process receives get one
- *  byte flipped before decoding (tests/xfer_test.cc, corruption cases). */
-void testing_corrupt_next_sections(int count);
-
-/** Test seam: likewise for the next `count` residual sections only (anchor
- *  sections pass untouched), so a test can corrupt a residual after the
- *  request reached ANCHOR_READY. */
-void testing_corrupt_next_residuals(int count);
-
-/**
- * Measurement seam (kvxfer_perf --engine_only): while set, codec jobs do no
- * work.  An encode reports its pages at their largest encoded size with
- * whatever bytes staging holds; a decode writes nothing and fails nothing.  So
- * a transfer measures the engine and the wire alone.  Both processes must set
- * it; the receiver's blocks are then undefined.  Never for real transfers.
- */
-void testing_skip_codec(bool skip);
 
 }  // namespace kvxfer::xfer

@@ -42,7 +42,7 @@ void Engine::Impl::run_job(Job& j) {
   Request& r = *j.req;
   if (r.work->cancel.load()) {
     d.skipped = true;
-  } else if (g_skip_codec.load()) {
+  } else if (hooks && hooks->skip_codec) {
     if (j.kind == JobKind::kEncode) {  // the largest sizes, the bytes staging holds
       kvxfer_codec_config_t cc = j.codec;
       if (cc.alpha == KVXFER_ALPHA_AUTO) cc.alpha = 0.0f;
@@ -137,7 +137,7 @@ void Engine::Impl::queue_full(const std::shared_ptr<Request>& r, size_t page) {
   // Strict priority on the receiver: no residual is applied while an anchor
   // of any request is still expected (docs/TRANSPORT.md, "Strict anchor
   // priority across requests").
-  if (g_pause_residuals.load() || anchors_unapplied > 0) {
+  if (residuals_paused() || anchors_unapplied > 0) {
     held_full.emplace_back(r, page);
     return;
   }

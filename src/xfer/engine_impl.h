@@ -38,15 +38,8 @@ using transport::Completion;
 using transport::Link;
 using transport::TrafficClass;
 
-// Test seams (engine.h): set by tests, read by the progress thread.
-extern std::atomic<int> g_corrupt_sections;
-extern std::atomic<int> g_corrupt_residuals;
-extern std::atomic<bool> g_pause_residuals;
-extern std::atomic<int> g_codec_workers;
-extern std::atomic<bool> g_skip_codec;
-
-/** Codec worker threads of an engine (engine.cc). */
-int codec_workers();
+/** Codec worker threads of an engine (engine.cc); `hooks` may be null. */
+int codec_workers(const TestHooks* hooks);
 
 // ---------------------------------------------------------------------------
 // The progress thread's private state of a request.
@@ -226,6 +219,9 @@ struct Engine::Impl {
   std::vector<TestingPost> testing_posts;
   int rank = -1, nranks = 0;
   int64_t timeout_ms = 30000;
+  // Test and benchmark seams (test_hooks.h); null for a product communicator.
+  std::shared_ptr<TestHooks> hooks;
+  bool residuals_paused() const { return hooks && hooks->pause_residuals.load(); }
 
   // ---- shared with API threads (mu) ----
   std::mutex mu;

@@ -154,7 +154,7 @@ bool Engine::Impl::step() {
     last_trim = now;
     staging->trim(now);
   }
-  if (!held_full.empty() && !g_pause_residuals.load() && anchors_unapplied == 0) {
+  if (!held_full.empty() && !residuals_paused() && anchors_unapplied == 0) {
     auto held = std::move(held_full);
     held_full.clear();
     for (auto& [r, page] : held)
@@ -663,11 +663,8 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
         break;
       }
       uint8_t* section = anchor ? w.astore.get() + p.a_off : p.staging.get();
-      if (c.bytes > 0 && g_corrupt_sections.load() > 0 && g_corrupt_sections.fetch_sub(1) > 0)
+      if (hooks && c.bytes > 0 && hooks->take_corruption(anchor))
         section[c.bytes / 2] ^= 0x5a;  // test seam: the checksum must catch this
-      else if (!anchor && c.bytes > 0 && g_corrupt_residuals.load() > 0 &&
-               g_corrupt_residuals.fetch_sub(1) > 0)
-        section[c.bytes / 2] ^= 0x5a;  // test seam: likewise, residuals only
       if (anchor) {
         p.a_len = c.bytes;
         Job j;
