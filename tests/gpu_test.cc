@@ -662,5 +662,48 @@ TEST_F(GpuCodec, AnchorStreamHasTheGreatestPriority) {
   EXPECT_EQ(prio, greatest);
 }
 
+#ifdef KVXFER_GPU_EMULATION
+extern "C" int kvxfer_emu_allocs, kvxfer_emu_frees;
+#endif
+
+// Moving a CudaBuffer hands its memory over, size included, and leaves the
+// source empty; a move-assignment frees the target's memory first; every
+// allocation is freed once.
+TEST_F(GpuCodec, CudaBuffersMoveTheirMemoryAndSize) {
+#ifdef KVXFER_GPU_EMULATION
+  const int allocs0 = kvxfer_emu_allocs, frees0 = kvxfer_emu_frees;
+#endif
+  {
+    cuda::DeviceBuffer a;
+    CUDA_OK(a.alloc(100));
+    uint8_t* const pa = a.p;
+    ASSERT_NE(pa, nullptr);
+    cuda::DeviceBuffer b(std::move(a));
+    EXPECT_EQ(b.p, pa);
+    EXPECT_EQ(b.n, 100u);
+    EXPECT_EQ(a.p, nullptr);  // NOLINT(bugprone-use-after-move): the moved-from state is the point
+    EXPECT_EQ(a.n, 0u);
+
+    cuda::PinnedBuffer h, g;
+    CUDA_OK(h.alloc(24));
+    CUDA_OK(g.alloc(1000));
+    uint8_t* const ph = h.p;
+    std::memset(ph, 0x5a, 24);
+    g = std::move(h);
+    EXPECT_EQ(g.p, ph);
+    EXPECT_EQ(g.n, 24u);
+    EXPECT_EQ(g.p[23], 0x5a);
+    EXPECT_EQ(h.p, nullptr);  // NOLINT(bugprone-use-after-move)
+    EXPECT_EQ(h.n, 0u);
+#ifdef KVXFER_GPU_EMULATION
+    EXPECT_EQ(kvxfer_emu_allocs - allocs0, 3);
+    EXPECT_EQ(kvxfer_emu_frees - frees0, 1);  // g's 1000 bytes
+#endif
+  }
+#ifdef KVXFER_GPU_EMULATION
+  EXPECT_EQ(kvxfer_emu_frees - frees0, 3);  // b and g, once each; a and h held nothing
+#endif
+}
+
 }  // namespace
 }  // namespace kvxfer::test

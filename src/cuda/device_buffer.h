@@ -1,8 +1,10 @@
 // The one owner of CUDA memory in kvxfer: an RAII buffer of device memory
 // (cudaMalloc) or page-locked host memory (cudaMallocHost, so copies are
-// asynchronous and fast), freed on destruction or on the next alloc.  Memory
-// shared by several owners (a device codebook held by a cache and by its
-// users, a block table held by a transfer) is a std::shared_ptr to one.
+// asynchronous and fast), freed on destruction or on the next alloc.  Moving
+// one hands its memory over and leaves it empty.  Memory shared by several
+// owners (a device codebook held by a cache and by its users, a block table
+// held by a transfer) is a std::shared_ptr to one.  Not thread-safe: one owner
+// at a time.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,6 +23,22 @@ class CudaBuffer {
   CudaBuffer() = default;
   CudaBuffer(const CudaBuffer&) = delete;
   CudaBuffer& operator=(const CudaBuffer&) = delete;
+  /** Takes `o`'s memory; `o` is left empty (p null, n 0). */
+  CudaBuffer(CudaBuffer&& o) noexcept : p(o.p), n(o.n) {
+    o.p = nullptr;
+    o.n = 0;
+  }
+  /** Frees this buffer's memory, then takes `o`'s; `o` is left empty. */
+  CudaBuffer& operator=(CudaBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      p = o.p;
+      n = o.n;
+      o.p = nullptr;
+      o.n = 0;
+    }
+    return *this;
+  }
   ~CudaBuffer() { reset(); }
 
   /** Allocates max(bytes, 8) bytes (never a null pointer for 0). */

@@ -305,10 +305,8 @@ class Call {
     p->ops = std::move(st_);
     p->bufs = std::move(c_->bufs);
     c_->bufs.clear();
-    std::swap(p->desc.p, c_->desc.p);
-    std::swap(p->desc.n, c_->desc.n);
-    std::swap(p->hdesc.p, c_->hdesc.p);
-    std::swap(p->hdesc.n, c_->hdesc.n);
+    p->desc = std::move(c_->desc);
+    p->hdesc = std::move(c_->hdesc);
     c_->parked.push_back(std::move(p));
     return set_error(r, "%s", why.c_str());
   }
