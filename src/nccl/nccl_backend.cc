@@ -105,6 +105,53 @@ kvxfer_result_t nccl_fail(ncclResult_t r, const char* what, ncclComm_t c = nullp
                    last != nullptr && *last ? ": " : "", last != nullptr ? last : "");
 }
 
+/** NCCL's asynchronous state of `comm`.  An error fails `what`
+ *  (KVXFER_ERR_SYSTEM); `*busy`, when given, tells whether an operation (its
+ *  init, a group) is still in progress. */
+kvxfer_result_t async_state(ncclComm_t comm, const char* what, bool* busy) {
+  ncclResult_t a = ncclSuccess;
+  const ncclResult_t q = ncclCommGetAsyncError(comm, &a);
+  if (q != ncclSuccess) return nccl_fail(q, "ncclCommGetAsyncError", comm);
+  if (a != ncclSuccess && a != ncclInProgress) {
+    nccl_fail(a, what, comm);
+    return set_error(KVXFER_ERR_SYSTEM, "%s", last_error());
+  }
+  if (busy != nullptr) *busy = a == ncclInProgress;
+  return KVXFER_SUCCESS;
+}
+
+/**
+ * The backend's one polling loop: calls `step(&done)` every `period` until
+ * it sets `done` (KVXFER_SUCCESS) or fails (its error).  After `timeout_ms`
+ * it fails with KVXFER_ERR_TIMEOUT, "<what>: <late> within <ms> ms (<hint>)".
+ * Blocks the calling thread.
+ */
+template <typename Step>
+kvxfer_result_t poll_until(int64_t timeout_ms, std::chrono::microseconds period, const char* what,
+                           const char* late, const char* hint, Step&& step) {
+  const int64_t end = now_ns() + timeout_ms * 1000000;
+  for (;;) {
+    bool done = false;
+    if (const kvxfer_result_t r = step(&done); r < 0) return r;
+    if (done) return KVXFER_SUCCESS;
+    if (now_ns() > end)
+      return set_error(KVXFER_ERR_TIMEOUT, "%s: %s within %" PRId64 " ms (%s)", what, late,
+                       timeout_ms, hint);
+    std::this_thread::sleep_for(period);
+  }
+}
+
+/** Polls until nothing is in progress on `comm` (poll_until's arguments). */
+kvxfer_result_t wait_idle(ncclComm_t comm, int64_t timeout_ms, std::chrono::microseconds period,
+                          const char* what, const char* late, const char* hint) {
+  return poll_until(timeout_ms, period, what, late, hint, [&](bool* done) {
+    bool busy = false;
+    const kvxfer_result_t r = async_state(comm, what, &busy);
+    *done = !busy;
+    return r;
+  });
+}
+
 // ---- RAII -------------------------------------------------------------------
 using DevBuf = cuda::DeviceBuffer;
 using HostBuf = cuda::PinnedBuffer;  // page-locked, so copies are asynchronous and fast
@@ -311,8 +358,6 @@ class Call {
     return set_error(r, "%s", why.c_str());
   }
 
-  int64_t deadline() const { return now_ns() + c_->opt.timeout_ms * 1000000; }
-
   /** ncclGroupStart; issue(); ncclGroupEnd; then waits until NCCL has enqueued it. */
   template <typename F>
   kvxfer_result_t group(ncclComm_t comm, const char* phase, F&& issue) {
@@ -325,48 +370,26 @@ class Call {
       nccl_fail(r, "ncclGroupEnd", comm);
       return set_error(KVXFER_ERR_SYSTEM, "%s: %s", phase, last_error());
     }
-    const int64_t end = deadline();
-    for (;;) {
-      ncclResult_t a = ncclSuccess;
-      const ncclResult_t q = ncclCommGetAsyncError(comm, &a);
-      if (q != ncclSuccess) return nccl_fail(q, "ncclCommGetAsyncError", comm);
-      if (a == ncclSuccess) return KVXFER_SUCCESS;
-      if (a != ncclInProgress) {
-        nccl_fail(a, phase, comm);
-        return set_error(KVXFER_ERR_SYSTEM, "%s", last_error());
-      }
-      if (now_ns() > end)
-        return set_error(KVXFER_ERR_TIMEOUT,
-                         "%s: NCCL did not enqueue the group within %" PRId64
-                         " ms (a peer missing?)",
-                         phase, c_->opt.timeout_ms);
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    return wait_idle(comm, c_->opt.timeout_ms, std::chrono::microseconds(20), phase,
+                     "NCCL did not enqueue the group", "a peer missing?");
   }
 
   /** Waits for everything enqueued so far on `stream`, polling both communicators. */
   kvxfer_result_t wait(cudaStream_t stream, cudaEvent_t ev, const char* phase) {
     KVXFER_CUDA_CHECK(cudaEventRecord(ev, stream));
-    const int64_t end = deadline();
-    for (;;) {
-      const cudaError_t e = cudaEventQuery(ev);
-      if (e == cudaSuccess) return KVXFER_SUCCESS;
-      if (e != cudaErrorNotReady) return cuda::cuda_result(e, phase);
-      for (ncclComm_t comm : {c_->anchor, c_->residual}) {
-        ncclResult_t a = ncclSuccess;
-        const ncclResult_t q = ncclCommGetAsyncError(comm, &a);
-        if (q != ncclSuccess) return nccl_fail(q, "ncclCommGetAsyncError", comm);
-        if (a != ncclSuccess && a != ncclInProgress) {
-          nccl_fail(a, phase, comm);
-          return set_error(KVXFER_ERR_SYSTEM, "%s", last_error());
-        }
-      }
-      if (now_ns() > end)
-        return set_error(KVXFER_ERR_TIMEOUT,
-                         "%s: no completion within %" PRId64 " ms (peer dead or not posting)",
-                         phase, c_->opt.timeout_ms);
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    return poll_until(c_->opt.timeout_ms, std::chrono::microseconds(20), phase, "no completion",
+                      "peer dead or not posting", [&](bool* done) {
+                        const cudaError_t e = cudaEventQuery(ev);
+                        if (e == cudaSuccess) {
+                          *done = true;
+                          return KVXFER_SUCCESS;
+                        }
+                        if (e != cudaErrorNotReady) return cuda::cuda_result(e, phase);
+                        for (ncclComm_t comm : {c_->anchor, c_->residual})
+                          if (const kvxfer_result_t r = async_state(comm, phase, nullptr); r < 0)
+                            return r;
+                        return KVXFER_SUCCESS;
+                      });
   }
 
   kvxfer_result_t setup();
@@ -828,23 +851,10 @@ kvxfer_result_t check_comm(kvxfer_nccl_comm_t c) {
   return KVXFER_SUCCESS;
 }
 
-/** Polls a non-blocking communicator until its init is done, or aborts it. */
+/** Polls a non-blocking communicator until what it is doing (its init, a finalize) is done. */
 kvxfer_result_t wait_init(ncclComm_t comm, int64_t timeout_ms, const char* what) {
-  const int64_t end = now_ns() + timeout_ms * 1000000;
-  for (;;) {
-    ncclResult_t a = ncclSuccess;
-    const ncclResult_t q = ncclCommGetAsyncError(comm, &a);
-    if (q != ncclSuccess) return nccl_fail(q, "ncclCommGetAsyncError", comm);
-    if (a == ncclSuccess) return KVXFER_SUCCESS;
-    if (a != ncclInProgress) {
-      nccl_fail(a, what, comm);
-      return set_error(KVXFER_ERR_SYSTEM, "%s", last_error());
-    }
-    if (now_ns() > end)
-      return set_error(KVXFER_ERR_TIMEOUT, "%s: not done within %" PRId64 " ms (a rank missing?)",
-                       what, timeout_ms);
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
+  return wait_idle(comm, timeout_ms, std::chrono::microseconds(100), what, "not done",
+                   "a rank missing?");
 }
 
 /** Streams and events of a communicator whose NCCL communicators are set. */
