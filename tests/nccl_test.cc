@@ -424,7 +424,7 @@ TEST(Args, CApiWithoutDevice) {
 }
 
 #ifdef KVXFER_NCCL_LIB_PATH
-// libkvxfer_nccl.so loads without a GPU and exports only kvxfer_nccl_*.
+// libkvxfer_nccl.so loads without a GPU and exports only kvxfer_nccl_*, versioned.
 TEST(Args, SharedLibraryLoadsAndExportsOnlyNccl) {
   void* h = dlopen(KVXFER_NCCL_LIB_PATH, RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(h, nullptr) << dlerror();
@@ -436,6 +436,10 @@ TEST(Args, SharedLibraryLoadsAndExportsOnlyNccl) {
   ASSERT_NE(init, nullptr);
   ASSERT_NE(err, nullptr);
   EXPECT_NE(dlsym(h, "kvxfer_nccl_xfer"), nullptr);
+  // The exports carry the library's version node (src/nccl/libkvxfer_nccl.map).
+  EXPECT_EQ(dlvsym(h, "kvxfer_nccl_comm_init", "KVXFER_NCCL_0.1"), reinterpret_cast<void*>(init));
+  EXPECT_EQ(dlvsym(h, "kvxfer_nccl_get_last_error", "KVXFER_NCCL_0.1"),
+            reinterpret_cast<void*>(err));
   EXPECT_EQ(dlsym(h, "kvxfer_page_encode"), nullptr);  // the codec copy stays internal
   EXPECT_EQ(dlsym(h, "kvxfer_get_last_error"), nullptr);
   ncclUniqueId a{}, b{};
