@@ -33,6 +33,22 @@ constexpr const char* kStrerrorVersion = nullptr;
 
 constexpr const char* kLibrary = "libfabric.so.1";
 
+/** dlopen of kLibrary by name (LD_LIBRARY_PATH, the loader's cache and
+ *  directories), else in the directory of the libfabric kvxfer was built
+ *  against (KVXFER_LIBFABRIC_LIBDIR: a prefix outside the loader's path). */
+void* open_library(std::string* why) {
+  if (void* lib = dlopen(kLibrary, RTLD_NOW | RTLD_LOCAL)) return lib;
+  const char* e = dlerror();
+  *why = strprintf("cannot load %s: %s", kLibrary, e != nullptr ? e : "dlopen failed");
+#ifdef KVXFER_LIBFABRIC_LIBDIR
+  const std::string path = std::string(KVXFER_LIBFABRIC_LIBDIR) + "/" + kLibrary;
+  if (void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL)) return lib;
+  e = dlerror();
+  *why += strprintf("; nor %s: %s", path.c_str(), e != nullptr ? e : "dlopen failed");
+#endif
+  return nullptr;
+}
+
 struct Api {
   int (*getinfo)(uint32_t, const char*, const char*, uint64_t, const fi_info*, fi_info**) = nullptr;
   void (*freeinfo)(fi_info*) = nullptr;
@@ -67,12 +83,10 @@ kvxfer_result_t load() {
   std::call_once(once, [] {
     (void)apply_provider_memory_defaults();
     const CrashSignalDispositions before = CrashSignalDispositions::now();
-    void* lib = dlopen(kLibrary, RTLD_NOW | RTLD_LOCAL);
+    void* lib = open_library(&why);
     (void)restore_crash_signals(&before);
     if (lib == nullptr) {
-      const char* e = dlerror();
       result = KVXFER_ERR_UNSUPPORTED;
-      why = strprintf("cannot load %s: %s", kLibrary, e != nullptr ? e : "dlopen failed");
       return;
     }
     Api api;

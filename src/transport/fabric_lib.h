@@ -22,8 +22,9 @@ namespace kvxfer::transport::fabric_lib {
  * Loads libfabric (libfabric.so.1) once per process, in this order:
  *   1. apply_provider_memory_defaults() (ofi.h): setenv before libfabric
  *      reads its parameters;
- *   2. dlopen, and the five functions below at the symbol versions that the
- *      headers kvxfer was built with bind to;
+ *   2. dlopen by name, else from the directory of the libfabric kvxfer was
+ *      built against; then the five functions below at the symbol versions
+ *      that the headers kvxfer was built with bind to;
  *   3. restore_crash_signals() (crash_signals.h) against the dispositions
  *      from before the dlopen: a handler libinfinipath or libpsm installed
  *      gives way to what the process had.
