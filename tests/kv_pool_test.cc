@@ -368,7 +368,7 @@ TEST(KvPool, DeregisterIsRefusedWhileARequestUsesThePool) {
  * layers 0 .. L-2, waits for the parent's byte, and only then writes and
  * marks the last layer.
  */
-int streamed_sender(const kvxfer_unique_id_t& id, int rd, int wr, uint64_t seed,
+int streamed_sender(const kvxfer_unique_id_t& id, int rd, uint64_t seed,
                     const kvxfer_codec_config_t& cfg) {
   kvxfer_comm_t comm = init_rank(id, 1);
   if (comm == nullptr) return 10;
@@ -400,7 +400,7 @@ void streamed(const kvxfer_codec_config_t& cfg) {
   const uint64_t seed = 77;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int wr) {
-    return streamed_sender(id, rd, wr, seed, cfg);
+    return streamed_sender(id, rd, seed, cfg);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
