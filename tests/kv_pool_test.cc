@@ -399,7 +399,7 @@ int streamed_sender(const kvxfer_unique_id_t& id, int rd, uint64_t seed,
 void streamed(const kvxfer_codec_config_t& cfg) {
   const uint64_t seed = 77;
   Pair pair;
-  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int wr) {
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int) {
     return streamed_sender(id, rd, seed, cfg);
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0);

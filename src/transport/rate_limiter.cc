@@ -59,8 +59,8 @@ kvxfer_result_t RateLimiter::from_params(std::shared_ptr<RateLimiter>* out) {
     const double bps = params::RateLimit();
     if (bps <= 0) return nullptr;
     KVXFER_INFO(LOG_NET, "OFI : rate limit %.0f bytes/s shared by all links", bps);
-    return std::make_shared<RateLimiter>(bps,
-                                         burst_for(static_cast<uint64_t>(params::NetChunkBytes())));
+    return std::make_shared<RateLimiter>(
+        bps, burst_for(bps, static_cast<uint64_t>(params::NetChunkBytes())));
   }();
   *out = limiter;
   return KVXFER_SUCCESS;

@@ -37,16 +37,16 @@ using params::parse_rate;
 class RateLimiter {
  public:
   /**
-   * The bucket depth of the limiters kvxfer makes, in chunks of
-   * KVXFER_NET_CHUNK_BYTES: a sender that wakes late (the progress thread's
-   * sleep, a loaded CPU) then still finds the tokens it missed, so the
-   * emulated link runs at its rate.  With a depth of one chunk each chunk
-   * waited for a full bucket plus the wake-up: 64 MiB of BF16 at 10gbit ran
-   * at 0.84 of the rate.
+   * The bucket depth of the limiters kvxfer makes: one chunk of
+   * KVXFER_NET_CHUNK_BYTES plus 1 ms of the rate, so that a sender that wakes
+   * up to 1 ms late (the progress thread's sleep, a loaded CPU) still finds
+   * the tokens it missed and the emulated link runs at its rate.  With a
+   * depth of one chunk each chunk waited for a full bucket plus the wake-up:
+   * 64 MiB of BF16 at 10gbit ran at 0.84 of the rate.
    */
-  static constexpr uint64_t kBurstChunks = 4;
-  /** kBurstChunks chunks of `chunk_bytes`. */
-  static uint64_t burst_for(uint64_t chunk_bytes) { return kBurstChunks * chunk_bytes; }
+  static uint64_t burst_for(double bytes_per_sec, uint64_t chunk_bytes) {
+    return chunk_bytes + static_cast<uint64_t>(bytes_per_sec * 1e-3);
+  }
 
   RateLimiter(double bytes_per_sec, uint64_t burst_bytes);
 

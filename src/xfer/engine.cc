@@ -207,7 +207,7 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
                      why.c_str());
       lc.limiter = bps > 0 ? std::make_shared<transport::RateLimiter>(
                                  bps, transport::RateLimiter::burst_for(
-                                          static_cast<uint64_t>(params::NetChunkBytes())))
+                                          bps, static_cast<uint64_t>(params::NetChunkBytes())))
                            : nullptr;
     }
     lc.timeout_ms = timeout_ms;
