@@ -9,11 +9,9 @@
 // receive first, then reports the request's times (CLOCK_MONOTONIC, the same
 // clock in both processes) and the bytes that differ from the codec's own
 // decode of the sender's values (#wrong).
-#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cinttypes>
 #include <cstring>
@@ -21,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/fdio.h"
 #include "common/units.h"
 #include "kvxfer/kvxfer.h"
 #include "perf/common/harness.h"
@@ -139,30 +138,6 @@ struct Report {
   uint64_t anchor_wire, residual_wire, wrong;
 };
 
-bool read_exact(int fd, void* p, size_t n, int timeout_ms) {
-  auto* b = static_cast<uint8_t*>(p);
-  while (n > 0) {
-    pollfd pf{fd, POLLIN, 0};
-    if (::poll(&pf, 1, timeout_ms) <= 0) return false;
-    const ssize_t k = ::read(fd, b, n);
-    if (k <= 0) return false;
-    b += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
-bool write_exact(int fd, const void* p, size_t n) {
-  const auto* b = static_cast<const uint8_t*>(p);
-  while (n > 0) {
-    const ssize_t k = ::write(fd, b, n);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return false;
-    b += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
-
 kvxfer_comm_t init_comm(const Options& o, const kvxfer_unique_id_t& id, int rank) {
   kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
   cfg.timeout_ms = o.timeout_ms;
@@ -190,7 +165,7 @@ int receiver(const Options& o, const kvxfer_unique_id_t& id, int rd, int wr,
   }
   Kv dst(o.layers, o.tokens);
   uint8_t which;
-  while (read_exact(rd, &which, 1, -1) && which != 0xFF) {
+  while (kvxfer::fdio::read_all(rd, &which, 1, -1) && which != 0xFF) {
     kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
     rc.tag = kTag;
     kvxfer_request_t req = nullptr;
@@ -199,10 +174,10 @@ int receiver(const Options& o, const kvxfer_unique_id_t& id, int rd, int wr,
     Report rep{};
     if (kvxfer_recv(comm, 0, &dst.desc, &rc, &req) < 0) {
       rep.result = -100;
-      write_exact(wr, &rep, sizeof(rep));
+      kvxfer::fdio::write_all(wr, &rep, sizeof(rep));
       continue;
     }
-    write_exact(wr, &which, 1);  // posted
+    kvxfer::fdio::write_all(wr, &which, 1);  // posted
     rep.result = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, o.timeout_ms * 2);
     kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
     kvxfer_request_get_info(req, &info);
@@ -215,7 +190,7 @@ int receiver(const Options& o, const kvxfer_unique_id_t& id, int rd, int wr,
       for (size_t i = 0; i < w.k[l].size(); ++i)
         rep.wrong += (dst.k[l][i] != w.k[l][i]) + (dst.v[l][i] != w.v[l][i]);
     kvxfer_request_free(req);
-    write_exact(wr, &rep, sizeof(rep));
+    kvxfer::fdio::write_all(wr, &rep, sizeof(rep));
   }
   kvxfer_comm_destroy(comm);
   return 0;
@@ -244,7 +219,8 @@ bool one(const Options& o, kvxfer_comm_t comm, const Kv& src, Kv* kv, uint8_t wh
   for (auto& l : kv->k) std::fill(l.begin(), l.end(), 0);
   for (auto& l : kv->v) std::fill(l.begin(), l.end(), 0);
   uint8_t ack;
-  if (!write_exact(wr, &which, 1) || !read_exact(rd, &ack, 1, o.timeout_ms)) return false;
+  if (!kvxfer::fdio::write_all(wr, &which, 1) || !kvxfer::fdio::read_all(rd, &ack, 1, o.timeout_ms))
+    return false;
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = kTag;
   rc.stream_layers = streamed ? 1 : 0;
@@ -264,7 +240,7 @@ bool one(const Options& o, kvxfer_comm_t comm, const Kv& src, Kv* kv, uint8_t wh
   const kvxfer_result_t r = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, o.timeout_ms * 2);
   kvxfer_request_free(req);
   Report rep{};
-  if (!read_exact(rd, &rep, sizeof(rep), o.timeout_ms * 2)) return false;
+  if (!kvxfer::fdio::read_all(rd, &rep, sizeof(rep), o.timeout_ms * 2)) return false;
   if (r != KVXFER_SUCCESS || rep.result != KVXFER_SUCCESS) {
     std::fprintf(stderr, "%s: transfer failed: sender %d, receiver %d\n", kTool, r, rep.result);
     return false;
@@ -411,7 +387,7 @@ int main(int argc, char** argv) {
     }
   }
   const uint8_t quit = 0xFF;
-  write_exact(wr, &quit, 1);
+  kvxfer::fdio::write_all(wr, &quit, 1);
   kvxfer_comm_destroy(comm);
   child.wait_for(30);
   std::printf("# Wrong bytes: %" PRIu64 " %s\n", wrong_total, wrong_total == 0 ? "OK" : "FAILED");
