@@ -99,6 +99,7 @@ _size_t = ctypes.c_size_t
 
 kvxfer_comm_t = ctypes.c_void_p  # struct kvxfer_comm*
 kvxfer_request_t = ctypes.c_void_p  # struct kvxfer_request*
+kvxfer_kv_pool_t = ctypes.c_void_p  # struct kvxfer_kv_pool*
 
 # typedef void (*kvxfer_callback_t)(kvxfer_request_t, kvxfer_stage_t,
 #                                   kvxfer_result_t, void* user_data);
@@ -221,6 +222,43 @@ class RequestConfigStruct(ctypes.Structure):
         ("on_anchor_ready", CALLBACK),
         ("on_complete", CALLBACK),
         ("user_data", ctypes.c_void_p),
+        ("stream_layers", ctypes.c_int32),  # sender only: 1 = kvxfer_send_layer_ready per layer
+    ]
+
+
+class KVPoolDescStruct(ctypes.Structure):
+    """kvxfer_kv_pool_desc_t."""
+
+    _fields_ = [
+        ("size", _size_t),
+        ("magic", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("num_layers", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("dtype", _c_enum),
+        ("block_size", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),  # elements; 0 = kv_heads * head_dim
+        ("block_stride", ctypes.c_int64),  # bytes; 0 = block_size * row_stride * element
+        ("k_layers", ctypes.POINTER(ctypes.c_void_p)),  # void* const* [num_layers]
+        ("v_layers", ctypes.POINTER(ctypes.c_void_p)),
+        ("device", ctypes.c_int32),  # -1 host memory; >= 0 CUDA ordinal
+    ]
+
+
+class KVBlocksStruct(ctypes.Structure):
+    """kvxfer_kv_blocks_t."""
+
+    _fields_ = [
+        ("size", _size_t),
+        ("magic", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("num_tokens", ctypes.c_int64),
+        ("block_ids", ctypes.POINTER(ctypes.c_int32)),  # const int32_t* [num_block_ids]
+        ("num_block_ids", ctypes.c_int64),
+        ("head_begin", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),  # 0 = every head from head_begin
     ]
 
 
@@ -273,9 +311,11 @@ EXPECTED_SIZES = {
     "kvxfer_unique_id_t": (UniqueIdStruct, 128),
     "kvxfer_comm_config_t": (CommConfigStruct, 40),
     "kvxfer_kv_desc_t": (KVDescStruct, 88),
-    "kvxfer_request_config_t": (RequestConfigStruct, 56),
+    "kvxfer_request_config_t": (RequestConfigStruct, 64),
     "kvxfer_request_info_t": (RequestInfoStruct, 136),
     "kvxfer_arrival_t": (ArrivalStruct, 24),
+    "kvxfer_kv_pool_desc_t": (KVPoolDescStruct, 88),
+    "kvxfer_kv_blocks_t": (KVBlocksStruct, 48),
 }
 
 
@@ -311,7 +351,7 @@ def init_config(struct_type):
         s.nonfinite = NonfinitePolicy.ERROR
         s.sink_tokens = 1
         s.value_groups = ValueGroups.CHANNEL
-    elif struct_type is KVDescStruct:
+    elif struct_type is KVDescStruct or struct_type is KVPoolDescStruct:
         s.dtype, s.device = Dtype.BF16, -1
     elif struct_type is RequestConfigStruct:
         s.mode = Mode.AUTO

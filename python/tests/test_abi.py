@@ -73,14 +73,20 @@ def test_initializers_match_the_c_macros(dump):
     comm = _abi.init_config(_abi.CommConfigStruct)
     kv = _abi.init_config(_abi.KVDescStruct)
     rc = _abi.init_config(_abi.RequestConfigStruct)
+    pool = _abi.init_config(_abi.KVPoolDescStruct)
+    blocks = _abi.init_config(_abi.KVBlocksStruct)
     for name, s in (("kvxfer_comm_config_t", comm), ("kvxfer_kv_desc_t", kv),
-                    ("kvxfer_request_config_t", rc)):
+                    ("kvxfer_request_config_t", rc), ("kvxfer_kv_pool_desc_t", pool),
+                    ("kvxfer_kv_blocks_t", blocks)):
+        # Every field of the struct is in the dump (the macro sets each one).
+        assert list(init[name]) == [f[0] for f in type(s)._fields_], name
         for f, v in init[name].items():
             got = getattr(s, f)
             if f in ("bind_address", "rate_limit", "k_blocks", "v_blocks", "on_anchor_ready",
-                     "on_complete", "user_data"):
+                     "on_complete", "user_data", "k_layers", "v_layers", "block_ids"):
                 got = 1 if got else 0
             assert got == v, (name, f)
+    assert init["kvxfer_kv_pool_desc_t"]["device"] == -1
     ri = _abi.init_config(_abi.RequestInfoStruct)
     for f, v in init["kvxfer_request_info_t"].items():
         assert getattr(ri, f) == v, ("kvxfer_request_info_t", f)
