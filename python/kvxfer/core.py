@@ -1,5 +1,6 @@
 """Idiomatic classes over the C API: UniqueId, Communicator, KVDescriptor,
-CodecConfig, Request, and the page codec functions.
+KVPool (registered pools; requests by block ids), CodecConfig, Request, and
+the page codec functions.
 
 Importing this module loads libkvxfer (see kvxfer._lib for where it looks).
 
@@ -20,9 +21,9 @@ never reaches the library.
 
 Lifetimes
 ---------
-A Request keeps its KVDescriptor (and so every buffer it was built from), its
-Communicator and its callbacks alive until it has reached a final stage and
-has been freed.  Dropping a Request that is still in flight does not free its
+A Request keeps its KVDescriptor (and so every buffer it was built from) or
+its KVPool, its Communicator and its callbacks alive until it has reached a
+final stage and has been freed.  Dropping a Request that is still in flight does not free its
 memory early: the binding parks it and frees it once it is final.  A
 Communicator dropped or left open is destroyed at interpreter exit, before the
 interpreter shuts down, so the progress thread never calls into a dying
@@ -35,6 +36,7 @@ import ctypes
 import dataclasses
 import itertools
 import logging
+import operator
 import sys
 import threading
 import time
@@ -61,9 +63,10 @@ log = logging.getLogger("kvxfer")
 _L = _load()
 
 __all__ = [
-    "Arrival", "CodecConfig", "Communicator", "KVDescriptor", "PageId", "PageInfo", "PageLayout",
-    "Request", "RequestInfo", "UniqueId", "calibrate_alpha", "decode_page", "encode_page",
-    "error_string", "get_version", "inspect_page", "library_path", "page_max_size",
+    "Arrival", "CodecConfig", "Communicator", "KVBlocks", "KVDescriptor", "KVPool", "PageId",
+    "PageInfo", "PageLayout", "Request", "RequestInfo", "UniqueId", "calibrate_alpha",
+    "decode_page", "encode_page", "error_string", "get_version", "inspect_page", "library_path",
+    "page_max_size",
 ]
 
 
@@ -103,19 +106,24 @@ def _forbid_in_callback(what):
 _deferred_lock = threading.Lock()
 _deferred_requests = []  # _RequestState: dropped while in flight, or during a callback
 _deferred_comms = []  # _CommState: dropped during a callback
+_deferred_pools = []  # _PoolState: dropped while a request on it was in flight
 
 
 def _drain_deferred():
-    """Frees parked requests that have become final, and destroys parked comms."""
-    if _in_callback() or not (_deferred_requests or _deferred_comms):
+    """Frees parked requests that have become final, destroys parked comms,
+    then deregisters parked pools whose requests are final."""
+    if _in_callback() or not (_deferred_requests or _deferred_comms or _deferred_pools):
         return
     with _deferred_lock:
         reqs, _deferred_requests[:] = list(_deferred_requests), []
         comms, _deferred_comms[:] = list(_deferred_comms), []
+        pools, _deferred_pools[:] = list(_deferred_pools), []
     for st in reqs:
         _release_request(st)
     for st in comms:
         _destroy_comm(st)
+    for st in pools:
+        _deregister_pool(st, True)
 
 
 # ---------------------------------------------------------------------------
@@ -421,6 +429,316 @@ class KVDescriptor:
 
 
 # ---------------------------------------------------------------------------
+# Registered KV pools
+# ---------------------------------------------------------------------------
+class _PoolState:
+    """The handle, and how many calls are using it: kvxfer_kv_pool_deregister
+    must not overlap a kvxfer_send_blocks/recv_blocks naming the pool."""
+
+    __slots__ = ("handle", "keep", "cond", "users", "__weakref__")
+
+    def __init__(self, handle, keep):
+        self.handle = handle
+        self.keep = keep
+        self.cond = threading.Condition(threading.Lock())
+        self.users = 0
+
+
+_live_pools = set()  # _PoolState still registered (for the exit hook)
+
+
+def _deregister_pool(st, quiet):
+    """kvxfer_kv_pool_deregister.  quiet (a dropped pool): a refusal parks the
+    pool until _drain_deferred finds its requests final, instead of raising."""
+    with st.cond:
+        if st.handle is None:
+            return
+        while st.users:
+            st.cond.wait()
+        try:
+            _L.kvxfer_kv_pool_deregister(st.handle)
+        except KvxferError as e:
+            if not quiet:
+                raise
+            log.debug("kvxfer: deferring a KV pool's deregistration: %s", e)
+            with _deferred_lock:
+                _deferred_pools.append(st)
+            return
+        st.handle = None
+        st.keep = None
+    _live_pools.discard(st)
+
+
+class _PoolUse:
+    """Context manager: the pool's handle, guarded against a concurrent close()."""
+
+    __slots__ = ("st",)
+
+    def __init__(self, st):
+        self.st = st
+
+    def __enter__(self):
+        st = self.st
+        with st.cond:
+            if st.handle is None:
+                raise RuntimeError("the kvxfer KV pool was deregistered (KVPool.close)")
+            st.users += 1
+            return st.handle
+
+    def __exit__(self, *exc):
+        st = self.st
+        with st.cond:
+            st.users -= 1
+            if st.users == 0:
+                st.cond.notify_all()
+        return False
+
+
+class KVPool:
+    """kvxfer_kv_pool_register: a runtime's whole KV pool, registered once;
+    requests then name block ids (Communicator.send_blocks/recv_blocks).
+
+    Per layer l, block b of K starts at k_layers[l] + b * block_stride bytes
+    and is block_size rows of kv_heads * head_dim elements of `dtype` (heads
+    major), rows row_stride elements apart; V likewise from v_layers[l].
+
+    k_layers, v_layers: num_layers entries each, the address of block 0 of
+      each layer's K (V): an int address, a writable C-contiguous buffer
+      (bytearray, mmap, a NumPy array), a ctypes object or a contiguous tensor
+      (data_ptr(); on the CPU, or on CUDA device `device`).  Objects are
+      size-checked (num_blocks blocks must fit) and held until close().
+      vLLM's FlashAttention layout, one [2, num_blocks, block_size, heads,
+      head_dim] tensor per layer, is k_layers[l] = t[0], v_layers[l] = t[1],
+      or KVPool.from_layers(layers, ...).
+    num_blocks: blocks per layer; block_size: tokens per block.
+    dtype: Dtype or its name; row_stride: elements between rows (0 =
+      kv_heads * head_dim); block_stride: bytes from block b to b + 1 (0 = one
+      block's bytes, block_size * row_stride * element).
+    device: -1 host memory; >= 0 the CUDA ordinal (a build without the GPU
+      path refuses it with ERR_UNSUPPORTED).
+    keep: objects owning memory given as raw addresses, held until close().
+
+    Registration checks every field and, in host memory, probes each layer's
+    region (its first and last byte are read and written back: nothing may
+    write the pool during the call).  Errors: KvxferError ERR_INVALID_ARGUMENT
+    with the library's message naming the field, layer and byte; ValueError
+    or TypeError for a buffer the binding cannot use (too small, read-only).
+
+    Ownership: the pool memory must stay valid and in place until close();
+    every Request posted on the pool holds the KVPool until it is freed.
+    close() (and leaving a `with` block) deregisters; it raises KvxferError
+    ERR_INVALID_USAGE, leaving the pool registered, while a request on it has
+    not reached COMPLETE or ERROR.  A KVPool dropped unclosed is deregistered
+    once its requests are final.  Threads: any thread, concurrently with
+    requests on the pool; close() waits for a send_blocks/recv_blocks call
+    that is posting on it.
+    """
+
+    def __init__(self, k_layers, v_layers, *, num_blocks, block_size, kv_heads, head_dim,
+                 dtype=Dtype.BF16, row_stride=0, block_stride=0, device=-1, keep=None):
+        _drain_deferred()
+        k_layers, v_layers = list(k_layers), list(v_layers)
+        if len(k_layers) != len(v_layers):
+            raise ValueError("k_layers has %d layers, v_layers %d" %
+                             (len(k_layers), len(v_layers)))
+        self.num_layers = len(k_layers)
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
+        self.kv_heads = int(kv_heads)
+        self.head_dim = int(head_dim)
+        self.dtype = _enum(Dtype, dtype, "dtype")
+        self.row_stride = int(row_stride)
+        self.block_stride = int(block_stride)
+        self.device = int(device)
+        need = self._region_bytes()
+        n = max(self.num_layers, 1)
+        k_arr, v_arr = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+        held = [] if keep is None else [keep]
+        for name, entries, arr in (("k_layers", k_layers, k_arr), ("v_layers", v_layers, v_arr)):
+            for i, e in enumerate(entries):
+                m = memory_of(e, "%s[%d]" % (name, i), self.device)
+                if m.readonly:
+                    raise ValueError("%s[%d] is read-only; a pool is written by receives" %
+                                     (name, i))
+                if need is not None and m.nbytes is not None and m.nbytes < need:
+                    raise ValueError("%s[%d]: %d bytes, the pool's %d blocks need %d" %
+                                     (name, i, m.nbytes, self.num_blocks, need))
+                arr[i] = m.address
+                if m.keep is not None:
+                    held.append(m.keep)
+        d = _abi.init_config(_abi.KVPoolDescStruct)
+        d.num_layers = self.num_layers
+        d.kv_heads = self.kv_heads
+        d.head_dim = self.head_dim
+        d.dtype = int(self.dtype)
+        d.block_size = self.block_size
+        d.num_blocks = self.num_blocks
+        d.row_stride = self.row_stride
+        d.block_stride = self.block_stride
+        d.k_layers = ctypes.cast(k_arr, ctypes.POINTER(ctypes.c_void_p))
+        d.v_layers = ctypes.cast(v_arr, ctypes.POINTER(ctypes.c_void_p))
+        d.device = self.device
+        h = ctypes.c_void_p()
+        _L.kvxfer_kv_pool_register(ctypes.byref(d), ctypes.byref(h))  # copies both arrays
+        self._state = _PoolState(h.value, held)
+        _live_pools.add(self._state)
+        f = weakref.finalize(self, _deregister_pool, self._state, True)
+        f.atexit = False  # the exit hook handles what is left
+
+    def _region_bytes(self):
+        """Bytes of num_blocks blocks from a layer's base, or None when a
+        field is out of range (the library refuses it, naming it)."""
+        H = self.kv_heads * self.head_dim
+        if min(self.num_blocks, self.block_size, self.kv_heads, self.head_dim) < 1:
+            return None
+        rs = self.row_stride or H
+        extent = ((self.block_size - 1) * rs + H) * self.dtype.itemsize
+        stride = self.block_stride or self.block_size * rs * self.dtype.itemsize
+        if rs < H or stride < extent:
+            return None
+        return (self.num_blocks - 1) * stride + extent
+
+    @classmethod
+    def from_layers(cls, layers, *, block_size, kv_heads, head_dim, dtype=Dtype.BF16,
+                    num_blocks=None, device=-1):
+        """A pool in vLLM's FlashAttention layout: one buffer per layer holding
+        [2][num_blocks][block_size][kv_heads * head_dim] elements, K then V
+        (contiguous rows, blocks back to back).
+
+        layers: one entry per layer, as KVPool accepts memory; num_blocks is
+        read from each buffer's size when not given (and required for int
+        addresses).  The buffers are held until close().
+        """
+        dtype = _enum(Dtype, dtype, "dtype")
+        block = int(block_size) * int(kv_heads) * int(head_dim) * dtype.itemsize
+        if block < 1:
+            raise ValueError("block_size, kv_heads and head_dim must be positive")
+        k, v, keep = [], [], []
+        for i, e in enumerate(layers):
+            m = memory_of(e, "layers[%d]" % i, int(device))
+            if num_blocks is None:
+                if m.nbytes is None:
+                    raise ValueError("layers[%d]: an address has no size; pass num_blocks" % i)
+                if m.nbytes % (2 * block):
+                    raise ValueError("layers[%d]: %d bytes is not K and V of whole %d-byte "
+                                     "blocks" % (i, m.nbytes, block))
+                num_blocks = m.nbytes // (2 * block)
+            if m.nbytes is not None and m.nbytes < 2 * block * int(num_blocks):
+                raise ValueError("layers[%d]: %d bytes, K and V of %d blocks need %d" %
+                                 (i, m.nbytes, int(num_blocks), 2 * block * int(num_blocks)))
+            if m.readonly:
+                raise ValueError("layers[%d] is read-only; a pool is written by receives" % i)
+            k.append(m.address)
+            v.append(m.address + block * int(num_blocks))
+            keep.append(m.keep)
+        return cls(k, v, num_blocks=0 if num_blocks is None else num_blocks,
+                   block_size=block_size, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                   device=device, keep=keep)
+
+    @property
+    def handle(self):
+        """The kvxfer_kv_pool_t as an int (None once deregistered)."""
+        return self._state.handle
+
+    @property
+    def closed(self):
+        return self._state.handle is None
+
+    def _use(self):
+        return _PoolUse(self._state)
+
+    def close(self):
+        """kvxfer_kv_pool_deregister.  Raises KvxferError (ERR_INVALID_USAGE,
+        "<n> request(s) on the pool have not reached COMPLETE or ERROR") while
+        requests on the pool are in flight; the pool then stays registered.
+        Idempotent."""
+        _deregister_pool(self._state, False)
+
+    deregister = close
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return ("KVPool(layers=%d, num_blocks=%d, block_size=%d, kv_heads=%d, head_dim=%d, "
+                "dtype=%s%s)" % (self.num_layers, self.num_blocks, self.block_size,
+                                 self.kv_heads, self.head_dim, self.dtype.name,
+                                 ", closed" if self.closed else ""))
+
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _block_id_array(block_ids):
+    """(c_int32 array, count) from a sequence of ints or an int32 buffer."""
+    try:
+        mv = memoryview(block_ids)
+    except TypeError:
+        mv = None
+    if mv is not None and mv.ndim == 1 and mv.itemsize == 4 and mv.format in ("i", "<i", "=i"):
+        n = mv.shape[0]
+        arr = (ctypes.c_int32 * max(n, 1))()
+        if n:
+            ctypes.memmove(arr, bytes(mv), 4 * n)
+        return arr, n
+    ids = []
+    for i, b in enumerate(block_ids):
+        try:
+            if isinstance(b, bool):
+                raise TypeError
+            b = operator.index(b)  # ints, NumPy and tensor integer scalars
+        except TypeError:
+            raise TypeError("block_ids[%d] = %r is not an integer" % (i, b)) from None
+        if not _INT32[0] <= b <= _INT32[1]:
+            raise ValueError("block_ids[%d] = %d does not fit an int32" % (i, b))
+        ids.append(b)
+    arr = (ctypes.c_int32 * max(len(ids), 1))(*ids)
+    return arr, len(ids)
+
+
+class KVBlocks:
+    """kvxfer_kv_blocks_t: one request's blocks of a KVPool (what a
+    Request.kv of send_blocks/recv_blocks holds).
+
+    Tokens [0, num_tokens) live in block block_ids[t // block_size] of every
+    layer, at row t % block_size; heads [head_begin, head_begin + num_heads)
+    of each row are transferred (num_heads 0: every head from head_begin).
+    Both sides of a transfer must name as many heads.  The ids are copied;
+    their range is checked by the library at the post.
+    """
+
+    def __init__(self, pool, block_ids, num_tokens, head_begin=0, num_heads=0):
+        if not isinstance(pool, KVPool):
+            raise TypeError("pool must be a KVPool, not %s" % type(pool).__name__)
+        self.pool = pool
+        self._ids, n = _block_id_array(block_ids)
+        self.block_ids = tuple(self._ids[:n])
+        self.num_tokens = int(num_tokens)
+        self.head_begin = int(head_begin)
+        self.num_heads = int(num_heads)
+        s = _abi.init_config(_abi.KVBlocksStruct)
+        s.num_tokens = self.num_tokens
+        s.block_ids = ctypes.cast(self._ids, ctypes.POINTER(ctypes.c_int32))
+        s.num_block_ids = n
+        s.head_begin = self.head_begin
+        s.num_heads = self.num_heads
+        self._struct = s
+
+    @property
+    def heads(self):
+        """KV heads the request names (num_heads, or those from head_begin)."""
+        return self.num_heads or self.pool.kv_heads - self.head_begin
+
+    def __repr__(self):
+        return "KVBlocks(%d tokens, %d block ids, heads [%d, %d))" % (
+            self.num_tokens, len(self.block_ids), self.head_begin, self.head_begin + self.heads)
+
+
+# ---------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------
 Arrival = collections.namedtuple("Arrival", "t_ns traffic_class layer bytes")
@@ -597,7 +915,9 @@ _TRAMPOLINE = CALLBACK(_trampoline)
 
 
 class Request:
-    """A posted kvxfer_send or kvxfer_recv (Communicator.send/recv).
+    """A posted kvxfer_send, kvxfer_recv, kvxfer_send_blocks or
+    kvxfer_recv_blocks (Communicator.send/recv/send_blocks/recv_blocks).
+    `kv` is the KVDescriptor, or the KVBlocks of a block request.
 
     Stages run POSTED -> ANCHOR_READY -> COMPLETE, or end in ERROR.
     """
@@ -736,6 +1056,20 @@ class Request:
         with self._use() as h:
             _L.kvxfer_request_get_tiers(h, buf, n)
         return bytes(buf[:n])
+
+    def layer_ready(self, layer):
+        """kvxfer_send_layer_ready: layer `layer` of a send posted with
+        stream_layers=True is written; its pages may now be read and sent.
+        Layers leave in order, so one marked before an earlier one waits for
+        it.  Marking a layer twice, or one of a final request, does nothing.
+        A send whose next layer is not marked within the communicator's
+        timeout of the post or of the last mark ends in ERROR (ERR_TIMEOUT,
+        naming the layer), and its peer is told.
+        Errors: KvxferError ERR_INVALID_ARGUMENT (layer outside
+        [0, num_layers)), ERR_INVALID_USAGE (a receive, or a send posted
+        without stream_layers).  Threads: any thread, callbacks included."""
+        with self._use() as h:
+            _L.kvxfer_send_layer_ready(h, int(layer))
 
     def cancel(self):
         """kvxfer_request_cancel: ends this request, at any stage, in ERROR with
@@ -892,7 +1226,7 @@ class Communicator:
                     st.cond.notify_all()
 
     def send(self, peer, kv, codec=None, *, tag=0, mode=Mode.AUTO, page_tokens=0,
-             on_anchor_ready=None, on_complete=None):
+             stream_layers=False, on_anchor_ready=None, on_complete=None):
         """kvxfer_send: sends the KV described by `kv` to rank `peer`.
 
         Non-blocking; returns a Request.  The i-th send to a peer matches that
@@ -900,8 +1234,12 @@ class Communicator:
         codec: CodecConfig, a codec name ("lynx", "int8", "int4", "bf16",
         "spectrum": SpectrumKV with the default policy, Request.tiers()), or
         None (Lynx 4+4).  mode: Mode.AUTO/PROGRESSIVE/MONOLITHIC.  page_tokens:
-        tokens per page (0 = KVXFER_PAGE_TOKENS).  Callbacks: see the module
-        doc; each is called as fn(request, stage, result).
+        tokens per page (0 = KVXFER_PAGE_TOKENS).  stream_layers: True when
+        the KV is still being produced (a prefill in progress): no page of
+        layer l is read before Request.layer_ready(l), and layers leave in
+        order as they are marked; host KV only, not with codec "spectrum" or
+        alpha ALPHA_AUTO (ERR_UNSUPPORTED).  Callbacks: see the module doc;
+        each is called as fn(request, stage, result).
         """
         _drain_deferred()
         kv = _check_desc(kv)
@@ -911,10 +1249,67 @@ class Communicator:
         def post(cfg, handle):
             cfg.mode = int(mode)
             cfg.page_tokens = int(page_tokens)
+            cfg.stream_layers = int(stream_layers)
             self._call(_L.kvxfer_send, int(peer), ctypes.byref(kv._desc), ctypes.byref(cstruct),
                        ctypes.byref(cfg), ctypes.byref(handle))
 
         return Request(self, True, int(peer), kv, int(tag), on_anchor_ready, on_complete, post)
+
+    def send_blocks(self, peer, pool, block_ids, num_tokens, head_begin=0, num_heads=0,
+                    codec=None, *, tag=0, mode=Mode.AUTO, page_tokens=0, stream_layers=False,
+                    on_anchor_ready=None, on_complete=None):
+        """kvxfer_send_blocks: sends tokens [0, num_tokens) held in `block_ids`
+        of a registered KVPool to rank `peer`.
+
+        Token t is row t % block_size of block block_ids[t // block_size] of
+        every layer, K and V; heads [head_begin, head_begin + num_heads) of
+        each row are sent (num_heads 0: every head from head_begin).
+        block_ids: ints (a list, range, array('i'), an int32 NumPy array),
+        copied by the call; extra ids are ignored.  The peer sees a KV of the
+        pool's layers, head_dim and dtype, num_heads heads and num_tokens
+        tokens: it may receive with recv() or recv_blocks(), into another
+        block size or layout.  codec, tag, mode, page_tokens, stream_layers
+        and the callbacks are send()'s.  Non-blocking; returns a Request
+        (its .kv is the KVBlocks), which holds the pool until freed.
+        Errors: KvxferError ERR_INVALID_ARGUMENT naming a block id out of
+        range by its index and value ("block_ids[3] = 64 is not a block of
+        the pool [0, 64)"), too few ids or a head range outside the pool;
+        RuntimeError for a closed pool or communicator.
+        """
+        _drain_deferred()
+        blocks = KVBlocks(pool, block_ids, num_tokens, head_begin, num_heads)
+        cstruct = _codec_struct(codec)
+        mode = _enum(Mode, mode, "mode")
+
+        def post(cfg, handle):
+            cfg.mode = int(mode)
+            cfg.page_tokens = int(page_tokens)
+            cfg.stream_layers = int(stream_layers)
+            with blocks.pool._use() as ph:
+                self._call(_L.kvxfer_send_blocks, int(peer), ph, ctypes.byref(blocks._struct),
+                           ctypes.byref(cstruct), ctypes.byref(cfg), ctypes.byref(handle))
+
+        return Request(self, True, int(peer), blocks, int(tag), on_anchor_ready, on_complete,
+                       post)
+
+    def recv_blocks(self, peer, pool, block_ids, num_tokens, head_begin=0, num_heads=0, *,
+                    tag=0, on_anchor_ready=None, on_complete=None):
+        """kvxfer_recv_blocks: receives a KV from rank `peer` into `block_ids`
+        of a registered KVPool (arguments and errors as send_blocks).  The
+        blocks must stay untouched until the request is final.  A decode
+        rank holding more heads than each prefill rank posts one receive per
+        prefill rank, each naming that rank's heads (vLLM's heterogeneous
+        tensor parallelism).  Codec and page size are the sender's."""
+        _drain_deferred()
+        blocks = KVBlocks(pool, block_ids, num_tokens, head_begin, num_heads)
+
+        def post(cfg, handle):
+            with blocks.pool._use() as ph:
+                self._call(_L.kvxfer_recv_blocks, int(peer), ph, ctypes.byref(blocks._struct),
+                           ctypes.byref(cfg), ctypes.byref(handle))
+
+        return Request(self, False, int(peer), blocks, int(tag), on_anchor_ready, on_complete,
+                       post)
 
     def recv(self, peer, kv, *, tag=0, on_anchor_ready=None, on_complete=None):
         """kvxfer_recv: receives a KV cache from rank `peer` into `kv`'s blocks
@@ -983,6 +1378,11 @@ def _at_exit():
     _drain_deferred()
     for st in list(_live_requests):
         _release_request(st)
+    for st in list(_live_pools):  # after the requests: every one is final now
+        try:
+            _deregister_pool(st, False)
+        except KvxferError as e:
+            log.warning("kvxfer: kvxfer_kv_pool_deregister at exit: %s", e)
 
 
 # ---------------------------------------------------------------------------
