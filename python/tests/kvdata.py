@@ -170,3 +170,51 @@ class Pool:
                     buf[lo:hi] = encode_floats([rng.gauss(0.0, 1.0) for _ in range(self.H)],
                                                self.dtype)
         return self
+
+
+def block_ids(num_blocks, n, seed):
+    """`n` distinct ids of [0, num_blocks), shuffled (a runtime's free list)."""
+    return random.Random(seed).sample(range(num_blocks), n)
+
+
+class FlashPool:
+    """A host KV pool as vLLM's FlashAttention backend holds it: per layer one
+    bytearray [2][num_blocks][block_size][heads * head_dim], K then V.  Unused
+    bytes are 0xA5.  register() makes the kvxfer.KVPool over it."""
+
+    def __init__(self, L, heads, hd, block_size, num_blocks, dtype=0):
+        self.L, self.heads, self.hd, self.H = L, heads, hd, heads * hd
+        self.bs, self.nblocks = block_size, num_blocks
+        self.dtype = kvxfer.Dtype(dtype)
+        self.es = ITEMSIZE[self.dtype]
+        self.block_bytes = block_size * self.H * self.es
+        self.layers = [bytearray(b"\xa5" * (2 * num_blocks * self.block_bytes))
+                       for _ in range(L)]
+
+    def register(self):
+        return kvxfer.KVPool.from_layers(self.layers, block_size=self.bs, kv_heads=self.heads,
+                                         head_dim=self.hd, dtype=self.dtype)
+
+    def _span(self, kind, ids, t, h0, nh):
+        kind = kvxfer.KVKind(kind)
+        lo = (int(kind) * self.nblocks + ids[t // self.bs]) * self.block_bytes
+        lo += (t % self.bs) * self.H * self.es + h0 * self.hd * self.es
+        return lo, lo + nh * self.hd * self.es
+
+    def put_layer(self, src, layer, ids, h0=0):
+        """Layer `layer` of HostKV `src` into blocks `ids`, as heads [h0, h0 + src.heads)."""
+        n = src.H * src.es
+        for kind in (kvxfer.KVKind.KEY, kvxfer.KVKind.VALUE):
+            rows = src.rows(layer, kind)
+            for t in range(src.T):
+                lo, hi = self._span(kind, ids, t, h0, src.heads)
+                self.layers[layer][lo:hi] = rows[t * n:(t + 1) * n]
+
+    def rows(self, layer, kind, ids, num_tokens, h0=0, nh=None):
+        """Tokens [0, num_tokens) on blocks `ids`, heads [h0, h0 + nh), contiguous."""
+        nh = self.heads - h0 if nh is None else nh
+        out = bytearray()
+        for t in range(num_tokens):
+            lo, hi = self._span(kind, ids, t, h0, nh)
+            out += self.layers[layer][lo:hi]
+        return bytes(out)

@@ -5,6 +5,11 @@ and prints one line "RESULT <json>" before it exits.  Roles:
   idle       join as rank 1, post nothing, exit when stdin closes or gets a line
   init       join as rank 1 and report how kvxfer_comm_init ended
   connector  rank 1 through kvxfer.connector.KVSender (pages of a pool)
+  send_blocks  join as rank 1, put a HostKV from `seed` at shuffled block ids of a
+             registered FlashPool (heads [send_h0, send_h0 + heads) of pool_heads),
+             kvxfer_send_blocks it; with `stream`, post first, then write and mark
+             layers 0 .. L-2, print MARKED, and write and mark the last layer only
+             once stdin gets a line
 """
 
 import json
@@ -68,6 +73,47 @@ def role_send_many(spec, uid):
             except kvxfer.KvxferError as e:
                 bad.append((i, str(e)))
         return {"ok": not bad, "bad": bad}
+
+
+def role_send_blocks(spec, uid):
+    with Communicator(uid, 1, 2, timeout_ms=spec.get("timeout_ms", 20000),
+                      bind_address="127.0.0.1") as comm:
+        src = shape(spec).fill(spec["seed"])
+        h0 = spec.get("send_h0", 0)
+        fp = kvdata.FlashPool(spec["L"], spec.get("pool_heads", spec["heads"]), spec["hd"],
+                              spec["block_size"], spec["pool_blocks"], spec.get("dtype", 0))
+        ids = kvdata.block_ids(spec["pool_blocks"], -(-spec["T"] // spec["block_size"]),
+                               spec["seed"])
+        stream = spec.get("stream", False)
+        if not stream:
+            for layer in range(spec["L"]):
+                fp.put_layer(src, layer, ids, h0)
+        out = {}
+        with fp.register() as pool:
+            req = comm.send_blocks(0, pool, ids, spec["T"], h0, spec["heads"],
+                                   kvxfer.CodecConfig(**spec.get("codec", {})),
+                                   tag=spec.get("tag", 0), page_tokens=spec.get("page_tokens", 0),
+                                   stream_layers=stream)
+            if stream:
+                for layer in range(spec["L"] - 1):
+                    fp.put_layer(src, layer, ids, h0)
+                    req.layer_ready(layer)
+                req.layer_ready(0)  # twice: no change
+                print("MARKED", flush=True)
+                sys.stdin.readline()
+                fp.put_layer(src, spec["L"] - 1, ids, h0)
+                req.layer_ready(spec["L"] - 1)
+            try:
+                req.wait(timeout=60)
+                out["ok"] = True
+            except kvxfer.KvxferError as e:
+                out["error"] = err_dict(e)
+            i = req.info()
+            out["info"] = {"anchor_wire_bytes": i.anchor_wire_bytes,
+                           "residual_wire_bytes": i.residual_wire_bytes,
+                           "num_pages": i.num_pages, "kv_bytes": i.kv_bytes}
+            req.free()
+    return out
 
 
 def role_idle(spec, uid):
@@ -169,7 +215,7 @@ def main():
     spec = json.loads(sys.argv[1])
     uid = UniqueId.from_hex(spec["uid"])
     out = {"send": role_send, "send_many": role_send_many, "idle": role_idle, "init": role_init,
-           "connector": role_connector,
+           "connector": role_connector, "send_blocks": role_send_blocks,
            "connector_cancel_first": role_connector_cancel_first}[spec["role"]](spec, uid)
     print("RESULT " + json.dumps(out), flush=True)
 
