@@ -23,10 +23,12 @@ Lifetimes
 ---------
 A Request keeps its KVDescriptor (and so every buffer it was built from) or
 its KVPool, its Communicator and its callbacks alive until it has reached a
-final stage and has been freed.  Dropping a Request that is still in flight does not free its
-memory early: the binding parks it and frees it once it is final.  A
-Communicator dropped or left open is destroyed at interpreter exit, before the
-interpreter shuts down, so the progress thread never calls into a dying
+final stage and has been freed.  Dropping a Request that is still in flight
+does not free its memory early: the binding parks it and frees it once it is
+final.  A KVPool is deregistered by close(), or once it is dropped and every
+request on it is freed.  A Communicator dropped or left open is destroyed at
+interpreter exit, before the interpreter shuts down, and open pools are
+deregistered after it, so the progress thread never calls into a dying
 interpreter.
 """
 
