@@ -19,6 +19,7 @@
 #include "common/fdio.h"
 #include "kvxfer/kvxfer.h"
 #include "perf/common/harness.h"
+#include "perf/common/whole_kv.h"
 
 namespace {
 
@@ -26,7 +27,7 @@ namespace kp = kvxfer::perf;
 using nlohmann::json;
 
 constexpr const char* kTool = "fanin_perf";
-constexpr int32_t kLayers = 8, kHeads = 8, kHeadDim = 128, kPageTokens = 256;
+constexpr int32_t kLayers = 8, kPageTokens = 256;
 
 struct Options {
   kp::CommonOptions common;
@@ -37,57 +38,24 @@ struct Options {
   int timeout_ms = 60000;
 };
 
-/** One request's KV: per layer and kind one block of `tokens` rows of bf16. */
-struct Kv {
-  int64_t T;
-  std::vector<std::vector<uint16_t>> k, v;
-  std::vector<void*> kb, vb;
-  kvxfer_kv_desc_t desc = KVXFER_KV_DESC_INITIALIZER;
-  explicit Kv(int64_t T_) : T(T_) {
-    const size_t n = static_cast<size_t>(T) * kHeads * kHeadDim;
-    for (int l = 0; l < kLayers; ++l) {
-      k.emplace_back(n, 0);
-      v.emplace_back(n, 0);
-    }
-    for (int l = 0; l < kLayers; ++l) kb.push_back(k[l].data());
-    for (int l = 0; l < kLayers; ++l) vb.push_back(v[l].data());
-    desc.num_layers = kLayers;
-    desc.kv_heads = kHeads;
-    desc.head_dim = kHeadDim;
-    desc.dtype = KVXFER_DTYPE_BF16;
-    desc.num_tokens = T;
-    desc.block_size = static_cast<int32_t>(T);
-    desc.num_blocks = 1;
-    desc.k_blocks = kb.data();
-    desc.v_blocks = vb.data();
-  }
-  /** KV-like bf16 values (per-channel scale, Gaussian), a function of `seed`. */
-  void fill(uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> g(0.0f, 1.0f);
-    for (int l = 0; l < kLayers; ++l)
-      for (auto* t : {&k[l], &v[l]})
-        for (size_t i = 0; i < t->size(); ++i) {
-          const float x = g(rng) * (1.0f + 0.25f * static_cast<float>(i % 7));
-          uint32_t u;
-          std::memcpy(&u, &x, 4);
-          (*t)[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-        }
-  }
-};
+using Kv = kp::WholeKv;
+
+/** KV-like bf16 values (per-channel scale, Gaussian), a function of `seed`. */
+void fill(Kv* kv, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (int l = 0; l < kv->L; ++l)
+    for (auto* t : {&kv->k[l], &kv->v[l]})
+      for (size_t i = 0; i < t->size(); ++i)
+        (*t)[i] = kp::bf16_of(g(rng) * (1.0f + 0.25f * static_cast<float>(i % 7)));
+}
 
 uint64_t seed_of(int rank, int request) { return 1000u * static_cast<uint64_t>(rank) + request; }
 
 kvxfer_comm_t init_comm(const Options& o, const kvxfer_unique_id_t& id, int rank) {
-  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
-  cfg.timeout_ms = o.timeout_ms;
-  cfg.rate_limit = o.rate.c_str();
-  kvxfer_comm_t comm = nullptr;
-  if (kvxfer_comm_init(&comm, o.prefill + 1, id, rank, &cfg) < 0) {
-    std::fprintf(stderr, "%s: kvxfer_comm_init (rank %d): %s\n", kTool, rank,
-                 kvxfer_get_last_error());
-    return nullptr;
-  }
+  std::string err;
+  kvxfer_comm_t comm = kp::init_comm(id, o.prefill + 1, rank, o.rate, o.timeout_ms, &err);
+  if (comm == nullptr) std::fprintf(stderr, "%s: %s\n", kTool, err.c_str());
   return comm;
 }
 
@@ -101,8 +69,8 @@ int prefill(const Options& o, const kvxfer_unique_id_t& id, int rank, int rd, in
   if (comm == nullptr) return 2;
   std::vector<Kv> kv;
   for (int r = 0; r < o.requests; ++r) {
-    kv.emplace_back(o.tokens);
-    kv.back().fill(seed_of(rank, r));
+    kv.emplace_back(kLayers, o.tokens);
+    fill(&kv.back(), seed_of(rank, r));
   }
   char b = 'r';
   if (!kvxfer::fdio::write_all(wr, &b, 1) || !kvxfer::fdio::read_all(rd, &b, 1, o.timeout_ms))
@@ -121,35 +89,15 @@ int prefill(const Options& o, const kvxfer_unique_id_t& id, int rank, int rd, in
   return st;
 }
 
-/** Bytes of `got` that differ from the codec's own decode of `src` (the engine's pages). */
-uint64_t wrong_bytes(const Kv& src, const Kv& got) {
-  Kv want(src.T);
-  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  const int32_t H = kHeads * kHeadDim;
-  uint64_t wrong = 0;
-  for (int l = 0; l < kLayers; ++l)
-    for (int kind = 0; kind < 2; ++kind)
-      for (int64_t t0 = 0; t0 < src.T; t0 += kPageTokens) {
-        const int64_t n = std::min<int64_t>(kPageTokens, src.T - t0);
-        void* sb = kind == 0 ? src.kb[l] : src.vb[l];
-        void* db = kind == 0 ? want.kb[l] : want.vb[l];
-        kvxfer_page_layout_t sl{
-            &sb, 1, static_cast<int32_t>(src.T), H, t0, n, H, KVXFER_DTYPE_BF16};
-        kvxfer_page_layout_t dl = sl;
-        dl.blocks = &db;
-        size_t acap = 0, rcap = 0, al = 0, rl = 0;
-        kvxfer_page_max_size(&cfg, n, H, &acap, &rcap);
-        std::vector<uint8_t> a(acap), r(rcap);
-        const kvxfer_page_id_t pid{static_cast<uint32_t>(l), static_cast<kvxfer_kv_kind_t>(kind),
-                                   t0, 0};
-        if (kvxfer_page_encode(&cfg, &pid, &sl, a.data(), acap, &al, r.data(), rcap, &rl) < 0 ||
-            kvxfer_page_decode(a.data(), al, r.data(), rl, &pid, &dl) < 0)
-          return UINT64_MAX;
-      }
-  for (int l = 0; l < kLayers; ++l)
-    for (size_t i = 0; i < got.k[l].size(); ++i)
-      wrong += (got.k[l][i] != want.k[l][i]) + (got.v[l][i] != want.v[l][i]);
-  return wrong;
+/** Elements of `got` that differ from the codec's own decode of `src` (the engine's pages). */
+uint64_t wrong_elements(const Kv& src, const Kv& got) {
+  Kv want(kLayers, src.T);
+  std::string err;
+  if (!kp::expected_decode(src, KVXFER_CODEC_CONFIG_INITIALIZER, kPageTokens, 0, &want, &err)) {
+    std::fprintf(stderr, "%s: expected pages: %s\n", kTool, err.c_str());
+    return UINT64_MAX;
+  }
+  return want.differing(got);
 }
 
 }  // namespace
@@ -202,14 +150,14 @@ int main(int argc, char** argv) {
     from_child.push_back(up[0]);
   }
   kp::print_preamble(stdout, kTool, kp::machine_info(), kp::kvxfer_settings());
-  const double req_mib = 2.0 * kLayers * o.tokens * kHeads * kHeadDim * 2 / (1 << 20);
+  const double req_mib = 2.0 * kLayers * o.tokens * 8 * 128 * 2 / (1 << 20);
   std::printf("# Options: -r %s -P %d -R %d --tokens %" PRId64
               " | Lynx 4+4, %.0f MiB per request, %d requests into rank 0\n",
               o.rate.c_str(), o.prefill, o.requests, o.tokens, req_mib, o.prefill * o.requests);
   kvxfer_comm_t comm = init_comm(o, id, 0);
   if (comm == nullptr) return 2;
   std::vector<Kv> dst;
-  for (int i = 0; i < o.prefill * o.requests; ++i) dst.emplace_back(o.tokens);
+  for (int i = 0; i < o.prefill * o.requests; ++i) dst.emplace_back(kLayers, o.tokens);
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   std::vector<kvxfer_request_t> req;
   for (int p = 1; p <= o.prefill; ++p)
@@ -260,9 +208,9 @@ int main(int argc, char** argv) {
   uint64_t wrong = 0;
   for (int p = 1; p <= o.prefill && ok; ++p)
     for (int r = 0; r < o.requests; ++r) {
-      Kv src(o.tokens);
-      src.fill(seed_of(p, r));
-      wrong += wrong_bytes(src, dst[static_cast<size_t>((p - 1) * o.requests + r)]);
+      Kv src(kLayers, o.tokens);
+      fill(&src, seed_of(p, r));
+      wrong += wrong_elements(src, dst[static_cast<size_t>((p - 1) * o.requests + r)]);
     }
   const double margin_ms = (first_residual - last_anchor) * 1e-6;
   const double span_s = (last_complete - t_post) * 1e-9;
@@ -276,7 +224,7 @@ int main(int argc, char** argv) {
       margin_ms, margin_ms >= 0 ? "yes" : "no");
   std::printf("# all %zu requests complete after %.1f ms; %.3f GB/s of wire bytes into rank 0\n",
               req.size(), span_s * 1e3, span_s > 0 ? wire / span_s * 1e-9 : 0.0);
-  std::printf("# Wrong bytes: %" PRIu64 " %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
+  std::printf("# Wrong elements: %" PRIu64 " %s\n", wrong, wrong == 0 ? "OK" : "FAILED");
   const int json_rc = kp::emit_json(kTool, o.common.json_path,
                                     {{"tool", kTool},
                                      {"rate", o.rate},

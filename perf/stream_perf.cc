@@ -24,6 +24,7 @@
 #include "kvxfer/kvxfer.h"
 #include "perf/common/harness.h"
 #include "perf/common/kv_data.h"
+#include "perf/common/whole_kv.h"
 
 namespace {
 
@@ -44,43 +45,11 @@ struct Options {
   int timeout_ms = 30000;
 };
 
-/** The KV of one side: per layer and kind one block of `tokens` rows. */
-struct Kv {
-  int L = 0;
-  int64_t T = 0;
-  int32_t H = 1024;
-  std::vector<std::vector<uint16_t>> k, v;  // bf16 [T][H]
-  std::vector<void*> kb, vb;
-  kvxfer_kv_desc_t desc = KVXFER_KV_DESC_INITIALIZER;
-  Kv(int L_, int64_t T_) : L(L_), T(T_) {
-    for (int l = 0; l < L; ++l) {
-      k.emplace_back(static_cast<size_t>(T) * H, 0);
-      v.emplace_back(static_cast<size_t>(T) * H, 0);
-    }
-    for (int l = 0; l < L; ++l) kb.push_back(k[l].data());
-    for (int l = 0; l < L; ++l) vb.push_back(v[l].data());
-    desc.num_layers = L;
-    desc.kv_heads = 8;
-    desc.head_dim = 128;
-    desc.dtype = KVXFER_DTYPE_BF16;
-    desc.num_tokens = T;
-    desc.block_size = static_cast<int32_t>(T);
-    desc.num_blocks = 1;
-    desc.k_blocks = kb.data();
-    desc.v_blocks = vb.data();
-  }
-  size_t layer_bytes() const { return static_cast<size_t>(T) * H * 2; }
-};
-
-uint16_t to_bf16(float f) {  // round to nearest even (the values are finite)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+using Kv = kp::WholeKv;
 
 bool fill(Kv* kv) {
   const km::SyntheticKVSpec spec = kp::llama3_8b_like_spec(kv->L);
-  std::vector<float> tmp(static_cast<size_t>(kv->T) * kv->H);
+  std::vector<float> tmp(static_cast<size_t>(kv->T) * kv->H());
   std::string err;
   for (int l = 0; l < kv->L; ++l)
     for (int kind = 0; kind < 2; ++kind) {
@@ -90,7 +59,7 @@ bool fill(Kv* kv) {
         return false;
       }
       auto& dst = kind == 0 ? kv->k[l] : kv->v[l];
-      for (size_t i = 0; i < tmp.size(); ++i) dst[i] = to_bf16(tmp[i]);
+      for (size_t i = 0; i < tmp.size(); ++i) dst[i] = kp::bf16_of(tmp[i]);
     }
   return true;
 }
@@ -102,35 +71,6 @@ kvxfer_codec_config_t codec_of(const std::string& name) {
   return c;  // lynx: the default, 4 + 4
 }
 
-/**
- * What the receiver must hold: every page of `src` through the public codec
- * (the engine's page plan: layer-major, K before V, page_tokens tokens).
- */
-bool expected(const Kv& src, const kvxfer_codec_config_t& cfg, int32_t page_tokens, Kv* out) {
-  for (int l = 0; l < src.L; ++l)
-    for (int kind = 0; kind < 2; ++kind)
-      for (int64_t t0 = 0; t0 < src.T; t0 += page_tokens) {
-        const int64_t n = std::min<int64_t>(page_tokens, src.T - t0);
-        void* sb = kind == 0 ? src.kb[l] : src.vb[l];
-        void* db = kind == 0 ? out->kb[l] : out->vb[l];
-        kvxfer_page_layout_t sl{
-            &sb, 1, static_cast<int32_t>(src.T), src.H, t0, n, src.H, KVXFER_DTYPE_BF16};
-        kvxfer_page_layout_t dl = sl;
-        dl.blocks = &db;
-        size_t acap = 0, rcap = 0, al = 0, rl = 0;
-        if (kvxfer_page_max_size(&cfg, n, src.H, &acap, &rcap) < 0) return false;
-        std::vector<uint8_t> a(acap), r(rcap);
-        const kvxfer_page_id_t id{static_cast<uint32_t>(l), static_cast<kvxfer_kv_kind_t>(kind), t0,
-                                  kTag};
-        if (kvxfer_page_encode(&cfg, &id, &sl, a.data(), acap, &al, r.data(), rcap, &rl) < 0 ||
-            kvxfer_page_decode(a.data(), al, r.data(), rl, &id, &dl) < 0) {
-          std::fprintf(stderr, "%s: expected pages: %s\n", kTool, kvxfer_get_last_error());
-          return false;
-        }
-      }
-  return true;
-}
-
 // One line per request from the receiver.
 struct Report {
   int32_t result;
@@ -139,15 +79,9 @@ struct Report {
 };
 
 kvxfer_comm_t init_comm(const Options& o, const kvxfer_unique_id_t& id, int rank) {
-  kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
-  cfg.timeout_ms = o.timeout_ms;
-  cfg.rate_limit = o.rate.c_str();
-  kvxfer_comm_t comm = nullptr;
-  if (kvxfer_comm_init(&comm, 2, id, rank, &cfg) < 0) {
-    std::fprintf(stderr, "%s: kvxfer_comm_init (rank %d): %s\n", kTool, rank,
-                 kvxfer_get_last_error());
-    return nullptr;
-  }
+  std::string err;
+  kvxfer_comm_t comm = kp::init_comm(id, 2, rank, o.rate, o.timeout_ms, &err);
+  if (comm == nullptr) std::fprintf(stderr, "%s: %s\n", kTool, err.c_str());
   return comm;
 }
 
@@ -161,7 +95,11 @@ int receiver(const Options& o, const kvxfer_unique_id_t& id, int rd, int wr,
   std::vector<Kv> want;
   for (const std::string& c : codecs) {
     want.emplace_back(o.layers, o.tokens);
-    if (!expected(src, codec_of(c), 256, &want.back())) return 2;
+    std::string err;
+    if (!kp::expected_decode(src, codec_of(c), 256, kTag, &want.back(), &err)) {
+      std::fprintf(stderr, "%s: expected pages: %s\n", kTool, err.c_str());
+      return 2;
+    }
   }
   Kv dst(o.layers, o.tokens);
   uint8_t which;
@@ -185,10 +123,7 @@ int receiver(const Options& o, const kvxfer_unique_id_t& id, int rd, int wr,
     rep.t_complete_ns = info.t_complete_ns;
     rep.anchor_wire = info.anchor_wire_bytes;
     rep.residual_wire = info.residual_wire_bytes;
-    const Kv& w = want[which];
-    for (int l = 0; l < o.layers; ++l)
-      for (size_t i = 0; i < w.k[l].size(); ++i)
-        rep.wrong += (dst.k[l][i] != w.k[l][i]) + (dst.v[l][i] != w.v[l][i]);
+    rep.wrong = want[which].differing(dst);
     kvxfer_request_free(req);
     kvxfer::fdio::write_all(wr, &rep, sizeof(rep));
   }
@@ -390,7 +325,8 @@ int main(int argc, char** argv) {
   kvxfer::fdio::write_all(wr, &quit, 1);
   kvxfer_comm_destroy(comm);
   child.wait_for(30);
-  std::printf("# Wrong bytes: %" PRIu64 " %s\n", wrong_total, wrong_total == 0 ? "OK" : "FAILED");
+  std::printf("# Wrong elements: %" PRIu64 " %s\n", wrong_total,
+              wrong_total == 0 ? "OK" : "FAILED");
   std::printf("# Streamed rows within their bound: %s\n", all_met ? "yes" : "no");
   const int json_rc =
       kp::emit_json(kTool, o.common.json_path, {{"tool", kTool}, {"rate", o.rate}, {"rows", rows}});
