@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -514,7 +515,11 @@ TEST(CApi, ConfigWithWrongSizeMagicOrVersionIsRejected) {
   } const cases[] = {
       {"size-1", [](kvxfer_codec_config_t* c) { c->size -= 1; }, "KVXFER_CODEC_CONFIG_INITIALIZER"},
       {"size0", [](kvxfer_codec_config_t* c) { c->size = 0; }, "KVXFER_CODEC_CONFIG_INITIALIZER"},
-      {"size+8", [](kvxfer_codec_config_t* c) { c->size += 8; }, "KVXFER_CODEC_CONFIG_INITIALIZER"},
+      {"size+8", [](kvxfer_codec_config_t* c) { c->size += 8; },
+       "codec config has size 56, larger than the 48 bytes of this library's kvxfer.h"},
+      {"size-4", [](kvxfer_codec_config_t* c) { c->size -= 4; },
+       "size 44, magic 0x6b767866): the size must be 40 to 48, a multiple of 8"},
+      {"size32", [](kvxfer_codec_config_t* c) { c->size = 32; }, "the size must be 40 to 48"},
       {"magic", [](kvxfer_codec_config_t* c) { c->magic = 0x6b767867u; }, "magic 0x6b767867"},
       {"zeroed", [](kvxfer_codec_config_t* c) { std::memset(c, 0, sizeof(*c)); },
        "KVXFER_CODEC_CONFIG_INITIALIZER"},
@@ -556,6 +561,42 @@ TEST(CApi, ConfigWithWrongSizeMagicOrVersionIsRejected) {
   patch.version = KVXFER_VERSION_CODE + 1;
   size_t a, r;
   EXPECT_EQ(api().page_max_size(&patch, 8, 4, &a, &r), KVXFER_SUCCESS) << last_error();
+}
+
+// A codec config from a kvxfer.h without value_groups (size 40, not 48) is
+// accepted, and the library uses value_groups' default, CHANNEL, whatever
+// lies in the caller's memory past `size`: its V page is byte for byte the
+// one a whole config with CHANNEL gives, not the one TOKEN gives.
+TEST(CApi, OlderSmallerCodecConfigTakesTheDefaults) {
+  REQUIRE_API();
+  static_assert(sizeof(kvxfer_codec_config_t) == 48, "the layout this test knows");
+  Page src(40, 16, KVXFER_DTYPE_BF16);
+  fill(&src, 7);
+  const kvxfer_page_id_t id{1, KVXFER_KV_VALUE, 0, 9};  // token 0: sink rows
+  kvxfer_codec_config_t channel = default_config();
+  channel.sink_tokens = 3;  // a field the older layout has: the caller's value is used
+  kvxfer_codec_config_t token = channel;
+  token.value_groups = KVXFER_VALUE_GROUPS_TOKEN;
+  const Sections want = encode(channel, src, id), other = encode(token, src, id);
+  ASSERT_EQ(want.rc, KVXFER_SUCCESS) << last_error();
+  ASSERT_EQ(other.rc, KVXFER_SUCCESS) << last_error();
+  ASSERT_NE(want.anchor, other.anchor);  // value_groups shows in the bytes
+
+  kvxfer_codec_config_t older = token;  // TOKEN sits past the older size
+  older.size = offsetof(kvxfer_codec_config_t, value_groups);
+  ASSERT_EQ(older.size, 40u);
+  const Sections got = encode(older, src, id);
+  ASSERT_EQ(got.rc, KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(got.anchor, want.anchor);
+  EXPECT_EQ(got.residual, want.residual);
+  kvxfer_codec_config_t no_sinks = channel;
+  no_sinks.sink_tokens = 0;
+  EXPECT_NE(got.anchor, encode(no_sinks, src, id).anchor);  // sink_tokens 3 was read
+  size_t a_old = 0, r_old = 0, a_ch = 0, r_ch = 0;
+  ASSERT_EQ(api().page_max_size(&older, 40, 16, &a_old, &r_old), KVXFER_SUCCESS) << last_error();
+  ASSERT_EQ(api().page_max_size(&channel, 40, 16, &a_ch, &r_ch), KVXFER_SUCCESS);
+  EXPECT_EQ(a_old, a_ch);
+  EXPECT_EQ(r_old, r_ch);
 }
 
 // kvxfer_page_max_size of a shape no page can have: INVALID_ARGUMENT naming

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -17,9 +18,11 @@
 #include <string>
 #include <thread>
 
+#include "codec/kv_desc.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
+#include "common/struct_abi.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer {
@@ -632,6 +635,129 @@ TEST_F(Environment, LogLineFormatAndDebugFile) {
         std::_Exit(ok ? 0 : 1);
       },
       ::testing::ExitedWithCode(0), "result 0");
+}
+
+}  // namespace
+}  // namespace kvxfer
+
+// ---------------------------------------------------------------------------
+// common/struct_abi.h: the size/magic/version rule of the public structs
+// ---------------------------------------------------------------------------
+
+namespace kvxfer {
+
+/** A struct with two layouts: {size, magic, version, a} and, appended, b. */
+struct TestConfig {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  int64_t a;
+  int64_t b;
+};
+#define TEST_CONFIG_INITIALIZER \
+  { sizeof(TestConfig), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 10, 20 }
+KVXFER_STRUCT_ABI(TestConfig, "test config", TEST_CONFIG_INITIALIZER, offsetof(TestConfig, b));
+
+namespace {
+
+TestConfig caller(size_t size) {
+  TestConfig t{sizeof(TestConfig), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 7, 99};
+  t.size = size;
+  return t;
+}
+
+TEST(StructAbi, OlderSmallerStructTakesTheDefaults) {
+  TestConfig in = caller(24), out{};
+  ASSERT_EQ(read_struct(&in, &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.a, 7);   // the caller's
+  EXPECT_EQ(out.b, 20);  // past size 24: the initializer's, not the 99 in memory
+  EXPECT_EQ(out.size, sizeof(TestConfig));
+  in = caller(32);
+  ASSERT_EQ(read_struct(&in, &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.a, 7);
+  EXPECT_EQ(out.b, 99);
+}
+
+TEST(StructAbi, LargerMisfitBadMagicAndOtherVersionsAreRefused) {
+  struct Case {
+    const char* name;
+    TestConfig in;
+    const char* message;
+  };
+  TestConfig magic = caller(32), major = caller(32), minor = caller(32), zero = caller(32);
+  magic.magic = 0;
+  major.version = KVXFER_VERSION_CODE + 10000;
+  minor.version = KVXFER_VERSION_CODE + 100;
+  zero.version = 0;
+  const Case cases[] = {
+      {"larger", caller(40),
+       "pre: test config has size 40, larger than the 32 bytes of this library's kvxfer.h"},
+      {"magic", magic,
+       "pre: test config not initialised (size 32, magic 0x0): use TEST_CONFIG_INITIALIZER"},
+      {"below the first layout", caller(16),
+       "pre: test config not initialised (size 16, magic 0x6b767866): the size must be 24 to 32, "
+       "a multiple of 8; use TEST_CONFIG_INITIALIZER"},
+      {"not a layout", caller(28), "(size 28, magic 0x6b767866): the size must be 24 to 32"},
+      {"major", major, "the major version must match"},
+      {"minor", minor, "is newer than this library"},
+      {"zero version", zero, "from header version 0"},
+  };
+  for (const Case& c : cases) {
+    TestConfig out = caller(32);
+    out.a = 1;
+    EXPECT_EQ(read_struct(&c.in, &out, "pre: "), KVXFER_ERR_INVALID_ARGUMENT) << c.name;
+    EXPECT_NE(std::string(last_error()).find(c.message), std::string::npos)
+        << c.name << ": " << last_error();
+    EXPECT_EQ(out.a, 1) << c.name;  // untouched
+  }
+  TestConfig patch = caller(32), out{};
+  patch.version = KVXFER_VERSION_CODE + 1;
+  EXPECT_EQ(read_struct(&patch, &out), KVXFER_SUCCESS) << last_error();
+  // A struct read in place must have every field.
+  const TestConfig older = caller(24);
+  EXPECT_EQ(check_struct(&older), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(check_struct_in_place(&older), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(last_error()).find("the size must be 32 to 32"), std::string::npos)
+      << last_error();
+}
+
+// kvxfer_request_config_t without `stream_layers` (size 56): 0, the
+// initializer's, not the 1 past the caller's 56 bytes.
+TEST(StructAbi, OlderRequestConfigDoesNotStreamLayers) {
+  static_assert(offsetof(kvxfer_request_config_t, stream_layers) == 56,
+                "the layout this test knows");
+  kvxfer_request_config_t in = KVXFER_REQUEST_CONFIG_INITIALIZER, out{};
+  in.tag = 77;
+  in.stream_layers = 1;
+  in.size = offsetof(kvxfer_request_config_t, stream_layers);
+  ASSERT_EQ(read_struct(&in, &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.tag, 77u);
+  EXPECT_EQ(out.stream_layers, 0);
+  in.size = sizeof(in);
+  ASSERT_EQ(read_struct(&in, &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.stream_layers, 1);
+}
+
+// kvxfer_kv_desc_t without `device` (size 80): read_kv_desc gives device -1
+// (host, the initializer's), not what lies past the caller's 80 bytes.
+TEST(StructAbi, OlderKvDescIsHostMemory) {
+  static_assert(offsetof(kvxfer_kv_desc_t, device) == 80, "the layout this test knows");
+  kvxfer_kv_desc_t in = KVXFER_KV_DESC_INITIALIZER, out{};
+  in.num_layers = 3;
+  in.device = 5;
+  in.size = offsetof(kvxfer_kv_desc_t, device);
+  ASSERT_EQ(codec::read_kv_desc(&in, "", &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.num_layers, 3);
+  EXPECT_EQ(out.device, -1);
+  EXPECT_EQ(out.size, sizeof(kvxfer_kv_desc_t));
+  in.size = sizeof(kvxfer_kv_desc_t);
+  ASSERT_EQ(codec::read_kv_desc(&in, "", &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.device, 5);
+  in.size = sizeof(kvxfer_kv_desc_t) + 8;
+  EXPECT_EQ(codec::read_kv_desc(&in, "op 2: ", &out), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(last_error()).find("op 2: KV descriptor has size 96, larger than the 88"),
+            std::string::npos)
+      << last_error();
 }
 
 }  // namespace

@@ -365,6 +365,17 @@ TEST(Args, OpValidation) {
   g.kv.row_stride = 0;
   g.kv.magic = 0;
   check(o, {"kv magic", KVXFER_ERR_INVALID_ARGUMENT, "KVXFER_KV_DESC_INITIALIZER"});
+  g.kv.magic = KVXFER_CONFIG_MAGIC;
+  // The call reads *kv and *codec in place: an older, smaller one is refused.
+  g.kv.size = offsetof(kvxfer_kv_desc_t, device);
+  check(o, {"older kv", KVXFER_ERR_INVALID_ARGUMENT,
+            "size 80, magic 0x6b767866): the size must be 88 to 88"});
+  g.kv.size = sizeof(kvxfer_kv_desc_t);
+  kvxfer_codec_config_t older = lynx;
+  older.size = offsetof(kvxfer_codec_config_t, value_groups);
+  o = op;
+  o.codec = &older;
+  check(o, {"older codec", KVXFER_ERR_INVALID_ARGUMENT, "codec config not initialised (size 40"});
 
   kvxfer_codec_config_t c = lynx;
   c.alpha = KVXFER_ALPHA_AUTO;

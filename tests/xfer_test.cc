@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cinttypes>
 #include <climits>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -243,7 +244,11 @@ int run_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, int32_t bs,
 // stride; anchor-only values at ANCHOR_READY, full values at COMPLETE, both
 // bit-exact against the codec's own decode of `dt` pages into `dt`; byte
 // counts equal on both sides.  Both sides hold their KV in `dt`.
-void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dtype_t dt) {
+// older_desc: the receiver's descriptor and request config come from a
+// kvxfer.h without `device` (size 80) and `stream_layers` (size 56); the 7
+// and the 1 past them must not be read (either would be refused).
+void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dtype_t dt,
+                bool older_desc = false) {
   Shape s;
   s.dt = dt;
   const uint64_t seed = 1234;
@@ -254,8 +259,16 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
   PagedKV dst(s.L, s.heads, s.hd, s.T, 48, dt, 5);  // other block size, padded rows
+  if (older_desc) {
+    dst.desc.size = offsetof(kvxfer_kv_desc_t, device);
+    dst.desc.device = 7;
+  }
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = 9;
+  if (older_desc) {
+    rc.size = offsetof(kvxfer_request_config_t, stream_layers);
+    rc.stream_layers = 1;  // "stream_layers is for a send", were it read
+  }
   test_hooks()->pause_residuals = true;
   kvxfer_request_t req = nullptr;
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS) << kvxfer_get_last_error();
@@ -321,6 +334,12 @@ void round_trip(const kvxfer_codec_config_t& cfg, kvxfer_mode_t mode, kvxfer_dty
 
 TEST(Xfer, LynxProgressiveAnchorThenFullBitExact) {
   round_trip(KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_AUTO, KVXFER_DTYPE_BF16);
+}
+
+// A descriptor from an older kvxfer.h (no `device`) is host memory; a
+// request config from one (no `stream_layers`) does not stream layers.
+TEST(Xfer, OlderSmallerKvDescAndRequestConfigTakeTheDefaults) {
+  round_trip(KVXFER_CODEC_CONFIG_INITIALIZER, KVXFER_MODE_PROGRESSIVE, KVXFER_DTYPE_BF16, true);
 }
 
 // FP16 and FP32 KV through kvxfer_send / kvxfer_recv, progressive and
@@ -1100,11 +1119,11 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   for (uint32_t v : {0u, 999999u}) {
     d = kv.desc;
     d.version = v;
-    expect_bad(d, "is from another kvxfer.h");
+    expect_bad(d, "KV descriptor from header version");
     kvxfer_request_config_t rcv = KVXFER_REQUEST_CONFIG_INITIALIZER;
     rcv.version = v;
     EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &rcv, &req), KVXFER_ERR_INVALID_ARGUMENT);
-    EXPECT_NE(std::string(kvxfer_get_last_error()).find("request config version"),
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("request config from header version"),
               std::string::npos)
         << kvxfer_get_last_error();
   }

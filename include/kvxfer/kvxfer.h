@@ -152,6 +152,24 @@ typedef enum {
   KVXFER_VALUE_GROUPS_AUTO = 2
 } kvxfer_value_groups_t;
 
+/**
+ * Magic of every kvxfer struct that begins with `size`, `magic` and
+ * `version` (set by its _INITIALIZER).  Fields are only ever appended to such
+ * a struct, each new one at the previous sizeof, so `size` says which fields
+ * the caller's header had.  The library accepts a struct when `magic` is this
+ * value; `size` lies between the size of its smallest layout and sizeof in
+ * the library's header, and is a multiple of the struct's alignment; and
+ * `version` has the library's major version and is not newer in
+ * major.minor.  An older, smaller struct is read with the _INITIALIZER's
+ * values for the fields it lacks, as NCCL reads ncclConfig_t.  A larger one
+ * comes from a newer header and is refused with KVXFER_ERR_INVALID_ARGUMENT,
+ * the error naming both sizes.  The smallest layouts:
+ * kvxfer_codec_config_t without value_groups, kvxfer_kv_desc_t without
+ * device, kvxfer_request_config_t without stream_layers; every other struct
+ * has one layout.  A struct the library writes
+ * (kvxfer_request_info_t, kvxfer_spec_monitor_t, ...) or reads in place
+ * (kvxfer_nccl_op_t's kv and codec) must have every field.
+ */
 #define KVXFER_CONFIG_MAGIC 0x6b767866u /* 'kvxf' */
 
 /**
@@ -163,8 +181,9 @@ typedef enum {
 
 /**
  * Codec parameters.  Initialise with KVXFER_CODEC_CONFIG_INITIALIZER, then
- * change fields.  `size`, `magic` and `version` let the library reject a
- * struct from an incompatible header.
+ * change fields.  `size`, `magic` and `version` follow KVXFER_CONFIG_MAGIC's
+ * rule: a smaller struct from a header without value_groups is accepted, and
+ * value_groups is then KVXFER_VALUE_GROUPS_CHANNEL.
  */
 typedef struct {
   size_t size;          /**< sizeof(kvxfer_codec_config_t) */
@@ -398,7 +417,8 @@ typedef struct kvxfer_request* kvxfer_request_t;
  */
 kvxfer_result_t kvxfer_get_unique_id(kvxfer_unique_id_t* id);
 
-/** Communicator options; start from KVXFER_COMM_CONFIG_INITIALIZER. */
+/** Communicator options; start from KVXFER_COMM_CONFIG_INITIALIZER.
+ *  `size`, `magic`, `version`: KVXFER_CONFIG_MAGIC's rule; one layout. */
 typedef struct {
   size_t size;      /**< sizeof(kvxfer_comm_config_t) */
   uint32_t magic;   /**< KVXFER_CONFIG_MAGIC */
@@ -427,7 +447,7 @@ typedef struct {
  * thread encodes and decodes pages; both are joined by destroy.
  * `config` may be NULL (defaults).
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, nranks outside [2, 65536], rank
- * out of range, config not initialised (size or magic), timeout_ms negative,
+ * out of range, config refused by KVXFER_CONFIG_MAGIC's rule, timeout_ms negative,
  * id malformed, rank 0 in a process that did not make the id, or rank 0 with
  * an id already used: each id makes one communicator; `*comm` is then NULL,
  * and an id refused for a bad argument is still usable);
@@ -482,7 +502,9 @@ kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank);
  * Ownership: the arrays are copied by kvxfer_send/recv; the blocks themselves
  * must stay valid (and, on the receiver, untouched) until the request reaches
  * a final stage (COMPLETE or ERROR).  Host memory, or CUDA device memory
- * with `device` set (docs/GPU.md).
+ * with `device` set (docs/GPU.md).  `size`, `magic` and `version` follow
+ * KVXFER_CONFIG_MAGIC's rule: a smaller descriptor from a header without
+ * `device` is accepted as host memory (device -1).
  */
 typedef struct {
   size_t size;          /**< sizeof(kvxfer_kv_desc_t) */
@@ -551,7 +573,9 @@ typedef enum {
 typedef void (*kvxfer_callback_t)(kvxfer_request_t request, kvxfer_stage_t stage,
                                   kvxfer_result_t result, void* user_data);
 
-/** Per-request options; start from KVXFER_REQUEST_CONFIG_INITIALIZER.  NULL = defaults. */
+/** Per-request options; start from KVXFER_REQUEST_CONFIG_INITIALIZER.  NULL = defaults.
+ *  `size`, `magic`, `version`: KVXFER_CONFIG_MAGIC's rule; a smaller one from
+ *  a header without stream_layers is accepted, and stream_layers is then 0. */
 typedef struct {
   size_t size;                       /**< sizeof(kvxfer_request_config_t) */
   uint32_t magic;                    /**< KVXFER_CONFIG_MAGIC */
@@ -894,7 +918,8 @@ typedef struct {
 
 /** Fills `*info` (its size/magic/version set by the caller, e.g. with
  *  KVXFER_REQUEST_INFO_INITIALIZER): a consistent snapshot.  Any thread.
- *  Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, info not initialised). */
+ *  Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, info refused by
+ *  KVXFER_CONFIG_MAGIC's rule; written in place, it must have every field). */
 kvxfer_result_t kvxfer_request_get_info(kvxfer_request_t request, kvxfer_request_info_t* info);
 
 /** One page section's arrival (receiver) or send completion (sender). */

@@ -53,7 +53,8 @@ typedef struct kvxfer_nccl_comm_s* kvxfer_nccl_comm_t;
 
 /**
  * Options of kvxfer_nccl_comm_init / _init_from_comms.  Start from
- * KVXFER_NCCL_CONFIG_INITIALIZER.  NULL = defaults.
+ * KVXFER_NCCL_CONFIG_INITIALIZER.  NULL = defaults.  `size`, `magic` and
+ * `version` follow KVXFER_CONFIG_MAGIC's rule (kvxfer.h); it has one layout.
  */
 typedef struct {
   size_t size;      /**< sizeof(kvxfer_nccl_config_t) */
@@ -157,7 +158,10 @@ typedef void (*kvxfer_nccl_callback_t)(int op_index, kvxfer_stage_t stage, kvxfe
 /**
  * One send or receive of a paged KV cache in device memory.  Start from
  * KVXFER_NCCL_OP_INITIALIZER.  Inputs are read; outputs are written by
- * kvxfer_nccl_xfer.
+ * kvxfer_nccl_xfer.  The call reads the op, *kv and *codec in place, so each
+ * must have every field of this header (KVXFER_CONFIG_MAGIC's rule, less
+ * the older layouts); a smaller one is refused with
+ * KVXFER_ERR_INVALID_ARGUMENT.
  */
 typedef struct {
   size_t size;      /**< sizeof(kvxfer_nccl_op_t) */

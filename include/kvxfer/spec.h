@@ -121,7 +121,9 @@ kvxfer_result_t kvxfer_spec_sample(const float* probs, int32_t vocab, uint64_t s
 /* Speculative window                                                        */
 /* ------------------------------------------------------------------------ */
 
-/** Options of kvxfer_spec_residual_time and kvxfer_spec_window. */
+/** Options of kvxfer_spec_residual_time and kvxfer_spec_window.  Its
+ *  `size`, `magic` and `version`, like those of every struct of this header,
+ *  follow KVXFER_CONFIG_MAGIC's rule (kvxfer.h); each has one layout. */
 typedef struct {
   size_t size;      /**< sizeof(kvxfer_spec_window_config_t) */
   uint32_t magic;   /**< KVXFER_CONFIG_MAGIC */

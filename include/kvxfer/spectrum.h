@@ -63,7 +63,8 @@ typedef enum {
 
 /**
  * SpectrumKV policy parameters.  Initialise with
- * KVXFER_SPECTRUM_CONFIG_INITIALIZER, then change fields.
+ * KVXFER_SPECTRUM_CONFIG_INITIALIZER, then change fields.  `size`, `magic`
+ * and `version` follow KVXFER_CONFIG_MAGIC's rule (kvxfer.h); one layout.
  */
 typedef struct {
   size_t size;      /**< sizeof(kvxfer_spectrum_config_t) */

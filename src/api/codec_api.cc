@@ -2,8 +2,25 @@
 // (api/api_call.h).
 #include "api/api_call.h"
 #include "codec/codec.h"
+#include "common/struct_abi.h"
 
 using kvxfer::api_call;
+
+namespace {
+
+/**
+ * The caller's codec config made whole (struct_abi.h: an older, smaller one
+ * takes the defaults for the fields it lacks).  An encode's lengths read 0
+ * on failure, as on every other encode failure.
+ */
+kvxfer_result_t whole_config(const kvxfer_codec_config_t* config, kvxfer_codec_config_t* out,
+                             size_t* anchor_len = nullptr, size_t* residual_len = nullptr) {
+  if (anchor_len != nullptr) *anchor_len = 0;
+  if (residual_len != nullptr) *residual_len = 0;
+  return kvxfer::read_struct(config, out);
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -19,7 +36,9 @@ kvxfer_result_t kvxfer_page_max_size(const kvxfer_codec_config_t* config, int64_
                                      int32_t num_channels, size_t* anchor_bytes,
                                      size_t* residual_bytes) {
   return api_call(__func__, [&] {
-    return kvxfer::codec::max_sizes(config, num_tokens, num_channels, anchor_bytes, residual_bytes);
+    kvxfer_codec_config_t c;
+    KVXFER_CHECK(whole_config(config, &c));
+    return kvxfer::codec::max_sizes(&c, num_tokens, num_channels, anchor_bytes, residual_bytes);
   });
 }
 
@@ -28,7 +47,9 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
                                    size_t* anchor_len, void* residual, size_t residual_cap,
                                    size_t* residual_len) {
   return api_call(__func__, [&] {
-    return kvxfer::codec::encode_page(config, id, src, anchor, anchor_cap, anchor_len, residual,
+    kvxfer_codec_config_t c;
+    KVXFER_CHECK(whole_config(config, &c, anchor_len, residual_len));
+    return kvxfer::codec::encode_page(&c, id, src, anchor, anchor_cap, anchor_len, residual,
                                       residual_cap, residual_len);
   });
 }
@@ -40,7 +61,9 @@ kvxfer_result_t kvxfer_page_encode_tiered(const kvxfer_codec_config_t* config,
                                           size_t anchor_cap, size_t* anchor_len, void* residual,
                                           size_t residual_cap, size_t* residual_len) {
   return api_call(__func__, [&] {
-    return kvxfer::codec::encode_page_tiered(config, id, src, token_tiers, anchor, anchor_cap,
+    kvxfer_codec_config_t c;
+    KVXFER_CHECK(whole_config(config, &c, anchor_len, residual_len));
+    return kvxfer::codec::encode_page_tiered(&c, id, src, token_tiers, anchor, anchor_cap,
                                              anchor_len, residual, residual_cap, residual_len);
   });
 }
@@ -64,9 +87,9 @@ kvxfer_result_t kvxfer_codec_calibrate_alpha(const kvxfer_codec_config_t* config
                                              const kvxfer_page_layout_t* pages, int32_t num_pages,
                                              float* alpha) {
   return api_call(__func__, [&] {
-    KVXFER_REQUIRE(config != nullptr, "codec config is NULL");
-    kvxfer_codec_config_t c = *config;  // config->alpha is ignored, as documented
-    c.alpha = 0.0f;
+    kvxfer_codec_config_t c;
+    KVXFER_CHECK(whole_config(config, &c));
+    c.alpha = 0.0f;  // config->alpha is ignored, as documented
     KVXFER_CHECK(kvxfer::codec::validate_config(&c));
     return kvxfer::codec::calibrate_alpha(&c, pages, num_pages, alpha);
   });

@@ -10,8 +10,10 @@
 #include <vector>
 
 #include "api/api_call.h"
+#include "codec/kv_desc.h"
 #include "common/error.h"
 #include "common/params.h"
+#include "common/struct_abi.h"
 #include "transport/bootstrap.h"
 #include "xfer/device.h"
 #include "xfer/engine.h"
@@ -60,14 +62,7 @@ kvxfer_result_t comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id
                    "nranks %d outside [2, %d]", nranks, kvxfer::transport::kBootstrapMaxRanks);
     KVXFER_REQUIRE(rank >= 0 && rank < nranks, "rank %d outside [0, %d)", rank, nranks);
     kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
-    if (config != nullptr) {
-      KVXFER_REQUIRE(
-          config->size == sizeof(kvxfer_comm_config_t) && config->magic == KVXFER_CONFIG_MAGIC,
-          "communicator config not initialised (size %zu, magic 0x%x): use "
-          "KVXFER_COMM_CONFIG_INITIALIZER",
-          config->size, config->magic);
-      cfg = *config;
-    }
+    if (config != nullptr) KVXFER_CHECK(kvxfer::read_struct(config, &cfg));
     KVXFER_REQUIRE(cfg.timeout_ms >= 0, "timeout_ms %d is negative", cfg.timeout_ms);
     const int timeout =
         cfg.timeout_ms > 0 ? cfg.timeout_ms : static_cast<int>(kvxfer::params::TimeoutMs());
@@ -157,9 +152,16 @@ static kvxfer_result_t post(bool is_send, kvxfer_comm_t comm, int peer, const kv
                             void* cuda_stream = nullptr) {
   KVXFER_REQUIRE(comm != nullptr && request != nullptr, "comm or request is NULL");
   *request = nullptr;
+  // The caller's structs made whole (common/struct_abi.h: older, smaller ones
+  // take the defaults for the fields they lack); the engine reads the copies.
+  kvxfer_kv_desc_t kv_whole;
+  if (kv != nullptr) KVXFER_CHECK(kvxfer::codec::read_kv_desc(kv, "", &kv_whole));
+  kvxfer_codec_config_t codec_whole;
+  if (codec != nullptr) KVXFER_CHECK(kvxfer::read_struct(codec, &codec_whole));
   auto* h = new kvxfer_request;
-  const kvxfer_result_t rc =
-      comm->engine->post(is_send, peer, kv, codec, config, h, &h->req, spectrum, cuda_stream);
+  const kvxfer_result_t rc = comm->engine->post(is_send, peer, kv != nullptr ? &kv_whole : nullptr,
+                                                codec != nullptr ? &codec_whole : nullptr, config,
+                                                h, &h->req, spectrum, cuda_stream);
   if (rc < 0) {
     delete h;
     return rc;
@@ -192,7 +194,7 @@ kvxfer_result_t kvxfer_send_spectrum(kvxfer_comm_t comm, int peer, const kvxfer_
   return kvxfer::api_call(__func__, [&] {
     kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
     cc.codec = KVXFER_CODEC_SPECTRUM;
-    if (codec != nullptr) cc = *codec;
+    if (codec != nullptr) KVXFER_CHECK(kvxfer::read_struct(codec, &cc));
     KVXFER_REQUIRE(cc.codec == KVXFER_CODEC_SPECTRUM,
                    "kvxfer_send_spectrum needs codec KVXFER_CODEC_SPECTRUM (or a NULL codec)");
     const kvxfer::xfer::SpectrumArgs sa{policy, importance};
@@ -244,9 +246,12 @@ static kvxfer_result_t post_blocks(bool is_send, kvxfer_comm_t comm, int peer,
   std::vector<void*> k, v;
   kvxfer_kv_desc_t kv;
   KVXFER_CHECK(pool->pool->describe(blocks, &k, &v, &kv));
+  kvxfer_codec_config_t codec_whole;  // made whole, as in post()
+  if (codec != nullptr) KVXFER_CHECK(kvxfer::read_struct(codec, &codec_whole));
   auto* h = new kvxfer_request;
-  const kvxfer_result_t rc = comm->engine->post(is_send, peer, &kv, codec, config, h, &h->req,
-                                                nullptr, nullptr, /*memory_checked=*/true);
+  const kvxfer_result_t rc =
+      comm->engine->post(is_send, peer, &kv, codec != nullptr ? &codec_whole : nullptr, config, h,
+                         &h->req, nullptr, nullptr, /*memory_checked=*/true);
   if (rc < 0) {
     delete h;
     return rc;

@@ -13,6 +13,7 @@
 #include "codec/format.h"
 #include "codec/page.h"
 #include "common/error.h"
+#include "common/struct_abi.h"
 
 namespace kvxfer::codec {
 namespace {
@@ -108,22 +109,17 @@ bool copy_in_checked(const void* src, size_t len, void* dst) {
   return probe.copy_in(src, len, dst);
 }
 
+kvxfer_result_t read_kv_desc(const kvxfer_kv_desc_t* kv, const std::string& prefix,
+                             kvxfer_kv_desc_t* out) {
+  return read_struct_probed(kv, out, copy_in_checked, prefix.c_str());
+}
+
 kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                                  const std::string& prefix, KvDesc* out) {
   const char* p = prefix.c_str();
-  KVXFER_REQUIRE(kv != nullptr, "%sKV descriptor is NULL", p);
-  Prober probe;
   kvxfer_kv_desc_t d;
-  KVXFER_REQUIRE(probe.copy_in(kv, sizeof(d), &d), "%sKV descriptor at %p is not readable memory",
-                 p, static_cast<const void*>(kv));
-  KVXFER_REQUIRE(d.size == sizeof(kvxfer_kv_desc_t) && d.magic == KVXFER_CONFIG_MAGIC,
-                 "%sKV descriptor not initialised (size %zu, magic 0x%x): use "
-                 "KVXFER_KV_DESC_INITIALIZER",
-                 p, d.size, d.magic);
-  KVXFER_REQUIRE(d.version / 100 == KVXFER_VERSION_CODE / 100,
-                 "%sKV descriptor version %u is from another kvxfer.h (this library is %d; the "
-                 "major and minor version must match): use KVXFER_KV_DESC_INITIALIZER",
-                 p, d.version, KVXFER_VERSION_CODE);
+  KVXFER_CHECK(read_kv_desc(kv, prefix, &d));
+  Prober probe;
   KVXFER_REQUIRE(d.num_layers >= 1 && d.kv_heads >= 1 && d.head_dim >= 1,
                  "%snum_layers %d, kv_heads %d and head_dim %d must be positive", p, d.num_layers,
                  d.kv_heads, d.head_dim);

@@ -71,4 +71,13 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
  */
 bool copy_in_checked(const void* src, size_t len, void* dst);
 
+/**
+ * Reads the caller's descriptor `kv` (struct_abi.h's rule: an older, smaller
+ * one is accepted) into `*out`, the fields it lacks at their
+ * KVXFER_KV_DESC_INITIALIZER values.  Reads it with process_vm_readv, as
+ * validate_kv_desc (which calls it), so an unreadable `kv` is an error.
+ */
+kvxfer_result_t read_kv_desc(const kvxfer_kv_desc_t* kv, const std::string& prefix,
+                             kvxfer_kv_desc_t* out);
+
 }  // namespace kvxfer::codec

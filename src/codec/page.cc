@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
+#include "common/struct_abi.h"
 
 namespace kvxfer::codec {
 
@@ -139,14 +140,7 @@ kvxfer_result_t resolve_impl(Impl requested, Impl* out) {
 }
 
 kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
-  KVXFER_REQUIRE(cfg != nullptr, "codec config is NULL");
-  KVXFER_REQUIRE(cfg->magic == KVXFER_CONFIG_MAGIC && cfg->size == sizeof(kvxfer_codec_config_t),
-                 "codec config was not initialised with KVXFER_CODEC_CONFIG_INITIALIZER "
-                 "(size %zu, magic 0x%08x)",
-                 cfg->size, cfg->magic);
-  KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
-                 "codec config from header version %u, library is %d", cfg->version,
-                 KVXFER_VERSION_CODE);
+  KVXFER_CHECK(check_struct_in_place(cfg));  // read_config made a smaller one whole
   // The enum fields as the integers the caller stored (c_enum_value).
   const int32_t codec = c_enum_value(cfg->codec), nonfinite = c_enum_value(cfg->nonfinite),
                 groups = c_enum_value(cfg->value_groups);

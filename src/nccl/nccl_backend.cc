@@ -39,6 +39,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
+#include "common/struct_abi.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_codec.h"
 #include "cuda/device_guard.h"
@@ -46,6 +47,13 @@
 
 using kvxfer::set_error;
 using kvxfer::strprintf;
+
+namespace kvxfer {
+KVXFER_STRUCT_ABI(kvxfer_nccl_config_t, "NCCL config", KVXFER_NCCL_CONFIG_INITIALIZER,
+                  sizeof(kvxfer_nccl_config_t));
+KVXFER_STRUCT_ABI(kvxfer_nccl_op_t, "kvxfer_nccl_op_t", KVXFER_NCCL_OP_INITIALIZER,
+                  sizeof(kvxfer_nccl_op_t));
+}  // namespace kvxfer
 
 // Device buffers and staging of a call that could not be drained (timeout,
 // NCCL failure): kept until destroy, when the streams are idle.
@@ -902,10 +910,7 @@ kvxfer_result_t check_config(const kvxfer_nccl_config_t* cfg, Options* out) {
   Options o;
   o.timeout_ms = params::TimeoutMs();
   if (cfg != nullptr) {
-    KVXFER_REQUIRE(cfg->size == sizeof(kvxfer_nccl_config_t) && cfg->magic == KVXFER_CONFIG_MAGIC,
-                   "NCCL config not initialised (size %zu, magic 0x%x): use "
-                   "KVXFER_NCCL_CONFIG_INITIALIZER",
-                   cfg->size, cfg->magic);
+    KVXFER_CHECK(check_struct_in_place(cfg));
     KVXFER_REQUIRE(cfg->anchor_traffic_class >= -1,
                    "anchor_traffic_class %d: use -1 (unset) or a class >= 0",
                    cfg->anchor_traffic_class);
@@ -924,9 +929,8 @@ kvxfer_result_t check_config(const kvxfer_nccl_config_t* cfg, Options* out) {
 
 kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, int device) {
   KVXFER_REQUIRE(op != nullptr, "op %d is NULL", index);
-  KVXFER_REQUIRE(op->size == sizeof(kvxfer_nccl_op_t) && op->magic == KVXFER_CONFIG_MAGIC,
-                 "op %d: not initialised (size %zu, magic 0x%x): use KVXFER_NCCL_OP_INITIALIZER",
-                 index, op->size, op->magic);
+  const std::string prefix = strprintf("op %d: ", index);
+  KVXFER_CHECK(check_struct_in_place(op, prefix.c_str()));
   KVXFER_REQUIRE(op->is_send == 0 || op->is_send == 1, "op %d: is_send %d is not 0 or 1", index,
                  op->is_send);
   KVXFER_REQUIRE(op->peer >= 0 && op->peer < nranks,
@@ -934,8 +938,9 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
                  nranks);
   const kvxfer_kv_desc_t* kv = op->kv;
   codec::KvDesc shape;
-  KVXFER_CHECK(
-      codec::validate_kv_desc(kv, codec::KvAccess::kNone, strprintf("op %d: ", index), &shape));
+  KVXFER_CHECK(codec::validate_kv_desc(kv, codec::KvAccess::kNone, prefix, &shape));
+  // The call reads *kv and *codec in place: they must have every field.
+  KVXFER_CHECK(check_struct_in_place(kv, prefix.c_str()));
   if (kv->device == -1)
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "op %d: the KV is in host memory (device -1); the NCCL backend moves device "
@@ -966,7 +971,10 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
   }
   if (op->is_send) {
     kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
-    if (op->codec != nullptr) cc = *op->codec;
+    if (op->codec != nullptr) {
+      KVXFER_CHECK(check_struct_in_place(op->codec, prefix.c_str()));
+      cc = *op->codec;
+    }
     if (cc.codec == KVXFER_CODEC_LYNX && cc.alpha == KVXFER_ALPHA_AUTO)
       return set_error(KVXFER_ERR_UNSUPPORTED,
                        "op %d: alpha=auto is not available on the GPU path; calibrate on the host "

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/struct_abi.h"
 #include "kvxfer/spec.h"
 
 namespace kvxfer::spec {
@@ -54,9 +55,3 @@ kvxfer_result_t monitor_query(const kvxfer_spec_monitor_t* m, int32_t* speculate
 kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_model_output_t* out);
 
 }  // namespace kvxfer::spec
-
-/** Fails with INVALID_ARGUMENT unless `p` is a non-NULL struct of type T with the kvxfer magic. */
-#define KVXFER_SPEC_REQUIRE_STRUCT(p, T, init)                                                  \
-  KVXFER_REQUIRE((p) != nullptr && (p)->size == sizeof(T) && (p)->magic == KVXFER_CONFIG_MAGIC, \
-                 #p " is NULL or not initialised (size %zu, magic 0x%x): use " init,            \
-                 (p) != nullptr ? (p)->size : size_t{0}, (p) != nullptr ? (p)->magic : 0u)

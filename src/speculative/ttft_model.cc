@@ -14,9 +14,8 @@ bool ok_nonneg(double x) { return std::isfinite(x) && x >= 0.0; }
 }  // namespace
 
 kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_model_output_t* out) {
-  KVXFER_SPEC_REQUIRE_STRUCT(in, kvxfer_spec_model_input_t, "KVXFER_SPEC_MODEL_INPUT_INITIALIZER");
-  KVXFER_SPEC_REQUIRE_STRUCT(out, kvxfer_spec_model_output_t,
-                             "KVXFER_SPEC_MODEL_OUTPUT_INITIALIZER");
+  KVXFER_CHECK(check_struct_in_place(in));
+  KVXFER_CHECK(check_struct_in_place(out));
   KVXFER_REQUIRE(std::isfinite(in->link_bytes_per_s) && in->link_bytes_per_s > 0.0,
                  "link_bytes_per_s %g is not > 0", in->link_bytes_per_s);
   KVXFER_REQUIRE(std::isfinite(in->tpot_s) && in->tpot_s > 0.0, "tpot_s %g is not > 0", in->tpot_s);

@@ -19,9 +19,8 @@ bool finite_nonneg(double x) { return std::isfinite(x) && x >= 0.0; }
 
 kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
                               const kvxfer_request_info_t* info, int64_t now_ns, double* t_res_s) {
-  KVXFER_SPEC_REQUIRE_STRUCT(config, kvxfer_spec_window_config_t,
-                             "KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER");
-  KVXFER_SPEC_REQUIRE_STRUCT(info, kvxfer_request_info_t, "KVXFER_REQUEST_INFO_INITIALIZER");
+  KVXFER_CHECK(check_struct_in_place(config));
+  KVXFER_CHECK(check_struct_in_place(info));
   KVXFER_REQUIRE(t_res_s != nullptr, "t_res_s is NULL");
   KVXFER_REQUIRE(std::isfinite(config->residual_ratio) && config->residual_ratio > 0.0,
                  "residual_ratio %g is not > 0", config->residual_ratio);
@@ -64,8 +63,7 @@ kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
 
 kvxfer_result_t window(const kvxfer_spec_window_config_t* config, double t_res_s, double tpot_s,
                        double elapsed_s, int32_t* out) {
-  KVXFER_SPEC_REQUIRE_STRUCT(config, kvxfer_spec_window_config_t,
-                             "KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER");
+  KVXFER_CHECK(check_struct_in_place(config));
   KVXFER_REQUIRE(out != nullptr, "window is NULL");
   KVXFER_REQUIRE(config->margin >= 0 && config->max_tokens >= 0,
                  "margin %d or max_tokens %d is negative", config->margin, config->max_tokens);
@@ -119,7 +117,7 @@ kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot
 namespace {
 
 kvxfer_result_t check_monitor(const kvxfer_spec_monitor_t* m) {
-  KVXFER_SPEC_REQUIRE_STRUCT(m, kvxfer_spec_monitor_t, "KVXFER_SPEC_MONITOR_INITIALIZER");
+  KVXFER_CHECK(check_struct_in_place(m));
   KVXFER_REQUIRE(std::isfinite(m->min_accept) && m->min_accept <= 1.0,
                  "min_accept %g is above 1 or not finite", m->min_accept);
   KVXFER_REQUIRE(m->min_tokens >= 1, "min_tokens %lld < 1", static_cast<long long>(m->min_tokens));

@@ -11,6 +11,7 @@
 
 #include "codec/page.h"
 #include "common/error.h"
+#include "common/struct_abi.h"
 #include "tiers/spectrum_impl.h"
 
 namespace kvxfer::spectrum {
@@ -61,14 +62,7 @@ void fill_in_order(const std::vector<int64_t>& order, const int64_t cnt[4], uint
 }  // namespace
 
 kvxfer_result_t validate_config(const kvxfer_spectrum_config_t* c) {
-  KVXFER_REQUIRE(c != nullptr, "spectrum config is NULL");
-  KVXFER_REQUIRE(c->size == sizeof(kvxfer_spectrum_config_t) && c->magic == KVXFER_CONFIG_MAGIC,
-                 "spectrum config is not initialised (size %zu, magic 0x%x): use "
-                 "KVXFER_SPECTRUM_CONFIG_INITIALIZER",
-                 c->size, c->magic);
-  KVXFER_REQUIRE(c->version / 100 == KVXFER_VERSION_CODE / 100,
-                 "spectrum config from header version %u, library is %d", c->version,
-                 KVXFER_VERSION_CODE);
+  KVXFER_CHECK(check_struct_in_place(c));
   if (!(c->budget >= 0.25 && c->budget <= 1.0)) {
     // The shortest digits that read back as the value: 0.24999999999999997, not 0.25.
     char b[40];

@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 
+#include "common/struct_abi.h"
 #include "xfer/engine_impl.h"
 
 namespace kvxfer::xfer {
@@ -97,10 +98,7 @@ kvxfer_result_t request_wait(Request& r, int32_t layer, int32_t want, int timeou
 
 kvxfer_result_t request_info(const Request& r, kvxfer_request_info_t* info) {
   KVXFER_REQUIRE(info != nullptr, "info is NULL");
-  KVXFER_REQUIRE(info->size == sizeof(kvxfer_request_info_t) && info->magic == KVXFER_CONFIG_MAGIC,
-                 "kvxfer_request_info_t not initialised (size %zu, magic 0x%x): use "
-                 "KVXFER_REQUEST_INFO_INITIALIZER",
-                 info->size, info->magic);
+  KVXFER_CHECK(check_struct_in_place(info));
   std::lock_guard<std::mutex> lk(r.mu);
   info->stage = r.stage;
   info->result = r.result;
@@ -385,18 +383,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
   }
 
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-  if (cfg != nullptr) {
-    KVXFER_REQUIRE(
-        cfg->size == sizeof(kvxfer_request_config_t) && cfg->magic == KVXFER_CONFIG_MAGIC,
-        "request config not initialised (size %zu, magic 0x%x): use "
-        "KVXFER_REQUEST_CONFIG_INITIALIZER",
-        cfg->size, cfg->magic);
-    KVXFER_REQUIRE(cfg->version / 100 == KVXFER_VERSION_CODE / 100,
-                   "request config version %u is from another kvxfer.h (this library is %d; the "
-                   "major and minor version must match): use KVXFER_REQUEST_CONFIG_INITIALIZER",
-                   cfg->version, KVXFER_VERSION_CODE);
-    rc = *cfg;
-  }
+  if (cfg != nullptr) KVXFER_CHECK(read_struct(cfg, &rc));
   const int32_t mode = c_enum_value(rc.mode);
   KVXFER_REQUIRE(
       mode == KVXFER_MODE_AUTO || mode == KVXFER_MODE_PROGRESSIVE || mode == KVXFER_MODE_MONOLITHIC,

@@ -6,6 +6,7 @@
 #include "codec/kv_desc.h"
 #include "codec/page.h"
 #include "common/error.h"
+#include "common/struct_abi.h"
 #include "xfer/engine.h"
 
 namespace kvxfer::xfer {
@@ -13,16 +14,7 @@ namespace kvxfer::xfer {
 kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_ptr<KvPool>* out) {
   KVXFER_REQUIRE(desc != nullptr && out != nullptr, "KV pool: desc or pool is NULL");
   kvxfer_kv_pool_desc_t d;
-  KVXFER_REQUIRE(codec::copy_in_checked(desc, sizeof(d), &d),
-                 "KV pool: descriptor at %p is not readable memory",
-                 static_cast<const void*>(desc));
-  KVXFER_REQUIRE(d.size == sizeof(kvxfer_kv_pool_desc_t) && d.magic == KVXFER_CONFIG_MAGIC,
-                 "KV pool: descriptor not initialised (size %zu, magic 0x%x): use "
-                 "KVXFER_KV_POOL_DESC_INITIALIZER",
-                 d.size, d.magic);
-  KVXFER_REQUIRE(d.version / 100 == KVXFER_VERSION_CODE / 100,
-                 "KV pool: descriptor version %u is from another kvxfer.h (this library is %d)",
-                 d.version, KVXFER_VERSION_CODE);
+  KVXFER_CHECK(read_struct_probed(desc, &d, codec::copy_in_checked, "KV pool: "));
   KVXFER_REQUIRE(d.num_layers >= 1 && d.num_blocks >= 1 && d.block_size >= 1,
                  "KV pool: num_layers %d, num_blocks %" PRId64
                  " and block_size %d must be positive",
@@ -95,14 +87,7 @@ kvxfer_result_t KvPool::describe(const kvxfer_kv_blocks_t* blocks, std::vector<v
                                  std::vector<void*>* v, kvxfer_kv_desc_t* out) const {
   KVXFER_REQUIRE(blocks != nullptr, "blocks is NULL");
   kvxfer_kv_blocks_t b;
-  KVXFER_REQUIRE(codec::copy_in_checked(blocks, sizeof(b), &b),
-                 "blocks at %p is not readable memory", static_cast<const void*>(blocks));
-  KVXFER_REQUIRE(b.size == sizeof(kvxfer_kv_blocks_t) && b.magic == KVXFER_CONFIG_MAGIC,
-                 "blocks not initialised (size %zu, magic 0x%x): use KVXFER_KV_BLOCKS_INITIALIZER",
-                 b.size, b.magic);
-  KVXFER_REQUIRE(b.version / 100 == KVXFER_VERSION_CODE / 100,
-                 "blocks version %u is from another kvxfer.h (this library is %d)", b.version,
-                 KVXFER_VERSION_CODE);
+  KVXFER_CHECK(read_struct_probed(blocks, &b, codec::copy_in_checked));
   KVXFER_REQUIRE(b.num_tokens >= 0 && b.num_tokens <= d_.num_blocks * d_.block_size,
                  "num_tokens %" PRId64 " is outside [0, %" PRId64 "] (the pool's %" PRId64
                  " blocks of %d tokens)",
