@@ -22,7 +22,7 @@ namespace kvxfer::xfer {
 int codec_workers(const TestHooks* hooks) {
   if (hooks != nullptr && hooks->codec_workers > 0) return hooks->codec_workers;
   const int64_t p = params::CodecThreads();
-  if (p > 0) return static_cast<int>(std::min<int64_t>(p, 64));
+  if (p > 0) return static_cast<int>(p);  // at most 64 (params.def)
   cpu_set_t set;
   CPU_ZERO(&set);
   const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;

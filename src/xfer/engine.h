@@ -8,7 +8,7 @@
 //                    bounded staging pool, publishes stages and runs the
 //                    callbacks; sleeps on the Links' CQ wait objects and an
 //                    eventfd when nothing moves;
-//   codec threads    (KVXFER_CODEC_THREADS; default half the CPUs, 1..8)
+//   codec threads    (KVXFER_CODEC_THREADS, 1..64; default half the CPUs, 1..8)
 //                    encode pages (sender) and decode them into the
 //                    receiver's blocks, one page per thread, highest priority
 //                    first: anchor decodes, then encodes, then residual decodes.
