@@ -173,15 +173,19 @@ TEST(KvPool, RegistersAndRefusesBadFieldsNamingThem) {
   d = p.desc;
   d.head_dim = 0;
   refused(d, "head_dim 0");
-  // A layer whose last block runs past the end of its memory.
-  void* m = mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // A layer whose last block is not accessible memory (PROT_NONE: whatever
+  // lies past a mapping may be mapped, under AddressSanitizer it is).
+  const size_t layer = p.block_bytes() * static_cast<size_t>(kPoolBlocks);
+  void* m = mmap(nullptr, layer, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(m, MAP_FAILED);
+  ASSERT_EQ(
+      mprotect(static_cast<uint8_t*>(m) + layer - p.block_bytes(), p.block_bytes(), PROT_NONE), 0);
   std::vector<void*> k = p.kb;
-  k[1] = m;  // 8 KiB, far less than 64 blocks of 4 KiB
+  k[1] = m;
   d = p.desc;
   d.k_layers = k.data();
-  refused(d, "KV pool: layer 1 K block");
-  munmap(m, 8192);
+  refused(d, "KV pool: layer 1 K block 63");
+  munmap(m, layer);
   EXPECT_EQ(kvxfer_kv_pool_register(nullptr, &p.pool), KVXFER_ERR_INVALID_ARGUMENT);
 }
 

@@ -41,14 +41,6 @@ inline __m256i key32(__m256i u) {
   return _mm256_xor_si256(
       u, _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(0x7FFFFFFF)));
 }
-inline uint16_t unkey16(int16_t k) {
-  const uint16_t u = static_cast<uint16_t>(k);
-  return static_cast<uint16_t>(u ^ ((k < 0) ? 0x7FFF : 0));
-}
-inline uint32_t unkey32(int32_t k) {
-  const uint32_t u = static_cast<uint32_t>(k);
-  return u ^ ((k < 0) ? 0x7FFFFFFFu : 0u);
-}
 
 // Channels per register block: 4 vectors of min and of max stay in registers
 // while the chunk's rows stream past.
