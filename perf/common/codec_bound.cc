@@ -64,28 +64,64 @@ __attribute__((target("avx2"))) uint64_t bound_encode(const std::vector<Span>& s
 
 namespace {
 
+// The next `step` bytes of the sections, cycling through them (each holds at
+// least one step).
+struct SectionCursor {
+  const std::vector<Span>& in;
+  size_t step, si = 0, so = 0;
+  const uint8_t* next() {
+    if (so + step > in[si].n) {
+      si = (si + 1) % in.size();
+      so = 0;
+    }
+    const uint8_t* p = in[si].p + so;
+    so += step;
+    return p;
+  }
+};
+
 // 64-byte non-temporal stores where the CPU has AVX-512 (as the decoder's).
-__attribute__((target("avx512f,avx512bw"))) void expand_avx512(const std::vector<Span>& in,
-                                                               const std::vector<Span>& dst,
-                                                               size_t step) {
-  size_t si = 0, so = 0;
+__attribute__((target("avx512f,avx512bw"))) void expand_avx512(SectionCursor* cur,
+                                                               const std::vector<Span>& dst) {
   for (const Span& d : dst) {
     size_t o = 0;
     for (; o + 64 <= d.n; o += 64) {
-      if (so + step > in[si].n) {
-        si = (si + 1) % in.size();
-        so = 0;
+      const uint8_t* p = cur->next();
+      __m512i v;
+      if (cur->step == 64)  // a copy
+        v = _mm512_loadu_si512(p);
+      else if (cur->step == 32)
+        v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      else
+        v = _mm512_cvtepu8_epi16(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d.p + o), v);
+    }
+    if (o < d.n) std::memset(d.p + o, 0, d.n - o);
+  }
+  _mm_sfence();
+}
+
+// The same with two 32-byte stores (AVX2).
+__attribute__((target("avx2"))) void expand_avx2(SectionCursor* cur, const std::vector<Span>& dst) {
+  for (const Span& d : dst) {
+    size_t o = 0;
+    for (; o + 64 <= d.n; o += 64) {
+      const uint8_t* p = cur->next();
+      __m256i lo, hi;
+      if (cur->step == 64) {
+        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      } else {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m128i b = cur->step == 32
+                              ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))
+                              : _mm_srli_si128(a, 8);
+        lo = _mm256_cvtepu8_epi16(a);
+        hi = _mm256_cvtepu8_epi16(b);
       }
-      const uint8_t* p = in[si].p + so;
-      so += step;
-      if (step == 64) {  // a copy
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(d.p + o), _mm512_loadu_si512(p));
-        continue;
-      }
-      const __m256i x =
-          step == 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                     : _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d.p + o), _mm512_cvtepu8_epi16(x));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d.p + o), lo);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d.p + o + 32), hi);
     }
     if (o < d.n) std::memset(d.p + o, 0, d.n - o);
   }
@@ -94,48 +130,19 @@ __attribute__((target("avx512f,avx512bw"))) void expand_avx512(const std::vector
 
 }  // namespace
 
-__attribute__((target("avx2"))) uint64_t bound_decode(const std::vector<Span>& sections,
-                                                      const std::vector<Span>& dst,
-                                                      int in_per_out) {
+uint64_t bound_decode(const std::vector<Span>& sections, const std::vector<Span>& dst,
+                      int in_per_out) {
   const uint64_t h = hash_all(sections);
   const size_t step = in_per_out == 16 ? 16 : in_per_out == 32 ? 32 : 64;
   std::vector<Span> in;  // the sections a step fits in
   for (const Span& s : sections)
     if (s.n >= step) in.push_back(s);
   if (in.empty()) return h;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-    expand_avx512(in, dst, step);
-    return h;
-  }
-  size_t si = 0, so = 0;
-  for (const Span& d : dst) {
-    size_t o = 0;
-    for (; o + 64 <= d.n; o += 64) {
-      if (so + step > in[si].n) {
-        si = (si + 1) % in.size();
-        so = 0;
-      }
-      const uint8_t* p = in[si].p + so;
-      so += step;
-      __m256i lo, hi;
-      if (step == 64) {
-        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-      } else if (step == 32) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(x));
-        hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(x, 1));
-      } else {
-        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        lo = _mm256_cvtepu8_epi16(x);
-        hi = _mm256_cvtepu8_epi16(_mm_srli_si128(x, 8));
-      }
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d.p + o), lo);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d.p + o + 32), hi);
-    }
-    if (o < d.n) std::memset(d.p + o, 0, d.n - o);
-  }
-  _mm_sfence();
+  SectionCursor cur{in, step};
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+    expand_avx512(&cur, dst);
+  else
+    expand_avx2(&cur, dst);
   return h;
 }
 
