@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -523,6 +525,193 @@ TEST(KvStream, MisuseIsRefusedAtTheCall) {
   }
   EXPECT_TRUE(release_idle_peer(&pair));
   kvxfer_comm_destroy(comm);
+}
+
+// ---------------------------------------------------------------------------
+// Requests matched by id
+// ---------------------------------------------------------------------------
+kvxfer_request_config_t by_id(uint64_t id) {
+  kvxfer_request_config_t rc = request_config();
+  rc.match_by_id = 1;
+  rc.request_id = id;
+  return rc;
+}
+
+/**
+ * Sends `ids` (seed = id) to rank 0 in this order, waiting for a byte on `rd`
+ * before `late`; after `plain_after` (if one of them) an order-matched send
+ * of seed kPlainSeed.
+ */
+constexpr uint64_t kPlainSeed = 1000;
+int by_id_sender(const kvxfer_unique_id_t& id, int rd, int wr, const std::vector<uint64_t>& ids,
+                 uint64_t late, const kvxfer_codec_config_t& cfg, uint64_t plain_after = 0,
+                 int timeout_ms = kTimeoutMs) {
+  kvxfer_comm_t comm = init_rank(id, 1, timeout_ms);
+  if (comm == nullptr) return 10;
+  std::vector<std::unique_ptr<PagedKV>> kv;
+  std::vector<kvxfer_request_t> req;
+  for (uint64_t i : ids) {
+    if (i == late) {
+      char b;
+      if (!fdio::read_all(rd, &b, 1)) return 11;
+    }
+    kv.push_back(std::make_unique<PagedKV>(kL, 2, kHd, kT, kBs));
+    kv.back()->fill(i);
+    const kvxfer_request_config_t rc = by_id(i);
+    kvxfer_request_t r = nullptr;
+    if (kvxfer_send(comm, 0, &kv.back()->desc, &cfg, &rc, &r) != KVXFER_SUCCESS) return 12;
+    req.push_back(r);
+    if (i != plain_after) continue;
+    kv.push_back(std::make_unique<PagedKV>(kL, 2, kHd, kT, kBs));
+    kv.back()->fill(kPlainSeed);
+    const kvxfer_request_config_t plain = request_config();
+    if (kvxfer_send(comm, 0, &kv.back()->desc, &cfg, &plain, &r) != KVXFER_SUCCESS) return 14;
+    req.push_back(r);
+  }
+  fdio::write_all(wr, "p", 1);  // all posted
+  int st = 0;
+  for (kvxfer_request_t r : req) {
+    const kvxfer_result_t w = kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000);
+    const std::string err = w == KVXFER_SUCCESS ? "" : kvxfer_get_last_error();
+    write_report(wr, r, err);
+    if (w != KVXFER_SUCCESS && w != KVXFER_ERR_CANCELLED) st = 13;
+    kvxfer_request_free(r);
+  }
+  kvxfer_comm_destroy(comm);
+  return st;
+}
+
+// The sender posts 11, 22, an order-matched send, 33 and 44 (44 only once the
+// receiver says so); the receiver posts the order-matched receive, then 44
+// (before its send exists), 33, 11 and 22.  Each lands exactly.
+TEST(KvById, PostsInAnyOrderOnEitherSideMatchTheirIds) {
+  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  const std::vector<uint64_t> ids{11, 22, 33, 44};
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int wr) {
+    return by_id_sender(id, rd, wr, ids, 44, cfg, 22);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  std::map<uint64_t, std::unique_ptr<PagedKV>> dst;
+  std::map<uint64_t, kvxfer_request_t> req;
+  dst[kPlainSeed] = std::make_unique<PagedKV>(kL, 2, kHd, kT, 32);
+  const kvxfer_request_config_t plain = request_config();
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst[kPlainSeed]->desc, &plain, &req[kPlainSeed]), KVXFER_SUCCESS);
+  for (uint64_t i : {44, 33, 11, 22}) {
+    dst[i] = std::make_unique<PagedKV>(kL, 2, kHd, kT, 32);
+    const kvxfer_request_config_t rc = by_id(i);
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dst[i]->desc, &rc, &req[i]), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    if (i == 44) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  // 11, 22 and 33 complete while 44 has not been sent.
+  for (uint64_t i : {uint64_t{11}, uint64_t{22}, kPlainSeed, uint64_t{33}})
+    ASSERT_EQ(kvxfer_wait(req[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << "id " << i << ": " << kvxfer_get_last_error();
+  kvxfer_stage_t st;
+  EXPECT_EQ(kvxfer_test(req[44], &st), KVXFER_IN_PROGRESS);
+  ASSERT_TRUE(fdio::write_all(pair.child.to_child, "g", 1));
+  ASSERT_EQ(kvxfer_wait(req[44], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  char b;
+  ASSERT_TRUE(fdio::read_all(pair.child.from_child, &b, 1));
+  for (uint64_t i : {uint64_t{11}, uint64_t{22}, kPlainSeed, uint64_t{33}, uint64_t{44}}) {
+    PagedKV src(kL, 2, kHd, kT, kBs);
+    src.fill(i);
+    PagedKV want(kL, 2, kHd, kT, kBs);
+    expected_decode(src, cfg, kPageTokens, kTag, true, &want);
+    for (int32_t l = 0; l < kL; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dst[i]->bytes(l, kind), want.bytes(l, kind)) << "id " << i << ", layer " << l;
+    SenderReport rep;
+    ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+    EXPECT_EQ(kvxfer_request_free(req[i]), KVXFER_SUCCESS);
+  }
+  finish(&pair, comm);
+}
+
+TEST(KvById, ADuplicateIdInFlightIsRefusedAtTheCall) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(idle_peer));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV kv(kL, 2, kHd, kT, kBs);
+  const kvxfer_request_config_t rc = by_id(7);
+  kvxfer_request_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &kv.desc, &rc, &a), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_recv(comm, 1, &kv.desc, &rc, &b), KVXFER_ERR_INVALID_USAGE);
+  EXPECT_NE(std::string(kvxfer_get_last_error())
+                .find("a kvxfer_recv with request id 7 is already in flight with peer 1"),
+            std::string::npos)
+      << kvxfer_get_last_error();
+  EXPECT_EQ(b, nullptr);
+  ASSERT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &rc, &c), KVXFER_SUCCESS);  // other way
+  EXPECT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, &rc, &d), KVXFER_ERR_INVALID_USAGE);
+  kvxfer_request_config_t bad = rc;
+  bad.match_by_id = 2;
+  EXPECT_EQ(kvxfer_recv(comm, 1, &kv.desc, &bad, &d), KVXFER_ERR_INVALID_ARGUMENT);
+  for (kvxfer_request_t q : {a, c}) {
+    kvxfer_request_cancel(q);
+    EXPECT_EQ(kvxfer_wait(q, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_CANCELLED);
+    EXPECT_EQ(kvxfer_request_free(q), KVXFER_SUCCESS);
+  }
+  EXPECT_TRUE(release_idle_peer(&pair));
+  kvxfer_comm_destroy(comm);
+}
+
+// A receive by id cancelled before its sender posts: the sender, posting
+// later, ends in ERROR with the cancel.
+TEST(KvById, AReceiveCancelledBeforeItsSendTellsTheSender) {
+  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int rd, int wr) {
+    return by_id_sender(id, rd, wr, {9}, 9, cfg);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(kL, 2, kHd, kT, 32);
+  const kvxfer_request_config_t rc = by_id(9);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_CANCELLED);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  ASSERT_TRUE(fdio::write_all(pair.child.to_child, "g", 1));
+  char b;
+  ASSERT_TRUE(fdio::read_all(pair.child.from_child, &b, 1));
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  EXPECT_NE(rep.error.find("cancelled"), std::string::npos) << rep.error;
+  finish(&pair, comm);
+}
+
+// A receive by id whose sender never posts fails with the timeout.
+TEST(KvById, AReceiveWhoseSendNeverComesTimesOut) {
+  Pair pair;
+  ASSERT_TRUE(pair.start([](const kvxfer_unique_id_t& id, int rd, int) {
+    kvxfer_comm_t c = init_rank(id, 1, kShortTimeoutMs);
+    char b;
+    fdio::read_all(rd, &b, 1);
+    kvxfer_comm_destroy(c);
+    return c != nullptr ? 0 : 1;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(kL, 2, kHd, kT, 32);
+  const kvxfer_request_config_t rc = by_id(5);
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_TIMEOUT);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("never posted the matching kvxfer_send"),
+            std::string::npos)
+      << kvxfer_get_last_error();
+  EXPECT_LT(s, kShortTimeoutMs / 1000.0 + 3);
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  fdio::write_all(pair.child.to_child, "x", 1);
+  finish(&pair, comm);
 }
 
 }  // namespace

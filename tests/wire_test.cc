@@ -248,6 +248,29 @@ TEST(WireBytes, OnlyDescriptorVersion3IsAccepted) {
 // ---------------------------------------------------------------------------
 // STATUS version 3: ok, an error with its text, the peer's cancel.
 // ---------------------------------------------------------------------------
+// A by-id sender's announcement on its peer's rendezvous stream (protocol.h).
+TEST(WireBytes, RendezvousMessageIsFixed) {
+  const Bytes want =
+      hex("4b 56 58 52 03 00 00 00"    // magic "KVXR", version 3, reserved 0
+          "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
+          "05 40 00 00 00 00 00 00");  // 16 u32 seq 0x4005 (the id space), u32 0
+  EXPECT_EQ(to_hex(xfer::encode_rdv(0x0123456789abcdefull, 0x4005)), to_hex(want));
+  uint64_t id = 0;
+  uint32_t seq = 0;
+  ASSERT_EQ(xfer::decode_rdv(want.data(), want.size(), &id, &seq), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(id, 0x0123456789abcdefull);
+  EXPECT_EQ(seq, 0x4005u);
+  EXPECT_EQ(xfer::decode_rdv(want.data(), want.size() - 1, &id, &seq), KVXFER_ERR_CORRUPT);
+  for (size_t at : {size_t{0}, size_t{4}, size_t{6}, size_t{17}, size_t{20}}) {
+    Bytes bad = want;
+    bad[at] ^= 0x40;  // magic, version, reserved, a seq outside the id space, reserved
+    EXPECT_EQ(xfer::decode_rdv(bad.data(), bad.size(), &id, &seq), KVXFER_ERR_CORRUPT) << at;
+  }
+  // The stream's tag: seq kRdvSeq (no request's), from the sender, kind STATUS.
+  EXPECT_EQ(xfer::make_tag(xfer::kRdvSeq, false, xfer::MsgKind::kStatus, 3),
+            (uint64_t{0x7FFF} << 24) | (uint64_t{1} << 21) | 3);
+}
+
 TEST(WireBytes, StatusMessagesAreFixed) {
   struct Case {
     kvxfer_result_t result;

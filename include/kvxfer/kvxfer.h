@@ -593,12 +593,22 @@ typedef struct {
    *  marked.  Host KV only; not with codec SPECTRUM or alpha = auto, which
    *  look at every layer first (KVXFER_ERR_UNSUPPORTED). */
   int32_t stream_layers;
+  /** 0: this request matches the peer's request of the same position, the
+   *  i-th send to a peer with its i-th receive from this rank (as NCCL).
+   *  1: it matches the peer's request with the same `request_id` and
+   *  match_by_id = 1, whatever their order; either side may post first.  The
+   *  two kinds may be mixed on one peer; each kind matches only its own. */
+  int32_t match_by_id;
+  /** match_by_id = 1: the runtime's 64-bit request id (e.g. a hash of
+   *  vLLM's request id).  A second send (receive) with an id already in
+   *  flight to (from) the same peer is refused at the call. */
+  uint64_t request_id;
 } kvxfer_request_config_t;
 
 #define KVXFER_REQUEST_CONFIG_INITIALIZER                                         \
   {                                                                               \
     sizeof(kvxfer_request_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, \
-        KVXFER_MODE_AUTO, 0, NULL, NULL, NULL, 0                                  \
+        KVXFER_MODE_AUTO, 0, NULL, NULL, NULL, 0, 0, 0                            \
   }
 
 /**
@@ -606,7 +616,9 @@ typedef struct {
  * (NULL = KVXFER_CODEC_CONFIG_INITIALIZER: Lynx 4+4).  Returns at once with
  * `*request`; encoding, the handshake and the transfer run on the
  * communicator's threads.  The i-th kvxfer_send to a peer matches that peer's
- * i-th kvxfer_recv from this rank (as NCCL send/recv); the tags must agree.
+ * i-th kvxfer_recv from this rank (as NCCL send/recv), or, with the request
+ * config's match_by_id, the receive with the same request_id; the tags must
+ * agree.
  * Pages are `page_tokens` tokens of one layer's K or V; they are sent in
  * layer order, anchors of every request in flight before any residual.
  * Codec SPECTRUM uses the default SpectrumKV policy and the KV norm as
@@ -632,7 +644,8 @@ typedef struct {
  * descriptor, codec or peer; the message names the field), or
  * KVXFER_ERR_INVALID_USAGE (communicator aborted,
  * or KVXFER_MAX_REQUESTS requests already in flight with this peer in this
- * direction).  A request keeps its place until the progress thread retires
+ * direction, or match_by_id with a request_id already in flight with this
+ * peer in this direction).  A request keeps its place until the progress thread retires
  * it: shortly after its final stage (so a post right after kvxfer_wait saw
  * COMPLETE may still be refused), and for a request that failed or was
  * cancelled while messages of it were still posted, once those complete or

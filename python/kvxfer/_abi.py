@@ -223,6 +223,8 @@ class RequestConfigStruct(ctypes.Structure):
         ("on_complete", CALLBACK),
         ("user_data", ctypes.c_void_p),
         ("stream_layers", ctypes.c_int32),  # sender only: 1 = kvxfer_send_layer_ready per layer
+        ("match_by_id", ctypes.c_int32),  # 1: match the peer's request with the same request_id
+        ("request_id", ctypes.c_uint64),
     ]
 
 
@@ -311,7 +313,7 @@ EXPECTED_SIZES = {
     "kvxfer_unique_id_t": (UniqueIdStruct, 128),
     "kvxfer_comm_config_t": (CommConfigStruct, 40),
     "kvxfer_kv_desc_t": (KVDescStruct, 88),
-    "kvxfer_request_config_t": (RequestConfigStruct, 64),
+    "kvxfer_request_config_t": (RequestConfigStruct, 72),
     "kvxfer_request_info_t": (RequestInfoStruct, 136),
     "kvxfer_arrival_t": (ArrivalStruct, 24),
     "kvxfer_kv_pool_desc_t": (KVPoolDescStruct, 88),

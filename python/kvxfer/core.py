@@ -746,6 +746,13 @@ class KVBlocks:
 Arrival = collections.namedtuple("Arrival", "t_ns traffic_class layer bytes")
 
 
+def _match_by_id(cfg, request_id):
+    """Sets the request config's match_by_id and request_id (None: match by order)."""
+    if request_id is not None:
+        cfg.match_by_id = 1
+        cfg.request_id = int(request_id) & 0xFFFFFFFFFFFFFFFF
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestInfo:
     """kvxfer_request_info_t.  Timestamps are CLOCK_MONOTONIC ns (the clock of
@@ -1228,11 +1235,14 @@ class Communicator:
                     st.cond.notify_all()
 
     def send(self, peer, kv, codec=None, *, tag=0, mode=Mode.AUTO, page_tokens=0,
-             stream_layers=False, on_anchor_ready=None, on_complete=None):
+             stream_layers=False, request_id=None, on_anchor_ready=None, on_complete=None):
         """kvxfer_send: sends the KV described by `kv` to rank `peer`.
 
         Non-blocking; returns a Request.  The i-th send to a peer matches that
-        peer's i-th recv from this rank, and their tags must be equal.
+        peer's i-th recv from this rank, and their tags must be equal; with
+        request_id (a 64-bit int) it matches the peer's recv with the same
+        request_id instead, whatever the order of the posts (a second one in
+        flight with the same id: KvxferError ERR_INVALID_USAGE).
         codec: CodecConfig, a codec name ("lynx", "int8", "int4", "bf16",
         "spectrum": SpectrumKV with the default policy, Request.tiers()), or
         None (Lynx 4+4).  mode: Mode.AUTO/PROGRESSIVE/MONOLITHIC.  page_tokens:
@@ -1249,6 +1259,7 @@ class Communicator:
         mode = _enum(Mode, mode, "mode")
 
         def post(cfg, handle):
+            _match_by_id(cfg, request_id)
             cfg.mode = int(mode)
             cfg.page_tokens = int(page_tokens)
             cfg.stream_layers = int(stream_layers)
@@ -1259,7 +1270,7 @@ class Communicator:
 
     def send_blocks(self, peer, pool, block_ids, num_tokens, head_begin=0, num_heads=0,
                     codec=None, *, tag=0, mode=Mode.AUTO, page_tokens=0, stream_layers=False,
-                    on_anchor_ready=None, on_complete=None):
+                    request_id=None, on_anchor_ready=None, on_complete=None):
         """kvxfer_send_blocks: sends tokens [0, num_tokens) held in `block_ids`
         of a registered KVPool to rank `peer`.
 
@@ -1284,6 +1295,7 @@ class Communicator:
         mode = _enum(Mode, mode, "mode")
 
         def post(cfg, handle):
+            _match_by_id(cfg, request_id)
             cfg.mode = int(mode)
             cfg.page_tokens = int(page_tokens)
             cfg.stream_layers = int(stream_layers)
@@ -1295,7 +1307,7 @@ class Communicator:
                        post)
 
     def recv_blocks(self, peer, pool, block_ids, num_tokens, head_begin=0, num_heads=0, *,
-                    tag=0, on_anchor_ready=None, on_complete=None):
+                    tag=0, request_id=None, on_anchor_ready=None, on_complete=None):
         """kvxfer_recv_blocks: receives a KV from rank `peer` into `block_ids`
         of a registered KVPool (arguments and errors as send_blocks).  The
         blocks must stay untouched until the request is final.  A decode
@@ -1306,6 +1318,7 @@ class Communicator:
         blocks = KVBlocks(pool, block_ids, num_tokens, head_begin, num_heads)
 
         def post(cfg, handle):
+            _match_by_id(cfg, request_id)
             with blocks.pool._use() as ph:
                 self._call(_L.kvxfer_recv_blocks, int(peer), ph, ctypes.byref(blocks._struct),
                            ctypes.byref(cfg), ctypes.byref(handle))
@@ -1313,16 +1326,17 @@ class Communicator:
         return Request(self, False, int(peer), blocks, int(tag), on_anchor_ready, on_complete,
                        post)
 
-    def recv(self, peer, kv, *, tag=0, on_anchor_ready=None, on_complete=None):
+    def recv(self, peer, kv, *, tag=0, request_id=None, on_anchor_ready=None, on_complete=None):
         """kvxfer_recv: receives a KV cache from rank `peer` into `kv`'s blocks
         (which must be writable and stay untouched until the request is final).
-        Codec and page size are the sender's."""
+        Codec and page size are the sender's; request_id as send()'s."""
         _drain_deferred()
         kv = _check_desc(kv)
         if kv.readonly:
             raise ValueError("recv: the descriptor has read-only blocks")
 
         def post(cfg, handle):
+            _match_by_id(cfg, request_id)
             self._call(_L.kvxfer_recv, int(peer), ctypes.byref(kv._desc), ctypes.byref(cfg),
                        ctypes.byref(handle))
 

@@ -75,6 +75,25 @@ def role_send_many(spec, uid):
         return {"ok": not bad, "bad": bad}
 
 
+def role_send_by_id(spec, uid):
+    """Sends, in the order given, one KV per id of `ids` (seed: seed + id), each
+    matched by its request id; then waits for all of them."""
+    with Communicator(uid, 1, 2, timeout_ms=spec.get("timeout_ms", 20000),
+                      bind_address="127.0.0.1") as comm:
+        kvs = {i: shape(spec).fill(spec["seed"] + i) for i in spec["ids"]}
+        codec = kvxfer.CodecConfig(**spec.get("codec", {}))
+        reqs = {i: comm.send(0, kvs[i].descriptor(), codec, tag=spec.get("tag", 0),
+                             request_id=i) for i in spec["ids"]}
+        bad = []
+        for i, r in reqs.items():
+            try:
+                r.wait(timeout=60)
+            except kvxfer.KvxferError as e:
+                bad.append((i, str(e)))
+            r.free()
+        return {"ok": not bad, "bad": bad}
+
+
 def role_send_blocks(spec, uid):
     with Communicator(uid, 1, 2, timeout_ms=spec.get("timeout_ms", 20000),
                       bind_address="127.0.0.1") as comm:
@@ -216,6 +235,7 @@ def main():
     uid = UniqueId.from_hex(spec["uid"])
     out = {"send": role_send, "send_many": role_send_many, "idle": role_idle, "init": role_init,
            "connector": role_connector, "send_blocks": role_send_blocks,
+           "send_by_id": role_send_by_id,
            "connector_cancel_first": role_connector_cancel_first}[spec["role"]](spec, uid)
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -44,6 +44,34 @@ def test_bf16_monolithic_round_trip_is_byte_exact(spawn_peer):
     assert rep["info"]["residual_wire_bytes"] == info.residual_wire_bytes == 0
 
 
+def test_requests_by_id_match_whatever_the_order(spawn_peer):
+    """The peer sends ids 7, 8, 9 in that order; this side receives 9, 7, 8,
+    each by request_id: every KV lands in the receive of its id, byte for
+    byte, and a second receive of an id in flight is refused."""
+    uid = kvxfer.UniqueId.create()
+    ids = [7, 8, 9]
+    peer = spawn_peer(role="send_by_id", uid=uid, ids=ids, block_size=16, seed=40, tag=2,
+                      codec={"codec": "bf16"}, **SHAPE)
+    with comm0(uid) as comm:
+        dst = {i: kvdata.HostKV(SHAPE["L"], SHAPE["heads"], SHAPE["hd"], SHAPE["T"], 32)
+               for i in ids}
+        reqs = {i: comm.recv(1, dst[i].descriptor(), tag=2, request_id=i) for i in (9, 7, 8)}
+        with pytest.raises(kvxfer.KvxferError) as e:
+            comm.recv(1, dst[9].descriptor(), tag=2, request_id=9)
+        assert e.value.code == kvxfer.Result.ERR_INVALID_USAGE
+        assert "request id 9 is already in flight" in str(e.value)
+        for r in reqs.values():
+            assert r.wait(timeout=30)
+            r.free()
+    rep = peer.result()
+    assert rep.get("ok"), rep
+    for i in ids:
+        src = kvdata.HostKV(SHAPE["L"], SHAPE["heads"], SHAPE["hd"], SHAPE["T"], 16).fill(40 + i)
+        for layer in range(SHAPE["L"]):
+            for kind in (kvxfer.KVKind.KEY, kvxfer.KVKind.VALUE):
+                assert dst[i].rows(layer, kind) == src.rows(layer, kind), (i, layer, kind)
+
+
 @pytest.mark.parametrize("dtype", [kvxfer.Dtype.BF16, kvxfer.Dtype.FP16, kvxfer.Dtype.FP32])
 @pytest.mark.parametrize("codec,mode", [("lynx", kvxfer.Mode.PROGRESSIVE),
                                         ("bf16", kvxfer.Mode.MONOLITHIC)])

@@ -257,6 +257,17 @@ void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms,
   m.timeout_ms = timeout_ms;
   m.next_send_seq.assign(nranks, 0);
   m.next_recv_seq.assign(nranks, 0);
+  m.next_id_seq.assign(nranks, kIdSeqBase);
+  m.ids_send.resize(nranks);
+  m.ids_recv.resize(nranks);
+  m.rdv_waiting.resize(nranks);
+  m.rdv_parked.resize(nranks);
+  m.rdv_armed.assign(nranks, 0);
+  m.rdv_in.assign(nranks, std::vector<uint8_t>(kRdvBytes));
+  m.rdv_sent.assign(nranks, 0);
+  m.rdv_received.assign(nranks, 0);
+  m.rdv_refused.resize(nranks);
+  m.drain_bufs.resize(nranks);
   m.inflight_send.assign(nranks, 0);
   m.inflight_recv.assign(nranks, 0);
   m.ops.resize(nranks);
@@ -391,6 +402,8 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
   KVXFER_REQUIRE(rc.page_tokens >= 0, "page_tokens %d is negative", rc.page_tokens);
   KVXFER_REQUIRE(rc.stream_layers == 0 || rc.stream_layers == 1, "stream_layers %d is not 0 or 1",
                  rc.stream_layers);
+  KVXFER_REQUIRE(rc.match_by_id == 0 || rc.match_by_id == 1, "match_by_id %d is not 0 or 1",
+                 rc.match_by_id);
   if (rc.stream_layers != 0) {
     KVXFER_REQUIRE(is_send, "stream_layers is for a send: a receive follows its sender");
     if (kv->device >= 0)
@@ -485,10 +498,28 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
       return set_error(KVXFER_ERR_INVALID_USAGE,
                        "%d kvxfer_%s requests already in flight with peer %d (KVXFER_MAX_REQUESTS)",
                        inflight, is_send ? "send" : "recv", peer);
+    if (rc.match_by_id != 0) {
+      auto& ids = is_send ? m.ids_send[peer] : m.ids_recv[peer];
+      if (!ids.insert(rc.request_id).second)
+        return set_error(KVXFER_ERR_INVALID_USAGE,
+                         "a kvxfer_%s with request id %llu is already in flight with peer %d",
+                         is_send ? "send" : "recv", static_cast<unsigned long long>(rc.request_id),
+                         peer);
+      r->by_id = true;
+      r->request_id = rc.request_id;
+      if (is_send) {  // the sender chooses the seq and announces it (protocol.h, RDV)
+        uint32_t& seq = m.next_id_seq[peer];
+        r->seq = seq;
+        seq = seq + 1 == kRdvSeq ? kIdSeqBase : seq + 1;
+      } else {
+        r->bound = false;
+      }
+    } else {
+      uint32_t& seq = is_send ? m.next_send_seq[peer] : m.next_recv_seq[peer];
+      r->seq = seq;
+      seq = (seq + 1) % kIdSeqBase;
+    }
     inflight++;
-    uint32_t& seq = is_send ? m.next_send_seq[peer] : m.next_recv_seq[peer];
-    r->seq = seq;
-    seq = (seq + 1) & kSeqMask;
     r->order = m.next_order++;
     m.submitted.push_back(r);
   }

@@ -77,6 +77,12 @@ class Request {
   bool is_send = false;
   int peer = -1;
   uint32_t seq = 0;
+  // match_by_id: the runtime's id.  A receive's seq is the sender's, known
+  // once its RDV arrives (protocol.h); until then `bound` is false and the
+  // request waits in the engine's rendezvous list (progress thread only).
+  bool by_id = false;
+  uint64_t request_id = 0;
+  bool bound = true;
   uint64_t order = 0;  // post order within the communicator (the peer sends in this order)
   kvxfer_request_config_t cfg{};
   void* handle = nullptr;  // the kvxfer_request_t given to callbacks

@@ -17,6 +17,7 @@
 #include <deque>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "codec/codec.h"
 #include "codec/format.h"
@@ -80,6 +81,7 @@ struct Work {
   bool started = false;
   bool handshake_done = false, handshake_ok = false;
   std::vector<uint8_t> desc_out, desc_in, status_out, status_in;
+  std::vector<uint8_t> rdv_out;   // a by-id sender's RDV (protocol.h)
   size_t next_page_send = 0;      // sender: pages posted to the Link
   size_t next_residual_post = 0;  // receiver: residual receives posted
   int64_t sends_done = 0, anchor_sends_done = 0;
@@ -136,7 +138,16 @@ struct JobDone {
   bool skipped = false;
 };
 
-enum class OpKind { kDescSend, kDescRecv, kStatusSend, kStatusRecv, kAnchor, kResidual };
+enum class OpKind {
+  kDescSend,
+  kDescRecv,
+  kStatusSend,
+  kStatusRecv,
+  kAnchor,
+  kResidual,
+  kRdvSend,  // a by-id send's announcement (protocol.h, RDV)
+  kRdvRecv   // the peer's rendezvous stream (no request: OpRef::req is null)
+};
 
 struct OpRef {
   std::shared_ptr<Request> req;
@@ -234,8 +245,11 @@ struct Engine::Impl {
     if (wake_fd >= 0) (void)!write(wake_fd, &one, sizeof(one));
   }
   std::deque<std::shared_ptr<Request>> submitted;
-  std::vector<uint32_t> next_send_seq, next_recv_seq;
+  std::vector<uint32_t> next_send_seq, next_recv_seq;  // by order: [0, kIdSeqBase)
+  std::vector<uint32_t> next_id_seq;                   // sends by id: [kIdSeqBase, kRdvSeq)
   std::vector<int> inflight_send, inflight_recv;
+  // match_by_id: the ids in flight per peer, for the duplicate check.
+  std::vector<std::unordered_set<uint64_t>> ids_send, ids_recv;
   uint64_t next_order = 0;
   bool abort_requested = false, stop_requested = false;
   std::string abort_why;
@@ -305,6 +319,29 @@ struct Engine::Impl {
   void post_anchor_recvs(
       const std::shared_ptr<Request>& r);  // receiver: every page, at the handshake
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
+  // Rendezvous of requests matched by id (protocol.h, RDV), per peer: the
+  // receives waiting for their sender's announcement, announcements that no
+  // receive wants yet (id -> seq), whether the stream's receive is posted
+  // and its buffer, and the stream's counters both ways.
+  std::vector<std::deque<std::shared_ptr<Request>>> rdv_waiting;
+  std::vector<std::unordered_map<uint64_t, uint32_t>> rdv_parked;
+  std::vector<uint8_t> rdv_armed;
+  std::vector<std::vector<uint8_t>> rdv_in;
+  std::vector<uint32_t> rdv_sent, rdv_received;
+  // Ids of receives cancelled (or failed) before their RDV came: when it
+  // does, the sender is told with a STATUS, and its DESC and STATUS are
+  // drained (ops with a null request).
+  std::vector<std::unordered_map<uint64_t, std::pair<kvxfer_result_t, std::string>>> rdv_refused;
+  std::vector<std::unordered_map<uint64_t, std::vector<uint8_t>>> drain_bufs;  // by Link op id
+  void refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text);
+  /** A Link post of `tag` for `r` (null: the engine's own), counted in ops;
+   *  the op id in *op.  False if the Link refused it. */
+  bool post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send, const void* buf, size_t len,
+                const std::shared_ptr<Request>& r, OpKind k, uint64_t* op = nullptr);
+  void bind_or_wait(const std::shared_ptr<Request>& r);  // a new receive by id
+  void arm_rdv(int peer);
+  void on_rdv(int peer, const Completion& c);
+  bool post_rdv_send(const std::shared_ptr<Request>& r);
   int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
   void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);
   void take_cancels();

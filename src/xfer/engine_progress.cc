@@ -107,7 +107,10 @@ bool Engine::Impl::step() {
   }
   for (auto& r : fresh) {
     active.push_back(r);
-    start(r);
+    if (r->bound)
+      start(r);
+    else
+      bind_or_wait(r);
     busy = true;
   }
   if (inbox->pending.load()) {
@@ -212,6 +215,147 @@ bool Engine::Impl::post_link_recv(const std::shared_ptr<Request>& r, TrafficClas
   return true;
 }
 
+bool Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send, const void* buf,
+                            size_t len, const std::shared_ptr<Request>& r, OpKind k,
+                            uint64_t* op_out) {
+  uint64_t op = 0;
+  kvxfer_result_t rc = KVXFER_SUCCESS;
+  if (!comm) {
+    testing_posts.push_back(
+        {peer, c, tag, is_send, static_cast<uint8_t*>(const_cast<void*>(buf)), len});
+    op = testing_posts.size();
+  } else if (is_send) {
+    rc = comm->link(peer)->post_send(c, buf, len, tag, &op);
+  } else {
+    rc = comm->link(peer)->post_recv(c, const_cast<void*>(buf), len, tag, &op);
+  }
+  if (rc < 0) return false;
+  ops[peer][op] = OpRef{r, k, 0, is_send};
+  if (r != nullptr) r->work->ops++;
+  if (op_out != nullptr) *op_out = op;
+  return true;
+}
+
+// A by-id send announces (request id -> seq) on its peer's rendezvous stream
+// before its DESC, in post order (protocol.h, RDV).
+bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  w.rdv_out = encode_rdv(r->request_id, r->seq);
+  const uint64_t tag =
+      make_tag(kRdvSeq, false, MsgKind::kStatus, rdv_sent[r->peer]++ & (kMaxPages - 1));
+  if (post_raw(r->peer, TrafficClass::kAnchor, tag, true, w.rdv_out.data(), w.rdv_out.size(), r,
+               OpKind::kRdvSend))
+    return true;
+  fail(r, KVXFER_ERR_SYSTEM,
+       strprintf("posting a send to peer %d failed: %s", r->peer, last_error()));
+  return false;
+}
+
+// A new receive by id: bound at once to an announcement that came first, else
+// it waits for one with the rendezvous stream's receive posted.
+void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
+  const int p = r->peer;
+  rdv_refused[p].erase(r->request_id);  // posted again: this one wants the data
+  auto it = rdv_parked[p].find(r->request_id);
+  if (it != rdv_parked[p].end()) {
+    r->seq = it->second;
+    r->bound = true;
+    rdv_parked[p].erase(it);
+    start(r);
+    return;
+  }
+  r->work->started = true;  // a cancel fails it while it waits (settle)
+  rdv_waiting[p].push_back(r);
+  if (links_aborted) {
+    fail(r, KVXFER_ERR_INVALID_USAGE, "communicator aborted");
+    return;
+  }
+  arm_rdv(p);
+}
+
+void Engine::Impl::arm_rdv(int peer) {
+  if (rdv_armed[peer] != 0 || rdv_waiting[peer].empty() || links_aborted) return;
+  const uint64_t tag =
+      make_tag(kRdvSeq, false, MsgKind::kStatus, rdv_received[peer] & (kMaxPages - 1));
+  if (post_raw(peer, TrafficClass::kAnchor, tag, false, rdv_in[peer].data(), rdv_in[peer].size(),
+               nullptr, OpKind::kRdvRecv)) {
+    rdv_armed[peer] = 1;
+    return;
+  }
+  const std::string why =
+      strprintf("posting a receive from peer %d failed: %s", peer, last_error());
+  for (const auto& r : std::deque<std::shared_ptr<Request>>(rdv_waiting[peer]))
+    fail(r, KVXFER_ERR_SYSTEM, why);
+}
+
+void Engine::Impl::on_rdv(int peer, const Completion& c) {
+  rdv_armed[peer] = 0;
+  uint64_t id = 0;
+  uint32_t seq = 0;
+  kvxfer_result_t rc = c.status;
+  std::string why = c.error;
+  if (rc == KVXFER_SUCCESS) {
+    rc = decode_rdv(rdv_in[peer].data(), c.bytes, &id, &seq);
+    if (rc < 0) why = last_error();
+  }
+  if (rc < 0) {  // the stream is broken or silent: every waiting receive fails
+    const std::string text =
+        rc == KVXFER_ERR_TIMEOUT
+            ? strprintf(
+                  "peer %d never posted the matching kvxfer_send (by request id) within %lld "
+                  "ms (%s)",
+                  peer, static_cast<long long>(timeout_ms), why.c_str())
+            : strprintf("peer %d: %s", peer, why.c_str());
+    for (const auto& r : std::deque<std::shared_ptr<Request>>(rdv_waiting[peer])) fail(r, rc, text);
+    return;
+  }
+  rdv_received[peer]++;
+  auto& q = rdv_waiting[peer];
+  auto it = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
+    return r->request_id == id && !r->work->failed;
+  });
+  if (it != q.end()) {
+    const std::shared_ptr<Request> r = *it;
+    q.erase(it);
+    r->seq = seq;
+    r->bound = true;
+    start(r);
+  } else if (auto ref = rdv_refused[peer].find(id); ref != rdv_refused[peer].end()) {
+    refuse_rdv(peer, seq, ref->second.first, ref->second.second);
+    rdv_refused[peer].erase(ref);
+  } else {
+    rdv_parked[peer][id] = seq;
+  }
+  arm_rdv(peer);
+}
+
+// The announced request `seq` from `peer` has no receive any more (cancelled
+// or failed while it waited): its sender gets this STATUS, and its DESC and
+// STATUS are received and dropped, so nothing of it stays in the provider.
+void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
+                              const std::string& text) {
+  struct Post {
+    uint64_t tag;
+    bool is_send;
+    std::vector<uint8_t> buf;
+    OpKind kind;
+  };
+  Post posts[3] = {
+      {make_tag(seq, true, MsgKind::kStatus, 0), true, encode_status(code, text),
+       OpKind::kStatusSend},
+      {make_tag(seq, false, MsgKind::kDesc, 0), false, std::vector<uint8_t>(kDescBytes),
+       OpKind::kDescRecv},
+      {make_tag(seq, false, MsgKind::kStatus, 0), false,
+       std::vector<uint8_t>(kStatusHeaderBytes + kMaxStatusText), OpKind::kStatusRecv}};
+  for (Post& p : posts) {
+    // The vector's storage moves with it into the map: the Link keeps its address.
+    uint64_t op = 0;
+    if (post_raw(peer, TrafficClass::kAnchor, p.tag, p.is_send, p.buf.data(), p.buf.size(), nullptr,
+                 p.kind, &op))
+      drain_bufs[peer][op] = std::move(p.buf);
+  }
+}
+
 void Engine::Impl::start(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
   w.started = true;
@@ -260,6 +404,7 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
       r->num_pages = static_cast<int64_t>(w.pages.size());
     }
   }
+  if (r->is_send && r->by_id && !post_rdv_send(r)) return;
   w.desc_out = encode_desc(r->mine);
   w.desc_in.assign(kDescBytes, 0);
   w.status_in.assign(kStatusHeaderBytes + kMaxStatusText, 0);
@@ -565,6 +710,14 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
   if (it == ops[peer].end()) return;  // a Link-internal operation
   OpRef ref = std::move(it->second);
   ops[peer].erase(it);
+  if (ref.req == nullptr) {  // the rendezvous stream, or a refused request's drain
+    if (ref.kind == OpKind::kRdvRecv) {
+      on_rdv(peer, c);
+    } else {
+      drain_bufs[peer].erase(c.op_id);  // a refusal's buffer, free once its op ended
+    }
+    return;
+  }
   const std::shared_ptr<Request>& r = ref.req;
   Work& w = *r->work;
   w.ops--;
@@ -580,6 +733,8 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
   const int64_t t =
       std::chrono::duration_cast<std::chrono::nanoseconds>(c.done.time_since_epoch()).count();
   switch (ref.kind) {
+    case OpKind::kRdvSend:
+    case OpKind::kRdvRecv:
     case OpKind::kDescSend:
     case OpKind::kStatusSend:
       if (!ok) fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));
@@ -785,7 +940,7 @@ void Engine::Impl::maybe_complete(const std::shared_ptr<Request>& r) {
 void Engine::Impl::send_status(const std::shared_ptr<Request>& r, kvxfer_result_t code,
                                const std::string& text) {
   Work& w = *r->work;
-  if (w.status_sent || links_aborted) return;
+  if (w.status_sent || links_aborted || !r->bound) return;
   w.status_sent = true;
   w.status_out = encode_status(code, text);
   if (post_link_send(r, TrafficClass::kAnchor, OpKind::kStatusSend, MsgKind::kStatus, 0,
@@ -907,6 +1062,11 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
   if (w.failed && !w.final_published && w.jobs == 0) publish(r, KVXFER_STAGE_ERROR);
   if (!w.final_published || w.jobs > 0 || w.ops > 0 || w.held > 0 || w.in_residual_fifo) return;
   if (!w.failed && !w.status_sent) return;
+  if (!r->bound) {  // a receive by id that failed before its sender announced it
+    auto& q = rdv_waiting[r->peer];
+    q.erase(std::remove(q.begin(), q.end(), r), q.end());
+    rdv_refused[r->peer][r->request_id] = {w.fail_code, w.fail_text};
+  }
   finalise(r);
 }
 
@@ -928,6 +1088,7 @@ void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
   {
     std::lock_guard<std::mutex> lk(mu);  // it counted against KVXFER_MAX_REQUESTS until now
     (r->is_send ? inflight_send : inflight_recv)[r->peer]--;
+    if (r->by_id) (r->is_send ? ids_send : ids_recv)[r->peer].erase(r->request_id);
   }
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
 }

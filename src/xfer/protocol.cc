@@ -206,6 +206,39 @@ kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* r
   return KVXFER_SUCCESS;
 }
 
+std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq) {
+  std::vector<uint8_t> b;
+  b.reserve(kRdvBytes);
+  put<uint32_t>(&b, kRdvMagic);
+  put<uint16_t>(&b, kProtocolVersion);
+  put<uint16_t>(&b, 0);
+  put<uint64_t>(&b, id);
+  put<uint32_t>(&b, seq);
+  put<uint32_t>(&b, 0);
+  return b;
+}
+
+kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq) {
+  if (len != kRdvBytes)
+    return set_error(KVXFER_ERR_CORRUPT, "rendezvous message is %zu bytes, not %zu", len,
+                     kRdvBytes);
+  const uint8_t* p = buf;
+  const uint32_t magic = get<uint32_t>(p);
+  const uint16_t version = get<uint16_t>(p);
+  const uint16_t zero = get<uint16_t>(p);
+  const uint64_t i = get<uint64_t>(p);
+  const uint32_t s = get<uint32_t>(p);
+  const uint32_t zero2 = get<uint32_t>(p);
+  if (magic != kRdvMagic || version != kProtocolVersion || zero != 0 || zero2 != 0 ||
+      s < kIdSeqBase || s >= kRdvSeq)
+    return set_error(KVXFER_ERR_CORRUPT,
+                     "rendezvous message is malformed (not a kvxfer peer of "
+                     "this version)");
+  *id = i;
+  *seq = s;
+  return KVXFER_SUCCESS;
+}
+
 kvxfer_mode_t resolve_mode(kvxfer_mode_t requested, const kvxfer_codec_config_t& codec) {
   if (requested != KVXFER_MODE_AUTO) return requested;
   const bool split = codec.codec == KVXFER_CODEC_LYNX || codec.codec == KVXFER_CODEC_INT8 ||

@@ -45,6 +45,12 @@ constexpr int kKindBits = 2;
 constexpr int kSeqBits = 15;
 constexpr uint64_t kMaxPages = uint64_t{1} << kPageBits;
 constexpr uint32_t kSeqMask = (1u << kSeqBits) - 1;
+// The seq space: requests matched by order take [0, kIdSeqBase) in turn;
+// requests matched by id (kvxfer_request_config_t.match_by_id) take
+// [kIdSeqBase, kRdvSeq), chosen by the sender and announced on the peer's
+// rendezvous stream, whose messages carry seq kRdvSeq (see RDV below).
+constexpr uint32_t kIdSeqBase = 1u << (kSeqBits - 1);
+constexpr uint32_t kRdvSeq = kSeqMask;
 
 /** The Link tag of a message (layout above). */
 uint64_t make_tag(uint32_t seq, bool from_receiver, MsgKind kind, uint64_t page);
@@ -105,6 +111,20 @@ kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer);
 std::vector<uint8_t> encode_status(kvxfer_result_t result, const std::string& text);
 kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* result,
                               std::string* text);
+
+/**
+ * RDV: a sender's announcement of a request matched by id, "request `id`
+ * travels as seq `seq`", the n-th on its peer's rendezvous stream (tag:
+ * seq kRdvSeq, from_receiver 0, kind STATUS, page n mod 2^21).  The
+ * receiver binds its receive of that id to `seq` and goes on as for any
+ * request.  Little-endian, kRdvBytes:
+ *   0 u32 magic kRdvMagic, 4 u16 version, 6 u16 0, 8 u64 id, 16 u32 seq, 20 u32 0.
+ */
+constexpr size_t kRdvBytes = 24;
+constexpr uint32_t kRdvMagic = 0x5258564bu;  // "KVXR" little-endian
+std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq);
+/** Parses an RDV; KVXFER_ERR_CORRUPT (with text) if malformed or seq is outside the id space. */
+kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq);
 
 /** PROGRESSIVE for split codecs (code bits > anchor bits), else MONOLITHIC. */
 kvxfer_mode_t resolve_mode(kvxfer_mode_t requested, const kvxfer_codec_config_t& codec);
