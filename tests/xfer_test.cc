@@ -1703,13 +1703,12 @@ int send_many(const kvxfer_unique_id_t& id, int n, const Shape& s, uint64_t seed
   return finish_sends(comm, reqs);
 }
 
-// 64 requests in flight at once, each with its own KV; every one bit-exact.
-void sixty_four_concurrent_requests(int codec_workers) {
+// kN requests in flight at once, each with its own KV; every one bit-exact.
+void concurrent_requests(int codec_workers, int kN = 64, int64_t T = 70) {
   test_hooks()->codec_workers = codec_workers;  // this process and (forked after) the child
-  constexpr int kN = 64;
   Shape s;
   s.L = 2;
-  s.T = 70;
+  s.T = T;
   s.page_tokens = 32;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
@@ -1719,7 +1718,7 @@ void sixty_four_concurrent_requests(int codec_workers) {
   kvxfer_comm_t comm = init_rank(pair.id, 0);
   ASSERT_NE(comm, nullptr);
   std::vector<std::unique_ptr<PagedKV>> dsts;
-  std::vector<kvxfer_request_t> reqs(kN);
+  std::vector<kvxfer_request_t> reqs(static_cast<size_t>(kN));
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   for (int i = 0; i < kN; ++i) {
     dsts.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 24));
@@ -1742,10 +1741,15 @@ void sixty_four_concurrent_requests(int codec_workers) {
   test_hooks()->codec_workers = 0;
 }
 
-TEST(Xfer, SixtyFourConcurrentRequests) { sixty_four_concurrent_requests(0); }
+TEST(Xfer, SixtyFourConcurrentRequests) { concurrent_requests(0); }
 // Four codec threads on each side: pages of many requests encoded and
 // decoded at once (the default on an 8-CPU machine), still bit-exact.
-TEST(Xfer, SixtyFourConcurrentRequestsOnFourCodecThreads) { sixty_four_concurrent_requests(4); }
+TEST(Xfer, SixtyFourConcurrentRequestsOnFourCodecThreads) { concurrent_requests(4); }
+// A thousand small requests to one peer: every one keeps two receives posted
+// for its life, more than shm's default receive queue of 1024 entries
+// (ofi.h, kShmRxSize); the link used to fail with "fi_trecv ... Cannot
+// allocate memory" from about 480.
+TEST(Xfer, AThousandRequestsInFlightToOnePeer) { concurrent_requests(0, 1000, 32); }
 
 // Figure 3 of the issue as a test: with 16 requests in flight on a shaped
 // link, no residual is applied while any handshaken request still waits for

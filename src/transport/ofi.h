@@ -157,6 +157,10 @@ const std::vector<std::string>& auto_providers();
 
 /** libfabric's shared-memory provider: same-host peers (Link, "Paths"). */
 constexpr const char* kShmProvider = "shm";
+/** Receive queue entries asked of shm (fi_rx_attr.size): posted receives
+ *  and unexpected messages share them (libfabric 1.17, smr_msg.c); four per
+ *  request of KVXFER_MAX_REQUESTS' default, with room for page receives. */
+constexpr size_t kShmRxSize = 8192;
 
 /**
  * Who can reach this process's shared memory and, with CMA, its memory:
