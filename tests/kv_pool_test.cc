@@ -188,6 +188,37 @@ TEST(KvPool, RegistersAndRefusesBadFieldsNamingThem) {
   d.k_layers = k.data();
   refused(d, "KV pool: layer 1 K block 63");
   munmap(m, layer);
+  // K and V of a layer at the same place, or two layers sharing blocks: a
+  // receive would write one over the other.
+  d = p.desc;
+  d.v_layers = p.kb.data();
+  refused(d, "layer 0 K and layer 0 V overlap");
+  std::vector<void*> v = p.vb;
+  v[0] = static_cast<uint8_t*>(p.kb[1]) + p.block_bytes() / 2;
+  d = p.desc;
+  d.v_layers = v.data();
+  refused(d, "overlap");
+  // Interleaved K and V blocks (FlashInfer's [num_blocks][2][block] layout)
+  // share no byte: accepted.
+  std::vector<uint8_t> inter(2 * p.block_bytes() * kPoolBlocks * kL, 0);
+  std::vector<void*> ik, iv;
+  for (int32_t l = 0; l < kL; ++l) {
+    ik.push_back(inter.data() + l * 2 * p.block_bytes() * kPoolBlocks);
+    iv.push_back(static_cast<uint8_t*>(ik.back()) + p.block_bytes());
+  }
+  d = p.desc;
+  d.k_layers = ik.data();
+  d.v_layers = iv.data();
+  d.block_stride = static_cast<int64_t>(2 * p.block_bytes());
+  kvxfer_kv_pool_t ipool = nullptr;
+  EXPECT_EQ(kvxfer_kv_pool_register(&d, &ipool), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  EXPECT_EQ(kvxfer_kv_pool_deregister(ipool), KVXFER_SUCCESS);
+  // A pool on a device this process cannot use.
+  d = p.desc;
+  d.device = 7;
+  kvxfer_kv_pool_t dpool = reinterpret_cast<kvxfer_kv_pool_t>(0x1);
+  EXPECT_EQ(kvxfer_kv_pool_register(&d, &dpool), KVXFER_ERR_UNSUPPORTED) << kvxfer_get_last_error();
+  EXPECT_EQ(dpool, nullptr);
   EXPECT_EQ(kvxfer_kv_pool_register(nullptr, &p.pool), KVXFER_ERR_INVALID_ARGUMENT);
 }
 
@@ -325,15 +356,19 @@ TEST(KvPool, BadBlockIdsAndHeadRangesFailAtTheCallNamingThem) {
     EXPECT_NE(std::string(kvxfer_get_last_error()).find(words), std::string::npos)
         << kvxfer_get_last_error();
   };
+  const int32_t id3 = ids[3];
   ids[3] = kPoolBlocks;
   refused(blocks_of(ids, kT), "block_ids[3] = 64 is not a block of the pool");
   ids[3] = -1;
   refused(blocks_of(ids, kT), "block_ids[3] = -1");
-  ids[3] = 0;
+  ids[3] = id3;
   std::vector<int32_t> few(ids.begin(), ids.begin() + 10);
   refused(blocks_of(few, kT), "num_block_ids 10 cannot hold 300 tokens");
   refused(blocks_of(ids, kT, 1, 2), "heads [1, 1 + 2) are outside the pool's 2 KV heads");
   refused(blocks_of(ids, kT, 2, 0), "heads [2");
+  std::vector<int32_t> twice = ids;
+  twice[7] = twice[2];
+  refused(blocks_of(twice, kT), "block_ids[2] and block_ids[7] are both block");
   kvxfer_kv_blocks_t b = blocks_of(ids, kT);
   b.magic = 0;
   refused(b, "not initialised");
@@ -486,6 +521,67 @@ TEST(KvStream, ALayerNeverMarkedTimesOutNamingIt) {
   ASSERT_TRUE(read_report(pair.child.from_child, &rep));
   EXPECT_NE(rep.error.find("layer 1 was not marked ready"), std::string::npos) << rep.error;
   EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  finish(&pair, comm);
+}
+
+// Two streamed sends to one peer: A marks a layer every 3 s (within the 4 s
+// timeout), B is queued behind A and never marked.  B fails within the
+// timeout of its post, while A is still sending, not once A is done.
+int queued_streams_sender(const kvxfer_unique_id_t& id, int wr) {
+  kvxfer_comm_t comm = init_rank(id, 1, kShortTimeoutMs);
+  if (comm == nullptr) return 10;
+  PagedKV a(kL, 2, kHd, kT, kBs), b(kL, 2, kHd, kT, kBs);
+  const kvxfer_request_config_t rc = request_config(1);
+  kvxfer_request_t ra = nullptr, rb = nullptr;
+  if (kvxfer_send(comm, 0, &a.desc, nullptr, &rc, &ra) != KVXFER_SUCCESS ||
+      kvxfer_send(comm, 0, &b.desc, nullptr, &rc, &rb) != KVXFER_SUCCESS)
+    return 11;
+  const auto t0 = std::chrono::steady_clock::now();
+  double b_failed_s = -1;
+  for (int32_t l = 0; l < kL; ++l) {
+    if (l > 0) {
+      const auto next = t0 + std::chrono::seconds(3 * l);
+      while (std::chrono::steady_clock::now() < next) {
+        kvxfer_stage_t st;
+        if (b_failed_s < 0 && kvxfer_test(rb, &st) == KVXFER_ERR_TIMEOUT)
+          b_failed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    if (kvxfer_send_layer_ready(ra, l) != KVXFER_SUCCESS) return 12;
+  }
+  const kvxfer_result_t a_rc = kvxfer_wait(ra, KVXFER_STAGE_COMPLETE, 60000);
+  const kvxfer_result_t b_rc = kvxfer_wait(rb, KVXFER_STAGE_COMPLETE, 60000);
+  const std::string b_err = kvxfer_get_last_error();
+  write_report(wr, rb, b_err);
+  kvxfer_request_free(ra);
+  kvxfer_request_free(rb);
+  kvxfer_comm_destroy(comm);
+  if (a_rc != KVXFER_SUCCESS) return 13;
+  if (b_rc != KVXFER_ERR_TIMEOUT) return 14;
+  // B's timeout is 4 s from its post; A's last layer goes at 6 s.
+  return b_failed_s > 0 && b_failed_s < 5.5 ? 0 : 15;
+}
+
+TEST(KvStream, AQueuedStreamedSendTimesOutFromItsPost) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(
+      [&](const kvxfer_unique_id_t& id, int, int wr) { return queued_streams_sender(id, wr); }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV a(kL, 2, kHd, kT, 32), b(kL, 2, kHd, kT, 32);
+  const kvxfer_request_config_t rc = request_config();
+  kvxfer_request_t ra = nullptr, rb = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &a.desc, &rc, &ra), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_recv(comm, 1, &b.desc, &rc, &rb), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(ra, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  EXPECT_EQ(kvxfer_wait(rb, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_TIMEOUT);
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));
+  EXPECT_NE(rep.error.find("layer 0 was not marked ready"), std::string::npos) << rep.error;
+  EXPECT_EQ(kvxfer_request_free(ra), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_request_free(rb), KVXFER_SUCCESS);
   finish(&pair, comm);
 }
 

@@ -775,15 +775,19 @@ typedef struct {
 
 /**
  * Registers a KV pool and validates it once: the fields as kvxfer_send
- * checks a descriptor's, every base aligned to the element size, and in
+ * checks a descriptor's, every base aligned to the element size, no two
+ * blocks of any layer's K or V sharing a byte, a device pool's CUDA device
+ * usable, and in
  * host memory each layer's K and V region (num_blocks blocks) probed as a
  * receiver's blocks are: its first and last byte readable and writable (the
  * write puts back the byte read, so nothing may write the pool during the
  * call) and every page between them mapped.  Requests on the pool then check
  * only their block ids.  A pool serves any number of communicators and
  * requests at once.
- * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, a bad field, a region that is
- * not accessible; the message names the field, layer and byte).
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, a bad field, regions that
+ * overlap, a region that is not accessible; the message names the field,
+ * layer and byte); KVXFER_ERR_UNSUPPORTED (device >= 0 in a build without
+ * CUDA or where CUDA reports no usable device).
  * Thread-safety: any thread.
  */
 kvxfer_result_t kvxfer_kv_pool_register(const kvxfer_kv_pool_desc_t* desc, kvxfer_kv_pool_t* pool);
@@ -827,8 +831,8 @@ typedef struct {
  * compares has the pool's num_layers, head_dim and dtype, `num_heads` heads
  * and num_tokens.  The blocks are not probed again (the pool was).
  * Errors: as kvxfer_send; KVXFER_ERR_INVALID_ARGUMENT also for a NULL pool,
- * a block id out of range (naming its index and value), too few ids, or a
- * head range outside the pool.
+ * a block id out of range (naming its index and value), too few ids, a head
+ * range outside the pool, or (kvxfer_recv_blocks) a block named twice.
  */
 kvxfer_result_t kvxfer_send_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_t pool,
                                    const kvxfer_kv_blocks_t* blocks,

@@ -245,7 +245,7 @@ static kvxfer_result_t post_blocks(bool is_send, kvxfer_comm_t comm, int peer,
   *request = nullptr;
   std::vector<void*> k, v;
   kvxfer_kv_desc_t kv;
-  KVXFER_CHECK(pool->pool->describe(blocks, &k, &v, &kv));
+  KVXFER_CHECK(pool->pool->describe(blocks, !is_send, &k, &v, &kv));
   kvxfer_codec_config_t codec_whole;  // made whole, as in post()
   if (codec != nullptr) KVXFER_CHECK(kvxfer::read_struct(codec, &codec_whole));
   auto* h = new kvxfer_request;

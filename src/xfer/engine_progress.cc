@@ -457,22 +457,22 @@ void Engine::Impl::release_slot(Work& w, size_t page) {
   p.slot = -1;
 }
 
-// A stream_layers send waiting at the front of its peer's encode queue for a
-// layer that is not marked within the timeout fails (its peer is told).
+// A stream_layers send with a layer still unmarked, and no mark within the
+// timeout of its post or of its last mark, fails (its peer is told), wherever
+// it is in its peer's encode queue.
 void Engine::Impl::check_layer_timeouts() {
   const int64_t now = now_ns();
-  for (auto& q : encode_fifo) {
-    if (q.empty()) continue;
-    const std::shared_ptr<Request> r = q.front();
-    const Work& w = *r->work;
-    if (w.failed || w.next_encode >= w.pages.size()) continue;
-    const int32_t layer = w.pages[w.next_encode].layer;
-    if (layer < r->layers_ready.load()) continue;
-    if (now - r->t_layer_mark.load() <= timeout_ms * 1000000) continue;
+  std::vector<std::pair<std::shared_ptr<Request>, int32_t>> late;
+  for (const auto& q : encode_fifo)
+    for (const std::shared_ptr<Request>& r : q) {
+      const int32_t ready = r->layers_ready.load();
+      if (r->work->failed || r->cfg.stream_layers == 0 || ready >= r->mine.num_layers) continue;
+      if (now - r->t_layer_mark.load() > timeout_ms * 1000000) late.emplace_back(r, ready);
+    }
+  for (const auto& [r, layer] : late)  // fail() changes the queues
     fail(r, KVXFER_ERR_TIMEOUT,
          strprintf("layer %d was not marked ready (kvxfer_send_layer_ready) within %lld ms", layer,
                    static_cast<long long>(timeout_ms)));
-  }
 }
 
 void Engine::Impl::queue_encodes(const std::shared_ptr<Request>& r) {

@@ -7,6 +7,7 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "common/struct_abi.h"
+#include "xfer/device.h"
 #include "xfer/engine.h"
 
 namespace kvxfer::xfer {
@@ -21,6 +22,16 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
                  d.num_layers, d.num_blocks, d.block_size);
   KVXFER_REQUIRE(d.k_layers != nullptr && d.v_layers != nullptr,
                  "KV pool: k_layers and v_layers must both be given");
+  KVXFER_REQUIRE(d.device >= -1, "KV pool: device %d is not -1 (host) or a CUDA ordinal", d.device);
+  if (d.device >= 0) {  // as kvxfer_send checks device KV
+    xfer::DeviceCodec* dev = xfer::device_codec();
+    if (dev == nullptr)
+      return set_error(KVXFER_ERR_UNSUPPORTED,
+                       "KV pool: the pool is on CUDA device %d, but this build of kvxfer has no "
+                       "CUDA support (docs/GPU.md)",
+                       d.device);
+    KVXFER_CHECK(dev->check_device(d.device));
+  }
   KVXFER_REQUIRE(d.num_blocks <= codec::kMaxDescBlocks / d.num_layers,
                  "KV pool: num_layers %d x num_blocks %" PRId64 " exceeds 2^32 blocks",
                  d.num_layers, d.num_blocks);
@@ -55,6 +66,31 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
   KVXFER_REQUIRE(p->block_stride_ <= (int64_t{1} << 62) / d.num_blocks,
                  "KV pool: num_blocks %" PRId64 " x block_stride %" PRId64 " exceeds 2^62 bytes",
                  d.num_blocks, p->block_stride_);
+  // No two blocks of the pool may share a byte: a receive would write one
+  // page's rows over another's.  Every region is an arithmetic progression
+  // of the same stride, so two regions meet iff some difference of their
+  // block indices m brings their bases within a block's extent.
+  std::vector<std::pair<const uint8_t*, std::string>> bases;
+  for (size_t l = 0; l < L; ++l) {
+    bases.emplace_back(p->k_layers_[l], strprintf("layer %zu K", l));
+    bases.emplace_back(p->v_layers_[l], strprintf("layer %zu V", l));
+  }
+  const int64_t S = p->block_stride_, last = d.num_blocks - 1;
+  for (size_t i = 0; i < bases.size(); ++i)
+    for (size_t j = i + 1; j < bases.size(); ++j) {
+      const int64_t delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(bases[j].first) -
+                                                 reinterpret_cast<uintptr_t>(bases[i].first));
+      // b_j - b_i = m: the gap delta + m * S closest to 0 is at m near -delta / S.
+      const int64_t m0 = -delta / S;
+      for (int64_t m : {m0 - 1, m0, m0 + 1}) {
+        if (m < -last || m > last) continue;
+        const int64_t gap = delta + m * S;
+        KVXFER_REQUIRE(gap >= extent || gap <= -extent,
+                       "KV pool: %s and %s overlap (a block of one is %" PRId64
+                       " bytes from a block of the other; a block spans %" PRId64 ")",
+                       bases[i].second.c_str(), bases[j].second.c_str(), gap, extent);
+      }
+    }
   std::vector<void*> k(L * static_cast<size_t>(d.num_blocks)), v(k.size());
   for (size_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < d.num_blocks; ++b) {
@@ -83,8 +119,9 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
   return KVXFER_SUCCESS;
 }
 
-kvxfer_result_t KvPool::describe(const kvxfer_kv_blocks_t* blocks, std::vector<void*>* k,
-                                 std::vector<void*>* v, kvxfer_kv_desc_t* out) const {
+kvxfer_result_t KvPool::describe(const kvxfer_kv_blocks_t* blocks, bool writes,
+                                 std::vector<void*>* k, std::vector<void*>* v,
+                                 kvxfer_kv_desc_t* out) const {
   KVXFER_REQUIRE(blocks != nullptr, "blocks is NULL");
   kvxfer_kv_blocks_t b;
   KVXFER_CHECK(read_struct_probed(blocks, &b, codec::copy_in_checked));
@@ -111,6 +148,16 @@ kvxfer_result_t KvPool::describe(const kvxfer_kv_blocks_t* blocks, std::vector<v
     KVXFER_REQUIRE(ids[i] >= 0 && ids[i] < d_.num_blocks,
                    "block_ids[%zu] = %d is not a block of the pool [0, %" PRId64 ")", i, ids[i],
                    d_.num_blocks);
+  if (writes) {  // a receive: each block once
+    std::vector<std::pair<int32_t, size_t>> sorted(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) sorted[i] = {ids[i], i};
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 1; i < sorted.size(); ++i)
+      KVXFER_REQUIRE(sorted[i].first != sorted[i - 1].first,
+                     "block_ids[%zu] and block_ids[%zu] are both block %d: a receive writes each "
+                     "block once",
+                     sorted[i - 1].second, sorted[i].second, sorted[i].first);
+  }
   const int32_t heads = b.num_heads == 0 ? d_.kv_heads - b.head_begin : b.num_heads;
   const int64_t head_off =
       int64_t{b.head_begin} * d_.head_dim * static_cast<int64_t>(codec::dtype_size(d_.dtype));

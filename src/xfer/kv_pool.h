@@ -28,10 +28,13 @@ class KvPool {
   /**
    * The descriptor of `blocks` on this pool: *k and *v receive its block
    * tables (num_layers x blocks used), which `*out` points into, so they must
-   * outlive its use.  Errors: KVXFER_ERR_INVALID_ARGUMENT naming the field,
-   * or the first out-of-range id by index and value.  Thread-safe.
+   * outlive its use.  `writes`: for a receive, which may not name a block
+   * twice (two tokens' rows would land in one place).  Errors:
+   * KVXFER_ERR_INVALID_ARGUMENT naming the field, the first out-of-range id
+   * by index and value, or (writes) a repeated id by both indices.
+   * Thread-safe.
    */
-  kvxfer_result_t describe(const kvxfer_kv_blocks_t* blocks, std::vector<void*>* k,
+  kvxfer_result_t describe(const kvxfer_kv_blocks_t* blocks, bool writes, std::vector<void*>* k,
                            std::vector<void*>* v, kvxfer_kv_desc_t* out) const;
 
   /** Remembers that `r` names this pool (until it is final).  Thread-safe. */
