@@ -1745,11 +1745,44 @@ TEST(Xfer, SixtyFourConcurrentRequests) { concurrent_requests(0); }
 // Four codec threads on each side: pages of many requests encoded and
 // decoded at once (the default on an 8-CPU machine), still bit-exact.
 TEST(Xfer, SixtyFourConcurrentRequestsOnFourCodecThreads) { concurrent_requests(4); }
-// A thousand small requests to one peer: every one keeps two receives posted
-// for its life, more than shm's default receive queue of 1024 entries
-// (ofi.h, kShmRxSize); the link used to fail with "fi_trecv ... Cannot
-// allocate memory" from about 480.
-TEST(Xfer, AThousandRequestsInFlightToOnePeer) { concurrent_requests(0, 1000, 32); }
+// As many small requests as the shared-memory path holds (ofi.h,
+// kShmMaxRequests), all in flight to one peer, all exact.  Beyond that, over
+// shm, a post is refused at the call: the link used to fail with
+// "fi_trecv ... Cannot allocate memory" from about 480.
+TEST(Xfer, ThreeHundredEightyFourRequestsInFlightToOnePeer) {
+  concurrent_requests(0, transport::kShmMaxRequests, 32);
+}
+
+TEST(Xfer, OverSharedMemoryARequestBeyondWhatItHoldsIsRefused) {
+  Pair pair;
+  ASSERT_TRUE(pair.start(idle_peer));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV kv(1, 1, 8, 16, 16);
+  std::vector<kvxfer_request_t> reqs;
+  kvxfer_result_t r = KVXFER_SUCCESS;
+  while (r == KVXFER_SUCCESS && reqs.size() < 2100) {
+    kvxfer_request_t q = nullptr;
+    r = reqs.size() % 2 == 0 ? kvxfer_recv(comm, 1, &kv.desc, nullptr, &q)
+                             : kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &q);
+    if (r == KVXFER_SUCCESS) reqs.push_back(q);
+  }
+  const std::string err = kvxfer_get_last_error();
+  if (err.find("shared memory") != std::string::npos) {
+    EXPECT_EQ(r, KVXFER_ERR_INVALID_USAGE);
+    EXPECT_EQ(reqs.size(), static_cast<size_t>(transport::kShmMaxRequests)) << err;
+  } else {  // the network path: only KVXFER_MAX_REQUESTS (1024 per direction)
+    EXPECT_EQ(r, KVXFER_ERR_INVALID_USAGE) << err;
+    EXPECT_NE(err.find("KVXFER_MAX_REQUESTS"), std::string::npos) << err;
+  }
+  for (kvxfer_request_t q : reqs) kvxfer_request_cancel(q);
+  for (kvxfer_request_t q : reqs) {
+    EXPECT_EQ(kvxfer_wait(q, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CANCELLED);
+    EXPECT_EQ(kvxfer_request_free(q), KVXFER_SUCCESS);
+  }
+  EXPECT_TRUE(release_idle_peer(&pair));
+  kvxfer_comm_destroy(comm);
+}
 
 // Figure 3 of the issue as a test: with 16 requests in flight on a shaped
 // link, no residual is applied while any handshaken request still waits for

@@ -644,8 +644,10 @@ typedef struct {
  * descriptor, codec or peer; the message names the field), or
  * KVXFER_ERR_INVALID_USAGE (communicator aborted,
  * or KVXFER_MAX_REQUESTS requests already in flight with this peer in this
- * direction, or match_by_id with a request_id already in flight with this
- * peer in this direction).  A request keeps its place until the progress thread retires
+ * direction, or 384 requests in flight with a peer reached over shared
+ * memory, both directions together: libfabric's shm provider has 1024
+ * receive entries; or match_by_id with a request_id already in flight with
+ * this peer in this direction).  A request keeps its place until the progress thread retires
  * it: shortly after its final stage (so a post right after kvxfer_wait saw
  * COMPLETE may still be refused), and for a request that failed or was
  * cancelled while messages of it were still posted, once those complete or

@@ -207,10 +207,6 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
     hints->domain_attr->mr_mode = 0;  // no registration: plain host memory
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->fabric_attr->prov_name = strdup(p.c_str());
-    // shm's receive queue holds posted receives and unexpected messages
-    // together, 1024 by default; each request keeps two receives posted
-    // (DESC, STATUS) for its life, so KVXFER_MAX_REQUESTS of them need more.
-    if (p == kShmProvider) hints->rx_attr->size = kShmRxSize;
     fi_info* raw = nullptr;
     // shm names each endpoint after its source address; with none given it
     // uses the pid and a per-process counter, unique on the host.  (A node
@@ -361,11 +357,7 @@ kvxfer_result_t Endpoint::post_recv(void* buf, size_t len, uint64_t tag, void* c
   if (!ep_) return set_error(KVXFER_ERR_INVALID_USAGE, "endpoint is closed");
   const ssize_t r = fi_trecv(ep_.get(), buf, len, nullptr, FI_ADDR_UNSPEC, tag, 0, ctx);
   if (r == 0) return KVXFER_SUCCESS;
-  // A full receive queue is -FI_EAGAIN, but libfabric 1.17's shm answers
-  // -FI_ENOMEM when its rx_size receive entries are all posted
-  // (prov/shm/src/smr_msg.c, smr_get_recv_entry): both are "retry once a
-  // receive completes", not a failed link.
-  if (r == -FI_EAGAIN || r == -FI_ENOMEM) return KVXFER_IN_PROGRESS;
+  if (r == -FI_EAGAIN) return KVXFER_IN_PROGRESS;
   return fi_fail("fi_trecv", static_cast<int>(r));
 }
 

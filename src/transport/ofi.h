@@ -157,10 +157,15 @@ const std::vector<std::string>& auto_providers();
 
 /** libfabric's shared-memory provider: same-host peers (Link, "Paths"). */
 constexpr const char* kShmProvider = "shm";
-/** Receive queue entries asked of shm (fi_rx_attr.size): posted receives
- *  and unexpected messages share them (libfabric 1.17, smr_msg.c); four per
- *  request of KVXFER_MAX_REQUESTS' default, with room for page receives. */
-constexpr size_t kShmRxSize = 8192;
+/**
+ * Requests in flight with one peer over shm, both directions together.
+ * libfabric 1.17's shm has 1024 receive entries per endpoint, at most
+ * (prov/shm/src/smr_attr.c), shared by posted receives and unexpected
+ * messages (smr_msg.c, smr_get_recv_entry: -FI_ENOMEM when they run out).
+ * A request keeps its DESC and STATUS receives posted, and pages need
+ * theirs: about 480 small requests used them all and failed the link.
+ */
+constexpr int kShmMaxRequests = 384;
 
 /**
  * Who can reach this process's shared memory and, with CMA, its memory:

@@ -498,6 +498,15 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
       return set_error(KVXFER_ERR_INVALID_USAGE,
                        "%d kvxfer_%s requests already in flight with peer %d (KVXFER_MAX_REQUESTS)",
                        inflight, is_send ? "send" : "recv", peer);
+    const transport::Link* link = m.comm ? m.comm->link(peer) : nullptr;
+    const int both = m.inflight_send[peer] + m.inflight_recv[peer];
+    if (link != nullptr && link->provider() == transport::kShmProvider &&
+        both >= transport::kShmMaxRequests)
+      return set_error(KVXFER_ERR_INVALID_USAGE,
+                       "%d requests already in flight with peer %d, which this process reaches "
+                       "over shared memory: libfabric's shm provider holds %d (its 1024 receive "
+                       "entries); wait for some to finish",
+                       both, peer, transport::kShmMaxRequests);
     if (rc.match_by_id != 0) {
       auto& ids = is_send ? m.ids_send[peer] : m.ids_recv[peer];
       if (!ids.insert(rc.request_id).second)
