@@ -1630,27 +1630,40 @@ TEST(XferApi, MaxRequestsRefusesTheNextSend) {
   PagedKV kv(1, 1, 8, 1, 16);  // the peer posts nothing, so no send is matched
   kv.fill(3);
   std::vector<kvxfer_request_t> reqs;
+  // Over shared memory the path's own cap (fewer) comes first
+  // (OverSharedMemoryARequestBeyondWhatItHoldsIsRefused); KVXFER_MAX_REQUESTS
+  // is then checked by the same case in xfer_test_over_tcp.
+  const int64_t shm_cap = transport::kShmMaxRequests;
+  bool capped = false;
   for (int64_t i = 0; i < max; ++i) {
     kvxfer_request_t r = nullptr;
-    ASSERT_EQ(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &r), KVXFER_SUCCESS)
-        << i << ": " << kvxfer_get_last_error();
+    const kvxfer_result_t rc = kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &r);
+    if (rc != KVXFER_SUCCESS && i == shm_cap &&
+        std::string(kvxfer_get_last_error()).find("shared memory") != std::string::npos) {
+      capped = true;
+      break;
+    }
+    ASSERT_EQ(rc, KVXFER_SUCCESS) << i << ": " << kvxfer_get_last_error();
     reqs.push_back(r);
   }
   kvxfer_request_t extra = nullptr;
   const std::string full = std::to_string(max) +
                            " kvxfer_send requests already in flight with peer 1 "
                            "(KVXFER_MAX_REQUESTS)";
-  expect_error(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &extra), KVXFER_ERR_INVALID_USAGE,
-               full.c_str());
+  if (!capped)
+    expect_error(kvxfer_send(comm, 1, &kv.desc, nullptr, nullptr, &extra), KVXFER_ERR_INVALID_USAGE,
+                 full.c_str());
   EXPECT_EQ(extra, nullptr);
   for (kvxfer_request_t r : reqs) {
     kvxfer_stage_t st;
     ASSERT_EQ(kvxfer_test(r, &st), KVXFER_IN_PROGRESS);
   }
   PagedKV dst(1, 1, 8, 1, 16);
-  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &extra), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  reqs.push_back(extra);
+  if (!capped) {  // the other direction has its own count
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &extra), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    reqs.push_back(extra);
+  }
   kvxfer_comm_abort(comm);
   for (kvxfer_request_t r : reqs) {
     EXPECT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_INVALID_USAGE);
