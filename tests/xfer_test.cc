@@ -1762,7 +1762,7 @@ TEST(Xfer, SixtyFourConcurrentRequestsOnFourCodecThreads) { concurrent_requests(
 // kShmMaxRequests), all in flight to one peer, all exact.  Beyond that, over
 // shm, a post is refused at the call: the link used to fail with
 // "fi_trecv ... Cannot allocate memory" from about 480.
-TEST(Xfer, ThreeHundredEightyFourRequestsInFlightToOnePeer) {
+TEST(Xfer, AllTheRequestsSharedMemoryHoldsInFlightToOnePeer) {
   concurrent_requests(0, transport::kShmMaxRequests, 32);
 }
 

@@ -644,7 +644,7 @@ typedef struct {
  * descriptor, codec or peer; the message names the field), or
  * KVXFER_ERR_INVALID_USAGE (communicator aborted,
  * or KVXFER_MAX_REQUESTS requests already in flight with this peer in this
- * direction, or 384 requests in flight with a peer reached over shared
+ * direction, or 128 requests in flight with a peer reached over shared
  * memory, both directions together: libfabric's shm provider has 1024
  * receive entries; or match_by_id with a request_id already in flight with
  * this peer in this direction).  A request keeps its place until the progress thread retires

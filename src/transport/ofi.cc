@@ -584,6 +584,10 @@ void Link::apply_path_limits() {
   if (cfg_.max_posted_recvs == 0) {
     const fi_rx_attr* rx = info->rx_attr;
     cfg_.max_posted_recvs = rx != nullptr && rx->size >= 2 ? rx->size : 1024;
+    // shm's entries also hold unexpected messages (ofi.h, kShmMaxRequests).
+    if (provider() == kShmProvider)
+      cfg_.max_posted_recvs = std::max<size_t>(
+          2, static_cast<size_t>(static_cast<double>(cfg_.max_posted_recvs) * kShmPostedShare));
   }
 }
 

@@ -163,9 +163,14 @@ constexpr const char* kShmProvider = "shm";
  * (prov/shm/src/smr_attr.c), shared by posted receives and unexpected
  * messages (smr_msg.c, smr_get_recv_entry: -FI_ENOMEM when they run out).
  * A request keeps its DESC and STATUS receives posted, and pages need
- * theirs: about 480 small requests used them all and failed the link.
+ * theirs: about 480 small requests used them all and failed the link, and
+ * 384 under AddressSanitizer's slower progress.  With kShmPostedShare of
+ * the entries for posted receives, 128 requests keep half of those for pages.
  */
-constexpr int kShmMaxRequests = 384;
+constexpr int kShmMaxRequests = 128;
+/** The share of shm's receive entries the Link posts receives into (Link::
+ *  max_posted_recvs); the rest is left to messages that arrive unexpected. */
+constexpr double kShmPostedShare = 0.75;
 
 /**
  * Who can reach this process's shared memory and, with CMA, its memory:
