@@ -104,6 +104,16 @@ class DeviceCodec {
 /** The registered device codec, or nullptr in a build without CUDA. */
 DeviceCodec* device_codec();
 
+/**
+ * The device codec for memory on CUDA device `device` (>= 0) in *out, once
+ * DeviceCodec::check_device accepts the ordinal.  `what` starts the message
+ * ("the KV" or "KV pool: the pool").  Errors: KVXFER_ERR_UNSUPPORTED (a build
+ * without CUDA, or CUDA reports no usable driver or device: the message
+ * quotes it), KVXFER_ERR_INVALID_ARGUMENT (an ordinal past the last device).
+ * Thread-safe.
+ */
+kvxfer_result_t usable_device_codec(int device, const char* what, DeviceCodec** out);
+
 /** Registers `c` (static lifetime).  Called once, by src/cuda/xfer_device.cc. */
 void register_device_codec(DeviceCodec* c);
 

@@ -383,15 +383,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                                                       : codec::KvAccess::kWrite,
                                        "", &shape));
   xfer::DeviceCodec* dev = nullptr;
-  if (kv->device >= 0) {
-    dev = xfer::device_codec();
-    if (dev == nullptr)
-      return set_error(KVXFER_ERR_UNSUPPORTED,
-                       "the KV is on CUDA device %d, but this build of kvxfer has no CUDA "
-                       "support (docs/GPU.md)",
-                       kv->device);
-    KVXFER_CHECK(dev->check_device(kv->device));
-  }
+  if (kv->device >= 0) KVXFER_CHECK(xfer::usable_device_codec(kv->device, "the KV", &dev));
 
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   if (cfg != nullptr) KVXFER_CHECK(read_struct(cfg, &rc));

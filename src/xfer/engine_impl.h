@@ -334,10 +334,15 @@ struct Engine::Impl {
   std::vector<std::unordered_map<uint64_t, std::pair<kvxfer_result_t, std::string>>> rdv_refused;
   std::vector<std::unordered_map<uint64_t, std::vector<uint8_t>>> drain_bufs;  // by Link op id
   void refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text);
-  /** A Link post of `tag` for `r` (null: the engine's own), counted in ops;
-   *  the op id in *op.  False if the Link refused it. */
-  bool post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send, const void* buf, size_t len,
-                const std::shared_ptr<Request>& r, OpKind k, uint64_t* op = nullptr);
+  /** A Link post of `tag` for `r` (null: the engine's own), recorded as
+   *  (k, page) and counted in r's ops; the op id in *op.  The Link's error
+   *  if it refused it (nothing recorded). */
+  kvxfer_result_t post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send, const void* buf,
+                           size_t len, const std::shared_ptr<Request>& r, OpKind k, size_t page,
+                           uint64_t* op = nullptr);
+  /** post_raw for request `r`, which fails (fail()) if the Link refuses it. */
+  bool post_for(const std::shared_ptr<Request>& r, TrafficClass c, uint64_t tag, bool is_send,
+                const void* buf, size_t len, OpKind k, size_t page);
   void bind_or_wait(const std::shared_ptr<Request>& r);  // a new receive by id
   void arm_rdv(int peer);
   void on_rdv(int peer, const Completion& c);

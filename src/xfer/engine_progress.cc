@@ -121,6 +121,9 @@ bool Engine::Impl::step() {
     for (int p = 0; p < nranks; ++p) pump_encodes(p);
     busy = true;
   }
+  // Every round, not with the periodic work: the layer's timeout must win
+  // the race with the Link's own inactivity timeout of the same length, whose
+  // message would not name the layer.
   check_layer_timeouts();
   if (do_abort) {
     KVXFER_INFO(LOG_NET, "aborting communicator rank %d: %s", rank, why.c_str());
@@ -177,47 +180,28 @@ bool Engine::Impl::step() {
 
 bool Engine::Impl::post_link_send(const std::shared_ptr<Request>& r, TrafficClass c, OpKind k,
                                   MsgKind mk, size_t page, const void* buf, size_t len) {
-  uint64_t op = 0;
-  kvxfer_result_t rc = KVXFER_SUCCESS;
-  if (!comm) {
-    testing_posts.push_back({r->peer, c, make_tag(r->seq, !r->is_send, mk, page), true,
-                             static_cast<uint8_t*>(const_cast<void*>(buf)), len});
-    op = testing_posts.size();
-  } else {
-    rc = comm->link(r->peer)->post_send(c, buf, len, make_tag(r->seq, !r->is_send, mk, page), &op);
-  }
-  if (rc < 0) {
-    fail(r, rc, strprintf("posting a send to peer %d failed: %s", r->peer, last_error()));
-    return false;
-  }
-  ops[r->peer][op] = OpRef{r, k, page, true};
-  r->work->ops++;
-  return true;
+  return post_for(r, c, make_tag(r->seq, !r->is_send, mk, page), true, buf, len, k, page);
 }
 
 bool Engine::Impl::post_link_recv(const std::shared_ptr<Request>& r, TrafficClass c, OpKind k,
                                   MsgKind mk, size_t page, void* buf, size_t cap) {
-  uint64_t op = 0;
-  kvxfer_result_t rc = KVXFER_SUCCESS;
-  if (!comm) {
-    testing_posts.push_back({r->peer, c, make_tag(r->seq, r->is_send, mk, page), false,
-                             static_cast<uint8_t*>(buf), cap});
-    op = testing_posts.size();
-  } else {
-    rc = comm->link(r->peer)->post_recv(c, buf, cap, make_tag(r->seq, r->is_send, mk, page), &op);
-  }
-  if (rc < 0) {
-    fail(r, rc, strprintf("posting a receive from peer %d failed: %s", r->peer, last_error()));
-    return false;
-  }
-  ops[r->peer][op] = OpRef{r, k, page, false};
-  r->work->ops++;
-  return true;
+  return post_for(r, c, make_tag(r->seq, r->is_send, mk, page), false, buf, cap, k, page);
 }
 
-bool Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send, const void* buf,
-                            size_t len, const std::shared_ptr<Request>& r, OpKind k,
-                            uint64_t* op_out) {
+bool Engine::Impl::post_for(const std::shared_ptr<Request>& r, TrafficClass c, uint64_t tag,
+                            bool is_send, const void* buf, size_t len, OpKind k, size_t page) {
+  const kvxfer_result_t rc = post_raw(r->peer, c, tag, is_send, buf, len, r, k, page);
+  if (rc < 0)
+    fail(r, rc,
+         strprintf("posting a %s peer %d failed: %s", is_send ? "send to" : "receive from", r->peer,
+                   last_error()));
+  return rc >= 0;
+}
+
+kvxfer_result_t Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send,
+                                       const void* buf, size_t len,
+                                       const std::shared_ptr<Request>& r, OpKind k, size_t page,
+                                       uint64_t* op_out) {
   uint64_t op = 0;
   kvxfer_result_t rc = KVXFER_SUCCESS;
   if (!comm) {
@@ -229,11 +213,11 @@ bool Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send
   } else {
     rc = comm->link(peer)->post_recv(c, const_cast<void*>(buf), len, tag, &op);
   }
-  if (rc < 0) return false;
-  ops[peer][op] = OpRef{r, k, 0, is_send};
+  if (rc < 0) return rc;
+  ops[peer][op] = OpRef{r, k, page, is_send};
   if (r != nullptr) r->work->ops++;
   if (op_out != nullptr) *op_out = op;
-  return true;
+  return KVXFER_SUCCESS;
 }
 
 // A by-id send announces (request id -> seq) on its peer's rendezvous stream
@@ -243,12 +227,8 @@ bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
   w.rdv_out = encode_rdv(r->request_id, r->seq);
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, rdv_sent[r->peer]++ & (kMaxPages - 1));
-  if (post_raw(r->peer, TrafficClass::kAnchor, tag, true, w.rdv_out.data(), w.rdv_out.size(), r,
-               OpKind::kRdvSend))
-    return true;
-  fail(r, KVXFER_ERR_SYSTEM,
-       strprintf("posting a send to peer %d failed: %s", r->peer, last_error()));
-  return false;
+  return post_for(r, TrafficClass::kAnchor, tag, true, w.rdv_out.data(), w.rdv_out.size(),
+                  OpKind::kRdvSend, 0);
 }
 
 // A new receive by id: bound at once to an announcement that came first, else
@@ -277,15 +257,15 @@ void Engine::Impl::arm_rdv(int peer) {
   if (rdv_armed[peer] != 0 || rdv_waiting[peer].empty() || links_aborted) return;
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, rdv_received[peer] & (kMaxPages - 1));
-  if (post_raw(peer, TrafficClass::kAnchor, tag, false, rdv_in[peer].data(), rdv_in[peer].size(),
-               nullptr, OpKind::kRdvRecv)) {
+  const kvxfer_result_t rc = post_raw(peer, TrafficClass::kAnchor, tag, false, rdv_in[peer].data(),
+                                      rdv_in[peer].size(), nullptr, OpKind::kRdvRecv, 0);
+  if (rc >= 0) {
     rdv_armed[peer] = 1;
     return;
   }
   const std::string why =
       strprintf("posting a receive from peer %d failed: %s", peer, last_error());
-  for (const auto& r : std::deque<std::shared_ptr<Request>>(rdv_waiting[peer]))
-    fail(r, KVXFER_ERR_SYSTEM, why);
+  for (const auto& r : std::deque<std::shared_ptr<Request>>(rdv_waiting[peer])) fail(r, rc, why);
 }
 
 void Engine::Impl::on_rdv(int peer, const Completion& c) {
@@ -351,7 +331,7 @@ void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
     // The vector's storage moves with it into the map: the Link keeps its address.
     uint64_t op = 0;
     if (post_raw(peer, TrafficClass::kAnchor, p.tag, p.is_send, p.buf.data(), p.buf.size(), nullptr,
-                 p.kind, &op))
+                 p.kind, 0, &op) >= 0)
       drain_bufs[peer][op] = std::move(p.buf);
   }
 }

@@ -23,15 +23,8 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
   KVXFER_REQUIRE(d.k_layers != nullptr && d.v_layers != nullptr,
                  "KV pool: k_layers and v_layers must both be given");
   KVXFER_REQUIRE(d.device >= -1, "KV pool: device %d is not -1 (host) or a CUDA ordinal", d.device);
-  if (d.device >= 0) {  // as kvxfer_send checks device KV
-    xfer::DeviceCodec* dev = xfer::device_codec();
-    if (dev == nullptr)
-      return set_error(KVXFER_ERR_UNSUPPORTED,
-                       "KV pool: the pool is on CUDA device %d, but this build of kvxfer has no "
-                       "CUDA support (docs/GPU.md)",
-                       d.device);
-    KVXFER_CHECK(dev->check_device(d.device));
-  }
+  xfer::DeviceCodec* dev = nullptr;
+  if (d.device >= 0) KVXFER_CHECK(xfer::usable_device_codec(d.device, "KV pool: the pool", &dev));
   KVXFER_REQUIRE(d.num_blocks <= codec::kMaxDescBlocks / d.num_layers,
                  "KV pool: num_layers %d x num_blocks %" PRId64 " exceeds 2^32 blocks",
                  d.num_layers, d.num_blocks);
