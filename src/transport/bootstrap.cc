@@ -5,7 +5,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,12 +18,25 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "transport/tcp_io.h"
 
 namespace kvxfer::transport {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Deadline = Clock::time_point;
+using tcp::Deadline;
+using tcp::deadline_after;
+using tcp::errno_text;
+using tcp::Fd;
+using tcp::finish_frame;
+using tcp::get_u16;
+using tcp::get_u32;
+using tcp::put_u16;
+using tcp::put_u32;
+using tcp::remaining_ms;
+using tcp::secret_equal;
+using tcp::set_nodelay;
+using tcp::sockaddr_text;
 
 constexpr size_t kHelloFixed = 4 + 2 + 2 + 4 + 4 + kBootstrapSecretBytes + 4;  // 52
 constexpr size_t kTableFixed = 4 + 2 + 2 + 4;                                  // 12
@@ -34,155 +46,16 @@ constexpr uint16_t kStatusTimeout = 1;
 constexpr uint16_t kStatusTooLarge = 2;
 constexpr uint16_t kStatusRankFailed = kBootstrapStatusRankFailed;
 
-Deadline deadline_after(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+constexpr const char* kWho = "bootstrap";
 
-int remaining_ms(Deadline d) {
-  auto left = std::chrono::ceil<std::chrono::milliseconds>(d - Clock::now()).count();
-  if (left <= 0) return 0;
-  return left > INT_MAX ? INT_MAX : static_cast<int>(left);
-}
-
-std::string errno_text(int e) { return std::error_code(e, std::generic_category()).message(); }
-
-kvxfer_result_t sys_error(const char* what, int e) {
-  return set_error(KVXFER_ERR_SYSTEM, "bootstrap: %s: %s (errno %d)", what, errno_text(e).c_str(),
-                   e);
-}
-
-/** Owns a file descriptor. */
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = o.fd_;
-      o.fd_ = -1;
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int release() {
-    int f = fd_;
-    fd_ = -1;
-    return f;
-  }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);  // not retried on EINTR (Linux closes anyway)
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-// --- little-endian encoding ------------------------------------------------
-void put_u16(std::vector<uint8_t>* b, uint16_t v) {
-  b->push_back(static_cast<uint8_t>(v));
-  b->push_back(static_cast<uint8_t>(v >> 8));
-}
-void put_u32(std::vector<uint8_t>* b, uint32_t v) {
-  for (int i = 0; i < 4; ++i) b->push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-uint16_t get_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
-uint32_t get_u32(const uint8_t* p) {
-  return uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
-}
-/** Patches the length prefix (bytes after the first four) into b[0..3]. */
-void finish_frame(std::vector<uint8_t>* b) {
-  uint32_t len = static_cast<uint32_t>(b->size() - 4);
-  for (int i = 0; i < 4; ++i) (*b)[i] = static_cast<uint8_t>(len >> (8 * i));
-}
-
-/** Constant-time equality (no early exit on the first differing byte). */
-bool secret_equal(const uint8_t* a, const uint8_t* b, size_t n) {
-  volatile uint8_t diff = 0;
-  for (size_t i = 0; i < n; ++i) diff = static_cast<uint8_t>(diff | (a[i] ^ b[i]));
-  return diff == 0;
-}
-
-std::string sockaddr_text(const sockaddr* sa, socklen_t len) {
-  char host[NI_MAXHOST], serv[NI_MAXSERV];
-  if (getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) !=
-      0)
-    return "<unknown peer>";
-  return sa->sa_family == AF_INET6 ? std::string("[") + host + "]:" + serv
-                                   : std::string(host) + ":" + serv;
-}
-
-/** Waits until fd is ready for `events`; KVXFER_ERR_TIMEOUT at the deadline. */
-kvxfer_result_t wait_fd(int fd, short events, Deadline d, const char* what) {
-  for (;;) {
-    int left = remaining_ms(d);
-    if (left == 0) return set_error(KVXFER_ERR_TIMEOUT, "bootstrap: timed out %s", what);
-    pollfd p{fd, events, 0};
-    int r = ::poll(&p, 1, left);
-    if (r > 0) return KVXFER_SUCCESS;  // POLLERR/POLLHUP: the next call reports it
-    if (r < 0 && errno != EINTR) return sys_error("poll", errno);
-  }
-}
-
-bool is_closed_errno(int e) { return e == EPIPE || e == ECONNRESET || e == ENOTCONN; }
-
-/** Sends all of buf; *closed = true when the peer has closed/reset. */
+kvxfer_result_t sys_error(const char* what, int e) { return tcp::sys_error(kWho, what, e); }
 kvxfer_result_t send_all(int fd, const uint8_t* buf, size_t len, Deadline d, const char* what,
                          bool* closed) {
-  *closed = false;
-  size_t off = 0;
-  while (off < len) {
-    ssize_t n = ::send(fd, buf + off, len - off, MSG_NOSIGNAL);
-    if (n > 0) {
-      off += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      KVXFER_CHECK(wait_fd(fd, POLLOUT, d, what));
-      continue;
-    }
-    int e = n < 0 ? errno : EPIPE;
-    *closed = is_closed_errno(e);
-    return sys_error(what, e);
-  }
-  return KVXFER_SUCCESS;
+  return tcp::send_all(fd, buf, len, d, kWho, what, closed);
 }
-
-/** Receives exactly len bytes; *closed = true on EOF or reset. */
 kvxfer_result_t recv_all(int fd, uint8_t* buf, size_t len, Deadline d, const char* what,
                          bool* closed) {
-  *closed = false;
-  size_t off = 0;
-  while (off < len) {
-    ssize_t n = ::recv(fd, buf + off, len - off, 0);
-    if (n > 0) {
-      off += static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0) {
-      *closed = true;
-      return set_error(KVXFER_ERR_SYSTEM, "bootstrap: %s: connection closed by peer", what);
-    }
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      KVXFER_CHECK(wait_fd(fd, POLLIN, d, what));
-      continue;
-    }
-    int e = errno;
-    *closed = is_closed_errno(e);
-    return sys_error(what, e);
-  }
-  return KVXFER_SUCCESS;
-}
-
-void set_nodelay(int fd) {
-  int one = 1;
-  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return tcp::recv_all(fd, buf, len, d, kWho, what, closed);
 }
 
 /** Fills sa from the id; false when the id is not a valid one. */
@@ -208,30 +81,10 @@ bool id_sockaddr(const UniqueId& id, sockaddr_storage* sa, socklen_t* len) {
   return id.port != 0;
 }
 
-/**
- * One non-blocking connect bounded by the deadline.  *retry = true when the
- * failure is one a later attempt may not see (root not listening yet).
- */
+/** One connect to the root; *retry when it may not be listening yet. */
 kvxfer_result_t connect_once(const sockaddr_storage& sa, socklen_t len, Deadline d, Fd* out,
                              bool* retry) {
-  *retry = false;
-  Fd fd(::socket(sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return sys_error("socket", errno);
-  int e = 0;
-  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&sa), len) != 0) {
-    e = errno;
-    if (e == EINPROGRESS || e == EINTR) {
-      KVXFER_CHECK(wait_fd(fd.get(), POLLOUT, d, "connecting to the bootstrap root"));
-      socklen_t el = sizeof e;
-      if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &e, &el) != 0) e = errno;
-    }
-  }
-  if (e != 0) {
-    *retry = e == ECONNREFUSED || e == ECONNRESET || e == ETIMEDOUT || e == EAGAIN;
-    return sys_error("connect to the bootstrap root", e);
-  }
-  *out = std::move(fd);
-  return KVXFER_SUCCESS;
+  return tcp::connect_once(sa, len, d, out, retry, kWho, "the bootstrap root");
 }
 
 kvxfer_result_t refused_error(const std::string& root) {
@@ -511,39 +364,9 @@ kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
                  "create_unique_id: id and root must not be NULL");
   const char* host = bind_host != nullptr ? bind_host : "127.0.0.1";
 
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  int g = ::getaddrinfo(host, "0", &hints, &res);
-  if (g != 0)
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "bootstrap: cannot resolve bind host '%s': %s",
-                     host, g == EAI_SYSTEM ? errno_text(errno).c_str() : gai_strerror(g));
-  std::unique_ptr<addrinfo, void (*)(addrinfo*)> res_owner(res, ::freeaddrinfo);
-  const addrinfo* ai = res;
-  while (ai != nullptr && ai->ai_family != AF_INET && ai->ai_family != AF_INET6) ai = ai->ai_next;
-  if (ai == nullptr)
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
-                     "bootstrap: bind host '%s' has no IPv4/IPv6 address", host);
-  bool wildcard =
-      ai->ai_family == AF_INET
-          ? reinterpret_cast<const sockaddr_in*>(ai->ai_addr)->sin_addr.s_addr == htonl(INADDR_ANY)
-          : IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(ai->ai_addr)->sin6_addr);
-  if (wildcard)
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
-                     "bootstrap: bind host '%s' is a wildcard address; give the address of one "
-                     "interface (the id must carry an address ranks can connect to)",
-                     host);
-
-  Fd fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return sys_error("socket", errno);
-  if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) return sys_error("bind", errno);
-  if (::listen(fd.get(), SOMAXCONN) != 0) return sys_error("listen", errno);
+  Fd fd;
   sockaddr_storage ss{};
-  socklen_t sl = sizeof ss;
-  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &sl) != 0)
-    return sys_error("getsockname", errno);
+  KVXFER_CHECK(tcp::open_listener(host, 0, kWho, &fd, &ss));
 
   UniqueId out{};
   out.magic = kBootstrapMagic;
@@ -559,15 +382,7 @@ kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
     out.scope_id = s->sin6_scope_id;
     std::memcpy(out.addr, &s->sin6_addr, 16);
   }
-  size_t filled = 0;
-  while (filled < sizeof out.secret) {
-    ssize_t n = ::getrandom(out.secret + filled, sizeof out.secret - filled, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return sys_error("getrandom", errno);
-    }
-    filled += static_cast<size_t>(n);
-  }
+  KVXFER_CHECK(tcp::random_bytes(out.secret, sizeof out.secret, kWho));
 
   std::unique_ptr<BootstrapRoot> r(new BootstrapRoot());
   r->id_ = out;
