@@ -277,8 +277,27 @@ kvxfer_result_t Communicator::report_failure(const UniqueId& id, BootstrapRoot* 
 Communicator::~Communicator() { abort("communicator destroyed"); }
 
 Link* Communicator::link(int peer) const {
-  if (peer < 0 || peer >= nranks_) return nullptr;
+  if (peer < 0 || peer >= static_cast<int>(links_.size())) return nullptr;
   return links_[peer].get();
+}
+
+std::unique_ptr<Communicator> Communicator::create_open() {
+  std::unique_ptr<Communicator> c(new Communicator());
+  c->rank_ = -1;
+  return c;
+}
+
+void Communicator::set_link(int peer, std::unique_ptr<Link> link) {
+  if (peer < 0) return;
+  if (peer >= static_cast<int>(links_.size())) links_.resize(static_cast<size_t>(peer) + 1);
+  links_[peer] = std::move(link);
+  if (aborted_ && links_[peer]) links_[peer]->abort("communicator aborted");
+}
+
+void Communicator::release_link(int peer, const char* why) {
+  if (peer < 0 || peer >= static_cast<int>(links_.size()) || !links_[peer]) return;
+  links_[peer]->abort(why);
+  links_[peer].reset();
 }
 
 kvxfer_result_t Communicator::progress() {

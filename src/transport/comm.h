@@ -99,8 +99,20 @@ class Communicator {
 
   int rank() const { return rank_; }
   int nranks() const { return nranks_; }
-  /** The Link to `peer`; nullptr for peer == rank() or out of range. */
+  /** The Link to `peer`; nullptr for peer == rank(), out of range, or released. */
   Link* link(int peer) const;
+
+  /**
+   * A communicator with no peers, whose Links come and go (set_link,
+   * release_link): the peers of an endpoint (xfer/endpoint.h).  rank() is -1.
+   */
+  static std::unique_ptr<Communicator> create_open();
+  /** Sets the Link of peer `peer` (>= 0; the table grows).  Same thread as progress(). */
+  void set_link(int peer, std::unique_ptr<Link> link);
+  /** Closes and frees the Link of `peer` (Link::abort first if it has ops in flight). */
+  void release_link(int peer, const char* why);
+  /** Slots in the Link table (nranks() for a communicator made by create()). */
+  int slots() const { return static_cast<int>(links_.size()); }
 
   /** Drives every Link once; the first Link error, else KVXFER_SUCCESS. */
   kvxfer_result_t progress();

@@ -354,6 +354,8 @@ class Link {
   kvxfer_result_t connect(const void* blob, size_t len);
   bool ready() const { return ready_; }
   bool failed() const { return failed_; }
+  /** Why the link failed ("" while it has not). */
+  const std::string& failure() const { return fail_why_; }
 
   /**
    * Queues a message (any size, 0 included) on class `c`.  `buf` must stay

@@ -189,28 +189,36 @@ bool request_wait_final_callbacks(Request& r) {
 // ---------------------------------------------------------------------------
 // Creation and teardown
 // ---------------------------------------------------------------------------
+namespace {
+
+/** The Links' configuration: the KVXFER_* parameters, `bind`, and the rate limit. */
+kvxfer_result_t make_link_config(int timeout_ms, const std::string& bind, const char* rate_limit,
+                                 transport::LinkConfig* lc) {
+  KVXFER_CHECK(transport::LinkConfig::from_params(lc));
+  lc->node = bind;
+  if (rate_limit != nullptr) {
+    double bps = 0;
+    std::string why;
+    KVXFER_REQUIRE(params::parse_rate(rate_limit, &bps, &why), "rate_limit '%s' %s", rate_limit,
+                   why.c_str());
+    lc->limiter = bps > 0 ? std::make_shared<transport::RateLimiter>(
+                                bps, transport::RateLimiter::burst_for(
+                                         bps, static_cast<uint64_t>(params::NetChunkBytes())))
+                          : nullptr;
+  }
+  lc->timeout_ms = timeout_ms;
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace
+
 kvxfer_result_t Engine::create(const transport::UniqueId& id,
                                std::unique_ptr<transport::BootstrapRoot> root, int rank, int nranks,
                                int timeout_ms, const std::string& bind, const char* rate_limit,
                                std::unique_ptr<Engine>* out, std::shared_ptr<TestHooks> hooks) {
   transport::LinkConfig lc;
   // A failure here still tells the other ranks (fail fast, comm.h).
-  const kvxfer_result_t prep = [&]() -> kvxfer_result_t {
-    KVXFER_CHECK(transport::LinkConfig::from_params(&lc));
-    lc.node = bind;
-    if (rate_limit != nullptr) {
-      double bps = 0;
-      std::string why;
-      KVXFER_REQUIRE(params::parse_rate(rate_limit, &bps, &why), "rate_limit '%s' %s", rate_limit,
-                     why.c_str());
-      lc.limiter = bps > 0 ? std::make_shared<transport::RateLimiter>(
-                                 bps, transport::RateLimiter::burst_for(
-                                          bps, static_cast<uint64_t>(params::NetChunkBytes())))
-                           : nullptr;
-    }
-    lc.timeout_ms = timeout_ms;
-    return KVXFER_SUCCESS;
-  }();
+  const kvxfer_result_t prep = make_link_config(timeout_ms, bind, rate_limit, &lc);
   if (prep != KVXFER_SUCCESS)
     return transport::Communicator::report_failure(id, root.get(), rank, nranks, timeout_ms, prep);
   std::unique_ptr<Engine> e(new Engine);
@@ -218,13 +226,13 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   Impl& m = *e->impl_;
   KVXFER_CHECK(
       transport::Communicator::create(id, root.get(), rank, nranks, lc, timeout_ms, &m.comm));
+  m.link_cfg = lc;
   init_state(&m, rank, nranks, timeout_ms, std::move(hooks));
-  m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
-  m.inbox->wake_fd = m.wake_fd;
-  const int workers = codec_workers(m.hooks.get());
-  for (int i = 0; i < workers; ++i) m.codec_threads.emplace_back([&m] { m.codec_main(); });
-  m.progress_thread = std::thread([&m] { m.progress_main(); });
+  for (int p = 0; p < nranks; ++p) {
+    const transport::Link* l = m.comm->link(p);
+    m.peer_shm[p] = l != nullptr && l->provider() == transport::kShmProvider;
+  }
+  KVXFER_CHECK(start_threads(&m));
   // Each peer's path: "provider shm", or with several "providers shm x3, tcp;ofi_rxm x1".
   std::map<std::string, int> paths;
   for (int p = 0; p < nranks; ++p)
@@ -233,10 +241,73 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   if (paths.size() > 1)
     for (const auto& [prov, n] : paths)
       path_text += strprintf("%s %s x%d", path_text == "providers" ? "" : ",", prov.c_str(), n);
-  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (%s, %d codec thread%s)", rank, nranks,
-              path_text.c_str(), workers, workers == 1 ? "" : "s");
+  KVXFER_INFO(LOG_INIT, "communicator rank %d of %d ready (%s, %zu codec thread%s)", rank, nranks,
+              path_text.c_str(), m.codec_threads.size(), m.codec_threads.size() == 1 ? "" : "s");
   *out = std::move(e);
   return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t Engine::create_open(int timeout_ms, const std::string& bind, const char* rate_limit,
+                                    std::unique_ptr<Engine>* out,
+                                    std::shared_ptr<TestHooks> hooks) {
+  transport::LinkConfig lc;
+  KVXFER_CHECK(make_link_config(timeout_ms, bind, rate_limit, &lc));
+  std::unique_ptr<Engine> e(new Engine);
+  e->impl_.reset(new Impl);
+  Impl& m = *e->impl_;
+  m.comm = transport::Communicator::create_open();
+  m.link_cfg = lc;
+  init_state(&m, -1, 0, timeout_ms, std::move(hooks));
+  KVXFER_CHECK(start_threads(&m));
+  *out = std::move(e);
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t Engine::start_threads(Impl* mp) {
+  Impl& m = *mp;
+  m.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (m.wake_fd < 0) return set_error(KVXFER_ERR_SYSTEM, "eventfd: %s", std::strerror(errno));
+  m.inbox->wake_fd = m.wake_fd;
+  const int workers = codec_workers(m.hooks.get());
+  for (int i = 0; i < workers; ++i) m.codec_threads.emplace_back([&m] { m.codec_main(); });
+  m.progress_thread = std::thread([&m] { m.progress_main(); });
+  return KVXFER_SUCCESS;
+}
+
+const transport::LinkConfig& Engine::link_config() const { return impl_->link_cfg; }
+
+int Engine::reserve_peer() {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  const int p = impl_->nranks;
+  impl_->grow_api(p + 1);
+  return p;
+}
+
+void Engine::adopt_peer(int peer, std::unique_ptr<transport::Link> link) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    if (peer < 0 || peer >= impl_->nranks || impl_->peer_state[peer] != Impl::kPeerReserved) return;
+    impl_->peer_state[peer] = Impl::kPeerLive;
+    impl_->peer_shm[peer] = link->provider() == transport::kShmProvider;
+    impl_->adopt_queue.emplace_back(peer, std::move(link));
+  }
+  impl_->kick();
+}
+
+void Engine::drop_peer(int peer, kvxfer_result_t code, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    if (peer < 0 || peer >= impl_->nranks || impl_->peer_state[peer] == Impl::kPeerGone) return;
+    impl_->peer_state[peer] = Impl::kPeerGone;
+    impl_->peer_gone_why[peer] = why;
+    impl_->drop_queue.push_back({peer, code, why});
+  }
+  impl_->kick();
+}
+
+void Engine::set_peer_failed(PeerFailed f) {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  impl_->peer_failed = std::move(f);
 }
 
 std::unique_ptr<Engine> Engine::testing_unlinked(int rank, int nranks) {
@@ -246,6 +317,41 @@ std::unique_ptr<Engine> Engine::testing_unlinked(int rank, int nranks) {
   return e;
 }
 
+void Engine::Impl::grow_api(int n) {
+  if (n <= nranks && !next_send_seq.empty()) return;
+  const size_t u = static_cast<size_t>(n);
+  next_send_seq.resize(u, 0);
+  next_recv_seq.resize(u, 0);
+  next_id_seq.resize(u, kIdSeqBase);
+  ids_send.resize(u);
+  ids_recv.resize(u);
+  inflight_send.resize(u, 0);
+  inflight_recv.resize(u, 0);
+  peer_state.resize(u, kPeerReserved);
+  peer_shm.resize(u, 0);
+  peer_gone_why.resize(u);
+  nranks = std::max(nranks, n);
+}
+
+void Engine::Impl::grow_progress(int n) {
+  if (n <= npeers()) return;
+  const size_t u = static_cast<size_t>(n);
+  rdv_waiting.resize(u);
+  rdv_parked.resize(u);
+  rdv_armed.resize(u, 0);
+  rdv_in.resize(u, std::vector<uint8_t>(kRdvBytes));
+  rdv_sent.resize(u, 0);
+  rdv_received.resize(u, 0);
+  rdv_refused.resize(u);
+  drain_bufs.resize(u);
+  anchors_unposted.resize(u, 0);
+  held_residuals.resize(u);
+  encode_fifo.resize(u);
+  draining.resize(u, 0);
+  failure_told.resize(u, 0);
+  ops.resize(u);  // last: npeers() reads its size
+}
+
 void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms,
                         std::shared_ptr<TestHooks> hooks) {
   Impl& m = *mp;
@@ -253,27 +359,10 @@ void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms,
   const size_t window = m.hooks ? m.hooks->staging_window : 0;
   const int64_t keep_ms = m.hooks ? m.hooks->staging_keep_ms : 0;
   m.rank = rank;
-  m.nranks = nranks;
   m.timeout_ms = timeout_ms;
-  m.next_send_seq.assign(nranks, 0);
-  m.next_recv_seq.assign(nranks, 0);
-  m.next_id_seq.assign(nranks, kIdSeqBase);
-  m.ids_send.resize(nranks);
-  m.ids_recv.resize(nranks);
-  m.rdv_waiting.resize(nranks);
-  m.rdv_parked.resize(nranks);
-  m.rdv_armed.assign(nranks, 0);
-  m.rdv_in.assign(nranks, std::vector<uint8_t>(kRdvBytes));
-  m.rdv_sent.assign(nranks, 0);
-  m.rdv_received.assign(nranks, 0);
-  m.rdv_refused.resize(nranks);
-  m.drain_bufs.resize(nranks);
-  m.inflight_send.assign(nranks, 0);
-  m.inflight_recv.assign(nranks, 0);
-  m.ops.resize(nranks);
-  m.anchors_unposted.assign(nranks, 0);
-  m.held_residuals.resize(nranks);
-  m.encode_fifo.resize(nranks);
+  m.grow_api(nranks);
+  m.grow_progress(nranks);
+  std::fill(m.peer_state.begin(), m.peer_state.end(), Impl::kPeerLive);  // a fixed communicator
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
   m.window_bytes = window > 0 ? window : static_cast<size_t>(params::StagingWindowBytes());
   m.staging = StagingCache::create(static_cast<size_t>(params::StagingCacheBytes()),
@@ -317,7 +406,10 @@ Engine::~Engine() {
 }
 
 int Engine::rank() const { return impl_->rank; }
-int Engine::nranks() const { return impl_->nranks; }
+int Engine::nranks() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->nranks;
+}
 
 void Engine::abort(const char* why) {
   {
@@ -368,14 +460,36 @@ kvxfer_result_t spectrum_tiers(Request& r, const kvxfer_kv_desc_t* kv, const Spe
   return KVXFER_SUCCESS;
 }
 
+namespace {
+
+/** KVXFER_SUCCESS when posts to `peer` are accepted; under m.mu. */
+kvxfer_result_t peer_usable_locked(const Engine::Impl& m, int peer) {
+  if (m.rank >= 0)
+    KVXFER_REQUIRE(peer >= 0 && peer < m.nranks && peer != m.rank,
+                   "peer %d is not another rank of this %d-rank communicator (this is rank %d)",
+                   peer, m.nranks, m.rank);
+  KVXFER_REQUIRE(peer >= 0 && peer < m.nranks && m.peer_state[peer] != Engine::Impl::kPeerReserved,
+                 "peer %d is not a peer of this endpoint (kvxfer_endpoint_connect gives peers)",
+                 peer);
+  if (m.peer_state[peer] == Engine::Impl::kPeerGone)
+    return set_error(KVXFER_ERR_INVALID_USAGE, "peer %d is disconnected: %s", peer,
+                     m.peer_gone_why[peer].c_str());
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t peer_usable(Engine::Impl& m, int peer) {
+  std::lock_guard<std::mutex> lk(m.mu);
+  return peer_usable_locked(m, peer);
+}
+
+}  // namespace
+
 kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                              const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
                              void* handle, std::shared_ptr<Request>* out,
                              const SpectrumArgs* spectrum, void* cuda_stream, bool memory_checked) {
   Impl& m = *impl_;
-  KVXFER_REQUIRE(peer >= 0 && peer < m.nranks && peer != m.rank,
-                 "peer %d is not another rank of this %d-rank communicator (this is rank %d)", peer,
-                 m.nranks, m.rank);
+  KVXFER_CHECK(peer_usable(m, peer));
   codec::KvDesc shape;
   KVXFER_CHECK(codec::validate_kv_desc(kv,
                                        memory_checked ? codec::KvAccess::kNone
@@ -485,15 +599,14 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     if (m.aborted_flag)
       return set_error(KVXFER_ERR_INVALID_USAGE, "the communicator was aborted (%s)",
                        m.abort_why.c_str());
+    KVXFER_CHECK(peer_usable_locked(m, peer));
     int& inflight = is_send ? m.inflight_send[peer] : m.inflight_recv[peer];
     if (inflight >= m.max_requests)
       return set_error(KVXFER_ERR_INVALID_USAGE,
                        "%d kvxfer_%s requests already in flight with peer %d (KVXFER_MAX_REQUESTS)",
                        inflight, is_send ? "send" : "recv", peer);
-    const transport::Link* link = m.comm ? m.comm->link(peer) : nullptr;
     const int both = m.inflight_send[peer] + m.inflight_recv[peer];
-    if (link != nullptr && link->provider() == transport::kShmProvider &&
-        both >= transport::kShmMaxRequests)
+    if (m.peer_shm[peer] != 0 && both >= transport::kShmMaxRequests)
       return set_error(KVXFER_ERR_INVALID_USAGE,
                        "%d requests already in flight with peer %d, which this process reaches "
                        "over shared memory: libfabric's shm provider holds %d (its 1024 receive "

@@ -28,6 +28,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,6 +39,11 @@
 #include "transport/bootstrap.h"
 #include "xfer/protocol.h"
 #include "xfer/test_hooks.h"
+
+namespace kvxfer::transport {
+struct LinkConfig;
+class Link;
+}  // namespace kvxfer::transport
 
 namespace kvxfer::xfer {
 
@@ -174,6 +180,39 @@ class Engine {
                                 int nranks, int timeout_ms, const std::string& bind,
                                 const char* rate_limit, std::unique_ptr<Engine>* out,
                                 std::shared_ptr<TestHooks> hooks = nullptr);
+  /**
+   * The engine of an endpoint (xfer/endpoint.h): no peer yet, rank() -1.
+   * Its peers come and go through reserve_peer/adopt_peer/drop_peer, which
+   * the endpoint's Membership calls.  `bind`: the Links' local address;
+   * `rate_limit`, `hooks`: as create.
+   */
+  static kvxfer_result_t create_open(int timeout_ms, const std::string& bind,
+                                     const char* rate_limit, std::unique_ptr<Engine>* out,
+                                     std::shared_ptr<TestHooks> hooks = nullptr);
+
+  /** The configuration of this engine's Links (for the endpoint's new ones). */
+  const transport::LinkConfig& link_config() const;
+  /** A new peer slot (open engine); posts to it are accepted once adopted.  Any thread. */
+  int reserve_peer();
+  /**
+   * Hands the connected Link of `peer` (reserve_peer's) to the progress
+   * thread; posts to `peer` are accepted from now on.  Any thread.
+   */
+  void adopt_peer(int peer, std::unique_ptr<transport::Link> link);
+  /**
+   * Ends `peer`: later posts to it fail at the call naming `why`; the
+   * progress thread fails its requests with (`code`, `why`), then closes and
+   * frees its Link once nothing of it is in flight.  Idempotent.  Any thread.
+   */
+  void drop_peer(int peer, kvxfer_result_t code, const std::string& why);
+  /**
+   * Called on the progress thread, with no engine lock held, once when the
+   * Link of a peer fails (dead, stalled or corrupt peer).  Set before the
+   * first adopt_peer.
+   */
+  using PeerFailed = std::function<void(int peer, const std::string& why)>;
+  void set_peer_failed(PeerFailed f);
+
   /** Aborts what is in flight, joins both threads, closes the Links. */
   ~Engine();
   Engine(const Engine&) = delete;
@@ -216,6 +255,8 @@ class Engine {
   /** Impl's state from the parameters (everything but the Links and threads). */
   static void init_state(Impl* m, int rank, int nranks, int timeout_ms,
                          std::shared_ptr<TestHooks> hooks);
+  /** Impl's eventfd and threads. */
+  static kvxfer_result_t start_threads(Impl* m);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -228,8 +228,9 @@ struct Engine::Impl {
     size_t len;
   };
   std::vector<TestingPost> testing_posts;
-  int rank = -1, nranks = 0;
+  int rank = -1, nranks = 0;  // nranks: peer slots (an endpoint's grow, under mu)
   int64_t timeout_ms = 30000;
+  transport::LinkConfig link_cfg;  // of every Link (an endpoint makes more)
   // Test and benchmark seams (test_hooks.h); null for a product communicator.
   std::shared_ptr<TestHooks> hooks;
   bool residuals_paused() const { return hooks && hooks->pause_residuals.load(); }
@@ -248,6 +249,22 @@ struct Engine::Impl {
   std::vector<uint32_t> next_send_seq, next_recv_seq;  // by order: [0, kIdSeqBase)
   std::vector<uint32_t> next_id_seq;                   // sends by id: [kIdSeqBase, kRdvSeq)
   std::vector<int> inflight_send, inflight_recv;
+  // Peers of an endpoint (Engine::reserve_peer/adopt_peer/drop_peer): the
+  // state of each slot, why it was dropped, whether it is over shm; and what
+  // the progress thread has to take up.
+  enum PeerState : uint8_t { kPeerReserved, kPeerLive, kPeerGone };
+  std::vector<uint8_t> peer_state, peer_shm;
+  std::vector<std::string> peer_gone_why;
+  std::vector<std::pair<int, std::unique_ptr<transport::Link>>> adopt_queue;
+  struct Drop {
+    int peer;
+    kvxfer_result_t code;
+    std::string why;
+  };
+  std::vector<Drop> drop_queue;
+  Engine::PeerFailed peer_failed;  // set before the first adopt
+  /** Sizes the per-peer state of API threads to n slots (under mu, or before the threads). */
+  void grow_api(int n);
   // match_by_id: the ids in flight per peer, for the duplicate check.
   std::vector<std::unordered_set<uint64_t>> ids_send, ids_recv;
   uint64_t next_order = 0;
@@ -270,6 +287,16 @@ struct Engine::Impl {
   // ---- progress thread only ----
   std::thread progress_thread;
   std::vector<std::unordered_map<uint64_t, OpRef>> ops;  // per peer: Link op id -> what
+  // Per peer: dropped, its Link to be freed once drained; its failure told.
+  std::vector<uint8_t> draining, failure_told;
+  /** Sizes the progress thread's per-peer state to n slots (progress thread). */
+  void grow_progress(int n);
+  int npeers() const { return static_cast<int>(ops.size()); }
+  /** Adopts and drops what API threads queued (progress thread). */
+  void take_peer_changes(std::vector<std::pair<int, std::unique_ptr<transport::Link>>>& adopts,
+                         std::vector<Drop>& drops);
+  /** Frees the Links of dropped peers once nothing of theirs is in flight. */
+  void release_drained();
   std::vector<std::shared_ptr<Request>> active;
   std::deque<std::shared_ptr<Request>> residual_fifo;
   size_t staging_budget = 0, staging_used = 0;

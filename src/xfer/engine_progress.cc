@@ -62,7 +62,7 @@ void Engine::Impl::wait_for_work(int idle, Clock::time_point idle_since) {
   wait_fds.clear();
   wait_fds.push_back(pollfd{wake_fd, POLLIN, 0});
   bool can_sleep = true;
-  for (int p = 0; p < nranks && can_sleep; ++p) {
+  for (int p = 0; p < npeers() && can_sleep; ++p) {
     Link* l = comm->link(p);
     if (l == nullptr) continue;
     can_sleep = l->prepare_wait(&wait_fds);
@@ -95,15 +95,26 @@ void Engine::Impl::wait_for_work(int idle, Clock::time_point idle_since) {
 bool Engine::Impl::step() {
   bool busy = false;
   std::deque<std::shared_ptr<Request>> fresh;
+  std::vector<std::pair<int, std::unique_ptr<Link>>> adopts;
+  std::vector<Drop> drops;
   bool do_abort = false;
   std::string why;
   {
     std::lock_guard<std::mutex> lk(mu);
     fresh.swap(submitted);
+    adopts.swap(adopt_queue);
+    drops.swap(drop_queue);
     if (abort_requested && !links_aborted) {
       do_abort = true;
       why = abort_why;
     }
+  }
+  // Adopted peers before the new requests (one may be for them), dropped
+  // peers after (every request of theirs then fails with the drop's reason).
+  std::vector<Drop> no_drops;
+  if (!adopts.empty()) {
+    take_peer_changes(adopts, no_drops);
+    adopts.clear();
   }
   for (auto& r : fresh) {
     active.push_back(r);
@@ -113,12 +124,16 @@ bool Engine::Impl::step() {
       bind_or_wait(r);
     busy = true;
   }
+  if (!drops.empty()) {
+    take_peer_changes(adopts, drops);
+    busy = true;
+  }
   if (inbox->pending.load()) {
     take_cancels();
     busy = true;
   }
   if (inbox->layers_marked.exchange(false)) {  // kvxfer_send_layer_ready: encodes may go
-    for (int p = 0; p < nranks; ++p) pump_encodes(p);
+    for (int p = 0; p < npeers(); ++p) pump_encodes(p);
     busy = true;
   }
   // Every round, not with the periodic work: the layer's timeout must win
@@ -136,13 +151,28 @@ bool Engine::Impl::step() {
 
   // Network completions, peer by peer.
   std::vector<Completion> done;
-  for (int p = 0; p < nranks; ++p) {
+  std::vector<std::pair<int, std::string>> newly_failed;
+  for (int p = 0; p < npeers(); ++p) {
     Link* l = comm ? comm->link(p) : nullptr;
     if (l == nullptr) continue;
     done.clear();
     l->poll(&done);
     for (const Completion& c : done) on_completion(p, c);
     if (!done.empty()) busy = true;
+    if (l->failed() && failure_told[p] == 0 && draining[p] == 0) {
+      failure_told[p] = 1;
+      newly_failed.emplace_back(p, l->failure());
+    }
+  }
+  release_drained();
+  if (!newly_failed.empty()) {
+    PeerFailed told;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      told = peer_failed;
+    }
+    if (told)
+      for (const auto& [p, text] : newly_failed) told(p, text);
   }
 
   // Codec results.
@@ -208,10 +238,12 @@ kvxfer_result_t Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, b
     testing_posts.push_back(
         {peer, c, tag, is_send, static_cast<uint8_t*>(const_cast<void*>(buf)), len});
     op = testing_posts.size();
+  } else if (Link* l = comm->link(peer); l == nullptr) {
+    return set_error(KVXFER_ERR_INVALID_USAGE, "peer %d is disconnected", peer);
   } else if (is_send) {
-    rc = comm->link(peer)->post_send(c, buf, len, tag, &op);
+    rc = l->post_send(c, buf, len, tag, &op);
   } else {
-    rc = comm->link(peer)->post_recv(c, const_cast<void*>(buf), len, tag, &op);
+    rc = l->post_recv(c, const_cast<void*>(buf), len, tag, &op);
   }
   if (rc < 0) return rc;
   ops[peer][op] = OpRef{r, k, page, is_send};
@@ -925,7 +957,7 @@ void Engine::Impl::send_status(const std::shared_ptr<Request>& r, kvxfer_result_
   w.status_out = encode_status(code, text);
   if (post_link_send(r, TrafficClass::kAnchor, OpKind::kStatusSend, MsgKind::kStatus, 0,
                      w.status_out.data(), w.status_out.size()) &&
-      comm)
+      comm && comm->link(r->peer) != nullptr)
     comm->link(r->peer)->progress();  // hand it to the provider now: an abort may follow
 }
 
@@ -1071,6 +1103,44 @@ void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
     if (r->by_id) (r->is_send ? ids_send : ids_recv)[r->peer].erase(r->request_id);
   }
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
+}
+
+// Peers of an endpoint (Engine::adopt_peer / drop_peer).  An adopted Link
+// joins the table before this round's new requests start; a dropped peer's
+// requests fail, its Link is aborted at once and freed by release_drained
+// once the aborted operations have come back.
+void Engine::Impl::take_peer_changes(std::vector<std::pair<int, std::unique_ptr<Link>>>& adopts,
+                                     std::vector<Drop>& drops) {
+  for (auto& [p, link] : adopts) {
+    grow_progress(p + 1);
+    comm->set_link(p, std::move(link));
+  }
+  for (const Drop& d : drops) {
+    grow_progress(d.peer + 1);
+    const std::vector<std::shared_ptr<Request>> all = active;
+    for (const auto& r : all)
+      if (r->peer == d.peer) fail(r, d.code, d.why);
+    if (Link* l = comm->link(d.peer)) l->abort(d.why.c_str());
+    draining[d.peer] = 1;
+  }
+}
+
+void Engine::Impl::release_drained() {
+  for (int p = 0; p < npeers(); ++p) {
+    if (draining[p] == 0) continue;
+    Link* l = comm->link(p);
+    if (l != nullptr && l->ops_in_flight() > 0) continue;
+    bool busy = false;
+    for (const auto& r : active) busy = busy || (r->peer == p && r->work->ops > 0);
+    if (busy) continue;
+    comm->release_link(p, "peer disconnected");
+    ops[p].clear();
+    drain_bufs[p].clear();
+    rdv_parked[p].clear();
+    rdv_refused[p].clear();
+    draining[p] = 0;
+    failure_told[p] = 1;
+  }
 }
 
 }  // namespace kvxfer::xfer
