@@ -489,6 +489,113 @@ kvxfer_result_t kvxfer_comm_destroy(kvxfer_comm_t comm);
 kvxfer_result_t kvxfer_comm_count(kvxfer_comm_t comm, int* nranks);
 kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank);
 
+/*
+ * Endpoints (docs/TRANSPORT.md, "Endpoints").  An endpoint is a
+ * kvxfer_comm_t whose peers join and leave at run time, as NIXL's agents and
+ * Mooncake's segments do: every request call (kvxfer_send, kvxfer_recv,
+ * kvxfer_send_blocks, ...) takes the peer index kvxfer_endpoint_connect
+ * returned.  kvxfer_comm_count gives the peer slots used so far (indices
+ * are never reused) and kvxfer_comm_user_rank gives -1.  Destroy it with
+ * kvxfer_comm_destroy, which first tells every connected peer.
+ */
+
+/** Endpoint options; start from KVXFER_ENDPOINT_CONFIG_INITIALIZER.
+ *  `size`, `magic`, `version`: KVXFER_CONFIG_MAGIC's rule. */
+typedef struct {
+  size_t size;      /**< sizeof(kvxfer_endpoint_config_t) */
+  uint32_t magic;   /**< KVXFER_CONFIG_MAGIC */
+  uint32_t version; /**< KVXFER_VERSION_CODE of the header used */
+  /** Inactivity timeout of every transfer and bound of a connect, in ms;
+   *  0 = KVXFER_TIMEOUT_MS; negative is refused. */
+  int32_t timeout_ms;
+  /** TCP port of the endpoint's listener, 0..65535; 0 = any free one.  A
+   *  process restarted with the same port keeps its address, and its peers
+   *  see a new incarnation there. */
+  int32_t port;
+  /** Local address of the listener and of the libfabric endpoints (numeric
+   *  IPv4/IPv6 or a host name; not a wildcard: peers connect to it); NULL =
+   *  KVXFER_BIND_ADDR.  Copied. */
+  const char* bind_address;
+  /** Link emulation, tc syntax as kvxfer_comm_config_t; NULL =
+   *  KVXFER_RATE_LIMIT (one bucket for the process).  Copied. */
+  const char* rate_limit;
+  /** KVXFER_ENDPOINT_SECRET_BYTES bytes that every endpoint of a deployment
+   *  shares and presents when it connects; a peer that presents another is
+   *  refused.  NULL = a random secret, carried in this endpoint's address
+   *  blob (then the blob is what lets a peer in).  Copied. */
+  const uint8_t* secret;
+} kvxfer_endpoint_config_t;
+
+#define KVXFER_ENDPOINT_CONFIG_INITIALIZER                                                        \
+  {                                                                                               \
+    sizeof(kvxfer_endpoint_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, 0, NULL, NULL, \
+        NULL                                                                                      \
+  }
+
+/** Bytes of an endpoint secret. */
+#define KVXFER_ENDPOINT_SECRET_BYTES 32
+/** Upper bound on the bytes of an endpoint's address blob. */
+#define KVXFER_ENDPOINT_ADDRESS_MAX 128
+
+/**
+ * Creates an endpoint with no peer: a TCP listener for connection
+ * handshakes (on bind_address:port), the progress and codec threads.  Each
+ * endpoint has a random 64-bit incarnation, so a process restarted at the
+ * same address is a new peer to the others.  More than one per process is
+ * allowed.  `config` may be NULL.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL ep, config refused by
+ * KVXFER_CONFIG_MAGIC's rule, negative timeout, port outside 0..65535, an
+ * unresolvable or wildcard address, a bad rate); KVXFER_ERR_SYSTEM (the
+ * port is taken: "bind: Address already in use", socket errors).
+ * Thread-safety: any thread; the endpoint is then usable from any thread.
+ */
+kvxfer_result_t kvxfer_endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_t* config);
+
+/**
+ * Copies the endpoint's address blob (at most KVXFER_ENDPOINT_ADDRESS_MAX
+ * bytes: listener address, incarnation, and the secret when the config gave
+ * none) into `buf` and sets *len to its length.  Ship it out of band, for
+ * example in vLLM's kv_transfer_params.  `*len` holds the capacity of buf on
+ * entry.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULLs, not an endpoint);
+ * KVXFER_ERR_BUFFER_TOO_SMALL (*len is set to the size needed).  Any thread.
+ */
+kvxfer_result_t kvxfer_endpoint_address(kvxfer_comm_t ep, void* buf, size_t* len);
+
+/**
+ * Connects to the endpoint whose address blob is `address` and sets *peer
+ * to its index.  Connecting again to a connected peer (from this side or
+ * after it connected to us) gives the same index; two endpoints that connect
+ * to each other at once get one connection.  After a disconnect, or once the
+ * peer failed, a connect makes a new connection with a new index.  Blocks
+ * for one TCP handshake (bounded by the timeout); the libfabric handshake
+ * goes on in the background and requests posted meanwhile wait for it.
+ * A connected peer at the same listener address with another incarnation
+ * (the process restarted) is ended: its requests fail.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULLs, not an endpoint, a malformed
+ * or truncated blob, this endpoint's own blob, or the peer refused our
+ * secret: "refused ... wrong secret"); KVXFER_ERR_MISMATCH (the endpoint at
+ * that address is another incarnation: it restarted, get its new blob);
+ * KVXFER_ERR_SYSTEM (unreachable: "connection refused", socket errors);
+ * KVXFER_ERR_TIMEOUT (no answer within the timeout).  Nothing changes on an
+ * error.  Thread-safety: any thread, concurrently with posts and with
+ * connects and disconnects of any peer.
+ */
+kvxfer_result_t kvxfer_endpoint_connect(kvxfer_comm_t ep, const void* address, size_t len,
+                                        int* peer);
+
+/**
+ * Disconnects `peer`: its requests not yet final fail with
+ * KVXFER_ERR_CANCELLED ("disconnected"), later posts to it fail at the call,
+ * and the peer is told (its requests with this endpoint fail the same way).
+ * Its connection state is freed once nothing of it is in flight.  Bounded:
+ * telling the peer waits at most min(timeout, 1 s).
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, not an endpoint, an index that
+ * connect never gave); KVXFER_ERR_INVALID_USAGE (already disconnected or
+ * failed; the message says why).  Any thread.
+ */
+kvxfer_result_t kvxfer_endpoint_disconnect(kvxfer_comm_t ep, int peer);
+
 /**
  * A KV cache as the serving runtime holds it: paged, one block table per
  * layer (vLLM/SGLang style).  Token t of layer l's K lives in block

@@ -16,11 +16,19 @@
 #include "common/struct_abi.h"
 #include "transport/bootstrap.h"
 #include "xfer/device.h"
+#include "xfer/endpoint.h"
 #include "xfer/engine.h"
 #include "xfer/kv_pool.h"
 
 struct kvxfer_comm {
   std::unique_ptr<kvxfer::xfer::Engine> engine;
+  std::unique_ptr<kvxfer::xfer::Membership> membership;  // endpoints only
+  ~kvxfer_comm() {
+    // Tell the peers and stop reporting failed Links before the engine goes.
+    if (membership) membership->stop();
+    engine.reset();
+    membership.reset();
+  }
 };
 
 struct kvxfer_request {
@@ -86,7 +94,34 @@ kvxfer_result_t comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id
     std::unique_ptr<kvxfer::xfer::Engine> e;
     KVXFER_CHECK(kvxfer::xfer::Engine::create(uid, std::move(root), rank, nranks, timeout, bind,
                                               cfg.rate_limit, &e, std::move(hooks)));
-    *comm = new kvxfer_comm{std::move(e)};
+    *comm = new kvxfer_comm{std::move(e), nullptr};
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_t* config,
+                                std::shared_ptr<xfer::TestHooks> hooks) {
+  return kvxfer::api_call("kvxfer_endpoint_create", [&] {
+    KVXFER_REQUIRE(ep != nullptr, "ep is NULL");
+    *ep = nullptr;
+    kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
+    if (config != nullptr) KVXFER_CHECK(kvxfer::read_struct(config, &cfg));
+    KVXFER_REQUIRE(cfg.timeout_ms >= 0, "timeout_ms %d is negative", cfg.timeout_ms);
+    KVXFER_REQUIRE(cfg.port >= 0 && cfg.port <= 65535, "port %d outside 0..65535", cfg.port);
+    xfer::Membership::Config mc;
+    mc.timeout_ms =
+        cfg.timeout_ms > 0 ? cfg.timeout_ms : static_cast<int>(kvxfer::params::TimeoutMs());
+    mc.host = cfg.bind_address != nullptr ? cfg.bind_address : kvxfer::params::BindAddr();
+    mc.port = static_cast<uint16_t>(cfg.port);
+    if (cfg.secret != nullptr) {
+      mc.has_secret = true;
+      std::memcpy(mc.secret.data(), cfg.secret, mc.secret.size());
+    }
+    auto c = std::make_unique<kvxfer_comm>();
+    KVXFER_CHECK(xfer::Engine::create_open(mc.timeout_ms, mc.host, cfg.rate_limit, &c->engine,
+                                           std::move(hooks)));
+    KVXFER_CHECK(xfer::Membership::create(c->engine.get(), mc, &c->membership));
+    *ep = c.release();
     return KVXFER_SUCCESS;
   });
 }
@@ -126,6 +161,48 @@ kvxfer_result_t kvxfer_comm_destroy(kvxfer_comm_t comm) {
   return kvxfer::api_call(__func__, [&] {
     delete comm;  // Engine::~Engine aborts, joins and closes
     return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_t* config) {
+  return kvxfer::api::endpoint_create(ep, config, nullptr);
+}
+
+kvxfer_result_t kvxfer_endpoint_address(kvxfer_comm_t ep, void* buf, size_t* len) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(ep != nullptr && buf != nullptr && len != nullptr, "ep, buf or len is NULL");
+    KVXFER_REQUIRE(ep->membership != nullptr,
+                   "not an endpoint (a communicator of kvxfer_comm_init has no address)");
+    const std::vector<uint8_t>& a = ep->membership->address();
+    if (*len < a.size()) {
+      const size_t cap = *len;
+      *len = a.size();
+      return set_error(KVXFER_ERR_BUFFER_TOO_SMALL, "the address is %zu bytes; buf holds %zu",
+                       a.size(), cap);
+    }
+    std::memcpy(buf, a.data(), a.size());
+    *len = a.size();
+    return KVXFER_SUCCESS;
+  });
+}
+
+kvxfer_result_t kvxfer_endpoint_connect(kvxfer_comm_t ep, const void* address, size_t len,
+                                        int* peer) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(ep != nullptr && address != nullptr && peer != nullptr,
+                   "ep, address or peer is NULL");
+    KVXFER_REQUIRE(ep->membership != nullptr,
+                   "not an endpoint (a communicator of kvxfer_comm_init has fixed peers)");
+    return ep->membership->connect(address, len, peer);
+  });
+}
+
+kvxfer_result_t kvxfer_endpoint_disconnect(kvxfer_comm_t ep, int peer) {
+  return kvxfer::api_call(__func__, [&] {
+    KVXFER_REQUIRE(ep != nullptr, "ep is NULL");
+    KVXFER_REQUIRE(ep->membership != nullptr,
+                   "not an endpoint (a communicator of kvxfer_comm_init has fixed peers)");
+    return ep->membership->disconnect(peer);
   });
 }
 

@@ -19,4 +19,8 @@ kvxfer_result_t comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id
                           const kvxfer_comm_config_t* config,
                           std::shared_ptr<xfer::TestHooks> hooks);
 
+/** kvxfer_endpoint_create with `hooks` (as comm_init). */
+kvxfer_result_t endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_t* config,
+                                std::shared_ptr<xfer::TestHooks> hooks);
+
 }  // namespace kvxfer::api

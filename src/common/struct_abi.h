@@ -57,6 +57,8 @@ KVXFER_STRUCT_ABI(kvxfer_kv_desc_t, "KV descriptor", KVXFER_KV_DESC_INITIALIZER,
                   offsetof(kvxfer_kv_desc_t, device));
 KVXFER_STRUCT_ABI(kvxfer_comm_config_t, "communicator config", KVXFER_COMM_CONFIG_INITIALIZER,
                   sizeof(kvxfer_comm_config_t));
+KVXFER_STRUCT_ABI(kvxfer_endpoint_config_t, "endpoint config", KVXFER_ENDPOINT_CONFIG_INITIALIZER,
+                  sizeof(kvxfer_endpoint_config_t));
 KVXFER_STRUCT_ABI(kvxfer_request_config_t, "request config", KVXFER_REQUEST_CONFIG_INITIALIZER,
                   offsetof(kvxfer_request_config_t, stream_layers));
 KVXFER_STRUCT_ABI(kvxfer_kv_pool_desc_t, "KV pool descriptor", KVXFER_KV_POOL_DESC_INITIALIZER,
