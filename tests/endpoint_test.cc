@@ -5,11 +5,14 @@
 // decode of the sender's values.
 #include "xfer/endpoint.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -228,6 +231,346 @@ TEST(Endpoint, DisconnectFailsRequestsOnBothSidesAndReconnectIsNew) {
   EXPECT_NE(ab2, ab);
   EXPECT_NE(ba2, ba);
   transfer_exact(a.ep, ab2, b.ep, ba2, 77, 5, lynx());
+}
+
+// ---------------------------------------------------------------------------
+// Peers in other processes: restarted, dead, stalled.
+// ---------------------------------------------------------------------------
+/** A free TCP port of 127.0.0.1 (bound, read, closed). */
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t sl = sizeof sa;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &sl) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  ::close(fd);
+  return ntohs(sa.sin_port);
+}
+
+struct PeerCmd {
+  char op;  // 's' send by id, 'q' quit
+  uint64_t id;
+};
+
+/**
+ * A peer process: waits for a 'g' if `wait_go`, makes an endpoint on `port`
+ * (rate `rate`), sends its address up, reads the parent's, connects to it,
+ * and sends KV seeded by id when told.  Exit 0 after 'q'.
+ */
+int peer_process(int rd, int wr, int port, bool wait_go, const char* rate, const char* codec) {
+  char g = 0;
+  if (wait_go && (!fdio::read_all(rd, &g, 1) || g != 'g')) return 2;
+  kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
+  cfg.bind_address = "127.0.0.1";
+  cfg.port = port;
+  cfg.rate_limit = rate;
+  cfg.timeout_ms = kTimeoutMs;
+  kvxfer_comm_t ep = nullptr;
+  if (kvxfer_endpoint_create(&ep, &cfg) != KVXFER_SUCCESS) {
+    std::fprintf(stderr, "peer: %s\n", kvxfer_get_last_error());
+    return 3;
+  }
+  uint8_t a[KVXFER_ENDPOINT_ADDRESS_MAX];
+  size_t n = sizeof a;
+  kvxfer_endpoint_address(ep, a, &n);
+  const uint32_t n32 = static_cast<uint32_t>(n);
+  uint32_t plen = 0;
+  uint8_t parent[KVXFER_ENDPOINT_ADDRESS_MAX];
+  if (!fdio::write_all(wr, &n32, 4) || !fdio::write_all(wr, a, n) ||
+      !fdio::read_all(rd, &plen, 4) || plen > sizeof parent || !fdio::read_all(rd, parent, plen))
+    return 4;
+  int peer = -1;
+  if (kvxfer_endpoint_connect(ep, parent, plen, &peer) != KVXFER_SUCCESS) {
+    std::fprintf(stderr, "peer: connect: %s\n", kvxfer_get_last_error());
+    return 5;
+  }
+  kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
+  if (std::string(codec) == "bf16") cc.codec = KVXFER_CODEC_BF16;
+  std::vector<std::unique_ptr<PagedKV>> kvs;
+  std::vector<kvxfer_request_t> reqs;
+  for (;;) {
+    PeerCmd c{};
+    if (!fdio::read_all(rd, &c, sizeof c)) return 6;
+    if (c.op == 'q') break;
+    kvs.push_back(std::make_unique<PagedKV>(kL, kHeads, kHd, c.id >= 1000 ? 4096 : kT, kBs));
+    kvs.back()->fill(c.id);
+    const kvxfer_request_config_t rc = by_id(c.id);
+    kvxfer_request_t r = nullptr;
+    if (kvxfer_send(ep, peer, &kvs.back()->desc, &cc, &rc, &r) != KVXFER_SUCCESS) return 7;
+    reqs.push_back(r);
+  }
+  for (kvxfer_request_t r : reqs) {
+    kvxfer_wait(r, KVXFER_STAGE_COMPLETE, kTimeoutMs);
+    kvxfer_request_free(r);
+  }
+  kvxfer_comm_destroy(ep);
+  return 0;
+}
+
+/** Reads a peer's address and gives it the parent's. */
+std::vector<uint8_t> meet(Child& c, const Ep& parent) {
+  uint32_t n = 0;
+  std::vector<uint8_t> a(KVXFER_ENDPOINT_ADDRESS_MAX);
+  if (!fdio::read_all(c.from_child, &n, 4, 30000) || n > a.size() ||
+      !fdio::read_all(c.from_child, a.data(), n, 30000))
+    return {};
+  a.resize(n);
+  const uint32_t m = static_cast<uint32_t>(parent.addr.size());
+  fdio::write_all(c.to_child, &m, 4);
+  fdio::write_all(c.to_child, parent.addr.data(), m);
+  return a;
+}
+
+void tell(Child& c, char op, uint64_t id) {
+  const PeerCmd cmd{op, id};
+  fdio::write_all(c.to_child, &cmd, sizeof cmd);
+}
+
+/** A receive by id `id` from `peer`, of KV seeded `id`; checks the bytes. */
+void receive_exact(kvxfer_comm_t ep, int peer, Child& c, uint64_t id,
+                   const kvxfer_codec_config_t& cfg) {
+  PagedKV dst(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_request_config_t rc = by_id(id);
+  kvxfer_request_t r = nullptr;
+  ASSERT_EQ(kvxfer_recv(ep, peer, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  tell(c, 's', id);
+  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  kvxfer_request_free(r);
+  PagedKV src(kL, kHeads, kHd, kT, kBs);
+  src.fill(id);
+  PagedKV want(kL, kHeads, kHd, kT, kBs);
+  expected_decode(src, cfg, kPageTokens, 0, true, &want);
+  for (int32_t l = 0; l < kL; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), want.bytes(l, kind)) << "id " << id << " layer " << l;
+}
+
+TEST(EndpointPeers, ARestartedPeerAtTheSameAddressIsANewIncarnation) {
+  const int port = free_port();
+  ASSERT_GT(port, 0);
+  Child first, second;
+  ASSERT_TRUE(first.start(
+      [port](int rd, int wr) { return peer_process(rd, wr, port, false, nullptr, "lynx"); }));
+  ASSERT_TRUE(second.start(
+      [port](int rd, int wr) { return peer_process(rd, wr, port, true, nullptr, "lynx"); }));
+  Ep a;
+  const std::vector<uint8_t> b1 = meet(first, a);
+  ASSERT_FALSE(b1.empty());
+  int p1 = -1;
+  ASSERT_EQ(kvxfer_endpoint_connect(a.ep, b1.data(), b1.size(), &p1), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  receive_exact(a.ep, p1, first, 1, lynx());
+  // A receive the first incarnation never serves: it fails once it is killed.
+  PagedKV dst(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_request_config_t rc = by_id(2);
+  kvxfer_request_t pending = nullptr;
+  ASSERT_EQ(kvxfer_recv(a.ep, p1, &dst.desc, &rc, &pending), KVXFER_SUCCESS);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::kill(first.pid, SIGKILL);
+  const auto t_kill = Clock::now();
+  EXPECT_LT(kvxfer_wait(pending, KVXFER_STAGE_COMPLETE, 5000), 0);
+  const double s = std::chrono::duration<double>(Clock::now() - t_kill).count();
+  EXPECT_LT(s, 1.5) << "the dead incarnation's request ended after " << s
+                    << " s: " << kvxfer_get_last_error();
+  kvxfer_request_free(pending);
+  first.wait(10);
+  // The second incarnation, at the same address.
+  fdio::write_all(second.to_child, "g", 1);
+  const std::vector<uint8_t> b2 = meet(second, a);
+  ASSERT_EQ(b2.size(), b1.size());
+  EXPECT_NE(b2, b1);
+  EXPECT_EQ(std::memcmp(b2.data() + 16, b1.data() + 16, 24), 0) << "same listener address";
+  int p = -1;
+  expect_error(kvxfer_endpoint_connect(a.ep, b1.data(), b1.size(), &p), KVXFER_ERR_MISMATCH,
+               "restarted");
+  int p2 = -1;
+  ASSERT_EQ(kvxfer_endpoint_connect(a.ep, b2.data(), b2.size(), &p2), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  EXPECT_NE(p2, p1);
+  receive_exact(a.ep, p2, second, 3, lynx());
+  tell(second, 'q', 0);
+  EXPECT_TRUE(second.wait(30));
+  EXPECT_EQ(WEXITSTATUS(second.status), 0);
+}
+
+TEST(EndpointPeers, ADeadPeerAt50MbitFailsItsRequestsWithinASecondAndAHalf) {
+  Child c;
+  ASSERT_TRUE(
+      c.start([](int rd, int wr) { return peer_process(rd, wr, 0, false, "50mbit", "bf16"); }));
+  Ep a, b;
+  const std::vector<uint8_t> blob = meet(c, a);
+  ASSERT_FALSE(blob.empty());
+  int p = -1;
+  ASSERT_EQ(kvxfer_endpoint_connect(a.ep, blob.data(), blob.size(), &p), KVXFER_SUCCESS);
+  PagedKV dst(kL, kHeads, kHd, 4096, kBs);  // 4 MiB: over 0.6 s at 50 mbit
+  const kvxfer_request_config_t rc = by_id(1000);
+  kvxfer_request_t r = nullptr;
+  ASSERT_EQ(kvxfer_recv(a.ep, p, &dst.desc, &rc, &r), KVXFER_SUCCESS);
+  tell(c, 's', 1000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  kvxfer_stage_t st;
+  ASSERT_EQ(kvxfer_test(r, &st), KVXFER_IN_PROGRESS) << "finished before the kill";
+  ::kill(c.pid, SIGKILL);
+  const auto t_kill = Clock::now();
+  EXPECT_LT(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 10000), 0);
+  const double s = std::chrono::duration<double>(Clock::now() - t_kill).count();
+  EXPECT_LT(s, 1.5) << kvxfer_get_last_error();
+  kvxfer_request_free(r);
+  c.wait(10);
+  // This endpoint goes on with its other peers.
+  const int ab = a.connect(b), ba = b.connect(a);
+  transfer_exact(b.ep, ba, a.ep, ab, 4, 4, lynx());
+}
+
+TEST(EndpointPeers, AStalledPeerTimesOutAndTheEndpointLivesOn) {
+  Child c;
+  ASSERT_TRUE(
+      c.start([](int rd, int wr) { return peer_process(rd, wr, 0, false, "50mbit", "lynx"); }));
+  Ep a(nullptr, 0, 2000), b;
+  const std::vector<uint8_t> blob = meet(c, a);
+  ASSERT_FALSE(blob.empty());
+  int p = -1;
+  ASSERT_EQ(kvxfer_endpoint_connect(a.ep, blob.data(), blob.size(), &p), KVXFER_SUCCESS);
+  PagedKV dst(kL, kHeads, kHd, 4096, kBs);
+  const kvxfer_request_config_t rc = by_id(1001);
+  kvxfer_request_t r = nullptr;
+  ASSERT_EQ(kvxfer_recv(a.ep, p, &dst.desc, &rc, &r), KVXFER_SUCCESS);
+  tell(c, 's', 1001);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ::kill(c.pid, SIGSTOP);
+  const auto t_stop = Clock::now();
+  expect_error(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 10000), KVXFER_ERR_TIMEOUT, "");
+  const double s = std::chrono::duration<double>(Clock::now() - t_stop).count();
+  EXPECT_LT(s, 2.0 + 1.5);
+  kvxfer_request_free(r);
+  // The endpoint goes on with its other peers, a second later too.
+  const int ab = a.connect(b), ba = b.connect(a);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  transfer_exact(b.ep, ba, a.ep, ab, 5, 5, lynx());
+  ::kill(c.pid, SIGKILL);
+  c.wait(10);
+}
+
+// ---------------------------------------------------------------------------
+// Many peers, and connects racing with posts.
+// ---------------------------------------------------------------------------
+TEST(Endpoint, SixtyFourRequestsInFlightOverFourPeersAreExact) {
+  Ep d;
+  std::vector<std::unique_ptr<Ep>> pre;
+  for (int i = 0; i < 4; ++i) pre.push_back(std::make_unique<Ep>());
+  std::vector<int> dp(4), pd(4);
+  for (int i = 0; i < 4; ++i) {
+    pd[i] = pre[i]->connect(d);
+    dp[i] = d.connect(*pre[i]);
+  }
+  const kvxfer_codec_config_t cfg = lynx();
+  std::vector<std::unique_ptr<PagedKV>> src, dst;
+  std::vector<kvxfer_request_t> sends, recvs;
+  std::vector<uint64_t> order;
+  for (uint64_t id = 1; id <= 64; ++id) order.push_back(id);
+  std::shuffle(order.begin(), order.end(), std::mt19937_64(9));
+  for (uint64_t id : order) {  // receives first, in a shuffled order
+    dst.push_back(std::make_unique<PagedKV>(kL, kHeads, kHd, kT, kBs));
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t r = nullptr;
+    ASSERT_EQ(kvxfer_recv(d.ep, dp[id % 4], &dst.back()->desc, &rc, &r), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    recvs.push_back(r);
+  }
+  for (uint64_t id = 1; id <= 64; ++id) {
+    src.push_back(std::make_unique<PagedKV>(kL, kHeads, kHd, kT, kBs));
+    src.back()->fill(id);
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t s = nullptr;
+    ASSERT_EQ(kvxfer_send(pre[id % 4]->ep, pd[id % 4], &src.back()->desc, &cfg, &rc, &s),
+              KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    sends.push_back(s);
+  }
+  for (size_t i = 0; i < recvs.size(); ++i) {
+    ASSERT_EQ(kvxfer_wait(recvs[i], KVXFER_STAGE_COMPLETE, 120000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    PagedKV want(kL, kHeads, kHd, kT, kBs);
+    expected_decode(*src[order[i] - 1], cfg, kPageTokens, 0, true, &want);
+    for (int32_t l = 0; l < kL; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dst[i]->bytes(l, kind), want.bytes(l, kind)) << "id " << order[i];
+  }
+  for (kvxfer_request_t s : sends) {
+    EXPECT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
+    kvxfer_request_free(s);
+  }
+  for (kvxfer_request_t r : recvs) kvxfer_request_free(r);
+}
+
+TEST(Endpoint, ConnectsAndDisconnectsRacingWithPostsNeverHangOrCorrupt) {
+  Ep a, b;
+  std::atomic<bool> stop{false};
+  std::atomic<int> completed{0}, failed{0}, refused{0};
+  const kvxfer_codec_config_t cfg = lynx();
+  // The sender and receiver threads post pairs by id on whatever peer they
+  // have now; a third thread disconnects one side now and then.
+  auto worker = [&](bool sender) {
+    Ep& me = sender ? a : b;
+    const Ep& other = sender ? b : a;
+    PagedKV kv(kL, kHeads, kHd, kT, kBs);
+    kv.fill(42);
+    for (uint64_t id = 1; !stop.load(); ++id) {
+      int p = -1;
+      if (kvxfer_endpoint_connect(me.ep, other.addr.data(), other.addr.size(), &p) !=
+          KVXFER_SUCCESS) {
+        ++refused;
+        continue;
+      }
+      const kvxfer_request_config_t rc = by_id(id);
+      kvxfer_request_t r = nullptr;
+      const kvxfer_result_t posted = sender ? kvxfer_send(me.ep, p, &kv.desc, &cfg, &rc, &r)
+                                            : kvxfer_recv(me.ep, p, &kv.desc, &rc, &r);
+      if (posted != KVXFER_SUCCESS) {
+        EXPECT_TRUE(posted == KVXFER_ERR_INVALID_USAGE) << kvxfer_get_last_error();
+        ++refused;
+        continue;
+      }
+      // Ends either way, well within the timeout: never hangs.
+      const kvxfer_result_t w = kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 10000);
+      EXPECT_NE(w, KVXFER_ERR_TIMEOUT) << "id " << id << ": " << kvxfer_get_last_error();
+      (w == KVXFER_SUCCESS ? completed : failed)++;
+      kvxfer_request_free(r);
+    }
+  };
+  std::thread ts(worker, true), tr(worker, false);
+  std::mt19937 rng(5);
+  for (int i = 0; i < 20; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 + rng() % 100));
+    Ep& side = (rng() & 1) != 0 ? a : b;
+    const Ep& other = &side == &a ? b : a;
+    int p = -1;
+    if (kvxfer_endpoint_connect(side.ep, other.addr.data(), other.addr.size(), &p) ==
+        KVXFER_SUCCESS)
+      kvxfer_endpoint_disconnect(side.ep, p);  // INVALID_USAGE if already gone: fine
+  }
+  stop = true;
+  // A receive left without its send (the pair split by a disconnect) ends
+  // when the next disconnect comes; make sure one does.
+  for (int k = 0; k < 3; ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    int p = -1;
+    if (kvxfer_endpoint_connect(a.ep, b.addr.data(), b.addr.size(), &p) == KVXFER_SUCCESS)
+      kvxfer_endpoint_disconnect(a.ep, p);
+  }
+  ts.join();
+  tr.join();
+  EXPECT_GT(completed.load(), 0);
+  EXPECT_GT(failed.load() + refused.load(), 0) << "no disconnect hit a request";
+  // And after it all, a clean transfer.
+  const int ab = a.connect(b), ba = b.connect(a);
+  transfer_exact(a.ep, ab, b.ep, ba, 999999, 7, lynx());
 }
 
 }  // namespace

@@ -660,7 +660,8 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
   // Choose: shared memory when both offer it on one host, else the network
   // provider both offer.  Both sides apply the same rule to the same two
   // blobs, so they choose alike.
-  const bool same_host = peer_host == host_identity();
+  const bool same_host = peer_host == host_identity() &&
+                         (cfg_.shm_in_process || peer_pid != static_cast<uint32_t>(getpid()));
   const Path* pick = nullptr;
   bool pick_shm = false;
   for (const Path& path : theirs) {

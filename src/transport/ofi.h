@@ -278,6 +278,12 @@ struct LinkConfig {
   // only.  KVXFER_OFI_PROVIDER sets it.
   std::string provider;
   std::string node;  // local address to bind; "" = provider default
+  // false: a peer in this very process takes the network path, never shm.
+  // libfabric 1.17's shm maps a same-process peer's endpoint to that
+  // endpoint's own region, which its close frees: a Link still sending to
+  // it then writes to freed memory.  Endpoints, which come and go while
+  // their neighbours in the process run, set it (xfer/endpoint.h).
+  bool shm_in_process = true;
   std::array<uint32_t, kNumClasses> tclass{FI_TC_LOW_LATENCY, FI_TC_BULK_DATA};
   std::array<int, kNumClasses> dscp{46, 8};  // -1 = do not mark sockets (still inspected)
   size_t chunk_bytes = 256 * 1024;           // messages are split into chunks of at most this

@@ -249,6 +249,12 @@ void Membership::stop() {
   }
 }
 
+transport::LinkConfig Membership::link_config() const {
+  transport::LinkConfig lc = engine_->link_config();
+  lc.shm_in_process = false;  // peers in this process close while we run (ofi.h)
+  return lc;
+}
+
 const uint8_t* Membership::secret_for(const EndpointAddress& to) const {
   return to.has_secret ? to.secret.data() : cfg_.secret.data();
 }
@@ -302,7 +308,7 @@ kvxfer_result_t Membership::exchange(const EndpointAddress& to, bool bye, bool f
 kvxfer_result_t Membership::dial(const EndpointAddress& to, bool force, Reply* reply,
                                  std::unique_ptr<Link>* link) {
   std::unique_ptr<Link> l;
-  KVXFER_CHECK(Link::create(engine_->link_config(), &l));
+  KVXFER_CHECK(Link::create(link_config(), &l));
   KVXFER_CHECK(exchange(to, false, force, l->local_address(), cfg_.timeout_ms, reply));
   if (reply->status != HandshakeStatus::kOk) return KVXFER_SUCCESS;
   KVXFER_CHECK(l->connect(reply->link.data(), reply->link.size()));
@@ -541,15 +547,16 @@ void Membership::serve(int fd) {
   const uint8_t* secret = f.data() + 12;
   const uint64_t from_inc = tcp::get_u64(f.data() + 12 + kEndpointSecretBytes);
   const uint64_t to_inc = tcp::get_u64(f.data() + 20 + kEndpointSecretBytes);
+  // Another incarnation first: its blob's secret was that incarnation's.
+  if (to_inc != self_.incarnation) {
+    (void)answer(HandshakeStatus::kStale, {},
+                 strprintf("this endpoint is incarnation %016" PRIx64, self_.incarnation));
+    return;
+  }
   if (!tcp::secret_equal(secret, cfg_.secret.data(), kEndpointSecretBytes)) {
     KVXFER_WARN(LOG_NET, "endpoint: refused %s from %s: wrong secret",
                 kind == kKindBye ? "a disconnect" : "a connection", who.c_str());
     (void)answer(HandshakeStatus::kRefused, {}, "the secret presented is not this endpoint's");
-    return;
-  }
-  if (to_inc != self_.incarnation) {
-    (void)answer(HandshakeStatus::kStale, {},
-                 strprintf("this endpoint is incarnation %016" PRIx64, self_.incarnation));
     return;
   }
   EndpointAddress from_addr;
@@ -599,7 +606,7 @@ void Membership::serve(int fd) {
   lk.unlock();
 
   std::unique_ptr<Link> link;
-  kvxfer_result_t r = Link::create(engine_->link_config(), &link);
+  kvxfer_result_t r = Link::create(link_config(), &link);
   if (r == KVXFER_SUCCESS) r = link->connect(link_addr.data(), link_addr.size());
   std::string why = r != KVXFER_SUCCESS ? last_error() : "";
   if (r == KVXFER_SUCCESS) {

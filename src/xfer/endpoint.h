@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "kvxfer/kvxfer.h"
+#include "transport/ofi.h"
 #include "xfer/engine.h"
 
 namespace kvxfer::xfer {
@@ -177,6 +178,8 @@ class Membership {
   void on_link_failed(int peer, const std::string& why);
   void tell_bye(const EndpointAddress& to, int budget_ms);
   const uint8_t* secret_for(const EndpointAddress& to) const;
+  /** The engine's Link configuration, with no shm to a peer in this process. */
+  transport::LinkConfig link_config() const;
 
   Engine* engine_ = nullptr;
   Config cfg_;
