@@ -89,7 +89,9 @@ class Request {
   bool by_id = false;
   uint64_t request_id = 0;
   bool bound = true;
-  uint64_t order = 0;  // post order within the communicator (the peer sends in this order)
+  // Post order within the communicator (the peer sends in this order); a
+  // receive by id takes it when its RDV arrives (the sender's order).
+  uint64_t order = 0;
   kvxfer_request_config_t cfg{};
   void* handle = nullptr;  // the kvxfer_request_t given to callbacks
   Desc mine;               // what this side announces

@@ -335,9 +335,11 @@ struct Engine::Impl {
   void release_slot(Work& w, size_t page);
   void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots and layers allow
   void check_layer_timeouts();  // stream_layers sends waiting too long for a layer
-  // Per peer, the sends whose encodes are not all queued, in post order: only
-  // the first may queue encodes, so page messages leave in request order,
-  // then page order, which is the order the receiver posts its receives in.
+  // Per peer, the sends whose encodes are not all queued, in post order: of
+  // those the receiver has matched (handshake_ok), only the first may queue
+  // encodes, so page messages leave in request order, then page order, which
+  // is the order the receiver posts its receives in.  One not matched yet
+  // fills its window and lets the ones behind it go (pump_encodes).
   // Interleaving the requests' windows sent pages the receiver had no
   // receive for yet; rxm's unexpected-message buffers filled and the anchor
   // class stalled when progressive and monolithic requests shared a peer.
@@ -351,7 +353,8 @@ struct Engine::Impl {
   // receive wants yet (id -> seq), whether the stream's receive is posted
   // and its buffer, and the stream's counters both ways.
   std::vector<std::deque<std::shared_ptr<Request>>> rdv_waiting;
-  std::vector<std::unordered_map<uint64_t, uint32_t>> rdv_parked;
+  std::vector<std::unordered_map<uint64_t, std::pair<uint32_t, uint64_t>>>
+      rdv_parked;  // seq, order
   std::vector<uint8_t> rdv_armed;
   std::vector<std::vector<uint8_t>> rdv_in;
   std::vector<uint32_t> rdv_sent, rdv_received;

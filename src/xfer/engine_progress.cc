@@ -270,7 +270,8 @@ void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
   rdv_refused[p].erase(r->request_id);  // posted again: this one wants the data
   auto it = rdv_parked[p].find(r->request_id);
   if (it != rdv_parked[p].end()) {
-    r->seq = it->second;
+    r->seq = it->second.first;
+    r->order = it->second.second;
     r->bound = true;
     rdv_parked[p].erase(it);
     start(r);
@@ -322,6 +323,15 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     return;
   }
   rdv_received[peer]++;
+  // A receive by id takes its place among the engine's requests when its
+  // sender's announcement arrives, which is the sender's post order: the
+  // order its residuals come in (enqueue_residuals), whatever order the
+  // receives were posted in.
+  uint64_t arrival = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    arrival = next_order++;
+  }
   auto& q = rdv_waiting[peer];
   auto it = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
     return r->request_id == id && !r->work->failed;
@@ -330,13 +340,14 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     const std::shared_ptr<Request> r = *it;
     q.erase(it);
     r->seq = seq;
+    r->order = arrival;
     r->bound = true;
     start(r);
   } else if (auto ref = rdv_refused[peer].find(id); ref != rdv_refused[peer].end()) {
     refuse_rdv(peer, seq, ref->second.first, ref->second.second);
     rdv_refused[peer].erase(ref);
   } else {
-    rdv_parked[peer][id] = seq;
+    rdv_parked[peer][id] = {seq, arrival};
   }
   arm_rdv(peer);
 }
@@ -437,12 +448,20 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
 
 void Engine::Impl::pump_encodes(int peer) {
   auto& q = encode_fifo[peer];
-  while (!q.empty()) {
-    const std::shared_ptr<Request> r = q.front();
+  for (auto it = q.begin(); it != q.end();) {
+    const std::shared_ptr<Request> r = *it;
     queue_encodes(r);
     Work& w = *r->work;
-    if (!w.failed && w.next_encode < w.pages.size()) return;  // waits for its slots
-    q.pop_front();
+    if (w.failed || w.next_encode >= w.pages.size()) {
+      it = q.erase(it);
+      continue;
+    }
+    // It waits for its slots.  Once its receiver has matched it, the ones
+    // behind wait too (pages leave in request order); before, they may go:
+    // a receive by id may come in any order, or never, and an earlier send
+    // the receiver has not posted must not hold back the ones it has.
+    if (w.handshake_ok) return;
+    ++it;
   }
 }
 
@@ -597,6 +616,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     anchors_unposted[r->peer] += static_cast<int64_t>(w.pages.size());
     if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
     sender_pump(r);
+    pump_encodes(r->peer);  // matched now: it may take its turn in the queue
     maybe_complete(r);
     return;
   }

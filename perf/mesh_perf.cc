@@ -1,0 +1,591 @@
+// mesh_perf: prefill and decode endpoints that meet at run time, with a
+// prefill killed and restarted and a decode that disconnects and reconnects.
+// docs/PERFORMANCE.md, "perf/mesh_perf", defines every line.
+//
+// This process only coordinates.  It forks -P prefill and -D decode
+// processes, each with one endpoint (kvxfer_endpoint_create), and hands
+// every process every address.  All of them derive the same list of -R
+// requests from --seed: request i goes from prefill p_i to decode d_i, Lynx
+// 4+4, 1 to 16 MiB, matched by id i.  Each process posts its own requests in
+// list order, at most -W in flight, connecting to a peer at its first use.
+// Midway (--kill_at completed requests) the coordinator kills prefill 1 with
+// SIGKILL and starts it again on the same port; the decodes connect to the
+// new incarnation for the requests from index K on (K: the first index no
+// decode had posted when told), and those before K that no decode had
+// posted yet are not posted.  At --disconnect_at of its own completions,
+// decode 0 waits until nothing is in flight with prefill 2, disconnects from
+// it and reconnects at its next use; prefill 2 posts again the sends that
+// the disconnect ended.  Received bytes are compared with the codec's own
+// decode of the sender's values (-c 1).
+#include <poll.h>
+#include <signal.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/fdio.h"
+#include "kvxfer/kvxfer.h"
+#include "perf/common/harness.h"
+#include "perf/common/whole_kv.h"
+
+namespace {
+
+namespace kp = kvxfer::perf;
+namespace fdio = kvxfer::fdio;
+
+constexpr const char* kTool = "mesh_perf";
+constexpr int kLayers = 8, kHeads = 8, kHeadDim = 128;
+constexpr int32_t kPageTokens = 256;
+constexpr int kKilled = 1;        // the prefill killed and restarted
+constexpr int kDisconnected = 2;  // the prefill decode 0 disconnects from
+
+struct Options {
+  kp::CommonOptions common;
+  int prefill = 4, decode = 2, requests = 512, window = 4;
+  int kill_at = 200, disconnect_at = 120;
+  uint64_t seed = 1;
+  int timeout_ms = 30000;
+};
+
+struct Req {
+  int p, d;
+  int64_t tokens;
+};
+
+std::vector<Req> plan(const Options& o) {
+  std::mt19937_64 rng(o.seed);
+  std::vector<Req> v;
+  for (int i = 0; i < o.requests; ++i) {
+    const uint64_t mib = 1 + rng() % 16;  // 1 MiB = 64 tokens of 8 layers x K,V x 8 x 128 bf16
+    v.push_back({static_cast<int>(rng() % o.prefill), static_cast<int>(rng() % o.decode),
+                 static_cast<int64_t>(mib * 64)});
+  }
+  return v;
+}
+
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+/** KV-like bf16 values of request `id` (a cheap function of id and index). */
+void fill(kp::WholeKv* kv, uint64_t id) {
+  for (int l = 0; l < kv->L; ++l)
+    for (auto* t : {&kv->k[l], &kv->v[l]}) {
+      uint64_t x = id * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(l) * 7919 + t->size();
+      for (size_t i = 0; i < t->size(); ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        const float u = static_cast<float>((x >> 40) & 0xFFFF) / 65536.0f - 0.5f;
+        (*t)[i] = kp::bf16_of(u * (1.0f + static_cast<float>(i % 7)));
+      }
+    }
+}
+
+// ---- pipes: one message = kind byte, u32 length, bytes ---------------------
+bool send_msg(int fd, char kind, const void* p, uint32_t n) {
+  return fdio::write_all(fd, &kind, 1) && fdio::write_all(fd, &n, 4) &&
+         (n == 0 || fdio::write_all(fd, p, n));
+}
+bool read_msg(int fd, char* kind, std::vector<uint8_t>* body, int timeout_ms) {
+  uint32_t n = 0;
+  if (!fdio::read_all(fd, kind, 1, timeout_ms) || !fdio::read_all(fd, &n, 4, timeout_ms))
+    return false;
+  body->resize(n);
+  return n == 0 || fdio::read_all(fd, body->data(), n, timeout_ms);
+}
+bool readable(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+kvxfer_comm_t make_endpoint(const Options& o, int port, std::vector<uint8_t>* addr) {
+  kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
+  cfg.timeout_ms = o.timeout_ms;
+  cfg.bind_address = "127.0.0.1";
+  cfg.port = port;
+  kvxfer_comm_t ep = nullptr;
+  if (kvxfer_endpoint_create(&ep, &cfg) != KVXFER_SUCCESS) {
+    std::fprintf(stderr, "%s: kvxfer_endpoint_create: %s\n", kTool, kvxfer_get_last_error());
+    return nullptr;
+  }
+  addr->resize(KVXFER_ENDPOINT_ADDRESS_MAX);
+  size_t n = addr->size();
+  kvxfer_endpoint_address(ep, addr->data(), &n);
+  addr->resize(n);
+  return ep;
+}
+
+/** Every process's address: prefill 0..P-1, then decode 0..D-1. */
+std::vector<std::vector<uint8_t>> split_blobs(const std::vector<uint8_t>& b) {
+  std::vector<std::vector<uint8_t>> out;
+  for (size_t i = 0; i + 4 <= b.size();) {
+    uint32_t n;
+    std::memcpy(&n, b.data() + i, 4);
+    out.emplace_back(b.begin() + static_cast<std::ptrdiff_t>(i + 4),
+                     b.begin() + static_cast<std::ptrdiff_t>(i + 4 + n));
+    i += 4 + n;
+  }
+  return out;
+}
+
+/** A connection cache: a peer's index, connected at its first use. */
+struct Peers {
+  kvxfer_comm_t ep;
+  std::vector<std::vector<uint8_t>> blobs;  // by process: prefill 0..P-1, decode 0..D-1
+  std::map<int, int> idx;
+  int get(int who) {
+    auto it = idx.find(who);
+    if (it != idx.end()) return it->second;
+    int p = -1;
+    if (kvxfer_endpoint_connect(ep, blobs[who].data(), blobs[who].size(), &p) != KVXFER_SUCCESS) {
+      std::fprintf(stderr, "%s: connect to process %d: %s\n", kTool, who, kvxfer_get_last_error());
+      return -1;
+    }
+    idx[who] = p;
+    return p;
+  }
+};
+
+kvxfer_request_config_t by_id(uint64_t id) {
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = kPageTokens;
+  rc.match_by_id = 1;
+  rc.request_id = id;
+  return rc;
+}
+
+// ---------------------------------------------------------------------------
+// Prefill: sends its requests from index `from` on.
+// ---------------------------------------------------------------------------
+int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int wr) {
+  if (restarted) {  // wait for the coordinator's word
+    char k;
+    std::vector<uint8_t> b;
+    if (!read_msg(rd, &k, &b, 600000) || k != 'S') return 2;
+  }
+  std::vector<uint8_t> mine;
+  kvxfer_comm_t ep = make_endpoint(o, port, &mine);
+  if (ep == nullptr || !send_msg(wr, 'B', mine.data(), static_cast<uint32_t>(mine.size())))
+    return 2;
+  char k;
+  std::vector<uint8_t> body;
+  if (!read_msg(rd, &k, &body, 60000) || k != 'A') return 3;
+  Peers peers{ep, split_blobs(body), {}};
+  int from = 0;
+  if (restarted) {
+    if (!read_msg(rd, &k, &body, 60000) || k != 'K' || body.size() != 4) return 3;
+    std::memcpy(&from, body.data(), 4);
+  }
+  const std::vector<Req> reqs = plan(o);
+  struct Live {
+    int i;
+    kvxfer_request_t r;
+    std::unique_ptr<kp::WholeKv> kv;
+    bool reposted;
+  };
+  std::deque<Live> live;
+  auto post = [&](Live& l) {
+    const kvxfer_request_config_t rc = by_id(static_cast<uint64_t>(l.i));
+    const int peer = peers.get(o.prefill + reqs[l.i].d);
+    return peer >= 0 && kvxfer_send(ep, peer, &l.kv->desc, nullptr, &rc, &l.r) == KVXFER_SUCCESS;
+  };
+  int st = 0;
+  auto finish_oldest = [&] {
+    Live& l = live.front();
+    const kvxfer_result_t w = kvxfer_wait(l.r, KVXFER_STAGE_COMPLETE, o.timeout_ms * 2);
+    const std::string err = w == KVXFER_SUCCESS ? "" : kvxfer_get_last_error();
+    kvxfer_request_free(l.r);
+    // A decode that disconnected ended this send: post it again, once, on a
+    // new connection (the decode reconnects at its next use of us).
+    if (w == KVXFER_ERR_CANCELLED && !l.reposted) {
+      peers.idx.erase(o.prefill + reqs[l.i].d);
+      l.reposted = true;
+      if (post(l)) {
+        live.push_back(std::move(l));
+        live.pop_front();
+        return;
+      }
+    }
+    if (w != KVXFER_SUCCESS) {
+      std::fprintf(stderr, "%s: prefill %d: send %d: %s\n", kTool, me, l.i, err.c_str());
+      st = 4;
+    }
+    live.pop_front();
+  };
+  for (int i = from; i < o.requests; ++i) {
+    if (reqs[i].p != me) continue;
+    while (static_cast<int>(live.size()) >= o.window) finish_oldest();
+    Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim),
+           false};
+    fill(l.kv.get(), static_cast<uint64_t>(i));
+    if (!post(l)) {
+      std::fprintf(stderr, "%s: prefill %d: posting %d: %s\n", kTool, me, i,
+                   kvxfer_get_last_error());
+      st = 5;
+      continue;
+    }
+    live.push_back(std::move(l));
+  }
+  while (!live.empty()) finish_oldest();
+  // Serve until every decode is done (a reposted send may still be asked for).
+  (void)read_msg(rd, &k, &body, 600000);
+  kvxfer_comm_destroy(ep);
+  return st;
+}
+
+// ---------------------------------------------------------------------------
+// Decode: receives its requests, checks them, reports.
+// ---------------------------------------------------------------------------
+struct DecodeReport {
+  int ok = 0, killed_err = 0, killed_late = 0, skipped = 0, other_fail = 0;
+  uint64_t wrong = 0, bytes = 0;
+  double max_after_kill_s = 0;
+};
+
+int decode_main(const Options& o, int me, int rd, int wr) {
+  std::vector<uint8_t> mine;
+  kvxfer_comm_t ep = make_endpoint(o, 0, &mine);
+  if (ep == nullptr || !send_msg(wr, 'B', mine.data(), static_cast<uint32_t>(mine.size())))
+    return 2;
+  char k;
+  std::vector<uint8_t> body;
+  if (!read_msg(rd, &k, &body, 60000) || k != 'A') return 3;
+  Peers peers{ep, split_blobs(body), {}};
+  const std::vector<Req> reqs = plan(o);
+  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  DecodeReport rep;
+  std::vector<double> t_anchor, t_complete;
+  int64_t t_kill = 0;
+  int cut = -1;        // K: P1's requests below it went with the killed incarnation
+  bool old_p1 = true;  // P1's peer index is still the killed incarnation's
+  int completions = 0;
+  bool disconnected = false;
+  struct Live {
+    int i;
+    kvxfer_request_t r;
+    std::unique_ptr<kp::WholeKv> kv;
+    bool killed_incarnation;
+  };
+  std::deque<Live> live;
+  int next = 0;
+  auto check_coordinator = [&] {
+    while (readable(rd)) {
+      if (!read_msg(rd, &k, &body, 60000)) return;
+      if (k == 'R' && body.size() >= 8) {  // P1 killed at t (ns) and restarted at a new blob
+        std::memcpy(&t_kill, body.data(), 8);
+        peers.blobs[kKilled].assign(body.begin() + 8, body.end());
+        peers.idx.erase(kKilled);
+        old_p1 = false;
+        const int32_t n = next;
+        send_msg(wr, 'N', &n, 4);
+        if (!read_msg(rd, &k, &body, 60000) || k != 'K' || body.size() != 4) return;
+        std::memcpy(&cut, body.data(), 4);
+      }
+    }
+  };
+  auto finish_oldest = [&] {
+    Live l = std::move(live.front());
+    live.pop_front();
+    const kvxfer_result_t w = kvxfer_wait(l.r, KVXFER_STAGE_COMPLETE, o.timeout_ms * 2);
+    const std::string err = w == KVXFER_SUCCESS ? "" : kvxfer_get_last_error();
+    kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
+    kvxfer_request_get_info(l.r, &info);
+    kvxfer_request_free(l.r);
+    check_coordinator();  // t_kill may have come meanwhile
+    if (w == KVXFER_SUCCESS) {
+      ++rep.ok;
+      ++completions;
+      send_msg(wr, 'C', nullptr, 0);
+      rep.bytes += 2ull * kLayers * l.kv->layer_bytes();
+      t_anchor.push_back((info.t_anchor_ready_ns - info.t_posted_ns) * 1e-6);
+      t_complete.push_back((info.t_complete_ns - info.t_posted_ns) * 1e-6);
+      if (o.common.check != 0) {
+        kp::WholeKv src(kLayers, reqs[l.i].tokens, kHeads, kHeadDim),
+            want(kLayers, reqs[l.i].tokens, kHeads, kHeadDim);
+        fill(&src, static_cast<uint64_t>(l.i));
+        std::string e;
+        if (!kp::expected_decode(src, cfg, kPageTokens, 0, &want, &e)) return;
+        rep.wrong += want.differing(*l.kv);
+      }
+    } else if (l.killed_incarnation && t_kill > 0) {
+      ++rep.killed_err;
+      const double s = (info.t_error_ns - t_kill) * 1e-9;
+      rep.max_after_kill_s = std::max(rep.max_after_kill_s, s);
+      if (s > 1.5) ++rep.killed_late;
+    } else {
+      std::fprintf(stderr, "%s: decode %d: request %d (prefill %d): %s\n", kTool, me, l.i,
+                   reqs[l.i].p, err.c_str());
+      ++rep.other_fail;
+    }
+  };
+  for (next = 0; next < o.requests; ++next) {
+    const int i = next;
+    check_coordinator();
+    if (reqs[i].d != me) continue;
+    const int p = reqs[i].p;
+    if (p == kKilled && !old_p1 && i < cut) {  // the killed incarnation's, never posted
+      ++rep.skipped;
+      continue;
+    }
+    while (static_cast<int>(live.size()) >= o.window) finish_oldest();
+    // Decode 0 leaves prefill 2 once, with nothing in flight with it, and
+    // comes back at its next use.
+    if (me == 0 && !disconnected && completions >= o.disconnect_at && p == kDisconnected) {
+      while (!live.empty()) finish_oldest();
+      auto it = peers.idx.find(kDisconnected);
+      if (it != peers.idx.end()) {
+        kvxfer_endpoint_disconnect(ep, it->second);
+        peers.idx.erase(it);
+      }
+      disconnected = true;
+    }
+    Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim),
+           p == kKilled && old_p1};
+    const kvxfer_request_config_t rc = by_id(static_cast<uint64_t>(i));
+    const int peer = peers.get(p);
+    if (peer < 0 || kvxfer_recv(ep, peer, &l.kv->desc, &rc, &l.r) != KVXFER_SUCCESS) {
+      // A post to the killed incarnation, after its death was seen.
+      if (l.killed_incarnation) {
+        check_coordinator();
+        const int64_t t = now_ns();
+        ++rep.killed_err;
+        if (t_kill > 0) rep.max_after_kill_s = std::max(rep.max_after_kill_s, (t - t_kill) * 1e-9);
+        continue;
+      }
+      std::fprintf(stderr, "%s: decode %d: posting %d: %s\n", kTool, me, i,
+                   kvxfer_get_last_error());
+      ++rep.other_fail;
+      continue;
+    }
+    live.push_back(std::move(l));
+  }
+  while (!live.empty()) finish_oldest();
+  send_msg(wr, 'D', &rep, sizeof rep);
+  const uint32_t na = static_cast<uint32_t>(t_anchor.size());
+  send_msg(wr, 'L', t_anchor.data(), na * 8);
+  send_msg(wr, 'M', t_complete.data(), na * 8);
+  (void)read_msg(rd, &k, &body, 600000);  // the coordinator's end
+  kvxfer_comm_destroy(ep);
+  return 0;
+}
+
+double pct(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * v.size()))];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "mesh_perf: prefill and decode endpoints meeting at run time, with a prefill "
+      "killed and restarted and a decode reconnecting (docs/PERFORMANCE.md)"};
+  kp::add_common_options(&app, &o.common);
+  app.add_option("-P,--prefill", o.prefill, "prefill processes")
+      ->check(CLI::Range(3, 16))
+      ->capture_default_str();
+  app.add_option("-D,--decode", o.decode, "decode processes")
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
+  app.add_option("-R,--requests", o.requests, "requests (1 to 16 MiB each)")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("-W,--window", o.window, "requests in flight per process")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--kill_at", o.kill_at, "completed requests before prefill 1 is killed")
+      ->capture_default_str();
+  app.add_option("--disconnect_at", o.disconnect_at,
+                 "decode 0's completions before it disconnects from prefill 2")
+      ->capture_default_str();
+  app.add_option("--seed", o.seed, "the request list's seed")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  if (o.common.quick) {
+    o.requests = std::min(o.requests, 96);
+    o.kill_at = std::min(o.kill_at, 30);
+    o.disconnect_at = std::min(o.disconnect_at, 15);
+  }
+  // A fixed port for prefill 1, so that its restart is at the same address.
+  const int port = 20000 + static_cast<int>(getpid() % 20000);
+
+  const int nproc = o.prefill + o.decode;
+  struct Proc {
+    std::unique_ptr<kp::ForkedChild> child;
+    int to = -1, from = -1;
+  };
+  std::vector<Proc> procs(static_cast<size_t>(nproc + 1));  // the last: prefill 1 restarted
+  for (int i = 0; i <= nproc; ++i) {
+    int down[2], up[2];
+    if (::pipe(down) != 0 || ::pipe(up) != 0) return 2;
+    procs[i].child = std::make_unique<kp::ForkedChild>();
+    std::string err;
+    const bool ok = procs[i].child->start(
+        [&o, i, down, up, port, nproc]() -> int {
+          ::close(down[1]);
+          ::close(up[0]);
+          if (i == nproc) return prefill_main(o, kKilled, port, true, down[0], up[1]);
+          if (i < o.prefill)
+            return prefill_main(o, i, i == kKilled ? port : 0, false, down[0], up[1]);
+          return decode_main(o, i - o.prefill, down[0], up[1]);
+        },
+        &err);
+    if (!ok) {
+      std::fprintf(stderr, "%s: %s\n", kTool, err.c_str());
+      return 2;
+    }
+    ::close(down[0]);
+    ::close(up[1]);
+    procs[i].to = down[1];
+    procs[i].from = up[0];
+  }
+  kp::print_preamble(stdout, kTool, kp::machine_info(), kp::kvxfer_settings());
+  std::printf("# Options: -P %d -D %d -R %d -W %d --kill_at %d --disconnect_at %d --seed %" PRIu64
+              " | Lynx 4+4, 1-16 MiB per request, by id, lazy connects\n",
+              o.prefill, o.decode, o.requests, o.window, o.kill_at, o.disconnect_at, o.seed);
+  std::vector<uint8_t> all;
+  char k;
+  std::vector<uint8_t> body;
+  for (int i = 0; i < nproc; ++i) {
+    if (!read_msg(procs[i].from, &k, &body, 60000) || k != 'B') {
+      std::fprintf(stderr, "%s: process %d did not start (%s)\n", kTool, i,
+                   procs[i].child->describe().c_str());
+      return 2;
+    }
+    const uint32_t n = static_cast<uint32_t>(body.size());
+    all.insert(all.end(), reinterpret_cast<const uint8_t*>(&n),
+               reinterpret_cast<const uint8_t*>(&n) + 4);
+    all.insert(all.end(), body.begin(), body.end());
+  }
+  const int64_t t0 = now_ns();
+  for (int i = 0; i < nproc; ++i) send_msg(procs[i].to, 'A', all.data(), all.size());
+
+  // Count completions; kill and restart prefill 1 at --kill_at.
+  int done = 0, decodes_done = 0;
+  bool killed = false;
+  int64_t t_kill = 0;
+  std::vector<DecodeReport> reports;
+  std::vector<double> anchors, completes;
+  while (decodes_done < o.decode) {
+    std::vector<pollfd> fds;
+    for (int d = 0; d < o.decode; ++d) fds.push_back({procs[o.prefill + d].from, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 1000) <= 0) {
+      for (int i = 0; i < nproc; ++i)
+        if (!procs[i].child->alive() && !(killed && i == kKilled)) {
+          std::fprintf(stderr, "%s: process %d ended early: %s\n", kTool, i,
+                       procs[i].child->describe().c_str());
+          return 1;
+        }
+      continue;
+    }
+    for (size_t d = 0; d < fds.size(); ++d) {
+      if ((fds[d].revents & (POLLIN | POLLHUP)) == 0) continue;
+      if (!read_msg(fds[d].fd, &k, &body, 60000)) return 1;
+      if (k == 'C') ++done;
+      if (k == 'D') {
+        DecodeReport r;
+        std::memcpy(&r, body.data(), sizeof r);
+        reports.push_back(r);
+      }
+      if (k == 'L' || k == 'M') {
+        std::vector<double>& dst = k == 'L' ? anchors : completes;
+        const size_t n = body.size() / 8;
+        const size_t at = dst.size();
+        dst.resize(at + n);
+        std::memcpy(dst.data() + at, body.data(), n * 8);
+        if (k == 'M') ++decodes_done;
+      }
+    }
+    if (!killed && done >= o.kill_at) {
+      killed = true;
+      procs[kKilled].child->kill();
+      t_kill = now_ns();
+      Proc& again = procs[nproc];
+      send_msg(again.to, 'S', nullptr, 0);
+      if (!read_msg(again.from, &k, &body, 60000) || k != 'B') return 1;
+      std::vector<uint8_t> r(8);
+      std::memcpy(r.data(), &t_kill, 8);
+      r.insert(r.end(), body.begin(), body.end());
+      // Each decode answers with its next index; K is the largest.  The
+      // decodes' completions may come first on the same pipe.
+      int32_t cut = 0;
+      for (int d = 0; d < o.decode; ++d) {
+        const int fd = procs[o.prefill + d].from;
+        send_msg(procs[o.prefill + d].to, 'R', r.data(), static_cast<uint32_t>(r.size()));
+        for (;;) {
+          if (!read_msg(fd, &k, &body, 60000)) return 1;
+          if (k == 'C') ++done;
+          if (k == 'N') break;
+        }
+        int32_t n;
+        std::memcpy(&n, body.data(), 4);
+        cut = std::max(cut, n);
+      }
+      for (int d = 0; d < o.decode; ++d) send_msg(procs[o.prefill + d].to, 'K', &cut, 4);
+      std::vector<uint8_t> a2 = all;  // the restarted one needs everyone's addresses
+      send_msg(again.to, 'A', a2.data(), a2.size());
+      send_msg(again.to, 'K', &cut, 4);
+    }
+  }
+  const double wall_s = (now_ns() - t0) * 1e-9;
+  for (int i = 0; i <= nproc; ++i)
+    if (!(i == kKilled)) send_msg(procs[i].to, 'Q', nullptr, 0);
+  bool children_ok = true;
+  for (int i = 0; i <= nproc; ++i) {
+    if (i == kKilled) continue;
+    if (!procs[i].child->wait_for(120) || !procs[i].child->exited_ok()) {
+      std::fprintf(stderr, "%s: process %d: %s\n", kTool, i, procs[i].child->describe().c_str());
+      children_ok = false;
+    }
+  }
+  DecodeReport t;
+  for (const DecodeReport& r : reports) {
+    t.ok += r.ok;
+    t.killed_err += r.killed_err;
+    t.killed_late += r.killed_late;
+    t.skipped += r.skipped;
+    t.other_fail += r.other_fail;
+    t.wrong += r.wrong;
+    t.bytes += r.bytes;
+    t.max_after_kill_s = std::max(t.max_after_kill_s, r.max_after_kill_s);
+  }
+  std::printf("#%8s  %8s  %9s  %10s  %9s  %9s  %9s  %9s  %9s  %9s  %7s  %6s\n", "requests",
+              "complete", "killed_E", "max_kill_s", "not_post", "failed", "anc_p50", "anc_p99",
+              "cmp_p50", "cmp_p99", "GB/s", "#wrong");
+  std::printf(" %8d  %8d  %9d  %10.3f  %9d  %9d  %9.1f  %9.1f  %9.1f  %9.1f  %7.2f  %6" PRIu64 "\n",
+              o.requests, t.ok, t.killed_err, t.max_after_kill_s, t.skipped, t.other_fail,
+              pct(anchors, 50), pct(anchors, 99), pct(completes, 50), pct(completes, 99),
+              t.bytes / wall_s * 1e-9, t.wrong);
+  const bool pass = t.wrong == 0 && t.other_fail == 0 && t.killed_late == 0 && children_ok &&
+                    t.ok + t.killed_err + t.skipped == o.requests;
+  std::printf(
+      "# anc/cmp: t_anchor / t_complete from the receive's post (ms).  killed_E: requests "
+      "of the killed incarnation ended in ERROR (max_kill_s after the kill); not_post: "
+      "its requests no decode had posted.  %s\n",
+      pass ? "PASS" : "FAIL");
+  nlohmann::json j = {{"tool", kTool},
+                      {"complete", t.ok},
+                      {"killed_error", t.killed_err},
+                      {"max_after_kill_s", t.max_after_kill_s},
+                      {"not_posted", t.skipped},
+                      {"failed", t.other_fail},
+                      {"anchor_p50_ms", pct(anchors, 50)},
+                      {"anchor_p99_ms", pct(anchors, 99)},
+                      {"complete_p50_ms", pct(completes, 50)},
+                      {"complete_p99_ms", pct(completes, 99)},
+                      {"gbps", t.bytes / wall_s * 1e-9},
+                      {"wrong", t.wrong},
+                      {"pass", pass}};
+  const int je = kp::emit_json(kTool, o.common.json_path, j);
+  return pass ? je : 1;
+}
