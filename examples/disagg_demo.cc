@@ -37,6 +37,11 @@
 // on real links, and the rate limiter's burst (the chunk size) is lowered to
 // 16 KiB (KVXFER_NET_CHUNK_BYTES, unless set).
 //
+// The parts a serving runtime would copy are disagg_prefill.cc (the prefill
+// node: prefill, kvxfer_send) and disagg_decoder.{h,cc} (the decode node:
+// kvxfer_recv, drafting on the anchors, verification); this file and
+// disagg_report.{h,cc} are the measurement around them.
+//
 //   ./build/examples/disagg_demo                      default: table (+ sweeps for stories260K)
 //   ./build/examples/disagg_demo -r 20mbit -p 400 --reps 5 --json out.json
 //   python3 examples/plot_demo.py out.json -o demo.png
@@ -71,25 +76,24 @@
 #include <string>
 #include <vector>
 
-#include "common/fdio.h"
 #include "common/units.h"
+#include "examples/disagg.h"
+#include "examples/disagg_decoder.h"
+#include "examples/disagg_report.h"
 #include "models/bpe_tokenizer.h"
 #include "models/chat_template.h"
 #include "models/cpu_affinity.h"
 #include "models/gguf.h"
 #include "models/llama2.h"
 #include "models/model_paths.h"
+#include "perf/common/pipe_msg.h"
 
-namespace km = kvxfer::model;
 using json = nlohmann::json;
 
-namespace {
-
-const char* kTool = "disagg_demo";
-
 // ---------------------------------------------------------------------------
-// Small utilities
+// Small utilities (disagg.h)
 // ---------------------------------------------------------------------------
+namespace disagg {
 
 int64_t now_ns() {
   timespec ts;
@@ -97,9 +101,6 @@ int64_t now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-double ms(int64_t ns) { return static_cast<double>(ns) * 1e-6; }
-
-[[noreturn]] void die(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 void die(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -111,27 +112,11 @@ void die(const char* fmt, ...) {
   std::_Exit(2);
 }
 
-#define CHECK_KVXFER(call)                                                                   \
-  do {                                                                                       \
-    const kvxfer_result_t r_ = (call);                                                       \
-    if (r_ != KVXFER_SUCCESS)                                                                \
-      die("%s failed: %s: %s", #call, kvxfer_get_error_string(r_), kvxfer_get_last_error()); \
-  } while (0)
-
 double median(std::vector<double> v) {
   if (v.empty()) return std::nan("");
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/** A link rate in tc syntax ("50mbit", "1.5gbit", "10mbps" = bytes/s), parsed by the one parser
- *  of KVXFER_RATE_LIMIT (common/units.h).  Empty (no limit) is refused: the demo needs a link. */
-bool parse_link_rate(const std::string& text, double* bytes_per_s, std::string* why) {
-  if (!kvxfer::params::parse_rate(text, bytes_per_s, why)) return false;
-  if (*bytes_per_s > 0) return true;
-  *why = "is empty";
-  return false;
 }
 
 std::string rate_text(double bytes_per_s) {
@@ -140,71 +125,20 @@ std::string rate_text(double bytes_per_s) {
   return b;
 }
 
-// ---------------------------------------------------------------------------
-// Pipes between the two processes: framed messages (kind, length, bytes).
-// ---------------------------------------------------------------------------
-
-enum MsgKind : uint32_t {
-  kMsgComm = 1,     // parent -> child: unique id + rate string; child joins as rank 1
-  kMsgPrompt = 2,   // parent -> child: PromptMsg (+ given tokens); child replies kMsgTokens
-  kMsgTokens = 3,   // child -> parent: int32 tokens
-  kMsgXfer = 4,     // parent -> child: XferMsg; child replies kMsgPosted, then kMsgDone
-  kMsgPosted = 5,   // child -> parent: int64 t_posted_ns (the sender's kvxfer_send)
-  kMsgDone = 6,     // child -> parent: DoneMsg
-  kMsgEndComm = 7,  // parent -> child: destroy the communicator
-  kMsgQuit = 8,
-};
-
-struct PromptMsg {
-  int32_t id, len;
-  uint64_t seed;
-  float temperature;
-  int32_t given;  // number of given tokens that follow
-};
-struct XferMsg {
-  int32_t prompt_id, kv_tokens, mode, page_tokens;
-  uint64_t tag;
-};
-struct DoneMsg {
-  int32_t result;
-  int64_t t_posted, t_handshake, t_anchor_ready, t_complete;
-  uint64_t anchor_bytes, residual_bytes;
-  char error[256];
-};
-
-using kvxfer::fdio::read_all;  // common/fdio.h
-using kvxfer::fdio::write_all;
-
 void send_msg(int fd, uint32_t kind, const void* body, size_t len) {
-  const uint32_t hdr[2] = {kind, static_cast<uint32_t>(len)};
-  if (!write_all(fd, hdr, sizeof hdr) || (len > 0 && !write_all(fd, body, len)))
+  if (!kvxfer::perf::send_msg(fd, kind, body, len))
     die("pipe write failed: %s", std::strerror(errno));
 }
 
-std::vector<uint8_t> recv_msg(int fd, uint32_t want, int timeout_ms = 120000) {
-  uint32_t hdr[2];
-  if (!read_all(fd, hdr, sizeof hdr, timeout_ms)) die("the other process went silent (pipe)");
-  std::vector<uint8_t> body(hdr[1]);
-  if (hdr[1] > 0 && !read_all(fd, body.data(), body.size(), timeout_ms)) die("short pipe message");
-  if (hdr[0] != want) die("unexpected pipe message %u (wanted %u)", hdr[0], want);
+std::vector<uint8_t> recv_msg(int fd, uint32_t want, int timeout_ms) {
+  uint32_t kind = 0;
+  std::vector<uint8_t> body;
+  std::string err;
+  if (!kvxfer::perf::recv_msg(fd, &kind, &body, timeout_ms, "the other process", &err))
+    die("the other process went silent (pipe): %s", err.c_str());
+  if (kind != want) die("unexpected pipe message %u (wanted %u)", kind, want);
   return body;
 }
-
-template <typename T>
-T as(const std::vector<uint8_t>& b) {
-  T t;
-  if (b.size() < sizeof(T)) die("short pipe message");
-  std::memcpy(&t, b.data(), sizeof(T));
-  return t;
-}
-
-// ---------------------------------------------------------------------------
-// Modes
-// ---------------------------------------------------------------------------
-
-enum Mode { kBF16 = 0, kINT8 = 1, kINT4 = 2, kLynx = 3, kModes = 4 };
-const char* kModeName[kModes] = {"BF16-mono", "INT8-mono", "INT4-mono", "Lynx-spec"};
-const char* kModeKey[kModes] = {"bf16", "int8", "int4", "lynx"};
 
 void codec_of(Mode m, kvxfer_codec_config_t* codec, kvxfer_mode_t* xmode) {
   *codec = KVXFER_CODEC_CONFIG_INITIALIZER;
@@ -228,52 +162,6 @@ void codec_of(Mode m, kvxfer_codec_config_t* codec, kvxfer_mode_t* xmode) {
   }
 }
 
-// ---------------------------------------------------------------------------
-// Options
-// ---------------------------------------------------------------------------
-
-struct Options {
-  std::string model_path;  // default: SmolLM2 when fetched, else stories260K
-  // SmolLM2 (a GGUF with a tokenizer): real prompts instead of sampled ones.
-  std::string prompts_path = KVXFER_DATA_DIR "/prompts/chat.txt";
-  std::string long_text_path = KVXFER_DATA_DIR "/apache-2.0.txt";
-  std::string long_rate = "100mbit";
-  int long_reps = 3;  // runs per mode of the long prompt (one prompt: its runs are the sample)
-  int show_text = 2;
-  std::string verify_rule = "adaptive";
-  std::string rate = "50mbit";
-  int prompt_len = 400;
-  std::string prompt_ids;  // "1,2,3": given prompt instead of a generated one
-  int tokens = 64;
-  int reps = 3;
-  std::vector<std::string> sweep_rates = {"20mbit", "50mbit", "100mbit", "200mbit"};
-  std::vector<int> sweep_lens = {100, 200, 400};
-  bool no_sweep = false;
-  bool quick = false;
-  std::string json_path;
-  uint64_t seed = 1;
-  float temperature = 1.0f;
-  int page_tokens = 128;
-  int threads = 1;
-  int draft_threads = 0;  // model threads while drafting; 0 = max(1, threads - 1)
-  int margin = 2;
-  int verify_max = 0;
-  int first_verify = 4;  // the first pass checks at most this many; 0 = no cap
-  bool no_pin = false;   // leave the decode process's model threads unpinned
-  bool pinned = false;   // set in main: they are pinned, one per CPU
-
-  /** Model threads while drafting (--draft_threads, or one fewer than --threads). */
-  int drafting_threads() const {
-    return draft_threads > 0 ? draft_threads : std::max(1, threads - 1);
-  }
-};
-
-// ---------------------------------------------------------------------------
-// Prompt and KV helpers (both processes)
-// ---------------------------------------------------------------------------
-
-/** Pins the calling process's team of n model threads, one per CPU; warns and
- *  returns false when it cannot (fewer CPUs than threads). */
 bool pin_threads(int n) {
   std::string why;
   if (km::pin_openmp_threads(n, &why)) return true;
@@ -281,813 +169,19 @@ bool pin_threads(int n) {
   return false;
 }
 
-std::vector<float> softmax(const std::vector<float>& logits, float temperature) {
-  std::vector<float> p(logits.size());
-  const float mx = *std::max_element(logits.begin(), logits.end());
-  double s = 0;
-  for (size_t i = 0; i < p.size(); ++i) {
-    p[i] = std::exp((logits[i] - mx) / temperature);
-    s += p[i];
-  }
-  for (float& x : p) x = static_cast<float>(x / s);
-  return p;
-}
+}  // namespace disagg
 
-/** BOS, then tokens sampled from the model (temperature; seed), to `len` tokens. */
-std::vector<int> make_prompt(const km::Model& m, int len, uint64_t seed, float temperature) {
-  std::vector<int> t = {1};
-  km::KVCache tail;
-  std::vector<float> logits;
-  std::string err;
-  while (static_cast<int>(t.size()) < len) {
-    const int pos = static_cast<int>(t.size()) - 1;
-    if (!m.decode_step(t.back(), pos, km::KVView{}, &tail, &logits, &err)) die("%s", err.c_str());
-    int32_t next = km::argmax(logits.data(), logits.size());
-    if (temperature > 0) {
-      const std::vector<float> p = softmax(logits, temperature);
-      CHECK_KVXFER(kvxfer_spec_sample(p.data(), static_cast<int32_t>(p.size()),
-                                      seed * 1000003 + static_cast<uint64_t>(pos), &next));
-    }
-    t.push_back(next);
-  }
-  return t;
-}
+namespace {
 
-/** A float32 KV in one block per layer ([tokens][kv_dim]) and its descriptor. */
-struct BlockKV {
-  std::vector<std::vector<float>> k, v;
-  std::vector<void*> kp, vp;
-  int kv_dim = 0;
+using namespace disagg;  // NOLINT(google-build-using-namespace)
 
-  void init(const km::Config& c, int capacity) {
-    kv_dim = c.kv_dim();
-    k.assign(c.n_layers, std::vector<float>(static_cast<size_t>(capacity) * kv_dim, 0.0f));
-    v = k;
-    kp.resize(c.n_layers);
-    vp.resize(c.n_layers);
-    for (int l = 0; l < c.n_layers; ++l) {
-      kp[l] = k[l].data();
-      vp[l] = v[l].data();
-    }
-  }
-  int capacity() const { return k.empty() ? 0 : static_cast<int>(k[0].size()) / kv_dim; }
-  kvxfer_kv_desc_t desc(const km::Config& c, int tokens) const {
-    kvxfer_kv_desc_t d = KVXFER_KV_DESC_INITIALIZER;
-    d.num_layers = c.n_layers;
-    d.kv_heads = c.n_kv_heads;
-    d.head_dim = c.head_size();
-    d.dtype = KVXFER_DTYPE_FP32;
-    d.num_tokens = tokens;
-    d.block_size = std::max(1, capacity());
-    d.row_stride = kv_dim;
-    d.num_blocks = 1;
-    d.k_blocks = kp.data();
-    d.v_blocks = vp.data();
-    return d;
-  }
-  km::KVView view(int tokens) const {
-    km::KVView w;
-    w.n_tokens = tokens;
-    for (size_t l = 0; l < k.size(); ++l)
-      w.layers.push_back(
-          {k[l].data(), v[l].data(), static_cast<size_t>(kv_dim), static_cast<size_t>(kv_dim)});
-    return w;
-  }
-};
-
-// ---------------------------------------------------------------------------
-// The prefill process (rank 1)
-// ---------------------------------------------------------------------------
-
-int prefill_main(const Options& o, int in_fd, int out_fd) {
-  alarm(1800);  // never outlive a hung parent for long
-  std::string err;
-  std::unique_ptr<km::Model> model = km::Model::load(o.model_path, &err);
-  if (!model) die("prefill: %s", err.c_str());
-  const km::Config& c = model->config();
-  std::map<int, BlockKV> kvs;  // prompt id -> prefill KV (all but the last prompt token)
-  kvxfer_comm_t comm = nullptr;
-  std::string rate;
-  for (;;) {
-    uint32_t hdr[2];
-    if (!read_all(in_fd, hdr, sizeof hdr, 600000)) die("prefill: parent went silent");
-    std::vector<uint8_t> body(hdr[1]);
-    if (hdr[1] > 0 && !read_all(in_fd, body.data(), body.size(), 60000)) die("prefill: short msg");
-    switch (hdr[0]) {
-      case kMsgComm: {
-        kvxfer_unique_id_t id;
-        std::memcpy(&id, body.data(), sizeof id);
-        rate.assign(reinterpret_cast<const char*>(body.data()) + sizeof id,
-                    body.size() - sizeof id);
-        kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
-        cfg.rate_limit = rate.c_str();
-        CHECK_KVXFER(kvxfer_comm_init(&comm, 2, id, 1, &cfg));
-        break;
-      }
-      case kMsgPrompt: {
-        const PromptMsg pm = as<PromptMsg>(body);
-        std::vector<int> tokens;
-        if (pm.given > 0) {
-          const int32_t* g = reinterpret_cast<const int32_t*>(body.data() + sizeof(PromptMsg));
-          tokens.assign(g, g + pm.given);
-        } else {
-          tokens = make_prompt(*model, pm.len, pm.seed, pm.temperature);
-        }
-        km::PrefillResult pre;
-        const std::vector<int> head(tokens.begin(), tokens.end() - 1);
-        if (!model->prefill(head, {}, &pre, &err)) die("prefill: %s", err.c_str());
-        BlockKV& kv = kvs[pm.id];
-        kv.init(c, static_cast<int>(head.size()));
-        for (int l = 0; l < c.n_layers; ++l) {
-          std::memcpy(kv.k[l].data(), pre.kv.k(l), kv.k[l].size() * sizeof(float));
-          std::memcpy(kv.v[l].data(), pre.kv.v(l), kv.v[l].size() * sizeof(float));
-        }
-        std::vector<int32_t> out(tokens.begin(), tokens.end());
-        send_msg(out_fd, kMsgTokens, out.data(), out.size() * sizeof(int32_t));
-        break;
-      }
-      case kMsgXfer: {
-        const XferMsg x = as<XferMsg>(body);
-        auto it = kvs.find(x.prompt_id);
-        if (it == kvs.end() || comm == nullptr) die("prefill: transfer before prompt/comm");
-        const kvxfer_kv_desc_t d = it->second.desc(c, x.kv_tokens);
-        kvxfer_codec_config_t codec;
-        kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-        codec_of(static_cast<Mode>(x.mode), &codec, &rc.mode);
-        rc.tag = x.tag;
-        rc.page_tokens = x.page_tokens;
-        kvxfer_request_t req = nullptr;
-        const int64_t t_post = now_ns();
-        CHECK_KVXFER(kvxfer_send(comm, 0, &d, &codec, &rc, &req));
-        send_msg(out_fd, kMsgPosted, &t_post, sizeof t_post);
-        DoneMsg done{};
-        done.result = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
-        if (done.result != KVXFER_SUCCESS)
-          std::snprintf(done.error, sizeof done.error, "%s", kvxfer_get_last_error());
-        kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
-        CHECK_KVXFER(kvxfer_request_get_info(req, &info));
-        done.t_posted = info.t_posted_ns;
-        done.t_handshake = info.t_handshake_ns;
-        done.t_anchor_ready = info.t_anchor_ready_ns;
-        done.t_complete = info.t_complete_ns;
-        done.anchor_bytes = info.anchor_wire_bytes;
-        done.residual_bytes = info.residual_wire_bytes;
-        CHECK_KVXFER(kvxfer_request_free(req));
-        send_msg(out_fd, kMsgDone, &done, sizeof done);
-        break;
-      }
-      case kMsgEndComm:
-        CHECK_KVXFER(kvxfer_comm_destroy(comm));
-        comm = nullptr;
-        break;
-      case kMsgQuit:
-        if (comm != nullptr) kvxfer_comm_destroy(comm);
-        return 0;
-      default: die("prefill: unknown message %u", hdr[0]);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------
-// The decode process (rank 0)
-// ---------------------------------------------------------------------------
-
-/** One timed run of one mode. */
-struct Run {
-  Mode mode = kBF16;
-  double rate_bps = 0;          // bytes/s
-  int prompt_len = 0, rep = 0;  // prompt_len: the point's key (text prompts: the set)
-  int tokens_in = 0;            // the prompt's actual length
-  int64_t t0 = 0;               // sender's kvxfer_send
-  int64_t t_handshake = 0, t_anchor = 0, t_first_residual = 0, t_complete = 0;  // receiver
-  int64_t t_snapshot = 0;    // Lynx: anchor snapshot taken (callback)
-  int64_t t_first_emit = 0;  // first output token emitted
-  int64_t t_verify_start = 0, t_verify_end = 0;
-  std::vector<int64_t> t_commit;       // when output token i became final
-  std::vector<int> tokens, reference;  // output; plain greedy on the same received KV
-  uint64_t anchor_bytes = 0, residual_bytes = 0;
-  int drafted = 0, verified = 0, accepted = 0, matched = 0, window0 = 0;
-  int passes = 0;  // verification passes (Lynx)
-  /** Each verification pass: tokens run (the last final token + the checked
-   *  drafts), its time and the start-up calibration's a(C) + b(C) k (ms). */
-  struct Pass {
-    int tokens = 0;
-    double ms = 0, pred_ms = 0;
-  };
-  std::vector<Pass> pass_log;
-  bool rejected = false;   // a draft token was rejected (else the checked draft was all accepted)
-  double t_res_pred0 = 0;  // residual time predicted at ANCHOR_READY
-  bool speculated = false;
-  bool stages_ok = true;
-  std::string stage_problem;
-};
-
-/** The receiver's anchor snapshot, taken on the progress thread in on_anchor_ready. */
-struct Snapshot {
-  const BlockKV* src = nullptr;
-  BlockKV* dst = nullptr;
-  int tokens = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-  bool taken = false;
-  int64_t t = 0;
-};
-
-void on_anchor_ready(kvxfer_request_t, kvxfer_stage_t stage, kvxfer_result_t, void* user) {
-  Snapshot* s = static_cast<Snapshot*>(user);
-  if (stage == KVXFER_STAGE_ANCHOR_READY) {
-    // Residuals of this request are applied only after this callback returns
-    // (docs/SPEC.md, "The anchor snapshot"), so this copy is anchor-precision.
-    const size_t n = static_cast<size_t>(s->tokens) * s->src->kv_dim * sizeof(float);
-    for (size_t l = 0; l < s->src->k.size(); ++l) {
-      std::memcpy(s->dst->k[l].data(), s->src->k[l].data(), n);
-      std::memcpy(s->dst->v[l].data(), s->src->v[l].data(), n);
-    }
-  }
-  std::lock_guard<std::mutex> lk(s->mu);
-  s->taken = true;
-  s->t = now_ns();
-  s->cv.notify_all();
-}
-
-/** The latency model's runner costs at one point of the table (cal_at in main). */
-struct Calibration {
-  double tpot_s = 0;         // decode step (median)
-  double verify_base_s = 0;  // verify pass: base + per_token * tokens
-  double verify_per_token_s = 0;
-};
-
-/** The runner's costs at one context (KV tokens), timed at start-up: a decode
- *  step, and a verification pass of k tokens as a(C) + b(C) k (the latency
- *  model's t_ver, docs/SPEC.md), fitted by least squares to the medians of
- *  passes of 1, 4, 16 and 64 tokens. */
-struct PassCost {
-  double tpot_s = 0, base_s = 0, per_token_s = 0;
-  double pass_s(int tokens) const { return base_s + per_token_s * tokens; }
-};
-
-class Decoder {
- public:
-  /** capacity: the longest KV (tokens) a run receives. */
-  Decoder(const Options& o, const km::Model& m, int to_child, int from_child, int capacity)
-      : o_(o), m_(m), c_(m.config()), to_(to_child), from_(from_child) {
-    recv_.init(c_, capacity);
-    snap_.init(c_, capacity);
-  }
-
-  void open_comm(double rate_bps) {
-    kvxfer_unique_id_t id;
-    CHECK_KVXFER(kvxfer_get_unique_id(&id));  // this process is rank 0
-    rate_ = rate_text(rate_bps);
-    std::vector<uint8_t> b(sizeof id + rate_.size());
-    std::memcpy(b.data(), &id, sizeof id);
-    std::memcpy(b.data() + sizeof id, rate_.data(), rate_.size());
-    send_msg(to_, kMsgComm, b.data(), b.size());
-    kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
-    cfg.rate_limit = rate_.c_str();
-    CHECK_KVXFER(kvxfer_comm_init(&comm_, 2, id, 0, &cfg));
-  }
-
-  void close_comm() {
-    send_msg(to_, kMsgEndComm, nullptr, 0);
-    CHECK_KVXFER(kvxfer_comm_destroy(comm_));
-    comm_ = nullptr;
-  }
-
-  /** Asks the prefill process for prompt `id` (generated or given); returns its tokens. */
-  std::vector<int> prompt(int id, int len, uint64_t seed, const std::vector<int>& given) {
-    PromptMsg pm{id, len, seed, o_.temperature, static_cast<int32_t>(given.size())};
-    std::vector<uint8_t> b(sizeof pm + given.size() * sizeof(int32_t));
-    std::memcpy(b.data(), &pm, sizeof pm);
-    for (size_t i = 0; i < given.size(); ++i) {
-      const int32_t t = given[i];
-      std::memcpy(b.data() + sizeof pm + i * sizeof t, &t, sizeof t);
-    }
-    send_msg(to_, kMsgPrompt, b.data(), b.size());
-    const std::vector<uint8_t> r = recv_msg(from_, kMsgTokens);
-    std::vector<int> t(r.size() / sizeof(int32_t));
-    for (size_t i = 0; i < t.size(); ++i) std::memcpy(&t[i], r.data() + i * 4, 4);
-    return t;
-  }
-
-  /** Transfers prompt `pid`'s KV (prompt[0..L-2]) in `mode` and decodes N tokens. */
-  Run run(Mode mode, int pid, const std::vector<int>& prompt, int L, int rep, double rate_bps) {
-    Run r;
-    r.mode = mode;
-    r.rate_bps = rate_bps;
-    r.prompt_len = L;
-    r.tokens_in = L;
-    r.rep = rep;
-    const int n_kv = L - 1, N = o_.tokens;
-    const kvxfer_kv_desc_t d = recv_.desc(c_, n_kv);
-    Snapshot snap;
-    snap.src = &recv_;
-    snap.dst = &snap_;
-    snap.tokens = n_kv;
-    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-    rc.tag = ++tag_;
-    if (mode == kLynx) {
-      rc.on_anchor_ready = on_anchor_ready;
-      rc.user_data = &snap;
-    }
-    kvxfer_request_t req = nullptr;
-    CHECK_KVXFER(kvxfer_recv(comm_, 1, &d, &rc, &req));
-    XferMsg x{pid, n_kv, mode, o_.page_tokens, rc.tag};
-    send_msg(to_, kMsgXfer, &x, sizeof x);
-
-    const km::KVView full = recv_.view(n_kv), anchor = snap_.view(n_kv);
-    std::vector<float> logits;
-    std::string err;
-    km::KVCache tail;  // full-KV rows of the final tokens after the prompt
-    int tok = prompt[L - 1];
-    auto step = [&](const km::KVView& view, km::KVCache* t, int token, int pos) {
-      const int64_t a = now_ns();
-      if (!m_.decode_step(token, pos, view, t, &logits, &err)) die("decode: %s", err.c_str());
-      const int64_t b = now_ns();
-      CHECK_KVXFER(kvxfer_spec_monitor_record_step(&monitor_, ms(b - a) * 1e-3));
-      step_samples_.push_back(ms(b - a) * 1e-3);
-      return km::argmax(logits.data(), logits.size());
-    };
-    auto commit = [&](int token) {
-      r.tokens.push_back(token);
-      r.t_commit.push_back(now_ns());
-      if (r.t_first_emit == 0) r.t_first_emit = r.t_commit.back();
-    };
-
-    int32_t speculate = 0;
-    CHECK_KVXFER(kvxfer_spec_monitor_query(&monitor_, &speculate, nullptr));
-    if (mode == kLynx && speculate) {
-      // ANCHOR_READY: wait for the snapshot the callback takes.
-      {
-        std::unique_lock<std::mutex> lk(snap.mu);
-        while (!snap.taken) {
-          snap.cv.wait_for(lk, std::chrono::milliseconds(5));
-          kvxfer_stage_t st;
-          const kvxfer_result_t tr = kvxfer_test(req, &st);
-          if (tr < 0) die("receive failed: %s", kvxfer_get_last_error());
-        }
-      }
-      r.t_snapshot = snap.t;
-      r.speculated = true;
-      kvxfer_spec_window_config_t wc = KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER;
-      wc.margin = o_.margin;
-      wc.max_tokens = std::min(N, c_.seq_len - L);
-      wc.residual_ratio = residual_ratio_;
-      wc.link_bytes_per_s = rate_bps;
-      std::vector<int32_t> draft;
-      km::KVCache dtail;
-      const int64_t t_start = now_ns();
-      int t = tok;
-      // Drafting runs while the residual is in flight: it leaves the
-      // transfer's progress and decode threads one of the model's threads
-      // (docs/SPEC.md, "Results on SmolLM2").
-      const int draft_threads = o_.drafting_threads();
-      omp_set_num_threads(draft_threads);
-      for (;;) {
-        kvxfer_stage_t st;
-        const kvxfer_result_t tr = kvxfer_test(req, &st);
-        if (tr < 0) die("receive failed: %s", kvxfer_get_last_error());
-        if (st == KVXFER_STAGE_COMPLETE) break;
-        kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
-        CHECK_KVXFER(kvxfer_request_get_info(req, &info));
-        const int64_t now = now_ns();
-        double t_res = 0;
-        int32_t w = 0;
-        if (kvxfer_spec_residual_time(&wc, &info, now, &t_res) != KVXFER_SUCCESS) t_res = 0;
-        if (monitor_.tpot_s > 0) {
-          CHECK_KVXFER(
-              kvxfer_spec_window(&wc, t_res, monitor_.tpot_s, ms(now - t_start) * 1e-3, &w));
-        } else {
-          w = 1;  // no step measured yet: draft one, which measures TPOT
-        }
-        if (draft.empty()) {
-          r.window0 = w;
-          r.t_res_pred0 = t_res;
-        }
-        if (static_cast<int>(draft.size()) >= w) break;  // window full: wait for the residual
-        t = step(anchor, &dtail, t, L - 1 + static_cast<int>(draft.size()));
-        draft.push_back(t);
-        if (r.t_first_emit == 0) r.t_first_emit = now_ns();
-      }
-      if (o_.pinned) pin_threads(o_.threads);
-      // Verify the draft in batched passes on the full KV; row i of a pass's
-      // logits scores its draft token i.  The first pass starts now, the
-      // residual perhaps still in flight: it reads layer l of the full KV
-      // only once kvxfer_wait_layer says that layer is COMPLETE (all its
-      // pages' residuals applied and checked), so what is left of it at
-      // COMPLETE is the last layers' share (docs/SPEC.md, "The first pass
-      // after COMPLETE").  Until the last layer is complete it runs on the
-      // drafting threads, leaving the transfer its core.  The later passes
-      // run after COMPLETE.
-      auto team_for_rest = [&] {
-        kvxfer_stage_t last = KVXFER_STAGE_POSTED;
-        (void)kvxfer_test_layer(req, c_.n_layers - 1, &last);
-        omp_set_num_threads(last == KVXFER_STAGE_COMPLETE ? o_.threads : draft_threads);
-      };
-      auto layer_complete = [&](int layer) {
-        if (kvxfer_wait_layer(req, layer, KVXFER_STAGE_COMPLETE, -1) != KVXFER_SUCCESS)
-          return false;
-        team_for_rest();
-        return true;
-      };
-      team_for_rest();
-      r.t_verify_start = now_ns();
-      // Passes until a rejection or the end of the draft.  Each pass checks
-      // the next v draft tokens: all that are left (--verify_rule all), or
-      // the v with the most expected final tokens per second at this
-      // context's pass cost (kvxfer_spec_verify_length); at most
-      // --verify_max per pass, and --first_verify in the first.  A pass
-      // whose tokens are all accepted also yields the model's next token;
-      // when that equals the next draft token it is accepted too and the
-      // next pass goes on from there.
-      const size_t n_check = draft.size();
-      size_t pos = 0;  // draft tokens accepted so far
-      int cur = tok;   // the last final token, whose KV row is not in the tail yet
-      r.drafted = static_cast<int>(draft.size());
-      for (;;) {
-        const int64_t p0 = now_ns();
-        size_t v = n_check - pos;
-        const PassCost& cost = cost_at(n_kv);
-        if (o_.verify_rule == "adaptive") {
-          // The acceptance so far, with a prior of 9 accepted in 10 (the
-          // paper's 90.4%) so that one early rejection does not stop every
-          // later verification (and with it the evidence).
-          const double rate = (static_cast<double>(monitor_.accepted) + 9.0) /
-                              (static_cast<double>(monitor_.accepted + monitor_.rejected) + 10.0);
-          int32_t n = 0;
-          CHECK_KVXFER(kvxfer_spec_verify_length(static_cast<int32_t>(v), rate, cost.tpot_s,
-                                                 cost.base_s, cost.per_token_s, &n));
-          v = static_cast<size_t>(n);
-        }
-        if (o_.verify_max > 0) v = std::min(v, static_cast<size_t>(o_.verify_max));
-        if (r.passes == 0 && o_.first_verify > 0)
-          v = std::min(v, static_cast<size_t>(o_.first_verify));
-        std::vector<int> batch = {cur};
-        batch.insert(batch.end(), draft.begin() + static_cast<std::ptrdiff_t>(pos),
-                     draft.begin() + static_cast<std::ptrdiff_t>(pos + v));
-        const int rows0 = tail.n_tokens();
-        const bool first = r.passes == 0;
-        if (!(first ? m_.verify(batch, L - 1 + rows0, full, &tail, &logits, &err, layer_complete)
-                    : m_.verify(batch, L - 1 + rows0, full, &tail, &logits, &err)))
-          die("verify: %s (%s)", err.c_str(), kvxfer_get_last_error());
-        int64_t p_start = p0;  // the first pass: its time after COMPLETE
-        if (first) {
-          omp_set_num_threads(o_.threads);
-          if (kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1) != KVXFER_SUCCESS)
-            die("receive failed: %s", kvxfer_get_last_error());
-          kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
-          CHECK_KVXFER(kvxfer_request_get_info(req, &info));
-          p_start = std::max(p0, info.t_complete_ns);
-        }
-        std::vector<int32_t> target(batch.size());
-        for (size_t i = 0; i < batch.size(); ++i)
-          target[i] = km::argmax(logits.data() + i * c_.vocab_size, c_.vocab_size);
-        int32_t a = 0, next = 0;
-        CHECK_KVXFER(kvxfer_spec_verify_greedy(draft.data() + pos, static_cast<int32_t>(v),
-                                               target.data(), &a, &next));
-        tail.truncate(rows0 + 1 + a);  // the rows of cur and of the accepted draft tokens
-        const double pass_s = ms(now_ns() - p_start) * 1e-3;
-        r.pass_log.push_back({static_cast<int>(batch.size()), pass_s * 1e3,
-                              cost.pass_s(static_cast<int>(batch.size())) * 1e3});
-        // The accepted tokens become final now (the first one was emitted
-        // earlier, when it was drafted).
-        for (int i = 0; i < a && static_cast<int>(r.tokens.size()) < N; ++i)
-          commit(draft[pos + static_cast<size_t>(i)]);
-        r.verified += static_cast<int>(v);
-        for (size_t i = 0; i < v; ++i) r.matched += draft[pos + i] == target[i] ? 1 : 0;
-        if (v > 0)
-          CHECK_KVXFER(kvxfer_spec_monitor_update(&monitor_, static_cast<int32_t>(v), a, nullptr));
-        ++r.passes;
-        pos += static_cast<size_t>(a);
-        if (static_cast<size_t>(a) < v) r.rejected = true;
-        const bool go_on = static_cast<size_t>(a) == v && pos < n_check && draft[pos] == next &&
-                           static_cast<int>(r.tokens.size()) < N;
-        if (static_cast<int>(r.tokens.size()) < N) commit(next);  // the correction, or draft[pos]
-        cur = next;
-        if (!go_on) break;
-        ++pos;  // draft[pos] == next was accepted without a check
-        if (pos >= n_check) break;
-      }
-      r.accepted = static_cast<int>(pos);
-      r.t_verify_end = now_ns();
-      const int next = cur;
-      tok = next;
-    } else {
-      const kvxfer_result_t wr = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
-      if (wr != KVXFER_SUCCESS) die("receive failed: %s", kvxfer_get_last_error());
-    }
-    // Decode the rest on the full KV.
-    while (static_cast<int>(r.tokens.size()) < N) {
-      const int pos = L - 1 + tail.n_tokens();
-      tok = step(full, &tail, tok, pos);
-      commit(tok);
-    }
-
-    // Untimed: the transfer's record, the sender's, and the reference decode.
-    kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
-    CHECK_KVXFER(kvxfer_request_get_info(req, &info));
-    r.t_handshake = info.t_handshake_ns;
-    r.t_anchor = info.t_anchor_ready_ns;
-    r.t_first_residual = info.t_first_residual_ns;
-    r.t_complete = info.t_complete_ns;
-    r.anchor_bytes = info.anchor_wire_bytes;
-    r.residual_bytes = info.residual_wire_bytes;
-    CHECK_KVXFER(kvxfer_request_free(req));
-    r.t0 = as<int64_t>(recv_msg(from_, kMsgPosted));
-    const DoneMsg done = as<DoneMsg>(recv_msg(from_, kMsgDone));
-    if (done.result != KVXFER_SUCCESS) die("send failed: %s", done.error);
-    if (mode == kLynx && r.anchor_bytes > 0)
-      residual_ratio_ = static_cast<double>(r.residual_bytes) / r.anchor_bytes;
-    {
-      km::KVCache t2;
-      int tk = prompt[L - 1];
-      for (int i = 0; i < N; ++i) {
-        if (!m_.decode_step(tk, L - 1 + i, full, &t2, &logits, &err)) die("%s", err.c_str());
-        tk = km::argmax(logits.data(), logits.size());
-        r.reference.push_back(tk);
-      }
-    }
-    check_stages(&r);
-    return r;
-  }
-
-  /** Times the runner at a KV of n_kv tokens (PassCost), untimed by the
-   *  runs, on the receive buffer (the values do not change the time).  The
-   *  first call also seeds the monitor's TPOT. */
-  void calibrate_at(int n_kv) {
-    if (pass_cost_.count(n_kv) != 0) return;
-    const km::KVView kv = recv_.view(n_kv);
-    std::vector<float> logits;
-    std::string err;
-    std::vector<double> steps;
-    for (int rep = 0; rep < 3; ++rep) {
-      km::KVCache t;
-      int tok = 1;
-      for (int i = 0; i < 4; ++i) {
-        const int64_t a = now_ns();
-        if (!m_.decode_step(tok, n_kv + i, kv, &t, &logits, &err)) die("%s", err.c_str());
-        steps.push_back(ms(now_ns() - a) * 1e-3);
-        tok = km::argmax(logits.data(), logits.size());
-      }
-    }
-    PassCost c;
-    c.tpot_s = median(steps);
-    // Passes of k tokens, 3 timings each; least squares over the medians.
-    std::vector<std::pair<double, double>> pts;
-    for (int k : {1, 4, 16, 64}) {
-      if (n_kv + k > c_.seq_len) break;
-      std::vector<double> t;
-      for (int rep = 0; rep < 3; ++rep) {
-        km::KVCache tail;
-        const std::vector<int> batch(static_cast<size_t>(k), 1);
-        const int64_t a = now_ns();
-        if (!m_.verify(batch, n_kv, kv, &tail, &logits, &err)) die("%s", err.c_str());
-        t.push_back(ms(now_ns() - a) * 1e-3);
-      }
-      pts.push_back({static_cast<double>(k), median(t)});
-    }
-    double sk = 0, st = 0, skk = 0, skt = 0;
-    for (const auto& [k, t] : pts) {
-      sk += k;
-      st += t;
-      skk += k * k;
-      skt += k * t;
-    }
-    const double n = static_cast<double>(pts.size());
-    const double den = n * skk - sk * sk;
-    c.per_token_s = pts.size() >= 2 && den > 0 ? std::max(0.0, (n * skt - sk * st) / den) : 0.0;
-    c.base_s = std::max(0.0, (st - c.per_token_s * sk) / n);
-    if (pass_cost_.empty())
-      for (int i = 0; i < 8; ++i)
-        CHECK_KVXFER(kvxfer_spec_monitor_record_step(&monitor_, c.tpot_s));
-    pass_cost_[n_kv] = c;
-  }
-
-  /** The calibration at the nearest timed context (calibrate_at first). */
-  const PassCost& cost_at(int n_kv) const {
-    if (pass_cost_.empty()) die("cost_at(%d) before calibrate_at", n_kv);
-    auto it = pass_cost_.lower_bound(n_kv);
-    if (it == pass_cost_.end()) return std::prev(it)->second;
-    if (it != pass_cost_.begin() && n_kv - std::prev(it)->first < it->first - n_kv)
-      return std::prev(it)->second;
-    return it->second;
-  }
-
-  /** Decode-step times of every timed run (seconds). */
-  const std::vector<double>& step_samples() const { return step_samples_; }
-  /** Forgets the samples (after the warm-up). */
-  void clear_samples() { step_samples_.clear(); }
-  const kvxfer_spec_monitor_t& monitor() const { return monitor_; }
-
- private:
-  void check_stages(Run* r) {
-    auto bad = [&](const char* what) {
-      r->stages_ok = false;
-      if (!r->stage_problem.empty()) r->stage_problem += "; ";
-      r->stage_problem += what;
-    };
-    if (!(r->t0 <= r->t_handshake && r->t_handshake <= r->t_anchor && r->t_anchor <= r->t_complete))
-      bad("not POSTED <= handshake <= ANCHOR_READY <= COMPLETE");
-    if (r->mode == kLynx) {
-      if (!(r->t_anchor < r->t_complete)) bad("ANCHOR_READY not before COMPLETE");
-      if (!(r->t_first_residual >= r->t_anchor)) bad("a residual applied before ANCHOR_READY");
-      if (r->speculated && !(r->t_snapshot >= r->t_anchor && r->t_snapshot <= r->t_complete))
-        bad("the anchor snapshot is not between ANCHOR_READY and COMPLETE");
-      if (r->drafted > 0 && !(r->t_first_emit >= r->t_anchor)) bad("drafted before ANCHOR_READY");
-      // The first pass may start before COMPLETE: it reads each layer only
-      // after kvxfer_wait_layer(COMPLETE) (Model::verify's layer_ready).
-      if (r->speculated && !(r->t_verify_start >= r->t_anchor)) bad("verified before ANCHOR_READY");
-    } else if (r->t_first_residual != 0 || r->residual_bytes != 0) {
-      bad("a monolithic transfer carried residual sections");
-    }
-    if (!r->t_commit.empty() && !(r->t_commit.front() >= r->t_anchor))
-      bad("a final token before the KV was usable");
-  }
-
-  const Options& o_;
-  const km::Model& m_;
-  const km::Config& c_;
-  int to_, from_;
-  kvxfer_comm_t comm_ = nullptr;
-  std::string rate_;
-  BlockKV recv_, snap_;
-  uint64_t tag_ = 0;
-  double residual_ratio_ = 0.8;        // residual / anchor bytes of the last Lynx transfer
-  std::map<int, PassCost> pass_cost_;  // by KV tokens (calibrate_at)
-  kvxfer_spec_monitor_t monitor_ = KVXFER_SPEC_MONITOR_INITIALIZER;
-  std::vector<double> step_samples_;
-};
-
-// ---------------------------------------------------------------------------
-// Aggregation and output
-// ---------------------------------------------------------------------------
-
-struct Point {  // one (rate, prompt length) of the sweep
-  double rate_bps = 0;
-  int prompt_len = 0;
-};
-bool operator<(const Point& a, const Point& b) {
-  return a.rate_bps != b.rate_bps ? a.rate_bps < b.rate_bps : a.prompt_len < b.prompt_len;
-}
-
-struct Summary {
-  Mode mode = kBF16;
-  int runs = 0;
-  double ttft_ms = 0, ttft_commit_ms = 0, tt32_ms = 0, tt64_ms = 0, anchor_ms = 0, complete_ms = 0;
-  double wire_kb = 0, anchor_kb = 0, residual_kb = 0;
-  long drafted = 0, verified = 0, accepted = 0, rejected = 0, matched = 0, full_accepts = 0,
-       draft_runs = 0;
-  int identical_full = 0, identical_bf16 = 0, compared_bf16 = 0;
-  double prefix_bf16 = 0;  // mean fraction of tokens before the first difference from BF16
-  int stage_errors = 0;
-  int window0 = 0;
-  double t_res_pred0_ms = 0;
-  // ttft_model predictions
-  double pred_ttft_ms = 0, pred_ttft_commit_ms = 0, pred_tt32_ms = 0, pred_tt64_ms = 0;
-
-  double accept_rate() const {
-    return accepted + rejected > 0 ? static_cast<double>(accepted) / (accepted + rejected) : 0.0;
-  }
-  double agreement() const { return verified > 0 ? static_cast<double>(matched) / verified : 0.0; }
-  double p_full() const {
-    return draft_runs > 0 ? static_cast<double>(full_accepts) / draft_runs : 0.0;
-  }
-};
-
-double t_tokens_ms(const Run& r, int n) {
-  if (static_cast<int>(r.t_commit.size()) < n) return std::nan("");
-  return ms(r.t_commit[static_cast<size_t>(n - 1)] - r.t0);
-}
-
-Summary summarize(Mode m, const std::vector<const Run*>& runs,
-                  const std::map<std::pair<int, int>, const Run*>& bf16_of) {
-  Summary s;
-  s.mode = m;
-  std::vector<double> ttft, ttfc, t32, t64, ta, tc, wire, anc, res, tres, w0;
-  for (const Run* r : runs) {
-    s.runs++;
-    ttft.push_back(ms(r->t_first_emit - r->t0));
-    ttfc.push_back(t_tokens_ms(*r, 1));
-    t32.push_back(t_tokens_ms(*r, 32));
-    t64.push_back(t_tokens_ms(*r, 64));
-    ta.push_back(ms(r->t_anchor - r->t0));
-    tc.push_back(ms(r->t_complete - r->t0));
-    wire.push_back((r->anchor_bytes + r->residual_bytes) / 1024.0);
-    anc.push_back(r->anchor_bytes / 1024.0);
-    res.push_back(r->residual_bytes / 1024.0);
-    if (r->speculated) {
-      s.drafted += r->drafted;
-      s.verified += r->verified;
-      s.accepted += r->accepted;
-      s.matched += r->matched;
-      if (r->verified > 0) {
-        s.draft_runs++;
-        if (r->rejected) {
-          s.rejected++;
-        } else {
-          s.full_accepts++;
-        }
-      }
-      tres.push_back(r->t_res_pred0 * 1e3);
-      w0.push_back(r->window0);
-    }
-    if (r->tokens == r->reference) s.identical_full++;
-    auto it = bf16_of.find({r->prompt_len, r->rep});
-    if (it != bf16_of.end()) {
-      s.compared_bf16++;
-      const std::vector<int>& b = it->second->tokens;
-      if (r->tokens == b) s.identical_bf16++;
-      size_t k = 0;
-      while (k < b.size() && k < r->tokens.size() && b[k] == r->tokens[k]) ++k;
-      s.prefix_bf16 += static_cast<double>(k) / std::max<size_t>(1, b.size());
-    }
-    if (!r->stages_ok) s.stage_errors++;
-  }
-  if (s.compared_bf16 > 0) s.prefix_bf16 /= s.compared_bf16;
-  s.ttft_ms = median(ttft);
-  s.ttft_commit_ms = median(ttfc);
-  s.tt32_ms = median(t32);
-  s.tt64_ms = median(t64);
-  s.anchor_ms = median(ta);
-  s.complete_ms = median(tc);
-  s.wire_kb = median(wire);
-  s.anchor_kb = median(anc);
-  s.residual_kb = median(res);
-  s.t_res_pred0_ms = median(tres);
-  s.window0 = w0.empty() ? 0 : static_cast<int>(median(w0));
-  return s;
-}
-
-/** Fills the ttft_model predictions of the four summaries of one point. */
-void predict(const Point& p, const Calibration& cal, double t_fixed_s, double burst,
-             double accept_rate, int margin, int max_window, int max_verify, Summary* s) {
-  kvxfer_spec_model_input_t in = KVXFER_SPEC_MODEL_INPUT_INITIALIZER;
-  in.link_bytes_per_s = p.rate_bps;
-  in.burst_bytes = burst;
-  in.t_fixed_s = t_fixed_s;
-  in.tpot_s = cal.tpot_s;
-  in.t_verify_base_s = cal.verify_base_s;
-  in.t_verify_per_token_s = cal.verify_per_token_s;
-  for (int m = 0; m < kLynx; ++m) in.bytes[m] = s[m].wire_kb * 1024.0;
-  in.anchor_bytes = s[kLynx].anchor_kb * 1024.0;
-  in.residual_bytes = s[kLynx].residual_kb * 1024.0;
-  in.window = -1;
-  in.margin = margin;
-  in.max_window = max_window;
-  in.max_verify = max_verify;
-  in.accept_rate = accept_rate;
-  for (int n : {32, 64}) {
-    in.num_tokens = n;
-    kvxfer_spec_model_output_t out = KVXFER_SPEC_MODEL_OUTPUT_INITIALIZER;
-    CHECK_KVXFER(kvxfer_spec_ttft_model(&in, &out));
-    for (int m = 0; m < kModes; ++m) {
-      s[m].pred_ttft_ms = out.ttft_s[m] * 1e3;
-      s[m].pred_ttft_commit_ms = out.ttft_commit_s[m] * 1e3;
-      (n == 32 ? s[m].pred_tt32_ms : s[m].pred_tt64_ms) = out.ttnt_s[m] * 1e3;
-    }
-  }
-}
-
-std::string fmt(double v, const char* f = "%.2f") {
-  if (!std::isfinite(v)) return "-";
-  char b[64];
-  std::snprintf(b, sizeof b, f, v);
-  return b;
-}
-
-json summary_json(const Point& p, const Summary& s) {
-  auto num = [](double v) { return std::isfinite(v) ? json(v) : json(nullptr); };
-  return json{{"rate_mbit", p.rate_bps * 8 / 1e6},
-              {"prompt_len", p.prompt_len},
-              {"mode", kModeKey[s.mode]},
-              {"runs", s.runs},
-              {"ttft_ms", num(s.ttft_ms)},
-              {"ttft_commit_ms", num(s.ttft_commit_ms)},
-              {"tt32_ms", num(s.tt32_ms)},
-              {"tt64_ms", num(s.tt64_ms)},
-              {"anchor_ready_ms", num(s.anchor_ms)},
-              {"complete_ms", num(s.complete_ms)},
-              {"wire_kib", s.wire_kb},
-              {"anchor_kib", s.anchor_kb},
-              {"residual_kib", s.residual_kb},
-              {"drafted", s.drafted},
-              {"verified", s.verified},
-              {"accepted", s.accepted},
-              {"rejections", s.rejected},
-              {"accept_rate", s.accept_rate()},
-              {"draft_agreement", s.agreement()},
-              {"p_whole_draft", s.p_full()},
-              {"draft_rounds", s.draft_runs},
-              {"window_at_anchor_ready", s.window0},
-              {"t_res_predicted_ms", num(s.t_res_pred0_ms)},
-              {"identical_full", s.identical_full},
-              {"identical_bf16", s.identical_bf16},
-              {"prefix_agreement_bf16", s.prefix_bf16},
-              {"stage_errors", s.stage_errors},
-              {"pred_ttft_ms", s.pred_ttft_ms},
-              {"pred_ttft_commit_ms", s.pred_ttft_commit_ms},
-              {"pred_tt32_ms", s.pred_tt32_ms},
-              {"pred_tt64_ms", s.pred_tt64_ms}};
+/** A link rate in tc syntax ("50mbit", "1.5gbit", "10mbps" = bytes/s), parsed by the one parser
+ *  of KVXFER_RATE_LIMIT (common/units.h).  Empty (no limit) is refused: the demo needs a link. */
+bool parse_link_rate(const std::string& text, double* bytes_per_s, std::string* why) {
+  if (!kvxfer::params::parse_rate(text, bytes_per_s, why)) return false;
+  if (*bytes_per_s > 0) return true;
+  *why = "is empty";
+  return false;
 }
 
 /** The prompts of text mode: sets[0] chat prompts, sets[1] the long text (or none). */
@@ -1149,37 +243,6 @@ TextPrompts load_text_prompts(const Options& o, const km::gguf::File& file, bool
         "Summarize the following text in a few sentences.\n\n" + read_text_file(o.long_text_path));
   return tp;
 }
-
-void print_main_table(const Point& p, const Summary* s, int tokens, const std::string& what) {
-  std::printf(
-      "#\n# Link %s, %s, %d output tokens, %d run(s) per mode; times in ms from kvxfer_send, "
-      "medians; TTFTc = first committed (verified) token, prefix = mean accepted draft tokens "
-      "per verification pass\n",
-      rate_text(p.rate_bps).c_str(), what.c_str(), tokens, s[0].runs);
-  std::printf("#%10s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s %8s %6s %6s %6s %6s %7s\n",
-              "mode", "wire_KiB", "anchor", "complete", "TTFT", "TTFTc", "pred", "TT32T", "pred",
-              "TT64T", "pred", "drafted", "accept", "acc_rate", "agree", "prefix", "P(all)",
-              "=full", "=bf16", "bf16pre");
-  for (int m = 0; m < kModes; ++m) {
-    const Summary& x = s[m];
-    const bool l = m == kLynx;
-    std::printf(
-        " %10s %8s %8s %8s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s %8s %6s %6s %5.0f%% %5.0f%% "
-        "%6.0f%%\n",
-        kModeName[m], fmt(x.wire_kb, "%.1f").c_str(), fmt(x.anchor_ms).c_str(),
-        fmt(x.complete_ms).c_str(), fmt(x.ttft_ms).c_str(), fmt(x.ttft_commit_ms).c_str(),
-        fmt(x.pred_ttft_ms).c_str(), fmt(x.tt32_ms).c_str(), fmt(x.pred_tt32_ms).c_str(),
-        fmt(x.tt64_ms).c_str(), tokens >= 64 ? fmt(x.pred_tt64_ms).c_str() : "-",
-        l ? std::to_string(x.drafted).c_str() : "-", l ? std::to_string(x.accepted).c_str() : "-",
-        l ? fmt(x.accept_rate(), "%.3f").c_str() : "-",
-        l ? fmt(x.agreement(), "%.3f").c_str() : "-",
-        l && x.draft_runs > 0 ? fmt(static_cast<double>(x.accepted) / x.draft_runs, "%.1f").c_str()
-                              : "-",
-        l ? fmt(x.p_full(), "%.2f").c_str() : "-", 100.0 * x.identical_full / x.runs,
-        x.compared_bf16 ? 100.0 * x.identical_bf16 / x.compared_bf16 : 0.0, 100.0 * x.prefix_bf16);
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
