@@ -24,6 +24,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvxfer/kvxfer.h"
@@ -89,6 +90,23 @@ bool parse_size(const std::string& s, uint64_t* out);
  * (kvxfer_perf: to whole tokens).
  */
 std::vector<uint64_t> size_sweep(uint64_t min, uint64_t max, uint64_t factor);
+
+/** The next value of a splitmix64 stream (advances *state). */
+inline uint64_t splitmix64(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/** 0..n-1 in the fixed pseudo-random order of a Fisher-Yates shuffle driven
+ *  by splitmix64(seed): the block order of the benchmarks' paged pools. */
+inline std::vector<size_t> shuffled_indices(size_t n, uint64_t seed) {
+  std::vector<size_t> perm(n);
+  for (size_t i = 0; i < n; ++i) perm[i] = i;
+  for (size_t i = n; i > 1; --i) std::swap(perm[i - 1], perm[splitmix64(&seed) % i]);
+  return perm;
+}
 
 /** Splits a comma list ("lynx,int8"), dropping empty items. */
 inline std::vector<std::string> split(const std::string& s) {

@@ -87,17 +87,7 @@ PagedKV::PagedKV(const Shape& s, int64_t T, int32_t block, uint64_t seed) : bloc
   bytes_ = total * block_bytes;
   mem_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes_ + 63) / 64 * 64)));
   if (!mem_) throw std::bad_alloc();
-  std::vector<size_t> slot(total);
-  for (size_t i = 0; i < total; ++i) slot[i] = i;
-  uint64_t x = seed;
-  for (size_t i = total; i > 1; --i) {
-    x += 0x9e3779b97f4a7c15ull;
-    uint64_t z = x;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    std::swap(slot[i - 1], slot[z % i]);
-  }
+  const std::vector<size_t> slot = shuffled_indices(total, seed);
   const size_t per = static_cast<size_t>(s.layers * nblocks_);
   k_.resize(per);
   v_.resize(per);
