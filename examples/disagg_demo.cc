@@ -86,6 +86,7 @@
 #include "models/gguf.h"
 #include "models/llama2.h"
 #include "models/model_paths.h"
+#include "perf/common/chat_text.h"
 #include "perf/common/pipe_msg.h"
 
 using json = nlohmann::json;
@@ -188,7 +189,7 @@ bool parse_link_rate(const std::string& text, double* bytes_per_s, std::string* 
 struct TextPrompts {
   std::vector<std::vector<int>> sets[2];
   std::vector<std::string> users[2];  // the user turn of each prompt
-  std::unique_ptr<km::BpeTokenizer> tokenizer;
+  kvxfer::perf::ChatText ct;          // the tokenizer and chat template (perf/common/chat_text.h)
   std::string len_range(int set) const {
     size_t lo = SIZE_MAX, hi = 0;
     for (const auto& t : sets[set]) {
@@ -201,19 +202,19 @@ struct TextPrompts {
   std::string text(const std::vector<int>& ids) const {
     std::vector<int32_t> cut;
     for (int t : ids) {
-      if (t == tokenizer->eos_id() || tokenizer->token_text(t) == "<|im_end|>") break;
+      if (t == ct.tok->eos_id() || ct.tok->token_text(t) == "<|im_end|>") break;
       cut.push_back(t);
     }
     std::string out, err;
-    if (!tokenizer->decode(cut, &out, &err)) die("decode: %s", err.c_str());
+    if (!ct.tok->decode(cut, &out, &err)) die("decode: %s", err.c_str());
     return out;
   }
 };
 
 std::string read_text_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) die("cannot read %s", path.c_str());
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::string text, err;
+  if (!kvxfer::perf::read_text_file(path, &text, &err)) die("%s", err.c_str());
+  return text;
 }
 
 /** The chat prompts (one per line; at most --reps of them when given) and the
@@ -221,14 +222,11 @@ std::string read_text_file(const std::string& path) {
 TextPrompts load_text_prompts(const Options& o, const km::gguf::File& file, bool reps_given) {
   TextPrompts tp;
   std::string err;
-  tp.tokenizer = km::BpeTokenizer::from_gguf(file, &err);
-  if (!tp.tokenizer) die("%s", err.c_str());
-  const std::unique_ptr<km::ChatTemplate> chat = km::ChatTemplate::from_gguf(file, &err);
-  if (!chat) die("%s", err.c_str());
+  if (!tp.ct.load(file, &err)) die("%s", err.c_str());
   auto add = [&](int set, const std::string& user) {
-    std::vector<int32_t> ids;
-    if (!tp.tokenizer->encode(chat->render_user(user), true, &ids, &err)) die("%s", err.c_str());
-    tp.sets[set].emplace_back(ids.begin(), ids.end());
+    std::vector<int> ids;
+    if (!tp.ct.encode_user(user, &ids, &err)) die("%s", err.c_str());
+    tp.sets[set].push_back(std::move(ids));
     tp.users[set].push_back(user);
   };
   std::istringstream lines(read_text_file(o.prompts_path));
@@ -243,6 +241,7 @@ TextPrompts load_text_prompts(const Options& o, const km::gguf::File& file, bool
         "Summarize the following text in a few sentences.\n\n" + read_text_file(o.long_text_path));
   return tp;
 }
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -69,6 +69,8 @@
 // verifier token's rank), and the committed tokens per pass of a linear draft
 // against upper bounds for token trees (docs/SPEC.md "Tree drafting: the
 // bound").
+#include "perf/codec_quality.h"
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -99,18 +101,10 @@
 #include "perf/common/draft_tree.h"
 #include "perf/common/harness.h"
 
-namespace km = kvxfer::model;
-namespace kb = kvxfer::baselines;
-namespace kc = kvxfer::codec;
-namespace kp = kvxfer::perf;
-using json = nlohmann::json;
+namespace codec_quality {
 
-namespace {
+Timers g_time;
 
-// Thread-seconds spent in each stage (reported in the footer).
-struct Timers {
-  double codec = 0, attention = 0, greedy = 0;
-} g_time;
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -123,61 +117,6 @@ double now_s() {
 // ---------------------------------------------------------------------------
 // Codec rows
 // ---------------------------------------------------------------------------
-struct RowSpec {
-  enum Kind { kKvxfer, kBaseline } kind = kKvxfer;
-  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  bool auto_alpha = false;
-  kb::Baseline baseline = kb::Baseline::kInt8PerToken;
-  int base_sinks = 0;  // baselines: the first rows also sent as bf16, as kvxfer's sink rows
-
-  bool progressive() const {
-    return kind == kKvxfer && (cfg.codec == KVXFER_CODEC_LYNX || cfg.codec == KVXFER_CODEC_INT8);
-  }
-  std::string codec_name() const {
-    if (kind == kBaseline) return kb::baseline_name(baseline);
-    switch (cfg.codec) {
-      case KVXFER_CODEC_LYNX: return "Lynx";
-      case KVXFER_CODEC_INT8: return "INT8";
-      case KVXFER_CODEC_INT4: return "INT4";
-      case KVXFER_CODEC_BF16: return "BF16";
-      case KVXFER_CODEC_SPECTRUM:
-        return "SpectrumKV";  // not a row of this table (perf/spectrum_quality)
-    }
-    return "?";
-  }
-  std::string split() const {
-    if (kind == kBaseline) return kp::strprintf("%d", kb::baseline_bits(baseline));
-    if (cfg.codec == KVXFER_CODEC_BF16) return "16";
-    if (cfg.codec == KVXFER_CODEC_INT4) return "4";
-    return kp::strprintf("%d+%d", cfg.anchor_bits, 8 - cfg.anchor_bits);
-  }
-  std::string alpha() const {
-    if (kind != kKvxfer || cfg.codec != KVXFER_CODEC_LYNX) return "-";
-    if (auto_alpha) return "auto";
-    return kp::strprintf("%g", cfg.alpha);
-  }
-  std::string group() const {
-    if (kind == kBaseline)
-      return baseline == kb::Baseline::kInt8PerToken || baseline == kb::Baseline::kInt4PerToken
-                 ? "tok"
-                 : "32";
-    if (cfg.codec == KVXFER_CODEC_BF16) return "-";
-    const char* v = cfg.value_groups == KVXFER_VALUE_GROUPS_TOKEN  ? "t"
-                    : cfg.value_groups == KVXFER_VALUE_GROUPS_AUTO ? "a"
-                                                                   : "";
-    return kp::strprintf("%d%s", cfg.chunk_tokens, v);
-  }
-  // Attention-sink rows sent exactly (kvxfer codecs; docs/FORMAT.md 2.7).
-  std::string sinks() const {
-    if (kind == kBaseline) return base_sinks > 0 ? kp::strprintf("%d", base_sinks) : "-";
-    if (cfg.codec == KVXFER_CODEC_BF16) return "-";
-    return kp::strprintf("%d", cfg.sink_tokens);
-  }
-  std::string label() const {
-    return codec_name() + " " + split() + " a=" + alpha() + " C=" + group() + " s=" + sinks();
-  }
-};
-
 RowSpec kvx(kvxfer_codec_t codec, float alpha, int chunk, int anchor_bits) {
   RowSpec r;
   r.kind = RowSpec::kKvxfer;
@@ -266,13 +205,6 @@ std::vector<RowSpec> make_rows_smollm2() {
   return rows;
 }
 
-// One page through a row: anchor-precision and full-precision reconstructions.
-struct PageOut {
-  std::vector<float> anchor, full;
-  double bits_anchor = 0, bits_total = 0;  // bits on the wire for this page
-  float chosen_alpha = -1.0f;              // from the anchor header (LYNX)
-};
-
 void run_page_impl(const RowSpec& row, const float* x, int64_t T, int H, uint32_t layer,
                    bool is_key, uint64_t stream, PageOut* out) {
   const size_t n = static_cast<size_t>(T) * H;
@@ -340,253 +272,6 @@ void run_page(const RowSpec& row, const float* x, int64_t T, int H, uint32_t lay
 // ---------------------------------------------------------------------------
 // Data sets
 // ---------------------------------------------------------------------------
-struct Seq {
-  std::string name;
-  int T = 0, H = 0, L = 0;
-  std::vector<std::vector<float>> k, v;  // [L][T*H]
-  km::AttentionShape shape;
-  std::vector<int> qpos;                  // query positions, ascending
-  bool all_positions = false;             // qpos == 0..T-1
-  std::vector<std::vector<float>> q;      // [L][nq * n_heads*head_size]
-  std::vector<std::vector<float>> o_ref;  // [L][nq * n_heads*head_size]
-  size_t qdim() const { return static_cast<size_t>(shape.n_heads) * shape.head_size; }
-};
-
-void attend_impl(const Seq& s, int l, const float* k, const float* v, float* out) {
-  km::KVLayerView lv{k, v, static_cast<size_t>(s.H), static_cast<size_t>(s.H)};
-  std::string err;
-  const size_t qd = s.qdim();
-  if (s.all_positions) {
-    if (!km::attention(s.shape, lv, s.T, s.q[l].data(), 0, s.T, 0, out, &err)) die(err);
-    return;
-  }
-  for (size_t i = 0; i < s.qpos.size(); ++i)
-    if (!km::attention(s.shape, lv, s.qpos[i] + 1, s.q[l].data() + i * qd, 0, 1, s.qpos[i],
-                       out + i * qd, &err))
-      die(err);
-}
-
-void attend(const Seq& s, int l, const float* k, const float* v, float* out) {
-  const double t0 = now_s();
-  attend_impl(s, l, k, v, out);
-  const double dt = now_s() - t0;
-#pragma omp atomic
-  g_time.attention += dt;
-}
-
-void compute_reference(Seq* s) {
-  s->o_ref.resize(s->L);
-  for (int l = 0; l < s->L; ++l) {
-    s->o_ref[l].assign(s->qpos.size() * s->qdim(), 0.0f);
-    attend(*s, l, s->k[l].data(), s->v[l].data(), s->o_ref[l].data());
-  }
-}
-
-uint64_t splitmix64(uint64_t* state) {
-  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// Token sequences: BOS (1) then greedy (temperature 0) or sampled (temperature
-// 1, inverse CDF with a splitmix64 stream) continuation, or uniform random ids.
-enum class PromptKind { kGreedy, kSampled, kRandom };
-struct PromptSpec {
-  PromptKind kind;
-  int length;
-  uint64_t seed;
-  std::string name() const {
-    const char* k = kind == PromptKind::kGreedy    ? "greedy"
-                    : kind == PromptKind::kSampled ? "sample"
-                                                   : "random";
-    return kind == PromptKind::kGreedy
-               ? kp::strprintf("%s-%d", k, length)
-               : kp::strprintf("%s%llu-%d", k, static_cast<unsigned long long>(seed), length);
-  }
-};
-
-std::vector<int> make_tokens(const km::Model& m, const PromptSpec& p) {
-  const int V = m.config().vocab_size;
-  uint64_t st = p.seed * 0x2545F4914F6CDD1Dull + 17;
-  std::vector<int> t;
-  if (p.kind == PromptKind::kRandom) {
-    t.push_back(1);
-    while (static_cast<int>(t.size()) < p.length)
-      t.push_back(static_cast<int>(splitmix64(&st) % V));
-    return t;
-  }
-  km::KVCache tail;
-  std::vector<float> logits;
-  std::string err;
-  int tok = 1;
-  t.push_back(tok);
-  for (int pos = 0; static_cast<int>(t.size()) < p.length; ++pos) {
-    if (!m.decode_step(tok, pos, km::KVView{}, &tail, &logits, &err)) die(err);
-    if (p.kind == PromptKind::kGreedy) {
-      tok = km::argmax(logits.data(), logits.size());
-    } else {
-      double mx = logits[0], sum = 0;
-      for (float x : logits) mx = std::max(mx, static_cast<double>(x));
-      std::vector<double> pr(logits.size());
-      for (size_t i = 0; i < pr.size(); ++i) sum += (pr[i] = std::exp(logits[i] - mx));
-      const double u = (static_cast<double>(splitmix64(&st) >> 11) + 0.5) * 0x1.0p-53 * sum;
-      double c = 0;
-      tok = static_cast<int>(pr.size()) - 1;
-      for (size_t i = 0; i < pr.size(); ++i)
-        if ((c += pr[i]) > u) {
-          tok = static_cast<int>(i);
-          break;
-        }
-    }
-    t.push_back(tok);
-  }
-  return t;
-}
-
-// A real model's prefill of `toks`: its K/V and its own recorded queries, at
-// every position (max_queries <= 0 or T <= max_queries), else at max_queries
-// evenly spaced positions ending with the last.
-Seq model_seq(const km::Model& m, const std::string& name, const std::vector<int>& toks,
-              int max_queries) {
-  const km::Config& c = m.config();
-  km::PrefillOptions opt;
-  opt.record_queries = true;
-  km::PrefillResult pr;
-  std::string err;
-  if (!m.prefill(toks, opt, &pr, &err)) die(name + ": " + err);
-  Seq s;
-  s.name = name;
-  s.T = static_cast<int>(toks.size());
-  s.H = c.kv_dim();
-  s.L = c.n_layers;
-  s.shape = km::AttentionShape{c.n_heads, c.n_kv_heads, c.head_size()};
-  s.all_positions = max_queries <= 0 || s.T <= max_queries;
-  if (s.all_positions)
-    for (int i = 0; i < s.T; ++i) s.qpos.push_back(i);
-  else
-    for (int i = 0; i < max_queries; ++i)
-      s.qpos.push_back(static_cast<int>((static_cast<int64_t>(i) + 1) * s.T / max_queries - 1));
-  const size_t n = static_cast<size_t>(s.T) * s.H, nq = static_cast<size_t>(s.T) * c.dim;
-  for (int l = 0; l < s.L; ++l) {
-    s.k.emplace_back(pr.kv.k(l), pr.kv.k(l) + n);
-    s.v.emplace_back(pr.kv.v(l), pr.kv.v(l) + n);
-    std::vector<float> q;
-    q.reserve(s.qpos.size() * c.dim);
-    for (int p : s.qpos) {
-      const auto row = pr.queries.begin() + l * nq + static_cast<size_t>(p) * c.dim;
-      q.insert(q.end(), row, row + c.dim);
-    }
-    s.q.push_back(std::move(q));
-  }
-  compute_reference(&s);
-  return s;
-}
-
-Seq stories_seq(const km::Model& m, const PromptSpec& p, const std::vector<int>& toks) {
-  return model_seq(m, p.name(), toks, 0);
-}
-
-std::string read_text_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) die("cannot read " + path);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
-
-// SmolLM2 prompts: the chat prompts of data/prompts/chat.txt, each a user turn
-// of the model's chat template, and long real-text prompts (raw text, no
-// template): the GPL-3.0 preamble, the first 2048 tokens of the Apache-2.0
-// license, and the two texts one after the other (about 3K tokens).
-struct TextPrompt {
-  std::string name;
-  std::vector<int> toks;
-};
-
-std::vector<TextPrompt> smollm2_prompts(const km::Model& m, bool quick) {
-  std::string err;
-  const km::gguf::File* file = m.gguf_file();
-  if (file == nullptr) die("the SmolLM2 model is not a GGUF file");
-  const std::unique_ptr<km::BpeTokenizer> tok = km::BpeTokenizer::from_gguf(*file, &err);
-  if (!tok) die(err);
-  const std::unique_ptr<km::ChatTemplate> chat = km::ChatTemplate::from_gguf(*file, &err);
-  if (!chat) die(err);
-  auto encode = [&](const std::string& text, bool special) {
-    std::vector<int32_t> ids;
-    if (!tok->encode(text, special, &ids, &err)) die(err);
-    return std::vector<int>(ids.begin(), ids.end());
-  };
-  std::vector<TextPrompt> out;
-  std::istringstream lines(read_text_file(std::string(KVXFER_DATA_DIR) + "/prompts/chat.txt"));
-  for (std::string line; std::getline(lines, line);) {
-    if (line.empty() || line[0] == '#') continue;
-    if (quick && out.size() >= 2) break;
-    out.push_back(
-        {kp::strprintf("chat%zu", out.size() + 1), encode(chat->render_user(line), true)});
-  }
-  const std::string gpl = read_text_file(std::string(KVXFER_DATA_DIR) + "/gpl-3.0-preamble.txt");
-  const std::string apache = read_text_file(std::string(KVXFER_DATA_DIR) + "/apache-2.0.txt");
-  auto add_long = [&](const std::string& name, const std::string& text, size_t max_tokens) {
-    std::vector<int> t = encode(text, false);
-    if (t.size() > max_tokens) t.resize(max_tokens);
-    out.push_back({kp::strprintf("%s-%zu", name.c_str(), t.size()), std::move(t)});
-  };
-  add_long("gpl", gpl, quick ? 512 : 4096);
-  if (!quick) {
-    add_long("apache", apache, 2048);
-    add_long("gpl+apache", gpl + "\n\n" + apache, 4096);
-  }
-  return out;
-}
-
-struct SynthOptions {
-  int layers = 4, tokens = 1024, queries = 32, q_heads = 32;
-  uint64_t seed = 1;
-};
-
-km::SyntheticKVSpec synth_spec(const SynthOptions& o) {
-  km::SyntheticKVSpec spec;
-  spec.seed = o.seed;
-  spec.n_layers = o.layers;
-  spec.n_kv_heads = 8;
-  spec.head_dim = 128;
-  return spec;
-}
-
-Seq synth_seq(const SynthOptions& o) {
-  const km::SyntheticKVSpec spec = synth_spec(o);
-  // Queries: keys of an independent seed, no outlier channels, q_heads heads.
-  km::SyntheticKVSpec qspec = spec;
-  qspec.seed = o.seed ^ 0x51E7A5C0FFEEull;
-  qspec.key_outlier_pairs = 0;
-  qspec.n_kv_heads = o.q_heads;
-  Seq s;
-  s.name = kp::strprintf("synth-%dx%d", o.layers, o.tokens);
-  s.T = o.tokens;
-  s.H = spec.row_channels();
-  s.L = o.layers;
-  s.shape = km::AttentionShape{o.q_heads, spec.n_kv_heads, spec.head_dim};
-  s.all_positions = false;
-  for (int i = 0; i < o.queries; ++i)
-    s.qpos.push_back(static_cast<int>((static_cast<int64_t>(i) + 1) * o.tokens / o.queries - 1));
-  std::string err;
-  const size_t n = static_cast<size_t>(s.T) * s.H;
-  for (int l = 0; l < s.L; ++l) {
-    s.k.emplace_back(n);
-    s.v.emplace_back(n);
-    if (!km::fill_synthetic_kv(spec, l, km::KVKind::kKey, 0, s.T, s.k[l].data(), 0, &err) ||
-        !km::fill_synthetic_kv(spec, l, km::KVKind::kValue, 0, s.T, s.v[l].data(), 0, &err))
-      die(err);
-    std::vector<float> q(s.qpos.size() * s.qdim());
-    for (size_t i = 0; i < s.qpos.size(); ++i)
-      if (!km::fill_synthetic_kv(qspec, l, km::KVKind::kKey, s.qpos[i], 1, q.data() + i * s.qdim(),
-                                 0, &err))
-        die(err);
-    s.q.push_back(std::move(q));
-  }
-  compute_reference(&s);
-  return s;
-}
-
 // The argmax of a row of logits and its margin over the runner-up.
 int top_with_margin(const float* logits, size_t n, float* margin) {
   const int top = km::argmax(logits, n);
@@ -596,13 +281,6 @@ int top_with_margin(const float* logits, size_t n, float* margin) {
   *margin = logits[top] - second;
   return top;
 }
-
-// Greedy decoding over a KV view, one decode_step at a time from `first`.
-struct GreedyRun {
-  std::vector<int> feed;      // tokens fed at positions n_tokens .. n_tokens+steps-1
-  std::vector<int> ref;       // argmax at each step
-  std::vector<float> margin;  // top-1 minus top-2 logit at each step
-};
 
 GreedyRun greedy_decode(const km::Model& m, const km::KVView& view, int first, int steps) {
   GreedyRun r;
@@ -620,14 +298,6 @@ GreedyRun greedy_decode(const km::Model& m, const km::KVView& view, int first, i
   }
   return r;
 }
-
-// Greedy-agreement case: full-precision prefix KV and the teacher-forced run.
-struct GreedyCase {
-  std::string name;
-  km::KVCache kv;    // prefill of P[0..n-2]
-  int last = 0;      // P[n-1], the first token fed
-  GreedyRun greedy;  // full-precision greedy from P[n-1] (empty without a reference)
-};
 
 // One batched teacher-forced pass (Model::verify: row j equals what
 // decode_step would return for feed[j] after decoding feed[0..j-1] over the
@@ -746,14 +416,6 @@ void eval_seq(const RowSpec& row, const Seq& s, uint64_t stream, Acc* acc) {
       {{"seq", s.name}, {"vnmse_anchor", se_a / norm}, {"vnmse_full", se_f / norm}});
 }
 
-// A prefill's KV through a codec, every layer's K and V as one page: the
-// decoded pages and views of them at anchor and at full precision.  The
-// views point into `k` and `v`.
-struct CodedKV {
-  std::vector<PageOut> k, v;
-  km::KVView anchor, full;
-};
-
 CodedKV code_kv(const RowSpec& row, const km::KVCache& kv, uint64_t stream) {
   const int L = kv.n_layers(), T = kv.n_tokens(), H = kv.kv_dim();
   CodedKV c;
@@ -843,166 +505,9 @@ void print_row(const kp::Table& table, const std::string& dataset, const RowSpec
 // Tree study (--tree-study; issue 19's first measurement, docs/SPEC.md "Tree
 // drafting: the bound")
 // ---------------------------------------------------------------------------
-struct StudyPrompt {
-  std::vector<kp::DraftPosition> pos;  // anchor rank of the full token, anchor margin
-  std::vector<float> full_margin;      // the verifier's margin at the same positions
-};
+}  // namespace codec_quality
 
-// The anchor KV of the default codec (KVXFER_CODEC_CONFIG_INITIALIZER: what
-// disagg_demo sends), teacher-forced on the verifier's greedy tokens:
-// decoding on the codec's full KV (anchor + residual) from the prompt's last
-// token, so position j holds what a draft still on the verifier's path sees.
-StudyPrompt study_prompt(const km::Model& m, const GreedyCase& g, int steps, uint64_t stream) {
-  const CodedKV c = code_kv(RowSpec{}, g.kv, stream);
-  const GreedyRun verifier = greedy_decode(m, c.full, g.last, steps);
-  StudyPrompt sp;
-  sp.full_margin = verifier.margin;
-  km::KVCache tail;
-  std::vector<float> logits;
-  std::string err;
-  if (!m.verify(verifier.feed, c.anchor.n_tokens, c.anchor, &tail, &logits, &err)) die(err);
-  const size_t V = static_cast<size_t>(m.config().vocab_size);
-  for (size_t j = 0; j < verifier.feed.size(); ++j) {
-    const float* lg = logits.data() + j * V;
-    const int ref = verifier.ref[j];
-    float margin = 0;
-    top_with_margin(lg, V, &margin);
-    int rank = 1;  // ties rank as argmax does: the lower index first
-    for (size_t i = 0; i < V; ++i)
-      if (lg[i] > lg[ref] || (lg[i] == lg[ref] && static_cast<int>(i) < ref)) ++rank;
-    sp.pos.push_back({rank, margin});
-  }
-  return sp;
-}
-
-void run_tree_study(const std::string& dataset, const km::Model& m,
-                    const std::vector<GreedyCase>& cases, int steps, json* out) {
-  std::vector<StudyPrompt> sps(cases.size());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t i = 0; i < cases.size(); ++i) sps[i] = study_prompt(m, cases[i], steps, 1000 + i);
-  int n = 0, dis = 0;
-  std::map<int, int> rank_hist;  // at the disagreements: 2, 3, 4, 5 (= more than 4)
-  for (const StudyPrompt& sp : sps) {
-    for (const kp::DraftPosition& d : sp.pos) {
-      ++n;
-      if (d.rank > 1) {
-        ++dis;
-        ++rank_hist[std::min(d.rank, 5)];
-      }
-    }
-  }
-  std::printf(
-      "# tree study: %s, the default codec's anchor KV (Lynx, C 32, 4-bit anchor, 1 sink row), "
-      "teacher-forced on the verifier's greedy tokens: %d positions over %zu prompts, "
-      "%d disagreements (anchor agreement %.4f)\n",
-      dataset.c_str(), n, sps.size(), dis, n > 0 ? 1.0 - static_cast<double>(dis) / n : 0.0);
-  std::printf(
-      "# rank of the verifier's token among the anchor's logits at the disagreements: "
-      "2: %d, 3: %d, 4: %d, >4: %d\n",
-      rank_hist[2], rank_hist[3], rank_hist[4], rank_hist[5]);
-  std::printf(
-      "# margin as a predictor (top-1 minus top-2 logit): below theta, the share of positions "
-      "(branch), the share of the disagreements there (recall), and agreement at or above "
-      "theta; anchor = what the drafter sees, full = the verifier's own margin\n");
-  std::printf("#  theta  branch_a  recall_a  agree_above_a  branch_f  recall_f\n");
-  json jpred = json::array();
-  for (float th : {0.1f, 0.25f, 0.5f, 1.0f, 2.0f}) {
-    int below_a = 0, dis_below_a = 0, above_a = 0, agree_above_a = 0, below_f = 0, dis_below_f = 0;
-    for (const StudyPrompt& sp : sps)
-      for (size_t j = 0; j < sp.pos.size(); ++j) {
-        const bool wrong = sp.pos[j].rank > 1;
-        if (sp.pos[j].margin < th) {
-          ++below_a;
-          dis_below_a += wrong;
-        } else {
-          ++above_a;
-          agree_above_a += !wrong;
-        }
-        if (sp.full_margin[j] < th) {
-          ++below_f;
-          dis_below_f += wrong;
-        }
-      }
-    const auto share = [](int a, int b) { return b > 0 ? static_cast<double>(a) / b : 0.0; };
-    std::printf("#  %5.2f  %8.3f  %8.3f  %13.4f  %8.3f  %8.3f\n", th, share(below_a, n),
-                share(dis_below_a, dis), share(agree_above_a, above_a), share(below_f, n),
-                share(dis_below_f, dis));
-    jpred.push_back({{"theta", std::round(th * 100.0) / 100.0},  // 0.1, not 0.100000001
-                     {"branch_anchor", share(below_a, n)},
-                     {"recall_anchor", share(dis_below_a, dis)},
-                     {"agree_above_anchor", share(agree_above_a, above_a)},
-                     {"branch_full", share(below_f, n)},
-                     {"recall_full", share(dis_below_f, dis)}});
-  }
-  std::printf(
-      "# committed tokens per verification pass of B nodes (accepted + 1), mean over windows "
-      "starting at every position that leaves B more: linear = the anchor's greedy draft; "
-      "tree = the best margin tree (branch to the anchor's top-k where its margin < theta; "
-      "theta 0.1-2, k 2-4), bounded from above: wrong candidates cost one node each and "
-      "their continuations none; oracle = branches only where top-1 is wrong, the top-k "
-      "down to the right token (k <= 4)\n");
-  kp::Table table({{"B", 3},
-                   {"windows", 7},
-                   {"linear", 7},
-                   {"tree", 7},
-                   {"theta", 5},
-                   {"k", 2},
-                   {"x_lin", 5},
-                   {"oracle", 7},
-                   {"x_lin", 5},
-                   {"B+1", 4}});
-  std::printf("%s\n", table.header().c_str());
-  json jb = json::array();
-  for (int B : {4, 8, 16, 32, 64, 128}) {
-    double lin = 0, orc = 0;
-    int windows = 0;
-    std::map<std::pair<float, int>, double> tree;
-    for (const StudyPrompt& sp : sps)
-      for (size_t s = 0; s + B <= sp.pos.size(); ++s) {
-        ++windows;
-        lin += kp::linear_committed(sp.pos, s, B);
-        orc += kp::oracle_committed_bound(sp.pos, s, B, 4);
-        for (float th : {0.1f, 0.25f, 0.5f, 1.0f, 2.0f})
-          for (int k : {2, 3, 4}) tree[{th, k}] += kp::tree_committed_bound(sp.pos, s, B, th, k);
-      }
-    if (windows == 0) {
-      std::printf("# B = %d: no window (needs --greedy-steps >= %d)\n", B, B);
-      continue;
-    }
-    auto best = tree.begin();
-    for (auto it = tree.begin(); it != tree.end(); ++it)
-      if (it->second > best->second) best = it;
-    const double w = windows;
-    std::printf(
-        "%s\n",
-        table
-            .row({std::to_string(B), std::to_string(windows), kp::strprintf("%.2f", lin / w),
-                  kp::strprintf("%.2f", best->second / w), kp::strprintf("%g", best->first.first),
-                  std::to_string(best->first.second), kp::strprintf("%.3f", best->second / lin),
-                  kp::strprintf("%.2f", orc / w), kp::strprintf("%.3f", orc / lin),
-                  std::to_string(B + 1)})
-            .c_str());
-    json jt = json::array();
-    for (const auto& [key, v] : tree)
-      jt.push_back({{"theta", std::round(key.first * 100.0) / 100.0},
-                    {"k", key.second},
-                    {"committed", v / w}});
-    jb.push_back({{"budget", B},
-                  {"windows", windows},
-                  {"linear", lin / w},
-                  {"oracle", orc / w},
-                  {"tree", jt}});
-  }
-  (*out)[dataset] = {
-      {"positions", n},
-      {"disagreements", dis},
-      {"rank_at_disagreements",
-       {{"2", rank_hist[2]}, {"3", rank_hist[3]}, {"4", rank_hist[4]}, {">4", rank_hist[5]}}},
-      {"predictor", jpred},
-      {"budgets", jb}};
-}
-
-}  // namespace
+using namespace codec_quality;  // NOLINT(google-build-using-namespace)
 
 int main(int argc, char** argv) {
   CLI::App app{"kvxfer codec accuracy: attention-output vNMSE, K/V cosine, bits, greedy agreement"};

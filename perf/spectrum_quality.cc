@@ -57,6 +57,8 @@
 // of the prompt (all but its last token) is transferred, the answer decoded
 // greedily over it; found = the answer contains the passkey.  The INT4 probe
 // of smollm2 is the paper's: 3 such trials under 3-tier Greedy at b = 0.3.
+#include "perf/spectrum_quality.h"
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <array>
@@ -83,53 +85,15 @@
 #include "models/model_paths.h"
 #include "models/model_probe.h"
 #include "models/synthetic_kv.h"
+#include "perf/common/chat_text.h"
 #include "perf/common/harness.h"
 #include "tiers/spectrum_impl.h"
 
-namespace km = kvxfer::model;
-namespace ks = kvxfer::spectrum;
-namespace kp = kvxfer::perf;
-using json = nlohmann::json;
-
-namespace {
+namespace spectrum_quality {
 
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "spectrum_quality: %s\n", msg.c_str());
   std::exit(1);
-}
-
-// One sequence: its KV (what is transferred), importance, and decode queries.
-struct Seq {
-  std::string name;
-  km::KVCache kv;
-  std::vector<float> importance;
-  km::AttentionShape shape;
-  std::vector<float> queries;  // [L][nq][n_heads*head_size], each attending to all n tokens
-  int nq = 0;
-  std::vector<std::vector<float>> o_ref;   // [L][nq*qdim]
-  const km::Model* model = nullptr;        // scores cont (stories, smollm2)
-  const ks::Continuation* cont = nullptr;  // stories, smollm2
-  double nll_prefix_full = 0;              // ks::score_prefix_view over the full KV
-  size_t qdim() const { return static_cast<size_t>(shape.n_heads) * shape.head_size; }
-};
-
-void attend(const Seq& s, const km::KVView& view, int l, float* out) {
-  std::string err;
-  const int n = view.n_tokens;
-  for (int i = 0; i < s.nq; ++i)
-    if (!km::attention(s.shape, view.layers[l], n,
-                       s.queries.data() + (static_cast<size_t>(l) * s.nq + i) * s.qdim(), 0, 1,
-                       n - 1, out + i * s.qdim(), &err))
-      die(err);
-}
-
-void compute_reference(Seq* s) {
-  const km::KVView v = s->kv.view();
-  s->o_ref.resize(s->kv.n_layers());
-  for (int l = 0; l < s->kv.n_layers(); ++l) {
-    s->o_ref[l].resize(s->nq * s->qdim());
-    attend(*s, v, l, s->o_ref[l].data());
-  }
 }
 
 // A sequence of a model's continuation (stories, smollm2).
@@ -147,193 +111,6 @@ void model_seq(const km::Model& m, const ks::Continuation& c, const std::string&
   if (!ks::attention_importance(m, c, lambda, &s->importance, &e)) die(e);
   if (!ks::score_prefix_view(m, c, c.kv.view(), &s->nll_prefix_full, &e)) die(e);
   compute_reference(s);
-}
-
-struct Row {
-  std::string name;
-  double b = 0;  // budget (uniform codecs: their own)
-  enum Kind { kPolicy, kPdtrim, kRecent, kTopImp, kUniform, kFull } kind = kPolicy;
-  kvxfer_spectrum_variant_t variant = KVXFER_SPECTRUM_GREEDY;
-  int sinks = -1;  // -1: --sinks
-  int allow_int4 = 0;
-  kvxfer_codec_t codec = KVXFER_CODEC_SPECTRUM;
-};
-
-struct Acc {
-  double bytes = 0, fp16_bytes = 0, se = 0, norm = 0, nll = 0, nll_full = 0;
-  double nll_seq = 0, nll_seq_full = 0;  // the prompt re-scored over its transferred KV
-  int agree = 0, positions = 0, seq_positions = 0;
-  double tiers[4] = {0, 0, 0, 0};
-  void add(const Acc& o) {
-    bytes += o.bytes;
-    fp16_bytes += o.fp16_bytes;
-    se += o.se;
-    norm += o.norm;
-    nll += o.nll;
-    nll_full += o.nll_full;
-    nll_seq += o.nll_seq;
-    nll_seq_full += o.nll_seq_full;
-    agree += o.agree;
-    positions += o.positions;
-    seq_positions += o.seq_positions;
-    for (int t = 0; t < 4; ++t) tiers[t] += o.tiers[t];
-  }
-};
-
-struct PolicyParams {
-  int sinks = 4;
-  float lambda = 0.00390625f;
-  double pdtrim_first = 0.5;
-};
-
-std::vector<uint8_t> tiers_for(const Row& r, int64_t n, const float* importance,
-                               const PolicyParams& pp, uint64_t seed) {
-  std::vector<uint8_t> t(static_cast<size_t>(n), KVXFER_TIER_DROP);
-  const int sinks = r.sinks >= 0 ? r.sinks : pp.sinks;
-  if (r.kind == Row::kPolicy) {
-    kvxfer_spectrum_config_t c = KVXFER_SPECTRUM_CONFIG_INITIALIZER;
-    c.budget = r.b;
-    c.sink_tokens = sinks;
-    c.lambda = pp.lambda;
-    c.variant = r.variant;
-    c.seed = seed;
-    c.allow_int4 = r.allow_int4;
-    if (kvxfer_spectrum_assign(&c, n, importance, t.data()) != KVXFER_SUCCESS)
-      die(std::string("assign: ") + kvxfer_get_last_error());
-    return t;
-  }
-  // Keep/drop: floor(U / 4) tokens at FP16 (4 units each, within the policy's U).
-  const int64_t keep = ks::budget_units(r.b, n) / 4;
-  if (r.kind == Row::kPdtrim) {
-    const int64_t first = std::min<int64_t>(keep, std::llround(pp.pdtrim_first * keep));
-    for (int64_t j = 0; j < first; ++j) t[j] = KVXFER_TIER_FP16;
-    for (int64_t j = n - (keep - first); j < n; ++j) t[j] = KVXFER_TIER_FP16;
-    return t;
-  }
-  const int64_t s0 = std::min<int64_t>(sinks, keep);
-  for (int64_t j = 0; j < s0; ++j) t[j] = KVXFER_TIER_FP16;
-  if (r.kind == Row::kRecent) {
-    for (int64_t j = std::max(s0, n - (keep - s0)); j < n; ++j) t[j] = KVXFER_TIER_FP16;
-  } else {
-    const std::vector<int64_t> order = ks::importance_order(importance, s0, n);
-    for (int64_t k = 0; k < keep - s0; ++k) t[order[k]] = KVXFER_TIER_FP16;
-  }
-  return t;
-}
-
-// The KV of `kv` after row r's transfer (kFull: none, the KV itself).
-void transfer(const Row& r, const km::KVCache& kv, const float* importance, const PolicyParams& pp,
-              uint64_t seed, ks::TransferredKV* tk, std::vector<uint8_t>* tiers) {
-  std::string err;
-  kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
-  cc.codec = r.codec;
-  tiers->clear();
-  if (r.kind != Row::kUniform) *tiers = tiers_for(r, kv.n_tokens(), importance, pp, seed);
-  if (!ks::transfer_kv(kv, cc, tiers->empty() ? nullptr : tiers->data(), false, tk, &err))
-    die(r.name + ": " + err);
-}
-
-Acc eval(const Row& r, const Seq& s, const PolicyParams& pp, uint64_t seed) {
-  Acc a;
-  std::string err;
-  ks::TransferredKV tk;
-  std::vector<uint8_t> tiers;
-  transfer(r, s.kv, s.importance.data(), pp, seed, &tk, &tiers);
-  for (uint8_t t : tiers) a.tiers[t] += 1;
-  a.bytes = static_cast<double>(tk.anchor_bytes + tk.residual_bytes);
-  a.fp16_bytes = 2.0 * 2.0 * s.kv.n_layers() * s.kv.n_tokens() * s.kv.kv_dim();
-  const km::KVView view = tk.view();
-  std::vector<float> out(s.nq * s.qdim());
-  for (int l = 0; l < s.kv.n_layers(); ++l) {
-    attend(s, view, l, out.data());
-    for (size_t i = 0; i < out.size(); ++i) {
-      const double d = static_cast<double>(out[i]) - s.o_ref[l][i];
-      a.se += d * d;
-      a.norm += static_cast<double>(s.o_ref[l][i]) * s.o_ref[l][i];
-    }
-  }
-  if (s.model != nullptr && s.cont != nullptr) {
-    double nll = 0;
-    int agree = 0;
-    if (!ks::score_view(*s.model, *s.cont, view, &agree, &nll, &err)) die(err);
-    a.agree = agree;
-    a.positions = static_cast<int>(s.cont->feed.size());
-    a.nll = nll;
-    a.nll_full = s.cont->nll_full;
-    if (!ks::score_prefix_view(*s.model, *s.cont, view, &a.nll_seq, &err)) die(r.name + ": " + err);
-    a.nll_seq_full = s.nll_prefix_full;
-    a.seq_positions = static_cast<int>(s.cont->prefix.size());
-  }
-  return a;
-}
-
-Row policy_row(const char* name, double b, kvxfer_spectrum_variant_t v, int int4, int sinks = -1) {
-  Row r;
-  r.name = name;
-  r.b = b;
-  r.variant = v;
-  r.allow_int4 = int4;
-  r.sinks = sinks;
-  return r;
-}
-
-Row keep_drop_row(const char* name, double b, Row::Kind k) {
-  Row r;
-  r.name = name;
-  r.b = b;
-  r.kind = k;
-  return r;
-}
-
-Row uniform_row(kvxfer_codec_t c) {
-  Row u;
-  u.kind = Row::kUniform;
-  u.codec = c;
-  u.name = c == KVXFER_CODEC_INT8 ? "INT8" : "INT4";
-  u.b = c == KVXFER_CODEC_INT8 ? 0.5 : 0.25;
-  return u;
-}
-
-// adaptive_int4 < 0: no probe for this data set (no Adaptive row).
-std::vector<Row> make_rows(const std::vector<double>& budgets, int adaptive_int4) {
-  std::vector<Row> rows;
-  for (double b : budgets) {
-    rows.push_back(policy_row("Greedy", b, KVXFER_SPECTRUM_GREEDY, 1, 0));
-    rows.push_back(policy_row("SinkProtect", b, KVXFER_SPECTRUM_GREEDY, 1));
-    if (adaptive_int4 >= 0)
-      rows.push_back(policy_row("Adaptive", b, KVXFER_SPECTRUM_GREEDY, adaptive_int4));
-    rows.push_back(policy_row("2-Tier", b, KVXFER_SPECTRUM_GREEDY, 0));
-    rows.push_back(policy_row("Recency", b, KVXFER_SPECTRUM_SINK_PROTECT, 1));
-    rows.push_back(policy_row("Balanced", b, KVXFER_SPECTRUM_BALANCED, 1));
-    rows.push_back(policy_row("Random", b, KVXFER_SPECTRUM_RANDOM, 1));
-    rows.push_back(keep_drop_row("PDTrim", b, Row::kPdtrim));
-    rows.push_back(keep_drop_row("Recent", b, Row::kRecent));
-    rows.push_back(keep_drop_row("TopImp", b, Row::kTopImp));
-  }
-  rows.push_back(uniform_row(KVXFER_CODEC_INT8));
-  rows.push_back(uniform_row(KVXFER_CODEC_INT4));
-  return rows;
-}
-
-// NIAH rows: the paper's Table 4 methods and ours.
-std::vector<Row> make_niah_rows(const std::vector<double>& budgets, int adaptive_int4) {
-  std::vector<Row> rows;
-  Row f;
-  f.name = "Full";
-  f.b = 1;
-  f.kind = Row::kFull;
-  rows.push_back(f);
-  for (double b : budgets) {
-    rows.push_back(policy_row("Greedy", b, KVXFER_SPECTRUM_GREEDY, 1, 0));
-    rows.push_back(policy_row("SinkProtect", b, KVXFER_SPECTRUM_GREEDY, 1));
-    rows.push_back(policy_row("Adaptive", b, KVXFER_SPECTRUM_GREEDY, adaptive_int4));
-    rows.push_back(policy_row("2-Tier", b, KVXFER_SPECTRUM_GREEDY, 0));
-    rows.push_back(keep_drop_row("PDTrim", b, Row::kPdtrim));
-    rows.push_back(keep_drop_row("TopImp", b, Row::kTopImp));
-  }
-  rows.push_back(uniform_row(KVXFER_CODEC_INT8));
-  rows.push_back(uniform_row(KVXFER_CODEC_INT4));
-  return rows;
 }
 
 Seq synth_seq(int layers, int tokens, int nq, float lambda) {
@@ -390,14 +167,6 @@ bool parse_budgets(const std::string& list, const char* flag, std::vector<double
   return true;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) die("cannot read " + path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 // Passkey of NIAH depth i: 5 digits, a pure function of i.
 std::string passkey_of(int i) {
   uint64_t z = 0xC0DEull + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
@@ -407,11 +176,9 @@ std::string passkey_of(int i) {
   return std::to_string(10000 + z % 90000);
 }
 
-// The SmolLM2 model, its tokenizer and chat template.
-struct Chat {
+// The SmolLM2 model, its tokenizer and chat template (perf/common/chat_text.h).
+struct Chat : kp::ChatText {
   std::unique_ptr<km::Model> model;
-  std::unique_ptr<km::BpeTokenizer> tok;
-  std::unique_ptr<km::ChatTemplate> chat;
 };
 
 struct NiahAcc {
@@ -420,7 +187,9 @@ struct NiahAcc {
   std::string map;  // per depth: '+' found, '.' not
 };
 
-}  // namespace
+}  // namespace spectrum_quality
+
+using namespace spectrum_quality;  // NOLINT(google-build-using-namespace)
 
 int main(int argc, char** argv) {
   CLI::App app{"SpectrumKV quality: mixed precision vs keep/drop vs uniform at equal budget"};
@@ -547,11 +316,8 @@ int main(int argc, char** argv) {
       sm.model = km::Model::load(smollm2_path, &err);
       if (!sm.model) die("cannot load " + smollm2_path + ": " + err);
       if (sm.model->gguf_file() == nullptr) die(smollm2_path + " is not a GGUF");
-      sm.tok = km::BpeTokenizer::from_gguf(*sm.model->gguf_file(), &err);
-      if (!sm.tok) die(err);
-      sm.chat = km::ChatTemplate::from_gguf(*sm.model->gguf_file(), &err);
-      if (!sm.chat) die(err);
-      text = read_file(text_path);
+      if (!sm.load(*sm.model->gguf_file(), &err)) die(err);
+      if (!kp::read_text_file(text_path, &text, &err)) die(err);
       std::vector<int32_t> ids;
       if (sm.tok->add_bos()) ids.push_back(sm.tok->bos_id());
       if (!sm.tok->encode(text, false, &ids, &err)) die(err);
