@@ -103,6 +103,8 @@
 
 namespace codec_quality {
 
+namespace kc = kvxfer::codec;
+
 Timers g_time;
 
 double now_s() {
@@ -640,20 +642,35 @@ int main(int argc, char** argv) {
   if (smollm2) texts = smollm2_prompts(*smollm2, quick);
   // Reserve first: jobs hold pointers into these vectors.
   datasets.reserve(3);
-  if (stories) {
+  // A model's data set of n prompts: each a sequence (not in the tree study)
+  // and a greedy case, built in a job of its own.  toks(i): prompt i's tokens
+  // (in the job); seq(i, toks): its sequence.
+  using Tokens = std::vector<int>;
+  auto add_model_set = [&](const char* name, const km::Model* m, std::vector<RowSpec> rows,
+                           size_t n, std::function<std::string(size_t)> name_of,
+                           std::function<Tokens(size_t)> toks_of,
+                           std::function<Seq(size_t, const Tokens&)> seq_of) {
     Dataset& d = datasets.emplace_back();
-    d.name = "stories";
-    d.model = stories.get();
-    d.rows = make_rows();
-    d.seqs.resize(tree_study ? 0 : prompts.size());
-    d.greedy.resize(greedy_steps > 0 ? prompts.size() : 0);
-    for (size_t i = 0; i < prompts.size(); ++i)
-      jobs.push_back([&d, &prompts, &stories, greedy_steps, tree_study, i] {
-        const std::vector<int> toks = make_tokens(*stories, prompts[i]);
-        if (!tree_study) d.seqs[i] = stories_seq(*stories, prompts[i], toks);
+    d.name = name;
+    d.model = m;
+    d.rows = std::move(rows);
+    d.seqs.resize(tree_study ? 0 : n);
+    d.greedy.resize(greedy_steps > 0 ? n : 0);
+    for (size_t i = 0; i < n; ++i)
+      jobs.push_back([&d, m, greedy_steps, tree_study, i, name_of, toks_of, seq_of] {
+        const Tokens toks = toks_of(i);
+        if (!tree_study) d.seqs[i] = seq_of(i, toks);
         if (greedy_steps > 0)
-          d.greedy[i] = greedy_case(*stories, prompts[i].name(), toks, greedy_steps, !tree_study);
+          d.greedy[i] = greedy_case(*m, name_of(i), toks, greedy_steps, !tree_study);
       });
+  };
+  if (stories) {
+    const km::Model* m = stories.get();
+    add_model_set(
+        "stories", m, make_rows(), prompts.size(),
+        [&prompts](size_t i) { return prompts[i].name(); },
+        [m, &prompts](size_t i) { return make_tokens(*m, prompts[i]); },
+        [m, &prompts](size_t i, const Tokens& t) { return stories_seq(*m, prompts[i], t); });
   }
   if (wanted("synth") && !tree_study) {
     Dataset& d = datasets.emplace_back();
@@ -663,20 +680,13 @@ int main(int argc, char** argv) {
     jobs.push_back([&d, &so] { d.seqs[0] = synth_seq(so); });
   }
   if (smollm2) {
-    Dataset& d = datasets.emplace_back();
-    d.name = "smollm2";
-    d.model = smollm2.get();
-    d.rows = make_rows_smollm2();
-    d.seqs.resize(tree_study ? 0 : texts.size());
-    d.greedy.resize(greedy_steps > 0 ? texts.size() : 0);
-    for (size_t i = 0; i < texts.size(); ++i)
-      jobs.push_back([&d, &texts, &smollm2, greedy_steps, smollm2_queries, tree_study, i] {
-        if (!tree_study)
-          d.seqs[i] = model_seq(*smollm2, texts[i].name, texts[i].toks, smollm2_queries);
-        if (greedy_steps > 0)
-          d.greedy[i] =
-              greedy_case(*smollm2, texts[i].name, texts[i].toks, greedy_steps, !tree_study);
-      });
+    const km::Model* m = smollm2.get();
+    add_model_set(
+        "smollm2", m, make_rows_smollm2(), texts.size(),
+        [&texts](size_t i) { return texts[i].name; }, [&texts](size_t i) { return texts[i].toks; },
+        [m, &texts, smollm2_queries](size_t i, const Tokens& t) {
+          return model_seq(*m, texts[i].name, t, smollm2_queries);
+        });
   }
   // Longest first (the SmolLM2 texts), so that the two threads finish together.
   std::reverse(jobs.begin(), jobs.end());

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "codec/format.h"
 #include "kvxfer/kvxfer.h"
 #include "models/llama2.h"
 #include "perf/baselines/kv_baselines.h"
@@ -19,7 +18,6 @@ namespace codec_quality {
 
 namespace km = kvxfer::model;
 namespace kb = kvxfer::baselines;
-namespace kc = kvxfer::codec;
 namespace kp = kvxfer::perf;
 using json = nlohmann::json;
 

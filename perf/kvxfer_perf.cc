@@ -91,6 +91,8 @@ struct Options {
   int32_t page_tokens_eff = 0;
   int64_t timeout_eff_ms = 30000;
   bool fork_mode() const { return rank < 0; }
+  /** The watchdog of a batch (wait_all): twice the transfer timeout, plus 10 s. */
+  int64_t stall_ms() const { return 2 * timeout_eff_ms + 10000; }
 };
 
 // ---------------------------------------------------------------------------
@@ -169,13 +171,7 @@ int run_sender(const Options& o, const Plan& p, kvxfer_comm_t comm, Barrier* bar
           kvxfer_request_get_info(reqs[0], &i);
           t_first_post = i.t_posted_ns;
         }
-        if (rc == KVXFER_SUCCESS) {
-          rc = wait_all(comm, reqs, 2 * o.timeout_eff_ms + 10000, peer_alive, &err);
-        } else {
-          kvxfer_comm_abort(comm);
-          std::string unused;
-          wait_all(comm, reqs, 2 * o.timeout_eff_ms + 10000, peer_alive, &unused);
-        }
+        rc = settle(comm, reqs, rc, o.stall_ms(), peer_alive, &err);
         free_all(&reqs);
         if (!hook(si, ci, it, t_first_post, rc, err) || rc != KVXFER_SUCCESS) return 2;
       }
@@ -265,13 +261,7 @@ int run_receiver(const Options& o, const Plan& p, kvxfer_comm_t comm, Barrier* b
         }
         if (rc == KVXFER_SUCCESS && !barrier->receiver_posted(b.h.t_last_post, &err))
           rc = KVXFER_ERR_SYSTEM;
-        if (rc == KVXFER_SUCCESS) {
-          rc = wait_all(comm, reqs, 2 * o.timeout_eff_ms + 10000, peer_alive, &err);
-        } else {
-          kvxfer_comm_abort(comm);
-          std::string unused;
-          wait_all(comm, reqs, 2 * o.timeout_eff_ms + 10000, peer_alive, &unused);
-        }
+        rc = settle(comm, reqs, rc, o.stall_ms(), peer_alive, &err);
         std::string berr;
         if (rc == KVXFER_SUCCESS && !barrier->receiver_done(&berr)) {
           rc = KVXFER_ERR_SYSTEM;
@@ -281,20 +271,7 @@ int run_receiver(const Options& o, const Plan& p, kvxfer_comm_t comm, Barrier* b
         for (size_t r = 0; r < reqs.size(); ++r) {
           kvxfer_request_info_t i = KVXFER_REQUEST_INFO_INITIALIZER;
           kvxfer_request_get_info(reqs[r], &i);
-          RecvReq q;
-          q.result = i.result;
-          q.codec = i.codec;
-          q.mode = i.mode;
-          q.num_pages = i.num_pages;
-          q.kv_bytes = i.kv_bytes;
-          q.anchor_wire = i.anchor_wire_bytes;
-          q.residual_wire = i.residual_wire_bytes;
-          q.t_posted = i.t_posted_ns;
-          q.t_handshake = i.t_handshake_ns;
-          q.t_anchor = i.t_anchor_ready_ns;
-          q.t_complete = i.t_complete_ns;
-          q.t_first_residual = i.t_first_residual_ns;
-          b.reqs.push_back(q);
+          b.reqs.push_back(RecvReq::of(i));
           if (rc == KVXFER_SUCCESS &&
               (i.codec != cc.cfg.codec || i.mode != cc.mode || i.kv_bytes != sp.kv_bytes)) {
             rc = KVXFER_ERR_MISMATCH;
@@ -601,8 +578,7 @@ int run_cross(const Options& o, const Plan& p, const json& jbase) {
     std::fprintf(stderr, "%s: %s\n", kTool, err.c_str());
     return 2;
   }
-  const int64_t stall = 2 * o.timeout_eff_ms + 10000;
-  XferBarrier barrier(comm, stall);
+  XferBarrier barrier(comm, o.stall_ms());
   int status = 0;
   if (o.rank == 0) {
     std::printf("# rank 0 (sender): the table is printed by rank 1 (the receiver)\n");

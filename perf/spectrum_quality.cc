@@ -91,6 +91,9 @@
 
 namespace spectrum_quality {
 
+namespace kp = kvxfer::perf;
+using json = nlohmann::json;
+
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "spectrum_quality: %s\n", msg.c_str());
   std::exit(1);
@@ -180,6 +183,14 @@ std::string passkey_of(int i) {
 struct Chat : kp::ChatText {
   std::unique_ptr<km::Model> model;
 };
+
+/** The columns of a table row: data set, budget, policy, the tier shares, then `tail`. */
+std::vector<kp::Table::Column> row_columns(std::vector<kp::Table::Column> tail) {
+  std::vector<kp::Table::Column> cols = {{"data", 7}, {"b", 4},    {"policy", 11}, {"fp16", 5},
+                                         {"int8", 5}, {"int4", 5}, {"drop", 5}};
+  cols.insert(cols.end(), tail.begin(), tail.end());
+  return cols;
+}
 
 struct NiahAcc {
   int found = 0, cases = 0;
@@ -443,21 +454,14 @@ int main(int argc, char** argv) {
   }
   std::printf("#\n");
 
-  kp::Table table({{"data", 7},
-                   {"b", 4},
-                   {"policy", 11},
-                   {"fp16", 5},
-                   {"int8", 5},
-                   {"int4", 5},
-                   {"drop", 5},
-                   {"bytes", 9},
-                   {"ratio", 6},
-                   {"vNMSE", 9},
-                   {"agree", 6},
-                   {"PPL", 8},
-                   {"dPPL%", 8},
-                   {"PPLseq", 8},
-                   {"dPPLseq%", 8}});
+  kp::Table table(row_columns({{"bytes", 9},
+                               {"ratio", 6},
+                               {"vNMSE", 9},
+                               {"agree", 6},
+                               {"PPL", 8},
+                               {"dPPL%", 8},
+                               {"PPLseq", 8},
+                               {"dPPLseq%", 8}}));
   std::printf("%s\n", table.header().c_str());
   struct DataSet {
     std::string name;
@@ -593,16 +597,7 @@ int main(int argc, char** argv) {
         niah.empty() ? 0 : static_cast<int>(niah.front().prompt.size()),
         niah.empty() ? 0 : static_cast<int>(niah.back().prompt.size()), npo.niah.answer_tokens);
     std::printf("# depth map: one character per depth, shallow to deep: + found, . missed\n");
-    kp::Table nt({{"data", 7},
-                  {"b", 4},
-                  {"policy", 11},
-                  {"fp16", 5},
-                  {"int8", 5},
-                  {"int4", 5},
-                  {"drop", 5},
-                  {"found", 5},
-                  {"acc%", 6},
-                  {"depth map", 11}});
+    kp::Table nt(row_columns({{"found", 5}, {"acc%", 6}, {"depth map", 11}}));
     std::printf("%s\n", nt.header().c_str());
     for (size_t r = 0; r < nrows.size(); ++r) {
       const Row& row = nrows[r];

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -12,14 +11,11 @@
 #include "kvxfer/spectrum.h"
 #include "models/llama2.h"
 #include "models/model_probe.h"
-#include "perf/common/harness.h"
 
 namespace spectrum_quality {
 
 namespace km = kvxfer::model;
 namespace ks = kvxfer::spectrum;
-namespace kp = kvxfer::perf;
-using json = nlohmann::json;
 
 [[noreturn]] void die(const std::string& msg);
 

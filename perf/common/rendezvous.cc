@@ -22,6 +22,23 @@ constexpr uint64_t kBarrierTag = 0x6b76706572665f62ull;
 constexpr const char* kPeer = "the receiver process";
 }  // namespace
 
+RecvReq RecvReq::of(const kvxfer_request_info_t& i) {
+  RecvReq q;
+  q.result = i.result;
+  q.codec = i.codec;
+  q.mode = i.mode;
+  q.num_pages = i.num_pages;
+  q.kv_bytes = i.kv_bytes;
+  q.anchor_wire = i.anchor_wire_bytes;
+  q.residual_wire = i.residual_wire_bytes;
+  q.t_posted = i.t_posted_ns;
+  q.t_handshake = i.t_handshake_ns;
+  q.t_anchor = i.t_anchor_ready_ns;
+  q.t_complete = i.t_complete_ns;
+  q.t_first_residual = i.t_first_residual_ns;
+  return q;
+}
+
 std::vector<uint8_t> Batch::serialize() const {
   std::vector<uint8_t> b;
   auto put = [&b](const void* p, size_t n) {
@@ -117,6 +134,16 @@ kvxfer_result_t wait_all(kvxfer_comm_t comm, const std::vector<kvxfer_request_t>
     }
   }
   return first;
+}
+
+kvxfer_result_t settle(kvxfer_comm_t comm, const std::vector<kvxfer_request_t>& reqs,
+                       kvxfer_result_t posted, int64_t stall_ms,
+                       const std::function<bool()>& peer_alive, std::string* err) {
+  if (posted == KVXFER_SUCCESS) return wait_all(comm, reqs, stall_ms, peer_alive, err);
+  kvxfer_comm_abort(comm);
+  std::string unused;
+  wait_all(comm, reqs, stall_ms, peer_alive, &unused);
+  return posted;
 }
 
 void free_all(std::vector<kvxfer_request_t>* reqs) {

@@ -27,6 +27,9 @@ struct RecvReq {  // POD: it crosses the pipe as bytes
   int64_t num_pages = 0;
   uint64_t kv_bytes = 0, anchor_wire = 0, residual_wire = 0;
   int64_t t_posted = 0, t_handshake = 0, t_anchor = 0, t_complete = 0, t_first_residual = 0;
+
+  /** The record of a request's kvxfer_request_get_info. */
+  static RecvReq of(const kvxfer_request_info_t& i);
 };
 
 struct ArrivalRec {  // POD
@@ -64,6 +67,15 @@ struct Batch {
 kvxfer_result_t wait_all(kvxfer_comm_t comm, const std::vector<kvxfer_request_t>& reqs,
                          int64_t stall_ms, const std::function<bool()>& peer_alive,
                          std::string* err);
+
+/**
+ * The end of a batch whose posts returned `posted`: on success, wait_all;
+ * after a failed post, aborts the communicator and waits for the requests
+ * that were posted to end, keeping `posted` and *err.
+ */
+kvxfer_result_t settle(kvxfer_comm_t comm, const std::vector<kvxfer_request_t>& reqs,
+                       kvxfer_result_t posted, int64_t stall_ms,
+                       const std::function<bool()>& peer_alive, std::string* err);
 
 void free_all(std::vector<kvxfer_request_t>* reqs);
 
