@@ -23,20 +23,19 @@ constexpr const char* kPeer = "the receiver process";
 }  // namespace
 
 RecvReq RecvReq::of(const kvxfer_request_info_t& i) {
-  RecvReq q;
-  q.result = i.result;
-  q.codec = i.codec;
-  q.mode = i.mode;
-  q.num_pages = i.num_pages;
-  q.kv_bytes = i.kv_bytes;
-  q.anchor_wire = i.anchor_wire_bytes;
-  q.residual_wire = i.residual_wire_bytes;
-  q.t_posted = i.t_posted_ns;
-  q.t_handshake = i.t_handshake_ns;
-  q.t_anchor = i.t_anchor_ready_ns;
-  q.t_complete = i.t_complete_ns;
-  q.t_first_residual = i.t_first_residual_ns;
-  return q;
+  return {i.result,
+          i.codec,
+          i.mode,
+          0,
+          i.num_pages,
+          i.kv_bytes,
+          i.anchor_wire_bytes,
+          i.residual_wire_bytes,
+          i.t_posted_ns,
+          i.t_handshake_ns,
+          i.t_anchor_ready_ns,
+          i.t_complete_ns,
+          i.t_first_residual_ns};
 }
 
 std::vector<uint8_t> Batch::serialize() const {
