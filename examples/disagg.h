@@ -63,10 +63,8 @@ struct XferMsg {
   int32_t prompt_id, kv_tokens, mode, page_tokens;
   uint64_t tag;
 };
-struct DoneMsg {
+struct DoneMsg {  // the sender's result; the decoder times the transfer itself
   int32_t result;
-  int64_t t_posted, t_handshake, t_anchor_ready, t_complete;
-  uint64_t anchor_bytes, residual_bytes;
   char error[256];
 };
 

@@ -48,7 +48,6 @@
 #include <kvxfer/kvxfer.h>
 #include <kvxfer/spec.h>
 #include <omp.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -59,17 +58,14 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
-#include <condition_variable>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -80,8 +76,6 @@
 #include "examples/disagg.h"
 #include "examples/disagg_decoder.h"
 #include "examples/disagg_report.h"
-#include "models/bpe_tokenizer.h"
-#include "models/chat_template.h"
 #include "models/cpu_affinity.h"
 #include "models/gguf.h"
 #include "models/llama2.h"

@@ -119,14 +119,6 @@ int prefill_main(const Options& o, int in_fd, int out_fd) {
         done.result = kvxfer_wait(req, KVXFER_STAGE_COMPLETE, -1);
         if (done.result != KVXFER_SUCCESS)
           std::snprintf(done.error, sizeof done.error, "%s", kvxfer_get_last_error());
-        kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
-        CHECK_KVXFER(kvxfer_request_get_info(req, &info));
-        done.t_posted = info.t_posted_ns;
-        done.t_handshake = info.t_handshake_ns;
-        done.t_anchor_ready = info.t_anchor_ready_ns;
-        done.t_complete = info.t_complete_ns;
-        done.anchor_bytes = info.anchor_wire_bytes;
-        done.residual_bytes = info.residual_wire_bytes;
         CHECK_KVXFER(kvxfer_request_free(req));
         send_msg(out_fd, kMsgDone, &done, sizeof done);
         break;
