@@ -506,7 +506,7 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
   }
   // The auto provider also offers shared memory, for a peer on this host.
   // Without it (no shm provider, /dev/shm full) every peer takes the network.
-  if (cfg.provider.empty()) {
+  if (cfg.provider.empty() && cfg.offer_shm) {
     std::shared_ptr<Domain> d;
     std::array<std::unique_ptr<Endpoint>, kNumClasses> e;
     kvxfer_result_t r;

@@ -284,6 +284,9 @@ struct LinkConfig {
   // it then writes to freed memory.  Endpoints, which come and go while
   // their neighbours in the process run, set it (xfer/endpoint.h).
   bool shm_in_process = true;
+  // The auto provider ("") also offers shared memory; false: the network
+  // path only (an endpoint that knows its peer is on another host).
+  bool offer_shm = true;
   std::array<uint32_t, kNumClasses> tclass{FI_TC_LOW_LATENCY, FI_TC_BULK_DATA};
   std::array<int, kNumClasses> dscp{46, 8};  // -1 = do not mark sockets (still inspected)
   size_t chunk_bytes = 256 * 1024;           // messages are split into chunks of at most this

@@ -125,6 +125,15 @@ bool EndpointAddress::same_place(const EndpointAddress& o) const {
   return family == o.family && port_be == o.port_be && addr == o.addr;
 }
 
+uint64_t host_hash() {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const char c : transport::host_identity()) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
 std::vector<uint8_t> encode_endpoint_address(const EndpointAddress& a) {
   std::vector<uint8_t> b;
   tcp::put_u32(&b, kEndpointBlobMagic);
@@ -136,6 +145,9 @@ std::vector<uint8_t> encode_endpoint_address(const EndpointAddress& a) {
   b.push_back(static_cast<uint8_t>(a.port_be >> 8));
   tcp::put_u32(&b, a.scope_id);
   b.insert(b.end(), a.addr.begin(), a.addr.end());
+  tcp::put_u64(&b, a.host);
+  tcp::put_u32(&b, a.pid);
+  tcp::put_u32(&b, 0);
   if (a.has_secret) b.insert(b.end(), a.secret.begin(), a.secret.end());
   return b;
 }
@@ -166,6 +178,8 @@ kvxfer_result_t decode_endpoint_address(const void* blob, size_t len, EndpointAd
   a.port_be = static_cast<uint16_t>(p[18] | (p[19] << 8));
   a.scope_id = tcp::get_u32(p + 20);
   std::memcpy(a.addr.data(), p + 24, 16);
+  a.host = tcp::get_u64(p + 40);
+  a.pid = tcp::get_u32(p + 48);
   a.has_secret = (flags & 1u) != 0;
   if (a.has_secret) std::memcpy(a.secret.data(), p + kEndpointBlobBytes, kEndpointSecretBytes);
   KVXFER_REQUIRE(a.family == AF_INET || a.family == AF_INET6,
@@ -199,6 +213,8 @@ kvxfer_result_t Membership::create(Engine* engine, const Config& cfg,
     a.scope_id = s->sin6_scope_id;
     std::memcpy(a.addr.data(), &s->sin6_addr, 16);
   }
+  a.host = host_hash();
+  a.pid = static_cast<uint32_t>(getpid());
   while (a.incarnation == 0)
     KVXFER_CHECK(tcp::random_bytes(reinterpret_cast<uint8_t*>(&a.incarnation), 8, kWho));
   if (cfg.has_secret) {
@@ -249,9 +265,15 @@ void Membership::stop() {
   }
 }
 
-transport::LinkConfig Membership::link_config() const {
+transport::LinkConfig Membership::link_config(const EndpointAddress& peer) const {
   transport::LinkConfig lc = engine_->link_config();
   lc.shm_in_process = false;  // peers in this process close while we run (ofi.h)
+  if (lc.provider.empty()) {
+    if (peer.host == self_.host && peer.pid != self_.pid)
+      lc.provider = transport::kShmProvider;
+    else
+      lc.offer_shm = false;
+  }
   return lc;
 }
 
@@ -308,7 +330,7 @@ kvxfer_result_t Membership::exchange(const EndpointAddress& to, bool bye, bool f
 kvxfer_result_t Membership::dial(const EndpointAddress& to, bool force, Reply* reply,
                                  std::unique_ptr<Link>* link) {
   std::unique_ptr<Link> l;
-  KVXFER_CHECK(Link::create(link_config(), &l));
+  KVXFER_CHECK(Link::create(link_config(to), &l));
   KVXFER_CHECK(exchange(to, false, force, l->local_address(), cfg_.timeout_ms, reply));
   if (reply->status != HandshakeStatus::kOk) return KVXFER_SUCCESS;
   KVXFER_CHECK(l->connect(reply->link.data(), reply->link.size()));
@@ -606,7 +628,7 @@ void Membership::serve(int fd) {
   lk.unlock();
 
   std::unique_ptr<Link> link;
-  kvxfer_result_t r = Link::create(link_config(), &link);
+  kvxfer_result_t r = Link::create(link_config(from_addr), &link);
   if (r == KVXFER_SUCCESS) r = link->connect(link_addr.data(), link_addr.size());
   std::string why = r != KVXFER_SUCCESS ? last_error() : "";
   if (r == KVXFER_SUCCESS) {

@@ -24,7 +24,11 @@
 // Blob (integers little-endian; kEndpointBlobBytes, or + 32 with a secret):
 //   magic u32 ("KVXE"), version u16, flags u16 (bit 0: a secret follows),
 //   incarnation u64, family u16 (AF_INET/AF_INET6), port u16 (network
-//   order), scope_id u32, addr[16], [secret 32]
+//   order), scope_id u32, addr[16], host u64 (FNV-1a of
+//   transport::host_identity()), pid u32, 0 u32, [secret 32]
+// Path: a peer with the same host and another pid is reached over shared
+// memory, any other over the network; both sides decide alike from the two
+// blobs, and each makes only that path's Link (Membership::link_config).
 // Handshake (each message length-prefixed by a u32 counting the bytes after
 // it, at most kHandshakeMaxBytes):
 //   request  magic u32 ("KVXH"), version u16, kind u16 (1 CONNECT, 2 BYE),
@@ -66,7 +70,7 @@ namespace kvxfer::xfer {
 constexpr uint32_t kEndpointBlobMagic = 0x4558564bu;  // "KVXE" little-endian
 constexpr uint16_t kEndpointBlobVersion = 1;
 constexpr size_t kEndpointSecretBytes = KVXFER_ENDPOINT_SECRET_BYTES;
-constexpr size_t kEndpointBlobBytes = 40;          // without the secret
+constexpr size_t kEndpointBlobBytes = 56;          // without the secret
 constexpr uint32_t kHandshakeMagic = 0x4858564bu;  // "KVXH"
 constexpr uint16_t kHandshakeVersion = 1;
 constexpr size_t kHandshakeMaxBytes = size_t{64} << 10;
@@ -82,6 +86,8 @@ struct EndpointAddress {
   uint16_t port_be = 0;  // network byte order
   uint32_t scope_id = 0;
   std::array<uint8_t, 16> addr{};
+  uint64_t host = 0;  // FNV-1a of transport::host_identity()
+  uint32_t pid = 0;
   bool has_secret = false;
   std::array<uint8_t, kEndpointSecretBytes> secret{};
 
@@ -94,6 +100,8 @@ struct EndpointAddress {
 std::vector<uint8_t> encode_endpoint_address(const EndpointAddress& a);
 /** KVXFER_ERR_INVALID_ARGUMENT naming what is wrong: length, magic,
  *  version, flags, family, port 0, incarnation 0. */
+/** FNV-1a (64-bit) of this process's transport::host_identity(). */
+uint64_t host_hash();
 kvxfer_result_t decode_endpoint_address(const void* blob, size_t len, EndpointAddress* out);
 
 /** Handshake statuses (header comment). */
@@ -178,8 +186,10 @@ class Membership {
   void on_link_failed(int peer, const std::string& why);
   void tell_bye(const EndpointAddress& to, int budget_ms);
   const uint8_t* secret_for(const EndpointAddress& to) const;
-  /** The engine's Link configuration, with no shm to a peer in this process. */
-  transport::LinkConfig link_config() const;
+  /** The engine's Link configuration for `peer`: with the auto provider,
+   *  shared memory only to a peer on this host in another process, the
+   *  network only to any other. */
+  transport::LinkConfig link_config(const EndpointAddress& peer) const;
 
   Engine* engine_ = nullptr;
   Config cfg_;
