@@ -38,6 +38,7 @@ from .core import (  # noqa: F401
     Arrival,
     CodecConfig,
     Communicator,
+    Endpoint,
     KVBlocks,
     KVDescriptor,
     KVPool,

@@ -21,6 +21,8 @@ from ._errors import Result  # noqa: F401  (re-exported)
 HEADER_VERSION_CODE = 100
 CONFIG_MAGIC = 0x6B767866  # KVXFER_CONFIG_MAGIC, 'kvxf'
 UNIQUE_ID_BYTES = 128  # KVXFER_UNIQUE_ID_BYTES
+ENDPOINT_SECRET_BYTES = 32  # KVXFER_ENDPOINT_SECRET_BYTES
+ENDPOINT_ADDRESS_MAX = 128  # KVXFER_ENDPOINT_ADDRESS_MAX
 ALPHA_AUTO = -1.0  # KVXFER_ALPHA_AUTO
 
 
@@ -188,6 +190,21 @@ class CommConfigStruct(ctypes.Structure):
     ]
 
 
+class EndpointConfigStruct(ctypes.Structure):
+    """kvxfer_endpoint_config_t."""
+
+    _fields_ = [
+        ("size", _size_t),
+        ("magic", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("timeout_ms", ctypes.c_int32),
+        ("port", ctypes.c_int32),
+        ("bind_address", ctypes.c_char_p),
+        ("rate_limit", ctypes.c_char_p),
+        ("secret", ctypes.POINTER(ctypes.c_uint8)),
+    ]
+
+
 class KVDescStruct(ctypes.Structure):
     """kvxfer_kv_desc_t."""
 
@@ -312,6 +329,7 @@ EXPECTED_SIZES = {
     "kvxfer_page_info_t": (PageInfoStruct, 88),
     "kvxfer_unique_id_t": (UniqueIdStruct, 128),
     "kvxfer_comm_config_t": (CommConfigStruct, 40),
+    "kvxfer_endpoint_config_t": (EndpointConfigStruct, 48),
     "kvxfer_kv_desc_t": (KVDescStruct, 88),
     "kvxfer_request_config_t": (RequestConfigStruct, 72),
     "kvxfer_request_info_t": (RequestInfoStruct, 136),

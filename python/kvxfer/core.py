@@ -48,6 +48,8 @@ from . import _abi
 from ._abi import (
     ALPHA_AUTO,
     CALLBACK,
+    ENDPOINT_ADDRESS_MAX,
+    ENDPOINT_SECRET_BYTES,
     Codec,
     Dtype,
     KVKind,
@@ -1208,12 +1210,15 @@ class Communicator:
         h = ctypes.c_void_p()
         _L.kvxfer_comm_init(ctypes.byref(h), int(nranks), unique_id._struct(), int(rank),
                             ctypes.byref(cfg))
-        self._state = _CommState(h.value)
+        self._adopt(h.value)
+        self.rank = int(rank)
+        self.nranks = int(nranks)
+
+    def _adopt(self, handle):
+        self._state = _CommState(handle)
         _live_comms.add(self._state)
         f = weakref.finalize(self, _destroy_comm, self._state)
         f.atexit = False
-        self.rank = int(rank)
-        self.nranks = int(nranks)
 
     @property
     def handle(self):
@@ -1377,6 +1382,75 @@ class Communicator:
     def __repr__(self):
         return "Communicator(rank=%d, nranks=%d%s)" % (self.rank, self.nranks,
                                                       ", destroyed" if self.destroyed else "")
+
+
+class Endpoint(Communicator):
+    """kvxfer_endpoint_create: an endpoint whose peers connect and disconnect
+    at run time (docs/TRANSPORT.md, "Endpoints").
+
+    Every Communicator call works on it, with the peer index that connect()
+    returns.  `address` (bytes) is what a peer passes to connect(): ship it
+    out of band (vLLM's kv_transfer_params).  A context manager: leaving the
+    block destroys it, and every connected peer is told.
+
+    timeout_ms: inactivity timeout of every transfer and bound of a connect
+      (0 = KVXFER_TIMEOUT_MS); port: TCP port of the listener (0 = any; a
+      restarted process that passes its old port keeps its address);
+      bind_address: local address (None = KVXFER_BIND_ADDR); rate_limit: as
+      Communicator; secret: 32 bytes every endpoint of the deployment shares
+      (None = a random one, carried in `address`).
+    Errors: KvxferError (ERR_INVALID_ARGUMENT for a bad port, address or
+    secret length; ERR_SYSTEM when the port is taken).
+    """
+
+    def __init__(self, *, timeout_ms=0, port=0, bind_address=None, rate_limit=None,
+                 secret=None):
+        _drain_deferred()
+        cfg = _abi.init_config(_abi.EndpointConfigStruct)
+        cfg.timeout_ms = int(timeout_ms)
+        cfg.port = int(port)
+        cfg.bind_address = None if bind_address is None else bind_address.encode()
+        cfg.rate_limit = None if rate_limit is None else rate_limit.encode()
+        if secret is not None:
+            secret = bytes(secret)
+            if len(secret) != ENDPOINT_SECRET_BYTES:
+                raise KvxferError(Result.ERR_INVALID_ARGUMENT,
+                                  "secret is %d bytes; an endpoint secret is %d" %
+                                  (len(secret), ENDPOINT_SECRET_BYTES),
+                                  function="kvxfer_endpoint_create")
+            buf = (ctypes.c_uint8 * ENDPOINT_SECRET_BYTES).from_buffer_copy(secret)
+            cfg.secret = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
+        h = ctypes.c_void_p()
+        _L.kvxfer_endpoint_create(ctypes.byref(h), ctypes.byref(cfg))
+        self._adopt(h.value)
+        self.rank = -1
+        self.nranks = 0
+        buf = ctypes.create_string_buffer(ENDPOINT_ADDRESS_MAX)
+        n = ctypes.c_size_t(ENDPOINT_ADDRESS_MAX)
+        self._call(_L.kvxfer_endpoint_address, buf, ctypes.byref(n))
+        self.address = buf.raw[:n.value]
+
+    def connect(self, address):
+        """kvxfer_endpoint_connect: the peer index of the endpoint at
+        `address` (bytes), connecting at the first call; the same index while
+        connected, from either side.  Blocks for one handshake.  Errors:
+        KvxferError ERR_INVALID_ARGUMENT (malformed address, our own, wrong
+        secret), ERR_MISMATCH (the endpoint there restarted), ERR_SYSTEM
+        (unreachable), ERR_TIMEOUT."""
+        _drain_deferred()
+        address = bytes(address)
+        peer = ctypes.c_int(-1)
+        self._call(_L.kvxfer_endpoint_connect, address, len(address), ctypes.byref(peer))
+        return peer.value
+
+    def disconnect(self, peer):
+        """kvxfer_endpoint_disconnect: fails the peer's requests (ERR_CANCELLED)
+        on both sides and frees its connection; a later connect() makes a new
+        one.  Errors: KvxferError ERR_INVALID_USAGE when not connected."""
+        self._call(_L.kvxfer_endpoint_disconnect, int(peer))
+
+    def __repr__(self):
+        return "Endpoint(%s%s)" % (self.address.hex()[:16], ", destroyed" if self.destroyed else "")
 
 
 def _check_desc(kv):

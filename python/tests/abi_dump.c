@@ -107,6 +107,16 @@ int main(void) {
   FIELD(kvxfer_comm_config_t, bind_address)
   FIELD(kvxfer_comm_config_t, rate_limit)
   END_STRUCT()
+  BEGIN_STRUCT(kvxfer_endpoint_config_t)
+  FIELD(kvxfer_endpoint_config_t, size)
+  FIELD(kvxfer_endpoint_config_t, magic)
+  FIELD(kvxfer_endpoint_config_t, version)
+  FIELD(kvxfer_endpoint_config_t, timeout_ms)
+  FIELD(kvxfer_endpoint_config_t, port)
+  FIELD(kvxfer_endpoint_config_t, bind_address)
+  FIELD(kvxfer_endpoint_config_t, rate_limit)
+  FIELD(kvxfer_endpoint_config_t, secret)
+  END_STRUCT()
   BEGIN_STRUCT(kvxfer_kv_desc_t)
   FIELD(kvxfer_kv_desc_t, size)
   FIELD(kvxfer_kv_desc_t, magic)
@@ -238,9 +248,11 @@ int main(void) {
   ENUM(KVXFER_MODE_MONOLITHIC)
   printf(
       "},\n\"constants\": {\"KVXFER_CONFIG_MAGIC\": %u, \"KVXFER_VERSION_CODE\": %d, "
-      "\"KVXFER_UNIQUE_ID_BYTES\": %d, \"KVXFER_ALPHA_AUTO\": %.9g, \"enum_size\": %zu},\n",
+      "\"KVXFER_UNIQUE_ID_BYTES\": %d, \"KVXFER_ALPHA_AUTO\": %.9g, \"enum_size\": %zu, "
+      "\"KVXFER_ENDPOINT_SECRET_BYTES\": %d, \"KVXFER_ENDPOINT_ADDRESS_MAX\": %d},\n",
       (unsigned)KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, KVXFER_UNIQUE_ID_BYTES,
-      (double)KVXFER_ALPHA_AUTO, sizeof(kvxfer_stage_t));
+      (double)KVXFER_ALPHA_AUTO, sizeof(kvxfer_stage_t), KVXFER_ENDPOINT_SECRET_BYTES,
+      KVXFER_ENDPOINT_ADDRESS_MAX);
   printf("\"initializers\": {");
   first = 1;
   // clang-format off: one initializer field per line (the macros end without a semicolon)
@@ -263,6 +275,16 @@ int main(void) {
   INIT_INT(timeout_ms)
   INIT_PTR(bind_address)
   INIT_PTR(rate_limit)
+  INIT_END()
+  INIT_BEGIN(kvxfer_endpoint_config_t, KVXFER_ENDPOINT_CONFIG_INITIALIZER)
+  INIT_INT(size)
+  INIT_INT(magic)
+  INIT_INT(version)
+  INIT_INT(timeout_ms)
+  INIT_INT(port)
+  INIT_PTR(bind_address)
+  INIT_PTR(rate_limit)
+  INIT_PTR(secret)
   INIT_END()
   INIT_BEGIN(kvxfer_kv_desc_t, KVXFER_KV_DESC_INITIALIZER)
   INIT_INT(size)

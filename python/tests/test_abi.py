@@ -63,6 +63,8 @@ def test_enums_and_constants_match_c(dump):
     assert k["KVXFER_UNIQUE_ID_BYTES"] == kvxfer.UNIQUE_ID_BYTES
     assert k["KVXFER_ALPHA_AUTO"] == kvxfer.ALPHA_AUTO
     assert k["enum_size"] == ctypes.sizeof(ctypes.c_int)
+    assert k["KVXFER_ENDPOINT_SECRET_BYTES"] == _abi.ENDPOINT_SECRET_BYTES
+    assert k["KVXFER_ENDPOINT_ADDRESS_MAX"] == _abi.ENDPOINT_ADDRESS_MAX
 
 
 def test_initializers_match_the_c_macros(dump):
@@ -71,18 +73,20 @@ def test_initializers_match_the_c_macros(dump):
     for f, v in init["kvxfer_codec_config_t"].items():
         assert getattr(c, f) == v, f
     comm = _abi.init_config(_abi.CommConfigStruct)
+    ep = _abi.init_config(_abi.EndpointConfigStruct)
     kv = _abi.init_config(_abi.KVDescStruct)
     rc = _abi.init_config(_abi.RequestConfigStruct)
     pool = _abi.init_config(_abi.KVPoolDescStruct)
     blocks = _abi.init_config(_abi.KVBlocksStruct)
-    for name, s in (("kvxfer_comm_config_t", comm), ("kvxfer_kv_desc_t", kv),
+    for name, s in (("kvxfer_comm_config_t", comm), ("kvxfer_endpoint_config_t", ep),
+                    ("kvxfer_kv_desc_t", kv),
                     ("kvxfer_request_config_t", rc), ("kvxfer_kv_pool_desc_t", pool),
                     ("kvxfer_kv_blocks_t", blocks)):
         # Every field of the struct is in the dump (the macro sets each one).
         assert list(init[name]) == [f[0] for f in type(s)._fields_], name
         for f, v in init[name].items():
             got = getattr(s, f)
-            if f in ("bind_address", "rate_limit", "k_blocks", "v_blocks", "on_anchor_ready",
+            if f in ("bind_address", "rate_limit", "secret", "k_blocks", "v_blocks", "on_anchor_ready",
                      "on_complete", "user_data", "k_layers", "v_layers", "block_ids"):
                 got = 1 if got else 0
             assert got == v, (name, f)

@@ -334,22 +334,7 @@ void Engine::Impl::grow_api(int n) {
 }
 
 void Engine::Impl::grow_progress(int n) {
-  if (n <= npeers()) return;
-  const size_t u = static_cast<size_t>(n);
-  rdv_waiting.resize(u);
-  rdv_parked.resize(u);
-  rdv_armed.resize(u, 0);
-  rdv_in.resize(u, std::vector<uint8_t>(kRdvBytes));
-  rdv_sent.resize(u, 0);
-  rdv_received.resize(u, 0);
-  rdv_refused.resize(u);
-  drain_bufs.resize(u);
-  anchors_unposted.resize(u, 0);
-  held_residuals.resize(u);
-  encode_fifo.resize(u);
-  draining.resize(u, 0);
-  failure_told.resize(u, 0);
-  ops.resize(u);  // last: npeers() reads its size
+  while (npeers() < n) pio.push_back(std::make_unique<PeerIo>());
 }
 
 void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms,

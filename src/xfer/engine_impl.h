@@ -15,6 +15,7 @@
 #include <cinttypes>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -214,6 +215,39 @@ inline std::string page_name(const PageRef& p) {
                    codec::kv_kind_name(p.kind), p.token_begin, p.token_begin + p.num_tokens);
 }
 
+/** The progress thread's state of one peer (Engine::Impl::io). */
+struct PeerIo {
+  std::unordered_map<uint64_t, OpRef> ops;  // Link op id -> what
+  int64_t anchors_unposted = 0;             // anchors of handshaken sends not yet posted
+  // Residuals held until every anchor to this peer is posted (flush_residuals).
+  std::list<std::pair<std::shared_ptr<Request>, size_t>> held_residuals;
+  // The sends whose encodes are not all queued, in post order: of those the
+  // receiver has matched (handshake_ok), only the first may queue encodes,
+  // so page messages leave in request order, then page order, which is the
+  // order the receiver posts its receives in.  One not matched yet fills its
+  // window and lets the ones behind it go (pump_encodes).  Interleaving the
+  // matched requests' windows sent pages the receiver had no receive for
+  // yet; rxm's unexpected-message buffers filled and the anchor class
+  // stalled when progressive and monolithic requests shared a peer.
+  std::list<std::shared_ptr<Request>> encode_fifo;
+  // Rendezvous of requests matched by id (protocol.h, RDV): the receives
+  // waiting for their sender's announcement, announcements that no receive
+  // wants yet (id -> seq, order), whether the stream's receive is posted and
+  // its buffer, and the stream's counters both ways.
+  std::list<std::shared_ptr<Request>> rdv_waiting;
+  std::unordered_map<uint64_t, std::pair<uint32_t, uint64_t>> rdv_parked;
+  bool rdv_armed = false;
+  std::vector<uint8_t> rdv_in = std::vector<uint8_t>(kRdvBytes);
+  uint32_t rdv_sent = 0, rdv_received = 0;
+  // Ids of receives cancelled (or failed) before their RDV came: when it
+  // does, the sender is told with a STATUS, and its DESC and STATUS are
+  // drained (ops with a null request).
+  std::unordered_map<uint64_t, std::pair<kvxfer_result_t, std::string>> rdv_refused;
+  std::unordered_map<uint64_t, std::vector<uint8_t>> drain_bufs;  // by Link op id
+  bool draining = false;      // dropped: its Link goes once drained
+  bool failure_told = false;  // its Link's failure was reported (peer_failed)
+};
+
 struct Engine::Impl {
   std::unique_ptr<transport::Communicator> comm;  // null: Engine::testing_unlinked
   // Engine::testing_unlinked: with no Communicator, every Link post is
@@ -286,12 +320,14 @@ struct Engine::Impl {
 
   // ---- progress thread only ----
   std::thread progress_thread;
-  std::vector<std::unordered_map<uint64_t, OpRef>> ops;  // per peer: Link op id -> what
-  // Per peer: dropped, its Link to be freed once drained; its failure told.
-  std::vector<uint8_t> draining, failure_told;
+  // The progress thread's state of each peer (PeerIo), one slot per peer
+  // index; an endpoint frees a peer's once it is released (release_drained),
+  // so a slot it ever had costs a null pointer.
+  std::vector<std::unique_ptr<PeerIo>> pio;
+  PeerIo& io(int p) { return *pio[static_cast<size_t>(p)]; }
   /** Sizes the progress thread's per-peer state to n slots (progress thread). */
   void grow_progress(int n);
-  int npeers() const { return static_cast<int>(ops.size()); }
+  int npeers() const { return static_cast<int>(pio.size()); }
   /** Adopts and drops what API threads queued (progress thread). */
   void take_peer_changes(std::vector<std::pair<int, std::unique_ptr<transport::Link>>>& adopts,
                          std::vector<Drop>& drops);
@@ -322,8 +358,6 @@ struct Engine::Impl {
   void on_handshake(const std::shared_ptr<Request>& r);
   void sender_pump(const std::shared_ptr<Request>& r);
   void flush_residuals(int peer);
-  std::vector<int64_t> anchors_unposted;  // per peer: anchors of handshaken sends not yet posted
-  std::vector<std::deque<std::pair<std::shared_ptr<Request>, size_t>>> held_residuals;  // per peer
   void post_residual_recvs();
   void enqueue_residuals(const std::shared_ptr<Request>& r);
   void queue_job(Job&& j);
@@ -335,34 +369,10 @@ struct Engine::Impl {
   void release_slot(Work& w, size_t page);
   void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots and layers allow
   void check_layer_timeouts();  // stream_layers sends waiting too long for a layer
-  // Per peer, the sends whose encodes are not all queued, in post order: of
-  // those the receiver has matched (handshake_ok), only the first may queue
-  // encodes, so page messages leave in request order, then page order, which
-  // is the order the receiver posts its receives in.  One not matched yet
-  // fills its window and lets the ones behind it go (pump_encodes).
-  // Interleaving the requests' windows sent pages the receiver had no
-  // receive for yet; rxm's unexpected-message buffers filled and the anchor
-  // class stalled when progressive and monolithic requests shared a peer.
-  std::vector<std::deque<std::shared_ptr<Request>>> encode_fifo;
   void pump_encodes(int peer);
   void post_anchor_recvs(
       const std::shared_ptr<Request>& r);  // receiver: every page, at the handshake
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
-  // Rendezvous of requests matched by id (protocol.h, RDV), per peer: the
-  // receives waiting for their sender's announcement, announcements that no
-  // receive wants yet (id -> seq), whether the stream's receive is posted
-  // and its buffer, and the stream's counters both ways.
-  std::vector<std::deque<std::shared_ptr<Request>>> rdv_waiting;
-  std::vector<std::unordered_map<uint64_t, std::pair<uint32_t, uint64_t>>>
-      rdv_parked;  // seq, order
-  std::vector<uint8_t> rdv_armed;
-  std::vector<std::vector<uint8_t>> rdv_in;
-  std::vector<uint32_t> rdv_sent, rdv_received;
-  // Ids of receives cancelled (or failed) before their RDV came: when it
-  // does, the sender is told with a STATUS, and its DESC and STATUS are
-  // drained (ops with a null request).
-  std::vector<std::unordered_map<uint64_t, std::pair<kvxfer_result_t, std::string>>> rdv_refused;
-  std::vector<std::unordered_map<uint64_t, std::vector<uint8_t>>> drain_bufs;  // by Link op id
   void refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text);
   /** A Link post of `tag` for `r` (null: the engine's own), recorded as
    *  (k, page) and counted in r's ops; the op id in *op.  The Link's error

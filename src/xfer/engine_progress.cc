@@ -2,6 +2,8 @@
 // the Links; handshakes, page and STATUS messages, stages, callbacks.
 #include "xfer/engine_impl.h"
 
+#include <malloc.h>
+
 namespace kvxfer::xfer {
 
 // ---------------------------------------------------------------------------
@@ -159,8 +161,8 @@ bool Engine::Impl::step() {
     l->poll(&done);
     for (const Completion& c : done) on_completion(p, c);
     if (!done.empty()) busy = true;
-    if (l->failed() && failure_told[p] == 0 && draining[p] == 0) {
-      failure_told[p] = 1;
+    if (l->failed() && !io(p).failure_told && !io(p).draining) {
+      io(p).failure_told = true;
       newly_failed.emplace_back(p, l->failure());
     }
   }
@@ -246,7 +248,7 @@ kvxfer_result_t Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, b
     rc = l->post_recv(c, const_cast<void*>(buf), len, tag, &op);
   }
   if (rc < 0) return rc;
-  ops[peer][op] = OpRef{r, k, page, is_send};
+  io(peer).ops[op] = OpRef{r, k, page, is_send};
   if (r != nullptr) r->work->ops++;
   if (op_out != nullptr) *op_out = op;
   return KVXFER_SUCCESS;
@@ -258,7 +260,7 @@ bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
   w.rdv_out = encode_rdv(r->request_id, r->seq);
   const uint64_t tag =
-      make_tag(kRdvSeq, false, MsgKind::kStatus, rdv_sent[r->peer]++ & (kMaxPages - 1));
+      make_tag(kRdvSeq, false, MsgKind::kStatus, io(r->peer).rdv_sent++ & (kMaxPages - 1));
   return post_for(r, TrafficClass::kAnchor, tag, true, w.rdv_out.data(), w.rdv_out.size(),
                   OpKind::kRdvSend, 0);
 }
@@ -267,18 +269,18 @@ bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
 // it waits for one with the rendezvous stream's receive posted.
 void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
   const int p = r->peer;
-  rdv_refused[p].erase(r->request_id);  // posted again: this one wants the data
-  auto it = rdv_parked[p].find(r->request_id);
-  if (it != rdv_parked[p].end()) {
+  io(p).rdv_refused.erase(r->request_id);  // posted again: this one wants the data
+  auto it = io(p).rdv_parked.find(r->request_id);
+  if (it != io(p).rdv_parked.end()) {
     r->seq = it->second.first;
     r->order = it->second.second;
     r->bound = true;
-    rdv_parked[p].erase(it);
+    io(p).rdv_parked.erase(it);
     start(r);
     return;
   }
   r->work->started = true;  // a cancel fails it while it waits (settle)
-  rdv_waiting[p].push_back(r);
+  io(p).rdv_waiting.push_back(r);
   if (links_aborted) {
     fail(r, KVXFER_ERR_INVALID_USAGE, "communicator aborted");
     return;
@@ -287,28 +289,31 @@ void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
 }
 
 void Engine::Impl::arm_rdv(int peer) {
-  if (rdv_armed[peer] != 0 || rdv_waiting[peer].empty() || links_aborted) return;
+  if (io(peer).rdv_armed != 0 || io(peer).rdv_waiting.empty() || links_aborted) return;
   const uint64_t tag =
-      make_tag(kRdvSeq, false, MsgKind::kStatus, rdv_received[peer] & (kMaxPages - 1));
-  const kvxfer_result_t rc = post_raw(peer, TrafficClass::kAnchor, tag, false, rdv_in[peer].data(),
-                                      rdv_in[peer].size(), nullptr, OpKind::kRdvRecv, 0);
+      make_tag(kRdvSeq, false, MsgKind::kStatus, io(peer).rdv_received & (kMaxPages - 1));
+  const kvxfer_result_t rc =
+      post_raw(peer, TrafficClass::kAnchor, tag, false, io(peer).rdv_in.data(),
+               io(peer).rdv_in.size(), nullptr, OpKind::kRdvRecv, 0);
   if (rc >= 0) {
-    rdv_armed[peer] = 1;
+    io(peer).rdv_armed = 1;
     return;
   }
   const std::string why =
       strprintf("posting a receive from peer %d failed: %s", peer, last_error());
-  for (const auto& r : std::deque<std::shared_ptr<Request>>(rdv_waiting[peer])) fail(r, rc, why);
+  for (const auto& r : std::vector<std::shared_ptr<Request>>(io(peer).rdv_waiting.begin(),
+                                                             io(peer).rdv_waiting.end()))
+    fail(r, rc, why);
 }
 
 void Engine::Impl::on_rdv(int peer, const Completion& c) {
-  rdv_armed[peer] = 0;
+  io(peer).rdv_armed = 0;
   uint64_t id = 0;
   uint32_t seq = 0;
   kvxfer_result_t rc = c.status;
   std::string why = c.error;
   if (rc == KVXFER_SUCCESS) {
-    rc = decode_rdv(rdv_in[peer].data(), c.bytes, &id, &seq);
+    rc = decode_rdv(io(peer).rdv_in.data(), c.bytes, &id, &seq);
     if (rc < 0) why = last_error();
   }
   if (rc < 0) {  // the stream is broken or silent: every waiting receive fails
@@ -319,10 +324,12 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
                   "ms (%s)",
                   peer, static_cast<long long>(timeout_ms), why.c_str())
             : strprintf("peer %d: %s", peer, why.c_str());
-    for (const auto& r : std::deque<std::shared_ptr<Request>>(rdv_waiting[peer])) fail(r, rc, text);
+    for (const auto& r : std::vector<std::shared_ptr<Request>>(io(peer).rdv_waiting.begin(),
+                                                               io(peer).rdv_waiting.end()))
+      fail(r, rc, text);
     return;
   }
-  rdv_received[peer]++;
+  io(peer).rdv_received++;
   // A receive by id takes its place among the engine's requests when its
   // sender's announcement arrives, which is the sender's post order: the
   // order its residuals come in (enqueue_residuals), whatever order the
@@ -332,7 +339,7 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     std::lock_guard<std::mutex> lk(mu);
     arrival = next_order++;
   }
-  auto& q = rdv_waiting[peer];
+  auto& q = io(peer).rdv_waiting;
   auto it = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
     return r->request_id == id && !r->work->failed;
   });
@@ -343,11 +350,11 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     r->order = arrival;
     r->bound = true;
     start(r);
-  } else if (auto ref = rdv_refused[peer].find(id); ref != rdv_refused[peer].end()) {
+  } else if (auto ref = io(peer).rdv_refused.find(id); ref != io(peer).rdv_refused.end()) {
     refuse_rdv(peer, seq, ref->second.first, ref->second.second);
-    rdv_refused[peer].erase(ref);
+    io(peer).rdv_refused.erase(ref);
   } else {
-    rdv_parked[peer][id] = {seq, arrival};
+    io(peer).rdv_parked[id] = {seq, arrival};
   }
   arm_rdv(peer);
 }
@@ -375,7 +382,7 @@ void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
     uint64_t op = 0;
     if (post_raw(peer, TrafficClass::kAnchor, p.tag, p.is_send, p.buf.data(), p.buf.size(), nullptr,
                  p.kind, 0, &op) >= 0)
-      drain_bufs[peer][op] = std::move(p.buf);
+      io(peer).drain_bufs[op] = std::move(p.buf);
   }
 }
 
@@ -441,13 +448,14 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
   // Encode at once, overlapping the handshake, as far as the staging window
   // allows; pages go out as they are ready.
   if (r->is_send) {
-    encode_fifo[r->peer].push_back(r);
+    io(r->peer).encode_fifo.push_back(r);
     pump_encodes(r->peer);
   }
 }
 
 void Engine::Impl::pump_encodes(int peer) {
-  auto& q = encode_fifo[peer];
+  if (!pio[static_cast<size_t>(peer)]) return;  // released
+  auto& q = io(peer).encode_fifo;
   for (auto it = q.begin(); it != q.end();) {
     const std::shared_ptr<Request> r = *it;
     queue_encodes(r);
@@ -494,8 +502,8 @@ void Engine::Impl::release_slot(Work& w, size_t page) {
 void Engine::Impl::check_layer_timeouts() {
   const int64_t now = now_ns();
   std::vector<std::pair<std::shared_ptr<Request>, int32_t>> late;
-  for (const auto& q : encode_fifo)
-    for (const std::shared_ptr<Request>& r : q) {
+  for (const auto& pi : pio)
+    for (const std::shared_ptr<Request>& r : pi ? pi->encode_fifo : decltype(pi->encode_fifo){}) {
       const int32_t ready = r->layers_ready.load();
       if (r->work->failed || r->cfg.stream_layers == 0 || ready >= r->mine.num_layers) continue;
       if (now - r->t_layer_mark.load() > timeout_ms * 1000000) late.emplace_back(r, ready);
@@ -613,7 +621,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
   }
   if (r->is_send) {
-    anchors_unposted[r->peer] += static_cast<int64_t>(w.pages.size());
+    io(r->peer).anchors_unposted += static_cast<int64_t>(w.pages.size());
     if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
     sender_pump(r);
     pump_encodes(r->peer);  // matched now: it may take its turn in the queue
@@ -650,7 +658,7 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
     const bool empty = w.failed;
     if (!empty && !p.encoded) break;
     w.next_page_send++;
-    anchors_unposted[r->peer]--;
+    io(r->peer).anchors_unposted--;
     const size_t alen = empty ? 0 : progressive ? p.a_len : p.a_len + p.r_len;
     post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
                    empty ? &kEmpty : w.astore.get() + p.a_off, alen);
@@ -660,7 +668,7 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
                      0);
     } else {
       w.held++;
-      held_residuals[r->peer].emplace_back(r, i);
+      io(r->peer).held_residuals.emplace_back(r, i);
     }
   }
   flush_residuals(r->peer);
@@ -672,12 +680,12 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
 // encoded (figure 3 of the issue: with many requests in flight, every
 // request's anchor lands before any residual).
 void Engine::Impl::flush_residuals(int peer) {
-  if (anchors_unposted[peer] > 0) return;
+  if (io(peer).anchors_unposted > 0) return;
   static const uint8_t kEmpty = 0;
-  auto& q = held_residuals[peer];
+  auto& q = io(peer).held_residuals;
   // In request post order, pages ascending: the order the receiver posts its
   // residual receives in (enqueue_residuals), whatever order handshakes took.
-  std::stable_sort(q.begin(), q.end(), [](const auto& a, const auto& b) {
+  q.sort([](const auto& a, const auto& b) {  // stable
     return a.first->order != b.first->order ? a.first->order < b.first->order : a.second < b.second;
   });
   while (!q.empty()) {
@@ -738,15 +746,15 @@ void Engine::Impl::post_residual_recvs() {
 }
 
 void Engine::Impl::on_completion(int peer, const Completion& c) {
-  auto it = ops[peer].find(c.op_id);
-  if (it == ops[peer].end()) return;  // a Link-internal operation
+  auto it = io(peer).ops.find(c.op_id);
+  if (it == io(peer).ops.end()) return;  // a Link-internal operation
   OpRef ref = std::move(it->second);
-  ops[peer].erase(it);
+  io(peer).ops.erase(it);
   if (ref.req == nullptr) {  // the rendezvous stream, or a refused request's drain
     if (ref.kind == OpKind::kRdvRecv) {
       on_rdv(peer, c);
     } else {
-      drain_bufs[peer].erase(c.op_id);  // a refusal's buffer, free once its op ended
+      io(peer).drain_bufs.erase(c.op_id);  // a refusal's buffer, free once its op ended
     }
     return;
   }
@@ -1001,7 +1009,7 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
   if (r->is_send) {
     Link* l = comm ? comm->link(r->peer) : nullptr;
     if (l != nullptr)
-      for (const auto& [op, ref] : ops[r->peer])
+      for (const auto& [op, ref] : io(r->peer).ops)
         if (ref.req == r && (ref.kind == OpKind::kAnchor || ref.kind == OpKind::kResidual))
           l->empty_unstarted_send(op);
     sender_pump(r);
@@ -1095,9 +1103,8 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
   if (!w.final_published || w.jobs > 0 || w.ops > 0 || w.held > 0 || w.in_residual_fifo) return;
   if (!w.failed && !w.status_sent) return;
   if (!r->bound) {  // a receive by id that failed before its sender announced it
-    auto& q = rdv_waiting[r->peer];
-    q.erase(std::remove(q.begin(), q.end(), r), q.end());
-    rdv_refused[r->peer][r->request_id] = {w.fail_code, w.fail_text};
+    io(r->peer).rdv_waiting.remove(r);
+    io(r->peer).rdv_refused[r->request_id] = {w.fail_code, w.fail_text};
   }
   finalise(r);
 }
@@ -1141,26 +1148,27 @@ void Engine::Impl::take_peer_changes(std::vector<std::pair<int, std::unique_ptr<
     for (const auto& r : all)
       if (r->peer == d.peer) fail(r, d.code, d.why);
     if (Link* l = comm->link(d.peer)) l->abort(d.why.c_str());
-    draining[d.peer] = 1;
+    io(d.peer).draining = true;
   }
 }
 
 void Engine::Impl::release_drained() {
+  bool released = false;
   for (int p = 0; p < npeers(); ++p) {
-    if (draining[p] == 0) continue;
+    if (!pio[p] || !io(p).draining) continue;
     Link* l = comm->link(p);
     if (l != nullptr && l->ops_in_flight() > 0) continue;
-    bool busy = false;
-    for (const auto& r : active) busy = busy || (r->peer == p && r->work->ops > 0);
+    bool busy = false;  // a request of this peer not finalised yet still reads its state
+    for (const auto& r : active) busy = busy || r->peer == p;
     if (busy) continue;
     comm->release_link(p, "peer disconnected");
-    ops[p].clear();
-    drain_bufs[p].clear();
-    rdv_parked[p].clear();
-    rdv_refused[p].clear();
-    draining[p] = 0;
-    failure_told[p] = 1;
+    pio[p].reset();
+    released = true;
   }
+  // A peer's Link frees megabytes in many blocks (libfabric's pools): give
+  // the free pages back, so that a long-lived endpoint whose peers come and
+  // go keeps a flat resident set (perf/endpoint_perf, "rss_growth").
+  if (released) malloc_trim(0);
 }
 
 }  // namespace kvxfer::xfer
