@@ -28,6 +28,7 @@
 
 #include "common/fdio.h"
 #include "kvxfer/kvxfer.h"
+#include "perf/common/endpoint_util.h"
 #include "perf/common/harness.h"
 #include "perf/common/whole_kv.h"
 
@@ -65,29 +66,13 @@ void fill(kp::WholeKv* kv) {
         (*t)[i] = kp::bf16_of(static_cast<float>((i * 2654435761u + l) % 1000) * 0.01f - 5.0f);
 }
 
-kvxfer_comm_t make_endpoint(const Options& o, std::vector<uint8_t>* addr) {
-  kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
-  cfg.timeout_ms = o.timeout_ms;
-  cfg.bind_address = "127.0.0.1";
-  kvxfer_comm_t ep = nullptr;
-  if (kvxfer_endpoint_create(&ep, &cfg) != KVXFER_SUCCESS) {
-    std::fprintf(stderr, "%s: kvxfer_endpoint_create: %s\n", kTool, kvxfer_get_last_error());
-    return nullptr;
-  }
-  addr->resize(KVXFER_ENDPOINT_ADDRESS_MAX);
-  size_t n = addr->size();
-  kvxfer_endpoint_address(ep, addr->data(), &n);
-  addr->resize(n);
-  return ep;
-}
-
 /** The peers' process: -P endpoints; sends when told. */
 int peers_main(const Options& o, int rd, int wr) {
   std::vector<kvxfer_comm_t> eps;
   std::vector<uint8_t> all;
   for (int i = 0; i < o.peers; ++i) {
     std::vector<uint8_t> a;
-    kvxfer_comm_t ep = make_endpoint(o, &a);
+    kvxfer_comm_t ep = kp::make_endpoint(kTool, o.timeout_ms, 0, &a);
     if (ep == nullptr) return 2;
     eps.push_back(ep);
     const uint32_t n = static_cast<uint32_t>(a.size());
@@ -110,9 +95,7 @@ int peers_main(const Options& o, int rd, int wr) {
     if (c.op == 0) break;
     int peer = -1;
     kvxfer_request_t r = nullptr;
-    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-    rc.match_by_id = 1;
-    rc.request_id = c.id;
+    const kvxfer_request_config_t rc = kp::by_id(c.id);
     kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
     cc.codec = KVXFER_CODEC_BF16;
     if (kvxfer_endpoint_connect(eps[c.ep], parent.data(), plen, &peer) != KVXFER_SUCCESS ||
@@ -218,7 +201,7 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> mine;
   const long rss0 = vm_rss_kib();
   const int fds0 = open_fds();
-  kvxfer_comm_t ep = make_endpoint(o, &mine);
+  kvxfer_comm_t ep = kp::make_endpoint(kTool, o.timeout_ms, 0, &mine);
   if (ep == nullptr) return 2;
   std::vector<std::vector<uint8_t>> blobs;
   for (int i = 0; i < o.peers; ++i) {
@@ -242,9 +225,7 @@ int main(int argc, char** argv) {
   uint64_t next_id = 1, wrong = 0, failed = 0;
   auto request = [&](int i, int peer) -> double {
     const auto t0 = Clock::now();
-    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-    rc.match_by_id = 1;
-    rc.request_id = next_id++;
+    const kvxfer_request_config_t rc = kp::by_id(next_id++);
     kvxfer_request_t r = nullptr;
     if (o.common.check != 0)
       for (int l = 0; l < kLayers; ++l) std::fill(dst.k[l].begin(), dst.k[l].end(), 0);

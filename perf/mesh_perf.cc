@@ -19,7 +19,6 @@
 // decode of the sender's values (-c 1).
 #include <poll.h>
 #include <signal.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,15 +30,15 @@
 #include <string>
 #include <vector>
 
-#include "common/fdio.h"
 #include "kvxfer/kvxfer.h"
+#include "perf/common/endpoint_util.h"
 #include "perf/common/harness.h"
+#include "perf/common/pipe_msg.h"
 #include "perf/common/whole_kv.h"
 
 namespace {
 
 namespace kp = kvxfer::perf;
-namespace fdio = kvxfer::fdio;
 
 constexpr const char* kTool = "mesh_perf";
 constexpr int kLayers = 8, kHeads = 8, kHeadDim = 128;
@@ -71,12 +70,6 @@ std::vector<Req> plan(const Options& o) {
   return v;
 }
 
-int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-
 /** KV-like bf16 values of request `id` (a cheap function of id and index). */
 void fill(kp::WholeKv* kv, uint64_t id) {
   for (int l = 0; l < kv->L; ++l)
@@ -90,38 +83,20 @@ void fill(kp::WholeKv* kv, uint64_t id) {
     }
 }
 
-// ---- pipes: one message = kind byte, u32 length, bytes ---------------------
+// ---- pipes: perf/common/pipe_msg, one char of type per message -----------
 bool send_msg(int fd, char kind, const void* p, uint32_t n) {
-  return fdio::write_all(fd, &kind, 1) && fdio::write_all(fd, &n, 4) &&
-         (n == 0 || fdio::write_all(fd, p, n));
+  return kp::send_msg(fd, static_cast<uint8_t>(kind), p, n);
 }
 bool read_msg(int fd, char* kind, std::vector<uint8_t>* body, int timeout_ms) {
-  uint32_t n = 0;
-  if (!fdio::read_all(fd, kind, 1, timeout_ms) || !fdio::read_all(fd, &n, 4, timeout_ms))
-    return false;
-  body->resize(n);
-  return n == 0 || fdio::read_all(fd, body->data(), n, timeout_ms);
+  uint32_t t = 0;
+  std::string err;
+  if (!kp::recv_msg(fd, &t, body, timeout_ms, "another process", &err)) return false;
+  *kind = static_cast<char>(t);
+  return true;
 }
 bool readable(int fd) {
   pollfd p{fd, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0;
-}
-
-kvxfer_comm_t make_endpoint(const Options& o, int port, std::vector<uint8_t>* addr) {
-  kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
-  cfg.timeout_ms = o.timeout_ms;
-  cfg.bind_address = "127.0.0.1";
-  cfg.port = port;
-  kvxfer_comm_t ep = nullptr;
-  if (kvxfer_endpoint_create(&ep, &cfg) != KVXFER_SUCCESS) {
-    std::fprintf(stderr, "%s: kvxfer_endpoint_create: %s\n", kTool, kvxfer_get_last_error());
-    return nullptr;
-  }
-  addr->resize(KVXFER_ENDPOINT_ADDRESS_MAX);
-  size_t n = addr->size();
-  kvxfer_endpoint_address(ep, addr->data(), &n);
-  addr->resize(n);
-  return ep;
 }
 
 /** Every process's address: prefill 0..P-1, then decode 0..D-1. */
@@ -155,14 +130,6 @@ struct Peers {
   }
 };
 
-kvxfer_request_config_t by_id(uint64_t id) {
-  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-  rc.page_tokens = kPageTokens;
-  rc.match_by_id = 1;
-  rc.request_id = id;
-  return rc;
-}
-
 // ---------------------------------------------------------------------------
 // Prefill: sends its requests from index `from` on.
 // ---------------------------------------------------------------------------
@@ -173,7 +140,7 @@ int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int
     if (!read_msg(rd, &k, &b, 600000) || k != 'S') return 2;
   }
   std::vector<uint8_t> mine;
-  kvxfer_comm_t ep = make_endpoint(o, port, &mine);
+  kvxfer_comm_t ep = kp::make_endpoint(kTool, o.timeout_ms, port, &mine);
   if (ep == nullptr || !send_msg(wr, 'B', mine.data(), static_cast<uint32_t>(mine.size())))
     return 2;
   char k;
@@ -194,7 +161,7 @@ int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int
   };
   std::deque<Live> live;
   auto post = [&](Live& l) {
-    const kvxfer_request_config_t rc = by_id(static_cast<uint64_t>(l.i));
+    const kvxfer_request_config_t rc = kp::by_id(static_cast<uint64_t>(l.i), kPageTokens);
     const int peer = peers.get(o.prefill + reqs[l.i].d);
     return peer >= 0 && kvxfer_send(ep, peer, &l.kv->desc, nullptr, &rc, &l.r) == KVXFER_SUCCESS;
   };
@@ -253,7 +220,7 @@ struct DecodeReport {
 
 int decode_main(const Options& o, int me, int rd, int wr) {
   std::vector<uint8_t> mine;
-  kvxfer_comm_t ep = make_endpoint(o, 0, &mine);
+  kvxfer_comm_t ep = kp::make_endpoint(kTool, o.timeout_ms, 0, &mine);
   if (ep == nullptr || !send_msg(wr, 'B', mine.data(), static_cast<uint32_t>(mine.size())))
     return 2;
   char k;
@@ -350,13 +317,13 @@ int decode_main(const Options& o, int me, int rd, int wr) {
     }
     Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim),
            p == kKilled && old_p1};
-    const kvxfer_request_config_t rc = by_id(static_cast<uint64_t>(i));
+    const kvxfer_request_config_t rc = kp::by_id(static_cast<uint64_t>(i), kPageTokens);
     const int peer = peers.get(p);
     if (peer < 0 || kvxfer_recv(ep, peer, &l.kv->desc, &rc, &l.r) != KVXFER_SUCCESS) {
       // A post to the killed incarnation, after its death was seen.
       if (l.killed_incarnation) {
         check_coordinator();
-        const int64_t t = now_ns();
+        const int64_t t = kp::mono_ns();
         ++rep.killed_err;
         if (t_kill > 0) rep.max_after_kill_s = std::max(rep.max_after_kill_s, (t - t_kill) * 1e-9);
         continue;
@@ -467,7 +434,7 @@ int main(int argc, char** argv) {
                reinterpret_cast<const uint8_t*>(&n) + 4);
     all.insert(all.end(), body.begin(), body.end());
   }
-  const int64_t t0 = now_ns();
+  const int64_t t0 = kp::mono_ns();
   for (int i = 0; i < nproc; ++i) send_msg(procs[i].to, 'A', all.data(), all.size());
 
   // Count completions; kill and restart prefill 1 at --kill_at.
@@ -509,7 +476,7 @@ int main(int argc, char** argv) {
     if (!killed && done >= o.kill_at) {
       killed = true;
       procs[kKilled].child->kill();
-      t_kill = now_ns();
+      t_kill = kp::mono_ns();
       Proc& again = procs[nproc];
       send_msg(again.to, 'S', nullptr, 0);
       if (!read_msg(again.from, &k, &body, 60000) || k != 'B') return 1;
@@ -537,7 +504,7 @@ int main(int argc, char** argv) {
       send_msg(again.to, 'K', &cut, 4);
     }
   }
-  const double wall_s = (now_ns() - t0) * 1e-9;
+  const double wall_s = (kp::mono_ns() - t0) * 1e-9;
   for (int i = 0; i <= nproc; ++i)
     if (!(i == kKilled)) send_msg(procs[i].to, 'Q', nullptr, 0);
   bool children_ok = true;

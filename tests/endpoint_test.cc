@@ -511,63 +511,67 @@ TEST(Endpoint, SixtyFourRequestsInFlightOverFourPeersAreExact) {
 
 TEST(Endpoint, ConnectsAndDisconnectsRacingWithPostsNeverHangOrCorrupt) {
   Ep a, b;
-  std::atomic<bool> stop{false};
-  std::atomic<int> completed{0}, failed{0}, refused{0};
+  std::atomic<bool> racing{true}, finished{false};
+  int completed = 0, failed = 0, refused = 0;
   const kvxfer_codec_config_t cfg = lynx();
-  // The sender and receiver threads post pairs by id on whatever peer they
-  // have now; a third thread disconnects one side now and then.
-  auto worker = [&](bool sender) {
-    Ep& me = sender ? a : b;
-    const Ep& other = sender ? b : a;
-    PagedKV kv(kL, kHeads, kHd, kT, kBs);
-    kv.fill(42);
-    for (uint64_t id = 1; !stop.load(); ++id) {
+  // A thread disconnects one side or the other at random moments, first 20
+  // times, then every 100 ms until the posts stop (which ends a request whose
+  // partner was refused).  Meanwhile this thread connects and posts pairs by
+  // id, each side on the peer index it has now.
+  std::thread disc([&] {
+    std::mt19937 rng(5);
+    for (int i = 0; !finished.load(); ++i) {
+      if (i == 20) racing = false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(racing ? 20 + rng() % 80 : 100));
+      Ep& side = (rng() & 1) != 0 ? a : b;
+      const Ep& other = &side == &a ? b : a;
       int p = -1;
-      if (kvxfer_endpoint_connect(me.ep, other.addr.data(), other.addr.size(), &p) !=
-          KVXFER_SUCCESS) {
-        ++refused;
-        continue;
-      }
-      const kvxfer_request_config_t rc = by_id(id);
-      kvxfer_request_t r = nullptr;
-      const kvxfer_result_t posted = sender ? kvxfer_send(me.ep, p, &kv.desc, &cfg, &rc, &r)
-                                            : kvxfer_recv(me.ep, p, &kv.desc, &rc, &r);
-      if (posted != KVXFER_SUCCESS) {
-        EXPECT_TRUE(posted == KVXFER_ERR_INVALID_USAGE) << kvxfer_get_last_error();
-        ++refused;
-        continue;
-      }
-      // Ends either way, well within the timeout: never hangs.
-      const kvxfer_result_t w = kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 10000);
-      EXPECT_NE(w, KVXFER_ERR_TIMEOUT) << "id " << id << ": " << kvxfer_get_last_error();
-      (w == KVXFER_SUCCESS ? completed : failed)++;
-      kvxfer_request_free(r);
+      if (kvxfer_endpoint_connect(side.ep, other.addr.data(), other.addr.size(), &p) ==
+          KVXFER_SUCCESS)
+        kvxfer_endpoint_disconnect(side.ep, p);  // INVALID_USAGE if already gone: fine
     }
-  };
-  std::thread ts(worker, true), tr(worker, false);
-  std::mt19937 rng(5);
-  for (int i = 0; i < 20; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50 + rng() % 100));
-    Ep& side = (rng() & 1) != 0 ? a : b;
-    const Ep& other = &side == &a ? b : a;
-    int p = -1;
-    if (kvxfer_endpoint_connect(side.ep, other.addr.data(), other.addr.size(), &p) ==
-        KVXFER_SUCCESS)
-      kvxfer_endpoint_disconnect(side.ep, p);  // INVALID_USAGE if already gone: fine
+  });
+  PagedKV src(kL, kHeads, kHd, kT, kBs);
+  src.fill(42);
+  PagedKV want(kL, kHeads, kHd, kT, kBs);
+  expected_decode(src, cfg, kPageTokens, 0, true, &want);
+  for (uint64_t id = 1; racing.load(); ++id) {
+    int pa = -1, pb = -1;
+    if (kvxfer_endpoint_connect(a.ep, b.addr.data(), b.addr.size(), &pa) != KVXFER_SUCCESS ||
+        kvxfer_endpoint_connect(b.ep, a.addr.data(), a.addr.size(), &pb) != KVXFER_SUCCESS) {
+      ++refused;
+      continue;
+    }
+    PagedKV dst(kL, kHeads, kHd, kT, kBs);
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t r = nullptr, s = nullptr;
+    const kvxfer_result_t pr = kvxfer_recv(b.ep, pb, &dst.desc, &rc, &r);
+    const kvxfer_result_t ps = kvxfer_send(a.ep, pa, &src.desc, &cfg, &rc, &s);
+    for (kvxfer_result_t posted : {pr, ps})  // refused at the call: the peer is gone
+      if (posted != KVXFER_SUCCESS) {
+        EXPECT_EQ(posted, KVXFER_ERR_INVALID_USAGE) << kvxfer_get_last_error();
+        ++refused;
+      }
+    // Each ends, in well under the timeout: never hangs.
+    kvxfer_result_t wr = KVXFER_ERR_INTERNAL, ws = KVXFER_ERR_INTERNAL;
+    if (r != nullptr) wr = kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 15000);
+    if (s != nullptr) ws = kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 15000);
+    for (kvxfer_result_t w : {wr, ws}) EXPECT_NE(w, KVXFER_ERR_TIMEOUT) << "id " << id;
+    if (r != nullptr && wr == KVXFER_SUCCESS) {
+      ++completed;
+      for (int32_t l = 0; l < kL; ++l)
+        for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+          ASSERT_EQ(dst.bytes(l, kind), want.bytes(l, kind)) << "id " << id << " layer " << l;
+    } else if (r != nullptr) {
+      ++failed;
+    }
+    kvxfer_request_free(r);
+    kvxfer_request_free(s);
   }
-  stop = true;
-  // A receive left without its send (the pair split by a disconnect) ends
-  // when the next disconnect comes; make sure one does.
-  for (int k = 0; k < 3; ++k) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    int p = -1;
-    if (kvxfer_endpoint_connect(a.ep, b.addr.data(), b.addr.size(), &p) == KVXFER_SUCCESS)
-      kvxfer_endpoint_disconnect(a.ep, p);
-  }
-  ts.join();
-  tr.join();
-  EXPECT_GT(completed.load(), 0);
-  EXPECT_GT(failed.load() + refused.load(), 0) << "no disconnect hit a request";
+  finished = true;
+  disc.join();
+  EXPECT_GT(completed, 0);
+  EXPECT_GT(failed + refused, 0) << "no disconnect hit a request";
   // And after it all, a clean transfer.
   const int ab = a.connect(b), ba = b.connect(a);
   transfer_exact(a.ep, ab, b.ep, ba, 999999, 7, lynx());
