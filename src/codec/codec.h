@@ -43,6 +43,17 @@ kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfe
                                    void* residual, size_t residual_cap, size_t* residual_len,
                                    int threads = 0);
 
+/**
+ * The encoder cfg->codec needs: encode_page_tiered with `token_tiers` for a
+ * codec with token tiers (codec/page_codec.h), else encode_page (which
+ * ignores them).
+ */
+kvxfer_result_t encode_any_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
+                                const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
+                                void* anchor, size_t anchor_cap, size_t* anchor_len, void* residual,
+                                size_t residual_cap, size_t* residual_len, Impl impl = Impl::AUTO,
+                                int threads = 0);
+
 /** kvxfer_page_get_tiers: the precision map of a validated SpectrumKV anchor section. */
 kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
                                int64_t num_tokens);

@@ -1,7 +1,9 @@
-// Pieces of the page codec shared by the reference path (codec/reference.cc),
-// the fast CPU path (codec/fast*.cc) and, through the same definitions, the
-// CUDA kernels: dtype conversions, the page layout, the per-(chunk, channel)
-// affine normalisation, and the bit stream.
+// Pieces of the page codec below every PageCodec (codec/page_codec.h), shared
+// by the uniform codecs (codec/uniform_codec.cc, their reference and fast CPU
+// paths), the SpectrumKV codec (codec/tiered_format.cc) and, through the same
+// definitions, the CUDA kernels: dtype conversions, the page layout, the
+// per-(chunk, channel) affine normalisation, the bit stream, and the checks
+// of a received page that do not depend on its codec.
 #pragma once
 
 #include <cmath>
@@ -15,6 +17,8 @@
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::codec {
+
+class PageCodec;
 
 // Exact dtype conversions (f32_bits, bits_f32, bf16_to_f32, f32_to_bf16,
 // f16_to_f32, f32_to_f16, f32_to_f16_up), Affine, canonical_minmax,
@@ -94,6 +98,13 @@ kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
 kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                                   const kvxfer_page_layout_t* src, const void* anchor,
                                   size_t* anchor_len, const void* residual, size_t* residual_len);
+
+/**
+ * max_sizes of a validated config: the largest sections of a page of T
+ * tokens and H channels, over the header `codec` widens.
+ */
+void max_section_bytes(const kvxfer_codec_config_t& cfg, int64_t T, int32_t H,
+                       const PageCodec& codec, size_t* anchor_bytes, size_t* residual_bytes);
 
 /** Header fields of a page before any data is seen (flags, sizes and checksums later). */
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
@@ -220,6 +231,7 @@ struct DecodeJob {
  */
 struct DecodePlan {
   PageHeader anchor;
+  const PageCodec* codec = nullptr;  // the anchor header's codec (page_codec)
   PayloadSizes sizes;
   const uint8_t* payload = nullptr;           // anchor payload
   const uint8_t* residual_payload = nullptr;  // nullptr: anchor-only
@@ -231,26 +243,54 @@ struct DecodePlan {
 };
 
 /**
- * Every check decoding makes before it writes (docs/FORMAT.md 4.4): both
- * sections parsed and checksummed, their pairing, the expected identity, the
- * destination's shape against the page, every metadata pair and table entry.
- * Does not touch the destination's blocks (they may be device memory).
- * Shared by the CPU decoder and the CUDA host path.  SpectrumKV pages
- * (codec SPECTRUM) fail with KVXFER_ERR_UNSUPPORTED here: only the CPU
- * decoder, through plan_decode_any, decodes them.
+ * The checks of plan_decode that every codec shares: both sections parsed
+ * and checksummed, their pairing, the expected identity and the destination's
+ * shape against the page (not its blocks).  Sets plan->anchor, sizes and the
+ * payload pointers; plan->codec and the codec's own checks are the caller's.
+ * threads != 1 verifies the two checksums of a page of 1 MiB or more on two
+ * threads.
+ */
+kvxfer_result_t plan_sections(const void* anchor, size_t anchor_len, const void* residual,
+                              size_t residual_len, const kvxfer_page_id_t* expect,
+                              const kvxfer_page_layout_t* dst, DecodePlan* plan, int threads = 1);
+/**
+ * Every check decoding makes before it writes (docs/FORMAT.md 4.4):
+ * plan_sections, then those of the page's codec (PageCodec::plan): every
+ * metadata pair and table entry.  Does not touch the destination's blocks
+ * (they may be device memory).  Shared by the CPU decoder and the CUDA host
+ * path.  Pages of a codec without a GPU decoder (PageCodec::on_device, codec
+ * SPECTRUM) fail with KVXFER_ERR_UNSUPPORTED here: only the CPU decoder,
+ * through plan_decode_any, decodes them.
  */
 kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* residual,
                             size_t residual_len, const kvxfer_page_id_t* expect,
                             const kvxfer_page_layout_t* dst, DecodePlan* plan);
 /**
- * plan_decode for every codec, SPECTRUM included (its checks:
- * plan_spectrum in codec/tiered_format.h).  threads != 1 verifies the two
- * checksums of a page of 1 MiB or more on two threads.  For a SPECTRUM page plan->cb is the
- * INT8 tier's codebook (nullptr for a raw page).
+ * plan_decode for every codec, SPECTRUM included.  threads as for
+ * plan_sections.  For a SPECTRUM page plan->cb is the INT8 tier's codebook
+ * (nullptr for a raw page).
  */
 kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const void* residual,
                                 size_t residual_len, const kvxfer_page_id_t* expect,
                                 const kvxfer_page_layout_t* dst, DecodePlan* plan, int threads = 1);
+/**
+ * Adds the residual section to a plan made from the anchor alone: parses and
+ * checksums it and checks that it belongs to plan->anchor (check_pair).  The
+ * anchor is not parsed again; its bytes must still be where the plan points.
+ */
+kvxfer_result_t plan_residual(DecodePlan* plan, const void* residual, size_t residual_len);
+/**
+ * Decodes a planned page (plan_decode_any, plan_residual) into the host
+ * layout `dst`, which must be the one it was planned for.  decode_page is
+ * plan_decode_any and this.
+ */
+kvxfer_result_t decode_planned(const DecodePlan& plan, const kvxfer_page_layout_t* dst,
+                               Impl impl = Impl::AUTO, int threads = 0);
+/**
+ * get_page_tiers on a planned anchor section (the same checks and errors,
+ * without parsing the section again).
+ */
+kvxfer_result_t plan_page_tiers(const DecodePlan& plan, uint8_t* token_tiers, int64_t num_tokens);
 
 namespace reference {
 /** Plain-loop encoder of quantized pages: the definition of the bytes. */

@@ -13,6 +13,7 @@
 
 #include "codec/codec.h"
 #include "codec/driver.h"
+#include "codec/page_codec.h"
 #include "common/error.h"
 #include "common/log.h"
 
@@ -372,38 +373,11 @@ class SpectrumBackend final : public EncodeBackend {
 
 }  // namespace
 
-kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
-                                   const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
-                                   void* anchor, size_t anchor_cap, size_t* anchor_len,
-                                   void* residual, size_t residual_cap, size_t* residual_len,
-                                   int threads) {
-  KVXFER_CHECK(check_encode_args_common(cfg, id, src, anchor, anchor_len, residual, residual_len));
-  KVXFER_REQUIRE(cfg->codec == KVXFER_CODEC_SPECTRUM,
-                 "token tiers need codec SPECTRUM (4), not codec %d: use kvxfer_page_encode",
-                 static_cast<int>(cfg->codec));
-  const int64_t T = src->num_tokens;
-  KVXFER_REQUIRE(token_tiers != nullptr || T == 0,
-                 "token_tiers is NULL for a page of %" PRId64 " tokens", T);
-  for (int64_t t = 0; t < T; ++t)
-    KVXFER_REQUIRE(token_tiers[t] <= KVXFER_TIER_DROP,
-                   "token_tiers[%" PRId64
-                   "] = %u is not a kvxfer_tier_t (0 FP16, 1 INT8, 2 INT4, "
-                   "3 DROP)",
-                   t, token_tiers[t]);
-  Layout lay;
-  KVXFER_CHECK(validate_layout(src, "source", &lay));  // host blocks: non-NULL too
+namespace {
 
-  SpectrumBackend be(*id, lay, token_tiers, static_cast<uint8_t*>(anchor),
-                     static_cast<uint8_t*>(residual), effective_threads(threads));
-  return encode_with(*cfg, *id, *src, static_cast<uint8_t*>(anchor), anchor_cap, anchor_len,
-                     static_cast<uint8_t*>(residual), residual_cap, residual_len, &be,
-                     effective_threads(threads));
-}
-
-kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
-                               int64_t num_tokens) {
-  PageHeader h;
-  KVXFER_CHECK(parse_section(anchor, anchor_len, &h));  // checksum, counts and map included
+/** Reads the precision map of a parsed anchor section (`payload` after its header). */
+kvxfer_result_t read_tiers(const PageHeader& h, const uint8_t* payload, uint8_t* token_tiers,
+                           int64_t num_tokens) {
   KVXFER_REQUIRE(h.codec == KVXFER_CODEC_SPECTRUM,
                  "section is codec %u, not a SpectrumKV page (codec 4): it has no precision map",
                  h.codec);
@@ -414,10 +388,23 @@ kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* t
     return set_error(KVXFER_ERR_MISMATCH, "page has %llu tokens; the tier array holds %" PRId64,
                      (unsigned long long)h.num_tokens, num_tokens);
   KVXFER_REQUIRE(token_tiers != nullptr || num_tokens == 0, "token_tiers is NULL");
-  const uint8_t* map = static_cast<const uint8_t*>(anchor) + kHeaderBytes + kTierCountBytes;
+  const uint8_t* map = payload + kTierCountBytes;
   for (uint64_t t = 0; t < h.num_tokens; ++t)
     token_tiers[t] = static_cast<uint8_t>(tier_at(map, t));
   return KVXFER_SUCCESS;
+}
+
+}  // namespace
+
+kvxfer_result_t get_page_tiers(const void* anchor, size_t anchor_len, uint8_t* token_tiers,
+                               int64_t num_tokens) {
+  PageHeader h;
+  KVXFER_CHECK(parse_section(anchor, anchor_len, &h));  // checksum, counts and map included
+  return read_tiers(h, static_cast<const uint8_t*>(anchor) + kHeaderBytes, token_tiers, num_tokens);
+}
+
+kvxfer_result_t plan_page_tiers(const DecodePlan& plan, uint8_t* token_tiers, int64_t num_tokens) {
+  return read_tiers(plan.anchor, plan.payload, token_tiers, num_tokens);
 }
 
 kvxfer_result_t plan_spectrum(DecodePlan* plan) {
@@ -565,6 +552,66 @@ void decode_spectrum(const DecodePlan& plan, const Layout& dst, int threads) {
     std::vector<Affine> aff(static_cast<size_t>(H));
     for (int64_t k = 0; k < chunks; ++k) run_chunk(k, r8a, r8r, r4, aff);
   }
+}
+
+namespace {
+
+/** SpectrumKV pages (codec SPECTRUM): a precision tier per token. */
+class TieredCodec final : public PageCodec {
+ public:
+  const char* name() const override { return "SPECTRUM"; }
+  bool token_tiers() const override { return true; }
+  bool on_device() const override { return false; }
+  bool has_residual() const override { return true; }
+  bool value_groups() const override { return false; }
+
+  kvxfer_result_t check_config(const kvxfer_codec_config_t& cfg) const override {
+    // anchor_bits is the INT8 tier's split (docs/FORMAT.md 6.2); alpha is unused.
+    KVXFER_REQUIRE(cfg.anchor_bits >= 2 && cfg.anchor_bits <= 6,
+                   "codec config: anchor_bits %d must be 2..6 for SPECTRUM (its int8 tier's split)",
+                   cfg.anchor_bits);
+    return KVXFER_SUCCESS;
+  }
+
+  // Every token FP16 is the largest page (docs/FORMAT.md 6.3).
+  void widen_max_header(PageHeader* h) const override {
+    h->tiers[KVXFER_TIER_FP16] = h->num_tokens;
+  }
+
+  kvxfer_result_t encode(const EncodeCall& c) const override {
+    const int64_t T = c.src->num_tokens;
+    const uint8_t* token_tiers = c.token_tiers;
+    KVXFER_REQUIRE(token_tiers != nullptr || T == 0,
+                   "token_tiers is NULL for a page of %" PRId64 " tokens", T);
+    for (int64_t t = 0; t < T; ++t)
+      KVXFER_REQUIRE(token_tiers[t] <= KVXFER_TIER_DROP,
+                     "token_tiers[%" PRId64
+                     "] = %u is not a kvxfer_tier_t (0 FP16, 1 INT8, 2 INT4, "
+                     "3 DROP)",
+                     t, token_tiers[t]);
+    Layout lay;
+    KVXFER_CHECK(validate_layout(c.src, "source", &lay));  // host blocks: non-NULL too
+
+    const int threads = effective_threads(c.threads);
+    SpectrumBackend be(*c.id, lay, token_tiers, static_cast<uint8_t*>(c.anchor),
+                       static_cast<uint8_t*>(c.residual), threads);
+    return encode_with(*c.cfg, *c.id, *c.src, static_cast<uint8_t*>(c.anchor), c.anchor_cap,
+                       c.anchor_len, static_cast<uint8_t*>(c.residual), c.residual_cap,
+                       c.residual_len, &be, threads);
+  }
+
+  kvxfer_result_t plan(DecodePlan* plan) const override { return plan_spectrum(plan); }
+
+  void decode(const DecodePlan& plan, const Layout& dst, Impl, int threads) const override {
+    decode_spectrum(plan, dst, threads);
+  }
+};
+
+}  // namespace
+
+const PageCodec* tiered_codec() {
+  static const TieredCodec codec;
+  return &codec;
 }
 
 }  // namespace kvxfer::codec
