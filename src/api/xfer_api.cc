@@ -14,6 +14,7 @@
 #include "common/error.h"
 #include "common/params.h"
 #include "common/struct_abi.h"
+#include "tiers/spectrum_impl.h"
 #include "transport/bootstrap.h"
 #include "xfer/device.h"
 #include "xfer/endpoint.h"
@@ -269,11 +270,8 @@ kvxfer_result_t kvxfer_send_spectrum(kvxfer_comm_t comm, int peer, const kvxfer_
                                      const float* importance, const kvxfer_request_config_t* config,
                                      kvxfer_request_t* request) {
   return kvxfer::api_call(__func__, [&] {
-    kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
-    cc.codec = KVXFER_CODEC_SPECTRUM;
-    if (codec != nullptr) KVXFER_CHECK(kvxfer::read_struct(codec, &cc));
-    KVXFER_REQUIRE(cc.codec == KVXFER_CODEC_SPECTRUM,
-                   "kvxfer_send_spectrum needs codec KVXFER_CODEC_SPECTRUM (or a NULL codec)");
+    kvxfer_codec_config_t cc;
+    KVXFER_CHECK(kvxfer::spectrum::send_codec_config(codec, &cc));
     const kvxfer::xfer::SpectrumArgs sa{policy, importance};
     return post(true, comm, peer, kv, &cc, config, request, &sa);
   });

@@ -36,6 +36,7 @@
 #include "codec/codec.h"
 #include "codec/format.h"
 #include "codec/kv_desc.h"
+#include "codec/page_codec.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"
@@ -980,11 +981,12 @@ kvxfer_result_t validate_op(const kvxfer_nccl_op_t* op, int index, int nranks, i
                        "op %d: alpha=auto is not available on the GPU path; calibrate on the host "
                        "(kvxfer_codec_calibrate_alpha) and pass the chosen alpha",
                        index);
-    if (cc.codec == KVXFER_CODEC_SPECTRUM)
+    const codec::PageCodec* pc = codec::page_codec(cc.codec);
+    if (pc != nullptr && !pc->on_device())
       return set_error(KVXFER_ERR_UNSUPPORTED,
-                       "op %d: codec SPECTRUM has no GPU encoder; the NCCL backend moves device "
+                       "op %d: codec %s has no GPU encoder; the NCCL backend moves device "
                        "KV only (use kvxfer_send_spectrum from host memory)",
-                       index);
+                       index, pc->name());
     const kvxfer_result_t v = codec::validate_config(&cc);
     if (v < 0) return set_error(v, "op %d: %s", index, last_error());
     const int32_t op_mode = c_enum_value(op->mode);

@@ -289,4 +289,14 @@ kvxfer_result_t assign(const kvxfer_spectrum_config_t* c, int64_t n, const float
   return KVXFER_SUCCESS;
 }
 
+kvxfer_result_t send_codec_config(const kvxfer_codec_config_t* codec, kvxfer_codec_config_t* out) {
+  kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cc.codec = KVXFER_CODEC_SPECTRUM;
+  if (codec != nullptr) KVXFER_CHECK(read_struct(codec, &cc));
+  KVXFER_REQUIRE(cc.codec == KVXFER_CODEC_SPECTRUM,
+                 "kvxfer_send_spectrum needs codec KVXFER_CODEC_SPECTRUM (or a NULL codec)");
+  *out = cc;
+  return KVXFER_SUCCESS;
+}
+
 }  // namespace kvxfer::spectrum

@@ -58,6 +58,13 @@ std::vector<int64_t> importance_order(const float* importance, int64_t begin, in
 kvxfer_result_t assign(const kvxfer_spectrum_config_t* c, int64_t n, const float* importance,
                        uint8_t* tiers);
 
+/**
+ * The codec config of kvxfer_send_spectrum in *out: `codec` made whole
+ * (common/struct_abi.h), or with `codec` NULL the defaults with codec
+ * SPECTRUM.  Errors: INVALID_ARGUMENT (another codec, or a bad struct).
+ */
+kvxfer_result_t send_codec_config(const kvxfer_codec_config_t* codec, kvxfer_codec_config_t* out);
+
 kvxfer_result_t run_probe(const kvxfer_spectrum_config_t* base, kvxfer_spectrum_trial_fn trial,
                           void* user_data, int32_t* allow_int4, int32_t* passed, int32_t* run);
 

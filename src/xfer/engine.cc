@@ -6,7 +6,9 @@
 #include <map>
 #include <string>
 
+#include "codec/page_codec.h"
 #include "common/struct_abi.h"
+#include "tiers/spectrum_impl.h"
 #include "xfer/engine_impl.h"
 
 namespace kvxfer::xfer {
@@ -172,7 +174,7 @@ kvxfer_result_t request_tiers(const Request& r, uint8_t* tiers, int64_t num_toke
   if (!r.is_send && r.stage != KVXFER_STAGE_ANCHOR_READY && r.stage != KVXFER_STAGE_COMPLETE)
     return set_error(KVXFER_ERR_INVALID_USAGE,
                      "the tiers are known once the request is ANCHOR_READY (it is not yet)");
-  if (r.codec != KVXFER_CODEC_SPECTRUM)
+  if (!codec::page_codec(r.codec)->token_tiers())
     return set_error(KVXFER_ERR_INVALID_USAGE,
                      "the request's codec is not SPECTRUM: every token has the codec's precision");
   if (num_tokens > 0) std::memcpy(tiers, r.tiers.data(), static_cast<size_t>(num_tokens));
@@ -435,12 +437,12 @@ kvxfer_result_t spectrum_tiers(Request& r, const kvxfer_kv_desc_t* kv, const Spe
       for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
         pages.push_back(page_layout(r, {l, k, 0, n}));
     norm.resize(static_cast<size_t>(n));
-    const kvxfer_result_t rc = kvxfer_spectrum_importance_from_kv(
+    const kvxfer_result_t rc = spectrum::importance_from_kv(
         pages.data(), static_cast<int32_t>(pages.size()), policy.lambda, norm.data());
     if (rc < 0) return set_error(rc, "SpectrumKV importance from the KV norm: %s", last_error());
     importance = norm.data();
   }
-  const kvxfer_result_t rc = kvxfer_spectrum_assign(&policy, n, importance, r.tiers.data());
+  const kvxfer_result_t rc = spectrum::assign(&policy, n, importance, r.tiers.data());
   if (rc < 0) return set_error(rc, "SpectrumKV policy: %s", last_error());
   return KVXFER_SUCCESS;
 }
@@ -500,7 +502,8 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     if (kv->device >= 0)
       return set_error(KVXFER_ERR_UNSUPPORTED,
                        "stream_layers is not available for KV on a CUDA device");
-    const bool spectrum_codec = codec != nullptr && codec->codec == KVXFER_CODEC_SPECTRUM;
+    const codec::PageCodec* pc = codec != nullptr ? codec::page_codec(codec->codec) : nullptr;
+    const bool spectrum_codec = pc != nullptr && pc->token_tiers();
     const bool auto_alpha =
         codec != nullptr && codec->codec == KVXFER_CODEC_LYNX && codec->alpha == KVXFER_ALPHA_AUTO;
     if (spectrum_codec || auto_alpha || spectrum != nullptr)
@@ -551,7 +554,7 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
     const kvxfer_mode_t mode = resolve_mode(rc.mode, cc);
     KVXFER_REQUIRE(!(mode == KVXFER_MODE_PROGRESSIVE && cc.codec == KVXFER_CODEC_BF16),
                    "BF16 passthrough has no residual: use MONOLITHIC or AUTO mode");
-    if (cc.codec == KVXFER_CODEC_SPECTRUM) KVXFER_CHECK(spectrum_tiers(*r, kv, spectrum));
+    if (codec::page_codec(cc.codec)->token_tiers()) KVXFER_CHECK(spectrum_tiers(*r, kv, spectrum));
     if (kv->device >= 0 && cc.codec == KVXFER_CODEC_LYNX && cc.alpha == KVXFER_ALPHA_AUTO)
       return set_error(KVXFER_ERR_UNSUPPORTED,
                        "alpha=auto is not available for KV on a CUDA device: calibrate on a host "

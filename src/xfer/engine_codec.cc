@@ -1,5 +1,6 @@
 // The codec threads of the engine (engine.h): encode pages, decode them into
 // the receiver's blocks, highest priority first.
+#include "codec/page_codec.h"
 #include "xfer/engine_impl.h"
 
 namespace kvxfer::xfer {
@@ -78,13 +79,10 @@ void Engine::Impl::run_job(Job& j) {
       if (r.device >= 0) {  // serialised per device by the codec (process-wide)
         d.rc = xfer::device_codec()->encode(r.device, r.ready.get(), &cc, &id, &src, j.a, j.a_cap,
                                             &d.a_len, j.r, j.r_cap, &d.r_len);
-      } else if (cc.codec == KVXFER_CODEC_SPECTRUM) {
-        d.rc = codec::encode_page_tiered(&cc, &id, &src,
-                                         r.tiers.data() + static_cast<size_t>(j.ref.token_begin),
-                                         j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len, 1);
-      } else {
-        d.rc = codec::encode_page(&cc, &id, &src, j.a, j.a_cap, &d.a_len, j.r, j.r_cap, &d.r_len,
-                                  codec::Impl::AUTO, 1);
+      } else {  // a codec with token tiers (SpectrumKV) reads those of the page's tokens
+        d.rc = codec::encode_any_page(
+            &cc, &id, &src, r.tiers.data() + static_cast<size_t>(j.ref.token_begin), j.a, j.a_cap,
+            &d.a_len, j.r, j.r_cap, &d.r_len, codec::Impl::AUTO, 1);
       }
       if (d.rc < 0) {
         d.error = strprintf("encoding the %s failed: %s", page_name(j.ref).c_str(), last_error());
@@ -117,10 +115,10 @@ void Engine::Impl::run_job(Job& j) {
     } else if (d.rc == KVXFER_SUCCESS) {
       d.rc = codec::decode_page(a, a_len, res, r_len, &id, &dst, codec::Impl::AUTO, 1);
     }
-    // SpectrumKV: the tiers of the request's tokens, from the layer-0 K
-    // pages' precision maps (the same for every layer, K and V).
+    // Token tiers (SpectrumKV): those of the request's tokens, from the
+    // layer-0 K pages' precision maps (the same for every layer, K and V).
     if (d.rc == KVXFER_SUCCESS && j.kind != JobKind::kDecodeFull && j.ref.layer == 0 &&
-        j.ref.kind == KVXFER_KV_KEY && r.work->codec.codec == KVXFER_CODEC_SPECTRUM)
+        j.ref.kind == KVXFER_KV_KEY && codec::page_codec(r.work->codec.codec)->token_tiers())
       d.rc = codec::get_page_tiers(
           a, a_len, r.tiers.data() + static_cast<size_t>(j.ref.token_begin), j.ref.num_tokens);
     if (d.rc < 0)

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "codec/format.h"
+#include "codec/page_codec.h"
 #include "common/error.h"
 
 namespace kvxfer::xfer {
@@ -105,7 +106,7 @@ kvxfer_result_t decode_desc(const uint8_t* buf, size_t len, Desc* out) {
   d.dtype = static_cast<kvxfer_dtype_t>(dtype);
   d.num_tokens = get<int64_t>(p);
   d.codec = KVXFER_CODEC_CONFIG_INITIALIZER;
-  KVXFER_CHECK(enum_field("codec", KVXFER_CODEC_SPECTRUM, &codec));
+  KVXFER_CHECK(enum_field("codec", codec::kLastCodec, &codec));
   d.codec.codec = static_cast<kvxfer_codec_t>(codec);
   d.codec.alpha = get<float>(p);
   d.codec.chunk_tokens = get<int32_t>(p);
@@ -153,11 +154,13 @@ kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer) {
     return set_error(KVXFER_ERR_MISMATCH,
                      "descriptor mismatch: dtype is %s on the sender and %s on the receiver",
                      codec::dtype_name(s.dtype), codec::dtype_name(r.dtype));
-  if (s.codec.codec == KVXFER_CODEC_SPECTRUM && r.on_device && s.num_tokens > 0)
+  const codec::PageCodec* sent = codec::page_codec(s.codec.codec);
+  if (sent != nullptr && !sent->on_device() && r.on_device && s.num_tokens > 0)
     return set_error(KVXFER_ERR_UNSUPPORTED,
-                     "the sender's codec is SPECTRUM, which has no GPU decoder, and the "
+                     "the sender's codec is %s, which has no GPU decoder, and the "
                      "receiver's KV is on a CUDA device: receive into host memory or use "
-                     "another codec");
+                     "another codec",
+                     sent->name());
   if (s.codec.value_groups != KVXFER_VALUE_GROUPS_CHANNEL && r.on_device && s.num_tokens > 0)
     return set_error(KVXFER_ERR_UNSUPPORTED,
                      "the sender's value_groups is %s, which may send token-grouped V pages, and "
@@ -241,9 +244,8 @@ kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_
 
 kvxfer_mode_t resolve_mode(kvxfer_mode_t requested, const kvxfer_codec_config_t& codec) {
   if (requested != KVXFER_MODE_AUTO) return requested;
-  const bool split = codec.codec == KVXFER_CODEC_LYNX || codec.codec == KVXFER_CODEC_INT8 ||
-                     codec.codec == KVXFER_CODEC_SPECTRUM;
-  return split ? KVXFER_MODE_PROGRESSIVE : KVXFER_MODE_MONOLITHIC;
+  const codec::PageCodec* pc = codec::page_codec(codec.codec);
+  return pc != nullptr && pc->has_residual() ? KVXFER_MODE_PROGRESSIVE : KVXFER_MODE_MONOLITHIC;
 }
 
 }  // namespace kvxfer::xfer
