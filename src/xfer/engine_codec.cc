@@ -110,17 +110,29 @@ void Engine::Impl::run_job(Job& j) {
       res = j.r;
       r_len = j.r_len;
     }
+    std::unique_ptr<codec::DecodePlan> plan;
     if (d.rc == KVXFER_SUCCESS && r.device >= 0) {  // serialised per device by the codec
       d.rc = xfer::device_codec()->decode(r.device, a, a_len, res, r_len, &id, &dst);
+    } else if (d.rc == KVXFER_SUCCESS && j.plan != nullptr) {
+      // The residual step: the anchor section was parsed and checked by the
+      // anchor step, whose plan this is; only the residual is new.
+      d.rc = codec::plan_residual(j.plan.get(), res, r_len);
+      if (d.rc == KVXFER_SUCCESS) d.rc = codec::decode_planned(*j.plan, &dst, codec::Impl::AUTO, 1);
     } else if (d.rc == KVXFER_SUCCESS) {
-      d.rc = codec::decode_page(a, a_len, res, r_len, &id, &dst, codec::Impl::AUTO, 1);
+      plan = std::make_unique<codec::DecodePlan>();
+      d.rc = codec::plan_decode_any(a, a_len, res, r_len, &id, &dst, plan.get(), 1);
+      if (d.rc == KVXFER_SUCCESS) d.rc = codec::decode_planned(*plan, &dst, codec::Impl::AUTO, 1);
     }
     // Token tiers (SpectrumKV): those of the request's tokens, from the
     // layer-0 K pages' precision maps (the same for every layer, K and V).
     if (d.rc == KVXFER_SUCCESS && j.kind != JobKind::kDecodeFull && j.ref.layer == 0 &&
-        j.ref.kind == KVXFER_KV_KEY && codec::page_codec(r.work->codec.codec)->token_tiers())
-      d.rc = codec::get_page_tiers(
-          a, a_len, r.tiers.data() + static_cast<size_t>(j.ref.token_begin), j.ref.num_tokens);
+        j.ref.kind == KVXFER_KV_KEY && codec::page_codec(r.work->codec.codec)->token_tiers()) {
+      uint8_t* tiers = r.tiers.data() + static_cast<size_t>(j.ref.token_begin);
+      d.rc = plan != nullptr ? codec::plan_page_tiers(*plan, tiers, j.ref.num_tokens)
+                             : codec::get_page_tiers(a, a_len, tiers, j.ref.num_tokens);
+    }
+    // The anchor step's plan goes to the page's residual step (queue_full).
+    if (d.rc == KVXFER_SUCCESS && j.kind == JobKind::kDecodeAnchor) d.plan = std::move(plan);
     if (d.rc < 0)
       d.error = strprintf("the %s failed to decode: %s", page_name(j.ref).c_str(), last_error());
   }
@@ -157,6 +169,7 @@ void Engine::Impl::queue_full(const std::shared_ptr<Request>& r, size_t page) {
   j.a_len = p.a_len;
   j.r = p.staging.get();
   j.r_len = p.r_len;
+  j.plan = std::move(p.plan);
   queue_job(std::move(j));
 }
 

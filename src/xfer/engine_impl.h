@@ -55,6 +55,8 @@ struct PageState {
   bool anchor_applied = false;  // receiver
   bool residual_arrived = false;
   std::unique_ptr<uint8_t[]> staging;  // receiver: the residual section
+  // Receiver: the anchor section as its decode parsed it, for the residual step.
+  std::unique_ptr<codec::DecodePlan> plan;
 };
 
 struct Work {
@@ -127,6 +129,7 @@ struct Job {
   uint8_t* r = nullptr;  // sender: residual slot; receiver: residual section
   size_t r_len = 0, r_cap = 0;
   bool monolithic = false;
+  std::unique_ptr<codec::DecodePlan> plan;  // kDecodeFull: the anchor step's (may be null)
 };
 
 struct JobDone {
@@ -137,6 +140,7 @@ struct JobDone {
   std::string error;
   size_t a_len = 0, r_len = 0;
   bool skipped = false;
+  std::unique_ptr<codec::DecodePlan> plan;  // kDecodeAnchor on the host: for the residual step
 };
 
 enum class OpKind {

@@ -914,6 +914,7 @@ void Engine::Impl::on_job_done(JobDone& d) {
     }
     case JobKind::kDecodeAnchor: {
       p.anchor_applied = true;
+      p.plan = std::move(d.plan);
       w.anchors_remaining--;
       anchors_unapplied--;
       bool all;
