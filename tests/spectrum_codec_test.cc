@@ -15,6 +15,7 @@
 #include <limits>
 #include <random>
 
+#include "codec/page_codec.h"
 #include "codec/tiered_format.h"
 #include "test_util.h"
 

@@ -1,6 +1,7 @@
 // Fast CPU page codec: chunks in parallel (OpenMP), rows through SIMD row
 // kernels, table lookups instead of threshold searches.  Produces the same
 // bytes as codec/reference.cc (tests/codec_test.cc checks it exhaustively).
+// resolve_impl picks the path for this CPU.
 #include "codec/fast.h"
 
 #include <cpuid.h>
@@ -11,6 +12,9 @@
 #include <atomic>
 #include <mutex>
 #include <vector>
+
+#include "common/error.h"
+#include "common/params.h"
 
 namespace kvxfer::codec::fast {
 
@@ -469,3 +473,34 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
 }
 
 }  // namespace kvxfer::codec::fast
+
+namespace kvxfer::codec {
+
+kvxfer_result_t resolve_impl(Impl requested, Impl* out) {
+  Impl impl = requested;
+  if (impl == Impl::AUTO) {
+    switch (params::CodecImpl()) {
+      case params::CodecPath::kAuto: impl = Impl::AUTO; break;
+      case params::CodecPath::kAvx2: impl = Impl::AVX2; break;
+      case params::CodecPath::kAvx512: impl = Impl::AVX512; break;
+      case params::CodecPath::kScalar: impl = Impl::SCALAR; break;
+      case params::CodecPath::kReference: impl = Impl::REFERENCE; break;
+    }
+    if (impl == Impl::AUTO)
+      impl = fast::cpu_has_avx512() ? Impl::AVX512
+             : fast::cpu_has_avx2() ? Impl::AVX2
+                                    : Impl::SCALAR;
+  }
+  if (impl == Impl::AVX2 && !fast::cpu_has_avx2())
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "the AVX2 codec path was requested but this CPU "
+                     "lacks AVX2/F16C");
+  if (impl == Impl::AVX512 && !fast::cpu_has_avx512())
+    return set_error(KVXFER_ERR_UNSUPPORTED,
+                     "the AVX-512 codec path was requested but this CPU "
+                     "lacks AVX-512 F/BW/VL/DQ");
+  *out = impl;
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace kvxfer::codec

@@ -8,8 +8,6 @@
 #include <cstring>
 #include <vector>
 
-#include "codec/fast.h"
-#include "codec/page_codec.h"
 #include "common/error.h"
 #include "common/params.h"
 
@@ -109,33 +107,6 @@ bool find_nonfinite(const Layout& src, int64_t T, int32_t H, int64_t* t, int32_t
   return false;
 }
 
-kvxfer_result_t resolve_impl(Impl requested, Impl* out) {
-  Impl impl = requested;
-  if (impl == Impl::AUTO) {
-    switch (params::CodecImpl()) {
-      case params::CodecPath::kAuto: impl = Impl::AUTO; break;
-      case params::CodecPath::kAvx2: impl = Impl::AVX2; break;
-      case params::CodecPath::kAvx512: impl = Impl::AVX512; break;
-      case params::CodecPath::kScalar: impl = Impl::SCALAR; break;
-      case params::CodecPath::kReference: impl = Impl::REFERENCE; break;
-    }
-    if (impl == Impl::AUTO)
-      impl = fast::cpu_has_avx512() ? Impl::AVX512
-             : fast::cpu_has_avx2() ? Impl::AVX2
-                                    : Impl::SCALAR;
-  }
-  if (impl == Impl::AVX2 && !fast::cpu_has_avx2())
-    return set_error(KVXFER_ERR_UNSUPPORTED,
-                     "the AVX2 codec path was requested but this CPU "
-                     "lacks AVX2/F16C");
-  if (impl == Impl::AVX512 && !fast::cpu_has_avx512())
-    return set_error(KVXFER_ERR_UNSUPPORTED,
-                     "the AVX-512 codec path was requested but this CPU "
-                     "lacks AVX-512 F/BW/VL/DQ");
-  *out = impl;
-  return KVXFER_SUCCESS;
-}
-
 kvxfer_result_t check_section_caps(const PageHeader& h, size_t anchor_cap, size_t residual_cap) {
   const PayloadSizes s = payload_sizes(h);
   if (anchor_cap < kHeaderBytes + s.anchor_payload() ||
@@ -191,14 +162,16 @@ int effective_threads(int threads) {
   return p > 0 ? static_cast<int>(p) : 0;  // 0: OpenMP default (one per core)
 }
 
-void max_section_bytes(const kvxfer_codec_config_t& cfg, int64_t T, int32_t H,
-                       const PageCodec& codec, size_t* anchor_bytes, size_t* residual_bytes) {
+PageHeader max_header(const kvxfer_codec_config_t& cfg, int64_t T, int32_t H) {
   kvxfer_page_id_t id{};      // token_begin 0: the most sink rows
   id.kind = KVXFER_KV_VALUE;  // V: the kind whose grouping may change
   kvxfer_codec_config_t channel = cfg;
   channel.value_groups = KVXFER_VALUE_GROUPS_CHANNEL;
-  PageHeader h = make_header(channel, id, T, H, KVXFER_DTYPE_FP32);
-  codec.widen_max_header(&h);
+  return make_header(channel, id, T, H, KVXFER_DTYPE_FP32);
+}
+
+void max_section_bytes(const kvxfer_codec_config_t& cfg, PageHeader h, size_t* anchor_bytes,
+                       size_t* residual_bytes) {
   if (cfg.codec != KVXFER_CODEC_BF16) h.flags = FLAG_META_FP32;
   PayloadSizes s = payload_sizes(h);
   uint64_t anchor = s.anchor_payload();

@@ -84,27 +84,18 @@ kvxfer_result_t validate_layout_shape(const kvxfer_page_layout_t* l, const char*
 kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out);
 
 /**
- * The argument checks of every page encoder (CPU and CUDA host path): sets
- * both lengths to 0 first, then validates config, id, buffers and the layout's
- * shape (not its block pointers, which may be device memory).
- * check_encode_args also refuses codec SPECTRUM, which needs token tiers
- * (encode_page_tiered); check_encode_args_common does not.
+ * The header max_sizes starts from: a V page of T x H at token 0 (the most
+ * sink rows) from an fp32 source, channel groups.  Its codec may widen it
+ * (PageCodec::widen_max_header).
  */
-kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
-                                         const kvxfer_page_id_t* id,
-                                         const kvxfer_page_layout_t* src, const void* anchor,
-                                         size_t* anchor_len, const void* residual,
-                                         size_t* residual_len);
-kvxfer_result_t check_encode_args(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
-                                  const kvxfer_page_layout_t* src, const void* anchor,
-                                  size_t* anchor_len, const void* residual, size_t* residual_len);
+PageHeader max_header(const kvxfer_codec_config_t& cfg, int64_t T, int32_t H);
 
 /**
- * max_sizes of a validated config: the largest sections of a page of T
- * tokens and H channels, over the header `codec` widens.
+ * max_sizes of a validated config over `h` (max_header, widened): the
+ * largest sections of any page of its shape.
  */
-void max_section_bytes(const kvxfer_codec_config_t& cfg, int64_t T, int32_t H,
-                       const PageCodec& codec, size_t* anchor_bytes, size_t* residual_bytes);
+void max_section_bytes(const kvxfer_codec_config_t& cfg, PageHeader h, size_t* anchor_bytes,
+                       size_t* residual_bytes);
 
 /** Header fields of a page before any data is seen (flags, sizes and checksums later). */
 PageHeader make_header(const kvxfer_codec_config_t& cfg, const kvxfer_page_id_t& id, int64_t T,
@@ -253,45 +244,6 @@ struct DecodePlan {
 kvxfer_result_t plan_sections(const void* anchor, size_t anchor_len, const void* residual,
                               size_t residual_len, const kvxfer_page_id_t* expect,
                               const kvxfer_page_layout_t* dst, DecodePlan* plan, int threads = 1);
-/**
- * Every check decoding makes before it writes (docs/FORMAT.md 4.4):
- * plan_sections, then those of the page's codec (PageCodec::plan): every
- * metadata pair and table entry.  Does not touch the destination's blocks
- * (they may be device memory).  Shared by the CPU decoder and the CUDA host
- * path.  Pages of a codec without a GPU decoder (PageCodec::on_device, codec
- * SPECTRUM) fail with KVXFER_ERR_UNSUPPORTED here: only the CPU decoder,
- * through plan_decode_any, decodes them.
- */
-kvxfer_result_t plan_decode(const void* anchor, size_t anchor_len, const void* residual,
-                            size_t residual_len, const kvxfer_page_id_t* expect,
-                            const kvxfer_page_layout_t* dst, DecodePlan* plan);
-/**
- * plan_decode for every codec, SPECTRUM included.  threads as for
- * plan_sections.  For a SPECTRUM page plan->cb is the INT8 tier's codebook
- * (nullptr for a raw page).
- */
-kvxfer_result_t plan_decode_any(const void* anchor, size_t anchor_len, const void* residual,
-                                size_t residual_len, const kvxfer_page_id_t* expect,
-                                const kvxfer_page_layout_t* dst, DecodePlan* plan, int threads = 1);
-/**
- * Adds the residual section to a plan made from the anchor alone: parses and
- * checksums it and checks that it belongs to plan->anchor (check_pair).  The
- * anchor is not parsed again; its bytes must still be where the plan points.
- */
-kvxfer_result_t plan_residual(DecodePlan* plan, const void* residual, size_t residual_len);
-/**
- * Decodes a planned page (plan_decode_any, plan_residual) into the host
- * layout `dst`, which must be the one it was planned for.  decode_page is
- * plan_decode_any and this.
- */
-kvxfer_result_t decode_planned(const DecodePlan& plan, const kvxfer_page_layout_t* dst,
-                               Impl impl = Impl::AUTO, int threads = 0);
-/**
- * get_page_tiers on a planned anchor section (the same checks and errors,
- * without parsing the section again).
- */
-kvxfer_result_t plan_page_tiers(const DecodePlan& plan, uint8_t* token_tiers, int64_t num_tokens);
-
 namespace reference {
 /** Plain-loop encoder of quantized pages: the definition of the bytes. */
 EncodeStatus encode(const EncodeJob& job);

@@ -54,7 +54,9 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
                  "num_tokens %" PRId64 " outside [0, 2^32]", T);
   KVXFER_REQUIRE(H >= 1 && static_cast<uint32_t>(H) <= kMaxChannels,
                  "num_channels %d outside [1, %u]", H, kMaxChannels);
-  max_section_bytes(*cfg, T, H, *page_codec(cfg->codec), anchor_bytes, residual_bytes);
+  PageHeader h = max_header(*cfg, T, H);
+  page_codec(cfg->codec)->widen_max_header(&h);
+  max_section_bytes(*cfg, h, anchor_bytes, residual_bytes);
   return KVXFER_SUCCESS;
 }
 

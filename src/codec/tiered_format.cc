@@ -1,8 +1,9 @@
-// SpectrumKV pages: encoder, precision-map reader and decoder
-// (docs/FORMAT.md section 6).  Plain loops in token order, chunks in parallel
-// (OpenMP) when every token starts on a byte boundary of its streams; the
-// quantizers are the INT8 and INT4 codebooks (codebook.h), the normalisation
-// and conversions codec_math.h.
+// SpectrumKV pages, the PageCodec of codec SPECTRUM (codec/page_codec.h):
+// encoder, precision-map reader and decoder (docs/FORMAT.md section 6).
+// Plain loops in token order, chunks in parallel (OpenMP) when every token
+// starts on a byte boundary of its streams; the quantizers are the INT8 and
+// INT4 codebooks (codebook.h), the normalisation and conversions
+// codec_math.h.
 #include "codec/tiered_format.h"
 
 #include <omp.h>

@@ -343,7 +343,9 @@ kvxfer_value_groups_t choose_value_groups(const PageCodec& codec, const kvxfer_c
     kvxfer_codec_config_t c = cfg;
     c.value_groups = g == 0 ? KVXFER_VALUE_GROUPS_CHANNEL : KVXFER_VALUE_GROUPS_TOKEN;
     size_t acap = 0, rcap = 0, alen = 0, rlen = 0;
-    max_section_bytes(c, T, H, codec, &acap, &rcap);
+    PageHeader widest = max_header(c, T, H);
+    codec.widen_max_header(&widest);
+    max_section_bytes(c, widest, &acap, &rcap);
     std::vector<uint8_t> a(acap), r(rcap);
     DecodePlan plan;
     Layout out_lay;

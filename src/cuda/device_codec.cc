@@ -20,6 +20,7 @@
 #include "codec/codec.h"
 #include "codec/driver.h"
 #include "codec/page.h"
+#include "codec/page_codec.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "cuda/cuda_check.h"
