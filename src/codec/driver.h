@@ -4,8 +4,9 @@
 // range does not fit, the non-finite policy (an error naming the element, or
 // the lossless raw page), the BF16 passthrough, the capacity checks and the
 // seal.  A backend only produces payload bytes where it keeps them: the CPU
-// paths (codec/page.cc) in the caller's host sections, the CUDA kernels
-// (src/cuda/device_codec.cc) in device scratch copied back by finish().
+// paths (codec/uniform_codec.cc, codec/tiered_format.cc) in the caller's host
+// sections, the CUDA kernels (src/cuda/device_codec.cc) in device scratch
+// copied back by finish().
 #pragma once
 
 #include <cstddef>

@@ -25,7 +25,7 @@ namespace kvxfer::params {
   X(LOG_WARN, WARN)          \
   X(LOG_INFO, INFO)          \
   X(LOG_TRACE, TRACE)
-/** KVXFER_CODEC_IMPL: the CPU codec path (codec/page.cc maps it to codec::Impl). */
+/** KVXFER_CODEC_IMPL: the CPU codec path (resolve_impl in codec/fast.cc maps it to codec::Impl). */
 #define KVXFER_CODEC_PATHS(X) \
   X(kAuto, auto)              \
   X(kAvx2, avx2)              \

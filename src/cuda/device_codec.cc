@@ -1,5 +1,5 @@
 // Host side of the GPU page codec: codebook upload, scratch, the page-level
-// encode/decode for device pages (same contract and bytes as codec/page.cc),
+// encode/decode for device pages (same contract and bytes as codec/uniform_codec.cc),
 // and the high-priority anchor stream.  Headers and checksums are written here
 // on the host, with codec::write_header / codec::seal_section, once the
 // payloads are in host memory (docs/GPU.md).
