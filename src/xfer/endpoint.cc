@@ -489,10 +489,15 @@ kvxfer_result_t Membership::disconnect(int peer) {
                            ? it->second.why.c_str()
                            : "a later connection to the same endpoint replaced it");
     to = it->second.addr;
-    end(it->second, KVXFER_ERR_CANCELLED,
-        strprintf("peer %d was disconnected (kvxfer_endpoint_disconnect on this side)", peer));
+    it->second.state = State::kGone;  // connect() now makes a new connection
+    it->second.why = "disconnected (kvxfer_endpoint_disconnect on this side)";
   }
+  // The peer hears it first, so that its requests fail as disconnected, not
+  // by the reset of the connection this side then closes.
   tell_bye(to, std::min(cfg_.timeout_ms, kByeMs));
+  engine_->drop_peer(
+      peer, KVXFER_ERR_CANCELLED,
+      strprintf("peer %d was disconnected (kvxfer_endpoint_disconnect on this side)", peer));
   return KVXFER_SUCCESS;
 }
 

@@ -1,6 +1,7 @@
 // The engine behind kvxfer_send / kvxfer_recv (engine.h, protocol.h): creation
 // and teardown, posting, and the public state queries.  The codec threads are
-// in engine_codec.cc, the progress thread in engine_progress.cc.
+// in engine_codec.cc, the progress thread in engine_progress.cc,
+// engine_peers.cc and engine_request.cc (engine_impl.h).
 #include "xfer/engine.h"
 
 #include <map>

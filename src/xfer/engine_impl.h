@@ -1,7 +1,9 @@
-// Internals of the engine shared by its three source files (not installed):
+// Internals of the engine shared by its source files (not installed):
 //   engine.cc           creation and teardown, posting, public state queries;
 //   engine_codec.cc     the codec threads;
-//   engine_progress.cc  the progress thread: Links, handshakes, stages.
+//   engine_progress.cc  the progress thread: Links, handshakes, pages;
+//   engine_peers.cc     its peers: rendezvous by id, peers adopted and dropped;
+//   engine_request.cc   a request's end: completion, failure, cancel, stages.
 // engine.h has the design; docs/TRANSPORT.md, "Transfers", the protocol.
 #pragma once
 

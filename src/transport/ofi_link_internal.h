@@ -1,0 +1,89 @@
+// Internals of Link shared by its two files (ofi_link.cc: the data path;
+// ofi_link_setup.cc: creation, connect and liveness).  Not installed.
+#pragma once
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/ofi.h"
+
+namespace kvxfer::transport::link_detail {
+
+// Wire format.  Chunk 0 of a message is this header; chunks 1..n carry the
+// data.  The libfabric tag of chunk i of a message with user tag t is
+// (t << 24) | i.  Hosts are little-endian (x86-64, aarch64).
+inline constexpr int kChunkBits = 24;
+inline constexpr uint64_t kMaxChunks = (uint64_t{1} << kChunkBits) - 1;
+inline constexpr uint64_t kHelloUserTag = (uint64_t{1} << 40) - 1;  // reserved: Link::kMaxTag + 1
+inline constexpr uint64_t kMaxPeerChunk = uint64_t{1} << 30;
+
+inline uint64_t wire_tag(uint64_t user_tag, uint64_t chunk) {
+  return (user_tag << kChunkBits) | chunk;
+}
+
+// Address blob (docs/TRANSPORT.md, "Address blob"): "KVXL" | version |
+// nclasses | npaths | u8 host length, host_identity() | u32 pid |
+// npaths x (u8 provider length, provider, nclasses x (u16 length, fi_getname
+// bytes)).
+inline constexpr char kBlobMagic[4] = {'K', 'V', 'X', 'L'};
+inline constexpr uint8_t kBlobVersion = 2;
+inline constexpr int kMaxPaths = 2;
+
+enum Kind : int { kHelloSend, kHelloRecv, kHeader, kData };
+
+/** The /dev/shm file of a shm endpoint name ("fi_shm://<pid>:<uid>:<n>"). */
+inline std::string shm_region_file(const std::vector<uint8_t>& name) {
+  const std::string n(reinterpret_cast<const char*>(name.data()),
+                      strnlen(reinterpret_cast<const char*>(name.data()), name.size()));
+  const size_t slash = n.rfind('/');
+  return "/dev/shm/" + (slash == std::string::npos ? n : n.substr(slash + 1));
+}
+
+}  // namespace kvxfer::transport::link_detail
+
+namespace kvxfer::transport {
+
+struct Link::Op {
+  uint64_t id = 0;
+  TrafficClass cls = TrafficClass::kAnchor;
+  bool is_send = false;
+  uint64_t tag = 0;
+  uint8_t* buf = nullptr;
+  size_t size = 0;           // send: length; receive: capacity
+  WireHeader hdr{};          // send: what goes out; receive: where the header lands
+  uint64_t total = 0;        // message length
+  uint64_t chunk = 0;        // chunk size (receive: the sender's)
+  uint32_t nchunks = 0;      // data chunks
+  uint32_t next_post = 0;    // next chunk to post: 0 = header, 1..nchunks = data
+  uint32_t done_chunks = 0;  // chunks completed, header included
+  uint32_t outstanding = 0;  // contexts of this op held by the provider
+  uint64_t bytes_done = 0;   // data bytes completed
+  bool have_header = false;  // receive: header arrived
+  bool queued = false;       // in send_queue_ / recv_queue_
+  bool reported = false;     // its Completion was emitted
+  bool cancelling = false;   // receive: outstanding posts being cancelled
+  bool draining = false;     // receive: too small, data lands in scratch
+  kvxfer_result_t pending_code = KVXFER_SUCCESS;  // reported once cancelling settles
+  std::string pending_why;
+  std::unique_ptr<uint8_t[]> scratch;
+  Clock::time_point posted, last_activity, cancel_deadline;
+
+  bool has_work() const {
+    if (cancelling) return false;
+    if (is_send) return next_post <= nchunks;
+    return next_post == 0 || (have_header && next_post <= nchunks);
+  }
+};
+
+struct Link::Ctx {
+  fi_context2 fi;  // must be first: the provider's scratch space
+  Op* op;
+  TrafficClass cls;
+  int kind;
+  uint32_t index;
+  size_t bytes;
+};
+
+}  // namespace kvxfer::transport

@@ -1,0 +1,421 @@
+// Link (ofi.h), its setup: creation and address blob, connect and the path
+// it takes, the hello handshake, DSCP marking and liveness.
+#include <rdma/fi_cm.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_tagged.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/params.h"
+#include "transport/crash_signals.h"
+#include "transport/dscp.h"
+#include "transport/fabric_lib.h"
+#include "transport/ofi.h"
+#include "transport/ofi_link_internal.h"
+#include "transport/shm_reaper.h"
+
+namespace kvxfer::transport {
+
+using namespace link_detail;  // NOLINT: this file's own internals
+
+kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) {
+  KVXFER_REQUIRE(out != nullptr, "Link::create: null output");
+  KVXFER_REQUIRE(cfg.chunk_bytes >= 1 && cfg.chunk_bytes <= kMaxPeerChunk,
+                 "chunk_bytes %zu outside [1, 2^30]", cfg.chunk_bytes);
+  KVXFER_REQUIRE(cfg.timeout_ms >= 1, "timeout_ms must be positive");
+  KVXFER_REQUIRE(cfg.max_posted_chunks >= 1 && cfg.recv_window_chunks >= 1,
+                 "max_posted_chunks and recv_window_chunks must be positive");
+  KVXFER_REQUIRE(cfg.max_posted_recvs == 0 || cfg.max_posted_recvs >= 2,
+                 "max_posted_recvs must be 0 (the provider's rx size) or at least 2");
+  for (int c = 0; c < kNumClasses; ++c)
+    KVXFER_REQUIRE(cfg.dscp[c] >= -1 && cfg.dscp[c] <= 63, "dscp %d outside -1..63", cfg.dscp[c]);
+  std::unique_ptr<Link> l(new Link());
+  l->cfg_ = cfg;
+  l->asked_chunk_bytes_ = cfg.chunk_bytes;
+  l->asked_posted_recvs_ = cfg.max_posted_recvs;
+  {
+    const KeepSignalDispositions keep;  // shm (when named) installs SIGINT/SIGTERM handlers
+    KVXFER_CHECK(Domain::open(cfg.provider, cfg.node, &l->domain_));
+    for (int c = 0; c < kNumClasses; ++c)
+      KVXFER_CHECK(Endpoint::open(l->domain_, cfg.tclass[c], &l->ep_[c]));
+  }
+  // The auto provider also offers shared memory, for a peer on this host.
+  // Without it (no shm provider, /dev/shm full) every peer takes the network.
+  if (cfg.provider.empty() && cfg.offer_shm) {
+    std::shared_ptr<Domain> d;
+    std::array<std::unique_ptr<Endpoint>, kNumClasses> e;
+    kvxfer_result_t r;
+    {
+      const KeepSignalDispositions keep;  // shm's first endpoint installs SIGINT/SIGTERM handlers
+      r = Domain::open(kShmProvider, "", &d);
+      for (int c = 0; c < kNumClasses && r == KVXFER_SUCCESS; ++c)
+        r = Endpoint::open(d, cfg.tclass[c], &e[c]);
+    }
+    if (r == KVXFER_SUCCESS) {
+      l->shm_domain_ = std::move(d);
+      l->shm_ep_ = std::move(e);
+    } else {
+      KVXFER_INFO(LOG_NET, "OFI : no shared-memory path (%s); same-host peers use %s", last_error(),
+                  l->domain_->provider().c_str());
+    }
+  }
+  l->apply_path_limits();
+
+  // Address blob.
+  std::vector<uint8_t>& a = l->address_;
+  const std::string& host = host_identity();
+  const uint32_t pid = static_cast<uint32_t>(getpid());
+  a.insert(a.end(), kBlobMagic, kBlobMagic + 4);
+  a.push_back(kBlobVersion);
+  a.push_back(kNumClasses);
+  a.push_back(l->shm_domain_ ? 2 : 1);
+  a.push_back(static_cast<uint8_t>(std::min<size_t>(host.size(), 255)));
+  a.insert(a.end(), host.begin(), host.begin() + std::min<size_t>(host.size(), 255));
+  for (int i = 0; i < 4; ++i) a.push_back(static_cast<uint8_t>(pid >> (8 * i)));
+  auto put_path = [&a](const Domain& d,
+                       const std::array<std::unique_ptr<Endpoint>, kNumClasses>& e) {
+    const std::string& prov = d.provider();
+    a.push_back(static_cast<uint8_t>(std::min<size_t>(prov.size(), 255)));
+    a.insert(a.end(), prov.begin(), prov.begin() + std::min<size_t>(prov.size(), 255));
+    for (int c = 0; c < kNumClasses; ++c) {
+      const std::vector<uint8_t>& n = e[c]->name();
+      a.push_back(static_cast<uint8_t>(n.size() & 0xFF));
+      a.push_back(static_cast<uint8_t>(n.size() >> 8));
+      a.insert(a.end(), n.begin(), n.end());
+    }
+  };
+  if (l->shm_domain_) put_path(*l->shm_domain_, l->shm_ep_);
+  put_path(*l->domain_, l->ep_);
+  const std::string& prov = l->domain_->provider();
+  l->dscp_.supported = is_inet_sockaddr(l->ep_[0]->name().data(), l->ep_[0]->name().size()) &&
+                       is_inet_sockaddr(l->ep_[1]->name().data(), l->ep_[1]->name().size());
+  if (!l->dscp_.supported) {
+    l->dscp_.note = "provider " + prov + " does not use socket addresses; no DSCP marking";
+  }
+  l->mark_sockets();  // the listeners: connections accepted later inherit their TOS
+  KVXFER_INFO(
+      LOG_NET,
+      "OFI : link on %s: anchor tclass %s, residual tclass %s, chunk %zu B, "
+      "residual in flight <= %zu B, timeout %lld ms, rate %s",
+      prov.c_str(), tclass_to_string(cfg.tclass[0]).c_str(),
+      tclass_to_string(cfg.tclass[1]).c_str(), l->cfg_.chunk_bytes, cfg.residual_inflight_bytes,
+      static_cast<long long>(cfg.timeout_ms),
+      cfg.limiter ? strprintf("%.0f B/s", cfg.limiter->bytes_per_sec()).c_str() : "unlimited");
+  *out = std::move(l);
+  return KVXFER_SUCCESS;
+}
+
+void Link::apply_path_limits() {
+  const fi_info* info = domain_->info();
+  cfg_.chunk_bytes = asked_chunk_bytes_;
+  const uint64_t max_msg = info->ep_attr->max_msg_size;
+  if (max_msg > 0 && cfg_.chunk_bytes > max_msg) cfg_.chunk_bytes = max_msg;
+  // Receives are posted far ahead (docs/TRANSPORT.md, "Receive window"):
+  // a message that arrives with its receive posted is placed at once; one
+  // that arrives unexpected holds one of the provider's few receive buffers
+  // (rxm: 128 per connection), and with too many of those the connection
+  // stalls behind them.
+  cfg_.max_posted_recvs = asked_posted_recvs_;
+  if (cfg_.max_posted_recvs == 0) {
+    const fi_rx_attr* rx = info->rx_attr;
+    cfg_.max_posted_recvs = rx != nullptr && rx->size >= 2 ? rx->size : 1024;
+    // shm's entries also hold unexpected messages (ofi.h, kShmMaxRequests).
+    if (provider() == kShmProvider)
+      cfg_.max_posted_recvs = std::max<size_t>(
+          2, static_cast<size_t>(static_cast<double>(cfg_.max_posted_recvs) * kShmPostedShare));
+  }
+}
+
+Link::~Link() {
+  const size_t n = ops_in_flight();
+  if (n > 0) KVXFER_INFO(LOG_NET, "OFI : link destroyed with %zu operations in flight", n);
+  abort("link destroyed");
+  shm_watch_.reset();  // before the pidfd it borrows
+  if (peer_pidfd_ >= 0) ::close(peer_pidfd_);
+}
+
+size_t Link::ops_in_flight() const {
+  size_t n = 0;
+  for (const auto& kv : ops_)
+    if (!kv.second->reported) ++n;
+  return n;
+}
+
+kvxfer_result_t Link::connect(const void* blob, size_t len) {
+  if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());
+  if (connecting_) return set_error(KVXFER_ERR_INVALID_USAGE, "Link::connect called twice");
+  KVXFER_REQUIRE(blob != nullptr, "null peer address");
+  // Parse every path the peer offers.
+  struct Path {
+    std::string provider;
+    std::array<std::vector<uint8_t>, kNumClasses> names;
+  };
+  const uint8_t* p = static_cast<const uint8_t*>(blob);
+  const uint8_t* end = p + len;
+  if (len < 8 || std::memcmp(p, kBlobMagic, 4) != 0)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is not a kvxfer link address");
+  if (p[4] != kBlobVersion)
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "peer address has version %u, this side %u (different kvxfer versions)", p[4],
+                     kBlobVersion);
+  if (p[5] != kNumClasses || p[6] < 1 || p[6] > kMaxPaths)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+                     "peer address has %u classes and %u paths (expected %d, 1..%d)", p[5], p[6],
+                     kNumClasses, kMaxPaths);
+  const int npaths = p[6];
+  const size_t hlen = p[7];
+  p += 8;
+  if (static_cast<size_t>(end - p) < hlen + 4)
+    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+  const std::string peer_host(reinterpret_cast<const char*>(p), hlen);
+  p += hlen;
+  const uint32_t peer_pid =
+      p[0] | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
+  p += 4;
+  std::vector<Path> theirs(static_cast<size_t>(npaths));
+  for (Path& path : theirs) {
+    if (end - p < 1) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+    const size_t plen = *p++;
+    if (static_cast<size_t>(end - p) < plen)
+      return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+    path.provider.assign(reinterpret_cast<const char*>(p), plen);
+    p += plen;
+    for (int c = 0; c < kNumClasses; ++c) {
+      if (end - p < 2) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+      const size_t n = p[0] | (static_cast<size_t>(p[1]) << 8);
+      p += 2;
+      if (static_cast<size_t>(end - p) < n || n == 0)
+        return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+      path.names[c].assign(p, p + n);
+      p += n;
+    }
+  }
+  if (p != end) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address has trailing bytes");
+
+  // Choose: shared memory when both offer it on one host, else the network
+  // provider both offer.  Both sides apply the same rule to the same two
+  // blobs, so they choose alike.
+  const bool same_host = peer_host == host_identity() &&
+                         (cfg_.shm_in_process || peer_pid != static_cast<uint32_t>(getpid()));
+  const Path* pick = nullptr;
+  bool pick_shm = false;
+  for (const Path& path : theirs) {
+    if (path.provider == kShmProvider) {
+      const bool mine = shm_domain_ != nullptr || domain_->provider() == kShmProvider;
+      if (mine && same_host) {
+        pick = &path;
+        pick_shm = true;
+        break;
+      }
+    } else if (path.provider == domain_->provider() && domain_->provider() != kShmProvider) {
+      if (pick == nullptr) pick = &path;
+    }
+  }
+  if (pick == nullptr) {
+    std::string offered;
+    for (const Path& path : theirs) offered += (offered.empty() ? "" : ", ") + path.provider;
+    std::string mine = domain_->provider();
+    if (shm_domain_) mine = std::string(kShmProvider) + ", " + mine;
+    return set_error(KVXFER_ERR_MISMATCH,
+                     "no path to the peer: it offers %s, this side %s%s (set KVXFER_OFI_PROVIDER "
+                     "to the same value on both, or leave it empty on both)",
+                     offered.c_str(), mine.c_str(),
+                     same_host ? "" : "; shm needs both on one host");
+  }
+  if (pick_shm && shm_domain_) {  // the network path goes; shared memory takes its place
+    for (auto& e : ep_) e.reset();
+    domain_ = std::move(shm_domain_);
+    ep_ = std::move(shm_ep_);
+    apply_path_limits();
+    dscp_ = DscpReport{};
+    dscp_.note = "same-host peer over shm: no sockets to mark";
+  }
+  for (auto& e : shm_ep_) e.reset();
+  shm_domain_.reset();
+  shm_path_ = pick_shm;
+  for (int c = 0; c < kNumClasses; ++c) peer_name_[c] = pick->names[c];
+  if (shm_path_) {
+    peer_pid_ = peer_pid;
+    for (int c = 0; c < kNumClasses; ++c) peer_region_[c] = shm_region_file(peer_name_[c]);
+    // libfabric 1.17 keeps a closed endpoint's region in its per-process
+    // list of names, and fi_av_insert of that name maps the freed region
+    // (SIGSEGV).  A closed endpoint's file is gone, so check it first.
+    for (int c = 0; c < kNumClasses; ++c) {
+      struct stat st {};
+      if (::stat(peer_region_[c].c_str(), &st) != 0)
+        return fail_link(KVXFER_ERR_SYSTEM,
+                         strprintf("the peer's shared-memory endpoint %s is gone (%s)",
+                                   peer_region_[c].c_str(), std::strerror(errno)));
+    }
+#ifdef SYS_pidfd_open
+    peer_pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer_pid), 0));
+#endif
+    std::vector<std::string> regions(peer_region_.begin(), peer_region_.end());
+    for (int c = 0; c < kNumClasses; ++c) regions.push_back(shm_region_file(ep_[c]->name()));
+    shm_watch_ =
+        ShmLockWatch::start(peer_pidfd_, peer_pid_, regions, &progress_epoch_, cfg_.timeout_ms);
+    KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)", peer_pid,
+                peer_region_[0].c_str());
+  }
+  for (int c = 0; c < kNumClasses; ++c)
+    KVXFER_CHECK(ep_[c]->insert_peer(peer_name_[c].data(), peer_name_[c].size(), &peer_[c]));
+
+  // Handshake: an 8-byte hello each way on each class, so that the provider's
+  // connections exist (and can be DSCP-marked) before the first data chunk.
+  connecting_ = true;
+  connect_started_ = Clock::now();
+  hello_pending_ = 0;
+  for (int c = 0; c < kNumClasses; ++c) {
+    hello_out_[c] = kHelloMagic;
+    Ctx* r = new_ctx(nullptr, static_cast<TrafficClass>(c), kHelloRecv, 0, sizeof(uint64_t));
+    kvxfer_result_t rc =
+        ep_[c]->post_recv(&hello_buf_[c], sizeof(uint64_t), wire_tag(kHelloUserTag, 0), r);
+    if (rc != KVXFER_SUCCESS) {
+      free_ctx(r);
+      return fail_link(rc < 0 ? rc : KVXFER_ERR_SYSTEM, "cannot post the handshake receive");
+    }
+    ++hello_pending_;
+    hello_unsent_[c] = true;
+    ++hello_pending_;
+  }
+  return post_hellos();
+  return KVXFER_SUCCESS;
+}
+
+kvxfer_result_t Link::post_hellos() {
+  // rxm answers -FI_EAGAIN while it connects: retried from progress().
+  for (int c = 0; c < kNumClasses; ++c) {
+    if (!hello_unsent_[c]) continue;
+    Ctx* s = new_ctx(nullptr, static_cast<TrafficClass>(c), kHelloSend, 0, sizeof(uint64_t));
+    const kvxfer_result_t rc = ep_[c]->post_send(&hello_out_[c], sizeof(uint64_t), peer_[c],
+                                                 wire_tag(kHelloUserTag, 0), s);
+    if (rc == KVXFER_SUCCESS) {
+      hello_unsent_[c] = false;
+      continue;
+    }
+    free_ctx(s);
+    if (rc != KVXFER_IN_PROGRESS) return fail_link(rc, "cannot post the handshake send");
+  }
+  return KVXFER_SUCCESS;
+}
+
+// Before posting receives (after the last CQ read): whether rxm still holds
+// the connection to the peer (dscp.h explains the libfabric 1.17 bug this
+// avoids).  The socket found first is re-checked with two system calls; a
+// rescan only when that fails.  Providers whose sockets cannot tell are not
+// checked again.
+bool Link::connection_open(int c) {
+  if (shm_path_ || !probe_conn_[c]) return true;
+  if (conn_[c].fd >= 0 && conn_socket_open(conn_[c])) return true;
+  conn_[c] = ConnSocket{};
+  switch (find_conn_socket(ep_[c]->name(), peer_name_[c], &conn_[c])) {
+    case ConnState::kOpen: return true;
+    case ConnState::kUnknown: probe_conn_[c] = false; return true;
+    case ConnState::kGone: break;
+  }
+  return false;
+}
+
+// A peer that exits, is killed or destroys its communicator closes its
+// sockets.  rxm (libfabric 1.17) then neither flushes the receives posted for
+// it nor fails the sends still queued behind a rate limiter, so without this
+// check such operations wait for the whole timeout (30 s by default).  The
+// socket must be closed by the peer AND fully read on two checks kLivenessMs
+// apart, with progress in between: a peer that sent its last STATUS and then
+// closed is seen only after that STATUS has been read and delivered.
+kvxfer_result_t Link::check_liveness() {
+  if (ops_in_flight() == 0) {
+    peer_closed_checks_ = {};
+    return KVXFER_SUCCESS;
+  }
+  if (shm_path_) {
+    // No sockets: the peer's process (a pidfd turns readable when it exits)
+    // and its regions (its endpoint close unlinks them).  Twice in a row, as
+    // above, so that what it sent before it went is read first.
+    std::string gone;
+    if (peer_pidfd_ >= 0) {
+      pollfd f{peer_pidfd_, POLLIN, 0};
+      if (::poll(&f, 1, 0) > 0) {
+        gone = strprintf("the peer process (pid %u) exited or was killed", peer_pid_);
+        // A killed process leaves its regions in /dev/shm (tmpfs: memory)
+        // for good.  The pidfd names exactly that process, so they are no
+        // one's now: remove them.
+        for (const std::string& f : peer_region_) (void)::unlink(f.c_str());
+      }
+    }
+    for (int c = 0; c < kNumClasses && gone.empty(); ++c) {
+      struct stat st {};
+      if (::stat(peer_region_[c].c_str(), &st) != 0 && errno == ENOENT)
+        gone = strprintf(
+            "the peer closed its shared-memory endpoint of the %s class (%s): it "
+            "destroyed its communicator or exited",
+            class_name(static_cast<TrafficClass>(c)), peer_region_[c].c_str());
+    }
+    if (gone.empty()) {
+      peer_closed_checks_ = {};
+      return KVXFER_SUCCESS;
+    }
+    if (++peer_closed_checks_[0] >= 2) return fail_link(KVXFER_ERR_SYSTEM, gone);
+    return KVXFER_SUCCESS;
+  }
+  for (int c = 0; c < kNumClasses; ++c) {
+    if (!probe_conn_[c]) continue;
+    const char* cls = class_name(static_cast<TrafficClass>(c));
+    if (!connection_open(c))
+      return fail_link(KVXFER_ERR_SYSTEM,
+                       strprintf("the connection to the peer on the %s class is gone (the peer "
+                                 "exited, was killed or destroyed its communicator)",
+                                 cls));
+    if (!probe_conn_[c] || !conn_socket_closed_by_peer(conn_[c])) {
+      peer_closed_checks_[c] = 0;
+      continue;
+    }
+    if (++peer_closed_checks_[c] >= 2)
+      return fail_link(KVXFER_ERR_SYSTEM,
+                       strprintf("the peer closed its connection on the %s class (it exited, was "
+                                 "killed or destroyed its communicator)",
+                                 cls));
+  }
+  return KVXFER_SUCCESS;
+}
+
+void Link::mark_sockets() {
+  if (!dscp_.supported) return;
+  for (int c = 0; c < kNumClasses; ++c) {
+    if (!ep_[c]) continue;  // dscp -1: inspect and report, do not mark
+    const auto* local = reinterpret_cast<const sockaddr*>(ep_[c]->name().data());
+    const sockaddr* peer = nullptr;
+    if (is_inet_sockaddr(peer_name_[c].data(), peer_name_[c].size()))
+      peer = reinterpret_cast<const sockaddr*>(peer_name_[c].data());
+    const std::vector<MarkedSocket> marked = mark_matching_sockets(local, peer, cfg_.dscp[c]);
+    dscp_.sockets[c] = static_cast<int>(marked.size());
+    // Report what the provider had set on the connections it made itself.
+    for (const MarkedSocket& m : marked) {
+      if (!m.connected) continue;
+      if (dscp_.tos_before[c] < 0 || !m.by_local) dscp_.tos_before[c] = m.tos_before;
+      dscp_.tos_after[c] = m.tos_after;
+      if (m.nodelay >= 0) dscp_.nodelay[c] = m.nodelay;
+      if (!m.by_local) break;
+    }
+    if (dscp_.tos_after[c] < 0 && !marked.empty()) dscp_.tos_after[c] = marked.front().tos_after;
+    KVXFER_INFO(LOG_NET,
+                "OFI : DSCP %d (-1: none) on %zu %s socket(s) (TOS before %d, after %d, "
+                "TCP_NODELAY %d)",
+                cfg_.dscp[c], marked.size(), class_name(static_cast<TrafficClass>(c)),
+                dscp_.tos_before[c], dscp_.tos_after[c], dscp_.nodelay[c]);
+  }
+}
+
+}  // namespace kvxfer::transport

@@ -1,0 +1,181 @@
+// The progress thread's side of an engine's peers (engine.h): the
+// rendezvous of requests matched by id (protocol.h, RDV), and the peers an
+// endpoint adopts and drops at run time (Engine::adopt_peer / drop_peer).
+#include <malloc.h>
+
+#include "xfer/engine_impl.h"
+
+namespace kvxfer::xfer {
+
+// A by-id send announces (request id -> seq) on its peer's rendezvous stream
+// before its DESC, in post order (protocol.h, RDV).
+bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  w.rdv_out = encode_rdv(r->request_id, r->seq);
+  const uint64_t tag =
+      make_tag(kRdvSeq, false, MsgKind::kStatus, io(r->peer).rdv_sent++ & (kMaxPages - 1));
+  return post_for(r, TrafficClass::kAnchor, tag, true, w.rdv_out.data(), w.rdv_out.size(),
+                  OpKind::kRdvSend, 0);
+}
+
+// A new receive by id: bound at once to an announcement that came first, else
+// it waits for one with the rendezvous stream's receive posted.
+void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
+  const int p = r->peer;
+  io(p).rdv_refused.erase(r->request_id);  // posted again: this one wants the data
+  auto it = io(p).rdv_parked.find(r->request_id);
+  if (it != io(p).rdv_parked.end()) {
+    r->seq = it->second.first;
+    r->order = it->second.second;
+    r->bound = true;
+    io(p).rdv_parked.erase(it);
+    start(r);
+    return;
+  }
+  r->work->started = true;  // a cancel fails it while it waits (settle)
+  io(p).rdv_waiting.push_back(r);
+  if (links_aborted) {
+    fail(r, KVXFER_ERR_INVALID_USAGE, "communicator aborted");
+    return;
+  }
+  arm_rdv(p);
+}
+
+void Engine::Impl::arm_rdv(int peer) {
+  if (io(peer).rdv_armed != 0 || io(peer).rdv_waiting.empty() || links_aborted) return;
+  const uint64_t tag =
+      make_tag(kRdvSeq, false, MsgKind::kStatus, io(peer).rdv_received & (kMaxPages - 1));
+  const kvxfer_result_t rc =
+      post_raw(peer, TrafficClass::kAnchor, tag, false, io(peer).rdv_in.data(),
+               io(peer).rdv_in.size(), nullptr, OpKind::kRdvRecv, 0);
+  if (rc >= 0) {
+    io(peer).rdv_armed = 1;
+    return;
+  }
+  const std::string why =
+      strprintf("posting a receive from peer %d failed: %s", peer, last_error());
+  for (const auto& r : std::vector<std::shared_ptr<Request>>(io(peer).rdv_waiting.begin(),
+                                                             io(peer).rdv_waiting.end()))
+    fail(r, rc, why);
+}
+
+void Engine::Impl::on_rdv(int peer, const Completion& c) {
+  io(peer).rdv_armed = 0;
+  uint64_t id = 0;
+  uint32_t seq = 0;
+  kvxfer_result_t rc = c.status;
+  std::string why = c.error;
+  if (rc == KVXFER_SUCCESS) {
+    rc = decode_rdv(io(peer).rdv_in.data(), c.bytes, &id, &seq);
+    if (rc < 0) why = last_error();
+  }
+  if (rc < 0) {  // the stream is broken or silent: every waiting receive fails
+    const std::string text =
+        rc == KVXFER_ERR_TIMEOUT
+            ? strprintf(
+                  "peer %d never posted the matching kvxfer_send (by request id) within %lld "
+                  "ms (%s)",
+                  peer, static_cast<long long>(timeout_ms), why.c_str())
+            : strprintf("peer %d: %s", peer, why.c_str());
+    for (const auto& r : std::vector<std::shared_ptr<Request>>(io(peer).rdv_waiting.begin(),
+                                                               io(peer).rdv_waiting.end()))
+      fail(r, rc, text);
+    return;
+  }
+  io(peer).rdv_received++;
+  // A receive by id takes its place among the engine's requests when its
+  // sender's announcement arrives, which is the sender's post order: the
+  // order its residuals come in (enqueue_residuals), whatever order the
+  // receives were posted in.
+  uint64_t arrival = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    arrival = next_order++;
+  }
+  auto& q = io(peer).rdv_waiting;
+  auto it = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
+    return r->request_id == id && !r->work->failed;
+  });
+  if (it != q.end()) {
+    const std::shared_ptr<Request> r = *it;
+    q.erase(it);
+    r->seq = seq;
+    r->order = arrival;
+    r->bound = true;
+    start(r);
+  } else if (auto ref = io(peer).rdv_refused.find(id); ref != io(peer).rdv_refused.end()) {
+    refuse_rdv(peer, seq, ref->second.first, ref->second.second);
+    io(peer).rdv_refused.erase(ref);
+  } else {
+    io(peer).rdv_parked[id] = {seq, arrival};
+  }
+  arm_rdv(peer);
+}
+
+// The announced request `seq` from `peer` has no receive any more (cancelled
+// or failed while it waited): its sender gets this STATUS, and its DESC and
+// STATUS are received and dropped, so nothing of it stays in the provider.
+void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
+                              const std::string& text) {
+  struct Post {
+    uint64_t tag;
+    bool is_send;
+    std::vector<uint8_t> buf;
+    OpKind kind;
+  };
+  Post posts[3] = {
+      {make_tag(seq, true, MsgKind::kStatus, 0), true, encode_status(code, text),
+       OpKind::kStatusSend},
+      {make_tag(seq, false, MsgKind::kDesc, 0), false, std::vector<uint8_t>(kDescBytes),
+       OpKind::kDescRecv},
+      {make_tag(seq, false, MsgKind::kStatus, 0), false,
+       std::vector<uint8_t>(kStatusHeaderBytes + kMaxStatusText), OpKind::kStatusRecv}};
+  for (Post& p : posts) {
+    // The vector's storage moves with it into the map: the Link keeps its address.
+    uint64_t op = 0;
+    if (post_raw(peer, TrafficClass::kAnchor, p.tag, p.is_send, p.buf.data(), p.buf.size(), nullptr,
+                 p.kind, 0, &op) >= 0)
+      io(peer).drain_bufs[op] = std::move(p.buf);
+  }
+}
+
+// Peers of an endpoint (Engine::adopt_peer / drop_peer).  An adopted Link
+// joins the table before this round's new requests start; a dropped peer's
+// requests fail, its Link is aborted at once and freed by release_drained
+// once the aborted operations have come back.
+void Engine::Impl::take_peer_changes(std::vector<std::pair<int, std::unique_ptr<Link>>>& adopts,
+                                     std::vector<Drop>& drops) {
+  for (auto& [p, link] : adopts) {
+    grow_progress(p + 1);
+    comm->set_link(p, std::move(link));
+  }
+  for (const Drop& d : drops) {
+    grow_progress(d.peer + 1);
+    const std::vector<std::shared_ptr<Request>> all = active;
+    for (const auto& r : all)
+      if (r->peer == d.peer) fail(r, d.code, d.why);
+    if (Link* l = comm->link(d.peer)) l->abort(d.why.c_str());
+    io(d.peer).draining = true;
+  }
+}
+
+void Engine::Impl::release_drained() {
+  bool released = false;
+  for (int p = 0; p < npeers(); ++p) {
+    if (!pio[p] || !io(p).draining) continue;
+    Link* l = comm->link(p);
+    if (l != nullptr && l->ops_in_flight() > 0) continue;
+    bool busy = false;  // a request of this peer not finalised yet still reads its state
+    for (const auto& r : active) busy = busy || r->peer == p;
+    if (busy) continue;
+    comm->release_link(p, "peer disconnected");
+    pio[p].reset();
+    released = true;
+  }
+  // A peer's Link frees megabytes in many blocks (libfabric's pools): give
+  // the free pages back, so that a long-lived endpoint whose peers come and
+  // go keeps a flat resident set (perf/endpoint_perf, "rss_growth").
+  if (released) malloc_trim(0);
+}
+
+}  // namespace kvxfer::xfer
