@@ -130,6 +130,15 @@ struct Peers {
   }
 };
 
+/** A request of this process in flight: its index, handle and KV. */
+struct Live {
+  int i;
+  kvxfer_request_t r;
+  std::unique_ptr<kp::WholeKv> kv;
+  bool reposted = false;            // prefill: posted again after a disconnect
+  bool killed_incarnation = false;  // decode: posted to prefill 1 before its restart
+};
+
 // ---------------------------------------------------------------------------
 // Prefill: sends its requests from index `from` on.
 // ---------------------------------------------------------------------------
@@ -153,12 +162,6 @@ int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int
     std::memcpy(&from, body.data(), 4);
   }
   const std::vector<Req> reqs = plan(o);
-  struct Live {
-    int i;
-    kvxfer_request_t r;
-    std::unique_ptr<kp::WholeKv> kv;
-    bool reposted;
-  };
   std::deque<Live> live;
   auto post = [&](Live& l) {
     const kvxfer_request_config_t rc = kp::by_id(static_cast<uint64_t>(l.i), kPageTokens);
@@ -191,8 +194,7 @@ int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int
   for (int i = from; i < o.requests; ++i) {
     if (reqs[i].p != me) continue;
     while (static_cast<int>(live.size()) >= o.window) finish_oldest();
-    Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim),
-           false};
+    Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim)};
     fill(l.kv.get(), static_cast<uint64_t>(i));
     if (!post(l)) {
       std::fprintf(stderr, "%s: prefill %d: posting %d: %s\n", kTool, me, i,
@@ -236,12 +238,6 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   bool old_p1 = true;  // P1's peer index is still the killed incarnation's
   int completions = 0;
   bool disconnected = false;
-  struct Live {
-    int i;
-    kvxfer_request_t r;
-    std::unique_ptr<kp::WholeKv> kv;
-    bool killed_incarnation;
-  };
   std::deque<Live> live;
   int next = 0;
   auto check_coordinator = [&] {
@@ -315,8 +311,8 @@ int decode_main(const Options& o, int me, int rd, int wr) {
       }
       disconnected = true;
     }
-    Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim),
-           p == kKilled && old_p1};
+    Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim)};
+    l.killed_incarnation = p == kKilled && old_p1;
     const kvxfer_request_config_t rc = kp::by_id(static_cast<uint64_t>(i), kPageTokens);
     const int peer = peers.get(p);
     if (peer < 0 || kvxfer_recv(ep, peer, &l.kv->desc, &rc, &l.r) != KVXFER_SUCCESS) {
