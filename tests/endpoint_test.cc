@@ -203,6 +203,35 @@ TEST(Endpoint, BadAddressesFailAtTheCallAndChangeNothing) {
                "not a peer of this endpoint");
 }
 
+// Connections that send nothing, or garbage, hold the listener for no one
+// else: a peer's connect goes through at once beside them, and the listener
+// drops them at its deadline.
+TEST(Endpoint, SilentAndGarbageConnectionsDelayNoConnect) {
+  Ep a, b;
+  xfer::EndpointAddress at;
+  ASSERT_EQ(xfer::decode_endpoint_address(a.addr.data(), a.addr.size(), &at), KVXFER_SUCCESS);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = at.port_be;
+  std::memcpy(&sa.sin_addr, at.addr.data(), 4);
+  std::vector<int> socks;
+  for (int i = 0; i < 12; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+    if (i % 3 == 1) (void)!::write(fd, "\xff\xff\x00\x00garbage", 12);  // a frame that never ends
+    if (i % 3 == 2) (void)!::write(fd, "\x04\x00\x00\x00junk", 8);      // a whole frame, malformed
+    socks.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto t0 = Clock::now();
+  const int ba = b.connect(a);
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_LT(s, 1.0) << "the connect waited behind silent connections";
+  const int ab = a.connect(b);
+  transfer_exact(b.ep, ba, a.ep, ab, 3, 3, lynx());
+  for (int fd : socks) ::close(fd);
+}
+
 TEST(Endpoint, DisconnectFailsRequestsOnBothSidesAndReconnectIsNew) {
   Ep a, b;
   const int ab = a.connect(b), ba = b.connect(a);

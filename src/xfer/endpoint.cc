@@ -520,45 +520,100 @@ void Membership::on_link_failed(int peer, const std::string& why) {
 // ---------------------------------------------------------------------------
 // Incoming
 // ---------------------------------------------------------------------------
+// One thread serves the listener: it polls the listener and every pending
+// connection, reads each connection's frame as its bytes come, and answers
+// a frame once it is whole.  A connection that sends nothing or too little
+// holds only its own slot, until min(timeout, kAcceptMs) drops it; at most
+// kMaxPending wait at once (more are closed at accept).
 void Membership::accept_main() {
+  struct Pending {
+    tcp::Fd fd;
+    std::vector<uint8_t> buf;  // the length prefix, then the frame
+    size_t want = 4;
+    tcp::Deadline deadline;
+    std::string who;
+  };
+  std::vector<Pending> pending;
+  std::vector<pollfd> fds;
   for (;;) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    const int n = ::poll(fds, 2, -1);
+    fds.assign({{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}});
+    int wait_ms = -1;
+    for (const Pending& p : pending) {
+      fds.push_back({p.fd.get(), POLLIN, 0});
+      const int left = tcp::remaining_ms(p.deadline);
+      wait_ms = wait_ms < 0 ? left : std::min(wait_ms, left);
+    }
+    const int n = ::poll(fds.data(), fds.size(), wait_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       KVXFER_WARN(LOG_NET, "endpoint: poll on the listener: %s", std::strerror(errno));
       return;
     }
     if ((fds[1].revents & POLLIN) != 0) return;
+    // Read what came; a whole frame is answered, a dead or late one dropped.
+    std::vector<Pending> still;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = pending[i];
+      bool drop = false;
+      if ((fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        const size_t have = p.buf.size();
+        p.buf.resize(p.want);
+        const ssize_t r = ::recv(p.fd.get(), p.buf.data() + have, p.want - have, 0);
+        p.buf.resize(have + (r > 0 ? static_cast<size_t>(r) : 0));
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) drop = true;
+        if (!drop && p.buf.size() == 4 && p.want == 4) {
+          const uint32_t len = tcp::get_u32(p.buf.data());
+          if (len > kHandshakeMaxBytes) {
+            KVXFER_WARN(LOG_NET, "endpoint: refused a frame of %u bytes from %s", len,
+                        p.who.c_str());
+            drop = true;
+          }
+          p.want = 4 + len;
+        }
+        if (!drop && p.buf.size() == p.want && p.want > 4) {
+          serve(p.fd.get(), p.who, std::vector<uint8_t>(p.buf.begin() + 4, p.buf.end()));
+          continue;  // answered: closed with p
+        }
+      }
+      if (!drop && tcp::remaining_ms(p.deadline) == 0) {
+        KVXFER_INFO(LOG_NET, "endpoint: dropped a connection from %s: no whole handshake in %d ms",
+                    p.who.c_str(), std::min(cfg_.timeout_ms, kAcceptMs));
+        drop = true;
+      }
+      if (!drop) still.push_back(std::move(p));
+    }
+    pending.swap(still);
     if ((fds[0].revents & POLLIN) == 0) continue;
-    sockaddr_storage from{};
-    socklen_t fl = sizeof from;
-    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &fl,
-                             SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) continue;  // EAGAIN, ECONNABORTED, EMFILE: try again on the next poll
-    tcp::Fd owner(fd);
-    tcp::set_nodelay(fd);
-    serve(fd);
+    for (;;) {  // every connection waiting in the backlog
+      sockaddr_storage from{};
+      socklen_t fl = sizeof from;
+      const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &fl,
+                               SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) break;  // EAGAIN, ECONNABORTED, EMFILE: the next poll tries again
+      tcp::Fd owner(fd);
+      const std::string who = tcp::sockaddr_text(reinterpret_cast<const sockaddr*>(&from), fl);
+      if (pending.size() >= kMaxPending) {
+        KVXFER_WARN(LOG_NET, "endpoint: %zu handshakes pending; closed a connection from %s",
+                    pending.size(), who.c_str());
+        continue;
+      }
+      tcp::set_nodelay(fd);
+      Pending p;
+      p.fd = std::move(owner);
+      p.deadline = tcp::deadline_after(std::min(cfg_.timeout_ms, kAcceptMs));
+      p.who = who;
+      pending.push_back(std::move(p));
+    }
   }
 }
 
-void Membership::serve(int fd) {
+void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t>& f) {
   const tcp::Deadline d = tcp::deadline_after(std::min(cfg_.timeout_ms, kAcceptMs));
   bool closed = false;
   auto answer = [&](HandshakeStatus st, const std::vector<uint8_t>& link, const std::string& why) {
-    const std::vector<uint8_t> f = reply_frame(st, self_.incarnation, link, why);
-    return tcp::send_all(fd, f.data(), f.size(), d, kWho, "answering a handshake", &closed);
+    const std::vector<uint8_t> fr = reply_frame(st, self_.incarnation, link, why);
+    return tcp::send_all(fd, fr.data(), fr.size(), d, kWho, "answering a handshake", &closed);
   };
-  sockaddr_storage from{};
-  socklen_t fl = sizeof from;
-  std::string who = "<unknown>";
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&from), &fl) == 0)
-    who = tcp::sockaddr_text(reinterpret_cast<const sockaddr*>(&from), fl);
-  std::vector<uint8_t> f;
-  if (read_frame(fd, d, "reading a handshake", &f) != KVXFER_SUCCESS) {
-    KVXFER_INFO(LOG_NET, "endpoint: a connection from %s: %s", who.c_str(), last_error());
-    return;
-  }
   size_t pos = kRequestFixed;
   std::vector<uint8_t> blob, link_addr;
   if (f.size() < kRequestFixed || tcp::get_u32(f.data()) != kHandshakeMagic ||

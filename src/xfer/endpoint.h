@@ -44,8 +44,9 @@
 // none, send again with FORCE), 5 ERROR (reason), 6 BAD (malformed).
 //
 // Threads: connect and disconnect run on the caller's thread (any); an
-// acceptor thread serves the listener one connection at a time, each bounded
-// by min(timeout, kAcceptMs); the engine's progress thread reports failed
+// acceptor thread serves the listener, reading every pending connection as
+// its bytes come (a silent one holds no one else) and answering a whole
+// handshake at once (accept_main); the engine's progress thread reports failed
 // Links (Engine::set_peer_failed).  Lock order: Membership::mu_, then the
 // engine's.
 #pragma once
@@ -74,8 +75,10 @@ constexpr size_t kEndpointBlobBytes = 56;          // without the secret
 constexpr uint32_t kHandshakeMagic = 0x4858564bu;  // "KVXH"
 constexpr uint16_t kHandshakeVersion = 1;
 constexpr size_t kHandshakeMaxBytes = size_t{64} << 10;
-/** Bound of serving one connection on the listener (also bounded by the timeout). */
+/** How long a connection to the listener has to send its whole handshake
+ *  (also bounded by the timeout), and how many may be pending at once. */
 constexpr int kAcceptMs = 2000;
+constexpr size_t kMaxPending = 256;
 /** Bound of telling a peer BYE (disconnect; destroy: all peers together). */
 constexpr int kByeMs = 1000;
 
@@ -171,7 +174,8 @@ class Membership {
 
   Membership() = default;
   void accept_main();
-  void serve(int fd);
+  /** Answers the handshake frame `f` (without its length prefix) on `fd`. */
+  void serve(int fd, const std::string& who, const std::vector<uint8_t>& f);
   /** Sends a CONNECT (link != null; its address goes along) or a BYE. */
   kvxfer_result_t exchange(const EndpointAddress& to, bool bye, bool force,
                            const std::vector<uint8_t>& link_addr, int budget_ms, Reply* reply);
