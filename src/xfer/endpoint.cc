@@ -492,12 +492,15 @@ kvxfer_result_t Membership::disconnect(int peer) {
     it->second.state = State::kGone;  // connect() now makes a new connection
     it->second.why = "disconnected (kvxfer_endpoint_disconnect on this side)";
   }
-  // The peer hears it first, so that its requests fail as disconnected, not
-  // by the reset of the connection this side then closes.
-  tell_bye(to, std::min(cfg_.timeout_ms, kByeMs));
+  // This side's requests fail as disconnected at once; the Link stays open
+  // until the peer has heard it, so that its requests fail as disconnected
+  // too, not by the reset of the connection.
   engine_->drop_peer(
       peer, KVXFER_ERR_CANCELLED,
-      strprintf("peer %d was disconnected (kvxfer_endpoint_disconnect on this side)", peer));
+      strprintf("peer %d was disconnected (kvxfer_endpoint_disconnect on this side)", peer),
+      /*close_link=*/false);
+  tell_bye(to, std::min(cfg_.timeout_ms, kByeMs));
+  engine_->close_peer(peer);
   return KVXFER_SUCCESS;
 }
 

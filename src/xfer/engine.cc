@@ -297,13 +297,22 @@ void Engine::adopt_peer(int peer, std::unique_ptr<transport::Link> link) {
   impl_->kick();
 }
 
-void Engine::drop_peer(int peer, kvxfer_result_t code, const std::string& why) {
+void Engine::drop_peer(int peer, kvxfer_result_t code, const std::string& why, bool close_link) {
   {
     std::lock_guard<std::mutex> lk(impl_->mu);
     if (peer < 0 || peer >= impl_->nranks || impl_->peer_state[peer] == Impl::kPeerGone) return;
     impl_->peer_state[peer] = Impl::kPeerGone;
     impl_->peer_gone_why[peer] = why;
-    impl_->drop_queue.push_back({peer, code, why});
+    impl_->drop_queue.push_back({peer, code, why, true, close_link});
+  }
+  impl_->kick();
+}
+
+void Engine::close_peer(int peer) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    if (peer < 0 || peer >= impl_->nranks || impl_->peer_state[peer] != Impl::kPeerGone) return;
+    impl_->drop_queue.push_back({peer, KVXFER_SUCCESS, impl_->peer_gone_why[peer], false, true});
   }
   impl_->kick();
 }

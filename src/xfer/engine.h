@@ -206,7 +206,13 @@ class Engine {
    * progress thread fails its requests with (`code`, `why`), then closes and
    * frees its Link once nothing of it is in flight.  Idempotent.  Any thread.
    */
-  void drop_peer(int peer, kvxfer_result_t code, const std::string& why);
+  void drop_peer(int peer, kvxfer_result_t code, const std::string& why, bool close_link = true);
+  /**
+   * After drop_peer(..., close_link = false): closes the Link, which was
+   * kept open so that the peer could be told first (its requests then fail
+   * as it was told, not by the connection's reset).  Any thread.
+   */
+  void close_peer(int peer);
   /**
    * Called on the progress thread, with no engine lock held, once when the
    * Link of a peer fails (dead, stalled or corrupt peer).  Set before the

@@ -251,6 +251,7 @@ struct PeerIo {
   std::unordered_map<uint64_t, std::pair<kvxfer_result_t, std::string>> rdv_refused;
   std::unordered_map<uint64_t, std::vector<uint8_t>> drain_bufs;  // by Link op id
   bool draining = false;      // dropped: its Link goes once drained
+  bool holding = false;       // dropped, its Link kept open until close_peer
   bool failure_told = false;  // its Link's failure was reported (peer_failed)
 };
 
@@ -300,6 +301,8 @@ struct Engine::Impl {
     int peer;
     kvxfer_result_t code;
     std::string why;
+    bool fail_requests = true;  // false: close_peer (the requests were failed before)
+    bool close_link = true;     // false: drop_peer with the Link kept open
   };
   std::vector<Drop> drop_queue;
   Engine::PeerFailed peer_failed;  // set before the first adopt

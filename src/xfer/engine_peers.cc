@@ -151,10 +151,14 @@ void Engine::Impl::take_peer_changes(std::vector<std::pair<int, std::unique_ptr<
   }
   for (const Drop& d : drops) {
     grow_progress(d.peer + 1);
-    const std::vector<std::shared_ptr<Request>> all = active;
-    for (const auto& r : all)
-      if (r->peer == d.peer) fail(r, d.code, d.why);
-    if (Link* l = comm->link(d.peer)) l->abort(d.why.c_str());
+    if (!pio[static_cast<size_t>(d.peer)]) continue;  // released already
+    if (d.fail_requests) {
+      const std::vector<std::shared_ptr<Request>> all = active;
+      for (const auto& r : all)
+        if (r->peer == d.peer) fail(r, d.code, d.why);
+    }
+    io(d.peer).holding = !d.close_link;
+    if (Link* l = comm->link(d.peer); l != nullptr && d.close_link) l->abort(d.why.c_str());
     io(d.peer).draining = true;
   }
 }
@@ -162,7 +166,7 @@ void Engine::Impl::take_peer_changes(std::vector<std::pair<int, std::unique_ptr<
 void Engine::Impl::release_drained() {
   bool released = false;
   for (int p = 0; p < npeers(); ++p) {
-    if (!pio[p] || !io(p).draining) continue;
+    if (!pio[p] || !io(p).draining || io(p).holding) continue;
     Link* l = comm->link(p);
     if (l != nullptr && l->ops_in_flight() > 0) continue;
     bool busy = false;  // a request of this peer not finalised yet still reads its state
