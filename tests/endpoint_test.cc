@@ -265,21 +265,6 @@ TEST(Endpoint, DisconnectFailsRequestsOnBothSidesAndReconnectIsNew) {
 // ---------------------------------------------------------------------------
 // Peers in other processes: restarted, dead, stalled.
 // ---------------------------------------------------------------------------
-/** A free TCP port of 127.0.0.1 (bound, read, closed). */
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t sl = sizeof sa;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &sl) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  ::close(fd);
-  return ntohs(sa.sin_port);
-}
 
 struct PeerCmd {
   char op;  // 's' send by id, 'q' quit
@@ -287,13 +272,15 @@ struct PeerCmd {
 };
 
 /**
- * A peer process: waits for a 'g' if `wait_go`, makes an endpoint on `port`
+ * A peer process: waits for a 'g' and a port (int32) if `wait_go`, makes an
+ * endpoint on `port`
  * (rate `rate`), sends its address up, reads the parent's, connects to it,
  * and sends KV seeded by id when told.  Exit 0 after 'q'.
  */
 int peer_process(int rd, int wr, int port, bool wait_go, const char* rate, const char* codec) {
   char g = 0;
-  if (wait_go && (!fdio::read_all(rd, &g, 1) || g != 'g')) return 2;
+  if (wait_go && (!fdio::read_all(rd, &g, 1) || g != 'g' || !fdio::read_all(rd, &port, 4)))
+    return 2;  // the port comes with the word to go
   kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
   cfg.bind_address = "127.0.0.1";
   cfg.port = port;
@@ -380,14 +367,14 @@ void receive_exact(kvxfer_comm_t ep, int peer, Child& c, uint64_t id,
       ASSERT_EQ(dst.bytes(l, kind), want.bytes(l, kind)) << "id " << id << " layer " << l;
 }
 
+// The first incarnation takes any port (0); the second takes that port again
+// at once, while the listener's connections of the first are in TIME_WAIT.
 TEST(EndpointPeers, ARestartedPeerAtTheSameAddressIsANewIncarnation) {
-  const int port = free_port();
-  ASSERT_GT(port, 0);
   Child first, second;
-  ASSERT_TRUE(first.start(
-      [port](int rd, int wr) { return peer_process(rd, wr, port, false, nullptr, "lynx"); }));
-  ASSERT_TRUE(second.start(
-      [port](int rd, int wr) { return peer_process(rd, wr, port, true, nullptr, "lynx"); }));
+  ASSERT_TRUE(
+      first.start([](int rd, int wr) { return peer_process(rd, wr, 0, false, nullptr, "lynx"); }));
+  ASSERT_TRUE(
+      second.start([](int rd, int wr) { return peer_process(rd, wr, 0, true, nullptr, "lynx"); }));
   Ep a;
   const std::vector<uint8_t> b1 = meet(first, a);
   ASSERT_FALSE(b1.empty());
@@ -410,7 +397,11 @@ TEST(EndpointPeers, ARestartedPeerAtTheSameAddressIsANewIncarnation) {
   kvxfer_request_free(pending);
   first.wait(10);
   // The second incarnation, at the same address.
+  xfer::EndpointAddress first_at;
+  ASSERT_EQ(xfer::decode_endpoint_address(b1.data(), b1.size(), &first_at), KVXFER_SUCCESS);
+  const int port = ntohs(first_at.port_be);
   fdio::write_all(second.to_child, "g", 1);
+  fdio::write_all(second.to_child, &port, 4);
   const std::vector<uint8_t> b2 = meet(second, a);
   ASSERT_EQ(b2.size(), b1.size());
   EXPECT_NE(b2, b1);
@@ -476,7 +467,7 @@ TEST(EndpointPeers, AStalledPeerTimesOutAndTheEndpointLivesOn) {
   const auto t_stop = Clock::now();
   expect_error(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 10000), KVXFER_ERR_TIMEOUT, "");
   const double s = std::chrono::duration<double>(Clock::now() - t_stop).count();
-  EXPECT_LT(s, 2.0 + 1.5);
+  EXPECT_LT(s, 2.0 + 3.0);  // the 2 s timeout, and slack for a loaded machine
   kvxfer_request_free(r);
   // The endpoint goes on with its other peers, a second later too.
   const int ab = a.connect(b), ba = b.connect(a);

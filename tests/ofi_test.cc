@@ -790,6 +790,46 @@ TEST(ofiPath, AutoMeetsANamedNetworkProviderOnTheNetwork) {
   EXPECT_TRUE(exchange(&p, 1 << 20));
 }
 
+// A peer address whose shared-memory names point at files that are not shm
+// regions (corrupt, or hostile): libfabric would map them and trust their
+// header (SIGSEGV in fi_av_insert); connect refuses them at the call.
+TEST(ofiPath, SharedMemoryNamesThatAreNotRegionsAreRefused) {
+  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
+    GTEST_SKIP() << "shared memory only";
+  const std::string& host = host_identity();
+  const uint32_t pid = static_cast<uint32_t>(getpid());
+  for (const size_t size : {size_t{1500}, size_t{1} << 20}) {  // too small; right size, no header
+    std::vector<std::string> files;
+    std::vector<uint8_t> blob = {'K', 'V', 'X', 'L', 2, 2, 1, static_cast<uint8_t>(host.size())};
+    blob.insert(blob.end(), host.begin(), host.end());
+    for (int i = 0; i < 4; ++i) blob.push_back(static_cast<uint8_t>(pid >> (8 * i)));
+    const std::string prov = kShmProvider;
+    blob.push_back(static_cast<uint8_t>(prov.size()));
+    blob.insert(blob.end(), prov.begin(), prov.end());
+    for (int c = 0; c < 2; ++c) {
+      const std::string leaf = "kvxfer-not-a-region-" + std::to_string(pid) + "-" +
+                               std::to_string(size) + "-" + std::to_string(c);
+      files.push_back("/dev/shm/" + leaf);
+      const int fd = ::open(files.back().c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+      ASSERT_GE(fd, 0);
+      ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(size)), 0);
+      ::close(fd);
+      const std::string name = "fi_shm://" + leaf;
+      blob.push_back(static_cast<uint8_t>(name.size() + 1));
+      blob.push_back(0);
+      blob.insert(blob.end(), name.begin(), name.end());
+      blob.push_back(0);
+    }
+    std::unique_ptr<Link> a;
+    ASSERT_EQ(Link::create(loopback_config(), &a), KVXFER_SUCCESS) << kvxfer_get_last_error();
+    EXPECT_EQ(a->connect(blob.data(), blob.size()), KVXFER_ERR_CORRUPT) << kvxfer_get_last_error();
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("is not one"), std::string::npos)
+        << kvxfer_get_last_error();
+    EXPECT_TRUE(a->failed());
+    for (const std::string& f : files) ::unlink(f.c_str());
+  }
+}
+
 TEST(ofiPath, SharedMemoryOnlyAndNetworkOnlyShareNoPath) {
   std::unique_ptr<Link> a, b;
   ASSERT_EQ(Link::create(loopback_config(kShmProvider), &a), KVXFER_SUCCESS)

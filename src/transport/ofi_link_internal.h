@@ -2,6 +2,8 @@
 // ofi_link_setup.cc: creation, connect and liveness).  Not installed.
 #pragma once
 
+#include <sys/stat.h>
+
 #include <cstring>
 #include <memory>
 #include <string>
@@ -40,6 +42,16 @@ inline std::string shm_region_file(const std::vector<uint8_t>& name) {
   const size_t slash = n.rfind('/');
   return "/dev/shm/" + (slash == std::string::npos ? n : n.substr(slash + 1));
 }
+
+/**
+ * Whether `path` (stat `st`) looks like the shm region of process `pid`
+ * (libfabric 1.17, include/ofi_shm.h struct smr_region): a regular file of
+ * this user, not writable by others, of a power-of-two size of at least
+ * 64 KiB, whose header names `pid` (int at byte 4) and its own size
+ * (size_t total_size at byte 40).  *why says what is not.
+ */
+bool shm_region_plausible(const std::string& path, const struct stat& st, uint32_t pid,
+                          std::string* why);
 
 }  // namespace kvxfer::transport::link_detail
 

@@ -1,5 +1,6 @@
 // Link (ofi.h), its setup: creation and address blob, connect and the path
 // it takes, the hello handshake, DSCP marking and liveness.
+#include <fcntl.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
@@ -27,6 +28,39 @@
 #include "transport/shm_reaper.h"
 
 namespace kvxfer::transport {
+
+bool link_detail::shm_region_plausible(const std::string& path, const struct stat& st, uint32_t pid,
+                                       std::string* why) {
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    *why = "not a file of this user, writable by it alone";
+    return false;
+  }
+  if (size < (uint64_t{64} << 10) || (size & (size - 1)) != 0) {
+    *why = strprintf("%llu bytes, not a power of two of at least 64 KiB",
+                     static_cast<unsigned long long>(size));
+    return false;
+  }
+  uint8_t head[48];
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const ssize_t n = fd >= 0 ? ::pread(fd, head, sizeof head, 0) : -1;
+  if (fd >= 0) ::close(fd);
+  if (n != static_cast<ssize_t>(sizeof head)) {
+    *why = "its header cannot be read";
+    return false;
+  }
+  int32_t region_pid = 0;
+  uint64_t total = 0;
+  std::memcpy(&region_pid, head + 4, 4);
+  std::memcpy(&total, head + 40, 8);
+  if (static_cast<uint32_t>(region_pid) != pid || total != size) {
+    *why = strprintf("its header names pid %d and %llu bytes (expected pid %u and %llu)",
+                     region_pid, static_cast<unsigned long long>(total), pid,
+                     static_cast<unsigned long long>(size));
+    return false;
+  }
+  return true;
+}
 
 using namespace link_detail;  // NOLINT: this file's own internals
 
@@ -258,6 +292,14 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
         return fail_link(KVXFER_ERR_SYSTEM,
                          strprintf("the peer's shared-memory endpoint %s is gone (%s)",
                                    peer_region_[c].c_str(), std::strerror(errno)));
+      // fi_av_insert maps the file and trusts its header: a file that is
+      // not the peer's region (a corrupt or hostile address) would crash
+      // this process inside libfabric.  Check it is one first.
+      std::string why;
+      if (!shm_region_plausible(peer_region_[c], st, peer_pid, &why))
+        return fail_link(KVXFER_ERR_CORRUPT,
+                         strprintf("the peer's shared-memory endpoint %s is not one: %s",
+                                   peer_region_[c].c_str(), why.c_str()));
     }
 #ifdef SYS_pidfd_open
     peer_pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer_pid), 0));

@@ -202,10 +202,10 @@ kvxfer_result_t open_listener(const char* host, uint16_t port, const char* who, 
 
   Fd fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return sys_error(who, "socket", errno);
-  if (port != 0) {
-    int one = 1;
-    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  }
+  // A restarted process binds its old port again while connections of its
+  // previous life are still in TIME_WAIT.
+  int one = 1;
+  (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) return sys_error(who, "bind", errno);
   if (::listen(fd.get(), SOMAXCONN) != 0) return sys_error(who, "listen", errno);
   socklen_t sl = sizeof *bound;

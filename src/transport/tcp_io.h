@@ -102,8 +102,8 @@ kvxfer_result_t connect_once(const sockaddr_storage& sa, socklen_t len, Deadline
  * A non-blocking listening socket bound to `host` (numeric IPv4/IPv6 or a
  * name; a wildcard is refused: the address is handed to peers) at `port`
  * (0 = ephemeral; SO_REUSEADDR, so a restarted process can take its port
- * again).  *bound receives the address it listens on.
- * Errors: KVXFER_ERR_INVALID_ARGUMENT (unresolvable or wildcard host),
+ * again while the connections of its previous life are in TIME_WAIT).  *bound receives the address
+ * it listens on. Errors: KVXFER_ERR_INVALID_ARGUMENT (unresolvable or wildcard host),
  * KVXFER_ERR_SYSTEM (socket, bind, listen: "<who>: bind: ...").
  */
 kvxfer_result_t open_listener(const char* host, uint16_t port, const char* who, Fd* out,

@@ -346,6 +346,23 @@ kvxfer_result_t Membership::connect(const void* blob, size_t len, int* peer) {
   KVXFER_REQUIRE(to.incarnation != self_.incarnation,
                  "the address is this endpoint's own: connect to another endpoint");
   const tcp::Deadline deadline = tcp::deadline_after(cfg_.timeout_ms);
+  // A round ends with a peer, an error, or (when a disconnect or another
+  // thread's handshake ended the connection this one waited for) another
+  // round, within the same deadline.
+  for (int round = 0;; ++round) {
+    bool again = false;
+    const kvxfer_result_t r = connect_round(to, blob, len, deadline, peer, &again);
+    if (!again) return r;
+    if (round >= 8 || tcp::remaining_ms(deadline) == 0)
+      return set_error(KVXFER_ERR_TIMEOUT,
+                       "connecting to %s: the connection was ended by another call (a "
+                       "disconnect) %d times while it was made, until the timeout",
+                       to.text().c_str(), round + 1);
+  }
+}
+
+kvxfer_result_t Membership::connect_round(const EndpointAddress& to, const void* blob, size_t len,
+                                          tcp::Deadline deadline, int* peer, bool* again) {
   std::unique_lock<std::mutex> lk(mu_);
   // Wait out another thread's or the listener's handshake with this peer.
   auto settled = [&] {
@@ -355,8 +372,7 @@ kvxfer_result_t Membership::connect(const void* blob, size_t len, int* peer) {
   };
   if (!cv_.wait_until(lk, deadline, settled))
     return set_error(KVXFER_ERR_TIMEOUT,
-                     "connecting to %s: another handshake with it did not "
-                     "end within %d ms",
+                     "connecting to %s: another handshake with it did not end within %d ms",
                      to.text().c_str(), cfg_.timeout_ms);
   if (stopped_) return set_error(KVXFER_ERR_INVALID_USAGE, "the endpoint is being destroyed");
   {
@@ -390,14 +406,20 @@ kvxfer_result_t Membership::connect(const void* blob, size_t len, int* peer) {
     };
     if (r != KVXFER_SUCCESS)
       return give_up(r, strprintf("connecting to %s: %s", to.text().c_str(), err.c_str()));
+    if (stopped_) return give_up(KVXFER_ERR_INVALID_USAGE, "the endpoint is being destroyed");
     switch (reply.status) {
       case HandshakeStatus::kOk:
-        if (e.state != State::kOutgoing || stopped_)
-          return give_up(KVXFER_ERR_INTERNAL,
-                         strprintf("connecting to %s: accepted, but the peer's state here "
-                                   "changed meanwhile",
-                                   to.text().c_str()));
-        *peer = go_live(to.incarnation, e, std::move(link), true);
+        if (e.state == State::kOutgoing) {
+          *peer = go_live(to.incarnation, e, std::move(link), true);
+          return KVXFER_SUCCESS;
+        }
+        // The listener here took the peer's own connect meanwhile: use that
+        // one (this Link closes unused), or go round again.
+        if (e.state == State::kLive) {
+          *peer = e.peer;
+          return KVXFER_SUCCESS;
+        }
+        *again = true;
         return KVXFER_SUCCESS;
       case HandshakeStatus::kCrossed:
       case HandshakeStatus::kCrossedLive: {
@@ -408,17 +430,20 @@ kvxfer_result_t Membership::connect(const void* blob, size_t len, int* peer) {
           force = true;
           continue;
         }
-        if (!cv_.wait_until(lk, deadline,
-                            [&] {
-                              const Entry& x = entries_[to.incarnation];
-                              return stopped_ || x.state == State::kLive || x.state == State::kGone;
-                            }) ||
-            entries_[to.incarnation].state != State::kLive)
+        const bool ended = cv_.wait_until(lk, deadline, [&] {
+          const Entry& x = entries_[to.incarnation];
+          return stopped_ || x.state == State::kLive || x.state == State::kGone;
+        });
+        if (!ended)
           return give_up(KVXFER_ERR_TIMEOUT,
                          strprintf("connecting to %s: both sides connected at once and the "
                                    "peer's connection did not arrive within %d ms",
                                    to.text().c_str(), cfg_.timeout_ms));
-        *peer = entries_[to.incarnation].peer;
+        if (entries_[to.incarnation].state == State::kLive) {
+          *peer = entries_[to.incarnation].peer;
+          return KVXFER_SUCCESS;
+        }
+        *again = true;  // it ended (a disconnect) before this call saw it
         return KVXFER_SUCCESS;
       }
       case HandshakeStatus::kRefused:
@@ -592,7 +617,15 @@ void Membership::accept_main() {
       socklen_t fl = sizeof from;
       const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &fl,
                                SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) break;  // EAGAIN, ECONNABORTED, EMFILE: the next poll tries again
+      if (fd < 0) {
+        // Out of descriptors the backlog stays readable: pause, do not spin.
+        if (errno == EMFILE || errno == ENFILE) {
+          KVXFER_WARN(LOG_NET, "endpoint: accept: %s; pausing the listener 100 ms",
+                      std::strerror(errno));
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+        break;  // EAGAIN, ECONNABORTED: the next poll tries again
+      }
       tcp::Fd owner(fd);
       const std::string who = tcp::sockaddr_text(reinterpret_cast<const sockaddr*>(&from), fl);
       if (pending.size() >= kMaxPending) {
@@ -647,7 +680,8 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
   EndpointAddress from_addr;
   if ((kind != kKindConnect && kind != kKindBye) ||
       decode_endpoint_address(blob.data(), blob.size(), &from_addr) != KVXFER_SUCCESS ||
-      from_addr.incarnation != from_inc || (kind == kKindConnect && link_addr.empty())) {
+      from_addr.incarnation != from_inc || from_inc == self_.incarnation ||
+      (kind == kKindConnect && link_addr.empty())) {
     KVXFER_WARN(LOG_NET, "endpoint: refused a handshake of kind %u from %s: bad fields", kind,
                 who.c_str());
     (void)answer(HandshakeStatus::kBad, {}, "bad kind, address or link address");

@@ -52,6 +52,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -182,6 +183,10 @@ class Membership {
   /** One outgoing handshake for `e`'s peer: CONNECT, then the Link's connect on OK. */
   kvxfer_result_t dial(const EndpointAddress& to, bool force, Reply* reply,
                        std::unique_ptr<transport::Link>* link);
+  /** One round of connect(): *again when it must start over. */
+  kvxfer_result_t connect_round(const EndpointAddress& to, const void* blob, size_t len,
+                                std::chrono::steady_clock::time_point deadline, int* peer,
+                                bool* again);
   /** Hands a connected Link to the engine and makes `e` Live (mu_ held). */
   int go_live(uint64_t incarnation, Entry& e, std::unique_ptr<transport::Link> link,
               bool initiated);
