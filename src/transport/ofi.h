@@ -465,6 +465,7 @@ class Link {
   int peer_pidfd_ = -1;
   uint32_t peer_pid_ = 0;
   std::array<std::string, kNumClasses> peer_region_;
+  bool peer_regions_removed_ = false;  // the peer died: its regions were removed
   // Bumped by every progress(); a watcher (shm_reaper.h) releases the shm
   // locks a killed peer left held once this stops moving.
   std::atomic<uint64_t> progress_epoch_{0};

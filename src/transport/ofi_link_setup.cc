@@ -378,6 +378,17 @@ bool Link::connection_open(int c) {
 // apart, with progress in between: a peer that sent its last STATUS and then
 // closed is seen only after that STATUS has been read and delivered.
 kvxfer_result_t Link::check_liveness() {
+  // A killed same-host peer leaves its regions in /dev/shm (tmpfs: memory)
+  // for good.  The pidfd names exactly that process, so once it is readable
+  // they are no one's: remove them, with or without operations in flight (an
+  // operation may have failed first, on the provider's error).
+  if (shm_path_ && peer_pidfd_ >= 0 && !peer_regions_removed_) {
+    pollfd f{peer_pidfd_, POLLIN, 0};
+    if (::poll(&f, 1, 0) > 0) {
+      for (const std::string& r : peer_region_) (void)::unlink(r.c_str());
+      peer_regions_removed_ = true;
+    }
+  }
   if (ops_in_flight() == 0) {
     peer_closed_checks_ = {};
     return KVXFER_SUCCESS;
@@ -391,10 +402,6 @@ kvxfer_result_t Link::check_liveness() {
       pollfd f{peer_pidfd_, POLLIN, 0};
       if (::poll(&f, 1, 0) > 0) {
         gone = strprintf("the peer process (pid %u) exited or was killed", peer_pid_);
-        // A killed process leaves its regions in /dev/shm (tmpfs: memory)
-        // for good.  The pidfd names exactly that process, so they are no
-        // one's now: remove them.
-        for (const std::string& f : peer_region_) (void)::unlink(f.c_str());
       }
     }
     for (int c = 0; c < kNumClasses && gone.empty(); ++c) {
