@@ -577,8 +577,9 @@ kvxfer_result_t kvxfer_endpoint_address(kvxfer_comm_t ep, void* buf, size_t* len
  * secret: "refused ... wrong secret"); KVXFER_ERR_MISMATCH (the endpoint at
  * that address is another incarnation: it restarted, get its new blob);
  * KVXFER_ERR_SYSTEM (unreachable: "connection refused", socket errors);
- * KVXFER_ERR_TIMEOUT (no answer within the timeout).  Nothing changes on an
- * error.  Thread-safety: any thread, concurrently with posts and with
+ * KVXFER_ERR_CORRUPT (the peer's answer, or the shared-memory names it
+ * gives, are malformed); KVXFER_ERR_TIMEOUT (no answer within the timeout).
+ * Nothing changes on an error.  Thread-safety: any thread, concurrently with posts and with
  * connects and disconnects of any peer.
  */
 kvxfer_result_t kvxfer_endpoint_connect(kvxfer_comm_t ep, const void* address, size_t len,
