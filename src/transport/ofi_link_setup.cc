@@ -398,12 +398,8 @@ kvxfer_result_t Link::check_liveness() {
     // and its regions (its endpoint close unlinks them).  Twice in a row, as
     // above, so that what it sent before it went is read first.
     std::string gone;
-    if (peer_pidfd_ >= 0) {
-      pollfd f{peer_pidfd_, POLLIN, 0};
-      if (::poll(&f, 1, 0) > 0) {
-        gone = strprintf("the peer process (pid %u) exited or was killed", peer_pid_);
-      }
-    }
+    if (peer_regions_removed_)  // its pidfd turned readable (above)
+      gone = strprintf("the peer process (pid %u) exited or was killed", peer_pid_);
     for (int c = 0; c < kNumClasses && gone.empty(); ++c) {
       struct stat st {};
       if (::stat(peer_region_[c].c_str(), &st) != 0 && errno == ENOENT)
