@@ -1,8 +1,7 @@
 // The progress thread's side of an engine's peers (engine.h): the
 // rendezvous of requests matched by id (protocol.h, RDV), and the peers an
 // endpoint adopts and drops at run time (Engine::adopt_peer / drop_peer).
-#include <malloc.h>
-
+#include "common/heap.h"
 #include "xfer/engine_impl.h"
 
 namespace kvxfer::xfer {
@@ -179,7 +178,7 @@ void Engine::Impl::release_drained() {
   // A peer's Link frees megabytes in many blocks (libfabric's pools): give
   // the free pages back, so that a long-lived endpoint whose peers come and
   // go keeps a flat resident set (perf/endpoint_perf, "rss_growth").
-  if (released) malloc_trim(0);
+  if (released) trim_heap();
 }
 
 }  // namespace kvxfer::xfer
