@@ -6,9 +6,11 @@
 #include "xfer/endpoint.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,7 +25,9 @@
 #include <vector>
 
 #include "common/fdio.h"
+#include "fork_child.h"
 #include "kvxfer/kvxfer.h"
+#include "transport/tcp_io.h"
 #include "xfer_util.h"
 
 namespace kvxfer {
@@ -105,6 +109,17 @@ void expect_error(kvxfer_result_t got, kvxfer_result_t want, const char* words) 
   EXPECT_EQ(got, want) << kvxfer_get_last_error();
   EXPECT_NE(std::string(kvxfer_get_last_error()).find(words), std::string::npos)
       << "wanted \"" << words << "\" in: " << kvxfer_get_last_error();
+}
+
+/** A TCP connection to the listener of the endpoint whose blob is `at`. */
+transport::tcp::Fd dial_listener(const xfer::EndpointAddress& at) {
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = at.port_be;
+  std::memcpy(&sa.sin_addr, at.addr.data(), 4);
+  transport::tcp::Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  return fd;
 }
 
 // ---------------------------------------------------------------------------
@@ -595,6 +610,127 @@ TEST(Endpoint, ConnectsAndDisconnectsRacingWithPostsNeverHangOrCorrupt) {
   // And after it all, a clean transfer.
   const int ab = a.connect(b), ba = b.connect(a);
   transfer_exact(a.ep, ab, b.ep, ba, 999999, 7, lynx());
+}
+
+// A CONNECT that names the listener's own incarnation as its sender (a
+// replayed or forged frame with the right secret) is refused as malformed;
+// before, the endpoint made itself a peer.  The next real peer takes index 0.
+TEST(Endpoint, AConnectFromTheListenersOwnIncarnationIsRefused) {
+  namespace tcp = transport::tcp;
+  Ep a, b;
+  xfer::EndpointAddress at;
+  ASSERT_EQ(xfer::decode_endpoint_address(a.addr.data(), a.addr.size(), &at), KVXFER_SUCCESS);
+  ASSERT_TRUE(at.has_secret);
+  std::vector<uint8_t> f(4);  // the CONNECT frame of endpoint.cc's exchange()
+  tcp::put_u32(&f, xfer::kHandshakeMagic);
+  tcp::put_u16(&f, xfer::kHandshakeVersion);
+  tcp::put_u16(&f, 1);  // CONNECT
+  tcp::put_u32(&f, 0);  // flags
+  f.insert(f.end(), at.secret.begin(), at.secret.end());
+  tcp::put_u64(&f, at.incarnation);  // from: the listener itself
+  tcp::put_u64(&f, at.incarnation);  // to
+  tcp::put_u32(&f, static_cast<uint32_t>(a.addr.size()));
+  f.insert(f.end(), a.addr.begin(), a.addr.end());
+  const std::vector<uint8_t> link(40, 0x11);
+  tcp::put_u32(&f, static_cast<uint32_t>(link.size()));
+  f.insert(f.end(), link.begin(), link.end());
+  tcp::finish_frame(&f);
+  tcp::Fd fd = dial_listener(at);
+  const tcp::Deadline d = tcp::deadline_after(5000);
+  bool closed = false;
+  ASSERT_EQ(tcp::send_all(fd.get(), f.data(), f.size(), d, "test", "CONNECT", &closed),
+            KVXFER_SUCCESS);
+  uint8_t head[4 + 16];  // length prefix, magic, version, status, incarnation
+  ASSERT_EQ(tcp::recv_all(fd.get(), head, sizeof head, d, "test", "the answer", &closed),
+            KVXFER_SUCCESS);
+  EXPECT_EQ(tcp::get_u32(head + 4), xfer::kHandshakeMagic);
+  EXPECT_EQ(tcp::get_u16(head + 10), static_cast<uint16_t>(xfer::HandshakeStatus::kBad));
+  EXPECT_EQ(tcp::get_u64(head + 12), at.incarnation);
+  EXPECT_EQ(a.connect(b), 0) << "a peer slot went to the listener itself";
+  EXPECT_EQ(b.connect(a), 0);
+  transfer_exact(a.ep, 0, b.ep, 0, 4, 4, bf16());
+}
+
+// A process out of file descriptors: a connection waits in the listener's
+// backlog and accept4 fails with EMFILE each time.  The acceptor pauses
+// (100 ms a time) instead of spinning a core (95% before), and accepts again
+// once descriptors are free.  In a child, whose descriptor limit it lowers.
+TEST(Endpoint, OutOfDescriptorsTheListenerPausesAndRecovers) {
+  test::Child child;
+  ASSERT_TRUE(child.start([](int, int) {
+    Ep a;
+    if (a.ep == nullptr) return 10;
+    xfer::EndpointAddress at;
+    if (xfer::decode_endpoint_address(a.addr.data(), a.addr.size(), &at) != KVXFER_SUCCESS)
+      return 11;
+    rlimit lim{};
+    getrlimit(RLIMIT_NOFILE, &lim);
+    lim.rlim_cur = 256;
+    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) return 12;
+    std::vector<int> hog;
+    for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) hog.push_back(fd);
+    // A connection made with the last free descriptor: none is left to
+    // accept it, so it waits in the backlog.
+    ::close(hog.back());
+    hog.pop_back();
+    transport::tcp::Fd waiting = dial_listener(at);
+    auto cpu_s = [] {
+      rusage u{};
+      getrusage(RUSAGE_SELF, &u);
+      return u.ru_utime.tv_sec + u.ru_stime.tv_sec +
+             1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+    };
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const double c0 = cpu_s();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    const double used = cpu_s() - c0;
+    std::printf("[ emfile ] process CPU over 1.5 s with the backlog unaccepted: %.3f s\n", used);
+    std::fflush(stdout);
+    for (int fd : hog) ::close(fd);
+    if (used > 0.5) return 13;  // spinning: about 1.4 s
+    Ep b;
+    int p = -1;
+    if (kvxfer_endpoint_connect(b.ep, a.addr.data(), a.addr.size(), &p) != KVXFER_SUCCESS)
+      return 14;
+    return 0;
+  }));
+  ASSERT_TRUE(child.wait(60));
+  ASSERT_TRUE(WIFEXITED(child.status));
+  EXPECT_EQ(WEXITSTATUS(child.status), 0) << "13: the acceptor spun; others: setup";
+}
+
+// Two threads connect and disconnect the same pair from both sides at once,
+// both endpoints alive all along: every connect succeeds (before, a connect
+// that met a racing disconnect failed with TIMEOUT or INTERNAL).
+TEST(Endpoint, ConnectsFromBothSidesRacingWithDisconnectsAllSucceed) {
+  Ep a, b;
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0};
+  std::vector<std::string> errors[2];
+  auto loop = [&](int side) {
+    Ep& me = side == 0 ? a : b;
+    const Ep& other = side == 0 ? b : a;
+    while (!stop.load()) {
+      int p = -1;
+      if (kvxfer_endpoint_connect(me.ep, other.addr.data(), other.addr.size(), &p) !=
+          KVXFER_SUCCESS) {
+        errors[side].push_back(kvxfer_get_last_error());
+        continue;
+      }
+      ++ok;
+      (void)kvxfer_endpoint_disconnect(me.ep, p);  // may already be gone: the other side's
+    }
+  };
+  std::thread t0(loop, 0), t1(loop, 1);
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  stop = true;
+  t0.join();
+  t1.join();
+  std::printf("[ race ] %d connects, %zu + %zu failed\n", ok.load(), errors[0].size(),
+              errors[1].size());
+  EXPECT_GT(ok.load(), 20);
+  for (const auto& e : errors)
+    EXPECT_TRUE(e.empty()) << e.size() << " connects failed, the first: " << e.front();
 }
 
 }  // namespace

@@ -8,9 +8,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cinttypes>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "common/error.h"
@@ -348,16 +350,20 @@ kvxfer_result_t Membership::connect(const void* blob, size_t len, int* peer) {
   const tcp::Deadline deadline = tcp::deadline_after(cfg_.timeout_ms);
   // A round ends with a peer, an error, or (when a disconnect or another
   // thread's handshake ended the connection this one waited for) another
-  // round, within the same deadline.
+  // round, within the same deadline: both endpoints are alive, so the caller
+  // wants the connection, however often a racing disconnect on either side
+  // ends it.  Rounds after the second wait 1, 2, 4 .. 32 ms first.
   for (int round = 0;; ++round) {
     bool again = false;
     const kvxfer_result_t r = connect_round(to, blob, len, deadline, peer, &again);
     if (!again) return r;
-    if (round >= 8 || tcp::remaining_ms(deadline) == 0)
+    if (tcp::remaining_ms(deadline) == 0)
       return set_error(KVXFER_ERR_TIMEOUT,
                        "connecting to %s: the connection was ended by another call (a "
-                       "disconnect) %d times while it was made, until the timeout",
-                       to.text().c_str(), round + 1);
+                       "disconnect) %d times while it was made, until the timeout (%d ms)",
+                       to.text().c_str(), round + 1, cfg_.timeout_ms);
+    if (round >= 1)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1 << std::min(round - 1, 5)));
   }
 }
 
