@@ -325,16 +325,16 @@ TEST(WireBytes, RequestTagLayoutIsFixed) {
 }
 
 // ---------------------------------------------------------------------------
-// Link framing (transport/ofi.h), version 1: the header chunk and the hello.
+// Link framing (transport/ofi.h), version 2: the header chunk and the hello.
 // ---------------------------------------------------------------------------
 TEST(WireBytes, LinkHeaderAndHelloAreFixed) {
   using transport::WireHeader;
   const Bytes want =
       hex("46 58 56 4b"                // 0  u32 magic 0x4B565846
-          "01 00"                      // 4  u16 version 1
+          "02 00"                      // 4  u16 version 2
           "00 00"                      // 6  u16 flags 0
           "80 3e 00 00"                // 8  u32 chunk_bytes 16000
-          "00 00 00 00"                // 12 u32 reserved
+          "3d b7 c7 28"                // 12 u32 check: XXH3_64 of the header, low 32 bits
           "05 04 03 02 01 00 00 00"    // 16 u64 total 0x0102030405
           "78 56 34 12 00 00 00 00");  // 24 u64 user tag 0x12345678
   const WireHeader h = transport::make_wire_header(16000, 0x0102030405ull, 0x12345678);
@@ -346,10 +346,10 @@ TEST(WireBytes, LinkHeaderAndHelloAreFixed) {
   ASSERT_EQ(want.size(), sizeof back);
   std::memcpy(&back, want.data(), sizeof back);
   EXPECT_EQ(back.magic, 0x4B565846u);
-  EXPECT_EQ(back.version, 1);
+  EXPECT_EQ(back.version, 2);
   EXPECT_EQ(back.flags, 0);
   EXPECT_EQ(back.chunk_bytes, 16000u);
-  EXPECT_EQ(back.reserved, 0u);
+  EXPECT_EQ(back.check, transport::wire_header_check(back));
   EXPECT_EQ(back.total, 0x0102030405ull);
   EXPECT_EQ(back.tag, 0x12345678u);
   EXPECT_TRUE(transport::wire_header_ok(back, 32, 0x12345678));
@@ -360,20 +360,32 @@ TEST(WireBytes, LinkHeaderAndHelloAreFixed) {
     mutate(&b);
     return !transport::wire_header_ok(b, 32, 0x12345678);
   };
-  EXPECT_TRUE(bad([](WireHeader* b) { b->magic ^= 1; }));
-  EXPECT_TRUE(bad([](WireHeader* b) { b->version = 2; }));
-  EXPECT_TRUE(bad([](WireHeader* b) { b->chunk_bytes = 0; }));
-  EXPECT_TRUE(bad([](WireHeader* b) { b->chunk_bytes = (1u << 30) + 1; }));
-  EXPECT_TRUE(bad([](WireHeader* b) {  // 2^24 chunks: one too many
+  // Every flipped byte fails the checksum, whatever field it lands in.
+  for (size_t at = 0; at < sizeof(WireHeader); ++at)
+    EXPECT_TRUE(bad([at](WireHeader* b) { reinterpret_cast<uint8_t*>(b)[at] ^= 0x5a; }))
+        << "byte " << at;
+  // Field checks, with the checksum made to match.
+  auto bad_sealed = [&](auto mutate) {
+    return bad([&](WireHeader* b) {
+      mutate(b);
+      b->check = transport::wire_header_check(*b);
+    });
+  };
+  EXPECT_TRUE(bad_sealed([](WireHeader* b) { b->magic ^= 1; }));
+  EXPECT_TRUE(bad_sealed([](WireHeader* b) { b->version = 1; }));
+  EXPECT_TRUE(bad_sealed([](WireHeader* b) { b->flags = 1; }));
+  EXPECT_TRUE(bad_sealed([](WireHeader* b) { b->chunk_bytes = 0; }));
+  EXPECT_TRUE(bad_sealed([](WireHeader* b) { b->chunk_bytes = (1u << 30) + 1; }));
+  EXPECT_TRUE(bad_sealed([](WireHeader* b) {  // 2^24 chunks: one too many
     b->chunk_bytes = 1;
     b->total = uint64_t{1} << 24;
   }));
-  EXPECT_FALSE(bad([](WireHeader* b) {
+  EXPECT_FALSE(bad_sealed([](WireHeader* b) {
     b->chunk_bytes = 1;
     b->total = (uint64_t{1} << 24) - 1;
   }));
   // A total near 2^64 must not wrap the chunk count into range.
-  EXPECT_TRUE(bad([](WireHeader* b) {
+  EXPECT_TRUE(bad_sealed([](WireHeader* b) {
     b->chunk_bytes = 2;
     b->total = ~uint64_t{0};
   }));

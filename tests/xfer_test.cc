@@ -836,6 +836,100 @@ TEST(Xfer, CorruptedSectionFailsWithChecksumAndNeverCompletes) {
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
+// A flipped byte in a page header (docs/FORMAT.md 4.1: magic, codec, a
+// bound, payload_bytes, the checksum) of the first anchor section fails the
+// request on both sides at once, naming the field; never a timeout.
+class CorruptedPageHeader : public ::testing::TestWithParam<std::tuple<kvxfer_codec_t, int>> {};
+
+TEST_P(CorruptedPageHeader, FailsBothSidesWithinASecond) {
+  const auto [codec, offset] = GetParam();
+  Shape s;
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = codec;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, cfg, KVXFER_MODE_AUTO, 1, KVXFER_ERR_CORRUPT);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  test_hooks()->corrupt_offset = offset;
+  test_hooks()->corrupt_sections = 1;
+  kvxfer_request_t req = nullptr;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CORRUPT);
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string err = kvxfer_get_last_error();
+  EXPECT_LT(sec, 1.0) << err;
+  EXPECT_NE(err.find("failed to decode"), std::string::npos) << err;
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));  // the sender waited for CORRUPT
+  EXPECT_NE(rep.error.find("failed to decode"), std::string::npos) << rep.error;
+  kvxfer_request_free(req);
+  kvxfer_comm_destroy(comm);
+  test_hooks()->corrupt_sections = 0;
+  test_hooks()->corrupt_offset = -1;
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fields, CorruptedPageHeader,
+                         ::testing::Combine(::testing::Values(KVXFER_CODEC_BF16, KVXFER_CODEC_LYNX),
+                                            ::testing::Values(0, 9, 24, 56, 72)));
+
+// A flipped byte in the Link header (transport/ofi.h, WireHeader) of a page
+// message: magic, chunk_bytes, total or tag.  The header's checksum fails it
+// at once, on both sides.  Before, a flipped `total` posted data receives that
+// did not fit the sender's chunks: the request waited for its timeout, and
+// over libfabric 1.17's shm the progress thread spun for ever, hanging
+// destroy (docs/TRANSPORT.md, "Message framing").
+class CorruptedMessageHeader : public ::testing::TestWithParam<std::tuple<kvxfer_codec_t, int>> {};
+
+TEST_P(CorruptedMessageHeader, FailsBothSidesWithinASecond) {
+  const auto [codec, offset] = GetParam();
+  Shape s;
+  s.hd = 1024;  // pages of several chunks
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = codec;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    return run_sender(id, wr, s, 16, cfg, KVXFER_MODE_AUTO, 1, KVXFER_ERR_CORRUPT);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.tag = 9;
+  // The third header this side receives: the DESC's, then page messages.
+  test_hooks()->corrupt_wire_headers->offset = offset;
+  test_hooks()->corrupt_wire_headers->count = 3;
+  kvxfer_request_t req = nullptr;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CORRUPT);
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string err = kvxfer_get_last_error();
+  EXPECT_LT(sec, 1.0) << err;
+  EXPECT_NE(err.find("message header of tag"), std::string::npos) << err;
+  SenderReport rep;
+  ASSERT_TRUE(read_report(pair.child.from_child, &rep));  // the sender waited for CORRUPT
+  EXPECT_NE(rep.error.find("message header of tag"), std::string::npos) << rep.error;
+  kvxfer_request_free(req);
+  const auto t1 = std::chrono::steady_clock::now();
+  kvxfer_comm_destroy(comm);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 5.0);
+  test_hooks()->corrupt_wire_headers->count = 0;
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fields, CorruptedMessageHeader,
+                         ::testing::Combine(::testing::Values(KVXFER_CODEC_BF16, KVXFER_CODEC_LYNX),
+                                            ::testing::Values(0, 8, 16, 24)));
+
 // A residual section corrupted on the wire after the receiver reached
 // ANCHOR_READY: the request ends in ERROR on both sides with the checksum
 // named, COMPLETE is never reported, and no page holds anything but its
@@ -2428,12 +2522,22 @@ TEST(XferCancelWindow, MonolithicSenderMidway) {
 // ---------------------------------------------------------------------------
 enum class Loss { kKilled, kDestroyed };
 
+/** The KV of a detection case: at 1gbit kSlow would move in about 20 ms, so
+ *  the loss could land after the last page; 16 times the tokens take about
+ *  0.3 s there. */
+Shape detect_shape(const char* rate) {
+  Shape s = kSlow;
+  if (std::string(rate) == "1gbit") s.T *= 16;
+  return s;
+}
+
 /** The child of a detection case: one rank at `rate`, one request in flight, then gone. */
 int doomed_peer(const kvxfer_unique_id_t& id, int rd, int wr, bool sender, const char* rate,
                 Loss how) {
   kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, rate);
   if (comm == nullptr) return 10;
-  PagedKV kv(kSlow.L, kSlow.heads, kSlow.hd, kSlow.T, 16);
+  const Shape sh = detect_shape(rate);
+  PagedKV kv(sh.L, sh.heads, sh.hd, sh.T, 16);
   kv.fill(1);
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.page_tokens = 32;
@@ -2462,7 +2566,8 @@ void detection_case(bool parent_sends, const char* rate, Loss how) {
   }));
   kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, rate);
   ASSERT_NE(comm, nullptr);
-  PagedKV kv(kSlow.L, kSlow.heads, kSlow.hd, kSlow.T, 16);
+  const Shape sh = detect_shape(rate);
+  PagedKV kv(sh.L, sh.heads, sh.hd, sh.T, 16);
   kv.fill(1);
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.page_tokens = 32;

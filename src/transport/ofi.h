@@ -107,8 +107,8 @@ constexpr uint32_t kFiVersion = FI_VERSION(1, 17);
 // its data; the handshake is one kHelloMagic each way per class.  Sent as
 // the host's bytes: hosts are little-endian (x86-64, aarch64).
 // ---------------------------------------------------------------------------
-constexpr uint32_t kWireMagic = 0x4B565846;  // bytes "FXVK"
-constexpr uint16_t kWireVersion = 1;
+constexpr uint32_t kWireMagic = 0x4B565846;              // bytes "FXVK"
+constexpr uint16_t kWireVersion = 2;                     // 2: the header carries its checksum
 constexpr uint64_t kHelloMagic = 0x4B5658464C4C4548ull;  // bytes "HELLFXVK"
 
 struct WireHeader {
@@ -116,15 +116,22 @@ struct WireHeader {
   uint16_t version;
   uint16_t flags;
   uint32_t chunk_bytes;  // the sender's chunk size: data chunk i covers [(i-1)c, ic)
-  uint32_t reserved;
-  uint64_t total;  // message length in bytes
-  uint64_t tag;    // user tag, checked by the receiver
+  uint32_t check;        // wire_header_check(): the low 32 bits of XXH3_64 of the header
+  uint64_t total;        // message length in bytes
+  uint64_t tag;          // user tag, checked by the receiver
 };
 static_assert(sizeof(WireHeader) == 32, "wire header is 32 bytes");
 
+/** The header's checksum: the low 32 bits of XXH3_64 (seed 0) of its 32
+ *  bytes with `check` zero.  Any flipped byte fails wire_header_ok at once,
+ *  where a flipped `total` or `chunk_bytes` would otherwise post receives
+ *  that do not fit the sender's chunks (docs/TRANSPORT.md, "Message framing"). */
+uint32_t wire_header_check(const WireHeader& h);
 /** The header of a message of `total` bytes, in `chunk_bytes` chunks, with user tag `tag`. */
 WireHeader make_wire_header(uint32_t chunk_bytes, uint64_t total, uint64_t tag);
-/** True when `h`, a header chunk of `len` bytes, is valid for a receive of user tag `tag`. */
+/** True when `h`, a header chunk of `len` bytes, is valid for a receive of
+ *  user tag `tag`: length, magic, version, flags 0, checksum, tag, chunk size
+ *  and chunk count. */
 bool wire_header_ok(const WireHeader& h, size_t len, uint64_t tag);
 
 // ---------------------------------------------------------------------------
@@ -296,6 +303,15 @@ struct LinkConfig {
   size_t recv_window_chunks = 16;  // data receives posted ahead, per message
   int64_t timeout_ms = 30000;      // inactivity timeout of every operation
   std::shared_ptr<RateLimiter> limiter;  // null = no rate limit
+  // Test seam (xfer/test_hooks.h, corrupt_wire_headers): null in the product.
+  // While *v > 0, each message header this Link receives takes one from it,
+  // and the one that takes the last has the byte at `offset` of its
+  // WireHeader flipped before it is checked.
+  struct HeaderCorruption {
+    std::atomic<int> count{0};
+    std::atomic<int> offset{0};
+  };
+  std::shared_ptr<HeaderCorruption> corrupt_headers;
 
   /** Fills every field from the KVXFER_* parameters (node stays ""). */
   static kvxfer_result_t from_params(LinkConfig* out);

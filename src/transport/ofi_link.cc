@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cinttypes>
@@ -30,6 +31,12 @@ namespace kvxfer::transport {
 
 using namespace link_detail;  // NOLINT: this file's own internals
 
+uint32_t wire_header_check(const WireHeader& h) {
+  WireHeader z = h;
+  z.check = 0;
+  return static_cast<uint32_t>(XXH3_64bits(&z, sizeof z));
+}
+
 WireHeader make_wire_header(uint32_t chunk_bytes, uint64_t total, uint64_t tag) {
   WireHeader h{};
   h.magic = kWireMagic;
@@ -37,12 +44,14 @@ WireHeader make_wire_header(uint32_t chunk_bytes, uint64_t total, uint64_t tag) 
   h.chunk_bytes = chunk_bytes;
   h.total = total;
   h.tag = tag;
+  h.check = wire_header_check(h);
   return h;
 }
 
 bool wire_header_ok(const WireHeader& h, size_t len, uint64_t tag) {
   return len == sizeof(WireHeader) && h.magic == kWireMagic && h.version == kWireVersion &&
-         h.tag == tag && h.chunk_bytes != 0 && h.chunk_bytes <= kMaxPeerChunk &&
+         h.flags == 0 && h.check == wire_header_check(h) && h.tag == tag && h.chunk_bytes != 0 &&
+         h.chunk_bytes <= kMaxPeerChunk &&
          h.total / h.chunk_bytes + (h.total % h.chunk_bytes != 0) <= kMaxChunks;  // no wrap
 }
 
@@ -103,7 +112,7 @@ bool Link::empty_unstarted_send(uint64_t op_id) {
   op->size = 0;
   op->total = 0;
   op->nchunks = 0;
-  op->hdr.total = 0;
+  op->hdr = make_wire_header(op->hdr.chunk_bytes, 0, op->hdr.tag);
   return true;
 }
 
@@ -281,6 +290,12 @@ kvxfer_result_t Link::on_recv_done(Ctx* ctx, const CqEvent& ev, Clock::time_poin
   op->last_activity = now;
   last_recv_activity_ = now;
   if (ctx->kind == kHeader) {
+    if (cfg_.corrupt_headers && cfg_.corrupt_headers->count.load() > 0 &&
+        cfg_.corrupt_headers->count.fetch_sub(1) == 1) {
+      const int at = cfg_.corrupt_headers->offset.load();  // test seam (LinkConfig)
+      if (at >= 0 && static_cast<size_t>(at) < sizeof(WireHeader))
+        reinterpret_cast<uint8_t*>(&op->hdr)[at] ^= 0x5a;
+    }
     const WireHeader& h = op->hdr;
     if (!wire_header_ok(h, ev.len, op->tag)) {
       fail_recv(op, KVXFER_ERR_CORRUPT,

@@ -227,6 +227,7 @@ kvxfer_result_t Engine::create(const transport::UniqueId& id,
   std::unique_ptr<Engine> e(new Engine);
   e->impl_.reset(new Impl);
   Impl& m = *e->impl_;
+  if (hooks) lc.corrupt_headers = hooks->corrupt_wire_headers;
   KVXFER_CHECK(
       transport::Communicator::create(id, root.get(), rank, nranks, lc, timeout_ms, &m.comm));
   m.link_cfg = lc;
@@ -259,6 +260,7 @@ kvxfer_result_t Engine::create_open(int timeout_ms, const std::string& bind, con
   e->impl_.reset(new Impl);
   Impl& m = *e->impl_;
   m.comm = transport::Communicator::create_open();
+  if (hooks) lc.corrupt_headers = hooks->corrupt_wire_headers;
   m.link_cfg = lc;
   init_state(&m, -1, 0, timeout_ms, std::move(hooks));
   KVXFER_CHECK(start_threads(&m));

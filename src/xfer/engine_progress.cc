@@ -724,8 +724,10 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
         break;
       }
       uint8_t* section = anchor ? w.astore.get() + p.a_off : p.staging.get();
-      if (hooks && c.bytes > 0 && hooks->take_corruption(anchor))
-        section[c.bytes / 2] ^= 0x5a;  // test seam: the checksum must catch this
+      if (hooks && c.bytes > 0 && hooks->take_corruption(anchor)) {
+        const int64_t at = hooks->corrupt_offset.load();  // test seam: the checks must catch it
+        section[at >= 0 && static_cast<size_t>(at) < c.bytes ? at : c.bytes / 2] ^= 0x5a;
+      }
       if (anchor) {
         p.a_len = c.bytes;
         Job j;

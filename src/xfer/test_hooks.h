@@ -8,6 +8,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+
+#include "transport/ofi.h"
 
 namespace kvxfer::xfer {
 
@@ -41,6 +44,15 @@ struct TestHooks {
   /** Likewise for residual sections only (anchor sections pass untouched),
    *  so a test can corrupt a residual after ANCHOR_READY. */
   std::atomic<int> corrupt_residuals{0};
+  /** The byte those corruptions flip: its offset in the section (below 80:
+   *  the page header, docs/FORMAT.md 4.1); -1: the section's middle. */
+  std::atomic<int64_t> corrupt_offset{-1};
+
+  /** Link message headers (transport/ofi.h, LinkConfig::corrupt_headers):
+   *  the count-th header a Link of this engine receives from now gets the
+   *  byte at `offset` of its WireHeader flipped.  Shared with the Links. */
+  std::shared_ptr<transport::LinkConfig::HeaderCorruption> corrupt_wire_headers =
+      std::make_shared<transport::LinkConfig::HeaderCorruption>();
 
   /** Takes one corruption for a received section; true: flip a byte. */
   bool take_corruption(bool anchor) {
