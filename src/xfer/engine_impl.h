@@ -404,6 +404,7 @@ struct Engine::Impl {
   void maybe_complete(const std::shared_ptr<Request>& r);
   void publish(const std::shared_ptr<Request>& r, kvxfer_stage_t stage);
   void settle(const std::shared_ptr<Request>& r);  // publish ERROR / finalise when possible
+  void release_stores(Work& w);
   void finalise(const std::shared_ptr<Request>& r);
 };
 
