@@ -46,6 +46,7 @@ StagingCache::~StagingCache() {
 bool StagingCache::get(size_t n, Staging* out) {
   out->reset();
   const size_t want = round_up(n == 0 ? 1 : n, n >= kHuge ? kHuge : kPage);
+  std::vector<std::pair<uint8_t*, size_t>> drop;
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = kept_.lower_bound(want);
@@ -57,7 +58,14 @@ bool StagingCache::get(size_t n, Staging* out) {
       kept_.erase(it);
       return true;
     }
+    // A miss: what is kept is of other sizes than the requests now in
+    // flight take.  It goes, so that a stream of requests of changing sizes
+    // holds its working set and not that plus every size it passed through.
+    for (auto& [cap, k] : kept_) drop.emplace_back(k.p, cap);
+    kept_.clear();
+    kept_total_ = 0;
   }
+  for (auto& [q, cap] : drop) unmap(q, cap);
   void* p = mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return false;
   if (want >= kHuge) (void)madvise(p, want, MADV_HUGEPAGE);  // fewer faults; a hint only

@@ -53,8 +53,9 @@ class StagingCache : public std::enable_shared_from_this<StagingCache> {
   /**
    * A buffer of at least `n` bytes (n = 0 counts as 1): a kept one of n to
    * 2n bytes, else a new anonymous mapping (transparent huge pages asked for
-   * from 2 MiB).  Its contents are undefined.  False (and no buffer) if the
-   * mapping fails.  Thread-safe.
+   * from 2 MiB), and every kept buffer is unmapped first (they are of other
+   * sizes than the requests in flight take).  Its contents are undefined.  False (and no buffer) if
+   * the mapping fails.  Thread-safe.
    */
   bool get(size_t n, Staging* out);
   /** Unmaps kept buffers unused since `now - keep_ms`.  Thread-safe. */
