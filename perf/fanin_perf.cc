@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -121,6 +122,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (o.common.quick) o.tokens = std::min<int64_t>(o.tokens, 256);
+  // Every anchor of every request before any residual needs every request's
+  // anchor store at once on the decode side: above the default
+  // KVXFER_RECV_ANCHOR_BYTES, which bounds memory by letting requests take
+  // turns (docs/TRANSPORT.md, "Memory").  Unless set, the KV of them all.
+  const uint64_t all_kv =
+      static_cast<uint64_t>(o.prefill) * o.requests * 2 * kLayers * o.tokens * 8 * 128 * 2;
+  if (std::getenv("KVXFER_RECV_ANCHOR_BYTES") == nullptr)
+    setenv("KVXFER_RECV_ANCHOR_BYTES", std::to_string(all_kv).c_str(), 1);
 
   kvxfer_unique_id_t id{};
   if (kvxfer_get_unique_id(&id) < 0) {
@@ -152,8 +161,10 @@ int main(int argc, char** argv) {
   kp::print_preamble(stdout, kTool, kp::machine_info(), kp::kvxfer_settings());
   const double req_mib = 2.0 * kLayers * o.tokens * 8 * 128 * 2 / (1 << 20);
   std::printf("# Options: -r %s -P %d -R %d --tokens %" PRId64
-              " | Lynx 4+4, %.0f MiB per request, %d requests into rank 0\n",
-              o.rate.c_str(), o.prefill, o.requests, o.tokens, req_mib, o.prefill * o.requests);
+              " | Lynx 4+4, %.0f MiB per request, %d requests into rank 0; "
+              "KVXFER_RECV_ANCHOR_BYTES=%s\n",
+              o.rate.c_str(), o.prefill, o.requests, o.tokens, req_mib, o.prefill * o.requests,
+              std::getenv("KVXFER_RECV_ANCHOR_BYTES"));
   kvxfer_comm_t comm = init_comm(o, id, 0);
   if (comm == nullptr) return 2;
   std::vector<Kv> dst;

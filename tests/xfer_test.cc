@@ -2758,6 +2758,160 @@ TEST(XferMemory, StagingWindowBoundsTheSender) {
   finish(&pair, comm);
 }
 
+// Receives whose anchor stores exceed KVXFER_RECV_ANCHOR_BYTES take turns:
+// with room for one, each receive is admitted (its t_handshake) only once
+// the one before has completed, in post order, and every byte is exact.
+// Without the gate all four are admitted at once (their t_handshake before
+// the first t_complete).
+TEST(XferMemory, ReceivesBeyondTheAnchorBudgetTakeTurns) {
+  constexpr int kRequests = 4;
+  Shape s;
+  s.L = 4;
+  s.T = 512;
+  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    kvxfer_comm_t c = init_rank(id, 1, kTimeoutMs, "200mbit");  // each takes tens of ms
+    if (c == nullptr) return 10;
+    std::vector<std::unique_ptr<PagedKV>> kvs;
+    std::vector<kvxfer_request_t> reqs(kRequests, nullptr);
+    for (int i = 0; i < kRequests; ++i) {
+      kvs.push_back(std::make_unique<PagedKV>(s.L, s.heads, s.hd, s.T, 16));
+      kvs.back()->fill(100 + i);
+      kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+      rc.page_tokens = s.page_tokens;
+      rc.tag = static_cast<uint64_t>(i);
+      if (kvxfer_send(c, 0, &kvs.back()->desc, &cfg, &rc, &reqs[i]) != KVXFER_SUCCESS) return 11;
+    }
+    for (kvxfer_request_t r : reqs) {
+      if (kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) return 12;
+      kvxfer_request_free(r);
+    }
+    write_all(wr, "k", 1);
+    kvxfer_comm_destroy(c);
+    return 0;
+  }));
+  // Room for one receive's anchor store and a half: never two at once.
+  size_t one = 0;
+  {
+    size_t a = 0, r = 0;
+    ASSERT_EQ(kvxfer_page_max_size(&cfg, s.page_tokens, s.heads * s.hd, &a, &r), KVXFER_SUCCESS);
+    const int64_t pages = 2 * s.L * ((s.T + s.page_tokens - 1) / s.page_tokens);
+    one = a * static_cast<size_t>(pages);
+  }
+  test_hooks()->recv_anchor_bytes = one + one / 2;
+  struct Reset {
+    ~Reset() { test_hooks()->recv_anchor_bytes = 0; }
+  } reset;
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, "200mbit");
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dst;
+  std::vector<kvxfer_request_t> reqs(kRequests, nullptr);
+  for (int i = 0; i < kRequests; ++i) {
+    dst.push_back(std::make_unique<PagedKV>(s.L, s.heads, s.hd, s.T, 16));
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.tag = static_cast<uint64_t>(i);
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dst.back()->desc, &rc, &reqs[i]), KVXFER_SUCCESS);
+  }
+  std::vector<kvxfer_request_info_t> info(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_EQ(kvxfer_wait(reqs[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    info[i] = info_of(reqs[i]);
+  }
+  for (int i = 1; i < kRequests; ++i)
+    EXPECT_GE(info[i].t_handshake_ns, info[i - 1].t_complete_ns)
+        << "receive " << i << " was admitted before receive " << i - 1 << " completed";
+  for (int i = 0; i < kRequests; ++i) {
+    PagedKV src(s.L, s.heads, s.hd, s.T, 16), want(s.L, s.heads, s.hd, s.T, 16);
+    src.fill(100 + i);
+    expected_decode(src, cfg, s.page_tokens, static_cast<uint64_t>(i), true, &want);
+    for (int32_t l = 0; l < s.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dst[i]->bytes(l, kind), want.bytes(l, kind)) << "request " << i << " layer " << l;
+    kvxfer_request_free(reqs[i]);
+  }
+  char b;
+  ASSERT_TRUE(read_all(pair.child.from_child, &b, 1, 60000));
+  finish(&pair, comm);
+}
+
+// A receive waiting for its turn that is cancelled ends on both sides at
+// once (its sender is told, and sends nothing), and the receives behind it
+// go on, exact.
+TEST(XferMemory, ACancelledReceiveWaitingForItsTurnEndsBothSides) {
+  Shape s;
+  s.L = 4;
+  s.T = 512;
+  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
+    kvxfer_comm_t c = init_rank(id, 1, kTimeoutMs, "50mbit");  // the first takes a while
+    if (c == nullptr) return 10;
+    std::vector<std::unique_ptr<PagedKV>> kvs;
+    std::vector<kvxfer_request_t> reqs(3, nullptr);
+    for (int i = 0; i < 3; ++i) {
+      kvs.push_back(std::make_unique<PagedKV>(s.L, s.heads, s.hd, s.T, 16));
+      kvs.back()->fill(200 + i);
+      kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+      rc.page_tokens = s.page_tokens;
+      rc.tag = static_cast<uint64_t>(i);
+      if (kvxfer_send(c, 0, &kvs.back()->desc, &cfg, &rc, &reqs[i]) != KVXFER_SUCCESS) return 11;
+    }
+    const kvxfer_result_t want[3] = {KVXFER_SUCCESS, KVXFER_ERR_CANCELLED, KVXFER_SUCCESS};
+    for (int i = 0; i < 3; ++i) {
+      const kvxfer_result_t got = kvxfer_wait(reqs[i], KVXFER_STAGE_COMPLETE, 60000);
+      if (got != want[i]) {
+        std::fprintf(stderr, "sender: request %d ended with %d: %s\n", i, got,
+                     kvxfer_get_last_error());
+        return 12 + i;
+      }
+      if (i == 1 && info_of(reqs[i]).t_anchor_ready_ns != 0) return 20;  // it sent no page
+      kvxfer_request_free(reqs[i]);
+    }
+    write_all(wr, "k", 1);
+    kvxfer_comm_destroy(c);
+    return 0;
+  }));
+  size_t a = 0, r = 0;
+  ASSERT_EQ(kvxfer_page_max_size(&cfg, s.page_tokens, s.heads * s.hd, &a, &r), KVXFER_SUCCESS);
+  test_hooks()->recv_anchor_bytes = a * 2 * s.L * (s.T / s.page_tokens) * 3 / 2;
+  struct Reset {
+    ~Reset() { test_hooks()->recv_anchor_bytes = 0; }
+  } reset;
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, "50mbit");
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dst;
+  std::vector<kvxfer_request_t> reqs(3, nullptr);
+  for (int i = 0; i < 3; ++i) {
+    dst.push_back(std::make_unique<PagedKV>(s.L, s.heads, s.hd, s.T, 16));
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.tag = static_cast<uint64_t>(i);
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dst.back()->desc, &rc, &reqs[i]), KVXFER_SUCCESS);
+  }
+  // Receive 1 waits behind receive 0 (50 mbit: about 0.2 s); cancel it there.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_EQ(info_of(reqs[1]).t_handshake_ns, 0) << "receive 1 was not waiting";
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(kvxfer_request_cancel(reqs[1]), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(reqs[1], KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CANCELLED);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 1.0);
+  for (int i : {0, 2}) {
+    ASSERT_EQ(kvxfer_wait(reqs[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    PagedKV src(s.L, s.heads, s.hd, s.T, 16), want(s.L, s.heads, s.hd, s.T, 16);
+    src.fill(200 + i);
+    expected_decode(src, cfg, s.page_tokens, static_cast<uint64_t>(i), true, &want);
+    for (int32_t l = 0; l < s.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dst[i]->bytes(l, kind), want.bytes(l, kind)) << "request " << i << " layer " << l;
+  }
+  for (kvxfer_request_t q : reqs) kvxfer_request_free(q);
+  char b;
+  ASSERT_TRUE(read_all(pair.child.from_child, &b, 1, 60000));
+  finish(&pair, comm);
+}
+
 TEST(XferMemory, StagingCacheReusesBoundsAndTrims) {
   auto cache = xfer::StagingCache::create(3u << 20, 50);  // keep 3 MiB for 50 ms
   xfer::Staging a, b, c;
@@ -2771,18 +2925,30 @@ TEST(XferMemory, StagingCacheReusesBoundsAndTrims) {
   ASSERT_TRUE(cache->get(600000, &c));  // n..2n: the kept 1 MiB serves 600 kB
   EXPECT_EQ(c.get(), pa);
   c.reset();
-  ASSERT_TRUE(cache->get(400000, &c));  // more than twice the request: a new mapping
-  EXPECT_NE(c.get(), pa);
+  EXPECT_EQ(cache->kept_bytes(), 1u << 20);
+  // More than twice the request: a miss.  A new mapping, and what was kept
+  // (of another size) is unmapped.
+  ASSERT_TRUE(cache->get(400000, &c));
   EXPECT_EQ(c.capacity(), 401408u);  // whole 4 KiB pages
+  EXPECT_EQ(cache->kept_bytes(), 0u);
   c.reset();
   b.reset();
-  EXPECT_EQ(cache->kept_bytes(), (2u << 20) + 401408u);
-  ASSERT_TRUE(cache->get(3u << 20, &a));  // 3 MiB: rounded to whole 2 MiB huge pages
+  EXPECT_EQ(cache->kept_bytes(), (1u << 20) + 401408u);
+  ASSERT_TRUE(cache->get(1u << 20, &a));  // a hit keeps the others
+  EXPECT_EQ(cache->kept_bytes(), 401408u);
+  a.reset();
+  ASSERT_TRUE(cache->get(3u << 20, &a));  // 3 MiB: rounded to whole 2 MiB huge pages; a miss
   EXPECT_EQ(a.capacity(), 4u << 20);
+  EXPECT_EQ(cache->kept_bytes(), 0u);
   a.reset();  // past the 3 MiB bound: unmapped, not kept
-  EXPECT_EQ(cache->kept_bytes(), (2u << 20) + 401408u);
+  EXPECT_EQ(cache->kept_bytes(), 0u);
+  ASSERT_TRUE(cache->get(1u << 20, &a));
+  ASSERT_TRUE(cache->get(1u << 20, &b));
+  a.reset();
+  b.reset();
+  EXPECT_EQ(cache->kept_bytes(), 2u << 20);
   cache->trim(xfer::StagingCache::Clock::now());  // not yet idle for 50 ms
-  EXPECT_EQ(cache->kept_bytes(), (2u << 20) + 401408u);
+  EXPECT_EQ(cache->kept_bytes(), 2u << 20);
   cache->trim(xfer::StagingCache::Clock::now() + std::chrono::milliseconds(60));
   EXPECT_EQ(cache->kept_bytes(), 0u);
   xfer::Staging moved;

@@ -1026,7 +1026,8 @@ typedef struct {
   uint64_t anchor_wire_bytes; /**< bytes of anchor sections (monolithic: every section) */
   uint64_t residual_wire_bytes;
   int64_t t_posted_ns;
-  int64_t t_handshake_ns; /**< both descriptors seen and equal */
+  int64_t t_handshake_ns; /**< both descriptors seen and equal (a receive: and admitted,
+                             KVXFER_RECV_ANCHOR_BYTES) */
   int64_t t_anchor_ready_ns;
   int64_t t_complete_ns;
   int64_t t_error_ns;

@@ -363,6 +363,8 @@ void Engine::init_state(Impl* mp, int rank, int nranks, int timeout_ms,
   m.grow_progress(nranks);
   std::fill(m.peer_state.begin(), m.peer_state.end(), Impl::kPeerLive);  // a fixed communicator
   m.staging_budget = static_cast<size_t>(params::RecvStagingBytes());
+  const size_t gate = m.hooks ? m.hooks->recv_anchor_bytes : 0;
+  m.gate_budget = gate > 0 ? gate : static_cast<size_t>(params::RecvAnchorBytes());
   m.window_bytes = window > 0 ? window : static_cast<size_t>(params::StagingWindowBytes());
   m.staging = StagingCache::create(static_cast<size_t>(params::StagingCacheBytes()),
                                    keep_ms > 0 ? keep_ms : 1000);

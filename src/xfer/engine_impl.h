@@ -73,6 +73,7 @@ struct Work {
   // receiver's page i sits at i * slot_bytes, every receive posted at the
   // handshake (engine_progress.cc, on_handshake, says why).
   size_t slot_bytes = 0;
+  size_t rstore_bytes = 0;  // sender, progressive: every page's residual capacity
   std::vector<int32_t> free_slots;
   size_t next_encode = 0;       // sender: pages whose encode is queued
   size_t next_anchor_post = 0;  // receiver: anchor (or monolithic) receives posted
@@ -94,6 +95,11 @@ struct Work {
   bool status_sent = false;
   bool in_residual_fifo = false;
   bool peer_gave_up = false;  // receiver: an empty page message arrived
+  bool desc_sent = false;     // this side's DESC was posted (a receiver's waits: admit_recv)
+  bool gated = false;         // receiver: waiting in recv_gate
+  bool pre_admitted = false;  // receiver: its DESC went at post (its KV's size reserved)
+  bool send_staged = false;   // sender: holds its window and residual store (sends_staged)
+  size_t gate_bytes = 0;      // receiver: counted in gate_used (reserved, then its anchor store)
 
   // Failure: decided at once, published (stage ERROR) when no codec job runs.
   bool failed = false;
@@ -345,6 +351,12 @@ struct Engine::Impl {
   std::vector<std::shared_ptr<Request>> active;
   std::deque<std::shared_ptr<Request>> residual_fifo;
   size_t staging_budget = 0, staging_used = 0;
+  // Receives whose anchor store does not fit KVXFER_RECV_ANCHOR_BYTES yet, in
+  // post order; their DESC is held back, so their senders send nothing.
+  std::deque<std::shared_ptr<Request>> recv_gate;
+  size_t gate_budget = 0, gate_used = 0;
+  // Sends holding staging: one may take it before its receiver's go.
+  int sends_staged = 0;
   bool links_aborted = false;
   int64_t max_requests = 1024;
   int32_t default_page_tokens = 256;
@@ -365,6 +377,17 @@ struct Engine::Impl {
   void on_completion(int peer, const Completion& c);
   void on_job_done(JobDone& d);
   void on_handshake(const std::shared_ptr<Request>& r);
+  /** This side's DESC, once (a receiver's when admitted, or when it fails). */
+  bool send_desc(const std::shared_ptr<Request>& r);
+  /** Receiver: its anchor store, anchor receives and DESC, the sender's go. */
+  void admit_recv(const std::shared_ptr<Request>& r);
+  /** Admits the receives of recv_gate that fit now, in order. */
+  void admit_gated();
+  /** Gives a receive's anchor-store bytes back to the gate. */
+  void ungate_bytes(Work& w);
+  /** Sender, matched: its staging window and residual store. */
+  bool alloc_send(const std::shared_ptr<Request>& r);
+  void unstage_send(Work& w);
   void sender_pump(const std::shared_ptr<Request>& r);
   void flush_residuals(int peer);
   void post_residual_recvs();

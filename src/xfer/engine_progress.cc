@@ -184,6 +184,7 @@ bool Engine::Impl::step() {
   for (auto& d : results) on_job_done(d);
   if (!results.empty()) busy = true;
 
+  admit_gated();
   post_residual_recvs();
   const Clock::time_point now = Clock::now();
   if (now - last_trim >= std::chrono::milliseconds(100)) {
@@ -287,36 +288,65 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
         rtot += b;
       }
     }
-    if (!make_window(r, true) ||
-        (w.mode == KVXFER_MODE_PROGRESSIVE && !staging->get(rtot, &w.rstore))) {
-      fail(r, KVXFER_ERR_OUT_OF_MEMORY,
-           strprintf("no memory for %zu bytes of encoded sections",
-                     w.slot_bytes * w.free_slots.size() + rtot));
-      return;
-    }
-    if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), w.rstore.capacity());
+    w.rstore_bytes = rtot;
     {
       std::lock_guard<std::mutex> lk(r->mu);
       r->num_pages = static_cast<int64_t>(w.pages.size());
     }
   }
   if (r->is_send && r->by_id && !post_rdv_send(r)) return;
-  w.desc_out = encode_desc(r->mine);
   w.desc_in.assign(kDescBytes, 0);
   w.status_in.assign(kStatusHeaderBytes + kMaxStatusText, 0);
-  if (!post_link_send(r, TrafficClass::kAnchor, OpKind::kDescSend, MsgKind::kDesc, 0,
-                      w.desc_out.data(), w.desc_out.size()) ||
+  // A sender's DESC goes now.  A receiver's goes now too when the gate has
+  // room for its KV's size, which bounds its anchor store whatever the
+  // sender's codec (reserved here, made exact at the handshake): the common
+  // case pays no extra round trip.  Else once the sender's DESC has come and
+  // its store fits (admit_recv): until then its sender sends nothing.
+  if (!r->is_send && (gate_used == 0 || gate_used + r->kv_bytes <= gate_budget)) {
+    w.gate_bytes = r->kv_bytes;
+    gate_used += w.gate_bytes;
+    w.pre_admitted = true;
+  }
+  if (((r->is_send || w.pre_admitted) && !send_desc(r)) ||
       !post_link_recv(r, TrafficClass::kAnchor, OpKind::kDescRecv, MsgKind::kDesc, 0,
                       w.desc_in.data(), w.desc_in.size()) ||
       !post_link_recv(r, TrafficClass::kAnchor, OpKind::kStatusRecv, MsgKind::kStatus, 0,
                       w.status_in.data(), w.status_in.size()))
     return;
-  // Encode at once, overlapping the handshake, as far as the staging window
-  // allows; pages go out as they are ready.
+  // A sender takes its staging and encodes once matched (alloc_send): the
+  // receiver's DESC says its memory is there.  Except when no other send of
+  // this engine holds staging: then it starts at once, overlapping the
+  // handshake, as a lone request always did (a burst still waits for its
+  // receivers, one request aside).
   if (r->is_send) {
     io(r->peer).encode_fifo.push_back(r);
-    pump_encodes(r->peer);
+    if (sends_staged == 0 && alloc_send(r)) pump_encodes(r->peer);
   }
+}
+
+bool Engine::Impl::send_desc(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  if (w.desc_sent) return true;
+  w.desc_sent = true;
+  w.desc_out = encode_desc(r->mine);
+  return post_link_send(r, TrafficClass::kAnchor, OpKind::kDescSend, MsgKind::kDesc, 0,
+                        w.desc_out.data(), w.desc_out.size());
+}
+
+bool Engine::Impl::alloc_send(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  if (w.send_staged) return true;
+  if (!make_window(r, true) ||
+      (w.mode == KVXFER_MODE_PROGRESSIVE && !staging->get(w.rstore_bytes, &w.rstore))) {
+    fail(r, KVXFER_ERR_OUT_OF_MEMORY,
+         strprintf("no memory for %zu bytes of encoded sections",
+                   w.slot_bytes * w.free_slots.size() + w.rstore_bytes));
+    return false;
+  }
+  if (w.rstore) w.rpin = pin_store(*r, w.rstore.get(), w.rstore.capacity());
+  w.send_staged = true;
+  ++sends_staged;
+  return true;
 }
 
 void Engine::Impl::pump_encodes(int peer) {
@@ -443,8 +473,8 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     fail(r, rc, strprintf("%s (peer %d)", last_error(), r->peer));
     return;
   }
-  w.handshake_ok = true;
   const int32_t L = r->mine.num_layers;
+  if (r->is_send) w.handshake_ok = true;
   if (!r->is_send) {
     w.codec = peer.codec;
     w.mode = peer.mode;
@@ -466,14 +496,28 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
       p.a_cap = w.mode == KVXFER_MODE_MONOLITHIC ? a + b : a;
       p.r_cap = b;
     }
-    // One slot per page: the receiver posts every page receive at once, in
-    // the order the sender sends.  Posting a monolithic request's pages as
-    // slots free up put them behind other requests' receives in the Link's
-    // posting order, and with progressive and monolithic requests mixed on
-    // one peer the anchor class stalled until the timeout.
-    if (!w.failed && !make_window(r, false))
-      fail(r, KVXFER_ERR_OUT_OF_MEMORY,
-           strprintf("no memory for %zu bytes of anchor sections", w.slot_bytes * w.pages.size()));
+    // Its anchor store must fit KVXFER_RECV_ANCHOR_BYTES beside the running
+    // receives (one always runs); else it waits its turn, in post order.
+    size_t slot = 1;
+    for (const PageState& p : w.ps) slot = std::max(slot, p.a_cap);
+    const size_t need = slot * w.pages.size();
+    if (w.pre_admitted || w.failed) {  // its DESC went at post: the reservation becomes exact
+      ungate_bytes(w);
+      w.gate_bytes = w.failed ? 0 : need;
+      gate_used += w.gate_bytes;
+    } else if (recv_gate.empty() && (gate_used == 0 || gate_used + need <= gate_budget)) {
+      w.gate_bytes = need;
+      gate_used += need;
+    } else {
+      w.gate_bytes = need;
+      w.gated = true;
+      auto it = recv_gate.end();
+      while (it != recv_gate.begin() && (*std::prev(it))->order > r->order) --it;
+      recv_gate.insert(it, r);
+      return;
+    }
+    admit_recv(r);
+    return;
   }
   {
     std::lock_guard<std::mutex> lk(r->mu);
@@ -486,13 +530,54 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     r->layer_complete.assign(static_cast<size_t>(L), 0);
     for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
   }
-  if (r->is_send) {
-    io(r->peer).anchors_unposted += static_cast<int64_t>(w.pages.size());
-    if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
-    sender_pump(r);
-    pump_encodes(r->peer);  // matched now: it may take its turn in the queue
-    maybe_complete(r);
-    return;
+  io(r->peer).anchors_unposted += static_cast<int64_t>(w.pages.size());
+  if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
+  if (!w.failed) alloc_send(r);  // a failed one sends empty messages: no staging
+  sender_pump(r);
+  pump_encodes(r->peer);  // matched now: it may take its turn in the queue
+  maybe_complete(r);
+}
+
+void Engine::Impl::ungate_bytes(Work& w) {
+  gate_used -= w.gate_bytes;
+  w.gate_bytes = 0;
+}
+
+void Engine::Impl::admit_gated() {
+  while (!recv_gate.empty()) {
+    const std::shared_ptr<Request> r = recv_gate.front();
+    if (gate_used > 0 && gate_used + r->work->gate_bytes > gate_budget) return;
+    recv_gate.pop_front();
+    gate_used += r->work->gate_bytes;
+    admit_recv(r);
+  }
+}
+
+// Its gate bytes are counted by the caller (on_handshake, admit_gated); a
+// failed one's are not (fail() admits it to drain the sender's messages).
+void Engine::Impl::admit_recv(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  w.gated = false;
+  w.handshake_ok = true;
+  const int32_t L = r->mine.num_layers;
+  // One slot per page: the receiver posts every page receive at once, in
+  // the order the sender sends.  Posting a monolithic request's pages as
+  // slots free up put them behind other requests' receives in the Link's
+  // posting order, and with progressive and monolithic requests mixed on
+  // one peer the anchor class stalled until the timeout.
+  if (!w.failed && !make_window(r, false))
+    fail(r, KVXFER_ERR_OUT_OF_MEMORY,
+         strprintf("no memory for %zu bytes of anchor sections", w.slot_bytes * w.pages.size()));
+  {
+    std::lock_guard<std::mutex> lk(r->mu);
+    r->t_handshake = now_ns();
+    r->num_pages = static_cast<int64_t>(w.pages.size());
+    r->codec = w.codec.codec;
+    r->mode = w.mode;
+    r->layer_pages.assign(static_cast<size_t>(L), 0);
+    r->layer_anchor.assign(static_cast<size_t>(L), 0);
+    r->layer_complete.assign(static_cast<size_t>(L), 0);
+    for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
   }
   // A request that failed before its handshake (cancelled, timed out)
   // drains the sender's page messages into zero-capacity receives: nothing
@@ -505,6 +590,8 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     w.in_residual_fifo = true;
     enqueue_residuals(r);
   }
+  // The sender's go: its receives are posted, its memory is here.
+  if (!send_desc(r)) return;
   if (w.pages.empty()) {
     publish(r, KVXFER_STAGE_ANCHOR_READY);
     maybe_complete(r);

@@ -39,6 +39,8 @@ void Engine::Impl::maybe_complete(const std::shared_ptr<Request>& r) {
 // What is left (the STATUS exchange) reads none of it.
 void Engine::Impl::release_stores(Work& w) {
   if (w.jobs > 0) return;  // finalise does it
+  ungate_bytes(w);
+  unstage_send(w);
   w.apin.reset();
   w.rpin.reset();
   w.astore.reset();
@@ -82,6 +84,19 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
           l->empty_unstarted_send(op);
     sender_pump(r);
     pump_encodes(r->peer);  // its encodes stop: the next request's may go
+  }
+  if (!r->is_send && !w.handshake_ok) {
+    // Its sender starts on this side's DESC: it goes now, with drains for the
+    // pages when they are known (admit_recv), so the sender's messages end.
+    if (w.gated) {  // not counted in gate_used while it waited
+      recv_gate.erase(std::find(recv_gate.begin(), recv_gate.end(), r));
+      w.gate_bytes = 0;
+    }
+    if (w.handshake_done)
+      admit_recv(r);
+    else
+      send_desc(r);
+    return;
   }
   if (!r->is_send && w.handshake_ok) post_anchor_recvs(r);  // drains for the pages left
   if (!r->is_send && w.handshake_ok && !w.in_residual_fifo && w.mode == KVXFER_MODE_PROGRESSIVE &&
@@ -177,8 +192,16 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
   finalise(r);
 }
 
+void Engine::Impl::unstage_send(Work& w) {
+  if (!w.send_staged) return;
+  w.send_staged = false;
+  --sends_staged;
+}
+
 void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
+  ungate_bytes(w);
+  unstage_send(w);
   w.apin.reset();
   w.rpin.reset();
   w.astore.reset();

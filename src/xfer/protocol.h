@@ -12,10 +12,13 @@
 // from_receiver keeps the two directions of one seq apart (B may at the same
 // time be the sender of its own i-th request to A).  The exchange:
 //
-//   both   DESC    on the anchor class at post time: the descriptor, plus the
-//                  codec, mode and page size on the sender's.  Each side
-//                  compares the two (compare_desc); a mismatch fails the
-//                  request on both sides with the same message.
+//   both   DESC    on the anchor class: the descriptor, plus the codec, mode
+//                  and page size on the sender's.  The sender's at post
+//                  time; the receiver's once the sender's came and its
+//                  anchor store fits (KVXFER_RECV_ANCHOR_BYTES), or when it
+//                  fails: it is the sender's go.  Each side compares the two
+//                  (compare_desc); a mismatch fails the request on both
+//                  sides with the same message.
 //   sender ANCHOR p    page p's anchor section (anchor class), or in
 //                      MONOLITHIC mode both sections back to back
 //          RESIDUAL p  page p's residual section (residual class; PROGRESSIVE)

@@ -21,6 +21,9 @@ struct TestHooks {
   /** Staging bytes per request (KVXFER_STAGING_WINDOW_BYTES; at least two
    *  pages); 0: the parameter. */
   size_t staging_window = 0;
+  /** Anchor-store bytes of a receiver's running receives
+   *  (KVXFER_RECV_ANCHOR_BYTES); 0: the parameter. */
+  size_t recv_anchor_bytes = 0;
   /** How long an idle staging buffer (and a device request's registration of
    *  it) is kept before it is unmapped, in ms; 0: 1000.  Lets a slow run
    *  (ThreadSanitizer) check reuse across requests. */
