@@ -912,6 +912,9 @@ TEST_P(CorruptedMessageHeader, FailsBothSidesWithinASecond) {
   EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CORRUPT);
   const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string err = kvxfer_get_last_error();
+  std::printf(
+      "[ corrupt  ] codec %d, header byte %d: both sides failed, this one after %.3f s: %s\n",
+      codec, offset, sec, err.c_str());
   EXPECT_LT(sec, 1.0) << err;
   EXPECT_NE(err.find("message header of tag"), std::string::npos) << err;
   SenderReport rep;
