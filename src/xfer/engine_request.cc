@@ -92,6 +92,9 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
       recv_gate.erase(std::find(recv_gate.begin(), recv_gate.end(), r));
       w.gate_bytes = 0;
     }
+    // Not started, or a receive by id not yet bound to its sender's seq:
+    // no message of its own has a tag yet (settle tells a later sender).
+    if (!w.started || !r->bound || links_aborted) return;
     if (w.handshake_done)
       admit_recv(r);
     else
