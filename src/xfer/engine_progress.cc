@@ -592,7 +592,7 @@ void Engine::Impl::admit_recv(const std::shared_ptr<Request>& r) {
   }
   // The sender's go: its receives are posted, its memory is here.
   if (!send_desc(r)) return;
-  if (w.pages.empty()) {
+  if (w.pages.empty() && !w.failed) {
     publish(r, KVXFER_STAGE_ANCHOR_READY);
     maybe_complete(r);
   }
