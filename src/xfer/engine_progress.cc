@@ -302,7 +302,8 @@ void Engine::Impl::start(const std::shared_ptr<Request>& r) {
   // sender's codec (reserved here, made exact at the handshake): the common
   // case pays no extra round trip.  Else once the sender's DESC has come and
   // its store fits (admit_recv): until then its sender sends nothing.
-  if (!r->is_send && (gate_used == 0 || gate_used + r->kv_bytes <= gate_budget)) {
+  if (!r->is_send && recv_gate.empty() &&  // none waits before it
+      (gate_used == 0 || gate_used + r->kv_bytes <= gate_budget)) {
     w.gate_bytes = r->kv_bytes;
     gate_used += w.gate_bytes;
     w.pre_admitted = true;
