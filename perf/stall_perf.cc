@@ -34,6 +34,7 @@
 #include "perf/common/harness.h"
 #include "perf/common/pipe_msg.h"
 #include "perf/common/whole_kv.h"
+#include "transport/shm_reaper.h"
 
 namespace {
 
@@ -136,6 +137,7 @@ Result survivor(const Options& o, const std::string& codec, const std::string& r
   auto kill_sender = [&] {
     kill(s, SIGKILL);
     waitpid(s, nullptr, 0);
+    kvxfer::transport::remove_shm_regions_of(s);
   };
   std::vector<uint8_t> aa, ba;
   kvxfer_comm_t a = kp::make_endpoint(kTool, o.timeout_ms, 0, &aa);
@@ -158,6 +160,7 @@ Result survivor(const Options& o, const std::string& codec, const std::string& r
       kill(s, SIGKILL);
       waitpid(s, &st, 0);
     }
+    kvxfer::transport::remove_shm_regions_of(s);
     return fail(12, "the sender did not post: " + err + " (its exit status " +
                         std::to_string(WIFEXITED(st) ? WEXITSTATUS(st) : -1) + ", stderr)");
   }
@@ -266,6 +269,8 @@ Result survivor_comm(const Options& o, const std::string& codec, const std::stri
     kill(other, SIGKILL);
     waitpid(s, nullptr, 0);
     waitpid(other, nullptr, 0);
+    kvxfer::transport::remove_shm_regions_of(s);
+    kvxfer::transport::remove_shm_regions_of(other);
   };
   std::string err;
   kvxfer_comm_t a = kp::init_comm(id, 3, 0, std::string(), o.timeout_ms, &err);

@@ -15,6 +15,8 @@
 #include <string>
 #include <thread>
 
+#include "transport/shm_reaper.h"
+
 namespace kvxfer::test {
 
 struct Child {
@@ -64,12 +66,7 @@ struct Child {
    * (/dev/shm/<pid>:<uid>:<n>, 16 MiB of tmpfs each); without a surviving
    * peer that saw it die, they would pile up run after run.
    */
-  static void remove_shm_regions(pid_t dead) {
-    const std::string prefix = std::to_string(dead) + ":";
-    std::error_code ec;
-    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec))
-      if (e.path().filename().string().rfind(prefix, 0) == 0) std::filesystem::remove(e.path(), ec);
-  }
+  static void remove_shm_regions(pid_t dead) { transport::remove_shm_regions_of(dead); }
   ~Child() {
     if (pid > 0) {
       kill(pid, SIGKILL);

@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,5 +57,19 @@ class ShmLockWatch {
   ShmLockWatch() = default;
   uint64_t id_ = 0;
 };
+
+/**
+ * Removes the libfabric shm regions (/dev/shm/<pid>:<uid>:<n>, 16 MiB of
+ * tmpfs each) of process `dead`, which a SIGKILL left behind.  A later
+ * process that gets the same pid would otherwise fail fi_enable with EBUSY.
+ * For the parent of a killed child (tests, benchmarks); errors are ignored.
+ * Header-only: the net plugin's tests use it without libkvxfer's core.
+ */
+inline void remove_shm_regions_of(pid_t dead) {
+  const std::string prefix = std::to_string(dead) + ":";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) std::filesystem::remove(e.path(), ec);
+}
 
 }  // namespace kvxfer::transport
