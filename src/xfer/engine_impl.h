@@ -42,6 +42,9 @@ using transport::Completion;
 using transport::Link;
 using transport::TrafficClass;
 
+/** Inserts `r` into `q`, kept in request post order (Request::order). */
+void insert_in_order(std::deque<std::shared_ptr<Request>>* q, const std::shared_ptr<Request>& r);
+
 /** Codec worker threads of an engine (engine.cc); `hooks` may be null. */
 int codec_workers(const TestHooks* hooks);
 
@@ -428,6 +431,8 @@ struct Engine::Impl {
   void publish(const std::shared_ptr<Request>& r, kvxfer_stage_t stage);
   void settle(const std::shared_ptr<Request>& r);  // publish ERROR / finalise when possible
   void release_stores(Work& w);
+  void drop_stores(Work& w);
+  void publish_handshake(const std::shared_ptr<Request>& r);
   void finalise(const std::shared_ptr<Request>& r);
 };
 

@@ -512,31 +512,34 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     } else {
       w.gate_bytes = need;
       w.gated = true;
-      auto it = recv_gate.end();
-      while (it != recv_gate.begin() && (*std::prev(it))->order > r->order) --it;
-      recv_gate.insert(it, r);
+      insert_in_order(&recv_gate, r);
       return;
     }
     admit_recv(r);
     return;
   }
-  {
-    std::lock_guard<std::mutex> lk(r->mu);
-    r->t_handshake = now_ns();
-    r->num_pages = static_cast<int64_t>(w.pages.size());
-    r->codec = w.codec.codec;
-    r->mode = w.mode;
-    r->layer_pages.assign(static_cast<size_t>(L), 0);
-    r->layer_anchor.assign(static_cast<size_t>(L), 0);
-    r->layer_complete.assign(static_cast<size_t>(L), 0);
-    for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
-  }
+  publish_handshake(r);
   io(r->peer).anchors_unposted += static_cast<int64_t>(w.pages.size());
   if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
   if (!w.failed) alloc_send(r);  // a failed one sends empty messages: no staging
   sender_pump(r);
   pump_encodes(r->peer);  // matched now: it may take its turn in the queue
   maybe_complete(r);
+}
+
+// The handshake's facts, for kvxfer_request_get_info and the per-layer stages.
+void Engine::Impl::publish_handshake(const std::shared_ptr<Request>& r) {
+  const Work& w = *r->work;
+  const size_t L = static_cast<size_t>(r->mine.num_layers);
+  std::lock_guard<std::mutex> lk(r->mu);
+  r->t_handshake = now_ns();
+  r->num_pages = static_cast<int64_t>(w.pages.size());
+  r->codec = w.codec.codec;
+  r->mode = w.mode;
+  r->layer_pages.assign(L, 0);
+  r->layer_anchor.assign(L, 0);
+  r->layer_complete.assign(L, 0);
+  for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
 }
 
 void Engine::Impl::ungate_bytes(Work& w) {
@@ -560,7 +563,6 @@ void Engine::Impl::admit_recv(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
   w.gated = false;
   w.handshake_ok = true;
-  const int32_t L = r->mine.num_layers;
   // One slot per page: the receiver posts every page receive at once, in
   // the order the sender sends.  Posting a monolithic request's pages as
   // slots free up put them behind other requests' receives in the Link's
@@ -569,17 +571,7 @@ void Engine::Impl::admit_recv(const std::shared_ptr<Request>& r) {
   if (!w.failed && !make_window(r, false))
     fail(r, KVXFER_ERR_OUT_OF_MEMORY,
          strprintf("no memory for %zu bytes of anchor sections", w.slot_bytes * w.pages.size()));
-  {
-    std::lock_guard<std::mutex> lk(r->mu);
-    r->t_handshake = now_ns();
-    r->num_pages = static_cast<int64_t>(w.pages.size());
-    r->codec = w.codec.codec;
-    r->mode = w.mode;
-    r->layer_pages.assign(static_cast<size_t>(L), 0);
-    r->layer_anchor.assign(static_cast<size_t>(L), 0);
-    r->layer_complete.assign(static_cast<size_t>(L), 0);
-    for (const PageRef& p : w.pages) r->layer_pages[static_cast<size_t>(p.layer)]++;
-  }
+  publish_handshake(r);
   // A request that failed before its handshake (cancelled, timed out)
   // drains the sender's page messages into zero-capacity receives: nothing
   // lands in the blocks and none of its anchors is awaited by the strict
@@ -663,9 +655,13 @@ void Engine::Impl::flush_residuals(int peer) {
 // whole staging pool while that message waits (a stall seen with 4 requests
 // of 8 MiB of residuals each against 16 MiB of staging).
 void Engine::Impl::enqueue_residuals(const std::shared_ptr<Request>& r) {
-  auto it = residual_fifo.end();
-  while (it != residual_fifo.begin() && (*std::prev(it))->order > r->order) --it;
-  residual_fifo.insert(it, r);
+  insert_in_order(&residual_fifo, r);
+}
+
+void insert_in_order(std::deque<std::shared_ptr<Request>>* q, const std::shared_ptr<Request>& r) {
+  auto it = q->end();
+  while (it != q->begin() && (*std::prev(it))->order > r->order) --it;
+  q->insert(it, r);
 }
 
 void Engine::Impl::post_residual_recvs() {

@@ -38,7 +38,12 @@ void Engine::Impl::maybe_complete(const std::shared_ptr<Request>& r) {
 // communicator's resident set stays flat: perf/memory_perf --case churn).
 // What is left (the STATUS exchange) reads none of it.
 void Engine::Impl::release_stores(Work& w) {
-  if (w.jobs > 0) return;  // finalise does it
+  if (w.jobs == 0) drop_stores(w);  // else finalise does it
+}
+
+// The request's staging and its accounting (gate bytes, staged sends); pins
+// before the stores they pin.
+void Engine::Impl::drop_stores(Work& w) {
   ungate_bytes(w);
   unstage_send(w);
   w.apin.reset();
@@ -203,12 +208,7 @@ void Engine::Impl::unstage_send(Work& w) {
 
 void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
-  ungate_bytes(w);
-  unstage_send(w);
-  w.apin.reset();
-  w.rpin.reset();
-  w.astore.reset();
-  w.rstore.reset();
+  drop_stores(w);
   for (PageState& p : w.ps)
     if (p.staging) {
       staging_used -= p.r_cap;
