@@ -21,7 +21,6 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -123,13 +122,7 @@ int peers_main(const Options& o, int rd, int wr) {
   return st;
 }
 
-long vm_rss_kib() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
-  return -1;
-}
+long vm_rss_kib() { return kp::proc_status_kib("VmRSS"); }
 
 /** Bytes glibc's malloc holds in use (mallinfo2): what a leak grows. */
 double heap_mib() { return static_cast<double>(mallinfo2().uordblks) / (1 << 20); }

@@ -40,7 +40,7 @@ namespace kp = kvxfer::perf;
 constexpr const char* kTool = "memory_perf";
 constexpr int kHeads = 8, kHeadDim = 128;
 constexpr int32_t kPageTokens = 256;
-constexpr uint32_t kMsgId = 1, kMsgReport = 2;
+constexpr uint32_t kMsgReport = 2;
 
 struct Options {
   kp::CommonOptions common;
@@ -54,29 +54,11 @@ struct Options {
   double growth_mb = 2, beyond_mb = 64;  // the targets
 };
 
-/** A field of /proc/self/status in KiB (VmRSS, VmHWM); -1 if absent. */
-long status_kib(const char* field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  const std::string key = std::string(field) + ":";
-  while (std::getline(f, line))
-    if (line.rfind(key, 0) == 0) return std::stol(line.substr(key.size()));
-  return -1;
-}
-
 /** Resets VmHWM to the current VmRSS (Linux clear_refs, value 5). */
 bool reset_peak() {
   std::ofstream f("/proc/self/clear_refs");
   f << "5";
   return static_cast<bool>(f);
-}
-
-void fill(kp::WholeKv* kv, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  for (int l = 0; l < kv->L; ++l)
-    for (auto* t : {&kv->k[l], &kv->v[l]})
-      for (auto& x : *t)
-        x = kp::bf16_of(static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 250.0f);
 }
 
 /** The burst's requests: tokens of each (8 layers x K,V x 8 x 128 bf16: 32 tokens a MiB). */
@@ -105,7 +87,7 @@ Side churn(kvxfer_comm_t comm, int rank, const Options& o) {
   Side s;
   // 64 pages: 32 layers x K,V, one page of 16 tokens each.
   kp::WholeKv kv(32, 16, kHeads, kHeadDim);
-  if (rank == 0) fill(&kv, 7);
+  if (rank == 0) kp::fill_uniform(&kv, 7);
   const kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
   long first = -1, last = -1;
   char line[256];
@@ -125,14 +107,15 @@ Side churn(kvxfer_comm_t comm, int rank, const Options& o) {
     }
     kvxfer_request_free(r);
     if (i == 1 || i % step == 0) {
-      last = status_kib("VmRSS");
+      last = kp::proc_status_kib("VmRSS");
       if (first < 0) first = last;
-      std::snprintf(line, sizeof line,
-                    "  rank %d after %6d transfers: VmRSS %8.2f MiB (%+.2f; anon %.2f, shmem "
-                    "%.2f, file %.2f; malloc %.2f of %.2f)\n",
-                    rank, i, last / 1024.0, (last - first) / 1024.0, status_kib("RssAnon") / 1024.0,
-                    status_kib("RssShmem") / 1024.0, status_kib("RssFile") / 1024.0,
-                    mallinfo2().uordblks / 1048576.0, mallinfo2().arena / 1048576.0);
+      std::snprintf(
+          line, sizeof line,
+          "  rank %d after %6d transfers: VmRSS %8.2f MiB (%+.2f; anon %.2f, shmem "
+          "%.2f, file %.2f; malloc %.2f of %.2f)\n",
+          rank, i, last / 1024.0, (last - first) / 1024.0, kp::proc_status_kib("RssAnon") / 1024.0,
+          kp::proc_status_kib("RssShmem") / 1024.0, kp::proc_status_kib("RssFile") / 1024.0,
+          mallinfo2().uordblks / 1048576.0, mallinfo2().arena / 1048576.0);
       s.text += line;
     }
   }
@@ -154,11 +137,12 @@ Side burst(kvxfer_comm_t comm, int rank, const Options& o) {
   uint64_t kv_bytes = 0;
   for (size_t i = 0; i < plan.size(); ++i) {
     kvs.push_back(std::make_unique<kp::WholeKv>(8, plan[i], kHeads, kHeadDim));
-    if (rank == 0) fill(kvs.back().get(), 1000 + i);  // the receiver's are zero: touched too
+    if (rank == 0)
+      kp::fill_uniform(kvs.back().get(), 1000 + i);  // the receiver's are zero: touched too
     kv_bytes += 16 * kvs.back()->layer_bytes();
   }
   reset_peak();
-  const long base = status_kib("VmRSS");
+  const long base = kp::proc_status_kib("VmRSS");
   const kvxfer_codec_config_t cc = KVXFER_CODEC_CONFIG_INITIALIZER;
   std::vector<kvxfer_request_t> reqs(plan.size(), nullptr);
   bool ok = true;
@@ -175,7 +159,7 @@ Side burst(kvxfer_comm_t comm, int rank, const Options& o) {
       s.text += line;
       ok = false;
     }
-  const long peak = status_kib("VmHWM");
+  const long peak = kp::proc_status_kib("VmHWM");
   const double beyond = (peak - base) / 1024.0;
   // Anchors first, per request: its last anchor arrival before its first
   // residual (the receiver's arrival records).
@@ -198,7 +182,7 @@ Side burst(kvxfer_comm_t comm, int rank, const Options& o) {
   if (rank == 1 && ok && o.common.check != 0)
     for (size_t i = 0; i < plan.size(); ++i) {
       kp::WholeKv src(8, plan[i], kHeads, kHeadDim), want(8, plan[i], kHeads, kHeadDim);
-      fill(&src, 1000 + i);
+      kp::fill_uniform(&src, 1000 + i);
       std::string err;
       if (!kp::expected_decode(src, cc, kPageTokens, i + 1, &want, &err)) {
         s.text += "expected decode: " + err + "\n";

@@ -72,14 +72,6 @@ kvxfer_codec_config_t codec_of(const std::string& name) {
   return c;
 }
 
-void fill(kp::WholeKv* kv, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  for (int l = 0; l < kv->L; ++l)
-    for (auto* t : {&kv->k[l], &kv->v[l]})
-      for (auto& x : *t)
-        x = kp::bf16_of(static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 250.0f);
-}
-
 /** The stopped process: connects to A and sends request 1; the survivor stops it midway. */
 int stopped_main(int rd, int wr, const Options& o, const std::string& codec,
                  const std::string& rate) {
@@ -101,7 +93,7 @@ int stopped_main(int rd, int wr, const Options& o, const std::string& codec,
   if (kvxfer_endpoint_connect(ep, a.data(), a.size(), &peer) != KVXFER_SUCCESS)
     return failed("connect", 4);
   kp::WholeKv kv(kLayers, static_cast<int64_t>(o.mib) * 32, kHeads, kHeadDim);
-  fill(&kv, 1);
+  kp::fill_uniform(&kv, 1);
   const kvxfer_codec_config_t cc = codec_of(codec);
   const kvxfer_request_config_t rc = kp::by_id(1, kPageTokens);
   kvxfer_request_t r = nullptr;
@@ -184,7 +176,7 @@ Result survivor(const Options& o, const std::string& codec, const std::string& r
   }
   kp::WholeKv src(kLayers, 256, kHeads, kHeadDim), got(kLayers, 256, kHeads, kHeadDim),
       want(kLayers, 256, kHeads, kHeadDim);
-  fill(&src, 2);
+  kp::fill_uniform(&src, 2);
   const kvxfer_codec_config_t cc = codec_of(codec);
   const kvxfer_request_config_t rc2 = kp::by_id(2, kPageTokens);
   kvxfer_request_t rs = nullptr, rr = nullptr;
@@ -244,7 +236,7 @@ Result survivor_comm(const Options& o, const std::string& codec, const std::stri
     kvxfer_comm_t c = kp::init_comm(id, 3, rank, rank == 1 ? rate : std::string(), 30000, &err);
     if (c == nullptr) return 2;
     kp::WholeKv kv(kLayers, rank == 1 ? static_cast<int64_t>(o.mib) * 32 : 256, kHeads, kHeadDim);
-    fill(&kv, static_cast<uint64_t>(rank));
+    kp::fill_uniform(&kv, static_cast<uint64_t>(rank));
     if (rank == 2) {
       char b;
       if (read(go[0], &b, 1) != 1) return 3;
@@ -293,7 +285,7 @@ Result survivor_comm(const Options& o, const std::string& codec, const std::stri
   // The next request, from rank 2: exact.
   kp::WholeKv src(kLayers, 256, kHeads, kHeadDim), got(kLayers, 256, kHeads, kHeadDim),
       want(kLayers, 256, kHeads, kHeadDim);
-  fill(&src, 2);
+  kp::fill_uniform(&src, 2);
   rc.tag = 2;
   kvxfer_request_t r2 = nullptr;
   const bool done = write(go[1], "g", 1) == 1 &&

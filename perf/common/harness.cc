@@ -318,4 +318,13 @@ std::string ForkedChild::describe() const {
   return "status " + std::to_string(status_);
 }
 
+long proc_status_kib(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::string key = std::string(field) + ":";
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) return std::stol(line.substr(key.size()));
+  return -1;
+}
+
 }  // namespace kvxfer::perf

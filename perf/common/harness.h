@@ -259,4 +259,8 @@ class ForkedChild {
   bool reaped_ = false;
 };
 
+/** A field of /proc/self/status in KiB ("VmRSS", "VmHWM", "RssAnon", ...);
+ *  -1 when absent. */
+long proc_status_kib(const char* field);
+
 }  // namespace kvxfer::perf

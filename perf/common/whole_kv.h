@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,16 @@ inline kvxfer_comm_t init_comm(const kvxfer_unique_id_t& id, int nranks, int ran
     return nullptr;
   }
   return comm;
+}
+
+/** Fills `kv` with bf16 values uniform on [-4, 4] in steps of 1/250, a
+ *  function of `seed`. */
+inline void fill_uniform(WholeKv* kv, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (int l = 0; l < kv->L; ++l)
+    for (auto* t : {&kv->k[l], &kv->v[l]})
+      for (auto& x : *t)
+        x = bf16_of(static_cast<float>(static_cast<int64_t>(rng() % 2001) - 1000) / 250.0f);
 }
 
 }  // namespace kvxfer::perf
