@@ -836,14 +836,13 @@ TEST(Xfer, CorruptedSectionFailsWithChecksumAndNeverCompletes) {
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
-// A flipped byte in a page header (docs/FORMAT.md 4.1: magic, codec, a
-// bound, payload_bytes, the checksum) of the first anchor section fails the
-// request on both sides at once, naming the field; never a timeout.
-class CorruptedPageHeader : public ::testing::TestWithParam<std::tuple<kvxfer_codec_t, int>> {};
-
-TEST_P(CorruptedPageHeader, FailsBothSidesWithinASecond) {
-  const auto [codec, offset] = GetParam();
-  Shape s;
+// One request of shape `s` in `codec` whose header the receiver corrupts:
+// `arm` sets the test hook, `disarm` clears it.  Both sides must fail with
+// KVXFER_ERR_CORRUPT naming `words` within a second, and destroy must not
+// hang.  `what` and `offset` label the printed time.
+void corrupted_header_case(const Shape& s, kvxfer_codec_t codec, const char* what, int offset,
+                           const std::function<void()>& arm, const std::function<void()>& disarm,
+                           const char* words) {
   kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
   cfg.codec = codec;
   Pair pair;
@@ -855,25 +854,47 @@ TEST_P(CorruptedPageHeader, FailsBothSidesWithinASecond) {
   PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
   kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
   rc.tag = 9;
-  test_hooks()->corrupt_offset = offset;
-  test_hooks()->corrupt_sections = 1;
+  arm();
   kvxfer_request_t req = nullptr;
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
   EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CORRUPT);
   const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string err = kvxfer_get_last_error();
+  std::printf("[ corrupt  ] codec %d, %s byte %d: both sides failed, this one after %.3f s: %s\n",
+              codec, what, offset, sec, err.c_str());
   EXPECT_LT(sec, 1.0) << err;
-  EXPECT_NE(err.find("failed to decode"), std::string::npos) << err;
+  EXPECT_NE(err.find(words), std::string::npos) << err;
   SenderReport rep;
   ASSERT_TRUE(read_report(pair.child.from_child, &rep));  // the sender waited for CORRUPT
-  EXPECT_NE(rep.error.find("failed to decode"), std::string::npos) << rep.error;
+  EXPECT_NE(rep.error.find(words), std::string::npos) << rep.error;
   kvxfer_request_free(req);
+  const auto t1 = std::chrono::steady_clock::now();
   kvxfer_comm_destroy(comm);
-  test_hooks()->corrupt_sections = 0;
-  test_hooks()->corrupt_offset = -1;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 5.0);
+  disarm();
   ASSERT_TRUE(pair.child.wait(60));
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
+// A flipped byte in a page header (docs/FORMAT.md 4.1: magic, codec, a
+// bound, payload_bytes, the checksum) of the first anchor section fails the
+// request on both sides at once, naming the field; never a timeout.
+class CorruptedPageHeader : public ::testing::TestWithParam<std::tuple<kvxfer_codec_t, int>> {};
+
+TEST_P(CorruptedPageHeader, FailsBothSidesWithinASecond) {
+  const auto [codec, offset] = GetParam();
+  corrupted_header_case(
+      Shape{}, codec, "page header", offset,
+      [offset = offset] {
+        test_hooks()->corrupt_offset = offset;
+        test_hooks()->corrupt_sections = 1;
+      },
+      [] {
+        test_hooks()->corrupt_sections = 0;
+        test_hooks()->corrupt_offset = -1;
+      },
+      "failed to decode");
 }
 
 INSTANTIATE_TEST_SUITE_P(Fields, CorruptedPageHeader,
@@ -892,41 +913,14 @@ TEST_P(CorruptedMessageHeader, FailsBothSidesWithinASecond) {
   const auto [codec, offset] = GetParam();
   Shape s;
   s.hd = 1024;  // pages of several chunks
-  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  cfg.codec = codec;
-  Pair pair;
-  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int wr) {
-    return run_sender(id, wr, s, 16, cfg, KVXFER_MODE_AUTO, 1, KVXFER_ERR_CORRUPT);
-  }));
-  kvxfer_comm_t comm = init_rank(pair.id, 0);
-  ASSERT_NE(comm, nullptr);
-  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
-  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-  rc.tag = 9;
-  // The third header this side receives: the DESC's, then page messages.
-  test_hooks()->corrupt_wire_headers->offset = offset;
-  test_hooks()->corrupt_wire_headers->count = 3;
-  kvxfer_request_t req = nullptr;
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS);
-  EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 30000), KVXFER_ERR_CORRUPT);
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::string err = kvxfer_get_last_error();
-  std::printf(
-      "[ corrupt  ] codec %d, header byte %d: both sides failed, this one after %.3f s: %s\n",
-      codec, offset, sec, err.c_str());
-  EXPECT_LT(sec, 1.0) << err;
-  EXPECT_NE(err.find("message header of tag"), std::string::npos) << err;
-  SenderReport rep;
-  ASSERT_TRUE(read_report(pair.child.from_child, &rep));  // the sender waited for CORRUPT
-  EXPECT_NE(rep.error.find("message header of tag"), std::string::npos) << rep.error;
-  kvxfer_request_free(req);
-  const auto t1 = std::chrono::steady_clock::now();
-  kvxfer_comm_destroy(comm);
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 5.0);
-  test_hooks()->corrupt_wire_headers->count = 0;
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+  corrupted_header_case(
+      s, codec, "message header", offset,
+      [offset = offset] {
+        // The third header this side receives: the DESC's, then page messages.
+        test_hooks()->corrupt_wire_headers->offset = offset;
+        test_hooks()->corrupt_wire_headers->count = 3;
+      },
+      [] { test_hooks()->corrupt_wire_headers->count = 0; }, "message header of tag");
 }
 
 INSTANTIATE_TEST_SUITE_P(Fields, CorruptedMessageHeader,
