@@ -127,6 +127,7 @@ std::string apply_provider_memory_defaults() {
         {"FI_OFI_RXM_MSG_RX_SIZE", "16"},
         {"FI_OFI_RXM_BUFFER_SIZE", "4096"},
         {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
+        {"FI_UNIVERSE_SIZE", "16"},
     };
     for (const auto& kv : kDefaults) {
       if (std::getenv(kv[0]) != nullptr) continue;  // the user's value wins

@@ -87,10 +87,17 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * libfabric 1.17's defaults: a shared receive queue of 4096 bounce buffers
  * of 16 KiB, and pools that grow 1024 buffers at a time.  Before libfabric
  * reads its parameters (the first fi_getinfo of the process), this sets
- * FI_OFI_RXM_MSG_RX_SIZE=16, FI_OFI_RXM_BUFFER_SIZE=4096 and
- * FI_OFI_RXM_EAGER_LIMIT=16384 (kEagerChunkBytes stays eager), each only
- * when the environment does not set it: about 30 MB per peer
- * (docs/TRANSPORT.md, "Memory"; XferMemory.CommunicatorResidentSetIsBounded).
+ * FI_OFI_RXM_MSG_RX_SIZE=16, FI_OFI_RXM_BUFFER_SIZE=4096,
+ * FI_OFI_RXM_EAGER_LIMIT=16384 (kEagerChunkBytes stays eager) and
+ * FI_UNIVERSE_SIZE=16, each only when the environment does not set it:
+ * about 30 MB per peer (docs/TRANSPORT.md, "Memory";
+ * XferMemory.CommunicatorResidentSetIsBounded).  The universe sizes rxm's
+ * completion ring of its tcp connections, (msg rx 16 + msg tx 128) x
+ * universe entries of 48 bytes per endpoint (prov/rxm/src/rxm_ep.c,
+ * rxm_ep_msg_cq_open): at 1024 (the default) 12 MiB, made resident a lap
+ * at a time over the first 2,000 transfers; at 16, 192 KiB.  Each endpoint
+ * serves one peer (its address vector holds 4); a full ring spills into
+ * util_cq's overflow list, it loses nothing.
  * Sets them once, from fabric_lib::load() before it opens libfabric (the
  * process's first Domain::open); later calls set nothing.  Thread-safe
  * (std::call_once), but setenv races with getenv on other threads
