@@ -738,6 +738,23 @@ TEST(StructAbi, OlderRequestConfigDoesNotStreamLayers) {
   EXPECT_EQ(out.stream_layers, 1);
 }
 
+// kvxfer_request_config_t without `claim_timeout_ms` (size 72): 0, the
+// communicator's timeout.
+TEST(StructAbi, OlderRequestConfigWaitsTheCommunicatorsTimeout) {
+  static_assert(offsetof(kvxfer_request_config_t, claim_timeout_ms) == 72,
+                "the layout this test knows");
+  kvxfer_request_config_t in = KVXFER_REQUEST_CONFIG_INITIALIZER, out{};
+  in.request_id = 9;
+  in.claim_timeout_ms = 5;
+  in.size = offsetof(kvxfer_request_config_t, claim_timeout_ms);
+  ASSERT_EQ(read_struct(&in, &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.request_id, 9u);
+  EXPECT_EQ(out.claim_timeout_ms, 0);
+  in.size = sizeof(in);
+  ASSERT_EQ(read_struct(&in, &out), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(out.claim_timeout_ms, 5);
+}
+
 // kvxfer_kv_desc_t without `device` (size 80): read_kv_desc gives device -1
 // (host, the initializer's), not what lies past the caller's 80 bytes.
 TEST(StructAbi, OlderKvDescIsHostMemory) {

@@ -74,6 +74,15 @@ kvxfer_request_config_t by_id(uint64_t id) {
   return rc;
 }
 
+/** dst holds exactly the codec's own decode of src. */
+void expect_exact(PagedKV& src, PagedKV& dst, const kvxfer_codec_config_t& cfg) {
+  PagedKV want(kL, kHeads, kHd, kT, kBs);
+  expected_decode(src, cfg, kPageTokens, 0, true, &want);
+  for (int32_t l = 0; l < kL; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), want.bytes(l, kind)) << "layer " << l;
+}
+
 /** One send of KV seeded `seed` from (a, pa) to (b, pb) by id `id`; bytes checked. */
 void transfer_exact(kvxfer_comm_t a, int pa, kvxfer_comm_t b, int pb, uint64_t id, uint64_t seed,
                     const kvxfer_codec_config_t& cfg) {
@@ -89,11 +98,7 @@ void transfer_exact(kvxfer_comm_t a, int pa, kvxfer_comm_t b, int pb, uint64_t i
       << kvxfer_get_last_error();
   ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
       << kvxfer_get_last_error();
-  PagedKV want(kL, kHeads, kHd, kT, kBs);
-  expected_decode(src, cfg, kPageTokens, 0, true, &want);
-  for (int32_t l = 0; l < kL; ++l)
-    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
-      ASSERT_EQ(dst.bytes(l, kind), want.bytes(l, kind)) << "layer " << l;
+  expect_exact(src, dst, cfg);
   kvxfer_request_free(s);
   kvxfer_request_free(r);
 }
@@ -275,6 +280,214 @@ TEST(Endpoint, DisconnectFailsRequestsOnBothSidesAndReconnectIsNew) {
   EXPECT_NE(ab2, ab);
   EXPECT_NE(ba2, ba);
   transfer_exact(a.ep, ab2, b.ep, ba2, 77, 5, lynx());
+}
+
+// ---------------------------------------------------------------------------
+// Sends to KVXFER_ANY_PEER: a prefill's send goes to whichever decode asks.
+// ---------------------------------------------------------------------------
+
+kvxfer_request_config_t any_peer(uint64_t id, int claim_timeout_ms = 0) {
+  kvxfer_request_config_t rc = by_id(id);
+  rc.claim_timeout_ms = claim_timeout_ms;
+  return rc;
+}
+
+int info_peer(kvxfer_request_t r) {
+  kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
+  EXPECT_EQ(kvxfer_request_get_info(r, &info), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  return info.peer;
+}
+
+TEST(EndpointAnyPeer, ASendGoesToWhicheverPeerAsksForItsId) {
+  Ep prefill, a, b;
+  const int a_p = a.connect(prefill), b_p = b.connect(prefill);
+  const int p_a = prefill.connect(a), p_b = prefill.connect(b);  // the same peers, from there
+  ASSERT_GE(p_a, 0);
+  ASSERT_GE(p_b, 0);
+  ASSERT_NE(p_a, p_b);
+  PagedKV src7(kL, kHeads, kHd, kT, kBs), src8(kL, kHeads, kHd, kT, kBs),
+      src9(kL, kHeads, kHd, kT, kBs);
+  src7.fill(7);
+  src8.fill(8);
+  src9.fill(9);
+  PagedKV dst7(kL, kHeads, kHd, kT, kBs), dst8(kL, kHeads, kHd, kT, kBs),
+      dst9(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_codec_config_t cfg = lynx();
+  kvxfer_request_t s7 = nullptr, s8 = nullptr, s9 = nullptr, r7 = nullptr, r8 = nullptr,
+                   r9 = nullptr;
+  const kvxfer_request_config_t c7 = any_peer(7), c8 = any_peer(8), c9 = any_peer(9);
+  // Sends first: nobody has asked, so they wait without a peer.
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src7.desc, &cfg, &c7, &s7), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src8.desc, &cfg, &c8, &s8), KVXFER_SUCCESS);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(info_peer(s7), -1);
+  kvxfer_stage_t st = KVXFER_STAGE_ERROR;
+  EXPECT_EQ(kvxfer_test(s7, &st), KVXFER_IN_PROGRESS);
+  EXPECT_EQ(st, KVXFER_STAGE_POSTED);
+  // b asks for 7, a for 8: each gets its own KV.
+  ASSERT_EQ(kvxfer_recv(b.ep, b_p, &dst7.desc, &c7, &r7), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_recv(a.ep, a_p, &dst8.desc, &c8, &r8), KVXFER_SUCCESS);
+  // A receive that asks before its send is posted waits for it.
+  ASSERT_EQ(kvxfer_recv(a.ep, a_p, &dst9.desc, &c9, &r9), KVXFER_SUCCESS);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src9.desc, &cfg, &c9, &s9), KVXFER_SUCCESS);
+  for (kvxfer_request_t r : {r7, r8, r9, s7, s8, s9})
+    ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+  expect_exact(src7, dst7, cfg);
+  expect_exact(src8, dst8, cfg);
+  expect_exact(src9, dst9, cfg);
+  EXPECT_EQ(info_peer(s7), p_b);
+  EXPECT_EQ(info_peer(s8), p_a);
+  EXPECT_EQ(info_peer(s9), p_a);
+  for (kvxfer_request_t r : {r7, r8, r9, s7, s8, s9}) kvxfer_request_free(r);
+  // The id is free again once its send finished.
+  transfer_exact(prefill.ep, p_b, b.ep, b_p, 7, 70, bf16());
+}
+
+TEST(EndpointAnyPeer, ASendNobodyAsksForTimesOutOrIsCancelledAtOnce) {
+  Ep prefill, decode;
+  const int d_p = decode.connect(prefill);
+  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  src.fill(3);
+  const kvxfer_codec_config_t cfg = lynx();
+  const kvxfer_request_config_t timed = any_peer(1, 300), waits = any_peer(2);
+  kvxfer_request_t s1 = nullptr, s2 = nullptr;
+  const auto t0 = Clock::now();
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &timed, &s1), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &waits, &s2), KVXFER_SUCCESS);
+  expect_error(kvxfer_wait(s1, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_TIMEOUT, "no peer asked");
+  const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_GE(waited, 0.3);
+  EXPECT_LT(waited, 1.5);
+  const auto t1 = Clock::now();
+  ASSERT_EQ(kvxfer_request_cancel(s2), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(s2, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED);
+  EXPECT_LT(Clock::now() - t1, std::chrono::milliseconds(500));
+  kvxfer_request_free(s1);
+  kvxfer_request_free(s2);
+  // Both ids may be posted again, and a receive then takes them.
+  kvxfer_request_t s = nullptr, r = nullptr;
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &waits, &s), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &waits, &r), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
+  expect_exact(src, dst, cfg);
+  kvxfer_request_free(s);
+  kvxfer_request_free(r);
+}
+
+TEST(EndpointAnyPeer, ACancelledReceiveFailsTheSendItTook) {
+  Ep prefill, decode;
+  const int d_p = decode.connect(prefill);
+  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_codec_config_t cfg = lynx();
+  kvxfer_request_config_t rc = any_peer(5);
+  rc.stream_layers = 1;  // the send cannot finish: its layers are never marked
+  kvxfer_request_t s = nullptr, r = nullptr;
+  const kvxfer_request_config_t asks = by_id(5);
+  ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &asks, &r), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  for (int i = 0; i < 200 && info_peer(s) < 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_GE(info_peer(s), 0) << "the receive's ask never reached the send";
+  const auto t0 = Clock::now();
+  ASSERT_EQ(kvxfer_request_cancel(r), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED);
+  EXPECT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED)
+      << kvxfer_get_last_error();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
+  kvxfer_request_free(s);
+  kvxfer_request_free(r);
+}
+
+TEST(EndpointAnyPeer, AStreamedSendMarksLayersBeforeAndAfterItsPeerAsks) {
+  Ep prefill, decode;
+  const int d_p = decode.connect(prefill);
+  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  src.fill(21);
+  const kvxfer_codec_config_t cfg = lynx();
+  kvxfer_request_config_t rc = any_peer(11);
+  rc.stream_layers = 1;
+  kvxfer_request_t s = nullptr, r = nullptr;
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_send_layer_ready(s, 0), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  const kvxfer_request_config_t asks = by_id(11);
+  ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &asks, &r), KVXFER_SUCCESS);
+  // Layer 0 arrives while layer 1 does not exist yet (its residuals follow
+  // every anchor, so ANCHOR_READY is the stage to wait for).
+  ASSERT_EQ(kvxfer_wait_layer(r, 0, KVXFER_STAGE_ANCHOR_READY, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  kvxfer_stage_t st = KVXFER_STAGE_ERROR;
+  EXPECT_EQ(kvxfer_test_layer(r, 1, &st), KVXFER_IN_PROGRESS);
+  EXPECT_EQ(st, KVXFER_STAGE_POSTED);
+  ASSERT_EQ(kvxfer_send_layer_ready(s, 1), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
+  expect_exact(src, dst, cfg);
+  kvxfer_request_free(s);
+  kvxfer_request_free(r);
+}
+
+TEST(EndpointAnyPeer, BadUsesFailAtTheCall) {
+  Ep prefill, decode;
+  const int d_p = decode.connect(prefill);
+  PagedKV kv(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_codec_config_t cfg = lynx();
+  kvxfer_request_t r = nullptr;
+  kvxfer_request_config_t rc = any_peer(1);
+  expect_error(kvxfer_recv(decode.ep, KVXFER_ANY_PEER, &kv.desc, &rc, &r),
+               KVXFER_ERR_INVALID_ARGUMENT, "a receive names the peer");
+  kvxfer_request_config_t by_order = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  expect_error(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &kv.desc, &cfg, &by_order, &r),
+               KVXFER_ERR_INVALID_ARGUMENT, "needs match_by_id");
+  expect_error(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &kv.desc, &cfg, nullptr, &r),
+               KVXFER_ERR_INVALID_ARGUMENT, "needs match_by_id");
+  rc.claim_timeout_ms = -1;
+  expect_error(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &kv.desc, &cfg, &rc, &r),
+               KVXFER_ERR_INVALID_ARGUMENT, "claim_timeout_ms -1 is negative");
+  rc.claim_timeout_ms = 100;
+  expect_error(kvxfer_recv(decode.ep, d_p, &kv.desc, &rc, &r), KVXFER_ERR_INVALID_ARGUMENT,
+               "claim_timeout_ms is for a send to KVXFER_ANY_PEER");
+  rc.claim_timeout_ms = 0;
+  kvxfer_request_t s = nullptr;
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &kv.desc, &cfg, &rc, &s), KVXFER_SUCCESS);
+  expect_error(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &kv.desc, &cfg, &rc, &r),
+               KVXFER_ERR_INVALID_USAGE, "already waits for a peer");
+  ASSERT_EQ(kvxfer_request_cancel(s), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED);
+  kvxfer_request_free(s);
+}
+
+// The ask stream's receive stands on an idle link past the link's timeout,
+// and the link lives on (a receive left to expire would fail or flood it).
+TEST(EndpointAnyPeer, AnIdlePeerKeepsItsAskStreamPastTheTimeout) {
+  Ep prefill(nullptr, 0, 300), decode(nullptr, 0, 300);
+  const int d_p = decode.connect(prefill);
+  const int p_d = prefill.connect(decode);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  src.fill(4);
+  const kvxfer_codec_config_t cfg = bf16();
+  const kvxfer_request_config_t rc = any_peer(3, 5000);
+  kvxfer_request_t s = nullptr, r = nullptr;
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS);
+  const kvxfer_request_config_t asks = by_id(3);
+  ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &asks, &r), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
+  EXPECT_EQ(info_peer(s), p_d);
+  expect_exact(src, dst, cfg);
+  kvxfer_request_free(s);
+  kvxfer_request_free(r);
 }
 
 // ---------------------------------------------------------------------------

@@ -72,12 +72,12 @@ std::string to_hex(const Bytes& b) {
 }
 
 // ---------------------------------------------------------------------------
-// Request protocol (src/xfer/protocol.h): DESC version 3.
+// Request protocol (src/xfer/protocol.h): DESC version 4.
 // ---------------------------------------------------------------------------
 // off type field          (docs/TRANSPORT.md, "DESC")
 const char* const kSenderDesc =
     "4b 56 58 44"              // 0  u32 magic "KVXD"
-    "03 00"                    // 4  u16 version 3
+    "04 00"                    // 4  u16 version 4
     "01 00"                    // 6  u16 role 1 sender
     "88 77 66 55 44 33 22 11"  // 8  u64 tag 0x1122334455667788
     "1c 00 00 00"              // 16 i32 num_layers 28
@@ -97,7 +97,7 @@ const char* const kSenderDesc =
     "01 00 00 00"              // 73 i32 value_groups TOKEN
     "00 00 00";                // 77 reserved
 const char* const kReceiverDesc =
-    "4b 56 58 44 03 00"                    // magic, version 3
+    "4b 56 58 44 04 00"                    // magic, version 4
     "00 00"                                // role 0 receiver
     "88 77 66 55 44 33 22 11"              // tag
     "1c 00 00 00 08 00 00 00 80 00 00 00"  // num_layers 28, kv_heads 8, head_dim 128
@@ -210,12 +210,12 @@ TEST(WireBytes, ReceiverDescriptorIsFixed) {
       << last_error();
 }
 
-TEST(WireBytes, OnlyDescriptorVersion3IsAccepted) {
-  // Versions 1 and 2 (before sink_tokens, before value_groups) and any later
+TEST(WireBytes, OnlyDescriptorVersion4IsAccepted) {
+  // Versions 1 to 3 (before sink_tokens, value_groups, ASK) and any later
   // one are refused, as are a wrong magic, role, on_device or value_groups.
   const Bytes good = hex(kSenderDesc);
   xfer::Desc d;
-  for (uint8_t v : {0, 1, 2, 4, 0xff}) {
+  for (uint8_t v : {0, 1, 2, 3, 5, 0xff}) {
     Bytes b = good;
     b[4] = v;
     EXPECT_EQ(xfer::decode_desc(b.data(), b.size(), &d), KVXFER_ERR_CORRUPT) << int(v);
@@ -246,12 +246,12 @@ TEST(WireBytes, OnlyDescriptorVersion3IsAccepted) {
 }
 
 // ---------------------------------------------------------------------------
-// STATUS version 3: ok, an error with its text, the peer's cancel.
+// STATUS version 4: ok, an error with its text, the peer's cancel.
 // ---------------------------------------------------------------------------
 // A by-id sender's announcement on its peer's rendezvous stream (protocol.h).
 TEST(WireBytes, RendezvousMessageIsFixed) {
   const Bytes want =
-      hex("4b 56 58 52 03 00 00 00"    // magic "KVXR", version 3, reserved 0
+      hex("4b 56 58 52 04 00 00 00"    // magic "KVXR", version 4, reserved 0
           "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
           "05 40 00 00 00 00 00 00");  // 16 u32 seq 0x4005 (the id space), u32 0
   EXPECT_EQ(to_hex(xfer::encode_rdv(0x0123456789abcdefull, 0x4005)), to_hex(want));
@@ -271,22 +271,48 @@ TEST(WireBytes, RendezvousMessageIsFixed) {
             (uint64_t{0x7FFF} << 24) | (uint64_t{1} << 21) | 3);
 }
 
+// A by-id receiver's ask on its peer's ask stream (protocol.h, ASK).
+TEST(WireBytes, AskMessageIsFixed) {
+  const Bytes want =
+      hex("4b 56 58 41 04 00 00 00"    // magic "KVXA", version 4, reserved 0
+          "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
+          "00 00 00 00 00 00 00 00");  // 16 u32 seq 0, u32 0
+  EXPECT_EQ(to_hex(xfer::encode_ask(0x0123456789abcdefull)), to_hex(want));
+  uint64_t id = 0;
+  ASSERT_EQ(xfer::decode_ask(want.data(), want.size(), &id), KVXFER_SUCCESS) << last_error();
+  EXPECT_EQ(id, 0x0123456789abcdefull);
+  EXPECT_EQ(xfer::decode_ask(want.data(), want.size() - 1, &id), KVXFER_ERR_CORRUPT);
+  for (size_t at : {size_t{0}, size_t{4}, size_t{6}, size_t{16}, size_t{20}}) {
+    Bytes bad = want;
+    bad[at] ^= 0x40;  // magic, version, reserved, a seq, reserved
+    EXPECT_EQ(xfer::decode_ask(bad.data(), bad.size(), &id), KVXFER_ERR_CORRUPT) << at;
+  }
+  // An RDV is not an ASK, nor the other way round.
+  const std::vector<uint8_t> rdv = xfer::encode_rdv(1, xfer::kIdSeqBase);
+  EXPECT_EQ(xfer::decode_ask(rdv.data(), rdv.size(), &id), KVXFER_ERR_CORRUPT);
+  uint32_t seq = 0;
+  EXPECT_EQ(xfer::decode_rdv(want.data(), want.size(), &id, &seq), KVXFER_ERR_CORRUPT);
+  // The stream's tag: seq kRdvSeq, from the receiver, kind STATUS.
+  EXPECT_EQ(xfer::make_tag(xfer::kRdvSeq, true, xfer::MsgKind::kStatus, 3),
+            (uint64_t{0x7FFF} << 24) | (uint64_t{1} << 23) | (uint64_t{1} << 21) | 3);
+}
+
 TEST(WireBytes, StatusMessagesAreFixed) {
   struct Case {
     kvxfer_result_t result;
     const char* text;
     const char* bytes;
   } cases[] = {{KVXFER_SUCCESS, "",
-                "4b 56 58 53 03 00 00 00"  // magic "KVXS", version 3, reserved 0
+                "4b 56 58 53 04 00 00 00"  // magic "KVXS", version 4, reserved 0
                 "00 00 00 00"              // 8  i32 result 0 (SUCCESS)
                 "00 00 00 00"},            // 12 u32 text length 0
                {KVXFER_ERR_CORRUPT, "bad page",
-                "4b 56 58 53 03 00 00 00"
+                "4b 56 58 53 04 00 00 00"
                 "fa ff ff ff"                // result -6 (CORRUPT)
                 "08 00 00 00"                // length 8
                 "62 61 64 20 70 61 67 65"},  // "bad page", no NUL
                {KVXFER_ERR_CANCELLED, "stop",
-                "4b 56 58 53 03 00 00 00"
+                "4b 56 58 53 04 00 00 00"
                 "f3 ff ff ff"     // result -13 (CANCELLED): the peer's kvxfer_request_cancel
                 "04 00 00 00"     // length 4
                 "73 74 6f 70"}};  // "stop"
@@ -310,7 +336,7 @@ TEST(WireBytes, StatusMessagesAreFixed) {
   const Bytes big = xfer::encode_status(KVXFER_ERR_SYSTEM, std::string(1500, 'z'));
   ASSERT_EQ(big.size(), 16u + 1024u);
   EXPECT_EQ(to_hex(Bytes(big.begin(), big.begin() + 16)),
-            to_hex(hex("4b 56 58 53 03 00 00 00 f7 ff ff ff 00 04 00 00")));  // -9, 1024
+            to_hex(hex("4b 56 58 53 04 00 00 00 f7 ff ff ff 00 04 00 00")));  // -9, 1024
 }
 
 // The Link tag of a request message: seq (15) | from_receiver (1) | kind (2) | page (21).

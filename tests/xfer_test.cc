@@ -1440,8 +1440,10 @@ TEST(XferApi, NullAndBadOutputsAreRefusedAndLoseNothing) {
   expect_error(kvxfer_recv(comm, 1, nullptr, nullptr, &req), kInvalid, "KV descriptor is NULL");
   expect_error(kvxfer_recv(comm, 0, &dst.desc, nullptr, &req), kInvalid,
                "peer 0 is not another rank");
-  expect_error(kvxfer_recv(comm, -1, &dst.desc, nullptr, &req), kInvalid,
-               "peer -1 is not another rank");
+  expect_error(kvxfer_recv(comm, KVXFER_ANY_PEER, &dst.desc, nullptr, &req), kInvalid,
+               "KVXFER_ANY_PEER is for a send");
+  expect_error(kvxfer_recv(comm, -2, &dst.desc, nullptr, &req), kInvalid,
+               "peer -2 is not another rank");
   EXPECT_EQ(req, nullptr);
   ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, nullptr, &req), KVXFER_SUCCESS)
       << kvxfer_get_last_error();  // never matched: the peer posts nothing

@@ -709,15 +709,37 @@ typedef struct {
   int32_t match_by_id;
   /** match_by_id = 1: the runtime's 64-bit request id (e.g. a hash of
    *  vLLM's request id).  A second send (receive) with an id already in
-   *  flight to (from) the same peer is refused at the call. */
+   *  flight to (from) the same peer is refused at the call; so is a second
+   *  send to KVXFER_ANY_PEER with an id still waiting for its peer. */
   uint64_t request_id;
+  /** Sender to KVXFER_ANY_PEER only: how long the send waits for a peer to
+   *  ask for it, in ms, before it fails with KVXFER_ERR_TIMEOUT (on this
+   *  side only: no peer knows it).  0 = the communicator's timeout
+   *  (KVXFER_TIMEOUT_MS, or the endpoint config's timeout_ms); > 0 e.g. 480000 as
+   *  vLLM's NixlConnector waits for a decode to read a prefill's blocks. */
+  int32_t claim_timeout_ms;
 } kvxfer_request_config_t;
 
 #define KVXFER_REQUEST_CONFIG_INITIALIZER                                         \
   {                                                                               \
     sizeof(kvxfer_request_config_t), KVXFER_CONFIG_MAGIC, KVXFER_VERSION_CODE, 0, \
-        KVXFER_MODE_AUTO, 0, NULL, NULL, NULL, 0, 0, 0                            \
+        KVXFER_MODE_AUTO, 0, NULL, NULL, NULL, 0, 0, 0, 0                         \
   }
+
+/**
+ * The `peer` of a kvxfer_send (or kvxfer_send_blocks) with match_by_id = 1
+ * that goes to whichever peer asks for its request_id: the runtime does not
+ * know yet which decode instance will take a prefill's KV.  A receive by id
+ * asks its peer for the id (protocol message ASK, docs/TRANSPORT.md "Request
+ * protocol"), posted before or after the send; the first peer to ask takes
+ * the send, which then runs as a send to that peer (kvxfer_request_get_info
+ * gives its peer, -1 until then).  A send with stream_layers may mark
+ * layers while it waits.  Not for kvxfer_recv (KVXFER_ERR_INVALID_ARGUMENT).
+ * A send nobody asks for fails after claim_timeout_ms; kvxfer_request_cancel
+ * ends it at once.  Asks that find no send wait, per peer, for the
+ * communicator's timeout.
+ */
+#define KVXFER_ANY_PEER (-1)
 
 /**
  * Sends the KV cache described by `kv` to rank `peer`, encoded with `codec`
@@ -726,7 +748,8 @@ typedef struct {
  * communicator's threads.  The i-th kvxfer_send to a peer matches that peer's
  * i-th kvxfer_recv from this rank (as NCCL send/recv), or, with the request
  * config's match_by_id, the receive with the same request_id; the tags must
- * agree.
+ * agree.  With match_by_id, `peer` may be KVXFER_ANY_PEER: the send goes to
+ * the first peer whose receive asks for its request_id.
  * Pages are `page_tokens` tokens of one layer's K or V; they are sent in
  * layer order, anchors of every request in flight before any residual.
  * Codec SPECTRUM uses the default SpectrumKV policy and the KV norm as
@@ -755,15 +778,14 @@ typedef struct {
  * direction, or 128 requests in flight with a peer reached over shared
  * memory, both directions together: libfabric's shm provider has 1024
  * receive entries; or match_by_id with a request_id already in flight with
- * this peer in this direction).  A request keeps its place until the progress thread retires
- * it: shortly after its final stage (so a post right after kvxfer_wait saw
- * COMPLETE may still be refused), and for a request that failed or was
- * cancelled while messages of it were still posted, once those complete or
- * time out (KVXFER_TIMEOUT_MS).
- * Later failures (descriptor mismatch, NaN/Inf with the ERROR policy, a peer
- * that dies, a corrupted section) put the request in stage ERROR.
- * Thread-safety: any thread; posts from different threads to one peer are
- * matched in the order the calls take the communicator's lock.
+ * this peer in this direction, or KVXFER_MAX_REQUESTS sends to
+ * KVXFER_ANY_PEER waiting, or one of them with this request_id).  A request keeps its place until
+ * the progress thread retires it: shortly after its final stage (so a post right after kvxfer_wait
+ * saw COMPLETE may still be refused), and for a request that failed or was cancelled while messages
+ * of it were still posted, once those complete or time out (KVXFER_TIMEOUT_MS). Later failures
+ * (descriptor mismatch, NaN/Inf with the ERROR policy, a peer that dies, a corrupted section) put
+ * the request in stage ERROR. Thread-safety: any thread; posts from different threads to one peer
+ * are matched in the order the calls take the communicator's lock.
  */
 kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_codec_config_t* codec,

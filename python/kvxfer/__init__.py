@@ -21,6 +21,7 @@ is kvxfer.connector.
 
 from ._abi import (  # noqa: F401
     ALPHA_AUTO,
+    ANY_PEER,
     CONFIG_MAGIC,
     HEADER_VERSION_CODE,
     UNIQUE_ID_BYTES,

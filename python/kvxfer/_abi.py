@@ -24,6 +24,7 @@ UNIQUE_ID_BYTES = 128  # KVXFER_UNIQUE_ID_BYTES
 ENDPOINT_SECRET_BYTES = 32  # KVXFER_ENDPOINT_SECRET_BYTES
 ENDPOINT_ADDRESS_MAX = 128  # KVXFER_ENDPOINT_ADDRESS_MAX
 ALPHA_AUTO = -1.0  # KVXFER_ALPHA_AUTO
+ANY_PEER = -1  # KVXFER_ANY_PEER: a send by request_id to whichever peer asks for it
 
 
 class Dtype(enum.IntEnum):
@@ -242,6 +243,7 @@ class RequestConfigStruct(ctypes.Structure):
         ("stream_layers", ctypes.c_int32),  # sender only: 1 = kvxfer_send_layer_ready per layer
         ("match_by_id", ctypes.c_int32),  # 1: match the peer's request with the same request_id
         ("request_id", ctypes.c_uint64),
+        ("claim_timeout_ms", ctypes.c_int32),  # sender to ANY_PEER: 0 = the communicator's
     ]
 
 
@@ -331,7 +333,7 @@ EXPECTED_SIZES = {
     "kvxfer_comm_config_t": (CommConfigStruct, 40),
     "kvxfer_endpoint_config_t": (EndpointConfigStruct, 48),
     "kvxfer_kv_desc_t": (KVDescStruct, 88),
-    "kvxfer_request_config_t": (RequestConfigStruct, 72),
+    "kvxfer_request_config_t": (RequestConfigStruct, 80),
     "kvxfer_request_info_t": (RequestInfoStruct, 136),
     "kvxfer_arrival_t": (ArrivalStruct, 24),
     "kvxfer_kv_pool_desc_t": (KVPoolDescStruct, 88),

@@ -748,11 +748,13 @@ class KVBlocks:
 Arrival = collections.namedtuple("Arrival", "t_ns traffic_class layer bytes")
 
 
-def _match_by_id(cfg, request_id):
-    """Sets the request config's match_by_id and request_id (None: match by order)."""
+def _match_by_id(cfg, request_id, claim_timeout_ms=0):
+    """Sets the request config's match_by_id and request_id (None: match by
+    order), and a send's claim_timeout_ms (for ANY_PEER)."""
     if request_id is not None:
         cfg.match_by_id = 1
         cfg.request_id = int(request_id) & 0xFFFFFFFFFFFFFFFF
+    cfg.claim_timeout_ms = int(claim_timeout_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1240,14 +1242,19 @@ class Communicator:
                     st.cond.notify_all()
 
     def send(self, peer, kv, codec=None, *, tag=0, mode=Mode.AUTO, page_tokens=0,
-             stream_layers=False, request_id=None, on_anchor_ready=None, on_complete=None):
+             stream_layers=False, request_id=None, claim_timeout_ms=0, on_anchor_ready=None,
+             on_complete=None):
         """kvxfer_send: sends the KV described by `kv` to rank `peer`.
 
         Non-blocking; returns a Request.  The i-th send to a peer matches that
         peer's i-th recv from this rank, and their tags must be equal; with
         request_id (a 64-bit int) it matches the peer's recv with the same
         request_id instead, whatever the order of the posts (a second one in
-        flight with the same id: KvxferError ERR_INVALID_USAGE).
+        flight with the same id: KvxferError ERR_INVALID_USAGE).  With
+        request_id, peer may be ANY_PEER: the send goes to the first peer
+        whose recv by that id asks for it (Request.info().peer then names
+        it; -1 before), and fails with ERR_TIMEOUT if none asks within
+        claim_timeout_ms (0: the communicator's timeout).
         codec: CodecConfig, a codec name ("lynx", "int8", "int4", "bf16",
         "spectrum": SpectrumKV with the default policy, Request.tiers()), or
         None (Lynx 4+4).  mode: Mode.AUTO/PROGRESSIVE/MONOLITHIC.  page_tokens:
@@ -1264,7 +1271,7 @@ class Communicator:
         mode = _enum(Mode, mode, "mode")
 
         def post(cfg, handle):
-            _match_by_id(cfg, request_id)
+            _match_by_id(cfg, request_id, claim_timeout_ms)
             cfg.mode = int(mode)
             cfg.page_tokens = int(page_tokens)
             cfg.stream_layers = int(stream_layers)
@@ -1275,7 +1282,8 @@ class Communicator:
 
     def send_blocks(self, peer, pool, block_ids, num_tokens, head_begin=0, num_heads=0,
                     codec=None, *, tag=0, mode=Mode.AUTO, page_tokens=0, stream_layers=False,
-                    request_id=None, on_anchor_ready=None, on_complete=None):
+                    request_id=None, claim_timeout_ms=0, on_anchor_ready=None,
+                    on_complete=None):
         """kvxfer_send_blocks: sends tokens [0, num_tokens) held in `block_ids`
         of a registered KVPool to rank `peer`.
 
@@ -1286,8 +1294,9 @@ class Communicator:
         copied by the call; extra ids are ignored.  The peer sees a KV of the
         pool's layers, head_dim and dtype, num_heads heads and num_tokens
         tokens: it may receive with recv() or recv_blocks(), into another
-        block size or layout.  codec, tag, mode, page_tokens, stream_layers
-        and the callbacks are send()'s.  Non-blocking; returns a Request
+        block size or layout.  codec, tag, mode, page_tokens, stream_layers,
+        request_id (with ANY_PEER), claim_timeout_ms and the callbacks are
+        send()'s.  Non-blocking; returns a Request
         (its .kv is the KVBlocks), which holds the pool until freed.
         Errors: KvxferError ERR_INVALID_ARGUMENT naming a block id out of
         range by its index and value ("block_ids[3] = 64 is not a block of
@@ -1300,7 +1309,7 @@ class Communicator:
         mode = _enum(Mode, mode, "mode")
 
         def post(cfg, handle):
-            _match_by_id(cfg, request_id)
+            _match_by_id(cfg, request_id, claim_timeout_ms)
             cfg.mode = int(mode)
             cfg.page_tokens = int(page_tokens)
             cfg.stream_layers = int(stream_layers)

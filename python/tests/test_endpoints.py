@@ -81,3 +81,44 @@ def test_a_disconnect_fails_the_peers_requests_and_a_reconnect_is_new():
         assert e.value.code == Result.ERR_INVALID_USAGE
         ab2 = a.connect(b.address)
         assert ab2 != ab
+
+
+def test_a_send_to_any_peer_goes_to_whichever_peer_asks():
+    """A prefill posts sends to ANY_PEER; two decodes each ask for one by id."""
+    src1 = kvdata.HostKV(L, HEADS, HD, T, 32).fill(1)
+    src2 = kvdata.HostKV(L, HEADS, HD, T, 32).fill(2)
+    sp = kvdata.FlashPool(L, HEADS, HD, BS, POOL_BLOCKS)
+    ids1, ids2 = list(range(0, 7)), list(range(8, 15))
+    for layer in range(L):
+        sp.put_layer(src1, layer, ids1)
+        sp.put_layer(src2, layer, ids2)
+    d1, d2 = kvdata.FlashPool(L, HEADS, HD, BS, POOL_BLOCKS), kvdata.FlashPool(
+        L, HEADS, HD, BS, POOL_BLOCKS)
+    d_ids = kvdata.block_ids(POOL_BLOCKS, 7, 3)
+    with endpoint() as prefill, endpoint() as a, endpoint() as b, sp.register() as spool, \
+            d1.register() as dpool1, d2.register() as dpool2:
+        s1 = prefill.send_blocks(kvxfer.ANY_PEER, spool, ids1, T, codec="lynx", request_id=101,
+                                 page_tokens=PAGE_TOKENS)
+        s2 = prefill.send_blocks(kvxfer.ANY_PEER, spool, ids2, T, codec="lynx", request_id=102,
+                                 page_tokens=PAGE_TOKENS)
+        assert s1.info().peer == -1
+        r2 = a.recv_blocks(a.connect(prefill.address), dpool2, d_ids, T, request_id=102)
+        r1 = b.recv_blocks(b.connect(prefill.address), dpool1, d_ids, T, request_id=101)
+        for r in (r1, r2, s1, s2):
+            assert r.wait(Stage.COMPLETE, TIMEOUT_MS / 1000)
+        assert s1.info().peer == prefill.connect(b.address)
+        assert s2.info().peer == prefill.connect(a.address)
+        for src, dp in ((src1, d1), (src2, d2)):
+            want = kvdata.expected_decode(src, kvxfer.CodecConfig("lynx"), PAGE_TOKENS, 0)
+            for layer in range(L):
+                for kind in (KVKind.KEY, KVKind.VALUE):
+                    assert dp.rows(layer, kind, d_ids, T) == want.rows(layer, kind), (layer, kind)
+        # Nobody asks for 103: it fails on its own side after its claim timeout.
+        s3 = prefill.send_blocks(kvxfer.ANY_PEER, spool, ids1, T, request_id=103,
+                                 claim_timeout_ms=200)
+        with pytest.raises(kvxfer.KvxferError) as e:
+            s3.wait(Stage.COMPLETE, 5)
+        assert e.value.code == Result.ERR_TIMEOUT
+        assert "no peer asked" in e.value.message
+        for r in (r1, r2, s1, s2, s3):
+            r.free()

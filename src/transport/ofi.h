@@ -406,8 +406,12 @@ class Link {
    */
   bool empty_unstarted_send(uint64_t op);
   /** Posts a receive of at most `cap` bytes; a longer message fails it with
-   *  KVXFER_ERR_BUFFER_TOO_SMALL (and is drained, so the sender completes). */
-  kvxfer_result_t post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag, uint64_t* op);
+   *  KVXFER_ERR_BUFFER_TOO_SMALL (and is drained, so the sender completes).
+   *  `standing`: a receive a message may come to at any time (a control
+   *  stream of the engine's): the link's timeout does not expire it while
+   *  nothing of its message has arrived. */
+  kvxfer_result_t post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag, uint64_t* op,
+                            bool standing = false);
 
   /**
    * Drives everything: reads both CQs (anchor first), finishes the handshake,

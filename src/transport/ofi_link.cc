@@ -117,7 +117,7 @@ bool Link::empty_unstarted_send(uint64_t op_id) {
 }
 
 kvxfer_result_t Link::post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag,
-                                uint64_t* op_id) {
+                                uint64_t* op_id, bool standing) {
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());
   KVXFER_REQUIRE(c == TrafficClass::kAnchor || c == TrafficClass::kResidual, "bad traffic class");
   KVXFER_REQUIRE(buf != nullptr || cap == 0, "null receive buffer");
@@ -131,6 +131,7 @@ kvxfer_result_t Link::post_recv(TrafficClass c, void* buf, size_t cap, uint64_t 
   op->size = cap;
   op->posted = op->last_activity = Clock::now();
   op->queued = true;
+  op->standing = standing;
   recv_queue_[idx(c)].push_back(op.get());
   if (op_id != nullptr) *op_id = op->id;
   ops_.emplace(op->id, std::move(op));
@@ -520,6 +521,7 @@ kvxfer_result_t Link::check_timeouts(Clock::time_point now) {
       continue;
     }
     if (op->reported && !op->draining) continue;
+    if (op->standing && !op->have_header) continue;
     // The timeout detects a peer that is dead or silent, not an operation
     // that waits its turn: while traffic moves on the link in either
     // direction, no operation expires.  An operation can wait a long time

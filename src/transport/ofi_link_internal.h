@@ -77,6 +77,7 @@ struct Link::Op {
   bool reported = false;     // its Completion was emitted
   bool cancelling = false;   // receive: outstanding posts being cancelled
   bool draining = false;     // receive: too small, data lands in scratch
+  bool standing = false;     // receive: never expires before its header (post_recv)
   kvxfer_result_t pending_code = KVXFER_SUCCESS;  // reported once cancelling settles
   std::string pending_why;
   std::unique_ptr<uint8_t[]> scratch;

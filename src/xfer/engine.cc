@@ -485,12 +485,53 @@ kvxfer_result_t peer_usable(Engine::Impl& m, int peer) {
 
 }  // namespace
 
+kvxfer_result_t Engine::Impl::take_peer_slot_locked(Request& r, int peer) {
+  KVXFER_CHECK(peer_usable_locked(*this, peer));
+  int& inflight = r.is_send ? inflight_send[peer] : inflight_recv[peer];
+  if (inflight >= max_requests)
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "%d kvxfer_%s requests already in flight with peer %d (KVXFER_MAX_REQUESTS)",
+                     inflight, r.is_send ? "send" : "recv", peer);
+  const int both = inflight_send[peer] + inflight_recv[peer];
+  if (peer_shm[peer] != 0 && both >= transport::kShmMaxRequests)
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "%d requests already in flight with peer %d, which this process reaches "
+                     "over shared memory: libfabric's shm provider holds %d (its 1024 receive "
+                     "entries); wait for some to finish",
+                     both, peer, transport::kShmMaxRequests);
+  if (r.by_id) {
+    auto& ids = r.is_send ? ids_send[peer] : ids_recv[peer];
+    if (!ids.insert(r.request_id).second)
+      return set_error(KVXFER_ERR_INVALID_USAGE,
+                       "a kvxfer_%s with request id %llu is already in flight with peer %d",
+                       r.is_send ? "send" : "recv", static_cast<unsigned long long>(r.request_id),
+                       peer);
+    if (r.is_send) {  // the sender chooses the seq and announces it (protocol.h, RDV)
+      uint32_t& seq = next_id_seq[peer];
+      r.seq = seq;
+      seq = seq + 1 == kRdvSeq ? kIdSeqBase : seq + 1;
+    } else {
+      r.bound = false;
+    }
+  } else {
+    uint32_t& seq = r.is_send ? next_send_seq[peer] : next_recv_seq[peer];
+    r.seq = seq;
+    seq = (seq + 1) % kIdSeqBase;
+  }
+  inflight++;
+  return KVXFER_SUCCESS;
+}
+
 kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                              const kvxfer_codec_config_t* codec, const kvxfer_request_config_t* cfg,
                              void* handle, std::shared_ptr<Request>* out,
                              const SpectrumArgs* spectrum, void* cuda_stream, bool memory_checked) {
   Impl& m = *impl_;
-  KVXFER_CHECK(peer_usable(m, peer));
+  const bool any_peer = peer == KVXFER_ANY_PEER;
+  if (any_peer)
+    KVXFER_REQUIRE(is_send, "KVXFER_ANY_PEER is for a send: a receive names the peer it asks");
+  else
+    KVXFER_CHECK(peer_usable(m, peer));
   codec::KvDesc shape;
   KVXFER_CHECK(codec::validate_kv_desc(kv,
                                        memory_checked ? codec::KvAccess::kNone
@@ -511,6 +552,12 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
                  rc.stream_layers);
   KVXFER_REQUIRE(rc.match_by_id == 0 || rc.match_by_id == 1, "match_by_id %d is not 0 or 1",
                  rc.match_by_id);
+  KVXFER_REQUIRE(!any_peer || rc.match_by_id == 1,
+                 "KVXFER_ANY_PEER needs match_by_id = 1: a peer asks for the send by its "
+                 "request_id");
+  KVXFER_REQUIRE(rc.claim_timeout_ms >= 0, "claim_timeout_ms %d is negative", rc.claim_timeout_ms);
+  KVXFER_REQUIRE(any_peer || rc.claim_timeout_ms == 0,
+                 "claim_timeout_ms is for a send to KVXFER_ANY_PEER");
   if (rc.stream_layers != 0) {
     KVXFER_REQUIRE(is_send, "stream_layers is for a send: a receive follows its sender");
     if (kv->device >= 0)
@@ -596,46 +643,28 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
   else
     r->layers_ready.store(kv->num_layers);
 
+  r->by_id = rc.match_by_id != 0;
+  r->request_id = rc.request_id;
   {
     std::lock_guard<std::mutex> lk(m.mu);
     if (m.aborted_flag)
       return set_error(KVXFER_ERR_INVALID_USAGE, "the communicator was aborted (%s)",
                        m.abort_why.c_str());
-    KVXFER_CHECK(peer_usable_locked(m, peer));
-    int& inflight = is_send ? m.inflight_send[peer] : m.inflight_recv[peer];
-    if (inflight >= m.max_requests)
-      return set_error(KVXFER_ERR_INVALID_USAGE,
-                       "%d kvxfer_%s requests already in flight with peer %d (KVXFER_MAX_REQUESTS)",
-                       inflight, is_send ? "send" : "recv", peer);
-    const int both = m.inflight_send[peer] + m.inflight_recv[peer];
-    if (m.peer_shm[peer] != 0 && both >= transport::kShmMaxRequests)
-      return set_error(KVXFER_ERR_INVALID_USAGE,
-                       "%d requests already in flight with peer %d, which this process reaches "
-                       "over shared memory: libfabric's shm provider holds %d (its 1024 receive "
-                       "entries); wait for some to finish",
-                       both, peer, transport::kShmMaxRequests);
-    if (rc.match_by_id != 0) {
-      auto& ids = is_send ? m.ids_send[peer] : m.ids_recv[peer];
-      if (!ids.insert(rc.request_id).second)
+    if (any_peer) {  // counted against a peer once one takes it (Impl::claim)
+      if (static_cast<int64_t>(m.ids_any.size()) >= m.max_requests)
         return set_error(KVXFER_ERR_INVALID_USAGE,
-                         "a kvxfer_%s with request id %llu is already in flight with peer %d",
-                         is_send ? "send" : "recv", static_cast<unsigned long long>(rc.request_id),
-                         peer);
-      r->by_id = true;
-      r->request_id = rc.request_id;
-      if (is_send) {  // the sender chooses the seq and announces it (protocol.h, RDV)
-        uint32_t& seq = m.next_id_seq[peer];
-        r->seq = seq;
-        seq = seq + 1 == kRdvSeq ? kIdSeqBase : seq + 1;
-      } else {
-        r->bound = false;
-      }
+                         "%zu sends to KVXFER_ANY_PEER already wait for a peer "
+                         "(KVXFER_MAX_REQUESTS)",
+                         m.ids_any.size());
+      if (!m.ids_any.insert(rc.request_id).second)
+        return set_error(KVXFER_ERR_INVALID_USAGE,
+                         "a kvxfer_send to KVXFER_ANY_PEER with request id %llu already waits for "
+                         "a peer",
+                         static_cast<unsigned long long>(rc.request_id));
+      r->unclaimed = true;
     } else {
-      uint32_t& seq = is_send ? m.next_send_seq[peer] : m.next_recv_seq[peer];
-      r->seq = seq;
-      seq = (seq + 1) % kIdSeqBase;
+      KVXFER_CHECK(m.take_peer_slot_locked(*r, peer));
     }
-    inflight++;
     r->order = m.next_order++;
     m.submitted.push_back(r);
   }

@@ -89,6 +89,9 @@ class Request {
   bool by_id = false;
   uint64_t request_id = 0;
   bool bound = true;
+  // A send to KVXFER_ANY_PEER no peer has asked for yet: peer is -1 until
+  // claim() sets it (under mu) and clears this (progress thread).
+  bool unclaimed = false;
   // Post order within the communicator (the peer sends in this order); a
   // receive by id takes it when its RDV arrives (the sender's order).
   uint64_t order = 0;

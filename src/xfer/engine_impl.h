@@ -91,6 +91,7 @@ struct Work {
   bool handshake_done = false, handshake_ok = false;
   std::vector<uint8_t> desc_out, desc_in, status_out, status_in;
   std::vector<uint8_t> rdv_out;   // a by-id sender's RDV (protocol.h)
+  std::vector<uint8_t> ask_out;   // a by-id receiver's ASK (protocol.h)
   size_t next_page_send = 0;      // sender: pages posted to the Link
   size_t next_residual_post = 0;  // receiver: residual receives posted
   int64_t sends_done = 0, anchor_sends_done = 0;
@@ -162,7 +163,9 @@ enum class OpKind {
   kAnchor,
   kResidual,
   kRdvSend,  // a by-id send's announcement (protocol.h, RDV)
-  kRdvRecv   // the peer's rendezvous stream (no request: OpRef::req is null)
+  kRdvRecv,  // the peer's rendezvous stream (no request: OpRef::req is null)
+  kAskSend,  // a by-id receive's ASK (protocol.h)
+  kAskRecv   // the peer's ask stream (no request)
 };
 
 struct OpRef {
@@ -258,6 +261,13 @@ struct PeerIo {
   // does, the sender is told with a STATUS, and its DESC and STATUS are
   // drained (ops with a null request).
   std::unordered_map<uint64_t, std::pair<kvxfer_result_t, std::string>> rdv_refused;
+  // The peer's ask stream (protocol.h, ASK): its standing receive and
+  // buffer, the stream's counters both ways, and asks no send to
+  // KVXFER_ANY_PEER has taken yet (id -> when, ns), kept for the timeout.
+  bool ask_armed = false;
+  std::vector<uint8_t> ask_in = std::vector<uint8_t>(kAskBytes);
+  uint32_t ask_sent = 0, ask_received = 0;
+  std::unordered_map<uint64_t, int64_t> asks;
   std::unordered_map<uint64_t, std::vector<uint8_t>> drain_bufs;  // by Link op id
   bool draining = false;      // dropped: its Link goes once drained
   bool holding = false;       // dropped, its Link kept open until close_peer
@@ -317,8 +327,14 @@ struct Engine::Impl {
   Engine::PeerFailed peer_failed;  // set before the first adopt
   /** Sizes the per-peer state of API threads to n slots (under mu, or before the threads). */
   void grow_api(int n);
-  // match_by_id: the ids in flight per peer, for the duplicate check.
+  // match_by_id: the ids in flight per peer, for the duplicate check, and
+  // those of sends to KVXFER_ANY_PEER no peer has taken yet.
   std::vector<std::unordered_set<uint64_t>> ids_send, ids_recv;
+  std::unordered_set<uint64_t> ids_any;
+  /** Under mu: counts `r` against `peer` (KVXFER_MAX_REQUESTS, shm's
+   *  limit, the ids in flight) and gives it its seq.  KVXFER_ERR_INVALID_USAGE
+   *  or INVALID_ARGUMENT (a bad or gone peer) with nothing changed. */
+  kvxfer_result_t take_peer_slot_locked(Request& r, int peer);
   uint64_t next_order = 0;
   bool abort_requested = false, stop_requested = false;
   std::string abort_why;
@@ -414,7 +430,7 @@ struct Engine::Impl {
    *  if it refused it (nothing recorded). */
   kvxfer_result_t post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send, const void* buf,
                            size_t len, const std::shared_ptr<Request>& r, OpKind k, size_t page,
-                           uint64_t* op = nullptr);
+                           uint64_t* op = nullptr, bool standing = false);
   /** post_raw for request `r`, which fails (fail()) if the Link refuses it. */
   bool post_for(const std::shared_ptr<Request>& r, TrafficClass c, uint64_t tag, bool is_send,
                 const void* buf, size_t len, OpKind k, size_t page);
@@ -422,6 +438,18 @@ struct Engine::Impl {
   void arm_rdv(int peer);
   void on_rdv(int peer, const Completion& c);
   bool post_rdv_send(const std::shared_ptr<Request>& r);
+  // Sends to KVXFER_ANY_PEER (kvxfer.h) waiting for a peer's ASK, in post
+  // order (progress thread); claims_dirty: an ask, a waiting send or a free
+  // slot came since try_claims last looked.
+  std::vector<std::shared_ptr<Request>> unclaimed;
+  bool claims_dirty = false;
+  int64_t last_claim_sweep = 0;
+  void arm_asks();  // every peer's ask stream
+  void on_ask(int peer, const Completion& c);
+  bool send_ask(const std::shared_ptr<Request>& r);  // a receive by id asks its peer
+  void try_claims();                                 // match waiting sends and asks
+  bool claim(const std::shared_ptr<Request>& r, int peer);
+  void sweep_claims();            // timeouts of both
   int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
   void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);
   void take_cancels();

@@ -10,6 +10,7 @@ namespace kvxfer::xfer {
 // before its DESC, in post order (protocol.h, RDV).
 bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
+  io(r->peer).asks.erase(r->request_id);  // the receiver's ask, if it came first, was for this
   w.rdv_out = encode_rdv(r->request_id, r->seq);
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, io(r->peer).rdv_sent++ & (kMaxPages - 1));
@@ -37,7 +38,124 @@ void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
     fail(r, KVXFER_ERR_INVALID_USAGE, "communicator aborted");
     return;
   }
+  if (!send_ask(r)) return;  // a send to KVXFER_ANY_PEER waits for it
   arm_rdv(p);
+}
+
+bool Engine::Impl::send_ask(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  w.ask_out = encode_ask(r->request_id);
+  const uint64_t tag =
+      make_tag(kRdvSeq, true, MsgKind::kStatus, io(r->peer).ask_sent++ & (kMaxPages - 1));
+  return post_for(r, TrafficClass::kAnchor, tag, true, w.ask_out.data(), w.ask_out.size(),
+                  OpKind::kAskSend, 0);
+}
+
+// Sends to KVXFER_ANY_PEER (kvxfer.h) and the asks of receives by id
+// (protocol.h, ASK).  Every peer's ask stream has a standing receive posted,
+// which the link's timeout leaves alone, so that asks never pile up in the
+// provider, whether or not a send waits for them.
+void Engine::Impl::arm_asks() {
+  if (!comm || links_aborted) return;
+  for (int p = 0; p < npeers(); ++p) {
+    if (!pio[static_cast<size_t>(p)] || io(p).ask_armed || io(p).draining) continue;
+    Link* l = comm->link(p);
+    if (l == nullptr || l->failed()) continue;
+    const uint64_t tag =
+        make_tag(kRdvSeq, true, MsgKind::kStatus, io(p).ask_received & (kMaxPages - 1));
+    if (post_raw(p, TrafficClass::kAnchor, tag, false, io(p).ask_in.data(), io(p).ask_in.size(),
+                 nullptr, OpKind::kAskRecv, 0, nullptr, /*standing=*/true) >= 0)
+      io(p).ask_armed = true;
+  }
+}
+
+void Engine::Impl::on_ask(int peer, const Completion& c) {
+  PeerIo& pi = io(peer);
+  pi.ask_armed = false;
+  if (c.status != KVXFER_SUCCESS && (c.status != KVXFER_ERR_BUFFER_TOO_SMALL)) return;
+  pi.ask_received++;  // the stream's message was consumed, good or not
+  uint64_t id = 0;
+  if (c.status != KVXFER_SUCCESS || decode_ask(pi.ask_in.data(), c.bytes, &id) != KVXFER_SUCCESS) {
+    KVXFER_WARN(LOG_NET, "peer %d sent a malformed ask (%zu bytes); ignored", peer, c.bytes);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (ids_send[static_cast<size_t>(peer)].count(id) != 0) return;  // its send runs already
+  }
+  if (static_cast<int64_t>(pi.asks.size()) >= max_requests && pi.asks.count(id) == 0) {
+    auto oldest =
+        std::min_element(pi.asks.begin(), pi.asks.end(),
+                         [](const auto& a, const auto& b) { return a.second < b.second; });
+    pi.asks.erase(oldest);
+  }
+  pi.asks.emplace(id, now_ns());
+  claims_dirty = true;
+}
+
+void Engine::Impl::try_claims() {
+  claims_dirty = false;
+  std::vector<std::pair<int64_t, int>> askers;  // (when, peer)
+  for (size_t i = 0; i < unclaimed.size();) {
+    const std::shared_ptr<Request> r = unclaimed[i];
+    askers.clear();
+    for (int p = 0; p < npeers() && !r->work->failed; ++p) {
+      if (!pio[static_cast<size_t>(p)] || io(p).draining) continue;
+      auto it = io(p).asks.find(r->request_id);
+      if (it != io(p).asks.end()) askers.emplace_back(it->second, p);
+    }
+    std::sort(askers.begin(), askers.end());
+    bool taken = false;
+    for (const auto& a : askers)
+      if ((taken = claim(r, a.second))) break;
+    if (taken || r->work->failed)
+      unclaimed.erase(unclaimed.begin() + static_cast<std::ptrdiff_t>(i));
+    else
+      ++i;
+  }
+}
+
+// The first peer that asked takes the send: it is counted against that peer
+// as if posted to it now (false, and it waits on, while the peer is at its
+// limits) and starts with its RDV.
+bool Engine::Impl::claim(const std::shared_ptr<Request>& r, int peer) {
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (take_peer_slot_locked(*r, peer) != KVXFER_SUCCESS) return false;
+    ids_any.erase(r->request_id);
+    r->order = next_order++;
+  }
+  {
+    std::lock_guard<std::mutex> lk(r->mu);
+    r->peer = peer;
+  }
+  r->unclaimed = false;
+  io(peer).asks.erase(r->request_id);
+  start(r);
+  return true;
+}
+
+void Engine::Impl::sweep_claims() {
+  const int64_t now = now_ns();
+  if (now - last_claim_sweep < 20 * 1000000LL) return;
+  last_claim_sweep = now;
+  for (const std::shared_ptr<Request>& r : std::vector<std::shared_ptr<Request>>(unclaimed)) {
+    const int64_t limit_ms = r->cfg.claim_timeout_ms > 0 ? r->cfg.claim_timeout_ms : timeout_ms;
+    if (!r->work->failed && now - r->t_posted > limit_ms * 1000000)
+      fail(r, KVXFER_ERR_TIMEOUT,
+           strprintf("no peer asked for request id %llu within %lld ms (claim_timeout_ms): no "
+                     "kvxfer_recv by that id was posted toward this endpoint",
+                     static_cast<unsigned long long>(r->request_id),
+                     static_cast<long long>(limit_ms)));
+  }
+  unclaimed.erase(std::remove_if(unclaimed.begin(), unclaimed.end(),
+                                 [](const std::shared_ptr<Request>& r) { return r->work->failed; }),
+                  unclaimed.end());
+  for (const auto& pi : pio) {  // asks no send took: kept for the timeout
+    if (!pi) continue;
+    for (auto it = pi->asks.begin(); it != pi->asks.end();)
+      it = now - it->second > timeout_ms * 1000000 ? pi->asks.erase(it) : std::next(it);
+  }
 }
 
 void Engine::Impl::arm_rdv(int peer) {

@@ -118,10 +118,15 @@ bool Engine::Impl::step() {
   }
   for (auto& r : fresh) {
     active.push_back(r);
-    if (r->bound)
+    if (r->unclaimed) {         // a send to KVXFER_ANY_PEER: waits for a peer's ask
+      r->work->started = true;  // a cancel fails it while it waits
+      unclaimed.push_back(r);
+      claims_dirty = true;
+    } else if (r->bound) {
       start(r);
-    else
+    } else {
       bind_or_wait(r);
+    }
     busy = true;
   }
   if (!drops.empty()) {
@@ -165,6 +170,9 @@ bool Engine::Impl::step() {
     }
   }
   release_drained();
+  arm_asks();
+  if (claims_dirty) try_claims();
+  sweep_claims();
   if (!newly_failed.empty()) {
     PeerFailed told;
     {
@@ -232,7 +240,7 @@ bool Engine::Impl::post_for(const std::shared_ptr<Request>& r, TrafficClass c, u
 kvxfer_result_t Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, bool is_send,
                                        const void* buf, size_t len,
                                        const std::shared_ptr<Request>& r, OpKind k, size_t page,
-                                       uint64_t* op_out) {
+                                       uint64_t* op_out, bool standing) {
   uint64_t op = 0;
   kvxfer_result_t rc = KVXFER_SUCCESS;
   if (!comm) {
@@ -244,7 +252,7 @@ kvxfer_result_t Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, b
   } else if (is_send) {
     rc = l->post_send(c, buf, len, tag, &op);
   } else {
-    rc = l->post_recv(c, const_cast<void*>(buf), len, tag, &op);
+    rc = l->post_recv(c, const_cast<void*>(buf), len, tag, &op, standing);
   }
   if (rc < 0) return rc;
   io(peer).ops[op] = OpRef{r, k, page, is_send};
@@ -703,6 +711,8 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
   if (ref.req == nullptr) {  // the rendezvous stream, or a refused request's drain
     if (ref.kind == OpKind::kRdvRecv) {
       on_rdv(peer, c);
+    } else if (ref.kind == OpKind::kAskRecv) {
+      on_ask(peer, c);
     } else {
       io(peer).drain_bufs.erase(c.op_id);  // a refusal's buffer, free once its op ended
     }
@@ -725,6 +735,8 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
   switch (ref.kind) {
     case OpKind::kRdvSend:
     case OpKind::kRdvRecv:
+    case OpKind::kAskSend:
+    case OpKind::kAskRecv:
     case OpKind::kDescSend:
     case OpKind::kStatusSend:
       if (!ok) fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));

@@ -76,6 +76,11 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
   w.anchors_remaining = 0;
   KVXFER_INFO(LOG_NET, "kvxfer_%s #%u with peer %d failed: %s", r->is_send ? "send" : "recv",
               r->seq, r->peer, text.c_str());
+  if (r->unclaimed) {  // no peer took it: nobody to tell, nothing posted; its id is free
+    std::lock_guard<std::mutex> lk(mu);
+    ids_any.erase(r->request_id);
+    return;
+  }
   send_status(r, w.fail_code, text);
   // Keep the message sequence whole (protocol.h): the sender sends what is
   // left as empty messages, the receiver drains its residual receives.  Page
@@ -220,9 +225,12 @@ void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
   finalising.fetch_sub(1);
   {
     std::lock_guard<std::mutex> lk(mu);  // it counted against KVXFER_MAX_REQUESTS until now
-    (r->is_send ? inflight_send : inflight_recv)[r->peer]--;
-    if (r->by_id) (r->is_send ? ids_send : ids_recv)[r->peer].erase(r->request_id);
+    if (!r->unclaimed) {                 // an unclaimed send gave its id back when it failed
+      (r->is_send ? inflight_send : inflight_recv)[r->peer]--;
+      if (r->by_id) (r->is_send ? ids_send : ids_recv)[r->peer].erase(r->request_id);
+    }
   }
+  if (r->is_send && !unclaimed.empty()) claims_dirty = true;  // a slot of its peer is free
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
 }
 

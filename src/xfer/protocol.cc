@@ -209,10 +209,13 @@ kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* r
   return KVXFER_SUCCESS;
 }
 
-std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq) {
+namespace {
+
+// RDV and ASK: magic, version, 0, id, seq, 0 (kRdvBytes).
+std::vector<uint8_t> encode_id_message(uint32_t magic, uint64_t id, uint32_t seq) {
   std::vector<uint8_t> b;
   b.reserve(kRdvBytes);
-  put<uint32_t>(&b, kRdvMagic);
+  put<uint32_t>(&b, magic);
   put<uint16_t>(&b, kProtocolVersion);
   put<uint16_t>(&b, 0);
   put<uint64_t>(&b, id);
@@ -221,24 +224,42 @@ std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq) {
   return b;
 }
 
-kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq) {
-  if (len != kRdvBytes)
-    return set_error(KVXFER_ERR_CORRUPT, "rendezvous message is %zu bytes, not %zu", len,
-                     kRdvBytes);
+bool decode_id_message(const uint8_t* buf, size_t len, uint32_t want_magic, uint64_t* id,
+                       uint32_t* seq) {
+  if (len != kRdvBytes) return false;
   const uint8_t* p = buf;
   const uint32_t magic = get<uint32_t>(p);
   const uint16_t version = get<uint16_t>(p);
   const uint16_t zero = get<uint16_t>(p);
-  const uint64_t i = get<uint64_t>(p);
-  const uint32_t s = get<uint32_t>(p);
+  *id = get<uint64_t>(p);
+  *seq = get<uint32_t>(p);
   const uint32_t zero2 = get<uint32_t>(p);
-  if (magic != kRdvMagic || version != kProtocolVersion || zero != 0 || zero2 != 0 ||
-      s < kIdSeqBase || s >= kRdvSeq)
+  return magic == want_magic && version == kProtocolVersion && zero == 0 && zero2 == 0;
+}
+
+}  // namespace
+
+std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq) {
+  return encode_id_message(kRdvMagic, id, seq);
+}
+
+kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq) {
+  if (!decode_id_message(buf, len, kRdvMagic, id, seq) || *seq < kIdSeqBase || *seq >= kRdvSeq)
     return set_error(KVXFER_ERR_CORRUPT,
-                     "rendezvous message is malformed (not a kvxfer peer of "
-                     "this version)");
-  *id = i;
-  *seq = s;
+                     "rendezvous message is malformed (%zu bytes; not a kvxfer peer of this "
+                     "version)",
+                     len);
+  return KVXFER_SUCCESS;
+}
+
+std::vector<uint8_t> encode_ask(uint64_t id) { return encode_id_message(kAskMagic, id, 0); }
+
+kvxfer_result_t decode_ask(const uint8_t* buf, size_t len, uint64_t* id) {
+  uint32_t seq = 0;
+  if (!decode_id_message(buf, len, kAskMagic, id, &seq) || seq != 0)
+    return set_error(KVXFER_ERR_CORRUPT,
+                     "ask message is malformed (%zu bytes; not a kvxfer peer of this version)",
+                     len);
   return KVXFER_SUCCESS;
 }
 

@@ -91,7 +91,7 @@ struct Desc {
 constexpr size_t kDescBytes = 80;
 constexpr uint32_t kDescMagic = 0x4458564bu;    // "KVXD" little-endian
 constexpr uint32_t kStatusMagic = 0x5358564bu;  // "KVXS" little-endian
-constexpr uint16_t kProtocolVersion = 3;        // 2: the codec's sink_tokens, 3: value_groups
+constexpr uint16_t kProtocolVersion = 4;  // 2: the codec's sink_tokens, 3: value_groups, 4: ASK
 constexpr size_t kMaxStatusText = 1024;
 constexpr size_t kStatusHeaderBytes = 16;
 
@@ -128,6 +128,21 @@ constexpr uint32_t kRdvMagic = 0x5258564bu;  // "KVXR" little-endian
 std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq);
 /** Parses an RDV; KVXFER_ERR_CORRUPT (with text) if malformed or seq is outside the id space. */
 kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq);
+
+/**
+ * ASK: a receiver's request for the send of `id`, the n-th on its peer's ask
+ * stream (tag: seq kRdvSeq, from_receiver 1, kind STATUS, page n mod 2^21).
+ * A receive by id with no RDV of its id yet sends one; a send to
+ * KVXFER_ANY_PEER goes to the first peer that asks (Engine::Impl::claim),
+ * and its RDV follows as for any send by id.  Every engine keeps a receive
+ * of its peers' ask streams posted.  RDV's layout with magic kAskMagic and
+ * seq 0; kAskBytes.
+ */
+constexpr size_t kAskBytes = kRdvBytes;
+constexpr uint32_t kAskMagic = 0x4158564bu;  // "KVXA" little-endian
+std::vector<uint8_t> encode_ask(uint64_t id);
+/** Parses an ASK; KVXFER_ERR_CORRUPT (with text) if malformed. */
+kvxfer_result_t decode_ask(const uint8_t* buf, size_t len, uint64_t* id);
 
 /** PROGRESSIVE for split codecs (code bits > anchor bits), else MONOLITHIC. */
 kvxfer_mode_t resolve_mode(kvxfer_mode_t requested, const kvxfer_codec_config_t& codec);
