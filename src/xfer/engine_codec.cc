@@ -1,5 +1,6 @@
 // The codec threads of the engine (engine.h): encode pages, decode them into
-// the receiver's blocks, highest priority first.
+// the receiver's blocks, highest priority first; and what the progress
+// thread does with their results (on_job_done).
 #include "codec/page_codec.h"
 #include "xfer/engine_impl.h"
 
@@ -180,6 +181,80 @@ void Engine::Impl::queue_job(Job&& j) {
     jobs[static_cast<int>(j.kind)].push_back(std::move(j));
   }
   cwake.notify_one();
+}
+
+// A codec job's result, on the progress thread: the page's next step.
+void Engine::Impl::on_job_done(JobDone& d) {
+  const std::shared_ptr<Request>& r = d.req;
+  Work& w = *r->work;
+  w.jobs--;
+  PageState& p = w.ps[d.page];
+  if (d.kind == JobKind::kDecodeFull && p.staging) {
+    staging_used -= p.r_cap;
+    p.staging.reset();
+  }
+  if (d.skipped || w.failed) return;
+  if (d.rc < 0) {
+    fail(r, d.rc, d.error);
+    return;
+  }
+  const size_t layer = static_cast<size_t>(w.pages[d.page].layer);
+  switch (d.kind) {
+    case JobKind::kEncode: {
+      p.a_len = d.a_len;
+      p.r_len = d.r_len;
+      p.encoded = true;
+      {
+        std::lock_guard<std::mutex> lk(r->mu);
+        if (w.mode == KVXFER_MODE_MONOLITHIC) {
+          r->anchor_wire_bytes += d.a_len + d.r_len;
+        } else {
+          r->anchor_wire_bytes += d.a_len;
+          r->residual_wire_bytes += d.r_len;
+        }
+      }
+      sender_pump(r);
+      break;
+    }
+    case JobKind::kDecodeAnchor: {
+      p.anchor_applied = true;
+      p.plan = std::move(d.plan);
+      w.anchors_remaining--;
+      anchors_unapplied--;
+      bool all;
+      {
+        std::lock_guard<std::mutex> lk(r->mu);
+        r->pages_anchor++;
+        r->layer_anchor[layer]++;
+        all = r->pages_anchor == r->num_pages;
+      }
+      r->cv.notify_all();
+      if (all) publish(r, KVXFER_STAGE_ANCHOR_READY);
+      if (p.residual_arrived) queue_full(r, d.page);
+      break;
+    }
+    case JobKind::kDecodeMono:
+    case JobKind::kDecodeFull: {
+      const bool mono = d.kind == JobKind::kDecodeMono;
+      bool all_anchor = false;
+      {
+        std::lock_guard<std::mutex> lk(r->mu);
+        if (mono) {
+          w.anchors_remaining--;
+          anchors_unapplied--;
+          r->pages_anchor++;
+          r->layer_anchor[layer]++;
+          all_anchor = r->pages_anchor == r->num_pages;
+        }
+        r->pages_complete++;
+        r->layer_complete[layer]++;
+      }
+      r->cv.notify_all();
+      if (all_anchor) publish(r, KVXFER_STAGE_ANCHOR_READY);
+      maybe_complete(r);
+      break;
+    }
+  }
 }
 
 }  // namespace kvxfer::xfer
