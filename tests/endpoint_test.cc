@@ -298,6 +298,26 @@ int info_peer(kvxfer_request_t r) {
   return info.peer;
 }
 
+/** A prefill endpoint and a decode endpoint connected to it, with a KV each. */
+struct PrefillDecode {
+  Ep prefill, decode;
+  int d_p = decode.connect(prefill);  // the prefill, as the decode's peer
+  PagedKV src{kL, kHeads, kHd, kT, kBs}, dst{kL, kHeads, kHd, kT, kBs};
+  kvxfer_request_t s = nullptr, r = nullptr;
+  /** Both requests complete, dst is src exactly, both freed. */
+  void complete_exact(const kvxfer_codec_config_t& cfg) {
+    ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    expect_exact(src, dst, cfg);
+  }
+  ~PrefillDecode() {
+    kvxfer_request_free(s);
+    kvxfer_request_free(r);
+  }
+};
+
 TEST(EndpointAnyPeer, ASendGoesToWhicheverPeerAsksForItsId) {
   Ep prefill, a, b;
   const int a_p = a.connect(prefill), b_p = b.connect(prefill);
@@ -348,9 +368,8 @@ TEST(EndpointAnyPeer, ASendGoesToWhicheverPeerAsksForItsId) {
 }
 
 TEST(EndpointAnyPeer, ASendNobodyAsksForTimesOutOrIsCancelledAtOnce) {
-  Ep prefill, decode;
-  const int d_p = decode.connect(prefill);
-  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  PrefillDecode t;
+  auto& [prefill, decode, d_p, src, dst, s, r] = t;
   src.fill(3);
   const kvxfer_codec_config_t cfg = lynx();
   const kvxfer_request_config_t timed = any_peer(1, 300), waits = any_peer(2);
@@ -369,26 +388,18 @@ TEST(EndpointAnyPeer, ASendNobodyAsksForTimesOutOrIsCancelledAtOnce) {
   kvxfer_request_free(s1);
   kvxfer_request_free(s2);
   // Both ids may be posted again, and a receive then takes them.
-  kvxfer_request_t s = nullptr, r = nullptr;
   ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &waits, &s), KVXFER_SUCCESS)
       << kvxfer_get_last_error();
   ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &waits, &r), KVXFER_SUCCESS);
-  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
-  expect_exact(src, dst, cfg);
-  kvxfer_request_free(s);
-  kvxfer_request_free(r);
+  t.complete_exact(cfg);
 }
 
 TEST(EndpointAnyPeer, ACancelledReceiveFailsTheSendItTook) {
-  Ep prefill, decode;
-  const int d_p = decode.connect(prefill);
-  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  PrefillDecode t;
+  auto& [prefill, decode, d_p, src, dst, s, r] = t;
   const kvxfer_codec_config_t cfg = lynx();
   kvxfer_request_config_t rc = any_peer(5);
   rc.stream_layers = 1;  // the send cannot finish: its layers are never marked
-  kvxfer_request_t s = nullptr, r = nullptr;
   const kvxfer_request_config_t asks = by_id(5);
   ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &asks, &r), KVXFER_SUCCESS);
   ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS)
@@ -402,19 +413,15 @@ TEST(EndpointAnyPeer, ACancelledReceiveFailsTheSendItTook) {
   EXPECT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED)
       << kvxfer_get_last_error();
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
-  kvxfer_request_free(s);
-  kvxfer_request_free(r);
 }
 
 TEST(EndpointAnyPeer, AStreamedSendMarksLayersBeforeAndAfterItsPeerAsks) {
-  Ep prefill, decode;
-  const int d_p = decode.connect(prefill);
-  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  PrefillDecode t;
+  auto& [prefill, decode, d_p, src, dst, s, r] = t;
   src.fill(21);
   const kvxfer_codec_config_t cfg = lynx();
   kvxfer_request_config_t rc = any_peer(11);
   rc.stream_layers = 1;
-  kvxfer_request_t s = nullptr, r = nullptr;
   ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS)
       << kvxfer_get_last_error();
   ASSERT_EQ(kvxfer_send_layer_ready(s, 0), KVXFER_SUCCESS) << kvxfer_get_last_error();
@@ -428,11 +435,7 @@ TEST(EndpointAnyPeer, AStreamedSendMarksLayersBeforeAndAfterItsPeerAsks) {
   EXPECT_EQ(kvxfer_test_layer(r, 1, &st), KVXFER_IN_PROGRESS);
   EXPECT_EQ(st, KVXFER_STAGE_POSTED);
   ASSERT_EQ(kvxfer_send_layer_ready(s, 1), KVXFER_SUCCESS);
-  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
-  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS);
-  expect_exact(src, dst, cfg);
-  kvxfer_request_free(s);
-  kvxfer_request_free(r);
+  t.complete_exact(cfg);
 }
 
 TEST(EndpointAnyPeer, BadUsesFailAtTheCall) {
