@@ -213,6 +213,20 @@ TEST(KvPool, RegistersAndRefusesBadFieldsNamingThem) {
   kvxfer_kv_pool_t ipool = nullptr;
   EXPECT_EQ(kvxfer_kv_pool_register(&d, &ipool), KVXFER_SUCCESS) << kvxfer_get_last_error();
   EXPECT_EQ(kvxfer_kv_pool_deregister(ipool), KVXFER_SUCCESS);
+  // Interleaved K and V rows (vLLM 0.33's [num_blocks, heads, block_size,
+  // K|V] per head): accepted; V half a row after K: refused.
+  const int64_t row = static_cast<int64_t>(p.block_bytes()) / kBs;  // one K row's bytes
+  d = p.desc;
+  d.row_stride = 2 * p.desc.kv_heads * p.desc.head_dim;
+  d.block_stride = 2 * row * kBs;
+  d.k_layers = ik.data();
+  std::vector<void*> rv;
+  for (void* b : ik) rv.push_back(static_cast<uint8_t*>(b) + row);
+  d.v_layers = rv.data();
+  EXPECT_EQ(kvxfer_kv_pool_register(&d, &ipool), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  EXPECT_EQ(kvxfer_kv_pool_deregister(ipool), KVXFER_SUCCESS);
+  for (void*& b : rv) b = static_cast<uint8_t*>(b) - row / 2;
+  refused(d, "layer 0 K and layer 0 V overlap");
   // A pool on a device this process cannot use.
   d = p.desc;
   d.device = 7;

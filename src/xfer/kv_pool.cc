@@ -62,13 +62,23 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
   // No two blocks of the pool may share a byte: a receive would write one
   // page's rows over another's.  Every region is an arithmetic progression
   // of the same stride, so two regions meet iff some difference of their
-  // block indices m brings their bases within a block's extent.
+  // block indices m brings their bases within a block's extent, and then
+  // some difference of row indices k brings two rows within a row's bytes
+  // (K and V rows may interleave: vLLM's [.., block_size, K|V] layouts).
   std::vector<std::pair<const uint8_t*, std::string>> bases;
   for (size_t l = 0; l < L; ++l) {
     bases.emplace_back(p->k_layers_[l], strprintf("layer %zu K", l));
     bases.emplace_back(p->v_layers_[l], strprintf("layer %zu V", l));
   }
   const int64_t S = p->block_stride_, last = d.num_blocks - 1;
+  const int64_t Sr = p->row_stride_ * es, R = H * es, rows = d.block_size - 1;
+  auto rows_meet = [&](int64_t gap) {
+    if (gap >= extent || gap <= -extent) return false;
+    const int64_t k0 = -gap / Sr;
+    for (int64_t k : {k0 - 1, k0, k0 + 1})
+      if (k >= -rows && k <= rows && gap + k * Sr < R && gap + k * Sr > -R) return true;
+    return false;
+  };
   for (size_t i = 0; i < bases.size(); ++i)
     for (size_t j = i + 1; j < bases.size(); ++j) {
       const int64_t delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(bases[j].first) -
@@ -78,10 +88,11 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
       for (int64_t m : {m0 - 1, m0, m0 + 1}) {
         if (m < -last || m > last) continue;
         const int64_t gap = delta + m * S;
-        KVXFER_REQUIRE(gap >= extent || gap <= -extent,
+        KVXFER_REQUIRE(!rows_meet(gap),
                        "KV pool: %s and %s overlap (a block of one is %" PRId64
-                       " bytes from a block of the other; a block spans %" PRId64 ")",
-                       bases[i].second.c_str(), bases[j].second.c_str(), gap, extent);
+                       " bytes from a block of the other; a block spans %" PRId64
+                       " in rows of %" PRId64 " bytes every %" PRId64 ")",
+                       bases[i].second.c_str(), bases[j].second.c_str(), gap, extent, R, Sr);
       }
     }
   std::vector<void*> k(L * static_cast<size_t>(d.num_blocks)), v(k.size());
