@@ -1,0 +1,339 @@
+"""The core of kvxfer's vLLM KV connector (kvxfer.vllm), without vLLM.
+
+kvxfer.vllm.KvxferConnector adapts vLLM's KVConnectorBase_V1 to the two
+classes here, which take plain values (request ids, token counts, block
+ids, kv_transfer_params dicts), so that tests drive them in vLLM's call
+order with no vLLM installed (docs/VLLM.md).
+
+Flow (1 prefill P, 1 decode D, the same tensor-parallel size on both):
+  P scheduler  request_finished of a request with do_remote_decode: keeps its
+               blocks, returns kv_transfer_params {do_remote_prefill,
+               remote_request_id, remote_endpoints (hex address blob per TP
+               rank), remote_num_tokens}; its next metadata carries a SendSpec.
+  P worker     posts one send per KV head, to kvxfer.ANY_PEER, matched by id:
+               it goes to whichever decode asks (docs/TRANSPORT.md, "Sends to
+               whichever peer asks").  Reports the request finished_sending
+               once every head's send is final (COMPLETE, or ERROR: a decode
+               that never came, after claim_timeout_ms, frees the blocks too).
+  D scheduler  get_num_new_matched_tokens: (remote_num_tokens, True) for a
+               request with do_remote_prefill; update_state_after_alloc
+               records its local block ids; the next metadata carries a RecvSpec.
+  D worker     connects to P's endpoint of its own TP rank (once per address),
+               posts one receive per KV head by the same ids, and reports the
+               request finished_recving once every head is final; a failed
+               one is also in failed_recving, and its blocks are load errors.
+
+Layout: vLLM 0.33 gives each attention layer a view [num_blocks, kv_heads,
+block_size, 2 * head_size] (K then V in the last dimension) with the strides
+of its KV cache layout (vllm/v1/kv_cache_interface.py).  A kvxfer pool row is
+kv_heads * head_dim contiguous elements, so each KV head is its own pool
+(kv_heads 1): K of head h of block b, token t at data + (b * s0 + h * s1 +
+t * s2) elements, V head_size elements after it.
+
+Thread-safety: each object is used by one thread (vLLM's scheduler loop, or
+one worker's model runner).
+"""
+
+import dataclasses
+import hashlib
+import re
+
+from . import core
+from ._abi import ANY_PEER, Dtype, Stage
+
+# KV dtypes kvxfer moves (vLLM's torch dtype names).
+_DTYPES = {"bfloat16": Dtype.BF16, "float16": Dtype.FP16, "float32": Dtype.FP32}
+
+# How long a prefill keeps a request's blocks for a decode that does not come
+# (kvxfer's claim_timeout_ms): vLLM's MooncakeConnector waits 480 s
+# (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT).
+DEFAULT_CLAIM_TIMEOUT_MS = 480000
+
+
+def request_id64(request_id, head):
+    """The kvxfer request id of KV head `head` of vLLM request `request_id`:
+    the first 8 bytes of BLAKE2b over "<id>/<head>", little-endian."""
+    d = hashlib.blake2b(("%s/%d" % (request_id, head)).encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little")
+
+
+@dataclasses.dataclass
+class SendSpec:
+    """A prefill's finished request: tokens [0, num_tokens) in block_ids."""
+    req_id: str
+    block_ids: list
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class RecvSpec:
+    """A decode's request to load: the prefill's tokens into block_ids."""
+    req_id: str
+    remote_request_id: str
+    remote_endpoints: list  # hex address blobs, one per TP rank
+    block_ids: list
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class Metadata:
+    """What one scheduler step tells the workers (pickled across processes)."""
+    sends: list = dataclasses.field(default_factory=list)
+    recvs: list = dataclasses.field(default_factory=list)
+    cancels: list = dataclasses.field(default_factory=list)  # decode ids whose load was aborted
+
+
+def _blocks_for(num_tokens, block_size):
+    return (num_tokens + block_size - 1) // block_size
+
+
+class SchedulerCore:
+    """The scheduler side: decides what loads and sends, builds Metadata."""
+
+    def __init__(self, block_size):
+        self.block_size = int(block_size)
+        self.endpoints = {}  # TP rank -> this instance's worker address (bytes)
+        self._recvs, self._sends, self._cancels = {}, [], []
+        self._loading = set()  # decode requests whose RecvSpec went to the workers
+
+    def set_endpoints(self, by_rank):
+        """The workers' endpoint addresses (KvxferConnector's handshake metadata)."""
+        self.endpoints = {int(r): bytes(a) for r, a in by_rank.items()}
+
+    @staticmethod
+    def _ours(params):
+        return bool(params) and bool(params.get("remote_endpoints"))
+
+    def matched_tokens(self, params, num_computed):
+        """get_num_new_matched_tokens: (tokens to load, load asynchronously).
+
+        A request with do_remote_prefill loads all remote_num_tokens.  With a
+        local prefix hit (num_computed > 0) it loads nothing and computes
+        them: kvxfer sends a request's KV from token 0."""
+        if not self._ours(params) or not params.get("do_remote_prefill") or num_computed > 0:
+            return 0, False
+        return int(params["remote_num_tokens"]), True
+
+    def after_alloc(self, req_id, params, block_ids, num_external):
+        """update_state_after_alloc: records the local blocks of a load."""
+        if num_external <= 0 or not self._ours(params) or not params.get("do_remote_prefill"):
+            return
+        n = int(params["remote_num_tokens"])
+        self._recvs[req_id] = RecvSpec(req_id, str(params["remote_request_id"]),
+                                       list(params["remote_endpoints"]),
+                                       list(block_ids[:_blocks_for(n, self.block_size)]), n)
+        params["do_remote_prefill"] = False  # one load per request
+
+    def build_meta(self):
+        """build_connector_meta: what the workers do this step; resets."""
+        meta = Metadata(self._sends, list(self._recvs.values()), self._cancels)
+        self._loading.update(self._recvs)
+        self._recvs, self._sends, self._cancels = {}, [], []
+        return meta
+
+    def finished_recving(self, req_ids):
+        """update_connector_output: these loads ended (done or failed)."""
+        self._loading.difference_update(req_ids)
+
+    def request_finished(self, req_id, params, block_ids, num_tokens, finished_ok):
+        """request_finished: (keep the blocks for a transfer, kv_transfer_params).
+
+        A prefill request with do_remote_decode that finished normally keeps
+        its blocks until its sends are final and returns what the decode
+        needs.  A decode request aborted once its blocks were allocated has
+        its load cancelled: the prefill is told (its send fails with
+        ERR_CANCELLED and frees its blocks), and the worker reports the
+        request finished_recving, not failed, so vLLM frees its blocks.  One
+        aborted before allocation loads nothing: the prefill's blocks wait
+        for claim_timeout_ms."""
+        if params and params.get("do_remote_decode"):
+            if not finished_ok or not self.endpoints or num_tokens <= 0:
+                return False, None
+            self._sends.append(SendSpec(req_id, list(block_ids[:_blocks_for(
+                num_tokens, self.block_size)]), int(num_tokens)))
+            return True, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_request_id": req_id,
+                "remote_endpoints": [self.endpoints[r].hex() for r in sorted(self.endpoints)],
+                "remote_num_tokens": int(num_tokens),
+            }
+        if req_id in self._recvs or req_id in self._loading:
+            self._cancels.append(req_id)  # a RecvSpec not sent yet goes, and is cancelled
+        return False, None
+
+
+@dataclasses.dataclass
+class _Transfer:
+    requests: list
+    block_ids: list
+    error: str = ""
+    aborted: bool = False  # vLLM aborted the request: not a load error
+
+
+def layer_index(name):
+    """The layer number in a vLLM layer name ("model.layers.12.self_attn.attn")."""
+    m = re.search(r"\.(\d+)\.", "." + name + ".")
+    if m is None:
+        raise ValueError("layer name %r has no layer number" % name)
+    return int(m.group(1))
+
+
+class WorkerCore:
+    """The worker side: one kvxfer Endpoint, the KV caches as pools, transfers.
+
+    extra: kv_connector_extra_config.  Keys (all optional): "codec" ("bf16",
+    the default and lossless; "int8", "lynx"), "bind_address", "port",
+    "timeout_ms" (kvxfer's inactivity timeout), "claim_timeout_ms" (how long a
+    prefill keeps blocks for a decode that does not come, default 480000),
+    "secret" (64 hex digits shared by the deployment; default a random one
+    carried in the address).  tp_rank: this worker's tensor-parallel rank.
+    """
+
+    def __init__(self, extra, tp_rank=0):
+        extra = dict(extra or {})
+        self.codec = str(extra.get("codec", "bf16"))
+        if self.codec not in ("bf16", "int8", "lynx"):
+            raise ValueError("kv_connector_extra_config codec %r: one of bf16, int8, lynx" %
+                             self.codec)
+        self.claim_timeout_ms = int(extra.get("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS))
+        self.tp_rank = int(tp_rank)
+        secret = extra.get("secret")
+        self.ep = core.Endpoint(timeout_ms=int(extra.get("timeout_ms", 0)),
+                                port=int(extra.get("port", 0)),
+                                bind_address=extra.get("bind_address"),
+                                secret=None if secret is None else bytes.fromhex(secret))
+        self.pools = []  # one KVPool per KV head
+        self.block_size = 0
+        self._peers = {}  # prefill address -> peer index
+        self._sending, self._recving = {}, {}
+        self._load_errors, self._failed = set(), set()
+
+    @property
+    def address(self):
+        return self.ep.address
+
+    def register(self, kv_caches):
+        """register_kv_caches: {layer name: tensor [num_blocks, kv_heads,
+        block_size, 2 * head_size]} (any strides with the last dimension
+        contiguous), CPU memory.  A tensor needs data_ptr(), shape, stride(),
+        element_size() and dtype, as torch's."""
+        layers = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
+        geo = None
+        bases = []
+        for name, t in layers:
+            shape, stride = tuple(t.shape), tuple(t.stride())
+            dtype = str(t.dtype).rsplit(".", 1)[-1]
+            g = (shape, stride, int(t.element_size()), dtype)
+            if len(shape) != 4 or shape[3] % 2 or stride[3] != 1:
+                raise ValueError("layer %s: shape %s strides %s; expected [num_blocks, kv_heads, "
+                                 "block_size, 2 * head_size] with the last dimension contiguous" %
+                                 (name, shape, stride))
+            if dtype not in _DTYPES:
+                raise ValueError("layer %s: dtype %s; kvxfer moves %s" %
+                                 (name, dtype, ", ".join(_DTYPES)))
+            if geo is not None and g != geo:
+                raise ValueError("layer %s: shape, strides or dtype differ from layer %s" %
+                                 (name, layers[0][0]))
+            geo = g
+            bases.append(int(t.data_ptr()))
+        (nb, heads, bs, two_hd), (s0, s1, s2, _), es, dtype = geo
+        hd = two_hd // 2
+        self.block_size = bs
+        self.pools = [
+            core.KVPool([b + h * s1 * es for b in bases], [b + (h * s1 + hd) * es for b in bases],
+                        num_blocks=nb, block_size=bs, kv_heads=1, head_dim=hd,
+                        dtype=_DTYPES[dtype], row_stride=s2, block_stride=s0 * es,
+                        keep=[t for _, t in layers]) for h in range(heads)
+        ]
+
+    def _peer(self, endpoints):
+        if self.tp_rank >= len(endpoints):
+            raise ValueError("the prefill has %d TP ranks; this is rank %d (heterogeneous "
+                             "TP is not supported)" % (len(endpoints), self.tp_rank))
+        address = bytes.fromhex(endpoints[self.tp_rank])
+        if address not in self._peers:
+            self._peers[address] = self.ep.connect(address)
+        return self._peers[address]
+
+    def start(self, meta):
+        """start_load_kv: posts the sends and loads of `meta`, then cancels
+        the loads it names (posted, so that the prefill hears of it)."""
+        for s in meta.sends:
+            self._sending[s.req_id] = _Transfer([
+                self.ep.send_blocks(ANY_PEER, pool, s.block_ids, s.num_tokens, 0, 0,
+                                    self.codec, request_id=request_id64(s.req_id, h),
+                                    claim_timeout_ms=self.claim_timeout_ms)
+                for h, pool in enumerate(self.pools)
+            ], s.block_ids)
+        for r in meta.recvs:
+            t = _Transfer([], r.block_ids)
+            self._recving[r.req_id] = t
+            try:
+                peer = self._peer(r.remote_endpoints)
+                for h, pool in enumerate(self.pools):
+                    t.requests.append(
+                        self.ep.recv_blocks(peer, pool, r.block_ids, r.num_tokens,
+                                            request_id=request_id64(r.remote_request_id, h)))
+            except (core.KvxferError, ValueError) as e:  # reported by finished()
+                t.error = str(e)
+                for q in t.requests:
+                    q.cancel()
+        for req_id in meta.cancels:
+            t = self._recving.get(req_id)
+            if t is not None:
+                t.aborted = True
+                for r in t.requests:
+                    r.cancel()
+
+    @staticmethod
+    def _settled(t):
+        """None while a request of `t` is in flight; else its first error ("" if none)."""
+        if any(not r.done for r in t.requests):
+            return None
+        err = t.error
+        for r in t.requests:
+            if r.stage == Stage.ERROR and not err:
+                try:
+                    r.test()
+                except core.KvxferError as e:
+                    err = str(e)
+            r.free()
+        return err
+
+    def finished(self):
+        """get_finished: (finished sending, finished receiving, failed
+        receiving), request ids, each reported once."""
+        sent, received, failed = set(), set(), set()
+        for table, out in ((self._sending, sent), (self._recving, received)):
+            for req_id in list(table):
+                err = self._settled(table[req_id])
+                if err is None:
+                    continue
+                out.add(req_id)
+                if err and table is self._recving and not table[req_id].aborted:
+                    failed.add(req_id)
+                    self._load_errors.update(table[req_id].block_ids)
+                del table[req_id]
+        return sent, received, failed
+
+    def load_errors(self):
+        """get_block_ids_with_load_errors: block ids of failed loads since the last call."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self):
+        """Cancels what is in flight (the peers are told), destroys the
+        endpoint, frees the requests and the pools.  Idempotent."""
+        transfers = list(self._sending.values()) + list(self._recving.values())
+        for t in transfers:
+            for r in t.requests:
+                r.cancel()
+        self.ep.destroy()  # every request is final after it
+        for t in transfers:
+            for r in t.requests:
+                r.free()
+        self._sending, self._recving = {}, {}
+        for p in self.pools:
+            p.close()
+        self.pools = []

@@ -1,0 +1,234 @@
+"""kvxfer.vllm_core, the vLLM connector's core, driven in vLLM's call order
+without vLLM: this process is the decode instance, vllm_prefill.py (a
+subprocess) the prefill; real kvxfer transfers between fake KV caches of
+vLLM 0.33's layout, compared byte for byte (docs/VLLM.md)."""
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+import kvxfer
+from kvxfer import vllm_core
+
+import vllm_fakes
+from conftest import HERE, child_env
+
+LAYERS, BLOCKS, HEADS, BS, HD = 4, 64, 3, 16, 64
+PREFILL = os.path.join(HERE, "vllm_prefill.py")
+
+
+def spec(requests, **kw):
+    s = {"layers": LAYERS, "blocks": BLOCKS, "heads": HEADS, "bs": BS, "hd": HD,
+         "requests": requests, "extra": {"timeout_ms": 5000}}
+    s.update(kw)
+    return s
+
+
+def shuffled_blocks(seed, n):
+    ids = list(range(1, BLOCKS))  # block 0 is vLLM's null block
+    random.Random(seed).shuffle(ids)
+    return ids[:n]
+
+
+def requests(sizes, seed=0):
+    out, free = [], shuffled_blocks(seed, BLOCKS - 1)
+    for i, tokens in enumerate(sizes):
+        nb = (tokens + BS - 1) // BS
+        out.append({"id": "p-%d" % i, "tokens": tokens, "seed": 100 + i, "blocks": free[:nb]})
+        free = free[nb:]
+    return out
+
+
+class Prefill:
+    def __init__(self, s):
+        self.proc = subprocess.Popen([sys.executable, PREFILL, json.dumps(s)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=child_env())
+
+    def line(self, tag, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise AssertionError("prefill gave no %s (exit %s): %s" %
+                             (tag, self.proc.poll(), self.proc.stderr.read()))
+
+    def end(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+        self.proc.communicate(timeout=30)
+        return self.proc.returncode
+
+
+@pytest.fixture
+def decode():
+    kv = vllm_fakes.caches(LAYERS, BLOCKS, HEADS, BS, HD)
+    worker = vllm_core.WorkerCore({"timeout_ms": 5000})
+    worker.register(kv)
+    yield kv, worker, vllm_core.SchedulerCore(BS)
+    worker.close()
+
+
+def load(sched, worker, params, local_blocks, wait_s=60):
+    """Scheduler then worker steps until every request is finished_recving:
+    (received, failed) request ids."""
+    for i, (rid, p) in enumerate(params.items()):
+        n = p["remote_num_tokens"]
+        assert sched.matched_tokens(p, 0) == (n, True)
+        sched.after_alloc("d-" + rid, p, local_blocks[rid], n)
+        assert sched.matched_tokens(p, 0) == (0, False)  # loaded once
+    worker.start(pickle.loads(pickle.dumps(sched.build_meta())))
+    got, failed, deadline = set(), set(), time.monotonic() + wait_s
+    while len(got) < len(params) and time.monotonic() < deadline:
+        s, r, f = worker.finished()
+        assert not s
+        sched.finished_recving(r)
+        got |= r
+        failed |= f
+        time.sleep(0.005)
+    return got, failed
+
+
+def expected_rows(r):
+    kv = vllm_fakes.caches(LAYERS, BLOCKS, HEADS, BS, HD)
+    blocks = list(range(len(r["blocks"])))
+    vllm_fakes.fill(kv, blocks, r["tokens"], r["seed"])
+    return vllm_fakes.rows(kv, blocks, r["tokens"])
+
+
+def test_a_decode_loads_every_request_of_a_prefill_exactly(decode):
+    kv, worker, sched = decode
+    reqs = requests([1, 15, 16, 17, 100, 250, 64, 33])
+    prefill = Prefill(spec(reqs))
+    try:
+        params = prefill.line("PARAMS")
+        assert set(params) == {r["id"] for r in reqs}
+        for r in reqs:
+            p = params[r["id"]]
+            assert p["do_remote_prefill"] and not p["do_remote_decode"]
+            assert p["remote_request_id"] == r["id"] and p["remote_num_tokens"] == r["tokens"]
+        free = shuffled_blocks(7, BLOCKS - 1)
+        local = {}
+        for r in reqs:
+            nb = (r["tokens"] + BS - 1) // BS
+            local[r["id"]], free = free[:nb], free[nb:]
+        got, failed = load(sched, worker, params, local)
+        assert got == {"d-" + r["id"] for r in reqs} and not failed
+        assert worker.load_errors() == set()
+        for r in reqs:
+            assert vllm_fakes.rows(kv, local[r["id"]], r["tokens"]) == expected_rows(r), r["id"]
+        assert sorted(prefill.line("RESULT")["sent"]) == sorted(r["id"] for r in reqs)
+    finally:
+        assert prefill.end() == 0
+
+
+def test_an_aborted_load_tells_the_prefill_and_is_not_a_load_error(decode):
+    kv, worker, sched = decode
+    reqs = requests([200])
+    prefill = Prefill(spec(reqs))
+    try:
+        params = prefill.line("PARAMS")
+        p = params["p-0"]
+        sched.after_alloc("d-p-0", p, shuffled_blocks(3, 13), p["remote_num_tokens"])
+        # vLLM aborts the request before the workers saw its load.
+        assert sched.request_finished("d-p-0", p, [], 0, False) == (False, None)
+        meta = sched.build_meta()
+        assert [r.req_id for r in meta.recvs] == ["d-p-0"] and meta.cancels == ["d-p-0"]
+        worker.start(meta)
+        got, deadline = set(), time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            s, got, f = worker.finished()
+            assert not f  # an abort is not a failure
+        assert got == {"d-p-0"}
+        assert worker.load_errors() == set()
+        # The prefill heard of it: its send ended, well before its claim timeout.
+        assert prefill.line("RESULT")["sent"] == ["p-0"]
+    finally:
+        assert prefill.end() == 0
+
+
+def test_a_killed_prefill_fails_its_loads_with_their_blocks(decode):
+    kv, worker, sched = decode
+    reqs = requests([40, 90])
+    prefill = Prefill(spec(reqs))
+    params = prefill.line("PARAMS")
+    prefill.proc.kill()
+    prefill.proc.communicate(timeout=30)
+    local = {"p-0": [5, 6, 7], "p-1": [8, 9, 10, 11, 12, 13]}
+    got, failed = load(sched, worker, params, local, wait_s=30)
+    assert got == failed == {"d-p-0", "d-p-1"}
+    assert worker.load_errors() == set(local["p-0"] + local["p-1"])
+    assert worker.load_errors() == set()  # reported once
+
+
+def test_a_prefill_frees_blocks_no_decode_asks_for_after_its_claim_timeout():
+    reqs = requests([30])
+    t0 = time.monotonic()
+    prefill = Prefill(spec(reqs, extra={"claim_timeout_ms": 300}, wait_s=20))
+    try:
+        prefill.line("PARAMS")
+        assert prefill.line("RESULT")["sent"] == ["p-0"]
+        assert time.monotonic() - t0 < 15
+    finally:
+        assert prefill.end() == 0
+
+
+def test_requests_without_kvxfer_params_are_left_to_vllm():
+    sched = vllm_core.SchedulerCore(BS)
+    assert sched.matched_tokens(None, 0) == (0, False)
+    assert sched.matched_tokens({"do_remote_prefill": True}, 0) == (0, False)  # another connector's
+    p = {"do_remote_prefill": True, "remote_endpoints": ["00"], "remote_request_id": "x",
+         "remote_num_tokens": 40}
+    assert sched.matched_tokens(p, 16) == (0, False)  # a local prefix hit: computed locally
+    # A prefill with no worker address yet, or an aborted one, keeps nothing.
+    assert sched.request_finished("p", {"do_remote_decode": True}, [1, 2], 20, True) == (False,
+                                                                                           None)
+    sched.set_endpoints({0: b"\x01\x02"})
+    assert sched.request_finished("p", {"do_remote_decode": True}, [1, 2], 20, False) == (False,
+                                                                                            None)
+    keep, params = sched.request_finished("p", {"do_remote_decode": True}, [1, 2, 3], 20, True)
+    assert keep and params["remote_endpoints"] == ["0102"]
+    meta = sched.build_meta()
+    assert [(s.req_id, s.block_ids, s.num_tokens) for s in meta.sends] == [("p", [1, 2], 20)]
+    assert sched.build_meta().sends == []
+
+
+def test_unusable_kv_caches_fail_at_registration():
+    worker = vllm_core.WorkerCore({})
+    try:
+        bad_last = vllm_fakes.caches(2, 4, 2, 16, 8)
+        bad_last["model.layers.0.self_attn.attn"].shape = (4, 2, 16, 15)
+        with pytest.raises(ValueError, match="2 \\* head_size"):
+            worker.register(bad_last)
+        mixed = vllm_fakes.caches(2, 4, 2, 16, 8)
+        mixed["model.layers.1.self_attn.attn"] = vllm_fakes.FakeTensor(8, 2, 16, 8)
+        with pytest.raises(ValueError, match="differ from layer"):
+            worker.register(mixed)
+        fp8 = vllm_fakes.caches(1, 4, 2, 16, 8)
+        fp8["model.layers.0.self_attn.attn"].dtype = "torch.float8_e4m3fn"
+        with pytest.raises(ValueError, match="dtype float8_e4m3fn"):
+            worker.register(fp8)
+        with pytest.raises(ValueError, match="no layer number"):
+            worker.register({"lm_head": vllm_fakes.FakeTensor(4, 2, 16, 8)})
+        with pytest.raises(ValueError, match="codec"):
+            vllm_core.WorkerCore({"codec": "int4"})
+    finally:
+        worker.close()
+
+
+def test_request_ids_are_stable_and_differ_per_head():
+    a = vllm_core.request_id64("cmpl-1-abcdefgh", 0)
+    assert a == vllm_core.request_id64("cmpl-1-abcdefgh", 0)
+    assert a != vllm_core.request_id64("cmpl-1-abcdefgh", 1)
+    assert 0 <= a < 2 ** 64
+    assert kvxfer.ANY_PEER == -1
