@@ -282,6 +282,37 @@ TEST(Endpoint, DisconnectFailsRequestsOnBothSidesAndReconnectIsNew) {
   transfer_exact(a.ep, ab2, b.ep, ba2, 77, 5, lynx());
 }
 
+// Receives by id cancelled before their sends were posted: every sender is
+// told when its announcement comes, not only the first (the rendezvous
+// stream stays armed while refusals wait for their announcements).
+TEST(Endpoint, ReceivesCancelledBeforeTheirSendsTellEverySender) {
+  Ep a, b;
+  const int ab = a.connect(b), ba = b.connect(a);
+  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_codec_config_t cfg = lynx();
+  std::vector<kvxfer_request_t> recvs, sends;
+  for (uint64_t id : {31, 32, 33}) {
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t r = nullptr;
+    ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS);
+    ASSERT_EQ(kvxfer_request_cancel(r), KVXFER_SUCCESS);
+    EXPECT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED);
+    recvs.push_back(r);
+  }
+  for (uint64_t id : {31, 32, 33}) {
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t s = nullptr;
+    ASSERT_EQ(kvxfer_send(a.ep, ab, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS);
+    sends.push_back(s);
+  }
+  for (kvxfer_request_t s : sends) {
+    expect_error(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED,
+                 "the peer cancelled");
+    kvxfer_request_free(s);
+  }
+  for (kvxfer_request_t r : recvs) kvxfer_request_free(r);
+}
+
 // ---------------------------------------------------------------------------
 // Sends to KVXFER_ANY_PEER: a prefill's send goes to whichever decode asks.
 // ---------------------------------------------------------------------------

@@ -92,6 +92,7 @@ struct Work {
   std::vector<uint8_t> desc_out, desc_in, status_out, status_in;
   std::vector<uint8_t> rdv_out;   // a by-id sender's RDV (protocol.h)
   std::vector<uint8_t> ask_out;   // a by-id receiver's ASK (protocol.h)
+  bool rdv_told = false;          // a failed receive by id whose RDV came: refused then
   size_t next_page_send = 0;      // sender: pages posted to the Link
   size_t next_residual_post = 0;  // receiver: residual receives posted
   int64_t sends_done = 0, anchor_sends_done = 0;

@@ -158,8 +158,12 @@ void Engine::Impl::sweep_claims() {
   }
 }
 
+// The stream's receive is posted while a receive waits for its announcement,
+// or a refusal (rdv_refused) waits to be told to its sender.
 void Engine::Impl::arm_rdv(int peer) {
-  if (io(peer).rdv_armed != 0 || io(peer).rdv_waiting.empty() || links_aborted) return;
+  if (io(peer).rdv_armed != 0 || links_aborted ||
+      (io(peer).rdv_waiting.empty() && io(peer).rdv_refused.empty()))
+    return;
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, io(peer).rdv_received & (kMaxPages - 1));
   const kvxfer_result_t rc =
@@ -210,10 +214,14 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     arrival = next_order++;
   }
   auto& q = io(peer).rdv_waiting;
-  auto it = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
-    return r->request_id == id && !r->work->failed;
-  });
-  if (it != q.end()) {
+  auto it = std::find_if(q.begin(), q.end(),
+                         [&](const std::shared_ptr<Request>& r) { return r->request_id == id; });
+  if (it != q.end() && (*it)->work->failed) {  // failed, not settled yet: told now
+    const std::shared_ptr<Request> r = *it;
+    q.erase(it);
+    r->work->rdv_told = true;
+    refuse_rdv(peer, seq, r->work->fail_code, r->work->fail_text);
+  } else if (it != q.end()) {
     const std::shared_ptr<Request> r = *it;
     q.erase(it);
     r->seq = seq;

@@ -200,7 +200,10 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
   if (!w.failed && !w.status_sent) return;
   if (!r->bound) {  // a receive by id that failed before its sender announced it
     io(r->peer).rdv_waiting.remove(r);
-    io(r->peer).rdv_refused[r->request_id] = {w.fail_code, w.fail_text};
+    if (!w.rdv_told) {  // its sender is told when its announcement comes
+      io(r->peer).rdv_refused[r->request_id] = {w.fail_code, w.fail_text};
+      arm_rdv(r->peer);
+    }
   }
   finalise(r);
 }
