@@ -34,6 +34,7 @@ Thread-safety: each object is used by one thread (vLLM's scheduler loop, or
 one worker's model runner).
 """
 
+import collections
 import dataclasses
 import hashlib
 import re
@@ -187,7 +188,11 @@ class WorkerCore:
     "timeout_ms" (kvxfer's inactivity timeout), "claim_timeout_ms" (how long a
     prefill keeps blocks for a decode that does not come, default 480000),
     "secret" (64 hex digits shared by the deployment; default a random one
-    carried in the address).  tp_rank: this worker's tensor-parallel rank.
+    carried in the address), "max_loads" (kvxfer receives posted at once, one
+    per KV head of a request, default 96: libfabric's shm provider holds 128
+    requests per same-host peer, both directions; the loads beyond wait
+    here, in order), "rate_limit" (tc syntax, emulates a slower link: tests).
+    tp_rank: this worker's tensor-parallel rank.
     """
 
     def __init__(self, extra, tp_rank=0):
@@ -198,15 +203,18 @@ class WorkerCore:
                              self.codec)
         self.claim_timeout_ms = int(extra.get("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS))
         self.tp_rank = int(tp_rank)
+        self.max_loads = int(extra.get("max_loads", 96))
         secret = extra.get("secret")
         self.ep = core.Endpoint(timeout_ms=int(extra.get("timeout_ms", 0)),
                                 port=int(extra.get("port", 0)),
                                 bind_address=extra.get("bind_address"),
+                                rate_limit=extra.get("rate_limit"),
                                 secret=None if secret is None else bytes.fromhex(secret))
         self.pools = []  # one KVPool per KV head
         self.block_size = 0
         self._peers = {}  # prefill address -> peer index
         self._sending, self._recving = {}, {}
+        self._waiting = collections.deque()  # RecvSpecs not posted yet (max_loads)
         self._load_errors, self._failed = set(), set()
 
     @property
@@ -216,15 +224,18 @@ class WorkerCore:
     def register(self, kv_caches):
         """register_kv_caches: {layer name: tensor [num_blocks, kv_heads,
         block_size, 2 * head_size]} (any strides with the last dimension
-        contiguous), CPU memory.  A tensor needs data_ptr(), shape, stride(),
-        element_size() and dtype, as torch's."""
+        contiguous), in host memory or on a CUDA device (a device pool: untested,
+        docs/VLLM.md).  A tensor needs data_ptr(), shape, stride(),
+        element_size() and dtype, as torch's, and device for a GPU one."""
         layers = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
         geo = None
         bases = []
         for name, t in layers:
             shape, stride = tuple(t.shape), tuple(t.stride())
             dtype = str(t.dtype).rsplit(".", 1)[-1]
-            g = (shape, stride, int(t.element_size()), dtype)
+            dev = getattr(t, "device", None)
+            device = dev.index if getattr(dev, "type", "cpu") == "cuda" else -1
+            g = (shape, stride, int(t.element_size()), dtype, device)
             if len(shape) != 4 or shape[3] % 2 or stride[3] != 1:
                 raise ValueError("layer %s: shape %s strides %s; expected [num_blocks, kv_heads, "
                                  "block_size, 2 * head_size] with the last dimension contiguous" %
@@ -237,14 +248,14 @@ class WorkerCore:
                                  (name, layers[0][0]))
             geo = g
             bases.append(int(t.data_ptr()))
-        (nb, heads, bs, two_hd), (s0, s1, s2, _), es, dtype = geo
+        (nb, heads, bs, two_hd), (s0, s1, s2, _), es, dtype, device = geo
         hd = two_hd // 2
         self.block_size = bs
         self.pools = [
             core.KVPool([b + h * s1 * es for b in bases], [b + (h * s1 + hd) * es for b in bases],
                         num_blocks=nb, block_size=bs, kv_heads=1, head_dim=hd,
                         dtype=_DTYPES[dtype], row_stride=s2, block_stride=s0 * es,
-                        keep=[t for _, t in layers]) for h in range(heads)
+                        device=device, keep=[t for _, t in layers]) for h in range(heads)
         ]
 
     def _peer(self, endpoints):
@@ -267,8 +278,24 @@ class WorkerCore:
                 for h, pool in enumerate(self.pools)
             ], s.block_ids)
         for r in meta.recvs:
-            t = _Transfer([], r.block_ids)
-            self._recving[r.req_id] = t
+            self._recving[r.req_id] = _Transfer([], r.block_ids)
+            self._waiting.append(r)
+        self._post_loads()
+        for req_id in meta.cancels:
+            t = self._recving.get(req_id)
+            if t is not None:
+                t.aborted = True
+                for r in t.requests:
+                    r.cancel()
+
+    def _post_loads(self):
+        """Posts waiting loads, in order, while max_loads allows."""
+        posted = sum(len(t.requests) for t in self._recving.values())
+        while self._waiting and posted + len(self.pools) <= max(self.max_loads, len(self.pools)):
+            r = self._waiting.popleft()
+            t = self._recving[r.req_id]
+            if t.aborted:  # cancelled before it was posted: nothing to tell
+                continue
             try:
                 peer = self._peer(r.remote_endpoints)
                 for h, pool in enumerate(self.pools):
@@ -279,17 +306,14 @@ class WorkerCore:
                 t.error = str(e)
                 for q in t.requests:
                     q.cancel()
-        for req_id in meta.cancels:
-            t = self._recving.get(req_id)
-            if t is not None:
-                t.aborted = True
-                for r in t.requests:
-                    r.cancel()
+            posted += len(t.requests)
 
     @staticmethod
     def _settled(t):
-        """None while a request of `t` is in flight; else its first error ("" if none)."""
-        if any(not r.done for r in t.requests):
+        """None while a request of `t` is in flight or waits to be posted;
+        else its first error ("" if none)."""
+        if any(not r.done for r in t.requests) or (not t.requests and not t.error and
+                                                     not t.aborted):
             return None
         err = t.error
         for r in t.requests:
@@ -315,6 +339,7 @@ class WorkerCore:
                     failed.add(req_id)
                     self._load_errors.update(table[req_id].block_ids)
                 del table[req_id]
+        self._post_loads()
         return sent, received, failed
 
     def load_errors(self):
