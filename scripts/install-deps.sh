@@ -36,6 +36,7 @@ packages=(
   libclang-rt-14-dev  # libFuzzer and sanitizer runtimes for clang 14
   libomp-14-dev       # OpenMP for clang 14 (the fuzz build)
   python3
+  python3-venv        # scripts/install-vllm.sh's venv (the vLLM connector's tests)
 )
 
 if [[ "${KVXFER_SKIP_DEPS:-0}" == 1 ]]; then
