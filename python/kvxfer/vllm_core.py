@@ -58,6 +58,12 @@ def request_id64(request_id, head):
     return int.from_bytes(d, "little")
 
 
+def default_page_tokens(head_dim, element_size):
+    """Tokens per kvxfer page of a one-head request: pages of at least 128
+    KiB, in multiples of 256 tokens (1024 for 64 bf16 channels)."""
+    return max(256, -(-(128 << 10) // (head_dim * element_size) // 256) * 256)
+
+
 @dataclasses.dataclass
 class SendSpec:
     """A prefill's finished request: tokens [0, num_tokens) in block_ids."""
@@ -191,7 +197,10 @@ class WorkerCore:
     carried in the address), "max_loads" (kvxfer receives posted at once, one
     per KV head of a request, default 96: libfabric's shm provider holds 128
     requests per same-host peer, both directions; the loads beyond wait
-    here, in order), "rate_limit" (tc syntax, emulates a slower link: tests).
+    here, in order), "page_tokens" (tokens per kvxfer page; default: pages
+    of at least 128 KiB, 1024 tokens for a head of 64 bf16 channels, as a
+    request carries one head and kvxfer's cost per page is fixed), "rate_limit"
+    (tc syntax, emulates a slower link: tests).
     tp_rank: this worker's tensor-parallel rank.
     """
 
@@ -204,6 +213,7 @@ class WorkerCore:
         self.claim_timeout_ms = int(extra.get("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS))
         self.tp_rank = int(tp_rank)
         self.max_loads = int(extra.get("max_loads", 96))
+        self.page_tokens = int(extra.get("page_tokens", 0))
         secret = extra.get("secret")
         self.ep = core.Endpoint(timeout_ms=int(extra.get("timeout_ms", 0)),
                                 port=int(extra.get("port", 0)),
@@ -251,6 +261,8 @@ class WorkerCore:
         (nb, heads, bs, two_hd), (s0, s1, s2, _), es, dtype, device = geo
         hd = two_hd // 2
         self.block_size = bs
+        if self.page_tokens <= 0:
+            self.page_tokens = default_page_tokens(hd, es)
         self.pools = [
             core.KVPool([b + h * s1 * es for b in bases], [b + (h * s1 + hd) * es for b in bases],
                         num_blocks=nb, block_size=bs, kv_heads=1, head_dim=hd,
@@ -273,7 +285,8 @@ class WorkerCore:
         for s in meta.sends:
             self._sending[s.req_id] = _Transfer([
                 self.ep.send_blocks(ANY_PEER, pool, s.block_ids, s.num_tokens, 0, 0,
-                                    self.codec, request_id=request_id64(s.req_id, h),
+                                    self.codec, page_tokens=self.page_tokens,
+                                    request_id=request_id64(s.req_id, h),
                                     claim_timeout_ms=self.claim_timeout_ms)
                 for h, pool in enumerate(self.pools)
             ], s.block_ids)
