@@ -143,6 +143,57 @@ def test_64_concurrent_requests_arrive_exactly_and_no_block_leaks(prefill):
     dec.worker.shutdown()
 
 
+@pytest.mark.parametrize("codec", ["int8", "lynx"])
+def test_int8_and_lynx_arrive_as_the_codecs_own_decode(codec):
+    """Their COMPLETE stage is the decode of the exact 8-bit codes: each
+    head's rows equal kvxfer's own encode and decode of the prefill's
+    (kvdata.expected_decode, through kvxfer_page_encode/decode)."""
+    import kvdata
+    import kvxfer
+    from kvxfer import vllm_core
+    prefill = Prefill({"codec": codec})
+    try:
+        reqs = {"c0": 16, "c1": 300, "c2": 1500}
+        prefill.send(op="add", reqs=sorted(reqs.items()))
+        prefill.wait(lambda: len(prefill.params) == len(reqs), 120, "PARAMS")
+        dec = H.Instance("kv_both", BLOCKS)
+        for rid in sorted(reqs):
+            dec.add(rid, reqs[rid], dict(prefill.params[rid]))
+        got = {}
+
+        def keep(req):
+            got[req.request_id] = dec.read(req.request_id, reqs[req.request_id])
+
+        while len(got) < len(reqs):
+            dec.step(keep)
+            prefill.poll()
+        page_tokens = vllm_core.default_page_tokens(H.HEAD, 2)
+        for rid, n in reqs.items():
+            src, out = H.request_kv(rid, n), got[rid]
+            for h in range(H.HEADS):
+                one = kvdata.HostKV(H.LAYERS, 1, H.HEAD, n, 64)
+                for layer in range(H.LAYERS):
+                    for kind, half in ((kvxfer.KVKind.KEY, 0), (kvxfer.KVKind.VALUE, 1)):
+                        for t in range(n):
+                            row = src[layer, t, h, half * H.HEAD:(half + 1) * H.HEAD]
+                            one.set_row(layer, kind, t,
+                                        row.contiguous().view(torch.int16).numpy().tobytes())
+                want = kvdata.expected_decode(one, kvxfer.CodecConfig(codec), page_tokens, 0)
+                for layer in range(H.LAYERS):
+                    for kind, half in ((kvxfer.KVKind.KEY, 0), (kvxfer.KVKind.VALUE, 1)):
+                        rows = out[layer, :, h, half * H.HEAD:(half + 1) * H.HEAD]
+                        assert rows.contiguous().view(torch.int16).numpy().tobytes() == \
+                            want.rows(layer, kind), (rid, h, layer, kind)
+            assert not torch.equal(out, src)  # lossy: the codec did run
+        while not dec.idle():
+            dec.step()
+            prefill.poll()
+        prefill.wait(lambda: prefill.idle, 60, "every prefill block freed")
+        dec.worker.shutdown()
+    finally:
+        prefill.close()
+
+
 def test_a_decode_abort_cancels_the_load_and_both_sides_free_their_blocks():
     # 50 Mbit/s: the 12.6 MB of this request would take 2 s; the abort comes first.
     slow = {"rate_limit": "50mbit"}
