@@ -431,6 +431,10 @@ class Link {
 
   /** Operations posted and not yet returned by poll(). */
   size_t ops_in_flight() const;
+  /** ops_in_flight() less the standing receives nothing has arrived for
+   *  (post_recv): what an idle link waits for, its sleep (prepare_wait) and
+   *  its peer checks (check_liveness) count only these. */
+  size_t ops_awaited() const;
   /** The provider of the path in use ("shm", "tcp;ofi_rxm", ...); before
    *  connect(), the network path's (kShmProvider when it is the only one). */
   const std::string& provider() const { return domain_->provider(); }

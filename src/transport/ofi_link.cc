@@ -599,7 +599,7 @@ bool Link::prepare_wait(std::vector<pollfd>* fds) {
   // shm has no wait object, but with nothing in flight there is nothing to
   // poll for: what the peer sends waits in this side's region until a post
   // (which wakes the caller) asks for it.
-  if (shm_path_ && ops_in_flight() == 0) return true;
+  if (shm_path_ && ops_awaited() == 0) return true;
   const size_t first = fds->size();
   for (int c = 0; c < kNumClasses; ++c) {
     Endpoint* e = ep_[c].get();

@@ -187,6 +187,13 @@ size_t Link::ops_in_flight() const {
   return n;
 }
 
+size_t Link::ops_awaited() const {
+  size_t n = 0;
+  for (const auto& kv : ops_)
+    if (!kv.second->reported && !(kv.second->standing && !kv.second->have_header)) ++n;
+  return n;
+}
+
 kvxfer_result_t Link::connect(const void* blob, size_t len) {
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());
   if (connecting_) return set_error(KVXFER_ERR_INVALID_USAGE, "Link::connect called twice");
@@ -389,7 +396,7 @@ kvxfer_result_t Link::check_liveness() {
       peer_regions_removed_ = true;
     }
   }
-  if (ops_in_flight() == 0) {
+  if (ops_awaited() == 0) {
     peer_closed_checks_ = {};
     return KVXFER_SUCCESS;
   }

@@ -61,7 +61,9 @@ void Engine::Impl::wait_for_work(int idle, Clock::time_point idle_since) {
   Clock::time_point deadline = now + std::chrono::milliseconds(100);
   wait_fds.clear();
   wait_fds.push_back(pollfd{wake_fd, POLLIN, 0});
-  bool can_sleep = true;
+  // A send to KVXFER_ANY_PEER waits for an ask that an shm peer would not
+  // signal: poll, as for any operation in flight there.
+  bool can_sleep = unclaimed.empty();
   for (int p = 0; p < npeers() && can_sleep; ++p) {
     Link* l = comm->link(p);
     if (l == nullptr) continue;
