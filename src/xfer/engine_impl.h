@@ -261,7 +261,12 @@ struct PeerIo {
   // Ids of receives cancelled (or failed) before their RDV came: when it
   // does, the sender is told with a STATUS, and its DESC and STATUS are
   // drained (ops with a null request).
-  std::unordered_map<uint64_t, std::pair<kvxfer_result_t, std::string>> rdv_refused;
+  struct Refusal {
+    kvxfer_result_t code;
+    std::string text;
+    int64_t t_ns;  // kept for the timeout (sweep_claims), then dropped
+  };
+  std::unordered_map<uint64_t, Refusal> rdv_refused;
   // The peer's ask stream (protocol.h, ASK): its standing receive and
   // buffer, the stream's counters both ways, and asks no send to
   // KVXFER_ANY_PEER has taken yet (id -> when, ns), kept for the timeout.

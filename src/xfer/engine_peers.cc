@@ -101,6 +101,7 @@ void Engine::Impl::try_claims() {
     askers.clear();
     for (int p = 0; p < npeers() && !r->work->failed; ++p) {
       if (!pio[static_cast<size_t>(p)] || io(p).draining) continue;
+      if (Link* l = comm ? comm->link(p) : nullptr; l == nullptr || l->failed()) continue;
       auto it = io(p).asks.find(r->request_id);
       if (it != io(p).asks.end()) askers.emplace_back(it->second, p);
     }
@@ -151,10 +152,14 @@ void Engine::Impl::sweep_claims() {
   unclaimed.erase(std::remove_if(unclaimed.begin(), unclaimed.end(),
                                  [](const std::shared_ptr<Request>& r) { return r->work->failed; }),
                   unclaimed.end());
-  for (const auto& pi : pio) {  // asks no send took: kept for the timeout
+  // Asks no send took, and refusals no announcement came for: kept for the
+  // timeout (a sender that comes later times out on its own side).
+  for (const auto& pi : pio) {
     if (!pi) continue;
     for (auto it = pi->asks.begin(); it != pi->asks.end();)
       it = now - it->second > timeout_ms * 1000000 ? pi->asks.erase(it) : std::next(it);
+    for (auto it = pi->rdv_refused.begin(); it != pi->rdv_refused.end();)
+      it = now - it->second.t_ns > timeout_ms * 1000000 ? pi->rdv_refused.erase(it) : std::next(it);
   }
 }
 
@@ -229,7 +234,7 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     r->bound = true;
     start(r);
   } else if (auto ref = io(peer).rdv_refused.find(id); ref != io(peer).rdv_refused.end()) {
-    refuse_rdv(peer, seq, ref->second.first, ref->second.second);
+    refuse_rdv(peer, seq, ref->second.code, ref->second.text);
     io(peer).rdv_refused.erase(ref);
   } else {
     io(peer).rdv_parked[id] = {seq, arrival};

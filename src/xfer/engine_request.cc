@@ -201,7 +201,7 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
   if (!r->bound) {  // a receive by id that failed before its sender announced it
     io(r->peer).rdv_waiting.remove(r);
     if (!w.rdv_told) {  // its sender is told when its announcement comes
-      io(r->peer).rdv_refused[r->request_id] = {w.fail_code, w.fail_text};
+      io(r->peer).rdv_refused[r->request_id] = {w.fail_code, w.fail_text, now_ns()};
       arm_rdv(r->peer);
     }
   }
@@ -233,7 +233,7 @@ void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
       if (r->by_id) (r->is_send ? ids_send : ids_recv)[r->peer].erase(r->request_id);
     }
   }
-  if (r->is_send && !unclaimed.empty()) claims_dirty = true;  // a slot of its peer is free
+  if (!unclaimed.empty()) claims_dirty = true;  // a slot of its peer is free
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
 }
 
