@@ -35,12 +35,13 @@ class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
         self.address = bytes(address)
 
 
-def _tp_rank():
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _tp():
+    """(rank, size) of this worker's tensor-parallel group."""
+    from vllm.distributed import parallel_state as ps
     try:
-        return get_tensor_model_parallel_rank()
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     except AssertionError:  # no tensor-parallel group: a lone worker
-        return 0
+        return 0, 1
 
 
 class KvxferConnector(KVConnectorBase_V1):
@@ -57,7 +58,8 @@ class KvxferConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = vllm_core.SchedulerCore(vllm_config.cache_config.block_size)
         else:
-            self._worker = vllm_core.WorkerCore(extra, tp_rank=_tp_rank())
+            rank, size = _tp()
+            self._worker = vllm_core.WorkerCore(extra, tp_rank=rank, tp_size=size)
 
     # ---- scheduler side ----------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -38,6 +38,7 @@ import collections
 import dataclasses
 import hashlib
 import re
+import time
 
 from . import core
 from ._abi import ANY_PEER, Dtype, Stage
@@ -176,6 +177,8 @@ class _Transfer:
     block_ids: list
     error: str = ""
     aborted: bool = False  # vLLM aborted the request: not a load error
+    deadline: float = float("inf")  # loads: cancelled if not final by then
+    address: bytes = b""  # loads: the prefill's endpoint
 
 
 def layer_index(name):
@@ -201,17 +204,19 @@ class WorkerCore:
     of at least 128 KiB, 1024 tokens for a head of 64 bf16 channels, as a
     request carries one head and kvxfer's cost per page is fixed), "rate_limit"
     (tc syntax, emulates a slower link: tests).
-    tp_rank: this worker's tensor-parallel rank.
+    tp_rank, tp_size: this worker's tensor-parallel rank and size; the
+    prefill's must be the same (a load from another fails, saying so).
+    A load not final within claim_timeout_ms is cancelled and fails.
     """
 
-    def __init__(self, extra, tp_rank=0):
+    def __init__(self, extra, tp_rank=0, tp_size=1):
         extra = dict(extra or {})
         self.codec = str(extra.get("codec", "bf16"))
         if self.codec not in ("bf16", "int8", "lynx"):
             raise ValueError("kv_connector_extra_config codec %r: one of bf16, int8, lynx" %
                              self.codec)
         self.claim_timeout_ms = int(extra.get("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS))
-        self.tp_rank = int(tp_rank)
+        self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
         self.max_loads = int(extra.get("max_loads", 96))
         self.page_tokens = int(extra.get("page_tokens", 0))
         secret = extra.get("secret")
@@ -270,36 +275,60 @@ class WorkerCore:
                         device=device, keep=[t for _, t in layers]) for h in range(heads)
         ]
 
-    def _peer(self, endpoints):
-        if self.tp_rank >= len(endpoints):
-            raise ValueError("the prefill has %d TP ranks; this is rank %d (heterogeneous "
-                             "TP is not supported)" % (len(endpoints), self.tp_rank))
-        address = bytes.fromhex(endpoints[self.tp_rank])
-        if address not in self._peers:
-            self._peers[address] = self.ep.connect(address)
-        return self._peers[address]
-
     def start(self, meta):
         """start_load_kv: posts the sends and loads of `meta`, then cancels
-        the loads it names (posted, so that the prefill hears of it)."""
+        the loads it names (posted first, so that the prefill hears of it)."""
         for s in meta.sends:
-            self._sending[s.req_id] = _Transfer([
-                self.ep.send_blocks(ANY_PEER, pool, s.block_ids, s.num_tokens, 0, 0,
-                                    self.codec, page_tokens=self.page_tokens,
-                                    request_id=request_id64(s.req_id, h),
-                                    claim_timeout_ms=self.claim_timeout_ms)
-                for h, pool in enumerate(self.pools)
-            ], s.block_ids)
+            t = self._sending[s.req_id] = _Transfer([], s.block_ids)
+            try:
+                for h, pool in enumerate(self.pools):
+                    t.requests.append(self.ep.send_blocks(
+                        ANY_PEER, pool, s.block_ids, s.num_tokens, 0, 0, self.codec,
+                        page_tokens=self.page_tokens, request_id=request_id64(s.req_id, h),
+                        claim_timeout_ms=self.claim_timeout_ms))
+            except core.KvxferError as e:  # finished() reports it sent: blocks freed
+                self._give_up(t, str(e))
+        deadline = time.monotonic() + self.claim_timeout_ms / 1000
         for r in meta.recvs:
-            self._recving[r.req_id] = _Transfer([], r.block_ids)
+            self._recving[r.req_id] = _Transfer([], r.block_ids, deadline=deadline)
             self._waiting.append(r)
         self._post_loads()
         for req_id in meta.cancels:
             t = self._recving.get(req_id)
-            if t is not None:
-                t.aborted = True
-                for r in t.requests:
-                    r.cancel()
+            if t is None:
+                continue
+            t.aborted = True
+            queued = [r for r in self._waiting if r.req_id == req_id]
+            for r in queued:  # not posted yet (max_loads): post it to cancel it
+                self._waiting.remove(r)
+                self._post(r, t)
+            for q in t.requests:
+                q.cancel()
+
+    @staticmethod
+    def _give_up(t, why):
+        t.error = t.error or why
+        for q in t.requests:
+            q.cancel()
+
+    def _post(self, r, t):
+        """Posts load `r`'s receives into `t`, one per KV head."""
+        try:
+            if self.tp_rank >= len(r.remote_endpoints) or len(r.remote_endpoints) != self.tp_size:
+                raise ValueError("the prefill has %d TP ranks and this decode %d: kvxfer loads "
+                                 "each rank's heads from the prefill rank of its own index" %
+                                 (len(r.remote_endpoints), self.tp_size))
+            t.address = bytes.fromhex(r.remote_endpoints[self.tp_rank])
+            if t.address not in self._peers:
+                self._peers[t.address] = self.ep.connect(t.address)
+            peer = self._peers[t.address]
+            for h, pool in enumerate(self.pools):
+                t.requests.append(
+                    self.ep.recv_blocks(peer, pool, r.block_ids, r.num_tokens,
+                                        request_id=request_id64(r.remote_request_id, h)))
+        except (core.KvxferError, ValueError) as e:  # reported by finished()
+            self._peers.pop(t.address, None)  # the next load connects afresh
+            self._give_up(t, str(e))
 
     def _post_loads(self):
         """Posts waiting loads, in order, while max_loads allows."""
@@ -307,26 +336,14 @@ class WorkerCore:
         while self._waiting and posted + len(self.pools) <= max(self.max_loads, len(self.pools)):
             r = self._waiting.popleft()
             t = self._recving[r.req_id]
-            if t.aborted:  # cancelled before it was posted: nothing to tell
-                continue
-            try:
-                peer = self._peer(r.remote_endpoints)
-                for h, pool in enumerate(self.pools):
-                    t.requests.append(
-                        self.ep.recv_blocks(peer, pool, r.block_ids, r.num_tokens,
-                                            request_id=request_id64(r.remote_request_id, h)))
-            except (core.KvxferError, ValueError) as e:  # reported by finished()
-                t.error = str(e)
-                for q in t.requests:
-                    q.cancel()
+            self._post(r, t)
             posted += len(t.requests)
 
     @staticmethod
     def _settled(t):
         """None while a request of `t` is in flight or waits to be posted;
         else its first error ("" if none)."""
-        if any(not r.done for r in t.requests) or (not t.requests and not t.error and
-                                                     not t.aborted):
+        if any(not r.done for r in t.requests) or (not t.requests and not t.error):
             return None
         err = t.error
         for r in t.requests:
@@ -342,6 +359,11 @@ class WorkerCore:
         """get_finished: (finished sending, finished receiving, failed
         receiving), request ids, each reported once."""
         sent, received, failed = set(), set(), set()
+        now = time.monotonic()
+        for t in self._recving.values():  # a load that outlived the prefill's claim timeout
+            if now > t.deadline and not t.error:
+                self._give_up(t, "no load within claim_timeout_ms (%d ms)" %
+                              self.claim_timeout_ms)
         for table, out in ((self._sending, sent), (self._recving, received)):
             for req_id in list(table):
                 err = self._settled(table[req_id])
@@ -351,6 +373,7 @@ class WorkerCore:
                 if err and table is self._recving and not table[req_id].aborted:
                     failed.add(req_id)
                     self._load_errors.update(table[req_id].block_ids)
+                    self._peers.pop(table[req_id].address, None)  # reconnect next time
                 del table[req_id]
         self._post_loads()
         return sent, received, failed

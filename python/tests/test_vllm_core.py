@@ -232,3 +232,69 @@ def test_request_ids_are_stable_and_differ_per_head():
     assert a != vllm_core.request_id64("cmpl-1-abcdefgh", 1)
     assert 0 <= a < 2 ** 64
     assert kvxfer.ANY_PEER == -1
+
+
+def poll(worker, want, table, timeout=20):
+    """Polls worker.finished() until `want` ids are in its `table`-th set."""
+    got, deadline = set(), time.monotonic() + timeout
+    out = [set(), set(), set()]
+    while not want <= got and time.monotonic() < deadline:
+        for i, s in enumerate(worker.finished()):
+            out[i] |= s
+        got = out[table]
+        time.sleep(0.005)
+    return out
+
+
+def test_sends_and_loads_that_cannot_be_posted_end_instead_of_leaking():
+    kv_p, kv_d = (vllm_fakes.caches(2, 16, 2, BS, 8) for _ in range(2))
+    pre = vllm_core.WorkerCore({"claim_timeout_ms": 400})
+    dec = vllm_core.WorkerCore({"claim_timeout_ms": 400}, tp_rank=0, tp_size=1)
+    try:
+        pre.register(kv_p)
+        dec.register(kv_d)
+        # A send kvxfer refuses (a block id outside the pool): reported sent,
+        # so vLLM frees the request's blocks.
+        pre.start(vllm_core.Metadata(sends=[vllm_core.SendSpec("bad", [10 ** 6], 16)]))
+        assert "bad" in poll(pre, {"bad"}, 0)[0]
+        ep = [pre.address.hex()]
+        # A load from a prefill of another TP size fails, saying so.
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("tp", "x", ep * 2, [1], 16)]))
+        sent, got, failed = poll(dec, {"tp"}, 1)
+        assert got == failed == {"tp"} and dec.load_errors() == {1}
+        # A load whose send never comes fails at claim_timeout_ms.
+        t0 = time.monotonic()
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("late", "y", ep, [2], 16)]))
+        sent, got, failed = poll(dec, {"late"}, 1)
+        assert got == failed == {"late"} and dec.load_errors() == {2}
+        assert 0.4 <= time.monotonic() - t0 < 5
+    finally:
+        dec.close()
+        pre.close()
+
+
+def test_an_aborted_load_still_queued_behind_max_loads_tells_the_prefill():
+    kv_p, kv_d = (vllm_fakes.caches(2, 16, 2, BS, 8) for _ in range(2))
+    pre = vllm_core.WorkerCore({"rate_limit": "20mbit"})  # the first load takes ~0.2 s
+    dec = vllm_core.WorkerCore({"max_loads": 2, "rate_limit": "20mbit"})  # one load at a time
+    try:
+        pre.register(kv_p)
+        dec.register(kv_d)
+        sends = [vllm_core.SendSpec("a", [1, 2, 3, 4], 64), vllm_core.SendSpec("b", [5], 16)]
+        pre.start(vllm_core.Metadata(sends=sends))
+        ep = [pre.address.hex()]
+        loads = [vllm_core.RecvSpec("d-a", "a", ep, [1, 2, 3, 4], 64),
+                 vllm_core.RecvSpec("d-b", "b", ep, [5], 16)]
+        dec.start(vllm_core.Metadata(recvs=loads))
+        assert len(dec._waiting) == 1  # d-b waits for d-a's slot
+        t0 = time.monotonic()
+        dec.start(vllm_core.Metadata(cancels=["d-b"]))
+        # The prefill's send of b ends now (the decode's cancel), long
+        # before its claim timeout of 480 s.
+        assert "b" in poll(pre, {"b"}, 0)[0]
+        assert time.monotonic() - t0 < 5
+        out = poll(dec, {"d-a", "d-b"}, 1)
+        assert out[1] == {"d-a", "d-b"} and not out[2]  # an abort is not a failure
+    finally:
+        dec.close()
+        pre.close()
