@@ -946,6 +946,50 @@ TEST(Endpoint, OutOfDescriptorsTheListenerPausesAndRecovers) {
   EXPECT_EQ(WEXITSTATUS(child.status), 0) << "13: the acceptor spun; others: setup";
 }
 
+// Two connected endpoints of two processes (a shared-memory link) with
+// nothing to do sleep: the standing receive of each peer's ask stream keeps
+// no progress thread polling (Link::ops_awaited).  Polling wakes a thread
+// about 1,000 times a second.
+TEST(Endpoint, AnIdleSharedMemoryPairSleeps) {
+  test::Child child;
+  ASSERT_TRUE(child.start([](int rd, int wr) {
+    Ep a;
+    const uint32_t n = static_cast<uint32_t>(a.addr.size());
+    if (a.ep == nullptr || !fdio::write_all(wr, &n, sizeof n) ||
+        !fdio::write_all(wr, a.addr.data(), n))
+      return 10;
+    char go;
+    if (!fdio::read_all(rd, &go, 1)) return 11;  // the parent connected
+    auto switches = [] {
+      rusage u{};
+      getrusage(RUSAGE_SELF, &u);
+      return u.ru_nvcsw + u.ru_nivcsw;
+    };
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const long c0 = switches();
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    const long used = switches() - c0;
+    std::printf("[ idle ] context switches in 1 s of an idle endpoint: %ld\n", used);
+    std::fflush(stdout);
+    (void)!fdio::write_all(wr, &go, 1);
+    return used > 400 ? 13 : 0;
+  }));
+  uint32_t n = 0;
+  ASSERT_TRUE(fdio::read_all(child.from_child, &n, sizeof n));
+  std::vector<uint8_t> addr(n);
+  ASSERT_TRUE(fdio::read_all(child.from_child, addr.data(), n));
+  Ep b;
+  int p = -1;
+  ASSERT_EQ(kvxfer_endpoint_connect(b.ep, addr.data(), addr.size(), &p), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_TRUE(fdio::write_all(child.to_child, "g", 1));
+  char done;
+  EXPECT_TRUE(fdio::read_all(child.from_child, &done, 1));
+  ASSERT_TRUE(child.wait(60));
+  ASSERT_TRUE(WIFEXITED(child.status));
+  EXPECT_EQ(WEXITSTATUS(child.status), 0) << "13: an idle progress thread polls";
+}
+
 // Two threads connect and disconnect the same pair from both sides at once,
 // both endpoints alive all along: every connect succeeds (before, a connect
 // that met a racing disconnect failed with TIMEOUT or INTERNAL).
