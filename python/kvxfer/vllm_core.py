@@ -226,7 +226,7 @@ class WorkerCore:
                                 rate_limit=extra.get("rate_limit"),
                                 secret=None if secret is None else bytes.fromhex(secret))
         self.pools = []  # one KVPool per KV head
-        self.block_size = 0
+        self.block_size = self.num_layers = 0
         self._peers = {}  # prefill address -> peer index
         self._sending, self._recving = {}, {}
         self._waiting = collections.deque()  # RecvSpecs not posted yet (max_loads)
@@ -268,6 +268,7 @@ class WorkerCore:
         self.block_size = bs
         if self.page_tokens <= 0:
             self.page_tokens = default_page_tokens(hd, es)
+        self.num_layers = len(layers)
         self.pools = [
             core.KVPool([b + h * s1 * es for b in bases], [b + (h * s1 + hd) * es for b in bases],
                         num_blocks=nb, block_size=bs, kv_heads=1, head_dim=hd,
@@ -377,6 +378,22 @@ class WorkerCore:
                 del table[req_id]
         self._post_loads()
         return sent, received, failed
+
+    def layers_ready(self, req_id):
+        """How many leading layers of load `req_id` are COMPLETE in every KV
+        head (per-layer readiness; vLLM runs a request only once finished()
+        reported it, so wait_for_layer_load needs none).  0 while it waits
+        to be posted; raises KvxferError if a head failed."""
+        t = self._recving.get(req_id)
+        if t is None or not t.requests:
+            return 0
+        n = self.num_layers
+        for r in t.requests:
+            k = 0
+            while k < n and r.test_layer(k) == Stage.COMPLETE:
+                k += 1
+            n = min(n, k)
+        return n
 
     def load_errors(self):
         """get_block_ids_with_load_errors: block ids of failed loads since the last call."""

@@ -298,3 +298,35 @@ def test_an_aborted_load_still_queued_behind_max_loads_tells_the_prefill():
     finally:
         dec.close()
         pre.close()
+
+
+def test_layers_become_ready_in_order_while_a_load_runs():
+    L = 6
+    kv_p, kv_d = (vllm_fakes.caches(L, 40, 2, BS, 32) for _ in range(2))
+    pre = vllm_core.WorkerCore({"rate_limit": "100mbit"})  # ~0.25 s for the whole KV
+    dec = vllm_core.WorkerCore({"rate_limit": "100mbit"})
+    try:
+        pre.register(kv_p)
+        dec.register(kv_d)
+        blocks = list(range(1, 33))
+        vllm_fakes.fill(kv_p, blocks, 500, 9)
+        pre.start(vllm_core.Metadata(sends=[vllm_core.SendSpec("r", blocks, 500)]))
+        dec.start(vllm_core.Metadata(recvs=[
+            vllm_core.RecvSpec("d", "r", [pre.address.hex()], blocks, 500)]))
+        seen, got = [], set()
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            n = dec.layers_ready("d")
+            if not seen or n != seen[-1]:
+                seen.append(n)
+            _, got, failed = dec.finished()
+            assert not failed
+            pre.finished()
+            time.sleep(0.002)
+        assert got == {"d"}  # reported once every head is COMPLETE
+        assert seen == sorted(seen) and seen[-1] <= L, seen  # layer after layer
+        assert len(seen) > 2, seen  # observed partway
+        assert vllm_fakes.rows(kv_d, blocks, 500) == vllm_fakes.rows(kv_p, blocks, 500)
+    finally:
+        dec.close()
+        pre.close()
