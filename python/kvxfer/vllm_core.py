@@ -89,6 +89,7 @@ class Metadata:
     sends: list = dataclasses.field(default_factory=list)
     recvs: list = dataclasses.field(default_factory=list)
     cancels: list = dataclasses.field(default_factory=list)  # decode ids whose load was aborted
+    releases: list = dataclasses.field(default_factory=list)  # RecvSpecs never loaded (0 blocks)
 
 
 def _blocks_for(num_tokens, block_size):
@@ -101,7 +102,7 @@ class SchedulerCore:
     def __init__(self, block_size):
         self.block_size = int(block_size)
         self.endpoints = {}  # TP rank -> this instance's worker address (bytes)
-        self._recvs, self._sends, self._cancels = {}, [], []
+        self._recvs, self._sends, self._cancels, self._releases = {}, [], [], []
         self._loading = set()  # decode requests whose RecvSpec went to the workers
 
     def set_endpoints(self, by_rank):
@@ -117,10 +118,20 @@ class SchedulerCore:
 
         A request with do_remote_prefill loads all remote_num_tokens.  With a
         local prefix hit (num_computed > 0) it loads nothing and computes
-        them: kvxfer sends a request's KV from token 0."""
-        if not self._ours(params) or not params.get("do_remote_prefill") or num_computed > 0:
+        them (kvxfer sends a request's KV from token 0), and the prefill is
+        released: its sends end at once, not at claim_timeout_ms."""
+        if not self._ours(params) or not params.get("do_remote_prefill"):
+            return 0, False
+        if num_computed > 0:
+            self._release(params)
             return 0, False
         return int(params["remote_num_tokens"]), True
+
+    def _release(self, params):
+        """Tells the prefill its KV will not be loaded (WorkerCore.start)."""
+        self._releases.append(RecvSpec("", str(params["remote_request_id"]),
+                                       list(params["remote_endpoints"]), [], 0))
+        params["do_remote_prefill"] = False
 
     def after_alloc(self, req_id, params, block_ids, num_external):
         """update_state_after_alloc: records the local blocks of a load."""
@@ -134,9 +145,9 @@ class SchedulerCore:
 
     def build_meta(self):
         """build_connector_meta: what the workers do this step; resets."""
-        meta = Metadata(self._sends, list(self._recvs.values()), self._cancels)
+        meta = Metadata(self._sends, list(self._recvs.values()), self._cancels, self._releases)
         self._loading.update(self._recvs)
-        self._recvs, self._sends, self._cancels = {}, [], []
+        self._recvs, self._sends, self._cancels, self._releases = {}, [], [], []
         return meta
 
     def finished_recving(self, req_ids):
@@ -168,6 +179,8 @@ class SchedulerCore:
             }
         if req_id in self._recvs or req_id in self._loading:
             self._cancels.append(req_id)  # a RecvSpec not sent yet goes, and is cancelled
+        elif self._ours(params) and params.get("do_remote_prefill"):
+            self._release(params)  # aborted before its blocks were allocated
         return False, None
 
 
@@ -230,6 +243,7 @@ class WorkerCore:
         self._peers = {}  # prefill address -> peer index
         self._sending, self._recving = {}, {}
         self._waiting = collections.deque()  # RecvSpecs not posted yet (max_loads)
+        self._released = []  # _release()'s receives until they end
         self._load_errors, self._failed = set(), set()
 
     @property
@@ -294,6 +308,8 @@ class WorkerCore:
             self._recving[r.req_id] = _Transfer([], r.block_ids, deadline=deadline)
             self._waiting.append(r)
         self._post_loads()
+        for r in meta.releases:
+            self._release(r)
         for req_id in meta.cancels:
             t = self._recving.get(req_id)
             if t is None:
@@ -305,6 +321,22 @@ class WorkerCore:
                 self._post(r, t)
             for q in t.requests:
                 q.cancel()
+
+    def _release(self, r):
+        """A receive by each head's id of one token into block 0 (vLLM's null
+        block), cancelled at once: it asks the prefill's send, which then
+        fails on being refused (or on the descriptor mismatch), so the
+        prefill frees its blocks.  Nothing is written: no page goes before a
+        matched handshake.  Best effort: an error only loses the early
+        release (the prefill waits for claim_timeout_ms)."""
+        t = _Transfer([], [])
+        try:
+            self._post(dataclasses.replace(r, block_ids=[0], num_tokens=1), t)
+        finally:
+            for q in t.requests:
+                q.cancel()
+            if t.requests:
+                self._released.append(t)
 
     @staticmethod
     def _give_up(t, why):
@@ -365,6 +397,7 @@ class WorkerCore:
             if now > t.deadline and not t.error:
                 self._give_up(t, "no load within claim_timeout_ms (%d ms)" %
                               self.claim_timeout_ms)
+        self._released = [t for t in self._released if self._settled(t) is None]
         for table, out in ((self._sending, sent), (self._recving, received)):
             for req_id in list(table):
                 err = self._settled(table[req_id])
@@ -403,7 +436,7 @@ class WorkerCore:
     def close(self):
         """Cancels what is in flight (the peers are told), destroys the
         endpoint, frees the requests and the pools.  Idempotent."""
-        transfers = list(self._sending.values()) + list(self._recving.values())
+        transfers = list(self._sending.values()) + list(self._recving.values()) + self._released
         for t in transfers:
             for r in t.requests:
                 r.cancel()
@@ -411,7 +444,7 @@ class WorkerCore:
         for t in transfers:
             for r in t.requests:
                 r.free()
-        self._sending, self._recving = {}, {}
+        self._sending, self._recving, self._released = {}, {}, []
         for p in self.pools:
             p.close()
         self.pools = []

@@ -330,3 +330,38 @@ def test_layers_become_ready_in_order_while_a_load_runs():
     finally:
         dec.close()
         pre.close()
+
+
+@pytest.mark.parametrize("how", ["prefix_hit", "abort_before_alloc"])
+def test_a_load_that_will_not_happen_releases_the_prefill_at_once(how):
+    kv_p, kv_d = (vllm_fakes.caches(2, 16, 2, BS, 8) for _ in range(2))
+    pre = vllm_core.WorkerCore({})  # claim_timeout_ms 480 s
+    dec = vllm_core.WorkerCore({})
+    try:
+        pre.register(kv_p)
+        dec.register(kv_d)
+        blocks = [3, 4, 5]
+        vllm_fakes.fill(kv_p, blocks, 40, 5)
+        vllm_fakes.fill(kv_d, [0], 1, 6)  # the null block the release names
+        null_before = vllm_fakes.rows(kv_d, [0], 1)
+        sp = vllm_core.SchedulerCore(BS)
+        sp.set_endpoints({0: pre.address})
+        _, params = sp.request_finished("p", {"do_remote_decode": True}, blocks, 40, True)
+        pre.start(sp.build_meta())
+        sd = vllm_core.SchedulerCore(BS)
+        if how == "prefix_hit":  # vLLM found 16 tokens in the decode's own cache
+            assert sd.matched_tokens(params, 16) == (0, False)
+        else:  # aborted while waiting for blocks
+            assert sd.request_finished("d", params, [], 0, False) == (False, None)
+        assert sd.matched_tokens(params, 0) == (0, False)  # released once, never loaded
+        meta = sd.build_meta()
+        assert len(meta.releases) == 1 and not meta.recvs
+        t0 = time.monotonic()
+        dec.start(meta)
+        assert poll(pre, {"p"}, 0)[0] == {"p"}
+        assert time.monotonic() - t0 < 5  # not the 480 s claim timeout
+        assert poll(dec, set(), 1, timeout=0.5) == [set(), set(), set()]  # nothing for vLLM
+        assert vllm_fakes.rows(kv_d, [0], 1) == null_before  # nothing written
+    finally:
+        dec.close()
+        pre.close()
