@@ -47,6 +47,7 @@ import weakref
 from . import _abi
 from ._abi import (
     ALPHA_AUTO,
+    ANY_PEER,
     CALLBACK,
     ENDPOINT_ADDRESS_MAX,
     ENDPOINT_SECRET_BYTES,
@@ -939,7 +940,7 @@ class Request:
         self.comm = comm
         self.kv = kv
         self.is_send = is_send
-        self.peer = peer
+        self._peer = peer
         self.tag = tag
         self._on_anchor_ready = on_anchor_ready
         self._on_complete = on_complete
@@ -967,6 +968,14 @@ class Request:
         _live_requests.add(st)
         f = weakref.finalize(self, _release_request, st)
         f.atexit = False  # the exit hook handles what is left
+
+    @property
+    def peer(self):
+        """The peer's index; for a send to ANY_PEER, the peer that took it
+        (-1 until one has, or once the request is freed)."""
+        if self._peer == ANY_PEER and not self._state.freed:
+            return self.info().peer
+        return self._peer
 
     # -- state -----------------------------------------------------------
     def _use(self):
@@ -1252,7 +1261,7 @@ class Communicator:
         request_id instead, whatever the order of the posts (a second one in
         flight with the same id: KvxferError ERR_INVALID_USAGE).  With
         request_id, peer may be ANY_PEER: the send goes to the first peer
-        whose recv by that id asks for it (Request.info().peer then names
+        whose recv by that id asks for it (Request.peer then names
         it; -1 before), and fails with ERR_TIMEOUT if none asks within
         claim_timeout_ms (0: the communicator's timeout).
         codec: CodecConfig, a codec name ("lynx", "int8", "int4", "bf16",

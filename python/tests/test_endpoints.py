@@ -101,13 +101,13 @@ def test_a_send_to_any_peer_goes_to_whichever_peer_asks():
                                  page_tokens=PAGE_TOKENS)
         s2 = prefill.send_blocks(kvxfer.ANY_PEER, spool, ids2, T, codec="lynx", request_id=102,
                                  page_tokens=PAGE_TOKENS)
-        assert s1.info().peer == -1
+        assert s1.peer == s1.info().peer == -1
         r2 = a.recv_blocks(a.connect(prefill.address), dpool2, d_ids, T, request_id=102)
         r1 = b.recv_blocks(b.connect(prefill.address), dpool1, d_ids, T, request_id=101)
         for r in (r1, r2, s1, s2):
             assert r.wait(Stage.COMPLETE, TIMEOUT_MS / 1000)
-        assert s1.info().peer == prefill.connect(b.address)
-        assert s2.info().peer == prefill.connect(a.address)
+        assert s1.peer == s1.info().peer == prefill.connect(b.address)
+        assert s2.peer == prefill.connect(a.address)
         for src, dp in ((src1, d1), (src2, d2)):
             want = kvdata.expected_decode(src, kvxfer.CodecConfig("lynx"), PAGE_TOKENS, 0)
             for layer in range(L):
