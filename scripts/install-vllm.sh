@@ -3,8 +3,8 @@
 # connector's tests (docs/VLLM.md): ${KVXFER_VLLM_VENV:-${XDG_CACHE_HOME:-
 # $HOME/.cache}/kvxfer/vllm-venv}.  About 2 to 4 minutes and 3.5 GB of
 # downloads; the venv takes 9.5 GB (vLLM's CUDA build of torch: it imports,
-# and its scheduler runs, without a GPU).  Idempotent: a venv that already
-# imports vLLM 0.33.0 is left as it is.  Needs python3-venv
+# and its scheduler runs, without a GPU).  Idempotent: a venv whose vLLM is
+# 0.33.0 (by its package metadata) and that imports pytest is left as it is.  Needs python3-venv
 # (scripts/install-deps.sh).
 #
 #   scripts/install-vllm.sh && ctest --test-dir build -L vllm

@@ -92,6 +92,13 @@ class Metadata:
     releases: list = dataclasses.field(default_factory=list)  # RecvSpecs never loaded (0 blocks)
 
 
+def _hex(text, what):
+    try:
+        return bytes.fromhex(text)
+    except (TypeError, ValueError) as e:
+        raise ValueError("%s is not hex digits: %s" % (what, e)) from None
+
+
 def _blocks_for(num_tokens, block_size):
     return (num_tokens + block_size - 1) // block_size
 
@@ -233,11 +240,13 @@ class WorkerCore:
         self.max_loads = int(extra.get("max_loads", 96))
         self.page_tokens = int(extra.get("page_tokens", 0))
         secret = extra.get("secret")
+        if secret is not None:
+            secret = _hex(secret, "kv_connector_extra_config secret")
         self.ep = core.Endpoint(timeout_ms=int(extra.get("timeout_ms", 0)),
                                 port=int(extra.get("port", 0)),
                                 bind_address=extra.get("bind_address"),
                                 rate_limit=extra.get("rate_limit"),
-                                secret=None if secret is None else bytes.fromhex(secret))
+                                secret=secret)
         self.pools = []  # one KVPool per KV head
         self.block_size = self.num_layers = 0
         self._peers = {}  # prefill address -> peer index
@@ -257,6 +266,8 @@ class WorkerCore:
         docs/VLLM.md).  A tensor needs data_ptr(), shape, stride(),
         element_size() and dtype, as torch's, and device for a GPU one."""
         layers = sorted(kv_caches.items(), key=lambda kv: layer_index(kv[0]))
+        if not layers:
+            raise ValueError("register_kv_caches: no KV cache layers")
         geo = None
         bases = []
         for name, t in layers:
@@ -295,6 +306,9 @@ class WorkerCore:
         the loads it names (posted first, so that the prefill hears of it)."""
         for s in meta.sends:
             t = self._sending[s.req_id] = _Transfer([], s.block_ids)
+            if not self.pools:
+                t.error = "no KV caches registered (register_kv_caches)"
+                continue
             try:
                 for h, pool in enumerate(self.pools):
                     t.requests.append(self.ep.send_blocks(
@@ -331,7 +345,8 @@ class WorkerCore:
         release (the prefill waits for claim_timeout_ms)."""
         t = _Transfer([], [])
         try:
-            self._post(dataclasses.replace(r, block_ids=[0], num_tokens=1), t)
+            self._post(dataclasses.replace(r, block_ids=[0], num_tokens=1), t,
+                       release_on_error=False)
         finally:
             for q in t.requests:
                 q.cancel()
@@ -344,14 +359,18 @@ class WorkerCore:
         for q in t.requests:
             q.cancel()
 
-    def _post(self, r, t):
-        """Posts load `r`'s receives into `t`, one per KV head."""
+    def _post(self, r, t, release_on_error=True):
+        """Posts load `r`'s receives into `t`, one per KV head.  When that
+        fails (a bad block id, an unreachable prefill), the load fails and,
+        if it can, the prefill is released (_release)."""
         try:
+            if not self.pools:
+                raise ValueError("no KV caches registered (register_kv_caches)")
             if self.tp_rank >= len(r.remote_endpoints) or len(r.remote_endpoints) != self.tp_size:
                 raise ValueError("the prefill has %d TP ranks and this decode %d: kvxfer loads "
                                  "each rank's heads from the prefill rank of its own index" %
                                  (len(r.remote_endpoints), self.tp_size))
-            t.address = bytes.fromhex(r.remote_endpoints[self.tp_rank])
+            t.address = _hex(r.remote_endpoints[self.tp_rank], "kv_transfer_params remote_endpoints")
             if t.address not in self._peers:
                 self._peers[t.address] = self.ep.connect(t.address)
             peer = self._peers[t.address]
@@ -362,6 +381,8 @@ class WorkerCore:
         except (core.KvxferError, ValueError) as e:  # reported by finished()
             self._peers.pop(t.address, None)  # the next load connects afresh
             self._give_up(t, str(e))
+            if release_on_error and t.address and self.pools:
+                self._release(r)
 
     def _post_loads(self):
         """Posts waiting loads, in order, while max_loads allows."""

@@ -365,3 +365,37 @@ def test_a_load_that_will_not_happen_releases_the_prefill_at_once(how):
     finally:
         dec.close()
         pre.close()
+
+
+def test_a_load_refused_at_the_call_fails_and_releases_the_prefill():
+    kv_p, kv_d = (vllm_fakes.caches(2, 16, 2, BS, 8) for _ in range(2))
+    pre = vllm_core.WorkerCore({})  # claim_timeout_ms 480 s
+    dec = vllm_core.WorkerCore({})
+    bare = vllm_core.WorkerCore({})  # never registered
+    try:
+        pre.register(kv_p)
+        dec.register(kv_d)
+        with pytest.raises(ValueError, match="no KV cache layers"):
+            bare.register({})
+        pre.start(vllm_core.Metadata(sends=[vllm_core.SendSpec("p", [1, 2], 32)]))
+        ep = [pre.address.hex()]
+        t0 = time.monotonic()
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("d", "p", ep, [999], 32)]))
+        sent, got, failed = poll(dec, {"d"}, 1)
+        assert got == failed == {"d"} and dec.load_errors() == {999}
+        assert "p" in poll(pre, {"p"}, 0)[0]  # released, not held for 480 s
+        assert time.monotonic() - t0 < 5
+        # A worker with no KV caches fails its transfers at once, saying so.
+        bare.start(vllm_core.Metadata(sends=[vllm_core.SendSpec("s", [1], 16)],
+                                      recvs=[vllm_core.RecvSpec("r", "p", ep, [1], 16)]))
+        out = poll(bare, {"r"}, 1)
+        assert out[0] == {"s"} and out[1] == out[2] == {"r"}
+        # Garbage in kv_transfer_params fails the load, naming the key.
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("g", "p", ["zz"], [3], 16)]))
+        assert dec._recving["g"].error.startswith("kv_transfer_params remote_endpoints is not hex")
+        sent, got, failed = poll(dec, {"g"}, 1)
+        assert got == failed == {"g"}
+    finally:
+        bare.close()
+        dec.close()
+        pre.close()
