@@ -22,6 +22,9 @@ Flow (1 prefill P, 1 decode D, the same tensor-parallel size on both):
                posts one receive per KV head by the same ids, and reports the
                request finished_recving once every head is final; a failed
                one is also in failed_recving, and its blocks are load errors.
+               A request D will not load (a local prefix hit, an abort before
+               allocation, a load refused at the call) releases P: a cancelled
+               one-token receive per head fails P's sends at once.
 
 Layout: vLLM 0.33 gives each attention layer a view [num_blocks, kv_heads,
 block_size, 2 * head_size] (K then V in the last dimension) with the strides
