@@ -521,7 +521,7 @@ kvxfer_result_t Link::check_timeouts(Clock::time_point now) {
       continue;
     }
     if (op->reported && !op->draining) continue;
-    if (op->standing && !op->have_header) continue;
+    if (op->standing_idle()) continue;
     // The timeout detects a peer that is dead or silent, not an operation
     // that waits its turn: while traffic moves on the link in either
     // direction, no operation expires.  An operation can wait a long time

@@ -88,6 +88,8 @@ struct Link::Op {
     if (is_send) return next_post <= nchunks;
     return next_post == 0 || (have_header && next_post <= nchunks);
   }
+  /** A standing receive nothing has arrived for: no timeout, not awaited. */
+  bool standing_idle() const { return standing && !have_header; }
 };
 
 struct Link::Ctx {

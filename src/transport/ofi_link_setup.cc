@@ -190,7 +190,7 @@ size_t Link::ops_in_flight() const {
 size_t Link::ops_awaited() const {
   size_t n = 0;
   for (const auto& kv : ops_)
-    if (!kv.second->reported && !(kv.second->standing && !kv.second->have_header)) ++n;
+    if (!kv.second->reported && !kv.second->standing_idle()) ++n;
   return n;
 }
 
