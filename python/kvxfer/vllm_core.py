@@ -173,8 +173,7 @@ class SchedulerCore:
         its load cancelled: the prefill is told (its send fails with
         ERR_CANCELLED and frees its blocks), and the worker reports the
         request finished_recving, not failed, so vLLM frees its blocks.  One
-        aborted before allocation loads nothing: the prefill's blocks wait
-        for claim_timeout_ms."""
+        aborted before allocation loads nothing and releases the prefill."""
         if params and params.get("do_remote_decode"):
             if not finished_ok or not self.endpoints or num_tokens <= 0:
                 return False, None
@@ -251,12 +250,12 @@ class WorkerCore:
                                 rate_limit=extra.get("rate_limit"),
                                 secret=secret)
         self.pools = []  # one KVPool per KV head
-        self.block_size = self.num_layers = 0
+        self.num_layers = 0
         self._peers = {}  # prefill address -> peer index
         self._sending, self._recving = {}, {}
         self._waiting = collections.deque()  # RecvSpecs not posted yet (max_loads)
         self._released = []  # _release()'s receives until they end
-        self._load_errors, self._failed = set(), set()
+        self._load_errors = set()
 
     @property
     def address(self):
@@ -293,7 +292,6 @@ class WorkerCore:
             bases.append(int(t.data_ptr()))
         (nb, heads, bs, two_hd), (s0, s1, s2, _), es, dtype, device = geo
         hd = two_hd // 2
-        self.block_size = bs
         if self.page_tokens <= 0:
             self.page_tokens = default_page_tokens(hd, es)
         self.num_layers = len(layers)
@@ -347,14 +345,11 @@ class WorkerCore:
         matched handshake.  Best effort: an error only loses the early
         release (the prefill waits for claim_timeout_ms)."""
         t = _Transfer([], [])
-        try:
-            self._post(dataclasses.replace(r, block_ids=[0], num_tokens=1), t,
-                       release_on_error=False)
-        finally:
-            for q in t.requests:
-                q.cancel()
-            if t.requests:
-                self._released.append(t)
+        self._post(dataclasses.replace(r, block_ids=[0], num_tokens=1), t, release_on_error=False)
+        for q in t.requests:
+            q.cancel()
+        if t.requests:
+            self._released.append(t)
 
     @staticmethod
     def _give_up(t, why):
