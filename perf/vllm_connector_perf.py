@@ -21,7 +21,6 @@ objects to these calls.
 
 import argparse
 import cProfile
-import ctypes
 import json
 import os
 import pstats
@@ -34,36 +33,23 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+
+import vllm_fakes  # noqa: E402  (vLLM's KV-cache tensors, without vLLM)
 
 LAYERS, HEADS, HD, BS = 30, 3, 64, 16
 TOKEN_BYTES = LAYERS * 2 * HEADS * HD * 2  # K and V, bf16
 
 
-class Tensor:
-    """One layer's KV cache, [num_blocks, heads, block, K|V] bf16, with
-    torch's accessors, over a bytearray filled with finite bf16 values."""
-
-    dtype = "torch.bfloat16"
-
-    def __init__(self, num_blocks):
-        self.shape = (num_blocks, HEADS, BS, 2 * HD)
-        row = b"".join(((0x3F80 + i) & 0xFFFF).to_bytes(2, "little") for i in range(2 * HD))
-        self.buf = bytearray(row * (num_blocks * HEADS * BS))
-        self._c = (ctypes.c_char * len(self.buf)).from_buffer(self.buf)
-
-    def data_ptr(self):
-        return ctypes.addressof(self._c)
-
-    def stride(self):
-        return (HEADS * BS * 2 * HD, BS * 2 * HD, 2 * HD, 1)
-
-    @staticmethod
-    def element_size():
-        return 2
-
-
 def caches(num_blocks):
-    return {"model.layers.%d.self_attn.attn" % i: Tensor(num_blocks) for i in range(LAYERS)}
+    """vLLM 0.33's KV caches of this shape (python/tests/vllm_fakes.py), every
+    byte written with finite bf16 values (untouched pages would read as the
+    kernel's zero page, faster than real memory)."""
+    kv = vllm_fakes.caches(LAYERS, num_blocks, HEADS, BS, HD)
+    row = b"".join(((0x3F80 + i) & 0xFFFF).to_bytes(2, "little") for i in range(2 * HD))
+    for t in kv.values():
+        t.buf[:] = row * (len(t.buf) // len(row))
+    return kv
 
 
 def blocks_for(tokens):
