@@ -18,20 +18,28 @@
 
 namespace kvxfer::codec::fast {
 
+bool minmax_channels_scalar(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t from,
+                            int32_t H, float* mn, float* mx) {
+  bool ok = true;
+  for (int32_t j = from; j < H; ++j) {
+    float a = load_elem(rows[0], j, dt), b = a;
+    for (int r = 0; r < n; ++r) {
+      const float x = load_elem(rows[r], j, dt);
+      ok &= !f32_nonfinite(x);
+      if (x < a) a = x;
+      if (x > b) b = x;
+    }
+    mn[j] = a;
+    mx[j] = b;
+  }
+  return ok;
+}
+
 namespace {
 
 bool chunk_minmax_scalar(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H, float* mn,
                          float* mx) {
-  bool ok = true;
-  for (int32_t c = 0; c < H; ++c) mn[c] = mx[c] = load_elem(rows[0], c, dt);
-  for (int r = 0; r < n; ++r)
-    for (int32_t c = 0; c < H; ++c) {
-      const float x = load_elem(rows[r], c, dt);
-      ok &= !f32_nonfinite(x);
-      if (x < mn[c]) mn[c] = x;
-      if (x > mx[c]) mx[c] = x;
-    }
-  return ok;
+  return minmax_channels_scalar(rows, n, dt, 0, H, mn, mx);
 }
 
 bool chunk_meta_scalar(float* mn, float* mx, int32_t H, bool fp32, float num, uint8_t* meta,

@@ -102,6 +102,14 @@ struct RowKernels {
 };
 
 const RowKernels& scalar_kernels();
+/**
+ * The scalar min/max of channels [from, H) over rows[0..n): mn[j], mx[j]
+ * for j in [from, H), in the reference's order.  False if an element is
+ * NaN or Inf.  Defined once in fast.cc (baseline flags): the SIMD paths call
+ * it for the channels their vectors do not cover.
+ */
+bool minmax_channels_scalar(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t from,
+                            int32_t H, float* mn, float* mx);
 /** Defined in fast_avx2.cc, compiled with -mavx2 -mf16c -mfma; call only if cpu_has_avx2(). */
 const RowKernels& avx2_kernels();
 /**

@@ -46,24 +46,6 @@ inline __m256i key32(__m256i u) {
 // while the chunk's rows stream past.
 constexpr int kMinmaxVecs = 4;
 
-// The scalar min/max of channels [from, H), as the reference scans them.
-bool minmax_tail(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t from, int32_t H,
-                 float* mn, float* mx) {
-  bool ok = true;
-  for (int32_t j = from; j < H; ++j) {
-    float a = load_elem(rows[0], j, dt), b = a;
-    for (int r = 0; r < n; ++r) {
-      const float x = load_elem(rows[r], j, dt);
-      ok &= !f32_nonfinite(x);
-      if (x < a) a = x;
-      if (x > b) b = x;
-    }
-    mn[j] = a;
-    mx[j] = b;
-  }
-  return ok;
-}
-
 // Integer keys of 16 or 32 bits, 256 bits at a time.
 template <int BITS>
 struct Keys;
@@ -139,7 +121,9 @@ bool minmax16(const uint8_t* const* rows, int n, bool bf16, int32_t H, float* mn
     }
   }
   const bool ok = _mm256_testz_si256(bad, bad) != 0;
-  return minmax_tail(rows, n, bf16 ? KVXFER_DTYPE_BF16 : KVXFER_DTYPE_FP16, Hv, H, mn, mx) && ok;
+  return minmax_channels_scalar(rows, n, bf16 ? KVXFER_DTYPE_BF16 : KVXFER_DTYPE_FP16, Hv, H, mn,
+                                mx) &&
+         ok;
 }
 
 bool minmax32(const uint8_t* const* rows, int n, int32_t H, float* mn, float* mx) {
@@ -156,7 +140,7 @@ bool minmax32(const uint8_t* const* rows, int n, int32_t H, float* mn, float* mx
                           _mm256_xor_si256(v, _mm256_and_si256(_mm256_srai_epi32(v, 31), m31)));
     }
   const bool ok = _mm256_testz_si256(bad, bad) != 0;
-  return minmax_tail(rows, n, KVXFER_DTYPE_FP32, Hv, H, mn, mx) && ok;
+  return minmax_channels_scalar(rows, n, KVXFER_DTYPE_FP32, Hv, H, mn, mx) && ok;
 }
 
 bool chunk_minmax_avx2(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t H, float* mn,

@@ -45,24 +45,6 @@ inline __m512i key16(__m512i u) {
   return _mm512_ternarylogic_epi32(u, _mm512_srai_epi16(u, 15), _mm512_set1_epi16(0x7FFF), kXorAnd);
 }
 
-// The scalar min/max of channels [from, H), as the reference scans them.
-bool minmax_tail(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, int32_t from, int32_t H,
-                 float* mn, float* mx) {
-  bool ok = true;
-  for (int32_t j = from; j < H; ++j) {
-    float a = load_elem(rows[0], j, dt), b = a;
-    for (int r = 0; r < n; ++r) {
-      const float x = load_elem(rows[r], j, dt);
-      ok &= !f32_nonfinite(x);
-      if (x < a) a = x;
-      if (x > b) b = x;
-    }
-    mn[j] = a;
-    mx[j] = b;
-  }
-  return ok;
-}
-
 // NB vectors (32 * NB channels from c0) of every row; false if a key lies
 // beyond the finite ones.  The keys go back to floats (key16 is an
 // involution on the bits) in mn, mx.
@@ -115,7 +97,7 @@ bool chunk_minmax_avx512(const uint8_t* const* rows, int n, kvxfer_dtype_t dt, i
     case 1: ok &= minmax_block<1>(rows, n, bf16, c, mn, mx); break;
     default: break;
   }
-  return minmax_tail(rows, n, dt, Hv, H, mn, mx) && ok;
+  return minmax_channels_scalar(rows, n, dt, Hv, H, mn, mx) && ok;
 }
 
 // ---------------------------------------------------------------------------
