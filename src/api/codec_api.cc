@@ -1,7 +1,7 @@
 // The exported C API of the page codec; each entry runs in api_call
-// (api/api_call.h).
-#include "api/api_call.h"
+// (common/api_call.h).
 #include "codec/codec.h"
+#include "common/api_call.h"
 #include "common/struct_abi.h"
 
 using kvxfer::api_call;

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "api/api_call.h"
 #include "codec/kv_desc.h"
+#include "common/api_call.h"
 #include "common/error.h"
 #include "common/params.h"
 #include "common/struct_abi.h"

@@ -34,11 +34,11 @@
 #include <thread>
 #include <vector>
 
-#include "api/api_call.h"
 #include "codec/codec.h"
 #include "codec/format.h"
 #include "codec/kv_desc.h"
 #include "codec/page_codec.h"
+#include "common/api_call.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/params.h"

@@ -1,7 +1,7 @@
 // The exported C API of include/kvxfer/spec.h.  Each entry runs in api_call
-// (api/api_call.h), which checks the KVXFER_* environment and turns exceptions
+// (common/api_call.h), which checks the KVXFER_* environment and turns exceptions
 // into results (KVXFER_SPEC_MIN_ACCEPT included: a FLOAT of params.def).
-#include "api/api_call.h"
+#include "common/api_call.h"
 #include "speculative/spec_impl.h"
 
 extern "C" {

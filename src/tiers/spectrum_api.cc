@@ -1,7 +1,7 @@
 // The exported C API of include/kvxfer/spectrum.h.  Each entry runs in
-// api_call (api/api_call.h), which checks the KVXFER_* environment and turns
+// api_call (common/api_call.h), which checks the KVXFER_* environment and turns
 // exceptions into results.
-#include "api/api_call.h"
+#include "common/api_call.h"
 #include "tiers/spectrum_impl.h"
 
 namespace ks = kvxfer::spectrum;
