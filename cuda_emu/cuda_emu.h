@@ -1,5 +1,5 @@
 // CPU emulation of the CUDA features the codec kernels use, so that
-// kernels/codec_kernels.cu can run on a machine without a GPU (library
+// src/kernels/codec_kernels.cu can run on a machine without a GPU (library
 // kvxfer_cuda_emu, cuda_emu/CMakeLists.txt; codec_kernels_emu.cc includes this
 // first, then the .cu file, compiled as C++ by the host compiler):
 //   - a kernel launch runs every block in turn; the threads of a block run as

@@ -1,9 +1,9 @@
-// GPU page codec (src/cuda/, kernels/) against the CPU reference: encoded sections and
+// GPU page codec (src/cuda/, src/kernels/) against the CPU reference: encoded sections and
 // decoded values must be byte-identical (docs/GPU.md, docs/FORMAT.md section
 // 3).  Every test needs a CUDA device and skips itself when there is none;
 // ctest label "gpu".  scripts/gpu-check.sh runs them on a GPU machine.
 //
-// The same file also builds gpu_emu_test (kernels/CMakeLists.txt): the kernels
+// The same file also builds gpu_emu_test (tests/CMakeLists.txt): the kernels
 // compiled as C++ and run by a CPU emulation (cuda_emu/), which checks their
 // indexing and packing where no GPU exists (KVXFER_GPU_EMULATION).
 #include <cuda_runtime.h>
@@ -637,7 +637,7 @@ TEST_F(GpuCodec, TokenGroupsAreRefusedAndAutoIsChannel) {
 
 // An error left pending by earlier work is reported as such by the next
 // launch call, which launches nothing, and is not blamed on its kernel; the
-// call after it succeeds (kernels/codec_kernels.h, Launched).
+// call after it succeeds (src/kernels/codec_kernels.h, Launched).
 TEST_F(GpuCodec, PendingErrorIsNotBlamedOnTheNextLaunch) {
 #ifdef KVXFER_GPU_EMULATION
   GTEST_SKIP() << "the emulated runtime has no error state";

@@ -29,8 +29,8 @@
 #include <memory>
 
 #include "codec/format.h"
-#include "codec_kernels.h"
 #include "cuda/device_buffer.h"
+#include "kernels/codec_kernels.h"
 #include "kvxfer/kvxfer.h"
 
 namespace kvxfer::codec {

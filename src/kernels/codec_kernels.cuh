@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "codec/codec_math.h"
-#include "codec_kernels.h"
+#include "kernels/codec_kernels.h"
 #include "kvxfer/kvxfer.h"
 
 // Kernel launch on a stream: KVXFER_LAUNCH(grid, block, stream, kernel)(args...).

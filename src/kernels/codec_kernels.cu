@@ -36,7 +36,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "codec_kernels.cuh"
+#include "kernels/codec_kernels.cuh"
 
 namespace kvxfer::cuda {
 
