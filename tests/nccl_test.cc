@@ -27,7 +27,7 @@
 #include "codec/page.h"
 #include "common/error.h"
 #include "kvxfer/kvxfer_nccl.h"
-#include "nccl/nccl_backend.h"
+#include "nccl_backend/nccl_backend.h"
 #include "xfer/protocol.h"
 
 namespace kvxfer {
@@ -447,7 +447,7 @@ TEST(Args, SharedLibraryLoadsAndExportsOnlyNccl) {
   ASSERT_NE(init, nullptr);
   ASSERT_NE(err, nullptr);
   EXPECT_NE(dlsym(h, "kvxfer_nccl_xfer"), nullptr);
-  // The exports carry the library's version node (src/nccl/libkvxfer_nccl.map).
+  // The exports carry the library's version node (src/nccl_backend/libkvxfer_nccl.map).
   EXPECT_EQ(dlvsym(h, "kvxfer_nccl_comm_init", "KVXFER_NCCL_0.1"), reinterpret_cast<void*>(init));
   EXPECT_EQ(dlvsym(h, "kvxfer_nccl_get_last_error", "KVXFER_NCCL_0.1"),
             reinterpret_cast<void*>(err));

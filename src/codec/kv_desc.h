@@ -1,6 +1,6 @@
 // The one validation of a kvxfer_kv_desc_t (include/kvxfer/kvxfer.h), shared
 // by kvxfer_send/recv (xfer/engine.cc) and the NCCL backend
-// (nccl/nccl_backend.cc), so that both accept exactly the same descriptors and
+// (nccl_backend/nccl_backend.cc), so that both accept exactly the same descriptors and
 // name the same field in the same words.
 #pragma once
 

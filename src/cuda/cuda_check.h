@@ -1,5 +1,5 @@
 // The one check for CUDA runtime calls, used by all host code that calls the
-// runtime (src/cuda/, src/nccl/, perf/codec_perf.cc).  A failed call becomes a
+// runtime (src/cuda/, src/nccl_backend/, perf/codec_perf.cc).  A failed call becomes a
 // kvxfer_result_t with the runtime's text as the error message, and
 // KVXFER_CUDA_CHECK propagates it with the same breadcrumb as KVXFER_CHECK.
 #pragma once

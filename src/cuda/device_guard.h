@@ -2,7 +2,7 @@
 // a progress thread that also serves host requests) is the caller's state:
 // DeviceGuard makes `device` current for its scope and gives the previous
 // device back on destruction, so no kvxfer call changes it.  Every CUDA call
-// kvxfer makes on such a thread (src/cuda/xfer_device.cc, src/nccl/) runs
+// kvxfer makes on such a thread (src/cuda/xfer_device.cc, src/nccl_backend/) runs
 // under one.  Thread-safety: per thread, as the runtime's current device.
 #pragma once
 

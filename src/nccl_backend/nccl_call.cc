@@ -19,7 +19,7 @@
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_codec.h"
-#include "nccl/nccl_internal.h"
+#include "nccl_backend/nccl_internal.h"
 #include "xfer/protocol.h"
 
 using kvxfer::set_error;

@@ -17,7 +17,7 @@
 
 #include "common/error.h"
 #include "cuda/device_codec.h"
-#include "nccl/nccl_backend.h"
+#include "nccl_backend/nccl_backend.h"
 #include "xfer/protocol.h"
 
 // Device buffers and staging of a call that could not be drained (timeout,

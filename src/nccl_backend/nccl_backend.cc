@@ -21,7 +21,7 @@
 //
 // nccl_call.cc runs the phases of a call; this file holds the communicators,
 // the checks of a call's arguments and the exported C API.
-#include "nccl/nccl_backend.h"
+#include "nccl_backend/nccl_backend.h"
 
 #include <cuda_runtime.h>
 #include <time.h>
@@ -46,7 +46,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_codec.h"
 #include "cuda/device_guard.h"
-#include "nccl/nccl_internal.h"
+#include "nccl_backend/nccl_internal.h"
 #include "xfer/protocol.h"
 
 using kvxfer::set_error;
