@@ -404,7 +404,7 @@ int run_gpu(const Options& o, const std::vector<kvxfer_dtype_t>& dtypes,
           {"peak_gbps", peak_gbps}};
 #else
   std::printf(
-      "# GPU %d: CPU emulation of the kernels (cuda_emu/): checks the bytes, "
+      "# GPU %d: CPU emulation of the kernels (support/cuda_emu/): checks the bytes, "
       "times are not GPU figures\n",
       dev);
   jgpu = {{"device", dev}, {"name", "emulation"}};

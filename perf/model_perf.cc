@@ -1,4 +1,4 @@
-// model_perf: the speed of the model runner (models/, docs/MODEL.md) on
+// model_perf: the speed of the model runner (support/models/, docs/MODEL.md) on
 // SmolLM2-135M-Instruct: prefill, a decode step at a context, and batched
 // verification passes in decode steps, with a memcpy of the weight bytes in
 // the same run as the physical limit of a decode step, and the tokenizer's

@@ -28,7 +28,7 @@
 #   libatomic1                      libpsm_infinipath, libfabric); gpu-check.sh uses them
 #                                   only where the machine lacks the soname
 #   pkgconf-bin libpkgconf3         pkg-config, used only if the machine has none
-#   libpcre2-dev libpcre2-8-0       PCRE2: configure requires libpcre2-8 (models/bpe_tokenizer);
+#   libpcre2-dev libpcre2-8-0       PCRE2: configure requires libpcre2-8 (support/models/bpe_tokenizer);
 #                                   its runtime library, for the tests that link kvxfer_models
 # NCCL is not here: nccl_test uses the CUDA toolkit's or PyTorch's (gpu-check.sh).
 set -euo pipefail

@@ -28,7 +28,7 @@ packages=(
   libhwloc-dev
   libhwloc-plugins    # hwloc's libxml2 XML backend: NetPluginTopo.* load an XML fixture
   libxxhash-dev       # section checksums
-  libpcre2-dev        # PCRE2 (UTF + UCP): the pre-tokenizer pattern of models/bpe_tokenizer
+  libpcre2-dev        # PCRE2 (UTF + UCP): the pre-tokenizer pattern of support/models/bpe_tokenizer
   libcli11-dev        # command lines of perf/ and examples/
   nlohmann-json3-dev  # JSON output of perf/
   clang               # libFuzzer targets (KVXFER_BUILD_FUZZ)

@@ -4,7 +4,7 @@
 // ctest label "gpu".  scripts/gpu-check.sh runs them on a GPU machine.
 //
 // The same file also builds gpu_emu_test (tests/CMakeLists.txt): the kernels
-// compiled as C++ and run by a CPU emulation (cuda_emu/), which checks their
+// compiled as C++ and run by a CPU emulation (support/cuda_emu/), which checks their
 // indexing and packing where no GPU exists (KVXFER_GPU_EMULATION).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -2,7 +2,7 @@
 # The SmolLM2 GGUF that scripts/install-deps.sh placed (or KVXFER_SMOLLM2_GGUF
 # names) is intact: its sha256 is the one in data/smollm2.sha256.  Exits 77
 # (ctest: skipped) when the file is absent.  The path is the one of
-# model::smollm2_gguf_path() (models/model_paths.cc).
+# model::smollm2_gguf_path() (support/models/model_paths.cc).
 #
 #   tests/smollm2_checksum.sh SOURCE_DIR      (ctest: smollm2_checksum)
 set -euo pipefail

@@ -10,7 +10,7 @@
 //  - xfer_gpu_test (label "gpu"): the real kernels.  Without a usable device
 //    every transfer case skips, and NoDeviceIsAClearError checks the error.
 //  - xfer_gpu_emu_test (label "gpu-emu"): the kernels' CPU emulation
-//    (cuda_emu/, "device" memory is host memory), so the engine's device
+//    (support/cuda_emu/, "device" memory is host memory), so the engine's device
 //    path runs in CI.
 //
 // CUDA cannot be used in a child forked after the parent initialised it, so

@@ -10,7 +10,7 @@
 #include "kvxfer/kvxfer.h"
 
 // Kernel launch on a stream: KVXFER_LAUNCH(grid, block, stream, kernel)(args...).
-// A macro so that cuda_emu/ (a CPU emulation used to exercise the kernels on
+// A macro so that support/cuda_emu/ (a CPU emulation used to exercise the kernels on
 // machines without a GPU) can run the same source.
 #ifndef KVXFER_LAUNCH
 #define KVXFER_LAUNCH(grid, block, stream, ...) __VA_ARGS__<<<(grid), (block), 0, (stream)>>>

@@ -1,6 +1,6 @@
 // CPU emulation of the CUDA features the codec kernels use, so that
 // src/kernels/codec_kernels.cu can run on a machine without a GPU (library
-// kvxfer_cuda_emu, cuda_emu/CMakeLists.txt; codec_kernels_emu.cc includes this
+// kvxfer_cuda_emu, support/cuda_emu/CMakeLists.txt; codec_kernels_emu.cc includes this
 // first, then the .cu file, compiled as C++ by the host compiler):
 //   - a kernel launch runs every block in turn; the threads of a block run as
 //     fibers on one OS thread, so __syncthreads() is a real barrier (every

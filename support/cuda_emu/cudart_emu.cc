@@ -3,7 +3,7 @@
 // host memory, a current device per thread, streams that run everything at
 // once.  Not a general cudart.
 // clang-format off
-#include "cuda_emu.h"  // first: it must define __shared__ before any CUDA header
+#include "cuda_emu/cuda_emu.h"  // first: it must define __shared__ before any CUDA header
 // clang-format on
 
 #include <ucontext.h>

@@ -1,11 +1,11 @@
-// SpectrumKV on the reference model runner (models/): the KV round trip
+// SpectrumKV on the reference model runner (support/models/): the KV round trip
 // through the page codec with per-token tiers, greedy agreement and
 // perplexity of a teacher-forced continuation, and the built-in INT4
 // tolerance probe (docs/SPECTRUMKV.md, "The built-in probe").
 //
 // Not part of libkvxfer.so: used by tests/spectrum_test.cc and
 // perf/spectrum_quality.  Functions return bool and set *error on failure
-// (the convention of models/); the codec's own errors are quoted.
+// (the convention of support/models/); the codec's own errors are quoted.
 // Thread-safety: every function is reentrant (the Model is read only).
 #pragma once
 
