@@ -39,6 +39,7 @@
 #include "transport/dscp.h"
 #include "transport/rate_limiter.h"
 #include "transport/shm_reaper.h"
+#include "transport/smr_region.h"
 
 namespace kvxfer::transport {
 namespace {
@@ -840,6 +841,46 @@ TEST(ofiPath, SharedMemoryNamesThatAreNotRegionsAreRefused) {
     EXPECT_TRUE(a->failed());
     for (const std::string& f : files) ::unlink(f.c_str());
   }
+}
+
+// An idle shm endpoint holds little memory (docs/TRANSPORT.md, "Cost of a
+// peer"): its entries are capped (ofi.h, kShmRxEntries) and its region keeps
+// no pages past its last field (smr_region.h, trim_region).  Untrimmed, a
+// 16 MiB region held 3.8 MiB or more of tmpfs from its creation on.
+TEST(ofiPath, SharedMemoryEndpointHoldsLittleMemory) {
+  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
+    GTEST_SKIP() << "shared memory only";
+  std::shared_ptr<Domain> d;
+  ASSERT_EQ(Domain::open(kShmProvider, "", &d), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  std::unique_ptr<Endpoint> e;
+  ASSERT_EQ(Endpoint::open(d, 0, &e), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  EXPECT_LE(e->info()->rx_attr->size, kShmRxEntries);
+  EXPECT_LE(e->info()->tx_attr->size, kShmTxEntries);
+  const std::string file = smr::region_file(e->name());
+  struct stat st {};
+  ASSERT_EQ(::stat(file.c_str(), &st), 0) << file;
+  EXPECT_EQ(st.st_size, 16 << 20);
+  // Header, queues and the pages the entries' index arrays touch.
+  EXPECT_LE(static_cast<int64_t>(st.st_blocks) * 512, int64_t{256} << 10) << file;
+  // The unused tail: the region's 16 MiB less about 10 MiB of queues and
+  // buffers with 512 receive entries.
+  EXPECT_GT(smr::trim_region(file), size_t{4} << 20);
+}
+
+// trim_region leaves alone a file without libfabric 1.17's header.
+TEST(ofiPath, TrimLeavesAFileThatIsNotARegion) {
+  const std::string f = "/dev/shm/kvxfer-not-a-region-trim-" + std::to_string(getpid());
+  const int fd = ::open(f.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  const std::vector<uint8_t> bytes(1 << 20, 0xAB);
+  ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  EXPECT_EQ(smr::trim_region(f), 0u);
+  std::vector<uint8_t> back(bytes.size());
+  EXPECT_EQ(::pread(fd, back.data(), back.size(), 0), static_cast<ssize_t>(back.size()));
+  EXPECT_EQ(back, bytes);
+  ::close(fd);
+  ::unlink(f.c_str());
+  EXPECT_EQ(smr::trim_region(f), 0u);  // and a file that is gone
 }
 
 TEST(ofiPath, SharedMemoryOnlyAndNetworkOnlyShareNoPath) {

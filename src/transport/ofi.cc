@@ -23,6 +23,7 @@
 #include "transport/dscp.h"
 #include "transport/fabric_lib.h"
 #include "transport/shm_reaper.h"
+#include "transport/smr_region.h"
 
 namespace kvxfer::transport {
 
@@ -192,6 +193,10 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
     d->info_.reset(fabric_lib::dupinfo(pick));
     if (!d->info_) return set_error(KVXFER_ERR_OUT_OF_MEMORY, "fi_dupinfo failed");
     d->provider_ = d->info_->fabric_attr->prov_name;
+    if (d->provider_ == kShmProvider) {  // memory per endpoint (kShmRxEntries)
+      d->info_->rx_attr->size = std::min(d->info_->rx_attr->size, kShmRxEntries);
+      d->info_->tx_attr->size = std::min(d->info_->tx_attr->size, kShmTxEntries);
+    }
     fid_fabric* fabric = nullptr;
     int rc = fabric_lib::fabric(d->info_->fabric_attr, &fabric, nullptr);
     if (rc != 0) return fi_fail("fi_fabric", rc);
@@ -274,6 +279,7 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
   }
   if (r != 0) return fi_fail("fi_getname", r);
   e->name_.resize(len);
+  if (shm) smr::trim_region(smr::region_file(e->name_));
   *out = std::move(e);
   return KVXFER_SUCCESS;
 }

@@ -172,16 +172,28 @@ const std::vector<std::string>& auto_providers();
 /** libfabric's shared-memory provider: same-host peers (Link, "Paths"). */
 constexpr const char* kShmProvider = "shm";
 /**
- * Requests in flight with one peer over shm, both directions together.
- * libfabric 1.17's shm has 1024 receive entries per endpoint, at most
- * (prov/shm/src/smr_attr.c), shared by posted receives and unexpected
- * messages (smr_msg.c, smr_get_recv_entry: -FI_ENOMEM when they run out).
- * A request keeps its DESC and STATUS receives posted, and pages need
- * theirs: about 480 small requests used them all and failed the link, and
- * 384 under AddressSanitizer's slower progress.  With kShmPostedShare of
- * the entries for posted receives, 128 requests keep half of those for pages.
+ * Receive and send entries of a shm endpoint (its fi_info rx_attr and
+ * tx_attr size).  libfabric 1.17's shm offers 1024 of each
+ * (prov/shm/src/smr_attr.c); every receive entry costs the endpoint about
+ * 1 KiB and every send entry about 0.8 KiB of its own memory, all touched at
+ * fi_enable, two endpoints per peer.  A send entry is held only while a send
+ * waits for its receiver's copy; past 64 a send waits its turn (-FI_EAGAIN,
+ * retried by the Link).  Smaller sizes set with FI_SHM_RX_SIZE and
+ * FI_SHM_TX_SIZE are kept.
  */
-constexpr int kShmMaxRequests = 128;
+constexpr size_t kShmRxEntries = 512;
+constexpr size_t kShmTxEntries = 64;
+/**
+ * Requests in flight with one peer over shm, both directions together.
+ * shm's receive entries (kShmRxEntries) are shared by posted receives and
+ * unexpected messages (smr_msg.c, smr_get_recv_entry: -FI_ENOMEM when they
+ * run out).  A request keeps its DESC and STATUS receives posted, and pages
+ * need theirs: with 1024 entries about 480 small requests used them all and
+ * failed the link, and 384 under AddressSanitizer's slower progress.  With
+ * kShmPostedShare of the entries for posted receives, 64 requests leave two
+ * thirds of those to pages.
+ */
+constexpr int kShmMaxRequests = 64;
 /** The share of shm's receive entries the Link posts receives into (Link::
  *  max_posted_recvs); the rest is left to messages that arrive unexpected. */
 constexpr double kShmPostedShare = 0.75;

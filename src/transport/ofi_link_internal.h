@@ -2,9 +2,6 @@
 // ofi_link_setup.cc: creation, connect and liveness).  Not installed.
 #pragma once
 
-#include <sys/stat.h>
-
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,24 +31,6 @@ inline constexpr uint8_t kBlobVersion = 2;
 inline constexpr int kMaxPaths = 2;
 
 enum Kind : int { kHelloSend, kHelloRecv, kHeader, kData };
-
-/** The /dev/shm file of a shm endpoint name ("fi_shm://<pid>:<uid>:<n>"). */
-inline std::string shm_region_file(const std::vector<uint8_t>& name) {
-  const std::string n(reinterpret_cast<const char*>(name.data()),
-                      strnlen(reinterpret_cast<const char*>(name.data()), name.size()));
-  const size_t slash = n.rfind('/');
-  return "/dev/shm/" + (slash == std::string::npos ? n : n.substr(slash + 1));
-}
-
-/**
- * Whether `path` (stat `st`) looks like the shm region of process `pid`
- * (libfabric 1.17, include/ofi_shm.h struct smr_region): a regular file of
- * this user, not writable by others, of a power-of-two size of at least
- * 64 KiB, whose header names `pid` (int at byte 4) and its own size
- * (size_t total_size at byte 40).  *why says what is not.
- */
-bool shm_region_plausible(const std::string& path, const struct stat& st, uint32_t pid,
-                          std::string* why);
 
 }  // namespace kvxfer::transport::link_detail
 

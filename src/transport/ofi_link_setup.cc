@@ -26,41 +26,9 @@
 #include "transport/ofi.h"
 #include "transport/ofi_link_internal.h"
 #include "transport/shm_reaper.h"
+#include "transport/smr_region.h"
 
 namespace kvxfer::transport {
-
-bool link_detail::shm_region_plausible(const std::string& path, const struct stat& st, uint32_t pid,
-                                       std::string* why) {
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
-    *why = "not a file of this user, writable by it alone";
-    return false;
-  }
-  if (size < (uint64_t{64} << 10) || (size & (size - 1)) != 0) {
-    *why = strprintf("%llu bytes, not a power of two of at least 64 KiB",
-                     static_cast<unsigned long long>(size));
-    return false;
-  }
-  uint8_t head[48];
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  const ssize_t n = fd >= 0 ? ::pread(fd, head, sizeof head, 0) : -1;
-  if (fd >= 0) ::close(fd);
-  if (n != static_cast<ssize_t>(sizeof head)) {
-    *why = "its header cannot be read";
-    return false;
-  }
-  int32_t region_pid = 0;
-  uint64_t total = 0;
-  std::memcpy(&region_pid, head + 4, 4);
-  std::memcpy(&total, head + 40, 8);
-  if (static_cast<uint32_t>(region_pid) != pid || total != size) {
-    *why = strprintf("its header names pid %d and %llu bytes (expected pid %u and %llu)",
-                     region_pid, static_cast<unsigned long long>(total), pid,
-                     static_cast<unsigned long long>(size));
-    return false;
-  }
-  return true;
-}
 
 using namespace link_detail;  // NOLINT: this file's own internals
 
@@ -289,7 +257,7 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
   for (int c = 0; c < kNumClasses; ++c) peer_name_[c] = pick->names[c];
   if (shm_path_) {
     peer_pid_ = peer_pid;
-    for (int c = 0; c < kNumClasses; ++c) peer_region_[c] = shm_region_file(peer_name_[c]);
+    for (int c = 0; c < kNumClasses; ++c) peer_region_[c] = smr::region_file(peer_name_[c]);
     // libfabric 1.17 keeps a closed endpoint's region in its per-process
     // list of names, and fi_av_insert of that name maps the freed region
     // (SIGSEGV).  A closed endpoint's file is gone, so check it first.
@@ -303,7 +271,7 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
       // not the peer's region (a corrupt or hostile address) would crash
       // this process inside libfabric.  Check it is one first.
       std::string why;
-      if (!shm_region_plausible(peer_region_[c], st, peer_pid, &why))
+      if (!smr::region_plausible(peer_region_[c], st, peer_pid, &why))
         return fail_link(KVXFER_ERR_CORRUPT,
                          strprintf("the peer's shared-memory endpoint %s is not one: %s",
                                    peer_region_[c].c_str(), why.c_str()));
@@ -312,7 +280,7 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
     peer_pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer_pid), 0));
 #endif
     std::vector<std::string> regions(peer_region_.begin(), peer_region_.end());
-    for (int c = 0; c < kNumClasses; ++c) regions.push_back(shm_region_file(ep_[c]->name()));
+    for (int c = 0; c < kNumClasses; ++c) regions.push_back(smr::region_file(ep_[c]->name()));
     shm_watch_ =
         ShmLockWatch::start(peer_pidfd_, peer_pid_, regions, &progress_epoch_, cfg_.timeout_ms);
     KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)", peer_pid,

@@ -15,15 +15,11 @@
 #include <thread>
 
 #include "common/log.h"
+#include "transport/smr_region.h"
 
 namespace kvxfer::transport {
 namespace {
 
-// struct smr_region of libfabric 1.17 (include/ofi_shm.h, SMR_VERSION 4):
-// u8 version, u8 resv, u16 flags, i32 pid, u8 cma_cap_peer, u8
-// cma_cap_self, u32 max_sar_buf_per_peer, void* base_addr, then the lock.
-constexpr uint8_t kSmrVersion = 4;
-constexpr size_t kLockOffset = 24;
 constexpr size_t kMapBytes = 4096;
 constexpr auto kLookEvery = std::chrono::milliseconds(20);
 constexpr int kStuckLooks = 3;
@@ -80,7 +76,7 @@ void look(Watched* w, Registry* r) {
   const bool stalled = !moved && !exited && now - w->moved >= w->stall;
   for (size_t i = 0; i < w->pages.size(); ++i) {
     auto* lock =
-        reinterpret_cast<pthread_spinlock_t*>(static_cast<char*>(w->pages[i]) + kLockOffset);
+        reinterpret_cast<pthread_spinlock_t*>(static_cast<char*>(w->pages[i]) + smr::kLockOffset);
     const int v = __atomic_load_n(reinterpret_cast<volatile int*>(lock), __ATOMIC_ACQUIRE);
     // Held (glibc's unlocked value is 1) on every look for kStuckLooks: no
     // live section lasts that long.
@@ -129,7 +125,7 @@ std::unique_ptr<ShmLockWatch> ShmLockWatch::start(int pidfd, uint32_t peer_pid,
       p = ::mmap(nullptr, kMapBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       ::close(fd);
     }
-    if (p == MAP_FAILED || *static_cast<const uint8_t*>(p) != kSmrVersion) {
+    if (p == MAP_FAILED || *static_cast<const uint8_t*>(p) != smr::kVersion) {
       KVXFER_INFO(LOG_NET, "OFI : shm region %s %s; no recovery of locks a killed peer holds",
                   f.c_str(), p == MAP_FAILED ? "cannot be mapped" : "has another layout");
       if (p != MAP_FAILED) ::munmap(p, kMapBytes);
