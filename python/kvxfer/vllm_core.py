@@ -220,9 +220,9 @@ class WorkerCore:
     prefill keeps blocks for a decode that does not come, default 480000),
     "secret" (64 hex digits shared by the deployment; default a random one
     carried in the address), "max_loads" (kvxfer receives posted at once, one
-    per KV head of a request, default 96: libfabric's shm provider holds 128
-    requests per same-host peer, both directions; the loads beyond wait
-    here, in order), "page_tokens" (tokens per kvxfer page; default: pages
+    per KV head of a request, default 48: kvxfer holds 64 requests per
+    same-host peer, both directions (kShmMaxRequests in
+    src/transport/ofi.h); the loads beyond wait here, in order), "page_tokens" (tokens per kvxfer page; default: pages
     of at least 128 KiB, 1024 tokens for a head of 64 bf16 channels, as a
     request carries one head and kvxfer's cost per page is fixed), "rate_limit"
     (tc syntax, emulates a slower link: tests).
@@ -239,7 +239,7 @@ class WorkerCore:
                              self.codec)
         self.claim_timeout_ms = int(extra.get("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS))
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
-        self.max_loads = int(extra.get("max_loads", 96))
+        self.max_loads = int(extra.get("max_loads", 48))
         self.page_tokens = int(extra.get("page_tokens", 0))
         secret = extra.get("secret")
         if secret is not None:
