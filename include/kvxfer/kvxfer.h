@@ -775,9 +775,9 @@ typedef struct {
  * descriptor, codec or peer; the message names the field), or
  * KVXFER_ERR_INVALID_USAGE (communicator aborted,
  * or KVXFER_MAX_REQUESTS requests already in flight with this peer in this
- * direction, or 128 requests in flight with a peer reached over shared
- * memory, both directions together: libfabric's shm provider has 1024
- * receive entries; or match_by_id with a request_id already in flight with
+ * direction, or 64 requests in flight with a peer reached over shared
+ * memory, both directions together: kvxfer gives each shm endpoint 512
+ * receive entries (docs/TRANSPORT.md); or match_by_id with a request_id already in flight with
  * this peer in this direction, or KVXFER_MAX_REQUESTS sends to
  * KVXFER_ANY_PEER waiting, or one of them with this request_id).  A request keeps its place until
  * the progress thread retires it: shortly after its final stage (so a post right after kvxfer_wait

@@ -496,9 +496,9 @@ kvxfer_result_t Engine::Impl::take_peer_slot_locked(Request& r, int peer) {
   if (peer_shm[peer] != 0 && both >= transport::kShmMaxRequests)
     return set_error(KVXFER_ERR_INVALID_USAGE,
                      "%d requests already in flight with peer %d, which this process reaches "
-                     "over shared memory: libfabric's shm provider holds %d (its 1024 receive "
-                     "entries); wait for some to finish",
-                     both, peer, transport::kShmMaxRequests);
+                     "over shared memory: it takes %d (its endpoints' %zu receive entries); wait "
+                     "for some to finish",
+                     both, peer, transport::kShmMaxRequests, transport::kShmRxEntries);
   if (r.by_id) {
     auto& ids = r.is_send ? ids_send[peer] : ids_recv[peer];
     if (!ids.insert(r.request_id).second)
