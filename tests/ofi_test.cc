@@ -843,8 +843,8 @@ TEST(ofiPath, SharedMemoryNamesThatAreNotRegionsAreRefused) {
   }
 }
 
-// An idle shm endpoint holds little memory (docs/TRANSPORT.md, "Cost of a
-// peer"): its entries are capped (ofi.h, kShmRxEntries) and its region keeps
+// An idle shm endpoint holds little memory (docs/TRANSPORT.md, "Endpoints"):
+// its entries are capped (ofi.h, kShmRxEntries) and its region keeps
 // no pages past its last field (smr_region.h, trim_region).  Untrimmed, a
 // 16 MiB region held 3.8 MiB or more of tmpfs from its creation on.
 TEST(ofiPath, SharedMemoryEndpointHoldsLittleMemory) {

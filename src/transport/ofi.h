@@ -190,10 +190,11 @@ constexpr size_t kShmTxEntries = 64;
  * run out).  A request keeps its DESC and STATUS receives posted, and pages
  * need theirs: with 1024 entries about 480 small requests used them all and
  * failed the link, and 384 under AddressSanitizer's slower progress.  With
- * kShmPostedShare of the entries for posted receives, 64 requests leave two
- * thirds of those to pages.
+ * kShmPostedShare of the entries for posted receives, one request per 8
+ * entries (64) leaves two thirds of those to pages.
  */
-constexpr int kShmMaxRequests = 64;
+constexpr int kShmMaxRequests = static_cast<int>(kShmRxEntries / 8);
+static_assert(kShmMaxRequests == 64, "docs/TRANSPORT.md and the vLLM connector's max_loads");
 /** The share of shm's receive entries the Link posts receives into (Link::
  *  max_posted_recvs); the rest is left to messages that arrive unexpected. */
 constexpr double kShmPostedShare = 0.75;
