@@ -222,9 +222,10 @@ class WorkerCore:
     carried in the address), "max_loads" (kvxfer receives posted at once, one
     per KV head of a request, default 48: kvxfer holds 64 requests per
     same-host peer, both directions (kShmMaxRequests in
-    src/transport/ofi.h); the loads beyond wait here, in order), "page_tokens" (tokens per kvxfer page; default: pages
-    of at least 128 KiB, 1024 tokens for a head of 64 bf16 channels, as a
-    request carries one head and kvxfer's cost per page is fixed), "rate_limit"
+    src/transport/ofi.h); the loads beyond wait here, in order),
+    "page_tokens" (tokens per kvxfer page; default: pages of at least
+    128 KiB, 1024 tokens for a head of 64 bf16 channels, as a request carries
+    one head and kvxfer's cost per page is fixed), "rate_limit"
     (tc syntax, emulates a slower link: tests).
     tp_rank, tp_size: this worker's tensor-parallel rank and size; the
     prefill's must be the same (a load from another fails, saying so).
