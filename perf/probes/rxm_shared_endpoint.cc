@@ -14,6 +14,7 @@
 // insert its address, send it their name and wait for a reply.  It prints its
 // VmRSS and open fds before the endpoint, with it, with the N peers
 // connected, after fi_av_remove of every peer, and after the peers exit.
+// fi_av_remove closes a peer's connection only with FI_AV_REMOVE_CLEANUP=1.
 #include <dirent.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
