@@ -175,6 +175,13 @@ TEST(KvPool, RegistersAndRefusesBadFieldsNamingThem) {
   d = p.desc;
   d.head_dim = 0;
   refused(d, "head_dim 0");
+  // Sizes whose product wraps int64 (2^30 rows of 2^40 fp32 elements): refused
+  // before any arithmetic on them, as in a request's descriptor.
+  d = p.desc;
+  d.block_size = 1 << 30;
+  d.row_stride = int64_t{1} << 40;
+  d.dtype = KVXFER_DTYPE_FP32;
+  refused(d, "a block of 1073741824 rows of row_stride 1099511627776 exceeds 2^62 bytes");
   // A layer whose last block is not accessible memory (PROT_NONE: whatever
   // lies past a mapping may be mapped, under AddressSanitizer it is).
   const size_t layer = p.block_bytes() * static_cast<size_t>(kPoolBlocks);

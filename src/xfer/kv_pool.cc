@@ -49,6 +49,11 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
   KVXFER_REQUIRE(p->row_stride_ >= H && p->row_stride_ <= (int64_t{1} << 40),
                  "KV pool: row_stride %" PRId64 " is not in [%" PRId64 " channels, 2^40]",
                  d.row_stride, H);
+  // As a request's descriptor (codec/kv_desc.cc): a block's rows within
+  // 2^62 bytes, so that the products below cannot overflow.
+  KVXFER_REQUIRE(p->row_stride_ <= (int64_t{1} << 62) / d.block_size / es,
+                 "KV pool: a block of %d rows of row_stride %" PRId64 " exceeds 2^62 bytes",
+                 d.block_size, p->row_stride_);
   const int64_t extent = (int64_t{d.block_size} - 1) * p->row_stride_ * es + H * es;
   p->block_stride_ =
       d.block_stride == 0 ? int64_t{d.block_size} * p->row_stride_ * es : d.block_stride;
