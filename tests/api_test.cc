@@ -500,6 +500,60 @@ TEST(CApi, SmallOutputBuffersAreRefused) {
   EXPECT_EQ(a, ok.anchor);
 }
 
+// Buffers that share bytes: encode would write over its own output or its
+// input, decode over the sections it reads.  Refused at the call, nothing
+// written; a buffer in the gap between two strided rows meets no row and is
+// accepted.
+TEST(CApi, OverlappingBuffersAreRefused) {
+  REQUIRE_API();
+  Page src(40, 16, KVXFER_DTYPE_BF16);
+  fill(&src, 6);
+  const kvxfer_codec_config_t cfg = default_config();
+  const Sections ok = encode(cfg, src);
+  ASSERT_EQ(ok.rc, KVXFER_SUCCESS);
+  const std::vector<uint8_t> before = src.bytes();
+  // The residual 100 bytes into the anchor's buffer.
+  std::vector<uint8_t> one(ok.anchor.size() + ok.residual.size() + 100);
+  size_t al = 7, rl = 7;
+  EXPECT_EQ(api().page_encode(&cfg, &kId, &src.layout, one.data(), one.size(), &al,
+                              one.data() + 100, one.size() - 100, &rl),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(last_error(), "the anchor buffer")) << last_error();
+  EXPECT_TRUE(contains(last_error(), "overlap")) << last_error();
+  EXPECT_EQ(al, 0u);
+  EXPECT_EQ(rl, 0u);
+  // The anchor buffer on the page's second block (source rows).
+  std::vector<uint8_t> r(ok.residual.size());
+  EXPECT_EQ(api().page_encode(&cfg, &kId, &src.layout, src.blocks[1].data(), ok.anchor.size(), &al,
+                              r.data(), r.size(), &rl),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(last_error(), "overlaps source block 1")) << last_error();
+  EXPECT_EQ(src.bytes(), before);
+  // Decode into a destination whose block holds the anchor section.
+  Page dst(40, 16, KVXFER_DTYPE_BF16);
+  std::vector<uint8_t> sections = ok.anchor;
+  dst.blocks[2].assign(dst.blocks[2].size() + sections.size(), 0x5A);
+  dst.ptrs[2] = dst.blocks[2].data();
+  std::memcpy(dst.blocks[2].data(), sections.data(), sections.size());
+  EXPECT_EQ(
+      api().page_decode(dst.blocks[2].data(), sections.size(), nullptr, 0, nullptr, &dst.layout),
+      KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(last_error(), "overlaps destination block 2")) << last_error();
+  EXPECT_EQ(0, std::memcmp(dst.blocks[2].data(), sections.data(), sections.size()));
+  // Two rows 64 KiB apart: an anchor buffer between them is no row's.
+  Page wide(2, 16, KVXFER_DTYPE_BF16, 16, 0, 32768 - 16);
+  fill(&wide, 9);
+  std::vector<uint8_t> ra(ok.residual.size());
+  uint8_t* gap = wide.blocks[0].data() + 16 * 2;  // just past row 0's 32 bytes
+  EXPECT_EQ(api().page_encode(&cfg, &kId, &wide.layout, gap, 4096, &al, ra.data(), ra.size(), &rl),
+            KVXFER_SUCCESS)
+      << last_error();
+  EXPECT_EQ(
+      api().page_encode(&cfg, &kId, &wide.layout, gap - 1, 4096, &al, ra.data(), ra.size(), &rl),
+      KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(last_error(), "overlaps source block 0")) << last_error();
+}
+
 // ---------------------------------------------------------------------------
 // Bad configs, NULL pointers, bad layouts: INVALID_ARGUMENT, never a crash
 // ---------------------------------------------------------------------------

@@ -265,7 +265,8 @@ kvxfer_result_t kvxfer_page_max_size(const kvxfer_codec_config_t* config, int64_
  * residual_cap bytes; on success *anchor_len and *residual_len hold the bytes
  * written.  On failure both lengths are 0 and the buffers' contents are
  * unspecified; the input is never modified.
- * Errors: KVXFER_ERR_INVALID_ARGUMENT (config, layout, NULL pointers),
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (config, layout, NULL pointers; the
+ * two outputs sharing a byte, or an output sharing one with a source row),
  * KVXFER_ERR_BUFFER_TOO_SMALL, KVXFER_ERR_NONFINITE (policy ERROR; the message
  * names layer, K/V, token and channel).
  * Uses up to KVXFER_CODEC_THREADS threads (OpenMP) and the fastest CPU path
@@ -303,7 +304,8 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
  * 8, else the calling thread; the bytes are identical either way.
  * Thread-safe for distinct outputs.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (codec not SPECTRUM, NULL or out-of-range
- * tier, config, layout, NULL pointers), KVXFER_ERR_BUFFER_TOO_SMALL,
+ * tier, config, layout, NULL pointers, outputs sharing a byte with each other,
+ * a source row or the tiers), KVXFER_ERR_BUFFER_TOO_SMALL,
  * KVXFER_ERR_NONFINITE.  On failure both lengths are 0.
  */
 kvxfer_result_t kvxfer_page_encode_tiered(const kvxfer_codec_config_t* config,
@@ -334,7 +336,8 @@ kvxfer_result_t kvxfer_page_get_tiers(const void* anchor, size_t anchor_len, uin
  * both checksums verified before anything is written to dst.
  * expect: if non-NULL, the page identity the caller expects; a different one
  * fails with KVXFER_ERR_MISMATCH.
- * Errors: KVXFER_ERR_INVALID_ARGUMENT, KVXFER_ERR_TRUNCATED, KVXFER_ERR_CORRUPT,
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (also a section sharing a byte with a
+ * row of dst), KVXFER_ERR_TRUNCATED, KVXFER_ERR_CORRUPT,
  * KVXFER_ERR_MISMATCH (T/H differ from dst, residual of another page, identity).
  */
 kvxfer_result_t kvxfer_page_decode(const void* anchor, size_t anchor_len, const void* residual,

@@ -63,6 +63,32 @@ kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what,
   return KVXFER_SUCCESS;
 }
 
+int64_t block_meeting(const kvxfer_page_layout_t* l, const void* p, size_t n) {
+  if (l->num_tokens == 0 || n == 0) return -1;
+  using Wide = __int128;  // pointer differences and row offsets, without overflow
+  const Wide es = static_cast<Wide>(dtype_size(l->dtype));
+  const Wide S = l->row_stride * es, R = l->num_channels * es;
+  const int64_t bs = l->block_size, u0 = l->first_token, u1 = u0 + l->num_tokens - 1;
+  for (int64_t b = u0 / bs; b <= u1 / bs; ++b) {
+    const int64_t r0 = b == u0 / bs ? u0 % bs : 0, r1 = b == u1 / bs ? u1 % bs : bs - 1;
+    // Row r spans [r S, r S + R) from the block's base; it meets [lo, lo + n)
+    // iff lo - R < r S < lo + n.  The first r past lo - R:
+    const Wide lo = static_cast<Wide>(reinterpret_cast<uintptr_t>(p)) -
+                    static_cast<Wide>(reinterpret_cast<uintptr_t>(l->blocks[b]));
+    const Wide a = lo - R;
+    Wide r = a / S + 1;
+    if (a < 0 && a % S != 0) --r;  // floor division
+    if (r < r0) r = r0;
+    if (r <= r1 && r * S < lo + static_cast<Wide>(n)) return b;
+  }
+  return -1;
+}
+
+bool ranges_meet(const void* a, size_t an, const void* b, size_t bn) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return an > 0 && bn > 0 && (x < y ? y - x < an : x - y < bn);
+}
+
 kvxfer_result_t nonfinite_error(const kvxfer_page_id_t& id, int64_t t, int32_t c, bool is_nan) {
   return set_error(KVXFER_ERR_NONFINITE, "%s at layer %u %c, token %" PRId64 ", channel %d",
                    is_nan ? "NaN" : "Inf", id.layer, id.kind == KVXFER_KV_KEY ? 'K' : 'V',

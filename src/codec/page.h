@@ -84,6 +84,17 @@ kvxfer_result_t validate_layout_shape(const kvxfer_page_layout_t* l, const char*
 kvxfer_result_t validate_layout(const kvxfer_page_layout_t* l, const char* what, Layout* out);
 
 /**
+ * The block of layout `l` (validated by validate_layout_shape) holding the
+ * first row of the page that shares a byte with [p, p + n), or -1 when none
+ * does.  A row is its H elements, not the gap to the next row.  Compares the
+ * block pointers, never reads the blocks.  Cost: one step per block of the page.
+ */
+int64_t block_meeting(const kvxfer_page_layout_t* l, const void* p, size_t n);
+
+/** True when [a, a + an) and [b, b + bn) share a byte. */
+bool ranges_meet(const void* a, size_t an, const void* b, size_t bn);
+
+/**
  * The header max_sizes starts from: a V page of T x H at token 0 (the most
  * sink rows) from an fp32 source, channel groups.  Its codec may widen it
  * (PageCodec::widen_max_header).

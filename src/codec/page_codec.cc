@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <tuple>
 
 #include "codec/codec.h"
 #include "codec/format.h"
@@ -94,11 +95,44 @@ kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
   return KVXFER_SUCCESS;
 }
 
+namespace {
+
+/**
+ * The buffers of a host encode share no byte: the two outputs (as far as
+ * the page can fill them, max_sizes), and each output with the source rows
+ * and the token tiers.  Else encode would write over what it reads.
+ */
+kvxfer_result_t check_encode_buffers(const kvxfer_codec_config_t* cfg,
+                                     const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
+                                     const void* anchor, size_t anchor_cap, const void* residual,
+                                     size_t residual_cap) {
+  size_t amax = 0, rmax = 0;
+  KVXFER_CHECK(max_sizes(cfg, src->num_tokens, src->num_channels, &amax, &rmax));
+  const size_t an = std::min(anchor_cap, amax), rn = std::min(residual_cap, rmax);
+  KVXFER_REQUIRE(!ranges_meet(anchor, an, residual, rn),
+                 "the anchor buffer [%p, +%zu) and the residual buffer [%p, +%zu) overlap", anchor,
+                 an, residual, rn);
+  for (auto [buf, n, what] : {std::tuple{anchor, an, "anchor"}, {residual, rn, "residual"}}) {
+    const int64_t b = block_meeting(src, buf, n);
+    KVXFER_REQUIRE(b < 0,
+                   "the %s buffer [%p, +%zu) overlaps source block %" PRId64
+                   ": encode would write over its input",
+                   what, buf, n, b);
+    KVXFER_REQUIRE(token_tiers == nullptr ||
+                       !ranges_meet(buf, n, token_tiers, static_cast<size_t>(src->num_tokens)),
+                   "the %s buffer [%p, +%zu) overlaps the token tiers", what, buf, n);
+  }
+  return KVXFER_SUCCESS;
+}
+
+}  // namespace
+
 kvxfer_result_t encode_page(const kvxfer_codec_config_t* cfg, const kvxfer_page_id_t* id,
                             const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
                             size_t* anchor_len, void* residual, size_t residual_cap,
                             size_t* residual_len, Impl impl, int threads) {
   KVXFER_CHECK(check_encode_args(cfg, id, src, anchor, anchor_len, residual, residual_len));
+  KVXFER_CHECK(check_encode_buffers(cfg, src, nullptr, anchor, anchor_cap, residual, residual_cap));
   return page_codec(cfg->codec)
       ->encode(EncodeCall{cfg, id, src, nullptr, anchor, anchor_cap, anchor_len, residual,
                           residual_cap, residual_len, impl, threads});
@@ -114,6 +148,8 @@ kvxfer_result_t encode_page_tiered(const kvxfer_codec_config_t* cfg, const kvxfe
   KVXFER_REQUIRE(codec->token_tiers(),
                  "token tiers need codec SPECTRUM (4), not codec %d: use kvxfer_page_encode",
                  static_cast<int>(cfg->codec));
+  KVXFER_CHECK(
+      check_encode_buffers(cfg, src, token_tiers, anchor, anchor_cap, residual, residual_cap));
   return codec->encode(EncodeCall{cfg, id, src, token_tiers, anchor, anchor_cap, anchor_len,
                                   residual, residual_cap, residual_len, Impl::AUTO, threads});
 }
@@ -172,6 +208,15 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
   DecodePlan plan;
   KVXFER_CHECK(plan_decode_any(anchor, anchor_len, residual, residual_len, expect, dst, &plan,
                                effective_threads(threads)));
+  // Decode reads the sections while it writes the rows.
+  for (auto [buf, n, what] :
+       {std::tuple{anchor, anchor_len, "anchor"}, {residual, residual_len, "residual"}}) {
+    const int64_t b = block_meeting(dst, buf, n);  // -1 for no residual (n = 0)
+    KVXFER_REQUIRE(b < 0,
+                   "the %s section [%p, +%zu) overlaps destination block %" PRId64
+                   ": decode would write over what it reads",
+                   what, buf, n, b);
+  }
   return decode_planned(plan, dst, impl, threads);
 }
 
