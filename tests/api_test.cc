@@ -864,10 +864,14 @@ void check_env_in_child(const char* var, const char* value, bool bad) {
   size_t amax = 0, rmax = 0;
   check(A.page_max_size(&cfg, 20, 8, &amax, &rmax), "kvxfer_page_max_size");
   std::vector<uint8_t> ab(4096), rb(4096);
-  size_t al = 0, rl = 0;
+  size_t al = 99, rl = 99;
   check(
       A.page_encode(&cfg, &kId, &src.layout, ab.data(), ab.size(), &al, rb.data(), rb.size(), &rl),
       "kvxfer_page_encode");
+  if (bad && (al != 0 || rl != 0)) {  // kvxfer.h: on failure both lengths are 0
+    std::fprintf(stderr, "kvxfer_page_encode left lengths %zu, %zu\n", al, rl);
+    ++failures;
+  }
   Page dst(20, 8, KVXFER_DTYPE_FP32);
   if (bad) {
     // Sections from a process without the bad variable would do as well;

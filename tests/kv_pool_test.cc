@@ -24,6 +24,7 @@
 #include "codec/page.h"
 #include "common/fdio.h"
 #include "kvxfer/kvxfer.h"
+#include "kvxfer/spectrum.h"
 #include "xfer_util.h"
 
 namespace kvxfer {
@@ -831,7 +832,43 @@ TEST(KvById, AReceiveWhoseSendNeverComesTimesOut) {
   finish(&pair, comm);
 }
 
+// ---------------------------------------------------------------------------
+// The environment is read once per process: this case runs in a re-executed child.
+// ---------------------------------------------------------------------------
+// In the child: a malformed variable fails every call before its body runs;
+// the outputs a call empties on failure read empty all the same.
+[[noreturn]] void ExpectOutputsResetUnderMalformedEnvironment() {
+  setenv("KVXFER_CODEC_IMPL", "sse9", 1);
+  auto* const junk = reinterpret_cast<void*>(0x1);
+  kvxfer_comm_t comm = static_cast<kvxfer_comm_t>(junk), ep = static_cast<kvxfer_comm_t>(junk);
+  kvxfer_kv_pool_t pool = static_cast<kvxfer_kv_pool_t>(junk);
+  kvxfer_request_t req[4];
+  for (auto& r : req) r = static_cast<kvxfer_request_t>(junk);
+  kvxfer_unique_id_t id{};
+  int bad = 0;
+  bad += kvxfer_comm_init(&comm, 2, id, 0, nullptr) != KVXFER_ERR_INVALID_ARGUMENT;
+  bad += kvxfer_endpoint_create(&ep, nullptr) != KVXFER_ERR_INVALID_ARGUMENT;
+  bad += kvxfer_kv_pool_register(nullptr, &pool) != KVXFER_ERR_INVALID_ARGUMENT;
+  bad += kvxfer_send(nullptr, 0, nullptr, nullptr, nullptr, &req[0]) != KVXFER_ERR_INVALID_ARGUMENT;
+  bad += kvxfer_recv(nullptr, 0, nullptr, nullptr, &req[1]) != KVXFER_ERR_INVALID_ARGUMENT;
+  bad += kvxfer_send_spectrum(nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, &req[2]) !=
+         KVXFER_ERR_INVALID_ARGUMENT;
+  bad += kvxfer_recv_blocks(nullptr, 0, nullptr, nullptr, nullptr, &req[3]) !=
+         KVXFER_ERR_INVALID_ARGUMENT;
+  bool empty = comm == nullptr && ep == nullptr && pool == nullptr;
+  for (auto r : req) empty = empty && r == nullptr;
+  std::fprintf(stderr, "%d calls not refused; outputs %s\n", bad, empty ? "empty" : "NOT empty");
+  std::_Exit(bad == 0 && empty ? 0 : 1);
+}
+
+TEST(KvPoolDeathTest, MalformedEnvironmentStillEmptiesTheOutputs) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(ExpectOutputsResetUnderMalformedEnvironment(), ::testing::ExitedWithCode(0),
+              "0 calls not refused; outputs empty");
+}
+
 }  // namespace
+
 }  // namespace kvxfer
 
 int main(int argc, char** argv) {

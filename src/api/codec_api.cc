@@ -46,6 +46,7 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
                                    const kvxfer_page_layout_t* src, void* anchor, size_t anchor_cap,
                                    size_t* anchor_len, void* residual, size_t residual_cap,
                                    size_t* residual_len) {
+  kvxfer::reset_outputs(anchor_len, residual_len);
   return api_call(__func__, [&] {
     kvxfer_codec_config_t c;
     KVXFER_CHECK(whole_config(config, &c, anchor_len, residual_len));
@@ -60,6 +61,7 @@ kvxfer_result_t kvxfer_page_encode_tiered(const kvxfer_codec_config_t* config,
                                           const uint8_t* token_tiers, void* anchor,
                                           size_t anchor_cap, size_t* anchor_len, void* residual,
                                           size_t residual_cap, size_t* residual_len) {
+  kvxfer::reset_outputs(anchor_len, residual_len);
   return api_call(__func__, [&] {
     kvxfer_codec_config_t c;
     KVXFER_CHECK(whole_config(config, &c, anchor_len, residual_len));

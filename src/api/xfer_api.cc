@@ -147,6 +147,7 @@ kvxfer_result_t kvxfer_get_unique_id(kvxfer_unique_id_t* id) {
 
 kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id, int rank,
                                  const kvxfer_comm_config_t* config) {
+  kvxfer::reset_outputs(comm);
   return kvxfer::api::comm_init(comm, nranks, id, rank, config, nullptr);
 }
 
@@ -166,6 +167,7 @@ kvxfer_result_t kvxfer_comm_destroy(kvxfer_comm_t comm) {
 }
 
 kvxfer_result_t kvxfer_endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_t* config) {
+  kvxfer::reset_outputs(ep);
   return kvxfer::api::endpoint_create(ep, config, nullptr);
 }
 
@@ -251,6 +253,7 @@ static kvxfer_result_t post(bool is_send, kvxfer_comm_t comm, int peer, const kv
 kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_codec_config_t* codec,
                             const kvxfer_request_config_t* config, kvxfer_request_t* request) {
+  kvxfer::reset_outputs(request);
   return kvxfer::api_call(__func__,
                           [&] { return post(true, comm, peer, kv, codec, config, request); });
 }
@@ -259,6 +262,7 @@ kvxfer_result_t kvxfer_send_on_stream(kvxfer_comm_t comm, int peer, const kvxfer
                                       const kvxfer_codec_config_t* codec,
                                       const kvxfer_request_config_t* config, void* stream,
                                       kvxfer_request_t* request) {
+  kvxfer::reset_outputs(request);
   return kvxfer::api_call(__func__, [&] {
     return post(true, comm, peer, kv, codec, config, request, nullptr, stream);
   });
@@ -269,6 +273,7 @@ kvxfer_result_t kvxfer_send_spectrum(kvxfer_comm_t comm, int peer, const kvxfer_
                                      const kvxfer_spectrum_config_t* policy,
                                      const float* importance, const kvxfer_request_config_t* config,
                                      kvxfer_request_t* request) {
+  kvxfer::reset_outputs(request);
   return kvxfer::api_call(__func__, [&] {
     kvxfer_codec_config_t cc;
     KVXFER_CHECK(kvxfer::spectrum::send_codec_config(codec, &cc));
@@ -286,6 +291,7 @@ kvxfer_result_t kvxfer_request_get_tiers(kvxfer_request_t request, uint8_t* tier
 }
 
 kvxfer_result_t kvxfer_kv_pool_register(const kvxfer_kv_pool_desc_t* desc, kvxfer_kv_pool_t* pool) {
+  kvxfer::reset_outputs(pool);
   return kvxfer::api_call(__func__, [&] {
     KVXFER_REQUIRE(pool != nullptr, "pool is NULL");
     *pool = nullptr;
@@ -341,6 +347,7 @@ kvxfer_result_t kvxfer_send_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_
                                    const kvxfer_codec_config_t* codec,
                                    const kvxfer_request_config_t* config,
                                    kvxfer_request_t* request) {
+  kvxfer::reset_outputs(request);
   return kvxfer::api_call(__func__, [&] {
     return post_blocks(true, comm, peer, pool, blocks, codec, config, request);
   });
@@ -350,6 +357,7 @@ kvxfer_result_t kvxfer_recv_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_
                                    const kvxfer_kv_blocks_t* blocks,
                                    const kvxfer_request_config_t* config,
                                    kvxfer_request_t* request) {
+  kvxfer::reset_outputs(request);
   return kvxfer::api_call(__func__, [&] {
     return post_blocks(false, comm, peer, pool, blocks, nullptr, config, request);
   });
@@ -364,6 +372,7 @@ kvxfer_result_t kvxfer_send_layer_ready(kvxfer_request_t request, int32_t layer)
 
 kvxfer_result_t kvxfer_recv(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_request_config_t* config, kvxfer_request_t* request) {
+  kvxfer::reset_outputs(request);
   return kvxfer::api_call(__func__,
                           [&] { return post(false, comm, peer, kv, nullptr, config, request); });
 }

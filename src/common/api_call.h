@@ -40,4 +40,14 @@ kvxfer_result_t api_call(const char* name, F&& body) {
   }
 }
 
+/**
+ * Sets each non-NULL output to its empty value (nullptr, 0) before
+ * api_call, so that an entry point whose contract says what its outputs read
+ * on failure keeps it even when the environment check fails first.
+ */
+template <typename... T>
+void reset_outputs(T*... out) {
+  ((out != nullptr ? static_cast<void>(*out = T{}) : static_cast<void>(0)), ...);
+}
+
 }  // namespace kvxfer

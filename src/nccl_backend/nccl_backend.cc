@@ -298,6 +298,7 @@ extern "C" {
 kvxfer_result_t kvxfer_nccl_comm_init(kvxfer_nccl_comm_t* comm, int nranks, ncclUniqueId anchor_id,
                                       ncclUniqueId residual_id, int rank, int device,
                                       const kvxfer_nccl_config_t* config) {
+  kvxfer::reset_outputs(comm);
   return api_call("kvxfer_nccl_comm_init", [&]() -> kvxfer_result_t {
     KVXFER_REQUIRE(comm != nullptr, "NULL communicator output");
     *comm = nullptr;
@@ -363,6 +364,7 @@ kvxfer_result_t kvxfer_nccl_comm_init(kvxfer_nccl_comm_t* comm, int nranks, nccl
 kvxfer_result_t kvxfer_nccl_comm_init_from_comms(kvxfer_nccl_comm_t* comm, ncclComm_t anchor_comm,
                                                  ncclComm_t residual_comm,
                                                  const kvxfer_nccl_config_t* config) {
+  kvxfer::reset_outputs(comm);
   return api_call("kvxfer_nccl_comm_init_from_comms", [&]() -> kvxfer_result_t {
     KVXFER_REQUIRE(comm != nullptr, "NULL communicator output");
     *comm = nullptr;
