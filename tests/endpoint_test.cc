@@ -898,6 +898,57 @@ TEST(Endpoint, AConnectFromTheListenersOwnIncarnationIsRefused) {
   transfer_exact(a.ep, 0, b.ep, 0, 4, 4, bf16());
 }
 
+// A listener that answers a CONNECT with an answer no endpoint sends: an OK
+// whose link address is not one, or a status past the known ones.  Both are
+// the peer's bytes: KVXFER_ERR_CORRUPT, not the caller's INVALID_ARGUMENT.
+TEST(Endpoint, AMalformedAnswerIsCorrupt) {
+  namespace tcp = transport::tcp;
+  for (const uint16_t status : {uint16_t{0}, uint16_t{77}}) {
+    SCOPED_TRACE(status);
+    Ep a, b;
+    tcp::Fd lst(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof sa;
+    ASSERT_EQ(::bind(lst.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+    ASSERT_EQ(::listen(lst.get(), 4), 0);
+    ASSERT_EQ(::getsockname(lst.get(), reinterpret_cast<sockaddr*>(&sa), &sl), 0);
+    // b's blob, pointing at this listener.
+    xfer::EndpointAddress at;
+    ASSERT_EQ(xfer::decode_endpoint_address(b.addr.data(), b.addr.size(), &at), KVXFER_SUCCESS);
+    at.port_be = sa.sin_port;
+    const std::vector<uint8_t> blob = xfer::encode_endpoint_address(at);
+    std::thread fake([&] {
+      tcp::Fd c(::accept4(lst.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      const tcp::Deadline d = tcp::deadline_after(5000);
+      bool closed = false;
+      uint8_t len[4];
+      if (tcp::recv_all(c.get(), len, 4, d, "test", "CONNECT", &closed) != KVXFER_SUCCESS) return;
+      std::vector<uint8_t> body(tcp::get_u32(len));
+      if (tcp::recv_all(c.get(), body.data(), body.size(), d, "test", "CONNECT", &closed) !=
+          KVXFER_SUCCESS)
+        return;
+      std::vector<uint8_t> f(4);
+      tcp::put_u32(&f, xfer::kHandshakeMagic);
+      tcp::put_u16(&f, xfer::kHandshakeVersion);
+      tcp::put_u16(&f, status);
+      tcp::put_u64(&f, at.incarnation);
+      const std::vector<uint8_t> link(40, 0x11);  // not a Link address
+      tcp::put_u32(&f, static_cast<uint32_t>(link.size()));
+      f.insert(f.end(), link.begin(), link.end());
+      tcp::put_u32(&f, 0);  // no reason
+      tcp::finish_frame(&f);
+      (void)tcp::send_all(c.get(), f.data(), f.size(), d, "test", "the answer", &closed);
+    });
+    int p = -1;
+    expect_error(kvxfer_endpoint_connect(a.ep, blob.data(), blob.size(), &p), KVXFER_ERR_CORRUPT,
+                 status == 0 ? "not a kvxfer link address" : "answered with status 77");
+    EXPECT_EQ(p, -1);
+    fake.join();
+  }
+}
+
 // A process out of file descriptors: a connection waits in the listener's
 // backlog and accept4 fails with EMFILE each time.  The acceptor pauses
 // (100 ms a time) instead of spinning a core (95% before), and accepts again

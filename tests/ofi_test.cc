@@ -693,7 +693,7 @@ TEST(ofiLink, RejectsBadArgumentsAndAddresses) {
   EXPECT_EQ(l->post_send(kA, b, 4, Link::kMaxTag + 1, &op), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(l->post_recv(kA, nullptr, 4, 1, &op), KVXFER_ERR_INVALID_ARGUMENT);
   const uint8_t junk[] = {1, 2, 3, 4, 5, 6, 7, 8};
-  EXPECT_EQ(l->connect(junk, sizeof(junk)), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(l->connect(junk, sizeof(junk)), KVXFER_ERR_CORRUPT);  // the peer's bytes
   std::vector<uint8_t> self = l->local_address();
   self.pop_back();
   EXPECT_NE(l->connect(self.data(), self.size()), KVXFER_SUCCESS);
@@ -930,10 +930,10 @@ TEST(ofiPath, BlobOfAnotherVersionOrShapeIsRefused) {
   EXPECT_NE(std::string(kvxfer_get_last_error()).find("version 1"), std::string::npos);
   blob = b->local_address();
   blob[6] = 3;  // paths
-  EXPECT_EQ(a->connect(blob.data(), blob.size()), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(a->connect(blob.data(), blob.size()), KVXFER_ERR_CORRUPT);
   blob = b->local_address();
   blob.resize(blob.size() - 3);
-  EXPECT_EQ(a->connect(blob.data(), blob.size()), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(a->connect(blob.data(), blob.size()), KVXFER_ERR_CORRUPT);
   EXPECT_FALSE(a->failed());
 }
 

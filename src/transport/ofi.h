@@ -390,7 +390,8 @@ class Link {
    * it and their host_identity() is equal, else the network provider both
    * offer; the other path's endpoints are closed.  Non-blocking: sends queue
    * until ready(); receives can be posted at once.  Errors:
-   * KVXFER_ERR_INVALID_ARGUMENT for a malformed blob; KVXFER_ERR_MISMATCH
+   * KVXFER_ERR_CORRUPT for a malformed blob (it comes from the peer);
+   * KVXFER_ERR_INVALID_ARGUMENT for a NULL one; KVXFER_ERR_MISMATCH
    * for a blob of another version, or when the two sides share no path (the
    * message lists both sides' providers); KVXFER_ERR_SYSTEM, failing the
    * link, when a same-host peer's shared-memory endpoint is already gone.

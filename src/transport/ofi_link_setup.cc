@@ -174,20 +174,20 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
   const uint8_t* p = static_cast<const uint8_t*>(blob);
   const uint8_t* end = p + len;
   if (len < 8 || std::memcmp(p, kBlobMagic, 4) != 0)
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is not a kvxfer link address");
+    return set_error(KVXFER_ERR_CORRUPT, "peer address is not a kvxfer link address");
   if (p[4] != kBlobVersion)
     return set_error(KVXFER_ERR_MISMATCH,
                      "peer address has version %u, this side %u (different kvxfer versions)", p[4],
                      kBlobVersion);
   if (p[5] != kNumClasses || p[6] < 1 || p[6] > kMaxPaths)
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT,
+    return set_error(KVXFER_ERR_CORRUPT,
                      "peer address has %u classes and %u paths (expected %d, 1..%d)", p[5], p[6],
                      kNumClasses, kMaxPaths);
   const int npaths = p[6];
   const size_t hlen = p[7];
   p += 8;
   if (static_cast<size_t>(end - p) < hlen + 4)
-    return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+    return set_error(KVXFER_ERR_CORRUPT, "peer address is truncated");
   const std::string peer_host(reinterpret_cast<const char*>(p), hlen);
   p += hlen;
   const uint32_t peer_pid =
@@ -195,23 +195,23 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
   p += 4;
   std::vector<Path> theirs(static_cast<size_t>(npaths));
   for (Path& path : theirs) {
-    if (end - p < 1) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+    if (end - p < 1) return set_error(KVXFER_ERR_CORRUPT, "peer address is truncated");
     const size_t plen = *p++;
     if (static_cast<size_t>(end - p) < plen)
-      return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+      return set_error(KVXFER_ERR_CORRUPT, "peer address is truncated");
     path.provider.assign(reinterpret_cast<const char*>(p), plen);
     p += plen;
     for (int c = 0; c < kNumClasses; ++c) {
-      if (end - p < 2) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+      if (end - p < 2) return set_error(KVXFER_ERR_CORRUPT, "peer address is truncated");
       const size_t n = p[0] | (static_cast<size_t>(p[1]) << 8);
       p += 2;
       if (static_cast<size_t>(end - p) < n || n == 0)
-        return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address is truncated");
+        return set_error(KVXFER_ERR_CORRUPT, "peer address is truncated");
       path.names[c].assign(p, p + n);
       p += n;
     }
   }
-  if (p != end) return set_error(KVXFER_ERR_INVALID_ARGUMENT, "peer address has trailing bytes");
+  if (p != end) return set_error(KVXFER_ERR_CORRUPT, "peer address has trailing bytes");
 
   // Choose: shared memory when both offer it on one host, else the network
   // provider both offer.  Both sides apply the same rule to the same two

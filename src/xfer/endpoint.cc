@@ -323,7 +323,11 @@ kvxfer_result_t Membership::exchange(const EndpointAddress& to, bool bye, bool f
       !get_bytes(f, &pos, &reason) || pos != f.size())
     return set_error(KVXFER_ERR_CORRUPT, "%s: %s answered with a malformed frame (%zu bytes)", kWho,
                      where.c_str(), f.size());
-  reply->status = static_cast<HandshakeStatus>(tcp::get_u16(f.data() + 6));
+  const uint16_t status = tcp::get_u16(f.data() + 6);
+  if (status > static_cast<uint16_t>(HandshakeStatus::kBad))
+    return set_error(KVXFER_ERR_CORRUPT, "%s: %s answered with status %u, which no endpoint sends",
+                     kWho, where.c_str(), static_cast<unsigned>(status));
+  reply->status = static_cast<HandshakeStatus>(status);
   reply->incarnation = tcp::get_u64(f.data() + 8);
   reply->reason.assign(reason.begin(), reason.end());
   return KVXFER_SUCCESS;
