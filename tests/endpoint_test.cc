@@ -898,6 +898,25 @@ TEST(Endpoint, AConnectFromTheListenersOwnIncarnationIsRefused) {
   transfer_exact(a.ep, 0, b.ep, 0, 4, 4, bf16());
 }
 
+// An aborted endpoint takes no new peer: its own connects fail at the call,
+// and its listener refuses the connects of others, who are told why.
+TEST(Endpoint, AnAbortedEndpointTakesNoNewPeer) {
+  Ep a, b, c;
+  ASSERT_EQ(a.connect(b), 0);
+  ASSERT_EQ(kvxfer_comm_abort(a.ep), KVXFER_SUCCESS);
+  int p = -1;
+  expect_error(kvxfer_endpoint_connect(a.ep, c.addr.data(), c.addr.size(), &p),
+               KVXFER_ERR_INVALID_USAGE, "aborted");
+  EXPECT_EQ(p, -1);
+  expect_error(kvxfer_endpoint_connect(a.ep, b.addr.data(), b.addr.size(), &p),
+               KVXFER_ERR_INVALID_USAGE, "aborted");
+  expect_error(kvxfer_endpoint_connect(c.ep, a.addr.data(), a.addr.size(), &p), KVXFER_ERR_SYSTEM,
+               "the endpoint was aborted");
+  EXPECT_EQ(p, -1);
+  // c itself is fine.
+  EXPECT_EQ(c.connect(b), 0);
+}
+
 // A listener that answers a CONNECT with an answer no endpoint sends: an OK
 // whose link address is not one, or a status past the known ones.  Both are
 // the peer's bytes: KVXFER_ERR_CORRUPT, not the caller's INVALID_ARGUMENT.

@@ -469,7 +469,9 @@ kvxfer_result_t kvxfer_comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_
  * (stage ERROR, result KVXFER_ERR_INVALID_USAGE, "communicator aborted") and
  * closes the connections.  Asynchronous: it returns at once, and the progress
  * thread closes the connections and publishes the ERROR stages shortly after
- * (kvxfer_wait on a request sees them).  Never blocks on a peer.  The communicator must
+ * (kvxfer_wait on a request sees them).  Never blocks on a peer.  An aborted
+ * endpoint takes no new peer: kvxfer_endpoint_connect fails with
+ * KVXFER_ERR_INVALID_USAGE, and its listener refuses connects.  The communicator must
  * still be destroyed; requests must still be freed.  Idempotent.  Any thread.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (comm NULL; unlike destroy, abort of
  * NULL is a caller bug).

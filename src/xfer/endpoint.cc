@@ -351,6 +351,9 @@ kvxfer_result_t Membership::connect(const void* blob, size_t len, int* peer) {
   KVXFER_CHECK(decode_endpoint_address(blob, len, &to));
   KVXFER_REQUIRE(to.incarnation != self_.incarnation,
                  "the address is this endpoint's own: connect to another endpoint");
+  if (engine_->aborted())
+    return set_error(KVXFER_ERR_INVALID_USAGE,
+                     "the endpoint was aborted (kvxfer_comm_abort): it takes no new peer");
   const tcp::Deadline deadline = tcp::deadline_after(cfg_.timeout_ms);
   // A round ends with a peer, an error, or (when a disconnect or another
   // thread's handshake ended the connection this one waited for) another
@@ -695,6 +698,10 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
     KVXFER_WARN(LOG_NET, "endpoint: refused a handshake of kind %u from %s: bad fields", kind,
                 who.c_str());
     (void)answer(HandshakeStatus::kBad, {}, "bad kind, address or link address");
+    return;
+  }
+  if (kind == kKindConnect && engine_->aborted()) {
+    (void)answer(HandshakeStatus::kError, {}, "the endpoint was aborted (kvxfer_comm_abort)");
     return;
   }
 

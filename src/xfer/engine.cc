@@ -423,6 +423,11 @@ void Engine::abort(const char* why) {
   impl_->kick();
 }
 
+bool Engine::aborted() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->aborted_flag;
+}
+
 // ---------------------------------------------------------------------------
 // Posting (API threads)
 // ---------------------------------------------------------------------------

@@ -249,6 +249,8 @@ class Engine {
 
   /** Fails every request not yet final and closes the Links; never blocks on a peer. */
   void abort(const char* why);
+  /** True once abort() was called (kvxfer_comm_abort, or destroy). */
+  bool aborted() const;
 
   struct Impl;
 
