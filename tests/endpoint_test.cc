@@ -710,6 +710,45 @@ TEST(EndpointPeers, ADeadPeerAt50MbitFailsItsRequestsWithinASecondAndAHalf) {
   transfer_exact(b.ep, ba, a.ep, ab, 4, 4, lynx());
 }
 
+// A peer killed between requests is found as one killed mid-transfer is:
+// within 1.5 s its index refuses posts at the call, and a connect to its
+// blob no longer returns the dead index but tries afresh (and fails: no one
+// listens there).
+TEST(EndpointPeers, AnIdlePeerThatDiesIsFoundWithinASecondAndAHalf) {
+  Child c;
+  ASSERT_TRUE(
+      c.start([](int rd, int wr) { return peer_process(rd, wr, 0, false, nullptr, "bf16"); }));
+  Ep a;
+  const std::vector<uint8_t> blob = meet(c, a);
+  ASSERT_FALSE(blob.empty());
+  int p = -1;
+  ASSERT_EQ(kvxfer_endpoint_connect(a.ep, blob.data(), blob.size(), &p), KVXFER_SUCCESS);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // idle, connected
+  ::kill(c.pid, SIGKILL);
+  const auto t_kill = Clock::now();
+  c.wait(10);
+  // Nothing is posted meanwhile (a posted request would have the link
+  // watched anyway): the connect returns the old index until the death is found.
+  kvxfer_result_t connected = KVXFER_SUCCESS;
+  double s = 0;
+  int q = p;
+  while (s < 5.0) {
+    connected = kvxfer_endpoint_connect(a.ep, blob.data(), blob.size(), &q);
+    if (connected != KVXFER_SUCCESS) break;
+    EXPECT_EQ(q, p);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    s = std::chrono::duration<double>(Clock::now() - t_kill).count();
+  }
+  EXPECT_EQ(connected, KVXFER_ERR_SYSTEM) << kvxfer_get_last_error();
+  EXPECT_EQ(q, -1);
+  EXPECT_LT(s, 1.5);
+  PagedKV dst(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_request_config_t rc = by_id(1002);
+  kvxfer_request_t r = nullptr;
+  expect_error(kvxfer_recv(a.ep, p, &dst.desc, &rc, &r), KVXFER_ERR_INVALID_USAGE,
+               "is disconnected");
+}
+
 TEST(EndpointPeers, AStalledPeerTimesOutAndTheEndpointLivesOn) {
   Child c;
   ASSERT_TRUE(

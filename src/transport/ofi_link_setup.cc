@@ -351,7 +351,10 @@ bool Link::connection_open(int c) {
 // check such operations wait for the whole timeout (30 s by default).  The
 // socket must be closed by the peer AND fully read on two checks kLivenessMs
 // apart, with progress in between: a peer that sent its last STATUS and then
-// closed is seen only after that STATUS has been read and delivered.
+// closed is seen only after that STATUS has been read and delivered.  Idle
+// links are checked too, so that a peer that dies between requests is found
+// as soon (the engine then releases its state, and an endpoint's next
+// connect to it makes a new connection).
 kvxfer_result_t Link::check_liveness() {
   // A killed same-host peer leaves its regions in /dev/shm (tmpfs: memory)
   // for good.  The pidfd names exactly that process, so once it is readable
@@ -363,10 +366,6 @@ kvxfer_result_t Link::check_liveness() {
       for (const std::string& r : peer_region_) (void)::unlink(r.c_str());
       peer_regions_removed_ = true;
     }
-  }
-  if (ops_awaited() == 0) {
-    peer_closed_checks_ = {};
-    return KVXFER_SUCCESS;
   }
   if (shm_path_) {
     // No sockets: the peer's process (a pidfd turns readable when it exits)
