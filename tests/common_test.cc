@@ -702,8 +702,8 @@ TEST(StructAbi, LargerMisfitBadMagicAndOtherVersionsAreRefused) {
       {"minor", minor, "is newer than this library"},
       // Major 0 matches this library's; 0.0.x is below the first header.
       {"zero version", zero,
-       "pre: test config has version 0, older than the first kvxfer.h (100): no header had it; "
-       "use TEST_CONFIG_INITIALIZER"},
+       "pre: test config from header version 0 is older than the first kvxfer.h (100): no "
+       "header had it; use TEST_CONFIG_INITIALIZER"},
   };
   for (const Case& c : cases) {
     TestConfig out = caller(32);

@@ -104,8 +104,8 @@ kvxfer_result_t check_struct(const T* p, const char* prefix = "",
                  "%s%s from header version %u, library %d: the major version must match", prefix,
                  A::kName, p->version, KVXFER_VERSION_CODE);
   KVXFER_REQUIRE(p->version >= kFirstVersionCode,
-                 "%s%s has version %u, older than the first kvxfer.h (%u): no header had it; "
-                 "use %s",
+                 "%s%s from header version %u is older than the first kvxfer.h (%u): no "
+                 "header had it; use %s",
                  prefix, A::kName, p->version, kFirstVersionCode, A::kInit);
   KVXFER_REQUIRE(p->version / 100 <= KVXFER_VERSION_CODE / 100,
                  "%s%s from header version %u is newer than this library (%d)", prefix, A::kName,
