@@ -1138,6 +1138,46 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
     EXPECT_EQ(req, nullptr);
   };
   expect_bad_blocks(reinterpret_cast<void*>(0x1), "not aligned to its 2-byte bf16 elements");
+  // Blocks that share bytes: a receive would write one page over another.
+  // A send may read the same block twice.
+  expect_bad_blocks(kv.k[0], "layer 0 K block 0", true);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("share bytes"), std::string::npos)
+      << kvxfer_get_last_error();
+  expect_bad_blocks(static_cast<uint8_t*>(kv.k[0]) + 2, "share bytes", true);
+  {
+    kvxfer_kv_desc_t bd = kv.desc;
+    bd.v_blocks = kv.k.data();  // V over K
+    EXPECT_EQ(kvxfer_recv(comm, 1, &bd, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("share bytes"), std::string::npos)
+        << kvxfer_get_last_error();
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find(" V block "), std::string::npos)
+        << kvxfer_get_last_error();
+    std::vector<void*> t = kv.k;
+    t[1] = kv.k[0];
+    bd = kv.desc;
+    bd.k_blocks = t.data();
+    ASSERT_EQ(kvxfer_send(comm, 1, &bd, nullptr, nullptr, &req), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    EXPECT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+    EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 10000), KVXFER_ERR_CANCELLED);
+    EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+    req = nullptr;
+    // K and V rows interleaved (row_stride 2H, V one row's bytes after K):
+    // no byte shared, a receive may take it.
+    PagedKV kvi(2, 2, 8, 40, 16, KVXFER_DTYPE_BF16, 16);
+    for (size_t i = 0; i < kvi.v.size(); ++i) kvi.v[i] = static_cast<uint8_t*>(kvi.k[i]) + 16 * 2;
+    ASSERT_EQ(kvxfer_recv(comm, 1, &kvi.desc, nullptr, &req), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    EXPECT_EQ(kvxfer_request_cancel(req), KVXFER_SUCCESS);
+    EXPECT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 10000), KVXFER_ERR_CANCELLED);
+    EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+    req = nullptr;
+    // Half a row later, V overlaps K.
+    for (size_t i = 0; i < kvi.v.size(); ++i) kvi.v[i] = static_cast<uint8_t*>(kvi.k[i]) + 8 * 2;
+    EXPECT_EQ(kvxfer_recv(comm, 1, &kvi.desc, nullptr, &req), KVXFER_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("share bytes"), std::string::npos)
+        << kvxfer_get_last_error();
+  }
   const long page = sysconf(_SC_PAGESIZE);
   // A wild pointer: a PROT_NONE reservation, because a fixed address such as
   // 0xdeadbeef000 may be mapped (AddressSanitizer's shadow memory is there).

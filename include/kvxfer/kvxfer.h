@@ -611,7 +611,9 @@ kvxfer_result_t kvxfer_endpoint_disconnect(kvxfer_comm_t ep, int peer);
  * The sender's and the receiver's descriptors must agree on num_layers,
  * kv_heads, head_dim, dtype and num_tokens (checked by a handshake; a
  * difference fails the request on both sides, naming the field); block_size,
- * row_stride and the pointers are each side's own.
+ * row_stride and the pointers are each side's own.  A receiver's rows may not
+ * share a byte (kvxfer_recv refuses blocks that alias; interleaved K and V
+ * rows are fine); a sender may name one block twice.
  * Ownership: the arrays are copied by kvxfer_send/recv; the blocks themselves
  * must stay valid (and, on the receiver, untouched) until the request reaches
  * a final stage (COMPLETE or ERROR).  Host memory, or CUDA device memory

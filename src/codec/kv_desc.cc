@@ -211,6 +211,54 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
       where.emplace_back(k, i);
     }
   }
+  // A receive writes every block: no two may share a byte, or one page's
+  // rows would land on another's and both report COMPLETE.  Blocks share
+  // one row stride, so two whose byte ranges meet share a byte iff two of
+  // their rows do (rows of interleaved K|V layouts lie between each other's).
+  if (access == KvAccess::kWrite) {
+    struct Extent {
+      uintptr_t begin, end;
+      kvxfer_kv_kind_t kind;
+      size_t index;
+    };
+    std::vector<Extent> ext;
+    ext.reserve(o.k_blocks.size() + o.v_blocks.size());
+    for (kvxfer_kv_kind_t k : {KVXFER_KV_KEY, KVXFER_KV_VALUE}) {
+      const std::vector<void*>& t = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
+      for (size_t i = 0; i < t.size(); ++i) {
+        const size_t rows = i % used + 1 == used ? static_cast<size_t>(last_rows) : d.block_size;
+        const uintptr_t b = reinterpret_cast<uintptr_t>(t[i]);
+        ext.push_back({b, b + (rows - 1) * row + static_cast<size_t>(H) * es, k, i});
+      }
+    }
+    std::sort(ext.begin(), ext.end(),
+              [](const Extent& x, const Extent& y) { return x.begin < y.begin; });
+    const int64_t R = H * static_cast<int64_t>(es), S = static_cast<int64_t>(row);
+    constexpr size_t kMaxInterleaved = 1024;  // blocks checked row by row against one
+    for (size_t j = 0; j < ext.size(); ++j)
+      for (size_t k = j + 1; k < ext.size() && ext[k].begin < ext[j].end; ++k) {
+        KVXFER_REQUIRE(k - j <= kMaxInterleaved,
+                       "%smore than %zu blocks start within the bytes of layer %zu %s block %zu: "
+                       "a layout this interleaved is not supported",
+                       p, kMaxInterleaved, ext[j].index / used, kv_kind_name(ext[j].kind),
+                       ext[j].index % used);
+        // Rows r of j and m of k meet iff gap + (m - r) S lies in (-R, R).
+        const int64_t gap = static_cast<int64_t>(ext[k].begin - ext[j].begin);
+        const int64_t rj = static_cast<int64_t>((ext[j].end - ext[j].begin - R) / S);
+        const int64_t rk = static_cast<int64_t>((ext[k].end - ext[k].begin - R) / S);
+        const int64_t d0 = -gap / S;
+        bool meet = false;
+        for (int64_t dd : {d0 - 1, d0, d0 + 1})
+          meet |= dd >= -rj && dd <= rk && gap + dd * S < R && gap + dd * S > -R;
+        KVXFER_REQUIRE(!meet,
+                       "%slayer %zu %s block %zu (%p) and layer %zu %s block %zu (%p) share "
+                       "bytes: a receive would write one page's rows over another's",
+                       p, ext[j].index / used, kv_kind_name(ext[j].kind), ext[j].index % used,
+                       reinterpret_cast<void*>(ext[j].begin), ext[k].index / used,
+                       kv_kind_name(ext[k].kind), ext[k].index % used,
+                       reinterpret_cast<void*>(ext[k].begin));
+      }
+  }
   auto block_at = [&](size_t j) {
     const auto [k, i] = where[j];
     return k == KVXFER_KV_KEY ? o.k_blocks[i] : o.v_blocks[i];

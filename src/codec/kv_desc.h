@@ -52,7 +52,8 @@ enum class KvAccess {
  * process_vm_readv, so a bad table pointer is an error, not a crash); every
  * block a token lives in is non-NULL and aligned to the element size.  For
  * host memory (device -1) the first and last used byte of every such block
- * must be readable (kRead) or writable (kWrite), probed with
+ * must be readable (kRead) or writable (kWrite; no two blocks then share
+ * a byte of their rows), probed with
  * process_vm_readv/writev in batches of 1024, and every page between them
  * mapped (mincore); a mapped but protected page between them is not caught.
  * The write probe writes back the bytes it read, so nothing may write those
