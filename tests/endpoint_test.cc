@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -165,6 +166,56 @@ TEST(Endpoint, CrossedConnectsEndWithOnePeerEachSide) {
     EXPECT_EQ(nb, 1) << "round " << round;
     transfer_exact(a.ep, pa, b.ep, pb, 5, 100 + round, lynx());
   }
+}
+
+// Config pointers that are not readable memory (a wild string, a secret of
+// fewer than 32 bytes before an unmapped page): an error at the call, naming
+// the field, never a crash.
+TEST(Endpoint, UnreadableConfigPointersFailAtTheCall) {
+  const long page = sysconf(_SC_PAGESIZE);
+  auto* m = static_cast<uint8_t*>(
+      mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(m, MAP_FAILED);
+  ASSERT_EQ(mprotect(m + page, page, PROT_NONE), 0);
+  std::memset(m, 'a', page);  // no NUL before the unreadable page
+  struct Case {
+    const char* field;
+    void (*edit)(kvxfer_endpoint_config_t*, uint8_t*, long);
+  } const cases[] = {
+      {"bind_address",
+       [](kvxfer_endpoint_config_t* c, uint8_t* m, long page) {
+         c->bind_address = reinterpret_cast<const char*>(m + page);
+       }},
+      {"bind_address",
+       [](kvxfer_endpoint_config_t* c, uint8_t* m, long page) {
+         c->bind_address = reinterpret_cast<const char*>(m + page - 8);  // runs into it
+       }},
+      {"rate_limit", [](kvxfer_endpoint_config_t* c, uint8_t* m,
+                        long page) { c->rate_limit = reinterpret_cast<const char*>(m + page); }},
+      {"secret",
+       [](kvxfer_endpoint_config_t* c, uint8_t* m, long page) {
+         c->secret = m + page - 16;  // 16 of its 32 bytes readable
+       }},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.field);
+    kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
+    cfg.bind_address = "127.0.0.1";
+    k.edit(&cfg, m, page);
+    kvxfer_comm_t ep = reinterpret_cast<kvxfer_comm_t>(0x1);
+    expect_error(kvxfer_endpoint_create(&ep, &cfg), KVXFER_ERR_INVALID_ARGUMENT, k.field);
+    EXPECT_EQ(ep, nullptr);
+    // A communicator's config has the same two strings.
+    if (std::string(k.field) == "secret") continue;
+    kvxfer_comm_config_t cc = KVXFER_COMM_CONFIG_INITIALIZER;
+    cc.bind_address = cfg.bind_address;
+    cc.rate_limit = cfg.rate_limit;
+    kvxfer_unique_id_t id{};
+    kvxfer_comm_t comm = reinterpret_cast<kvxfer_comm_t>(0x1);
+    expect_error(kvxfer_comm_init(&comm, 2, id, 1, &cc), KVXFER_ERR_INVALID_ARGUMENT, k.field);
+    EXPECT_EQ(comm, nullptr);
+  }
+  munmap(m, 2 * page);
 }
 
 TEST(Endpoint, BadAddressesFailAtTheCallAndChangeNothing) {

@@ -451,8 +451,8 @@ typedef struct {
  * `config` may be NULL (defaults).
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, nranks outside [2, 65536], rank
  * out of range, config refused by KVXFER_CONFIG_MAGIC's rule, timeout_ms negative,
- * id malformed, rank 0 in a process that did not make the id, or rank 0 with
- * an id already used: each id makes one communicator; `*comm` is then NULL,
+ * a config string that is not readable memory, id malformed, rank 0 in a process that did not make
+ * the id, or rank 0 with an id already used: each id makes one communicator; `*comm` is then NULL,
  * and an id refused for a bad argument is still usable);
  * KVXFER_ERR_TIMEOUT (a rank missing, a peer unreachable); KVXFER_ERR_SYSTEM
  * (wrong secret: "bootstrap refused by root"; socket errors; another rank's
@@ -550,7 +550,8 @@ typedef struct {
  * allowed.  `config` may be NULL.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL ep, config refused by
  * KVXFER_CONFIG_MAGIC's rule, negative timeout, port outside 0..65535, an
- * unresolvable or wildcard address, a bad rate); KVXFER_ERR_SYSTEM (the
+ * unresolvable or wildcard address, a bad rate, a string or secret pointer
+ * that is not readable memory); KVXFER_ERR_SYSTEM (the
  * port is taken: "bind: Address already in use", socket errors).
  * Thread-safety: any thread; the endpoint is then usable from any thread.
  */

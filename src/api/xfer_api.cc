@@ -55,6 +55,22 @@ std::string id_key(const kvxfer_unique_id_t& id) {
   return std::string(id.internal, sizeof(id.internal));
 }
 
+/**
+ * A config's string field (NUL-terminated, at most 1 KiB), read without
+ * trusting the pointer, so that a wild one is an error at the call and
+ * never a crash: `*out` holds it, and `*ptr` points at `*out` (NULL stays NULL).
+ */
+kvxfer_result_t config_string(const char* p, const char* config, const char* field,
+                              std::string* out, const char** ptr) {
+  *ptr = nullptr;
+  if (p == nullptr) return KVXFER_SUCCESS;
+  KVXFER_REQUIRE(kvxfer::codec::read_string_checked(p, 1024, out),
+                 "%s.%s (%p) is not a readable string of at most 1 KiB", config, field,
+                 static_cast<const void*>(p));
+  *ptr = out->c_str();
+  return KVXFER_SUCCESS;
+}
+
 }  // namespace
 
 static_assert(sizeof(kvxfer_unique_id_t) == sizeof(UniqueId), "unique id sizes differ");
@@ -72,6 +88,11 @@ kvxfer_result_t comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id
     KVXFER_REQUIRE(rank >= 0 && rank < nranks, "rank %d outside [0, %d)", rank, nranks);
     kvxfer_comm_config_t cfg = KVXFER_COMM_CONFIG_INITIALIZER;
     if (config != nullptr) KVXFER_CHECK(kvxfer::read_struct(config, &cfg));
+    std::string bind_text, rate_text;
+    KVXFER_CHECK(config_string(cfg.bind_address, "kvxfer_comm_config_t", "bind_address", &bind_text,
+                               &cfg.bind_address));
+    KVXFER_CHECK(config_string(cfg.rate_limit, "kvxfer_comm_config_t", "rate_limit", &rate_text,
+                               &cfg.rate_limit));
     KVXFER_REQUIRE(cfg.timeout_ms >= 0, "timeout_ms %d is negative", cfg.timeout_ms);
     const int timeout =
         cfg.timeout_ms > 0 ? cfg.timeout_ms : static_cast<int>(kvxfer::params::TimeoutMs());
@@ -107,6 +128,11 @@ kvxfer_result_t endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_
     *ep = nullptr;
     kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
     if (config != nullptr) KVXFER_CHECK(kvxfer::read_struct(config, &cfg));
+    std::string bind_text, rate_text;
+    KVXFER_CHECK(config_string(cfg.bind_address, "kvxfer_endpoint_config_t", "bind_address",
+                               &bind_text, &cfg.bind_address));
+    KVXFER_CHECK(config_string(cfg.rate_limit, "kvxfer_endpoint_config_t", "rate_limit", &rate_text,
+                               &cfg.rate_limit));
     KVXFER_REQUIRE(cfg.timeout_ms >= 0, "timeout_ms %d is negative", cfg.timeout_ms);
     KVXFER_REQUIRE(cfg.port >= 0 && cfg.port <= 65535, "port %d outside 0..65535", cfg.port);
     xfer::Membership::Config mc;
@@ -116,7 +142,9 @@ kvxfer_result_t endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_
     mc.port = static_cast<uint16_t>(cfg.port);
     if (cfg.secret != nullptr) {
       mc.has_secret = true;
-      std::memcpy(mc.secret.data(), cfg.secret, mc.secret.size());
+      KVXFER_REQUIRE(kvxfer::codec::copy_in_checked(cfg.secret, mc.secret.size(), mc.secret.data()),
+                     "kvxfer_endpoint_config_t.secret (%p) is not %zu readable bytes",
+                     static_cast<const void*>(cfg.secret), mc.secret.size());
     }
     auto c = std::make_unique<kvxfer_comm>();
     KVXFER_CHECK(xfer::Engine::create_open(mc.timeout_ms, mc.host, cfg.rate_limit, &c->engine,

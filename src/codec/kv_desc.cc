@@ -109,6 +109,24 @@ bool copy_in_checked(const void* src, size_t len, void* dst) {
   return probe.copy_in(src, len, dst);
 }
 
+bool read_string_checked(const char* src, size_t max, std::string* out) {
+  out->clear();
+  Prober probe;
+  constexpr uintptr_t kPage = 4096;
+  char buf[kPage];
+  for (const char* p = src; out->size() < max;) {
+    // To the end of this page: the next may not be mapped.
+    const size_t n =
+        std::min<size_t>(kPage - reinterpret_cast<uintptr_t>(p) % kPage, max - out->size());
+    if (!probe.copy_in(p, n, buf)) return false;
+    const size_t len = strnlen(buf, n);
+    out->append(buf, len);
+    if (len < n) return true;
+    p += n;
+  }
+  return false;
+}
+
 kvxfer_result_t read_kv_desc(const kvxfer_kv_desc_t* kv, const std::string& prefix,
                              kvxfer_kv_desc_t* out) {
   return read_struct_probed(kv, out, copy_in_checked, prefix.c_str());

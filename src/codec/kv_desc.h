@@ -73,6 +73,13 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
 bool copy_in_checked(const void* src, size_t len, void* dst);
 
 /**
+ * Copies the NUL-terminated string at `src` into `*out` without trusting
+ * `src` (copy_in_checked, a page at a time): false when a byte before the
+ * NUL is not readable memory or no NUL comes within `max` bytes.  Thread-safe.
+ */
+bool read_string_checked(const char* src, size_t max, std::string* out);
+
+/**
  * Reads the caller's descriptor `kv` (struct_abi.h's rule: an older, smaller
  * one is accepted) into `*out`, the fields it lacks at their
  * KVXFER_KV_DESC_INITIALIZER values.  Reads it with process_vm_readv, as
