@@ -450,10 +450,11 @@ typedef struct {
  * thread encodes and decodes pages; both are joined by destroy.
  * `config` may be NULL (defaults).
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, nranks outside [2, 65536], rank
- * out of range, config refused by KVXFER_CONFIG_MAGIC's rule, timeout_ms negative,
- * a config string that is not readable memory, id malformed, rank 0 in a process that did not make
- * the id, or rank 0 with an id already used: each id makes one communicator; `*comm` is then NULL,
- * and an id refused for a bad argument is still usable);
+ * out of range, config refused by KVXFER_CONFIG_MAGIC's rule, timeout_ms
+ * negative, a config string that is not readable memory, id malformed, rank 0
+ * in a process that did not make the id, or rank 0 with an id already used:
+ * each id makes one communicator; `*comm` is then NULL, and an id refused for
+ * a bad argument is still usable);
  * KVXFER_ERR_TIMEOUT (a rank missing, a peer unreachable); KVXFER_ERR_SYSTEM
  * (wrong secret: "bootstrap refused by root"; socket errors; another rank's
  * kvxfer_comm_init failed: "rank N failed: <its error>", within about a
