@@ -1012,8 +1012,16 @@ TEST(Endpoint, AnAbortedEndpointTakesNoNewPeer) {
 // the peer's bytes: KVXFER_ERR_CORRUPT, not the caller's INVALID_ARGUMENT.
 TEST(Endpoint, AMalformedAnswerIsCorrupt) {
   namespace tcp = transport::tcp;
-  for (const uint16_t status : {uint16_t{0}, uint16_t{77}}) {
-    SCOPED_TRACE(status);
+  struct Case {
+    uint16_t status;
+    size_t link_bytes;
+    const char* words;
+  } const cases[] = {{0, 40, "not a kvxfer link address"},
+                     {0, 0, "answered OK without a link address"},
+                     {77, 40, "answered with status 77"}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.words);
+    const uint16_t status = k.status;
     Ep a, b;
     tcp::Fd lst(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
     sockaddr_in sa{};
@@ -1043,7 +1051,7 @@ TEST(Endpoint, AMalformedAnswerIsCorrupt) {
       tcp::put_u16(&f, xfer::kHandshakeVersion);
       tcp::put_u16(&f, status);
       tcp::put_u64(&f, at.incarnation);
-      const std::vector<uint8_t> link(40, 0x11);  // not a Link address
+      const std::vector<uint8_t> link(k.link_bytes, 0x11);  // not a Link address
       tcp::put_u32(&f, static_cast<uint32_t>(link.size()));
       f.insert(f.end(), link.begin(), link.end());
       tcp::put_u32(&f, 0);  // no reason
@@ -1052,7 +1060,7 @@ TEST(Endpoint, AMalformedAnswerIsCorrupt) {
     });
     int p = -1;
     expect_error(kvxfer_endpoint_connect(a.ep, blob.data(), blob.size(), &p), KVXFER_ERR_CORRUPT,
-                 status == 0 ? "not a kvxfer link address" : "answered with status 77");
+                 k.words);
     EXPECT_EQ(p, -1);
     fake.join();
   }

@@ -328,6 +328,9 @@ kvxfer_result_t Membership::exchange(const EndpointAddress& to, bool bye, bool f
     return set_error(KVXFER_ERR_CORRUPT, "%s: %s answered with status %u, which no endpoint sends",
                      kWho, where.c_str(), static_cast<unsigned>(status));
   reply->status = static_cast<HandshakeStatus>(status);
+  if (reply->status == HandshakeStatus::kOk && !bye && reply->link.empty())
+    return set_error(KVXFER_ERR_CORRUPT, "%s: %s answered OK without a link address", kWho,
+                     where.c_str());
   reply->incarnation = tcp::get_u64(f.data() + 8);
   reply->reason.assign(reason.begin(), reason.end());
   return KVXFER_SUCCESS;
