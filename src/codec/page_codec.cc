@@ -47,6 +47,18 @@ kvxfer_result_t validate_config(const kvxfer_codec_config_t* cfg) {
   return pc->check_config(*cfg);
 }
 
+namespace {
+
+/** max_sizes of a validated config and shape. */
+void valid_max_sizes(const kvxfer_codec_config_t& cfg, int64_t T, int32_t H, size_t* anchor_bytes,
+                     size_t* residual_bytes) {
+  PageHeader h = max_header(cfg, T, H);
+  page_codec(cfg.codec)->widen_max_header(&h);
+  max_section_bytes(cfg, h, anchor_bytes, residual_bytes);
+}
+
+}  // namespace
+
 kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H,
                           size_t* anchor_bytes, size_t* residual_bytes) {
   KVXFER_CHECK(validate_config(cfg));
@@ -55,9 +67,7 @@ kvxfer_result_t max_sizes(const kvxfer_codec_config_t* cfg, int64_t T, int32_t H
                  "num_tokens %" PRId64 " outside [0, 2^32]", T);
   KVXFER_REQUIRE(H >= 1 && static_cast<uint32_t>(H) <= kMaxChannels,
                  "num_channels %d outside [1, %u]", H, kMaxChannels);
-  PageHeader h = max_header(*cfg, T, H);
-  page_codec(cfg->codec)->widen_max_header(&h);
-  max_section_bytes(*cfg, h, anchor_bytes, residual_bytes);
+  valid_max_sizes(*cfg, T, H, anchor_bytes, residual_bytes);
   return KVXFER_SUCCESS;
 }
 
@@ -106,8 +116,8 @@ kvxfer_result_t check_encode_buffers(const kvxfer_codec_config_t* cfg,
                                      const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
                                      const void* anchor, size_t anchor_cap, const void* residual,
                                      size_t residual_cap) {
-  size_t amax = 0, rmax = 0;
-  KVXFER_CHECK(max_sizes(cfg, src->num_tokens, src->num_channels, &amax, &rmax));
+  size_t amax = 0, rmax = 0;  // cfg and src are validated (check_encode_args_common)
+  valid_max_sizes(*cfg, src->num_tokens, src->num_channels, &amax, &rmax);
   const size_t an = std::min(anchor_cap, amax), rn = std::min(residual_cap, rmax);
   KVXFER_REQUIRE(!ranges_meet(anchor, an, residual, rn),
                  "the anchor buffer [%p, +%zu) and the residual buffer [%p, +%zu) overlap", anchor,
