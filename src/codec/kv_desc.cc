@@ -260,15 +260,11 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                        "a layout this interleaved is not supported",
                        p, kMaxInterleaved, ext[j].index / used, kv_kind_name(ext[j].kind),
                        ext[j].index % used);
-        // Rows r of j and m of k meet iff gap + (m - r) S lies in (-R, R).
+        // Row r of j and row m of k: m - r in [-(rows of j - 1), rows of k - 1].
         const int64_t gap = static_cast<int64_t>(ext[k].begin - ext[j].begin);
         const int64_t rj = static_cast<int64_t>((ext[j].end - ext[j].begin - R) / S);
         const int64_t rk = static_cast<int64_t>((ext[k].end - ext[k].begin - R) / S);
-        const int64_t d0 = -gap / S;
-        bool meet = false;
-        for (int64_t dd : {d0 - 1, d0, d0 + 1})
-          meet |= dd >= -rj && dd <= rk && gap + dd * S < R && gap + dd * S > -R;
-        KVXFER_REQUIRE(!meet,
+        KVXFER_REQUIRE(!strided_rows_meet(gap, -rj, rk, S, R),
                        "%slayer %zu %s block %zu (%p) and layer %zu %s block %zu (%p) share "
                        "bytes: a receive would write one page's rows over another's",
                        p, ext[j].index / used, kv_kind_name(ext[j].kind), ext[j].index % used,

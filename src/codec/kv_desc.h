@@ -66,6 +66,22 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
                                  const std::string& prefix, KvDesc* out);
 
 /**
+ * True when two runs of rows share a byte: rows of `row` bytes every
+ * `stride` bytes (stride >= row), the second run's base `gap` bytes after the
+ * first's (gap may be negative), for row-index differences d (the second's
+ * row minus the first's) in [lo, hi]: some such d has -row < gap + d * stride
+ * < row.  Only the d nearest -gap / stride can, so three are tried.  Every
+ * gap + d * stride must fit in int64.  The one test of KV blocks that
+ * interleave (the pool's regions, a receive's blocks).
+ */
+inline bool strided_rows_meet(int64_t gap, int64_t lo, int64_t hi, int64_t stride, int64_t row) {
+  const int64_t d0 = -gap / stride;
+  for (int64_t d : {d0 - 1, d0, d0 + 1})
+    if (d >= lo && d <= hi && gap + d * stride < row && gap + d * stride > -row) return true;
+  return false;
+}
+
+/**
  * Copies `len` bytes at `src` into `dst` without trusting `src`: false (and
  * no fault) if any of them is not readable memory (the probe of
  * validate_kv_desc).  Thread-safe.

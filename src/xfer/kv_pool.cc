@@ -77,13 +77,7 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
   }
   const int64_t S = p->block_stride_, last = d.num_blocks - 1;
   const int64_t Sr = p->row_stride_ * es, R = H * es, rows = d.block_size - 1;
-  auto rows_meet = [&](int64_t gap) {
-    if (gap >= extent || gap <= -extent) return false;
-    const int64_t k0 = -gap / Sr;
-    for (int64_t k : {k0 - 1, k0, k0 + 1})
-      if (k >= -rows && k <= rows && gap + k * Sr < R && gap + k * Sr > -R) return true;
-    return false;
-  };
+  auto rows_meet = [&](int64_t gap) { return codec::strided_rows_meet(gap, -rows, rows, Sr, R); };
   for (size_t i = 0; i < bases.size(); ++i)
     for (size_t j = i + 1; j < bases.size(); ++j) {
       const int64_t delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(bases[j].first) -
