@@ -10,13 +10,9 @@ namespace {
 
 /**
  * The caller's codec config made whole (struct_abi.h: an older, smaller one
- * takes the defaults for the fields it lacks).  An encode's lengths read 0
- * on failure, as on every other encode failure.
+ * takes the defaults for the fields it lacks).
  */
-kvxfer_result_t whole_config(const kvxfer_codec_config_t* config, kvxfer_codec_config_t* out,
-                             size_t* anchor_len = nullptr, size_t* residual_len = nullptr) {
-  if (anchor_len != nullptr) *anchor_len = 0;
-  if (residual_len != nullptr) *residual_len = 0;
+kvxfer_result_t whole_config(const kvxfer_codec_config_t* config, kvxfer_codec_config_t* out) {
   return kvxfer::read_struct(config, out);
 }
 
@@ -49,7 +45,7 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
   kvxfer::reset_outputs(anchor_len, residual_len);
   return api_call(__func__, [&] {
     kvxfer_codec_config_t c;
-    KVXFER_CHECK(whole_config(config, &c, anchor_len, residual_len));
+    KVXFER_CHECK(whole_config(config, &c));
     return kvxfer::codec::encode_page(&c, id, src, anchor, anchor_cap, anchor_len, residual,
                                       residual_cap, residual_len);
   });
@@ -64,7 +60,7 @@ kvxfer_result_t kvxfer_page_encode_tiered(const kvxfer_codec_config_t* config,
   kvxfer::reset_outputs(anchor_len, residual_len);
   return api_call(__func__, [&] {
     kvxfer_codec_config_t c;
-    KVXFER_CHECK(whole_config(config, &c, anchor_len, residual_len));
+    KVXFER_CHECK(whole_config(config, &c));
     return kvxfer::codec::encode_page_tiered(&c, id, src, token_tiers, anchor, anchor_cap,
                                              anchor_len, residual, residual_cap, residual_len);
   });

@@ -253,13 +253,14 @@ kvxfer_result_t kvxfer_comm_user_rank(kvxfer_comm_t comm, int* rank) {
   });
 }
 
+// post and post_blocks run in the entry points' api_call, which emptied
+// *request first (reset_outputs).
 static kvxfer_result_t post(bool is_send, kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_codec_config_t* codec,
                             const kvxfer_request_config_t* config, kvxfer_request_t* request,
                             const kvxfer::xfer::SpectrumArgs* spectrum = nullptr,
                             void* cuda_stream = nullptr) {
   KVXFER_REQUIRE(comm != nullptr && request != nullptr, "comm or request is NULL");
-  *request = nullptr;
   // The caller's structs made whole (common/struct_abi.h: older, smaller ones
   // take the defaults for the fields they lack); the engine reads the copies.
   kvxfer_kv_desc_t kv_whole;
@@ -322,7 +323,6 @@ kvxfer_result_t kvxfer_kv_pool_register(const kvxfer_kv_pool_desc_t* desc, kvxfe
   kvxfer::reset_outputs(pool);
   return kvxfer::api_call(__func__, [&] {
     KVXFER_REQUIRE(pool != nullptr, "pool is NULL");
-    *pool = nullptr;
     auto h = std::make_unique<kvxfer_kv_pool>();
     KVXFER_CHECK(kvxfer::xfer::KvPool::create(desc, &h->pool));
     *pool = h.release();
@@ -351,7 +351,6 @@ static kvxfer_result_t post_blocks(bool is_send, kvxfer_comm_t comm, int peer,
                                    kvxfer_request_t* request) {
   KVXFER_REQUIRE(comm != nullptr && request != nullptr && pool != nullptr,
                  "comm, pool or request is NULL");
-  *request = nullptr;
   std::vector<void*> k, v;
   kvxfer_kv_desc_t kv;
   KVXFER_CHECK(pool->pool->describe(blocks, !is_send, &k, &v, &kv));

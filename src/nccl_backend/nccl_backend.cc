@@ -301,7 +301,6 @@ kvxfer_result_t kvxfer_nccl_comm_init(kvxfer_nccl_comm_t* comm, int nranks, nccl
   kvxfer::reset_outputs(comm);
   return api_call("kvxfer_nccl_comm_init", [&]() -> kvxfer_result_t {
     KVXFER_REQUIRE(comm != nullptr, "NULL communicator output");
-    *comm = nullptr;
     KVXFER_REQUIRE(nranks >= 1, "nranks %d must be at least 1", nranks);
     KVXFER_REQUIRE(rank >= 0 && rank < nranks, "rank %d is outside [0, %d)", rank, nranks);
     KVXFER_REQUIRE(device >= -1, "device %d is not -1 (current) or a CUDA ordinal", device);
@@ -367,7 +366,6 @@ kvxfer_result_t kvxfer_nccl_comm_init_from_comms(kvxfer_nccl_comm_t* comm, ncclC
   kvxfer::reset_outputs(comm);
   return api_call("kvxfer_nccl_comm_init_from_comms", [&]() -> kvxfer_result_t {
     KVXFER_REQUIRE(comm != nullptr, "NULL communicator output");
-    *comm = nullptr;
     KVXFER_REQUIRE(anchor_comm != nullptr && residual_comm != nullptr,
                    "both NCCL communicators must be given");
     KVXFER_REQUIRE(anchor_comm != residual_comm,
