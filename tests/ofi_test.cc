@@ -246,6 +246,66 @@ TEST(ofiRate, GreedySenderNeverBeatsTheRate) {
 }
 
 // ---------------------------------------------------------------------------
+// Provider memory defaults
+// ---------------------------------------------------------------------------
+// In a fresh process (threadsafe death-test style re-executes this binary):
+// the defaults go into the environment while another thread reads it, and
+// the array that thread may be reading is left as it was.  setenv instead
+// reallocates it: the array gains an entry in place or is freed.
+void set_defaults_while_reading_the_environment() {
+  const char* const kVars[][2] = {{"FI_OFI_RXM_MSG_RX_SIZE", "16"},
+                                  {"FI_OFI_RXM_BUFFER_SIZE", "4096"},
+                                  {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
+                                  {"FI_UNIVERSE_SIZE", "16"}};
+  for (const auto& kv : kVars) unsetenv(kv[0]);
+  setenv("KVXFER_TEST_MARK", "1", 1);  // environ is now an array setenv allocated
+  char** const before = environ;
+  std::vector<char*> snapshot;
+  for (size_t i = 0; before[i] != nullptr; ++i) snapshot.push_back(before[i]);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> reads{0};
+  std::thread reader([&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+      if (getenv("KVXFER_TEST_NEVER_SET") != nullptr) std::_Exit(3);
+      reads.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  while (reads.load() < 100) std::this_thread::yield();
+  const std::string set = apply_provider_memory_defaults();
+  stop = true;
+  reader.join();
+  for (size_t i = 0; i < snapshot.size(); ++i)
+    if (before[i] != snapshot[i]) {
+      std::fprintf(stderr, "entry %zu of the old environ array changed\n", i);
+      std::_Exit(1);
+    }
+  if (before[snapshot.size()] != nullptr) {
+    std::fprintf(stderr, "the old environ array gained an entry\n");
+    std::_Exit(1);
+  }
+  for (const auto& kv : kVars) {
+    const char* v = getenv(kv[0]);
+    if (v == nullptr || std::strcmp(v, kv[1]) != 0) {
+      std::fprintf(stderr, "%s=%s, expected %s\n", kv[0], v != nullptr ? v : "(unset)", kv[1]);
+      std::_Exit(1);
+    }
+  }
+  std::fprintf(stderr, "set %s\n", set.c_str());
+  std::_Exit(0);
+}
+
+TEST(ofiDefaultsDeathTest, SetWhileAnotherThreadReadsTheEnvironment) {
+#ifdef GTEST_FLAG_SET
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+#else
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+#endif
+  EXPECT_EXIT(set_defaults_while_reading_the_environment(), ::testing::ExitedWithCode(0),
+              "set FI_OFI_RXM_MSG_RX_SIZE=16 FI_OFI_RXM_BUFFER_SIZE=4096 "
+              "FI_OFI_RXM_EAGER_LIMIT=16384 FI_UNIVERSE_SIZE=16");
+}
+
+// ---------------------------------------------------------------------------
 // Traffic classes
 // ---------------------------------------------------------------------------
 TEST(ofiTrafficClass, NamesMapToFiTc) {

@@ -20,8 +20,8 @@ namespace kvxfer::transport::fabric_lib {
 
 /**
  * Loads libfabric (libfabric.so.1) once per process, in this order:
- *   1. apply_provider_memory_defaults() (ofi.h): setenv before libfabric
- *      reads its parameters;
+ *   1. apply_provider_memory_defaults() (ofi.h): its variables into the
+ *      environment before libfabric reads its parameters;
  *   2. dlopen by name, else from the directory of the libfabric kvxfer was
  *      built against; then the five functions below at the symbol versions
  *      that the headers kvxfer was built with bind to;
@@ -29,9 +29,7 @@ namespace kvxfer::transport::fabric_lib {
  *      from before the dlopen: a handler libinfinipath or libpsm installed
  *      gives way to what the process had.
  * Thread-safe (std::call_once); later calls return the first call's result
- * and set its error again.  setenv races with getenv on other threads: the
- * first call should come before the application's threads read the
- * environment.
+ * and set its error again.
  *
  * Errors: KVXFER_ERR_UNSUPPORTED when the library cannot be opened,
  * KVXFER_ERR_SYSTEM when it lacks one of the functions (the message names it).

@@ -130,11 +130,25 @@ std::string apply_provider_memory_defaults() {
         {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
         {"FI_UNIVERSE_SIZE", "16"},
     };
+    // Not setenv: each new variable makes glibc reallocate (and free) the
+    // environ array, and a getenv on another thread meanwhile reads freed
+    // memory (it crashed Comm.ThreeRanksEveryPairExchanges).  The variables
+    // go into a new array, published with one store; the old one is neither
+    // changed nor freed.  The new one is never freed either (not even by
+    // static destructors, as a getenv may run after them).
+    static auto* const added = new std::vector<std::string>();
     for (const auto& kv : kDefaults) {
       if (std::getenv(kv[0]) != nullptr) continue;  // the user's value wins
-      if (setenv(kv[0], kv[1], 0) == 0)
-        set += strprintf("%s%s=%s", set.empty() ? "" : " ", kv[0], kv[1]);
+      added->push_back(strprintf("%s=%s", kv[0], kv[1]));
+      set += strprintf("%s%s", set.empty() ? "" : " ", added->back().c_str());
     }
+    if (added->empty()) return;
+    size_t n = 0;
+    while (environ != nullptr && environ[n] != nullptr) ++n;
+    static auto* const fresh = new std::vector<char*>(environ, environ + n);
+    for (std::string& v : *added) fresh->push_back(v.data());
+    fresh->push_back(nullptr);
+    __atomic_store_n(&environ, fresh->data(), __ATOMIC_RELEASE);
   });
   return set;
 }
