@@ -10,13 +10,14 @@
 // list order, at most -W in flight, connecting to a peer at its first use.
 // Midway (--kill_at completed requests) the coordinator kills prefill 1 with
 // SIGKILL and starts it again on the same port; the decodes connect to the
-// new incarnation for the requests from index K on (K: the first index no
-// decode had posted when told), and those before K that no decode had
-// posted yet are not posted.  At --disconnect_at of its own completions,
-// decode 0 waits until nothing is in flight with prefill 2, disconnects from
-// it and reconnects at its next use; prefill 2 posts again the sends that
-// the disconnect ended.  Received bytes are compared with the codec's own
-// decode of the sender's values (-c 1).
+// new incarnation for the requests from index K on (K: the first index
+// no decode had posted, or counted as the killed incarnation's, when
+// told), and those before K that no decode had posted yet are not posted.
+// At --disconnect_at of its own completions, decode 0 waits until nothing
+// is in flight with prefill 2, disconnects from it and reconnects at its
+// next use; prefill 2 posts again the sends that the disconnect ended.
+// Received bytes are compared with the codec's own decode of the sender's
+// values (-c 1).
 #include <poll.h>
 #include <signal.h>
 #include <unistd.h>
@@ -240,7 +241,11 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   bool disconnected = false;
   std::deque<Live> live;
   int next = 0;
-  auto check_coordinator = [&] {
+  // `unposted`: the first index this decode has neither posted nor counted
+  // (next, or next + 1 once request `next` was counted as the killed
+  // incarnation's): K must not be below it, or the restarted prefill would
+  // send a request this decode no longer posts.
+  auto check_coordinator = [&](int unposted) {
     while (readable(rd)) {
       if (!read_msg(rd, &k, &body, 60000)) return;
       if (k == 'R' && body.size() >= 8) {  // P1 killed at t (ns) and restarted at a new blob
@@ -248,7 +253,7 @@ int decode_main(const Options& o, int me, int rd, int wr) {
         peers.blobs[kKilled].assign(body.begin() + 8, body.end());
         peers.idx.erase(kKilled);
         old_p1 = false;
-        const int32_t n = next;
+        const int32_t n = unposted;
         send_msg(wr, 'N', &n, 4);
         if (!read_msg(rd, &k, &body, 60000) || k != 'K' || body.size() != 4) return;
         std::memcpy(&cut, body.data(), 4);
@@ -263,7 +268,7 @@ int decode_main(const Options& o, int me, int rd, int wr) {
     kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
     kvxfer_request_get_info(l.r, &info);
     kvxfer_request_free(l.r);
-    check_coordinator();  // t_kill may have come meanwhile
+    check_coordinator(next);  // t_kill may have come meanwhile
     if (w == KVXFER_SUCCESS) {
       ++rep.ok;
       ++completions;
@@ -292,13 +297,9 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   };
   for (next = 0; next < o.requests; ++next) {
     const int i = next;
-    check_coordinator();
+    check_coordinator(next);
     if (reqs[i].d != me) continue;
     const int p = reqs[i].p;
-    if (p == kKilled && !old_p1 && i < cut) {  // the killed incarnation's, never posted
-      ++rep.skipped;
-      continue;
-    }
     while (static_cast<int>(live.size()) >= o.window) finish_oldest();
     // Decode 0 leaves prefill 2 once, with nothing in flight with it, and
     // comes back at its next use.
@@ -311,6 +312,11 @@ int decode_main(const Options& o, int me, int rd, int wr) {
       }
       disconnected = true;
     }
+    // After the waits above, which may have read K.
+    if (p == kKilled && !old_p1 && i < cut) {  // the killed incarnation's, never posted
+      ++rep.skipped;
+      continue;
+    }
     Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim)};
     l.killed_incarnation = p == kKilled && old_p1;
     const kvxfer_request_config_t rc = kp::by_id(static_cast<uint64_t>(i), kPageTokens);
@@ -318,7 +324,7 @@ int decode_main(const Options& o, int me, int rd, int wr) {
     if (peer < 0 || kvxfer_recv(ep, peer, &l.kv->desc, &rc, &l.r) != KVXFER_SUCCESS) {
       // A post to the killed incarnation, after its death was seen.
       if (l.killed_incarnation) {
-        check_coordinator();
+        check_coordinator(next + 1);  // this one is counted here, not posted
         const int64_t t = kp::mono_ns();
         ++rep.killed_err;
         if (t_kill > 0) rep.max_after_kill_s = std::max(rep.max_after_kill_s, (t - t_kill) * 1e-9);
