@@ -95,9 +95,9 @@ bool read_msg(int fd, char* kind, std::vector<uint8_t>* body, int timeout_ms) {
   *kind = static_cast<char>(t);
   return true;
 }
-bool readable(int fd) {
+bool readable(int fd, int wait_ms = 0) {
   pollfd p{fd, POLLIN, 0};
-  return ::poll(&p, 1, 0) > 0;
+  return ::poll(&p, 1, wait_ms) > 0;
 }
 
 /** Every process's address: prefill 0..P-1, then decode 0..D-1. */
@@ -269,6 +269,10 @@ int decode_main(const Options& o, int me, int rd, int wr) {
     kvxfer_request_get_info(l.r, &info);
     kvxfer_request_free(l.r);
     check_coordinator(next);  // t_kill may have come meanwhile
+    // A request of the killed incarnation may fail before the coordinator
+    // says so (the link saw the death first): its word comes soon.
+    while (w != KVXFER_SUCCESS && l.killed_incarnation && t_kill == 0 && readable(rd, 60000))
+      check_coordinator(next);
     if (w == KVXFER_SUCCESS) {
       ++rep.ok;
       ++completions;
