@@ -25,6 +25,16 @@
 // round-robin, giving up on a peer after 2 s of -FI_EAGAIN, and prints per
 // peer the sends posted and completed within 5 s, the time the live peers'
 // last send completed, and, after SIGCONT, whether peer 0 got them all.
+//
+//   /tmp/rxm_shared_endpoint --depart N [BYTES [MSGS [discard]]]
+//
+// asks what a departed peer leaves behind: N peers each send MSGS messages
+// of BYTES that this side never receives, and exit; with `discard`, each
+// one's are then dropped (fi_trecvmsg FI_PEEK | FI_DISCARD on its address
+// until FI_ENOMSG); all are removed from the address vector and a new peer
+// joins.  It prints VmRSS, whether the new peer got a removed fi_addr_t, and
+// how many departed messages a receive from the new peer's address, then
+// from any address, still matches.
 #include <dirent.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -132,8 +142,9 @@ struct Rdm {
 };
 
 constexpr uint64_t kReplyTag = 7, kNameTag = 1000, kDataTag = 5000;
-int kStallMsgs = 64;                   // --stall N BYTES MSGS
-size_t kStallBytes = size_t{1} << 20;  // --stall N BYTES; 1 MiB: past the eager limit
+int g_msgs = 64;                   // --stall/--depart N BYTES MSGS
+size_t g_bytes = size_t{1} << 20;  // 1 MiB: past the eager limit
+bool g_discard = false;            // --depart N BYTES MSGS discard
 
 double now_s() {
   timespec t;
@@ -141,7 +152,11 @@ double now_s() {
   return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-[[noreturn]] void run_peer(int i, const std::string& server, int stay_fd, bool stall) {
+// kIdle: waits; kReceive: takes g_msgs messages; kDepart: sends g_msgs
+// messages of one byte value (its index + 1) that nobody receives, then exits.
+enum class Mode { kIdle, kReceive, kDepart };
+
+[[noreturn]] void run_peer(int i, const std::string& server, int stay_fd, Mode mode) {
   Rdm c;
   c.open();
   fi_addr_t s;
@@ -151,23 +166,85 @@ double now_s() {
   CHECK(fi_trecv(c.ep, reply, sizeof reply, nullptr, FI_ADDR_UNSPEC, kReplyTag, 0, &recv_ctx));
   while (fi_tsend(c.ep, c.name, c.name_len, nullptr, s, kNameTag + i, &send_ctx) == -FI_EAGAIN)
     fi_cq_read(c.cq, nullptr, 0);
-  if (stall) {  // the data's receives first, then the handshake
-    static std::vector<char> buf(static_cast<size_t>(kStallMsgs) * kStallBytes);
-    static std::vector<fi_context2> ctx(kStallMsgs);
-    for (int k = 0; k < kStallMsgs; ++k)
-      CHECK(fi_trecv(c.ep, buf.data() + k * kStallBytes, kStallBytes, nullptr, FI_ADDR_UNSPEC,
-                     kDataTag, 0, &ctx[k]));
-  }
+  static std::vector<char> buf(static_cast<size_t>(g_msgs) * g_bytes, static_cast<char>(i + 1));
+  static std::vector<fi_context2> ctx(g_msgs);
+  if (mode == Mode::kReceive)  // posted before the server can send
+    for (int k = 0; k < g_msgs; ++k)
+      CHECK(fi_trecv(c.ep, buf.data() + k * g_bytes, g_bytes, nullptr, FI_ADDR_UNSPEC, kDataTag, 0,
+                     &ctx[k]));
   c.next();
   c.next();
-  if (stall) {
+  if (mode == Mode::kReceive) {
     int got = 0;
-    while (got < kStallMsgs) got += (c.next().flags & FI_RECV) != 0;
-    std::exit(got == kStallMsgs ? 0 : 4);
+    while (got < g_msgs) got += (c.next().flags & FI_RECV) != 0;
+    std::exit(0);
+  }
+  if (mode == Mode::kDepart) {  // a rendezvous send never completes: leave after 1 s
+    for (int k = 0; k < g_msgs; ++k)
+      while (fi_tsend(c.ep, buf.data() + k * g_bytes, g_bytes, nullptr, s, kDataTag, &ctx[k]) ==
+             -FI_EAGAIN)
+        fi_cq_read(c.cq, nullptr, 0);
+    const double t = now_s();
+    fi_cq_tagged_entry e;
+    while (now_s() - t < 1.0) fi_cq_read(c.cq, &e, 1);
+    std::exit(0);
   }
   char b;
   if (read(stay_fd, &b, 1) < 0) std::exit(3);  // until the server closes the pipe
   std::exit(0);
+}
+
+// Forks n peers, receives their names, inserts them and answers each.
+struct Started {
+  std::vector<pid_t> pids;
+  std::vector<fi_addr_t> addr;
+  int stay = -1;  // closing it lets idle peers exit
+};
+Started start_peers(Rdm& s, int n, Mode mode, int first_index = 0) {
+  Started st;
+  int stay[2];
+  if (pipe(stay) != 0) std::exit(1);
+  const std::string name(s.name, s.name_len);
+  std::fflush(stdout);  // else the children print it again
+  for (int i = 0; i < n; ++i) {
+    const pid_t p = fork();
+    if (p == 0) {
+      close(stay[1]);
+      run_peer(first_index + i, name, stay[0], mode);
+    }
+    st.pids.push_back(p);
+  }
+  close(stay[0]);
+  st.stay = stay[1];
+  std::vector<std::vector<char>> names(n, std::vector<char>(256));
+  std::vector<fi_context2> recv_ctx(n), send_ctx(n);
+  st.addr.resize(n);
+  static char hi[8] = "hi";
+  for (int i = 0; i < n; ++i)
+    CHECK(fi_trecv(s.ep, names[i].data(), 256, nullptr, FI_ADDR_UNSPEC, kNameTag + first_index + i,
+                   0, &recv_ctx[i]));
+  for (int done = 0; done < 2 * n;) {
+    const fi_cq_tagged_entry e = s.next();
+    if (e.op_context == nullptr) continue;  // not one of these
+    ++done;
+    if ((e.flags & FI_RECV) == 0) continue;
+    const int i = static_cast<int>(static_cast<fi_context2*>(e.op_context) - recv_ctx.data());
+    if (fi_av_insert(s.av, names[i].data(), 1, &st.addr[i], 0, nullptr) != 1) std::exit(4);
+    while (fi_tsend(s.ep, hi, sizeof hi, nullptr, st.addr[i], kReplyTag, &send_ctx[i]) ==
+           -FI_EAGAIN)
+      fi_cq_read(s.cq, nullptr, 0);
+  }
+  return st;
+}
+
+int wait_all(const std::vector<pid_t>& pids) {
+  int ok = 0;
+  for (pid_t p : pids) {
+    int st = 0;
+    waitpid(p, &st, 0);
+    ok += WIFEXITED(st) && WEXITSTATUS(st) == 0;
+  }
+  return ok;
 }
 
 }  // namespace
@@ -176,37 +253,10 @@ double now_s() {
 int stall_main(int n) {
   Rdm s;
   s.open();
-  const std::string name(s.name, s.name_len);
-  int stay[2];
-  if (pipe(stay) != 0) return 1;
-  std::vector<pid_t> peers;
-  for (int i = 0; i < n; ++i) {
-    const pid_t p = fork();
-    if (p == 0) {
-      close(stay[1]);
-      run_peer(i, name, stay[0], true);
-    }
-    peers.push_back(p);
-  }
-  std::vector<std::vector<char>> names(n, std::vector<char>(256));
-  std::vector<fi_context2> recv_ctx(n), send_ctx(n);
-  std::vector<fi_addr_t> addr(n);
-  static char hi[8] = "hi";
-  for (int i = 0; i < n; ++i)
-    CHECK(fi_trecv(s.ep, names[i].data(), 256, nullptr, FI_ADDR_UNSPEC, kNameTag + i, 0,
-                   &recv_ctx[i]));
-  for (int done = 0; done < 2 * n;) {
-    const fi_cq_tagged_entry e = s.next();
-    ++done;
-    if ((e.flags & FI_RECV) == 0) continue;
-    const int i = static_cast<int>(static_cast<fi_context2*>(e.op_context) - recv_ctx.data());
-    if (fi_av_insert(s.av, names[i].data(), 1, &addr[i], 0, nullptr) != 1) return 4;
-    while (fi_tsend(s.ep, hi, sizeof hi, nullptr, addr[i], kReplyTag, &send_ctx[i]) == -FI_EAGAIN)
-      fi_cq_read(s.cq, nullptr, 0);
-  }
-  kill(peers[0], SIGSTOP);
-  std::vector<char> data(kStallBytes, 'x');
-  std::vector<fi_context2> ctx(static_cast<size_t>(n) * kStallMsgs);
+  Started st = start_peers(s, n, Mode::kReceive);
+  kill(st.pids[0], SIGSTOP);
+  std::vector<char> data(g_bytes, 'x');
+  std::vector<fi_context2> ctx(static_cast<size_t>(n) * g_msgs);
   std::vector<int> posted(n, 0), completed(n, 0);
   std::vector<bool> gave_up(n, false);
   const double t0 = now_s();
@@ -215,20 +265,20 @@ int stall_main(int n) {
     fi_cq_tagged_entry e;
     while (fi_cq_read(s.cq, &e, 1) == 1) {
       const size_t k = static_cast<size_t>(static_cast<fi_context2*>(e.op_context) - ctx.data());
-      if (k < ctx.size() && ++completed[k / kStallMsgs] == kStallMsgs && k / kStallMsgs != 0) {
+      if (k < ctx.size() && ++completed[k / g_msgs] == g_msgs && k / g_msgs != 0) {
         bool all = true;
-        for (int i = 1; i < n; ++i) all = all && completed[i] == kStallMsgs;
+        for (int i = 1; i < n; ++i) all = all && completed[i] == g_msgs;
         if (all) live_done = now_s() - t0;
       }
     }
   };
-  for (int k = 0; k < kStallMsgs; ++k)
+  for (int k = 0; k < g_msgs; ++k)
     for (int i = 0; i < n; ++i) {
       if (gave_up[i]) continue;
       const double since = now_s();
-      fi_context2* c = &ctx[static_cast<size_t>(i) * kStallMsgs + k];
+      fi_context2* c = &ctx[static_cast<size_t>(i) * g_msgs + k];
       ssize_t r;
-      while ((r = fi_tsend(s.ep, data.data(), kStallBytes, nullptr, addr[i], kDataTag, c)) ==
+      while ((r = fi_tsend(s.ep, data.data(), g_bytes, nullptr, st.addr[i], kDataTag, c)) ==
              -FI_EAGAIN) {
         reap();
         if (now_s() - since > 2.0) break;
@@ -243,36 +293,108 @@ int stall_main(int n) {
     std::printf("peer %d%s: %d sends posted, %d completed within 5 s%s\n", i,
                 i == 0 ? " (stopped)" : "", posted[i], completed[i],
                 gave_up[i] ? " (gave up after 2 s of -FI_EAGAIN)" : "");
-  std::printf("the live peers' %d messages of %zu bytes each: %s\n", kStallMsgs, kStallBytes,
+  std::printf("the live peers' %d messages of %zu bytes each: %s\n", g_msgs, g_bytes,
               live_done > 0 ? (std::to_string(live_done) + " s after the first send").c_str()
                             : "not all completed");
-  kill(peers[0], SIGCONT);
+  kill(st.pids[0], SIGCONT);
   const double t1 = now_s();
   while (completed[0] < posted[0] && now_s() - t1 < 10.0) reap();
   // Peer 0's receives beyond what was posted never complete: release it.
-  for (int k = posted[0]; k < kStallMsgs; ++k) {
-    fi_context2* c = &ctx[static_cast<size_t>(k)];
-    while (fi_tsend(s.ep, data.data(), kStallBytes, nullptr, addr[0], kDataTag, c) == -FI_EAGAIN)
+  for (int k = posted[0]; k < g_msgs; ++k)
+    while (fi_tsend(s.ep, data.data(), g_bytes, nullptr, st.addr[0], kDataTag, &ctx[k]) ==
+           -FI_EAGAIN)
       reap();
-  }
-  while (completed[0] < kStallMsgs && now_s() - t1 < 20.0) reap();
-  close(stay[1]);
-  int ok = 0;
-  for (pid_t p : peers) {
-    int st = 0;
-    waitpid(p, &st, 0);
-    ok += WIFEXITED(st) && WEXITSTATUS(st) == 0;
-  }
+  while (completed[0] < g_msgs && now_s() - t1 < 20.0) reap();
+  close(st.stay);
+  const int ok = wait_all(st.pids);
   std::printf("after SIGCONT: peer 0 completed %d of %d; %d of %d peers received all\n",
-              completed[0], kStallMsgs, ok, n);
+              completed[0], g_msgs, ok, n);
+  return 0;
+}
+
+// --depart N: see the header.
+int depart_main(int n) {
+  Rdm s;
+  s.open();
+  const long rss0 = rss_kb();
+  Started st = start_peers(s, n, Mode::kDepart);
+  const double t0 = now_s();
+  while (now_s() - t0 < 1.0) s.progress(1);  // their messages land, unexpected
+  const int ok = wait_all(st.pids);
+  s.progress(100);
+  const long rss1 = rss_kb();
+  int discarded = 0;
+  if (g_discard)  // each departed peer's unexpected messages, any tag
+    for (fi_addr_t a : st.addr)
+      for (;;) {
+        fi_context2 c{};
+        fi_msg_tagged m{};
+        m.addr = a;
+        m.ignore = ~uint64_t{0};
+        m.context = &c;
+        CHECK(fi_trecvmsg(s.ep, &m, FI_PEEK | FI_DISCARD));
+        fi_cq_tagged_entry e{};
+        ssize_t r;
+        while ((r = fi_cq_read(s.cq, &e, 1)) == -FI_EAGAIN) {
+        }
+        if (r != 1) {  // FI_ENOMSG: none left
+          fi_cq_err_entry err{};
+          fi_cq_readerr(s.cq, &err, 0);
+          break;
+        }
+        ++discarded;
+      }
+  for (fi_addr_t& a : st.addr) CHECK(fi_av_remove(s.av, &a, 1, 0));
+  s.progress(100);
+  const long rss2 = rss_kb();
+  std::printf(
+      "%d peers sent %d x %zu bytes unreceived and exited (%d exited 0): VmRSS %ld -> "
+      "%ld kB; %d discarded (FI_PEEK | FI_DISCARD); after fi_av_remove of all: %ld kB, %d fds\n",
+      n, g_msgs, g_bytes, ok, rss0, rss1, discarded, rss2, open_fds());
+  Started late = start_peers(s, 1, Mode::kIdle, n);
+  bool reused = false;
+  for (fi_addr_t a : st.addr) reused = reused || a == late.addr[0];
+  std::vector<char> buf(g_bytes);
+  std::vector<fi_context2> ctx(2);
+  int stale[2] = {0, 0};
+  const fi_addr_t from[2] = {late.addr[0], FI_ADDR_UNSPEC};
+  for (int w = 0; w < 2; ++w) {
+    std::printf("posting receives of the departed peers' tag from %s ...\n",
+                w == 0 ? "the new peer's address" : "any address");
+    std::fflush(stdout);
+    for (;;) {
+      CHECK(fi_trecv(s.ep, buf.data(), g_bytes, nullptr, from[w], kDataTag, 0, &ctx[w]));
+      fi_cq_tagged_entry e{};
+      const double t = now_s();
+      ssize_t r = 0;
+      while ((r = fi_cq_read(s.cq, &e, 1)) != 1 && now_s() - t < 0.5) {
+      }
+      if (r != 1) {
+        fi_cancel(&s.ep->fid, &ctx[w]);
+        s.progress(20);
+        break;
+      }
+      ++stale[w];
+    }
+    std::printf("  %d matched\n", stale[w]);
+    std::fflush(stdout);
+  }
+  std::printf(
+      "the new peer has fi_addr_t %llu (%s a removed peer's); departed peers' messages "
+      "matched by a receive from it: %d, from any address: %d (of %d sent)\n",
+      static_cast<unsigned long long>(late.addr[0]), reused ? "reusing" : "not", stale[0], stale[1],
+      n * g_msgs);
+  close(late.stay);
+  wait_all(late.pids);
   return 0;
 }
 
 int main(int argc, char** argv) {
-  if (argc > 2 && std::strcmp(argv[1], "--stall") == 0) {
-    if (argc > 3) kStallBytes = std::strtoull(argv[3], nullptr, 10);
-    if (argc > 4) kStallMsgs = std::atoi(argv[4]);
-    return stall_main(std::atoi(argv[2]));
+  if (argc > 2 && (std::strcmp(argv[1], "--stall") == 0 || std::strcmp(argv[1], "--depart") == 0)) {
+    if (argc > 3) g_bytes = std::strtoull(argv[3], nullptr, 10);
+    if (argc > 4) g_msgs = std::atoi(argv[4]);
+    g_discard = argc > 5 && std::strcmp(argv[5], "discard") == 0;
+    return argv[1][2] == 's' ? stall_main(std::atoi(argv[2])) : depart_main(std::atoi(argv[2]));
   }
   const int n = argc > 1 ? std::atoi(argv[1]) : 32;
   const long rss0 = rss_kb();
@@ -284,48 +406,18 @@ int main(int argc, char** argv) {
   std::printf("no endpoint: VmRSS %ld kB, %d fds; one endpoint: %ld kB, %d fds\n", rss0, fds0, rss1,
               fds1);
   std::fflush(stdout);
-
-  int stay[2];
-  if (pipe(stay) != 0) return 1;
-  const std::string name(s.name, s.name_len);
-  std::vector<pid_t> peers;
-  for (int i = 0; i < n; ++i) {
-    const pid_t p = fork();
-    if (p == 0) {
-      close(stay[1]);
-      run_peer(i, name, stay[0], false);
-    }
-    peers.push_back(p);
-  }
-  close(stay[0]);
-
-  std::vector<std::vector<char>> names(n, std::vector<char>(256));
-  std::vector<fi_context2> recv_ctx(n), send_ctx(n);
-  std::vector<fi_addr_t> addr(n);
-  static char hi[8] = "hi";
-  for (int i = 0; i < n; ++i)
-    CHECK(fi_trecv(s.ep, names[i].data(), 256, nullptr, FI_ADDR_UNSPEC, kNameTag + i, 0,
-                   &recv_ctx[i]));
-  for (int done = 0; done < 2 * n;) {
-    const fi_cq_tagged_entry e = s.next();
-    ++done;
-    if ((e.flags & FI_RECV) == 0) continue;
-    const int i = static_cast<int>(static_cast<fi_context2*>(e.op_context) - recv_ctx.data());
-    if (fi_av_insert(s.av, names[i].data(), 1, &addr[i], 0, nullptr) != 1) return 4;
-    while (fi_tsend(s.ep, hi, sizeof hi, nullptr, addr[i], kReplyTag, &send_ctx[i]) == -FI_EAGAIN)
-      fi_cq_read(s.cq, nullptr, 0);
-  }
+  Started st = start_peers(s, n, Mode::kIdle);
   const long rss2 = rss_kb();
   const int fds2 = open_fds();
   std::printf("%d peers connected: VmRSS %ld kB, %d fds: %.1f kB and %.2f fds per peer\n", n, rss2,
               fds2, static_cast<double>(rss2 - rss1) / n, static_cast<double>(fds2 - fds1) / n);
 
-  for (int i = 0; i < n; ++i) CHECK(fi_av_remove(s.av, &addr[i], 1, 0));
+  for (int i = 0; i < n; ++i) CHECK(fi_av_remove(s.av, &st.addr[i], 1, 0));
   s.progress(200);
   std::printf("after fi_av_remove of every peer: VmRSS %ld kB, %d fds\n", rss_kb(), open_fds());
 
-  close(stay[1]);
-  for (pid_t p : peers) waitpid(p, nullptr, 0);
+  close(st.stay);
+  wait_all(st.pids);
   s.progress(200);
   std::printf("after the peers exit: VmRSS %ld kB, %d fds\n", rss_kb(), open_fds());
   return 0;
