@@ -258,6 +258,7 @@ void set_defaults_while_reading_the_environment() {
                                   {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
                                   {"FI_UNIVERSE_SIZE", "16"}};
   for (const auto& kv : kVars) unsetenv(kv[0]);
+  unsetenv("KVXFER_TEST_MARK");
   setenv("KVXFER_TEST_MARK", "1", 1);  // environ is now an array setenv allocated
   char** const before = environ;
   std::vector<char*> snapshot;

@@ -130,12 +130,13 @@ std::string apply_provider_memory_defaults() {
         {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
         {"FI_UNIVERSE_SIZE", "16"},
     };
-    // Not setenv: each new variable makes glibc reallocate (and free) the
-    // environ array, and a getenv on another thread meanwhile reads freed
-    // memory (it crashed Comm.ThreeRanksEveryPairExchanges).  The variables
-    // go into a new array, published with one store; the old one is neither
-    // changed nor freed.  The new one is never freed either (not even by
-    // static destructors, as a getenv may run after them).
+    // Not setenv: before glibc 2.41 each new variable reallocates (and
+    // frees) the environ array, and a getenv on another thread meanwhile
+    // reads freed memory (it crashed Comm.ThreeRanksEveryPairExchanges).
+    // The variables go into a new array, published with one compare-and-swap
+    // of environ; the old one is neither changed nor freed.  The new one is
+    // never freed either (not even by static destructors, as a getenv may
+    // run after them).
     static auto* const added = new std::vector<std::string>();
     for (const auto& kv : kDefaults) {
       if (std::getenv(kv[0]) != nullptr) continue;  // the user's value wins
@@ -143,12 +144,16 @@ std::string apply_provider_memory_defaults() {
       set += strprintf("%s%s", set.empty() ? "" : " ", added->back().c_str());
     }
     if (added->empty()) return;
-    size_t n = 0;
-    while (environ != nullptr && environ[n] != nullptr) ++n;
-    static auto* const fresh = new std::vector<char*>(environ, environ + n);
-    for (std::string& v : *added) fresh->push_back(v.data());
-    fresh->push_back(nullptr);
-    __atomic_store_n(&environ, fresh->data(), __ATOMIC_RELEASE);
+    static auto* const fresh = new std::vector<char*>();
+    char** old = __atomic_load_n(&environ, __ATOMIC_ACQUIRE);
+    do {  // again if environ was replaced meanwhile (a setenv that added a variable)
+      size_t n = 0;
+      while (old != nullptr && old[n] != nullptr) ++n;
+      fresh->assign(old, old + n);
+      for (std::string& v : *added) fresh->push_back(v.data());
+      fresh->push_back(nullptr);
+    } while (!__atomic_compare_exchange_n(&environ, &old, fresh->data(), false, __ATOMIC_RELEASE,
+                                          __ATOMIC_ACQUIRE));
   });
   return set;
 }

@@ -101,10 +101,11 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * Sets them once, from fabric_lib::load() before it opens libfabric (the
  * process's first Domain::open); later calls set nothing.  Thread-safe
  * (std::call_once), and safe against getenv on other threads: the variables
- * go into a new environ array, published with one store (not setenv, whose
- * reallocation frees the array a concurrent getenv reads).  A setenv of the
- * application's own, at that same moment, may be lost.  Returns the
- * variables the first call set, for the log.
+ * go into a new environ array, published with one compare-and-swap (not
+ * setenv, whose reallocation before glibc 2.41 frees the array a concurrent
+ * getenv reads).  Like getenv, it must not run while another thread calls
+ * setenv, unsetenv or putenv.  Returns the variables the first call set,
+ * for the log.
  */
 std::string apply_provider_memory_defaults();
 
