@@ -489,7 +489,8 @@ int main(int argc, char** argv) {
       std::vector<uint8_t> r(8);
       std::memcpy(r.data(), &t_kill, 8);
       r.insert(r.end(), body.begin(), body.end());
-      // Each decode answers with its next index; K is the largest.  The
+      // Each decode answers with the first index it has neither posted nor
+      // counted as the killed incarnation's; K is the largest.  The
       // decodes' completions may come first on the same pipe.
       int32_t cut = 0;
       for (int d = 0; d < o.decode; ++d) {
