@@ -164,14 +164,16 @@ enum class Mode { kIdle, kReceive, kDepart };
   static fi_context2 send_ctx, recv_ctx;
   char reply[64];
   CHECK(fi_trecv(c.ep, reply, sizeof reply, nullptr, FI_ADDR_UNSPEC, kReplyTag, 0, &recv_ctx));
-  while (fi_tsend(c.ep, c.name, c.name_len, nullptr, s, kNameTag + i, &send_ctx) == -FI_EAGAIN)
-    fi_cq_read(c.cq, nullptr, 0);
-  static std::vector<char> buf(static_cast<size_t>(g_msgs) * g_bytes, static_cast<char>(i + 1));
+  static std::vector<char> buf;
   static std::vector<fi_context2> ctx(g_msgs);
-  if (mode == Mode::kReceive)  // posted before the server can send
+  if (mode != Mode::kIdle)
+    buf.assign(static_cast<size_t>(g_msgs) * g_bytes, static_cast<char>(i + 1));
+  if (mode == Mode::kReceive)  // posted before the name, so before the server can stop us
     for (int k = 0; k < g_msgs; ++k)
       CHECK(fi_trecv(c.ep, buf.data() + k * g_bytes, g_bytes, nullptr, FI_ADDR_UNSPEC, kDataTag, 0,
                      &ctx[k]));
+  while (fi_tsend(c.ep, c.name, c.name_len, nullptr, s, kNameTag + i, &send_ctx) == -FI_EAGAIN)
+    fi_cq_read(c.cq, nullptr, 0);
   c.next();
   c.next();
   if (mode == Mode::kReceive) {
@@ -258,6 +260,7 @@ int stall_main(int n) {
   std::vector<char> data(g_bytes, 'x');
   std::vector<fi_context2> ctx(static_cast<size_t>(n) * g_msgs);
   std::vector<int> posted(n, 0), completed(n, 0);
+  std::vector<long> eagain(n, 0);  // -FI_EAGAIN returns of fi_tsend
   std::vector<bool> gave_up(n, false);
   const double t0 = now_s();
   double live_done = 0;
@@ -280,6 +283,7 @@ int stall_main(int n) {
       ssize_t r;
       while ((r = fi_tsend(s.ep, data.data(), g_bytes, nullptr, st.addr[i], kDataTag, c)) ==
              -FI_EAGAIN) {
+        ++eagain[i];
         reap();
         if (now_s() - since > 2.0) break;
       }
@@ -290,8 +294,8 @@ int stall_main(int n) {
     }
   while (now_s() - t0 < 5.0) reap();
   for (int i = 0; i < n; ++i)
-    std::printf("peer %d%s: %d sends posted, %d completed within 5 s%s\n", i,
-                i == 0 ? " (stopped)" : "", posted[i], completed[i],
+    std::printf("peer %d%s: %d sends posted (%ld -FI_EAGAIN), %d completed within 5 s%s\n", i,
+                i == 0 ? " (stopped)" : "", posted[i], eagain[i], completed[i],
                 gave_up[i] ? " (gave up after 2 s of -FI_EAGAIN)" : "");
   std::printf("the live peers' %d messages of %zu bytes each: %s\n", g_msgs, g_bytes,
               live_done > 0 ? (std::to_string(live_done) + " s after the first send").c_str()
@@ -356,27 +360,35 @@ int depart_main(int n) {
   for (fi_addr_t a : st.addr) reused = reused || a == late.addr[0];
   std::vector<char> buf(g_bytes);
   std::vector<fi_context2> ctx(2);
-  int stale[2] = {0, 0};
+  int stale[2] = {0, 0}, errored[2] = {0, 0};
   const fi_addr_t from[2] = {late.addr[0], FI_ADDR_UNSPEC};
   for (int w = 0; w < 2; ++w) {
     std::printf("posting receives of the departed peers' tag from %s ...\n",
                 w == 0 ? "the new peer's address" : "any address");
     std::fflush(stdout);
-    for (;;) {
-      CHECK(fi_trecv(s.ep, buf.data(), g_bytes, nullptr, from[w], kDataTag, 0, &ctx[w]));
+    // One receive at a time: a completion (or an error completion) is a
+    // departed message matched; none within 0.5 s ends the count, and the
+    // receive is cancelled and its FI_ECANCELED entry read.
+    for (bool waiting = false;;) {
+      if (!waiting)
+        CHECK(fi_trecv(s.ep, buf.data(), g_bytes, nullptr, from[w], kDataTag, 0, &ctx[w]));
       fi_cq_tagged_entry e{};
+      fi_cq_err_entry err{};
       const double t = now_s();
       ssize_t r = 0;
-      while ((r = fi_cq_read(s.cq, &e, 1)) != 1 && now_s() - t < 0.5) {
+      while ((r = fi_cq_read(s.cq, &e, 1)) == -FI_EAGAIN && now_s() - t < 0.5) {
       }
-      if (r != 1) {
+      if (r == -FI_EAVAIL) fi_cq_readerr(s.cq, &err, 0);
+      if (r == 1) ++stale[w];
+      if (r == -FI_EAVAIL && err.err != FI_ECANCELED) ++errored[w];
+      if (waiting && r != -FI_EAGAIN) break;  // the cancelled receive's end
+      if (r == -FI_EAGAIN) {
+        if (waiting) break;
         fi_cancel(&s.ep->fid, &ctx[w]);
-        s.progress(20);
-        break;
+        waiting = true;
       }
-      ++stale[w];
     }
-    std::printf("  %d matched\n", stale[w]);
+    std::printf("  %d matched, %d more with an error completion\n", stale[w], errored[w]);
     std::fflush(stdout);
   }
   std::printf(
