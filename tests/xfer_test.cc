@@ -1233,6 +1233,22 @@ TEST(Xfer, BadArgumentsAreRefusedAtPost) {
   d = kv.desc;
   d.k_blocks = reinterpret_cast<void* const*>(0x10);  // crashed inside kvxfer_send before
   expect_bad(d, "k_blocks (0x10): entries [0, 3) of layer 0 are not readable memory");
+  {
+    // Layer 0's entries readable, layer 1's on a PROT_NONE page: the tables
+    // are copied in one call, and the error still names the layer.
+    void* two = mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(two, MAP_FAILED);
+    ASSERT_EQ(mprotect(static_cast<uint8_t*>(two) + page, page, PROT_NONE), 0);
+    ASSERT_EQ(kv.desc.num_blocks, 3);
+    void** table = reinterpret_cast<void**>(static_cast<uint8_t*>(two) + page) - 3;
+    std::copy(kv.v.begin(), kv.v.begin() + 3, table);
+    d = kv.desc;
+    d.v_blocks = table;
+    expect_bad(d, "): entries [3, 6) of layer 1 are not readable memory");
+    EXPECT_EQ(std::string(kvxfer_get_last_error()).find("v_blocks ("), 0u)
+        << kvxfer_get_last_error();
+    munmap(two, 2 * page);
+  }
   EXPECT_EQ(
       kvxfer_send(comm, 1, reinterpret_cast<const kvxfer_kv_desc_t*>(0x20), nullptr, nullptr, &req),
       KVXFER_ERR_INVALID_ARGUMENT);

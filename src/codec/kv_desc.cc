@@ -50,6 +50,34 @@ class Prober {
     }
     return true;
   }
+  /**
+   * Copies `count` runs of `len` bytes, run i at `src + i * stride`, to `dst`
+   * back to back, with one process_vm_readv per kBatch runs; returns how many
+   * runs, from the front, could be read.
+   */
+  size_t copy_runs(const uint8_t* src, size_t count, size_t stride, size_t len, uint8_t* dst) {
+    size_t done = 0;
+    std::vector<iovec> r;
+    while (done < count && use_vm_ && len > 0) {
+      const size_t k = std::min(kBatch, count - done);
+      iovec l{dst + done * len, k * len};
+      r.resize(k);
+      for (size_t i = 0; i < k; ++i)
+        r[i] = iovec{const_cast<uint8_t*>(src + (done + i) * stride), len};
+      // Partial transfers stop at the first iovec that faults (process_vm_readv(2)).
+      const ssize_t n = process_vm_readv(getpid(), &l, 1, r.data(), k, 0);
+      if (n == static_cast<ssize_t>(k * len)) {
+        done += k;
+        continue;
+      }
+      if (n >= 0) return done + static_cast<size_t>(n) / len;
+      if (errno == EFAULT) return done;
+      use_vm_ = false;
+    }
+    for (; done < count; ++done)
+      if (!copy_in(src + done * stride, len, dst + done * len)) return done;
+    return done;
+  }
   /** Reads one byte at each address into `val`; returns how many, from the front, could be read. */
   size_t read_bytes(const std::vector<uint8_t*>& addr, std::vector<uint8_t>* val) {
     val->assign(addr.size(), 0);
@@ -192,13 +220,13 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
     void* const* table = k == KVXFER_KV_KEY ? d.k_blocks : d.v_blocks;
     std::vector<void*>& copy = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
     copy.resize(L * used);
-    for (size_t l = 0; l < L; ++l)
-      KVXFER_REQUIRE(probe.copy_in(table + l * static_cast<size_t>(d.num_blocks),
-                                   used * sizeof(void*), copy.data() + l * used),
-                     "%s%s_blocks (%p): entries [%zu, %zu) of layer %zu are not readable memory", p,
-                     k == KVXFER_KV_KEY ? "k" : "v", static_cast<const void*>(table),
-                     l * static_cast<size_t>(d.num_blocks),
-                     l * static_cast<size_t>(d.num_blocks) + used, l);
+    const size_t l = probe.copy_runs(reinterpret_cast<const uint8_t*>(table), L,
+                                     static_cast<size_t>(d.num_blocks) * sizeof(void*),
+                                     used * sizeof(void*), reinterpret_cast<uint8_t*>(copy.data()));
+    KVXFER_REQUIRE(
+        l == L, "%s%s_blocks (%p): entries [%zu, %zu) of layer %zu are not readable memory", p,
+        k == KVXFER_KV_KEY ? "k" : "v", static_cast<const void*>(table),
+        l * static_cast<size_t>(d.num_blocks), l * static_cast<size_t>(d.num_blocks) + used, l);
   }
   // Every block a token lives in: present, aligned, and (host memory) its
   // first and last used byte accessible, with every page between them mapped.
@@ -293,7 +321,9 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
     }
     if (ok < addr.size()) return bad_block(ok, ok % 2 == 0 ? "first" : "last", addr[ok], how);
     // The pages strictly between each block's first and last byte, as a few
-    // merged ranges (blocks of one pool are adjacent).
+    // merged ranges (blocks of one pool are adjacent).  Two ranges at most
+    // two pages apart merge: the pages between them hold the last byte of
+    // the first's block and the first byte of the second's, both probed.
     const uintptr_t pg = 4096;
     std::vector<std::pair<uintptr_t, uintptr_t>> ranges;  // [begin, end) page-aligned
     for (size_t j = 0; j < addr.size(); j += 2) {
@@ -305,7 +335,8 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
     std::vector<unsigned char> vec;
     for (size_t q = 0; q < ranges.size();) {
       uintptr_t a = ranges[q].first, e = ranges[q].second;
-      for (++q; q < ranges.size() && ranges[q].first <= e; ++q) e = std::max(e, ranges[q].second);
+      for (++q; q < ranges.size() && ranges[q].first <= e + 2 * pg; ++q)
+        e = std::max(e, ranges[q].second);
       vec.resize(std::max(vec.size(), static_cast<size_t>((e - a) / pg)));
       if (mincore(reinterpret_cast<void*>(a), e - a, vec.data()) == 0 || errno != ENOMEM) continue;
       // Unmapped somewhere in [a, e): find the block and the page.
