@@ -412,9 +412,12 @@ class Link {
    * valid until its completion.  Matched to the peer's post_recv with the same
    * class and tag; tags (<= kMaxTag) of messages in flight on a class must be
    * distinct.  *op receives an id reported back in Completion::op_id.
+   * `ahead`: a small control message; its chunks are posted before those of
+   * every message of its class queued without `ahead` (which may then be
+   * part posted), and after earlier `ahead` ones (FIFO among them).
    */
-  kvxfer_result_t post_send(TrafficClass c, const void* buf, size_t len, uint64_t tag,
-                            uint64_t* op);
+  kvxfer_result_t post_send(TrafficClass c, const void* buf, size_t len, uint64_t tag, uint64_t* op,
+                            bool ahead = false);
   /**
    * Empties a send whose header has not been posted yet: the message still
    * goes out (the peer's receive completes), with 0 bytes.  True if emptied;
@@ -535,6 +538,7 @@ class Link {
   uint64_t next_op_id_ = 1;
   std::unordered_map<uint64_t, std::unique_ptr<Op>> ops_;
   std::array<std::deque<Op*>, kNumClasses> send_queue_;       // sends with chunks left to post
+  std::array<std::deque<Op*>, kNumClasses> ahead_queue_;      // the same, posted `ahead`
   std::array<std::deque<Op*>, kNumClasses> recv_queue_;       // receives with a header to post
   std::array<std::deque<Op*>, kNumClasses> recv_data_queue_;  // header landed, data to post
   std::unordered_set<Ctx*> live_;                             // contexts the provider holds

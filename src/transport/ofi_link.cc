@@ -72,7 +72,7 @@ void Link::free_ctx(Ctx* ctx) {
 }
 
 kvxfer_result_t Link::post_send(TrafficClass c, const void* buf, size_t len, uint64_t tag,
-                                uint64_t* op_id) {
+                                uint64_t* op_id, bool ahead) {
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());
   KVXFER_REQUIRE(c == TrafficClass::kAnchor || c == TrafficClass::kResidual, "bad traffic class");
   KVXFER_REQUIRE(buf != nullptr || len == 0, "null send buffer");
@@ -98,7 +98,7 @@ kvxfer_result_t Link::post_send(TrafficClass c, const void* buf, size_t len, uin
   op->hdr = make_wire_header(static_cast<uint32_t>(chunk_bytes), len, tag);
   op->posted = op->last_activity = Clock::now();
   op->queued = true;
-  send_queue_[idx(c)].push_back(op.get());
+  (ahead ? ahead_queue_ : send_queue_)[idx(c)].push_back(op.get());
   if (op_id != nullptr) *op_id = op->id;
   ops_.emplace(op->id, std::move(op));
   return KVXFER_SUCCESS;
@@ -193,6 +193,7 @@ void Link::abort_with(kvxfer_result_t code, const std::string& why) {
   ops_.clear();
   for (int c = 0; c < kNumClasses; ++c) {
     send_queue_[c].clear();
+    ahead_queue_[c].clear();
     recv_queue_[c].clear();
     recv_data_queue_[c].clear();
     posted_chunks_[c] = inflight_bytes_[c] = posted_recvs_[c] = 0;
@@ -449,17 +450,19 @@ kvxfer_result_t Link::schedule_sends(Clock::time_point now) {
   for (;;) {
     // Strict priority: a residual chunk is posted only when no anchor chunk is
     // waiting.  When anchors are blocked (provider queue bound, rate limit),
-    // residuals wait too.
-    int c;
-    if (!send_queue_[0].empty()) {
-      c = 0;
-    } else if (!send_queue_[1].empty()) {
-      c = 1;
-    } else {
-      break;
+    // residuals wait too.  Within a class, `ahead` messages first.
+    int c = 0;
+    std::deque<Op*>* q = nullptr;
+    for (int k = 0; k < kNumClasses && q == nullptr; ++k) {
+      c = k;
+      if (!ahead_queue_[k].empty())
+        q = &ahead_queue_[k];
+      else if (!send_queue_[k].empty())
+        q = &send_queue_[k];
     }
+    if (q == nullptr) break;
     if (posted_chunks_[c] >= cfg_.max_posted_chunks) break;
-    Op* op = send_queue_[c].front();
+    Op* op = q->front();
     const uint32_t i = op->next_post;
     const void* src;
     size_t bytes;
@@ -496,7 +499,7 @@ kvxfer_result_t Link::schedule_sends(Clock::time_point now) {
     if (c == 1)
       stats_.max_residual_inflight = std::max(stats_.max_residual_inflight, inflight_bytes_[1]);
     if (op->next_post > op->nchunks) {
-      send_queue_[c].pop_front();
+      q->pop_front();
       op->queued = false;
     }
   }
@@ -544,8 +547,8 @@ kvxfer_result_t Link::check_timeouts(Clock::time_point now) {
                   op->is_send ? "peer dead or not receiving" : "peer dead or never sent");
     if (op->is_send) {
       if (op->outstanding > 0) return fail_link(KVXFER_ERR_TIMEOUT, why);  // cannot cancel sends
-      auto& q = send_queue_[idx(op->cls)];
-      q.erase(std::remove(q.begin(), q.end(), op), q.end());
+      for (auto* q : {&send_queue_[idx(op->cls)], &ahead_queue_[idx(op->cls)]})
+        q->erase(std::remove(q->begin(), q->end(), op), q->end());
       op->queued = false;
       op->cancelling = true;
       finish(op, KVXFER_ERR_TIMEOUT, why, now);

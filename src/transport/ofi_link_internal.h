@@ -52,7 +52,7 @@ struct Link::Op {
   uint32_t outstanding = 0;  // contexts of this op held by the provider
   uint64_t bytes_done = 0;   // data bytes completed
   bool have_header = false;  // receive: header arrived
-  bool queued = false;       // in send_queue_ / recv_queue_
+  bool queued = false;       // in send_queue_, ahead_queue_ or recv_queue_
   bool reported = false;     // its Completion was emitted
   bool cancelling = false;   // receive: outstanding posts being cancelled
   bool draining = false;     // receive: too small, data lands in scratch
