@@ -1994,6 +1994,59 @@ TEST(Xfer, SixteenRequestsEveryAnchorBeforeAnyResidual) {
   finish(&pair, comm);
 }
 
+// A request posted while an earlier one's anchors wait in the sender's Link
+// (a shaped link): its DESC goes ahead of them, so the receiver knows it long
+// before the earlier request's anchors are in (docs/TRANSPORT.md, "Handshakes
+// ahead of pages").  Queued behind them, it arrived with the last one.
+TEST(Xfer, LaterRequestsDescGoesAheadOfQueuedAnchors) {
+  Shape big, small;
+  big.L = small.L = 8;
+  big.heads = small.heads = 8;
+  big.hd = small.hd = 128;
+  big.T = 256;  // 8 MiB of bf16: about 2.3 MB of Lynx anchors, 0.37 s at 50mbit
+  small.T = 16;
+  big.page_tokens = small.page_tokens = 64;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, "50mbit");
+    if (comm == nullptr) return 10;
+    PagedKV a(big.L, big.heads, big.hd, big.T, 16), b(small.L, small.heads, small.hd, small.T, 16);
+    a.fill(31);
+    b.fill(32);
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.page_tokens = big.page_tokens;
+    std::vector<kvxfer_request_t> reqs(2);
+    if (kvxfer_send(comm, 0, &a.desc, nullptr, &rc, &reqs[0]) != KVXFER_SUCCESS) return 11;
+    // Its anchors encode and queue behind the rate limiter meanwhile.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (kvxfer_send(comm, 0, &b.desc, nullptr, &rc, &reqs[1]) != KVXFER_SUCCESS) return 11;
+    return finish_sends(comm, reqs);
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, "50mbit");
+  ASSERT_NE(comm, nullptr);
+  PagedKV da(big.L, big.heads, big.hd, big.T, 16), db(small.L, small.heads, small.hd, small.T, 16);
+  std::vector<kvxfer_request_t> reqs(2);
+  ASSERT_EQ(kvxfer_recv(comm, 1, &da.desc, nullptr, &reqs[0]), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_recv(comm, 1, &db.desc, nullptr, &reqs[1]), KVXFER_SUCCESS);
+  std::vector<kvxfer_request_info_t> inf;
+  for (kvxfer_request_t r : reqs) {
+    ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    inf.push_back(info_of(r));
+    kvxfer_request_free(r);
+  }
+  const double anchors_ms = (inf[0].t_anchor_ready_ns - inf[0].t_handshake_ns) / 1e6;
+  const double ahead_ms = (inf[0].t_anchor_ready_ns - inf[1].t_handshake_ns) / 1e6;
+  std::printf(
+      "[ info ] request 0's anchors took %.1f ms; request 1 was handshaken %.1f ms before "
+      "they were in\n",
+      anchors_ms, ahead_ms);
+  EXPECT_GT(anchors_ms, 200.0) << "the link did not hold request 0's anchors";
+  EXPECT_GT(ahead_ms, 0.4 * anchors_ms)
+      << "request 1's DESC waited behind request 0's queued anchors";
+  finish(&pair, comm);
+}
+
 // Hundreds of messages between rxm's eager and SAR limits outstanding on one
 // class: this stalled the link before messages below the SAR limit were sent
 // in eager-size chunks (regression; docs/TRANSPORT.md, "Chunk sizes").
