@@ -17,7 +17,8 @@
 #      the first residual of any of them was applied;
 #   4. -r 10gbit and 25gbit: Lynx, INT8 and BF16 monolithic against the time
 #      the link alone needs for their bytes;
-#   5. unlimited rate: t_complete of Lynx against BF16 monolithic.
+#   5. unlimited rate: t_complete of Lynx against BF16 monolithic, (a) on the
+#      default path, (b) on the network (KVXFER_OFI_PROVIDER="tcp;ofi_rxm").
 #
 #   perf/run_figures.sh [-o FILE] [BUILD_DIR]   # BUILD_DIR default build,
 #                                               # FILE default docs/FIGURES.md
@@ -282,9 +283,15 @@ echo
 
 # ---- 5. unlimited: Lynx against BF16 monolithic ---------------------------------
 echo "## 5. Unlimited rate, $big: t_complete(Lynx) against t_complete(BF16 monolithic)"
-if run fig5 -b "$big" -e "$big" -m lynx,bf16 -w 1 -n "$n5"; then
-  json "$out/fig5.json" '(lambda t: "  t_complete: lynx %.1f ms, bf16 %.1f ms, ratio %.3f (target <= 1)" % (t["lynx"] / 1e3, t["bf16"] / 1e3, t["lynx"] / t["bf16"]))({r["codec"]: r["t_complete"]["median_us"] for r in j["rows"]})'
-fi
+fig5() {
+  if run "$1" -b "$big" -e "$big" -m lynx,bf16 -w 1 -n "$n5"; then
+    echo "  path $(path "$1"):"
+    json "$out/$1.json" '(lambda t: "    t_complete: lynx %.1f ms, bf16 %.1f ms, ratio %.3f (target <= 1)" % (t["lynx"] / 1e3, t["bf16"] / 1e3, t["lynx"] / t["bf16"]))({r["codec"]: r["t_complete"]["median_us"] for r in j["rows"]})'
+  fi
+}
+fig5 fig5
+# (b) The network, where BF16's bytes are slower than Lynx's codec work.
+KVXFER_OFI_PROVIDER="tcp;ofi_rxm" fig5 fig5b
 echo
 if ((status == 0)); then
   echo "# all runs completed, #wrong = 0"
