@@ -2047,6 +2047,71 @@ TEST(Xfer, LaterRequestsDescGoesAheadOfQueuedAnchors) {
   finish(&pair, comm);
 }
 
+// A receive cancelled at once, on a rank whose anchor class is busy sending
+// its own KV on a shaped link: its STATUS goes ahead with its DESC, so its
+// sender fails within a few messages instead of sending into drains until
+// the STATUS has waited behind this rank's pages (review of the DESC-ahead
+// change: the DESC alone went ahead and the sender took it as its go).
+TEST(Xfer, CancelledReceiveTellsItsSenderAheadOfQueuedPages) {
+  Shape big, small;
+  big.L = small.L = 4;
+  big.heads = small.heads = 8;
+  big.hd = small.hd = 128;
+  big.T = 256;    // 4 MiB of BF16, monolithic: all on the anchor class, 1.7 s at 20mbit
+  small.T = 256;  // 4 MiB sent as Lynx: 2.2 MB, about 0.9 s at 20mbit
+  big.page_tokens = small.page_tokens = 64;
+  kvxfer_codec_config_t bf16 = KVXFER_CODEC_CONFIG_INITIALIZER;
+  bf16.codec = KVXFER_CODEC_BF16;
+  bf16.anchor_bits = 0;
+  constexpr int kFastMs = 600;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, "20mbit");
+    if (comm == nullptr) return 10;
+    PagedKV a(big.L, big.heads, big.hd, big.T, 16), b(small.L, small.heads, small.hd, small.T, 16);
+    b.fill(52);
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.page_tokens = small.page_tokens;
+    kvxfer_request_t ra = nullptr, sb = nullptr;
+    if (kvxfer_recv(comm, 0, &a.desc, nullptr, &ra) != KVXFER_SUCCESS) return 11;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (kvxfer_send(comm, 0, &b.desc, nullptr, &rc, &sb) != KVXFER_SUCCESS) return 12;
+    const kvxfer_result_t rb = kvxfer_wait(sb, KVXFER_STAGE_COMPLETE, 60000);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("[ info ] the send to the cancelled receive ended (%d: %s) after %.1f ms\n",
+                static_cast<int>(rb), kvxfer_get_last_error(), ms);
+    std::fflush(stdout);  // the child _exit()s
+    kvxfer_request_free(sb);
+    if (kvxfer_wait(ra, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS) return 13;
+    kvxfer_request_free(ra);
+    kvxfer_comm_destroy(comm);
+    if (rb != KVXFER_ERR_CANCELLED) return 14;
+    return ms < kFastMs ? 0 : 15;
+  }));
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, "20mbit");
+  ASSERT_NE(comm, nullptr);
+  PagedKV a(big.L, big.heads, big.hd, big.T, 16), b(small.L, small.heads, small.hd, small.T, 16);
+  a.fill(51);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  rc.page_tokens = big.page_tokens;
+  kvxfer_request_t sa = nullptr, rb = nullptr;
+  ASSERT_EQ(kvxfer_send(comm, 1, &a.desc, &bf16, &rc, &sa), KVXFER_SUCCESS);
+  // Its pages queue behind the rate limiter once its receiver's DESC is in.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_EQ(kvxfer_recv(comm, 1, &b.desc, nullptr, &rb), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_request_cancel(rb), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(rb, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_CANCELLED);
+  kvxfer_request_free(rb);
+  ASSERT_EQ(kvxfer_wait(sa, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  kvxfer_request_info_t ia = info_of(sa);
+  std::printf("[ info ] this rank's own KV took %.1f ms\n",
+              (ia.t_complete_ns - ia.t_posted_ns) / 1e6);
+  kvxfer_request_free(sa);
+  finish(&pair, comm);  // the child's exit code: 15 when the send ended late
+}
+
 // Hundreds of messages between rxm's eager and SAR limits outstanding on one
 // class: this stalled the link before messages below the SAR limit were sent
 // in eager-size chunks (regression; docs/TRANSPORT.md, "Chunk sizes").

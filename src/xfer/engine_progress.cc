@@ -252,11 +252,17 @@ kvxfer_result_t Engine::Impl::post_raw(int peer, TrafficClass c, uint64_t tag, b
   } else if (Link* l = comm->link(peer); l == nullptr) {
     return set_error(KVXFER_ERR_INVALID_USAGE, "peer %d is disconnected", peer);
   } else if (is_send) {
-    // The handshake's messages go ahead of page messages already queued: a
-    // burst's later DESCs would otherwise reach the receiver only after the
-    // earlier requests' anchors, too late for its strict priority to see
-    // them (docs/TRANSPORT.md, "Strict anchor priority across requests").
-    const bool ahead = k == OpKind::kDescSend || k == OpKind::kRdvSend || k == OpKind::kAskSend;
+    // The handshake's messages go ahead of the messages already queued on
+    // the class: a burst's later DESCs would otherwise reach the receiver
+    // only after the earlier requests' anchors, too late for its strict
+    // priority to see them (docs/TRANSPORT.md, "Handshakes ahead of
+    // pages").  So does a receiver's STATUS (refuse_rdv's has no request):
+    // it keeps its place before the DESC that follows it when a receive
+    // fails early, and its sender stops at once.  A sender's STATUS stays
+    // behind its page messages.
+    const bool from_receiver = r == nullptr || !r->is_send;
+    const bool ahead = k == OpKind::kDescSend || k == OpKind::kRdvSend || k == OpKind::kAskSend ||
+                       (k == OpKind::kStatusSend && from_receiver);
     rc = l->post_send(c, buf, len, tag, &op, ahead);
   } else {
     rc = l->post_recv(c, const_cast<void*>(buf), len, tag, &op, standing);
