@@ -140,9 +140,12 @@ pingpong() {
 
 # The machine, for FIGURES.md.
 started="$(date -u '+%Y-%m-%d %H:%M UTC')"
-# FIGURES.md itself is this script's output: rewriting it is not a change.
+# The file this script writes is its output: rewriting it is not a change.
 commit="$(git -C "$here/.." rev-parse --short HEAD 2>/dev/null || echo unknown)"
-if [[ "$commit" != unknown ]] && ! git -C "$here/.." diff --quiet HEAD -- . ":!docs/FIGURES.md" 2>/dev/null; then
+own="$(realpath -m --relative-to="$here/.." "$figures")"
+unchanged=(.)
+[[ "$own" != ../* ]] && unchanged+=(":!$own")
+if [[ "$commit" != unknown ]] && ! git -C "$here/.." diff --quiet HEAD -- "${unchanged[@]}" 2>/dev/null; then
   commit="$commit with uncommitted changes"
 fi
 cpu_model="$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)"
