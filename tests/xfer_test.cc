@@ -1998,14 +1998,20 @@ TEST(Xfer, SixteenRequestsEveryAnchorBeforeAnyResidual) {
 // (a shaped link): its DESC goes ahead of them, so the receiver knows it long
 // before the earlier request's anchors are in (docs/TRANSPORT.md, "Handshakes
 // ahead of pages").  Queued behind them, it arrived with the last one.
+/** A Llama-3-8B-like shape (8 KV heads x 128) of L layers, T tokens, 64-token pages. */
+Shape llama_shape(int32_t L, int64_t T) {
+  Shape s;
+  s.L = L;
+  s.heads = 8;
+  s.hd = 128;
+  s.T = T;
+  s.page_tokens = 64;
+  return s;
+}
+
 TEST(Xfer, LaterRequestsDescGoesAheadOfQueuedAnchors) {
-  Shape big, small;
-  big.L = small.L = 8;
-  big.heads = small.heads = 8;
-  big.hd = small.hd = 128;
-  big.T = 256;  // 8 MiB of bf16: about 2.3 MB of Lynx anchors, 0.37 s at 50mbit
-  small.T = 16;
-  big.page_tokens = small.page_tokens = 64;
+  // 8 MiB of bf16: about 2.3 MB of Lynx anchors, 0.37 s at 50mbit.
+  const Shape big = llama_shape(8, 256), small = llama_shape(8, 16);
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
     kvxfer_comm_t comm = init_rank(id, 1, kTimeoutMs, "50mbit");
@@ -2053,13 +2059,9 @@ TEST(Xfer, LaterRequestsDescGoesAheadOfQueuedAnchors) {
 // the STATUS has waited behind this rank's pages (review of the DESC-ahead
 // change: the DESC alone went ahead and the sender took it as its go).
 TEST(Xfer, CancelledReceiveTellsItsSenderAheadOfQueuedPages) {
-  Shape big, small;
-  big.L = small.L = 4;
-  big.heads = small.heads = 8;
-  big.hd = small.hd = 128;
-  big.T = 256;    // 4 MiB of BF16, monolithic: all on the anchor class, 1.7 s at 20mbit
-  small.T = 256;  // 4 MiB sent as Lynx: 2.2 MB, about 0.9 s at 20mbit
-  big.page_tokens = small.page_tokens = 64;
+  // Both 4 MiB: A as BF16 monolithic, all on the anchor class, 1.7 s at
+  // 20mbit; B as Lynx, 2.2 MB, about 0.9 s.
+  const Shape big = llama_shape(4, 256), small = big;
   kvxfer_codec_config_t bf16 = KVXFER_CODEC_CONFIG_INITIALIZER;
   bf16.codec = KVXFER_CODEC_BF16;
   bf16.anchor_bits = 0;
