@@ -34,85 +34,60 @@ class Prober {
   }
   /** Copies `len` bytes at `src` into `dst`; false if any of them is unreadable. */
   bool copy_in(const void* src, size_t len, void* dst) {
-    if (len == 0) return true;
-    if (use_vm_) {
-      iovec l{dst, len}, r{const_cast<void*>(src), len};
-      const ssize_t n = process_vm_readv(getpid(), &l, 1, &r, 1, 0);
-      if (n == static_cast<ssize_t>(len)) return true;
-      if (n >= 0 || errno == EFAULT) return false;
-      use_vm_ = false;  // refused by policy: the pipe from here on
-    }
-    for (size_t off = 0; off < len;) {
-      const size_t k = std::min<size_t>(len - off, 4096);
-      if (!pipe_copy(static_cast<const uint8_t*>(src) + off, static_cast<uint8_t*>(dst) + off, k))
-        return false;
-      off += k;
-    }
-    return true;
+    const std::vector<uint8_t*> at{static_cast<uint8_t*>(const_cast<void*>(src))};
+    return read_runs(at, len, static_cast<uint8_t*>(dst)) == 1;
   }
   /**
-   * Copies `count` runs of `len` bytes, run i at `src + i * stride`, to `dst`
-   * back to back, with one process_vm_readv per kBatch runs; returns how many
-   * runs, from the front, could be read.
+   * Copies `len` bytes at each address to `dst`, back to back; returns how
+   * many addresses, from the front, could be read.
    */
-  size_t copy_runs(const uint8_t* src, size_t count, size_t stride, size_t len, uint8_t* dst) {
+  size_t read_runs(const std::vector<uint8_t*>& addr, size_t len, uint8_t* dst) {
+    return transfer(addr, len, dst, false);
+  }
+  /** Reads one byte at each address into `val`; returns how many, from the front, could be read. */
+  size_t read_bytes(const std::vector<uint8_t*>& addr, std::vector<uint8_t>* val) {
+    val->assign(addr.size(), 0);
+    return transfer(addr, 1, val->data(), false);
+  }
+  /** Writes val[i] at addr[i]; returns how many, from the front, could be written. */
+  size_t write_bytes(const std::vector<uint8_t*>& addr, std::vector<uint8_t>* val) {
+    return transfer(addr, 1, val->data(), true);
+  }
+
+ private:
+  /**
+   * `len` bytes between each address and `val + i * len` (read: from the
+   * address), with one process_vm_readv/writev per kBatch addresses; returns
+   * how many addresses, from the front, were done.
+   */
+  size_t transfer(const std::vector<uint8_t*>& addr, size_t len, uint8_t* val, bool write) {
+    if (len == 0) return addr.size();
     size_t done = 0;
     std::vector<iovec> r;
-    while (done < count && use_vm_ && len > 0) {
-      const size_t k = std::min(kBatch, count - done);
-      iovec l{dst + done * len, k * len};
+    while (done < addr.size() && use_vm_) {
+      const size_t k = std::min(kBatch, addr.size() - done);
+      iovec l{val + done * len, k * len};
       r.resize(k);
-      for (size_t i = 0; i < k; ++i)
-        r[i] = iovec{const_cast<uint8_t*>(src + (done + i) * stride), len};
+      for (size_t i = 0; i < k; ++i) r[i] = iovec{addr[done + i], len};
       // Partial transfers stop at the first iovec that faults (process_vm_readv(2)).
-      const ssize_t n = process_vm_readv(getpid(), &l, 1, r.data(), k, 0);
+      const ssize_t n = write ? process_vm_writev(getpid(), &l, 1, r.data(), k, 0)
+                              : process_vm_readv(getpid(), &l, 1, r.data(), k, 0);
       if (n == static_cast<ssize_t>(k * len)) {
         done += k;
         continue;
       }
       if (n >= 0) return done + static_cast<size_t>(n) / len;
       if (errno == EFAULT) return done;
-      use_vm_ = false;
+      use_vm_ = false;  // refused by policy: the pipe from here on
     }
-    for (; done < count; ++done)
-      if (!copy_in(src + done * stride, len, dst + done * len)) return done;
-    return done;
-  }
-  /** Reads one byte at each address into `val`; returns how many, from the front, could be read. */
-  size_t read_bytes(const std::vector<uint8_t*>& addr, std::vector<uint8_t>* val) {
-    val->assign(addr.size(), 0);
-    return transfer(addr, val->data(), false);
-  }
-  /** Writes val[i] at addr[i]; returns how many, from the front, could be written. */
-  size_t write_bytes(const std::vector<uint8_t*>& addr, std::vector<uint8_t>* val) {
-    return transfer(addr, val->data(), true);
-  }
-
- private:
-  size_t transfer(const std::vector<uint8_t*>& addr, uint8_t* val, bool write) {
-    size_t done = 0;
-    std::vector<iovec> l, r;
-    while (done < addr.size() && use_vm_) {
-      const size_t k = std::min(kBatch, addr.size() - done);
-      l.assign(1, iovec{val + done, k});
-      r.resize(k);
-      for (size_t i = 0; i < k; ++i) r[i] = iovec{addr[done + i], 1};
-      // Partial transfers stop at the first iovec that faults (process_vm_readv(2)).
-      const ssize_t n = write ? process_vm_writev(getpid(), l.data(), 1, r.data(), k, 0)
-                              : process_vm_readv(getpid(), l.data(), 1, r.data(), k, 0);
-      if (n == static_cast<ssize_t>(k)) {
-        done += k;
-        continue;
+    for (; done < addr.size(); ++done)
+      for (size_t off = 0; off < len;) {
+        const size_t k = std::min<size_t>(len - off, 4096);
+        uint8_t* v = val + done * len + off;
+        if (!(write ? pipe_copy(v, addr[done] + off, k) : pipe_copy(addr[done] + off, v, k)))
+          return done;
+        off += k;
       }
-      if (n >= 0) return done + static_cast<size_t>(n);
-      if (errno == EFAULT) return done;
-      use_vm_ = false;
-    }
-    for (; done < addr.size(); ++done) {
-      const bool ok =
-          write ? pipe_copy(val + done, addr[done], 1) : pipe_copy(addr[done], val + done, 1);
-      if (!ok) return done;
-    }
     return done;
   }
   /** write(2) `src` into the pipe, read(2) it into `dst`: EFAULT on either side is false. */
@@ -220,9 +195,11 @@ kvxfer_result_t validate_kv_desc(const kvxfer_kv_desc_t* kv, KvAccess access,
     void* const* table = k == KVXFER_KV_KEY ? d.k_blocks : d.v_blocks;
     std::vector<void*>& copy = k == KVXFER_KV_KEY ? o.k_blocks : o.v_blocks;
     copy.resize(L * used);
-    const size_t l = probe.copy_runs(reinterpret_cast<const uint8_t*>(table), L,
-                                     static_cast<size_t>(d.num_blocks) * sizeof(void*),
-                                     used * sizeof(void*), reinterpret_cast<uint8_t*>(copy.data()));
+    std::vector<uint8_t*> rows(L);  // each layer's entries
+    for (size_t l = 0; l < L; ++l)
+      rows[l] = reinterpret_cast<uint8_t*>(const_cast<void**>(table + l * d.num_blocks));
+    const size_t l =
+        probe.read_runs(rows, used * sizeof(void*), reinterpret_cast<uint8_t*>(copy.data()));
     KVXFER_REQUIRE(
         l == L, "%s%s_blocks (%p): entries [%zu, %zu) of layer %zu are not readable memory", p,
         k == KVXFER_KV_KEY ? "k" : "v", static_cast<const void*>(table),
