@@ -1994,6 +1994,63 @@ TEST(Xfer, SixteenRequestsEveryAnchorBeforeAnyResidual) {
   finish(&pair, comm);
 }
 
+// An encoder slower than the link: each page's residual goes while the next
+// page encodes, instead of after the last anchor (the link is otherwise
+// idle then), and the receiver still applies none before ANCHOR_READY
+// (docs/TRANSPORT.md, "Strict anchor priority across requests").
+TEST(Xfer, ResidualsUseTheLinkWhileLaterPagesEncode) {
+  Shape s;  // 32 pages of 128 KiB: at 150mbit about 2.2 ms of anchor, 1.8 of residual
+  s.L = 4;
+  s.heads = 8;
+  s.hd = 128;
+  s.T = 256;
+  s.page_tokens = 64;
+  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  const uint64_t seed = 77;
+  test_hooks()->encode_delay_us = 5000;  // per page, one codec thread
+  test_hooks()->codec_workers = 1;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    return send_many(id, 1, s, seed, cfg, KVXFER_MODE_PROGRESSIVE, kTimeoutMs, "150mbit", false);
+  }));
+  test_hooks()->encode_delay_us = 0;
+  test_hooks()->codec_workers = 0;
+  kvxfer_comm_t comm = init_rank(pair.id, 0, kTimeoutMs, "150mbit");
+  ASSERT_NE(comm, nullptr);
+  PagedKV dst(s.L, s.heads, s.hd, s.T, 16);
+  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+  kvxfer_request_t req = nullptr;
+  ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &req), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(req, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  const kvxfer_request_info_t inf = info_of(req);
+  ASSERT_EQ(inf.num_pages, 32);
+  EXPECT_GE(inf.t_first_residual_ns, inf.t_anchor_ready_ns);  // applied after every anchor
+  size_t n = 0;
+  ASSERT_EQ(kvxfer_request_get_arrivals(req, nullptr, 0, &n), KVXFER_SUCCESS);
+  std::vector<kvxfer_arrival_t> arr(n);
+  ASSERT_EQ(kvxfer_request_get_arrivals(req, arr.data(), n, &n), KVXFER_SUCCESS);
+  ASSERT_EQ(n, 64u);
+  size_t last_anchor = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (arr[i].traffic_class == 0) last_anchor = i;
+  size_t residuals_before = 0;
+  for (size_t i = 0; i < last_anchor; ++i) residuals_before += arr[i].traffic_class == 1;
+  // Held until the last anchor was posted, none would be; here about 31.
+  EXPECT_GE(residuals_before, 16u) << "of 32 residuals, before the last anchor arrived";
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(seed);
+  PagedKV full(s.L, s.heads, s.hd, s.T, 16);
+  expected_decode(src, cfg, s.page_tokens, 0, true, &full);
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), full.bytes(l, kind)) << "layer " << l;
+  EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
+  ASSERT_TRUE(pair.child.wait(60));
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
+}
+
 // A request posted while an earlier one's anchors wait in the sender's Link
 // (a shaped link): its DESC goes ahead of them, so the receiver knows it long
 // before the earlier request's anchors are in (docs/TRANSPORT.md, "Handshakes

@@ -53,6 +53,8 @@ void Engine::Impl::run_job(Job& j) {
       if (d.rc < 0) d.error = last_error();
     }
   } else if (j.kind == JobKind::kEncode) {
+    if (hooks && hooks->encode_delay_us.load() > 0)
+      std::this_thread::sleep_for(std::chrono::microseconds(hooks->encode_delay_us.load()));
     kvxfer_codec_config_t cc = j.codec;
     Work& w = *r.work;  // alpha fields: codec threads, under alpha_mu
     if (cc.alpha == KVXFER_ALPHA_AUTO) {

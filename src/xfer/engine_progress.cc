@@ -540,7 +540,8 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     return;
   }
   publish_handshake(r);
-  io(r->peer).anchors_unposted += static_cast<int64_t>(w.pages.size());
+  if (!w.pages.empty())
+    io(r->peer).anchors_unposted[r->order] += static_cast<int64_t>(w.pages.size());
   if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
   if (!w.failed) alloc_send(r);  // a failed one sends empty messages: no staging
   sender_pump(r);
@@ -625,7 +626,9 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
     const bool empty = w.failed;
     if (!empty && !p.encoded) break;
     w.next_page_send++;
-    io(r->peer).anchors_unposted--;
+    auto& unposted = io(r->peer).anchors_unposted;
+    if (auto u = unposted.find(r->order); u != unposted.end() && --u->second == 0)
+      unposted.erase(u);
     const size_t alen = empty ? 0 : progressive ? p.a_len : p.a_len + p.r_len;
     post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
                    empty ? &kEmpty : w.astore.get() + p.a_off, alen);
@@ -641,14 +644,19 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
   flush_residuals(r->peer);
 }
 
-// Residuals to a peer go to the Link only once every anchor of every request
-// to that peer has been posted: the Link's scheduler then sends anchor chunks
-// first, and no residual can slip through while an anchor is still being
-// encoded (figure 3 of the issue: with many requests in flight, every
-// request's anchor lands before any residual).
+// A residual to a peer goes to the Link once every anchor of the requests
+// posted before its own is posted (its own request's earlier pages are), so
+// residual messages keep request order, then page order: the order the
+// receiver posts their receives in.  The Link sends no residual chunk while
+// an anchor chunk waits, so residuals take the link only when no anchor is
+// ready, such as while later pages encode: Lynx's split streams keep the
+// link busy.  Held until every anchor was posted, they left an encoder-bound
+// link idle and then came after the last anchor (a 43 ms tail in
+// Xfer.ResidualsUseTheLinkWhileLaterPagesEncode).  The receiver applies none
+// before every anchor it knows of (queue_full).
 void Engine::Impl::flush_residuals(int peer) {
-  if (io(peer).anchors_unposted > 0) return;
   static const uint8_t kEmpty = 0;
+  const auto& unposted = io(peer).anchors_unposted;
   auto& q = io(peer).held_residuals;
   // In request post order, pages ascending: the order the receiver posts its
   // residual receives in (enqueue_residuals), whatever order handshakes took.
@@ -656,6 +664,7 @@ void Engine::Impl::flush_residuals(int peer) {
     return a.first->order != b.first->order ? a.first->order < b.first->order : a.second < b.second;
   });
   while (!q.empty()) {
+    if (!unposted.empty() && q.front().first->order > unposted.begin()->first) return;
     auto [r, i] = std::move(q.front());
     q.pop_front();
     Work& w = *r->work;

@@ -38,6 +38,9 @@ struct TestHooks {
   bool skip_codec = false;
 
   // ---- Read by the running engine; any thread may change them ---------------
+  /** Each encode job sleeps this long first (us), so a test can make the
+   *  encoder slower than the link. */
+  std::atomic<int64_t> encode_delay_us{0};
   /** While true, no residual is applied (full decodes wait), so a test can
    *  read the blocks at exactly anchor precision. */
   std::atomic<bool> pause_residuals{false};
