@@ -8,7 +8,8 @@
 // requests from --seed: request i goes from prefill p_i to decode d_i, Lynx
 // 4+4, 1 to 16 MiB, matched by id i.  Each process posts its own requests in
 // list order, at most -W in flight, connecting to a peer at its first use.
-// Midway (--kill_at completed requests) the coordinator kills prefill 1 with
+// Midway (--kill_at completed requests) prefill 1 stops itself with a send
+// in flight (matched, less than half sent), the coordinator kills it with
 // SIGKILL and starts it again on the same port; the decodes connect to the
 // new incarnation for the requests from index K on (K: the first index
 // no decode had posted, or counted as the killed incarnation's, when
@@ -192,9 +193,43 @@ int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int
     }
     live.pop_front();
   };
+  // The first incarnation of prefill 1, asked ('W'): it waits for a send
+  // whose receive is matched and less than half of whose anchors are sent,
+  // tells the coordinator ('F') and stops itself (SIGSTOP) for the
+  // coordinator's SIGKILL: so that send cannot complete, and the kill always
+  // finds a request in flight.  'E': it has no send left.
+  bool asked = false, told = false;
+  auto tell_if_asked = [&](char what) {
+    if (me != kKilled || restarted || told) return;
+    while (!asked && readable(rd)) {
+      if (!read_msg(rd, &k, &body, 60000)) return;
+      asked = k == 'W';
+    }
+    if (!asked) return;
+    if (what == 'E') {
+      told = send_msg(wr, 'E', nullptr, 0);
+      return;
+    }
+    // Until the oldest send ends (the caller then waits for it).
+    for (kvxfer_stage_t stage; kvxfer_test(live.front().r, &stage) == KVXFER_IN_PROGRESS;) {
+      for (const Live& l : live) {
+        kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
+        if (kvxfer_request_get_info(l.r, &info) == KVXFER_SUCCESS && info.t_handshake_ns > 0 &&
+            info.stage == KVXFER_STAGE_POSTED && info.pages_anchor_ready * 2 < info.num_pages) {
+          told = send_msg(wr, 'F', nullptr, 0);
+          ::raise(SIGSTOP);
+          return;
+        }
+      }
+      ::usleep(100);
+    }
+  };
   for (int i = from; i < o.requests; ++i) {
     if (reqs[i].p != me) continue;
-    while (static_cast<int>(live.size()) >= o.window) finish_oldest();
+    while (static_cast<int>(live.size()) >= o.window) {
+      tell_if_asked('F');
+      finish_oldest();
+    }
     Live l{i, nullptr, std::make_unique<kp::WholeKv>(kLayers, reqs[i].tokens, kHeads, kHeadDim)};
     fill(l.kv.get(), static_cast<uint64_t>(i));
     if (!post(l)) {
@@ -205,9 +240,16 @@ int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int
     }
     live.push_back(std::move(l));
   }
-  while (!live.empty()) finish_oldest();
-  // Serve until every decode is done (a reposted send may still be asked for).
-  (void)read_msg(rd, &k, &body, 600000);
+  while (!live.empty()) {
+    tell_if_asked('F');
+    finish_oldest();
+  }
+  // Serve until every decode is done (a reposted send may still be asked
+  // for): the coordinator's end, or its ask.
+  while (read_msg(rd, &k, &body, 600000) && k == 'W') {
+    asked = true;
+    tell_if_asked('E');
+  }
   kvxfer_comm_destroy(ep);
   return st;
 }
@@ -443,15 +485,17 @@ int main(int argc, char** argv) {
   const int64_t t0 = kp::mono_ns();
   for (int i = 0; i < nproc; ++i) send_msg(procs[i].to, 'A', all.data(), all.size());
 
-  // Count completions; kill and restart prefill 1 at --kill_at.
+  // Count completions; at --kill_at, ask prefill 1 for a send in flight
+  // ('W'), then kill and restart it.
   int done = 0, decodes_done = 0;
-  bool killed = false;
+  bool asked = false, killed = false, killed_in_flight = false;
   int64_t t_kill = 0;
   std::vector<DecodeReport> reports;
   std::vector<double> anchors, completes;
   while (decodes_done < o.decode) {
     std::vector<pollfd> fds;
     for (int d = 0; d < o.decode; ++d) fds.push_back({procs[o.prefill + d].from, POLLIN, 0});
+    if (asked && !killed) fds.push_back({procs[kKilled].from, POLLIN, 0});
     if (::poll(fds.data(), fds.size(), 1000) <= 0) {
       for (int i = 0; i < nproc; ++i)
         if (!procs[i].child->alive() && !(killed && i == kKilled)) {
@@ -461,9 +505,15 @@ int main(int argc, char** argv) {
         }
       continue;
     }
+    bool kill_now = false;
     for (size_t d = 0; d < fds.size(); ++d) {
       if ((fds[d].revents & (POLLIN | POLLHUP)) == 0) continue;
       if (!read_msg(fds[d].fd, &k, &body, 60000)) return 1;
+      if (d == static_cast<size_t>(o.decode)) {  // prefill 1's answer
+        kill_now = k == 'F' || k == 'E';
+        killed_in_flight = k == 'F';
+        continue;
+      }
       if (k == 'C') ++done;
       if (k == 'D') {
         DecodeReport r;
@@ -479,7 +529,11 @@ int main(int argc, char** argv) {
         if (k == 'M') ++decodes_done;
       }
     }
-    if (!killed && done >= o.kill_at) {
+    if (!asked && done >= o.kill_at) {
+      asked = true;
+      if (!send_msg(procs[kKilled].to, 'W', nullptr, 0)) return 1;
+    }
+    if (kill_now && !killed) {
       killed = true;
       procs[kKilled].child->kill();
       t_kill = kp::mono_ns();
@@ -540,8 +594,14 @@ int main(int argc, char** argv) {
               o.requests, t.ok, t.killed_err, t.max_after_kill_s, t.skipped, t.other_fail,
               pct(anchors, 50), pct(anchors, 99), pct(completes, 50), pct(completes, 99),
               t.bytes / wall_s * 1e-9, t.wrong);
+  // Killed with a send in flight, at least that request must end in ERROR.
   const bool pass = t.wrong == 0 && t.other_fail == 0 && t.killed_late == 0 && children_ok &&
-                    t.ok + t.killed_err + t.skipped == o.requests;
+                    t.ok + t.killed_err + t.skipped == o.requests &&
+                    (!killed_in_flight || t.killed_err > 0);
+  std::printf("# prefill 1 was %s\n",
+              !killed            ? "never killed (fewer completions than --kill_at)"
+              : killed_in_flight ? "killed while stopped with a matched send less than half sent"
+                                 : "killed with no send left to post");
   std::printf(
       "# anc/cmp: t_anchor / t_complete from the receive's post (ms).  killed_E: requests "
       "of the killed incarnation ended in ERROR (max_kill_s after the kill); not_post: "
@@ -550,6 +610,7 @@ int main(int argc, char** argv) {
   nlohmann::json j = {{"tool", kTool},
                       {"complete", t.ok},
                       {"killed_error", t.killed_err},
+                      {"killed_with_sends_in_flight", killed_in_flight},
                       {"max_after_kill_s", t.max_after_kill_s},
                       {"not_posted", t.skipped},
                       {"failed", t.other_fail},
