@@ -17,6 +17,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1160,6 +1161,66 @@ TEST(ofiPath, PeerKilledHoldingItsRegionLockDoesNotHangTheSurvivor) {
 TEST(ofiPath, PeerStoppedHoldingItsRegionLockFailsAfterTheTimeout) {
   if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
   peer_holding_its_region_lock(true);
+}
+
+// A child forked while this process's watcher waits on the registry's
+// condition variable inherits the variable with a waiter that does not exist
+// in the child: glibc's notify_all there (a watch's destructor) then waited
+// for it for good.  Seen as a rare sender hang in comm_destroy
+// (Xfer.Int4AndBf16Monolithic, about 1 run in 250 under load): its
+// progress thread stuck in ~ShmLockWatch.
+TEST(ofiPath, AChildForkedDuringAWatchEndsItsOwnWatch) {
+  const std::string file = "/dev/shm/kvxfer-test-watch-" + std::to_string(getpid());
+  {
+    const int fd = open(file.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, 4096), 0);
+    std::vector<uint8_t> page(4096, 0);
+    page[0] = smr::kVersion;
+    const int unlocked = 1;  // glibc's unlocked spinlock: the watch has nothing to release
+    std::memcpy(page.data() + smr::kLockOffset, &unlocked, sizeof unlocked);
+    ASSERT_TRUE(write_all(fd, page.data(), page.size()));
+    close(fd);
+  }
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, getpid(), 0));
+  ASSERT_GE(pidfd, 0);
+  std::atomic<uint64_t> epoch{0};
+  std::unique_ptr<ShmLockWatch> mine = ShmLockWatch::start(pidfd, getpid(), {file}, &epoch, 60000);
+  ASSERT_NE(mine, nullptr);
+  int hung = 0;
+  for (int i = 0; i < 8 && hung == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(7));  // the watcher waits, nearly always
+    const pid_t c = fork();
+    ASSERT_GE(c, 0);
+    if (c == 0) {  // watches come and go, as a child's links do
+      for (int k = 0; k < 4; ++k) {
+        std::unique_ptr<ShmLockWatch> w =
+            ShmLockWatch::start(pidfd, getpid(), {file}, &epoch, 60000);
+        if (w == nullptr) _exit(3);
+        std::this_thread::sleep_for(std::chrono::milliseconds(k * 11));
+        w.reset();  // notify_all
+      }
+      _exit(0);
+    }
+    int st = 0;
+    const auto t0 = Clock::now();
+    while (waitpid(c, &st, WNOHANG) == 0) {
+      if (Clock::now() - t0 > std::chrono::seconds(5)) {
+        kill(c, SIGKILL);
+        waitpid(c, &st, 0);
+        ++hung;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (WIFEXITED(st)) {
+      EXPECT_EQ(WEXITSTATUS(st), 0) << "fork " << i << ": no watch started";
+    }
+  }
+  EXPECT_EQ(hung, 0) << "a child hung ending its watch (5 s)";
+  mine.reset();
+  close(pidfd);
+  unlink(file.c_str());
 }
 
 // shm's first endpoint installs SIGINT/SIGTERM/SIGSEGV/SIGBUS handlers that

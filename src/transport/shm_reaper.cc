@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "common/log.h"
@@ -49,9 +50,18 @@ Registry& registry() {
   static Registry* r = [] {
     auto* n = new Registry;
     // A fork while the watcher holds the mutex would leave it held in the
-    // child for good: hold it across fork(), release it on both sides.
+    // child for good: hold it across fork(), release it on both sides.  The
+    // child also starts the condition variable afresh: the parent's watcher
+    // may be waiting on it, and glibc's copy in the child counts that waiter
+    // for good, so a notify_all there waited for it forever
+    // (ofiPath.AChildForkedDuringAWatchEndsItsOwnWatch).  Not destroyed
+    // first: destroying a variable with waiters is undefined.
     pthread_atfork([] { registry().mu.lock(); }, [] { registry().mu.unlock(); },
-                   [] { registry().mu.unlock(); });
+                   [] {
+                     Registry& r = registry();
+                     new (&r.cv) std::condition_variable;
+                     r.mu.unlock();
+                   });
     return n;
   }();
   return *r;
