@@ -2051,6 +2051,71 @@ TEST(Xfer, ResidualsUseTheLinkWhileLaterPagesEncode) {
   EXPECT_EQ(WEXITSTATUS(pair.child.status), 0);
 }
 
+// With another request in flight, residuals wait for all its anchors: the
+// receiver may not know that request yet (docs/TRANSPORT.md, "Strict anchor
+// priority across requests").  Here the second request's pages encode after
+// the first's, 5 ms each: the first request's residuals must not use the
+// link meanwhile.
+TEST(Xfer, ResidualsWaitForTheAnchorsOfOtherRequests) {
+  Shape s;
+  s.L = 2;
+  s.heads = 8;
+  s.hd = 128;
+  s.T = 256;
+  s.page_tokens = 64;  // 16 pages a request
+  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  const uint64_t seed = 91;
+  test_hooks()->encode_delay_us = 5000;
+  test_hooks()->codec_workers = 1;
+  Pair pair;
+  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
+    return send_many(id, 2, s, seed, cfg, KVXFER_MODE_PROGRESSIVE, kTimeoutMs, nullptr, true);
+  }));
+  test_hooks()->encode_delay_us = 0;
+  test_hooks()->codec_workers = 0;
+  kvxfer_comm_t comm = init_rank(pair.id, 0);
+  ASSERT_NE(comm, nullptr);
+  std::vector<std::unique_ptr<PagedKV>> dsts;
+  std::vector<kvxfer_request_t> reqs(2);
+  for (int i = 0; i < 2; ++i) {
+    dsts.emplace_back(new PagedKV(s.L, s.heads, s.hd, s.T, 16));
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.tag = static_cast<uint64_t>(i);
+    ASSERT_EQ(kvxfer_recv(comm, 1, &dsts.back()->desc, &rc, &reqs[i]), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+  }
+  std::vector<std::vector<kvxfer_arrival_t>> arr(2);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(kvxfer_wait(reqs[i], KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+        << kvxfer_get_last_error();
+    size_t n = 0;
+    ASSERT_EQ(kvxfer_request_get_arrivals(reqs[i], nullptr, 0, &n), KVXFER_SUCCESS);
+    arr[i].resize(n);
+    ASSERT_EQ(kvxfer_request_get_arrivals(reqs[i], arr[i].data(), n, &n), KVXFER_SUCCESS);
+    ASSERT_EQ(n, 32u);
+  }
+  int64_t last_anchor_1 = 0, first_residual_0 = INT64_MAX;
+  for (const auto& a : arr[1])
+    if (a.traffic_class == 0) last_anchor_1 = std::max(last_anchor_1, a.t_ns);
+  for (const auto& a : arr[0])
+    if (a.traffic_class == 1) first_residual_0 = std::min(first_residual_0, a.t_ns);
+  EXPECT_GE(first_residual_0, last_anchor_1)
+      << "request 0's first residual landed " << (last_anchor_1 - first_residual_0) / 1e6
+      << " ms before request 1's last anchor";
+  for (int i = 0; i < 2; ++i) {
+    PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+    src.fill(seed + static_cast<uint64_t>(i));
+    PagedKV full(s.L, s.heads, s.hd, s.T, 16);
+    expected_decode(src, cfg, s.page_tokens, static_cast<uint64_t>(i), true, &full);
+    for (int32_t l = 0; l < s.L; ++l)
+      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+        ASSERT_EQ(dsts[i]->bytes(l, kind), full.bytes(l, kind))
+            << "request " << i << ", layer " << l;
+    EXPECT_EQ(kvxfer_request_free(reqs[i]), KVXFER_SUCCESS);
+  }
+  finish(&pair, comm);
+}
+
 // A request posted while an earlier one's anchors wait in the sender's Link
 // (a shaped link): its DESC goes ahead of them, so the receiver knows it long
 // before the earlier request's anchors are in (docs/TRANSPORT.md, "Handshakes

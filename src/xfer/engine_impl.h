@@ -18,7 +18,6 @@
 #include <cstring>
 #include <deque>
 #include <list>
-#include <map>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -238,10 +237,10 @@ inline std::string page_name(const PageRef& p) {
 /** The progress thread's state of one peer (Engine::Impl::io). */
 struct PeerIo {
   std::unordered_map<uint64_t, OpRef> ops;  // Link op id -> what
-  // Anchors of handshaken sends not yet posted: Request::order -> count.
-  std::map<uint64_t, int64_t> anchors_unposted;
-  // Residuals held until every anchor of the sends posted before theirs is
-  // posted (flush_residuals).
+  // Anchors of handshaken sends not yet posted, per send.
+  std::unordered_map<const Request*, int64_t> anchors_unposted;
+  // Residuals held until every anchor of every other handshaken send to
+  // this peer is posted (flush_residuals).
   std::list<std::pair<std::shared_ptr<Request>, size_t>> held_residuals;
   // The sends whose encodes are not all queued, in post order: of those the
   // receiver has matched (handshake_ok), only the first may queue encodes,

@@ -541,7 +541,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
   }
   publish_handshake(r);
   if (!w.pages.empty())
-    io(r->peer).anchors_unposted[r->order] += static_cast<int64_t>(w.pages.size());
+    io(r->peer).anchors_unposted[r.get()] += static_cast<int64_t>(w.pages.size());
   if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
   if (!w.failed) alloc_send(r);  // a failed one sends empty messages: no staging
   sender_pump(r);
@@ -627,8 +627,7 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
     if (!empty && !p.encoded) break;
     w.next_page_send++;
     auto& unposted = io(r->peer).anchors_unposted;
-    if (auto u = unposted.find(r->order); u != unposted.end() && --u->second == 0)
-      unposted.erase(u);
+    if (auto u = unposted.find(r.get()); u != unposted.end() && --u->second == 0) unposted.erase(u);
     const size_t alen = empty ? 0 : progressive ? p.a_len : p.a_len + p.r_len;
     post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
                    empty ? &kEmpty : w.astore.get() + p.a_off, alen);
@@ -644,16 +643,20 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
   flush_residuals(r->peer);
 }
 
-// A residual to a peer goes to the Link once every anchor of the requests
-// posted before its own is posted (its own request's earlier pages are), so
-// residual messages keep request order, then page order: the order the
-// receiver posts their receives in.  The Link sends no residual chunk while
-// an anchor chunk waits, so residuals take the link only when no anchor is
-// ready, such as while later pages encode: Lynx's split streams keep the
-// link busy.  Held until every anchor was posted, they left an encoder-bound
-// link idle and then came after the last anchor (a 43 ms tail in
-// Xfer.ResidualsUseTheLinkWhileLaterPagesEncode).  The receiver applies none
-// before every anchor it knows of (queue_full).
+// A residual to a peer goes to the Link once every anchor of every other
+// handshaken send to that peer is posted; its own send's later pages may
+// still be encoding.  The Link sends no residual chunk while an anchor chunk
+// waits, so a lone send's residuals take the link while its later pages
+// encode (Lynx's split streams keep the link busy): held until its last
+// anchor was posted, they left an encoder-bound link idle and then came after
+// it (a 43 ms tail in Xfer.ResidualsUseTheLinkWhileLaterPagesEncode).  With
+// other sends in flight they wait for all their anchors, as the receiver may
+// not know those sends yet: released once the sends posted before theirs had
+// their anchors posted, they were applied before a later send's DESC arrived
+// (figure 3 of perf/run_figures.sh failed in 5 runs of 100, against 1).
+// Residual messages keep request order, then page order: the order the
+// receiver posts their receives in.  The receiver applies none before every
+// anchor it knows of (queue_full).
 void Engine::Impl::flush_residuals(int peer) {
   static const uint8_t kEmpty = 0;
   const auto& unposted = io(peer).anchors_unposted;
@@ -664,7 +667,9 @@ void Engine::Impl::flush_residuals(int peer) {
     return a.first->order != b.first->order ? a.first->order < b.first->order : a.second < b.second;
   });
   while (!q.empty()) {
-    if (!unposted.empty() && q.front().first->order > unposted.begin()->first) return;
+    if (!unposted.empty() &&
+        (unposted.size() > 1 || unposted.begin()->first != q.front().first.get()))
+      return;
     auto [r, i] = std::move(q.front());
     q.pop_front();
     Work& w = *r->work;
