@@ -645,8 +645,10 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
 
 // A residual to a peer goes to the Link once every anchor of every other
 // handshaken send to that peer is posted; its own send's later pages may
-// still be encoding.  The Link sends no residual chunk while an anchor chunk
-// waits, so a lone send's residuals take the link while its later pages
+// still be encoding.  Sends not matched yet do not count: their receivers
+// may be waiting for these sends to end (KVXFER_RECV_ANCHOR_BYTES), and
+// counting them stalled Xfer.ResidualsBeyondTheStagingPoolKeepFlowing.  The Link sends no residual
+// chunk while an anchor chunk waits, so a lone send's residuals take the link while its later pages
 // encode (Lynx's split streams keep the link busy): held until its last
 // anchor was posted, they left an encoder-bound link idle and then came after
 // it (a 43 ms tail in Xfer.ResidualsUseTheLinkWhileLaterPagesEncode).  With
