@@ -241,6 +241,19 @@ int run_sender(const kvxfer_unique_id_t& id, int wr, const Shape& s, int32_t bs,
   return 0;
 }
 
+/** `dst` holds, at full precision, the KV of shape `s` that send_many or
+ *  run_sender filled with `seed` and sent with `cfg` and `tag`. */
+void expect_full(PagedKV& dst, const Shape& s, uint64_t seed, const kvxfer_codec_config_t& cfg,
+                 uint64_t tag, const std::string& what) {
+  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
+  src.fill(seed);
+  PagedKV full(s.L, s.heads, s.hd, s.T, 16);
+  expected_decode(src, cfg, s.page_tokens, tag, true, &full);
+  for (int32_t l = 0; l < s.L; ++l)
+    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+      ASSERT_EQ(dst.bytes(l, kind), full.bytes(l, kind)) << what << ", layer " << l;
+}
+
 // The main case: Lynx 4+4, the receiver with a different block size and row
 // stride; anchor-only values at ANCHOR_READY, full values at COMPLETE, both
 // bit-exact against the codec's own decode of `dt` pages into `dt`; byte
@@ -2038,13 +2051,7 @@ TEST(Xfer, ResidualsUseTheLinkWhileLaterPagesEncode) {
   for (size_t i = 0; i < last_anchor; ++i) residuals_before += arr[i].traffic_class == 1;
   // Held until the last anchor was posted, none would be; here about 31.
   EXPECT_GE(residuals_before, 16u) << "of 32 residuals, before the last anchor arrived";
-  PagedKV src(s.L, s.heads, s.hd, s.T, 16);
-  src.fill(seed);
-  PagedKV full(s.L, s.heads, s.hd, s.T, 16);
-  expected_decode(src, cfg, s.page_tokens, 0, true, &full);
-  for (int32_t l = 0; l < s.L; ++l)
-    for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
-      ASSERT_EQ(dst.bytes(l, kind), full.bytes(l, kind)) << "layer " << l;
+  expect_full(dst, s, seed, cfg, 0, "the request");
   EXPECT_EQ(kvxfer_request_free(req), KVXFER_SUCCESS);
   EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
   ASSERT_TRUE(pair.child.wait(60));
@@ -2105,14 +2112,8 @@ TEST(Xfer, ResidualsWaitForTheAnchorsOfOtherRequests) {
       << "request 0's first residual landed " << (last_anchor_1 - first_residual_0) / 1e6
       << " ms before request 1's last anchor";
   for (int i = 0; i < 2; ++i) {
-    PagedKV src(s.L, s.heads, s.hd, s.T, 16);
-    src.fill(seed + static_cast<uint64_t>(i));
-    PagedKV full(s.L, s.heads, s.hd, s.T, 16);
-    expected_decode(src, cfg, s.page_tokens, static_cast<uint64_t>(i), true, &full);
-    for (int32_t l = 0; l < s.L; ++l)
-      for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
-        ASSERT_EQ(dsts[i]->bytes(l, kind), full.bytes(l, kind))
-            << "request " << i << ", layer " << l;
+    expect_full(*dsts[i], s, seed + static_cast<uint64_t>(i), cfg, static_cast<uint64_t>(i),
+                "request " + std::to_string(i));
     EXPECT_EQ(kvxfer_request_free(reqs[i]), KVXFER_SUCCESS);
   }
   finish(&pair, comm);
