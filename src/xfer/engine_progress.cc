@@ -645,20 +645,21 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
 
 // A residual to a peer goes to the Link once every anchor of every other
 // handshaken send to that peer is posted; its own send's later pages may
-// still be encoding.  Sends not matched yet do not count: their receivers
-// may be waiting for these sends to end (KVXFER_RECV_ANCHOR_BYTES), and
-// counting them stalled Xfer.ResidualsBeyondTheStagingPoolKeepFlowing.  The Link sends no residual
-// chunk while an anchor chunk waits, so a lone send's residuals take the link while its later pages
+// still be encoding.  The Link sends no residual chunk while an anchor chunk
+// waits, so a lone send's residuals take the link while its later pages
 // encode (Lynx's split streams keep the link busy): held until its last
-// anchor was posted, they left an encoder-bound link idle and then came after
-// it (a 43 ms tail in Xfer.ResidualsUseTheLinkWhileLaterPagesEncode).  With
-// other sends in flight they wait for all their anchors, as the receiver may
-// not know those sends yet: released once the sends posted before theirs had
-// their anchors posted, they were applied before a later send's DESC arrived
-// (figure 3 of perf/run_figures.sh failed in 5 runs of 100, against 1).
-// Residual messages keep request order, then page order: the order the
-// receiver posts their receives in.  The receiver applies none before every
-// anchor it knows of (queue_full).
+// anchor was posted, they left an encoder-bound link idle and then came
+// after it (a 43 ms tail in Xfer.ResidualsUseTheLinkWhileLaterPagesEncode).
+// With other sends in flight they wait for all their anchors, as the
+// receiver may not know those sends yet: released once the sends posted
+// before theirs had their anchors posted, they were applied before a later
+// send's DESC arrived (figure 3 of perf/run_figures.sh failed in 5 runs of
+// 100, against 1).  Sends not matched yet do not count: their receivers may
+// be waiting for these sends to end (KVXFER_RECV_ANCHOR_BYTES), and counting
+// them stalled Xfer.ResidualsBeyondTheStagingPoolKeepFlowing.  Residual
+// messages keep request order, then page order: the order the receiver
+// posts their receives in.  The receiver applies none before every anchor
+// it knows of (queue_full).
 void Engine::Impl::flush_residuals(int peer) {
   static const uint8_t kEmpty = 0;
   const auto& unposted = io(peer).anchors_unposted;
