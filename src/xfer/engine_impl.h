@@ -237,8 +237,9 @@ inline std::string page_name(const PageRef& p) {
 /** The progress thread's state of one peer (Engine::Impl::io). */
 struct PeerIo {
   std::unordered_map<uint64_t, OpRef> ops;  // Link op id -> what
-  // Anchors of handshaken sends not yet posted, per send.
-  std::unordered_map<const Request*, int64_t> anchors_unposted;
+  // The handshaken sends with anchors not yet posted (Work::next_page_send
+  // below its page count).
+  std::unordered_set<const Request*> anchors_unposted;
   // Residuals held until every anchor of every other handshaken send to
   // this peer is posted (flush_residuals).
   std::list<std::pair<std::shared_ptr<Request>, size_t>> held_residuals;

@@ -540,8 +540,7 @@ void Engine::Impl::on_handshake(const std::shared_ptr<Request>& r) {
     return;
   }
   publish_handshake(r);
-  if (!w.pages.empty())
-    io(r->peer).anchors_unposted[r.get()] += static_cast<int64_t>(w.pages.size());
+  if (!w.pages.empty()) io(r->peer).anchors_unposted.insert(r.get());
   if (w.pages.empty()) publish(r, KVXFER_STAGE_ANCHOR_READY);
   if (!w.failed) alloc_send(r);  // a failed one sends empty messages: no staging
   sender_pump(r);
@@ -626,8 +625,6 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
     const bool empty = w.failed;
     if (!empty && !p.encoded) break;
     w.next_page_send++;
-    auto& unposted = io(r->peer).anchors_unposted;
-    if (auto u = unposted.find(r.get()); u != unposted.end() && --u->second == 0) unposted.erase(u);
     const size_t alen = empty ? 0 : progressive ? p.a_len : p.a_len + p.r_len;
     post_link_send(r, TrafficClass::kAnchor, OpKind::kAnchor, MsgKind::kAnchor, i,
                    empty ? &kEmpty : w.astore.get() + p.a_off, alen);
@@ -640,6 +637,7 @@ void Engine::Impl::sender_pump(const std::shared_ptr<Request>& r) {
       io(r->peer).held_residuals.emplace_back(r, i);
     }
   }
+  if (w.next_page_send == w.pages.size()) io(r->peer).anchors_unposted.erase(r.get());
   flush_residuals(r->peer);
 }
 
@@ -670,8 +668,7 @@ void Engine::Impl::flush_residuals(int peer) {
     return a.first->order != b.first->order ? a.first->order < b.first->order : a.second < b.second;
   });
   while (!q.empty()) {
-    if (!unposted.empty() &&
-        (unposted.size() > 1 || unposted.begin()->first != q.front().first.get()))
+    if (!unposted.empty() && (unposted.size() > 1 || *unposted.begin() != q.front().first.get()))
       return;
     auto [r, i] = std::move(q.front());
     q.pop_front();
