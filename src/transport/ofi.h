@@ -42,6 +42,7 @@
 #include "transport/dscp.h"
 #include "transport/fabric_lib.h"
 #include "transport/rate_limiter.h"
+#include "transport/smr_region.h"
 
 namespace kvxfer::transport {
 
@@ -572,12 +573,13 @@ class Link {
 
   // The doorbell of a shared-memory link (docs/TRANSPORT.md, "Paths"): shm
   // signals nothing a thread can sleep on, so each side makes a FIFO beside
-  // its anchor region (bell_file()) and the peer writes a byte to it after
-  // a progress() that posted or completed anything.  Opened O_RDWR on both
-  // sides: the FIFO never reads EOF, and a write never raises SIGPIPE.
+  // its anchor region (bell_file()), and the peer writes a byte to it when
+  // the signal word of one of this side's regions is set (work queued for
+  // this side's progress).  Opened O_RDWR on both sides: the FIFO never
+  // reads EOF, and a write never raises SIGPIPE.
   void open_bell();
   void close_bell();
-  void ring_peer();
+  void ring_peer_if_signalled(Clock::time_point now);
   int bell_fd_ = -1;            // this side's FIFO
   std::string bell_path_;       // unlinked once the peer holds it (ready_)
   int peer_bell_fd_ = -1;       // the peer's FIFO
@@ -585,6 +587,12 @@ class Link {
   bool bell_armed_ = false;     // prepare_wait() handed bell_fd_ out: drain it first thing
   bool stirred_ = false;        // posted or completed something since the last ring
   bool provider_full_ = false;  // the last progress() met -FI_EAGAIN
+  // The last progress() posted after it read the queues: shm completes some
+  // operations inside the post (a receive that meets an unexpected message,
+  // an inline send), into a queue that is read, not signalled.
+  bool posted_after_read_ = false;
+  Clock::time_point last_ring_{};
+  std::array<smr::SignalView, kNumClasses> own_signal_, peer_signal_;
 };
 
 }  // namespace kvxfer::transport

@@ -435,7 +435,7 @@ kvxfer_result_t Link::post_recvs(Clock::time_point now) {
           op->outstanding++;
           posted_recvs_[c]++;
           op->next_post++;
-          stirred_ = true;
+          stirred_ = posted_after_read_ = true;
         }
         if (blocked && op->has_work()) {
           op->queued = true;
@@ -504,7 +504,7 @@ kvxfer_result_t Link::schedule_sends(Clock::time_point now) {
     }
     op->outstanding++;
     op->next_post++;
-    stirred_ = true;
+    stirred_ = posted_after_read_ = true;
     posted_chunks_[c]++;
     inflight_bytes_[c] += bytes;
     stats_.chunks_posted[c]++;
@@ -584,7 +584,7 @@ kvxfer_result_t Link::progress() {
     }
     bell_armed_ = false;
   }
-  provider_full_ = false;
+  provider_full_ = posted_after_read_ = false;
   CqEvent evs[64];
   for (int c = 0; c < kNumClasses; ++c) {  // anchor CQ first
     for (int round = 0; round < 8; ++round) {
@@ -618,22 +618,21 @@ kvxfer_result_t Link::progress() {
   }
   // What this side posted or completed may be the peer's next work (a
   // command in its region, a response to its send): wake it.
-  if (stirred_) {
-    if (peer_bell_fd_ >= 0 && !failed_) ring_peer();
-    stirred_ = false;
-  }
+  if (peer_bell_fd_ >= 0 && !failed_) ring_peer_if_signalled(now);
   return failed_ ? fail_code_ : KVXFER_SUCCESS;
 }
 
 bool Link::prepare_wait(std::vector<pollfd>* fds) {
   if (failed_) return true;
   if (!ready_) return false;  // connecting: rxm's connection events need polling
-  // The peer rings after each of its progress() that posted or completed
-  // anything; a ring after progress() drained the bell wakes poll(2).  A
-  // full provider queue frees without a ring (an unexpected message moved
-  // out of it): poll.
+  // The peer rings when it finds this side's signal word set; a ring after
+  // progress() drained the bell wakes poll(2).  A signal still set is work
+  // progress() has not taken up (shm retries by signalling itself); a full
+  // provider queue frees without a signal: in both, poll.
   if (has_doorbell()) {
-    if (provider_full_) return false;
+    if (provider_full_ || posted_after_read_ || own_signal_[0].signalled() ||
+        own_signal_[1].signalled())
+      return false;
     bell_armed_ = true;
     fds->push_back(pollfd{bell_fd_, POLLIN, 0});
     return true;

@@ -178,11 +178,22 @@ void Link::close_bell() {
   if (peer_bell_fd_ >= 0) ::close(peer_bell_fd_);
   bell_fd_ = peer_bell_fd_ = -1;
   peer_rings_ = bell_armed_ = false;
+  for (int c = 0; c < kNumClasses; ++c) {
+    own_signal_[c].reset();
+    peer_signal_[c].reset();
+  }
 }
 
-void Link::ring_peer() {
+void Link::ring_peer_if_signalled(Clock::time_point now) {
+  // A signal set by what this side did (stirred_) rings at once; one set
+  // otherwise (shm's segmented copies, a retry the peer queued for itself)
+  // at most every 100 us while it stays set, not on every poll.
+  if (!stirred_ && now - last_ring_ < std::chrono::microseconds(100)) return;
+  stirred_ = false;
+  if (!peer_signal_[0].signalled() && !peer_signal_[1].signalled()) return;
   static const char kRing = 0;
   (void)!::write(peer_bell_fd_, &kRing, 1);  // -EAGAIN: full, it rings already
+  last_ring_ = now;
 }
 
 size_t Link::ops_in_flight() const {
@@ -329,6 +340,12 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
       ::close(peer_bell_fd_);
       peer_bell_fd_ = -1;
     }
+    // Both sides' signal words, which say when to ring and when not to
+    // sleep; another region layout has no doorbell.
+    for (int c = 0; c < kNumClasses; ++c)
+      if (!own_signal_[c].map(smr::region_file(ep_[c]->name())) ||
+          !peer_signal_[c].map(peer_region_[c]))
+        close_bell();
     KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)%s", peer_pid,
                 peer_region_[0].c_str(), peer_bell_fd_ >= 0 ? ", doorbell" : ", no doorbell");
   } else {
@@ -368,7 +385,7 @@ kvxfer_result_t Link::post_hellos() {
                                                  wire_tag(kHelloUserTag, 0), s);
     if (rc == KVXFER_SUCCESS) {
       hello_unsent_[c] = false;
-      stirred_ = true;
+      stirred_ = posted_after_read_ = true;
       continue;
     }
     free_ctx(s);
