@@ -1169,6 +1169,39 @@ TEST(ofiPath, SharedMemoryReceiveOfAnArrivedMessageDoesNotSleep) {
   EXPECT_EQ(timed_out, 0) << "the receive completed inside its post and waited for a ring";
 }
 
+// A receive that times out is cancelled, and shm writes its completion
+// inside fi_cancel, unsignalled: the link must read it before it sleeps.
+TEST(ofiPath, SharedMemoryCancelledReceiveDoesNotSleep) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  LinkConfig cfg = loopback_config();
+  cfg.timeout_ms = 100;
+  Pair p;
+  ASSERT_TRUE(make_pair(cfg, cfg, &p));
+  ASSERT_TRUE(p.b->has_doorbell());
+  std::vector<uint8_t> dst(1 << 16);
+  uint64_t r;
+  ASSERT_EQ(p.b->post_recv(kA, dst.data(), dst.size(), 11, &r), KVXFER_SUCCESS);
+  bool quiet = false;  // its header receive posted, the handshake's rings drained
+  for (int i = 0; i < 10 && !quiet; ++i) {
+    ASSERT_EQ(p.b->progress(), KVXFER_SUCCESS);
+    std::vector<pollfd> fds;
+    quiet = p.b->prepare_wait(&fds) && ::poll(fds.data(), fds.size(), 0) == 0;
+  }
+  ASSERT_TRUE(quiet);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  ASSERT_EQ(p.b->progress(), KVXFER_SUCCESS);  // the timeout: cancels the receive
+  std::vector<Completion> done;
+  for (int i = 0; i < 10 && done.empty(); ++i) {
+    std::vector<pollfd> fds;
+    ASSERT_FALSE(p.b->prepare_wait(&fds) && ::poll(fds.data(), fds.size(), 0) == 0)
+        << "the cancelled receive's completion is unread: the link must not sleep";
+    p.b->poll(&done);
+  }
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].op_id, r);
+  EXPECT_EQ(done[0].status, KVXFER_ERR_TIMEOUT) << done[0].error;
+}
+
 // A peer address whose doorbell name is not a FIFO (a hostile peer's
 // regular file): nothing is written to it, and the link works by polling.
 TEST(ofiPath, ADoorbellThatIsNotAFifoIsNeitherWrittenNorUsed) {

@@ -462,8 +462,9 @@ class Link {
   const std::string& provider() const { return domain_->provider(); }
   /** True once connect() chose the shared-memory path. */
   bool same_host() const { return shm_path_; }
-  /** True on a ready shared-memory link whose peer rings this side's
-   *  doorbell (docs/TRANSPORT.md, "Paths"): prepare_wait() can then sleep. */
+  /** True on a connected shared-memory link whose peer's hello said it
+   *  rings this side's doorbell (docs/TRANSPORT.md, "Paths"):
+   *  prepare_wait() can then sleep. */
   bool has_doorbell() const { return shm_path_ && bell_fd_ >= 0 && peer_rings_; }
   const LinkConfig& config() const { return cfg_; }
   const DscpReport& dscp_report() const { return dscp_; }
@@ -478,7 +479,9 @@ class Link {
    * provider has no wait object: poll instead; a shm link with nothing in
    * flight adds nothing and returns true).  A shm link with a doorbell
    * (has_doorbell()) appends its doorbell's fd and returns true, unless
-   * the provider's queue was full at the last progress().  After poll(2),
+   * its region's signal word is set, the last progress() posted, cancelled
+   * or left completions after reading its queues, or the provider's queue
+   * was full; it first rings the peer whose signal word is set.  After poll(2),
    * or a timeout no later than next_deadline(), call progress() again.  A
    * failed link adds nothing and returns true.
    */
@@ -580,6 +583,7 @@ class Link {
   void open_bell();
   void close_bell();
   void ring_peer_if_signalled(Clock::time_point now);
+  void ring_peer();
   int bell_fd_ = -1;            // this side's FIFO
   std::string bell_path_;       // unlinked once the peer holds it (ready_)
   int peer_bell_fd_ = -1;       // the peer's FIFO
@@ -587,9 +591,10 @@ class Link {
   bool bell_armed_ = false;     // prepare_wait() handed bell_fd_ out: drain it first thing
   bool stirred_ = false;        // posted or completed something since the last ring
   bool provider_full_ = false;  // the last progress() met -FI_EAGAIN
-  // The last progress() posted after it read the queues: shm completes some
-  // operations inside the post (a receive that meets an unexpected message,
-  // an inline send), into a queue that is read, not signalled.
+  // The queues may hold what the last progress() did not read: it posted or
+  // cancelled after reading them (shm completes a receive that meets an
+  // unexpected message, an inline send and a cancel inside the call, into a
+  // queue that is read, not signalled), or it stopped at its read cap.
   bool posted_after_read_ = false;
   Clock::time_point last_ring_{};
   std::array<smr::SignalView, kNumClasses> own_signal_, peer_signal_;

@@ -211,7 +211,9 @@ void Link::fail_recv(Op* op, kvxfer_result_t code, const std::string& why, Clock
   op->cancel_deadline =
       now + std::chrono::milliseconds(std::min<int64_t>(cfg_.timeout_ms, 1000) + 100);
   for (Ctx* ctx : live_)
-    if (ctx->op == op) (void)ep_[idx(ctx->cls)]->cancel(ctx);
+    // shm writes the cancelled receive's completion at once, unsignalled.
+    if (ctx->op == op && ep_[idx(ctx->cls)]->cancel(ctx) == KVXFER_SUCCESS)
+      posted_after_read_ = true;
   if (op->outstanding == 0) finish(op, code, why, now);
 }
 
@@ -602,6 +604,7 @@ kvxfer_result_t Link::progress() {
         if (failed_) return fail_code_;
       }
       if (n < 64) break;
+      if (round == 7) posted_after_read_ = true;  // entries left: read them before any sleep
     }
   }
   next_wake_ = Clock::time_point::max();  // lowered by the rate limiter when it holds a chunk
@@ -633,6 +636,10 @@ bool Link::prepare_wait(std::vector<pollfd>* fds) {
     if (provider_full_ || posted_after_read_ || own_signal_[0].signalled() ||
         own_signal_[1].signalled())
       return false;
+    // A ring progress() held back (ring_peer_if_signalled) goes now: the
+    // peer may sleep too.
+    if (peer_bell_fd_ >= 0 && (peer_signal_[0].signalled() || peer_signal_[1].signalled()))
+      ring_peer();
     bell_armed_ = true;
     fds->push_back(pollfd{bell_fd_, POLLIN, 0});
     return true;

@@ -187,13 +187,18 @@ void Link::close_bell() {
 void Link::ring_peer_if_signalled(Clock::time_point now) {
   // A signal set by what this side did (stirred_) rings at once; one set
   // otherwise (shm's segmented copies, a retry the peer queued for itself)
-  // at most every 100 us while it stays set, not on every poll.
+  // at most every 100 us while it stays set, not on every poll, and before
+  // this side sleeps (prepare_wait).
   if (!stirred_ && now - last_ring_ < std::chrono::microseconds(100)) return;
   stirred_ = false;
   if (!peer_signal_[0].signalled() && !peer_signal_[1].signalled()) return;
+  ring_peer();
+  last_ring_ = now;
+}
+
+void Link::ring_peer() {
   static const char kRing = 0;
   (void)!::write(peer_bell_fd_, &kRing, 1);  // -EAGAIN: full, it rings already
-  last_ring_ = now;
 }
 
 size_t Link::ops_in_flight() const {
@@ -334,15 +339,16 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
     // The peer's doorbell, if it made one (a peer without one is polled).
     // Not a FIFO (a hostile address naming another file): not written to.
     const std::string bell = bell_file(peer_name_[0]);
-    peer_bell_fd_ = ::open(bell.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
+    peer_bell_fd_ = ::open(bell.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
     struct stat bst {};
-    if (peer_bell_fd_ >= 0 && (::fstat(peer_bell_fd_, &bst) != 0 || !S_ISFIFO(bst.st_mode))) {
+    if (peer_bell_fd_ >= 0 && (::fstat(peer_bell_fd_, &bst) != 0 || !S_ISFIFO(bst.st_mode) ||
+                               bst.st_uid != ::geteuid())) {
       ::close(peer_bell_fd_);
       peer_bell_fd_ = -1;
     }
     // Both sides' signal words, which say when to ring and when not to
     // sleep; another region layout has no doorbell.
-    for (int c = 0; c < kNumClasses; ++c)
+    for (int c = 0; c < kNumClasses && bell_fd_ >= 0; ++c)
       if (!own_signal_[c].map(smr::region_file(ep_[c]->name())) ||
           !peer_signal_[c].map(peer_region_[c]))
         close_bell();
