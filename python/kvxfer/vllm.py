@@ -10,6 +10,8 @@ kvxfer.vllm_core's (no vLLM there); this module maps vLLM's objects to it.
 Importing it imports vLLM.
 """
 
+import dataclasses
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -71,7 +73,8 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output):
         m = self._sched.build_meta()
-        return KvxferConnectorMetadata(m.sends, m.recvs, m.cancels)
+        return KvxferConnectorMetadata(**{f.name: getattr(m, f.name)
+                                          for f in dataclasses.fields(m)})
 
     def update_connector_output(self, connector_output):
         self._sched.finished_recving(connector_output.finished_recving or ())

@@ -220,6 +220,30 @@ def test_a_decode_abort_cancels_the_load_and_both_sides_free_their_blocks():
         prefill.close()
 
 
+def test_a_decode_prefix_hit_releases_the_prefill_at_once(prefill):
+    """The decode computes a request whose prompt it has cached instead of
+    loading it; the prefill is told at once (its claim timeout is 480 s)."""
+    prefill.send(op="add", reqs=[["x", 300]])
+    prefill.wait(lambda: "x" in prefill.params, 120, "PARAMS x")
+    dec = H.Instance("kv_both", BLOCKS)
+    dec.add("x", 300, dict(prefill.params["x"]))
+    finished, exact = run_decode(dec, prefill, {"x": 300})
+    assert finished == {"x": "length"} and exact == {"x": True}
+    prefill.wait(lambda: prefill.idle, 60, "x's blocks freed")
+    # y has x's prompt: the decode finds 288 of its 300 tokens in its cache.
+    prefill.send(op="add", reqs=[["y", 300]], prompt_of={"y": "x"})
+    prefill.wait(lambda: "y" in prefill.params, 120, "PARAMS y")
+    prefill.wait(lambda: not prefill.idle, 10, "y's blocks kept for the decode")
+    t0 = time.monotonic()
+    dec.add("y", 300, dict(prefill.params["y"]), prompt_of="x")
+    finished, _ = run_decode(dec, prefill, {"y": 300})
+    assert finished == {"y": "length"}  # computed locally
+    prefill.wait(lambda: prefill.idle, 10, "y's blocks freed by the release")
+    assert time.monotonic() - t0 < 10
+    assert dec.idle()
+    dec.worker.shutdown()
+
+
 def test_a_prefill_abort_frees_its_blocks_and_sends_nothing(prefill):
     prefill.send(op="add", reqs=[["b", 8000, 1]])  # aborted after 1 of its 4 steps
     prefill.wait(lambda: "b" in prefill.aborted, 60, "b aborted")

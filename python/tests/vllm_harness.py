@@ -109,11 +109,13 @@ class Instance:
     def free(self):
         return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
 
-    def add(self, req_id, tokens, params, max_tokens=1):
+    def add(self, req_id, tokens, params, max_tokens=1, prompt_of=None):
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, TOKEN)
-        # A prompt of its own (no prefix shared with another request's KV).
-        g = torch.Generator().manual_seed(zlib.crc32(b"prompt/" + req_id.encode()))
+        # A prompt of its own (no prefix shared with another request's KV),
+        # or request `prompt_of`'s.
+        key = (prompt_of or req_id).encode()
+        g = torch.Generator().manual_seed(zlib.crc32(b"prompt/" + key))
         prompt = torch.randint(100, 49000, (tokens,), generator=g).tolist()
         r = Request(request_id=req_id, prompt_token_ids=prompt,
                     sampling_params=sp, pooling_params=None,
@@ -184,7 +186,8 @@ class Instance:
 def prefill_main(spec):
     """The prefill instance of the two-process tests.  stdin: JSON lines
     {"op": "add", "reqs": [[id, tokens], ...]} (an entry [id, tokens, k] is
-    aborted after its k-th step) | {"op": "quit"}.  stdout: READY, then
+    aborted after its k-th step; "prompt_of": {id: other id} gives a
+    request another's prompt) | {"op": "quit"}.  stdout: READY, then
     PARAMS <id> <json> as requests finish, ABORTED <id>, and FREE <blocks>
     <idle> after each step that changed the free blocks."""
     inst = Instance("kv_both", spec["blocks"], extra=spec.get("extra"))
@@ -201,7 +204,8 @@ def prefill_main(spec):
             if cmd["op"] == "add":
                 for rid, tokens, *after in cmd["reqs"]:
                     inst.kvs[rid] = request_kv(rid, tokens)
-                    inst.add(rid, tokens, {"do_remote_decode": True})
+                    inst.add(rid, tokens, {"do_remote_decode": True},
+                             prompt_of=cmd.get("prompt_of", {}).get(rid))
                     if after:
                         abort_at[rid] = steps + after[0]
         for rid, o in inst.step().items():
