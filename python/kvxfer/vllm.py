@@ -56,12 +56,14 @@ class KvxferConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        heads = vllm_config.model_config.get_total_num_kv_heads()
         self._sched = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = vllm_core.SchedulerCore(vllm_config.cache_config.block_size)
+            self._sched = vllm_core.SchedulerCore(vllm_config.cache_config.block_size, heads)
         else:
             rank, size = _tp()
-            self._worker = vllm_core.WorkerCore(extra, tp_rank=rank, tp_size=size)
+            self._worker = vllm_core.WorkerCore(extra, tp_rank=rank, tp_size=size,
+                                                total_kv_heads=heads)
 
     # ---- scheduler side ----------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -5,12 +5,14 @@ classes here, which take plain values (request ids, token counts, block
 ids, kv_transfer_params dicts), so that tests drive them in vLLM's call
 order with no vLLM installed (docs/VLLM.md).
 
-Flow (1 prefill P, 1 decode D, the same tensor-parallel size on both):
+Flow (1 prefill P, 1 decode D; their tensor-parallel sizes may differ):
   P scheduler  request_finished of a request with do_remote_decode: keeps its
                blocks, returns kv_transfer_params {do_remote_prefill,
                remote_request_id, remote_endpoints (hex address blob per TP
-               rank), remote_num_tokens}; its next metadata carries a SendSpec.
-  P worker     posts one send per KV head, to kvxfer.ANY_PEER, matched by id:
+               rank), remote_num_tokens, remote_total_kv_heads}; its next
+               metadata carries a SendSpec.
+  P worker     posts one send per KV head it holds, to kvxfer.ANY_PEER,
+               matched by the id of the head's global index (TpHeads):
                it goes to whichever decode asks (docs/TRANSPORT.md, "Sends to
                whichever peer asks").  Reports the request finished_sending
                once every head's send is final (COMPLETE, or ERROR: a decode
@@ -18,8 +20,9 @@ Flow (1 prefill P, 1 decode D, the same tensor-parallel size on both):
   D scheduler  get_num_new_matched_tokens: (remote_num_tokens, True) for a
                request with do_remote_prefill; update_state_after_alloc
                records its local block ids; the next metadata carries a RecvSpec.
-  D worker     connects to P's endpoint of its own TP rank (once per address),
-               posts one receive per KV head by the same ids, and reports the
+  D worker     posts one receive per KV head it holds, by the same ids, from
+               the P rank holding that head (connected once per address), as
+               vLLM's NixlConnector pairs TP 4 with TP 2, and reports the
                request finished_recving once every head is final; a failed
                one is also in failed_recving, and its blocks are load errors.
                A request D will not load (a local prefix hit, an abort before
@@ -55,11 +58,42 @@ _DTYPES = {"bfloat16": Dtype.BF16, "float16": Dtype.FP16, "float32": Dtype.FP32}
 DEFAULT_CLAIM_TIMEOUT_MS = 480000
 
 
-def request_id64(request_id, head):
-    """The kvxfer request id of KV head `head` of vLLM request `request_id`:
-    the first 8 bytes of BLAKE2b over "<id>/<head>", little-endian."""
-    d = hashlib.blake2b(("%s/%d" % (request_id, head)).encode(), digest_size=8).digest()
+def request_id64(request_id, head, replica=0):
+    """The kvxfer request id of global KV head `head` of vLLM request
+    `request_id`, as prefill replica `replica` of that head sends it: the
+    first 8 bytes of BLAKE2b over "<id>/<head>" (replica 0) or
+    "<id>/<head>/<replica>", little-endian."""
+    key = "%s/%d" % (request_id, head) if replica == 0 else "%s/%d/%d" % (request_id, head, replica)
+    d = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(d, "little")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpHeads:
+    """The KV heads one tensor-parallel rank holds, as vLLM shards them
+    (vllm/model_executor/layers/linear.py, QKVParallelLinear): with
+    total >= tp_size, rank r holds heads [r * n, (r + 1) * n), n = total //
+    tp_size; with total < tp_size each head has tp_size // total replicas,
+    and rank r holds head r // replicas as replica r % replicas."""
+    first: int  # its first global head
+    count: int  # heads it holds
+    replica: int  # which replica of them it holds (0 when not replicated)
+    replicas: int  # replicas of each head in its TP group
+
+    @staticmethod
+    def of(total, tp_size, rank):
+        """ValueError when vLLM could not shard `total` heads over tp_size ranks."""
+        if total < 1 or tp_size < 1 or not 0 <= rank < tp_size:
+            raise ValueError("%d KV heads over TP rank %d of %d" % (total, rank, tp_size))
+        if total >= tp_size:
+            if total % tp_size:
+                raise ValueError("%d KV heads do not split over TP size %d" % (total, tp_size))
+            n = total // tp_size
+            return TpHeads(rank * n, n, 0, 1)
+        if tp_size % total:
+            raise ValueError("TP size %d is not a multiple of %d KV heads" % (tp_size, total))
+        r = tp_size // total
+        return TpHeads(rank // r, 1, rank % r, r)
 
 
 def default_page_tokens(head_dim, element_size):
@@ -81,9 +115,10 @@ class RecvSpec:
     """A decode's request to load: the prefill's tokens into block_ids."""
     req_id: str
     remote_request_id: str
-    remote_endpoints: list  # hex address blobs, one per TP rank
+    remote_endpoints: list  # hex address blobs, one per prefill TP rank
     block_ids: list
     num_tokens: int
+    remote_total_kv_heads: int = 0  # the prefill model's KV heads; 0: unknown (the decode's)
 
 
 @dataclasses.dataclass
@@ -109,8 +144,12 @@ def _blocks_for(num_tokens, block_size):
 class SchedulerCore:
     """The scheduler side: decides what loads and sends, builds Metadata."""
 
-    def __init__(self, block_size):
+    def __init__(self, block_size, total_kv_heads=0):
+        """total_kv_heads: the model's KV heads (all TP ranks), carried in
+        kv_transfer_params so that a decode checks its model has as many;
+        0 = not said."""
         self.block_size = int(block_size)
+        self.total_kv_heads = int(total_kv_heads)
         self.endpoints = {}  # TP rank -> this instance's worker address (bytes)
         self._recvs, self._sends, self._cancels, self._releases = {}, [], [], []
         self._loading = set()  # decode requests whose RecvSpec went to the workers
@@ -140,7 +179,8 @@ class SchedulerCore:
     def _release(self, params):
         """Tells the prefill its KV will not be loaded (WorkerCore.start)."""
         self._releases.append(RecvSpec("", str(params["remote_request_id"]),
-                                       list(params["remote_endpoints"]), [], 0))
+                                       list(params["remote_endpoints"]), [], 0,
+                                       int(params.get("remote_total_kv_heads", 0))))
         params["do_remote_prefill"] = False
 
     def after_alloc(self, req_id, params, block_ids, num_external):
@@ -150,7 +190,8 @@ class SchedulerCore:
         n = int(params["remote_num_tokens"])
         self._recvs[req_id] = RecvSpec(req_id, str(params["remote_request_id"]),
                                        list(params["remote_endpoints"]),
-                                       list(block_ids[:_blocks_for(n, self.block_size)]), n)
+                                       list(block_ids[:_blocks_for(n, self.block_size)]), n,
+                                       int(params.get("remote_total_kv_heads", 0)))
         params["do_remote_prefill"] = False  # one load per request
 
     def build_meta(self):
@@ -179,13 +220,16 @@ class SchedulerCore:
                 return False, None
             self._sends.append(SendSpec(req_id, list(block_ids[:_blocks_for(
                 num_tokens, self.block_size)]), int(num_tokens)))
-            return True, {
+            out = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
                 "remote_request_id": req_id,
                 "remote_endpoints": [self.endpoints[r].hex() for r in sorted(self.endpoints)],
                 "remote_num_tokens": int(num_tokens),
             }
+            if self.total_kv_heads > 0:
+                out["remote_total_kv_heads"] = self.total_kv_heads
+            return True, out
         if req_id in self._recvs or req_id in self._loading:
             self._cancels.append(req_id)  # a RecvSpec not sent yet goes, and is cancelled
         elif self._ours(params) and params.get("do_remote_prefill"):
@@ -200,7 +244,7 @@ class _Transfer:
     error: str = ""
     aborted: bool = False  # vLLM aborted the request: not a load error
     deadline: float = float("inf")  # loads: cancelled if not final by then
-    address: bytes = b""  # loads: the prefill's endpoint
+    addresses: list = dataclasses.field(default_factory=list)  # loads: the prefill endpoints
 
 
 def layer_index(name):
@@ -227,12 +271,15 @@ class WorkerCore:
     128 KiB, 1024 tokens for a head of 64 bf16 channels, as a request carries
     one head and kvxfer's cost per page is fixed), "rate_limit"
     (tc syntax, emulates a slower link: tests).
-    tp_rank, tp_size: this worker's tensor-parallel rank and size; the
-    prefill's must be the same (a load from another fails, saying so).
-    A load not final within claim_timeout_ms is cancelled and fails.
+    tp_rank, tp_size: this worker's tensor-parallel rank and size.
+    total_kv_heads: the model's KV heads over all ranks (0: this rank's
+    heads x tp_size).  The prefill's TP size may differ (TpHeads): each KV
+    head is its own request, and a decode rank loads each of its heads from
+    the prefill rank holding it.  A load not final within claim_timeout_ms
+    is cancelled and fails.
     """
 
-    def __init__(self, extra, tp_rank=0, tp_size=1):
+    def __init__(self, extra, tp_rank=0, tp_size=1, total_kv_heads=0):
         extra = dict(extra or {})
         self.codec = str(extra.get("codec", "bf16"))
         if self.codec not in ("bf16", "int8", "lynx"):
@@ -240,6 +287,8 @@ class WorkerCore:
                              self.codec)
         self.claim_timeout_ms = int(extra.get("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS))
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
+        self.total_kv_heads = int(total_kv_heads)
+        self.heads = None  # TpHeads, from register()
         self.max_loads = int(extra.get("max_loads", 48))
         self.page_tokens = int(extra.get("page_tokens", 0))
         secret = extra.get("secret")
@@ -292,6 +341,13 @@ class WorkerCore:
             geo = g
             bases.append(int(t.data_ptr()))
         (nb, heads, bs, two_hd), (s0, s1, s2, _), es, dtype, device = geo
+        total = self.total_kv_heads or heads * self.tp_size
+        mine = TpHeads.of(total, self.tp_size, self.tp_rank)
+        if mine.count != heads:
+            raise ValueError("layer %s holds %d KV heads; TP rank %d of %d of a model with %d "
+                             "holds %d" % (layers[0][0], heads, self.tp_rank, self.tp_size,
+                                           total, mine.count))
+        self.total_kv_heads, self.heads = total, mine
         hd = two_hd // 2
         if self.page_tokens <= 0:
             self.page_tokens = default_page_tokens(hd, es)
@@ -313,9 +369,10 @@ class WorkerCore:
                 continue
             try:
                 for h, pool in enumerate(self.pools):
+                    rid = request_id64(s.req_id, self.heads.first + h, self.heads.replica)
                     t.requests.append(self.ep.send_blocks(
                         ANY_PEER, pool, s.block_ids, s.num_tokens, 0, 0, self.codec,
-                        page_tokens=self.page_tokens, request_id=request_id64(s.req_id, h),
+                        page_tokens=self.page_tokens, request_id=rid,
                         claim_timeout_ms=self.claim_timeout_ms))
             except core.KvxferError as e:  # finished() reports it sent: blocks freed
                 self._give_up(t, str(e))
@@ -338,19 +395,73 @@ class WorkerCore:
             for q in t.requests:
                 q.cancel()
 
-    def _release(self, r):
-        """A receive by each head's id of one token into block 0 (vLLM's null
-        block), cancelled at once: it asks the prefill's send, which then
-        fails on being refused (or on the descriptor mismatch), so the
-        prefill frees its blocks.  Nothing is written: no page goes before a
-        matched handshake.  Best effort: an error only loses the early
-        release (the prefill waits for claim_timeout_ms)."""
+    def _release(self, r, targets=None):
+        """A receive by the id of each head this rank would load, or
+        release (_plan; or `targets`, [(local head, request id, prefill
+        rank)]), of one token into block 0 (vLLM's null block),
+        cancelled at once: it asks the prefill's send, which then fails on
+        being refused (or on the descriptor mismatch), so the prefill frees
+        its blocks.  Nothing is written: no page goes before a matched
+        handshake.  Best effort: an error only loses the early release (the
+        prefill waits for claim_timeout_ms)."""
         t = _Transfer([], [])
-        self._post(dataclasses.replace(r, block_ids=[0], num_tokens=1), t, release_on_error=False)
+        if targets is None:
+            try:
+                loads, unasked = self._plan(r)
+            except ValueError:
+                return
+            targets = loads + [(0, rid, p) for rid, p in unasked]
+        for j, rid, p in targets:
+            try:
+                t.requests.append(self.ep.recv_blocks(self._peer(r, p, t), self.pools[j], [0], 1,
+                                                      request_id=rid))
+            except (core.KvxferError, ValueError):
+                pass
         for q in t.requests:
             q.cancel()
         if t.requests:
             self._released.append(t)
+
+    def _plan(self, r):
+        """Where load `r` comes from: ([(local head, request id, prefill
+        rank)] to receive, [(request id, prefill rank)] to release: prefill
+        replicas of its heads that no decode rank asks for, which the
+        decode's replica 0 of each head releases).  Decode replica k of a
+        head loads the prefill's replica k.  ValueError when the prefill's
+        topology cannot serve this rank."""
+        if not self.pools:
+            raise ValueError("no KV caches registered (register_kv_caches)")
+        ptp, total = len(r.remote_endpoints), self.total_kv_heads
+        if r.remote_total_kv_heads and r.remote_total_kv_heads != total:
+            raise ValueError("the prefill's model has %d KV heads and this decode's %d" %
+                             (r.remote_total_kv_heads, total))
+        src = TpHeads.of(total, ptp, 0)  # ValueError: the prefill's TP does not fit the model
+        mine = self.heads
+        if mine.replica >= src.replicas:
+            raise ValueError("this decode rank holds replica %d of KV head %d (TP %d, %d KV heads) "
+                             "and the prefill (TP %d) holds %d: kvxfer sends each replica once" %
+                             (mine.replica, mine.first, self.tp_size, total, ptp, src.replicas))
+        loads, unasked = [], []
+        for j in range(mine.count):
+            g = mine.first + j
+            if src.replicas == 1:
+                loads.append((j, request_id64(r.remote_request_id, g), g // src.count))
+                continue
+            loads.append((j, request_id64(r.remote_request_id, g, mine.replica),
+                          g * src.replicas + mine.replica))
+            if mine.replica == 0:
+                for k in range(mine.replicas, src.replicas):
+                    unasked.append((request_id64(r.remote_request_id, g, k), g * src.replicas + k))
+        return loads, unasked
+
+    def _peer(self, r, rank, t):
+        """The kvxfer peer of prefill TP rank `rank` of load `r`
+        (connected once per address), noted in t.addresses."""
+        address = _hex(r.remote_endpoints[rank], "kv_transfer_params remote_endpoints")
+        if address not in self._peers:
+            self._peers[address] = self.ep.connect(address)
+        t.addresses.append(address)
+        return self._peers[address]
 
     @staticmethod
     def _give_up(t, why):
@@ -358,30 +469,26 @@ class WorkerCore:
         for q in t.requests:
             q.cancel()
 
-    def _post(self, r, t, release_on_error=True):
-        """Posts load `r`'s receives into `t`, one per KV head.  When that
-        fails (a bad block id, an unreachable prefill), the load fails and,
-        if it can, the prefill is released (_release)."""
+    def _post(self, r, t):
+        """Posts load `r`'s receives into `t`, one per KV head, each from
+        the prefill rank holding it, and releases the prefill replicas no
+        decode rank asks for.  When that fails (a bad block id, an
+        unreachable prefill, a topology that cannot serve), the load fails
+        and, if it can, the prefill is released (_release)."""
         try:
-            if not self.pools:
-                raise ValueError("no KV caches registered (register_kv_caches)")
-            if self.tp_rank >= len(r.remote_endpoints) or len(r.remote_endpoints) != self.tp_size:
-                raise ValueError("the prefill has %d TP ranks and this decode %d: kvxfer loads "
-                                 "each rank's heads from the prefill rank of its own index" %
-                                 (len(r.remote_endpoints), self.tp_size))
-            t.address = _hex(r.remote_endpoints[self.tp_rank], "kv_transfer_params remote_endpoints")
-            if t.address not in self._peers:
-                self._peers[t.address] = self.ep.connect(t.address)
-            peer = self._peers[t.address]
-            for h, pool in enumerate(self.pools):
-                t.requests.append(
-                    self.ep.recv_blocks(peer, pool, r.block_ids, r.num_tokens,
-                                        request_id=request_id64(r.remote_request_id, h)))
+            loads, unasked = self._plan(r)
+            for j, rid, p in loads:
+                t.requests.append(self.ep.recv_blocks(self._peer(r, p, t), self.pools[j],
+                                                      r.block_ids, r.num_tokens, request_id=rid))
         except (core.KvxferError, ValueError) as e:  # reported by finished()
-            self._peers.pop(t.address, None)  # the next load connects afresh
+            for a in t.addresses:
+                self._peers.pop(a, None)  # the next load connects afresh
             self._give_up(t, str(e))
-            if release_on_error and t.address and self.pools:
+            if self.pools:
                 self._release(r)
+            return
+        if unasked:
+            self._release(r, [(0, rid, p) for rid, p in unasked])
 
     def _post_loads(self):
         """Posts waiting loads, in order, while max_loads allows."""
@@ -427,7 +534,8 @@ class WorkerCore:
                 if err and table is self._recving and not table[req_id].aborted:
                     failed.add(req_id)
                     self._load_errors.update(table[req_id].block_ids)
-                    self._peers.pop(table[req_id].address, None)  # reconnect next time
+                    for a in table[req_id].addresses:
+                        self._peers.pop(a, None)  # reconnect next time
                 del table[req_id]
         self._post_loads()
         return sent, received, failed

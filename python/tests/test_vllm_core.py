@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -198,6 +199,7 @@ def test_requests_without_kvxfer_params_are_left_to_vllm():
                                                                                             None)
     keep, params = sched.request_finished("p", {"do_remote_decode": True}, [1, 2, 3], 20, True)
     assert keep and params["remote_endpoints"] == ["0102"]
+    assert "remote_total_kv_heads" not in params  # not said: the decode assumes its own
     meta = sched.build_meta()
     assert [(s.req_id, s.block_ids, s.num_tokens) for s in meta.sends] == [("p", [1, 2], 20)]
     assert sched.build_meta().sends == []
@@ -222,8 +224,31 @@ def test_unusable_kv_caches_fail_at_registration():
             worker.register({"lm_head": vllm_fakes.FakeTensor(4, 2, 16, 8)})
         with pytest.raises(ValueError, match="codec"):
             vllm_core.WorkerCore({"codec": "int4"})
+        # TP rank 1 of 2 of a 2-head model holds 1 head, not 2.
+        half = vllm_core.WorkerCore({}, tp_rank=1, tp_size=2, total_kv_heads=2)
+        try:
+            with pytest.raises(ValueError, match="holds 2 KV heads; TP rank 1 of 2 of a model "
+                               "with 2 holds 1"):
+                half.register(vllm_fakes.caches(1, 4, 2, 16, 8))
+        finally:
+            half.close()
     finally:
         worker.close()
+
+
+def test_kv_heads_shard_over_tp_ranks_as_vllm_shards_them():
+    of = vllm_core.TpHeads.of
+    # Partitioned: rank r holds heads [r * n, (r + 1) * n).
+    assert [of(8, 4, r) for r in range(4)] == [vllm_core.TpHeads(2 * r, 2, 0, 1) for r in range(4)]
+    assert of(3, 1, 0) == vllm_core.TpHeads(0, 3, 0, 1)
+    # Replicated (fewer heads than ranks): rank r holds head r // 4 as replica r % 4.
+    assert [(h.first, h.count, h.replica, h.replicas) for h in (of(2, 8, r) for r in range(8))] == \
+        [(r // 4, 1, r % 4, 4) for r in range(8)]
+    for total, tp in ((3, 2), (2, 3), (0, 1), (2, 0)):
+        with pytest.raises(ValueError):
+            of(total, tp, 0)
+    with pytest.raises(ValueError):
+        of(4, 2, 2)  # no rank 2 in TP 2
 
 
 def test_request_ids_are_stable_and_differ_per_head():
@@ -258,10 +283,16 @@ def test_sends_and_loads_that_cannot_be_posted_end_instead_of_leaking():
         pre.start(vllm_core.Metadata(sends=[vllm_core.SendSpec("bad", [10 ** 6], 16)]))
         assert "bad" in poll(pre, {"bad"}, 0)[0]
         ep = [pre.address.hex()]
-        # A load from a prefill of another TP size fails, saying so.
-        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("tp", "x", ep * 2, [1], 16)]))
+        # A load from a prefill whose TP cannot shard this model's 2 KV
+        # heads, or whose model has other heads, fails at the call, saying so.
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("tp", "x", ep * 3, [1], 16)]))
+        assert dec._recving["tp"].error == "TP size 3 is not a multiple of 2 KV heads"
         sent, got, failed = poll(dec, {"tp"}, 1)
         assert got == failed == {"tp"} and dec.load_errors() == {1}
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("kvh", "x", ep, [1], 16, 4)]))
+        assert dec._recving["kvh"].error == "the prefill's model has 4 KV heads and this decode's 2"
+        sent, got, failed = poll(dec, {"kvh"}, 1)
+        assert got == failed == {"kvh"} and dec.load_errors() == {1}
         # A load whose send never comes fails at claim_timeout_ms.
         t0 = time.monotonic()
         dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("late", "y", ep, [2], 16)]))
@@ -399,3 +430,143 @@ def test_a_load_refused_at_the_call_fails_and_releases_the_prefill():
         bare.close()
         dec.close()
         pre.close()
+
+
+def tp_caches(full, tp, rank):
+    """TP rank `rank` of `tp`'s shard (TpHeads) of the KV caches `full`."""
+    L = len(full)
+    nb, total, bs, c = vllm_fakes.by_layer(full)[0].shape
+    h = vllm_core.TpHeads.of(total, tp, rank)
+    out = vllm_fakes.caches(L, nb, h.count, bs, c // 2)
+    for src, dst in zip(vllm_fakes.by_layer(full), vllm_fakes.by_layer(out)):
+        for j in range(h.count):
+            for b in range(nb):
+                for tok in range(bs):
+                    for kind in (0, 1):
+                        dst.set_row(b, j, tok, kind, src.row(b, h.first + j, tok, kind))
+    return out
+
+
+def transfer_tp(full, codec, ptp, dtp, blocks, tokens, d_blocks):
+    """Prefill TP ptp sends a request of `tokens` in `blocks` of `full` to
+    decode TP dtp (in-process workers), which loads it into `d_blocks`.
+    Returns a namespace: d_kv (the decode ranks' KV caches), got and
+    failed (each decode rank's received and failed loads), sent (each
+    prefill rank's finished sends), t_sent (seconds until every prefill
+    send was final) and errors (each decode rank's error at the call)."""
+    total = vllm_fakes.by_layer(full)[0].shape[1]
+    extra = {"codec": codec, "timeout_ms": 5000}
+    pre = [vllm_core.WorkerCore(extra, r, ptp, total) for r in range(ptp)]
+    dec = [vllm_core.WorkerCore(extra, r, dtp, total) for r in range(dtp)]
+    d_kv = []
+    try:
+        for r, w in enumerate(pre):
+            w.register(tp_caches(full, ptp, r))
+        for r, w in enumerate(dec):
+            heads = vllm_core.TpHeads.of(total, dtp, r).count
+            d_kv.append(vllm_fakes.caches(len(full), BLOCKS, heads, BS, HD))
+            w.register(d_kv[-1])
+        sp = vllm_core.SchedulerCore(BS, total_kv_heads=total)
+        sp.set_endpoints({r: w.address for r, w in enumerate(pre)})
+        _, params = sp.request_finished("p", {"do_remote_decode": True}, blocks, tokens, True)
+        assert params["remote_total_kv_heads"] == total
+        meta = pickle.loads(pickle.dumps(sp.build_meta()))
+        t0 = time.monotonic()
+        for w in pre:
+            w.start(meta)
+        sd = vllm_core.SchedulerCore(BS)
+        assert sd.matched_tokens(params, 0) == (tokens, True)
+        sd.after_alloc("d", params, d_blocks, tokens)
+        meta = pickle.loads(pickle.dumps(sd.build_meta()))
+        for w in dec:
+            w.start(meta)
+        errors = [w._recving["d"].error for w in dec]
+        got, failed, sent, t_sent = [set()] * dtp, [set()] * dtp, [set()] * ptp, None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (t_sent is None or not all(got)):
+            for r, w in enumerate(dec):
+                _, g, f = w.finished()
+                got[r], failed[r] = got[r] | g, failed[r] | f
+            for r, w in enumerate(pre):
+                sent[r] = sent[r] | w.finished()[0]
+            if t_sent is None and all(sent):
+                t_sent = time.monotonic() - t0
+            time.sleep(0.005)
+        return types.SimpleNamespace(d_kv=d_kv, got=got, failed=failed, sent=sent,
+                                     t_sent=t_sent, errors=errors)
+    finally:
+        for w in dec + pre:
+            w.close()
+
+
+def head_rows(rows, total, head):
+    """The rows of one head out of vllm_fakes.rows() of `total` heads
+    (ordered layer, token, head, kind)."""
+    return [row for i, row in enumerate(rows) if (i // 2) % total == head]
+
+
+def merged_rows(d_kv, total, tokens, d_blocks):
+    """vllm_fakes.rows() of the model's KV, from the decode ranks' shards
+    (replicas: the first)."""
+    dtp = len(d_kv)
+    per = {}
+    for r, kv in enumerate(d_kv):
+        h = vllm_core.TpHeads.of(total, dtp, r)
+        rows = vllm_fakes.rows(kv, d_blocks, tokens)
+        for j in range(h.count):
+            per.setdefault(h.first + j, head_rows(rows, h.count, j))
+    n = len(per[0]) // 2
+    return [per[g][2 * i + kind] for i in range(n) for g in range(total) for kind in (0, 1)]
+
+
+@pytest.mark.parametrize("codec", ["bf16", "lynx"])
+def test_prefill_and_decode_of_different_tp_sizes_load_every_head_exactly(codec):
+    L, H, tokens = 2, 4, 40
+    full = vllm_fakes.caches(L, BLOCKS, H, BS, HD)
+    blocks, d_blocks = [5, 9, 2], [7, 1, 3]
+    vllm_fakes.fill(full, blocks, tokens, 11)
+    results = {}
+    for ptp, dtp in ((1, 1), (2, 1), (1, 2), (4, 2), (2, 4)):
+        x = transfer_tp(full, codec, ptp, dtp, blocks, tokens, d_blocks)
+        assert x.got == [{"d"}] * dtp and x.failed == [set()] * dtp, (ptp, dtp, x.errors)
+        assert x.sent == [{"p"}] * ptp and x.t_sent < 30, (ptp, dtp)
+        results[(ptp, dtp)] = merged_rows(x.d_kv, H, tokens, d_blocks)
+    want = vllm_fakes.rows(full, blocks, tokens)
+    if codec == "bf16":
+        assert results[(1, 1)] == want
+    else:  # lossy: every pairing must equal the same-TP load, byte for byte
+        assert results[(1, 1)] != want
+    for k, v in results.items():
+        assert v == results[(1, 1)], k
+
+
+def test_replicated_kv_heads_load_from_their_replicas_and_release_the_rest():
+    L, H, tokens = 1, 2, 20
+    full = vllm_fakes.caches(L, BLOCKS, H, BS, HD)
+    blocks, d_blocks = [4, 6], [8, 2]
+    vllm_fakes.fill(full, blocks, tokens, 12)
+    want = vllm_fakes.rows(full, blocks, tokens)
+    # Prefill TP 4 holds each of the 2 heads twice.  Decode TP 2 loads
+    # replica 0 of each head and releases replica 1, so every prefill
+    # rank's send is final at once (claim_timeout_ms is 480 s); decode TP 4
+    # loads both replicas; decode TP 1 loads replica 0 of both heads.
+    for ptp, dtp in ((4, 2), (4, 4), (4, 1)):
+        x = transfer_tp(full, "bf16", ptp, dtp, blocks, tokens, d_blocks)
+        assert x.got == [{"d"}] * dtp and x.failed == [set()] * dtp, (ptp, dtp, x.errors)
+        assert x.sent == [{"p"}] * ptp and x.t_sent < 30, (ptp, dtp)
+        for r, kv in enumerate(x.d_kv):
+            h = vllm_core.TpHeads.of(H, dtp, r)
+            rows = vllm_fakes.rows(kv, d_blocks, tokens)
+            for j in range(h.count):
+                assert head_rows(rows, h.count, j) == head_rows(want, H, h.first + j), (ptp, dtp)
+    # Decode TP 4 from prefill TP 2: replica 1 of a head on the decode has
+    # no prefill replica to load; it fails at the call, saying so, and
+    # replica 0 loads as usual.
+    x = transfer_tp(full, "bf16", 2, 4, blocks, tokens, d_blocks)
+    assert x.got == [{"d"}] * 4 and x.failed == [set(), {"d"}, set(), {"d"}]
+    assert x.errors[0] == x.errors[2] == ""
+    assert x.errors[1] == ("this decode rank holds replica 1 of KV head 0 (TP 4, 2 KV heads) "
+                           "and the prefill (TP 2) holds 1: kvxfer sends each replica once")
+    assert x.sent == [{"p"}] * 2
+    for r in (0, 2):
+        assert vllm_fakes.rows(x.d_kv[r], d_blocks, tokens) == head_rows(want, H, r // 2)
