@@ -27,8 +27,8 @@ BLOCKS = 8192
 
 
 class Prefill:
-    def __init__(self, extra=None):
-        spec = {"blocks": BLOCKS, "extra": dict({"timeout_ms": 5000}, **(extra or {}))}
+    def __init__(self, extra=None, tp=1):
+        spec = {"blocks": BLOCKS, "extra": dict({"timeout_ms": 5000}, **(extra or {})), "tp": tp}
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "vllm_harness.py"),
                                       "prefill", json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=child_env())
@@ -216,6 +216,31 @@ def test_a_decode_abort_cancels_the_load_and_both_sides_free_their_blocks():
         prefill.wait(lambda: prefill.idle, 30, "the prefill's blocks freed")
         assert time.monotonic() - t0 < 1.5
         dec.worker.shutdown()
+    finally:
+        prefill.close()
+
+
+@pytest.mark.parametrize("ptp,dtp", [(3, 1), (1, 3)])
+def test_prefill_and_decode_of_different_tp_sizes_arrive_exactly(ptp, dtp):
+    """SmolLM2's 3 KV heads over 3 TP ranks on one side and 1 on the other:
+    each decode rank loads each of its heads from the prefill rank holding
+    it; vLLM's KVOutputAggregator combines the ranks' results."""
+    prefill = Prefill(tp=ptp)
+    try:
+        reqs = {"t0": 16, "t1": 300, "t2": 1500}
+        prefill.send(op="add", reqs=sorted(reqs.items()))
+        prefill.wait(lambda: len(prefill.params) == len(reqs), 120, "PARAMS")
+        for p in prefill.params.values():
+            assert len(p["remote_endpoints"]) == ptp and p["remote_total_kv_heads"] == H.HEADS
+        dec = H.Instance("kv_both", BLOCKS, tp=dtp)
+        for rid in sorted(reqs):
+            dec.add(rid, reqs[rid], dict(prefill.params[rid]))
+        finished, exact = run_decode(dec, prefill, reqs)
+        assert finished == {rid: "length" for rid in reqs}
+        assert exact == {rid: True for rid in reqs}
+        assert dec.idle(), (dec.sched.requests.keys(), dec.free(), dec.free0)
+        prefill.wait(lambda: prefill.idle, 60, "every prefill block freed")
+        dec.shutdown()
     finally:
         prefill.close()
 

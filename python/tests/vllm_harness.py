@@ -27,6 +27,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -49,8 +50,6 @@ SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
            "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
            "hidden_act": "silu"}
 NAMES = ["model.layers.%d.self_attn.attn" % i for i in range(LAYERS)]
-SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
-                         dtype=torch.bfloat16)
 init_none_hash(sha256)
 
 
@@ -69,11 +68,20 @@ def request_kv(req_id, tokens):
     return torch.randn(LAYERS, tokens, HEADS, 2 * HEAD, generator=g).to(torch.bfloat16)
 
 
+def rank_spec(tp):
+    """The KV-cache spec of one TP rank of `tp`: HEADS // tp heads."""
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD,
+                             dtype=torch.bfloat16)
+
+
 class Instance:
-    """One vLLM instance: Scheduler + worker connector + KV caches."""
+    """One vLLM instance: Scheduler + a worker connector and KV caches per
+    tensor-parallel rank (tp of them, in this process: kvxfer.vllm._tp is
+    stood in for while each is made, and their outputs are combined by
+    vLLM's KVOutputAggregator as its executor does)."""
 
     def __init__(self, kv_role, num_blocks, policy="fail", extra=None,
-                 layout=KVCacheLayout.LBHNC):
+                 layout=KVCacheLayout.LBHNC, tp=1):
         mc = ModelConfig(model=model_dir(), dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                          max_model_len=8192)
         self.vc = VllmConfig(
@@ -87,8 +95,9 @@ class Instance:
                 kv_connector_extra_config=dict(extra or {})),
             device_config=DeviceConfig("cpu"))
         self.vc.cache_config.num_gpu_blocks = num_blocks
-        page = SPEC.page_size_bytes
-        kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(NAMES, SPEC)],
+        spec = rank_spec(tp)
+        page = spec.page_size_bytes
+        kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)],
                             kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * LAYERS,
                                                             layers=NAMES,
                                                             layer_stride=page * num_blocks,
@@ -96,13 +105,25 @@ class Instance:
         self.sched = Scheduler(vllm_config=self.vc, kv_cache_config=kvc,
                                structured_output_manager=StructuredOutputManager(self.vc),
                                block_size=BLOCK, log_stats=False)
-        self.worker = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, kvc)
-        self.kv = allocate_kv_cache(kvc, torch.device("cpu"), layout)
-        self.worker.register_kv_caches(self.kv)
+        import kvxfer.vllm as kv_vllm
+        self.tp, self.workers, self.kv_by_rank = tp, [], []
+        tp_of = kv_vllm._tp
+        try:
+            for r in range(tp):
+                kv_vllm._tp = lambda r=r: (r, tp)
+                w = KVConnectorFactory.create_connector(self.vc, KVConnectorRole.WORKER, kvc)
+                kv = allocate_kv_cache(kvc, torch.device("cpu"), layout)
+                w.register_kv_caches(kv)
+                self.workers.append(w)
+                self.kv_by_rank.append(kv)
+        finally:
+            kv_vllm._tp = tp_of
+        self.worker, self.kv = self.workers[0], self.kv_by_rank[0]
+        self.aggregator = KVOutputAggregator(tp)
         # What EngineCore does after registration: the workers' handshake
         # metadata to the scheduler's connector.
         self.sched.connector.set_xfer_handshake_metadata_pp_aware(
-            {(0, 0): self.worker.get_handshake_metadata()})
+            {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)})
         self.free0 = self.free()
         self.kvs = {}  # request id -> its KV (prefill: what to write)
 
@@ -128,21 +149,24 @@ class Instance:
         return self.sched.kv_cache_manager.get_block_ids(req_id)[0]
 
     def read(self, req_id, tokens):
-        """The KV in a request's blocks, as request_kv() shapes it."""
-        b = self.blocks(req_id)
+        """The KV in a request's blocks (every rank's heads), as
+        request_kv() shapes it."""
+        b, n = self.blocks(req_id), HEADS // self.tp
         out = torch.empty(LAYERS, tokens, HEADS, 2 * HEAD, dtype=torch.bfloat16)
-        for i, name in enumerate(NAMES):
-            t = self.kv[name]  # [num_blocks, heads, block, 2 * head] (logical)
-            for tok in range(tokens):
-                out[i, tok] = t[b[tok // BLOCK], :, tok % BLOCK, :]
+        for r, kv in enumerate(self.kv_by_rank):
+            for i, name in enumerate(NAMES):
+                t = kv[name]  # [num_blocks, heads, block, 2 * head] (logical)
+                for tok in range(tokens):
+                    out[i, tok, r * n:(r + 1) * n] = t[b[tok // BLOCK], :, tok % BLOCK, :]
         return out
 
     def _write(self, req_id, lo, hi):
-        kv, b = self.kvs[req_id], self.blocks(req_id)
-        for i, name in enumerate(NAMES):
-            t = self.kv[name]
-            for tok in range(lo, hi):
-                t[b[tok // BLOCK], :, tok % BLOCK, :] = kv[i, tok]
+        kv, b, n = self.kvs[req_id], self.blocks(req_id), HEADS // self.tp
+        for r, rank_kv in enumerate(self.kv_by_rank):
+            for i, name in enumerate(NAMES):
+                t = rank_kv[name]
+                for tok in range(lo, hi):
+                    t[b[tok // BLOCK], :, tok % BLOCK, :] = kv[i, tok, r * n:(r + 1) * n]
 
     def step(self, on_running=None):
         """One engine step; returns {request id: EngineCoreOutput} of the
@@ -160,27 +184,33 @@ class Instance:
                 if on_running is not None:
                     on_running(req)
                 sampled[rid] = [TOKEN]
-        # The model runner's KV-connector mixin, around the forward; the
-        # metadata crosses to the workers pickled.
-        self.worker.bind_connector_metadata(pickle.loads(pickle.dumps(out.kv_connector_metadata)))
-        self.worker.start_load_kv(None)
-        self.worker.wait_for_save()
-        res = self.worker.get_transfer_results(out.finished_req_ids)
-        kvo = KVConnectorOutput(finished_sending=res.finished_sending,
-                                finished_recving=res.finished_recving,
-                                failed_recving=res.failed_recving,
-                                invalid_block_ids=self.worker.get_block_ids_with_load_errors())
-        self.worker.clear_connector_metadata()
-        ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[sampled.get(r, []) for r in ids],
-                                logprobs=None, prompt_logprobs_dict={}, pooler_output=None,
-                                kv_connector_output=kvo)
+        # Each rank's model runner's KV-connector mixin, around the forward;
+        # the metadata crosses to the workers pickled.
+        ids, outs = list(out.num_scheduled_tokens), []
+        for w in self.workers:
+            w.bind_connector_metadata(pickle.loads(pickle.dumps(out.kv_connector_metadata)))
+            w.start_load_kv(None)
+            w.wait_for_save()
+            res = w.get_transfer_results(out.finished_req_ids)
+            kvo = KVConnectorOutput(finished_sending=res.finished_sending,
+                                    finished_recving=res.finished_recving,
+                                    failed_recving=res.failed_recving,
+                                    invalid_block_ids=w.get_block_ids_with_load_errors())
+            w.clear_connector_metadata()
+            outs.append(ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[sampled.get(r, []) for r in ids], logprobs=None,
+                prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kvo))
+        mro = outs[0] if self.tp == 1 else self.aggregator.aggregate(outs)
         eco = self.sched.update_from_output(out, mro)
         return {o.request_id: o for outs in eco.values() for o in outs.outputs}
 
     def idle(self):
         return not self.sched.requests and self.free() == self.free0
+
+    def shutdown(self):
+        for w in self.workers:
+            w.shutdown()
 
 
 def prefill_main(spec):
@@ -190,7 +220,7 @@ def prefill_main(spec):
     request another's prompt) | {"op": "quit"}.  stdout: READY, then
     PARAMS <id> <json> as requests finish, ABORTED <id>, and FREE <blocks>
     <idle> after each step that changed the free blocks."""
-    inst = Instance("kv_both", spec["blocks"], extra=spec.get("extra"))
+    inst = Instance("kv_both", spec["blocks"], extra=spec.get("extra"), tp=spec.get("tp", 1))
     print("READY", flush=True)
     last, abort_at, steps = None, {}, 0
     while True:
@@ -222,7 +252,7 @@ def prefill_main(spec):
             last = free
         if not inst.sched.requests:
             time.sleep(0.01)
-    inst.worker.shutdown()
+    inst.shutdown()
 
 
 if __name__ == "__main__":
