@@ -62,10 +62,16 @@ def request_id64(request_id, head, replica=0):
     """The kvxfer request id of global KV head `head` of vLLM request
     `request_id`, as prefill replica `replica` of that head sends it: the
     first 8 bytes of BLAKE2b over "<id>/<head>" (replica 0) or
-    "<id>/<head>/<replica>", little-endian."""
-    key = "%s/%d" % (request_id, head) if replica == 0 else "%s/%d/%d" % (request_id, head, replica)
+    "<id>/<head>/r<replica>" (no other id and head give that text, as a
+    head is digits), little-endian."""
+    key = "%s/%d" % (request_id, head) if replica == 0 else "%s/%d/r%d" % (request_id, head,
+                                                                           replica)
     d = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(d, "little")
+
+
+class _TopologyError(ValueError):
+    """The prefill's TP layout cannot serve any rank of this decode."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +161,13 @@ class SchedulerCore:
         self._loading = set()  # decode requests whose RecvSpec went to the workers
 
     def set_endpoints(self, by_rank):
-        """The workers' endpoint addresses (KvxferConnector's handshake metadata)."""
+        """The workers' endpoint addresses (KvxferConnector's handshake
+        metadata), by TP rank.  ValueError unless the ranks are 0..n-1 (vLLM
+        offsets them with context parallelism, which kvxfer does not pair)."""
+        ranks = sorted(int(r) for r in by_rank)
+        if ranks != list(range(len(ranks))):
+            raise ValueError("handshake metadata of ranks %s: kvxfer expects TP ranks 0..n-1 "
+                             "(no context parallelism)" % ranks)
         self.endpoints = {int(r): bytes(a) for r, a in by_rank.items()}
 
     @staticmethod
@@ -184,8 +196,13 @@ class SchedulerCore:
         params["do_remote_prefill"] = False
 
     def after_alloc(self, req_id, params, block_ids, num_external):
-        """update_state_after_alloc: records the local blocks of a load."""
-        if num_external <= 0 or not self._ours(params) or not params.get("do_remote_prefill"):
+        """update_state_after_alloc: records the local blocks of a load.  One
+        vLLM gave no external tokens (it may cut a hit we reported, e.g. for
+        prompt logprobs) releases the prefill."""
+        if not self._ours(params) or not params.get("do_remote_prefill"):
+            return
+        if num_external <= 0:
+            self._release(params)
             return
         n = int(params["remote_num_tokens"])
         self._recvs[req_id] = RecvSpec(req_id, str(params["remote_request_id"]),
@@ -395,26 +412,32 @@ class WorkerCore:
             for q in t.requests:
                 q.cancel()
 
-    def _release(self, r, targets=None):
+    def _release(self, r, targets=None, bad=None):
         """A receive by the id of each head this rank would load, or
         release (_plan; or `targets`, [(local head, request id, prefill
         rank)]), of one token into block 0 (vLLM's null block),
         cancelled at once: it asks the prefill's send, which then fails on
         being refused (or on the descriptor mismatch), so the prefill frees
         its blocks.  Nothing is written: no page goes before a matched
-        handshake.  Best effort: an error only loses the early release (the
-        prefill waits for claim_timeout_ms)."""
-        t = _Transfer([], [])
+        handshake.  When the prefill's topology cannot serve this decode at
+        all (_TopologyError), TP rank 0 releases every head of every prefill
+        rank, from the prefill's own layout.  An address whose connect fails
+        (or is in `bad`) is not tried again in the call.  Best effort: an
+        error only loses the early release (the prefill waits for
+        claim_timeout_ms)."""
+        t, bad = _Transfer([], []), set() if bad is None else bad
         if targets is None:
             try:
                 loads, unasked = self._plan(r)
+                targets = loads + [(0, rid, p) for rid, p in unasked]
+            except _TopologyError:
+                targets = self._all_sends(r) if self.tp_rank == 0 else []
             except ValueError:
                 return
-            targets = loads + [(0, rid, p) for rid, p in unasked]
         for j, rid, p in targets:
             try:
-                t.requests.append(self.ep.recv_blocks(self._peer(r, p, t), self.pools[j], [0], 1,
-                                                      request_id=rid))
+                t.requests.append(self.ep.recv_blocks(self._peer(r, p, t, bad), self.pools[j],
+                                                      [0], 1, request_id=rid))
             except (core.KvxferError, ValueError):
                 pass
         for q in t.requests:
@@ -422,20 +445,38 @@ class WorkerCore:
         if t.requests:
             self._released.append(t)
 
+    def _all_sends(self, r):
+        """[(0, request id, prefill rank)] of every send of load `r`'s
+        prefill, from its remote_total_kv_heads and TP size; [] when they
+        do not say."""
+        try:
+            out = []
+            for p in range(len(r.remote_endpoints)):
+                h = TpHeads.of(r.remote_total_kv_heads, len(r.remote_endpoints), p)
+                out += [(0, request_id64(r.remote_request_id, h.first + j, h.replica), p)
+                        for j in range(h.count)]
+            return out
+        except ValueError:
+            return []
+
     def _plan(self, r):
         """Where load `r` comes from: ([(local head, request id, prefill
         rank)] to receive, [(request id, prefill rank)] to release: prefill
         replicas of its heads that no decode rank asks for, which the
         decode's replica 0 of each head releases).  Decode replica k of a
-        head loads the prefill's replica k.  ValueError when the prefill's
-        topology cannot serve this rank."""
+        head loads the prefill's replica k.  _TopologyError when the
+        prefill's topology cannot serve any decode rank, ValueError when it
+        cannot serve this one."""
         if not self.pools:
             raise ValueError("no KV caches registered (register_kv_caches)")
         ptp, total = len(r.remote_endpoints), self.total_kv_heads
         if r.remote_total_kv_heads and r.remote_total_kv_heads != total:
-            raise ValueError("the prefill's model has %d KV heads and this decode's %d" %
-                             (r.remote_total_kv_heads, total))
-        src = TpHeads.of(total, ptp, 0)  # ValueError: the prefill's TP does not fit the model
+            raise _TopologyError("the prefill's model has %d KV heads and this decode's %d" %
+                                 (r.remote_total_kv_heads, total))
+        try:
+            src = TpHeads.of(total, ptp, 0)
+        except ValueError as e:
+            raise _TopologyError(str(e)) from None
         mine = self.heads
         if mine.replica >= src.replicas:
             raise ValueError("this decode rank holds replica %d of KV head %d (TP %d, %d KV heads) "
@@ -454,12 +495,19 @@ class WorkerCore:
                     unasked.append((request_id64(r.remote_request_id, g, k), g * src.replicas + k))
         return loads, unasked
 
-    def _peer(self, r, rank, t):
+    def _peer(self, r, rank, t, bad):
         """The kvxfer peer of prefill TP rank `rank` of load `r`
-        (connected once per address), noted in t.addresses."""
+        (connected once per address), noted in t.addresses.  An address in
+        `bad` fails at once; one whose connect fails joins it."""
         address = _hex(r.remote_endpoints[rank], "kv_transfer_params remote_endpoints")
+        if address in bad:
+            raise ValueError("prefill TP rank %d could not be reached" % rank)
         if address not in self._peers:
-            self._peers[address] = self.ep.connect(address)
+            try:
+                self._peers[address] = self.ep.connect(address)
+            except core.KvxferError:
+                bad.add(address)
+                raise
         t.addresses.append(address)
         return self._peers[address]
 
@@ -475,20 +523,21 @@ class WorkerCore:
         decode rank asks for.  When that fails (a bad block id, an
         unreachable prefill, a topology that cannot serve), the load fails
         and, if it can, the prefill is released (_release)."""
+        bad = set()  # addresses whose connect failed: not tried again here
         try:
             loads, unasked = self._plan(r)
             for j, rid, p in loads:
-                t.requests.append(self.ep.recv_blocks(self._peer(r, p, t), self.pools[j],
+                t.requests.append(self.ep.recv_blocks(self._peer(r, p, t, bad), self.pools[j],
                                                       r.block_ids, r.num_tokens, request_id=rid))
         except (core.KvxferError, ValueError) as e:  # reported by finished()
             for a in t.addresses:
                 self._peers.pop(a, None)  # the next load connects afresh
             self._give_up(t, str(e))
             if self.pools:
-                self._release(r)
+                self._release(r, bad=bad)
             return
         if unasked:
-            self._release(r, [(0, rid, p) for rid, p in unasked])
+            self._release(r, [(0, rid, p) for rid, p in unasked], bad)
 
     def _post_loads(self):
         """Posts waiting loads, in order, while max_loads allows."""

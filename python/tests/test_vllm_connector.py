@@ -259,10 +259,14 @@ def test_a_decode_prefix_hit_releases_the_prefill_at_once(prefill):
     prefill.send(op="add", reqs=[["y", 300]], prompt_of={"y": "x"})
     prefill.wait(lambda: "y" in prefill.params, 120, "PARAMS y")
     prefill.wait(lambda: not prefill.idle, 10, "y's blocks kept for the decode")
+    core = dec.sched.connector._sched  # what vLLM asks the connector
+    asked, matched = [], core.matched_tokens
+    core.matched_tokens = lambda params, n: asked.append(n) or matched(params, n)
     t0 = time.monotonic()
     dec.add("y", 300, dict(prefill.params["y"]), prompt_of="x")
     finished, _ = run_decode(dec, prefill, {"y": 300})
-    assert finished == {"y": "length"}  # computed locally
+    assert finished == {"y": "length"}
+    assert asked[0] == 288  # the hit: y was computed locally, not loaded
     prefill.wait(lambda: prefill.idle, 10, "y's blocks freed by the release")
     assert time.monotonic() - t0 < 10
     assert dec.idle()

@@ -194,6 +194,8 @@ def test_requests_without_kvxfer_params_are_left_to_vllm():
     # A prefill with no worker address yet, or an aborted one, keeps nothing.
     assert sched.request_finished("p", {"do_remote_decode": True}, [1, 2], 20, True) == (False,
                                                                                            None)
+    with pytest.raises(ValueError, match="TP ranks 0..n-1"):
+        sched.set_endpoints({0: b"\x01", 2: b"\x02"})  # context parallelism's offset ranks
     sched.set_endpoints({0: b"\x01\x02"})
     assert sched.request_finished("p", {"do_remote_decode": True}, [1, 2], 20, False) == (False,
                                                                                             None)
@@ -255,6 +257,9 @@ def test_request_ids_are_stable_and_differ_per_head():
     a = vllm_core.request_id64("cmpl-1-abcdefgh", 0)
     assert a == vllm_core.request_id64("cmpl-1-abcdefgh", 0)
     assert a != vllm_core.request_id64("cmpl-1-abcdefgh", 1)
+    # Replica ids do not collide with another request's head ("a/1/r2").
+    assert vllm_core.request_id64("a", 1, 2) != vllm_core.request_id64("a/1", 2)
+    assert vllm_core.request_id64("a", 1, 0) == vllm_core.request_id64("a", 1)
     assert 0 <= a < 2 ** 64
     assert kvxfer.ANY_PEER == -1
 
@@ -570,3 +575,66 @@ def test_replicated_kv_heads_load_from_their_replicas_and_release_the_rest():
     assert x.sent == [{"p"}] * 2
     for r in (0, 2):
         assert vllm_fakes.rows(x.d_kv[r], d_blocks, tokens) == head_rows(want, H, r // 2)
+
+
+def released_tp(full, ptp, dtp, how, d_total=None):
+    """Prefill TP ptp finishes request "p"; a decode of TP dtp (d_total KV
+    heads, default the prefill's) does not load it (`how`: "prefix_hit",
+    vLLM's hit of 16 tokens; "no_external", vLLM allocating with 0 external
+    tokens after we reported a hit).  Returns seconds until every prefill
+    rank's send was final, or None after 10 s."""
+    total = vllm_fakes.by_layer(full)[0].shape[1]
+    d_total = d_total or total
+    pre = [vllm_core.WorkerCore({}, r, ptp, total) for r in range(ptp)]  # claim timeout 480 s
+    dec = [vllm_core.WorkerCore({}, r, dtp, d_total) for r in range(dtp)]
+    try:
+        for r, w in enumerate(pre):
+            w.register(tp_caches(full, ptp, r))
+        for r, w in enumerate(dec):
+            heads = vllm_core.TpHeads.of(d_total, dtp, r).count
+            w.register(vllm_fakes.caches(len(full), BLOCKS, heads, BS, HD))
+        sp = vllm_core.SchedulerCore(BS, total_kv_heads=total)
+        sp.set_endpoints({r: w.address for r, w in enumerate(pre)})
+        _, params = sp.request_finished("p", {"do_remote_decode": True}, [1, 2], 20, True)
+        meta = sp.build_meta()
+        t0 = time.monotonic()
+        for w in pre:
+            w.start(meta)
+        sd = vllm_core.SchedulerCore(BS)
+        if how == "prefix_hit":
+            assert sd.matched_tokens(params, 16) == (0, False)
+        else:
+            assert sd.matched_tokens(params, 0) == (20, True)
+            sd.after_alloc("d", params, [3, 4], 0)
+        assert sd.matched_tokens(params, 0) == (0, False)  # released once, never loaded
+        meta = sd.build_meta()
+        assert len(meta.releases) == 1 and not meta.recvs
+        for w in dec:
+            w.start(meta)
+        sent = [set()] * ptp
+        while time.monotonic() - t0 < 10:
+            for r, w in enumerate(pre):
+                sent[r] = sent[r] | w.finished()[0]
+            for w in dec:
+                assert w.finished() == (set(), set(), set())  # nothing for vLLM
+            if all(sent):
+                return time.monotonic() - t0
+            time.sleep(0.005)
+        return None
+    finally:
+        for w in dec + pre:
+            w.close()
+
+
+@pytest.mark.parametrize("how", ["prefix_hit", "no_external"])
+def test_a_decode_of_another_tp_size_that_will_not_load_releases_every_prefill_rank(how):
+    full = vllm_fakes.caches(1, BLOCKS, 4, BS, HD)
+    # 4 heads: TP 4 into 2 and 2 into 4; 2 heads: TP 4 (replicated) into 1.
+    for ptp, dtp, heads in ((4, 2, 4), (2, 4, 4), (4, 1, 2)):
+        kv = full if heads == 4 else vllm_fakes.caches(1, BLOCKS, 2, BS, HD)
+        t = released_tp(kv, ptp, dtp, how)
+        assert t is not None and t < 5, (ptp, dtp, heads)  # not the 480 s claim timeout
+    # A decode whose model has 2 KV heads against the prefill's 4 cannot
+    # load; its TP rank 0 releases every head of every prefill rank.
+    t = released_tp(full, 4, 2, how, d_total=2)
+    assert t is not None and t < 5
