@@ -25,7 +25,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -61,6 +63,11 @@ struct Req {
   int p, d;
   int64_t tokens;
 };
+
+/** ns as ms for the JSON, or null when `when` (the absolute time) is 0: not reached. */
+nlohmann::json json_ms(int64_t ns, int64_t when = 1) {
+  return when == 0 ? nlohmann::json(nullptr) : nlohmann::json(ns * 1e-6);
+}
 
 std::vector<Req> plan(const Options& o) {
   std::mt19937_64 rng(o.seed);
@@ -273,6 +280,15 @@ struct DecodeReport {
   double max_after_kill_s = 0;
 };
 
+/** One finished receive, for the JSON's per-request timeline: its
+ *  kvxfer_request_info_t times (CLOCK_MONOTONIC ns; 0 = not reached). */
+struct ReqTimes {
+  int32_t i = 0, p = 0, d = 0;
+  int32_t status = 0;  // 0 complete, 1 ended with the killed incarnation, 2 failed otherwise
+  uint64_t kv_bytes = 0;
+  int64_t t_posted = 0, t_handshake = 0, t_anchor = 0, t_complete = 0, t_error = 0;
+};
+
 int decode_main(const Options& o, int me, int rd, int wr) {
   std::vector<uint8_t> mine;
   kvxfer_comm_t ep = kp::make_endpoint(kTool, o.timeout_ms, 0, &mine);
@@ -286,6 +302,7 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
   DecodeReport rep;
   std::vector<double> t_anchor, t_complete;
+  std::vector<ReqTimes> times;
   int64_t t_kill = 0;
   int cut = -1;        // K: P1's requests below it went with the killed incarnation
   bool old_p1 = true;  // P1's peer index is still the killed incarnation's
@@ -325,6 +342,12 @@ int decode_main(const Options& o, int me, int rd, int wr) {
     // says so (the link saw the death first): its word comes soon.
     while (w != KVXFER_SUCCESS && l.killed_incarnation && t_kill == 0 && readable(rd, 60000))
       check_coordinator(next);
+    times.push_back({l.i, reqs[l.i].p, me,
+                     w == KVXFER_SUCCESS                  ? 0
+                     : l.killed_incarnation && t_kill > 0 ? 1
+                                                          : 2,
+                     2ull * kLayers * l.kv->layer_bytes(), info.t_posted_ns, info.t_handshake_ns,
+                     info.t_anchor_ready_ns, info.t_complete_ns, info.t_error_ns});
     if (w == KVXFER_SUCCESS) {
       ++rep.ok;
       ++completions;
@@ -395,6 +418,7 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   }
   while (!live.empty()) finish_oldest();
   send_msg(wr, 'D', &rep, sizeof rep);
+  send_msg(wr, 'T', times.data(), static_cast<uint32_t>(times.size() * sizeof(ReqTimes)));
   const uint32_t na = static_cast<uint32_t>(t_anchor.size());
   send_msg(wr, 'L', t_anchor.data(), na * 8);
   send_msg(wr, 'M', t_complete.data(), na * 8);
@@ -412,6 +436,18 @@ double pct(std::vector<double> v, double p) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Its processes outnumber the CPUs (the defaults: 7 on any machine), and
+  // each decode checks every request with kvxfer_page_encode/decode, whose
+  // OpenMP teams spin after each call under libgomp's default wait policy:
+  // with it, 41-61% of a run's CPU samples were that spinning, and the
+  // aggregate halved (docs/PERFORMANCE.md, "mesh_perf").  libgomp reads the
+  // policy once, at load, so it is set here and the program run again.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+    ::execv("/proc/self/exe", argv);
+    std::fprintf(stderr, "%s: running again with OMP_WAIT_POLICY=PASSIVE failed (%s)\n", kTool,
+                 std::strerror(errno));
+  }
   Options o;
   CLI::App app{
       "mesh_perf: prefill and decode endpoints meeting at run time, with a prefill "
@@ -476,8 +512,9 @@ int main(int argc, char** argv) {
   }
   kp::print_preamble(stdout, kTool, kp::machine_info(), kp::kvxfer_settings());
   std::printf("# Options: -P %d -D %d -R %d -W %d --kill_at %d --disconnect_at %d --seed %" PRIu64
-              " | Lynx 4+4, 1-16 MiB per request, by id, lazy connects\n",
-              o.prefill, o.decode, o.requests, o.window, o.kill_at, o.disconnect_at, o.seed);
+              " | Lynx 4+4, 1-16 MiB per request, by id, lazy connects | OMP_WAIT_POLICY=%s\n",
+              o.prefill, o.decode, o.requests, o.window, o.kill_at, o.disconnect_at, o.seed,
+              std::getenv("OMP_WAIT_POLICY"));
   std::vector<uint8_t> all;
   char k;
   std::vector<uint8_t> body;
@@ -502,6 +539,7 @@ int main(int argc, char** argv) {
   int64_t t_kill = 0;
   std::vector<DecodeReport> reports;
   std::vector<double> anchors, completes;
+  std::vector<ReqTimes> times;
   while (decodes_done < o.decode) {
     std::vector<pollfd> fds;
     for (int d = 0; d < o.decode; ++d) fds.push_back({procs[o.prefill + d].from, POLLIN, 0});
@@ -529,6 +567,11 @@ int main(int argc, char** argv) {
         DecodeReport r;
         std::memcpy(&r, body.data(), sizeof r);
         reports.push_back(r);
+      }
+      if (k == 'T') {
+        const size_t at = times.size();
+        times.resize(at + body.size() / sizeof(ReqTimes));
+        std::memcpy(times.data() + at, body.data(), (times.size() - at) * sizeof(ReqTimes));
       }
       if (k == 'L' || k == 'M') {
         std::vector<double>& dst = k == 'L' ? anchors : completes;
@@ -628,7 +671,27 @@ int main(int argc, char** argv) {
                       {"complete_p99_ms", pct(completes, 99)},
                       {"gbps", t.bytes / wall_s * 1e-9},
                       {"wrong", t.wrong},
-                      {"pass", pass}};
+                      {"pass", pass},
+                      {"t_kill_ms", killed ? json_ms(t_kill - t0) : nlohmann::json(nullptr)}};
+  // Every finished receive, in start order: times in ms from the run's
+  // start (the addresses' broadcast), null where not reached.
+  std::sort(times.begin(), times.end(),
+            [](const ReqTimes& a, const ReqTimes& b) { return a.t_posted < b.t_posted; });
+  nlohmann::json rows = nlohmann::json::array();
+  for (const ReqTimes& q : times)
+    rows.push_back({{"index", q.i},
+                    {"prefill", q.p},
+                    {"decode", q.d},
+                    {"result", q.status == 0   ? "complete"
+                               : q.status == 1 ? "killed"
+                                               : "failed"},
+                    {"kv_bytes", q.kv_bytes},
+                    {"t_posted_ms", json_ms(q.t_posted - t0, q.t_posted)},
+                    {"t_handshake_ms", json_ms(q.t_handshake - t0, q.t_handshake)},
+                    {"t_anchor_ms", json_ms(q.t_anchor - t0, q.t_anchor)},
+                    {"t_complete_ms", json_ms(q.t_complete - t0, q.t_complete)},
+                    {"t_error_ms", json_ms(q.t_error - t0, q.t_error)}});
+  j["requests"] = rows;
   const int je = kp::emit_json(kTool, o.common.json_path, j);
   return pass ? je : 1;
 }
