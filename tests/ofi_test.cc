@@ -17,6 +17,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -922,7 +923,7 @@ TEST(ofiPath, SharedMemoryNamesThatAreNotRegionsAreRefused) {
   const uint32_t pid = static_cast<uint32_t>(getpid());
   for (const size_t size : {size_t{1500}, size_t{1} << 20}) {  // too small; right size, no header
     std::vector<std::string> files;
-    std::vector<uint8_t> blob = {'K', 'V', 'X', 'L', 2, 2, 1, static_cast<uint8_t>(host.size())};
+    std::vector<uint8_t> blob = {'K', 'V', 'X', 'L', 3, 2, 1, static_cast<uint8_t>(host.size())};
     blob.insert(blob.end(), host.begin(), host.end());
     for (int i = 0; i < 4; ++i) blob.push_back(static_cast<uint8_t>(pid >> (8 * i)));
     const std::string prov = kShmProvider;
@@ -1084,6 +1085,156 @@ std::string shm_anchor_file(const std::vector<uint8_t>& blob) {
   std::string name(reinterpret_cast<const char*>(&blob[off + 2]), len);
   name.resize(strnlen(name.c_str(), name.size()));
   return "/dev/shm/" + name.substr(name.rfind('/') + 1);
+}
+
+// shm signals no file descriptor: each side of a same-host link makes a
+// FIFO, and its peer writes to it after posting or completing anything
+// (Link::prepare_wait, docs/TRANSPORT.md "Paths").  A receiver with a
+// receive posted then sleeps in poll(2) until the sender's chunks are in its
+// region, instead of polling.  The FIFO's name goes once the link is ready.
+TEST(ofiPath, SharedMemoryReceiverSleepsUntilItsPeerRings) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  Pair p;
+  ASSERT_TRUE(make_pair(loopback_config(), loopback_config(), &p));
+  ASSERT_TRUE(p.a->same_host());
+  EXPECT_TRUE(p.a->has_doorbell());
+  EXPECT_TRUE(p.b->has_doorbell());
+  for (Link* l : {p.a.get(), p.b.get()}) {
+    const std::string bell = shm_anchor_file(l->local_address()) + ".bell";
+    struct stat st {};
+    EXPECT_NE(::stat(bell.c_str(), &st), 0) << bell << " is still there";
+  }
+  const size_t n = 3 << 20;
+  std::vector<uint8_t> src(n), dst(n);
+  for (size_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>(i * 131 + 7);
+  uint64_t r, s;
+  ASSERT_EQ(p.b->post_recv(kA, dst.data(), n, 5, &r), KVXFER_SUCCESS);
+  // Progress until b may sleep with its doorbell quiet (the handshake's
+  // rings drained, the receive's post read back).
+  std::vector<pollfd> fds;
+  bool quiet = false;
+  for (int i = 0; i < 10 && !quiet; ++i) {
+    ASSERT_EQ(p.b->progress(), KVXFER_SUCCESS);
+    fds.clear();
+    quiet = p.b->prepare_wait(&fds) && ::poll(fds.data(), fds.size(), 0) == 0;
+  }
+  ASSERT_TRUE(quiet) << "a receive is awaited: the doorbell, not polling";
+  ASSERT_EQ(fds.size(), 1u);
+  EXPECT_EQ(::poll(fds.data(), fds.size(), 50), 0) << "a ring with nothing sent";
+  ASSERT_EQ(p.a->post_send(kA, src.data(), n, 5, &s), KVXFER_SUCCESS);
+  ASSERT_EQ(p.a->progress(), KVXFER_SUCCESS);  // posts the header and chunks: rings b
+  const auto t0 = Clock::now();
+  ASSERT_EQ(::poll(fds.data(), fds.size(), 5000), 1);
+  EXPECT_NE(fds[0].revents & POLLIN, 0);
+  std::printf("[ info ] the receiver woke %.0f us after the sender's progress()\n",
+              std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  ASSERT_TRUE(p.drv.until([&] { return p.drv.finished(p.b.get(), {r}); }, 10));
+  ASSERT_TRUE(p.drv.until([&] { return p.drv.finished(p.a.get(), {s}); }, 10));
+  EXPECT_EQ(p.drv.find(p.b.get(), r)->status, KVXFER_SUCCESS);
+  EXPECT_EQ(p.drv.find(p.b.get(), r)->bytes, n);
+  EXPECT_TRUE(dst == src);
+}
+
+// A message that arrived before its receive: shm completes the receive
+// inside fi_trecv, into a queue nothing signals.  The side that posted must
+// read it before it sleeps (it slept the engine's 100 ms cap instead, and a
+// request to a connected endpoint took 100-300 ms at p99).
+TEST(ofiPath, SharedMemoryReceiveOfAnArrivedMessageDoesNotSleep) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  Pair p;
+  ASSERT_TRUE(make_pair(loopback_config(), loopback_config(), &p));
+  ASSERT_TRUE(p.b->has_doorbell());
+  std::vector<uint8_t> src(64), dst(64);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(3 * i + 1);
+  uint64_t r, s;
+  ASSERT_EQ(p.a->post_send(kA, src.data(), src.size(), 7, &s), KVXFER_SUCCESS);
+  ASSERT_TRUE(p.drv.until([&] { return p.drv.finished(p.a.get(), {s}); }, 10));
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(p.b->progress(), KVXFER_SUCCESS);  // unexpected at b
+  ASSERT_EQ(p.b->post_recv(kA, dst.data(), dst.size(), 7, &r), KVXFER_SUCCESS);
+  // The engine's loop: progress, and sleep when the link allows it.  Every
+  // byte is at b already: a sleep that times out is a lost wake.
+  const auto t0 = Clock::now();
+  std::vector<Completion> done;
+  int timed_out = 0;
+  while (done.empty() && Clock::now() - t0 < std::chrono::seconds(5)) {
+    p.b->poll(&done);
+    std::vector<pollfd> fds;
+    if (done.empty() && p.b->prepare_wait(&fds) && ::poll(fds.data(), fds.size(), 200) == 0)
+      ++timed_out;
+  }
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].op_id, r);
+  EXPECT_EQ(done[0].status, KVXFER_SUCCESS);
+  EXPECT_TRUE(dst == src);
+  EXPECT_EQ(timed_out, 0) << "the receive completed inside its post and waited for a ring";
+}
+
+// A receive that times out is cancelled, and shm writes its completion
+// inside fi_cancel, unsignalled: the link must read it before it sleeps.
+TEST(ofiPath, SharedMemoryCancelledReceiveDoesNotSleep) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  LinkConfig cfg = loopback_config();
+  cfg.timeout_ms = 100;
+  Pair p;
+  ASSERT_TRUE(make_pair(cfg, cfg, &p));
+  ASSERT_TRUE(p.b->has_doorbell());
+  std::vector<uint8_t> dst(1 << 16);
+  uint64_t r;
+  ASSERT_EQ(p.b->post_recv(kA, dst.data(), dst.size(), 11, &r), KVXFER_SUCCESS);
+  bool quiet = false;  // its header receive posted, the handshake's rings drained
+  for (int i = 0; i < 10 && !quiet; ++i) {
+    ASSERT_EQ(p.b->progress(), KVXFER_SUCCESS);
+    std::vector<pollfd> fds;
+    quiet = p.b->prepare_wait(&fds) && ::poll(fds.data(), fds.size(), 0) == 0;
+  }
+  ASSERT_TRUE(quiet);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  ASSERT_EQ(p.b->progress(), KVXFER_SUCCESS);  // the timeout: cancels the receive
+  std::vector<Completion> done;
+  for (int i = 0; i < 10 && done.empty(); ++i) {
+    std::vector<pollfd> fds;
+    ASSERT_FALSE(p.b->prepare_wait(&fds) && ::poll(fds.data(), fds.size(), 0) == 0)
+        << "the cancelled receive's completion is unread: the link must not sleep";
+    p.b->poll(&done);
+  }
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].op_id, r);
+  EXPECT_EQ(done[0].status, KVXFER_ERR_TIMEOUT) << done[0].error;
+}
+
+// A peer address whose doorbell name is not a FIFO (a hostile peer's
+// regular file): nothing is written to it, and the link works by polling.
+TEST(ofiPath, ADoorbellThatIsNotAFifoIsNeitherWrittenNorUsed) {
+  if (!provider_under_test().empty()) GTEST_SKIP() << "a provider is named";
+  std::unique_ptr<Link> a, b;
+  ASSERT_EQ(Link::create(loopback_config(), &a), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_EQ(Link::create(loopback_config(), &b), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  const std::string bell = shm_anchor_file(b->local_address()) + ".bell";
+  ASSERT_FALSE(bell.empty());
+  ASSERT_EQ(::unlink(bell.c_str()), 0) << bell;
+  const int fd = ::open(bell.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(a->connect(b->local_address().data(), b->local_address().size()), KVXFER_SUCCESS);
+  ASSERT_EQ(b->connect(a->local_address().data(), a->local_address().size()), KVXFER_SUCCESS);
+  Driver drv;
+  drv.links = {a.get(), b.get()};
+  ASSERT_TRUE(drv.until([&] { return a->ready() && b->ready(); }, 30));
+  EXPECT_TRUE(a->has_doorbell());   // b holds a's FIFO
+  EXPECT_FALSE(b->has_doorbell());  // a does not ring b
+  std::vector<uint8_t> src(1 << 20, 0x5A), dst(1 << 20);
+  uint64_t r, s;
+  ASSERT_EQ(b->post_recv(kA, dst.data(), dst.size(), 9, &r), KVXFER_SUCCESS);
+  ASSERT_EQ(a->post_send(kA, src.data(), src.size(), 9, &s), KVXFER_SUCCESS);
+  std::vector<pollfd> fds;
+  EXPECT_FALSE(b->prepare_wait(&fds)) << "no doorbell and a receive awaited: b must poll";
+  ASSERT_TRUE(
+      drv.until([&] { return drv.finished(b.get(), {r}) && drv.finished(a.get(), {s}); }, 10));
+  EXPECT_TRUE(dst == src);
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  EXPECT_EQ(st.st_size, 0) << "a wrote into a file that is not a doorbell";
+  ::close(fd);
+  (void)::unlink(bell.c_str());
 }
 
 // libfabric 1.17's shm keeps a spinlock in each region; a receiver holds its

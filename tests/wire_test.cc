@@ -30,6 +30,7 @@
 #include "transport/bootstrap.h"
 #include "transport/comm.h"
 #include "transport/ofi.h"
+#include "transport/ofi_link_internal.h"
 #include "xfer/protocol.h"
 
 namespace kvxfer {
@@ -419,6 +420,8 @@ TEST(WireBytes, LinkHeaderAndHelloAreFixed) {
   Bytes hello(8);
   std::memcpy(hello.data(), &transport::kHelloMagic, 8);
   EXPECT_EQ(to_hex(hello), to_hex(hex("48 45 4c 4c 46 58 56 4b")));  // "HELLFXVK"
+  std::memcpy(hello.data(), &transport::link_detail::kHelloRingsMagic, 8);
+  EXPECT_EQ(to_hex(hello), to_hex(hex("48 45 4c 4c 46 58 56 42")));  // "HELLFXVB": rings
 }
 
 // ---------------------------------------------------------------------------

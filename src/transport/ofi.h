@@ -42,6 +42,7 @@
 #include "transport/dscp.h"
 #include "transport/fabric_lib.h"
 #include "transport/rate_limiter.h"
+#include "transport/smr_region.h"
 
 namespace kvxfer::transport {
 
@@ -461,6 +462,10 @@ class Link {
   const std::string& provider() const { return domain_->provider(); }
   /** True once connect() chose the shared-memory path. */
   bool same_host() const { return shm_path_; }
+  /** True on a connected shared-memory link whose peer's hello said it
+   *  rings this side's doorbell (docs/TRANSPORT.md, "Paths"):
+   *  prepare_wait() can then sleep. */
+  bool has_doorbell() const { return shm_path_ && bell_fd_ >= 0 && peer_rings_; }
   const LinkConfig& config() const { return cfg_; }
   const DscpReport& dscp_report() const { return dscp_; }
   const LinkStats& stats() const { return stats_; }
@@ -472,9 +477,13 @@ class Link {
    * for this link's completion queues and returns true, or returns false
    * when the thread must not sleep (a completion is already waiting, or the
    * provider has no wait object: poll instead; a shm link with nothing in
-   * flight adds nothing and returns true).  After poll(2), or a timeout
-   * no later than next_deadline(), call progress() again.  A failed link
-   * adds nothing and returns true.
+   * flight adds nothing and returns true).  A shm link with a doorbell
+   * (has_doorbell()) appends its doorbell's fd and returns true, unless
+   * its region's signal word is set, the last progress() posted, cancelled
+   * or left completions after reading its queues, or the provider's queue
+   * was full; it first rings the peer whose signal word is set.  After poll(2),
+   * or a timeout no later than next_deadline(), call progress() again.  A
+   * failed link adds nothing and returns true.
    */
   bool prepare_wait(std::vector<pollfd>* fds);
 
@@ -564,6 +573,31 @@ class Link {
   Clock::time_point last_liveness_check_;
   std::array<int, kNumClasses> peer_closed_checks_{};
   kvxfer_result_t check_liveness();
+
+  // The doorbell of a shared-memory link (docs/TRANSPORT.md, "Paths"): shm
+  // signals nothing a thread can sleep on, so each side makes a FIFO beside
+  // its anchor region (bell_file()), and the peer writes a byte to it when
+  // the signal word of one of this side's regions is set (work queued for
+  // this side's progress).  Opened O_RDWR on both sides: the FIFO never
+  // reads EOF, and a write never raises SIGPIPE.
+  void open_bell();
+  void close_bell();
+  void ring_peer_if_signalled(Clock::time_point now);
+  void ring_peer();
+  int bell_fd_ = -1;            // this side's FIFO
+  std::string bell_path_;       // unlinked once the peer holds it (ready_)
+  int peer_bell_fd_ = -1;       // the peer's FIFO
+  bool peer_rings_ = false;     // the peer's hello said it holds bell_fd_'s FIFO
+  bool bell_armed_ = false;     // prepare_wait() handed bell_fd_ out: drain it first thing
+  bool stirred_ = false;        // posted or completed something since the last ring
+  bool provider_full_ = false;  // the last progress() met -FI_EAGAIN
+  // The queues may hold what the last progress() did not read: it posted or
+  // cancelled after reading them (shm completes a receive that meets an
+  // unexpected message, an inline send and a cancel inside the call, into a
+  // queue that is read, not signalled), or it stopped at its read cap.
+  bool posted_after_read_ = false;
+  Clock::time_point last_ring_{};
+  std::array<smr::SignalView, kNumClasses> own_signal_, peer_signal_;
 };
 
 }  // namespace kvxfer::transport

@@ -211,7 +211,9 @@ void Link::fail_recv(Op* op, kvxfer_result_t code, const std::string& why, Clock
   op->cancel_deadline =
       now + std::chrono::milliseconds(std::min<int64_t>(cfg_.timeout_ms, 1000) + 100);
   for (Ctx* ctx : live_)
-    if (ctx->op == op) (void)ep_[idx(ctx->cls)]->cancel(ctx);
+    // shm writes the cancelled receive's completion at once, unsignalled.
+    if (ctx->op == op && ep_[idx(ctx->cls)]->cancel(ctx) == KVXFER_SUCCESS)
+      posted_after_read_ = true;
   if (op->outstanding == 0) finish(op, code, why, now);
 }
 
@@ -229,11 +231,19 @@ kvxfer_result_t Link::handle_event(TrafficClass c, const CqEvent& ev, Clock::tim
       return fail_link(KVXFER_ERR_SYSTEM, strprintf("handshake %s on the %s endpoint failed: %s",
                                                     ctx->kind == kHelloSend ? "send" : "receive",
                                                     class_name(c), fabric_lib::strerror(ev.err)));
-    if (ctx->kind == kHelloRecv && hello_buf_[idx(c)] != kHelloMagic)
-      return fail_link(KVXFER_ERR_CORRUPT, "handshake message from the peer is malformed");
+    if (ctx->kind == kHelloRecv) {
+      if (hello_buf_[idx(c)] == kHelloRingsMagic)
+        peer_rings_ = true;
+      else if (hello_buf_[idx(c)] != kHelloMagic)
+        return fail_link(KVXFER_ERR_CORRUPT, "handshake message from the peer is malformed");
+    }
     if (--hello_pending_ == 0) {
       ready_ = true;
       ready_at_ = now;
+      // The peer's hellos came after its connect() opened this side's
+      // doorbell: its name can go (a killed process then leaves no FIFO).
+      if (!bell_path_.empty()) (void)::unlink(bell_path_.c_str());
+      bell_path_.clear();
       mark_sockets();
       KVXFER_INFO(LOG_NET, "OFI : link ready after %.1f ms",
                   std::chrono::duration<double, std::milli>(now - connect_started_).count());
@@ -416,7 +426,7 @@ kvxfer_result_t Link::post_recvs(Clock::time_point now) {
               ep_[c]->post_recv(dst, len, wire_tag(op->tag, op->next_post), ctx);
           if (r == KVXFER_IN_PROGRESS) {  // the provider's queue is full: retry next progress()
             free_ctx(ctx);
-            blocked = provider_full = true;
+            blocked = provider_full = provider_full_ = true;
             break;
           }
           if (r != KVXFER_SUCCESS) {
@@ -427,6 +437,7 @@ kvxfer_result_t Link::post_recvs(Clock::time_point now) {
           op->outstanding++;
           posted_recvs_[c]++;
           op->next_post++;
+          stirred_ = posted_after_read_ = true;
         }
         if (blocked && op->has_work()) {
           op->queued = true;
@@ -486,12 +497,16 @@ kvxfer_result_t Link::schedule_sends(Clock::time_point now) {
     if (r != KVXFER_SUCCESS) {
       free_ctx(ctx);
       if (cfg_.limiter) cfg_.limiter->refund(bytes);
-      if (r == KVXFER_IN_PROGRESS) break;
+      if (r == KVXFER_IN_PROGRESS) {
+        provider_full_ = true;
+        break;
+      }
       return fail_link(r, strprintf("posting a send on the %s endpoint failed: %s",
                                     class_name(static_cast<TrafficClass>(c)), last_error()));
     }
     op->outstanding++;
     op->next_post++;
+    stirred_ = posted_after_read_ = true;
     posted_chunks_[c]++;
     inflight_bytes_[c] += bytes;
     stats_.chunks_posted[c]++;
@@ -565,6 +580,13 @@ kvxfer_result_t Link::progress() {
   progress_epoch_.fetch_add(1, std::memory_order_relaxed);
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());
   Clock::time_point now = Clock::now();
+  if (bell_armed_) {  // before the queues: a ring after this read stays for poll(2)
+    char drain[512];
+    while (::read(bell_fd_, drain, sizeof(drain)) == static_cast<ssize_t>(sizeof(drain))) {
+    }
+    bell_armed_ = false;
+  }
+  provider_full_ = posted_after_read_ = false;
   CqEvent evs[64];
   for (int c = 0; c < kNumClasses; ++c) {  // anchor CQ first
     for (int round = 0; round < 8; ++round) {
@@ -573,12 +595,16 @@ kvxfer_result_t Link::progress() {
       if (r != KVXFER_SUCCESS)
         return fail_link(r, strprintf("reading the %s completion queue failed: %s",
                                       class_name(static_cast<TrafficClass>(c)), last_error()));
-      if (n > 0) now = Clock::now();
+      if (n > 0) {
+        now = Clock::now();
+        stirred_ = true;
+      }
       for (size_t i = 0; i < n; ++i) {
         KVXFER_CHECK(handle_event(static_cast<TrafficClass>(c), evs[i], now));
         if (failed_) return fail_code_;
       }
       if (n < 64) break;
+      if (round == 7) posted_after_read_ = true;  // entries left: read them before any sleep
     }
   }
   next_wake_ = Clock::time_point::max();  // lowered by the rate limiter when it holds a chunk
@@ -593,12 +619,31 @@ kvxfer_result_t Link::progress() {
     last_liveness_check_ = now;
     KVXFER_CHECK(check_liveness());
   }
+  // What this side posted or completed may be the peer's next work (a
+  // command in its region, a response to its send): wake it.
+  if (peer_bell_fd_ >= 0 && !failed_) ring_peer_if_signalled(now);
   return failed_ ? fail_code_ : KVXFER_SUCCESS;
 }
 
 bool Link::prepare_wait(std::vector<pollfd>* fds) {
   if (failed_) return true;
   if (!ready_) return false;  // connecting: rxm's connection events need polling
+  // The peer rings when it finds this side's signal word set; a ring after
+  // progress() drained the bell wakes poll(2).  A signal still set is work
+  // progress() has not taken up (shm retries by signalling itself); a full
+  // provider queue frees without a signal: in both, poll.
+  if (has_doorbell()) {
+    if (provider_full_ || posted_after_read_ || own_signal_[0].signalled() ||
+        own_signal_[1].signalled())
+      return false;
+    // A ring progress() held back (ring_peer_if_signalled) goes now: the
+    // peer may sleep too.
+    if (peer_bell_fd_ >= 0 && (peer_signal_[0].signalled() || peer_signal_[1].signalled()))
+      ring_peer();
+    bell_armed_ = true;
+    fds->push_back(pollfd{bell_fd_, POLLIN, 0});
+    return true;
+  }
   // shm has no wait object, but with nothing in flight there is nothing to
   // poll for: what the peer sends waits in this side's region until a post
   // (which wakes the caller) asks for it.

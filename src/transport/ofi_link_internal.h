@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "transport/ofi.h"
+#include "transport/smr_region.h"
 
 namespace kvxfer::transport::link_detail {
 
@@ -27,10 +28,21 @@ inline uint64_t wire_tag(uint64_t user_tag, uint64_t chunk) {
 // npaths x (u8 provider length, provider, nclasses x (u16 length, fi_getname
 // bytes)).
 inline constexpr char kBlobMagic[4] = {'K', 'V', 'X', 'L'};
-inline constexpr uint8_t kBlobVersion = 2;
+inline constexpr uint8_t kBlobVersion = 3;  // 3: shared-memory peers ring a doorbell
 inline constexpr int kMaxPaths = 2;
 
 enum Kind : int { kHelloSend, kHelloRecv, kHeader, kData };
+
+// The hello of a side that holds its peer's doorbell ("HELLFXVB"); the
+// plain kHelloMagic says it does not.
+inline constexpr uint64_t kHelloRingsMagic = 0x425658464C4C4548ull;
+
+// This side's doorbell: a FIFO beside the anchor endpoint's shm region,
+// "/dev/shm/<pid>:<uid>:<n>.bell" (removed with the regions of a dead pid,
+// remove_shm_regions_of).
+inline std::string bell_file(const std::vector<uint8_t>& anchor_name) {
+  return smr::region_file(anchor_name) + ".bell";
+}
 
 }  // namespace kvxfer::transport::link_detail
 

@@ -74,6 +74,7 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
     }
   }
   l->apply_path_limits();
+  if (l->shm_domain_ || l->domain_->provider() == kShmProvider) l->open_bell();
 
   // Address blob.
   std::vector<uint8_t>& a = l->address_;
@@ -146,6 +147,58 @@ Link::~Link() {
   abort("link destroyed");
   shm_watch_.reset();  // before the pidfd it borrows
   if (peer_pidfd_ >= 0) ::close(peer_pidfd_);
+  close_bell();
+}
+
+void Link::open_bell() {
+  const Endpoint& anchor = shm_ep_[0] ? *shm_ep_[0] : *ep_[0];
+  const std::string path = bell_file(anchor.name());
+  // A file of this name is a dead process's: shm made this endpoint's
+  // region, of the same name less ".bell", only because none was there.
+  if (::mkfifo(path.c_str(), 0600) != 0 &&
+      (errno != EEXIST || ::unlink(path.c_str()) != 0 || ::mkfifo(path.c_str(), 0600) != 0)) {
+    KVXFER_INFO(LOG_NET, "OFI : no doorbell at %s (%s): a same-host peer is polled", path.c_str(),
+                std::strerror(errno));
+    return;
+  }
+  bell_fd_ = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
+  if (bell_fd_ < 0) {
+    KVXFER_INFO(LOG_NET, "OFI : cannot open the doorbell %s (%s): a same-host peer is polled",
+                path.c_str(), std::strerror(errno));
+    (void)::unlink(path.c_str());
+    return;
+  }
+  bell_path_ = path;
+}
+
+void Link::close_bell() {
+  if (!bell_path_.empty()) (void)::unlink(bell_path_.c_str());
+  bell_path_.clear();
+  if (bell_fd_ >= 0) ::close(bell_fd_);
+  if (peer_bell_fd_ >= 0) ::close(peer_bell_fd_);
+  bell_fd_ = peer_bell_fd_ = -1;
+  peer_rings_ = bell_armed_ = false;
+  for (int c = 0; c < kNumClasses; ++c) {
+    own_signal_[c].reset();
+    peer_signal_[c].reset();
+  }
+}
+
+void Link::ring_peer_if_signalled(Clock::time_point now) {
+  // A signal set by what this side did (stirred_) rings at once; one set
+  // otherwise (shm's segmented copies, a retry the peer queued for itself)
+  // at most every 100 us while it stays set, not on every poll, and before
+  // this side sleeps (prepare_wait).
+  if (!stirred_ && now - last_ring_ < std::chrono::microseconds(100)) return;
+  stirred_ = false;
+  if (!peer_signal_[0].signalled() && !peer_signal_[1].signalled()) return;
+  ring_peer();
+  last_ring_ = now;
+}
+
+void Link::ring_peer() {
+  static const char kRing = 0;
+  (void)!::write(peer_bell_fd_, &kRing, 1);  // -EAGAIN: full, it rings already
 }
 
 size_t Link::ops_in_flight() const {
@@ -283,8 +336,26 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
     for (int c = 0; c < kNumClasses; ++c) regions.push_back(smr::region_file(ep_[c]->name()));
     shm_watch_ =
         ShmLockWatch::start(peer_pidfd_, peer_pid_, regions, &progress_epoch_, cfg_.timeout_ms);
-    KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)", peer_pid,
-                peer_region_[0].c_str());
+    // The peer's doorbell, if it made one (a peer without one is polled).
+    // Not a FIFO (a hostile address naming another file): not written to.
+    const std::string bell = bell_file(peer_name_[0]);
+    peer_bell_fd_ = ::open(bell.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY);
+    struct stat bst {};
+    if (peer_bell_fd_ >= 0 && (::fstat(peer_bell_fd_, &bst) != 0 || !S_ISFIFO(bst.st_mode) ||
+                               bst.st_uid != ::geteuid())) {
+      ::close(peer_bell_fd_);
+      peer_bell_fd_ = -1;
+    }
+    // Both sides' signal words, which say when to ring and when not to
+    // sleep; another region layout has no doorbell.
+    for (int c = 0; c < kNumClasses && bell_fd_ >= 0; ++c)
+      if (!own_signal_[c].map(smr::region_file(ep_[c]->name())) ||
+          !peer_signal_[c].map(peer_region_[c]))
+        close_bell();
+    KVXFER_INFO(LOG_NET, "OFI : peer pid %u is on this host: shared memory (%s)%s", peer_pid,
+                peer_region_[0].c_str(), peer_bell_fd_ >= 0 ? ", doorbell" : ", no doorbell");
+  } else {
+    close_bell();  // the network path signals its own completions
   }
   for (int c = 0; c < kNumClasses; ++c)
     KVXFER_CHECK(ep_[c]->insert_peer(peer_name_[c].data(), peer_name_[c].size(), &peer_[c]));
@@ -295,7 +366,7 @@ kvxfer_result_t Link::connect(const void* blob, size_t len) {
   connect_started_ = Clock::now();
   hello_pending_ = 0;
   for (int c = 0; c < kNumClasses; ++c) {
-    hello_out_[c] = kHelloMagic;
+    hello_out_[c] = peer_bell_fd_ >= 0 ? kHelloRingsMagic : kHelloMagic;
     Ctx* r = new_ctx(nullptr, static_cast<TrafficClass>(c), kHelloRecv, 0, sizeof(uint64_t));
     kvxfer_result_t rc =
         ep_[c]->post_recv(&hello_buf_[c], sizeof(uint64_t), wire_tag(kHelloUserTag, 0), r);
@@ -320,6 +391,7 @@ kvxfer_result_t Link::post_hellos() {
                                                  wire_tag(kHelloUserTag, 0), s);
     if (rc == KVXFER_SUCCESS) {
       hello_unsent_[c] = false;
+      stirred_ = posted_after_read_ = true;
       continue;
     }
     free_ctx(s);
@@ -364,6 +436,7 @@ kvxfer_result_t Link::check_liveness() {
     pollfd f{peer_pidfd_, POLLIN, 0};
     if (::poll(&f, 1, 0) > 0) {
       for (const std::string& r : peer_region_) (void)::unlink(r.c_str());
+      (void)::unlink(bell_file(peer_name_[0]).c_str());  // killed before its link was ready
       peer_regions_removed_ = true;
     }
   }

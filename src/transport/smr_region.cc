@@ -2,6 +2,7 @@
 #include "transport/smr_region.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -42,6 +43,32 @@ bool region_plausible(const std::string& path, const struct stat& st, uint32_t p
     return false;
   }
   return true;
+}
+
+SignalView& SignalView::operator=(SignalView&& o) noexcept {
+  if (this != &o) {
+    reset();
+    base_ = o.base_;
+    o.base_ = nullptr;
+  }
+  return *this;
+}
+
+bool SignalView::map(const std::string& path) {
+  reset();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  void* p = ::mmap(nullptr, kHeaderBytes, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) return false;
+  base_ = static_cast<const uint8_t*>(p);
+  if (base_[0] != kVersion) reset();
+  return base_ != nullptr;
+}
+
+void SignalView::reset() {
+  if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), kHeaderBytes);
+  base_ = nullptr;
 }
 
 size_t trim_region(const std::string& path) {

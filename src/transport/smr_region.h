@@ -21,6 +21,11 @@ namespace kvxfer::transport::smr {
 inline constexpr uint8_t kVersion = 4;
 inline constexpr size_t kPidOffset = 4;
 inline constexpr size_t kLockOffset = 24;
+/** ofi_atomic32_t signal: set to 1 (smr_signal) by whoever queues a command
+ *  or a response for the region's owner, or by the owner itself to retry;
+ *  the owner's progress works only when it swaps it from 1 to 0
+ *  (smr_ep_progress). */
+inline constexpr size_t kSignalOffset = 28;
 inline constexpr size_t kTotalSizeOffset = 40;
 inline constexpr size_t kSockNameOffsetOffset = 112;
 inline constexpr size_t kHeaderBytes = 120;
@@ -43,6 +48,34 @@ inline std::string region_file(const std::vector<uint8_t>& name) {
  */
 bool region_plausible(const std::string& path, const struct stat& st, uint32_t pid,
                       std::string* why);
+
+/**
+ * A read-only mapping of a region's first page, for its signal word: 1 while
+ * the region's owner has work queued that its progress has not taken up.
+ * Empty (signalled() false) when the file is not a version-4 region or
+ * cannot be mapped.  Moveable; reads are thread-safe.
+ */
+class SignalView {
+ public:
+  SignalView() = default;
+  SignalView(SignalView&& o) noexcept : base_(o.base_) { o.base_ = nullptr; }
+  SignalView& operator=(SignalView&& o) noexcept;
+  SignalView(const SignalView&) = delete;
+  SignalView& operator=(const SignalView&) = delete;
+  ~SignalView() { reset(); }
+  /** Maps `path`; false (and empty) unless it is a version-4 region. */
+  bool map(const std::string& path);
+  void reset();
+  bool mapped() const { return base_ != nullptr; }
+  bool signalled() const {
+    return base_ != nullptr &&
+           __atomic_load_n(reinterpret_cast<const int32_t*>(base_ + kSignalOffset),
+                           __ATOMIC_ACQUIRE) != 0;
+  }
+
+ private:
+  const uint8_t* base_ = nullptr;
+};
 
 /**
  * Gives back the memory of the unused tail of this process's region `path`.

@@ -46,9 +46,11 @@ void Engine::Impl::progress_main() {
 // checks still run.  The thread never spins against the codec threads for a
 // core.
 //
-// A link without CQ wait objects (shm) with operations in flight must be
-// polled: the peer's next message lands in this side's region and nothing
-// signals it.  The thread yields for the first 200 us of idleness (a
+// A shm link sleeps on its doorbell, which the peer rings (Link::
+// prepare_wait).  A link without CQ wait objects or a doorbell (a shm peer
+// that does not ring) with operations in flight must be polled: the peer's
+// next message lands in this side's region and nothing signals it.  The
+// thread yields for the first 200 us of idleness (a
 // transfer's next chunk is microseconds away), then sleeps on the wake fd
 // alone (a post or a codec result still wakes it at once) for 100 us,
 // doubling after 5, 10 and 20 ms of idleness to 800 us.
