@@ -452,6 +452,27 @@ def tp_caches(full, tp, rank):
     return out
 
 
+def tp_workers(full, extra, ptp, dtp, d_total=None):
+    """Prefill TP ptp workers holding their shards of `full`, decode TP dtp
+    workers (d_total KV heads, default full's) with empty KV caches, and the
+    prefill's scheduler: (pre, dec, the decode ranks' KV caches, scheduler).
+    The caller closes the workers."""
+    total = vllm_fakes.by_layer(full)[0].shape[1]
+    d_total = d_total or total
+    pre = [vllm_core.WorkerCore(extra, r, ptp, total) for r in range(ptp)]
+    dec = [vllm_core.WorkerCore(extra, r, dtp, d_total) for r in range(dtp)]
+    d_kv = []
+    for r, w in enumerate(pre):
+        w.register(tp_caches(full, ptp, r))
+    for r, w in enumerate(dec):
+        heads = vllm_core.TpHeads.of(d_total, dtp, r).count
+        d_kv.append(vllm_fakes.caches(len(full), BLOCKS, heads, BS, HD))
+        w.register(d_kv[-1])
+    sp = vllm_core.SchedulerCore(BS, total_kv_heads=total)
+    sp.set_endpoints({r: w.address for r, w in enumerate(pre)})
+    return pre, dec, d_kv, sp
+
+
 def transfer_tp(full, codec, ptp, dtp, blocks, tokens, d_blocks):
     """Prefill TP ptp sends a request of `tokens` in `blocks` of `full` to
     decode TP dtp (in-process workers), which loads it into `d_blocks`.
@@ -460,19 +481,8 @@ def transfer_tp(full, codec, ptp, dtp, blocks, tokens, d_blocks):
     prefill rank's finished sends), t_sent (seconds until every prefill
     send was final) and errors (each decode rank's error at the call)."""
     total = vllm_fakes.by_layer(full)[0].shape[1]
-    extra = {"codec": codec, "timeout_ms": 5000}
-    pre = [vllm_core.WorkerCore(extra, r, ptp, total) for r in range(ptp)]
-    dec = [vllm_core.WorkerCore(extra, r, dtp, total) for r in range(dtp)]
-    d_kv = []
+    pre, dec, d_kv, sp = tp_workers(full, {"codec": codec, "timeout_ms": 5000}, ptp, dtp)
     try:
-        for r, w in enumerate(pre):
-            w.register(tp_caches(full, ptp, r))
-        for r, w in enumerate(dec):
-            heads = vllm_core.TpHeads.of(total, dtp, r).count
-            d_kv.append(vllm_fakes.caches(len(full), BLOCKS, heads, BS, HD))
-            w.register(d_kv[-1])
-        sp = vllm_core.SchedulerCore(BS, total_kv_heads=total)
-        sp.set_endpoints({r: w.address for r, w in enumerate(pre)})
         _, params = sp.request_finished("p", {"do_remote_decode": True}, blocks, tokens, True)
         assert params["remote_total_kv_heads"] == total
         meta = pickle.loads(pickle.dumps(sp.build_meta()))
@@ -583,18 +593,8 @@ def released_tp(full, ptp, dtp, how, d_total=None):
     vLLM's hit of 16 tokens; "no_external", vLLM allocating with 0 external
     tokens after we reported a hit).  Returns seconds until every prefill
     rank's send was final, or None after 10 s."""
-    total = vllm_fakes.by_layer(full)[0].shape[1]
-    d_total = d_total or total
-    pre = [vllm_core.WorkerCore({}, r, ptp, total) for r in range(ptp)]  # claim timeout 480 s
-    dec = [vllm_core.WorkerCore({}, r, dtp, d_total) for r in range(dtp)]
+    pre, dec, _, sp = tp_workers(full, {}, ptp, dtp, d_total)  # claim timeout 480 s
     try:
-        for r, w in enumerate(pre):
-            w.register(tp_caches(full, ptp, r))
-        for r, w in enumerate(dec):
-            heads = vllm_core.TpHeads.of(d_total, dtp, r).count
-            w.register(vllm_fakes.caches(len(full), BLOCKS, heads, BS, HD))
-        sp = vllm_core.SchedulerCore(BS, total_kv_heads=total)
-        sp.set_endpoints({r: w.address for r, w in enumerate(pre)})
         _, params = sp.request_finished("p", {"do_remote_decode": True}, [1, 2], 20, True)
         meta = sp.build_meta()
         t0 = time.monotonic()
