@@ -301,7 +301,6 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   const std::vector<Req> reqs = plan(o);
   const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
   DecodeReport rep;
-  std::vector<double> t_anchor, t_complete;
   std::vector<ReqTimes> times;
   int64_t t_kill = 0;
   int cut = -1;        // K: P1's requests below it went with the killed incarnation
@@ -353,8 +352,6 @@ int decode_main(const Options& o, int me, int rd, int wr) {
       ++completions;
       send_msg(wr, 'C', nullptr, 0);
       rep.bytes += 2ull * kLayers * l.kv->layer_bytes();
-      t_anchor.push_back((info.t_anchor_ready_ns - info.t_posted_ns) * 1e-6);
-      t_complete.push_back((info.t_complete_ns - info.t_posted_ns) * 1e-6);
       if (o.common.check != 0) {
         kp::WholeKv src(kLayers, reqs[l.i].tokens, kHeads, kHeadDim),
             want(kLayers, reqs[l.i].tokens, kHeads, kHeadDim);
@@ -419,9 +416,6 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   while (!live.empty()) finish_oldest();
   send_msg(wr, 'D', &rep, sizeof rep);
   send_msg(wr, 'T', times.data(), static_cast<uint32_t>(times.size() * sizeof(ReqTimes)));
-  const uint32_t na = static_cast<uint32_t>(t_anchor.size());
-  send_msg(wr, 'L', t_anchor.data(), na * 8);
-  send_msg(wr, 'M', t_complete.data(), na * 8);
   (void)read_msg(rd, &k, &body, 600000);  // the coordinator's end
   kvxfer_comm_destroy(ep);
   return 0;
@@ -538,7 +532,6 @@ int main(int argc, char** argv) {
   bool asked = false, killed = false, killed_in_flight = false;
   int64_t t_kill = 0;
   std::vector<DecodeReport> reports;
-  std::vector<double> anchors, completes;
   std::vector<ReqTimes> times;
   while (decodes_done < o.decode) {
     std::vector<pollfd> fds;
@@ -568,18 +561,11 @@ int main(int argc, char** argv) {
         std::memcpy(&r, body.data(), sizeof r);
         reports.push_back(r);
       }
-      if (k == 'T') {
+      if (k == 'T') {  // a decode's last message
         const size_t at = times.size();
         times.resize(at + body.size() / sizeof(ReqTimes));
         std::memcpy(times.data() + at, body.data(), (times.size() - at) * sizeof(ReqTimes));
-      }
-      if (k == 'L' || k == 'M') {
-        std::vector<double>& dst = k == 'L' ? anchors : completes;
-        const size_t n = body.size() / 8;
-        const size_t at = dst.size();
-        dst.resize(at + n);
-        std::memcpy(dst.data() + at, body.data(), n * 8);
-        if (k == 'M') ++decodes_done;
+        ++decodes_done;
       }
     }
     if (!asked && done >= o.kill_at) {
@@ -629,6 +615,12 @@ int main(int argc, char** argv) {
       children_ok = false;
     }
   }
+  std::vector<double> anchors, completes;  // of the completed requests, ms from the post
+  for (const ReqTimes& q : times)
+    if (q.status == 0) {
+      anchors.push_back((q.t_anchor - q.t_posted) * 1e-6);
+      completes.push_back((q.t_complete - q.t_posted) * 1e-6);
+    }
   DecodeReport t;
   for (const DecodeReport& r : reports) {
     t.ok += r.ok;
