@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -214,6 +215,42 @@ void encode_row_nibbles_scalar(const uint8_t* row, kvxfer_dtype_t dt, int32_t H,
   }
 }
 
+// A thread's histogram of full codes (FORMAT 2.4): four interleaved 32-bit
+// tables, so that runs of equal codes (common near zero) do not serialise on
+// one counter's store-to-load forwarding, read eight codes per load.  Counts
+// are integers: the sum does not depend on which table or thread counted.
+struct CodeHistogram {
+  uint32_t bins[4][256] = {};
+  uint64_t pending = 0;  // codes in bins since the last flush
+  uint64_t total[256] = {};
+
+  void add_row(const uint8_t* codes, int32_t H) {
+    if (pending + static_cast<uint64_t>(H) > UINT32_MAX) flush();
+    pending += static_cast<uint64_t>(H);
+    int32_t c = 0;
+    for (; c + 8 <= H; c += 8) {
+      uint64_t v;
+      std::memcpy(&v, codes + c, 8);
+      ++bins[0][v & 0xff];
+      ++bins[1][(v >> 8) & 0xff];
+      ++bins[2][(v >> 16) & 0xff];
+      ++bins[3][(v >> 24) & 0xff];
+      ++bins[0][(v >> 32) & 0xff];
+      ++bins[1][(v >> 40) & 0xff];
+      ++bins[2][(v >> 48) & 0xff];
+      ++bins[3][v >> 56];
+    }
+    for (; c < H; ++c) ++bins[0][codes[c]];
+  }
+  void flush() {
+    for (int c = 0; c < 256; ++c) {
+      total[c] += uint64_t{bins[0][c]} + bins[1][c] + bins[2][c] + bins[3][c];
+      bins[0][c] = bins[1][c] = bins[2][c] = bins[3][c] = 0;
+    }
+    pending = 0;
+  }
+};
+
 // Asks for `bytes` at p to be brought into cache (for writing if `write`):
 // the next chunk's rows while this one is coded, so that pass 1 of the next
 // chunk finds them there.  A hint only: it changes no result.
@@ -317,9 +354,7 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
     std::vector<uint8_t> codes(H);
     // This chunk's rows and the next one's (prefetched during this one's pass 2).
     std::vector<const uint8_t*> rows(static_cast<size_t>(C)), next_rows(static_cast<size_t>(C));
-    // Eight interleaved histograms: runs of equal codes (common near zero)
-    // would otherwise serialise on one counter's store-to-load forwarding.
-    uint64_t hist[8][256] = {};
+    CodeHistogram hist;
 #pragma omp for schedule(static) nowait
     for (int64_t k = 0; k < chunks; ++k) {
       if (nonfinite.load(std::memory_order_relaxed) || need_fp32.load(std::memory_order_relaxed))
@@ -390,12 +425,7 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
             if (R > 0) wr.put(codes[c] & ((1u << R) - 1), R);
           }
         }
-        if (counted) {
-          int32_t c = 0;
-          for (; c + 8 <= H; c += 8)
-            for (int j = 0; j < 8; ++j) ++hist[j][codes[c + j]];
-          for (; c < H; ++c) ++hist[0][codes[c]];
-        }
+        if (counted) hist.add_row(codes.data(), H);
       }
       if (nibbles) continue;  // no bit writer state: every row ended on a byte
       wa.flush();
@@ -403,9 +433,9 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
     }
     // Integer counts: the merged histogram does not depend on thread order.
     if (count_hist) {
+      hist.flush();
       std::lock_guard<std::mutex> lk(hist_mu);
-      for (int c = 0; c < 256; ++c)
-        for (int j = 0; j < 8; ++j) job.hist[c] += hist[j][c];
+      for (int c = 0; c < 256; ++c) job.hist[c] += hist.total[c];
     }
   }
   if (nonfinite) return EncodeStatus::NONFINITE;
