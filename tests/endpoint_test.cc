@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "api/xfer_api.h"
 #include "common/fdio.h"
 #include "fork_child.h"
 #include "kvxfer/kvxfer.h"
@@ -42,14 +43,14 @@ struct Ep {
   kvxfer_comm_t ep = nullptr;
   std::vector<uint8_t> addr;
   explicit Ep(const uint8_t* secret = nullptr, int port = 0, int timeout_ms = kTimeoutMs,
-              const char* rate = nullptr) {
+              const char* rate = nullptr, std::shared_ptr<xfer::TestHooks> hooks = nullptr) {
     kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
     cfg.timeout_ms = timeout_ms;
     cfg.bind_address = "127.0.0.1";
     cfg.port = port;
     cfg.secret = secret;
     cfg.rate_limit = rate;
-    if (kvxfer_endpoint_create(&ep, &cfg) != KVXFER_SUCCESS) {
+    if (api::endpoint_create(&ep, &cfg, std::move(hooks)) != KVXFER_SUCCESS) {
       ADD_FAILURE() << "kvxfer_endpoint_create: " << kvxfer_get_last_error();
       return;
     }
@@ -148,6 +149,57 @@ TEST(Endpoint, PeersConnectEitherWayAndMoveExactBytes) {
   EXPECT_EQ(rank, -1);
   transfer_exact(a.ep, ab, b.ep, ba, 1, 11, lynx());
   transfer_exact(b.ep, ba, a.ep, ab, 2, 12, bf16());
+}
+
+/** Waits up to 5 s for `n` to reach `want`; true if it did. */
+bool reaches(const std::atomic<int>& n, int want) {
+  const auto end = Clock::now() + std::chrono::seconds(5);
+  while (n.load() < want && Clock::now() < end)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  return n.load() >= want;
+}
+
+TEST(Endpoint, AConnectTakesTheSpareLinkMadeAheadAndAFailedOneDropsIt) {
+  auto ha = std::make_shared<xfer::TestHooks>(), hb = std::make_shared<xfer::TestHooks>();
+  Ep a(nullptr, 0, kTimeoutMs, nullptr, ha), b(nullptr, 0, kTimeoutMs, nullptr, hb);
+  // No path used yet: the first connect and its accept make their Links.
+  const int ab = a.connect(b);
+  ASSERT_GE(ab, 0);
+  EXPECT_EQ(ha->spare_links_taken.load(), 0);
+  EXPECT_EQ(hb->spare_links_taken.load(), 0);
+  // Once quiet, each side has made one spare of the path it used.
+  ASSERT_TRUE(reaches(ha->spare_links_made, 1));
+  ASSERT_TRUE(reaches(hb->spare_links_made, 1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(ha->spare_links_made.load(), 1) << "one spare per path, not more";
+  // A new peer's connect takes a's spare, and the bytes are exact over it.
+  auto hc = std::make_shared<xfer::TestHooks>();
+  Ep c(nullptr, 0, kTimeoutMs, nullptr, hc);
+  const int ac = a.connect(c);
+  ASSERT_GE(ac, 0);
+  EXPECT_EQ(ha->spare_links_taken.load(), 1);
+  EXPECT_EQ(hc->spare_links_taken.load(), 0);
+  int ca = -1;
+  ASSERT_EQ(kvxfer_endpoint_connect(c.ep, a.addr.data(), a.addr.size(), &ca), KVXFER_SUCCESS);
+  transfer_exact(a.ep, ac, c.ep, ca, 1, 21, lynx());
+  transfer_exact(a.ep, ab, b.ep, b.connect(a), 2, 22, bf16());
+  // b accepts with its spare.
+  ASSERT_TRUE(reaches(ha->spare_links_made, 2));
+  EXPECT_EQ(kvxfer_endpoint_disconnect(a.ep, ab), KVXFER_SUCCESS);
+  EXPECT_GE(a.connect(b), 0);
+  EXPECT_EQ(hb->spare_links_taken.load(), 1);
+  EXPECT_EQ(ha->spare_links_taken.load(), 2);
+  // A refused CONNECT carried the spare's address to the refusing side: that
+  // Link is dropped, so the slot is empty and a new spare is made.
+  ASSERT_TRUE(reaches(ha->spare_links_made, 3));
+  uint8_t s1[32];
+  std::memset(s1, 1, 32);
+  Ep d(s1);
+  int p = -1;
+  expect_error(kvxfer_endpoint_connect(a.ep, d.addr.data(), d.addr.size(), &p),
+               KVXFER_ERR_INVALID_ARGUMENT, "wrong secret");
+  EXPECT_EQ(ha->spare_links_taken.load(), 3);
+  EXPECT_TRUE(reaches(ha->spare_links_made, 4));
 }
 
 TEST(Endpoint, CrossedConnectsEndWithOnePeerEachSide) {

@@ -146,6 +146,7 @@ kvxfer_result_t endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_
                      "kvxfer_endpoint_config_t.secret (%p) is not %zu readable bytes",
                      static_cast<const void*>(cfg.secret), mc.secret.size());
     }
+    mc.hooks = hooks;
     auto c = std::make_unique<kvxfer_comm>();
     KVXFER_CHECK(xfer::Engine::create_open(mc.timeout_ms, mc.host, cfg.rate_limit, &c->engine,
                                            std::move(hooks)));

@@ -234,6 +234,7 @@ kvxfer_result_t Membership::create(Engine* engine, const Config& cfg,
   engine->set_peer_failed(
       [raw](int peer, const std::string& why) { raw->on_link_failed(peer, why); });
   m->acceptor_ = std::thread([raw] { raw->accept_main(); });
+  m->spare_maker_ = std::thread([raw] { raw->spare_main(); });
   KVXFER_INFO(LOG_INIT, "endpoint %016" PRIx64 " listening on %s", a.incarnation, a.text().c_str());
   *out = std::move(m);
   return KVXFER_SUCCESS;
@@ -257,6 +258,7 @@ void Membership::stop() {
   const uint64_t one = 1;
   (void)!::write(stop_fd_, &one, sizeof one);
   if (acceptor_.joinable()) acceptor_.join();
+  stop_spares();
   if (listen_fd_ >= 0) ::close(listen_fd_);
   listen_fd_ = -1;
   const tcp::Deadline d = tcp::deadline_after(std::min(cfg_.timeout_ms, kByeMs));
@@ -277,6 +279,82 @@ transport::LinkConfig Membership::link_config(const EndpointAddress& peer) const
       lc.offer_shm = false;
   }
   return lc;
+}
+
+int Membership::spare_slot(const transport::LinkConfig& lc) const {
+  return lc.provider == transport::kShmProvider ? 0 : 1;
+}
+
+kvxfer_result_t Membership::new_link(const EndpointAddress& peer,
+                                     std::unique_ptr<transport::Link>* out) {
+  const transport::LinkConfig lc = link_config(peer);
+  Spare& s = spares_[spare_slot(lc)];
+  {
+    std::lock_guard<std::mutex> lk(spare_mu_);
+    if (!spares_stopped_) {
+      if (!s.wanted) s.cfg = lc;
+      s.wanted = true;
+      last_take_ = std::chrono::steady_clock::now();
+      spare_cv_.notify_all();
+    }
+    if (s.link) {
+      *out = std::move(s.link);
+      if (cfg_.hooks) ++cfg_.hooks->spare_links_taken;
+      return KVXFER_SUCCESS;
+    }
+  }
+  return Link::create(lc, out);
+}
+
+void Membership::spare_main() {
+  std::unique_lock<std::mutex> lk(spare_mu_);
+  for (;;) {
+    Spare* empty = nullptr;
+    spare_cv_.wait(lk, [&] {
+      if (spares_stopped_) return true;
+      for (Spare& s : spares_)
+        if (s.wanted && !s.link) empty = &s;
+      return empty != nullptr;
+    });
+    if (spares_stopped_) return;
+    // Connects come in bursts, and the transfers after them want the CPU: a
+    // spare is made once kSpareQuietMs have passed without a connect.
+    const auto quiet = last_take_ + std::chrono::milliseconds(kSpareQuietMs);
+    if (std::chrono::steady_clock::now() < quiet) {
+      spare_cv_.wait_until(lk, quiet, [&] { return spares_stopped_; });
+      continue;
+    }
+    const transport::LinkConfig cfg = empty->cfg;
+    lk.unlock();
+    std::unique_ptr<Link> l;
+    const kvxfer_result_t r = Link::create(cfg, &l);
+    const std::string why = r != KVXFER_SUCCESS ? last_error() : "";
+    lk.lock();
+    if (r != KVXFER_SUCCESS) {
+      // Connects make their own Link again until one asks anew.
+      KVXFER_INFO(LOG_NET, "endpoint: no spare link on %s: %s", cfg.provider.c_str(), why.c_str());
+      empty->wanted = false;
+    } else if (!spares_stopped_ && !empty->link) {
+      empty->link = std::move(l);
+      if (cfg_.hooks) ++cfg_.hooks->spare_links_made;
+    }
+    if (l) {  // not kept: closed outside the lock
+      lk.unlock();
+      l.reset();
+      lk.lock();
+    }
+  }
+}
+
+void Membership::stop_spares() {
+  std::array<std::unique_ptr<Link>, kSpareSlots> drop;
+  {
+    std::lock_guard<std::mutex> lk(spare_mu_);
+    spares_stopped_ = true;
+    for (int i = 0; i < kSpareSlots; ++i) drop[i] = std::move(spares_[i].link);
+    spare_cv_.notify_all();
+  }
+  if (spare_maker_.joinable()) spare_maker_.join();
 }
 
 const uint8_t* Membership::secret_for(const EndpointAddress& to) const {
@@ -339,7 +417,8 @@ kvxfer_result_t Membership::exchange(const EndpointAddress& to, bool bye, bool f
 kvxfer_result_t Membership::dial(const EndpointAddress& to, bool force, Reply* reply,
                                  std::unique_ptr<Link>* link) {
   std::unique_ptr<Link> l;
-  KVXFER_CHECK(Link::create(link_config(to), &l));
+  KVXFER_CHECK(new_link(to, &l));
+  // Not kept for another peer on failure: this peer has its address.
   KVXFER_CHECK(exchange(to, false, force, l->local_address(), cfg_.timeout_ms, reply));
   if (reply->status != HandshakeStatus::kOk) return KVXFER_SUCCESS;
   KVXFER_CHECK(l->connect(reply->link.data(), reply->link.size()));
@@ -745,7 +824,7 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
   lk.unlock();
 
   std::unique_ptr<Link> link;
-  kvxfer_result_t r = Link::create(link_config(from_addr), &link);
+  kvxfer_result_t r = new_link(from_addr, &link);
   if (r == KVXFER_SUCCESS) r = link->connect(link_addr.data(), link_addr.size());
   std::string why = r != KVXFER_SUCCESS ? last_error() : "";
   if (r == KVXFER_SUCCESS) {

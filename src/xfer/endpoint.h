@@ -4,11 +4,11 @@
 //
 // Internal.  An endpoint is an open Engine (Engine::create_open) plus a
 // Membership.  A peer's bytes move over a Link of its own (transport/ofi.h),
-// made when the two sides meet: the connecting side sends a CONNECT on a
-// TCP connection to the other's listener with its Link's address, the other
-// answers with its own, and both hand their Link to the engine (reserve_peer,
-// adopt_peer).  A BYE on a new TCP connection ends a peer (disconnect,
-// destroy).
+// made when the two sides meet or made ahead (spare Links, below): the
+// connecting side sends a CONNECT on a TCP connection to the other's
+// listener with its Link's address, the other answers with its own, and
+// both hand their Link to the engine (reserve_peer, adopt_peer).  A BYE on
+// a new TCP connection ends a peer (disconnect, destroy).
 //
 // Identity: every endpoint draws a random 64-bit incarnation at creation.
 // Peers are keyed by it, so a process restarted at the same address is a new
@@ -47,7 +47,8 @@
 // acceptor thread serves the listener, reading every pending connection as
 // its bytes come (a silent one holds no one else) and answering a whole
 // handshake at once (accept_main); the engine's progress thread reports failed
-// Links (Engine::set_peer_failed).  Lock order: Membership::mu_, then the
+// Links (Engine::set_peer_failed); a spare thread makes spare Links
+// (spare_main).  Lock order: Membership::mu_, then spare_mu_ or the
 // engine's.
 #pragma once
 
@@ -127,6 +128,7 @@ class Membership {
     bool has_secret = false;  // else a random one, carried in the blob
     std::array<uint8_t, kEndpointSecretBytes> secret{};
     int timeout_ms = 30000;
+    std::shared_ptr<TestHooks> hooks;  // test seams; null in the product
   };
 
   /**
@@ -199,6 +201,31 @@ class Membership {
    *  shared memory only to a peer on this host in another process, the
    *  network only to any other. */
   transport::LinkConfig link_config(const EndpointAddress& peer) const;
+
+  // Spare Links (docs/TRANSPORT.md, "Endpoints"): making a Link takes 10-25
+  // ms, nearly all of it the provider touching its endpoints' memory, and
+  // both sides of a connect make one in turn.  Once a path has been used,
+  // a thread keeps one unconnected Link of that path made ahead, and a
+  // connect takes it.  Slot 0: shared memory; 1: the network path.
+  static constexpr int kSpareSlots = 2;
+  static constexpr int kSpareQuietMs = 200;
+  int spare_slot(const transport::LinkConfig& lc) const;
+  /** An unconnected Link for `peer`: the spare of its path when there is one,
+   *  else a new one.  Either way the spare maker then refills that path. */
+  kvxfer_result_t new_link(const EndpointAddress& peer, std::unique_ptr<transport::Link>* out);
+  void spare_main();
+  void stop_spares();
+  struct Spare {
+    bool wanted = false;  // a connect used this path: keep a spare made
+    transport::LinkConfig cfg;
+    std::unique_ptr<transport::Link> link;
+  };
+  std::mutex spare_mu_;  // after mu_ when both are held
+  std::condition_variable spare_cv_;
+  std::array<Spare, kSpareSlots> spares_;
+  bool spares_stopped_ = false;
+  std::chrono::steady_clock::time_point last_take_{};  // the last new_link
+  std::thread spare_maker_;
 
   Engine* engine_ = nullptr;
   Config cfg_;

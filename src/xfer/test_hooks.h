@@ -60,6 +60,11 @@ struct TestHooks {
   std::shared_ptr<transport::LinkConfig::HeaderCorruption> corrupt_wire_headers =
       std::make_shared<transport::LinkConfig::HeaderCorruption>();
 
+  /** An endpoint's spare Links (xfer/endpoint.h): made ahead by its
+   *  thread, and taken by a connect or an accept. */
+  std::atomic<int> spare_links_made{0};
+  std::atomic<int> spare_links_taken{0};
+
   /** Takes one corruption for a received section; true: flip a byte. */
   bool take_corruption(bool anchor) {
     if (corrupt_sections.load() > 0 && corrupt_sections.fetch_sub(1) > 0) return true;
