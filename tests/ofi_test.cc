@@ -977,6 +977,36 @@ TEST(ofiPath, SharedMemoryEndpointHoldsLittleMemory) {
   EXPECT_GT(smr::trim_region(file), size_t{4} << 20);
 }
 
+// A region file with the name this process's next shm endpoint gets (a
+// killed process with this pid left it): the endpoint removes it and opens.
+TEST(ofiPath, AStaleRegionOfThisPidIsReplaced) {
+  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
+    GTEST_SKIP() << "shared memory only";
+  std::shared_ptr<Domain> d;
+  ASSERT_EQ(Domain::open(kShmProvider, "", &d), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  std::unique_ptr<Endpoint> e;
+  ASSERT_EQ(Endpoint::open(d, 0, &e), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  // <pid>:<uid>:<n>: the next endpoint of this process gets n + 1.
+  const std::string file = smr::region_file(e->name());
+  const size_t colon = file.rfind(':');
+  ASSERT_NE(colon, std::string::npos) << file;
+  const std::string next =
+      file.substr(0, colon + 1) + std::to_string(std::stoll(file.substr(colon + 1)) + 1);
+  const int fd = ::open(next.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0) << next;
+  const std::vector<uint8_t> junk(4096, 0xAB);
+  ASSERT_EQ(::write(fd, junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+  ::close(fd);
+  std::unique_ptr<Endpoint> f;
+  const kvxfer_result_t r = Endpoint::open(d, 0, &f);
+  if (r != KVXFER_SUCCESS) (void)::unlink(next.c_str());
+  ASSERT_EQ(r, KVXFER_SUCCESS) << kvxfer_get_last_error();
+  EXPECT_EQ(smr::region_file(f->name()), next);
+  struct stat st {};
+  ASSERT_EQ(::stat(next.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, 16 << 20) << "the region, not the stale file";
+}
+
 // trim_region leaves alone a file without libfabric 1.17's header.
 TEST(ofiPath, TrimLeavesAFileThatIsNotARegion) {
   const std::string f = "/dev/shm/kvxfer-not-a-region-trim-" + std::to_string(getpid());

@@ -287,6 +287,24 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
   r = fi_ep_bind(ep, &av->fid, 0);
   if (r != 0) return fi_fail("fi_ep_bind(av)", r);
   r = fi_enable(ep);
+  if (r == -FI_EBUSY && shm) {
+    // The region's name is this pid's and a process-wide index
+    // (<pid>:<uid>:<n>): no live endpoint of this process has it, so a file
+    // of that name is a killed process's that had this pid, which nobody
+    // removed (a spare Link of an endpoint has no peer to do it;
+    // xfer/endpoint.h).  libfabric 1.17 refuses it ("shm file in use") and
+    // removes it: the second try makes the region.
+    std::vector<uint8_t> name(64);
+    size_t n = name.size();
+    if (fi_getname(&ep->fid, name.data(), &n) == 0 && n <= name.size()) {
+      name.resize(n);
+      const std::string file = smr::region_file(name);
+      (void)::unlink(file.c_str());
+      r = fi_enable(ep);
+      KVXFER_WARN(LOG_NET, "OFI : %s was left by a killed process with this pid; %s", file.c_str(),
+                  r == 0 ? "replaced" : "still refused");
+    }
+  }
   if (r != 0) return fi_fail("fi_enable", r);
 
   size_t len = 64;

@@ -1,6 +1,7 @@
 // Link (ofi.h), its setup: creation and address blob, connect and the path
 // it takes, the hello handshake, DSCP marking and liveness.
 #include <fcntl.h>
+#include <pthread.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
@@ -32,6 +33,20 @@ namespace kvxfer::transport {
 
 using namespace link_detail;  // NOLINT: this file's own internals
 
+namespace {
+/** Held by Link::create; held across fork() too (an endpoint's spare thread
+ *  may hold it at any time), so that the child's is not left locked. */
+std::mutex& create_mutex() {
+  static std::mutex* mu = [] {
+    auto* m = new std::mutex;
+    pthread_atfork([] { create_mutex().lock(); }, [] { create_mutex().unlock(); },
+                   [] { create_mutex().unlock(); });
+    return m;
+  }();
+  return *mu;
+}
+}  // namespace
+
 kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) {
   KVXFER_REQUIRE(out != nullptr, "Link::create: null output");
   KVXFER_REQUIRE(cfg.chunk_bytes >= 1 && cfg.chunk_bytes <= kMaxPeerChunk,
@@ -47,8 +62,7 @@ kvxfer_result_t Link::create(const LinkConfig& cfg, std::unique_ptr<Link>* out) 
   // at once while other links ran, mesh_perf --quick stalled links for the
   // whole timeout in 3 of 8 runs, and in none of 16 with this lock
   // (docs/TRANSPORT.md, "Endpoints", spare Links).
-  static std::mutex create_mu;
-  const std::lock_guard<std::mutex> one_at_a_time(create_mu);
+  const std::lock_guard<std::mutex> one_at_a_time(create_mutex());
   std::unique_ptr<Link> l(new Link());
   l->cfg_ = cfg;
   l->asked_chunk_bytes_ = cfg.chunk_bytes;

@@ -290,13 +290,16 @@ kvxfer_result_t Membership::new_link(const EndpointAddress& peer,
   const transport::LinkConfig lc = link_config(peer);
   Spare& s = spares_[spare_slot(lc)];
   {
-    std::lock_guard<std::mutex> lk(spare_mu_);
+    std::unique_lock<std::mutex> lk(spare_mu_);
     if (!spares_stopped_) {
       if (!s.wanted) s.cfg = lc;
       s.wanted = true;
       last_take_ = std::chrono::steady_clock::now();
       spare_cv_.notify_all();
     }
+    // A spare being made is ready sooner than a Link made now, which would
+    // wait for it anyway (one Link made at a time).
+    spare_cv_.wait(lk, [&] { return !s.making || spares_stopped_; });
     if (s.link) {
       *out = std::move(s.link);
       if (cfg_.hooks) ++cfg_.hooks->spare_links_taken;
@@ -319,17 +322,20 @@ void Membership::spare_main() {
     if (spares_stopped_) return;
     // Connects come in bursts, and the transfers after them want the CPU: a
     // spare is made once kSpareQuietMs have passed without a connect.
-    const auto quiet = last_take_ + std::chrono::milliseconds(kSpareQuietMs);
-    if (std::chrono::steady_clock::now() < quiet) {
-      spare_cv_.wait_until(lk, quiet, [&] { return spares_stopped_; });
+    const auto until = last_take_ + std::chrono::milliseconds(kSpareQuietMs);
+    if (std::chrono::steady_clock::now() < until) {
+      spare_cv_.wait_until(lk, until, [&] { return spares_stopped_; });
       continue;
     }
     const transport::LinkConfig cfg = empty->cfg;
+    empty->making = true;
     lk.unlock();
     std::unique_ptr<Link> l;
     const kvxfer_result_t r = Link::create(cfg, &l);
     const std::string why = r != KVXFER_SUCCESS ? last_error() : "";
     lk.lock();
+    empty->making = false;
+    spare_cv_.notify_all();
     if (r != KVXFER_SUCCESS) {
       // Connects make their own Link again until one asks anew.
       KVXFER_INFO(LOG_NET, "endpoint: no spare link on %s: %s", cfg.provider.c_str(), why.c_str());

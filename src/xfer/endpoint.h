@@ -217,6 +217,7 @@ class Membership {
   void stop_spares();
   struct Spare {
     bool wanted = false;  // a connect used this path: keep a spare made
+    bool making = false;  // spare_main is making it (spare_mu_ not held)
     transport::LinkConfig cfg;
     std::unique_ptr<transport::Link> link;
   };
