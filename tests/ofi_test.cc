@@ -953,6 +953,12 @@ TEST(ofiPath, SharedMemoryNamesThatAreNotRegionsAreRefused) {
   }
 }
 
+/** A shm domain and one endpoint on it. */
+void open_shm_endpoint(std::shared_ptr<Domain>* d, std::unique_ptr<Endpoint>* e) {
+  ASSERT_EQ(Domain::open(kShmProvider, "", d), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_EQ(Endpoint::open(*d, 0, e), KVXFER_SUCCESS) << kvxfer_get_last_error();
+}
+
 // An idle shm endpoint holds little memory (docs/TRANSPORT.md, "Endpoints"):
 // its entries are capped (ofi.h, kShmRxEntries) and its region keeps
 // no pages past its last field (smr_region.h, trim_region).  Untrimmed, a
@@ -961,9 +967,8 @@ TEST(ofiPath, SharedMemoryEndpointHoldsLittleMemory) {
   if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
     GTEST_SKIP() << "shared memory only";
   std::shared_ptr<Domain> d;
-  ASSERT_EQ(Domain::open(kShmProvider, "", &d), KVXFER_SUCCESS) << kvxfer_get_last_error();
   std::unique_ptr<Endpoint> e;
-  ASSERT_EQ(Endpoint::open(d, 0, &e), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_NO_FATAL_FAILURE(open_shm_endpoint(&d, &e));
   EXPECT_LE(e->info()->rx_attr->size, kShmRxEntries);
   EXPECT_LE(e->info()->tx_attr->size, kShmTxEntries);
   const std::string file = smr::region_file(e->name());
@@ -983,9 +988,8 @@ TEST(ofiPath, AStaleRegionOfThisPidIsReplaced) {
   if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
     GTEST_SKIP() << "shared memory only";
   std::shared_ptr<Domain> d;
-  ASSERT_EQ(Domain::open(kShmProvider, "", &d), KVXFER_SUCCESS) << kvxfer_get_last_error();
   std::unique_ptr<Endpoint> e;
-  ASSERT_EQ(Endpoint::open(d, 0, &e), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_NO_FATAL_FAILURE(open_shm_endpoint(&d, &e));
   // <pid>:<uid>:<n>: the next endpoint of this process gets n + 1.
   const std::string file = smr::region_file(e->name());
   const size_t colon = file.rfind(':');
