@@ -242,6 +242,21 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
 // ---------------------------------------------------------------------------
 // Endpoint
 // ---------------------------------------------------------------------------
+namespace {
+/** fi_getname of `ep` into *out, sized to the name; 0 or libfabric's error. */
+int endpoint_name(fid_ep* ep, std::vector<uint8_t>* out) {
+  size_t len = 64;
+  out->resize(len);
+  int r = fi_getname(&ep->fid, out->data(), &len);
+  if (r == -FI_ETOOSMALL) {
+    out->resize(len);
+    r = fi_getname(&ep->fid, out->data(), &len);
+  }
+  if (r == 0) out->resize(len);
+  return r;
+}
+}  // namespace
+
 kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
                                std::unique_ptr<Endpoint>* out) {
   std::unique_ptr<Endpoint> e(new Endpoint());
@@ -294,10 +309,8 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
     // removed (a spare Link of an endpoint has no peer to do it;
     // xfer/endpoint.h).  libfabric 1.17 refuses it ("shm file in use") and
     // removes it: the second try makes the region.
-    std::vector<uint8_t> name(64);
-    size_t n = name.size();
-    if (fi_getname(&ep->fid, name.data(), &n) == 0 && n <= name.size()) {
-      name.resize(n);
+    std::vector<uint8_t> name;
+    if (endpoint_name(ep, &name) == 0) {
       const std::string file = smr::region_file(name);
       (void)::unlink(file.c_str());
       r = fi_enable(ep);
@@ -307,15 +320,8 @@ kvxfer_result_t Endpoint::open(std::shared_ptr<Domain> domain, uint32_t tclass,
   }
   if (r != 0) return fi_fail("fi_enable", r);
 
-  size_t len = 64;
-  e->name_.resize(len);
-  r = fi_getname(&ep->fid, e->name_.data(), &len);
-  if (r == -FI_ETOOSMALL) {
-    e->name_.resize(len);
-    r = fi_getname(&ep->fid, e->name_.data(), &len);
-  }
+  r = endpoint_name(ep, &e->name_);
   if (r != 0) return fi_fail("fi_getname", r);
-  e->name_.resize(len);
   if (shm) smr::trim_region(smr::region_file(e->name_));
   *out = std::move(e);
   return KVXFER_SUCCESS;
