@@ -256,7 +256,7 @@ TEST(ofiRate, GreedySenderNeverBeatsTheRate) {
 // reallocates it: the array gains an entry in place or is freed.
 void set_defaults_while_reading_the_environment() {
   const char* const kVars[][2] = {{"FI_OFI_RXM_MSG_RX_SIZE", "16"},
-                                  {"FI_OFI_RXM_BUFFER_SIZE", "4096"},
+                                  {"FI_OFI_RXM_BUFFER_SIZE", "1024"},
                                   {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
                                   {"FI_UNIVERSE_SIZE", "16"}};
   for (const auto& kv : kVars) unsetenv(kv[0]);
@@ -304,7 +304,7 @@ TEST(ofiDefaultsDeathTest, SetWhileAnotherThreadReadsTheEnvironment) {
   ::testing::FLAGS_gtest_death_test_style = "threadsafe";
 #endif
   EXPECT_EXIT(set_defaults_while_reading_the_environment(), ::testing::ExitedWithCode(0),
-              "set FI_OFI_RXM_MSG_RX_SIZE=16 FI_OFI_RXM_BUFFER_SIZE=4096 "
+              "set FI_OFI_RXM_MSG_RX_SIZE=16 FI_OFI_RXM_BUFFER_SIZE=1024 "
               "FI_OFI_RXM_EAGER_LIMIT=16384 FI_UNIVERSE_SIZE=16");
 }
 

@@ -126,7 +126,7 @@ std::string apply_provider_memory_defaults() {
   std::call_once(once, [] {
     static const char* const kDefaults[][2] = {
         {"FI_OFI_RXM_MSG_RX_SIZE", "16"},
-        {"FI_OFI_RXM_BUFFER_SIZE", "4096"},
+        {"FI_OFI_RXM_BUFFER_SIZE", "1024"},
         {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
         {"FI_UNIVERSE_SIZE", "16"},
     };

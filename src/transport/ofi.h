@@ -88,11 +88,17 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * libfabric 1.17's defaults: a shared receive queue of 4096 bounce buffers
  * of 16 KiB, and pools that grow 1024 buffers at a time.  Before libfabric
  * reads its parameters (the first fi_getinfo of the process), this sets
- * FI_OFI_RXM_MSG_RX_SIZE=16, FI_OFI_RXM_BUFFER_SIZE=4096,
+ * FI_OFI_RXM_MSG_RX_SIZE=16, FI_OFI_RXM_BUFFER_SIZE=1024,
  * FI_OFI_RXM_EAGER_LIMIT=16384 (kEagerChunkBytes stays eager) and
  * FI_UNIVERSE_SIZE=16, each only when the environment does not set it:
- * about 30 MB per peer (docs/TRANSPORT.md, "Memory";
- * XferMemory.CommunicatorResidentSetIsBounded).  The universe sizes rxm's
+ * about 11 MB per network peer (docs/TRANSPORT.md, "Memory";
+ * XferMemory.NetworkPeerResidentSetIsBounded).  Every rxm endpoint makes
+ * its receive and send pools 1024 buffers of (buffer size + about 350
+ * bytes) at a time, and touches each buffer (prov/rxm/src/rxm_ep.c,
+ * rxm_ep_create_pools): 2.8 MB at 1024, 9 MB at 4096.  Over tcp the
+ * buffer size does not bound eager messages (rxm reads a larger unexpected
+ * one into a buffer of its size, rxm_get_dyn_unexp), and sends use no
+ * inject.  The universe sizes rxm's
  * completion ring of its tcp connections, (msg rx 16 + msg tx 128) x
  * universe entries of 48 bytes per endpoint (prov/rxm/src/rxm_ep.c,
  * rxm_ep_msg_cq_open): at 1024 (the default) 12 MiB, made resident a lap
