@@ -304,6 +304,12 @@ void Engine::Impl::release_drained() {
     if (busy) continue;
     comm->release_link(p, "peer disconnected");
     pio[p].reset();
+    {
+      // Its id sets' buckets too (a gone index keeps only its state and why).
+      std::lock_guard<std::mutex> lk(mu);
+      std::unordered_set<uint64_t>().swap(ids_send[static_cast<size_t>(p)]);
+      std::unordered_set<uint64_t>().swap(ids_recv[static_cast<size_t>(p)]);
+    }
     released = true;
   }
   // A peer's Link frees megabytes in many blocks (libfabric's pools): give
