@@ -75,11 +75,14 @@ using CqPtr = std::unique_ptr<fid_cq, FidCloser<fid_cq>>;
 using AvPtr = std::unique_ptr<fid_av, FidCloser<fid_av>>;
 using EpPtr = std::unique_ptr<fid_ep, FidCloser<fid_ep>>;
 
-/** rxm's defaults (libfabric 1.17): messages up to FI_OFI_RXM_BUFFER_SIZE
- *  (16 KiB, less rxm's header) go eager, up to FI_OFI_RXM_SAR_LIMIT (128 KiB)
- *  by segmentation, above by rendezvous.  Link::post_send chunks messages
- *  below kSarLimitBytes at kEagerChunkBytes so that they never take the SAR
- *  path (docs/TRANSPORT.md, "Chunk sizes"). */
+/**
+ * rxm's own defaults (libfabric 1.17, before apply_provider_memory_defaults):
+ * messages up to FI_OFI_RXM_BUFFER_SIZE (16 KiB, less rxm's header) go
+ * eager, up to FI_OFI_RXM_SAR_LIMIT (128 KiB) by segmentation, above by
+ * rendezvous.  Link::post_send chunks messages below kSarLimitBytes at
+ * kEagerChunkBytes so that they never take the SAR path (docs/TRANSPORT.md,
+ * "Chunk sizes").
+ */
 constexpr size_t kEagerChunkBytes = 16000;
 constexpr size_t kSarLimitBytes = 128 * 1024;
 
@@ -89,7 +92,7 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * of 16 KiB, and pools that grow 1024 buffers at a time.  Before libfabric
  * reads its parameters (the first fi_getinfo of the process), this sets
  * FI_OFI_RXM_MSG_RX_SIZE=16, FI_OFI_RXM_BUFFER_SIZE=1024,
- * FI_OFI_RXM_EAGER_LIMIT=16384 (kEagerChunkBytes stays eager) and
+ * FI_OFI_RXM_EAGER_LIMIT=16384 (over tcp, kEagerChunkBytes stays eager) and
  * FI_UNIVERSE_SIZE=16, each only when the environment does not set it:
  * about 11 MB per network peer (docs/TRANSPORT.md, "Memory";
  * XferMemory.NetworkPeerResidentSetIsBounded).  Every rxm endpoint makes
@@ -98,7 +101,10 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * rxm_ep_create_pools): 2.8 MB at 1024, 9 MB at 4096.  Over tcp the
  * buffer size does not bound eager messages (rxm reads a larger unexpected
  * one into a buffer of its size, rxm_get_dyn_unexp), and sends use no
- * inject.  The universe sizes rxm's
+ * inject.  Over net, which has no dynamic receive buffers, rxm takes the
+ * buffer size as its eager limit: messages above 1024 bytes go by SAR (to
+ * 8192) or rendezvous there (docs/TRANSPORT.md, "Memory").  The universe
+ * sizes rxm's
  * completion ring of its tcp connections, (msg rx 16 + msg tx 128) x
  * universe entries of 48 bytes per endpoint (prov/rxm/src/rxm_ep.c,
  * rxm_ep_msg_cq_open): at 1024 (the default) 12 MiB, made resident a lap
