@@ -337,8 +337,6 @@ void Engine::Impl::grow_api(int n) {
   next_send_seq.resize(u, 0);
   next_recv_seq.resize(u, 0);
   next_id_seq.resize(u, kIdSeqBase);
-  ids_send.resize(u);
-  ids_recv.resize(u);
   inflight_send.resize(u, 0);
   inflight_recv.resize(u, 0);
   peer_state.resize(u, kPeerReserved);

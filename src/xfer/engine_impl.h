@@ -336,9 +336,10 @@ struct Engine::Impl {
   Engine::PeerFailed peer_failed;  // set before the first adopt
   /** Sizes the per-peer state of API threads to n slots (under mu, or before the threads). */
   void grow_api(int n);
-  // match_by_id: the ids in flight per peer, for the duplicate check, and
+  // match_by_id: the ids in flight per peer (an entry from its first
+  // request by id until the peer is released), for the duplicate check, and
   // those of sends to KVXFER_ANY_PEER no peer has taken yet.
-  std::vector<std::unordered_set<uint64_t>> ids_send, ids_recv;
+  std::unordered_map<int, std::unordered_set<uint64_t>> ids_send, ids_recv;
   std::unordered_set<uint64_t> ids_any;
   /** Under mu: counts `r` against `peer` (KVXFER_MAX_REQUESTS, shm's
    *  limit, the ids in flight) and gives it its seq.  KVXFER_ERR_INVALID_USAGE

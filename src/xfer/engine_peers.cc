@@ -81,7 +81,8 @@ void Engine::Impl::on_ask(int peer, const Completion& c) {
   }
   {
     std::lock_guard<std::mutex> lk(mu);
-    if (ids_send[static_cast<size_t>(peer)].count(id) != 0) return;  // its send runs already
+    const auto it = ids_send.find(peer);
+    if (it != ids_send.end() && it->second.count(id) != 0) return;  // its send runs already
   }
   if (static_cast<int64_t>(pi.asks.size()) >= max_requests && pi.asks.count(id) == 0) {
     auto oldest =
@@ -305,10 +306,9 @@ void Engine::Impl::release_drained() {
     comm->release_link(p, "peer disconnected");
     pio[p].reset();
     {
-      // Its id sets' buckets too (a gone index keeps only its state and why).
-      std::lock_guard<std::mutex> lk(mu);
-      std::unordered_set<uint64_t>().swap(ids_send[static_cast<size_t>(p)]);
-      std::unordered_set<uint64_t>().swap(ids_recv[static_cast<size_t>(p)]);
+      std::lock_guard<std::mutex> lk(mu);  // its ids: none is in flight now
+      ids_send.erase(p);
+      ids_recv.erase(p);
     }
     released = true;
   }

@@ -230,7 +230,10 @@ void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
     std::lock_guard<std::mutex> lk(mu);  // it counted against KVXFER_MAX_REQUESTS until now
     if (!r->unclaimed) {                 // an unclaimed send gave its id back when it failed
       (r->is_send ? inflight_send : inflight_recv)[r->peer]--;
-      if (r->by_id) (r->is_send ? ids_send : ids_recv)[r->peer].erase(r->request_id);
+      if (r->by_id) {
+        auto& ids = r->is_send ? ids_send : ids_recv;
+        if (const auto it = ids.find(r->peer); it != ids.end()) it->second.erase(r->request_id);
+      }
     }
   }
   if (!unclaimed.empty()) claims_dirty = true;  // a slot of its peer is free
