@@ -104,8 +104,7 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * inject.  Over net, which has no dynamic receive buffers, rxm takes the
  * buffer size as its eager limit: messages above 1024 bytes go by SAR (to
  * 8192) or rendezvous there (docs/TRANSPORT.md, "Memory").  The universe
- * sizes rxm's
- * completion ring of its tcp connections, (msg rx 16 + msg tx 128) x
+ * sizes rxm's completion ring of its tcp connections, (msg rx 16 + msg tx 128) x
  * universe entries of 48 bytes per endpoint (prov/rxm/src/rxm_ep.c,
  * rxm_ep_msg_cq_open): at 1024 (the default) 12 MiB, made resident a lap
  * at a time over the first 2,000 transfers; at 16, 192 KiB.  Each endpoint
