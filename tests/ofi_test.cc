@@ -92,6 +92,12 @@ std::string provider_under_test() {
   return p != nullptr ? p : "";
 }
 
+/** True when the run may take shared memory: the auto provider, or shm named. */
+bool shm_under_test() {
+  const std::string p = provider_under_test();
+  return p.empty() || p == kShmProvider;
+}
+
 LinkConfig loopback_config(const std::string& provider = provider_under_test()) {
   LinkConfig cfg;
   cfg.provider = provider;
@@ -917,8 +923,7 @@ TEST(ofiPath, AutoMeetsANamedNetworkProviderOnTheNetwork) {
 // regions (corrupt, or hostile): libfabric would map them and trust their
 // header (SIGSEGV in fi_av_insert); connect refuses them at the call.
 TEST(ofiPath, SharedMemoryNamesThatAreNotRegionsAreRefused) {
-  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
-    GTEST_SKIP() << "shared memory only";
+  if (!shm_under_test()) GTEST_SKIP() << "shared memory only";
   const std::string& host = host_identity();
   const uint32_t pid = static_cast<uint32_t>(getpid());
   for (const size_t size : {size_t{1500}, size_t{1} << 20}) {  // too small; right size, no header
@@ -964,8 +969,7 @@ void open_shm_endpoint(std::shared_ptr<Domain>* d, std::unique_ptr<Endpoint>* e)
 // no pages past its last field (smr_region.h, trim_region).  Untrimmed, a
 // 16 MiB region held 3.8 MiB or more of tmpfs from its creation on.
 TEST(ofiPath, SharedMemoryEndpointHoldsLittleMemory) {
-  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
-    GTEST_SKIP() << "shared memory only";
+  if (!shm_under_test()) GTEST_SKIP() << "shared memory only";
   std::shared_ptr<Domain> d;
   std::unique_ptr<Endpoint> e;
   ASSERT_NO_FATAL_FAILURE(open_shm_endpoint(&d, &e));
@@ -985,8 +989,7 @@ TEST(ofiPath, SharedMemoryEndpointHoldsLittleMemory) {
 // A region file with the name this process's next shm endpoint gets (a
 // killed process with this pid left it): the endpoint removes it and opens.
 TEST(ofiPath, AStaleRegionOfThisPidIsReplaced) {
-  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
-    GTEST_SKIP() << "shared memory only";
+  if (!shm_under_test()) GTEST_SKIP() << "shared memory only";
   std::shared_ptr<Domain> d;
   std::unique_ptr<Endpoint> e;
   ASSERT_NO_FATAL_FAILURE(open_shm_endpoint(&d, &e));
@@ -1085,8 +1088,7 @@ TEST(ofiPath, BlobOfAnotherVersionOrShapeIsRefused) {
 // exit (pidfd) or its endpoints close (the regions' files go), in well under
 // the timeout, and fails what is in flight.
 TEST(ofiPath, SharedMemoryPeerThatClosesIsSeenBeforeTheTimeout) {
-  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
-    GTEST_SKIP() << "shared memory only";
+  if (!shm_under_test()) GTEST_SKIP() << "shared memory only";
   LinkConfig cfg = loopback_config();
   cfg.timeout_ms = 15000;
   Pair p;
@@ -1415,8 +1417,7 @@ std::atomic<int> g_sigterm_seen{0};
 void on_sigterm(int) { g_sigterm_seen.fetch_add(1); }
 
 TEST(ofiPath, ProcessSignalHandlersAreKept) {
-  if (!provider_under_test().empty() && provider_under_test() != kShmProvider)
-    GTEST_SKIP() << "shared memory only";
+  if (!shm_under_test()) GTEST_SKIP() << "shared memory only";
   Child child;  // its own process: the handlers are process-wide
   ASSERT_TRUE(child.start([&](int, int) {
     struct sigaction mine {};
