@@ -125,10 +125,11 @@ std::string apply_provider_memory_defaults() {
   static std::string set;
   std::call_once(once, [] {
     static const char* const kDefaults[][2] = {
-        {"FI_OFI_RXM_MSG_RX_SIZE", "16"},
-        {"FI_OFI_RXM_BUFFER_SIZE", "1024"},
-        {"FI_OFI_RXM_EAGER_LIMIT", "16384"},
-        {"FI_UNIVERSE_SIZE", "16"},
+        {"FI_OFI_RXM_MSG_RX_SIZE", "16"},     // rxm's receives per connection
+        {"FI_OFI_RXM_BUFFER_SIZE", "1024"},   // rxm's bounce buffers
+        {"FI_OFI_RXM_EAGER_LIMIT", "16384"},  // kEagerChunkBytes stays eager
+        {"FI_UNIVERSE_SIZE", "16"},           // rxm's connection CQ ring
+        {"FI_NET_MAX_SAVED", "256"},          // net's small unexpected messages
     };
     // Not setenv: before glibc 2.41 each new variable reallocates (and
     // frees) the environ array, and a getenv on another thread meanwhile
