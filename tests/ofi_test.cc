@@ -323,6 +323,15 @@ TEST(ofiDefaultsDeathTest, SetWhileAnotherThreadReadsTheEnvironment) {
 // is not posted; Xfer.ManyMidSizeMessagesDoNotStall timed out on `net` that
 // way.  The transport's default (apply_provider_memory_defaults) keeps 256.
 TEST(ofiDefaults, NetKeepsManySmallUnexpectedMessages) {
+  constexpr int kN = 16;
+  struct Ctx {
+    fi_context2 fi;
+  };
+  // Buffers and contexts first: the endpoints, closed before them, may hold them.
+  std::vector<Ctx> sent(kN);
+  std::vector<uint64_t> out(kN);
+  Ctx got{};
+  uint64_t in = 0;
   std::shared_ptr<Domain> da, db;
   if (Domain::open("net", "127.0.0.1", &da) != KVXFER_SUCCESS)
     GTEST_SKIP() << "no net provider: " << kvxfer_get_last_error();
@@ -333,15 +342,7 @@ TEST(ofiDefaults, NetKeepsManySmallUnexpectedMessages) {
   fi_addr_t to_b = FI_ADDR_UNSPEC, to_a = FI_ADDR_UNSPEC;
   ASSERT_EQ(a->insert_peer(b->name().data(), b->name().size(), &to_b), KVXFER_SUCCESS);
   ASSERT_EQ(b->insert_peer(a->name().data(), a->name().size(), &to_a), KVXFER_SUCCESS);
-  constexpr int kN = 16;
-  struct Ctx {
-    fi_context2 fi;
-  };
-  std::vector<Ctx> sent(kN);
-  std::vector<uint64_t> out(kN);
   // Only the last message's receive: the 15 before it arrive unexpected.
-  Ctx got{};
-  uint64_t in = 0;
   ASSERT_EQ(b->post_recv(&in, sizeof(in), kN, &got), KVXFER_SUCCESS);
   int posted = 0, sends_done = 0;
   bool received = false;
