@@ -36,6 +36,10 @@
 // joins.  It prints VmRSS, whether the new peer got a removed fi_addr_t, and
 // how many departed messages a receive from the new peer's address, then
 // from any address, still matches.
+//
+// PROBE_PROVIDER names another provider (default tcp;ofi_rxm), for example
+// `net`; PROBE_DIRECTED=1 asks for FI_DIRECTED_RECV, without which `net`
+// ignores a receive's source address.
 #include <dirent.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -95,9 +99,12 @@ struct Rdm {
 
   void open() {
     fi_info* hints = fi_allocinfo();
+    const char* prov = std::getenv("PROBE_PROVIDER");
+    const char* directed = std::getenv("PROBE_DIRECTED");
     hints->caps = FI_TAGGED | FI_MSG;
+    if (directed != nullptr && std::strcmp(directed, "1") == 0) hints->caps |= FI_DIRECTED_RECV;
     hints->ep_attr->type = FI_EP_RDM;
-    hints->fabric_attr->prov_name = strdup("tcp;ofi_rxm");
+    hints->fabric_attr->prov_name = strdup(prov != nullptr ? prov : "tcp;ofi_rxm");
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     CHECK(fi_getinfo(FI_VERSION(1, 17), "127.0.0.1", "0", FI_SOURCE, hints, &info));
