@@ -317,7 +317,7 @@ TEST(ofiDefaultsDeathTest, SetWhileAnotherThreadReadsTheEnvironment) {
 
 // libfabric 1.17's `net` reads a connection in order, and keeps an
 // unexpected message aside only while it is small (its inject size) and the
-// endpoint keeps fewer than FI_NET_MAX_SAVED (4 by default) of them: the
+// connection keeps fewer than FI_NET_MAX_SAVED (4 by default) of them: the
 // next one stops the connection until a receive for it is posted.  So with
 // 4, a receive for the 16th small message never completes while the 5th's
 // is not posted; Xfer.ManyMidSizeMessagesDoNotStall timed out on `net` that

@@ -93,8 +93,7 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * reads its parameters (the first fi_getinfo of the process), this sets
  * FI_OFI_RXM_MSG_RX_SIZE=16, FI_OFI_RXM_BUFFER_SIZE=1024,
  * FI_OFI_RXM_EAGER_LIMIT=16384 (over tcp, kEagerChunkBytes stays eager) and
- * FI_UNIVERSE_SIZE=16, and for `net` FI_NET_MAX_SAVED=256 (below), each
- * only when the environment does not set it:
+ * FI_UNIVERSE_SIZE=16, each only when the environment does not set it:
  * about 11 MB per network peer (docs/TRANSPORT.md, "Memory";
  * XferMemory.NetworkPeerResidentSetIsBounded).  Every rxm endpoint makes
  * its receive and send pools 1024 buffers of (buffer size + about 350
@@ -111,12 +110,13 @@ constexpr size_t kSarLimitBytes = 128 * 1024;
  * at a time over the first 2,000 transfers; at 16, 192 KiB.  Each endpoint
  * serves one peer (its address vector holds 4); a full ring spills into
  * util_cq's overflow list, it loses nothing.
- * `net` reads a connection in order and keeps an unexpected message aside
- * only while it is small (its inject size) and fewer than FI_NET_MAX_SAVED
- * (default 4) are kept (prov/net/src/xnet_progress.c, xnet_save_and_cont):
- * the next stops the connection until its receive is posted, and a Link's
- * headers and control messages then wait behind it for the whole timeout
- * (ofiDefaults.NetKeepsManySmallUnexpectedMessages).
+ * It also sets FI_NET_MAX_SAVED=256 when unset.  `net` reads a connection
+ * in order and keeps an unexpected message aside only while it is small
+ * (its inject size, 128 B) and the connection keeps fewer than
+ * FI_NET_MAX_SAVED (default 4) aside (prov/net/src/xnet_progress.c,
+ * xnet_save_and_cont): the next stops the connection until its receive is
+ * posted, and a Link's headers and control messages then wait behind it
+ * for the whole timeout (ofiDefaults.NetKeepsManySmallUnexpectedMessages).
  * Sets them once, from fabric_lib::load() before it opens libfabric (the
  * process's first Domain::open); later calls set nothing.  Thread-safe
  * (std::call_once), and safe against getenv on other threads: the variables
