@@ -38,6 +38,13 @@
 // how many departed messages a receive from the new peer's address, then
 // from any address, still matches.
 //
+//   /tmp/rxm_shared_endpoint --cycle C
+//
+// asks what a live peer's removal and return cost: C times, both sides
+// remove each other from their address vectors and insert each other again,
+// and the peer sends one message to a receive directed at it.  It prints
+// VmRSS, open fds and the peer's fi_addr_t after 1, 10, 100 and C cycles.
+//
 // PROBE_PROVIDER names another provider (default tcp;ofi_rxm), for example
 // `net`; PROBE_DIRECTED=1 asks for FI_DIRECTED_RECV, without which `net`
 // ignores a receive's source address.
@@ -162,8 +169,10 @@ double now_s() {
 }
 
 // kIdle: waits; kReceive: takes g_msgs messages; kDepart: sends g_msgs
-// messages of one byte value (its index + 1) that nobody receives, then exits.
-enum class Mode { kIdle, kReceive, kDepart };
+// messages of one byte value (its index + 1) that nobody receives, then exits;
+// kCycle: for each byte the server writes, removes and inserts the server
+// again and sends it one message.
+enum class Mode { kIdle, kReceive, kDepart, kCycle };
 
 [[noreturn]] void run_peer(int i, const std::string& server, int stay_fd, Mode mode) {
   Rdm c;
@@ -201,6 +210,18 @@ enum class Mode { kIdle, kReceive, kDepart };
     std::exit(0);
   }
   char b;
+  if (mode == Mode::kCycle) {
+    uint64_t v = 0;
+    while (read(stay_fd, &b, 1) == 1) {
+      CHECK(fi_av_remove(c.av, &s, 1, 0));
+      if (fi_av_insert(c.av, server.data(), 1, &s, 0, nullptr) != 1) std::exit(2);
+      ++v;
+      while (fi_tsend(c.ep, &v, sizeof v, nullptr, s, kDataTag, &send_ctx) == -FI_EAGAIN)
+        fi_cq_read(c.cq, nullptr, 0);
+      c.next();
+    }
+    std::exit(0);
+  }
   if (read(stay_fd, &b, 1) < 0) std::exit(3);  // until the server closes the pipe
   std::exit(0);
 }
@@ -209,6 +230,7 @@ enum class Mode { kIdle, kReceive, kDepart };
 struct Started {
   std::vector<pid_t> pids;
   std::vector<fi_addr_t> addr;
+  std::vector<std::vector<char>> names;
   int stay = -1;  // closing it lets idle peers exit
 };
 Started start_peers(Rdm& s, int n, Mode mode, int first_index = 0) {
@@ -241,6 +263,7 @@ Started start_peers(Rdm& s, int n, Mode mode, int first_index = 0) {
     if ((e.flags & FI_RECV) == 0) continue;
     const int i = static_cast<int>(static_cast<fi_context2*>(e.op_context) - recv_ctx.data());
     if (fi_av_insert(s.av, names[i].data(), 1, &st.addr[i], 0, nullptr) != 1) std::exit(4);
+    st.names.push_back(names[i]);  // in completion order: one peer in --cycle
     while (fi_tsend(s.ep, hi, sizeof hi, nullptr, st.addr[i], kReplyTag, &send_ctx[i]) ==
            -FI_EAGAIN)
       fi_cq_read(s.cq, nullptr, 0);
@@ -416,7 +439,34 @@ int depart_main(int n) {
   return 0;
 }
 
+// --cycle C: see the header.
+int cycle_main(int cycles) {
+  Rdm s;
+  s.open();
+  Started st = start_peers(s, 1, Mode::kCycle);
+  std::printf("one peer connected: VmRSS %ld kB, %d fds\n", rss_kb(), open_fds());
+  for (int c = 1; c <= cycles; ++c) {
+    CHECK(fi_av_remove(s.av, &st.addr[0], 1, 0));
+    if (fi_av_insert(s.av, st.names[0].data(), 1, &st.addr[0], 0, nullptr) != 1) return 4;
+    static fi_context2 ctx;
+    uint64_t v = 0;
+    CHECK(fi_trecv(s.ep, &v, sizeof v, nullptr, st.addr[0], kDataTag, 0, &ctx));
+    if (write(st.stay, "c", 1) != 1) return 5;
+    while (s.next().op_context != &ctx) {
+    }
+    if (v != static_cast<uint64_t>(c))
+      std::printf("cycle %d: got message %llu\n", c, static_cast<unsigned long long>(v));
+    if (c == 1 || c == 10 || c == 100 || c == cycles)
+      std::printf("after %d remove/insert cycles: VmRSS %ld kB, %d fds, peer at fi_addr_t %llu\n",
+                  c, rss_kb(), open_fds(), static_cast<unsigned long long>(st.addr[0]));
+  }
+  close(st.stay);
+  wait_all(st.pids);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 2 && std::strcmp(argv[1], "--cycle") == 0) return cycle_main(std::atoi(argv[2]));
   if (argc > 2 && (std::strcmp(argv[1], "--stall") == 0 || std::strcmp(argv[1], "--depart") == 0)) {
     if (argc > 3) g_bytes = std::strtoull(argv[3], nullptr, 10);
     if (argc > 4) g_msgs = std::atoi(argv[4]);
