@@ -230,8 +230,8 @@ enum class Mode { kIdle, kReceive, kDepart, kCycle };
 struct Started {
   std::vector<pid_t> pids;
   std::vector<fi_addr_t> addr;
-  std::vector<std::vector<char>> names;
-  int stay = -1;  // closing it lets idle peers exit
+  std::vector<std::vector<char>> names;  // by peer, as addr
+  int stay = -1;                         // closing it lets idle peers exit
 };
 Started start_peers(Rdm& s, int n, Mode mode, int first_index = 0) {
   Started st;
@@ -249,7 +249,8 @@ Started start_peers(Rdm& s, int n, Mode mode, int first_index = 0) {
   }
   close(stay[0]);
   st.stay = stay[1];
-  std::vector<std::vector<char>> names(n, std::vector<char>(256));
+  std::vector<std::vector<char>>& names = st.names;  // kept: --cycle inserts them again
+  names.assign(n, std::vector<char>(256));
   std::vector<fi_context2> recv_ctx(n), send_ctx(n);
   st.addr.resize(n);
   static char hi[8] = "hi";
@@ -263,7 +264,6 @@ Started start_peers(Rdm& s, int n, Mode mode, int first_index = 0) {
     if ((e.flags & FI_RECV) == 0) continue;
     const int i = static_cast<int>(static_cast<fi_context2*>(e.op_context) - recv_ctx.data());
     if (fi_av_insert(s.av, names[i].data(), 1, &st.addr[i], 0, nullptr) != 1) std::exit(4);
-    st.names.push_back(names[i]);  // in completion order: one peer in --cycle
     while (fi_tsend(s.ep, hi, sizeof hi, nullptr, st.addr[i], kReplyTag, &send_ctx[i]) ==
            -FI_EAGAIN)
       fi_cq_read(s.cq, nullptr, 0);
