@@ -714,7 +714,11 @@ typedef struct {
    *  i-th send to a peer with its i-th receive from this rank (as NCCL).
    *  1: it matches the peer's request with the same `request_id` and
    *  match_by_id = 1, whatever their order; either side may post first.  The
-   *  two kinds may be mixed on one peer; each kind matches only its own. */
+   *  two kinds may be mixed on one peer; each kind matches only its own.
+   *  A request by id that its peer does not match within the communicator's
+   *  timeout fails with KVXFER_ERR_TIMEOUT, whatever other traffic the link
+   *  carries: a receive counted from its post, a send from the peer's
+   *  receipt of its announcement (the send learns the peer's reason). */
   int32_t match_by_id;
   /** match_by_id = 1: the runtime's 64-bit request id (e.g. a hash of
    *  vLLM's request id).  A second send (receive) with an id already in

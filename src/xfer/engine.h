@@ -89,6 +89,9 @@ class Request {
   bool by_id = false;
   uint64_t request_id = 0;
   bool bound = true;
+  // When an unbound receive began to wait for its RDV (CLOCK_MONOTONIC ns):
+  // it fails alone once it has waited the timeout (sweep_claims).
+  int64_t rdv_since = 0;
   // A send to KVXFER_ANY_PEER no peer has asked for yet: peer is -1 until
   // claim() sets it (under mu) and clears this (progress thread).
   bool unclaimed = false;

@@ -257,7 +257,12 @@ struct PeerIo {
   // wants yet (id -> seq, order), whether the stream's receive is posted and
   // its buffer, and the stream's counters both ways.
   std::list<std::shared_ptr<Request>> rdv_waiting;
-  std::unordered_map<uint64_t, std::pair<uint32_t, uint64_t>> rdv_parked;
+  struct Parked {
+    uint32_t seq;
+    uint64_t order;
+    int64_t t_ns;  // arrival: refused once it has waited the timeout (sweep_claims)
+  };
+  std::unordered_map<uint64_t, Parked> rdv_parked;
   bool rdv_armed = false;
   std::vector<uint8_t> rdv_in = std::vector<uint8_t>(kRdvBytes);
   uint32_t rdv_sent = 0, rdv_received = 0;

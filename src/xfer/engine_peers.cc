@@ -25,14 +25,15 @@ void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
   io(p).rdv_refused.erase(r->request_id);  // posted again: this one wants the data
   auto it = io(p).rdv_parked.find(r->request_id);
   if (it != io(p).rdv_parked.end()) {
-    r->seq = it->second.first;
-    r->order = it->second.second;
+    r->seq = it->second.seq;
+    r->order = it->second.order;
     r->bound = true;
     io(p).rdv_parked.erase(it);
     start(r);
     return;
   }
   r->work->started = true;  // a cancel fails it while it waits (settle)
+  r->rdv_since = now_ns();
   io(p).rdv_waiting.push_back(r);
   if (links_aborted) {
     fail(r, KVXFER_ERR_INVALID_USAGE, "communicator aborted");
@@ -153,6 +154,33 @@ void Engine::Impl::sweep_claims() {
   unclaimed.erase(std::remove_if(unclaimed.begin(), unclaimed.end(),
                                  [](const std::shared_ptr<Request>& r) { return r->work->failed; }),
                   unclaimed.end());
+  // Receives by id whose sender has not announced them within the timeout
+  // of their wait: each fails alone, and its sender, if it comes later, is
+  // told (rdv_refused).  Announcements no receive took within the timeout:
+  // their senders are told, as for a cancelled receive.
+  for (int p = 0; p < npeers(); ++p) {
+    if (!pio[static_cast<size_t>(p)]) continue;
+    for (auto it = io(p).rdv_parked.begin(); it != io(p).rdv_parked.end();) {
+      if (now - it->second.t_ns <= timeout_ms * 1000000) {
+        ++it;
+        continue;
+      }
+      refuse_rdv(p, it->second.seq, KVXFER_ERR_TIMEOUT,
+                 strprintf("no kvxfer_recv by request id %llu was posted within %lld ms of its "
+                           "send's announcement",
+                           static_cast<unsigned long long>(it->first),
+                           static_cast<long long>(timeout_ms)));
+      it = io(p).rdv_parked.erase(it);
+    }
+    for (const std::shared_ptr<Request>& r :
+         std::vector<std::shared_ptr<Request>>(io(p).rdv_waiting.begin(), io(p).rdv_waiting.end()))
+      if (!r->work->failed && now - r->rdv_since > timeout_ms * 1000000)
+        fail(r, KVXFER_ERR_TIMEOUT,
+             strprintf("peer %d never posted the matching kvxfer_send (request id %llu) within "
+                       "%lld ms",
+                       p, static_cast<unsigned long long>(r->request_id),
+                       static_cast<long long>(timeout_ms)));
+  }
   // Asks no send took, and refusals no announcement came for: kept for the
   // timeout (a sender that comes later times out on its own side).
   for (const auto& pi : pio) {
@@ -165,7 +193,10 @@ void Engine::Impl::sweep_claims() {
 }
 
 // The stream's receive is posted while a receive waits for its announcement,
-// or a refusal (rdv_refused) waits to be told to its sender.
+// or a refusal (rdv_refused) waits to be told to its sender.  It is a
+// standing receive, which the link's timeout leaves alone: each waiting
+// receive has its own deadline (sweep_claims), counted from when it began
+// to wait, whatever other traffic the link carries.
 void Engine::Impl::arm_rdv(int peer) {
   if (io(peer).rdv_armed != 0 || links_aborted ||
       (io(peer).rdv_waiting.empty() && io(peer).rdv_refused.empty()))
@@ -174,7 +205,7 @@ void Engine::Impl::arm_rdv(int peer) {
       make_tag(kRdvSeq, false, MsgKind::kStatus, io(peer).rdv_received & (kMaxPages - 1));
   const kvxfer_result_t rc =
       post_raw(peer, TrafficClass::kAnchor, tag, false, io(peer).rdv_in.data(),
-               io(peer).rdv_in.size(), nullptr, OpKind::kRdvRecv, 0);
+               io(peer).rdv_in.size(), nullptr, OpKind::kRdvRecv, 0, nullptr, /*standing=*/true);
   if (rc >= 0) {
     io(peer).rdv_armed = 1;
     return;
@@ -196,14 +227,8 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     rc = decode_rdv(io(peer).rdv_in.data(), c.bytes, &id, &seq);
     if (rc < 0) why = last_error();
   }
-  if (rc < 0) {  // the stream is broken or silent: every waiting receive fails
-    const std::string text =
-        rc == KVXFER_ERR_TIMEOUT
-            ? strprintf(
-                  "peer %d never posted the matching kvxfer_send (by request id) within %lld "
-                  "ms (%s)",
-                  peer, static_cast<long long>(timeout_ms), why.c_str())
-            : strprintf("peer %d: %s", peer, why.c_str());
+  if (rc < 0) {  // the stream is broken (the link failed): every waiting receive fails
+    const std::string text = strprintf("peer %d: %s", peer, why.c_str());
     for (const auto& r : std::vector<std::shared_ptr<Request>>(io(peer).rdv_waiting.begin(),
                                                                io(peer).rdv_waiting.end()))
       fail(r, rc, text);
@@ -238,13 +263,14 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     refuse_rdv(peer, seq, ref->second.code, ref->second.text);
     io(peer).rdv_refused.erase(ref);
   } else {
-    io(peer).rdv_parked[id] = {seq, arrival};
+    io(peer).rdv_parked[id] = {seq, arrival, now_ns()};
   }
   arm_rdv(peer);
 }
 
 // The announced request `seq` from `peer` has no receive any more (cancelled
-// or failed while it waited): its sender gets this STATUS, and its DESC and
+// or failed while it waited), or none came within the timeout of its
+// announcement (sweep_claims): its sender gets this STATUS, and its DESC and
 // STATUS are received and dropped, so nothing of it stays in the provider.
 void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
                               const std::string& text) {

@@ -63,13 +63,17 @@ void Engine::Impl::wait_for_work(int idle, Clock::time_point idle_since) {
   Clock::time_point deadline = now + std::chrono::milliseconds(100);
   wait_fds.clear();
   wait_fds.push_back(pollfd{wake_fd, POLLIN, 0});
-  // A send to KVXFER_ANY_PEER waits for an ask that an shm peer would not
-  // signal: poll, as for any operation in flight there.
+  // A send to KVXFER_ANY_PEER waits for an ask, and a receive by id for its
+  // RDV, which an shm peer without a doorbell would not signal (both come to
+  // standing receives): poll, as for any operation in flight there.
   bool can_sleep = unclaimed.empty();
   for (int p = 0; p < npeers() && can_sleep; ++p) {
     Link* l = comm->link(p);
     if (l == nullptr) continue;
     can_sleep = l->prepare_wait(&wait_fds);
+    if (can_sleep && pio[static_cast<size_t>(p)] && !io(p).rdv_waiting.empty() && l->same_host() &&
+        !l->has_doorbell())
+      can_sleep = false;
     deadline = std::min(deadline, l->next_deadline());
   }
   if (!can_sleep) {
