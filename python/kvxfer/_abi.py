@@ -13,6 +13,7 @@ C _INITIALIZER macros put the version of the header the caller compiled with.
 
 import ctypes
 import enum
+import operator
 
 from ._errors import Result  # noqa: F401  (re-exported)
 
@@ -109,7 +110,50 @@ kvxfer_kv_pool_t = ctypes.c_void_p  # struct kvxfer_kv_pool*
 CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, _c_enum, _c_enum, ctypes.c_void_p)
 
 
-class CodecConfigStruct(ctypes.Structure):
+_INT_TYPES = (ctypes.c_int8, ctypes.c_uint8, ctypes.c_int16, ctypes.c_uint16, ctypes.c_int32,
+              ctypes.c_uint32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t)
+
+
+def int_range(ctype):
+    """(name, least, greatest) of a C integer type: ("int32", -2**31, 2**31 - 1)."""
+    bits = 8 * ctypes.sizeof(ctype)
+    if ctype(-1).value < 0:
+        return "int%d" % bits, -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return "uint%d" % bits, 0, (1 << bits) - 1
+
+
+def check_int(value, ctype, what):
+    """`value` as a Python int that fits the C integer type `ctype`.  ctypes
+    itself would keep the low bits (2**32 becomes 0 in an int32).  Raises
+    TypeError for a non-integer (floats included: operator.index), ValueError
+    naming `what` for a value out of the type's range."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError("%s must be an integer, not %s" % (what, type(value).__name__)) from None
+    name, lo, hi = int_range(ctype)
+    if not lo <= v <= hi:
+        raise ValueError("%s = %d does not fit its C type %s (%d..%d)" % (what, v, name, lo, hi))
+    return v
+
+
+class _Struct(ctypes.Structure):
+    """A struct mirror whose integer fields refuse values their C type cannot
+    hold (check_int) instead of truncating them."""
+
+    _int_fields = None  # per class: {field name: ctype}
+
+    def __setattr__(self, name, value):
+        cls = type(self)
+        if cls.__dict__.get("_int_fields") is None:
+            cls._int_fields = {f[0]: f[1] for f in cls._fields_ if f[1] in _INT_TYPES}
+        t = cls._int_fields.get(name)
+        if t is not None and not isinstance(value, ctypes._SimpleCData):
+            value = check_int(value, t, "%s.%s" % (_C_NAMES.get(cls, cls.__name__), name))
+        super().__setattr__(name, value)
+
+
+class CodecConfigStruct(_Struct):
     """kvxfer_codec_config_t."""
 
     _fields_ = [
@@ -126,7 +170,7 @@ class CodecConfigStruct(ctypes.Structure):
     ]
 
 
-class PageLayoutStruct(ctypes.Structure):
+class PageLayoutStruct(_Struct):
     """kvxfer_page_layout_t."""
 
     _fields_ = [
@@ -141,7 +185,7 @@ class PageLayoutStruct(ctypes.Structure):
     ]
 
 
-class PageIdStruct(ctypes.Structure):
+class PageIdStruct(_Struct):
     """kvxfer_page_id_t."""
 
     _fields_ = [
@@ -152,7 +196,7 @@ class PageIdStruct(ctypes.Structure):
     ]
 
 
-class PageInfoStruct(ctypes.Structure):
+class PageInfoStruct(_Struct):
     """kvxfer_page_info_t."""
 
     _fields_ = [
@@ -172,13 +216,13 @@ class PageInfoStruct(ctypes.Structure):
     ]
 
 
-class UniqueIdStruct(ctypes.Structure):
+class UniqueIdStruct(_Struct):
     """kvxfer_unique_id_t (passed by value to kvxfer_comm_init)."""
 
     _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]
 
 
-class CommConfigStruct(ctypes.Structure):
+class CommConfigStruct(_Struct):
     """kvxfer_comm_config_t."""
 
     _fields_ = [
@@ -191,7 +235,7 @@ class CommConfigStruct(ctypes.Structure):
     ]
 
 
-class EndpointConfigStruct(ctypes.Structure):
+class EndpointConfigStruct(_Struct):
     """kvxfer_endpoint_config_t."""
 
     _fields_ = [
@@ -206,7 +250,7 @@ class EndpointConfigStruct(ctypes.Structure):
     ]
 
 
-class KVDescStruct(ctypes.Structure):
+class KVDescStruct(_Struct):
     """kvxfer_kv_desc_t."""
 
     _fields_ = [
@@ -227,7 +271,7 @@ class KVDescStruct(ctypes.Structure):
     ]
 
 
-class RequestConfigStruct(ctypes.Structure):
+class RequestConfigStruct(_Struct):
     """kvxfer_request_config_t."""
 
     _fields_ = [
@@ -247,7 +291,7 @@ class RequestConfigStruct(ctypes.Structure):
     ]
 
 
-class KVPoolDescStruct(ctypes.Structure):
+class KVPoolDescStruct(_Struct):
     """kvxfer_kv_pool_desc_t."""
 
     _fields_ = [
@@ -268,7 +312,7 @@ class KVPoolDescStruct(ctypes.Structure):
     ]
 
 
-class KVBlocksStruct(ctypes.Structure):
+class KVBlocksStruct(_Struct):
     """kvxfer_kv_blocks_t."""
 
     _fields_ = [
@@ -283,7 +327,7 @@ class KVBlocksStruct(ctypes.Structure):
     ]
 
 
-class RequestInfoStruct(ctypes.Structure):
+class RequestInfoStruct(_Struct):
     """kvxfer_request_info_t."""
 
     _fields_ = [
@@ -311,7 +355,7 @@ class RequestInfoStruct(ctypes.Structure):
     ]
 
 
-class ArrivalStruct(ctypes.Structure):
+class ArrivalStruct(_Struct):
     """kvxfer_arrival_t."""
 
     _fields_ = [
@@ -339,6 +383,10 @@ EXPECTED_SIZES = {
     "kvxfer_kv_pool_desc_t": (KVPoolDescStruct, 88),
     "kvxfer_kv_blocks_t": (KVBlocksStruct, 48),
 }
+
+
+# The C name of each mirror, for _Struct's messages.
+_C_NAMES = {struct: cname for cname, (struct, _) in EXPECTED_SIZES.items()}
 
 
 def check_layout():

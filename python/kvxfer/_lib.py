@@ -176,7 +176,7 @@ class Library:
                 fn.errcheck = self._errcheck
             else:
                 fn.restype = restype
-            setattr(self, name, fn)
+            setattr(self, name, _checked_ints(fn, argtypes))
         if missing:
             raise LibraryNotFoundError("kvxfer: %s lacks %s: not a compatible libkvxfer" %
                                        (self.path, ", ".join(missing)))
@@ -198,6 +198,24 @@ class Library:
         v = ctypes.c_int(0)
         self.kvxfer_get_version(ctypes.byref(v))
         return v.value
+
+
+def _checked_ints(fn, argtypes):
+    """`fn`, or a wrapper that first checks each Python int passed for a C
+    integer parameter against its type (_abi.check_int: ValueError naming the
+    function and argument), where ctypes would keep its low bits."""
+    ints = [(i, t) for i, t in enumerate(argtypes) if t in _abi._INT_TYPES]
+    if not ints:
+        return fn
+
+    def call(*args):
+        for i, t in ints:
+            if i < len(args) and isinstance(args[i], int):
+                _abi.check_int(args[i], t, "%s argument %d" % (fn.__name__, i + 1))
+        return fn(*args)
+
+    call.__name__ = fn.__name__
+    return call
 
 
 def _text(b):

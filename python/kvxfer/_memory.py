@@ -16,13 +16,16 @@ import ctypes
 
 
 class Memory:
-    __slots__ = ("address", "nbytes", "readonly", "keep")
+    __slots__ = ("address", "nbytes", "readonly", "keep", "itemsize")
 
-    def __init__(self, address, nbytes, readonly, keep):
+    def __init__(self, address, nbytes, readonly, keep, itemsize=None):
         self.address = address  # int, non-zero
         self.nbytes = nbytes  # int, or None when unknown (raw addresses)
         self.readonly = readonly
         self.keep = keep
+        # Bytes per element of a typed array or tensor (NumPy float64: 8);
+        # None for raw addresses, ctypes objects and 1-byte elements (bytes).
+        self.itemsize = itemsize if itemsize != 1 else None
 
 
 def _device_of(t):
@@ -71,11 +74,12 @@ def memory_of(obj, what="buffer", device=-1):
         addr = int(data_ptr())
         if addr == 0:
             raise ValueError("%s: tensor has no storage (data_ptr() is 0)" % what)
-        nbytes = None
+        nbytes = itemsize = None
         numel, esize = getattr(obj, "numel", None), getattr(obj, "element_size", None)
         if callable(numel) and callable(esize):
-            nbytes = int(numel()) * int(esize())
-        return Memory(addr, nbytes, False, obj)
+            itemsize = int(esize())
+            nbytes = int(numel()) * itemsize
+        return Memory(addr, nbytes, False, obj, itemsize)
     try:
         mv = memoryview(obj)
     except TypeError:
@@ -88,7 +92,7 @@ def memory_of(obj, what="buffer", device=-1):
             raise ValueError("%s: buffer is empty" % what)
         if not mv.readonly:
             arr = (ctypes.c_char * nbytes).from_buffer(obj)  # pins the exporter
-            return Memory(ctypes.addressof(arr), nbytes, False, arr)
+            return Memory(ctypes.addressof(arr), nbytes, False, arr, mv.itemsize)
         if isinstance(obj, bytes):
             p = ctypes.c_char_p(obj)  # points into the bytes object itself
             return Memory(ctypes.cast(p, ctypes.c_void_p).value, nbytes, True, (obj, p))
@@ -98,7 +102,8 @@ def memory_of(obj, what="buffer", device=-1):
         if not addr:
             raise ValueError("%s: array has no data" % what)
         nbytes = mv.nbytes if mv is not None else None
-        return Memory(int(addr), nbytes, bool(readonly), obj)
+        return Memory(int(addr), nbytes, bool(readonly), obj,
+                      mv.itemsize if mv is not None else None)
     if mv is not None:
         raise TypeError("%s: read-only %s; pass a writable buffer, bytes, or an address" %
                         (what, type(obj).__name__))

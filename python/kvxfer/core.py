@@ -200,6 +200,25 @@ class UniqueId:
 # ---------------------------------------------------------------------------
 # CodecConfig
 # ---------------------------------------------------------------------------
+def _index(value, what):
+    """`value` as an int (operator.index: ints, bools, NumPy integers; a float
+    or a string is a TypeError naming `what`).  The C type's range is checked
+    where the value meets it (_abi.check_int)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError("%s must be an integer, not %s" % (what, type(value).__name__)) from None
+
+
+def _check_itemsize(m, dtype, what):
+    """A typed array or tensor (memory_of's itemsize) must have the elements
+    of `dtype`: a float64 array for an fp32 pool would be read as twice the
+    elements it holds.  Raw bytes and addresses carry no element type."""
+    if m.itemsize is not None and m.itemsize != dtype.itemsize:
+        raise ValueError("%s holds %d-byte elements, but dtype %s has %d-byte elements" %
+                         (what, m.itemsize, dtype.name.lower(), dtype.itemsize))
+
+
 def _enum(enum_type, value, what):
     if isinstance(value, str):
         try:
@@ -337,13 +356,13 @@ class KVDescriptor:
 
     def __init__(self, k_blocks, v_blocks, *, num_layers, kv_heads, head_dim, block_size,
                  dtype=Dtype.BF16, num_tokens=None, row_stride=0, device=-1):
-        self.num_layers = int(num_layers)
-        self.kv_heads = int(kv_heads)
-        self.head_dim = int(head_dim)
-        self.block_size = int(block_size)
+        self.num_layers = _index(num_layers, "num_layers")
+        self.kv_heads = _index(kv_heads, "kv_heads")
+        self.head_dim = _index(head_dim, "head_dim")
+        self.block_size = _index(block_size, "block_size")
         self.dtype = _enum(Dtype, dtype, "dtype")
-        self.row_stride = int(row_stride)
-        self.device = int(device)
+        self.row_stride = _index(row_stride, "row_stride")
+        self.device = _index(device, "device")
         if self.num_layers < 1 or self.kv_heads < 1 or self.head_dim < 1 or self.block_size < 1:
             raise ValueError("num_layers, kv_heads, head_dim and block_size must be positive")
         k, nk = _flatten_layers(k_blocks, self.num_layers, "k_blocks")
@@ -352,7 +371,7 @@ class KVDescriptor:
             raise ValueError("k_blocks has %d blocks per layer, v_blocks %d" % (nk, nv))
         self.num_blocks = nk
         self.num_tokens = (self.num_blocks * self.block_size if num_tokens is None
-                           else int(num_tokens))
+                           else _index(num_tokens, "num_tokens"))
         H = self.num_channels
         stride = self.row_stride or H
         if stride < H:
@@ -409,10 +428,10 @@ class KVDescriptor:
         """
         if len(k_bases) != len(v_bases):
             raise ValueError("k_bases has %d layers, v_bases %d" % (len(k_bases), len(v_bases)))
-        pages = [int(i) for i in page_indices]
+        pages = [_index(i, "page_indices[]") for i in page_indices]
         if any(i < 0 for i in pages):
             raise ValueError("negative page index in %r" % (pages,))
-        stride = int(page_stride)
+        stride = _index(page_stride, "page_stride")
         k = [[int(b) + i * stride for i in pages] for b in k_bases]
         v = [[int(b) + i * stride for i in pages] for b in v_bases]
         d = cls(k, v, num_layers=len(k_bases), kv_heads=kv_heads, head_dim=head_dim,
@@ -547,14 +566,14 @@ class KVPool:
             raise ValueError("k_layers has %d layers, v_layers %d" %
                              (len(k_layers), len(v_layers)))
         self.num_layers = len(k_layers)
-        self.num_blocks = int(num_blocks)
-        self.block_size = int(block_size)
-        self.kv_heads = int(kv_heads)
-        self.head_dim = int(head_dim)
+        self.num_blocks = _index(num_blocks, "num_blocks")
+        self.block_size = _index(block_size, "block_size")
+        self.kv_heads = _index(kv_heads, "kv_heads")
+        self.head_dim = _index(head_dim, "head_dim")
         self.dtype = _enum(Dtype, dtype, "dtype")
-        self.row_stride = int(row_stride)
-        self.block_stride = int(block_stride)
-        self.device = int(device)
+        self.row_stride = _index(row_stride, "row_stride")
+        self.block_stride = _index(block_stride, "block_stride")
+        self.device = _index(device, "device")
         need = self._region_bytes()
         n = max(self.num_layers, 1)
         k_arr, v_arr = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
@@ -562,6 +581,7 @@ class KVPool:
         for name, entries, arr in (("k_layers", k_layers, k_arr), ("v_layers", v_layers, v_arr)):
             for i, e in enumerate(entries):
                 m = memory_of(e, "%s[%d]" % (name, i), self.device)
+                _check_itemsize(m, self.dtype, "%s[%d]" % (name, i))
                 if m.readonly:
                     raise ValueError("%s[%d] is read-only; a pool is written by receives" %
                                      (name, i))
@@ -615,12 +635,14 @@ class KVPool:
         addresses).  The buffers are held until close().
         """
         dtype = _enum(Dtype, dtype, "dtype")
-        block = int(block_size) * int(kv_heads) * int(head_dim) * dtype.itemsize
+        block = (_index(block_size, "block_size") * _index(kv_heads, "kv_heads") *
+                 _index(head_dim, "head_dim") * dtype.itemsize)
         if block < 1:
             raise ValueError("block_size, kv_heads and head_dim must be positive")
         k, v, keep = [], [], []
         for i, e in enumerate(layers):
-            m = memory_of(e, "layers[%d]" % i, int(device))
+            m = memory_of(e, "layers[%d]" % i, _index(device, "device"))
+            _check_itemsize(m, dtype, "layers[%d]" % i)
             if num_blocks is None:
                 if m.nbytes is None:
                     raise ValueError("layers[%d]: an address has no size; pass num_blocks" % i)
@@ -628,13 +650,14 @@ class KVPool:
                     raise ValueError("layers[%d]: %d bytes is not K and V of whole %d-byte "
                                      "blocks" % (i, m.nbytes, block))
                 num_blocks = m.nbytes // (2 * block)
-            if m.nbytes is not None and m.nbytes < 2 * block * int(num_blocks):
+            num_blocks = _index(num_blocks, "num_blocks")
+            if m.nbytes is not None and m.nbytes < 2 * block * num_blocks:
                 raise ValueError("layers[%d]: %d bytes, K and V of %d blocks need %d" %
-                                 (i, m.nbytes, int(num_blocks), 2 * block * int(num_blocks)))
+                                 (i, m.nbytes, num_blocks, 2 * block * num_blocks))
             if m.readonly:
                 raise ValueError("layers[%d] is read-only; a pool is written by receives" % i)
             k.append(m.address)
-            v.append(m.address + block * int(num_blocks))
+            v.append(m.address + block * num_blocks)
             keep.append(m.keep)
         return cls(k, v, num_blocks=0 if num_blocks is None else num_blocks,
                    block_size=block_size, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
@@ -722,9 +745,9 @@ class KVBlocks:
         self.pool = pool
         self._ids, n = _block_id_array(block_ids)
         self.block_ids = tuple(self._ids[:n])
-        self.num_tokens = int(num_tokens)
-        self.head_begin = int(head_begin)
-        self.num_heads = int(num_heads)
+        self.num_tokens = _index(num_tokens, "num_tokens")
+        self.head_begin = _index(head_begin, "head_begin")
+        self.num_heads = _index(num_heads, "num_heads")
         s = _abi.init_config(_abi.KVBlocksStruct)
         s.num_tokens = self.num_tokens
         s.block_ids = ctypes.cast(self._ids, ctypes.POINTER(ctypes.c_int32))
@@ -753,9 +776,12 @@ def _match_by_id(cfg, request_id, claim_timeout_ms=0):
     """Sets the request config's match_by_id and request_id (None: match by
     order), and a send's claim_timeout_ms (for ANY_PEER)."""
     if request_id is not None:
+        v = _index(request_id, "request_id")
+        if not -(1 << 63) <= v < (1 << 64):
+            raise ValueError("request_id = %d is not a 64-bit integer" % v)
         cfg.match_by_id = 1
-        cfg.request_id = int(request_id) & 0xFFFFFFFFFFFFFFFF
-    cfg.claim_timeout_ms = int(claim_timeout_ms)
+        cfg.request_id = v & 0xFFFFFFFFFFFFFFFF  # a negative one as two's complement
+    cfg.claim_timeout_ms = _index(claim_timeout_ms, "claim_timeout_ms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1013,32 +1039,36 @@ class Request:
         KvxferError if the request failed.  Waits in slices so that Ctrl-C is
         seen.
         """
-        return self._wait(-1, stage, timeout)
+        return self._wait(None, stage, timeout)
 
     def test_layer(self, layer):
         """Stage of one layer (K and V) for layer-pipelined decode; raises
         KvxferError if the request failed."""
         with self._use() as h:
             st = ctypes.c_int(0)
-            _L.kvxfer_test_layer(h, int(layer), ctypes.byref(st))
+            _L.kvxfer_test_layer(h, _index(layer, "layer"), ctypes.byref(st))
             return Stage(st.value)
 
     def wait_layer(self, layer, stage=Stage.COMPLETE, timeout=None):
-        """wait() for one layer."""
-        return self._wait(int(layer), stage, timeout)
+        """wait() for one layer.  Raises KvxferError ERR_INVALID_ARGUMENT for a
+        layer outside [0, num_layers), as kvxfer_wait_layer."""
+        return self._wait(_index(layer, "layer"), stage, timeout)
 
     def _wait(self, layer, stage, timeout):
         _forbid_in_callback("Request.wait")
         _drain_deferred()
         stage = _enum(Stage, stage, "stage")
-        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        if timeout is not None and not float(timeout) >= 0.0:  # NaN included
+            raise ValueError("timeout must be seconds >= 0, or None (no limit), not %r" %
+                             (timeout,))
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
         while True:
             if deadline is None:
                 ms = 200
             else:
                 ms = max(0, min(200, int((deadline - time.monotonic()) * 1000 + 0.999)))
             with self._use() as h:
-                if layer < 0:
+                if layer is None:
                     r = _L.kvxfer_wait(h, int(stage), ms)
                 else:
                     r = _L.kvxfer_wait_layer(h, layer, int(stage), ms)
@@ -1091,7 +1121,7 @@ class Request:
         [0, num_layers)), ERR_INVALID_USAGE (a receive, or a send posted
         without stream_layers).  Threads: any thread, callbacks included."""
         with self._use() as h:
-            _L.kvxfer_send_layer_ready(h, int(layer))
+            _L.kvxfer_send_layer_ready(h, _index(layer, "layer"))
 
     def cancel(self):
         """kvxfer_request_cancel: ends this request, at any stage, in ERROR with
@@ -1215,15 +1245,15 @@ class Communicator:
         if not isinstance(unique_id, UniqueId):
             unique_id = UniqueId(unique_id)
         cfg = _abi.init_config(_abi.CommConfigStruct)
-        cfg.timeout_ms = int(timeout_ms)
+        cfg.timeout_ms = _index(timeout_ms, "timeout_ms")
         cfg.bind_address = None if bind_address is None else bind_address.encode()
         cfg.rate_limit = None if rate_limit is None else rate_limit.encode()
         h = ctypes.c_void_p()
-        _L.kvxfer_comm_init(ctypes.byref(h), int(nranks), unique_id._struct(), int(rank),
-                            ctypes.byref(cfg))
+        rank, nranks = _index(rank, "rank"), _index(nranks, "nranks")
+        _L.kvxfer_comm_init(ctypes.byref(h), nranks, unique_id._struct(), rank, ctypes.byref(cfg))
         self._adopt(h.value)
-        self.rank = int(rank)
-        self.nranks = int(nranks)
+        self.rank = rank
+        self.nranks = nranks
 
     def _adopt(self, handle):
         self._state = _CommState(handle)
@@ -1275,6 +1305,7 @@ class Communicator:
         each is called as fn(request, stage, result).
         """
         _drain_deferred()
+        peer, tag = _index(peer, "peer"), _index(tag, "tag")
         kv = _check_desc(kv)
         cstruct = _codec_struct(codec)
         mode = _enum(Mode, mode, "mode")
@@ -1282,12 +1313,12 @@ class Communicator:
         def post(cfg, handle):
             _match_by_id(cfg, request_id, claim_timeout_ms)
             cfg.mode = int(mode)
-            cfg.page_tokens = int(page_tokens)
+            cfg.page_tokens = _index(page_tokens, "page_tokens")
             cfg.stream_layers = int(stream_layers)
-            self._call(_L.kvxfer_send, int(peer), ctypes.byref(kv._desc), ctypes.byref(cstruct),
+            self._call(_L.kvxfer_send, peer, ctypes.byref(kv._desc), ctypes.byref(cstruct),
                        ctypes.byref(cfg), ctypes.byref(handle))
 
-        return Request(self, True, int(peer), kv, int(tag), on_anchor_ready, on_complete, post)
+        return Request(self, True, peer, kv, tag, on_anchor_ready, on_complete, post)
 
     def send_blocks(self, peer, pool, block_ids, num_tokens, head_begin=0, num_heads=0,
                     codec=None, *, tag=0, mode=Mode.AUTO, page_tokens=0, stream_layers=False,
@@ -1313,6 +1344,7 @@ class Communicator:
         RuntimeError for a closed pool or communicator.
         """
         _drain_deferred()
+        peer, tag = _index(peer, "peer"), _index(tag, "tag")
         blocks = KVBlocks(pool, block_ids, num_tokens, head_begin, num_heads)
         cstruct = _codec_struct(codec)
         mode = _enum(Mode, mode, "mode")
@@ -1320,14 +1352,13 @@ class Communicator:
         def post(cfg, handle):
             _match_by_id(cfg, request_id, claim_timeout_ms)
             cfg.mode = int(mode)
-            cfg.page_tokens = int(page_tokens)
+            cfg.page_tokens = _index(page_tokens, "page_tokens")
             cfg.stream_layers = int(stream_layers)
             with blocks.pool._use() as ph:
-                self._call(_L.kvxfer_send_blocks, int(peer), ph, ctypes.byref(blocks._struct),
+                self._call(_L.kvxfer_send_blocks, peer, ph, ctypes.byref(blocks._struct),
                            ctypes.byref(cstruct), ctypes.byref(cfg), ctypes.byref(handle))
 
-        return Request(self, True, int(peer), blocks, int(tag), on_anchor_ready, on_complete,
-                       post)
+        return Request(self, True, peer, blocks, tag, on_anchor_ready, on_complete, post)
 
     def recv_blocks(self, peer, pool, block_ids, num_tokens, head_begin=0, num_heads=0, *,
                     tag=0, request_id=None, on_anchor_ready=None, on_complete=None):
@@ -1338,32 +1369,33 @@ class Communicator:
         prefill rank, each naming that rank's heads (vLLM's heterogeneous
         tensor parallelism).  Codec and page size are the sender's."""
         _drain_deferred()
+        peer, tag = _index(peer, "peer"), _index(tag, "tag")
         blocks = KVBlocks(pool, block_ids, num_tokens, head_begin, num_heads)
 
         def post(cfg, handle):
             _match_by_id(cfg, request_id)
             with blocks.pool._use() as ph:
-                self._call(_L.kvxfer_recv_blocks, int(peer), ph, ctypes.byref(blocks._struct),
+                self._call(_L.kvxfer_recv_blocks, peer, ph, ctypes.byref(blocks._struct),
                            ctypes.byref(cfg), ctypes.byref(handle))
 
-        return Request(self, False, int(peer), blocks, int(tag), on_anchor_ready, on_complete,
-                       post)
+        return Request(self, False, peer, blocks, tag, on_anchor_ready, on_complete, post)
 
     def recv(self, peer, kv, *, tag=0, request_id=None, on_anchor_ready=None, on_complete=None):
         """kvxfer_recv: receives a KV cache from rank `peer` into `kv`'s blocks
         (which must be writable and stay untouched until the request is final).
         Codec and page size are the sender's; request_id as send()'s."""
         _drain_deferred()
+        peer, tag = _index(peer, "peer"), _index(tag, "tag")
         kv = _check_desc(kv)
         if kv.readonly:
             raise ValueError("recv: the descriptor has read-only blocks")
 
         def post(cfg, handle):
             _match_by_id(cfg, request_id)
-            self._call(_L.kvxfer_recv, int(peer), ctypes.byref(kv._desc), ctypes.byref(cfg),
+            self._call(_L.kvxfer_recv, peer, ctypes.byref(kv._desc), ctypes.byref(cfg),
                        ctypes.byref(handle))
 
-        return Request(self, False, int(peer), kv, int(tag), on_anchor_ready, on_complete, post)
+        return Request(self, False, peer, kv, tag, on_anchor_ready, on_complete, post)
 
     def abort(self):
         """kvxfer_comm_abort: fails every request in flight (stage ERROR) and
@@ -1425,8 +1457,8 @@ class Endpoint(Communicator):
                  secret=None):
         _drain_deferred()
         cfg = _abi.init_config(_abi.EndpointConfigStruct)
-        cfg.timeout_ms = int(timeout_ms)
-        cfg.port = int(port)
+        cfg.timeout_ms = _index(timeout_ms, "timeout_ms")
+        cfg.port = _index(port, "port")
         cfg.bind_address = None if bind_address is None else bind_address.encode()
         cfg.rate_limit = None if rate_limit is None else rate_limit.encode()
         if secret is not None:
@@ -1465,7 +1497,7 @@ class Endpoint(Communicator):
         """kvxfer_endpoint_disconnect: fails the peer's requests (ERR_CANCELLED)
         on both sides and frees its connection; a later connect() makes a new
         one.  Errors: KvxferError ERR_INVALID_USAGE when not connected."""
-        self._call(_L.kvxfer_endpoint_disconnect, int(peer))
+        self._call(_L.kvxfer_endpoint_disconnect, _index(peer, "peer"))
 
     def __repr__(self):
         return "Endpoint(%s%s)" % (self.address.hex()[:16], ", destroyed" if self.destroyed else "")
@@ -1523,12 +1555,12 @@ class PageLayout:
 
     def __init__(self, blocks, *, block_size, num_tokens, num_channels, dtype=Dtype.BF16,
                  row_stride=0, first_token=0):
-        self.block_size = int(block_size)
-        self.num_tokens = int(num_tokens)
-        self.num_channels = int(num_channels)
+        self.block_size = _index(block_size, "block_size")
+        self.num_tokens = _index(num_tokens, "num_tokens")
+        self.num_channels = _index(num_channels, "num_channels")
         self.dtype = _enum(Dtype, dtype, "dtype")
-        self.row_stride = int(row_stride) or self.num_channels
-        self.first_token = int(first_token)
+        self.row_stride = _index(row_stride, "row_stride") or self.num_channels
+        self.first_token = _index(first_token, "first_token")
         if self.block_size < 1 or self.num_channels < 1:
             raise ValueError("block_size and num_channels must be positive")
         blocks = list(blocks)
@@ -1556,8 +1588,8 @@ def page_max_size(num_tokens, num_channels, codec=None):
     """kvxfer_page_max_size: (anchor_bytes, residual_bytes) upper bounds."""
     c = _codec_struct(codec)
     a, r = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    _L.kvxfer_page_max_size(ctypes.byref(c), int(num_tokens), int(num_channels), ctypes.byref(a),
-                            ctypes.byref(r))
+    _L.kvxfer_page_max_size(ctypes.byref(c), _index(num_tokens, "num_tokens"),
+                            _index(num_channels, "num_channels"), ctypes.byref(a), ctypes.byref(r))
     return a.value, r.value
 
 

@@ -122,3 +122,53 @@ def test_a_send_to_any_peer_goes_to_whichever_peer_asks():
         assert "no peer asked" in e.value.message
         for r in (r1, r2, s1, s2, s3):
             r.free()
+
+
+def test_integers_that_do_not_fit_their_c_type_are_refused():
+    """ctypes keeps an int's low bits (2**32 in an int32 is 0): the binding
+    refuses instead, and a layer, peer or id never reaches a different one."""
+    import array
+    sp, dp = kvdata.FlashPool(L, HEADS, HD, BS, POOL_BLOCKS), kvdata.FlashPool(
+        L, HEADS, HD, BS, POOL_BLOCKS)
+    ids = kvdata.block_ids(POOL_BLOCKS, 7, 1)
+    with endpoint() as a, endpoint() as b, sp.register() as spool, dp.register() as dpool:
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        for kw, words in (({"request_id": 2 ** 64 + 7}, "request_id = .* is not a 64-bit"),
+                          ({"request_id": 1, "tag": 2 ** 64 + 1}, "tag = .* does not fit"),
+                          ({"request_id": 1, "claim_timeout_ms": 2 ** 31}, "claim_timeout_ms")):
+            with pytest.raises(ValueError, match=words):
+                a.send_blocks(ab, spool, ids, T, **kw)
+        with pytest.raises(ValueError, match="does not fit"):
+            a.send_blocks(2 ** 32 + ab, spool, ids, T, request_id=1)
+        with pytest.raises(TypeError, match="peer must be an integer"):
+            a.send_blocks(float(ab), spool, ids, T, request_id=1)
+        for args in ((2 ** 63, 0, 0), (T, 2 ** 32, 0), (T, 0, 2 ** 32 + 1)):
+            with pytest.raises(ValueError, match="kvxfer_kv_blocks_t.* does not fit"):
+                b.recv_blocks(ba, dpool, ids, *args, request_id=2)
+        r = b.recv_blocks(ba, dpool, ids, T, request_id=3)
+        s = a.send_blocks(ab, spool, ids, T, codec="bf16", request_id=3, stream_layers=True)
+        with pytest.raises(ValueError, match="kvxfer_send_layer_ready argument 2"):
+            s.layer_ready(2 ** 32)  # would have marked layer 0
+        with pytest.raises(kvxfer.KvxferError) as e:
+            r.wait_layer(-1, timeout=0)  # not the whole request
+        assert e.value.code == Result.ERR_INVALID_ARGUMENT
+        assert e.value.function == "kvxfer_wait_layer"
+        with pytest.raises(ValueError, match="timeout"):
+            r.wait(timeout=-1)
+        assert r.test_layer(0) == Stage.POSTED
+        for layer in range(L):
+            s.layer_ready(layer)
+        assert r.wait(Stage.COMPLETE, TIMEOUT_MS / 1000) and s.wait(Stage.COMPLETE, 10)
+        r.free()
+        s.free()
+    for kw in ({"timeout_ms": 2 ** 32 + 5}, {"port": 2 ** 32 + 1}):
+        with pytest.raises(ValueError, match="kvxfer_endpoint_config_t"):
+            kvxfer.Endpoint(bind_address="127.0.0.1", **kw)
+    # A float64 buffer for an fp32 pool would be read as twice its elements.
+    doubles = [array.array("d", bytes(2 * 4 * BS * HEADS * HD * 4)) for _ in range(L)]
+    with pytest.raises(ValueError, match="8-byte elements, but dtype fp32"):
+        kvxfer.KVPool.from_layers(doubles, block_size=BS, kv_heads=HEADS, head_dim=HD,
+                                  dtype="fp32")
+    with pytest.raises(TypeError, match="num_blocks must be an integer"):
+        kvxfer.KVPool.from_layers(sp.layers, block_size=BS, kv_heads=HEADS, head_dim=HD,
+                                  num_blocks=3.5)
