@@ -977,7 +977,11 @@ typedef struct {
  * and num_tokens.  The blocks are not probed again (the pool was).
  * Errors: as kvxfer_send; KVXFER_ERR_INVALID_ARGUMENT also for a NULL pool,
  * a block id out of range (naming its index and value), too few ids, a head
- * range outside the pool, or (kvxfer_recv_blocks) a block named twice.
+ * range outside the pool, or (kvxfer_recv_blocks) a block named twice;
+ * KVXFER_ERR_INVALID_USAGE (kvxfer_recv_blocks) when a receive in flight on
+ * the pool writes heads of one of the blocks that overlap this one's (it
+ * names the block and both head ranges; disjoint heads of one block may be
+ * received at once, as heterogeneous tensor parallelism does).
  */
 kvxfer_result_t kvxfer_send_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_t pool,
                                    const kvxfer_kv_blocks_t* blocks,
