@@ -474,6 +474,29 @@ TEST(CApi, NonFiniteInputFailsOrIsStoredRawLosslessly) {
             KVXFER_SUCCESS)
       << last_error();
   EXPECT_EQ(out.bytes(), src.bytes());
+  // Buffers of the raw page's own sizes hold it, though its codes would not
+  // fit them (a larger residual); a finite page does not fit them, and the
+  // error gives its codes' sizes.
+  std::vector<uint8_t> a(raw.anchor.size()), r(raw.residual.size());
+  size_t al = 0, rl = 0;
+  ASSERT_EQ(
+      api().page_encode(&cfg, &kId, &src.layout, a.data(), a.size(), &al, r.data(), r.size(), &rl),
+      KVXFER_SUCCESS)
+      << last_error();
+  EXPECT_EQ(a, raw.anchor);
+  EXPECT_EQ(std::vector<uint8_t>(r.begin(), r.begin() + static_cast<std::ptrdiff_t>(rl)),
+            raw.residual);
+  Page finite(20, 8, KVXFER_DTYPE_FP32);
+  fill(&finite, 3);
+  const Sections codes = encode(cfg, finite);
+  ASSERT_EQ(codes.rc, KVXFER_SUCCESS);
+  ASSERT_GT(codes.residual.size(), r.size());
+  EXPECT_EQ(api().page_encode(&cfg, &kId, &finite.layout, a.data(), a.size(), &al, r.data(),
+                              r.size(), &rl),
+            KVXFER_ERR_BUFFER_TOO_SMALL);
+  EXPECT_TRUE(contains(last_error(), "residual bytes")) << last_error();
+  EXPECT_TRUE(contains(last_error(), std::to_string(codes.residual.size()) + " residual bytes"))
+      << last_error();
 }
 
 TEST(CApi, SmallOutputBuffersAreRefused) {
@@ -552,6 +575,50 @@ TEST(CApi, OverlappingBuffersAreRefused) {
       api().page_encode(&cfg, &kId, &wide.layout, gap - 1, 4096, &al, ra.data(), ra.size(), &rl),
       KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(last_error(), "overlaps source block 0")) << last_error();
+  // A block list that an output or the destination's rows cover: encode
+  // would overwrite the caller's pointers, decode would follow the pointers
+  // it overwrote.
+  std::vector<uint8_t> lists(ok.anchor.size() + 64);
+  std::memcpy(lists.data() + 8, src.ptrs.data(), src.ptrs.size() * sizeof(void*));
+  Page moved = src;
+  moved.layout.blocks = reinterpret_cast<void* const*>(lists.data() + 8);
+  EXPECT_EQ(api().page_encode(&cfg, &kId, &moved.layout, lists.data(), lists.size(), &al, r.data(),
+                              r.size(), &rl),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(last_error(), "overlaps the source's block list")) << last_error();
+  Page dst2(40, 16, KVXFER_DTYPE_BF16);
+  uint8_t* in_row = dst2.row(16);  // a row of block 1 (first_token 3)
+  std::memcpy(in_row, dst2.ptrs.data(), dst2.ptrs.size() * sizeof(void*));
+  dst2.layout.blocks = reinterpret_cast<void* const*>(in_row);
+  const std::vector<uint8_t> dst_before = dst2.bytes();
+  EXPECT_EQ(api().page_decode(ok.anchor.data(), ok.anchor.size(), ok.residual.data(),
+                              ok.residual.size(), nullptr, &dst2.layout),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(last_error(), "block list")) << last_error();
+  EXPECT_TRUE(contains(last_error(), "lies in destination block 1")) << last_error();
+  EXPECT_EQ(dst2.bytes(), dst_before);
+}
+
+// The expected page id of a decode is checked as encode checks a page id.
+TEST(CApi, AnExpectedIdWithABadKindIsRefused) {
+  REQUIRE_API();
+  Page src(40, 16, KVXFER_DTYPE_BF16);
+  fill(&src, 6);
+  const Sections ok = encode(default_config(), src);
+  ASSERT_EQ(ok.rc, KVXFER_SUCCESS);
+  Page dst(40, 16, KVXFER_DTYPE_BF16);
+  const std::vector<uint8_t> before = dst.bytes();
+  for (int32_t kind : {257, 256, -1}) {
+    kvxfer_page_id_t expect = kId;  // a V page: 257 would read as V in a byte
+    std::memcpy(&expect.kind, &kind, sizeof kind);
+    EXPECT_EQ(api().page_decode(ok.anchor.data(), ok.anchor.size(), ok.residual.data(),
+                                ok.residual.size(), &expect, &dst.layout),
+              KVXFER_ERR_INVALID_ARGUMENT)
+        << kind;
+    EXPECT_TRUE(contains(last_error(), "expected page id: bad K/V kind " + std::to_string(kind)))
+        << last_error();
+  }
+  EXPECT_EQ(dst.bytes(), before);
 }
 
 // ---------------------------------------------------------------------------

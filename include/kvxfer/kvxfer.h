@@ -266,9 +266,11 @@ kvxfer_result_t kvxfer_page_max_size(const kvxfer_codec_config_t* config, int64_
  * written.  On failure both lengths are 0 and the buffers' contents are
  * unspecified; the input is never modified.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (config, layout, NULL pointers; the
- * two outputs sharing a byte, or an output sharing one with a source row),
- * KVXFER_ERR_BUFFER_TOO_SMALL, KVXFER_ERR_NONFINITE (policy ERROR; the message
- * names layer, K/V, token and channel).
+ * two outputs sharing a byte, or an output sharing one with a source row or
+ * the source's block list), KVXFER_ERR_BUFFER_TOO_SMALL (policy RAW: buffers
+ * that hold a page stored raw are enough for a page with a non-finite
+ * value), KVXFER_ERR_NONFINITE (policy ERROR; the message names layer, K/V,
+ * token and channel).
  * Uses up to KVXFER_CODEC_THREADS threads (OpenMP) and the fastest CPU path
  * (KVXFER_CODEC_IMPL); the bytes are identical for every choice.
  */
@@ -305,7 +307,7 @@ kvxfer_result_t kvxfer_page_encode(const kvxfer_codec_config_t* config, const kv
  * Thread-safe for distinct outputs.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (codec not SPECTRUM, NULL or out-of-range
  * tier, config, layout, NULL pointers, outputs sharing a byte with each other,
- * a source row or the tiers), KVXFER_ERR_BUFFER_TOO_SMALL,
+ * a source row, the source's block list or the tiers), KVXFER_ERR_BUFFER_TOO_SMALL,
  * KVXFER_ERR_NONFINITE.  On failure both lengths are 0.
  */
 kvxfer_result_t kvxfer_page_encode_tiered(const kvxfer_codec_config_t* config,
@@ -335,9 +337,10 @@ kvxfer_result_t kvxfer_page_get_tiers(const void* anchor, size_t anchor_len, uin
  * page is restored at full precision.  Every field and size is validated and
  * both checksums verified before anything is written to dst.
  * expect: if non-NULL, the page identity the caller expects; a different one
- * fails with KVXFER_ERR_MISMATCH.
- * Errors: KVXFER_ERR_INVALID_ARGUMENT (also a section sharing a byte with a
- * row of dst), KVXFER_ERR_TRUNCATED, KVXFER_ERR_CORRUPT,
+ * fails with KVXFER_ERR_MISMATCH, a kind other than K or V with
+ * KVXFER_ERR_INVALID_ARGUMENT.
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (also a section, or dst's block list,
+ * sharing a byte with a row of dst), KVXFER_ERR_TRUNCATED, KVXFER_ERR_CORRUPT,
  * KVXFER_ERR_MISMATCH (T/H differ from dst, residual of another page, identity).
  */
 kvxfer_result_t kvxfer_page_decode(const void* anchor, size_t anchor_len, const void* residual,

@@ -65,9 +65,20 @@ kvxfer_result_t encode_with(const kvxfer_codec_config_t& cfg, const kvxfer_page_
     seal_page(h, anchor, residual, anchor_len, residual_len, seal_threads);
     return KVXFER_SUCCESS;
   }
+  // Under the RAW policy, buffers that hold the page stored raw but not its
+  // codes are enough when the page holds a non-finite value: look first.
+  bool raw_sized = false;
+  if (cfg.codec != KVXFER_CODEC_BF16 && cfg.nonfinite == KVXFER_NONFINITE_RAW) {
+    if (const kvxfer_result_t rc = fits(); rc < 0) {
+      const std::string codes_error = last_error();
+      KVXFER_CHECK(be->scan_nonfinite(&bad));
+      if (!bad.found) return set_error(rc, "%s", codes_error.c_str());
+      raw_sized = true;
+    }
+  }
   if (cfg.codec == KVXFER_CODEC_BF16) {
     KVXFER_CHECK(be->scan_nonfinite(&bad));
-  } else {
+  } else if (!raw_sized) {
     EncodeStatus st = EncodeStatus::NEED_FP32;
     for (int attempt = 0; attempt < 2 && st == EncodeStatus::NEED_FP32; ++attempt) {
       // First binary16 metadata; if a chunk's range does not fit, fp32 for the whole page.

@@ -37,7 +37,8 @@ class EncodeBackend {
     (void)h;
     return KVXFER_SUCCESS;
   }
-  /** BF16 codec: finds the first non-finite value of the source, if any. */
+  /** Finds the first non-finite value of the source, if any: for the BF16
+   *  codec, and for a RAW-policy page whose codes do not fit its buffers. */
   virtual kvxfer_result_t scan_nonfinite(NonfiniteAt* at) = 0;
   /**
    * Writes the metadata, codes and (split codecs) anchor table of the page

@@ -218,6 +218,11 @@ void max_section_bytes(const kvxfer_codec_config_t& cfg, PageHeader h, size_t* a
 kvxfer_result_t plan_sections(const void* anchor, size_t anchor_len, const void* residual,
                               size_t residual_len, const kvxfer_page_id_t* expect,
                               const kvxfer_page_layout_t* dst, DecodePlan* plan, int threads) {
+  if (expect != nullptr) {  // the caller's id, checked as encode checks it
+    const int32_t kind = c_enum_value(expect->kind);
+    KVXFER_REQUIRE(kind == KVXFER_KV_KEY || kind == KVXFER_KV_VALUE,
+                   "expected page id: bad K/V kind %d", kind);
+  }
   PageHeader& ah = plan->anchor;
   PageHeader rh;
   // The two checksums of a large page on two threads.  The error state is

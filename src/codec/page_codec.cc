@@ -107,10 +107,16 @@ kvxfer_result_t check_encode_args_common(const kvxfer_codec_config_t* cfg,
 
 namespace {
 
+/** Bytes of a layout's block list: the pointers, every one of num_blocks. */
+size_t block_list_bytes(const kvxfer_page_layout_t* l) {
+  return static_cast<size_t>(l->num_blocks) * sizeof(void*);
+}
+
 /**
  * The buffers of a host encode share no byte: the two outputs (as far as
- * the page can fill them, max_sizes), and each output with the source rows
- * and the token tiers.  Else encode would write over what it reads.
+ * the page can fill them, max_sizes), and each output with the source rows,
+ * the source's block list and the token tiers.  Else encode would write
+ * over what it reads.
  */
 kvxfer_result_t check_encode_buffers(const kvxfer_codec_config_t* cfg,
                                      const kvxfer_page_layout_t* src, const uint8_t* token_tiers,
@@ -131,6 +137,9 @@ kvxfer_result_t check_encode_buffers(const kvxfer_codec_config_t* cfg,
     KVXFER_REQUIRE(token_tiers == nullptr ||
                        !ranges_meet(buf, n, token_tiers, static_cast<size_t>(src->num_tokens)),
                    "the %s buffer [%p, +%zu) overlaps the token tiers", what, buf, n);
+    KVXFER_REQUIRE(!ranges_meet(buf, n, src->blocks, block_list_bytes(src)),
+                   "the %s buffer [%p, +%zu) overlaps the source's block list [%p, +%zu)", what,
+                   buf, n, static_cast<const void*>(src->blocks), block_list_bytes(src));
   }
   return KVXFER_SUCCESS;
 }
@@ -227,6 +236,12 @@ kvxfer_result_t decode_page(const void* anchor, size_t anchor_len, const void* r
                    ": decode would write over what it reads",
                    what, buf, n, b);
   }
+  // ... and reads the block list while it writes the rows.
+  const int64_t b = block_meeting(dst, dst->blocks, block_list_bytes(dst));
+  KVXFER_REQUIRE(b < 0,
+                 "the destination's block list [%p, +%zu) lies in destination block %" PRId64
+                 ": decode would write over the pointers it reads",
+                 static_cast<const void*>(dst->blocks), block_list_bytes(dst), b);
   return decode_planned(plan, dst, impl, threads);
 }
 
