@@ -186,8 +186,10 @@ TEST(ParseEnum, ChoicesListedOnce) {
 // ---------------------------------------------------------------------------
 
 TEST(ParseFloat, InRange) {
-  const std::pair<const char*, double> cases[] = {{"0", 0.0},    {"1", 1.0},    {"0.5", 0.5},
-                                                  {".25", 0.25}, {"1e-1", 0.1}, {"+0.75", 0.75}};
+  // 1e-310 is subnormal: strtod flags ERANGE for it, and it is in range.
+  const std::pair<const char*, double> cases[] = {{"0", 0.0},        {"1", 1.0},    {"0.5", 0.5},
+                                                  {".25", 0.25},     {"1e-1", 0.1}, {"+0.75", 0.75},
+                                                  {"1e-310", 1e-310}};
   for (const auto& c : cases) {
     double v = -1;
     std::string why;

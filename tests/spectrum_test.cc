@@ -487,6 +487,9 @@ TEST(SpectrumErrors, BadConfigsAreRejectedByName) {
   EXPECT_EQ(t, std::vector<uint8_t>(10, 0xEE));
   double f[4];
   EXPECT_EQ(kvxfer_spectrum_budget_fractions(0.2, 1, f), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvxfer_spectrum_budget_fractions(0.2499999999, 1, f), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(kvxfer_get_last_error(), "budget = 0.2499999999 is outside"))
+      << kvxfer_get_last_error();
   EXPECT_EQ(kvxfer_spectrum_budget_fractions(0.5, 3, f), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_spectrum_budget_fractions(0.5, 1, nullptr), KVXFER_ERR_INVALID_ARGUMENT);
 }

@@ -47,7 +47,9 @@ bool parse_float(const char* text, double lo, double hi, double* out, std::strin
   errno = 0;
   char* end = nullptr;
   const double v = std::strtod(text, &end);
-  if (end == text || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
+  // ERANGE also flags an underflow (1e-310 reads as a subnormal), which is a
+  // number; an overflow reads as an infinity.
+  if (end == text || *end != '\0' || !std::isfinite(v)) {
     *why = "is not a number";
     return false;
   }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <string>
 
 #include "codec/page.h"
 #include "common/error.h"
@@ -16,6 +17,14 @@
 
 namespace kvxfer::spectrum {
 namespace {
+
+/** The shortest digits that read back as `v`: 0.24999999999999997, not 0.25. */
+std::string exact_digits(double v) {
+  char b[40];
+  std::snprintf(b, sizeof(b), "%.15g", v);
+  if (std::strtod(b, nullptr) != v) std::snprintf(b, sizeof(b), "%.17g", v);
+  return b;
+}
 
 const char* variant_name(kvxfer_spectrum_variant_t v) {
   switch (v) {
@@ -63,15 +72,10 @@ void fill_in_order(const std::vector<int64_t>& order, const int64_t cnt[4], uint
 
 kvxfer_result_t validate_config(const kvxfer_spectrum_config_t* c) {
   KVXFER_CHECK(check_struct_in_place(c));
-  if (!(c->budget >= 0.25 && c->budget <= 1.0)) {
-    // The shortest digits that read back as the value: 0.24999999999999997, not 0.25.
-    char b[40];
-    std::snprintf(b, sizeof(b), "%.15g", c->budget);
-    if (std::strtod(b, nullptr) != c->budget) std::snprintf(b, sizeof(b), "%.17g", c->budget);
+  if (!(c->budget >= 0.25 && c->budget <= 1.0))
     return set_error(KVXFER_ERR_INVALID_ARGUMENT,
                      "config->budget = %s is outside [0.25, 1] (fp16 = 1, int8 = 0.5, int4 = 0.25)",
-                     b);
-  }
+                     exact_digits(c->budget).c_str());
   KVXFER_REQUIRE(c->sink_tokens >= 0, "config->sink_tokens = %d is negative", c->sink_tokens);
   KVXFER_REQUIRE(std::isfinite(c->lambda) && c->lambda >= 0.0f,
                  "config->lambda = %g must be finite and >= 0", static_cast<double>(c->lambda));
@@ -102,7 +106,8 @@ void split_units(int64_t n, int64_t units, bool int4, int64_t out[4]) {
 
 kvxfer_result_t budget_fractions(double b, int32_t allow_int4, double* f) {
   KVXFER_REQUIRE(f != nullptr, "fractions is NULL");
-  KVXFER_REQUIRE(b >= 0.25 && b <= 1.0, "budget = %g is outside [0.25, 1]", b);
+  KVXFER_REQUIRE(b >= 0.25 && b <= 1.0, "budget = %s is outside [0.25, 1]",
+                 exact_digits(b).c_str());
   KVXFER_REQUIRE(allow_int4 == 0 || allow_int4 == 1, "allow_int4 = %d is not 0 or 1", allow_int4);
   double out[4] = {0, 0, 0, 0};
   if (b >= 0.5) {
