@@ -1353,6 +1353,13 @@ TEST(XferApi, CommInitRefusesBadArgumentsAndAReusedIdAndLosesNothing) {
   bad = good;
   bad.timeout_ms = -5;
   refused(2, 0, &bad, pair.id, "timeout_ms -5 is negative");
+  bad = good;
+  bad.bind_address = "garbage.invalid";
+  refused(2, 0, &bad, pair.id,
+          "kvxfer_comm_config_t.bind_address: cannot resolve bind host 'garbage.invalid'");
+  bad.bind_address = "0.0.0.0";
+  refused(2, 0, &bad, pair.id,
+          "kvxfer_comm_config_t.bind_address: bind host '0.0.0.0' is a wildcard address");
   kvxfer_unique_id_t zero{};
   refused(2, 0, &good, zero, "the unique id is malformed");
   refused(2, 1, &good, zero, "the unique id is malformed");

@@ -433,7 +433,9 @@ typedef struct {
    *  in ms; 0 = KVXFER_TIMEOUT_MS; negative is refused. */
   int32_t timeout_ms;
   /** Local address the libfabric endpoints bind to (numeric IPv4/IPv6);
-   *  NULL = KVXFER_BIND_ADDR.  Copied; need not outlive the call. */
+   *  NULL = KVXFER_BIND_ADDR.  Copied; need not outlive the call.  One that
+   *  does not resolve, or a wildcard (0.0.0.0, ::), is
+   *  KVXFER_ERR_INVALID_ARGUMENT naming it. */
   const char* bind_address;
   /** Link emulation for this communicator's links, tc syntax ("1gbit",
    *  "500mbit", "100mbps" = bytes/s; "" = none); NULL = KVXFER_RATE_LIMIT

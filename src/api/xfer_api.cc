@@ -16,6 +16,7 @@
 #include "common/struct_abi.h"
 #include "tiers/spectrum_impl.h"
 #include "transport/bootstrap.h"
+#include "transport/tcp_io.h"
 #include "xfer/device.h"
 #include "xfer/endpoint.h"
 #include "xfer/engine.h"
@@ -98,6 +99,9 @@ kvxfer_result_t comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id
         cfg.timeout_ms > 0 ? cfg.timeout_ms : static_cast<int>(kvxfer::params::TimeoutMs());
     const std::string bind =
         cfg.bind_address != nullptr ? cfg.bind_address : kvxfer::params::BindAddr();
+    KVXFER_CHECK(kvxfer::transport::tcp::check_bind_host(
+        bind.c_str(),
+        cfg.bind_address != nullptr ? "kvxfer_comm_config_t.bind_address" : "KVXFER_BIND_ADDR"));
     UniqueId uid;
     std::memcpy(&uid, id.internal, sizeof(uid));
     KVXFER_REQUIRE(uid.magic == kvxfer::transport::kBootstrapMagic,
@@ -139,6 +143,9 @@ kvxfer_result_t endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_
     mc.timeout_ms =
         cfg.timeout_ms > 0 ? cfg.timeout_ms : static_cast<int>(kvxfer::params::TimeoutMs());
     mc.host = cfg.bind_address != nullptr ? cfg.bind_address : kvxfer::params::BindAddr();
+    KVXFER_CHECK(kvxfer::transport::tcp::check_bind_host(
+        mc.host.c_str(), cfg.bind_address != nullptr ? "kvxfer_endpoint_config_t.bind_address"
+                                                     : "KVXFER_BIND_ADDR"));
     mc.port = static_cast<uint16_t>(cfg.port);
     if (cfg.secret != nullptr) {
       mc.has_secret = true;

@@ -172,8 +172,12 @@ kvxfer_result_t connect_once(const sockaddr_storage& sa, socklen_t len, Deadline
   return KVXFER_SUCCESS;
 }
 
-kvxfer_result_t open_listener(const char* host, uint16_t port, const char* who, Fd* out,
-                              sockaddr_storage* bound) {
+namespace {
+using AddrInfo = std::unique_ptr<addrinfo, void (*)(addrinfo*)>;
+
+// `host` at `port`: its first IPv4/IPv6 address, which must not be a wildcard.
+kvxfer_result_t resolve_bind_host(const char* host, uint16_t port, const char* who, AddrInfo* owner,
+                                  const addrinfo** out) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -184,7 +188,7 @@ kvxfer_result_t open_listener(const char* host, uint16_t port, const char* who, 
   if (g != 0)
     return set_error(KVXFER_ERR_INVALID_ARGUMENT, "%s: cannot resolve bind host '%s': %s", who,
                      host, g == EAI_SYSTEM ? errno_text(errno).c_str() : gai_strerror(g));
-  std::unique_ptr<addrinfo, void (*)(addrinfo*)> res_owner(res, ::freeaddrinfo);
+  *owner = AddrInfo(res, ::freeaddrinfo);
   const addrinfo* ai = res;
   while (ai != nullptr && ai->ai_family != AF_INET && ai->ai_family != AF_INET6) ai = ai->ai_next;
   if (ai == nullptr)
@@ -199,6 +203,22 @@ kvxfer_result_t open_listener(const char* host, uint16_t port, const char* who, 
                      "%s: bind host '%s' is a wildcard address; give the address of one "
                      "interface (peers must be able to connect to the address handed to them)",
                      who, host);
+  *out = ai;
+  return KVXFER_SUCCESS;
+}
+}  // namespace
+
+kvxfer_result_t check_bind_host(const char* host, const char* who) {
+  AddrInfo owner(nullptr, ::freeaddrinfo);
+  const addrinfo* ai = nullptr;
+  return resolve_bind_host(host, 0, who, &owner, &ai);
+}
+
+kvxfer_result_t open_listener(const char* host, uint16_t port, const char* who, Fd* out,
+                              sockaddr_storage* bound) {
+  AddrInfo owner(nullptr, ::freeaddrinfo);
+  const addrinfo* ai = nullptr;
+  KVXFER_CHECK(resolve_bind_host(host, port, who, &owner, &ai));
 
   Fd fd(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return sys_error(who, "socket", errno);

@@ -99,6 +99,14 @@ void set_nodelay(int fd);
 kvxfer_result_t connect_once(const sockaddr_storage& sa, socklen_t len, Deadline d, Fd* out,
                              bool* retry, const char* who, const char* what);
 /**
+ * Checks `host` as an address to bind and hand to peers: it resolves to an
+ * IPv4/IPv6 address that is not a wildcard.  Errors:
+ * KVXFER_ERR_INVALID_ARGUMENT, "<who>: cannot resolve bind host '<host>': ..."
+ * or "... is a wildcard address ...".
+ */
+kvxfer_result_t check_bind_host(const char* host, const char* who);
+
+/**
  * A non-blocking listening socket bound to `host` (numeric IPv4/IPv6 or a
  * name; a wildcard is refused: the address is handed to peers) at `port`
  * (0 = ephemeral; SO_REUSEADDR, so a restarted process can take its port
