@@ -423,53 +423,6 @@ TEST(KvPool, DeregisterIsRefusedWhileARequestUsesThePool) {
   kvxfer_comm_destroy(comm);
 }
 
-// Two receives in flight may not write the same heads of one block (each
-// would overwrite the other's rows); disjoint heads of one block may
-// (heterogeneous tensor parallelism), and a final receive frees its blocks.
-TEST(KvPool, ReceivesInFlightMayNotWriteTheSameHeadsOfABlock) {
-  Pair pair;
-  ASSERT_TRUE(pair.start(idle_peer));
-  kvxfer_comm_t comm = init_rank(pair.id, 0);
-  ASSERT_NE(comm, nullptr);
-  HostPool pool(kL, 2, kHd, kBs, kPoolBlocks);
-  ASSERT_TRUE(pool.reg());
-  const std::vector<int32_t> first{10, 11, 12}, overlapping{13, 12}, apart{20, 21};
-  kvxfer_request_t a = nullptr, b = nullptr, h0 = nullptr, h1 = nullptr, x = nullptr;
-  kvxfer_kv_blocks_t bl = blocks_of(first, 3 * kBs);
-  ASSERT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &bl, nullptr, &a), KVXFER_SUCCESS);
-  bl = blocks_of(overlapping, 2 * kBs);
-  EXPECT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &bl, nullptr, &x), KVXFER_ERR_INVALID_USAGE);
-  EXPECT_EQ(x, nullptr);
-  EXPECT_NE(std::string(kvxfer_get_last_error())
-                .find("block_ids[1] = 12: a receive in flight on this pool writes its heads [0, "
-                      "2), which overlap this receive's [0, 2)"),
-            std::string::npos)
-      << kvxfer_get_last_error();
-  kvxfer_kv_blocks_t send_bl = blocks_of(overlapping, 2 * kBs);  // a send only reads them
-  ASSERT_EQ(kvxfer_send_blocks(comm, 1, pool.pool, &send_bl, nullptr, nullptr, &x), KVXFER_SUCCESS);
-  bl = blocks_of(apart, 2 * kBs, 0, 1);  // head 0 of 20, 21, then head 1 of them
-  ASSERT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &bl, nullptr, &h0), KVXFER_SUCCESS);
-  bl = blocks_of(apart, 2 * kBs, 1, 1);
-  ASSERT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &bl, nullptr, &h1), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  kvxfer_request_t both = nullptr;
-  bl = blocks_of(apart, 2 * kBs);
-  EXPECT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &bl, nullptr, &both), KVXFER_ERR_INVALID_USAGE);
-  // Once the first receive is final, its blocks take another.
-  ASSERT_EQ(kvxfer_request_cancel(a), KVXFER_SUCCESS);
-  EXPECT_EQ(kvxfer_wait(a, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_CANCELLED);
-  bl = blocks_of(overlapping, 2 * kBs);
-  ASSERT_EQ(kvxfer_recv_blocks(comm, 1, pool.pool, &bl, nullptr, &b), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  for (kvxfer_request_t r : {b, h0, h1, x}) {
-    ASSERT_EQ(kvxfer_request_cancel(r), KVXFER_SUCCESS);
-    EXPECT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_CANCELLED);
-  }
-  for (kvxfer_request_t r : {a, b, h0, h1, x}) EXPECT_EQ(kvxfer_request_free(r), KVXFER_SUCCESS);
-  EXPECT_TRUE(release_idle_peer(&pair));
-  kvxfer_comm_destroy(comm);
-}
-
 // ---------------------------------------------------------------------------
 // Layer-streamed sends
 // ---------------------------------------------------------------------------

@@ -982,11 +982,11 @@ typedef struct {
  * and num_tokens.  The blocks are not probed again (the pool was).
  * Errors: as kvxfer_send; KVXFER_ERR_INVALID_ARGUMENT also for a NULL pool,
  * a block id out of range (naming its index and value), too few ids, a head
- * range outside the pool, or (kvxfer_recv_blocks) a block named twice;
- * KVXFER_ERR_INVALID_USAGE (kvxfer_recv_blocks) when a receive in flight on
- * the pool writes heads of one of the blocks that overlap this one's (it
- * names the block and both head ranges; disjoint heads of one block may be
- * received at once, as heterogeneous tensor parallelism does).
+ * range outside the pool, or (kvxfer_recv_blocks) a block named twice.
+ * Receives in flight on one pool may name the same block: the runtime owns
+ * its blocks (as with NIXL), and vLLM's connector posts many one-token
+ * receives into its null block to release prefills; which receive's rows
+ * land in a shared block is then not defined.
  */
 kvxfer_result_t kvxfer_send_blocks(kvxfer_comm_t comm, int peer, kvxfer_kv_pool_t pool,
                                    const kvxfer_kv_blocks_t* blocks,

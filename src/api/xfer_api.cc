@@ -361,23 +361,18 @@ static kvxfer_result_t post_blocks(bool is_send, kvxfer_comm_t comm, int peer,
                  "comm, pool or request is NULL");
   std::vector<void*> k, v;
   kvxfer_kv_desc_t kv;
-  kvxfer::xfer::BlockSpan span;
-  KVXFER_CHECK(pool->pool->describe(blocks, !is_send, &k, &v, &kv, &span));
+  KVXFER_CHECK(pool->pool->describe(blocks, !is_send, &k, &v, &kv));
   kvxfer_codec_config_t codec_whole;  // made whole, as in post()
   if (codec != nullptr) KVXFER_CHECK(kvxfer::read_struct(codec, &codec_whole));
   auto* h = new kvxfer_request;
   const kvxfer_result_t rc =
-      pool->pool->post(span, !is_send, [&](std::shared_ptr<kvxfer::xfer::Request>* made) {
-        KVXFER_CHECK(comm->engine->post(is_send, peer, &kv,
-                                        codec != nullptr ? &codec_whole : nullptr, config, h,
-                                        &h->req, nullptr, nullptr, /*memory_checked=*/true));
-        *made = h->req;
-        return KVXFER_SUCCESS;
-      });
+      comm->engine->post(is_send, peer, &kv, codec != nullptr ? &codec_whole : nullptr, config, h,
+                         &h->req, nullptr, nullptr, /*memory_checked=*/true);
   if (rc < 0) {
     delete h;
     return rc;
   }
+  pool->pool->track(h->req);
   *request = h;
   return KVXFER_SUCCESS;
 }

@@ -124,7 +124,7 @@ kvxfer_result_t KvPool::create(const kvxfer_kv_pool_desc_t* desc, std::unique_pt
 
 kvxfer_result_t KvPool::describe(const kvxfer_kv_blocks_t* blocks, bool writes,
                                  std::vector<void*>* k, std::vector<void*>* v,
-                                 kvxfer_kv_desc_t* out, BlockSpan* span) const {
+                                 kvxfer_kv_desc_t* out) const {
   KVXFER_REQUIRE(blocks != nullptr, "blocks is NULL");
   kvxfer_kv_blocks_t b;
   KVXFER_CHECK(read_struct_probed(blocks, &b, codec::copy_in_checked));
@@ -186,55 +186,15 @@ kvxfer_result_t KvPool::describe(const kvxfer_kv_blocks_t* blocks, bool writes,
   kd.v_blocks = v->empty() ? nullptr : v->data();
   kd.device = d_.device;
   *out = kd;
-  if (span != nullptr) {
-    span->ids = std::move(ids);
-    span->head_begin = b.head_begin;
-    span->head_end = b.head_begin + heads;
-  }
   return KVXFER_SUCCESS;
 }
 
-namespace {
-bool is_final(const std::shared_ptr<Request>& r) {
-  if (r == nullptr) return true;
-  std::lock_guard<std::mutex> lk(r->mu);
-  return r->stage == KVXFER_STAGE_COMPLETE || r->stage == KVXFER_STAGE_ERROR;
-}
-}  // namespace
-
-kvxfer_result_t KvPool::post(
-    const BlockSpan& span, bool writes,
-    const std::function<kvxfer_result_t(std::shared_ptr<Request>*)>& post) {
+void KvPool::track(const std::shared_ptr<Request>& r) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (writes)
-    for (size_t i = 0; i < span.ids.size(); ++i) {
-      auto it = writers_.find(span.ids[i]);
-      if (it == writers_.end()) continue;
-      std::vector<Writer>& w = it->second;
-      w.erase(std::remove_if(w.begin(), w.end(),
-                             [](const Writer& x) { return is_final(x.req.lock()); }),
-              w.end());
-      if (w.empty()) {
-        writers_.erase(it);
-        continue;
-      }
-      for (const Writer& x : w)
-        if (x.head_begin < span.head_end && span.head_begin < x.head_end)
-          return set_error(KVXFER_ERR_INVALID_USAGE,
-                           "block_ids[%zu] = %d: a receive in flight on this pool writes its "
-                           "heads [%d, %d), which overlap this receive's [%d, %d)",
-                           i, span.ids[i], x.head_begin, x.head_end, span.head_begin,
-                           span.head_end);
-    }
-  std::shared_ptr<Request> r;
-  KVXFER_CHECK(post(&r));
   users_.erase(std::remove_if(users_.begin(), users_.end(),
                               [](const std::weak_ptr<Request>& w) { return w.expired(); }),
                users_.end());
   users_.push_back(r);
-  if (writes)
-    for (int32_t id : span.ids) writers_[id].push_back({r, span.head_begin, span.head_end});
-  return KVXFER_SUCCESS;
 }
 
 int64_t KvPool::in_flight() const {

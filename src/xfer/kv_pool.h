@@ -4,10 +4,8 @@
 // whose memory is then not probed again.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "kvxfer/kvxfer.h"
@@ -16,13 +14,7 @@ namespace kvxfer::xfer {
 
 class Request;
 
-/** What a request names of a pool: its block ids, in order, and its heads. */
-struct BlockSpan {
-  std::vector<int32_t> ids;
-  int32_t head_begin = 0, head_end = 0;  // [head_begin, head_end)
-};
-
-/** Immutable after create, but for the requests that name it (under mu_). */
+/** Immutable after create, but for the list of requests that name it (under mu_). */
 class KvPool {
  public:
   /**
@@ -40,24 +32,13 @@ class KvPool {
    * twice (two tokens' rows would land in one place).  Errors:
    * KVXFER_ERR_INVALID_ARGUMENT naming the field, the first out-of-range id
    * by index and value, or (writes) a repeated id by both indices.
-   * `span`, when not null, receives the ids used and the heads.
    * Thread-safe.
    */
   kvxfer_result_t describe(const kvxfer_kv_blocks_t* blocks, bool writes, std::vector<void*>* k,
-                           std::vector<void*>* v, kvxfer_kv_desc_t* out,
-                           BlockSpan* span = nullptr) const;
+                           std::vector<void*>* v, kvxfer_kv_desc_t* out) const;
 
-  /**
-   * Posts a request that names `span` of this pool with `post`, which
-   * returns the request it made, and remembers it (until it is final).
-   * `writes` (a receive): refused first, with KVXFER_ERR_INVALID_USAGE
-   * naming the block and both head ranges, when a receive in flight on the
-   * pool writes heads of one of its blocks that overlap its own; two
-   * receives may share a block with disjoint heads (heterogeneous tensor
-   * parallelism).  Posts on one pool are serialised.  Thread-safe.
-   */
-  kvxfer_result_t post(const BlockSpan& span, bool writes,
-                       const std::function<kvxfer_result_t(std::shared_ptr<Request>*)>& post);
+  /** Remembers that `r` names this pool (until it is final).  Thread-safe. */
+  void track(const std::shared_ptr<Request>& r);
   /** Requests that name this pool and have not reached a final stage.  Thread-safe. */
   int64_t in_flight() const;
 
@@ -68,13 +49,6 @@ class KvPool {
   std::vector<uint8_t*> k_layers_, v_layers_;
   mutable std::mutex mu_;
   mutable std::vector<std::weak_ptr<Request>> users_;
-  // The receives in flight by block id, with their heads (under mu_); an
-  // entry whose request is final is dropped when next met.
-  struct Writer {
-    std::weak_ptr<Request> req;
-    int32_t head_begin, head_end;
-  };
-  std::unordered_map<int32_t, std::vector<Writer>> writers_;
 };
 
 }  // namespace kvxfer::xfer
