@@ -435,6 +435,7 @@ struct Engine::Impl {
   void release_slot(Work& w, size_t page);
   void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots and layers allow
   void check_layer_timeouts();  // stream_layers sends waiting too long for a layer
+  Clock::time_point next_layer_deadline() const;  // the earliest of those deadlines
   void pump_encodes(int peer);
   void post_anchor_recvs(
       const std::shared_ptr<Request>& r);  // receiver: every page, at the handshake
