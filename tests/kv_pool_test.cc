@@ -832,89 +832,49 @@ TEST(KvById, AReceiveWhoseSendNeverComesTimesOut) {
   finish(&pair, comm);
 }
 
-// A receive by id whose send never comes fails once it has waited the
-// timeout, alone, while requests by other ids keep the link busy; each of
-// them completes exactly, those posted just before its deadline included.
-TEST(KvById, AWaitingReceiveTimesOutAloneWhileOtherRequestsFlow) {
-  const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  constexpr int kRounds = 6;  // one every timeout / 4: 1.5 timeouts of traffic
-  const auto gap = std::chrono::milliseconds(kShortTimeoutMs / 4);
-  Pair pair;
-  ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
-    kvxfer_comm_t c = init_rank(id, 1, kShortTimeoutMs);
-    if (c == nullptr) return 1;
-    int failed = 0;
-    for (int i = 0; i < kRounds; ++i) {
-      PagedKV src(kL, 2, kHd, kT, kBs);
-      src.fill(100 + static_cast<uint64_t>(i));
-      const kvxfer_request_config_t rc = by_id(100 + static_cast<uint64_t>(i));
-      kvxfer_request_t r = nullptr;
-      if (kvxfer_send(c, 0, &src.desc, &cfg, &rc, &r) != KVXFER_SUCCESS ||
-          kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS)
-        ++failed;
-      if (r != nullptr) kvxfer_request_free(r);
-      std::this_thread::sleep_for(gap);
-    }
-    kvxfer_comm_destroy(c);
-    return failed;
-  }));
-  kvxfer_comm_t comm = init_rank(pair.id, 0, kShortTimeoutMs);
-  ASSERT_NE(comm, nullptr);
-  PagedKV never(kL, 2, kHd, kT, 32);
-  const kvxfer_request_config_t xc = by_id(5);
-  kvxfer_request_t x = nullptr;
-  ASSERT_EQ(kvxfer_recv(comm, 1, &never.desc, &xc, &x), KVXFER_SUCCESS);
-  for (int i = 0; i < kRounds; ++i) {
-    const uint64_t rid = 100 + static_cast<uint64_t>(i);
-    PagedKV dst(kL, 2, kHd, kT, 32);
-    const kvxfer_request_config_t rc = by_id(rid);
-    kvxfer_request_t r = nullptr;
-    ASSERT_EQ(kvxfer_recv(comm, 1, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
-    ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
-        << "id " << rid << ": " << kvxfer_get_last_error();
-    PagedKV src(kL, 2, kHd, kT, kBs);
-    src.fill(rid);
+// One request by id with `id` on `comm` to or from `peer`, waited for: a send
+// of the KV filled with seed `id`, or a receive checked against the codec's
+// decode of it.  True when it completes exactly.
+bool exchange_one(kvxfer_comm_t comm, int peer, bool is_send, uint64_t id,
+                  const kvxfer_codec_config_t& cfg) {
+  const kvxfer_request_config_t rc = by_id(id);
+  kvxfer_request_t r = nullptr;
+  PagedKV src(kL, 2, kHd, kT, kBs), dst(kL, 2, kHd, kT, 32);
+  src.fill(id);
+  const kvxfer_result_t posted = is_send ? kvxfer_send(comm, peer, &src.desc, &cfg, &rc, &r)
+                                         : kvxfer_recv(comm, peer, &dst.desc, &rc, &r);
+  bool ok =
+      posted == KVXFER_SUCCESS && kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) == KVXFER_SUCCESS;
+  if (ok && !is_send) {
     PagedKV want(kL, 2, kHd, kT, kBs);
     expected_decode(src, cfg, kPageTokens, kTag, true, &want);
     for (int32_t l = 0; l < kL; ++l)
       for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
-        ASSERT_EQ(dst.bytes(l, kind), want.bytes(l, kind)) << "id " << rid << ", layer " << l;
-    EXPECT_EQ(kvxfer_request_free(r), KVXFER_SUCCESS);
+        ok = ok && dst.bytes(l, kind) == want.bytes(l, kind);
   }
-  ASSERT_EQ(kvxfer_wait(x, KVXFER_STAGE_COMPLETE, 0), KVXFER_ERR_TIMEOUT) << "still waiting";
-  EXPECT_NE(std::string(kvxfer_get_last_error()).find("request id 5"), std::string::npos)
-      << kvxfer_get_last_error();
-  kvxfer_request_info_t inf = KVXFER_REQUEST_INFO_INITIALIZER;
-  ASSERT_EQ(kvxfer_request_get_info(x, &inf), KVXFER_SUCCESS);
-  const double waited = (inf.t_error_ns - inf.t_posted_ns) / 1e9;
-  EXPECT_GE(waited, kShortTimeoutMs / 1000.0) << "failed before its timeout";
-  EXPECT_LT(waited, kShortTimeoutMs / 1000.0 + 1) << "failed late: the traffic held it off";
-  EXPECT_EQ(kvxfer_request_free(x), KVXFER_SUCCESS);
-  ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0) << "sends that failed";
-  EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
+  if (r != nullptr) kvxfer_request_free(r);
+  return ok;
 }
 
-// A send by id that no receive takes fails once its announcement has waited
-// the timeout at the receiver, while requests by other ids keep the link
-// busy; the receiver's reason reaches the sender.
-TEST(KvById, AnUnmatchedSendTimesOutWhileOtherRequestsFlow) {
+// A request by id (id 5; a receive, or a send with `orphan_is_send`) that its
+// peer never matches fails once it has waited the timeout, alone, while
+// requests by other ids keep the link busy: one every timeout / 4 for 1.5
+// timeouts, each exact, those posted just before its deadline included.
+// `why`: what its error says.
+void orphan_times_out_while_traffic_flows(bool orphan_is_send, const std::string& why) {
   const kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  constexpr int kRounds = 6;  // one every timeout / 4: 1.5 timeouts of traffic
+  constexpr int kRounds = 6;
   const auto gap = std::chrono::milliseconds(kShortTimeoutMs / 4);
+  // The traffic goes the other way from the orphan; its sender keeps the pace.
+  const bool parent_sends = orphan_is_send;
   Pair pair;
   ASSERT_TRUE(pair.start([&](const kvxfer_unique_id_t& id, int, int) -> int {
     kvxfer_comm_t c = init_rank(id, 1, kShortTimeoutMs);
     if (c == nullptr) return 1;
     int failed = 0;
     for (int i = 0; i < kRounds; ++i) {
-      PagedKV dst(kL, 2, kHd, kT, 32);
-      const kvxfer_request_config_t rc = by_id(100 + static_cast<uint64_t>(i));
-      kvxfer_request_t r = nullptr;
-      if (kvxfer_recv(c, 0, &dst.desc, &rc, &r) != KVXFER_SUCCESS ||
-          kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000) != KVXFER_SUCCESS)
-        ++failed;
-      if (r != nullptr) kvxfer_request_free(r);
+      failed += !exchange_one(c, 0, !parent_sends, 100 + static_cast<uint64_t>(i), cfg);
+      if (!parent_sends) std::this_thread::sleep_for(gap);
     }
     kvxfer_comm_destroy(c);
     return failed;
@@ -925,21 +885,16 @@ TEST(KvById, AnUnmatchedSendTimesOutWhileOtherRequestsFlow) {
   orphan.fill(5);
   const kvxfer_request_config_t xc = by_id(5);
   kvxfer_request_t x = nullptr;
-  ASSERT_EQ(kvxfer_send(comm, 1, &orphan.desc, &cfg, &xc, &x), KVXFER_SUCCESS);
+  ASSERT_EQ(orphan_is_send ? kvxfer_send(comm, 1, &orphan.desc, &cfg, &xc, &x)
+                           : kvxfer_recv(comm, 1, &orphan.desc, &xc, &x),
+            KVXFER_SUCCESS);
   for (int i = 0; i < kRounds; ++i) {
-    PagedKV src(kL, 2, kHd, kT, kBs);
-    src.fill(100 + static_cast<uint64_t>(i));
-    const kvxfer_request_config_t rc = by_id(100 + static_cast<uint64_t>(i));
-    kvxfer_request_t r = nullptr;
-    ASSERT_EQ(kvxfer_send(comm, 1, &src.desc, &cfg, &rc, &r), KVXFER_SUCCESS);
-    ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+    ASSERT_TRUE(exchange_one(comm, 1, parent_sends, 100 + static_cast<uint64_t>(i), cfg))
         << "id " << 100 + i << ": " << kvxfer_get_last_error();
-    EXPECT_EQ(kvxfer_request_free(r), KVXFER_SUCCESS);
-    std::this_thread::sleep_for(gap);
+    if (parent_sends) std::this_thread::sleep_for(gap);
   }
   ASSERT_EQ(kvxfer_wait(x, KVXFER_STAGE_COMPLETE, 0), KVXFER_ERR_TIMEOUT) << "still waiting";
-  EXPECT_NE(std::string(kvxfer_get_last_error()).find("no kvxfer_recv by request id 5"),
-            std::string::npos)
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find(why), std::string::npos)
       << kvxfer_get_last_error();
   kvxfer_request_info_t inf = KVXFER_REQUEST_INFO_INITIALIZER;
   ASSERT_EQ(kvxfer_request_get_info(x, &inf), KVXFER_SUCCESS);
@@ -948,8 +903,20 @@ TEST(KvById, AnUnmatchedSendTimesOutWhileOtherRequestsFlow) {
   EXPECT_LT(waited, kShortTimeoutMs / 1000.0 + 1) << "failed late: the traffic held it off";
   EXPECT_EQ(kvxfer_request_free(x), KVXFER_SUCCESS);
   ASSERT_TRUE(pair.child.wait(60));
-  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0) << "receives that failed";
+  EXPECT_EQ(WEXITSTATUS(pair.child.status), 0) << "the child's requests that failed";
   EXPECT_EQ(kvxfer_comm_destroy(comm), KVXFER_SUCCESS);
+}
+
+TEST(KvById, AWaitingReceiveTimesOutAloneWhileOtherRequestsFlow) {
+  orphan_times_out_while_traffic_flows(false,
+                                       "peer 1 never posted the matching kvxfer_send "
+                                       "(request id 5)");
+}
+
+// The receiver refuses the announcement no receive took, and its reason
+// reaches the sender.
+TEST(KvById, AnUnmatchedSendTimesOutWhileOtherRequestsFlow) {
+  orphan_times_out_while_traffic_flows(true, "no kvxfer_recv by request id 5");
 }
 
 // ---------------------------------------------------------------------------
