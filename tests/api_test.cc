@@ -587,7 +587,7 @@ TEST(CApi, OverlappingBuffersAreRefused) {
             KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(last_error(), "overlaps the source's block list")) << last_error();
   Page dst2(40, 16, KVXFER_DTYPE_BF16);
-  uint8_t* in_row = dst2.row(16);  // a row of block 1 (first_token 3)
+  uint8_t* in_row = dst2.row(15);  // block 1's row 2 (first_token 3): 72 bytes in, aligned
   std::memcpy(in_row, dst2.ptrs.data(), dst2.ptrs.size() * sizeof(void*));
   dst2.layout.blocks = reinterpret_cast<void* const*>(in_row);
   const std::vector<uint8_t> dst_before = dst2.bytes();
