@@ -270,6 +270,20 @@ TEST(Endpoint, UnreadableConfigPointersFailAtTheCall) {
   munmap(m, 2 * page);
 }
 
+// A bind address the endpoint's listener cannot use fails the call, naming it.
+TEST(Endpoint, AnUnusableBindAddressFailsAtTheCall) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"garbage.invalid", "endpoint: cannot resolve bind host 'garbage.invalid'"},
+      {"0.0.0.0", "endpoint: bind host '0.0.0.0' is a wildcard address"}};
+  for (const auto& [host, words] : cases) {
+    kvxfer_endpoint_config_t cfg = KVXFER_ENDPOINT_CONFIG_INITIALIZER;
+    cfg.bind_address = host;
+    kvxfer_comm_t ep = reinterpret_cast<kvxfer_comm_t>(0x1);
+    expect_error(kvxfer_endpoint_create(&ep, &cfg), KVXFER_ERR_INVALID_ARGUMENT, words);
+    EXPECT_EQ(ep, nullptr) << host;
+  }
+}
+
 TEST(Endpoint, BadAddressesFailAtTheCallAndChangeNothing) {
   Ep a, b;
   int p = 7;

@@ -142,10 +142,8 @@ kvxfer_result_t endpoint_create(kvxfer_comm_t* ep, const kvxfer_endpoint_config_
     xfer::Membership::Config mc;
     mc.timeout_ms =
         cfg.timeout_ms > 0 ? cfg.timeout_ms : static_cast<int>(kvxfer::params::TimeoutMs());
+    // Membership::create's listener refuses a host that does not resolve, or a wildcard.
     mc.host = cfg.bind_address != nullptr ? cfg.bind_address : kvxfer::params::BindAddr();
-    KVXFER_CHECK(kvxfer::transport::tcp::check_bind_host(
-        mc.host.c_str(), cfg.bind_address != nullptr ? "kvxfer_endpoint_config_t.bind_address"
-                                                     : "KVXFER_BIND_ADDR"));
     mc.port = static_cast<uint16_t>(cfg.port);
     if (cfg.secret != nullptr) {
       mc.has_secret = true;
