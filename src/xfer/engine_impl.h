@@ -434,8 +434,10 @@ struct Engine::Impl {
   bool make_window(const std::shared_ptr<Request>& r, bool window);
   void release_slot(Work& w, size_t page);
   void queue_encodes(const std::shared_ptr<Request>& r);  // sender: as slots and layers allow
-  void check_layer_timeouts();  // stream_layers sends waiting too long for a layer
-  Clock::time_point next_layer_deadline() const;  // the earliest of those deadlines
+  // stream_layers sends waiting too long for a layer fail; the earliest
+  // deadline of the others goes to layer_deadline, which wait_for_work keeps.
+  void check_layer_timeouts();
+  Clock::time_point layer_deadline = Clock::time_point::max();
   void pump_encodes(int peer);
   void post_anchor_recvs(
       const std::shared_ptr<Request>& r);  // receiver: every page, at the handshake

@@ -60,8 +60,7 @@ void Engine::Impl::wait_for_work(int idle, Clock::time_point idle_since) {
     return;
   }
   const Clock::time_point now = Clock::now();
-  Clock::time_point deadline =
-      std::min(now + std::chrono::milliseconds(100), next_layer_deadline());
+  Clock::time_point deadline = std::min(now + std::chrono::milliseconds(100), layer_deadline);
   wait_fds.clear();
   wait_fds.push_back(pollfd{wake_fd, POLLIN, 0});
   // A send to KVXFER_ANY_PEER waits for an ask, and a receive by id for its
@@ -423,35 +422,32 @@ void Engine::Impl::release_slot(Work& w, size_t page) {
 
 // A stream_layers send with a layer still unmarked, and no mark within the
 // timeout of its post or of its last mark, fails (its peer is told), wherever
-// it is in its peer's encode queue.
+// it is in its peer's encode queue.  The earliest deadline of the others is
+// when the progress thread wakes next at the latest (wait_for_work), so that
+// the sender's reason reaches the peer before the peer's own timeout of the
+// same length, which names no layer, fires.
 void Engine::Impl::check_layer_timeouts() {
   const int64_t now = now_ns();
+  int64_t first = INT64_MAX;
   std::vector<std::pair<std::shared_ptr<Request>, int32_t>> late;
   for (const auto& pi : pio)
     for (const std::shared_ptr<Request>& r : pi ? pi->encode_fifo : decltype(pi->encode_fifo){}) {
       const int32_t ready = r->layers_ready.load();
       if (r->work->failed || r->cfg.stream_layers == 0 || ready >= r->mine.num_layers) continue;
-      if (now - r->t_layer_mark.load() > timeout_ms * 1000000) late.emplace_back(r, ready);
+      const int64_t deadline = r->t_layer_mark.load() + timeout_ms * 1000000;
+      if (now > deadline)
+        late.emplace_back(r, ready);
+      else
+        first = std::min(first, deadline + 1);
     }
+  layer_deadline = first == INT64_MAX
+                       ? Clock::time_point::max()
+                       : Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+                             std::chrono::nanoseconds(first)));
   for (const auto& [r, layer] : late)  // fail() changes the queues
     fail(r, KVXFER_ERR_TIMEOUT,
          strprintf("layer %d was not marked ready (kvxfer_send_layer_ready) within %lld ms", layer,
                    static_cast<long long>(timeout_ms)));
-}
-
-// When check_layer_timeouts next has one to fail: the progress thread wakes
-// then, so that the sender's reason reaches the peer before the peer's own
-// timeout of the same length, which names no layer, fires.
-Clock::time_point Engine::Impl::next_layer_deadline() const {
-  int64_t first = INT64_MAX;
-  for (const auto& pi : pio)
-    for (const std::shared_ptr<Request>& r : pi ? pi->encode_fifo : decltype(pi->encode_fifo){})
-      if (!r->work->failed && r->cfg.stream_layers != 0 &&
-          r->layers_ready.load() < r->mine.num_layers)
-        first = std::min(first, r->t_layer_mark.load() + timeout_ms * 1000000 + 1);
-  if (first == INT64_MAX) return Clock::time_point::max();
-  return Clock::time_point(
-      std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(first)));
 }
 
 void Engine::Impl::queue_encodes(const std::shared_ptr<Request>& r) {
