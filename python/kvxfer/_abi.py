@@ -122,15 +122,20 @@ def int_range(ctype):
     return "uint%d" % bits, 0, (1 << bits) - 1
 
 
-def check_int(value, ctype, what):
-    """`value` as a Python int that fits the C integer type `ctype`.  ctypes
-    itself would keep the low bits (2**32 becomes 0 in an int32).  Raises
-    TypeError for a non-integer (floats included: operator.index), ValueError
-    naming `what` for a value out of the type's range."""
+def as_int(value, what):
+    """`value` as a Python int (operator.index: ints, bools, NumPy integers);
+    a float or a string is a TypeError naming `what`."""
     try:
-        v = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise TypeError("%s must be an integer, not %s" % (what, type(value).__name__)) from None
+
+
+def check_int(value, ctype, what):
+    """`value` as a Python int (as_int) that fits the C integer type `ctype`.
+    ctypes itself would keep the low bits (2**32 becomes 0 in an int32).
+    Raises ValueError naming `what` for a value out of the type's range."""
+    v = as_int(value, what)
     name, lo, hi = int_range(ctype)
     if not lo <= v <= hi:
         raise ValueError("%s = %d does not fit its C type %s (%d..%d)" % (what, v, name, lo, hi))

@@ -200,14 +200,9 @@ class UniqueId:
 # ---------------------------------------------------------------------------
 # CodecConfig
 # ---------------------------------------------------------------------------
-def _index(value, what):
-    """`value` as an int (operator.index: ints, bools, NumPy integers; a float
-    or a string is a TypeError naming `what`).  The C type's range is checked
-    where the value meets it (_abi.check_int)."""
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError("%s must be an integer, not %s" % (what, type(value).__name__)) from None
+# A user's integer argument (_abi.as_int); the C type's range is checked
+# where the value meets it (_abi.check_int).
+_index = _abi.as_int
 
 
 def _check_itemsize(m, dtype, what):
@@ -698,7 +693,7 @@ class KVPool:
                                  ", closed" if self.closed else ""))
 
 
-_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT32 = _abi.int_range(ctypes.c_int32)[1:]  # (least, greatest)
 
 
 def _block_id_array(block_ids):
