@@ -93,7 +93,8 @@ TEST(ParseInt, BoundsAreInclusive) {
 }
 
 TEST(ParseInt, Junk) {
-  for (const char* text : {"abc", "12abc", "1.5", "1e3", "5 ", "--5", "+", "-", "four", "0x10z"}) {
+  for (const char* text :
+       {"abc", "12abc", "1.5", "1e3", "5 ", " 5", "\t5", "\n5", "--5", "+", "-", "four", "0x10z"}) {
     int64_t v = 99;
     std::string why;
     EXPECT_FALSE(ParseInt(text, kMin, kMax, &v, &why)) << "'" << text << "'";
@@ -199,10 +200,17 @@ TEST(ParseFloat, InRange) {
 }
 
 TEST(ParseFloat, Malformed) {
-  const std::pair<const char*, const char*> cases[] = {
-      {"", "is empty"},           {"half", "is not a number"},  {"0.5x", "is not a number"},
-      {"nan", "is not a number"}, {"inf", "is not a number"},   {"1e999", "is not a number"},
-      {"2", "is outside [0, 1]"}, {"-0.1", "is outside [0, 1]"}};
+  const std::pair<const char*, const char*> cases[] = {{"", "is empty"},
+                                                       {"half", "is not a number"},
+                                                       {"0.5x", "is not a number"},
+                                                       {"nan", "is not a number"},
+                                                       {"inf", "is not a number"},
+                                                       {"1e999", "is not a number"},
+                                                       {"2", "is outside [0, 1]"},
+                                                       {"-0.1", "is outside [0, 1]"},
+                                                       {" 0.5", "is not a number"},
+                                                       {"\t0.5", "is not a number"},
+                                                       {"0.5 ", "is not a number"}};
   for (const auto& c : cases) {
     double v = 7;
     std::string why;

@@ -16,7 +16,9 @@ bool parse_int(const char* text, int64_t lo, int64_t hi, int64_t* out, std::stri
   errno = 0;
   char* end = nullptr;
   long long v = std::strtoll(text, &end, 0);
-  if (end == text || *end != '\0' || errno == ERANGE) {
+  // strtoll skips leading white space; sizes, rates and enums refuse it.
+  if (end == text || std::isspace(static_cast<unsigned char>(*text)) || *end != '\0' ||
+      errno == ERANGE) {
     *why = "is not an integer";
     return false;
   }
@@ -48,8 +50,10 @@ bool parse_float(const char* text, double lo, double hi, double* out, std::strin
   char* end = nullptr;
   const double v = std::strtod(text, &end);
   // ERANGE also flags an underflow (1e-310 reads as a subnormal), which is a
-  // number; an overflow reads as an infinity.
-  if (end == text || *end != '\0' || !std::isfinite(v)) {
+  // number; an overflow reads as an infinity.  strtod skips leading white
+  // space, which the other types refuse.
+  if (end == text || std::isspace(static_cast<unsigned char>(*text)) || *end != '\0' ||
+      !std::isfinite(v)) {
     *why = "is not a number";
     return false;
   }
