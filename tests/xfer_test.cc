@@ -1363,6 +1363,18 @@ TEST(XferApi, CommInitRefusesBadArgumentsAndAReusedIdAndLosesNothing) {
   kvxfer_unique_id_t zero{};
   refused(2, 0, &good, zero, "the unique id is malformed");
   refused(2, 1, &good, zero, "the unique id is malformed");
+  // Bytes create_unique_id leaves zero (UniqueId: reserved0 at 10, the IPv4
+  // address's unused tail at 20..31, reserved at 64..127), set by a copy gone
+  // wrong: refused on either rank before anything connects.
+  const std::pair<int, const char*> defects[] = {{10, "(reserved bytes set)"},
+                                                 {127, "(reserved bytes set)"},
+                                                 {24, "(bytes an IPv4 address leaves unused set)"}};
+  for (const auto& d : defects) {
+    kvxfer_unique_id_t damaged = pair.id;
+    damaged.internal[d.first] ^= 0x01;
+    refused(2, 0, &good, damaged, d.second);
+    refused(2, 1, &good, damaged, d.second);
+  }
   // None of these took the listener: the id still builds rank 0.
   kvxfer_comm_t comm = nullptr;
   ASSERT_EQ(kvxfer_comm_init(&comm, 2, pair.id, 0, &good), KVXFER_SUCCESS)

@@ -104,9 +104,11 @@ kvxfer_result_t comm_init(kvxfer_comm_t* comm, int nranks, kvxfer_unique_id_t id
         cfg.bind_address != nullptr ? "kvxfer_comm_config_t.bind_address" : "KVXFER_BIND_ADDR"));
     UniqueId uid;
     std::memcpy(&uid, id.internal, sizeof(uid));
-    KVXFER_REQUIRE(uid.magic == kvxfer::transport::kBootstrapMagic,
-                   "the unique id is malformed (bad magic): pass the bytes kvxfer_get_unique_id "
-                   "filled, unchanged");
+    const char* defect = kvxfer::transport::unique_id_defect(uid);
+    KVXFER_REQUIRE(defect == nullptr,
+                   "the unique id is malformed (%s): pass the bytes kvxfer_get_unique_id "
+                   "filled, unchanged",
+                   defect);
     std::unique_ptr<BootstrapRoot> root;
     if (rank == 0) {
       std::lock_guard<std::mutex> lk(g_roots_mu);

@@ -272,4 +272,13 @@ kvxfer_result_t bootstrap_report_failure(const UniqueId& id, int rank, int nrank
 /** "127.0.0.1:4242" / "[::1]:4242" for logs; "<invalid id>" for a bad id. */
 std::string unique_id_address(const UniqueId& id);
 
+/**
+ * Why `id` is not an id create_unique_id could have made, or nullptr when it
+ * could be: magic and version, family AF_INET or AF_INET6, a port, and zero
+ * in every byte the family leaves unused (reserved0, reserved, and for
+ * AF_INET scope_id and addr[4..16)).  A copy that lost or changed bytes
+ * (a truncated memcpy, a text round trip) fails here, at the call.
+ */
+const char* unique_id_defect(const UniqueId& id);
+
 }  // namespace kvxfer::transport

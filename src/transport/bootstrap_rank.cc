@@ -277,6 +277,22 @@ kvxfer_result_t bootstrap_report_failure(const UniqueId& id, int rank, int nrank
   return KVXFER_SUCCESS;
 }
 
+const char* unique_id_defect(const UniqueId& id) {
+  if (id.magic != kBootstrapMagic) return "bad magic";
+  if (id.version != kBootstrapVersion) return "a version this library does not read";
+  if (id.family != AF_INET && id.family != AF_INET6) return "an address family other than IPv4/6";
+  if (id.port == 0) return "no port";
+  auto zero = [](const uint8_t* p, size_t n) {
+    for (size_t i = 0; i < n; ++i)
+      if (p[i] != 0) return false;
+    return true;
+  };
+  if (id.reserved0 != 0 || !zero(id.reserved, sizeof id.reserved)) return "reserved bytes set";
+  if (id.family == AF_INET && (id.scope_id != 0 || !zero(id.addr + 4, sizeof id.addr - 4)))
+    return "bytes an IPv4 address leaves unused set";
+  return nullptr;
+}
+
 std::string unique_id_address(const UniqueId& id) {
   sockaddr_storage sa;
   socklen_t sl = 0;

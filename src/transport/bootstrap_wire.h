@@ -56,7 +56,7 @@ inline kvxfer_result_t recv_all(int fd, uint8_t* buf, size_t len, Deadline d, co
 
 /** Fills sa from the id; false when the id is not a valid one. */
 inline bool id_sockaddr(const UniqueId& id, sockaddr_storage* sa, socklen_t* len) {
-  if (id.magic != kBootstrapMagic || id.version != kBootstrapVersion) return false;
+  if (unique_id_defect(id) != nullptr) return false;
   std::memset(sa, 0, sizeof *sa);
   if (id.family == AF_INET) {
     auto* s = reinterpret_cast<sockaddr_in*>(sa);
