@@ -67,7 +67,8 @@ class KvxferConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return self._sched.matched_tokens(request.kv_transfer_params, num_computed_tokens)
+        return self._sched.matched_tokens(request.kv_transfer_params, num_computed_tokens,
+                                          request.num_prompt_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._sched.after_alloc(request.request_id, request.kv_transfer_params,

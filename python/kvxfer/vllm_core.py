@@ -43,11 +43,14 @@ one worker's model runner).
 import collections
 import dataclasses
 import hashlib
+import logging
 import re
 import time
 
 from . import core
 from ._abi import ANY_PEER, Dtype, Stage
+
+_log = logging.getLogger("kvxfer.vllm")
 
 # KV dtypes kvxfer moves (vLLM's torch dtype names).
 _DTYPES = {"bfloat16": Dtype.BF16, "float16": Dtype.FP16, "float32": Dtype.FP32}
@@ -147,6 +150,50 @@ def _blocks_for(num_tokens, block_size):
     return (num_tokens + block_size - 1) // block_size
 
 
+# Bounds on what a decode takes from kv_transfer_params, which come from the
+# client (vLLM's OpenAI server passes them through): a load connects to each
+# endpoint and posts one receive per KV head on the model runner's thread, so
+# a request may not make it post thousands.  Far above any vLLM deployment's
+# TP size and KV-head count.
+MAX_REMOTE_ENDPOINTS = 256
+MAX_REMOTE_HEADS = 1024
+
+
+def _int_field(params, key, lo, hi):
+    v = params.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("%s is %r, not an integer" % (key, v))
+    if not lo <= v <= hi:
+        raise ValueError("%s %d is outside [%d, %d]" % (key, v, lo, hi))
+    return v
+
+
+def check_load_params(params, prompt_tokens=None):
+    """Checks the kv_transfer_params of a load (matched_tokens) and returns
+    them normalised: remote_request_id a non-empty str, remote_endpoints a
+    list of 1..MAX_REMOTE_ENDPOINTS hex strings, remote_num_tokens an int in
+    [1, prompt_tokens] (the decode's prompt: the prefill sends at most its
+    own), remote_total_kv_heads absent or an int in [0, MAX_REMOTE_HEADS].
+    ValueError naming the field otherwise."""
+    rid = params.get("remote_request_id")
+    if not isinstance(rid, str) or not rid:
+        raise ValueError("remote_request_id is %r, not a request id" % (rid,))
+    eps = params.get("remote_endpoints")
+    if not isinstance(eps, (list, tuple)) or not 1 <= len(eps) <= MAX_REMOTE_ENDPOINTS:
+        raise ValueError("remote_endpoints is not a list of 1 to %d address blobs" %
+                         MAX_REMOTE_ENDPOINTS)
+    for i, e in enumerate(eps):
+        if not isinstance(e, str):
+            raise ValueError("remote_endpoints[%d] is %s, not hex digits" % (i, type(e).__name__))
+        _hex(e, "remote_endpoints[%d]" % i)
+    n = _int_field(params, "remote_num_tokens", 1,
+                   2**31 - 1 if prompt_tokens is None else prompt_tokens)
+    heads = 0
+    if params.get("remote_total_kv_heads") is not None:
+        heads = _int_field(params, "remote_total_kv_heads", 0, MAX_REMOTE_HEADS)
+    return rid, list(eps), n, heads
+
+
 class SchedulerCore:
     """The scheduler side: decides what loads and sends, builds Metadata."""
 
@@ -172,27 +219,45 @@ class SchedulerCore:
 
     @staticmethod
     def _ours(params):
-        return bool(params) and bool(params.get("remote_endpoints"))
+        return isinstance(params, dict) and bool(params.get("remote_endpoints"))
 
-    def matched_tokens(self, params, num_computed):
+    def matched_tokens(self, params, num_computed, prompt_tokens=None):
         """get_num_new_matched_tokens: (tokens to load, load asynchronously).
 
         A request with do_remote_prefill loads all remote_num_tokens.  With a
         local prefix hit (num_computed > 0) it loads nothing and computes
         them (kvxfer sends a request's KV from token 0), and the prefill is
-        released: its sends end at once, not at claim_timeout_ms."""
+        released: its sends end at once, not at claim_timeout_ms.  Params
+        that check_load_params refuses (prompt_tokens: the request's prompt
+        length) load nothing either: the request is computed locally, with
+        a warning, and the prefill is released when they name it."""
         if not self._ours(params) or not params.get("do_remote_prefill"):
             return 0, False
+        try:
+            rid, eps, n, heads = check_load_params(params, prompt_tokens)
+        except ValueError as e:
+            _log.warning("kvxfer: kv_transfer_params %s: computing the request locally", e)
+            try:  # release the prefill when they name one (a request and its endpoints)
+                rid, eps, _, _ = check_load_params(dict(params, remote_num_tokens=1,
+                                                        remote_total_kv_heads=None))
+                self._releases.append(RecvSpec("", rid, eps, [], 0, 0))
+            except ValueError:
+                pass
+            params["do_remote_prefill"] = False
+            return 0, False
+        params.update(remote_request_id=rid, remote_endpoints=eps, remote_num_tokens=n,
+                      remote_total_kv_heads=heads)
         if num_computed > 0:
             self._release(params)
             return 0, False
-        return int(params["remote_num_tokens"]), True
+        return n, True
 
     def _release(self, params):
-        """Tells the prefill its KV will not be loaded (WorkerCore.start)."""
-        self._releases.append(RecvSpec("", str(params["remote_request_id"]),
+        """Tells the prefill its KV will not be loaded (WorkerCore.start);
+        `params` passed matched_tokens' check."""
+        self._releases.append(RecvSpec("", params["remote_request_id"],
                                        list(params["remote_endpoints"]), [], 0,
-                                       int(params.get("remote_total_kv_heads", 0))))
+                                       params.get("remote_total_kv_heads", 0)))
         params["do_remote_prefill"] = False
 
     def after_alloc(self, req_id, params, block_ids, num_external):
@@ -204,11 +269,11 @@ class SchedulerCore:
         if num_external <= 0:
             self._release(params)
             return
-        n = int(params["remote_num_tokens"])
-        self._recvs[req_id] = RecvSpec(req_id, str(params["remote_request_id"]),
+        n = params["remote_num_tokens"]
+        self._recvs[req_id] = RecvSpec(req_id, params["remote_request_id"],
                                        list(params["remote_endpoints"]),
                                        list(block_ids[:_blocks_for(n, self.block_size)]), n,
-                                       int(params.get("remote_total_kv_heads", 0)))
+                                       params.get("remote_total_kv_heads", 0))
         params["do_remote_prefill"] = False  # one load per request
 
     def build_meta(self):
@@ -302,17 +367,25 @@ class WorkerCore:
         if self.codec not in ("bf16", "int8", "lynx"):
             raise ValueError("kv_connector_extra_config codec %r: one of bf16, int8, lynx" %
                              self.codec)
-        self.claim_timeout_ms = int(extra.get("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS))
+        def setting(key, default, lo, hi):
+            v = extra.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError("kv_connector_extra_config %s %r: an integer in [%d, %d]" %
+                                 (key, v, lo, hi))
+            return v
+
+        int32 = 2**31 - 1
+        self.claim_timeout_ms = setting("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS, 1, int32)
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
         self.total_kv_heads = int(total_kv_heads)
         self.heads = None  # TpHeads, from register()
-        self.max_loads = int(extra.get("max_loads", 48))
-        self.page_tokens = int(extra.get("page_tokens", 0))
+        self.max_loads = setting("max_loads", 48, 1, int32)
+        self.page_tokens = setting("page_tokens", 0, 0, 1 << 20)  # KVXFER_PAGE_TOKENS' range
         secret = extra.get("secret")
         if secret is not None:
             secret = _hex(secret, "kv_connector_extra_config secret")
-        self.ep = core.Endpoint(timeout_ms=int(extra.get("timeout_ms", 0)),
-                                port=int(extra.get("port", 0)),
+        self.ep = core.Endpoint(timeout_ms=setting("timeout_ms", 0, 0, int32),
+                                port=setting("port", 0, 0, 65535),
                                 bind_address=extra.get("bind_address"),
                                 rate_limit=extra.get("rate_limit"),
                                 secret=secret)
@@ -497,10 +570,13 @@ class WorkerCore:
 
     def _peer(self, r, rank, t, bad):
         """The kvxfer peer of prefill TP rank `rank` of load `r`
-        (connected once per address), noted in t.addresses.  An address in
-        `bad` fails at once; one whose connect fails joins it."""
+        (connected once per address), noted in t.addresses.  Once a connect
+        has failed in this call (`bad` not empty) no new address is
+        connected: a prefill instance that does not answer one TP rank's
+        connect costs the call one timeout, not one per rank.  A failed
+        connect adds its address to `bad`."""
         address = _hex(r.remote_endpoints[rank], "kv_transfer_params remote_endpoints")
-        if address in bad:
+        if address in bad or (bad and address not in self._peers):
             raise ValueError("prefill TP rank %d could not be reached" % rank)
         if address not in self._peers:
             try:
@@ -544,7 +620,9 @@ class WorkerCore:
         posted = sum(len(t.requests) for t in self._recving.values())
         while self._waiting and posted + len(self.pools) <= max(self.max_loads, len(self.pools)):
             r = self._waiting.popleft()
-            t = self._recving[r.req_id]
+            t = self._recving.get(r.req_id)
+            if t is None or t.error:  # ended while it waited (finished)
+                continue
             self._post(r, t)
             posted += len(t.requests)
 
@@ -569,10 +647,13 @@ class WorkerCore:
         receiving), request ids, each reported once."""
         sent, received, failed = set(), set(), set()
         now = time.monotonic()
-        for t in self._recving.values():  # a load that outlived the prefill's claim timeout
+        for req_id, t in self._recving.items():  # outlived the prefill's claim timeout
             if now > t.deadline and not t.error:
                 self._give_up(t, "no load within claim_timeout_ms (%d ms)" %
                               self.claim_timeout_ms)
+                if not t.requests:  # still waiting for max_loads: never posted
+                    self._waiting = collections.deque(r for r in self._waiting
+                                                       if r.req_id != req_id)
         self._released = [t for t in self._released if self._settled(t) is None]
         for table, out in ((self._sending, sent), (self._recving, received)):
             for req_id in list(table):

@@ -261,7 +261,7 @@ def test_a_decode_prefix_hit_releases_the_prefill_at_once(prefill):
     prefill.wait(lambda: not prefill.idle, 10, "y's blocks kept for the decode")
     core = dec.sched.connector._sched  # what vLLM asks the connector
     asked, matched = [], core.matched_tokens
-    core.matched_tokens = lambda params, n: asked.append(n) or matched(params, n)
+    core.matched_tokens = lambda params, n, *a: asked.append(n) or matched(params, n, *a)
     t0 = time.monotonic()
     dec.add("y", 300, dict(prefill.params["y"]), prompt_of="x")
     finished, _ = run_decode(dec, prefill, {"y": 300})

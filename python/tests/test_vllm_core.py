@@ -207,6 +207,59 @@ def test_requests_without_kvxfer_params_are_left_to_vllm():
     assert sched.build_meta().sends == []
 
 
+_DROP = object()
+
+
+@pytest.mark.parametrize("change, why, released", [
+    ({"remote_num_tokens": _DROP}, "remote_num_tokens is None, not an integer", True),
+    ({"remote_num_tokens": "abc"}, "remote_num_tokens is 'abc', not an integer", True),
+    ({"remote_num_tokens": True}, "remote_num_tokens is True, not an integer", True),
+    ({"remote_num_tokens": 0}, "remote_num_tokens 0 is outside [1, 64]", True),
+    ({"remote_num_tokens": -5}, "remote_num_tokens -5 is outside [1, 64]", True),
+    ({"remote_num_tokens": 10 ** 6}, "remote_num_tokens 1000000 is outside [1, 64]", True),
+    ({"remote_total_kv_heads": "x"}, "remote_total_kv_heads is 'x', not an integer", True),
+    ({"remote_total_kv_heads": 10 ** 8}, "remote_total_kv_heads 100000000 is outside [0, 1024]",
+     True),
+    ({"remote_request_id": _DROP}, "remote_request_id is None, not a request id", False),
+    ({"remote_request_id": 7}, "remote_request_id is 7, not a request id", False),
+    ({"remote_endpoints": 5}, "remote_endpoints is not a list of 1 to 256 address blobs", False),
+    ({"remote_endpoints": ["01"] * 257}, "remote_endpoints is not a list of 1 to 256", False),
+    ({"remote_endpoints": [5]}, "remote_endpoints[0] is int, not hex digits", False),
+    ({"remote_endpoints": ["01", "zz"]}, "remote_endpoints[1] is not hex digits", False),
+])
+def test_kv_transfer_params_a_decode_cannot_use_are_computed_locally(change, why, released,
+                                                                      caplog):
+    # They come from the client (vLLM's server passes them through): each
+    # one here used to raise out of vLLM's Scheduler.schedule(), killing the
+    # engine.  The request is computed locally, and the prefill released
+    # when the params still name it.
+    good = {"do_remote_prefill": True, "remote_endpoints": ["0102"], "remote_request_id": "x",
+            "remote_num_tokens": 40}
+    sched = vllm_core.SchedulerCore(BS)
+    assert sched.matched_tokens(dict(good), 0, 64) == (40, True)
+    p = {k: v for k, v in dict(good, **change).items() if v is not _DROP}
+    with caplog.at_level("WARNING", logger="kvxfer.vllm"):
+        assert sched.matched_tokens(p, 0, 64) == (0, False)
+    assert why in caplog.text and "computing the request locally" in caplog.text
+    assert p["do_remote_prefill"] is False
+    sched.after_alloc("d", p, [1, 2, 3], 0)
+    assert sched.request_finished("d", p, [1, 2, 3], 0, False) == (False, None)
+    meta = sched.build_meta()
+    assert meta.recvs == [] and meta.sends == [] and meta.cancels == []
+    assert [(r.remote_request_id, r.remote_endpoints) for r in meta.releases] == \
+        ([("x", ["0102"])] if released else [])
+
+
+def test_extra_config_values_out_of_range_fail_at_construction():
+    for key, value in (("claim_timeout_ms", -5), ("claim_timeout_ms", 0),
+                       ("claim_timeout_ms", 10 ** 13), ("max_loads", 0), ("max_loads", -3),
+                       ("page_tokens", -16), ("page_tokens", 10 ** 9), ("timeout_ms", "5"),
+                       ("timeout_ms", -1), ("port", 70000), ("max_loads", 2.5)):
+        with pytest.raises(ValueError, match="kv_connector_extra_config %s %r: an integer in" %
+                           (key, value)):
+            vllm_core.WorkerCore({key: value})
+
+
 def test_unusable_kv_caches_fail_at_registration():
     worker = vllm_core.WorkerCore({})
     try:
@@ -334,6 +387,55 @@ def test_an_aborted_load_still_queued_behind_max_loads_tells_the_prefill():
     finally:
         dec.close()
         pre.close()
+
+
+def test_a_load_that_expires_still_queued_behind_max_loads_fails_alone():
+    kv_p, kv_d = (vllm_fakes.caches(2, 16, 2, BS, 8) for _ in range(2))
+    pre = vllm_core.WorkerCore({})  # registered, and never sends
+    dec = vllm_core.WorkerCore({"max_loads": 2, "claim_timeout_ms": 300})  # one load at a time
+    try:
+        pre.register(kv_p)
+        dec.register(kv_d)
+        ep = [pre.address.hex()]
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("a", "a", ep, [1], 16),
+                                            vllm_core.RecvSpec("b", "b", ep, [2], 16)]))
+        assert [r.req_id for r in dec._waiting] == ["b"]
+        # Both outlive the claim timeout; b was never posted.  finished()
+        # used to raise KeyError('b') out of vLLM's get_finished.
+        sent, got, failed = poll(dec, {"a", "b"}, 1)
+        assert got == failed == {"a", "b"} and dec.load_errors() == {1, 2}
+        assert not dec._waiting and not dec._recving
+        assert dec.finished() == (set(), set(), set())
+    finally:
+        dec.close()
+        pre.close()
+
+
+def test_a_load_stops_connecting_once_one_prefill_rank_does_not_answer():
+    dec = vllm_core.WorkerCore({})
+    try:
+        dec.register(vllm_fakes.caches(2, 16, 2, BS, 8))
+        tried = []
+
+        def unreachable(address):
+            tried.append(address)
+            raise kvxfer.KvxferError(kvxfer.Result.ERR_TIMEOUT, "no answer")
+
+        dec.ep.connect = unreachable
+        # Two heads from two prefill ranks, and six more ranks to release:
+        # one connect is tried, not one per address (each would block the
+        # model runner for timeout_ms).
+        eps = ["%02x" % i for i in range(1, 9)]
+        for heads in (2, 8):  # this decode's model, and another one (releases every rank)
+            tried.clear()
+            dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("d%d" % heads, "p",
+                                                                   eps[:2] if heads == 2 else eps,
+                                                                   [1], 16, heads)]))
+            assert len(tried) == 1, (heads, tried)
+        out = poll(dec, {"d2", "d8"}, 1)
+        assert out[1] == out[2] == {"d2", "d8"}
+    finally:
+        dec.close()
 
 
 def test_layers_become_ready_in_order_while_a_load_runs():
