@@ -172,6 +172,12 @@ struct Global {
   uint64_t next_ctx = 1;
   std::unordered_map<uint64_t, std::unique_ptr<PendingConnect>> pending;
   uint64_t next_pending = 1;
+  // Every comm and registration NCCL holds a pointer to, until its close or
+  // deregMr: a pointer is looked up here before it is read, so a closed or
+  // garbage one is an error, never a read of freed memory.
+  std::unordered_set<const void*> live_data;    // DataComm
+  std::unordered_set<const void*> live_listen;  // ListenComm
+  std::unordered_set<const void*> live_mrs;     // MemHandle
   std::mt19937_64 rng{std::random_device{}()};
 };
 
@@ -185,6 +191,19 @@ std::shared_ptr<Context> find_context(void* ctx) {
   std::lock_guard<std::mutex> lk(g().mu);
   auto it = g().contexts.find(id);
   return it == g().contexts.end() ? nullptr : it->second;
+}
+
+using LiveSet = std::unordered_set<const void*> Global::*;
+bool is_live(LiveSet set, const void* p) {
+  std::lock_guard<std::mutex> lk(g().mu);
+  return p != nullptr && (g().*set).count(p) != 0;
+}
+void set_live(LiveSet set, const void* p, bool live) {
+  std::lock_guard<std::mutex> lk(g().mu);
+  if (live)
+    (g().*set).insert(p);
+  else
+    (g().*set).erase(p);
 }
 
 ncclResult_t discover_locked() {
@@ -384,6 +403,13 @@ class DataComm {
   const Endpoint* ep() const { return ep_.get(); }
   const std::vector<uint8_t>& peer_name() const { return peer_name_; }
   int active() const { return active_; }
+  /** Whether `p` is one of this comm's requests (compares addresses only). */
+  bool owns_request(const void* p) const {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    return a >= reinterpret_cast<uintptr_t>(reqs_.data()) &&
+           a < reinterpret_cast<uintptr_t>(reqs_.data() + reqs_.size()) &&
+           (a - reinterpret_cast<uintptr_t>(reqs_.data())) % sizeof(Request) == 0;
+  }
 
   /** Closes the endpoint: the provider never touches a posted buffer again. */
   void close() {
@@ -392,6 +418,7 @@ class DataComm {
               addr_string(peer_name_).c_str(), active_);
     ep_.reset();
     for (MemHandle* m : mrs_) {
+      set_live(&Global::live_mrs, m, false);
       m->magic = kDeadMagic;
       delete m;
     }
@@ -606,6 +633,7 @@ class DataComm {
     m->size = size;
     m->type = type;
     mrs_.insert(m);
+    set_live(&Global::live_mrs, m, true);
     *mhandle = m;
     return ncclSuccess;
   }
@@ -615,6 +643,7 @@ class DataComm {
     if (m == nullptr || it == mrs_.end())
       return fail(ncclInternalError, "deregMr: %p is not a registration of this comm", mhandle);
     mrs_.erase(it);
+    set_live(&Global::live_mrs, m, false);
     m->magic = kDeadMagic;
     delete m;
     return ncclSuccess;
@@ -624,7 +653,10 @@ class DataComm {
   kvxfer_result_t post_recvs(Request* r) {
     while (r->posted < r->n) {
       const int i = r->posted;
-      const kvxfer_result_t rc = ep_->post_recv(r->data[i], r->cap[i], r->ftag[i], &r->ops[i]);
+      // Directed: only the accepted peer's messages match, not those of
+      // anyone else who sends to this endpoint's published address.
+      const kvxfer_result_t rc =
+          ep_->post_recv(r->data[i], r->cap[i], r->ftag[i], &r->ops[i], peer_);
       if (rc != KVXFER_SUCCESS) return rc;
       ++r->posted;
     }
@@ -711,7 +743,7 @@ class DataComm {
 };
 
 DataComm* as_data_comm(void* comm, uint32_t want) {
-  if (comm == nullptr) return nullptr;
+  if (!is_live(&Global::live_data, comm)) return nullptr;
   auto* c = static_cast<DataComm*>(comm);
   if (want == 0 ? (c->magic != kSendMagic && c->magic != kRecvMagic) : c->magic != want)
     return nullptr;
@@ -868,7 +900,8 @@ ncclResult_t net_listen(void* ctx, int dev, void* handle, void** listen_comm) {
   lc->dev = dev;
   lc->cls = c->cls;
   std::shared_ptr<Domain> domain;
-  if (Domain::open(params::OfiProvider(), d.address, &domain) != KVXFER_SUCCESS ||
+  if (Domain::open(params::OfiProvider(), d.address, &domain, /*directed_recv=*/true) !=
+          KVXFER_SUCCESS ||
       Endpoint::open(domain, lc->cls.tclass, &lc->ep) != KVXFER_SUCCESS)
     return fail(ncclSystemError, "listen on %s (%s): %s", d.ifname.c_str(), d.address.c_str(),
                 last_error());
@@ -902,6 +935,7 @@ ncclResult_t net_listen(void* ctx, int dev, void* handle, void** listen_comm) {
   std::memcpy(handle, &h, sizeof(h));
   NP_INFO(NCCL_NET, "listen on %s at %s, %s", d.ifname.c_str(), addr_string(name).c_str(),
           lc->cls.describe().c_str());
+  set_live(&Global::live_listen, lc.get(), true);
   *listen_comm = lc.release();
   return ncclSuccess;
 }
@@ -933,10 +967,15 @@ ncclResult_t start_connect(const std::shared_ptr<Context>& c, int dev, const Han
       h.name_len > kMaxEpName || h.provider_len == 0 || h.provider_len > kMaxProviderName)
     return fail(ncclInvalidArgument, "connect: the handle is not a kvxfer listen handle");
   const std::string prov(h.provider, h.provider_len);
-  if (!params::OfiProvider().empty() && params::OfiProvider() != prov)
+  std::string here;  // what KVXFER_OFI_PROVIDER resolved to at init (auto: any)
+  {
+    std::lock_guard<std::mutex> lk(g().mu);
+    here = g().provider;
+  }
+  if (!params::OfiProvider().empty() && here != prov)
     return fail(ncclInvalidArgument,
-                "connect: the listener uses provider %s, KVXFER_OFI_PROVIDER here is %s",
-                prov.c_str(), params::OfiProvider().c_str());
+                "connect: the listener uses provider %s, KVXFER_OFI_PROVIDER here is %s (%s)",
+                prov.c_str(), params::OfiProvider().c_str(), here.c_str());
   auto p = std::make_unique<PendingConnect>();
   p->ctx = c;
   p->dev = dev;
@@ -951,7 +990,7 @@ ncclResult_t start_connect(const std::shared_ptr<Context>& c, int dev, const Han
   p->peer_name.assign(h.name, h.name + h.name_len);
   const NetDevice d = device(dev);
   std::shared_ptr<Domain> domain;
-  if (Domain::open(prov, d.address, &domain) != KVXFER_SUCCESS ||
+  if (Domain::open(prov, d.address, &domain, /*directed_recv=*/true) != KVXFER_SUCCESS ||
       Endpoint::open(domain, p->cls.tclass, &p->ep) != KVXFER_SUCCESS)
     return fail(ncclSystemError, "connect from %s (%s): %s", d.ifname.c_str(), d.address.c_str(),
                 last_error());
@@ -963,7 +1002,8 @@ ncclResult_t start_connect(const std::shared_ptr<Context>& c, int dev, const Han
                 last_error());
   mark_sockets(*p->ep, nullptr, p->cls.dscp, "connect");
   p->ack_op.kind = 2;
-  if (p->ep->post_recv(&p->ack, sizeof(p->ack), kTagConnectAck, &p->ack_op) != KVXFER_SUCCESS)
+  if (p->ep->post_recv(&p->ack, sizeof(p->ack), kTagConnectAck, &p->ack_op, p->peer) !=
+      KVXFER_SUCCESS)
     return fail(ncclSystemError, "connect: posting the acknowledgement receive failed: %s",
                 last_error());
   ConnectRequest& rq = p->req;
@@ -1048,6 +1088,17 @@ ncclResult_t net_connect(void* ctx, int dev, void* handle, void** send_comm,
                   "connect: the handle refers to a connection attempt that no longer exists "
                   "(it failed, or its context was finalized)");
     }
+    Handle h;
+    std::memcpy(&h, handle, sizeof(h));
+    if (h.listen_id != p->listen_id || h.name_len != p->peer_name.size() ||
+        std::memcmp(h.name, p->peer_name.data(), p->peer_name.size()) != 0) {
+      std::lock_guard<std::mutex> lk(g().mu);
+      g().pending[stage] = std::move(p);  // its own handle goes on with it
+      write_stage(handle, 0);
+      return fail(ncclInvalidArgument,
+                  "connect: the handle names the connection attempt of another handle (a "
+                  "copied or corrupted handle); connect with the listener's handle as written");
+    }
   } else {
     std::shared_ptr<Context> c = find_context(ctx);
     if (!c) return fail(ncclInvalidArgument, "connect: %p is not a live context", ctx);
@@ -1089,6 +1140,7 @@ ncclResult_t net_connect(void* ctx, int dev, void* handle, void** send_comm,
     auto* comm =
         new DataComm(true, p->ctx, p->dev, p->cls, std::move(p->ep), p->peer, p->peer_name);
     drop();
+    set_live(&Global::live_data, comm, true);
     *send_comm = comm;
     return ncclSuccess;
   } catch (...) {
@@ -1106,9 +1158,9 @@ void net_connect_abandon(void* handle) {
 
 ncclResult_t net_accept(void* listen_comm, void** recv_comm) {
   *recv_comm = nullptr;
-  auto* lc = static_cast<ListenComm*>(listen_comm);
-  if (lc == nullptr || lc->magic != kListenMagic)
+  if (!is_live(&Global::live_listen, listen_comm))
     return fail(ncclInvalidArgument, "accept: %p is not a listen comm", listen_comm);
+  auto* lc = static_cast<ListenComm*>(listen_comm);
   fault::hit(fault::kAcceptBadAlloc);
   if (lc->state == ListenComm::kFailed) return lc->error;
   if (lc->state == ListenComm::kAccepted)
@@ -1125,7 +1177,7 @@ ncclResult_t net_accept(void* listen_comm, void** recv_comm) {
       NP_WARN("accept: completion with an unknown context (err %d)", ev.err);
       continue;
     }
-    if (ev.err != 0)
+    if (ev.err != 0 && !(is_req && ev.err == FI_ETRUNC))
       return lc->failed(fail(is_remote_error(ev.err) ? ncclRemoteError : ncclSystemError,
                              "accept: %s failed: %s (provider errno %d)",
                              is_req ? "the connect request" : "the acknowledgement",
@@ -1135,10 +1187,26 @@ ncclResult_t net_accept(void* listen_comm, void** recv_comm) {
       continue;
     }
     const ConnectRequest& rq = lc->req;
-    if (ev.len != sizeof(ConnectRequest) || rq.magic != kRequestMagic ||
+    if (ev.err != 0 || ev.len != sizeof(ConnectRequest) || rq.magic != kRequestMagic ||
         rq.version != kWireVersion || rq.listen_id != lc->listen_id || rq.name_len == 0 ||
-        rq.name_len > sizeof(rq.name))
-      return lc->failed(fail(ncclRemoteError, "accept: malformed connect request"));
+        rq.name_len > sizeof(rq.name)) {
+      // Not this listen's peer (another listen's handle, a stale one, a
+      // stranger): refused, and the listen waits on for its own peer, who
+      // may be right behind it.  The sender gets no answer and times out.
+      NP_WARN(
+          "accept: refused a connect request that is not for this listen (%s); still "
+          "waiting",
+          ev.err != 0                        ? "longer than a connect request"
+          : ev.len != sizeof(ConnectRequest) ? "wrong length"
+          : rq.listen_id != lc->listen_id    ? "another listen id"
+                                             : "malformed");
+      std::memset(&lc->req, 0, sizeof(lc->req));
+      if (lc->ep->post_recv(&lc->req, sizeof(lc->req), kTagConnectRequest, &lc->req_op) !=
+          KVXFER_SUCCESS)
+        return lc->failed(fail(
+            ncclSystemError, "accept: posting the connect receive again failed: %s", last_error()));
+      continue;
+    }
     lc->peer_name.assign(rq.name, rq.name + rq.name_len);
     if (lc->ep->insert_peer(lc->peer_name.data(), lc->peer_name.size(), &lc->peer) !=
         KVXFER_SUCCESS)
@@ -1176,6 +1244,7 @@ ncclResult_t net_accept(void* listen_comm, void** recv_comm) {
   auto* comm =
       new DataComm(false, lc->ctx, lc->dev, lc->cls, std::move(lc->ep), lc->peer, lc->peer_name);
   lc->state = ListenComm::kAccepted;
+  set_live(&Global::live_data, comm, true);
   *recv_comm = comm;
   return ncclSuccess;
 }
@@ -1204,7 +1273,7 @@ ncclResult_t net_isend(void* send_comm, void* data, size_t size, int tag, void* 
   DataComm* c = as_data_comm(send_comm, kSendMagic);
   if (c == nullptr) return fail(ncclInvalidArgument, "isend: %p is not a send comm", send_comm);
   if (data == nullptr && size > 0) return fail(ncclInvalidArgument, "isend: null buffer");
-  if (mhandle != nullptr && static_cast<MemHandle*>(mhandle)->magic != kMrMagic)
+  if (mhandle != nullptr && !is_live(&Global::live_mrs, mhandle))
     return fail(ncclInvalidArgument, "isend: %p is not a memory registration", mhandle);
   return c->isend(data, size, tag, request);
 }
@@ -1219,8 +1288,7 @@ ncclResult_t net_irecv(void* recv_comm, int n, void** data, size_t* sizes, int* 
   for (int i = 0; i < n; ++i) {
     if (data[i] == nullptr && sizes[i] > 0)
       return fail(ncclInvalidArgument, "irecv: null buffer %d", i);
-    if (mhandles != nullptr && mhandles[i] != nullptr &&
-        static_cast<MemHandle*>(mhandles[i])->magic != kMrMagic)
+    if (mhandles != nullptr && mhandles[i] != nullptr && !is_live(&Global::live_mrs, mhandles[i]))
       return fail(ncclInvalidArgument, "irecv: %p is not a memory registration", mhandles[i]);
   }
   return c->irecv(n, data, sizes, tags, request);
@@ -1241,8 +1309,13 @@ ncclResult_t net_iflush(void* recv_comm, int n, void** data, int* sizes, void** 
 ncclResult_t net_test(void* request, int* done, int* sizes) {
   if (done != nullptr) *done = 0;
   auto* r = static_cast<Request*>(request);
-  if (r == nullptr || done == nullptr || r->magic != kReqMagic || r->kind == ReqKind::kFree ||
-      r->comm == nullptr || (r->comm->magic != kSendMagic && r->comm->magic != kRecvMagic))
+  bool owned = false;  // a request of a live comm: only then is it read
+  if (r != nullptr) {
+    std::lock_guard<std::mutex> lk(g().mu);
+    for (const void* c : g().live_data)
+      if ((owned = static_cast<const DataComm*>(c)->owns_request(r))) break;
+  }
+  if (!owned || done == nullptr || r->magic != kReqMagic || r->kind == ReqKind::kFree)
     return fail(ncclInvalidArgument, "test: %p is not a request in flight", request);
   return r->comm->test(r, done, sizes);
 }
@@ -1250,6 +1323,7 @@ ncclResult_t net_test(void* request, int* done, int* sizes) {
 ncclResult_t net_close_send(void* send_comm) {
   DataComm* c = as_data_comm(send_comm, kSendMagic);
   if (c == nullptr) return fail(ncclInvalidArgument, "closeSend: %p is not a send comm", send_comm);
+  set_live(&Global::live_data, c, false);
   c->close();
   c->magic = kDeadMagic;
   delete c;
@@ -1259,6 +1333,7 @@ ncclResult_t net_close_send(void* send_comm) {
 ncclResult_t net_close_recv(void* recv_comm) {
   DataComm* c = as_data_comm(recv_comm, kRecvMagic);
   if (c == nullptr) return fail(ncclInvalidArgument, "closeRecv: %p is not a recv comm", recv_comm);
+  set_live(&Global::live_data, c, false);
   c->close();
   c->magic = kDeadMagic;
   delete c;
@@ -1266,9 +1341,10 @@ ncclResult_t net_close_recv(void* recv_comm) {
 }
 
 ncclResult_t net_close_listen(void* listen_comm) {
-  auto* lc = static_cast<ListenComm*>(listen_comm);
-  if (lc == nullptr || lc->magic != kListenMagic)
+  if (!is_live(&Global::live_listen, listen_comm))
     return fail(ncclInvalidArgument, "closeListen: %p is not a listen comm", listen_comm);
+  auto* lc = static_cast<ListenComm*>(listen_comm);
+  set_live(&Global::live_listen, lc, false);
   lc->ep.reset();  // never waits for a peer
   lc->magic = kDeadMagic;
   delete lc;
@@ -1280,7 +1356,8 @@ ncclResult_t net_close_listen(void* listen_comm) {
 // ---------------------------------------------------------------------------
 bool comm_info(void* comm, CommInfo* out) {
   if (comm == nullptr) return false;
-  if (auto* lc = static_cast<ListenComm*>(comm); lc->magic == kListenMagic) {
+  if (is_live(&Global::live_listen, comm)) {
+    auto* lc = static_cast<ListenComm*>(comm);
     out->kind = 3;
     out->nccl_class = lc->cls.nccl_class;
     out->tclass = lc->cls.tclass;

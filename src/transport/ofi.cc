@@ -160,7 +160,7 @@ std::string apply_provider_memory_defaults() {
 }
 
 kvxfer_result_t Domain::open(const std::string& provider, const std::string& node,
-                             std::shared_ptr<Domain>* out) {
+                             std::shared_ptr<Domain>* out, bool directed_recv) {
   KVXFER_CHECK(fabric_lib::load());  // sets the provider memory defaults first
   static std::once_flag logged;
   const std::string set = apply_provider_memory_defaults();
@@ -179,7 +179,7 @@ kvxfer_result_t Domain::open(const std::string& provider, const std::string& nod
   for (const std::string& p : candidates) {
     InfoPtr hints(fabric_lib::dupinfo(nullptr));
     if (!hints) return set_error(KVXFER_ERR_OUT_OF_MEMORY, "fi_allocinfo failed");
-    hints->caps = FI_MSG | FI_TAGGED;
+    hints->caps = FI_MSG | FI_TAGGED | (directed_recv ? FI_DIRECTED_RECV : 0);
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->ep_attr->type = FI_EP_RDM;
     hints->domain_attr->mr_mode = 0;  // no registration: plain host memory
@@ -360,9 +360,9 @@ kvxfer_result_t Endpoint::post_send(const void* buf, size_t len, fi_addr_t dest,
   return fi_fail("fi_tsend", static_cast<int>(r));
 }
 
-kvxfer_result_t Endpoint::post_recv(void* buf, size_t len, uint64_t tag, void* ctx) {
+kvxfer_result_t Endpoint::post_recv(void* buf, size_t len, uint64_t tag, void* ctx, fi_addr_t src) {
   if (!ep_) return set_error(KVXFER_ERR_INVALID_USAGE, "endpoint is closed");
-  const ssize_t r = fi_trecv(ep_.get(), buf, len, nullptr, FI_ADDR_UNSPEC, tag, 0, ctx);
+  const ssize_t r = fi_trecv(ep_.get(), buf, len, nullptr, src, tag, 0, ctx);
   if (r == 0) return KVXFER_SUCCESS;
   if (r == -FI_EAGAIN) return KVXFER_IN_PROGRESS;
   return fi_fail("fi_trecv", static_cast<int>(r));

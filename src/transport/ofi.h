@@ -238,9 +238,12 @@ class Domain {
    * registration.  `provider` "" = auto_providers() in order; otherwise that
    * provider exactly (for example "tcp;ofi_rxm"), and its absence is an error.
    * `node` is the local address to bind ("127.0.0.1"); "" = provider default.
+   * `directed_recv`: also ask for FI_DIRECTED_RECV, so that a receive can
+   * name the one peer it takes messages from (Endpoint::post_recv's `src`);
+   * every provider of auto_providers() offers it in libfabric 1.17.
    */
   static kvxfer_result_t open(const std::string& provider, const std::string& node,
-                              std::shared_ptr<Domain>* out);
+                              std::shared_ptr<Domain>* out, bool directed_recv = false);
 
   const fi_info* info() const { return info_.get(); }
   fid_domain* fid() const { return domain_.get(); }
@@ -287,7 +290,10 @@ class Endpoint {
   // stay valid until its completion is read or the endpoint is closed; it
   // must start with a struct fi_context2.
   kvxfer_result_t post_send(const void* buf, size_t len, fi_addr_t dest, uint64_t tag, void* ctx);
-  kvxfer_result_t post_recv(void* buf, size_t len, uint64_t tag, void* ctx);
+  /** `src`: the peer (insert_peer) whose messages alone it matches, on a
+   *  domain opened with directed_recv; FI_ADDR_UNSPEC: any peer's. */
+  kvxfer_result_t post_recv(void* buf, size_t len, uint64_t tag, void* ctx,
+                            fi_addr_t src = FI_ADDR_UNSPEC);
   /** Asks the provider to cancel a posted receive (fi_cancel); a cancelled
    *  operation completes with err = FI_ECANCELED. */
   kvxfer_result_t cancel(void* ctx);

@@ -7,9 +7,14 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <netinet/ip.h>
 #include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_tagged.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -27,6 +32,7 @@
 
 #include "fork_child.h"
 #include "net_plugin/handle.h"
+#include "net_plugin/net.h"
 #include "plugin_harness.h"
 
 namespace kvxfer::test {
@@ -1254,6 +1260,220 @@ TEST(NetPluginFailureModes, ExceptionInConnectLeavesNoDanglingState) {
 // receive fails that receive, every time it is tested, with a WARN through
 // NCCL's logger; the comm fails with it (later calls on it return the error);
 // bogus requests fail too.
+// Connects and accepts in this thread, alternating calls (as NCCL's GDR probe does).
+::testing::AssertionResult connect_accept(const Plugin& p, void* ctx, void* handle, void* lc,
+                                          void** sc, void** rc) {
+  *sc = *rc = nullptr;
+  const auto t0 = Clock::now();
+  while ((*sc == nullptr || *rc == nullptr) && since(t0) < 10) {
+    if (*sc == nullptr && p.v11->connect(ctx, 0, handle, sc, nullptr) != ncclSuccess)
+      return ::testing::AssertionFailure() << "connect failed";
+    if (*rc == nullptr && p.v11->accept(lc, rc, nullptr) != ncclSuccess)
+      return ::testing::AssertionFailure() << "accept failed";
+  }
+  if (*sc == nullptr || *rc == nullptr) return ::testing::AssertionFailure() << "timed out";
+  return ::testing::AssertionSuccess();
+}
+
+// Someone who is not the peer, sending one tagged message to the address in
+// a listen handle with raw libfabric, as anyone who can reach it can.  `pump`
+// drives the plugin's side meanwhile (its provider makes progress only in
+// the plugin's calls).
+bool stranger_sends(const netplugin::Handle& h, const std::string& text, uint64_t tag,
+                    const std::function<void()>& pump) {
+  fi_info* hints = fi_allocinfo();
+  hints->caps = FI_MSG | FI_TAGGED;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->domain_attr->mr_mode = 0;
+  hints->fabric_attr->prov_name = strndup(h.provider, h.provider_len);
+  fi_info* info = nullptr;
+  bool ok = fi_getinfo(FI_VERSION(1, 17), "127.0.0.1", nullptr, FI_SOURCE, hints, &info) == 0;
+  fi_freeinfo(hints);
+  fid_fabric* fabric = nullptr;
+  fid_domain* domain = nullptr;
+  fid_av* av = nullptr;
+  fid_cq* cq = nullptr;
+  fid_ep* ep = nullptr;
+  fi_av_attr av_attr{};
+  av_attr.type = FI_AV_TABLE;
+  fi_cq_attr cq_attr{};
+  cq_attr.format = FI_CQ_FORMAT_TAGGED;
+  ok = ok && fi_fabric(info->fabric_attr, &fabric, nullptr) == 0 &&
+       fi_domain(fabric, info, &domain, nullptr) == 0 &&
+       fi_av_open(domain, &av_attr, &av, nullptr) == 0 &&
+       fi_cq_open(domain, &cq_attr, &cq, nullptr) == 0 &&
+       fi_endpoint(domain, info, &ep, nullptr) == 0 && fi_ep_bind(ep, &av->fid, 0) == 0 &&
+       fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV) == 0 && fi_enable(ep) == 0;
+  fi_addr_t dest = FI_ADDR_UNSPEC;
+  ok = ok && fi_av_insert(av, h.name, 1, &dest, 0, nullptr) == 1;
+  fi_context2 ctx{};
+  const auto t0 = Clock::now();
+  ssize_t r = -FI_EAGAIN;
+  while (ok && r == -FI_EAGAIN && since(t0) < 10) {
+    r = fi_tsend(ep, text.data(), text.size(), nullptr, dest, tag, &ctx);
+    if (r == -FI_EAGAIN) fi_cq_read(cq, nullptr, 0);
+    pump();
+  }
+  ok = ok && r == 0;
+  fi_cq_tagged_entry done{};
+  while (ok && fi_cq_read(cq, &done, 1) != 1 && since(t0) < 10) pump();
+  ok = ok && done.op_context == &ctx;
+  if (ep != nullptr) fi_close(&ep->fid);
+  if (av != nullptr) fi_close(&av->fid);
+  if (cq != nullptr) fi_close(&cq->fid);
+  if (domain != nullptr) fi_close(&domain->fid);
+  if (fabric != nullptr) fi_close(&fabric->fid);
+  if (info != nullptr) fi_freeinfo(info);
+  return ok;
+}
+
+// 5. Someone who is not the accepted peer sends to the recv comm's address
+// (the listen handle's) with the tag of the next message: the receive is
+// not theirs.  It takes the peer's message, byte for byte.
+TEST(NetPluginFailureModes, AStrangerCannotPutDataIntoARecvComm) {
+  const Plugin& p = plug();
+  void* ctx = nullptr;
+  ASSERT_EQ(init_ctx(p, 0, &ctx), ncclSuccess);
+  Handle h;
+  void *lc = nullptr, *sc = nullptr, *rc = nullptr;
+  ASSERT_EQ(p.v11->listen(ctx, 0, h, &lc), ncclSuccess);
+  netplugin::Handle hh;
+  std::memcpy(&hh, h, sizeof(hh));
+  ASSERT_TRUE(connect_accept(p, ctx, h, lc, &sc, &rc));
+  char buf[64] = {};
+  void* data = buf;
+  size_t cap = sizeof(buf);
+  int tag = 7;
+  void *rreq = nullptr, *sreq = nullptr;
+  ASSERT_EQ(irecv_until(p.v11, rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
+  int done = 0, size = -1;
+  ncclResult_t tr = ncclSuccess;
+  auto pump = [&] {
+    if (!done && tr == ncclSuccess) tr = p.v11->test(rreq, &done, &size);
+  };
+  ASSERT_TRUE(stranger_sends(hh, "EVIL from a stranger", netplugin::data_tag(7, 0), pump));
+  const auto t0 = Clock::now();
+  while (since(t0) < 0.5) pump();
+  ASSERT_EQ(tr, ncclSuccess);
+  EXPECT_FALSE(done) << "the receive took a stranger's message: \"" << buf << "\"";
+  std::string good = "the peer's own message";
+  ASSERT_EQ(isend_until(p.v11, sc, good.data(), good.size(), 7, &sreq), ncclSuccess);
+  ASSERT_EQ(wait_done(p.v11, sreq, nullptr), ncclSuccess);
+  if (!done) {
+    ASSERT_EQ(wait_done(p.v11, rreq, &size), ncclSuccess);
+  }
+  EXPECT_EQ(size, static_cast<int>(good.size()));
+  EXPECT_EQ(std::string(buf, good.size()), good);
+  EXPECT_EQ(p.v11->closeSend(sc), ncclSuccess);
+  EXPECT_EQ(p.v11->closeRecv(rc), ncclSuccess);
+  EXPECT_EQ(p.v11->closeListen(lc), ncclSuccess);
+  EXPECT_EQ(p.v11->finalize(ctx), ncclSuccess);
+}
+
+// 6. A connect request that is not for this listen (a stale or corrupted
+// handle: another listen id) is refused and logged; the listen waits on and
+// accepts its own peer.
+TEST(NetPluginFailureModes, AStrayConnectRequestLeavesTheListenWaitingForItsPeer) {
+  const Plugin& p = plug();
+  void* ctx = nullptr;
+  ASSERT_EQ(init_ctx(p, 0, &ctx), ncclSuccess);
+  Handle h, stale;
+  void *lc = nullptr, *bad = nullptr, *sc = nullptr, *rc = nullptr;
+  ASSERT_EQ(p.v11->listen(ctx, 0, h, &lc), ncclSuccess);
+  std::memcpy(stale, h, sizeof(h));
+  stale[offsetof(netplugin::Handle, listen_id)] ^= 0x10;
+  const auto t0 = Clock::now();
+  while (!logged(NCCL_LOG_WARN, "refused a connect request") && since(t0) < 10) {
+    ASSERT_EQ(p.v11->connect(ctx, 0, stale, &bad, nullptr), ncclSuccess);
+    ASSERT_EQ(bad, nullptr);
+    ASSERT_EQ(p.v11->accept(lc, &rc, nullptr), ncclSuccess);
+    ASSERT_EQ(rc, nullptr);
+  }
+  ASSERT_TRUE(logged(NCCL_LOG_WARN,
+                     "refused a connect request that is not for this listen "
+                     "(another listen id); still waiting"));
+  ASSERT_TRUE(connect_accept(p, ctx, h, lc, &sc, &rc));
+  std::string msg = "after a stray connect";
+  char buf[64] = {};
+  void* data = buf;
+  size_t cap = sizeof(buf);
+  int tag = 1, size = -1;
+  void *rreq = nullptr, *sreq = nullptr;
+  ASSERT_EQ(irecv_until(p.v11, rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
+  ASSERT_EQ(isend_until(p.v11, sc, msg.data(), msg.size(), 1, &sreq), ncclSuccess);
+  ASSERT_EQ(wait_done(p.v11, rreq, &size), ncclSuccess);
+  EXPECT_EQ(std::string(buf, size), msg);
+  p.v11->closeSend(sc);
+  p.v11->closeRecv(rc);
+  p.v11->closeListen(lc);
+  p.v11->finalize(ctx);
+}
+
+// 7. A handle whose stage names another handle's connection attempt (a
+// copied or corrupted handle) fails its connect, naming that; the other
+// handle's attempt goes on, and the first connects afresh.
+TEST(NetPluginFailureModes, AHandleNamingAnotherHandlesAttemptIsRefused) {
+  const Plugin& p = plug();
+  void* ctx = nullptr;
+  ASSERT_EQ(init_ctx(p, 0, &ctx), ncclSuccess);
+  Handle ha, hb;
+  void *la = nullptr, *lb = nullptr, *sa = nullptr, *sb = nullptr, *ra = nullptr, *rb = nullptr;
+  ASSERT_EQ(p.v11->listen(ctx, 0, ha, &la), ncclSuccess);
+  ASSERT_EQ(p.v11->listen(ctx, 0, hb, &lb), ncclSuccess);
+  ASSERT_EQ(p.v11->connect(ctx, 0, ha, &sa, nullptr), ncclSuccess);
+  ASSERT_EQ(sa, nullptr) << "a connect cannot finish in one call";
+  std::memcpy(hb + netplugin::kHandleStageOffset, ha + netplugin::kHandleStageOffset, 8);
+  EXPECT_EQ(p.v11->connect(ctx, 0, hb, &sb, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(sb, nullptr);
+  EXPECT_TRUE(logged(NCCL_LOG_WARN, "the handle names the connection attempt of another handle"));
+  ASSERT_TRUE(connect_accept(p, ctx, ha, la, &sa, &ra));
+  ASSERT_TRUE(connect_accept(p, ctx, hb, lb, &sb, &rb));
+  void* nothing = nullptr;
+  EXPECT_EQ(p.v11->accept(la, &nothing, nullptr), ncclInternalError);  // A accepted once
+  for (void* c : {sa, sb}) EXPECT_EQ(p.v11->closeSend(c), ncclSuccess);
+  for (void* c : {ra, rb}) EXPECT_EQ(p.v11->closeRecv(c), ncclSuccess);
+  for (void* c : {la, lb}) EXPECT_EQ(p.v11->closeListen(c), ncclSuccess);
+  EXPECT_EQ(p.v11->finalize(ctx), ncclSuccess);
+}
+
+// 8. Pointers NCCL should no longer hold (a closed comm, a request of one,
+// a garbage registration) are refused without being read: a comm here is
+// mapped memory of its own (M_MMAP_THRESHOLD), which its close unmaps.
+TEST(NetPluginFailureModes, ClosedCommsAndGarbageHandlesAreRefusedWithoutBeingRead) {
+  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 32 * 1024), 1);
+  const Plugin& p = plug();
+  void* ctx = nullptr;
+  ASSERT_EQ(init_ctx(p, 0, &ctx), ncclSuccess);
+  Handle h;
+  void *lc = nullptr, *sc = nullptr, *rc = nullptr;
+  ASSERT_EQ(p.v11->listen(ctx, 0, h, &lc), ncclSuccess);
+  ASSERT_TRUE(connect_accept(p, ctx, h, lc, &sc, &rc));
+  char buf[16];
+  void* data = buf;
+  size_t cap = sizeof(buf);
+  int tag = 0, done = -1;
+  void* rreq = nullptr;
+  ASSERT_EQ(irecv_until(p.v11, rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
+  void* garbage = reinterpret_cast<void*>(0x10);
+  void* sreq = nullptr;
+  EXPECT_EQ(p.v11->isend(sc, buf, 1, 0, garbage, nullptr, &sreq), ncclInvalidArgument);
+  EXPECT_EQ(p.v11->irecv(rc, 1, &data, &cap, &tag, &garbage, nullptr, &sreq), ncclInvalidArgument);
+  EXPECT_EQ(p.v11->test(garbage, &done, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(p.v11->accept(garbage, &sreq, nullptr), ncclInvalidArgument);
+  ASSERT_EQ(p.v11->closeRecv(rc), ncclSuccess);
+  EXPECT_EQ(p.v11->test(rreq, &done, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(done, 0);
+  EXPECT_EQ(p.v11->closeRecv(rc), ncclInvalidArgument);
+  EXPECT_EQ(p.v11->irecv(rc, 1, &data, &cap, &tag, nullptr, nullptr, &sreq), ncclInvalidArgument);
+  ASSERT_EQ(p.v11->closeListen(lc), ncclSuccess);
+  EXPECT_EQ(p.v11->closeListen(lc), ncclInvalidArgument);
+  EXPECT_EQ(p.v11->accept(lc, &sreq, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(p.v11->closeSend(sc), ncclSuccess);
+  EXPECT_EQ(p.v11->closeSend(sc), ncclInvalidArgument);
+  EXPECT_EQ(p.v11->finalize(ctx), ncclSuccess);
+}
+
 TEST(NetPluginFailureModes, ErrorsFromTestAreReturnedEveryTime) {
   const Plugin& p = plug();
   Child child;
@@ -1355,6 +1575,25 @@ TEST(NetPluginEnv, MalformedClassMapFailsInitNamingIt) {
                                     void* ctx = nullptr;
                                     CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclInvalidArgument);
                                     CHILD_REQUIRE(logged(NCCL_LOG_WARN, "'nosuchif0'"));
+                                    return 0;
+                                  }),
+            0);
+}
+
+// KVXFER_OFI_PROVIDER=tcp resolves to tcp;ofi_rxm, the name a listen handle
+// carries: a connect compares the resolved names.
+TEST(NetPluginEnv, AProviderNamedShortConnects) {
+  EXPECT_EQ(run_in_fresh_instance({{"KVXFER_OFI_PROVIDER", "tcp"}},
+                                  [](const Plugin& p) -> int {
+                                    void* ctx = nullptr;
+                                    CHILD_REQUIRE(init_ctx(p, 0, &ctx) == ncclSuccess);
+                                    Handle h;
+                                    void *lc = nullptr, *sc = nullptr, *rc = nullptr;
+                                    CHILD_REQUIRE(p.v11->listen(ctx, 0, h, &lc) == ncclSuccess);
+                                    CHILD_REQUIRE(connect_accept(p, ctx, h, lc, &sc, &rc));
+                                    p.v11->closeSend(sc);
+                                    p.v11->closeRecv(rc);
+                                    p.v11->closeListen(lc);
                                     return 0;
                                   }),
             0);
