@@ -237,13 +237,7 @@ class SchedulerCore:
             rid, eps, n, heads = check_load_params(params, prompt_tokens)
         except ValueError as e:
             _log.warning("kvxfer: kv_transfer_params %s: computing the request locally", e)
-            try:  # release the prefill when they name one (a request and its endpoints)
-                rid, eps, _, _ = check_load_params(dict(params, remote_num_tokens=1,
-                                                        remote_total_kv_heads=None))
-                self._releases.append(RecvSpec("", rid, eps, [], 0, 0))
-            except ValueError:
-                pass
-            params["do_remote_prefill"] = False
+            self._release(params)
             return 0, False
         params.update(remote_request_id=rid, remote_endpoints=eps, remote_num_tokens=n,
                       remote_total_kv_heads=heads)
@@ -253,12 +247,17 @@ class SchedulerCore:
         return n, True
 
     def _release(self, params):
-        """Tells the prefill its KV will not be loaded (WorkerCore.start);
-        `params` passed matched_tokens' check."""
-        self._releases.append(RecvSpec("", params["remote_request_id"],
-                                       list(params["remote_endpoints"]), [], 0,
-                                       params.get("remote_total_kv_heads", 0)))
+        """Tells the prefill its KV will not be loaded (WorkerCore.start),
+        when `params` name a request and its endpoints (check_load_params;
+        an unusable head count counts as not said)."""
         params["do_remote_prefill"] = False
+        for drop in ({}, {"remote_total_kv_heads": None}):
+            try:
+                rid, eps, _, heads = check_load_params(dict(params, remote_num_tokens=1, **drop))
+            except ValueError:
+                continue
+            self._releases.append(RecvSpec("", rid, eps, [], 0, heads))
+            return
 
     def after_alloc(self, req_id, params, block_ids, num_external):
         """update_state_after_alloc: records the local blocks of a load.  One

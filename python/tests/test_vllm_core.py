@@ -248,6 +248,12 @@ def test_kv_transfer_params_a_decode_cannot_use_are_computed_locally(change, why
     assert meta.recvs == [] and meta.sends == [] and meta.cancels == []
     assert [(r.remote_request_id, r.remote_endpoints) for r in meta.releases] == \
         ([("x", ["0102"])] if released else [])
+    # Aborted before vLLM asked for its tokens: the same release, no raise.
+    aborted = vllm_core.SchedulerCore(BS)
+    p = {k: v for k, v in dict(good, **change).items() if v is not _DROP}
+    assert aborted.request_finished("d", p, [], 0, False) == (False, None)
+    assert [(r.remote_request_id, r.remote_endpoints) for r in aborted.build_meta().releases] == \
+        ([("x", ["0102"])] if released else [])
 
 
 def test_extra_config_values_out_of_range_fail_at_construction():
