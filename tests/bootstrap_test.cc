@@ -179,6 +179,33 @@ TEST(Bootstrap, NranksMismatchAndDuplicateRankAreRefused) {
   EXPECT_EQ(rootf.get().r, KVXFER_SUCCESS);
 }
 
+// A rank with the secret but another nranks, whose rank is one of the
+// root's: the job cannot complete, so every rank fails at once with both
+// counts, not at the timeout (NCCL's root fails on a rank-count mismatch too).
+TEST(Bootstrap, ARankStartedWithAnotherNranksFailsEveryRankFast) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  constexpr int kTimeoutMs = 30000;
+  auto rootf = start_root(root.get(), 3, kTimeoutMs);
+  auto r0 = start_rank(id, 0, 3, kTimeoutMs);
+  auto r2 = start_rank(id, 2, 3, kTimeoutMs);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // 0 and 2 are waiting
+  Outcome odd = run_rank(id, 1, 4, kTimeoutMs, blob_for(1));
+  const char* why = "rank 1 failed: it was started with nranks 4, the root with 3";
+  for (Outcome o : {r0.get(), r2.get(), odd}) {
+    EXPECT_EQ(o.r, KVXFER_ERR_SYSTEM) << o.err;
+    EXPECT_NE(o.err.find(why), std::string::npos) << o.err;
+    EXPECT_LT(o.ms, 5000) << o.err;
+    EXPECT_TRUE(o.table.empty());
+  }
+  Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_ERR_SYSTEM) << ro.err;
+  EXPECT_NE(ro.err.find(why), std::string::npos) << ro.err;
+  EXPECT_LT(ro.ms, 5000);
+  EXPECT_EQ(root->failed_rank(), 1);
+}
+
 TEST(Bootstrap, MissingRankTimesOut) {
   UniqueId id;
   std::unique_ptr<BootstrapRoot> root;
@@ -417,9 +444,10 @@ TEST(Bootstrap, FailureReportWithAWrongSecretAbortsNothing) {
   Report rep = report(bad, 1, 2, 10000, "forged");
   EXPECT_EQ(rep.r, KVXFER_ERR_SYSTEM) << rep.err;
   EXPECT_NE(rep.err.find("bootstrap refused by root"), std::string::npos) << rep.err;
-  // Nor does a report for another nranks.
-  Report mismatch = report(id, 1, 3, 10000, "wrong size");
-  EXPECT_EQ(mismatch.r, KVXFER_ERR_SYSTEM) << mismatch.err;
+  // Nor does one for a rank beyond the root's nranks.
+  Report beyond = report(id, 2, 3, 10000, "wrong size");
+  EXPECT_EQ(beyond.r, KVXFER_ERR_SYSTEM) << beyond.err;
+  EXPECT_NE(beyond.err.find("bootstrap refused by root"), std::string::npos) << beyond.err;
   // The legitimate rank 1 completes the table.
   auto r1 = start_rank(id, 1, 2, 10000);
   expect_full_table(r0.get(), 2);

@@ -376,6 +376,20 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
       } else if (!failed_hello && failed_rank_ < 0 && ranks[rank].valid()) {
         why = "rank " + std::to_string(rank) + " already taken by " + peers[rank];
       }
+      // A rank with the secret that was started with another nranks: the
+      // job is misconfigured, and no rank can complete.  When its rank is one
+      // of the root's, every rank is failed at once, it too, with both
+      // counts (as a failure report would); otherwise it is refused.
+      if (their_n != nranks && why.rfind("nranks mismatch", 0) == 0 && rank >= 0 && rank < nranks &&
+          failed_rank_ < 0) {
+        refuse(p->peer, why);
+        start_failure(rank,
+                      "it was started with nranks " + std::to_string(their_n) + ", the root with " +
+                          std::to_string(nranks),
+                      std::move(p->fd));
+        pending.erase(pending.begin() + static_cast<long>(i));
+        continue;
+      }
       if (!why.empty()) {
         refuse(p->peer, why);
         pending.erase(pending.begin() + static_cast<long>(i));
