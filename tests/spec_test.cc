@@ -489,6 +489,28 @@ TEST(SpecWindow, ResidualTimeRefusesWhatItCannotEstimate) {
   EXPECT_NEAR(t, 0.1, 1e-12) << "output written on failure";
 }
 
+// An info with a stage or mode outside its enum (the caller's own struct),
+// or one whose estimate overflows, is refused; nothing is written.
+TEST(SpecWindow, ResidualTimeRefusesBadEnumsAndAnOverflow) {
+  kvxfer_spec_window_config_t cfg = KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER;
+  double t = -1;
+  kvxfer_request_info_t info = progressive_info();
+  info.stage = static_cast<kvxfer_stage_t>(9);
+  EXPECT_EQ(kvxfer_spec_residual_time(&cfg, &info, info.t_handshake_ns + 1000, &t),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("stage 9 or mode 1"), std::string::npos);
+  info = progressive_info();
+  info.mode = static_cast<kvxfer_mode_t>(9);
+  EXPECT_EQ(kvxfer_spec_residual_time(&cfg, &info, info.t_handshake_ns + 1000, &t),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  info = progressive_info();
+  cfg.residual_ratio = 1e308;  // left = 1e308 * 1e6 bytes
+  EXPECT_EQ(kvxfer_spec_residual_time(&cfg, &info, info.t_handshake_ns + 1000000, &t),
+            KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("overflows"), std::string::npos);
+  EXPECT_EQ(t, -1);
+}
+
 TEST(SpecWindow, CeilOfResidualOverTpotPlusMarginClamped) {
   kvxfer_spec_window_config_t cfg = KVXFER_SPEC_WINDOW_CONFIG_INITIALIZER;
   int32_t w = -1;
@@ -806,6 +828,18 @@ km::KVView view_of(const km::KVCache& c) { return c.view(); }
 
 }  // namespace
 
+// A link rate so small that the times overflow (a subnormal R) is refused,
+// not answered with infinities and success.
+TEST(SpecModel, TimesThatOverflowAreRefused) {
+  kvxfer_spec_model_input_t in = model_input();
+  in.link_bytes_per_s = 1e-320;
+  kvxfer_spec_model_output_t o = KVXFER_SPEC_MODEL_OUTPUT_INITIALIZER;
+  const kvxfer_spec_model_output_t before = o;
+  EXPECT_EQ(kvxfer_spec_ttft_model(&in, &o), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("overflow"), std::string::npos);
+  EXPECT_EQ(std::memcmp(&o, &before, sizeof(o)), 0) << "output written on failure";
+}
+
 TEST(SpecModelRun, DraftOnAnchorsVerifyOnFullIsIdenticalToFullDecoding) {
   // One thread: the model is tiny, and OpenMP teams on a loaded 2-core machine
   // cost far more than they save (the results are bit-identical either way).
@@ -979,4 +1013,30 @@ TEST(SpecVerifyLength, RejectsBadArguments) {
       KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.03, 0.01, -1.0, &n), KVXFER_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvxfer_get_last_error()).find("verify_per_token_s"), std::string::npos);
+}
+
+// Costs that are subnormal, or huge, give the same length as the same costs
+// in seconds: the rates are compared, not their magnitude (they once all
+// overflowed to infinity and the whole draft won the tie).  A draft longer
+// than kvxfer can verify is refused at once, not scanned for seconds.
+TEST(SpecVerifyLength, TheScaleOfTheCostsDoesNotChangeTheLength) {
+  int32_t n = -1, want = -1;
+  for (double scale : {1e-310, 1e-300, 1.0, 1e300}) {
+    // No fixed cost: E(v) / (v + 1) falls from v = 1 (0.75 tokens per
+    // `scale` seconds), above a decode step's 0.5: the shortest pass.
+    ASSERT_EQ(kvxfer_spec_verify_length(64, 0.5, 2.0 * scale, 0.0, scale, &n), KVXFER_SUCCESS)
+        << scale;
+    EXPECT_EQ(n, 1) << scale;
+    ASSERT_EQ(kvxfer_spec_verify_length(64, 0.9, 0.030 * scale, 0.010 * scale, 0.003 * scale, &n),
+              KVXFER_SUCCESS);
+    want = best_length_brute_force(64, 0.9, 0.030, 0.010, 0.003);
+    EXPECT_EQ(n, want) << scale;
+  }
+  EXPECT_EQ(want, 6);
+  ASSERT_EQ(kvxfer_spec_verify_length(65536, 0.9, 1.0, 1.0, 0.0, &n), KVXFER_SUCCESS);
+  EXPECT_EQ(n, 65536);  // no per-token cost: the whole draft, without a scan
+  EXPECT_EQ(kvxfer_spec_verify_length(65537, 0.9, 1.0, 1.0, 0.0, &n), KVXFER_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvxfer_get_last_error()).find("draft_len 65537 exceeds 65536"),
+            std::string::npos);
+  EXPECT_EQ(n, 65536);
 }

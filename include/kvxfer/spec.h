@@ -160,7 +160,8 @@ typedef struct {
  *   t_res = left / R  seconds.
  * COMPLETE, and MONOLITHIC requests (nothing follows the anchors), give 0.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, an uninitialised struct, a send
- *   request: only the receiver sees arrivals); KVXFER_ERR_INVALID_USAGE (the
+ *   request: only the receiver sees arrivals, a stage or mode outside its
+ *   enum, a time that overflows); KVXFER_ERR_INVALID_USAGE (the
  *   anchors have not all landed, the request failed, or no rate is known).
  */
 kvxfer_result_t kvxfer_spec_residual_time(const kvxfer_spec_window_config_t* config,
@@ -203,8 +204,8 @@ kvxfer_result_t kvxfer_spec_window(const kvxfer_spec_window_config_t* config, do
  * (verify_base_s > 0) favours long passes; a per-token cost and a < 1
  * favour short ones; with verify_per_token_s = 0 (a GPU) the whole draft.
  * docs/SPEC.md, "Verified length".
- * Errors: KVXFER_ERR_INVALID_ARGUMENT (length NULL, draft_len < 0,
- *   accept_rate outside [0, 1], tpot_s not > 0, verify_base_s or
+ * Errors: KVXFER_ERR_INVALID_ARGUMENT (length NULL, draft_len < 0 or above
+ *   65536, accept_rate outside [0, 1], tpot_s not > 0, verify_base_s or
  *   verify_per_token_s negative, any value NaN or infinite).
  */
 kvxfer_result_t kvxfer_spec_verify_length(int32_t draft_len, double accept_rate, double tpot_s,
@@ -368,7 +369,8 @@ typedef struct {
  * k = ceil(t_res / TPOT) + margin, clamped to max_window when that is > 0.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULL, uninitialised structs, R or TPOT
  *   not > 0, negative or non-finite times or sizes, alpha outside [0, 1],
- *   num_tokens < 1, margin, max_window or max_verify < 0).
+ *   num_tokens < 1, margin, max_window or max_verify < 0, an output time
+ *   that overflows: R too small for the sizes).
  */
 kvxfer_result_t kvxfer_spec_ttft_model(const kvxfer_spec_model_input_t* in,
                                        kvxfer_spec_model_output_t* out);

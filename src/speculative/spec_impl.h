@@ -19,6 +19,9 @@ double uniform(uint64_t seed, uint64_t draw);
 // ---- the latency model's cost of a verification pass over v draft tokens
 // (v + 1 tokens run): t_ver(v) = base + per_token (v + 1), docs/SPEC.md
 // "Latency model".  Used by ttft_model and verify_length.
+/** The largest draft_len kvxfer_spec_verify_length takes (KVXFER_SPEC_MAX is at most 4096). */
+constexpr int32_t kMaxVerifyDraft = 1 << 16;
+
 inline double verify_pass_s(double base_s, double per_token_s, double v) {
   return base_s + per_token_s * (v + 1.0);
 }

@@ -80,6 +80,13 @@ kvxfer_result_t ttft_model(const kvxfer_spec_model_input_t* in, kvxfer_spec_mode
   o.window = static_cast<int32_t>(k);
   o.drafted = static_cast<int32_t>(d);
   o.verified = static_cast<int32_t>(v);
+  bool finite =
+      std::isfinite(o.t_res_s) && std::isfinite(o.exposure_s) && std::isfinite(o.expected_accepted);
+  for (int c = 0; c < KVXFER_SPEC_SCHEME_COUNT; ++c)
+    finite = finite && std::isfinite(o.t_ready_s[c]) && std::isfinite(o.ttft_s[c]) &&
+             std::isfinite(o.ttft_commit_s[c]) && std::isfinite(o.ttnt_s[c]);
+  KVXFER_REQUIRE(finite,
+                 "the model's times overflow: link_bytes_per_s %g is too small for these sizes", R);
   *out = o;
   return KVXFER_SUCCESS;
 }

@@ -28,6 +28,11 @@ kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
                  config->link_bytes_per_s);
   KVXFER_REQUIRE(info->is_send == 0,
                  "a send request: only the receiver's progress predicts the residual time");
+  KVXFER_REQUIRE(info->stage >= KVXFER_STAGE_POSTED && info->stage <= KVXFER_STAGE_ERROR &&
+                     info->mode >= KVXFER_MODE_AUTO && info->mode <= KVXFER_MODE_MONOLITHIC,
+                 "info: stage %d or mode %d is not one of kvxfer.h's (fill it with "
+                 "kvxfer_request_info)",
+                 static_cast<int>(info->stage), static_cast<int>(info->mode));
   if (info->stage == KVXFER_STAGE_ERROR)
     return set_error(KVXFER_ERR_INVALID_USAGE, "the request failed (%d)",
                      static_cast<int>(info->result));
@@ -57,7 +62,11 @@ kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
     return set_error(KVXFER_ERR_INVALID_USAGE,
                      "no link rate yet (nothing landed since the handshake) and no "
                      "link_bytes_per_s in the config");
-  *t_res_s = left / rate;
+  const double t = left / rate;
+  KVXFER_REQUIRE(std::isfinite(t),
+                 "the residual time overflows (residual_ratio %g, %lld anchor bytes, rate %g B/s)",
+                 config->residual_ratio, static_cast<long long>(info->anchor_wire_bytes), rate);
+  *t_res_s = t;
   return KVXFER_SUCCESS;
 }
 
@@ -88,6 +97,8 @@ kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot
                  verify_base_s);
   KVXFER_REQUIRE(finite_nonneg(verify_per_token_s),
                  "verify_per_token_s %g is negative or not finite", verify_per_token_s);
+  KVXFER_REQUIRE(draft_len <= kMaxVerifyDraft, "draft_len %d exceeds %d", draft_len,
+                 kMaxVerifyDraft);
   // spec.h: the v in [1, draft_len] with the most expected final tokens per
   // second, E(v) / t_ver(v) (expected_pass_tokens, verify_pass_s).
   // E is concave and t_ver affine, so the rate rises to one peak (or
@@ -100,17 +111,31 @@ kvxfer_result_t verify_length(int32_t draft_len, double accept_rate, double tpot
     *length = draft_len;
     return KVXFER_SUCCESS;
   }
+  // The costs scaled by a power of two, exactly, so that the largest is in
+  // [0.5, 1): tiny (subnormal) costs would make every rate infinite, and
+  // ties of infinities pick the wrong v.  The comparisons are unchanged.
+  int e = 0;
+  std::frexp(std::fmax(verify_base_s, verify_per_token_s), &e);
+  const double base = std::ldexp(verify_base_s, -e), per = std::ldexp(verify_per_token_s, -e);
+  auto rate_at = [&](int32_t v) {
+    const double x = static_cast<double>(v);
+    return expected_pass_tokens(accept_rate, x) / verify_pass_s(base, per, x);
+  };
   double best = 0.0;
   int32_t best_v = 0;
-  for (int32_t v = 1; v <= draft_len; ++v) {
-    const double x = static_cast<double>(v);
-    const double rate =
-        expected_pass_tokens(accept_rate, x) / verify_pass_s(verify_base_s, verify_per_token_s, x);
-    if (rate < best) break;
-    best = rate;
-    best_v = v;
+  if (accept_rate >= 1.0 || per == 0.0) {  // the rate never falls: the whole draft
+    best_v = draft_len;
+    best = rate_at(draft_len);
+  } else {
+    for (int32_t v = 1; v <= draft_len; ++v) {
+      const double rate = rate_at(v);
+      if (rate < best) break;
+      best = rate;
+      best_v = v;
+    }
   }
-  *length = best * tpot_s >= 1.0 ? best_v : 0;
+  // best is in tokens per 2^e seconds.
+  *length = best * std::ldexp(tpot_s, -e) >= 1.0 ? best_v : 0;
   return KVXFER_SUCCESS;
 }
 
