@@ -113,6 +113,51 @@ TEST(PageCodec, FastPathsAreByteIdenticalToReferenceForEveryParameterCombination
       }
 }
 
+// An FP16 page whose largest value is 65504, the largest finite binary16:
+// the codec's range (m + d, d rounded up at binary16 precision) reaches
+// 65536, one ulp of d past it.  Decoded into FP16, every path saturates
+// there (f32_to_f16_sat): 65504, never +inf, with the same bytes.
+TEST(PageCodec, AFiniteFp16PageNeverDecodesToInfinity) {
+  const int64_t T = 32;
+  const int32_t H = 40;  // a SIMD body and a tail
+  PagedBuffer src(T, H, KVXFER_DTYPE_FP16, 16);
+  for (int64_t t = 0; t < T; ++t)
+    for (int32_t c = 0; c < H; ++c)
+      src.set(t, c, t == 0 ? (c % 2 ? 65504.0f : -65504.0f) : -9968.0f + (t - 1) * 100.0f);
+  for (const auto& cfg : {config(KVXFER_CODEC_INT8, 0, 32), config(KVXFER_CODEC_INT4, 0, 32),
+                          config(KVXFER_CODEC_LYNX, 0, 32), config(KVXFER_CODEC_LYNX, 5, 32)}) {
+    kvxfer_codec_config_t c = cfg;
+    c.sink_tokens = 0;  // token 0 is coded, not pinned
+    const auto e = test::encode(c, src, Impl::REFERENCE);
+    ASSERT_EQ(e.rc, KVXFER_SUCCESS) << last_error();
+    for (bool full : {false, true}) {
+      PagedBuffer ref(T, H, KVXFER_DTYPE_FP16, 16);
+      ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), full ? e.residual.data() : nullptr,
+                            full ? e.residual.size() : 0, nullptr, &ref.layout, Impl::REFERENCE),
+                KVXFER_SUCCESS);
+      for (int64_t t = 0; t < T; ++t)
+        for (int32_t k = 0; k < H; ++k)
+          ASSERT_TRUE(std::isfinite(ref.get(t, k)))
+              << "codec " << c.codec << " alpha " << c.alpha << (full ? " full" : " anchor")
+              << ": token " << t << " channel " << k << " decodes to " << ref.get(t, k);
+      expect_within_bound(src, ref, e.anchor, full, full ? "full" : "anchor");
+      for (Impl impl : fast_impls()) {
+        PagedBuffer out(T, H, KVXFER_DTYPE_FP16, 16);
+        ASSERT_EQ(decode_page(e.anchor.data(), e.anchor.size(), full ? e.residual.data() : nullptr,
+                              full ? e.residual.size() : 0, nullptr, &out.layout, impl),
+                  KVXFER_SUCCESS);
+        ASSERT_EQ(test::first_diff(ref.bytes(), out.bytes()), -1)
+            << "codec " << c.codec << " impl " << static_cast<int>(impl);
+      }
+    }
+  }
+  EXPECT_EQ(f32_to_f16_sat(65536.0f), 0x7BFF);
+  EXPECT_EQ(f32_to_f16_sat(-1e30f), 0xFBFF);
+  EXPECT_EQ(f32_to_f16_sat(std::numeric_limits<float>::infinity()), 0x7C00);  // inf stays
+  EXPECT_EQ(f32_to_f16_sat(65519.0f), 0x7BFF);
+  EXPECT_EQ(f32_to_f16(65520.0f), 0x7C00);
+}
+
 TEST(PageCodec, AdversarialPagesAreByteIdentical) {
   // Values on and next to bin thresholds, ties, zeros of both signs, huge and
   // tiny magnitudes, constant channels.

@@ -124,6 +124,22 @@ KVXFER_HD inline uint16_t f32_to_f16(float f) {
   const uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
   return sign | static_cast<uint16_t>(q + (rem > half || (rem == half && (q & 1u))));
 }
+/** The largest finite binary16, 0x7BFF. */
+constexpr float kF16Max = 65504.0f;
+/**
+ * f32_to_f16 for a decoder's output (docs/FORMAT.md section 3, item 4): a
+ * finite f that rounds beyond +-65504 gives +-65504 (0x7BFF, signed), as the
+ * FP16 tier saturates (section 6.2), so that a finite page never decodes to
+ * an infinity; the codec's own range (m + d at binary16 precision) may
+ * reach one ulp of d past the page's largest value.  NaN and +-inf convert
+ * as f32_to_f16.  The SIMD decoders clamp to +-kF16Max before converting,
+ * which gives the same bits for every finite f.
+ */
+KVXFER_HD inline uint16_t f32_to_f16_sat(float f) {
+  const uint16_t h = f32_to_f16(f);
+  const bool finite = (f32_bits(f) & 0x7F800000u) != 0x7F800000u;
+  return finite && (h & 0x7FFFu) == 0x7C00u ? static_cast<uint16_t>((h & 0x8000u) | 0x7BFFu) : h;
+}
 /** Smallest binary16 >= f, for finite f >= 0 (may be +inf). */
 KVXFER_HD inline uint16_t f32_to_f16_up(float f) {
   uint16_t h = f32_to_f16(f);

@@ -538,15 +538,17 @@ template <Lookup L, int DT, bool CLAMP, bool NT>
 void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
                           const float* pd, const Values& v, uint8_t* row) {
   const DecodeConsts k(v);
-  const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
-  const __m512 nbig = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  // An FP16 row saturates at +-65504 (f32_to_f16_sat): always clamped there.
+  constexpr bool kF16 = DT == KVXFER_DTYPE_FP16;
+  const __m512 big = _mm512_set1_ps(kF16 ? kF16Max : std::numeric_limits<float>::max());
+  const __m512 nbig = _mm512_set1_ps(kF16 ? -kF16Max : -std::numeric_limits<float>::max());
   const int32_t Hv = H & ~31;
   for (int32_t c = 0; c < Hv; c += 32) {
     __m512 ze, zo;
     zvalues32<L>(pa, pr, c, k, &ze, &zo);
     __m512 xe = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c), ze, _mm512_loadu_ps(pm + c));
     __m512 xo = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c + 16), zo, _mm512_loadu_ps(pm + c + 16));
-    if constexpr (CLAMP) {
+    if constexpr (CLAMP || kF16) {
       xe = _mm512_min_ps(_mm512_max_ps(xe, nbig), big);
       xo = _mm512_min_ps(_mm512_max_ps(xo, nbig), big);
     }

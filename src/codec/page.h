@@ -52,7 +52,7 @@ inline void store_elem(uint8_t* row, int64_t i, kvxfer_dtype_t dt, float v) {
       break;
     }
     case KVXFER_DTYPE_FP16: {
-      const uint16_t h = f32_to_f16(v);
+      const uint16_t h = f32_to_f16_sat(v);
       std::memcpy(row + 2 * i, &h, 2);
       break;
     }

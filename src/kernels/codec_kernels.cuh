@@ -82,7 +82,7 @@ __device__ __forceinline__ void store_x(uint8_t* row, int64_t c, float v) {
   if constexpr (DT == KVXFER_DTYPE_BF16) {
     reinterpret_cast<uint16_t*>(row)[c] = codec::f32_to_bf16(v);
   } else if constexpr (DT == KVXFER_DTYPE_FP16) {
-    reinterpret_cast<uint16_t*>(row)[c] = codec::f32_to_f16(v);
+    reinterpret_cast<uint16_t*>(row)[c] = codec::f32_to_f16_sat(v);
   } else {
     reinterpret_cast<float*>(row)[c] = v;
   }
@@ -94,7 +94,7 @@ __device__ __forceinline__ uint32_t half_bits(float v) {
   if constexpr (DT == KVXFER_DTYPE_BF16)
     return codec::f32_to_bf16(v);
   else
-    return codec::f32_to_f16(v);
+    return codec::f32_to_f16_sat(v);
 }
 
 /**
