@@ -443,6 +443,24 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
   return EncodeStatus::OK;
 }
 
+namespace {
+
+// Whether a chunk with binary16 metadata may decode beyond +-65504 (an FP16
+// row then clamps, f32_to_f16_sat): |x| <= |m| + |d| (every z value is in
+// [-1, 1]), and both below 16384 keep it below 32768.  Conservative: a
+// clamp where none is needed changes no value.
+bool f16_chunk_may_saturate(const uint8_t* meta, int32_t H) {
+  uint16_t top = 0;
+  for (int32_t i = 0; i < 2 * H; ++i) {
+    uint16_t h;
+    std::memcpy(&h, meta + 2 * i, 2);
+    top = std::max<uint16_t>(top, h & 0x7FFFu);
+  }
+  return top >= 0x7400u;  // 16384
+}
+
+}  // namespace
+
 void decode(const DecodeJob& job, Impl impl, int threads) {
   const RowKernels& K = kernels_for(impl);
   const PageHeader& h = *job.hdr;
@@ -478,8 +496,11 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t t0 = k * C, t1 = std::min<int64_t>(T, t0 + C);
       const uint8_t* meta = job.meta + static_cast<size_t>(k) * H * (job.meta_fp32 ? 8 : 4);
+      Values vc = v;
+      if (!vc.clamp && job.dst.l->dtype == KVXFER_DTYPE_FP16)
+        vc.clamp = f16_chunk_may_saturate(meta, H);
       if (fused)
-        K.decode_params(meta, H, job.meta_fp32, v, full, m.data(), d.data());
+        K.decode_params(meta, H, job.meta_fp32, vc, full, m.data(), d.data());
       else
         K.load_meta(meta, H, job.meta_fp32, m.data(), d.data());
       BitReader ra{job.anchors + (static_cast<uint64_t>(t0) * H * A) / 8};
@@ -491,7 +512,7 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
           const uint8_t* pr =
               full && R > 0 ? rr.in + (static_cast<uint64_t>(t - t0) * H) / 2 : nullptr;
           if (fused) {
-            K.decode_row_nibbles(pa, pr, H, m.data(), d.data(), v, job.dst.l->dtype, out[t - t0]);
+            K.decode_row_nibbles(pa, pr, H, m.data(), d.data(), vc, job.dst.l->dtype, out[t - t0]);
             continue;
           }
           unpack44_row(pa, pr, H, idx.data());
@@ -501,7 +522,7 @@ void decode(const DecodeJob& job, Impl impl, int threads) {
             idx[c] = static_cast<uint8_t>(full ? (a << R) | (R > 0 ? rr.get(R) : 0u) : a);
           }
         }
-        K.decode_row(idx.data(), H, m.data(), d.data(), v, job.dst.l->dtype, out[t - t0]);
+        K.decode_row(idx.data(), H, m.data(), d.data(), vc, job.dst.l->dtype, out[t - t0]);
       }
     }
     // Non-temporal stores are weakly ordered: drained before the values are

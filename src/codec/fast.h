@@ -18,7 +18,9 @@ struct Values {
   int linear_kind;     // CODE_NEST / CODE_UNIFORM: table[i] == recon_linear(kind, i, step)
                        // (full codes of the linear codebooks); CODE_LUT: none
   float step;          // Codebook::recon_step
-  bool clamp;          // fp32 metadata: clamp to +-FLT_MAX (fp16 metadata cannot overflow)
+  bool clamp;          // clamp to +-FLT_MAX, or +-65504 into an FP16 row (f32_to_f16_sat):
+                       // fp32 metadata, or a chunk f16_chunk_may_saturate finds (binary16
+                       // metadata cannot overflow binary32)
   bool tiny;           // some table[i] != 0 has |table[i]| < 2^-79: with binary16 metadata,
                        // fma(d, z, m) may then be subnormal (else it is 0 or >= 2^-126)
   bool stream;         // decode_row_nibbles may write with non-temporal stores (a page too

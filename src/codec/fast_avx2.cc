@@ -535,12 +535,12 @@ void decode_row_kind(const uint8_t* idx, int32_t H, const float* m, const float*
     t0 = _mm256_loadu_ps(v.table);
     t1 = _mm256_loadu_ps(v.table + 8);
   }
-  // An FP16 row saturates at +-65504 (f32_to_f16_sat): always clamped there.
+  // CLAMP: to +-FLT_MAX, or for an FP16 row to +-65504 (f32_to_f16_sat).
   const bool f16 = dt == KVXFER_DTYPE_FP16;
   const __m256 big = _mm256_set1_ps(f16 ? kF16Max : std::numeric_limits<float>::max());
   auto value = [&](int32_t c, __m256 z) {
     __m256 x = _mm256_fmadd_ps(_mm256_loadu_ps(d + c), z, _mm256_loadu_ps(m + c));
-    if (CLAMP || f16)
+    if constexpr (CLAMP)
       x = _mm256_min_ps(_mm256_max_ps(x, _mm256_sub_ps(_mm256_setzero_ps(), big)), big);
     return x;
   };

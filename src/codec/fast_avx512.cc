@@ -538,7 +538,7 @@ template <Lookup L, int DT, bool CLAMP, bool NT>
 void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
                           const float* pd, const Values& v, uint8_t* row) {
   const DecodeConsts k(v);
-  // An FP16 row saturates at +-65504 (f32_to_f16_sat): always clamped there.
+  // CLAMP: to +-FLT_MAX, or for an FP16 row to +-65504 (f32_to_f16_sat).
   constexpr bool kF16 = DT == KVXFER_DTYPE_FP16;
   const __m512 big = _mm512_set1_ps(kF16 ? kF16Max : std::numeric_limits<float>::max());
   const __m512 nbig = _mm512_set1_ps(kF16 ? -kF16Max : -std::numeric_limits<float>::max());
@@ -548,7 +548,7 @@ void decode_row_nibbles_t(const uint8_t* pa, const uint8_t* pr, int32_t H, const
     zvalues32<L>(pa, pr, c, k, &ze, &zo);
     __m512 xe = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c), ze, _mm512_loadu_ps(pm + c));
     __m512 xo = _mm512_fmadd_ps(_mm512_loadu_ps(pd + c + 16), zo, _mm512_loadu_ps(pm + c + 16));
-    if constexpr (CLAMP || kF16) {
+    if constexpr (CLAMP) {
       xe = _mm512_min_ps(_mm512_max_ps(xe, nbig), big);
       xo = _mm512_min_ps(_mm512_max_ps(xo, nbig), big);
     }
