@@ -266,32 +266,48 @@ int main(int argc, char** argv) {
   app.add_option("-r,--rate", o.rate,
                  "link rate of the main table, tc syntax (20mbit, 1gbit, "
                  "10mbps = bytes/s); the unit is required, as in KVXFER_RATE_LIMIT");
-  app.add_option("-p,--prompt_len", o.prompt_len, "prompt tokens (BOS + sampled tokens)");
+  const int cpus = omp_get_num_procs();
+  app.add_option("-p,--prompt_len", o.prompt_len, "prompt tokens (BOS + sampled tokens)")
+      ->check(CLI::Range(2, 1 << 20));
   app.add_option("--prompt", o.prompt_ids, "comma-separated prompt token ids instead");
-  app.add_option("--tokens", o.tokens, "output tokens per run (>= 1; TT64T needs 64)");
-  app.add_option("--reps", o.reps, "runs per mode and point (different prompts)");
+  app.add_option("--tokens", o.tokens, "output tokens per run (>= 1; TT64T needs 64)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--reps", o.reps, "runs per mode and point (different prompts)")
+      ->check(CLI::Range(1, 1000000));
   app.add_option("--sweep_rates", o.sweep_rates, "rates of the sweep (at the main prompt length)");
   app.add_option("--sweep_lens", o.sweep_lens, "prompt lengths of the sweep (at the main rate)");
   app.add_flag("--no_sweep", o.no_sweep, "only the main table");
   app.add_flag("--quick", o.quick, "small and fast (the ctest): 1 run, 32 tokens, no sweep");
   app.add_option("-J,--json", o.json_path, "write every run and summary to this JSON file");
   app.add_option("--seed", o.seed, "prompt sampling seed");
-  app.add_option("--temperature", o.temperature, "prompt sampling temperature (0 = greedy)");
-  app.add_option("--page_tokens", o.page_tokens, "tokens per transfer page");
-  app.add_option("--threads", o.threads, "OpenMP threads of the model in each process");
+  app.add_option("--temperature", o.temperature, "prompt sampling temperature (0 = greedy)")
+      ->check([](const std::string& v) {
+        float t = 0;
+        return CLI::detail::lexical_cast(v, t) && std::isfinite(t) && t >= 0
+                   ? std::string()
+                   : "must be a finite number >= 0";
+      });
+  app.add_option("--page_tokens", o.page_tokens, "tokens per transfer page")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--threads", o.threads, "OpenMP threads of the model in each process")
+      ->check(CLI::Range(1, cpus));
   app.add_option("--draft_threads", o.draft_threads,
                  "OpenMP threads while drafting on the anchor KV, with the residual in flight "
-                 "(0: one fewer than --threads, at least 1)");
-  app.add_option("--margin", o.margin, "speculative window margin (tokens)");
+                 "(0: one fewer than --threads, at least 1)")
+      ->check(CLI::Range(0, cpus));
+  app.add_option("--margin", o.margin, "speculative window margin (tokens)")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--verify_max", o.verify_max,
                  "a verification pass checks at most this many draft tokens (passes go on "
-                 "while every token is accepted); 0 = no cap");
+                 "while every token is accepted); 0 = no cap")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_flag("--no_pin", o.no_pin,
                "leave the decode process's model threads unpinned (by default each of "
                "--threads >= 2 is pinned to its own CPU)");
   app.add_option("--first_verify", o.first_verify,
                  "the first verification pass checks at most this many draft tokens, so that "
-                 "the first committed token comes soon after COMPLETE; 0 = no cap");
+                 "the first committed token comes soon after COMPLETE; 0 = no cap")
+      ->check(CLI::Range(0, 1 << 20));
   CLI11_PARSE(app, argc, argv);
   if (o.model_path == "smollm2") {
     o.model_path = km::smollm2_gguf_path();
@@ -331,20 +347,30 @@ int main(int argc, char** argv) {
   std::string why;
   if (!parse_link_rate(o.rate, &main_rate, &why))
     die("bad rate '%s': %s", o.rate.c_str(), why.c_str());
+  double long_rate = 0;  // checked whether or not a long prompt runs
+  if (!parse_link_rate(o.long_rate, &long_rate, &why))
+    die("bad --long_rate '%s': %s", o.long_rate.c_str(), why.c_str());
+  if (!o.long_text_path.empty() && !std::ifstream(o.long_text_path).good())
+    die("--long_text '%s' cannot be read", o.long_text_path.c_str());
   std::vector<int> given;
   if (!o.prompt_ids.empty()) {
     size_t at = 0;
     while (at < o.prompt_ids.size()) {
       size_t comma = o.prompt_ids.find(',', at);
       if (comma == std::string::npos) comma = o.prompt_ids.size();
-      given.push_back(std::atoi(o.prompt_ids.substr(at, comma - at).c_str()));
+      const std::string id = o.prompt_ids.substr(at, comma - at);
+      char* end = nullptr;
+      errno = 0;
+      const long v = id.empty() ? -1 : std::strtol(id.c_str(), &end, 10);
+      if (id.empty() || *end != '\0' || errno != 0 || v < 0 || v > INT32_MAX ||
+          std::isspace(static_cast<unsigned char>(id[0])))
+        die("--prompt: '%s' is not a token id (comma-separated integers >= 0)", id.c_str());
+      given.push_back(static_cast<int>(v));
       at = comma + 1;
     }
     o.prompt_len = static_cast<int>(given.size());
     o.sweep_lens.clear();
   }
-  if (o.tokens < 1 || o.reps < 1 || o.threads < 1 || o.draft_threads < 0 || o.margin < 0)
-    die("bad option value");
 
   // The emulated link is slow and the KV small: a token bucket as deep as the
   // default chunk (256 KiB) would let most of a transfer through unlimited.
@@ -352,7 +378,10 @@ int main(int argc, char** argv) {
   // jitter on a busy 2-core machine (docs/SPEC.md, "The emulated link").
   setenv("KVXFER_NET_CHUNK_BYTES", "16384", 0);
   setenv("KVXFER_CODEC_THREADS", "1", 0);  // tiny pages; two processes share the cores
-  const double burst = std::atof(std::getenv("KVXFER_NET_CHUNK_BYTES"));
+  uint64_t burst_bytes = 0;                // as the library reads it (tc sizes: 64k, 1MiB)
+  if (!kvxfer::params::parse_size(std::getenv("KVXFER_NET_CHUNK_BYTES"), &burst_bytes, &why))
+    die("KVXFER_NET_CHUNK_BYTES='%s' %s", std::getenv("KVXFER_NET_CHUNK_BYTES"), why.c_str());
+  const double burst = static_cast<double>(burst_bytes);
 
   // Fork before anything runs OpenMP (the codec, the model) in this process.
   int down[2], up[2];
@@ -395,12 +424,7 @@ int main(int argc, char** argv) {
     if (!text_mode)
       for (int L : o.sweep_lens) points.insert({main_rate, L});
   }
-  if (text_mode && !text.sets[1].empty()) {
-    double b = 0;
-    if (!parse_link_rate(o.long_rate, &b, &why))
-      die("bad --long_rate '%s': %s", o.long_rate.c_str(), why.c_str());
-    points.insert({b, 1});
-  }
+  if (text_mode && !text.sets[1].empty()) points.insert({long_rate, 1});
   int max_len = 0;
   if (text_mode) {
     for (const auto& set : text.sets)

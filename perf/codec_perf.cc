@@ -486,7 +486,15 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (cases.empty()) {
+    std::fprintf(stderr, "codec_perf: --codec '%s' names no codec\n", o.codecs.c_str());
+    return 2;
+  }
   std::vector<std::string> ds_names = split(o.datasets);
+  if (ds_names.empty()) {
+    std::fprintf(stderr, "codec_perf: --dataset '%s' names no dataset\n", o.datasets.c_str());
+    return 2;
+  }
   for (const std::string& d : ds_names)
     if (d != "real" && d != "synth") {
       std::fprintf(stderr, "codec_perf: unknown dataset '%s' (real, synth)\n", d.c_str());
@@ -541,6 +549,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (paths.empty()) {
+    std::fprintf(stderr, "codec_perf: --path '%s' names no path this CPU runs\n", o.paths.c_str());
+    return 2;
+  }
+  const bool compared =
+      std::any_of(paths.begin(), paths.end(), [](const Path& p) { return p.reference; });
   // #wrong compares with the reference's bytes: it runs first when asked for;
   // the bound row comes last, under the paths it bounds.
   std::stable_partition(paths.begin(), paths.end(), [](const Path& p) { return p.reference; });
@@ -688,6 +702,7 @@ int main(int argc, char** argv) {
                avg_anchor = nrows ? sum_anchor / nrows : 0;
   std::printf("# Wrong bytes : %" PRIu64 " %s\n", total_wrong,
               o.common.check == 0 ? "(not checked)"
+              : !compared         ? "(not checked: no reference row in --path)"
               : total_wrong == 0  ? "OK"
                                   : "FAILED");
   std::printf("# Avg encode ratio to memcpy       : %.3f  (mean over %d rows)\n", avg_enc, nrows);

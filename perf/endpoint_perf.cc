@@ -145,7 +145,7 @@ double pct(std::vector<double> v, double p) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   Options o;
   CLI::App app{
       "endpoint_perf: the cost of a peer to an endpoint: connect latency and idle "
@@ -348,4 +348,8 @@ int main(int argc, char** argv) {
                       {"failed", failed}};
   const int je = kp::emit_json(kTool, o.common.json_path, j);
   return failed == 0 && wrong == 0 && child_ok ? je : 1;
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main(kTool, [&] { return run(argc, argv); });
 }

@@ -103,7 +103,7 @@ uint64_t wrong_elements(const Kv& src, const Kv& got) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   Options o;
   CLI::App app{
       "fanin_perf: prefill processes sending to one decode process at once; anchors "
@@ -247,4 +247,8 @@ int main(int argc, char** argv) {
   if (!ok) return 2;
   if (wrong > 0) return 1;
   return json_rc;
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main(kTool, [&] { return run(argc, argv); });
 }

@@ -617,7 +617,7 @@ int run_cross(const Options& o, const Plan& p, const json& jbase) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   Options o;
   o.common.iters = 3;  // before registration: the default shown by --help
   CLI::App app{
@@ -838,4 +838,8 @@ int main(int argc, char** argv) {
                      {"rope_theta", 500000}};
   signal(SIGPIPE, SIG_IGN);
   return o.fork_mode() ? run_fork(o, p, jbase) : run_cross(o, p, jbase);
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main(kTool, [&] { return run(argc, argv); });
 }

@@ -222,7 +222,7 @@ Side run_rank(const kvxfer_unique_id_t& id, int rank, const Options& o) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   Options o;
   CLI::App app{
       "memory_perf: a communicator's resident set over 20,000 transfers (churn) and "
@@ -282,4 +282,8 @@ int main(int argc, char** argv) {
   const bool pass = mine.ok && theirs[0] == '1';
   std::printf("# %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main(kTool, [&] { return run(argc, argv); });
 }

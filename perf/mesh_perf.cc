@@ -429,7 +429,7 @@ double pct(std::vector<double> v, double p) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   // Its processes outnumber the CPUs (the defaults: 7 on any machine), and
   // each decode checks every request with kvxfer_page_encode/decode, whose
   // OpenMP teams spin after each call under libgomp's default wait policy:
@@ -466,10 +466,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", o.seed, "the request list's seed")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  if (o.common.quick) {
-    o.requests = std::min(o.requests, 96);
-    o.kill_at = std::min(o.kill_at, 30);
-    o.disconnect_at = std::min(o.disconnect_at, 15);
+  if (o.common.quick) {  // smaller defaults; what the command line set stays
+    if (app.count("--requests") == 0) o.requests = std::min(o.requests, 96);
+    if (app.count("--kill_at") == 0) o.kill_at = std::min(o.kill_at, 30);
+    if (app.count("--disconnect_at") == 0) o.disconnect_at = std::min(o.disconnect_at, 15);
+  }
+  if (o.kill_at < 0 || o.kill_at >= o.requests || o.disconnect_at < 0 ||
+      o.disconnect_at >= o.requests) {
+    std::fprintf(stderr, "%s: --kill_at %d and --disconnect_at %d must be in [0, -R %d)\n", kTool,
+                 o.kill_at, o.disconnect_at, o.requests);
+    return 2;
   }
   // A fixed port for prefill 1, so that its restart is at the same address.
   const int port = 20000 + static_cast<int>(getpid() % 20000);
@@ -686,4 +692,8 @@ int main(int argc, char** argv) {
   j["requests"] = rows;
   const int je = kp::emit_json(kTool, o.common.json_path, j);
   return pass ? je : 1;
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main(kTool, [&] { return run(argc, argv); });
 }

@@ -24,6 +24,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdarg>
@@ -500,7 +501,8 @@ int run(const Options& o) {
       return 2;
     }
   }
-  return failed || wrong_total != 0 || !child.exited_ok() ? 1 : 0;
+  if (nratio == 0) std::printf("# No fi_pingpong baseline ran: no ratio measured. FAILED\n");
+  return failed || wrong_total != 0 || nratio == 0 || !child.exited_ok() ? 1 : 0;
 }
 
 }  // namespace
@@ -535,6 +537,11 @@ int main(int argc, char** argv) {
     o.common.iters = 5;
     o.common.warmup = 1;
     o.repeats = 1;
+  }
+  if (::access(o.fi_pingpong.c_str(), X_OK) != 0) {
+    std::fprintf(stderr, "net_plugin_perf: --fi_pingpong '%s' is not an executable: %s\n",
+                 o.fi_pingpong.c_str(), std::strerror(errno));
+    return 2;
   }
   print_preamble(stdout, "net_plugin_perf", machine_info(), kvxfer_settings());
   return run(o);

@@ -202,7 +202,7 @@ struct NiahAcc {
 
 using namespace spectrum_quality;  // NOLINT(google-build-using-namespace)
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   CLI::App app{"SpectrumKV quality: mixed precision vs keep/drop vs uniform at equal budget"};
   bool quick = false;
   int check = 1;
@@ -220,11 +220,12 @@ int main(int argc, char** argv) {
   auto* quick_opt = app.add_flag(
       "--quick", quick,
       "stories: 1 prompt of 192 tokens, synth: 256 tokens, budgets 0.3,0.5; data sets "
-      "stories,synth unless -d; smollm2 (with -d): a 512-token prompt, 64 steps, 3 needle depths "
+      "stories,synth unless -D; smollm2 (with -D): a 512-token prompt, 64 steps, 3 needle depths "
       "of a 512-token haystack, NIAH budgets 0.3,0.5");
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
   app.add_option("-c,--check", check, "1: fail (exit 1) on an out-of-bounds result")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1));
   app.add_option("-D,--datasets", datasets_s,
                  "comma list of stories, synth, smollm2 (default all; smollm2 is skipped with a "
                  "message when its GGUF is absent)");
@@ -235,11 +236,15 @@ int main(int argc, char** argv) {
   app.add_option("--smollm2", smollm2_path, "SmolLM2-135M-Instruct GGUF")->capture_default_str();
   app.add_option("--text", text_path, "real text of smollm2 (perplexity and haystack)")
       ->capture_default_str();
-  app.add_option("--prompts", prompts, "stories prompts")->capture_default_str();
+  app.add_option("--prompts", prompts, "stories prompts")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   app.add_option("--prompt-tokens", prompt_tokens, "tokens per stories prompt")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1 << 20));
   app.add_option("--steps", steps, "stories: teacher-forced continuation tokens")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--text-prompt", text_prompt,
                  "smollm2: tokens of the text whose KV is transferred (0: all but the last "
                  "text-steps + 1)")
@@ -254,15 +259,23 @@ int main(int argc, char** argv) {
   app.add_option("--niah-budgets", niah_budgets_s, "smollm2: NIAH budgets")
       ->capture_default_str()
       ->excludes(quick_opt);
-  app.add_option("--seeds", seeds, "seeds of the Random variant")->capture_default_str();
-  app.add_option("--sinks", pp.sinks, "sink tokens s")->capture_default_str();
+  app.add_option("--seeds", seeds, "seeds of the Random variant")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--sinks", pp.sinks, "sink tokens s")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--lambda", pp.lambda, "recency decay of the importance")->capture_default_str();
   app.add_option("--pdtrim-first", pp.pdtrim_first,
                  "PDTrim: share of the kept tokens taken from the start")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--synth-layers", synth_layers, "synthetic layers")->capture_default_str();
-  app.add_option("--synth-tokens", synth_tokens, "synthetic tokens")->capture_default_str();
+  app.add_option("--synth-layers", synth_layers, "synthetic layers")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 128));
+  app.add_option("--synth-tokens", synth_tokens, "synthetic tokens")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 131072));
   CLI11_PARSE(app, argc, argv);
   if (kvxfer::params::validate() < 0) {
     std::fprintf(stderr, "spectrum_quality: %s\n", kvxfer::last_error());
@@ -731,4 +744,8 @@ int main(int argc, char** argv) {
     if (!kp::write_json_file(json_path, j, &err)) die(err);
   }
   return check && bad > 0 ? 1 : 0;
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main("spectrum_quality", [&] { return run(argc, argv); });
 }

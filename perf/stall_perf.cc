@@ -363,7 +363,7 @@ void run_one(const Options& o, const std::string& api, const std::string& codec,
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   Options o;
   CLI::App app{
       "stall_perf: a sender stopped (SIGSTOP) mid-message; the survivor times the request out, "
@@ -426,4 +426,8 @@ int main(int argc, char** argv) {
       }
   std::printf("# crashes, hangs and failures: %d: %s\n", bad, bad == 0 ? "PASS" : "FAIL");
   return bad == 0 ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main(kTool, [&] { return run(argc, argv); });
 }

@@ -198,7 +198,7 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   Options o;
   CLI::App app{
       "stream_perf: layer-streamed sends against sends posted after the last layer "
@@ -234,6 +234,18 @@ int main(int argc, char** argv) {
       return 2;
     }
 
+  // Four KVs (the sender's source and copy, the receiver's source and
+  // destination): refused here, not by the kernel's out-of-memory killer.
+  const double need = 4.0 * 2.0 * o.layers * static_cast<double>(o.tokens) * 8 * 128 * 2;
+  const uint64_t avail = kp::mem_available_bytes();
+  if (avail > 0 && need > static_cast<double>(avail)) {
+    std::fprintf(stderr,
+                 "%s: --layers %d --tokens %" PRId64
+                 " needs %.1f GiB for four copies of the KV, more than the %.1f GiB available\n",
+                 kTool, o.layers, o.tokens, need / (1 << 30),
+                 static_cast<double>(avail) / (1 << 30));
+    return 2;
+  }
   kvxfer_unique_id_t id{};
   if (kvxfer_get_unique_id(&id) < 0) {
     std::fprintf(stderr, "%s: kvxfer_get_unique_id: %s\n", kTool, kvxfer_get_last_error());
@@ -333,4 +345,8 @@ int main(int argc, char** argv) {
   if (!ok) return 2;
   if (wrong_total > 0) return 1;
   return json_rc;
+}
+
+int main(int argc, char** argv) {
+  return kp::guarded_main(kTool, [&] { return run(argc, argv); });
 }

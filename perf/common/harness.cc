@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <new>
+#include <stdexcept>
 #include <thread>
 
 #include "common/params.h"
@@ -267,7 +269,15 @@ bool ForkedChild::start(const std::function<int()>& body, std::string* error) {
   if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the parent
     if (!parent_alive()) ::_exit(3);     // it died before prctl took effect
-    ::_exit(body());
+    try {
+      ::_exit(body());
+    } catch (const std::bad_alloc&) {  // sizes beyond this machine: an error, not an abort
+      std::fprintf(stderr, "error: not enough memory for these sizes (std::bad_alloc)\n");
+    } catch (const std::length_error& e) {
+      std::fprintf(stderr, "error: sizes out of range (%s)\n", e.what());
+    }
+    std::fflush(stderr);
+    ::_exit(2);
   }
   pid_ = pid;
   status_ = -1;
@@ -316,6 +326,25 @@ std::string ForkedChild::describe() const {
   if (WIFEXITED(status_)) return "exit code " + std::to_string(WEXITSTATUS(status_));
   if (WIFSIGNALED(status_)) return "killed by signal " + std::to_string(WTERMSIG(status_));
   return "status " + std::to_string(status_);
+}
+
+int guarded_main(const char* tool, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "%s: not enough memory for these sizes (std::bad_alloc)\n", tool);
+  } catch (const std::length_error& e) {
+    std::fprintf(stderr, "%s: sizes out of range (%s)\n", tool, e.what());
+  }
+  return 2;
+}
+
+uint64_t mem_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("MemAvailable:", 0) == 0) return std::stoull(line.substr(13)) * 1024;
+  return 0;
 }
 
 long proc_status_kib(const char* field) {

@@ -259,6 +259,17 @@ class ForkedChild {
   bool reaped_ = false;
 };
 
+/**
+ * main()'s body of a perf binary: std::bad_alloc and std::length_error (sizes
+ * beyond the machine, or beyond a container) become "<tool>: not enough
+ * memory for these sizes" or "<tool>: sizes out of range (...)" on stderr and
+ * status 2, not an abort.  A ForkedChild's body gets the same, in the child.
+ */
+int guarded_main(const char* tool, const std::function<int()>& body);
+
+/** MemAvailable of /proc/meminfo, in bytes; 0 when unknown. */
+uint64_t mem_available_bytes();
+
 /** A field of /proc/self/status in KiB ("VmRSS", "VmHWM", "RssAnon", ...);
  *  -1 when absent. */
 long proc_status_kib(const char* field);
