@@ -236,15 +236,15 @@ static int run(int argc, char** argv) {
   app.add_option("-r,--rate_limit", o.rate, "burst: link rate, tc syntax ('' = none)");
   app.add_option("--seed", o.seed, "burst: request sizes");
   CLI11_PARSE(app, argc, argv);
+  if (o.common.quick) {  // smaller defaults; what the command line set stays
+    if (app.count("--transfers") == 0) o.transfers = 500;
+    if (app.count("--requests") == 0) o.requests = 8;
+    if (app.count("--max_mib") == 0) o.max_mib = 4;
+    if (app.count("--rate_limit") == 0) o.rate = "";
+  }
   if (o.max_mib < o.min_mib) {
     std::fprintf(stderr, "%s: --max_mib %d is below --min_mib %d\n", kTool, o.max_mib, o.min_mib);
     return 2;
-  }
-  if (o.common.quick) {
-    o.transfers = 500;
-    o.requests = 8;
-    o.max_mib = 4;
-    o.rate = "";
   }
   kvxfer_unique_id_t id;
   if (kvxfer_get_unique_id(&id) != KVXFER_SUCCESS) {

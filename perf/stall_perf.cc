@@ -388,11 +388,12 @@ static int run(int argc, char** argv) {
   app.add_option("--provider", o.provider,
                  "KVXFER_OFI_PROVIDER of every process ('tcp;ofi_rxm', 'shm'); '' = default");
   CLI11_PARSE(app, argc, argv);
-  if (o.common.quick) {  // a rate at which 8 MiB takes long enough to be cut on a busy machine
-    o.runs = 1;
-    o.rates = {"200mbit"};
-    o.after_ms = 500;
-    o.mib = 8;
+  if (o.common.quick) {  // smaller defaults; what the command line set stays
+    if (app.count("--runs") == 0) o.runs = 1;
+    // a rate at which 8 MiB takes long enough to be cut on a busy machine
+    if (app.count("--rates") == 0) o.rates = {"200mbit"};
+    if (app.count("--after_ms") == 0) o.after_ms = 500;
+    if (app.count("--mib") == 0) o.mib = 8;
   }
   if (!o.provider.empty()) setenv("KVXFER_OFI_PROVIDER", o.provider.c_str(), 1);
   const int pages = kLayers * 2 * ((o.mib * 32 + kPageTokens - 1) / kPageTokens);
