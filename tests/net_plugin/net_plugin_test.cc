@@ -1275,6 +1275,44 @@ TEST(NetPluginFailureModes, ExceptionInConnectLeavesNoDanglingState) {
   return ::testing::AssertionSuccess();
 }
 
+// One context with a listen comm, and the send and recv comms of a
+// connection to it made in this thread (open()).  The destructor closes
+// what is still open (a test that closes a comm itself sets it to null).
+struct SelfComms {
+  const Plugin& p = plug();
+  void *ctx = nullptr, *lc = nullptr, *sc = nullptr, *rc = nullptr;
+  Handle h{};
+  ::testing::AssertionResult listen() {
+    if (init_ctx(p, 0, &ctx) != ncclSuccess || p.v11->listen(ctx, 0, h, &lc) != ncclSuccess)
+      return ::testing::AssertionFailure() << "init or listen failed";
+    return ::testing::AssertionSuccess();
+  }
+  ::testing::AssertionResult open() {
+    ::testing::AssertionResult r = listen();
+    return r ? connect_accept(p, ctx, h, lc, &sc, &rc) : r;
+  }
+  /** Sends `msg` on sc with `tag`, receives it on rc: what arrived. */
+  std::string exchange(const std::string& msg, int tag) {
+    char buf[256] = {};
+    void* data = buf;
+    size_t cap = sizeof(buf);
+    void *rreq = nullptr, *sreq = nullptr;
+    int size = -1;
+    if (irecv_until(p.v11, rc, 1, &data, &cap, &tag, &rreq) != ncclSuccess ||
+        isend_until(p.v11, sc, const_cast<char*>(msg.data()), msg.size(), tag, &sreq) !=
+            ncclSuccess ||
+        wait_done(p.v11, rreq, &size) != ncclSuccess || size < 0)
+      return "<no message>";
+    return std::string(buf, static_cast<size_t>(size));
+  }
+  ~SelfComms() {
+    if (sc != nullptr) EXPECT_EQ(p.v11->closeSend(sc), ncclSuccess);
+    if (rc != nullptr) EXPECT_EQ(p.v11->closeRecv(rc), ncclSuccess);
+    if (lc != nullptr) EXPECT_EQ(p.v11->closeListen(lc), ncclSuccess);
+    if (ctx != nullptr) EXPECT_EQ(p.v11->finalize(ctx), ncclSuccess);
+  }
+};
+
 // Someone who is not the peer, sending one tagged message to the address in
 // a listen handle with raw libfabric, as anyone who can reach it can.  `pump`
 // drives the plugin's side meanwhile (its provider makes progress only in
@@ -1332,25 +1370,20 @@ bool stranger_sends(const netplugin::Handle& h, const std::string& text, uint64_
 // (the listen handle's) with the tag of the next message: the receive is
 // not theirs.  It takes the peer's message, byte for byte.
 TEST(NetPluginFailureModes, AStrangerCannotPutDataIntoARecvComm) {
-  const Plugin& p = plug();
-  void* ctx = nullptr;
-  ASSERT_EQ(init_ctx(p, 0, &ctx), ncclSuccess);
-  Handle h;
-  void *lc = nullptr, *sc = nullptr, *rc = nullptr;
-  ASSERT_EQ(p.v11->listen(ctx, 0, h, &lc), ncclSuccess);
+  SelfComms c;
+  ASSERT_TRUE(c.open());
   netplugin::Handle hh;
-  std::memcpy(&hh, h, sizeof(hh));
-  ASSERT_TRUE(connect_accept(p, ctx, h, lc, &sc, &rc));
+  std::memcpy(&hh, c.h, sizeof(hh));
   char buf[64] = {};
   void* data = buf;
   size_t cap = sizeof(buf);
   int tag = 7;
   void *rreq = nullptr, *sreq = nullptr;
-  ASSERT_EQ(irecv_until(p.v11, rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
+  ASSERT_EQ(irecv_until(c.p.v11, c.rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
   int done = 0, size = -1;
   ncclResult_t tr = ncclSuccess;
   auto pump = [&] {
-    if (!done && tr == ncclSuccess) tr = p.v11->test(rreq, &done, &size);
+    if (!done && tr == ncclSuccess) tr = c.p.v11->test(rreq, &done, &size);
   };
   ASSERT_TRUE(stranger_sends(hh, "EVIL from a stranger", netplugin::data_tag(7, 0), pump));
   const auto t0 = Clock::now();
@@ -1358,56 +1391,37 @@ TEST(NetPluginFailureModes, AStrangerCannotPutDataIntoARecvComm) {
   ASSERT_EQ(tr, ncclSuccess);
   EXPECT_FALSE(done) << "the receive took a stranger's message: \"" << buf << "\"";
   std::string good = "the peer's own message";
-  ASSERT_EQ(isend_until(p.v11, sc, good.data(), good.size(), 7, &sreq), ncclSuccess);
-  ASSERT_EQ(wait_done(p.v11, sreq, nullptr), ncclSuccess);
+  ASSERT_EQ(isend_until(c.p.v11, c.sc, good.data(), good.size(), 7, &sreq), ncclSuccess);
+  ASSERT_EQ(wait_done(c.p.v11, sreq, nullptr), ncclSuccess);
   if (!done) {
-    ASSERT_EQ(wait_done(p.v11, rreq, &size), ncclSuccess);
+    ASSERT_EQ(wait_done(c.p.v11, rreq, &size), ncclSuccess);
   }
   EXPECT_EQ(size, static_cast<int>(good.size()));
   EXPECT_EQ(std::string(buf, good.size()), good);
-  EXPECT_EQ(p.v11->closeSend(sc), ncclSuccess);
-  EXPECT_EQ(p.v11->closeRecv(rc), ncclSuccess);
-  EXPECT_EQ(p.v11->closeListen(lc), ncclSuccess);
-  EXPECT_EQ(p.v11->finalize(ctx), ncclSuccess);
 }
 
 // 6. A connect request that is not for this listen (a stale or corrupted
 // handle: another listen id) is refused and logged; the listen waits on and
 // accepts its own peer.
 TEST(NetPluginFailureModes, AStrayConnectRequestLeavesTheListenWaitingForItsPeer) {
-  const Plugin& p = plug();
-  void* ctx = nullptr;
-  ASSERT_EQ(init_ctx(p, 0, &ctx), ncclSuccess);
-  Handle h, stale;
-  void *lc = nullptr, *bad = nullptr, *sc = nullptr, *rc = nullptr;
-  ASSERT_EQ(p.v11->listen(ctx, 0, h, &lc), ncclSuccess);
-  std::memcpy(stale, h, sizeof(h));
+  SelfComms c;
+  ASSERT_TRUE(c.listen());
+  Handle stale;
+  void* bad = nullptr;
+  std::memcpy(stale, c.h, sizeof(stale));
   stale[offsetof(netplugin::Handle, listen_id)] ^= 0x10;
   const auto t0 = Clock::now();
   while (!logged(NCCL_LOG_WARN, "refused a connect request") && since(t0) < 10) {
-    ASSERT_EQ(p.v11->connect(ctx, 0, stale, &bad, nullptr), ncclSuccess);
+    ASSERT_EQ(c.p.v11->connect(c.ctx, 0, stale, &bad, nullptr), ncclSuccess);
     ASSERT_EQ(bad, nullptr);
-    ASSERT_EQ(p.v11->accept(lc, &rc, nullptr), ncclSuccess);
-    ASSERT_EQ(rc, nullptr);
+    ASSERT_EQ(c.p.v11->accept(c.lc, &c.rc, nullptr), ncclSuccess);
+    ASSERT_EQ(c.rc, nullptr);
   }
   ASSERT_TRUE(logged(NCCL_LOG_WARN,
                      "refused a connect request that is not for this listen "
                      "(another listen id); still waiting"));
-  ASSERT_TRUE(connect_accept(p, ctx, h, lc, &sc, &rc));
-  std::string msg = "after a stray connect";
-  char buf[64] = {};
-  void* data = buf;
-  size_t cap = sizeof(buf);
-  int tag = 1, size = -1;
-  void *rreq = nullptr, *sreq = nullptr;
-  ASSERT_EQ(irecv_until(p.v11, rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
-  ASSERT_EQ(isend_until(p.v11, sc, msg.data(), msg.size(), 1, &sreq), ncclSuccess);
-  ASSERT_EQ(wait_done(p.v11, rreq, &size), ncclSuccess);
-  EXPECT_EQ(std::string(buf, size), msg);
-  p.v11->closeSend(sc);
-  p.v11->closeRecv(rc);
-  p.v11->closeListen(lc);
-  p.v11->finalize(ctx);
+  ASSERT_TRUE(connect_accept(c.p, c.ctx, c.h, c.lc, &c.sc, &c.rc));
+  EXPECT_EQ(c.exchange("after a stray connect", 1), "after a stray connect");
 }
 
 // 7. A handle whose stage names another handle's connection attempt (a
@@ -1442,36 +1456,35 @@ TEST(NetPluginFailureModes, AHandleNamingAnotherHandlesAttemptIsRefused) {
 // mapped memory of its own (M_MMAP_THRESHOLD), which its close unmaps.
 TEST(NetPluginFailureModes, ClosedCommsAndGarbageHandlesAreRefusedWithoutBeingRead) {
   ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 32 * 1024), 1);
-  const Plugin& p = plug();
-  void* ctx = nullptr;
-  ASSERT_EQ(init_ctx(p, 0, &ctx), ncclSuccess);
-  Handle h;
-  void *lc = nullptr, *sc = nullptr, *rc = nullptr;
-  ASSERT_EQ(p.v11->listen(ctx, 0, h, &lc), ncclSuccess);
-  ASSERT_TRUE(connect_accept(p, ctx, h, lc, &sc, &rc));
+  SelfComms c;
+  ASSERT_TRUE(c.open());
+  const ncclNet_v11_t* net = c.p.v11;
+  void *sc = c.sc, *rc = c.rc, *lc = c.lc;
   char buf[16];
   void* data = buf;
   size_t cap = sizeof(buf);
   int tag = 0, done = -1;
   void* rreq = nullptr;
-  ASSERT_EQ(irecv_until(p.v11, rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
+  ASSERT_EQ(irecv_until(net, rc, 1, &data, &cap, &tag, &rreq), ncclSuccess);
   void* garbage = reinterpret_cast<void*>(0x10);
   void* sreq = nullptr;
-  EXPECT_EQ(p.v11->isend(sc, buf, 1, 0, garbage, nullptr, &sreq), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->irecv(rc, 1, &data, &cap, &tag, &garbage, nullptr, &sreq), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->test(garbage, &done, nullptr), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->accept(garbage, &sreq, nullptr), ncclInvalidArgument);
-  ASSERT_EQ(p.v11->closeRecv(rc), ncclSuccess);
-  EXPECT_EQ(p.v11->test(rreq, &done, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(net->isend(sc, buf, 1, 0, garbage, nullptr, &sreq), ncclInvalidArgument);
+  EXPECT_EQ(net->irecv(rc, 1, &data, &cap, &tag, &garbage, nullptr, &sreq), ncclInvalidArgument);
+  EXPECT_EQ(net->test(garbage, &done, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(net->accept(garbage, &sreq, nullptr), ncclInvalidArgument);
+  ASSERT_EQ(net->closeRecv(rc), ncclSuccess);
+  c.rc = nullptr;
+  EXPECT_EQ(net->test(rreq, &done, nullptr), ncclInvalidArgument);
   EXPECT_EQ(done, 0);
-  EXPECT_EQ(p.v11->closeRecv(rc), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->irecv(rc, 1, &data, &cap, &tag, nullptr, nullptr, &sreq), ncclInvalidArgument);
-  ASSERT_EQ(p.v11->closeListen(lc), ncclSuccess);
-  EXPECT_EQ(p.v11->closeListen(lc), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->accept(lc, &sreq, nullptr), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->closeSend(sc), ncclSuccess);
-  EXPECT_EQ(p.v11->closeSend(sc), ncclInvalidArgument);
-  EXPECT_EQ(p.v11->finalize(ctx), ncclSuccess);
+  EXPECT_EQ(net->closeRecv(rc), ncclInvalidArgument);
+  EXPECT_EQ(net->irecv(rc, 1, &data, &cap, &tag, nullptr, nullptr, &sreq), ncclInvalidArgument);
+  ASSERT_EQ(net->closeListen(lc), ncclSuccess);
+  c.lc = nullptr;
+  EXPECT_EQ(net->closeListen(lc), ncclInvalidArgument);
+  EXPECT_EQ(net->accept(lc, &sreq, nullptr), ncclInvalidArgument);
+  EXPECT_EQ(net->closeSend(sc), ncclSuccess);
+  c.sc = nullptr;
+  EXPECT_EQ(net->closeSend(sc), ncclInvalidArgument);
 }
 
 TEST(NetPluginFailureModes, ErrorsFromTestAreReturnedEveryTime) {
