@@ -17,10 +17,12 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <random>
+#include <shared_mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -173,11 +175,14 @@ struct Global {
   std::unordered_map<uint64_t, std::unique_ptr<PendingConnect>> pending;
   uint64_t next_pending = 1;
   // Every comm and registration NCCL holds a pointer to, until its close or
-  // deregMr: a pointer is looked up here before it is read, so a closed or
-  // garbage one is an error, never a read of freed memory.
+  // deregMr (under live_mu, not mu: read on every isend, irecv and test, from
+  // NCCL's proxy threads at once): a pointer is looked up here before it is
+  // read, so a closed or garbage one is an error, not a read of freed memory.
+  std::shared_mutex live_mu;
   std::unordered_set<const void*> live_data;    // DataComm
   std::unordered_set<const void*> live_listen;  // ListenComm
   std::unordered_set<const void*> live_mrs;     // MemHandle
+  std::map<uintptr_t, const void*> live_reqs;   // a DataComm's request array -> the DataComm
   std::mt19937_64 rng{std::random_device{}()};
 };
 
@@ -195,11 +200,11 @@ std::shared_ptr<Context> find_context(void* ctx) {
 
 using LiveSet = std::unordered_set<const void*> Global::*;
 bool is_live(LiveSet set, const void* p) {
-  std::lock_guard<std::mutex> lk(g().mu);
+  std::shared_lock<std::shared_mutex> lk(g().live_mu);
   return p != nullptr && (g().*set).count(p) != 0;
 }
 void set_live(LiveSet set, const void* p, bool live) {
-  std::lock_guard<std::mutex> lk(g().mu);
+  std::unique_lock<std::shared_mutex> lk(g().live_mu);
   if (live)
     (g().*set).insert(p);
   else
@@ -228,7 +233,10 @@ ncclResult_t discover_locked() {
   // Open the provider once on the first device: the provider must exist here,
   // and its capabilities decide ptrSupport.
   std::shared_ptr<Domain> probe;
-  const kvxfer_result_t rc = Domain::open(params::OfiProvider(), s.devices[0].address, &probe);
+  // With FI_DIRECTED_RECV, as every comm's endpoint asks (net_listen): a
+  // provider without it fails here, by name, not at the first listen.
+  const kvxfer_result_t rc =
+      Domain::open(params::OfiProvider(), s.devices[0].address, &probe, /*directed_recv=*/true);
   if (rc != KVXFER_SUCCESS)  // a named provider that is missing is a bad setting
     return s.discover_result =
                fail(rc == KVXFER_ERR_INVALID_ARGUMENT ? ncclInvalidArgument : ncclSystemError,
@@ -403,12 +411,13 @@ class DataComm {
   const Endpoint* ep() const { return ep_.get(); }
   const std::vector<uint8_t>& peer_name() const { return peer_name_; }
   int active() const { return active_; }
+  /** The address of this comm's request array (the live_reqs key). */
+  uintptr_t reqs_base() const { return reinterpret_cast<uintptr_t>(reqs_.data()); }
   /** Whether `p` is one of this comm's requests (compares addresses only). */
   bool owns_request(const void* p) const {
     const auto a = reinterpret_cast<uintptr_t>(p);
-    return a >= reinterpret_cast<uintptr_t>(reqs_.data()) &&
-           a < reinterpret_cast<uintptr_t>(reqs_.data() + reqs_.size()) &&
-           (a - reinterpret_cast<uintptr_t>(reqs_.data())) % sizeof(Request) == 0;
+    return a >= reqs_base() && a < reinterpret_cast<uintptr_t>(reqs_.data() + reqs_.size()) &&
+           (a - reqs_base()) % sizeof(Request) == 0;
   }
 
   /** Closes the endpoint: the provider never touches a posted buffer again. */
@@ -742,6 +751,28 @@ class DataComm {
   static constexpr std::chrono::seconds kLivenessIdle{1};
 };
 
+// A DataComm in the registries (live_data, live_reqs), or out of them.
+void set_live_data(DataComm* c, bool live) {
+  std::unique_lock<std::shared_mutex> lk(g().live_mu);
+  if (live) {
+    g().live_data.insert(c);
+    g().live_reqs[c->reqs_base()] = c;
+  } else {
+    g().live_data.erase(c);
+    g().live_reqs.erase(c->reqs_base());
+  }
+}
+
+// The live DataComm whose request `r` is, or null (one ordered lookup).
+DataComm* request_owner(const void* r) {
+  std::shared_lock<std::shared_mutex> lk(g().live_mu);
+  auto it = g().live_reqs.upper_bound(reinterpret_cast<uintptr_t>(r));
+  if (it == g().live_reqs.begin()) return nullptr;
+  --it;
+  auto* c = static_cast<DataComm*>(const_cast<void*>(it->second));
+  return c->owns_request(r) ? c : nullptr;
+}
+
 DataComm* as_data_comm(void* comm, uint32_t want) {
   if (!is_live(&Global::live_data, comm)) return nullptr;
   auto* c = static_cast<DataComm*>(comm);
@@ -951,10 +982,22 @@ uint64_t read_stage(const void* handle) {
   return id;
 }
 
-std::unique_ptr<PendingConnect> take_pending(uint64_t id) {
+// The attempt `id`, taken out of the registry; null if there is none.  With
+// `h`: only when the attempt is that handle's (its listen id and address),
+// else it stays, and *mismatch is set.
+std::unique_ptr<PendingConnect> take_pending(uint64_t id, const Handle* h = nullptr,
+                                             bool* mismatch = nullptr) {
   std::lock_guard<std::mutex> lk(g().mu);
   auto it = g().pending.find(id);
   if (it == g().pending.end()) return nullptr;
+  if (h != nullptr) {
+    const PendingConnect& a = *it->second;
+    if (h->listen_id != a.listen_id || h->name_len != a.peer_name.size() ||
+        std::memcmp(h->name, a.peer_name.data(), a.peer_name.size()) != 0) {
+      *mismatch = true;
+      return nullptr;
+    }
+  }
   std::unique_ptr<PendingConnect> p = std::move(it->second);
   g().pending.erase(it);
   return p;
@@ -1081,23 +1124,21 @@ ncclResult_t net_connect(void* ctx, int dev, void* handle, void** send_comm,
   std::unique_ptr<PendingConnect> p;
   const uint64_t stage = read_stage(handle);
   if (stage != 0) {
-    p = take_pending(stage);
+    Handle h;
+    std::memcpy(&h, handle, sizeof(h));
+    bool mismatch = false;
+    p = take_pending(stage, &h, &mismatch);
+    if (mismatch) {  // the attempt stays for its own handle
+      write_stage(handle, 0);
+      return fail(ncclInvalidArgument,
+                  "connect: the handle names the connection attempt of another handle (a "
+                  "copied or corrupted handle); connect with the listener's handle as written");
+    }
     if (!p) {
       write_stage(handle, 0);
       return fail(ncclInternalError,
                   "connect: the handle refers to a connection attempt that no longer exists "
                   "(it failed, or its context was finalized)");
-    }
-    Handle h;
-    std::memcpy(&h, handle, sizeof(h));
-    if (h.listen_id != p->listen_id || h.name_len != p->peer_name.size() ||
-        std::memcmp(h.name, p->peer_name.data(), p->peer_name.size()) != 0) {
-      std::lock_guard<std::mutex> lk(g().mu);
-      g().pending[stage] = std::move(p);  // its own handle goes on with it
-      write_stage(handle, 0);
-      return fail(ncclInvalidArgument,
-                  "connect: the handle names the connection attempt of another handle (a "
-                  "copied or corrupted handle); connect with the listener's handle as written");
     }
   } else {
     std::shared_ptr<Context> c = find_context(ctx);
@@ -1137,11 +1178,11 @@ ncclResult_t net_connect(void* ctx, int dev, void* handle, void** send_comm,
     mark_sockets(*p->ep, &p->peer_name, p->cls.dscp, "connect");
     NP_INFO(NCCL_NET, "connected %s -> %s, %s", addr_string(p->ep->name()).c_str(),
             addr_string(p->peer_name).c_str(), p->cls.describe().c_str());
-    auto* comm =
-        new DataComm(true, p->ctx, p->dev, p->cls, std::move(p->ep), p->peer, p->peer_name);
+    std::unique_ptr<DataComm> comm(
+        new DataComm(true, p->ctx, p->dev, p->cls, std::move(p->ep), p->peer, p->peer_name));
+    set_live_data(comm.get(), true);
     drop();
-    set_live(&Global::live_data, comm, true);
-    *send_comm = comm;
+    *send_comm = comm.release();
     return ncclSuccess;
   } catch (...) {
     drop();
@@ -1241,11 +1282,11 @@ ncclResult_t net_accept(void* listen_comm, void** recv_comm) {
   mark_sockets(*lc->ep, &lc->peer_name, lc->cls.dscp, "accept");
   NP_INFO(NCCL_NET, "accepted %s -> %s, %s", addr_string(lc->peer_name).c_str(),
           addr_string(lc->ep->name()).c_str(), lc->cls.describe().c_str());
-  auto* comm =
-      new DataComm(false, lc->ctx, lc->dev, lc->cls, std::move(lc->ep), lc->peer, lc->peer_name);
+  std::unique_ptr<DataComm> comm(
+      new DataComm(false, lc->ctx, lc->dev, lc->cls, std::move(lc->ep), lc->peer, lc->peer_name));
+  set_live_data(comm.get(), true);
   lc->state = ListenComm::kAccepted;
-  set_live(&Global::live_data, comm, true);
-  *recv_comm = comm;
+  *recv_comm = comm.release();
   return ncclSuccess;
 }
 
@@ -1309,13 +1350,9 @@ ncclResult_t net_iflush(void* recv_comm, int n, void** data, int* sizes, void** 
 ncclResult_t net_test(void* request, int* done, int* sizes) {
   if (done != nullptr) *done = 0;
   auto* r = static_cast<Request*>(request);
-  bool owned = false;  // a request of a live comm: only then is it read
-  if (r != nullptr) {
-    std::lock_guard<std::mutex> lk(g().mu);
-    for (const void* c : g().live_data)
-      if ((owned = static_cast<const DataComm*>(c)->owns_request(r))) break;
-  }
-  if (!owned || done == nullptr || r->magic != kReqMagic || r->kind == ReqKind::kFree)
+  // A request of a live comm: only then is it read.
+  if (r == nullptr || request_owner(r) == nullptr || done == nullptr || r->magic != kReqMagic ||
+      r->kind == ReqKind::kFree)
     return fail(ncclInvalidArgument, "test: %p is not a request in flight", request);
   return r->comm->test(r, done, sizes);
 }
@@ -1323,7 +1360,7 @@ ncclResult_t net_test(void* request, int* done, int* sizes) {
 ncclResult_t net_close_send(void* send_comm) {
   DataComm* c = as_data_comm(send_comm, kSendMagic);
   if (c == nullptr) return fail(ncclInvalidArgument, "closeSend: %p is not a send comm", send_comm);
-  set_live(&Global::live_data, c, false);
+  set_live_data(c, false);
   c->close();
   c->magic = kDeadMagic;
   delete c;
@@ -1333,7 +1370,7 @@ ncclResult_t net_close_send(void* send_comm) {
 ncclResult_t net_close_recv(void* recv_comm) {
   DataComm* c = as_data_comm(recv_comm, kRecvMagic);
   if (c == nullptr) return fail(ncclInvalidArgument, "closeRecv: %p is not a recv comm", recv_comm);
-  set_live(&Global::live_data, c, false);
+  set_live_data(c, false);
   c->close();
   c->magic = kDeadMagic;
   delete c;

@@ -1453,7 +1453,8 @@ TEST(NetPluginFailureModes, AHandleNamingAnotherHandlesAttemptIsRefused) {
 
 // 8. Pointers NCCL should no longer hold (a closed comm, a request of one,
 // a garbage registration) are refused without being read: a comm here is
-// mapped memory of its own (M_MMAP_THRESHOLD), which its close unmaps.
+// mapped memory of its own (M_MMAP_THRESHOLD), which its close unmaps.  The
+// threshold stays for the rest of the process: ctest runs each case alone.
 TEST(NetPluginFailureModes, ClosedCommsAndGarbageHandlesAreRefusedWithoutBeingRead) {
   ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 32 * 1024), 1);
   SelfComms c;
