@@ -395,6 +395,9 @@ class WorkerCore:
         self._waiting = collections.deque()  # RecvSpecs not posted yet (max_loads)
         self._released = []  # _release()'s receives until they end
         self._load_errors = set()
+        # Addresses whose connect failed in this start() or finished() call
+        # (_peer): once one has, the call connects to no new address.
+        self._unreachable = set()
 
     @property
     def address(self):
@@ -451,6 +454,7 @@ class WorkerCore:
     def start(self, meta):
         """start_load_kv: posts the sends and loads of `meta`, then cancels
         the loads it names (posted first, so that the prefill hears of it)."""
+        self._unreachable = set()
         for s in meta.sends:
             t = self._sending[s.req_id] = _Transfer([], s.block_ids)
             if not self.pools:
@@ -497,7 +501,7 @@ class WorkerCore:
         (or is in `bad`) is not tried again in the call.  Best effort: an
         error only loses the early release (the prefill waits for
         claim_timeout_ms)."""
-        t, bad = _Transfer([], []), set() if bad is None else bad
+        t, bad = _Transfer([], []), self._unreachable if bad is None else bad
         if targets is None:
             try:
                 loads, unasked = self._plan(r)
@@ -570,10 +574,12 @@ class WorkerCore:
     def _peer(self, r, rank, t, bad):
         """The kvxfer peer of prefill TP rank `rank` of load `r`
         (connected once per address), noted in t.addresses.  Once a connect
-        has failed in this call (`bad` not empty) no new address is
-        connected: a prefill instance that does not answer one TP rank's
-        connect costs the call one timeout, not one per rank.  A failed
-        connect adds its address to `bad`."""
+        has failed in this start() or finished() call (`bad`, the call's
+        _unreachable, not empty) no new address is connected: prefill ranks
+        that do not answer cost the model runner one timeout per call, not
+        one per rank or per load; a sibling rank not yet connected then
+        keeps its blocks until its claim_timeout_ms.  A failed connect adds
+        its address to `bad`."""
         address = _hex(r.remote_endpoints[rank], "kv_transfer_params remote_endpoints")
         if address in bad or (bad and address not in self._peers):
             raise ValueError("prefill TP rank %d could not be reached" % rank)
@@ -598,7 +604,7 @@ class WorkerCore:
         decode rank asks for.  When that fails (a bad block id, an
         unreachable prefill, a topology that cannot serve), the load fails
         and, if it can, the prefill is released (_release)."""
-        bad = set()  # addresses whose connect failed: not tried again here
+        bad = self._unreachable  # connects that failed in this call: no new ones
         try:
             loads, unasked = self._plan(r)
             for j, rid, p in loads:
@@ -645,6 +651,7 @@ class WorkerCore:
         """get_finished: (finished sending, finished receiving, failed
         receiving), request ids, each reported once."""
         sent, received, failed = set(), set(), set()
+        self._unreachable = set()
         now = time.monotonic()
         for req_id, t in self._recving.items():  # outlived the prefill's claim timeout
             if now > t.deadline and not t.error:

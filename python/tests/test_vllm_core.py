@@ -438,8 +438,14 @@ def test_a_load_stops_connecting_once_one_prefill_rank_does_not_answer():
                                                                    eps[:2] if heads == 2 else eps,
                                                                    [1], 16, heads)]))
             assert len(tried) == 1, (heads, tried)
-        out = poll(dec, {"d2", "d8"}, 1)
-        assert out[1] == out[2] == {"d2", "d8"}
+        # Two loads from other unanswering prefills in one call: one connect
+        # in all, not one per load.
+        tried.clear()
+        dec.start(vllm_core.Metadata(recvs=[vllm_core.RecvSpec("e1", "q", eps[2:4], [2], 16, 2),
+                                            vllm_core.RecvSpec("e2", "r", eps[4:6], [3], 16, 2)]))
+        assert len(tried) == 1, tried
+        out = poll(dec, {"d2", "d8", "e1", "e2"}, 1)
+        assert out[1] == out[2] == {"d2", "d8", "e1", "e2"}
     finally:
         dec.close()
 
