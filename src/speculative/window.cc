@@ -2,6 +2,7 @@
 // stop (acceptance monitor); include/kvxfer/spec.h, docs/SPEC.md.
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common/error.h"
@@ -28,11 +29,17 @@ kvxfer_result_t residual_time(const kvxfer_spec_window_config_t* config,
                  config->link_bytes_per_s);
   KVXFER_REQUIRE(info->is_send == 0,
                  "a send request: only the receiver's progress predicts the residual time");
-  KVXFER_REQUIRE(info->stage >= KVXFER_STAGE_POSTED && info->stage <= KVXFER_STAGE_ERROR &&
-                     info->mode >= KVXFER_MODE_AUTO && info->mode <= KVXFER_MODE_MONOLITHIC,
+  // Read as integers: loading an enum object that holds no enumerator's
+  // value is undefined (UBSan's -fsanitize=enum).
+  int stage = 0, mode = 0;
+  static_assert(sizeof(info->stage) == sizeof(int) && sizeof(info->mode) == sizeof(int), "C enums");
+  std::memcpy(&stage, &info->stage, sizeof(int));
+  std::memcpy(&mode, &info->mode, sizeof(int));
+  KVXFER_REQUIRE(stage >= KVXFER_STAGE_POSTED && stage <= KVXFER_STAGE_ERROR &&
+                     mode >= KVXFER_MODE_AUTO && mode <= KVXFER_MODE_MONOLITHIC,
                  "info: stage %d or mode %d is not one of kvxfer.h's (fill it with "
                  "kvxfer_request_info)",
-                 static_cast<int>(info->stage), static_cast<int>(info->mode));
+                 stage, mode);
   if (info->stage == KVXFER_STAGE_ERROR)
     return set_error(KVXFER_ERR_INVALID_USAGE, "the request failed (%d)",
                      static_cast<int>(info->result));
