@@ -366,12 +366,13 @@ class WorkerCore:
         if self.codec not in ("bf16", "int8", "lynx"):
             raise ValueError("kv_connector_extra_config codec %r: one of bf16, int8, lynx" %
                              self.codec)
-        def setting(key, default, lo, hi):
+        def setting(key, default, lo, hi):  # _int_field's check, named for the config
             v = extra.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            try:
+                return _int_field({key: v}, key, lo, hi)
+            except ValueError:
                 raise ValueError("kv_connector_extra_config %s %r: an integer in [%d, %d]" %
-                                 (key, v, lo, hi))
-            return v
+                                 (key, v, lo, hi)) from None
 
         int32 = 2**31 - 1
         self.claim_timeout_ms = setting("claim_timeout_ms", DEFAULT_CLAIM_TIMEOUT_MS, 1, int32)
