@@ -267,17 +267,11 @@ bool ForkedChild::start(const std::function<int()>& body, std::string* error) {
     return false;
   }
   if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the parent
-    if (!parent_alive()) ::_exit(3);     // it died before prctl took effect
-    try {
-      ::_exit(body());
-    } catch (const std::bad_alloc&) {  // sizes beyond this machine: an error, not an abort
-      std::fprintf(stderr, "error: not enough memory for these sizes (std::bad_alloc)\n");
-    } catch (const std::length_error& e) {
-      std::fprintf(stderr, "error: sizes out of range (%s)\n", e.what());
-    }
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);                // never outlive the parent
+    if (!parent_alive()) ::_exit(3);                   // it died before prctl took effect
+    const int rc = guarded_main("forked peer", body);  // sizes beyond memory: status 2
     std::fflush(stderr);
-    ::_exit(2);
+    ::_exit(rc);
   }
   pid_ = pid;
   status_ = -1;
