@@ -17,7 +17,8 @@
 // told), and those before K that no decode had posted yet are not posted.
 // At --disconnect_at of its own completions, decode 0 waits until nothing
 // is in flight with prefill 2, disconnects from it and reconnects at its
-// next use; prefill 2 posts again the sends that the disconnect ended.
+// next use; prefill 2 posts again the sends that the disconnect ended, and
+// connects again when a post finds decode 0 gone.
 // Received bytes are compared with the codec's own decode of the sender's
 // values (-c 1).
 #include <poll.h>
@@ -173,10 +174,21 @@ int prefill_main(const Options& o, int me, int port, bool restarted, int rd, int
   }
   const std::vector<Req> reqs = plan(o);
   std::deque<Live> live;
+  // A post to a decode that disconnected from us (decode 0, from prefill 2)
+  // fails at the call (kvxfer_endpoint_connect: its index is dead); the
+  // decode reconnects at its next use of us, and a connect from this side
+  // gives the same new index whichever side connects first.
   auto post = [&](Live& l) {
     const kvxfer_request_config_t rc = kp::by_id(static_cast<uint64_t>(l.i), kPageTokens);
-    const int peer = peers.get(o.prefill + reqs[l.i].d);
-    return peer >= 0 && kvxfer_send(ep, peer, &l.kv->desc, nullptr, &rc, &l.r) == KVXFER_SUCCESS;
+    const int who = o.prefill + reqs[l.i].d;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const int peer = peers.get(who);
+      if (peer < 0) return false;
+      const kvxfer_result_t r = kvxfer_send(ep, peer, &l.kv->desc, nullptr, &rc, &l.r);
+      if (r != KVXFER_ERR_INVALID_USAGE) return r == KVXFER_SUCCESS;
+      peers.idx.erase(who);
+    }
+    return false;
   };
   int st = 0;
   auto finish_oldest = [&] {
