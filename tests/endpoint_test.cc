@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -200,6 +201,48 @@ TEST(Endpoint, AConnectTakesTheSpareLinkMadeAheadAndAFailedOneDropsIt) {
                KVXFER_ERR_INVALID_ARGUMENT, "wrong secret");
   EXPECT_EQ(ha->spare_links_taken.load(), 3);
   EXPECT_TRUE(reaches(ha->spare_links_made, 4));
+}
+
+// A request that ends before kvxfer_send returns: its callback gets the
+// caller's handle, and kvxfer_test on it (allowed in a callback) reads the
+// request, not an empty handle (it crashed).
+TEST(Endpoint, ACallbackOfARequestThatEndsBeforeItsPostReturnsCanTestIt) {
+  auto hooks = std::make_shared<xfer::TestHooks>();
+  Ep a(nullptr, 0, kTimeoutMs, nullptr, hooks), b;
+  ASSERT_NE(a.ep, nullptr);
+  ASSERT_NE(b.ep, nullptr);
+  const int ab = a.connect(b), ba = b.connect(a);
+  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  src.fill(3);
+  codec::store_elem(src.row(0, KVXFER_KV_KEY, 0), 0, KVXFER_DTYPE_BF16, NAN);  // ERROR policy
+  struct Seen {
+    std::atomic<int> calls{0};
+    std::atomic<int> test_rc{1};
+    std::atomic<int> stage{-1};
+  } seen;
+  kvxfer_request_config_t rc = by_id(7);
+  kvxfer_request_t r = nullptr, s = nullptr;
+  ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  rc.user_data = &seen;
+  rc.on_complete = [](kvxfer_request_t req, kvxfer_stage_t, kvxfer_result_t, void* u) {
+    auto* x = static_cast<Seen*>(u);
+    kvxfer_stage_t st = KVXFER_STAGE_POSTED;
+    x->test_rc = kvxfer_test(req, &st);
+    x->stage = st;
+    x->calls++;
+  };
+  hooks->post_return_delay_ms = 2000;  // the send fails on the engine's threads meanwhile
+  ASSERT_EQ(kvxfer_send(a.ep, ab, &src.desc, nullptr, &rc, &s), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  hooks->post_return_delay_ms = 0;
+  EXPECT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_NONFINITE);
+  EXPECT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_ERR_NONFINITE)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_request_free(s), KVXFER_SUCCESS);  // waits for a callback still running
+  EXPECT_EQ(seen.calls.load(), 1);
+  EXPECT_EQ(seen.test_rc.load(), KVXFER_ERR_NONFINITE);
+  EXPECT_EQ(seen.stage.load(), KVXFER_STAGE_ERROR);
+  kvxfer_request_free(r);
 }
 
 TEST(Endpoint, CrossedConnectsEndWithOnePeerEachSide) {

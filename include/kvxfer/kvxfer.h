@@ -1121,9 +1121,11 @@ kvxfer_result_t kvxfer_request_get_arrivals(kvxfer_request_t request, kvxfer_arr
  * codec work touches its blocks any more (kvxfer_wait returns then, and the
  * blocks may be reused).  Its staging memory is released.  The peer's
  * matching request ends in ERROR with KVXFER_ERR_CANCELLED and a message
- * saying that the peer cancelled it; a peer that posts its match later gets
- * the same.  Cancelling a request that is already final (COMPLETE or ERROR),
- * or already cancelled, changes nothing and succeeds.  The handle must still
+ * saying that the peer cancelled it, unless it was final already (a send
+ * cancelled after its last byte went may end CANCELLED while its receive
+ * is COMPLETE); a peer that posts its match later gets the same.
+ * Cancelling a request that is already final (COMPLETE or ERROR), or
+ * already cancelled, changes nothing and succeeds.  The handle must still
  * be freed.  Any thread.
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (request NULL).
  */
@@ -1132,7 +1134,9 @@ kvxfer_result_t kvxfer_request_cancel(kvxfer_request_t request);
 /**
  * Frees a request in a final stage (COMPLETE or ERROR).  A request still in
  * flight is left alone and KVXFER_ERR_INVALID_USAGE is returned: wait for it,
- * cancel it, or abort the communicator first.  NULL is a no-op.
+ * cancel it, or abort the communicator first.  NULL is a no-op.  The
+ * handle is gone afterwards: no other thread may be in, or enter, a call on
+ * it (kvxfer_wait included), as with free().
  */
 kvxfer_result_t kvxfer_request_free(kvxfer_request_t request);
 

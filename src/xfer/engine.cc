@@ -669,10 +669,15 @@ kvxfer_result_t Engine::post(bool is_send, int peer, const kvxfer_kv_desc_t* kv,
       KVXFER_CHECK(m.take_peer_slot_locked(*r, peer));
     }
     r->order = m.next_order++;
-    m.submitted.push_back(r);
+    // The caller's handle holds the request before the progress thread can
+    // see it: a request that ends at once calls its callbacks with that
+    // handle, and kvxfer_test on it reads this pointer.
+    *out = r;
+    m.submitted.push_back(std::move(r));
   }
   m.kick();
-  *out = std::move(r);
+  if (m.hooks && m.hooks->post_return_delay_ms.load() > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(m.hooks->post_return_delay_ms.load()));
   return KVXFER_SUCCESS;
 }
 

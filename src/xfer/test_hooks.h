@@ -65,6 +65,10 @@ struct TestHooks {
   std::atomic<int> spare_links_made{0};
   std::atomic<int> spare_links_taken{0};
 
+  /** Engine::post sleeps this long (ms) once the progress thread can see the
+   *  new request, before it returns: a request may end meanwhile. */
+  std::atomic<int64_t> post_return_delay_ms{0};
+
   /** Takes one corruption for a received section; true: flip a byte. */
   bool take_corruption(bool anchor) {
     if (corrupt_sections.load() > 0 && corrupt_sections.fetch_sub(1) > 0) return true;
