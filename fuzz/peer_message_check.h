@@ -246,6 +246,19 @@ struct Harness {
     if (stage == KVXFER_STAGE_COMPLETE) check_complete();
   }
 
+  /** Once the input is played: a request not final must have a receive
+   *  posted, which the link's timeout would end; with none it never ends. */
+  void check_not_stuck() {
+    {
+      std::lock_guard<std::mutex> lk(req->mu);
+      if (req->stage == KVXFER_STAGE_COMPLETE || req->stage == KVXFER_STAGE_ERROR) return;
+    }
+    done.resize(m->testing_posts.size(), false);
+    for (size_t i = 0; i < m->testing_posts.size(); ++i)
+      if (!done[i] && !m->testing_posts[i].is_send) return;
+    violated("not final, with no receive posted: nothing would end the request");
+  }
+
   /** COMPLETE only when everything arrived whole, with every checksum right. */
   void check_complete() {
     if (!desc.ok) return violated("COMPLETE without the peer's DESC");
@@ -325,6 +338,7 @@ inline Outcome play(const uint8_t* data, size_t size) {
     if (h.violation.empty()) {
       h.complete_sends(false);
       h.drain();
+      h.check_not_stuck();
     }
     std::lock_guard<std::mutex> lk(h.req->mu);
     out.stage = h.req->stage;

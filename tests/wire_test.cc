@@ -903,5 +903,47 @@ TEST(PeerMessages, CorpusReplaysWithoutViolations) {
   EXPECT_GE(complete, 11u);
 }
 
+// A sender whose every page message is empty (it gave up), or that sends no
+// page at all, and then reports success: the receive fails at once.  It used
+// to wait for ever, with no receive left for the link's timeout to expire.
+TEST(PeerMessages, ASenderReportingSuccessBeforeTheReceiveCompletedFailsIt) {
+  for (const bool gave_up : {true, false}) {
+    SCOPED_TRACE(gave_up ? "empty pages, then STATUS ok" : "STATUS ok before any page");
+    const uint8_t flags = 0x02;  // this rank receives 5 tokens of bf16 (peer_message_check.h)
+    xfer::Desc d;
+    d.is_sender = true;
+    d.tag = fuzz::peer::kTag;
+    d.num_layers = fuzz::peer::kLayers;
+    d.kv_heads = fuzz::peer::kHeads;
+    d.head_dim = fuzz::peer::kHeadDim;
+    d.num_tokens = 5;
+    d.codec = KVXFER_CODEC_CONFIG_INITIALIZER;
+    d.mode = KVXFER_MODE_PROGRESSIVE;
+    d.page_tokens = 8;
+    Bytes in{flags};
+    auto add = [&](xfer::MsgKind kind, uint32_t page, const Bytes& body) {
+      in.push_back(static_cast<uint8_t>(kind));
+      in.push_back(static_cast<uint8_t>(page));
+      in.push_back(static_cast<uint8_t>(page >> 8));
+      in.push_back(static_cast<uint8_t>(body.size()));
+      in.push_back(static_cast<uint8_t>(body.size() >> 8));
+      in.insert(in.end(), body.begin(), body.end());
+    };
+    add(xfer::MsgKind::kDesc, 0, xfer::encode_desc(d));
+    const size_t pages = xfer::plan_pages(d.num_layers, d.num_tokens, d.page_tokens).size();
+    ASSERT_EQ(pages, 4u);
+    for (uint32_t i = 0; gave_up && i < pages; ++i) {
+      add(xfer::MsgKind::kAnchor, i, {});
+      add(xfer::MsgKind::kResidual, i, {});
+    }
+    add(xfer::MsgKind::kStatus, 0, xfer::encode_status(KVXFER_SUCCESS, ""));
+    const fuzz::peer::Outcome o = fuzz::peer::play(in.data(), in.size());
+    EXPECT_EQ(o.violation, "");
+    EXPECT_EQ(o.stage, KVXFER_STAGE_ERROR);
+    EXPECT_EQ(o.result, KVXFER_ERR_CORRUPT) << o.error;
+    EXPECT_NE(o.error.find("reported success before this receive"), std::string::npos) << o.error;
+  }
+}
+
 }  // namespace
 }  // namespace kvxfer

@@ -815,6 +815,15 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
         fail(r, pr,
              strprintf("peer %d (%s) failed: %s", r->peer, r->is_send ? "receiver" : "sender",
                        text.c_str()));
+      } else if (!r->is_send) {
+        // A sender reports success only once this side's STATUS ok came
+        // (maybe_complete): one before, or after it gave up (an empty page
+        // message), leaves nothing to wait on, so the receive would hang.
+        const char* what = w.peer_gave_up ? "had its pages (it sent empty ones)" : "completed";
+        fail(r, KVXFER_ERR_CORRUPT,
+             strprintf("peer %d (sender) reported success before this receive %s: not the "
+                       "protocol of a kvxfer peer",
+                       r->peer, what));
       } else {
         w.peer_status_ok = true;
         maybe_complete(r);
