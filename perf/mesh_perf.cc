@@ -343,7 +343,15 @@ int decode_main(const Options& o, int me, int rd, int wr) {
   auto finish_oldest = [&] {
     Live l = std::move(live.front());
     live.pop_front();
-    const kvxfer_result_t w = kvxfer_wait(l.r, KVXFER_STAGE_COMPLETE, o.timeout_ms * 2);
+    // Answers the coordinator while it waits: the word on the kill waits for
+    // every decode's 'N', and a decode blocked here on a request whose
+    // prefill waits on the other decode (blocked in that word) held the
+    // mesh until a request timed out.
+    const int64_t end = kp::mono_ns() + int64_t{2} * o.timeout_ms * 1000000;
+    kvxfer_result_t w;
+    while ((w = kvxfer_wait(l.r, KVXFER_STAGE_COMPLETE, 20)) == KVXFER_IN_PROGRESS &&
+           kp::mono_ns() < end)
+      check_coordinator(next);
     const std::string err = w == KVXFER_SUCCESS ? "" : kvxfer_get_last_error();
     kvxfer_request_info_t info = KVXFER_REQUEST_INFO_INITIALIZER;
     kvxfer_request_get_info(l.r, &info);
