@@ -21,8 +21,11 @@
 // connects again when a post finds decode 0 gone.
 // Received bytes are compared with the codec's own decode of the sender's
 // values (-c 1).
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -108,6 +111,33 @@ bool read_msg(int fd, char* kind, std::vector<uint8_t>* body, int timeout_ms) {
 bool readable(int fd, int wait_ms = 0) {
   pollfd p{fd, POLLIN, 0};
   return ::poll(&p, 1, wait_ms) > 0;
+}
+
+/**
+ * A port for prefill 1, free now and below the kernel's ephemeral range
+ * (ip_local_port_range), so that no other socket's connect takes it while
+ * prefill 1 is down between its kill and its restart (one in the range
+ * did: "bind: Address already in use").  0 if none of 64 tried is free.
+ */
+int restart_port() {
+  int lo = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "re")) {
+    if (std::fscanf(f, "%d", &lo) != 1) lo = 32768;
+    std::fclose(f);
+  }
+  const int base = 10000, span = std::max(1000, lo - base);
+  for (int k = 0; k < 64; ++k) {
+    const int port = base + static_cast<int>((getpid() + 7919L * k) % span);
+    const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = s >= 0 && ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    if (s >= 0) ::close(s);
+    if (ok) return port;
+  }
+  return 0;
 }
 
 /** Every process's address: prefill 0..P-1, then decode 0..D-1. */
@@ -498,7 +528,11 @@ static int run(int argc, char** argv) {
     return 2;
   }
   // A fixed port for prefill 1, so that its restart is at the same address.
-  const int port = 20000 + static_cast<int>(getpid() % 20000);
+  const int port = restart_port();
+  if (port == 0) {
+    std::fprintf(stderr, "%s: no free port below the ephemeral range for prefill 1\n", kTool);
+    return 2;
+  }
 
   const int nproc = o.prefill + o.decode;
   struct Proc {
