@@ -758,8 +758,11 @@ int main(int argc, char** argv) {
     json j;
     j["tool"] = kTool;
     j["model"] = o.model_path;
+    // prompt_len: the main point's, as the summary rows name it (with text
+    // prompts, the set: 0 chat, 1 long text).
     j["config"] = {{"main_rate_mbit", main_rate * 8 / 1e6},
-                   {"prompt_len", o.prompt_len},
+                   {"prompt_len", text_mode ? 0 : o.prompt_len},
+                   {"text_prompts", text_mode},
                    {"tokens", o.tokens},
                    {"reps", o.reps},
                    {"page_tokens", o.page_tokens},

@@ -6,8 +6,10 @@
     python3 examples/plot_demo.py --check demo.json    # verdicts only, no matplotlib
 
 Two panels against the link rate (log scale), one colour per mode (BF16, INT8,
-INT4 monolithic; Lynx progressive + speculative), at the main prompt length
-of the run (config.prompt_len; --prompt_len to pick another):
+INT4 monolithic; Lynx progressive + speculative), at the main prompt of the
+run (config.prompt_len: its length in tokens, or with a GGUF model's text
+prompts, config.text_prompts, the set: 0 chat, 1 long text; --prompt_len to
+pick another):
   1. TTFT: the first output token emitted, ms from kvxfer_send;
   2. time to 64 final tokens (TT64T; TT32T when the run made fewer than 64).
 Measured medians are solid lines with markers; the predictions of
@@ -63,11 +65,19 @@ def plot(doc, out, prompt_len):
     import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
 
     cfg = doc.get("config", {})
-    length = prompt_len if prompt_len else cfg.get("prompt_len")
+    length = prompt_len if prompt_len is not None else cfg.get("prompt_len")
     rows = [r for r in doc.get("summary", []) if r["prompt_len"] == length]
     if not rows:
-        print("plot_demo.py: no summary rows for prompt length %s" % length, file=sys.stderr)
+        have = sorted({r["prompt_len"] for r in doc.get("summary", [])})
+        print("plot_demo.py: no summary rows for prompt_len %s (the run has %s)" % (length, have),
+              file=sys.stderr)
         return 1
+    text = cfg.get("text_prompts", False)
+    prompt = ({0: "chat prompts", 1: "long text"}.get(length, "prompt set %s" % length) if text
+              else "prompt %s tokens" % length)
+    model = doc.get("model", "?").rsplit("/", 1)[-1]
+    for ext in (".gguf", ".bin"):
+        model = model[:-len(ext)] if model.endswith(ext) else model
     many = cfg.get("tokens", 64) >= 64
     late, late_pred, late_name = (("tt64_ms", "pred_tt64_ms", "time to 64 tokens (TT64T)")
                                   if many else
@@ -92,7 +102,7 @@ def plot(doc, out, prompt_len):
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("link rate (Mbit/s)")
         ax.set_ylabel("ms from kvxfer_send")
-        ax.set_title("%s, stories260K, prompt %d tokens" % (title, length))
+        ax.set_title("%s, %s, %s" % (title, model, prompt))
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     cal = doc.get("calibration", {})
@@ -109,8 +119,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json_file")
     ap.add_argument("-o", "--output", default="disagg_demo.png")
-    ap.add_argument("--prompt_len", type=int, default=0,
-                    help="prompt length to plot (default: the run's main one)")
+    ap.add_argument("--prompt_len", type=int, default=None,
+                    help="prompt length (text prompts: set) to plot (default: the run's main one)")
     ap.add_argument("--check", action="store_true", help="verify the verdicts only")
     a = ap.parse_args()
     with open(a.json_file) as f:
