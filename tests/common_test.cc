@@ -521,6 +521,36 @@ TEST_F(Environment, MalformedIntFailsEveryCall) {
               "KVXFER_CODEC_THREADS='65' is outside \\[0, 64\\]");
 }
 
+// In the child, at KVXFER_DEBUG=INFO: a malformed value is logged as
+// malformed, never as "set by environment to" the default it falls back to.
+[[noreturn]] void LogsMalformedNotAsSet(const char* env, const char* value) {
+  const std::string log = ::testing::TempDir() + "kvxfer_env_log_" + std::to_string(getpid());
+  setenv("KVXFER_DEBUG", "INFO", 1);
+  setenv("KVXFER_DEBUG_FILE", log.c_str(), 1);
+  setenv(env, value, 1);
+  int version = 0;
+  const kvxfer_result_t r = kvxfer_get_version(&version);
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::remove(log.c_str());
+  std::fprintf(stderr, "%s", text.c_str());
+  const bool ok = r == KVXFER_ERR_INVALID_ARGUMENT &&
+                  text.find("malformed environment") != std::string::npos &&
+                  text.find(std::string(env) + " set by environment") == std::string::npos;
+  std::_Exit(ok ? 0 : 1);
+}
+
+TEST_F(Environment, AMalformedValueIsNotLoggedAsSet) {
+  for (const auto& [env, value] :
+       {std::pair<const char*, const char*>{"KVXFER_CODEC_THREADS", "lots"},
+        {"KVXFER_STAGING_CACHE_BYTES", "4Mi"},
+        {"KVXFER_RATE_LIMIT", "fast"},
+        {"KVXFER_CODEC_IMPL", "avx9"}}) {
+    SCOPED_TRACE(env);
+    EXPECT_EXIT(LogsMalformedNotAsSet(env, value), ::testing::ExitedWithCode(0), "");
+  }
+}
+
 TEST_F(Environment, MalformedEnumFailsEveryCall) {
   EXPECT_EXIT(ExpectMalformed("KVXFER_CODEC_IMPL", "sse9"), ::testing::ExitedWithCode(0),
               "KVXFER_CODEC_IMPL='sse9' is not one of auto\\|avx2\\|avx512\\|scalar\\|reference");

@@ -102,19 +102,21 @@ void record_bad(const char* env, const char* text, const std::string& why) {
 // INT, SIZE and FLOAT: a number in [lo, hi] read by `parse`, logged with `fmt`.
 #define KVXFER_RANGED_ACCESSOR(Type, Name, env, def, lo, hi, parse, fmt, shown)   \
   Type Name() {                                                                   \
+    static bool bad = false; /* malformed: logged by record_bad, not as set */    \
     static const Type value = [] {                                                \
       const char* t = std::getenv(env);                                           \
       Type v = def;                                                               \
       std::string why;                                                            \
       if (t != nullptr && !parse(t, lo, hi, &v, &why)) {                          \
         record_bad(env, t, why);                                                  \
+        bad = true;                                                               \
         v = def;                                                                  \
       }                                                                           \
       return v;                                                                   \
     }();                                                                          \
     static std::once_flag logged;                                                 \
     std::call_once(logged, [] {                                                   \
-      if (std::getenv(env) != nullptr)                                            \
+      if (std::getenv(env) != nullptr && !bad)                                    \
         KVXFER_INFO(LOG_ENV, "%s set by environment to " fmt, env, shown(value)); \
     });                                                                           \
     return value;                                                                 \
@@ -127,31 +129,35 @@ void record_bad(const char* env, const char* text, const std::string& why) {
   KVXFER_RANGED_ACCESSOR(double, Name, env, def, lo, hi, parse_float, "%g", (double))
 #define KVXFER_PARAM_RATE(Name, env, def, doc)                                             \
   double Name() {                                                                          \
+    static bool bad = false; /* malformed: logged by record_bad, not as set */             \
     static const double value = [] {                                                       \
       const char* t = std::getenv(env);                                                    \
       double v = 0;                                                                        \
       std::string why;                                                                     \
       if (!parse_rate(t != nullptr ? t : def, &v, &why)) {                                 \
         record_bad(env, t != nullptr ? t : def, why);                                      \
+        bad = true;                                                                        \
         v = 0;                                                                             \
       }                                                                                    \
       return v;                                                                            \
     }();                                                                                   \
     static std::once_flag logged;                                                          \
     std::call_once(logged, [] {                                                            \
-      if (const char* t = std::getenv(env))                                                \
+      if (const char* t = std::getenv(env); t != nullptr && !bad)                          \
         KVXFER_INFO(LOG_ENV, "%s set by environment to %s = %.0f bytes/s", env, t, value); \
     });                                                                                    \
     return value;                                                                          \
   }
 #define KVXFER_PARAM_ENUM(Name, env, Type, def, choices, doc)                       \
   Type Name() {                                                                     \
+    static bool bad = false; /* malformed: logged by record_bad, not as set */      \
     static const Type value = [] {                                                  \
       const char* t = std::getenv(env);                                             \
       Type v = Type::def;                                                           \
       std::string why;                                                              \
       if (t != nullptr && !parse_enum(t, &v, &why)) {                               \
         record_bad(env, t, why);                                                    \
+        bad = true;                                                                 \
         v = Type::def;                                                              \
       }                                                                             \
       return v;                                                                     \
@@ -159,7 +165,7 @@ void record_bad(const char* env, const char* text, const std::string& why) {
     static std::once_flag logged;                                                   \
     if (std::strcmp(env, "KVXFER_DEBUG") != 0)                                      \
       std::call_once(logged, [] {                                                   \
-        if (std::getenv(env) != nullptr)                                            \
+        if (std::getenv(env) != nullptr && !bad)                                    \
           KVXFER_INFO(LOG_ENV, "%s set by environment to %s", env, name_of(value)); \
       });                                                                           \
     return value;                                                                   \
