@@ -1531,6 +1531,9 @@ def _page_id_struct(pid):
     if pid is None:
         return None
     if not isinstance(pid, PageId):
+        if not isinstance(pid, (tuple, list)):
+            raise TypeError("page_id: a PageId(layer, kind, token_begin, stream_id) or a tuple "
+                            "of them, not %s" % type(pid).__name__)
         pid = PageId(*pid)
     s = _abi.PageIdStruct()
     s.layer = int(pid.layer)

@@ -32,6 +32,9 @@ def child_env(extra=None):
     env["PYTHONPATH"] = os.pathsep.join([PYROOT, HERE] + [p for p in [env.get("PYTHONPATH")]
                                                           if p])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if env.get("KVXFER_LIBRARY") and os.sep in env["KVXFER_LIBRARY"]:
+        # A path relative to where pytest started: children may run elsewhere.
+        env["KVXFER_LIBRARY"] = os.path.abspath(env["KVXFER_LIBRARY"])
     if extra:
         env.update(extra)
     return env

@@ -49,6 +49,13 @@ def test_encode_decode_round_trip_and_inspect():
     assert e.value.code == Result.ERR_CORRUPT and "checksum" in e.value.message
 
 
+def test_a_page_id_that_is_not_one_is_a_type_error_naming_it():
+    src = kvdata.HostKV(1, 1, 16, 40, 16, Dtype.FP32).fill(1)
+    for bad in (0, "0", None.__class__):
+        with pytest.raises(TypeError, match="page_id: a PageId"):
+            kvxfer.encode_page(src.layout(0, KVKind.KEY), bad)
+
+
 def test_nonfinite_is_rejected_naming_the_element():
     src = kvdata.HostKV(1, 1, 16, 40, 16, Dtype.FP32).fill(1)
     row = kvdata.decode_floats(src.rows(0, KVKind.KEY)[17 * 64:18 * 64], Dtype.FP32)
