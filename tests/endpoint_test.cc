@@ -1097,6 +1097,54 @@ TEST(Endpoint, AConnectFromTheListenersOwnIncarnationIsRefused) {
   transfer_exact(a.ep, 0, b.ep, 0, 4, 4, bf16());
 }
 
+// A CONNECT from a new incarnation that claims the listener address of a
+// live peer (any holder of the blob can send one, with the secret it
+// carries) does not end that peer: before, its requests failed with "the
+// endpoint ... restarted" though it had not.
+TEST(Endpoint, AConnectClaimingALivePeersAddressDoesNotEndIt) {
+  namespace tcp = transport::tcp;
+  Ep a, b;
+  const int ab = a.connect(b), ba = b.connect(a);
+  ASSERT_GE(ab, 0);
+  ASSERT_GE(ba, 0);
+  xfer::EndpointAddress at, claim;
+  ASSERT_EQ(xfer::decode_endpoint_address(a.addr.data(), a.addr.size(), &at), KVXFER_SUCCESS);
+  ASSERT_EQ(xfer::decode_endpoint_address(b.addr.data(), b.addr.size(), &claim), KVXFER_SUCCESS);
+  claim.incarnation ^= 0x5a5a5a5a5a5aull;  // "b restarted"
+  const std::vector<uint8_t> blob = xfer::encode_endpoint_address(claim);
+  transport::LinkConfig lc;
+  ASSERT_EQ(transport::LinkConfig::from_params(&lc), KVXFER_SUCCESS);
+  std::unique_ptr<transport::Link> link;  // a real link address, never connected
+  ASSERT_EQ(transport::Link::create(lc, &link), KVXFER_SUCCESS) << last_error();
+  const std::vector<uint8_t>& la = link->local_address();
+  std::vector<uint8_t> f(4);  // the CONNECT frame of endpoint.cc's exchange()
+  tcp::put_u32(&f, xfer::kHandshakeMagic);
+  tcp::put_u16(&f, xfer::kHandshakeVersion);
+  tcp::put_u16(&f, 1);  // CONNECT
+  tcp::put_u32(&f, 0);  // flags
+  f.insert(f.end(), at.secret.begin(), at.secret.end());
+  tcp::put_u64(&f, claim.incarnation);
+  tcp::put_u64(&f, at.incarnation);
+  tcp::put_u32(&f, static_cast<uint32_t>(blob.size()));
+  f.insert(f.end(), blob.begin(), blob.end());
+  tcp::put_u32(&f, static_cast<uint32_t>(la.size()));
+  f.insert(f.end(), la.begin(), la.end());
+  tcp::finish_frame(&f);
+  tcp::Fd fd = dial_listener(at);
+  const tcp::Deadline d = tcp::deadline_after(5000);
+  bool closed = false;
+  ASSERT_EQ(tcp::send_all(fd.get(), f.data(), f.size(), d, "test", "CONNECT", &closed),
+            KVXFER_SUCCESS);
+  uint8_t head[4 + 16];  // length prefix, magic, version, status, incarnation
+  ASSERT_EQ(tcp::recv_all(fd.get(), head, sizeof head, d, "test", "the answer", &closed),
+            KVXFER_SUCCESS);
+  ASSERT_EQ(tcp::get_u16(head + 10), static_cast<uint16_t>(xfer::HandshakeStatus::kOk));
+  // The real b is still a's peer ab, and moves exact bytes both ways.
+  EXPECT_EQ(a.connect(b), ab);
+  transfer_exact(a.ep, ab, b.ep, ba, 11, 11, lynx());
+  transfer_exact(b.ep, ba, a.ep, ab, 12, 12, bf16());
+}
+
 // An aborted endpoint takes no new peer: its own connects fail at the call,
 // and its listener refuses the connects of others, who are told why.
 TEST(Endpoint, AnAbortedEndpointTakesNoNewPeer) {

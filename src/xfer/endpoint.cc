@@ -578,9 +578,13 @@ int Membership::go_live(uint64_t incarnation, Entry& e, std::unique_ptr<Link> li
   e.why.clear();
   const bool shm = link->same_host();
   engine_->adopt_peer(p, std::move(link));
-  // A Live peer at the same listener with another incarnation restarted.
+  // A Live peer at the same listener with another incarnation restarted,
+  // when this side reached the new one at that listener.  An accepted
+  // CONNECT's address is only a claim (any holder of our blob may send one):
+  // the old incarnation is then ended by its own Link, when it dies.
   for (auto& [inc, other] : entries_)
-    if (inc != incarnation && other.state == State::kLive && other.addr.same_place(e.addr))
+    if (initiated && inc != incarnation && other.state == State::kLive &&
+        other.addr.same_place(e.addr))
       end(other, KVXFER_ERR_SYSTEM,
           strprintf("the endpoint at %s restarted (incarnation %016" PRIx64 " is now %016" PRIx64
                     ")",
