@@ -318,8 +318,13 @@ void run_one(const Options& o, const std::string& api, const std::string& codec,
   if (pid == 0) {
     close(p[0]);
     alarm(static_cast<unsigned>(o.timeout_ms * 3 / 1000 + o.after_ms / 1000 + 90));
-    const Result r =
-        api == "comm" ? survivor_comm(o, codec, rate, cut) : survivor(o, codec, rate, cut);
+    Result r = api == "comm" ? survivor_comm(o, codec, rate, cut) : survivor(o, codec, rate, cut);
+    // The survivor's comm_init has its --timeout_ms (the stall's) for three
+    // forked ranks' links and bootstrap, which a loaded machine can exceed
+    // before any stall: the run, not the start-up, is what is measured, so
+    // it is made once more.
+    if (api == "comm" && r.code == 12 && std::strstr(r.why, "timed out") != nullptr)
+      r = survivor_comm(o, codec, rate, cut);
     (void)kp::send_msg(p[1], kMsgResult, &r, sizeof r);
     _exit(0);
   }

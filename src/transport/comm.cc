@@ -158,10 +158,14 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
     });
   }
   AddressTable table;
-  kvxfer_result_t r = bootstrap_connect(id, rank, nranks, ms_left(deadline, 1), payload.data(),
-                                        payload.size(), &table, &session);
+  const int boot_ms = ms_left(deadline, 1);
+  kvxfer_result_t r = bootstrap_connect(id, rank, nranks, boot_ms, payload.data(), payload.size(),
+                                        &table, &session);
   if (r != KVXFER_SUCCESS) {
-    const std::string boot_err = last_error();
+    std::string boot_err = last_error();
+    if (r == KVXFER_ERR_TIMEOUT && boot_ms < timeout_ms)  // the links took the rest
+      boot_err += strprintf(" (of the timeout of %d ms, opening the links took %d)", timeout_ms,
+                            timeout_ms - boot_ms);
     if (root_thread.joinable()) root_thread.join();
     // A relayed failure: the root's error says the same as ours.
     if (root_r != KVXFER_SUCCESS && root_or_null->failed_rank() < 0)
