@@ -45,6 +45,24 @@ bool ParseInt(const char* text, int64_t lo, int64_t hi, int64_t* out, std::strin
   return ok;
 }
 
+// A repeated event is logged at most once a period, with the count of
+// events since the last line logged.
+TEST(LogThrottle, OneLineAPeriodWithTheCountSinceTheLast) {
+  LogThrottle t(200);
+  uint64_t n = 0;
+  ASSERT_TRUE(t.tick(&n));
+  EXPECT_EQ(n, 1u);
+  const auto start = std::chrono::steady_clock::now();
+  int logged = 0;
+  for (int i = 0; i < 99; ++i) logged += t.tick(&n);
+  if (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(200)) {
+    EXPECT_EQ(logged, 0);  // within the period (a stalled machine may leave it)
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    ASSERT_TRUE(t.tick(&n));
+    EXPECT_EQ(n, 100u);  // the 99 held back, and this one
+  }
+}
+
 TEST(ParseInt, Decimal) {
   int64_t v = -1;
   ASSERT_TRUE(ParseInt("0", 0, 1024, &v));

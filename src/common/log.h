@@ -8,6 +8,7 @@
 // logger this way).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -35,6 +36,34 @@ bool log_enabled(LogLevel level, uint32_t subsys);
 
 void log_message(LogLevel level, uint32_t subsys, const char* file, int line, const char* fmt, ...)
     __attribute__((format(printf, 5, 6)));
+
+/**
+ * At most one log line per `period_ms` for an event that a peer can repeat
+ * at will (a flood of refused connections must not flood the log): tick()
+ * counts one event and returns true when it may be logged, setting *count
+ * to the events since the last one logged, this one included.  Not
+ * thread-safe: one owner thread.
+ */
+class LogThrottle {
+ public:
+  explicit LogThrottle(int64_t period_ms = 1000) : period_ms_(period_ms) {}
+  bool tick(uint64_t* count) {
+    ++events_;
+    const auto now = std::chrono::steady_clock::now();
+    if (logged_ && now - last_ < std::chrono::milliseconds(period_ms_)) return false;
+    logged_ = true;
+    last_ = now;
+    *count = events_;
+    events_ = 0;
+    return true;
+  }
+
+ private:
+  int64_t period_ms_;
+  uint64_t events_ = 0;
+  bool logged_ = false;
+  std::chrono::steady_clock::time_point last_{};
+};
 
 }  // namespace kvxfer
 

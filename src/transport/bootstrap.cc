@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cinttypes>
 #include <climits>
 #include <cstring>
 #include <system_error>
@@ -298,9 +299,12 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
   };
   if (own_failed_rank >= 0) start_failure(own_failed_rank, own_reason, Fd());
 
+  LogThrottle refuse_log;  // a peer can make refusals at will: one WARN a second
   auto refuse = [&](const std::string& peer, const std::string& why) {
-    KVXFER_WARN(LOG_NET, "bootstrap: root %s refused %s: %s", self.c_str(), peer.c_str(),
-                why.c_str());
+    if (uint64_t n = 0; refuse_log.tick(&n))
+      KVXFER_WARN(
+          LOG_NET, "bootstrap: root %s refused %s: %s%s", self.c_str(), peer.c_str(), why.c_str(),
+          n > 1 ? strprintf(" (%" PRIu64 " refusals since the last such line)", n).c_str() : "");
   };
 
   for (;;) {

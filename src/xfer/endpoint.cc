@@ -658,6 +658,13 @@ void Membership::on_link_failed(int peer, const std::string& why) {
 // a frame once it is whole.  A connection that sends nothing or too little
 // holds only its own slot, until min(timeout, kAcceptMs) drops it; at most
 // kMaxPending wait at once (more are closed at accept).
+namespace {
+/** The tail of a throttled refusal line (common/log.h, LogThrottle). */
+std::string refusals_text(uint64_t n) {
+  return n > 1 ? strprintf(" (%" PRIu64 " refusals since the last such line)", n) : std::string();
+}
+}  // namespace
+
 void Membership::accept_main() {
   struct Pending {
     tcp::Fd fd;
@@ -668,6 +675,7 @@ void Membership::accept_main() {
   };
   std::vector<Pending> pending;
   std::vector<pollfd> fds;
+  LogThrottle full_log;  // a flood of connections past kMaxPending: one WARN a second
   for (;;) {
     fds.assign({{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}});
     int wait_ms = -1;
@@ -697,8 +705,9 @@ void Membership::accept_main() {
         if (!drop && p.buf.size() == 4 && p.want == 4) {
           const uint32_t len = tcp::get_u32(p.buf.data());
           if (len > kHandshakeMaxBytes) {
-            KVXFER_WARN(LOG_NET, "endpoint: refused a frame of %u bytes from %s", len,
-                        p.who.c_str());
+            if (uint64_t n = 0; refused_log_.tick(&n))
+              KVXFER_WARN(LOG_NET, "endpoint: refused a frame of %u bytes from %s%s", len,
+                          p.who.c_str(), refusals_text(n).c_str());
             drop = true;
           }
           p.want = 4 + len;
@@ -734,8 +743,11 @@ void Membership::accept_main() {
       tcp::Fd owner(fd);
       const std::string who = tcp::sockaddr_text(reinterpret_cast<const sockaddr*>(&from), fl);
       if (pending.size() >= kMaxPending) {
-        KVXFER_WARN(LOG_NET, "endpoint: %zu handshakes pending; closed a connection from %s",
-                    pending.size(), who.c_str());
+        if (uint64_t n = 0; full_log.tick(&n))
+          KVXFER_WARN(LOG_NET,
+                      "endpoint: %zu handshakes pending; closed %" PRIu64
+                      " connection(s) since the last such line, the latest from %s",
+                      pending.size(), n, who.c_str());
         continue;
       }
       tcp::set_nodelay(fd);
@@ -760,8 +772,9 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
   if (f.size() < kRequestFixed || tcp::get_u32(f.data()) != kHandshakeMagic ||
       tcp::get_u16(f.data() + 4) != kHandshakeVersion || !get_bytes(f, &pos, &blob) ||
       !get_bytes(f, &pos, &link_addr) || pos != f.size()) {
-    KVXFER_WARN(LOG_NET, "endpoint: refused a malformed handshake (%zu bytes) from %s", f.size(),
-                who.c_str());
+    if (uint64_t n = 0; refused_log_.tick(&n))
+      KVXFER_WARN(LOG_NET, "endpoint: refused a malformed handshake (%zu bytes) from %s%s",
+                  f.size(), who.c_str(), refusals_text(n).c_str());
     (void)answer(HandshakeStatus::kBad, {}, "malformed handshake");
     return;
   }
@@ -777,8 +790,10 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
     return;
   }
   if (!tcp::secret_equal(secret, cfg_.secret.data(), kEndpointSecretBytes)) {
-    KVXFER_WARN(LOG_NET, "endpoint: refused %s from %s: wrong secret",
-                kind == kKindBye ? "a disconnect" : "a connection", who.c_str());
+    if (uint64_t n = 0; refused_log_.tick(&n))
+      KVXFER_WARN(LOG_NET, "endpoint: refused %s from %s: wrong secret%s",
+                  kind == kKindBye ? "a disconnect" : "a connection", who.c_str(),
+                  refusals_text(n).c_str());
     (void)answer(HandshakeStatus::kRefused, {}, "the secret presented is not this endpoint's");
     return;
   }
@@ -787,8 +802,9 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
       decode_endpoint_address(blob.data(), blob.size(), &from_addr) != KVXFER_SUCCESS ||
       from_addr.incarnation != from_inc || from_inc == self_.incarnation ||
       (kind == kKindConnect && link_addr.empty())) {
-    KVXFER_WARN(LOG_NET, "endpoint: refused a handshake of kind %u from %s: bad fields", kind,
-                who.c_str());
+    if (uint64_t n = 0; refused_log_.tick(&n))
+      KVXFER_WARN(LOG_NET, "endpoint: refused a handshake of kind %u from %s: bad fields%s", kind,
+                  who.c_str(), refusals_text(n).c_str());
     (void)answer(HandshakeStatus::kBad, {}, "bad kind, address or link address");
     return;
   }

@@ -64,6 +64,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/log.h"
 #include "kvxfer/kvxfer.h"
 #include "transport/ofi.h"
 #include "xfer/engine.h"
@@ -235,6 +236,7 @@ class Membership {
   int listen_fd_ = -1;
   int stop_fd_ = -1;
   std::thread acceptor_;
+  LogThrottle refused_log_;  // the acceptor's refusals: one WARN a second (a peer repeats them)
 
   std::mutex mu_;
   std::condition_variable cv_;
