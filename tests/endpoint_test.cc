@@ -1097,52 +1097,111 @@ TEST(Endpoint, AConnectFromTheListenersOwnIncarnationIsRefused) {
   transfer_exact(a.ep, 0, b.ep, 0, 4, 4, bf16());
 }
 
-// A CONNECT from a new incarnation that claims the listener address of a
-// live peer (any holder of the blob can send one, with the secret it
-// carries) does not end that peer: before, its requests failed with "the
-// endpoint ... restarted" though it had not.
-TEST(Endpoint, AConnectClaimingALivePeersAddressDoesNotEndIt) {
+/** Sends `to`'s listener a CONNECT from `from` (its blob, with `to`'s
+ *  secret) offering link address `link`; the answer's status. */
+xfer::HandshakeStatus send_connect(const Ep& to, const xfer::EndpointAddress& from,
+                                   const std::vector<uint8_t>& link) {
   namespace tcp = transport::tcp;
-  Ep a, b;
-  const int ab = a.connect(b), ba = b.connect(a);
-  ASSERT_GE(ab, 0);
-  ASSERT_GE(ba, 0);
-  xfer::EndpointAddress at, claim;
-  ASSERT_EQ(xfer::decode_endpoint_address(a.addr.data(), a.addr.size(), &at), KVXFER_SUCCESS);
-  ASSERT_EQ(xfer::decode_endpoint_address(b.addr.data(), b.addr.size(), &claim), KVXFER_SUCCESS);
-  claim.incarnation ^= 0x5a5a5a5a5a5aull;  // "b restarted"
-  const std::vector<uint8_t> blob = xfer::encode_endpoint_address(claim);
-  transport::LinkConfig lc;
-  ASSERT_EQ(transport::LinkConfig::from_params(&lc), KVXFER_SUCCESS);
-  std::unique_ptr<transport::Link> link;  // a real link address, never connected
-  ASSERT_EQ(transport::Link::create(lc, &link), KVXFER_SUCCESS) << last_error();
-  const std::vector<uint8_t>& la = link->local_address();
+  xfer::EndpointAddress at;
+  EXPECT_EQ(xfer::decode_endpoint_address(to.addr.data(), to.addr.size(), &at), KVXFER_SUCCESS);
+  const std::vector<uint8_t> blob = xfer::encode_endpoint_address(from);
   std::vector<uint8_t> f(4);  // the CONNECT frame of endpoint.cc's exchange()
   tcp::put_u32(&f, xfer::kHandshakeMagic);
   tcp::put_u16(&f, xfer::kHandshakeVersion);
   tcp::put_u16(&f, 1);  // CONNECT
   tcp::put_u32(&f, 0);  // flags
   f.insert(f.end(), at.secret.begin(), at.secret.end());
-  tcp::put_u64(&f, claim.incarnation);
+  tcp::put_u64(&f, from.incarnation);
   tcp::put_u64(&f, at.incarnation);
   tcp::put_u32(&f, static_cast<uint32_t>(blob.size()));
   f.insert(f.end(), blob.begin(), blob.end());
-  tcp::put_u32(&f, static_cast<uint32_t>(la.size()));
-  f.insert(f.end(), la.begin(), la.end());
+  tcp::put_u32(&f, static_cast<uint32_t>(link.size()));
+  f.insert(f.end(), link.begin(), link.end());
   tcp::finish_frame(&f);
   tcp::Fd fd = dial_listener(at);
   const tcp::Deadline d = tcp::deadline_after(5000);
   bool closed = false;
-  ASSERT_EQ(tcp::send_all(fd.get(), f.data(), f.size(), d, "test", "CONNECT", &closed),
+  EXPECT_EQ(tcp::send_all(fd.get(), f.data(), f.size(), d, "test", "CONNECT", &closed),
             KVXFER_SUCCESS);
   uint8_t head[4 + 16];  // length prefix, magic, version, status, incarnation
-  ASSERT_EQ(tcp::recv_all(fd.get(), head, sizeof head, d, "test", "the answer", &closed),
-            KVXFER_SUCCESS);
-  ASSERT_EQ(tcp::get_u16(head + 10), static_cast<uint16_t>(xfer::HandshakeStatus::kOk));
+  if (tcp::recv_all(fd.get(), head, sizeof head, d, "test", "the answer", &closed) !=
+      KVXFER_SUCCESS)
+    return xfer::HandshakeStatus::kBad;
+  return static_cast<xfer::HandshakeStatus>(tcp::get_u16(head + 10));
+}
+
+/** The address of a Link that is never progressed: a peer that starts a
+ *  handshake and never finishes it. */
+std::unique_ptr<transport::Link> silent_link() {
+  transport::LinkConfig lc;
+  EXPECT_EQ(transport::LinkConfig::from_params(&lc), KVXFER_SUCCESS);
+  std::unique_ptr<transport::Link> link;
+  EXPECT_EQ(transport::Link::create(lc, &link), KVXFER_SUCCESS) << last_error();
+  return link;
+}
+
+// A CONNECT from a new incarnation that claims the listener address of a
+// live peer (any holder of the blob can send one, with the secret it
+// carries) does not end that peer: before, its requests failed with "the
+// endpoint ... restarted" though it had not.
+TEST(Endpoint, AConnectClaimingALivePeersAddressDoesNotEndIt) {
+  Ep a, b;
+  const int ab = a.connect(b), ba = b.connect(a);
+  ASSERT_GE(ab, 0);
+  ASSERT_GE(ba, 0);
+  xfer::EndpointAddress claim;
+  ASSERT_EQ(xfer::decode_endpoint_address(b.addr.data(), b.addr.size(), &claim), KVXFER_SUCCESS);
+  claim.incarnation ^= 0x5a5a5a5a5a5aull;  // "b restarted"
+  const std::unique_ptr<transport::Link> link = silent_link();
+  ASSERT_TRUE(link);
+  ASSERT_EQ(send_connect(a, claim, link->local_address()), xfer::HandshakeStatus::kOk);
   // The real b is still a's peer ab, and moves exact bytes both ways.
   EXPECT_EQ(a.connect(b), ab);
   transfer_exact(a.ep, ab, b.ep, ba, 11, 11, lynx());
   transfer_exact(b.ep, ba, a.ep, ab, 12, 12, bf16());
+}
+
+// Peers that start a handshake and never finish it are bounded: past the
+// limit a CONNECT is answered "busy" (ERROR) and opens no Link, so a holder
+// of the blob cannot make the endpoint open Links faster than they time out
+// (a flood of 300 took 2.9 GB and 6,584 fds).  Once they time out, a real
+// peer connects again.
+TEST(Endpoint, PeersStillHandshakingAreBoundedAndABusyConnectFailsClearly) {
+  auto hooks = std::make_shared<xfer::TestHooks>();
+  hooks->max_handshaking = 2;
+  Ep a(nullptr, 0, 1500, nullptr, hooks), b;
+  ASSERT_NE(a.ep, nullptr);
+  xfer::EndpointAddress from;
+  ASSERT_EQ(xfer::decode_endpoint_address(b.addr.data(), b.addr.size(), &from), KVXFER_SUCCESS);
+  std::vector<std::unique_ptr<transport::Link>> silent;
+  for (int i = 0; i < 3; ++i) {
+    silent.push_back(silent_link());
+    ASSERT_TRUE(silent.back());
+    from.incarnation += 1;
+    from.port_be = htons(static_cast<uint16_t>(40000 + i));  // three "peers"
+    const xfer::HandshakeStatus want =
+        i < 2 ? xfer::HandshakeStatus::kOk : xfer::HandshakeStatus::kError;
+    // The progress thread counts an adopted Link at its next round.
+    const auto until = Clock::now() + std::chrono::seconds(1);
+    xfer::HandshakeStatus got = send_connect(a, from, silent.back()->local_address());
+    while (got != want && i == 2 && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      from.incarnation += 1;
+      got = send_connect(a, from, silent.back()->local_address());
+    }
+    EXPECT_EQ(static_cast<int>(got), static_cast<int>(want)) << "CONNECT " << i;
+  }
+  int p = -1;
+  expect_error(kvxfer_endpoint_connect(b.ep, a.addr.data(), a.addr.size(), &p), KVXFER_ERR_SYSTEM,
+               "busy: 2 peers of this endpoint are still in their handshake");
+  // The two silent handshakes time out (1.5 s), and b gets in.
+  kvxfer_result_t r = KVXFER_ERR_SYSTEM;
+  for (auto until = Clock::now() + std::chrono::seconds(15);
+       r != KVXFER_SUCCESS && Clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(200)))
+    r = kvxfer_endpoint_connect(b.ep, a.addr.data(), a.addr.size(), &p);
+  ASSERT_EQ(r, KVXFER_SUCCESS) << kvxfer_get_last_error();
+  transfer_exact(b.ep, p, a.ep, a.connect(b), 13, 13, lynx());
 }
 
 // An aborted endpoint takes no new peer: its own connects fail at the call,

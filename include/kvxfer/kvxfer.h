@@ -590,7 +590,9 @@ kvxfer_result_t kvxfer_endpoint_address(kvxfer_comm_t ep, void* buf, size_t* len
  * or truncated blob, this endpoint's own blob, or the peer refused our
  * secret: "refused ... wrong secret"); KVXFER_ERR_MISMATCH (the endpoint at
  * that address is another incarnation: it restarted, get its new blob);
- * KVXFER_ERR_SYSTEM (unreachable: "connection refused", socket errors);
+ * KVXFER_ERR_SYSTEM (unreachable: "connection refused", socket errors;
+ * "busy": 64 peers are already in their handshake with that endpoint,
+ * connect again later);
  * KVXFER_ERR_CORRUPT (the peer's answer, or the shared-memory names it
  * gives, are malformed); KVXFER_ERR_TIMEOUT (no answer within the timeout).
  * Nothing changes on an error.  Thread-safety: any thread, concurrently with posts and with

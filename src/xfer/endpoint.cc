@@ -825,6 +825,17 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
     (void)answer(HandshakeStatus::kOk, {}, "");
     return;
   }
+  if (const int n = engine_->handshaking_peers(); n >= engine_->max_handshaking_peers()) {
+    lk.unlock();
+    if (uint64_t k = 0; refused_log_.tick(&k))
+      KVXFER_WARN(LOG_NET, "endpoint: refused a connection from %s: %d peers handshaking%s",
+                  who.c_str(), n, refusals_text(k).c_str());
+    (void)answer(HandshakeStatus::kError, {},
+                 strprintf("busy: %d peers of this endpoint are still in their handshake (at most "
+                           "%d); connect again later",
+                           n, engine_->max_handshaking_peers()));
+    return;
+  }
   const bool force = (flags & kFlagForce) != 0;
   if (it != entries_.end()) {
     Entry& e = it->second;

@@ -319,6 +319,13 @@ void Engine::close_peer(int peer) {
   impl_->kick();
 }
 
+int Engine::handshaking_peers() const { return impl_->handshaking.load(); }
+
+int Engine::max_handshaking_peers() const {
+  return impl_->hooks && impl_->hooks->max_handshaking > 0 ? impl_->hooks->max_handshaking
+                                                           : kMaxHandshakingPeers;
+}
+
 void Engine::set_peer_failed(PeerFailed f) {
   std::lock_guard<std::mutex> lk(impl_->mu);
   impl_->peer_failed = std::move(f);

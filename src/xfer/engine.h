@@ -47,6 +47,15 @@ class Link;
 
 namespace kvxfer::xfer {
 
+/**
+ * The most peers an endpoint lets handshake at once: an accepted CONNECT
+ * past it is answered ERROR ("busy"), so that a peer holding the blob cannot
+ * make it open Links (about 1.6 MB and 1 fd each over shared memory, 11 MB
+ * and 24 fds over the network) faster than their handshakes time out.  A
+ * handshake takes milliseconds; lazily connecting peers stay far below it.
+ */
+constexpr int kMaxHandshakingPeers = 64;
+
 class Engine;
 class Request;
 struct Work;  // the progress thread's private state of a request (engine.cc)
@@ -226,6 +235,12 @@ class Engine {
    */
   using PeerFailed = std::function<void(int peer, const std::string& why)>;
   void set_peer_failed(PeerFailed f);
+  /** Adopted peers whose Link has not finished its handshake (neither
+   *  ready nor failed): what an endpoint bounds its accepts by.  Any thread. */
+  int handshaking_peers() const;
+  /** The most peers an endpoint lets handshake at once (its accepts):
+   *  kMaxHandshakingPeers, or the test hooks' max_handshaking. */
+  int max_handshaking_peers() const;
 
   /** Aborts what is in flight, joins both threads, closes the Links. */
   ~Engine();

@@ -286,6 +286,7 @@ struct PeerIo {
   bool draining = false;      // dropped: its Link goes once drained
   bool holding = false;       // dropped, its Link kept open until close_peer
   bool failure_told = false;  // its Link's failure was reported (peer_failed)
+  bool handshaking = false;   // counted in Impl::handshaking (adopted, Link not ready)
 };
 
 struct Engine::Impl {
@@ -305,6 +306,9 @@ struct Engine::Impl {
   int rank = -1, nranks = 0;  // nranks: peer slots (an endpoint's grow, under mu)
   int64_t timeout_ms = 30000;
   transport::LinkConfig link_cfg;  // of every Link (an endpoint makes more)
+  // Adopted peers whose Link is neither ready nor failed (PeerIo::handshaking):
+  // written by the progress thread, read by an endpoint's acceptor.
+  std::atomic<int> handshaking{0};
   // Test and benchmark seams (test_hooks.h); null for a product communicator.
   std::shared_ptr<TestHooks> hooks;
   bool residuals_paused() const { return hooks && hooks->pause_residuals.load(); }

@@ -304,7 +304,12 @@ void Engine::Impl::take_peer_changes(std::vector<std::pair<int, std::unique_ptr<
                                      std::vector<Drop>& drops) {
   for (auto& [p, link] : adopts) {
     grow_progress(p + 1);
+    const bool shaking = !link->ready() && !link->failed();
     comm->set_link(p, std::move(link));
+    if (shaking && pio[static_cast<size_t>(p)] && !io(p).handshaking) {
+      io(p).handshaking = true;
+      handshaking++;
+    }
   }
   for (const Drop& d : drops) {
     grow_progress(d.peer + 1);
@@ -330,6 +335,7 @@ void Engine::Impl::release_drained() {
     for (const auto& r : active) busy = busy || r->peer == p;
     if (busy) continue;
     comm->release_link(p, "peer disconnected");
+    if (io(p).handshaking) handshaking--;
     pio[p].reset();
     {
       std::lock_guard<std::mutex> lk(mu);  // its ids: none is in flight now

@@ -172,6 +172,10 @@ bool Engine::Impl::step() {
     l->poll(&done);
     for (const Completion& c : done) on_completion(p, c);
     if (!done.empty()) busy = true;
+    if (io(p).handshaking && (l->ready() || l->failed())) {
+      io(p).handshaking = false;
+      handshaking--;
+    }
     if (l->failed() && !io(p).failure_told && !io(p).draining) {
       io(p).failure_told = true;
       newly_failed.emplace_back(p, l->failure());

@@ -16,6 +16,8 @@ namespace kvxfer::xfer {
 
 struct TestHooks {
   // ---- Read once, when the engine is created -------------------------------
+  /** Peers an endpoint lets handshake at once; 0: kMaxHandshakingPeers. */
+  int max_handshaking = 0;
   /** Codec threads; 0: the default rule (KVXFER_CODEC_THREADS or half the CPUs). */
   int codec_workers = 0;
   /** Staging bytes per request (KVXFER_STAGING_WINDOW_BYTES; at least two
