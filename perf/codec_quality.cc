@@ -526,8 +526,9 @@ int main(int argc, char** argv) {
                "and 512 tokens of text)");
   app.add_option("-J,--json", json_path, "write all results to this JSON file");
   app.add_option("-D,--datasets,--data", data_sets,
-                 "data sets: stories, synth, smollm2 (skipped with a note "
+                 "data sets, a comma or space list: stories, synth, smollm2 (skipped with a note "
                  "when its model file is absent)")
+      ->delimiter(',')
       ->capture_default_str()
       ->check(CLI::IsMember({"stories", "synth", "smollm2"}));
   app.add_option("--model", model_path, "llama2.c checkpoint of the stories data set")

@@ -585,7 +585,8 @@ kvxfer_result_t kvxfer_endpoint_address(kvxfer_comm_t ep, void* buf, size_t* len
  * A connected peer at the same listener address with another incarnation
  * (the process restarted) is ended: its requests fail.  (A peer that
  * connects to us from a new incarnation at a connected peer's address does
- * not end it: the old one ends when its connection fails.)
+ * not end it: the old one ends when its Link fails, docs/TRANSPORT.md
+ * "Incarnations".)
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (NULLs, not an endpoint, a malformed
  * or truncated blob, this endpoint's own blob, or the peer refused our
  * secret: "refused ... wrong secret"); KVXFER_ERR_MISMATCH (the endpoint at

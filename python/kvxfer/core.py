@@ -34,6 +34,7 @@ interpreter.
 
 import atexit
 import collections
+import collections.abc
 import ctypes
 import dataclasses
 import itertools
@@ -1531,9 +1532,9 @@ def _page_id_struct(pid):
     if pid is None:
         return None
     if not isinstance(pid, PageId):
-        if not isinstance(pid, (tuple, list)):
-            raise TypeError("page_id: a PageId(layer, kind, token_begin, stream_id) or a tuple "
-                            "of them, not %s" % type(pid).__name__)
+        if isinstance(pid, (str, bytes)) or not isinstance(pid, collections.abc.Iterable):
+            raise TypeError("page_id: a PageId(layer, kind, token_begin, stream_id) or a "
+                            "sequence of those values, not %s" % type(pid).__name__)
         pid = PageId(*pid)
     s = _abi.PageIdStruct()
     s.layer = int(pid.layer)

@@ -299,9 +299,13 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
   };
   if (own_failed_rank >= 0) start_failure(own_failed_rank, own_reason, Fd());
 
-  LogThrottle refuse_log;  // a peer can make refusals at will: one WARN a second
-  auto refuse = [&](const std::string& peer, const std::string& why) {
-    if (uint64_t n = 0; refuse_log.tick(&n))
+  // Refusals of connections that did not present the secret are throttled
+  // (anyone can make them at will); a rank with the secret that is refused
+  // (nranks, rank taken) is a misconfigured job, always logged.
+  LogThrottle refuse_log;
+  auto refuse = [&](const std::string& peer, const std::string& why, bool authenticated = false) {
+    uint64_t n = 1;
+    if (authenticated || refuse_log.tick(&n))
       KVXFER_WARN(
           LOG_NET, "bootstrap: root %s refused %s: %s%s", self.c_str(), peer.c_str(), why.c_str(),
           n > 1 ? strprintf(" (%" PRIu64 " refusals since the last such line)", n).c_str() : "");
@@ -364,6 +368,9 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
       const uint8_t* secret = b + 16;
       uint32_t plen = get_u32(b + 16 + kBootstrapSecretBytes);
       const bool failed_hello = (flags & kBootstrapHelloFailed) != 0;
+      const bool authenticated = magic == kBootstrapMagic && version == kBootstrapVersion &&
+                                 (flags & ~kBootstrapHelloFailed) == 0 &&
+                                 secret_equal(secret, id_.secret, kBootstrapSecretBytes);
       if (magic != kBootstrapMagic || version != kBootstrapVersion) {
         why = "bad hello (magic/version)";
       } else if ((flags & ~kBootstrapHelloFailed) != 0) {
@@ -386,7 +393,7 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
       // counts (as a failure report would); otherwise it is refused.
       if (their_n != nranks && why.rfind("nranks mismatch", 0) == 0 && rank >= 0 && rank < nranks &&
           failed_rank_ < 0) {
-        refuse(p->peer, why);
+        refuse(p->peer, why, authenticated);
         start_failure(rank,
                       "it was started with nranks " + std::to_string(their_n) + ", the root with " +
                           std::to_string(nranks),
@@ -395,7 +402,7 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
         continue;
       }
       if (!why.empty()) {
-        refuse(p->peer, why);
+        refuse(p->peer, why, authenticated);
         pending.erase(pending.begin() + static_cast<long>(i));
         continue;
       }

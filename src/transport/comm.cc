@@ -163,7 +163,7 @@ kvxfer_result_t Communicator::create(const UniqueId& id, BootstrapRoot* root_or_
                                         &table, &session);
   if (r != KVXFER_SUCCESS) {
     std::string boot_err = last_error();
-    if (r == KVXFER_ERR_TIMEOUT && boot_ms < timeout_ms)  // the links took the rest
+    if (r == KVXFER_ERR_TIMEOUT && timeout_ms - boot_ms >= std::max(50, timeout_ms / 10))
       boot_err += strprintf(" (of the timeout of %d ms, opening the links took %d)", timeout_ms,
                             timeout_ms - boot_ms);
     if (root_thread.joinable()) root_thread.join();

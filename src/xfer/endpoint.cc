@@ -661,7 +661,7 @@ void Membership::on_link_failed(int peer, const std::string& why) {
 namespace {
 /** The tail of a throttled refusal line (common/log.h, LogThrottle). */
 std::string refusals_text(uint64_t n) {
-  return n > 1 ? strprintf(" (%" PRIu64 " refusals since the last such line)", n) : std::string();
+  return n > 1 ? strprintf(" (%" PRIu64 " since the last such line)", n) : std::string();
 }
 }  // namespace
 
@@ -744,10 +744,8 @@ void Membership::accept_main() {
       const std::string who = tcp::sockaddr_text(reinterpret_cast<const sockaddr*>(&from), fl);
       if (pending.size() >= kMaxPending) {
         if (uint64_t n = 0; full_log.tick(&n))
-          KVXFER_WARN(LOG_NET,
-                      "endpoint: %zu handshakes pending; closed %" PRIu64
-                      " connection(s) since the last such line, the latest from %s",
-                      pending.size(), n, who.c_str());
+          KVXFER_WARN(LOG_NET, "endpoint: %zu handshakes pending; closed the connection from %s%s",
+                      pending.size(), who.c_str(), refusals_text(n).c_str());
         continue;
       }
       tcp::set_nodelay(fd);
@@ -802,9 +800,9 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
       decode_endpoint_address(blob.data(), blob.size(), &from_addr) != KVXFER_SUCCESS ||
       from_addr.incarnation != from_inc || from_inc == self_.incarnation ||
       (kind == kKindConnect && link_addr.empty())) {
-    if (uint64_t n = 0; refused_log_.tick(&n))
-      KVXFER_WARN(LOG_NET, "endpoint: refused a handshake of kind %u from %s: bad fields%s", kind,
-                  who.c_str(), refusals_text(n).c_str());
+    // It had the secret: a peer of this deployment with a defect, always logged.
+    KVXFER_WARN(LOG_NET, "endpoint: refused a handshake of kind %u from %s: bad fields", kind,
+                who.c_str());
     (void)answer(HandshakeStatus::kBad, {}, "bad kind, address or link address");
     return;
   }
