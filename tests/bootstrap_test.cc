@@ -4,10 +4,13 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -294,6 +297,35 @@ TEST(Bootstrap, GarbageIsRefusedWithoutHangingTheRoot) {
   Outcome ro = rootf.get();
   EXPECT_EQ(ro.r, KVXFER_SUCCESS) << ro.err;
   ::close(idle);
+}
+
+// A flood of silent connections queued behind the ranks' (more than the
+// root holds, kMaxPending) does not push the ranks out: their hellos are
+// read between bounded batches of accepts.  Before, the root accepted the
+// whole backlog first, evicting the oldest connections, the ranks', before
+// their hellos were read ("refused by root").
+TEST(Bootstrap, AFloodOfSilentConnectionsBehindTheRanksDoesNotEvictThem) {
+  UniqueId id;
+  std::unique_ptr<BootstrapRoot> root;
+  ASSERT_EQ(create_unique_id("127.0.0.1", &id, &root), KVXFER_SUCCESS) << last_error();
+  // The ranks connect and send their hellos into the listener's backlog...
+  auto r0 = start_rank(id, 0, 2, 20000);
+  auto r1 = start_rank(id, 1, 2, 20000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // ...then 400 connections that never send queue behind them...
+  std::vector<int> silent;
+  for (int i = 0; i < 400; ++i) {
+    const int fd = raw_connect(id);
+    ASSERT_GE(fd, 0) << i;
+    silent.push_back(fd);
+  }
+  // ...and only then does the root accept.
+  auto rootf = start_root(root.get(), 2, 20000);
+  expect_full_table(r0.get(), 2);
+  expect_full_table(r1.get(), 2);
+  const Outcome ro = rootf.get();
+  EXPECT_EQ(ro.r, KVXFER_SUCCESS) << ro.err;
+  for (int fd : silent) ::close(fd);
 }
 
 TEST(Bootstrap, UniqueIdRoundTripsThroughBytes) {

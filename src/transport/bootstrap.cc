@@ -429,7 +429,11 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
     }
 
     if (fds[0].revents != 0) {
-      for (;;) {
+      // A bounded batch a round: the hellos of the connections already held
+      // are read between batches, so that a flood of silent connections
+      // (which evicts the oldest, below) cannot push out a rank that has
+      // sent its hello before it is read.
+      for (int batch = 0; batch < kAcceptBatch; ++batch) {
         sockaddr_storage ss{};
         socklen_t sl = sizeof ss;
         int c = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &sl,

@@ -37,6 +37,7 @@ using tcp::sockaddr_text;
 inline constexpr size_t kHelloFixed = 4 + 2 + 2 + 4 + 4 + kBootstrapSecretBytes + 4;  // 52
 inline constexpr size_t kTableFixed = 4 + 2 + 2 + 4;                                  // 12
 inline constexpr size_t kMaxPending = 256;  // unauthenticated connections held at once
+inline constexpr int kAcceptBatch = 32;     // connections accepted a round, between hello reads
 inline constexpr uint16_t kStatusOk = 0;
 inline constexpr uint16_t kStatusTimeout = 1;
 inline constexpr uint16_t kStatusTooLarge = 2;
