@@ -1058,49 +1058,17 @@ TEST(Endpoint, ConnectsAndDisconnectsRacingWithPostsNeverHangOrCorrupt) {
   transfer_exact(a.ep, ab, b.ep, ba, 999999, 7, lynx());
 }
 
-// A CONNECT that names the listener's own incarnation as its sender (a
-// replayed or forged frame with the right secret) is refused as malformed;
-// before, the endpoint made itself a peer.  The next real peer takes index 0.
-TEST(Endpoint, AConnectFromTheListenersOwnIncarnationIsRefused) {
-  namespace tcp = transport::tcp;
-  Ep a, b;
-  xfer::EndpointAddress at;
-  ASSERT_EQ(xfer::decode_endpoint_address(a.addr.data(), a.addr.size(), &at), KVXFER_SUCCESS);
-  ASSERT_TRUE(at.has_secret);
-  std::vector<uint8_t> f(4);  // the CONNECT frame of endpoint.cc's exchange()
-  tcp::put_u32(&f, xfer::kHandshakeMagic);
-  tcp::put_u16(&f, xfer::kHandshakeVersion);
-  tcp::put_u16(&f, 1);  // CONNECT
-  tcp::put_u32(&f, 0);  // flags
-  f.insert(f.end(), at.secret.begin(), at.secret.end());
-  tcp::put_u64(&f, at.incarnation);  // from: the listener itself
-  tcp::put_u64(&f, at.incarnation);  // to
-  tcp::put_u32(&f, static_cast<uint32_t>(a.addr.size()));
-  f.insert(f.end(), a.addr.begin(), a.addr.end());
-  const std::vector<uint8_t> link(40, 0x11);
-  tcp::put_u32(&f, static_cast<uint32_t>(link.size()));
-  f.insert(f.end(), link.begin(), link.end());
-  tcp::finish_frame(&f);
-  tcp::Fd fd = dial_listener(at);
-  const tcp::Deadline d = tcp::deadline_after(5000);
-  bool closed = false;
-  ASSERT_EQ(tcp::send_all(fd.get(), f.data(), f.size(), d, "test", "CONNECT", &closed),
-            KVXFER_SUCCESS);
-  uint8_t head[4 + 16];  // length prefix, magic, version, status, incarnation
-  ASSERT_EQ(tcp::recv_all(fd.get(), head, sizeof head, d, "test", "the answer", &closed),
-            KVXFER_SUCCESS);
-  EXPECT_EQ(tcp::get_u32(head + 4), xfer::kHandshakeMagic);
-  EXPECT_EQ(tcp::get_u16(head + 10), static_cast<uint16_t>(xfer::HandshakeStatus::kBad));
-  EXPECT_EQ(tcp::get_u64(head + 12), at.incarnation);
-  EXPECT_EQ(a.connect(b), 0) << "a peer slot went to the listener itself";
-  EXPECT_EQ(b.connect(a), 0);
-  transfer_exact(a.ep, 0, b.ep, 0, 4, 4, bf16());
-}
+/** The head of a handshake answer: magic, status, the listener's incarnation. */
+struct Answer {
+  uint32_t magic = 0;
+  xfer::HandshakeStatus status = xfer::HandshakeStatus::kBad;
+  uint64_t incarnation = 0;
+};
 
 /** Sends `to`'s listener a CONNECT from `from` (its blob, with `to`'s
- *  secret) offering link address `link`; the answer's status. */
-xfer::HandshakeStatus send_connect(const Ep& to, const xfer::EndpointAddress& from,
-                                   const std::vector<uint8_t>& link) {
+ *  secret) offering link address `link`; the answer's head. */
+Answer send_connect(const Ep& to, const xfer::EndpointAddress& from,
+                    const std::vector<uint8_t>& link) {
   namespace tcp = transport::tcp;
   xfer::EndpointAddress at;
   EXPECT_EQ(xfer::decode_endpoint_address(to.addr.data(), to.addr.size(), &at), KVXFER_SUCCESS);
@@ -1124,10 +1092,14 @@ xfer::HandshakeStatus send_connect(const Ep& to, const xfer::EndpointAddress& fr
   EXPECT_EQ(tcp::send_all(fd.get(), f.data(), f.size(), d, "test", "CONNECT", &closed),
             KVXFER_SUCCESS);
   uint8_t head[4 + 16];  // length prefix, magic, version, status, incarnation
+  Answer a;
   if (tcp::recv_all(fd.get(), head, sizeof head, d, "test", "the answer", &closed) !=
       KVXFER_SUCCESS)
-    return xfer::HandshakeStatus::kBad;
-  return static_cast<xfer::HandshakeStatus>(tcp::get_u16(head + 10));
+    return a;
+  a.magic = tcp::get_u32(head + 4);
+  a.status = static_cast<xfer::HandshakeStatus>(tcp::get_u16(head + 10));
+  a.incarnation = tcp::get_u64(head + 12);
+  return a;
 }
 
 /** The address of a Link that is never progressed: a peer that starts a
@@ -1138,6 +1110,23 @@ std::unique_ptr<transport::Link> silent_link() {
   std::unique_ptr<transport::Link> link;
   EXPECT_EQ(transport::Link::create(lc, &link), KVXFER_SUCCESS) << last_error();
   return link;
+}
+
+// A CONNECT that names the listener's own incarnation as its sender (a
+// replayed or forged frame with the right secret) is refused as malformed;
+// before, the endpoint made itself a peer.  The next real peer takes index 0.
+TEST(Endpoint, AConnectFromTheListenersOwnIncarnationIsRefused) {
+  Ep a, b;
+  xfer::EndpointAddress at;
+  ASSERT_EQ(xfer::decode_endpoint_address(a.addr.data(), a.addr.size(), &at), KVXFER_SUCCESS);
+  ASSERT_TRUE(at.has_secret);
+  const Answer ans = send_connect(a, at, std::vector<uint8_t>(40, 0x11));  // from: a itself
+  EXPECT_EQ(ans.magic, xfer::kHandshakeMagic);
+  EXPECT_EQ(ans.status, xfer::HandshakeStatus::kBad);
+  EXPECT_EQ(ans.incarnation, at.incarnation);
+  EXPECT_EQ(a.connect(b), 0) << "a peer slot went to the listener itself";
+  EXPECT_EQ(b.connect(a), 0);
+  transfer_exact(a.ep, 0, b.ep, 0, 4, 4, bf16());
 }
 
 // A CONNECT from a new incarnation that claims the listener address of a
@@ -1154,7 +1143,7 @@ TEST(Endpoint, AConnectClaimingALivePeersAddressDoesNotEndIt) {
   claim.incarnation ^= 0x5a5a5a5a5a5aull;  // "b restarted"
   const std::unique_ptr<transport::Link> link = silent_link();
   ASSERT_TRUE(link);
-  ASSERT_EQ(send_connect(a, claim, link->local_address()), xfer::HandshakeStatus::kOk);
+  ASSERT_EQ(send_connect(a, claim, link->local_address()).status, xfer::HandshakeStatus::kOk);
   // The real b is still a's peer ab, and moves exact bytes both ways.
   EXPECT_EQ(a.connect(b), ab);
   transfer_exact(a.ep, ab, b.ep, ba, 11, 11, lynx());
@@ -1183,11 +1172,11 @@ TEST(Endpoint, PeersStillHandshakingAreBoundedAndABusyConnectFailsClearly) {
         i < 2 ? xfer::HandshakeStatus::kOk : xfer::HandshakeStatus::kError;
     // The progress thread counts an adopted Link at its next round.
     const auto until = Clock::now() + std::chrono::seconds(1);
-    xfer::HandshakeStatus got = send_connect(a, from, silent.back()->local_address());
+    xfer::HandshakeStatus got = send_connect(a, from, silent.back()->local_address()).status;
     while (got != want && i == 2 && Clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       from.incarnation += 1;
-      got = send_connect(a, from, silent.back()->local_address());
+      got = send_connect(a, from, silent.back()->local_address()).status;
     }
     EXPECT_EQ(static_cast<int>(got), static_cast<int>(want)) << "CONNECT " << i;
   }
