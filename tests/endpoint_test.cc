@@ -1158,7 +1158,7 @@ TEST(Endpoint, AConnectClaimingALivePeersAddressDoesNotEndIt) {
 TEST(Endpoint, PeersStillHandshakingAreBoundedAndABusyConnectFailsClearly) {
   auto hooks = std::make_shared<xfer::TestHooks>();
   hooks->max_handshaking = 2;
-  Ep a(nullptr, 0, 1500, nullptr, hooks), b;
+  Ep a(nullptr, 0, 3000, nullptr, hooks), b;  // its silent handshakes end after 3 s
   ASSERT_NE(a.ep, nullptr);
   xfer::EndpointAddress from;
   ASSERT_EQ(xfer::decode_endpoint_address(b.addr.data(), b.addr.size(), &from), KVXFER_SUCCESS);
@@ -1183,7 +1183,7 @@ TEST(Endpoint, PeersStillHandshakingAreBoundedAndABusyConnectFailsClearly) {
   int p = -1;
   expect_error(kvxfer_endpoint_connect(b.ep, a.addr.data(), a.addr.size(), &p), KVXFER_ERR_SYSTEM,
                "busy: 2 peers of this endpoint are still in their handshake");
-  // The two silent handshakes time out (1.5 s), and b gets in.
+  // The two silent handshakes time out (3 s), and b gets in.
   kvxfer_result_t r = KVXFER_ERR_SYSTEM;
   for (auto until = Clock::now() + std::chrono::seconds(15);
        r != KVXFER_SUCCESS && Clock::now() < until;
