@@ -61,6 +61,8 @@ TEST(LogThrottle, OneLineAPeriodWithTheCountSinceTheLast) {
     ASSERT_TRUE(t.tick(&n));
     EXPECT_EQ(n, 100u);  // the 99 held back, and this one
   }
+  EXPECT_EQ(LogThrottle::note(1), "");
+  EXPECT_EQ(LogThrottle::note(100), " (100 since the last such line)");
 }
 
 TEST(ParseInt, Decimal) {

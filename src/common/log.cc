@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cinttypes>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -129,6 +130,13 @@ void log_message(LogLevel level, uint32_t subsys, const char* file, int line, co
   else
     std::fprintf(s.out, "%s:%d:%ld [kvxfer] %s %s %s\n", s.host, getpid(),
                  (long)syscall(SYS_gettid), subsys_name(subsys), names[level], msg);
+}
+
+std::string LogThrottle::note(uint64_t count) {
+  if (count <= 1) return std::string();
+  char b[64];
+  std::snprintf(b, sizeof b, " (%" PRIu64 " since the last such line)", count);
+  return b;
 }
 
 }  // namespace kvxfer

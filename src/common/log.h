@@ -47,6 +47,9 @@ void log_message(LogLevel level, uint32_t subsys, const char* file, int line, co
 class LogThrottle {
  public:
   explicit LogThrottle(int64_t period_ms = 1000) : period_ms_(period_ms) {}
+  /** The tail for a line logged with `count` from tick(): "" for 1, else
+   *  " (<count> since the last such line)". */
+  static std::string note(uint64_t count);
   bool tick(uint64_t* count) {
     ++events_;
     const auto now = std::chrono::steady_clock::now();

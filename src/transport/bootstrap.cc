@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cinttypes>
 #include <climits>
 #include <cstring>
 #include <system_error>
@@ -306,9 +305,8 @@ kvxfer_result_t BootstrapRoot::serve(int nranks, int timeout_ms, int own_failed_
   auto refuse = [&](const std::string& peer, const std::string& why, bool authenticated = false) {
     uint64_t n = 1;
     if (authenticated || refuse_log.tick(&n))
-      KVXFER_WARN(
-          LOG_NET, "bootstrap: root %s refused %s: %s%s", self.c_str(), peer.c_str(), why.c_str(),
-          n > 1 ? strprintf(" (%" PRIu64 " refusals since the last such line)", n).c_str() : "");
+      KVXFER_WARN(LOG_NET, "bootstrap: root %s refused %s: %s%s", self.c_str(), peer.c_str(),
+                  why.c_str(), LogThrottle::note(n).c_str());
   };
 
   for (;;) {

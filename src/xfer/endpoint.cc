@@ -658,13 +658,6 @@ void Membership::on_link_failed(int peer, const std::string& why) {
 // a frame once it is whole.  A connection that sends nothing or too little
 // holds only its own slot, until min(timeout, kAcceptMs) drops it; at most
 // kMaxPending wait at once (more are closed at accept).
-namespace {
-/** The tail of a throttled refusal line (common/log.h, LogThrottle). */
-std::string refusals_text(uint64_t n) {
-  return n > 1 ? strprintf(" (%" PRIu64 " since the last such line)", n) : std::string();
-}
-}  // namespace
-
 void Membership::accept_main() {
   struct Pending {
     tcp::Fd fd;
@@ -707,7 +700,7 @@ void Membership::accept_main() {
           if (len > kHandshakeMaxBytes) {
             if (uint64_t n = 0; refused_log_.tick(&n))
               KVXFER_WARN(LOG_NET, "endpoint: refused a frame of %u bytes from %s%s", len,
-                          p.who.c_str(), refusals_text(n).c_str());
+                          p.who.c_str(), LogThrottle::note(n).c_str());
             drop = true;
           }
           p.want = 4 + len;
@@ -745,7 +738,7 @@ void Membership::accept_main() {
       if (pending.size() >= kMaxPending) {
         if (uint64_t n = 0; full_log.tick(&n))
           KVXFER_WARN(LOG_NET, "endpoint: %zu handshakes pending; closed the connection from %s%s",
-                      pending.size(), who.c_str(), refusals_text(n).c_str());
+                      pending.size(), who.c_str(), LogThrottle::note(n).c_str());
         continue;
       }
       tcp::set_nodelay(fd);
@@ -772,7 +765,7 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
       !get_bytes(f, &pos, &link_addr) || pos != f.size()) {
     if (uint64_t n = 0; refused_log_.tick(&n))
       KVXFER_WARN(LOG_NET, "endpoint: refused a malformed handshake (%zu bytes) from %s%s",
-                  f.size(), who.c_str(), refusals_text(n).c_str());
+                  f.size(), who.c_str(), LogThrottle::note(n).c_str());
     (void)answer(HandshakeStatus::kBad, {}, "malformed handshake");
     return;
   }
@@ -791,7 +784,7 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
     if (uint64_t n = 0; refused_log_.tick(&n))
       KVXFER_WARN(LOG_NET, "endpoint: refused %s from %s: wrong secret%s",
                   kind == kKindBye ? "a disconnect" : "a connection", who.c_str(),
-                  refusals_text(n).c_str());
+                  LogThrottle::note(n).c_str());
     (void)answer(HandshakeStatus::kRefused, {}, "the secret presented is not this endpoint's");
     return;
   }
@@ -827,7 +820,7 @@ void Membership::serve(int fd, const std::string& who, const std::vector<uint8_t
     lk.unlock();
     if (uint64_t k = 0; refused_log_.tick(&k))
       KVXFER_WARN(LOG_NET, "endpoint: refused a connection from %s: %d peers handshaking%s",
-                  who.c_str(), n, refusals_text(k).c_str());
+                  who.c_str(), n, LogThrottle::note(k).c_str());
     (void)answer(HandshakeStatus::kError, {},
                  strprintf("busy: %d peers of this endpoint are still in their handshake (at most "
                            "%d); connect again later",
