@@ -294,6 +294,10 @@ void Engine::adopt_peer(int peer, std::unique_ptr<transport::Link> link) {
     if (peer < 0 || peer >= impl_->nranks || impl_->peer_state[peer] != Impl::kPeerReserved) return;
     impl_->peer_state[peer] = Impl::kPeerLive;
     impl_->peer_shm[peer] = link->provider() == transport::kShmProvider;
+    // Counted now, not at the progress thread's next round, so that an
+    // endpoint's next accept sees it (handshaking_peers).  Nothing moves
+    // the Link until that round: take_peer_changes finds the same state.
+    if (!link->ready() && !link->failed()) impl_->handshaking++;
     impl_->adopt_queue.emplace_back(peer, std::move(link));
   }
   impl_->kick();

@@ -286,7 +286,7 @@ struct PeerIo {
   bool draining = false;      // dropped: its Link goes once drained
   bool holding = false;       // dropped, its Link kept open until close_peer
   bool failure_told = false;  // its Link's failure was reported (peer_failed)
-  bool handshaking = false;   // counted in Impl::handshaking (adopted, Link not ready)
+  bool handshaking = false;   // counted in Impl::handshaking (adopted, Link not ready yet)
 };
 
 struct Engine::Impl {
@@ -307,7 +307,8 @@ struct Engine::Impl {
   int64_t timeout_ms = 30000;
   transport::LinkConfig link_cfg;  // of every Link (an endpoint makes more)
   // Adopted peers whose Link is neither ready nor failed (PeerIo::handshaking):
-  // written by the progress thread, read by an endpoint's acceptor.
+  // raised by Engine::adopt_peer, lowered by the progress thread, read by an
+  // endpoint's acceptor.
   std::atomic<int> handshaking{0};
   // Test and benchmark seams (test_hooks.h); null for a product communicator.
   std::shared_ptr<TestHooks> hooks;

@@ -304,12 +304,8 @@ void Engine::Impl::take_peer_changes(std::vector<std::pair<int, std::unique_ptr<
                                      std::vector<Drop>& drops) {
   for (auto& [p, link] : adopts) {
     grow_progress(p + 1);
-    const bool shaking = !link->ready() && !link->failed();
+    io(p).handshaking = !link->ready() && !link->failed();  // counted by adopt_peer
     comm->set_link(p, std::move(link));
-    if (shaking && pio[static_cast<size_t>(p)] && !io(p).handshaking) {
-      io(p).handshaking = true;
-      handshaking++;
-    }
   }
   for (const Drop& d : drops) {
     grow_progress(d.peer + 1);
