@@ -140,8 +140,7 @@ TEST(Bootstrap, WrongSecretIsRefusedWhileLegitRanksComplete) {
   bad.secret[kBootstrapSecretBytes - 1] ^= 0x01;
   Outcome b = run_rank(bad, 0, 3, 5000, blob_for(0));  // the root is waiting: refused at once
   EXPECT_EQ(b.r, KVXFER_ERR_SYSTEM) << b.err;
-  EXPECT_NE(b.err.find("bootstrap refused by root (wrong secret or bad hello)"), std::string::npos)
-      << b.err;
+  EXPECT_NE(b.err.find("bootstrap refused by root: "), std::string::npos) << b.err;
   EXPECT_LT(b.ms, 4000);
 
   std::vector<std::future<Outcome>> ranks;

@@ -191,11 +191,11 @@ kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
  * Errors: KVXFER_ERR_INVALID_ARGUMENT (bad id, rank, nranks, timeout, payload
  * size); KVXFER_ERR_TIMEOUT (root unreachable, or the table did not come in
  * time, or the root gave up waiting for other ranks); KVXFER_ERR_SYSTEM with
- * "bootstrap refused by root (wrong secret or bad hello)" when the root closes
- * the connection without a table, or with errno text on other socket
- * failures; KVXFER_ERR_SYSTEM with "bootstrap: rank N failed: <reason>" when
- * the root relays another rank's failure (RANK_FAILED); KVXFER_ERR_CORRUPT
- * for a malformed table.
+ * "bootstrap refused by root" when the root closes the connection without a
+ * table (a wrong secret, a malformed hello, or a flood of unauthenticated
+ * connections that pushed this one out before its hello was read), or with errno text on other
+ * socket failures; KVXFER_ERR_SYSTEM with "bootstrap: rank N failed: <reason>" when the root relays
+ * another rank's failure (RANK_FAILED); KVXFER_ERR_CORRUPT for a malformed table.
  */
 kvxfer_result_t bootstrap_connect(const UniqueId& id, int rank, int nranks, int timeout_ms,
                                   const void* payload, size_t payload_len, AddressTable* table);

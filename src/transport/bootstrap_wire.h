@@ -86,8 +86,10 @@ inline kvxfer_result_t connect_once(const sockaddr_storage& sa, socklen_t len, D
 
 inline kvxfer_result_t refused_error(const std::string& root) {
   return set_error(KVXFER_ERR_SYSTEM,
-                   "bootstrap refused by root (wrong secret or bad hello): %s closed the "
-                   "connection without sending the address table",
+                   "bootstrap refused by root: %s closed the connection without sending the "
+                   "address table (a wrong secret or a malformed hello; or the root, flooded "
+                   "with unauthenticated connections, dropped this one before reading its "
+                   "hello: its log says which)",
                    root.c_str());
 }
 
