@@ -244,6 +244,7 @@ int main(int argc, char** argv) {
       "disagg_demo: prefill and decode processes over an emulated link; Lynx progressive "
       "transfer with speculative decoding on the anchors against BF16/INT8/INT4 monolithic "
       "(docs/SPEC.md)"};
+  app.option_defaults()->always_capture_default();  // --help shows each default
   app.add_option("--model", o.model_path,
                  "GGUF (llama) or llama2.c checkpoint, or 'smollm2' (the fetched "
                  "SmolLM2-135M-Instruct; exit 77 when absent); default SmolLM2 when "
