@@ -136,9 +136,12 @@ void Engine::Impl::take_cancels() {
       later.push_back(r);
       continue;
     }
+    // An endpoint's engine has no rank: its side is named instead.
+    const std::string where = rank >= 0 ? strprintf("rank %d", rank)
+                                        : std::string(r->is_send ? "its sender" : "its receiver");
     fail(r, KVXFER_ERR_CANCELLED,
-         strprintf("the kvxfer_%s was cancelled on rank %d (kvxfer_request_cancel)",
-                   r->is_send ? "send" : "recv", rank));
+         strprintf("the kvxfer_%s was cancelled on %s (kvxfer_request_cancel)",
+                   r->is_send ? "send" : "recv", where.c_str()));
   }
   if (!later.empty()) {
     std::lock_guard<std::mutex> lk(inbox->mu);
