@@ -627,8 +627,10 @@ kvxfer_result_t kvxfer_endpoint_disconnect(kvxfer_comm_t ep, int peer);
  * share a byte (kvxfer_recv refuses blocks that alias; interleaved K and V
  * rows are fine); a sender may name one block twice.
  * Ownership: the arrays are copied by kvxfer_send/recv; the blocks themselves
- * must stay valid (and, on the receiver, untouched) until the request reaches
- * a final stage (COMPLETE or ERROR).  Host memory, or CUDA device memory
+ * must stay valid and unwritten until the request reaches a final stage
+ * (COMPLETE or ERROR): the sender encodes and sends them while it runs, and
+ * bytes written meanwhile may arrive torn, a page of neither version, with
+ * no error (the checksums cover what was sent).  Host memory, or CUDA device memory
  * with `device` set (docs/GPU.md).  `size`, `magic` and `version` follow
  * KVXFER_CONFIG_MAGIC's rule: a smaller descriptor from a header without
  * `device` is accepted as host memory (device -1).
@@ -715,10 +717,14 @@ typedef struct {
   void* user_data;                   /**< passed to both callbacks */
   /** Sender only.  0: the KV is complete when the send is posted.  1: it is
    *  produced layer by layer after the post (a prefill in progress); no page
-   *  of layer l is read before kvxfer_send_layer_ready(request, l), and
-   *  layers leave in order, each as soon as it and every layer before it are
-   *  marked.  Host KV only; not with codec SPECTRUM or alpha = auto, which
-   *  look at every layer first (KVXFER_ERR_UNSUPPORTED). */
+   *  of layer l is read before kvxfer_send_layer_ready(request, l), none is
+   *  written after it, and layers leave in order, each as soon as it and
+   *  every layer before it are marked.  The receiver applies no residual
+   *  while an anchor of a request it knows is expected, so a layer reaches
+   *  ANCHOR_READY as it lands but COMPLETE only after the last layer's
+   *  anchors (docs/TRANSPORT.md, "Layer-streamed sends").  Host KV only;
+   *  not with codec SPECTRUM or alpha = auto, which look at every layer
+   *  first (KVXFER_ERR_UNSUPPORTED). */
   int32_t stream_layers;
   /** 0: this request matches the peer's request of the same position, the
    *  i-th send to a peer with its i-th receive from this rank (as NCCL).
