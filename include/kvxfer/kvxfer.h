@@ -679,7 +679,9 @@ typedef enum {
    *  MONOLITHIC otherwise (INT4, BF16). */
   KVXFER_MODE_AUTO = 0,
   /** Anchor sections on the high-priority class, residual sections on the
-   *  low-priority class; ANCHOR_READY comes first. */
+   *  low-priority class; ANCHOR_READY comes first.  INT4, whose residual is
+   *  empty, sends empty residual messages; BF16 is refused at the call
+   *  (KVXFER_ERR_INVALID_ARGUMENT). */
   KVXFER_MODE_PROGRESSIVE = 1,
   /** Both sections of a page in one message on one class (the anchor class);
    *  ANCHOR_READY and COMPLETE coincide.  The baseline. */
