@@ -95,12 +95,17 @@ struct RowKernels {
   /**
    * encode_row_nibbles that also asks for the H values at `next` (a row of
    * the next chunk; NULL: none) to be brought into cache, a line per vector
-   * as it goes rather than all at once (a hint: it changes no result).
-   * NULL: not offered, the driver prefetches the row before the call.
+   * as it goes rather than all at once (a hint: it changes no result), and
+   * counts the H codes at `count` (NULL: none; another row's, not `codes`)
+   * into `bins`, four interleaved tables of 256 uint32 (fast.cc's
+   * CodeHistogram, whose room the caller reserves): table j is bins +
+   * 256 * j.  NULL: not offered, the driver prefetches the row before the
+   * call and counts the codes after it.
    */
   void (*encode_row_nibbles_ahead)(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                                    const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
-                                   uint8_t* codes, const uint8_t* next);
+                                   uint8_t* codes, const uint8_t* next, const uint8_t* count,
+                                   uint32_t* bins);
 };
 
 const RowKernels& scalar_kernels();

@@ -230,10 +230,27 @@ inline __m128i nibbles32(__m512i f) {
   return _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F), f, hi, kSelect));
 }
 
+// Counts 32 codes into four interleaved tables of 256 (fast.cc's
+// CodeHistogram: bins + 256 * j is table j), eight codes per load.
+inline void count32(const uint8_t* codes, uint32_t* bins) {
+  for (int i = 0; i < 32; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, codes + i, 8);
+    ++bins[v & 0xff];
+    ++bins[256 + ((v >> 8) & 0xff)];
+    ++bins[512 + ((v >> 16) & 0xff)];
+    ++bins[768 + ((v >> 24) & 0xff)];
+    ++bins[(v >> 32) & 0xff];
+    ++bins[256 + ((v >> 40) & 0xff)];
+    ++bins[512 + ((v >> 48) & 0xff)];
+    ++bins[768 + (v >> 56)];
+  }
+}
+
 template <int KIND, int DT, bool RES, bool CODES>
 void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const float* ps,
                           const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
-                          const uint8_t* next) {
+                          const uint8_t* next, const uint8_t* count, uint32_t* bins) {
   const EncodeConsts k{_mm512_set1_ps(cb.bias),
                        _mm512_set1_epi16(static_cast<int16_t>(cb.max_code))};
   // NEST: g clamped to [16, 495] makes the anchor g >> 5 and the residual
@@ -257,6 +274,7 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
       if constexpr (kElem == 4)
         _mm_prefetch(reinterpret_cast<const char*>(next + kElem * c + 64), _MM_HINT_T1);
     }
+    if (count != nullptr) count32(count + c, bins);
     const __m512i w = words32<KIND, DT>(row, c, pm, ps, k);
     // The anchor (clean) and the residual (bits 0..3) of each 16-bit lane.
     __m512i a, r = _mm512_setzero_si512();
@@ -283,6 +301,8 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
     if constexpr (RES)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pr + c / 2), nibbles32<false>(r));
   }
+  if (count != nullptr)
+    for (int32_t c = Hv; c < H; ++c) ++bins[count[c]];
   if (Hv < H)
     scalar_kernels().encode_row_nibbles(row + Hv * dtype_size(static_cast<kvxfer_dtype_t>(DT)),
                                         static_cast<kvxfer_dtype_t>(DT), H - Hv, pm + Hv, ps + Hv,
@@ -293,40 +313,49 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
 template <int KIND, int DT>
 void encode_row_nibbles_dt(const uint8_t* row, int32_t H, const float* m, const float* s,
                            const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
-                           const uint8_t* next) {
+                           const uint8_t* next, const uint8_t* count, uint32_t* bins) {
   if (pr != nullptr) {
     if (codes != nullptr)
-      return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes, next);
-    return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes, next);
+      return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes, next,
+                                                        count, bins);
+    return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes, next, count,
+                                                       bins);
   }
   if (codes != nullptr)
-    return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes, next);
-  encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes, next);
+    return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes, next, count,
+                                                       bins);
+  encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes, next, count, bins);
 }
 
 template <int KIND>
 void encode_row_nibbles_kind(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                              const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
-                             uint8_t* codes, const uint8_t* next) {
+                             uint8_t* codes, const uint8_t* next, const uint8_t* count,
+                             uint32_t* bins) {
   switch (dt) {
     case KVXFER_DTYPE_BF16:
-      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_BF16>(row, H, m, s, cb, pa, pr, codes, next);
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_BF16>(row, H, m, s, cb, pa, pr, codes, next,
+                                                            count, bins);
     case KVXFER_DTYPE_FP16:
-      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP16>(row, H, m, s, cb, pa, pr, codes, next);
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP16>(row, H, m, s, cb, pa, pr, codes, next,
+                                                            count, bins);
     default:
-      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP32>(row, H, m, s, cb, pa, pr, codes, next);
+      return encode_row_nibbles_dt<KIND, KVXFER_DTYPE_FP32>(row, H, m, s, cb, pa, pr, codes, next,
+                                                            count, bins);
   }
 }
 
 void encode_row_nibbles_ahead_avx512(const uint8_t* row, kvxfer_dtype_t dt, int32_t H,
                                      const float* m, const float* s, const Codebook& cb,
-                                     uint8_t* pa, uint8_t* pr, uint8_t* codes,
-                                     const uint8_t* next) {
+                                     uint8_t* pa, uint8_t* pr, uint8_t* codes, const uint8_t* next,
+                                     const uint8_t* count, uint32_t* bins) {
   switch (cb.kind) {
     case CODE_UNIFORM:
-      return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes, next);
+      return encode_row_nibbles_kind<CODE_UNIFORM>(row, dt, H, m, s, cb, pa, pr, codes, next, count,
+                                                   bins);
     case CODE_NEST:
-      return encode_row_nibbles_kind<CODE_NEST>(row, dt, H, m, s, cb, pa, pr, codes, next);
+      return encode_row_nibbles_kind<CODE_NEST>(row, dt, H, m, s, cb, pa, pr, codes, next, count,
+                                                bins);
     default: {
       // The alpha-law codes' threshold lookup is two gathers per vector,
       // which AVX2's 8 lanes did faster than 16 here (about 10%, AMD EPYC):
@@ -334,6 +363,11 @@ void encode_row_nibbles_ahead_avx512(const uint8_t* row, kvxfer_dtype_t dt, int3
       if (next != nullptr)
         for (size_t o = 0; o < static_cast<size_t>(H) * dtype_size(dt); o += 64)
           _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T1);
+      if (count != nullptr) {
+        int32_t c = 0;
+        for (; c + 32 <= H; c += 32) count32(count + c, bins);
+        for (; c < H; ++c) ++bins[count[c]];
+      }
       return avx2_kernels().encode_row_nibbles(row, dt, H, m, s, cb, pa, pr, codes);
     }
   }
@@ -342,7 +376,7 @@ void encode_row_nibbles_ahead_avx512(const uint8_t* row, kvxfer_dtype_t dt, int3
 void encode_row_nibbles_avx512(const uint8_t* row, kvxfer_dtype_t dt, int32_t H, const float* m,
                                const float* s, const Codebook& cb, uint8_t* pa, uint8_t* pr,
                                uint8_t* codes) {
-  encode_row_nibbles_ahead_avx512(row, dt, H, m, s, cb, pa, pr, codes, nullptr);
+  encode_row_nibbles_ahead_avx512(row, dt, H, m, s, cb, pa, pr, codes, nullptr, nullptr, nullptr);
 }
 
 // ---------------------------------------------------------------------------
