@@ -468,9 +468,26 @@ TEST(Endpoint, ReceivesCancelledBeforeTheirSendsTellEverySender) {
   for (kvxfer_request_t s : sends) {
     expect_error(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED,
                  "the peer cancelled");
-    kvxfer_request_free(s);
+    // Final means free: the refusal's empty DESC ended the send's DESC
+    // receive, so nothing of it waits for the timeout.
+    EXPECT_EQ(kvxfer_request_free(s), KVXFER_SUCCESS) << kvxfer_get_last_error();
   }
   for (kvxfer_request_t r : recvs) kvxfer_request_free(r);
+  // The ids are free again at once, not after the timeout, and a send and a
+  // receive of one of them now meet.
+  src.fill(31);
+  const kvxfer_request_config_t rc = by_id(31);
+  kvxfer_request_t s = nullptr, r = nullptr;
+  ASSERT_EQ(kvxfer_send(a.ep, ab, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  expect_exact(src, dst, cfg);
+  kvxfer_request_free(s);
+  kvxfer_request_free(r);
 }
 
 // ---------------------------------------------------------------------------

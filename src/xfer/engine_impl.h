@@ -100,6 +100,7 @@ struct Work {
   bool status_sent = false;
   bool in_residual_fifo = false;
   bool peer_gave_up = false;  // receiver: an empty page message arrived
+  bool peer_refused = false;  // sender: an empty DESC arrived (refuse_rdv: no page follows)
   bool desc_sent = false;     // this side's DESC was posted (a receiver's waits: admit_recv)
   bool gated = false;         // receiver: waiting in recv_gate
   bool pre_admitted = false;  // receiver: its DESC went at post (its KV's size reserved)

@@ -270,27 +270,35 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
 
 // The announced request `seq` from `peer` has no receive any more (cancelled
 // or failed while it waited), or none came within the timeout of its
-// announcement (sweep_claims): its sender gets this STATUS, and its DESC and
-// STATUS are received and dropped, so nothing of it stays in the provider.
+// announcement (sweep_claims): its sender gets this STATUS, then an empty
+// DESC (protocol.h: a refusal, no page may follow), which ends its DESC
+// receive at once, so its request and id are free as soon as the STATUS has
+// come.  Its DESC and STATUS are received and dropped, so nothing of it stays
+// in the provider.
 void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
                               const std::string& text) {
   struct Post {
     uint64_t tag;
     bool is_send;
     std::vector<uint8_t> buf;
+    size_t len;
     OpKind kind;
   };
-  Post posts[3] = {
-      {make_tag(seq, true, MsgKind::kStatus, 0), true, encode_status(code, text),
+  std::vector<uint8_t> status = encode_status(code, text);
+  const size_t status_len = status.size();
+  Post posts[4] = {
+      {make_tag(seq, true, MsgKind::kStatus, 0), true, std::move(status), status_len,
        OpKind::kStatusSend},
-      {make_tag(seq, false, MsgKind::kDesc, 0), false, std::vector<uint8_t>(kDescBytes),
+      {make_tag(seq, true, MsgKind::kDesc, 0), true, std::vector<uint8_t>(1), 0, OpKind::kDescSend},
+      {make_tag(seq, false, MsgKind::kDesc, 0), false, std::vector<uint8_t>(kDescBytes), kDescBytes,
        OpKind::kDescRecv},
       {make_tag(seq, false, MsgKind::kStatus, 0), false,
-       std::vector<uint8_t>(kStatusHeaderBytes + kMaxStatusText), OpKind::kStatusRecv}};
+       std::vector<uint8_t>(kStatusHeaderBytes + kMaxStatusText),
+       kStatusHeaderBytes + kMaxStatusText, OpKind::kStatusRecv}};
   for (Post& p : posts) {
     // The vector's storage moves with it into the map: the Link keeps its address.
     uint64_t op = 0;
-    if (post_raw(peer, TrafficClass::kAnchor, p.tag, p.is_send, p.buf.data(), p.buf.size(), nullptr,
+    if (post_raw(peer, TrafficClass::kAnchor, p.tag, p.is_send, p.buf.data(), p.len, nullptr,
                  p.kind, 0, &op) >= 0)
       io(peer).drain_bufs[op] = std::move(p.buf);
   }

@@ -793,6 +793,16 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
     case OpKind::kDescRecv:
       if (!ok) {
         fail(r, c.status, strprintf("peer %d: %s", r->peer, c.error.c_str()));
+      } else if (c.bytes == 0 && r->is_send) {
+        // A refusal (Engine::Impl::refuse_rdv): no page may follow, and its
+        // STATUS, sent before it, says why; the STATUS receive still posted
+        // ends the request (or its timeout does).
+        w.peer_refused = true;
+        if (w.peer_status_ok)
+          fail(r, KVXFER_ERR_CORRUPT,
+               strprintf("peer %d (receiver) refused the request after reporting success: not "
+                         "the protocol of a kvxfer peer",
+                         r->peer));
       } else if (c.bytes != kDescBytes) {
         fail(r, KVXFER_ERR_CORRUPT,
              strprintf("peer %d sent a %zu-byte descriptor", r->peer, c.bytes));
@@ -828,6 +838,11 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
              strprintf("peer %d (sender) reported success before this receive %s: not the "
                        "protocol of a kvxfer peer",
                        r->peer, what));
+      } else if (w.peer_refused) {
+        fail(r, KVXFER_ERR_CORRUPT,
+             strprintf("peer %d (receiver) reported success after refusing the request: not the "
+                       "protocol of a kvxfer peer",
+                       r->peer));
       } else {
         w.peer_status_ok = true;
         maybe_complete(r);

@@ -18,7 +18,10 @@
 //                  anchor store fits (KVXFER_RECV_ANCHOR_BYTES), or when it
 //                  fails: it is the sender's go.  Each side compares the two
 //                  (compare_desc); a mismatch fails the request on both
-//                  sides with the same message.
+//                  sides with the same message.  An empty DESC from the
+//                  receiver is a refusal of a request matched by id that
+//                  has no receive any more: it follows the receiver's
+//                  STATUS (the reason), and no page message flows.
 //   sender ANCHOR p    page p's anchor section (anchor class), or in
 //                      MONOLITHIC mode both sections back to back
 //          RESIDUAL p  page p's residual section (residual class; PROGRESSIVE)
