@@ -45,8 +45,9 @@ def memory_of(obj, what="buffer", device=-1):
     if isinstance(obj, bool):
         raise TypeError("%s: a bool is not an address" % what)
     if isinstance(obj, int):
-        if obj <= 0:
-            raise ValueError("%s: address %#x is NULL or negative" % (what, obj))
+        if obj <= 0 or obj >= 1 << 64:  # ctypes would keep the low 64 bits
+            raise ValueError("%s: address %#x is NULL, negative or wider than 64 bits" %
+                             (what, obj))
         return Memory(obj, None, False, None)
     if isinstance(obj, ctypes.c_void_p):
         if not obj.value:

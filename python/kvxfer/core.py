@@ -39,6 +39,9 @@ import ctypes
 import dataclasses
 import itertools
 import logging
+import math
+import numbers
+import os
 import operator
 import sys
 import threading
@@ -109,7 +112,9 @@ def _forbid_in_callback(what):
             % what)
 
 
-_deferred_lock = threading.Lock()
+# Reentrant: any allocation under it may run the cyclic GC, whose finalisers
+# (_release_request and the like) park what they drop here, on this thread.
+_deferred_lock = threading.RLock()
 _deferred_requests = []  # _RequestState: dropped while in flight, or during a callback
 _deferred_comms = []  # _CommState: dropped during a callback
 _deferred_pools = []  # _PoolState: dropped while a request on it was in flight
@@ -120,10 +125,14 @@ def _drain_deferred():
     then deregisters parked pools whose requests are final."""
     if _in_callback() or not (_deferred_requests or _deferred_comms or _deferred_pools):
         return
+    reqs, comms, pools = [], [], []
     with _deferred_lock:
-        reqs, _deferred_requests[:] = list(_deferred_requests), []
-        comms, _deferred_comms[:] = list(_deferred_comms), []
-        pools, _deferred_pools[:] = list(_deferred_pools), []
+        # Popped one by one: a finaliser that the appends run parks its
+        # object in the list being emptied, and the loop takes it too.
+        for src, dst in ((_deferred_requests, reqs), (_deferred_comms, comms),
+                         (_deferred_pools, pools)):
+            while src:
+                dst.append(src.pop())
     for st in reqs:
         _release_request(st)
     for st in comms:
@@ -206,6 +215,23 @@ class UniqueId:
 _index = _abi.as_int
 
 
+def _real(value, what):
+    """`value` as a float: ints, floats and NumPy scalars; a string (which
+    float() would parse) or anything else is a TypeError naming `what`."""
+    if isinstance(value, (str, bytes, bool)) or not isinstance(value, numbers.Real):
+        raise TypeError("%s must be a number, not %s" % (what, type(value).__name__))
+    return float(value)
+
+
+def _text_arg(value, what):
+    """`value`, a str, encoded for a C string; None stays None."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError("%s must be a str, not %s" % (what, type(value).__name__))
+    return value.encode()
+
+
 def _check_itemsize(m, dtype, what):
     """A typed array or tensor (memory_of's itemsize) must have the elements
     of `dtype`: a float64 array for an fp32 pool would be read as twice the
@@ -249,15 +275,16 @@ class CodecConfig:
         self.codec = _enum(Codec, self.codec, "codec")
         self.nonfinite = _enum(NonfinitePolicy, self.nonfinite, "nonfinite")
         self.value_groups = _enum(ValueGroups, self.value_groups, "value_groups")
+        self._struct()  # TypeError / ValueError at construction, naming the field
 
     def _struct(self):
         s = _abi.init_config(_abi.CodecConfigStruct)
         s.codec = int(_enum(Codec, self.codec, "codec"))
-        s.alpha = float(self.alpha)
-        s.chunk_tokens = int(self.chunk_tokens)
-        s.anchor_bits = int(self.anchor_bits)
+        s.alpha = _real(self.alpha, "alpha")
+        s.chunk_tokens = _index(self.chunk_tokens, "chunk_tokens")
+        s.anchor_bits = _index(self.anchor_bits, "anchor_bits")
         s.nonfinite = int(_enum(NonfinitePolicy, self.nonfinite, "nonfinite"))
-        s.sink_tokens = int(self.sink_tokens)
+        s.sink_tokens = _index(self.sink_tokens, "sink_tokens")
         s.value_groups = int(_enum(ValueGroups, self.value_groups, "value_groups"))
         return s
 
@@ -1054,9 +1081,11 @@ class Request:
         _forbid_in_callback("Request.wait")
         _drain_deferred()
         stage = _enum(Stage, stage, "stage")
-        if timeout is not None and not float(timeout) >= 0.0:  # NaN included
+        if timeout is not None and not _real(timeout, "timeout") >= 0.0:  # NaN included
             raise ValueError("timeout must be seconds >= 0, or None (no limit), not %r" %
                              (timeout,))
+        if timeout is not None and math.isinf(float(timeout)):
+            timeout = None  # no limit of its own
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         while True:
             if deadline is None:
@@ -1134,9 +1163,11 @@ class Request:
         freed for you once final."""
         _forbid_in_callback("Request.free")
         st = self._state
-        if st.freed:
-            return
-        if _raw_stage(st.handle) in _FINAL:
+        with st.cond:  # another thread's free() may end the handle meanwhile
+            if st.freed:
+                return
+            final = _raw_stage(st.handle) in _FINAL
+        if final:
             # The library's free waits for a running callback; so does this,
             # first, so that the callback may still use this object.
             st.final_cb.wait(10.0)
@@ -1242,8 +1273,8 @@ class Communicator:
             unique_id = UniqueId(unique_id)
         cfg = _abi.init_config(_abi.CommConfigStruct)
         cfg.timeout_ms = _index(timeout_ms, "timeout_ms")
-        cfg.bind_address = None if bind_address is None else bind_address.encode()
-        cfg.rate_limit = None if rate_limit is None else rate_limit.encode()
+        cfg.bind_address = _text_arg(bind_address, "bind_address")
+        cfg.rate_limit = _text_arg(rate_limit, "rate_limit")
         h = ctypes.c_void_p()
         rank, nranks = _index(rank, "rank"), _index(nranks, "nranks")
         _L.kvxfer_comm_init(ctypes.byref(h), nranks, unique_id._struct(), rank, ctypes.byref(cfg))
@@ -1455,9 +1486,12 @@ class Endpoint(Communicator):
         cfg = _abi.init_config(_abi.EndpointConfigStruct)
         cfg.timeout_ms = _index(timeout_ms, "timeout_ms")
         cfg.port = _index(port, "port")
-        cfg.bind_address = None if bind_address is None else bind_address.encode()
-        cfg.rate_limit = None if rate_limit is None else rate_limit.encode()
+        cfg.bind_address = _text_arg(bind_address, "bind_address")
+        cfg.rate_limit = _text_arg(rate_limit, "rate_limit")
         if secret is not None:
+            if isinstance(secret, (int, str)):  # bytes(32) would be 32 zero bytes
+                raise TypeError("secret must be %d bytes, not %s" %
+                                (ENDPOINT_SECRET_BYTES, type(secret).__name__))
             secret = bytes(secret)
             if len(secret) != ENDPOINT_SECRET_BYTES:
                 raise KvxferError(Result.ERR_INVALID_ARGUMENT,
@@ -1503,6 +1537,29 @@ def _check_desc(kv):
     if not isinstance(kv, KVDescriptor):
         raise TypeError("kv must be a KVDescriptor, not %s" % type(kv).__name__)
     return kv
+
+
+def _after_fork_in_child():
+    """A fork()ed child has none of the library's threads: the parent's
+    communicators, requests and pools are the parent's.  The child forgets
+    them, so that neither its finalisers nor its exit hook call the library
+    on them (kvxfer_comm_destroy there crashed); using them there fails as on
+    destroyed objects."""
+    global _deferred_lock
+    _deferred_lock = threading.RLock()  # another thread may have held it at the fork
+    for st in _live_comms:
+        st.destroyed = True
+    for st in _live_requests:
+        st.freed = True
+    for st in _live_pools:
+        st.handle = None
+    _live_comms.clear()
+    _live_requests.clear()
+    _live_pools.clear()
+    del _deferred_requests[:], _deferred_comms[:], _deferred_pools[:]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

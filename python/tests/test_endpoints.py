@@ -172,3 +172,120 @@ def test_integers_that_do_not_fit_their_c_type_are_refused():
     with pytest.raises(TypeError, match="num_blocks must be an integer"):
         kvxfer.KVPool.from_layers(sp.layers, block_size=BS, kv_heads=HEADS, head_dim=HD,
                                   num_blocks=3.5)
+
+
+def test_values_of_the_wrong_kind_are_refused_at_the_call():
+    """A str, float or int where the binding means something else raises
+    TypeError or ValueError naming it: none is silently converted."""
+    with pytest.raises(TypeError, match="secret must be 32 bytes, not int"):
+        kvxfer.Endpoint(secret=32)  # bytes(32) would be an all-zero secret
+    with pytest.raises(TypeError, match="bind_address must be a str"):
+        kvxfer.Endpoint(bind_address=b"127.0.0.1")
+    with pytest.raises(TypeError, match="rate_limit must be a str"):
+        kvxfer.Endpoint(bind_address="127.0.0.1", rate_limit=5)
+    for kw, words in (({"chunk_tokens": 32.9}, "chunk_tokens must be an integer"),
+                      ({"anchor_bits": "4"}, "anchor_bits must be an integer"),
+                      ({"sink_tokens": 1.5}, "sink_tokens must be an integer"),
+                      ({"alpha": "0.5"}, "alpha must be a number")):
+        with pytest.raises(TypeError, match=words):
+            kvxfer.CodecConfig("lynx", **kw)
+    kv = kvdata.HostKV(L, HEADS, HD, T, 32)
+    wide = [list(blocks) for blocks in kv.k]
+    wide[0][0] = 2 ** 64 + 0x1000  # ctypes would keep 0x1000
+    with pytest.raises(ValueError, match="wider than 64 bits"):
+        kvxfer.KVDescriptor(wide, kv.v, num_layers=L, kv_heads=HEADS, head_dim=HD,
+                            block_size=32, num_tokens=T)
+    src = kvdata.HostKV(L, HEADS, HD, T, 32).fill(3)
+    with endpoint() as a, endpoint() as b:
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        r = b.recv(ba, kv.descriptor(), request_id=1)
+        s = a.send(ab, src.descriptor(), codec="bf16", request_id=1)
+        with pytest.raises(TypeError, match="timeout must be a number"):
+            r.wait(timeout="0.1")
+        assert r.wait(timeout=float("inf")) and s.wait(timeout=float("inf"))  # no limit
+        r.free()
+        s.free()
+
+
+def test_two_threads_freeing_one_request_do_not_crash():
+    """free() is idempotent from any thread: the loser finds it freed (it
+    used to read the freed handle's stage first, and crashed)."""
+    import threading
+    src = kvdata.HostKV(L, HEADS, HD, 16, 16).fill(1)
+    dst = kvdata.HostKV(L, HEADS, HD, 16, 16)
+    with endpoint() as a, endpoint() as b:
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        for i in range(300):
+            r = b.recv(ba, dst.descriptor(), request_id=i)
+            s = a.send(ab, src.descriptor(), codec="bf16", request_id=i)
+            assert r.wait(timeout=10) and s.wait(timeout=10)
+            threads = [threading.Thread(target=q.free) for q in (r, r, s, s)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+
+def test_requests_dropped_in_flight_in_reference_cycles_do_not_deadlock():
+    """A Request in a cycle, dropped in flight, is finalised by the cyclic
+    GC, which may run while this thread parks or drains dropped requests:
+    the finaliser parks it under the same lock (it used to wait for itself)."""
+    import gc
+    import threading
+
+    class Holder:
+        pass
+
+    dst = kvdata.HostKV(L, HEADS, HD, 16, 16)
+    done = threading.Event()
+    with endpoint() as a, endpoint() as b:
+        a.connect(b.address)
+        ba = b.connect(a.address)
+
+        def churn():
+            live = b.recv(ba, dst.descriptor(), request_id=10 ** 9)
+            parked = b.recv(ba, dst.descriptor(), request_id=10 ** 9 + 1)
+            del parked  # in flight: parked, so every call drains
+            old = gc.get_threshold()
+            gc.set_threshold(7)
+            try:
+                for i in range(400):
+                    h = Holder()
+                    h.req = b.recv(ba, dst.descriptor(), request_id=i)
+                    h.req.owner = h
+                    del h  # cyclic garbage, in flight
+                    live.test()  # drains the parked requests
+            finally:
+                gc.set_threshold(*old)
+                live.cancel()
+            done.set()
+
+        t = threading.Thread(target=churn, daemon=True)
+        t.start()
+        t.join(60)
+        assert done.is_set(), "the churning thread is stuck (a deadlock)"
+
+
+def test_a_forked_child_exits_cleanly_without_touching_the_parents_objects():
+    """The child has none of the library's threads: its exit hook and
+    finalisers leave the parent's communicators, requests and pools alone
+    (kvxfer_comm_destroy in the child crashed), and objects it makes work."""
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import os, kvxfer\n"
+        "e = kvxfer.Endpoint(bind_address='127.0.0.1')\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    c = kvxfer.Endpoint(bind_address='127.0.0.1')\n"
+        "    c.close()\n"
+        "    raise SystemExit(0)\n"
+        "_, st = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(st))\n"
+        "e.close()\n")
+    from conftest import child_env
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, env=child_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "child 0", (out.stdout, out.stderr)
