@@ -384,11 +384,23 @@ class WorkerCore:
         secret = extra.get("secret")
         if secret is not None:
             secret = _hex(secret, "kv_connector_extra_config secret")
-        self.ep = core.Endpoint(timeout_ms=setting("timeout_ms", 0, 0, int32),
-                                port=setting("port", 0, 0, 65535),
-                                bind_address=extra.get("bind_address"),
-                                rate_limit=extra.get("rate_limit"),
-                                secret=secret)
+            if len(secret) != core.ENDPOINT_SECRET_BYTES:
+                raise ValueError("kv_connector_extra_config secret: %d hex digits, not %d" %
+                                 (2 * core.ENDPOINT_SECRET_BYTES, 2 * len(secret)))
+        for key in ("bind_address", "rate_limit"):
+            if extra.get(key) is not None and not isinstance(extra[key], str):
+                raise ValueError("kv_connector_extra_config %s %r: a string" % (key, extra[key]))
+        try:
+            self.ep = core.Endpoint(timeout_ms=setting("timeout_ms", 0, 0, int32),
+                                    port=setting("port", 0, 0, 65535),
+                                    bind_address=extra.get("bind_address"),
+                                    rate_limit=extra.get("rate_limit"), secret=secret)
+        except core.KvxferError as e:
+            if e.code != core.Result.ERR_INVALID_ARGUMENT:
+                raise  # a port taken, ...: not the config's fault
+            # The library refused a value (an address or a rate it cannot parse).
+            raise ValueError("kv_connector_extra_config bind_address or rate_limit: %s" %
+                             e.message) from e
         self.pools = []  # one KVPool per KV head
         self.num_layers = 0
         self._peers = {}  # prefill address -> peer index
@@ -457,6 +469,14 @@ class WorkerCore:
         the loads it names (posted first, so that the prefill hears of it)."""
         self._unreachable = set()
         for s in meta.sends:
+            if s.req_id in self._sending:
+                # vLLM's ids are unique; a second live request of one id
+                # would report the first's blocks free while its sends
+                # still read them.  The first keeps the id; this one sends
+                # nothing, and its decode times out.
+                _log.error("kvxfer: request %s is already sending; its second save_kv sends "
+                          "nothing", s.req_id)
+                continue
             t = self._sending[s.req_id] = _Transfer([], s.block_ids)
             if not self.pools:
                 t.error = "no KV caches registered (register_kv_caches)"

@@ -264,6 +264,40 @@ def test_extra_config_values_out_of_range_fail_at_construction():
         with pytest.raises(ValueError, match="kv_connector_extra_config %s %r: an integer in" %
                            (key, value)):
             vllm_core.WorkerCore({key: value})
+    # The strings: a ValueError naming the key, not KvxferError or AttributeError.
+    for extra, words in (({"secret": "ab" * 31}, "secret: 64 hex digits, not 62"),
+                         ({"secret": "zz" * 32}, "secret is not hex digits"),
+                         ({"bind_address": 5}, "bind_address 5: a string"),
+                         ({"rate_limit": 5}, "rate_limit 5: a string"),
+                         ({"rate_limit": "fast"}, "bind_address or rate_limit: .*'fast'"),
+                         ({"bind_address": "no-such-host.invalid"},
+                          "bind_address or rate_limit: .*no-such-host")):
+        with pytest.raises(ValueError, match=words):
+            vllm_core.WorkerCore(extra)
+
+
+def test_a_second_save_of_a_request_id_still_sending_leaves_the_first_alone():
+    """vLLM's request ids are unique; a second live request of one id must
+    not report the first's blocks free while its sends still read them."""
+    kv_p, kv_d = (vllm_fakes.caches(2, 16, 2, BS, 8) for _ in range(2))
+    pre, dec = vllm_core.WorkerCore({}), vllm_core.WorkerCore({})
+    try:
+        pre.register(kv_p)
+        dec.register(kv_d)
+        vllm_fakes.fill(kv_p, [1, 2, 3], 40, 1)
+        want = vllm_fakes.rows(kv_p, [1, 2, 3], 40)
+        pre.start(vllm_core.Metadata(sends=[vllm_core.SendSpec("req", [1, 2, 3], 40)]))
+        pre.start(vllm_core.Metadata(sends=[vllm_core.SendSpec("req", [10, 11, 12], 40)]))
+        assert pre.finished()[0] == set()  # the first still waits for its decode
+        dec.start(vllm_core.Metadata(recvs=[
+            vllm_core.RecvSpec("d", "req", [pre.address.hex()], [5, 6, 7], 40)]))
+        sent, got, failed = poll(dec, {"d"}, 1)
+        assert got == {"d"} and not failed
+        assert vllm_fakes.rows(kv_d, [5, 6, 7], 40) == want
+        assert "req" in poll(pre, {"req"}, 0)[0]
+    finally:
+        dec.close()
+        pre.close()
 
 
 def test_unusable_kv_caches_fail_at_registration():
