@@ -721,10 +721,11 @@ typedef struct {
    *  produced layer by layer after the post (a prefill in progress); no page
    *  of layer l is read before kvxfer_send_layer_ready(request, l), none is
    *  written after it, and layers leave in order, each as soon as it and
-   *  every layer before it are marked.  The receiver applies no residual
-   *  while an anchor of a request it knows is expected, so a layer reaches
-   *  ANCHOR_READY as it lands but COMPLETE only after the last layer's
-   *  anchors (docs/TRANSPORT.md, "Layer-streamed sends").  Host KV only;
+   *  every layer before it are marked.  In PROGRESSIVE mode the receiver
+   *  applies no residual while an anchor of a request it knows is expected,
+   *  so a layer reaches ANCHOR_READY as it lands but COMPLETE only after the
+   *  last layer's anchors (docs/TRANSPORT.md, "Layer-streamed sends"); in
+   *  MONOLITHIC mode each layer is COMPLETE as it lands.  Host KV only;
    *  not with codec SPECTRUM or alpha = auto, which look at every layer
    *  first (KVXFER_ERR_UNSUPPORTED). */
   int32_t stream_layers;

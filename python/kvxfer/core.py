@@ -1489,7 +1489,7 @@ class Endpoint(Communicator):
         cfg.bind_address = _text_arg(bind_address, "bind_address")
         cfg.rate_limit = _text_arg(rate_limit, "rate_limit")
         if secret is not None:
-            if isinstance(secret, (int, str)):  # bytes(32) would be 32 zero bytes
+            if isinstance(secret, (str, numbers.Integral)):  # bytes(32): 32 zero bytes
                 raise TypeError("secret must be %d bytes, not %s" %
                                 (ENDPOINT_SECRET_BYTES, type(secret).__name__))
             secret = bytes(secret)

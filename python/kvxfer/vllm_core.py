@@ -399,8 +399,9 @@ class WorkerCore:
             if e.code != core.Result.ERR_INVALID_ARGUMENT:
                 raise  # a port taken, ...: not the config's fault
             # The library refused a value (an address or a rate it cannot parse).
-            raise ValueError("kv_connector_extra_config bind_address or rate_limit: %s" %
-                             e.message) from e
+            key = "rate_limit" if "rate_limit" in e.message else "bind_address"
+            raise ValueError("kv_connector_extra_config %s %r: %s" %
+                             (key, extra.get(key), e.message)) from e
         self.pools = []  # one KVPool per KV head
         self.num_layers = 0
         self._peers = {}  # prefill address -> peer index

@@ -177,8 +177,10 @@ def test_integers_that_do_not_fit_their_c_type_are_refused():
 def test_values_of_the_wrong_kind_are_refused_at_the_call():
     """A str, float or int where the binding means something else raises
     TypeError or ValueError naming it: none is silently converted."""
-    with pytest.raises(TypeError, match="secret must be 32 bytes, not int"):
-        kvxfer.Endpoint(secret=32)  # bytes(32) would be an all-zero secret
+    import numpy as np
+    for n in (32, np.int64(32)):
+        with pytest.raises(TypeError, match="secret must be 32 bytes, not"):
+            kvxfer.Endpoint(secret=n)  # bytes(32) would be an all-zero secret
     with pytest.raises(TypeError, match="bind_address must be a str"):
         kvxfer.Endpoint(bind_address=b"127.0.0.1")
     with pytest.raises(TypeError, match="rate_limit must be a str"):

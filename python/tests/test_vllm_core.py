@@ -269,9 +269,9 @@ def test_extra_config_values_out_of_range_fail_at_construction():
                          ({"secret": "zz" * 32}, "secret is not hex digits"),
                          ({"bind_address": 5}, "bind_address 5: a string"),
                          ({"rate_limit": 5}, "rate_limit 5: a string"),
-                         ({"rate_limit": "fast"}, "bind_address or rate_limit: .*'fast'"),
+                         ({"rate_limit": "fast"}, "rate_limit 'fast': .*'fast'"),
                          ({"bind_address": "no-such-host.invalid"},
-                          "bind_address or rate_limit: .*no-such-host")):
+                          "bind_address 'no-such-host.invalid': .*no-such-host")):
         with pytest.raises(ValueError, match=words):
             vllm_core.WorkerCore(extra)
 

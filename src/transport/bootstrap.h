@@ -192,8 +192,9 @@ kvxfer_result_t create_unique_id(const char* bind_host, UniqueId* id,
  * size); KVXFER_ERR_TIMEOUT (root unreachable, or the table did not come in
  * time, or the root gave up waiting for other ranks); KVXFER_ERR_SYSTEM with
  * "bootstrap refused by root" when the root closes the connection without a
- * table (a wrong secret, a malformed hello, or a flood of unauthenticated
- * connections that pushed this one out before its hello was read), or with errno text on other
+ * table (a wrong secret, a malformed hello, a rank taken or out of range,
+ * another nranks, or a flood of unauthenticated connections that pushed this
+ * one out before its hello was read), or with errno text on other
  * socket failures; KVXFER_ERR_SYSTEM with "bootstrap: rank N failed: <reason>" when the root relays
  * another rank's failure (RANK_FAILED); KVXFER_ERR_CORRUPT for a malformed table.
  */

@@ -87,9 +87,10 @@ inline kvxfer_result_t connect_once(const sockaddr_storage& sa, socklen_t len, D
 inline kvxfer_result_t refused_error(const std::string& root) {
   return set_error(KVXFER_ERR_SYSTEM,
                    "bootstrap refused by root: %s closed the connection without sending the "
-                   "address table (a wrong secret or a malformed hello; or the root, flooded "
-                   "with unauthenticated connections, dropped this one before reading its "
-                   "hello: its log says which)",
+                   "address table (its log says why: a wrong secret, a malformed hello, a "
+                   "rank already taken or out of range, another nranks, or a flood of "
+                   "unauthenticated connections that dropped this one before its hello was "
+                   "read)",
                    root.c_str());
 }
 

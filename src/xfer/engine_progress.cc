@@ -154,7 +154,10 @@ bool Engine::Impl::step() {
   // message would not name the layer.
   check_layer_timeouts();
   if (do_abort) {
-    KVXFER_INFO(LOG_NET, "aborting communicator rank %d: %s", rank, why.c_str());
+    if (rank >= 0)
+      KVXFER_INFO(LOG_NET, "aborting communicator rank %d: %s", rank, why.c_str());
+    else
+      KVXFER_INFO(LOG_NET, "aborting endpoint: %s", why.c_str());
     if (comm) comm->abort(why.c_str());
     links_aborted = true;
     const std::vector<std::shared_ptr<Request>> all = active;
