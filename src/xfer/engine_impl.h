@@ -448,7 +448,8 @@ struct Engine::Impl {
   void post_anchor_recvs(
       const std::shared_ptr<Request>& r);  // receiver: every page, at the handshake
   std::vector<std::pair<std::shared_ptr<Request>, size_t>> held_full;  // residuals not yet applied
-  void refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text);
+  void refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text,
+                  bool empty_desc = true);
   /** A Link post of `tag` for `r` (null: the engine's own), recorded as
    *  (k, page) and counted in r's ops; the op id in *op.  The Link's error
    *  if it refused it (nothing recorded). */

@@ -165,11 +165,15 @@ void Engine::Impl::sweep_claims() {
         ++it;
         continue;
       }
-      refuse_rdv(p, it->second.seq, KVXFER_ERR_TIMEOUT,
-                 strprintf("no kvxfer_recv by request id %llu was posted within %lld ms of its "
-                           "send's announcement",
-                           static_cast<unsigned long long>(it->first),
-                           static_cast<long long>(timeout_ms)));
+      // No empty DESC: with equal timeouts the sender's DESC receive has
+      // expired by now (it was posted before its announcement left), and a
+      // message no receive takes would stay in its provider.
+      refuse_rdv(
+          p, it->second.seq, KVXFER_ERR_TIMEOUT,
+          strprintf("no kvxfer_recv by request id %llu was posted within %lld ms of its "
+                    "send's announcement",
+                    static_cast<unsigned long long>(it->first), static_cast<long long>(timeout_ms)),
+          /*empty_desc=*/false);
       it = io(p).rdv_parked.erase(it);
     }
     for (const std::shared_ptr<Request>& r :
@@ -270,13 +274,13 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
 
 // The announced request `seq` from `peer` has no receive any more (cancelled
 // or failed while it waited), or none came within the timeout of its
-// announcement (sweep_claims): its sender gets this STATUS, then an empty
-// DESC (protocol.h: a refusal, no page may follow), which ends its DESC
-// receive at once: its id and request slot are free once that DESC has
-// come, just after the STATUS, not at the timeout.  Its DESC and STATUS are
+// announcement (sweep_claims): its sender gets this STATUS, then, unless
+// `empty_desc` is false (sweep_claims), an empty DESC (protocol.h: a
+// refusal, no page may follow), which ends its DESC receive at once: its id and request slot are
+// free once that DESC has come, just after the STATUS, not at the timeout.  Its DESC and STATUS are
 // received and dropped, so nothing of it stays in the provider.
-void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
-                              const std::string& text) {
+void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text,
+                              bool empty_desc) {
   struct Post {
     uint64_t tag;
     bool is_send;
@@ -296,6 +300,7 @@ void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code,
        std::vector<uint8_t>(kStatusHeaderBytes + kMaxStatusText),
        kStatusHeaderBytes + kMaxStatusText, OpKind::kStatusRecv}};
   for (Post& p : posts) {
+    if (p.kind == OpKind::kDescSend && !empty_desc) continue;
     // The vector's storage moves with it into the map: the Link keeps its address.
     uint64_t op = 0;
     if (post_raw(peer, TrafficClass::kAnchor, p.tag, p.is_send, p.buf.data(), p.len, nullptr,
