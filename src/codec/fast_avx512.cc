@@ -247,7 +247,10 @@ inline void count32(const uint8_t* codes, uint32_t* bins) {
   }
 }
 
-template <int KIND, int DT, bool RES, bool CODES>
+// COUNT: also count `count`'s H codes into `bins` (count32), between the
+// vectors; a template parameter, so that the rows that count nothing run
+// the loop they ran before it existed.
+template <int KIND, int DT, bool RES, bool CODES, bool COUNT>
 void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const float* ps,
                           const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
                           const uint8_t* next, const uint8_t* count, uint32_t* bins) {
@@ -274,7 +277,7 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
       if constexpr (kElem == 4)
         _mm_prefetch(reinterpret_cast<const char*>(next + kElem * c + 64), _MM_HINT_T1);
     }
-    if (count != nullptr) count32(count + c, bins);
+    if constexpr (COUNT) count32(count + c, bins);
     const __m512i w = words32<KIND, DT>(row, c, pm, ps, k);
     // The anchor (clean) and the residual (bits 0..3) of each 16-bit lane.
     __m512i a, r = _mm512_setzero_si512();
@@ -301,7 +304,7 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
     if constexpr (RES)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pr + c / 2), nibbles32<false>(r));
   }
-  if (count != nullptr)
+  if constexpr (COUNT)
     for (int32_t c = Hv; c < H; ++c) ++bins[count[c]];
   if (Hv < H)
     scalar_kernels().encode_row_nibbles(row + Hv * dtype_size(static_cast<kvxfer_dtype_t>(DT)),
@@ -310,21 +313,31 @@ void encode_row_nibbles_t(const uint8_t* row, int32_t H, const float* pm, const 
                                         CODES ? codes + Hv : nullptr);
 }
 
+template <int KIND, int DT, bool COUNT>
+void encode_row_nibbles_c(const uint8_t* row, int32_t H, const float* m, const float* s,
+                          const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
+                          const uint8_t* next, const uint8_t* count, uint32_t* bins) {
+  if (pr != nullptr) {
+    if (codes != nullptr)
+      return encode_row_nibbles_t<KIND, DT, true, true, COUNT>(row, H, m, s, cb, pa, pr, codes,
+                                                               next, count, bins);
+    return encode_row_nibbles_t<KIND, DT, true, false, COUNT>(row, H, m, s, cb, pa, pr, codes, next,
+                                                              count, bins);
+  }
+  if (codes != nullptr)
+    return encode_row_nibbles_t<KIND, DT, false, true, COUNT>(row, H, m, s, cb, pa, pr, codes, next,
+                                                              count, bins);
+  encode_row_nibbles_t<KIND, DT, false, false, COUNT>(row, H, m, s, cb, pa, pr, codes, next, count,
+                                                      bins);
+}
+
 template <int KIND, int DT>
 void encode_row_nibbles_dt(const uint8_t* row, int32_t H, const float* m, const float* s,
                            const Codebook& cb, uint8_t* pa, uint8_t* pr, uint8_t* codes,
                            const uint8_t* next, const uint8_t* count, uint32_t* bins) {
-  if (pr != nullptr) {
-    if (codes != nullptr)
-      return encode_row_nibbles_t<KIND, DT, true, true>(row, H, m, s, cb, pa, pr, codes, next,
-                                                        count, bins);
-    return encode_row_nibbles_t<KIND, DT, true, false>(row, H, m, s, cb, pa, pr, codes, next, count,
-                                                       bins);
-  }
-  if (codes != nullptr)
-    return encode_row_nibbles_t<KIND, DT, false, true>(row, H, m, s, cb, pa, pr, codes, next, count,
-                                                       bins);
-  encode_row_nibbles_t<KIND, DT, false, false>(row, H, m, s, cb, pa, pr, codes, next, count, bins);
+  if (count != nullptr)
+    return encode_row_nibbles_c<KIND, DT, true>(row, H, m, s, cb, pa, pr, codes, next, count, bins);
+  encode_row_nibbles_c<KIND, DT, false>(row, H, m, s, cb, pa, pr, codes, next, count, bins);
 }
 
 template <int KIND>
