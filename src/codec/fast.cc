@@ -423,7 +423,8 @@ EncodeStatus encode(const EncodeJob& job, Impl impl, int threads) {
             // The last counted row's codes are counted inside this call,
             // between its vectors: counted after their own row, alone, they
             // cost INT8's encode about 7% (perf, codec_perf --dataset synth
-            // -t 1, AMD EPYC Zen 4), as much as its kernel saves on Lynx's.
+            // -t 1, an Intel Xeon with AVX-512), as much as its kernel saves
+            // on Lynx's.
             uint8_t* out = to_count == codes.data() ? codes2.data() : codes.data();
             if (to_count != nullptr) hist.reserve(H);
             K.encode_row_nibbles_ahead(row, dt, H, pm.data(), ps.data(), *job.cb, wa.out + off,

@@ -276,9 +276,10 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
 // or failed while it waited), or none came within the timeout of its
 // announcement (sweep_claims): its sender gets this STATUS, then, unless
 // `empty_desc` is false (sweep_claims), an empty DESC (protocol.h: a
-// refusal, no page may follow), which ends its DESC receive at once: its id and request slot are
-// free once that DESC has come, just after the STATUS, not at the timeout.  Its DESC and STATUS are
-// received and dropped, so nothing of it stays in the provider.
+// refusal, no page may follow), which ends its DESC receive at once: its id
+// and request slot are free once that DESC has come, just after the
+// STATUS, not at the timeout.  Its DESC and STATUS are received and
+// dropped, so nothing of it stays in the provider.
 void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text,
                               bool empty_desc) {
   struct Post {
