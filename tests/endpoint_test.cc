@@ -87,6 +87,18 @@ void expect_exact(PagedKV& src, PagedKV& dst, const kvxfer_codec_config_t& cfg) 
 }
 
 /** One send of KV seeded `seed` from (a, pa) to (b, pb) by id `id`; bytes checked. */
+/** Both requests complete, dst is src exactly; both are freed. */
+void complete_exact(kvxfer_request_t s, kvxfer_request_t r, PagedKV& src, PagedKV& dst,
+                    const kvxfer_codec_config_t& cfg) {
+  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  expect_exact(src, dst, cfg);
+  kvxfer_request_free(s);
+  kvxfer_request_free(r);
+}
+
 void transfer_exact(kvxfer_comm_t a, int pa, kvxfer_comm_t b, int pb, uint64_t id, uint64_t seed,
                     const kvxfer_codec_config_t& cfg) {
   PagedKV src(kL, kHeads, kHd, kT, kBs);
@@ -97,13 +109,7 @@ void transfer_exact(kvxfer_comm_t a, int pa, kvxfer_comm_t b, int pb, uint64_t i
   ASSERT_EQ(kvxfer_recv(b, pb, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
   ASSERT_EQ(kvxfer_send(a, pa, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS)
       << kvxfer_get_last_error();
-  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  expect_exact(src, dst, cfg);
-  kvxfer_request_free(s);
-  kvxfer_request_free(r);
+  complete_exact(s, r, src, dst, cfg);
 }
 
 kvxfer_codec_config_t lynx() { return KVXFER_CODEC_CONFIG_INITIALIZER; }
@@ -487,13 +493,7 @@ TEST(Endpoint, ReceivesCancelledBeforeTheirSendsTellEverySender) {
   }
   ASSERT_EQ(posted, KVXFER_SUCCESS) << kvxfer_get_last_error();
   ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
-  ASSERT_EQ(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 60000), KVXFER_SUCCESS)
-      << kvxfer_get_last_error();
-  expect_exact(src, dst, cfg);
-  kvxfer_request_free(s);
-  kvxfer_request_free(r);
+  complete_exact(s, r, src, dst, cfg);
 }
 
 // ---------------------------------------------------------------------------
