@@ -235,14 +235,7 @@ struct CodeHistogram {
     for (; c + 8 <= H; c += 8) {
       uint64_t v;
       std::memcpy(&v, codes + c, 8);
-      ++bins[0][v & 0xff];
-      ++bins[1][(v >> 8) & 0xff];
-      ++bins[2][(v >> 16) & 0xff];
-      ++bins[3][(v >> 24) & 0xff];
-      ++bins[0][(v >> 32) & 0xff];
-      ++bins[1][(v >> 40) & 0xff];
-      ++bins[2][(v >> 48) & 0xff];
-      ++bins[3][v >> 56];
+      count8(v, &bins[0][0]);
     }
     for (; c < H; ++c) ++bins[0][codes[c]];
   }

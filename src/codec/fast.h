@@ -108,6 +108,24 @@ struct RowKernels {
                                    uint32_t* bins);
 };
 
+/**
+ * Counts the 8 codes of `v` (its bytes, lowest first) into four interleaved
+ * tables of 256 uint32, table j at bins + 256 * j, two codes per table: the
+ * layout of fast.cc's CodeHistogram and of encode_row_nibbles_ahead's
+ * `bins`.  static: each file keeps its own copy, compiled with its own
+ * target flags (the AVX-512 file's must not stand in for the baseline's).
+ */
+static inline void count8(uint64_t v, uint32_t* bins) {
+  ++bins[v & 0xff];
+  ++bins[256 + ((v >> 8) & 0xff)];
+  ++bins[512 + ((v >> 16) & 0xff)];
+  ++bins[768 + ((v >> 24) & 0xff)];
+  ++bins[(v >> 32) & 0xff];
+  ++bins[256 + ((v >> 40) & 0xff)];
+  ++bins[512 + ((v >> 48) & 0xff)];
+  ++bins[768 + (v >> 56)];
+}
+
 const RowKernels& scalar_kernels();
 /**
  * The scalar min/max of channels [from, H) over rows[0..n): mn[j], mx[j]

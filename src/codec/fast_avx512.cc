@@ -230,20 +230,12 @@ inline __m128i nibbles32(__m512i f) {
   return _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F), f, hi, kSelect));
 }
 
-// Counts 32 codes into four interleaved tables of 256 (fast.cc's
-// CodeHistogram: bins + 256 * j is table j), eight codes per load.
+// Counts 32 codes (count8, eight per load).
 inline void count32(const uint8_t* codes, uint32_t* bins) {
   for (int i = 0; i < 32; i += 8) {
     uint64_t v;
     std::memcpy(&v, codes + i, 8);
-    ++bins[v & 0xff];
-    ++bins[256 + ((v >> 8) & 0xff)];
-    ++bins[512 + ((v >> 16) & 0xff)];
-    ++bins[768 + ((v >> 24) & 0xff)];
-    ++bins[(v >> 32) & 0xff];
-    ++bins[256 + ((v >> 40) & 0xff)];
-    ++bins[512 + ((v >> 48) & 0xff)];
-    ++bins[768 + (v >> 56)];
+    count8(v, bins);
   }
 }
 
