@@ -701,8 +701,15 @@ void decode_row_nibbles_c(const uint8_t* pa, const uint8_t* pr, int32_t H, const
 
 void decode_row_nibbles_avx512(const uint8_t* pa, const uint8_t* pr, int32_t H, const float* pm,
                                const float* pd, const Values& v, kvxfer_dtype_t dt, uint8_t* row) {
-  if (v.clamp) return decode_row_nibbles_c<true>(pa, pr, H, pm, pd, v, dt, row);
-  decode_row_nibbles_c<false>(pa, pr, H, pm, pd, v, dt, row);
+  if (v.clamp)
+    decode_row_nibbles_c<true>(pa, pr, H, pm, pd, v, dt, row);
+  else
+    decode_row_nibbles_c<false>(pa, pr, H, pm, pd, v, dt, row);
+  // GCC 12 emits no VZEROUPPER in the kernels that end by calling
+  // decode_tail, and the driver's legacy-SSE code between rows (fast.cc,
+  // baseline x86-64) then ran with the upper state dirty: a full decode took
+  // twice the time of the same arithmetic on an Intel Xeon.
+  _mm256_zeroupper();
 }
 
 }  // namespace
