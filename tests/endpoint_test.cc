@@ -496,6 +496,82 @@ TEST(Endpoint, ReceivesCancelledBeforeTheirSendsTellEverySender) {
   complete_exact(s, r, src, dst, cfg);
 }
 
+// Sends by id cancelled before their receives were posted (a runtime
+// aborting a request its decode has not asked for yet): each withdraws its
+// announcement, so its id is free again at once, not after the 20 s
+// timeout; a receive of a withdrawn id posted later fails at once, naming
+// the withdrawal; and a send posted again by the id meets its receive.
+TEST(Endpoint, SendsCancelledBeforeTheirReceivesAreWithdrawnAtOnce) {
+  Ep a, b;
+  const int ab = a.connect(b), ba = b.connect(a);
+  PagedKV src(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  const kvxfer_codec_config_t cfg = lynx();
+  for (uint64_t id : {41, 42, 43}) {
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t s = nullptr;
+    ASSERT_EQ(kvxfer_send(a.ep, ab, &src.desc, &cfg, &rc, &s), KVXFER_SUCCESS);
+    // 41 is cancelled before its announcement can have been read, the
+    // others once it waits at the receiver.
+    if (id != 41) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ASSERT_EQ(kvxfer_request_cancel(s), KVXFER_SUCCESS);
+    expect_error(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED,
+                 "cancelled on its sender");
+    EXPECT_EQ(kvxfer_request_free(s), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  }
+  // Each id is free within 2 s, not at the timeout: a send by it is taken
+  // again.
+  // 41's blocks stay unwritten while its send runs.
+  PagedKV src41(kL, kHeads, kHd, kT, kBs);
+  src41.fill(41);
+  std::vector<kvxfer_request_t> again;
+  for (uint64_t id : {41, 42, 43}) {
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t s = nullptr;
+    const auto t0 = Clock::now();
+    kvxfer_result_t posted = KVXFER_ERR_INVALID_USAGE;
+    while (posted == KVXFER_ERR_INVALID_USAGE && Clock::now() - t0 < std::chrono::seconds(2)) {
+      posted = kvxfer_send(a.ep, ab, id == 41 ? &src41.desc : &src.desc, &cfg, &rc, &s);
+      if (posted != KVXFER_SUCCESS) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_EQ(posted, KVXFER_SUCCESS) << "id " << id << ": " << kvxfer_get_last_error();
+    if (id == 41) {
+      again.push_back(s);
+      continue;
+    }
+    ASSERT_EQ(kvxfer_request_cancel(s), KVXFER_SUCCESS);
+    EXPECT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED);
+    kvxfer_request_free(s);
+  }
+  // A receive by a withdrawn id fails at once, with the sender's reason.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  {
+    const kvxfer_request_config_t rc = by_id(43);
+    kvxfer_request_t r = nullptr;
+    ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS);
+    const auto t0 = Clock::now();
+    expect_error(kvxfer_wait(r, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED,
+                 "withdrew the kvxfer_send of request id 43 before a kvxfer_recv took it");
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
+    kvxfer_request_free(r);
+  }
+  // 41 was posted again: its receive meets it (a receive posted before the
+  // new announcement came fails as withdrawn, and is posted again).
+  const kvxfer_request_config_t rc = by_id(41);
+  kvxfer_request_t r = nullptr;
+  const auto t0 = Clock::now();
+  for (;;) {
+    ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS);
+    const auto t1 = Clock::now();
+    kvxfer_result_t t;
+    while ((t = kvxfer_test(r, nullptr)) == KVXFER_IN_PROGRESS &&
+           Clock::now() - t1 < std::chrono::milliseconds(100))
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (t != KVXFER_ERR_CANCELLED || Clock::now() - t0 > std::chrono::seconds(2)) break;
+    kvxfer_request_free(r);
+  }
+  complete_exact(again[0], r, src41, dst, cfg);
+}
+
 // ---------------------------------------------------------------------------
 // Sends to KVXFER_ANY_PEER: a prefill's send goes to whichever decode asks.
 // ---------------------------------------------------------------------------

@@ -73,12 +73,12 @@ std::string to_hex(const Bytes& b) {
 }
 
 // ---------------------------------------------------------------------------
-// Request protocol (src/xfer/protocol.h): DESC version 4.
+// Request protocol (src/xfer/protocol.h): DESC version 5.
 // ---------------------------------------------------------------------------
 // off type field          (docs/TRANSPORT.md, "DESC")
 const char* const kSenderDesc =
     "4b 56 58 44"              // 0  u32 magic "KVXD"
-    "04 00"                    // 4  u16 version 4
+    "05 00"                    // 4  u16 version 5
     "01 00"                    // 6  u16 role 1 sender
     "88 77 66 55 44 33 22 11"  // 8  u64 tag 0x1122334455667788
     "1c 00 00 00"              // 16 i32 num_layers 28
@@ -98,7 +98,7 @@ const char* const kSenderDesc =
     "01 00 00 00"              // 73 i32 value_groups TOKEN
     "00 00 00";                // 77 reserved
 const char* const kReceiverDesc =
-    "4b 56 58 44 04 00"                    // magic, version 4
+    "4b 56 58 44 05 00"                    // magic, version 5
     "00 00"                                // role 0 receiver
     "88 77 66 55 44 33 22 11"              // tag
     "1c 00 00 00 08 00 00 00 80 00 00 00"  // num_layers 28, kv_heads 8, head_dim 128
@@ -211,12 +211,12 @@ TEST(WireBytes, ReceiverDescriptorIsFixed) {
       << last_error();
 }
 
-TEST(WireBytes, OnlyDescriptorVersion4IsAccepted) {
-  // Versions 1 to 3 (before sink_tokens, value_groups, ASK) and any later
+TEST(WireBytes, OnlyDescriptorVersion5IsAccepted) {
+  // Versions 1 to 4 (before sink_tokens, value_groups, ASK, WITHDRAW) and any later
   // one are refused, as are a wrong magic, role, on_device or value_groups.
   const Bytes good = hex(kSenderDesc);
   xfer::Desc d;
-  for (uint8_t v : {0, 1, 2, 3, 5, 0xff}) {
+  for (uint8_t v : {0, 1, 2, 3, 4, 6, 0xff}) {
     Bytes b = good;
     b[4] = v;
     EXPECT_EQ(xfer::decode_desc(b.data(), b.size(), &d), KVXFER_ERR_CORRUPT) << int(v);
@@ -247,35 +247,72 @@ TEST(WireBytes, OnlyDescriptorVersion4IsAccepted) {
 }
 
 // ---------------------------------------------------------------------------
-// STATUS version 4: ok, an error with its text, the peer's cancel.
+// STATUS version 5: ok, an error with its text, the peer's cancel.
 // ---------------------------------------------------------------------------
 // A by-id sender's announcement on its peer's rendezvous stream (protocol.h).
 TEST(WireBytes, RendezvousMessageIsFixed) {
   const Bytes want =
-      hex("4b 56 58 52 04 00 00 00"    // magic "KVXR", version 4, reserved 0
+      hex("4b 56 58 52 05 00 00 00"    // magic "KVXR", version 5, reserved 0
           "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
           "05 40 00 00 00 00 00 00");  // 16 u32 seq 0x4005 (the id space), u32 0
   EXPECT_EQ(to_hex(xfer::encode_rdv(0x0123456789abcdefull, 0x4005)), to_hex(want));
   uint64_t id = 0;
   uint32_t seq = 0;
-  ASSERT_EQ(xfer::decode_rdv(want.data(), want.size(), &id, &seq), KVXFER_SUCCESS) << last_error();
+  kvxfer_result_t why = KVXFER_ERR_INTERNAL;
+  ASSERT_EQ(xfer::decode_rdv(want.data(), want.size(), &id, &seq, &why), KVXFER_SUCCESS)
+      << last_error();
   EXPECT_EQ(id, 0x0123456789abcdefull);
   EXPECT_EQ(seq, 0x4005u);
-  EXPECT_EQ(xfer::decode_rdv(want.data(), want.size() - 1, &id, &seq), KVXFER_ERR_CORRUPT);
+  EXPECT_EQ(why, KVXFER_SUCCESS);  // an announcement, not a withdrawal
+  EXPECT_EQ(xfer::decode_rdv(want.data(), want.size() - 1, &id, &seq, &why), KVXFER_ERR_CORRUPT);
   for (size_t at : {size_t{0}, size_t{4}, size_t{6}, size_t{17}, size_t{20}}) {
     Bytes bad = want;
     bad[at] ^= 0x40;  // magic, version, reserved, a seq outside the id space, reserved
-    EXPECT_EQ(xfer::decode_rdv(bad.data(), bad.size(), &id, &seq), KVXFER_ERR_CORRUPT) << at;
+    EXPECT_EQ(xfer::decode_rdv(bad.data(), bad.size(), &id, &seq, &why), KVXFER_ERR_CORRUPT) << at;
   }
   // The stream's tag: seq kRdvSeq (no request's), from the sender, kind STATUS.
   EXPECT_EQ(xfer::make_tag(xfer::kRdvSeq, false, xfer::MsgKind::kStatus, 3),
             (uint64_t{0x7FFF} << 24) | (uint64_t{1} << 21) | 3);
 }
 
+// A by-id sender's withdrawal of its announcement, on the same stream
+// (protocol.h, WITHDRAW): the RDV's layout with its own magic and the
+// sender's result.
+TEST(WireBytes, WithdrawMessageIsFixed) {
+  const Bytes want =
+      hex("4b 56 58 57 05 00 00 00"    // magic "KVXW", version 5, reserved 0
+          "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
+          "05 40 00 00 f3 ff ff ff");  // 16 u32 seq 0x4005, i32 result -13 (CANCELLED)
+  EXPECT_EQ(to_hex(xfer::encode_withdraw(0x0123456789abcdefull, 0x4005, KVXFER_ERR_CANCELLED)),
+            to_hex(want));
+  uint64_t id = 0;
+  uint32_t seq = 0;
+  kvxfer_result_t why = KVXFER_SUCCESS;
+  ASSERT_EQ(xfer::decode_rdv(want.data(), want.size(), &id, &seq, &why), KVXFER_SUCCESS)
+      << last_error();
+  EXPECT_EQ(id, 0x0123456789abcdefull);
+  EXPECT_EQ(seq, 0x4005u);
+  EXPECT_EQ(why, KVXFER_ERR_CANCELLED);
+  // A result that is no error (0, 1) or below KVXFER_RESULT_MIN, a seq
+  // outside the id space, another version.
+  for (const auto& [at, v] : std::vector<std::pair<size_t, uint8_t>>{
+           {20, 0x00}, {20, 0xf2}, {23, 0x00}, {18, 0x01}, {4, 0x04}}) {
+    Bytes bad = want;
+    bad[at] = v;
+    if (at == 20 && v == 0x00) bad[21] = bad[22] = bad[23] = 0;  // result 0
+    EXPECT_EQ(xfer::decode_rdv(bad.data(), bad.size(), &id, &seq, &why), KVXFER_ERR_CORRUPT)
+        << at << " " << int(v);
+  }
+  Bytes one = want;  // result 1 (KVXFER_IN_PROGRESS)
+  one[20] = 1;
+  one[21] = one[22] = one[23] = 0;
+  EXPECT_EQ(xfer::decode_rdv(one.data(), one.size(), &id, &seq, &why), KVXFER_ERR_CORRUPT);
+}
+
 // A by-id receiver's ask on its peer's ask stream (protocol.h, ASK).
 TEST(WireBytes, AskMessageIsFixed) {
   const Bytes want =
-      hex("4b 56 58 41 04 00 00 00"    // magic "KVXA", version 4, reserved 0
+      hex("4b 56 58 41 05 00 00 00"    // magic "KVXA", version 5, reserved 0
           "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
           "00 00 00 00 00 00 00 00");  // 16 u32 seq 0, u32 0
   EXPECT_EQ(to_hex(xfer::encode_ask(0x0123456789abcdefull)), to_hex(want));
@@ -292,7 +329,8 @@ TEST(WireBytes, AskMessageIsFixed) {
   const std::vector<uint8_t> rdv = xfer::encode_rdv(1, xfer::kIdSeqBase);
   EXPECT_EQ(xfer::decode_ask(rdv.data(), rdv.size(), &id), KVXFER_ERR_CORRUPT);
   uint32_t seq = 0;
-  EXPECT_EQ(xfer::decode_rdv(want.data(), want.size(), &id, &seq), KVXFER_ERR_CORRUPT);
+  kvxfer_result_t why = KVXFER_SUCCESS;
+  EXPECT_EQ(xfer::decode_rdv(want.data(), want.size(), &id, &seq, &why), KVXFER_ERR_CORRUPT);
   // The stream's tag: seq kRdvSeq, from the receiver, kind STATUS.
   EXPECT_EQ(xfer::make_tag(xfer::kRdvSeq, true, xfer::MsgKind::kStatus, 3),
             (uint64_t{0x7FFF} << 24) | (uint64_t{1} << 23) | (uint64_t{1} << 21) | 3);
@@ -304,16 +342,16 @@ TEST(WireBytes, StatusMessagesAreFixed) {
     const char* text;
     const char* bytes;
   } cases[] = {{KVXFER_SUCCESS, "",
-                "4b 56 58 53 04 00 00 00"  // magic "KVXS", version 4, reserved 0
+                "4b 56 58 53 05 00 00 00"  // magic "KVXS", version 5, reserved 0
                 "00 00 00 00"              // 8  i32 result 0 (SUCCESS)
                 "00 00 00 00"},            // 12 u32 text length 0
                {KVXFER_ERR_CORRUPT, "bad page",
-                "4b 56 58 53 04 00 00 00"
+                "4b 56 58 53 05 00 00 00"
                 "fa ff ff ff"                // result -6 (CORRUPT)
                 "08 00 00 00"                // length 8
                 "62 61 64 20 70 61 67 65"},  // "bad page", no NUL
                {KVXFER_ERR_CANCELLED, "stop",
-                "4b 56 58 53 04 00 00 00"
+                "4b 56 58 53 05 00 00 00"
                 "f3 ff ff ff"     // result -13 (CANCELLED): the peer's kvxfer_request_cancel
                 "04 00 00 00"     // length 4
                 "73 74 6f 70"}};  // "stop"
@@ -337,7 +375,7 @@ TEST(WireBytes, StatusMessagesAreFixed) {
   const Bytes big = xfer::encode_status(KVXFER_ERR_SYSTEM, std::string(1500, 'z'));
   ASSERT_EQ(big.size(), 16u + 1024u);
   EXPECT_EQ(to_hex(Bytes(big.begin(), big.begin() + 16)),
-            to_hex(hex("4b 56 58 53 04 00 00 00 f7 ff ff ff 00 04 00 00")));  // -9, 1024
+            to_hex(hex("4b 56 58 53 05 00 00 00 f7 ff ff ff 00 04 00 00")));  // -9, 1024
 }
 
 // The Link tag of a request message: seq (15) | from_receiver (1) | kind (2) | page (21).

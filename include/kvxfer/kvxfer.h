@@ -814,10 +814,12 @@ typedef struct {
  * KVXFER_ANY_PEER waiting, or one of them with this request_id).  A request keeps its place until
  * the progress thread retires it: shortly after its final stage (so a post right after kvxfer_wait
  * saw COMPLETE may still be refused), and for a request that failed or was cancelled while messages
- * of it were still posted, once those complete or time out (KVXFER_TIMEOUT_MS). Later failures
- * (descriptor mismatch, NaN/Inf with the ERROR policy, a peer that dies, a corrupted section) put
- * the request in stage ERROR. Thread-safety: any thread; posts from different threads to one peer
- * are matched in the order the calls take the communicator's lock.
+ * of it were still posted, once those complete or time out (KVXFER_TIMEOUT_MS). A send by id
+ * cancelled before its peer posted the receive withdraws itself: its place is free within a round
+ * trip, and a receive by that id posted within the timeout fails at once (docs/TRANSPORT.md). Later
+ * failures (descriptor mismatch, NaN/Inf with the ERROR policy, a peer that dies, a corrupted
+ * section) put the request in stage ERROR. Thread-safety: any thread; posts from different threads
+ * to one peer are matched in the order the calls take the communicator's lock.
  */
 kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
                             const kvxfer_codec_config_t* codec,

@@ -90,11 +90,12 @@ struct Work {
   bool started = false;
   bool handshake_done = false, handshake_ok = false;
   std::vector<uint8_t> desc_out, desc_in, status_out, status_in;
-  std::vector<uint8_t> rdv_out;   // a by-id sender's RDV (protocol.h)
-  std::vector<uint8_t> ask_out;   // a by-id receiver's ASK (protocol.h)
-  bool rdv_told = false;          // a failed receive by id whose RDV came: refused then
-  size_t next_page_send = 0;      // sender: pages posted to the Link
-  size_t next_residual_post = 0;  // receiver: residual receives posted
+  std::vector<uint8_t> rdv_out;       // a by-id sender's RDV (protocol.h)
+  std::vector<uint8_t> withdraw_out;  // its WITHDRAW, if it fails before the receiver's DESC
+  std::vector<uint8_t> ask_out;       // a by-id receiver's ASK (protocol.h)
+  bool rdv_told = false;              // a failed receive by id whose RDV came: refused then
+  size_t next_page_send = 0;          // sender: pages posted to the Link
+  size_t next_residual_post = 0;      // receiver: residual receives posted
   int64_t sends_done = 0, anchor_sends_done = 0;
   bool peer_status = false, peer_status_ok = false;
   bool status_sent = false;
@@ -276,6 +277,10 @@ struct PeerIo {
     int64_t t_ns;  // kept for the timeout (sweep_claims), then dropped
   };
   std::unordered_map<uint64_t, Refusal> rdv_refused;
+  // Ids whose announced send was withdrawn (protocol.h, WITHDRAW) before a
+  // receive took it: a receive by that id posted within the timeout fails
+  // at once with the sender's reason; a new RDV of the id drops it.
+  std::unordered_map<uint64_t, Refusal> rdv_withdrawn;
   // The peer's ask stream (protocol.h, ASK): its standing receive and
   // buffer, the stream's counters both ways, and asks no send to
   // KVXFER_ANY_PEER has taken yet (id -> when, ns), kept for the timeout.
@@ -461,6 +466,8 @@ struct Engine::Impl {
                 const void* buf, size_t len, OpKind k, size_t page);
   void bind_or_wait(const std::shared_ptr<Request>& r);  // a new receive by id
   void arm_rdv(int peer);
+  void withdraw(const std::shared_ptr<Request>& r);
+  void on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why);
   void on_rdv(int peer, const Completion& c);
   bool post_rdv_send(const std::shared_ptr<Request>& r);
   // Sends to KVXFER_ANY_PEER (kvxfer.h) waiting for a peer's ASK, in post
@@ -469,7 +476,7 @@ struct Engine::Impl {
   std::vector<std::shared_ptr<Request>> unclaimed;
   bool claims_dirty = false;
   int64_t last_claim_sweep = 0;
-  void arm_asks();  // every peer's ask stream
+  void arm_streams();  // every peer's ask and rendezvous streams
   void on_ask(int peer, const Completion& c);
   bool send_ask(const std::shared_ptr<Request>& r);  // a receive by id asks its peer
   void try_claims();                                 // match waiting sends and asks

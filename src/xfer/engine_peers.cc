@@ -18,6 +18,32 @@ bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
                   OpKind::kRdvSend, 0);
 }
 
+// A by-id send that failed before its receiver's DESC came (cancelled, most
+// often: a runtime aborting a request its decode has not asked for yet)
+// withdraws its announcement, so that a receiver with no receive bound to it
+// refuses it now (on_withdraw) and the id and request slot are free then,
+// not at the timeout.  Only while its DESC and STATUS receives are posted,
+// which the refusal's messages end (refuse_rdv), and while no STATUS of the
+// receiver's came (it knows of the request then).
+void Engine::Impl::withdraw(const std::shared_ptr<Request>& r) {
+  Work& w = *r->work;
+  if (!r->is_send || !r->by_id || w.rdv_out.empty() || !w.withdraw_out.empty() ||
+      w.handshake_done || w.peer_refused || w.peer_status || links_aborted)
+    return;
+  bool desc = false, status = false;
+  for (const auto& [op, ref] : io(r->peer).ops)
+    if (ref.req == r) {
+      desc |= ref.kind == OpKind::kDescRecv;
+      status |= ref.kind == OpKind::kStatusRecv;
+    }
+  if (!desc || !status) return;
+  w.withdraw_out = encode_withdraw(r->request_id, r->seq, w.fail_code);
+  const uint64_t tag =
+      make_tag(kRdvSeq, false, MsgKind::kStatus, io(r->peer).rdv_sent++ & (kMaxPages - 1));
+  post_for(r, TrafficClass::kAnchor, tag, true, w.withdraw_out.data(), w.withdraw_out.size(),
+           OpKind::kRdvSend, 0);
+}
+
 // A new receive by id: bound at once to an announcement that came first, else
 // it waits for one with the rendezvous stream's receive posted.
 void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
@@ -33,6 +59,13 @@ void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
     return;
   }
   r->work->started = true;  // a cancel fails it while it waits (settle)
+  if (auto wd = io(p).rdv_withdrawn.find(r->request_id); wd != io(p).rdv_withdrawn.end()) {
+    const PeerIo::Refusal why = wd->second;
+    io(p).rdv_withdrawn.erase(wd);
+    r->work->rdv_told = true;  // its sender is gone: nobody to refuse
+    fail(r, why.code, why.text);
+    return;
+  }
   r->rdv_since = now_ns();
   io(p).rdv_waiting.push_back(r);
   if (links_aborted) {
@@ -53,15 +86,18 @@ bool Engine::Impl::send_ask(const std::shared_ptr<Request>& r) {
 }
 
 // Sends to KVXFER_ANY_PEER (kvxfer.h) and the asks of receives by id
-// (protocol.h, ASK).  Every peer's ask stream has a standing receive posted,
-// which the link's timeout leaves alone, so that asks never pile up in the
-// provider, whether or not a send waits for them.
-void Engine::Impl::arm_asks() {
+// (protocol.h, ASK), and the announcements of sends by id (RDV, WITHDRAW).
+// Every peer's ask and rendezvous streams have a standing receive posted,
+// which the link's timeout leaves alone, so that their messages never pile
+// up in the provider, whether or not a request waits for them.
+void Engine::Impl::arm_streams() {
   if (!comm || links_aborted) return;
   for (int p = 0; p < npeers(); ++p) {
-    if (!pio[static_cast<size_t>(p)] || io(p).ask_armed || io(p).draining) continue;
+    if (!pio[static_cast<size_t>(p)] || io(p).draining) continue;
     Link* l = comm->link(p);
     if (l == nullptr || l->failed()) continue;
+    arm_rdv(p);
+    if (io(p).ask_armed) continue;
     const uint64_t tag =
         make_tag(kRdvSeq, true, MsgKind::kStatus, io(p).ask_received & (kMaxPages - 1));
     if (post_raw(p, TrafficClass::kAnchor, tag, false, io(p).ask_in.data(), io(p).ask_in.size(),
@@ -191,20 +227,19 @@ void Engine::Impl::sweep_claims() {
     if (!pi) continue;
     for (auto it = pi->asks.begin(); it != pi->asks.end();)
       it = now - it->second > timeout_ms * 1000000 ? pi->asks.erase(it) : std::next(it);
-    for (auto it = pi->rdv_refused.begin(); it != pi->rdv_refused.end();)
-      it = now - it->second.t_ns > timeout_ms * 1000000 ? pi->rdv_refused.erase(it) : std::next(it);
+    for (auto* m : {&pi->rdv_refused, &pi->rdv_withdrawn})
+      for (auto it = m->begin(); it != m->end();)
+        it = now - it->second.t_ns > timeout_ms * 1000000 ? m->erase(it) : std::next(it);
   }
 }
 
-// The stream's receive is posted while a receive waits for its announcement,
-// or a refusal (rdv_refused) waits to be told to its sender.  It is a
-// standing receive, which the link's timeout leaves alone: each waiting
-// receive has its own deadline (sweep_claims), counted from when it began
-// to wait, whatever other traffic the link carries.
+// The stream's receive is posted on every usable link (arm_streams), so that
+// announcements and withdrawals are read as they come, whether or not a
+// receive waits.  It is a standing receive, which the link's timeout leaves
+// alone: each waiting receive and parked announcement has its own deadline
+// (sweep_claims), whatever other traffic the link carries.
 void Engine::Impl::arm_rdv(int peer) {
-  if (io(peer).rdv_armed != 0 || links_aborted ||
-      (io(peer).rdv_waiting.empty() && io(peer).rdv_refused.empty()))
-    return;
+  if (io(peer).rdv_armed != 0 || links_aborted || io(peer).draining) return;
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, io(peer).rdv_received & (kMaxPages - 1));
   const kvxfer_result_t rc =
@@ -225,10 +260,10 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
   io(peer).rdv_armed = 0;
   uint64_t id = 0;
   uint32_t seq = 0;
-  kvxfer_result_t rc = c.status;
+  kvxfer_result_t rc = c.status, withdrawn = KVXFER_SUCCESS;
   std::string why = c.error;
   if (rc == KVXFER_SUCCESS) {
-    rc = decode_rdv(io(peer).rdv_in.data(), c.bytes, &id, &seq);
+    rc = decode_rdv(io(peer).rdv_in.data(), c.bytes, &id, &seq, &withdrawn);
     if (rc < 0) why = last_error();
   }
   if (rc < 0) {  // the stream is broken (the link failed): every waiting receive fails
@@ -239,6 +274,12 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     return;
   }
   io(peer).rdv_received++;
+  if (withdrawn < 0) {
+    on_withdraw(peer, id, seq, withdrawn);
+    arm_rdv(peer);
+    return;
+  }
+  io(peer).rdv_withdrawn.erase(id);  // a new send of the id
   // A receive by id takes its place among the engine's requests when its
   // sender's announcement arrives, which is the sender's post order: the
   // order its residuals come in (enqueue_residuals), whatever order the
@@ -270,6 +311,21 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     io(peer).rdv_parked[id] = {seq, arrival, now_ns()};
   }
   arm_rdv(peer);
+}
+
+// A WITHDRAW (protocol.h): an announcement no receive has taken is refused
+// now, and a receive by its id posted later fails at once (bind_or_wait).
+// One a receive took goes on: that receive fails on the sender's STATUS.
+void Engine::Impl::on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why) {
+  const auto it = io(peer).rdv_parked.find(id);
+  if (it == io(peer).rdv_parked.end() || it->second.seq != seq) return;
+  io(peer).rdv_parked.erase(it);
+  const std::string text = strprintf(
+      "peer %d withdrew the kvxfer_send of request id %llu before a kvxfer_recv took it "
+      "(%s)",
+      peer, static_cast<unsigned long long>(id), kvxfer_get_error_string(why));
+  refuse_rdv(peer, seq, why, text);
+  io(peer).rdv_withdrawn[id] = {why, text, now_ns()};
 }
 
 // The announced request `seq` from `peer` has no receive any more (cancelled

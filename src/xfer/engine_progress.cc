@@ -185,7 +185,7 @@ bool Engine::Impl::step() {
     }
   }
   release_drained();
-  arm_asks();
+  arm_streams();
   if (claims_dirty) try_claims();
   sweep_claims();
   if (!newly_failed.empty()) {

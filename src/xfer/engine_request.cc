@@ -82,6 +82,7 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
     return;
   }
   send_status(r, w.fail_code, text);
+  withdraw(r);  // a by-id send its receiver has not taken yet (engine_peers.cc)
   // Keep the message sequence whole (protocol.h): the sender sends what is
   // left as empty messages, the receiver drains its residual receives.  Page
   // messages already given to the Link but not started go out empty too, so

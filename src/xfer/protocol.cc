@@ -211,8 +211,10 @@ kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* r
 
 namespace {
 
-// RDV and ASK: magic, version, 0, id, seq, 0 (kRdvBytes).
-std::vector<uint8_t> encode_id_message(uint32_t magic, uint64_t id, uint32_t seq) {
+// RDV, WITHDRAW and ASK: magic, version, 0, id, seq, last (kRdvBytes): last
+// is 0 but in a WITHDRAW (its result).
+std::vector<uint8_t> encode_id_message(uint32_t magic, uint64_t id, uint32_t seq,
+                                       uint32_t last = 0) {
   std::vector<uint8_t> b;
   b.reserve(kRdvBytes);
   put<uint32_t>(&b, magic);
@@ -220,21 +222,23 @@ std::vector<uint8_t> encode_id_message(uint32_t magic, uint64_t id, uint32_t seq
   put<uint16_t>(&b, 0);
   put<uint64_t>(&b, id);
   put<uint32_t>(&b, seq);
-  put<uint32_t>(&b, 0);
+  put<uint32_t>(&b, last);
   return b;
 }
 
-bool decode_id_message(const uint8_t* buf, size_t len, uint32_t want_magic, uint64_t* id,
-                       uint32_t* seq) {
-  if (len != kRdvBytes) return false;
+// The message's magic, or 0 if it is not kRdvBytes long, of this version,
+// with its reserved field 0.
+uint32_t decode_id_message(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq,
+                           uint32_t* last) {
+  if (len != kRdvBytes) return 0;
   const uint8_t* p = buf;
   const uint32_t magic = get<uint32_t>(p);
   const uint16_t version = get<uint16_t>(p);
   const uint16_t zero = get<uint16_t>(p);
   *id = get<uint64_t>(p);
   *seq = get<uint32_t>(p);
-  const uint32_t zero2 = get<uint32_t>(p);
-  return magic == want_magic && version == kProtocolVersion && zero == 0 && zero2 == 0;
+  *last = get<uint32_t>(p);
+  return version == kProtocolVersion && zero == 0 ? magic : 0;
 }
 
 }  // namespace
@@ -243,20 +247,32 @@ std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq) {
   return encode_id_message(kRdvMagic, id, seq);
 }
 
-kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq) {
-  if (!decode_id_message(buf, len, kRdvMagic, id, seq) || *seq < kIdSeqBase || *seq >= kRdvSeq)
+std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t why) {
+  return encode_id_message(kWithdrawMagic, id, seq, static_cast<uint32_t>(why));
+}
+
+kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq,
+                           kvxfer_result_t* withdrawn) {
+  uint32_t last = 0;
+  const uint32_t magic = decode_id_message(buf, len, id, seq, &last);
+  const auto why = static_cast<int32_t>(last);
+  const bool ok = *seq >= kIdSeqBase && *seq < kRdvSeq &&
+                  ((magic == kRdvMagic && last == 0) ||
+                   (magic == kWithdrawMagic && why < 0 && why >= KVXFER_RESULT_MIN));
+  if (!ok)
     return set_error(KVXFER_ERR_CORRUPT,
                      "rendezvous message is malformed (%zu bytes; not a kvxfer peer of this "
                      "version)",
                      len);
+  *withdrawn = magic == kWithdrawMagic ? static_cast<kvxfer_result_t>(why) : KVXFER_SUCCESS;
   return KVXFER_SUCCESS;
 }
 
 std::vector<uint8_t> encode_ask(uint64_t id) { return encode_id_message(kAskMagic, id, 0); }
 
 kvxfer_result_t decode_ask(const uint8_t* buf, size_t len, uint64_t* id) {
-  uint32_t seq = 0;
-  if (!decode_id_message(buf, len, kAskMagic, id, &seq) || seq != 0)
+  uint32_t seq = 0, last = 0;
+  if (decode_id_message(buf, len, id, &seq, &last) != kAskMagic || seq != 0 || last != 0)
     return set_error(KVXFER_ERR_CORRUPT,
                      "ask message is malformed (%zu bytes; not a kvxfer peer of this version)",
                      len);

@@ -94,7 +94,7 @@ struct Desc {
 constexpr size_t kDescBytes = 80;
 constexpr uint32_t kDescMagic = 0x4458564bu;    // "KVXD" little-endian
 constexpr uint32_t kStatusMagic = 0x5358564bu;  // "KVXS" little-endian
-constexpr uint16_t kProtocolVersion = 4;  // 2: the codec's sink_tokens, 3: value_groups, 4: ASK
+constexpr uint16_t kProtocolVersion = 5;  // 2: sink_tokens, 3: value_groups, 4: ASK, 5: WITHDRAW
 constexpr size_t kMaxStatusText = 1024;
 constexpr size_t kStatusHeaderBytes = 16;
 
@@ -129,8 +129,25 @@ kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* r
 constexpr size_t kRdvBytes = 24;
 constexpr uint32_t kRdvMagic = 0x5258564bu;  // "KVXR" little-endian
 std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq);
-/** Parses an RDV; KVXFER_ERR_CORRUPT (with text) if malformed or seq is outside the id space. */
-kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq);
+
+/**
+ * WITHDRAW: on the same stream, after its RDV, a sender whose request `id`
+ * (seq `seq`) failed with `why` (< 0) before the receiver's DESC came.  A
+ * receiver that has no receive bound to it yet refuses it at once
+ * (Engine::Impl::refuse_rdv), so the sender's id is free then, not at its
+ * timeout.  RDV's layout with magic kWithdrawMagic and `why` (i32) at 20.
+ */
+constexpr uint32_t kWithdrawMagic = 0x5758564bu;  // "KVXW" little-endian
+std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t why);
+
+/**
+ * Parses a message of the rendezvous stream: an RDV (*withdrawn =
+ * KVXFER_SUCCESS) or a WITHDRAW (*withdrawn = its result, in
+ * [KVXFER_RESULT_MIN, -1]).  KVXFER_ERR_CORRUPT (with text) if malformed or
+ * seq is outside the id space.
+ */
+kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq,
+                           kvxfer_result_t* withdrawn);
 
 /**
  * ASK: a receiver's request for the send of `id`, the n-th on its peer's ask
