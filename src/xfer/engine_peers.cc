@@ -28,8 +28,9 @@ bool Engine::Impl::post_rdv_send(const std::shared_ptr<Request>& r) {
 void Engine::Impl::withdraw(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
   if (!r->is_send || !r->by_id || w.rdv_out.empty() || !w.withdraw_out.empty() ||
-      w.handshake_done || w.peer_refused || w.peer_status || links_aborted)
+      w.handshake_done || w.peer_refused || w.peer_status || links_aborted || !comm)
     return;
+  if (Link* l = comm->link(r->peer); l == nullptr || l->failed()) return;
   bool desc = false, status = false;
   for (const auto& [op, ref] : io(r->peer).ops)
     if (ref.req == r) {
