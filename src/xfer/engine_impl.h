@@ -467,6 +467,11 @@ struct Engine::Impl {
   void bind_or_wait(const std::shared_ptr<Request>& r);  // a new receive by id
   void arm_rdv(int peer);
   void withdraw(const std::shared_ptr<Request>& r);
+  // Adds `id` to a peer's rdv_refused or rdv_withdrawn, which keep at most
+  // max_requests ids each (the oldest goes): a runtime cancelling requests
+  // by new ids faster than the timeout retires them cannot grow them.
+  void remember(std::unordered_map<uint64_t, PeerIo::Refusal>& ids, uint64_t id,
+                PeerIo::Refusal why);
   void on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why);
   void on_rdv(int peer, const Completion& c);
   bool post_rdv_send(const std::shared_ptr<Request>& r);

@@ -326,7 +326,16 @@ void Engine::Impl::on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_resul
       "(%s)",
       peer, static_cast<unsigned long long>(id), kvxfer_get_error_string(why));
   refuse_rdv(peer, seq, why, text);
-  io(peer).rdv_withdrawn[id] = {why, text, now_ns()};
+  remember(io(peer).rdv_withdrawn, id, {why, text, now_ns()});
+}
+
+void Engine::Impl::remember(std::unordered_map<uint64_t, PeerIo::Refusal>& ids, uint64_t id,
+                            PeerIo::Refusal why) {
+  if (static_cast<int64_t>(ids.size()) >= max_requests && ids.count(id) == 0)
+    ids.erase(std::min_element(ids.begin(), ids.end(), [](const auto& a, const auto& b) {
+      return a.second.t_ns < b.second.t_ns;
+    }));
+  ids[id] = std::move(why);
 }
 
 // The announced request `seq` from `peer` has no receive any more (cancelled

@@ -205,7 +205,7 @@ void Engine::Impl::settle(const std::shared_ptr<Request>& r) {
   if (!r->bound) {  // a receive by id that failed before its sender announced it
     io(r->peer).rdv_waiting.remove(r);
     if (!w.rdv_told) {  // its sender is told when its announcement comes
-      io(r->peer).rdv_refused[r->request_id] = {w.fail_code, w.fail_text, now_ns()};
+      remember(io(r->peer).rdv_refused, r->request_id, {w.fail_code, w.fail_text, now_ns()});
       arm_rdv(r->peer);
     }
   }
