@@ -572,6 +572,59 @@ TEST(Endpoint, SendsCancelledBeforeTheirReceivesAreWithdrawnAtOnce) {
   complete_exact(again[0], r, src41, dst, cfg);
 }
 
+// A by-id send whose receive never comes, on an idle link: its DESC and
+// STATUS receives expire before the receiver refuses it at its own timeout,
+// and the refusal stays unmatched in the sender's provider.  The request
+// that takes its seq next, 16,383 by-id sends later, must not read it: the
+// seq is not taken again.  (Before, that request failed with "no
+// kvxfer_recv by request id 77 was posted ...".)
+TEST(Endpoint, ARefusalThatCameAfterItsSendExpiredFailsNoLaterRequest) {
+  constexpr int kT300 = 300;
+  Ep a(nullptr, 0, kT300), b(nullptr, 0, kT300);
+  const int ab = a.connect(b), ba = b.connect(a);
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_BF16;
+  PagedKV orphan(1, 1, 8, 16, kBs);
+  {
+    const kvxfer_request_config_t rc = by_id(77);
+    kvxfer_request_t s = nullptr;
+    ASSERT_EQ(kvxfer_send(a.ep, ab, &orphan.desc, &cfg, &rc, &s), KVXFER_SUCCESS);
+    EXPECT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 20000), KVXFER_ERR_TIMEOUT);
+    kvxfer_request_free(s);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(3 * kT300));  // the refusal comes
+  // Every seq of the id space once, and one more: 32 transfers at a time.
+  constexpr int kWindow = 32, kN = 0x3FFF + kWindow;
+  std::vector<std::unique_ptr<PagedKV>> src, dst;
+  for (int i = 0; i < kWindow; ++i) {
+    src.push_back(std::make_unique<PagedKV>(1, 1, 8, 16, kBs));
+    dst.push_back(std::make_unique<PagedKV>(1, 1, 8, 16, kBs));
+    src.back()->fill(static_cast<uint64_t>(i));
+  }
+  int failed = 0;
+  for (int i0 = 0; i0 < kN; i0 += kWindow) {
+    std::vector<kvxfer_request_t> s(kWindow), r(kWindow);
+    for (int k = 0; k < kWindow; ++k) {
+      const kvxfer_request_config_t rc = by_id(1000 + static_cast<uint64_t>(i0 + k));
+      ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst[k]->desc, &rc, &r[k]), KVXFER_SUCCESS)
+          << kvxfer_get_last_error();
+      ASSERT_EQ(kvxfer_send(a.ep, ab, &src[k]->desc, &cfg, &rc, &s[k]), KVXFER_SUCCESS)
+          << kvxfer_get_last_error();
+    }
+    for (int k = 0; k < kWindow; ++k) {
+      for (kvxfer_request_t q : {s[k], r[k]})
+        if (kvxfer_wait(q, KVXFER_STAGE_COMPLETE, 20000) != KVXFER_SUCCESS && failed++ < 3)
+          ADD_FAILURE() << "transfer " << i0 + k << ": " << kvxfer_get_last_error();
+      for (int32_t l = 0; l < 1; ++l)
+        for (auto kind : {KVXFER_KV_KEY, KVXFER_KV_VALUE})
+          EXPECT_EQ(dst[k]->bytes(l, kind), src[k]->bytes(l, kind)) << "transfer " << i0 + k;
+      kvxfer_request_free(s[k]);
+      kvxfer_request_free(r[k]);
+    }
+  }
+  EXPECT_EQ(failed, 0);
+}
+
 // ---------------------------------------------------------------------------
 // Sends to KVXFER_ANY_PEER: a prefill's send goes to whichever decode asks.
 // ---------------------------------------------------------------------------

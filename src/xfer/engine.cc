@@ -348,6 +348,7 @@ void Engine::Impl::grow_api(int n) {
   next_send_seq.resize(u, 0);
   next_recv_seq.resize(u, 0);
   next_id_seq.resize(u, kIdSeqBase);
+  seq_expired.resize(u);
   inflight_send.resize(u, 0);
   inflight_recv.resize(u, 0);
   peer_state.resize(u, kPeerReserved);
@@ -522,8 +523,13 @@ kvxfer_result_t Engine::Impl::take_peer_slot_locked(Request& r, int peer) {
                        peer);
     if (r.is_send) {  // the sender chooses the seq and announces it (protocol.h, RDV)
       uint32_t& seq = next_id_seq[peer];
+      const auto next = [&seq] { seq = seq + 1 == kRdvSeq ? kIdSeqBase : seq + 1; };
+      const std::vector<bool>& expired = seq_expired[peer];
+      for (uint32_t n = 0;
+           !expired.empty() && expired[seq - kIdSeqBase] && n < kRdvSeq - kIdSeqBase; ++n)
+        next();  // (were every seq expired, it would take one: no better choice is left)
       r.seq = seq;
-      seq = seq + 1 == kRdvSeq ? kIdSeqBase : seq + 1;
+      next();
     } else {
       r.bound = false;
     }

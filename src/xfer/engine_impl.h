@@ -333,6 +333,11 @@ struct Engine::Impl {
   std::deque<std::shared_ptr<Request>> submitted;
   std::vector<uint32_t> next_send_seq, next_recv_seq;  // by order: [0, kIdSeqBase)
   std::vector<uint32_t> next_id_seq;                   // sends by id: [kIdSeqBase, kRdvSeq)
+  // Sends by id, per peer: the seqs whose DESC or STATUS receive expired.
+  // The peer's answer may still come and would stay unmatched in the
+  // provider, where it would fail the request that next takes the seq, so
+  // no later send takes it (a bit per seq, made at the first expiry).
+  std::vector<std::vector<bool>> seq_expired;
   std::vector<int> inflight_send, inflight_recv;
   // Peers of an endpoint (Engine::reserve_peer/adopt_peer/drop_peer): the
   // state of each slot, why it was dropped, whether it is over shm; and what

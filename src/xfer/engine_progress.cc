@@ -782,6 +782,13 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
                    r->is_send ? "recv" : "send", static_cast<long long>(timeout_ms),
                    c.error.c_str()));
   }
+  if (c.status == KVXFER_ERR_TIMEOUT && r->is_send && r->by_id &&
+      (ref.kind == OpKind::kDescRecv || ref.kind == OpKind::kStatusRecv)) {
+    std::lock_guard<std::mutex> lk(mu);  // the seq is not taken again (seq_expired)
+    std::vector<bool>& expired = seq_expired[static_cast<size_t>(r->peer)];
+    expired.resize(kRdvSeq - kIdSeqBase, false);
+    expired[r->seq - kIdSeqBase] = true;
+  }
   const int64_t t =
       std::chrono::duration_cast<std::chrono::nanoseconds>(c.done.time_since_epoch()).count();
   switch (ref.kind) {
