@@ -450,7 +450,7 @@ TEST(Endpoint, DisconnectFailsRequestsOnBothSidesAndReconnectIsNew) {
 
 // Receives by id cancelled before their sends were posted: every sender is
 // told when its announcement comes, not only the first (the rendezvous
-// stream stays armed while refusals wait for their announcements).
+// stream's standing receive reads every announcement).
 TEST(Endpoint, ReceivesCancelledBeforeTheirSendsTellEverySender) {
   Ep a, b;
   const int ab = a.connect(b), ba = b.connect(a);
