@@ -448,6 +448,22 @@ TEST(Endpoint, DisconnectFailsRequestsOnBothSidesAndReconnectIsNew) {
   transfer_exact(a.ep, ab2, b.ep, ba2, 77, 5, lynx());
 }
 
+// kvxfer_send, posted again while it is refused at the call
+// (KVXFER_ERR_INVALID_USAGE: its id or slot not free yet), for up to 2 s:
+// an id a failed request held must be free by then, not at the 20 s
+// timeout.  Returns the last post's result.
+kvxfer_result_t send_when_free(kvxfer_comm_t ep, int peer, const kvxfer_kv_desc_t* kv,
+                               const kvxfer_codec_config_t& cfg, const kvxfer_request_config_t& rc,
+                               kvxfer_request_t* s) {
+  const auto t0 = Clock::now();
+  kvxfer_result_t posted = KVXFER_ERR_INVALID_USAGE;
+  while (posted == KVXFER_ERR_INVALID_USAGE && Clock::now() - t0 < std::chrono::seconds(2)) {
+    posted = kvxfer_send(ep, peer, kv, &cfg, &rc, s);
+    if (posted != KVXFER_SUCCESS) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return posted;
+}
+
 // Receives by id cancelled before their sends were posted: every sender is
 // told when its announcement comes, not only the first (the rendezvous
 // stream's standing receive reads every announcement).
@@ -485,13 +501,8 @@ TEST(Endpoint, ReceivesCancelledBeforeTheirSendsTellEverySender) {
   src.fill(31);
   const kvxfer_request_config_t rc = by_id(31);
   kvxfer_request_t s = nullptr, r = nullptr;
-  const auto t0 = Clock::now();
-  kvxfer_result_t posted = KVXFER_ERR_INVALID_USAGE;
-  while (posted == KVXFER_ERR_INVALID_USAGE && Clock::now() - t0 < std::chrono::seconds(2)) {
-    posted = kvxfer_send(a.ep, ab, &src.desc, &cfg, &rc, &s);
-    if (posted != KVXFER_SUCCESS) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  ASSERT_EQ(posted, KVXFER_SUCCESS) << kvxfer_get_last_error();
+  ASSERT_EQ(send_when_free(a.ep, ab, &src.desc, cfg, rc, &s), KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
   ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
   complete_exact(s, r, src, dst, cfg);
 }
@@ -527,13 +538,9 @@ TEST(Endpoint, SendsCancelledBeforeTheirReceivesAreWithdrawnAtOnce) {
   for (uint64_t id : {41, 42, 43}) {
     const kvxfer_request_config_t rc = by_id(id);
     kvxfer_request_t s = nullptr;
-    const auto t0 = Clock::now();
-    kvxfer_result_t posted = KVXFER_ERR_INVALID_USAGE;
-    while (posted == KVXFER_ERR_INVALID_USAGE && Clock::now() - t0 < std::chrono::seconds(2)) {
-      posted = kvxfer_send(a.ep, ab, id == 41 ? &src41.desc : &src.desc, &cfg, &rc, &s);
-      if (posted != KVXFER_SUCCESS) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    ASSERT_EQ(posted, KVXFER_SUCCESS) << "id " << id << ": " << kvxfer_get_last_error();
+    ASSERT_EQ(send_when_free(a.ep, ab, id == 41 ? &src41.desc : &src.desc, cfg, rc, &s),
+              KVXFER_SUCCESS)
+        << "id " << id << ": " << kvxfer_get_last_error();
     if (id == 41) {
       again.push_back(s);
       continue;
