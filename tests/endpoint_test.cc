@@ -632,6 +632,56 @@ TEST(Endpoint, ARefusalThatCameAfterItsSendExpiredFailsNoLaterRequest) {
   EXPECT_EQ(failed, 0);
 }
 
+// A by-id send whose receive never comes, on a busy link: its DESC receive
+// does not expire while other requests flow, and no DESC follows the
+// receiver's refusal at its timeout (its STATUS says so, kStatusNoDesc).
+// The send ends on it, its id free at once: a send posted again by the id
+// is taken within the timeout, while the traffic goes on, and meets its
+// receive.  (Before, the id stayed taken while the link was busy.)
+TEST(Endpoint, ASendRefusedAtItsTimeoutOnABusyLinkFreesItsIdAtOnce) {
+  constexpr int kT300 = 300;
+  Ep a(nullptr, 0, kT300), b(nullptr, 0, kT300);
+  const int ab = a.connect(b), ba = b.connect(a);
+  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
+  cfg.codec = KVXFER_CODEC_BF16;
+  PagedKV orphan(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
+  orphan.fill(88);
+  const kvxfer_request_config_t rc = by_id(88);
+  kvxfer_request_t s = nullptr, again = nullptr;
+  ASSERT_EQ(kvxfer_send(a.ep, ab, &orphan.desc, &cfg, &rc, &s), KVXFER_SUCCESS);
+  // Traffic both ways every 20 ms until the id is taken again, or for
+  // three timeouts after the orphan failed.
+  Clock::time_point failed_at{};
+  double took = -1;
+  for (uint64_t id = 2000; id < 2400 && again == nullptr; ++id) {
+    transfer_exact(id % 2 ? a.ep : b.ep, id % 2 ? ab : ba, id % 2 ? b.ep : a.ep, id % 2 ? ba : ab,
+                   id, id, cfg);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (failed_at == Clock::time_point{}) {
+      if (kvxfer_test(s, nullptr) == KVXFER_IN_PROGRESS) continue;
+      failed_at = Clock::now();
+      ASSERT_EQ(kvxfer_wait(s, KVXFER_STAGE_COMPLETE, 0), KVXFER_ERR_TIMEOUT);
+      EXPECT_NE(std::string(kvxfer_get_last_error()).find("no kvxfer_recv by request id 88"),
+                std::string::npos)
+          << kvxfer_get_last_error();
+      kvxfer_request_free(s);
+    }
+    const double since = std::chrono::duration<double>(Clock::now() - failed_at).count();
+    if (kvxfer_send(a.ep, ab, &orphan.desc, &cfg, &rc, &again) == KVXFER_SUCCESS)
+      took = since;
+    else if (since > 3 * kT300 / 1000.0)
+      break;
+  }
+  ASSERT_NE(failed_at, Clock::time_point{}) << "the orphan never failed";
+  ASSERT_NE(again, nullptr) << "id 88 still taken " << 3 * kT300
+                            << " ms after its send failed, the link busy: "
+                            << kvxfer_get_last_error();
+  EXPECT_LT(took, kT300 / 1000.0) << "id 88 was taken again only after the link's timeout";
+  kvxfer_request_t r = nullptr;
+  ASSERT_EQ(kvxfer_recv(b.ep, ba, &dst.desc, &rc, &r), KVXFER_SUCCESS) << kvxfer_get_last_error();
+  complete_exact(again, r, orphan, dst, cfg);
+}
+
 // ---------------------------------------------------------------------------
 // Sends to KVXFER_ANY_PEER: a prefill's send goes to whichever decode asks.
 // ---------------------------------------------------------------------------

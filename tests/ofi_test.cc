@@ -674,6 +674,40 @@ TEST(ofiLink, ReceiveNeverSentTimesOutAndLinkSurvives) {
   EXPECT_EQ(compare(buf, 3, 4096), "");
 }
 
+// cancel_recv ends a receive nothing has come for, at once and with the
+// code given; the receive posted next by the same tag takes the next message,
+// and a receive whose message has come is not cancelled.
+TEST(ofiLink, CancelledReceiveEndsAtOnceAndTheLinkGoesOn) {
+  Pair p;
+  ASSERT_TRUE(make_pair(loopback_config(), loopback_config(), &p));
+  Link* a = p.a.get();
+  Link* b = p.b.get();
+  std::vector<uint8_t> buf(4096), buf2(4096);
+  uint64_t r, s, r2;
+  ASSERT_EQ(b->post_recv(kA, buf.data(), buf.size(), 44, &r), KVXFER_SUCCESS);
+  (void)p.drv.until([] { return false; }, 0.05);  // 50 ms of progress: it is posted
+  const auto t0 = Clock::now();
+  EXPECT_FALSE(b->cancel_recv(r + 1000, KVXFER_ERR_CANCELLED, "no such op"));
+  ASSERT_TRUE(b->cancel_recv(r, KVXFER_ERR_CANCELLED, "the peer refused it"));
+  EXPECT_FALSE(b->cancel_recv(r, KVXFER_ERR_CANCELLED, "twice"));
+  ASSERT_TRUE(p.drv.until([&] { return p.drv.finished(b, {r}); }, 5)) << "not ended";
+  EXPECT_LT(Sec(Clock::now() - t0).count(), 1.0);
+  const Completion* c = p.drv.find(b, r);
+  EXPECT_EQ(c->status, KVXFER_ERR_CANCELLED);
+  EXPECT_EQ(c->error, "the peer refused it");
+  EXPECT_EQ(c->bytes, 0u);
+  EXPECT_FALSE(b->failed());
+  std::vector<uint8_t> src = pattern(5, 4096);
+  ASSERT_EQ(b->post_recv(kA, buf2.data(), buf2.size(), 44, &r2), KVXFER_SUCCESS);
+  ASSERT_EQ(a->post_send(kA, src.data(), src.size(), 44, &s), KVXFER_SUCCESS);
+  ASSERT_TRUE(p.drv.until([&] { return p.drv.finished(b, {r2}); }, 20));
+  EXPECT_EQ(p.drv.find(b, r2)->status, KVXFER_SUCCESS) << p.drv.find(b, r2)->error;
+  EXPECT_EQ(compare(buf2, 5, 4096), "");
+  EXPECT_EQ(buf, std::vector<uint8_t>(4096, 0)) << "the cancelled receive took bytes";
+  EXPECT_FALSE(b->cancel_recv(r2, KVXFER_ERR_CANCELLED, "arrived"));
+  EXPECT_FALSE(a->cancel_recv(s, KVXFER_ERR_CANCELLED, "a send"));
+}
+
 TEST(ofiLink, SendNeverReceivedTimesOut) {
   LinkConfig cfg = loopback_config();
   cfg.timeout_ms = 500;

@@ -347,7 +347,7 @@ TEST(WireBytes, StatusMessagesAreFixed) {
     const char* text;
     const char* bytes;
   } cases[] = {{KVXFER_SUCCESS, "",
-                "4b 56 58 53 05 00 00 00"  // magic "KVXS", version 5, reserved 0
+                "4b 56 58 53 05 00 00 00"  // magic "KVXS", version 5, flags 0
                 "00 00 00 00"              // 8  i32 result 0 (SUCCESS)
                 "00 00 00 00"},            // 12 u32 text length 0
                {KVXFER_ERR_CORRUPT, "bad page",
@@ -375,6 +375,32 @@ TEST(WireBytes, StatusMessagesAreFixed) {
     Bytes v2 = want;
     v2[4] = 2;
     EXPECT_EQ(xfer::decode_status(v2.data(), v2.size(), &r, &text), KVXFER_ERR_CORRUPT);
+  }
+  // A refusal that no DESC follows: flags (offset 6) bit 0.  Other bits,
+  // and the flag on a success, are refused.
+  {
+    const Bytes want =
+        hex("4b 56 58 53 05 00 01 00"  // magic, version 5, flags 1 (kStatusNoDesc)
+            "f4 ff ff ff"              // result -12 (TIMEOUT)
+            "01 00 00 00 74");         // length 1, "t"
+    EXPECT_EQ(to_hex(xfer::encode_status(KVXFER_ERR_TIMEOUT, "t", xfer::kStatusNoDesc)),
+              to_hex(want));
+    kvxfer_result_t r = KVXFER_SUCCESS;
+    std::string text;
+    uint16_t flags = 0;
+    ASSERT_EQ(xfer::decode_status(want.data(), want.size(), &r, &text, &flags), KVXFER_SUCCESS)
+        << last_error();
+    EXPECT_EQ(flags, xfer::kStatusNoDesc);
+    EXPECT_EQ(r, KVXFER_ERR_TIMEOUT);
+    Bytes other = want;
+    other[6] = 2;
+    EXPECT_EQ(xfer::decode_status(other.data(), other.size(), &r, &text), KVXFER_ERR_CORRUPT);
+    Bytes ok = want;
+    for (int i = 8; i < 12; ++i) ok[static_cast<size_t>(i)] = 0;
+    EXPECT_EQ(xfer::decode_status(ok.data(), ok.size(), &r, &text), KVXFER_ERR_CORRUPT);
+    ok[6] = 0;
+    EXPECT_EQ(xfer::decode_status(ok.data(), ok.size(), &r, &text, &flags), KVXFER_SUCCESS);
+    EXPECT_EQ(flags, 0);
   }
   // Text longer than 1024 bytes is cut to 1024.
   const Bytes big = xfer::encode_status(KVXFER_ERR_SYSTEM, std::string(1500, 'z'));

@@ -458,6 +458,14 @@ class Link {
    *  nothing of its message has arrived. */
   kvxfer_result_t post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag, uint64_t* op,
                             bool standing = false);
+  /**
+   * Ends a receive of which nothing has arrived: the peer said no message of
+   * its tag will come (a refused request).  Its posts go back to the provider
+   * (fi_cancel), and poll() reports it with `code` and `why` once they have.
+   * False, changing nothing, if `op` is unknown, a send, already reported or
+   * ending, or its message has begun to arrive.
+   */
+  bool cancel_recv(uint64_t op, kvxfer_result_t code, const std::string& why);
 
   /**
    * Drives everything: reads both CQs (anchor first), finishes the handshake,

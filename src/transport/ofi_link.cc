@@ -116,6 +116,16 @@ bool Link::empty_unstarted_send(uint64_t op_id) {
   return true;
 }
 
+bool Link::cancel_recv(uint64_t op_id, kvxfer_result_t code, const std::string& why) {
+  auto it = ops_.find(op_id);
+  if (it == ops_.end()) return false;
+  Op* op = it->second.get();
+  if (op->is_send || op->reported || op->cancelling || op->have_header) return false;
+  fail_recv(op, code, why, Clock::now());
+  maybe_release(op);
+  return true;
+}
+
 kvxfer_result_t Link::post_recv(TrafficClass c, void* buf, size_t cap, uint64_t tag,
                                 uint64_t* op_id, bool standing) {
   if (failed_) return set_error(fail_code_, "link failed: %s", fail_why_.c_str());

@@ -494,6 +494,10 @@ struct Engine::Impl {
   void sweep_claims();            // timeouts of both
   int64_t anchors_unapplied = 0;  // receiver: anchors of handshaken requests not yet decoded
   void fail(const std::shared_ptr<Request>& r, kvxfer_result_t code, const std::string& text);
+  /** A by-id send its receiver refused with kStatusNoDesc (`why`): its DESC
+   *  receive, which no message will end, is cancelled, so the request ends
+   *  and its id and slot are free at once, busy link or idle. */
+  void end_desc_recv(const std::shared_ptr<Request>& r, const std::string& why);
   void take_cancels();
   void send_status(const std::shared_ptr<Request>& r, kvxfer_result_t code,
                    const std::string& text);

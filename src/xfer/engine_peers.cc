@@ -344,8 +344,10 @@ void Engine::Impl::remember(std::unordered_map<uint64_t, PeerIo::Refusal>& ids, 
 // `empty_desc` is false (sweep_claims), an empty DESC (protocol.h: a
 // refusal, no page may follow), which ends its DESC receive at once: its id
 // and request slot are free once that DESC has come, just after the
-// STATUS, not at the timeout.  Its DESC and STATUS are received and
-// dropped, so nothing of it stays in the provider.
+// STATUS, not at the timeout.  Without the empty DESC the STATUS carries
+// kStatusNoDesc, and the sender ends its DESC receive itself (a busy link
+// keeps it posted).  Its DESC and STATUS are received and dropped, so
+// nothing of it stays in the provider.
 void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, const std::string& text,
                               bool empty_desc) {
   struct Post {
@@ -355,7 +357,7 @@ void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, cons
     size_t len;
     OpKind kind;
   };
-  std::vector<uint8_t> status = encode_status(code, text);
+  std::vector<uint8_t> status = encode_status(code, text, empty_desc ? 0 : kStatusNoDesc);
   const size_t status_len = status.size();
   Post posts[4] = {
       {make_tag(seq, true, MsgKind::kStatus, 0), true, std::move(status), status_len,
@@ -374,6 +376,15 @@ void Engine::Impl::refuse_rdv(int peer, uint32_t seq, kvxfer_result_t code, cons
                  p.kind, 0, &op) >= 0)
       io(peer).drain_bufs[op] = std::move(p.buf);
   }
+}
+
+void Engine::Impl::end_desc_recv(const std::shared_ptr<Request>& r, const std::string& why) {
+  Link* l = comm ? comm->link(r->peer) : nullptr;
+  if (l == nullptr) return;
+  for (const auto& [op, ref] : io(r->peer).ops)
+    if (ref.req == r && ref.kind == OpKind::kDescRecv)
+      (void)l->cancel_recv(op, KVXFER_ERR_CANCELLED,
+                           "the receiver refused the request, and no descriptor follows: " + why);
 }
 
 // Peers of an endpoint (Engine::adopt_peer / drop_peer).  An adopted Link

@@ -828,9 +828,18 @@ void Engine::Impl::on_completion(int peer, const Completion& c) {
       }
       kvxfer_result_t pr = KVXFER_SUCCESS;
       std::string text;
-      const kvxfer_result_t rc = decode_status(w.status_in.data(), c.bytes, &pr, &text);
+      uint16_t flags = 0;
+      const kvxfer_result_t rc = decode_status(w.status_in.data(), c.bytes, &pr, &text, &flags);
       if (rc < 0) {
         fail(r, rc, strprintf("peer %d: %s", r->peer, last_error()));
+      } else if ((flags & kStatusNoDesc) != 0 && (!r->is_send || w.handshake_done)) {
+        fail(r, KVXFER_ERR_CORRUPT,
+             strprintf("peer %d sent a refusal to a request it had %s: not the protocol of a "
+                       "kvxfer peer",
+                       r->peer, r->is_send ? "answered" : "sent"));
+      } else if ((flags & kStatusNoDesc) != 0) {
+        fail(r, pr, strprintf("peer %d (receiver) failed: %s", r->peer, text.c_str()));
+        end_desc_recv(r, text);
       } else if (pr == KVXFER_ERR_CANCELLED) {
         fail(r, pr,
              strprintf("the peer cancelled the request: peer %d (%s): %s", r->peer,

@@ -178,12 +178,13 @@ kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer) {
   return KVXFER_SUCCESS;
 }
 
-std::vector<uint8_t> encode_status(kvxfer_result_t result, const std::string& text) {
+std::vector<uint8_t> encode_status(kvxfer_result_t result, const std::string& text,
+                                   uint16_t flags) {
   const size_t n = std::min(text.size(), kMaxStatusText);
   std::vector<uint8_t> b;
   put<uint32_t>(&b, kStatusMagic);
   put<uint16_t>(&b, kProtocolVersion);
-  put<uint16_t>(&b, 0);
+  put<uint16_t>(&b, flags);
   put<int32_t>(&b, result);
   put<uint32_t>(&b, static_cast<uint32_t>(n));
   b.insert(b.end(), text.begin(), text.begin() + static_cast<std::ptrdiff_t>(n));
@@ -191,20 +192,23 @@ std::vector<uint8_t> encode_status(kvxfer_result_t result, const std::string& te
 }
 
 kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* result,
-                              std::string* text) {
+                              std::string* text, uint16_t* flags) {
   if (len < kStatusHeaderBytes)
     return set_error(KVXFER_ERR_CORRUPT, "status message is %zu bytes, shorter than %zu", len,
                      kStatusHeaderBytes);
   const uint8_t* p = buf;
   const uint32_t magic = get<uint32_t>(p);
   const uint16_t version = get<uint16_t>(p);
-  get<uint16_t>(p);
+  const uint16_t f = get<uint16_t>(p);
   const int32_t r = get<int32_t>(p);
   const uint32_t n = get<uint32_t>(p);
-  if (magic != kStatusMagic || version != kProtocolVersion || n > kMaxStatusText ||
-      len != kStatusHeaderBytes + n || r > KVXFER_IN_PROGRESS || r < KVXFER_RESULT_MIN)
+  // kStatusNoDesc marks a refusal: an error.
+  if (magic != kStatusMagic || version != kProtocolVersion || (f & ~kStatusNoDesc) != 0 ||
+      (f != 0 && r >= 0) || n > kMaxStatusText || len != kStatusHeaderBytes + n ||
+      r > KVXFER_IN_PROGRESS || r < KVXFER_RESULT_MIN)
     return set_error(KVXFER_ERR_CORRUPT, "status message is malformed (%zu bytes)", len);
   *result = static_cast<kvxfer_result_t>(r);
+  if (flags != nullptr) *flags = f;
   text->assign(reinterpret_cast<const char*>(p), n);
   return KVXFER_SUCCESS;
 }

@@ -113,10 +113,22 @@ kvxfer_result_t decode_desc(const uint8_t* buf, size_t len, Desc* out);
  */
 kvxfer_result_t compare_desc(const Desc& mine, const Desc& peer);
 
-/** STATUS message: result (i32) and text (at most kMaxStatusText bytes). */
-std::vector<uint8_t> encode_status(kvxfer_result_t result, const std::string& text);
+/**
+ * STATUS flag: a receiver's refusal of an announced request after which no
+ * DESC comes (Engine::Impl::refuse_rdv without its empty DESC): the
+ * sender ends its DESC receive itself.  The u16 at offset 6, 0 before:
+ * a peer that leaves it 0 or reads it as reserved keeps the older rule
+ * (the DESC receive waits for its timeout).
+ */
+constexpr uint16_t kStatusNoDesc = 1;
+
+/** STATUS message: result (i32), flags (kStatusNoDesc or 0) and text (at
+ *  most kMaxStatusText bytes).  decode_status: KVXFER_ERR_CORRUPT if
+ *  malformed, an unknown flag included; `flags` may be null. */
+std::vector<uint8_t> encode_status(kvxfer_result_t result, const std::string& text,
+                                   uint16_t flags = 0);
 kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* result,
-                              std::string* text);
+                              std::string* text, uint16_t* flags = nullptr);
 
 /**
  * RDV: a sender's announcement of a request matched by id, "request `id`
