@@ -794,6 +794,46 @@ TEST(EndpointAnyPeer, ASendNobodyAsksForTimesOutOrIsCancelledAtOnce) {
   t.complete_exact(cfg);
 }
 
+// A receive that asks for a send to KVXFER_ANY_PEER which ended before any
+// peer took it (cancelled, or its claim timeout passed) is answered (a
+// WITHDRAW, protocol version 6) and fails at once with the send's reason,
+// not at its own timeout.  A send posted again by the id is taken.
+TEST(EndpointAnyPeer, AReceiveAskingForASendThatEndedUnclaimedFailsAtOnce) {
+  PrefillDecode t;
+  auto& [prefill, decode, d_p, src, dst, s, r] = t;
+  src.fill(6);
+  const kvxfer_codec_config_t cfg = lynx();
+  const kvxfer_request_config_t cancelled = any_peer(6), timed = any_peer(16, 100);
+  kvxfer_request_t s1 = nullptr, s2 = nullptr;
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &cancelled, &s1),
+            KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &timed, &s2), KVXFER_SUCCESS);
+  ASSERT_EQ(kvxfer_request_cancel(s1), KVXFER_SUCCESS);
+  EXPECT_EQ(kvxfer_wait(s1, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_CANCELLED);
+  EXPECT_EQ(kvxfer_wait(s2, KVXFER_STAGE_COMPLETE, 5000), KVXFER_ERR_TIMEOUT);
+  kvxfer_request_free(s1);
+  kvxfer_request_free(s2);
+  for (const auto& [id, code] : {std::make_pair(uint64_t{6}, KVXFER_ERR_CANCELLED),
+                                 std::make_pair(uint64_t{16}, KVXFER_ERR_TIMEOUT)}) {
+    SCOPED_TRACE(id);
+    const kvxfer_request_config_t rc = by_id(id);
+    kvxfer_request_t x = nullptr;
+    const auto t0 = Clock::now();
+    ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &rc, &x), KVXFER_SUCCESS);
+    EXPECT_EQ(kvxfer_wait(x, KVXFER_STAGE_COMPLETE, 5000), code) << kvxfer_get_last_error();
+    EXPECT_NE(std::string(kvxfer_get_last_error()).find("ended before any peer took it"),
+              std::string::npos)
+        << kvxfer_get_last_error();
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1)) << "it waited for its timeout";
+    kvxfer_request_free(x);
+  }
+  ASSERT_EQ(kvxfer_send(prefill.ep, KVXFER_ANY_PEER, &src.desc, &cfg, &cancelled, &s),
+            KVXFER_SUCCESS)
+      << kvxfer_get_last_error();
+  ASSERT_EQ(kvxfer_recv(decode.ep, d_p, &dst.desc, &cancelled, &r), KVXFER_SUCCESS);
+  t.complete_exact(cfg);
+}
+
 TEST(EndpointAnyPeer, ACancelledReceiveFailsTheSendItTook) {
   PrefillDecode t;
   auto& [prefill, decode, d_p, src, dst, s, r] = t;

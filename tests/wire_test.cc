@@ -73,12 +73,12 @@ std::string to_hex(const Bytes& b) {
 }
 
 // ---------------------------------------------------------------------------
-// Request protocol (src/xfer/protocol.h): DESC version 5.
+// Request protocol (src/xfer/protocol.h): DESC version 6.
 // ---------------------------------------------------------------------------
 // off type field          (docs/TRANSPORT.md, "DESC")
 const char* const kSenderDesc =
     "4b 56 58 44"              // 0  u32 magic "KVXD"
-    "05 00"                    // 4  u16 version 5
+    "06 00"                    // 4  u16 version 6
     "01 00"                    // 6  u16 role 1 sender
     "88 77 66 55 44 33 22 11"  // 8  u64 tag 0x1122334455667788
     "1c 00 00 00"              // 16 i32 num_layers 28
@@ -98,7 +98,7 @@ const char* const kSenderDesc =
     "01 00 00 00"              // 73 i32 value_groups TOKEN
     "00 00 00";                // 77 reserved
 const char* const kReceiverDesc =
-    "4b 56 58 44 05 00"                    // magic, version 5
+    "4b 56 58 44 06 00"                    // magic, version 6
     "00 00"                                // role 0 receiver
     "88 77 66 55 44 33 22 11"              // tag
     "1c 00 00 00 08 00 00 00 80 00 00 00"  // num_layers 28, kv_heads 8, head_dim 128
@@ -211,12 +211,13 @@ TEST(WireBytes, ReceiverDescriptorIsFixed) {
       << last_error();
 }
 
-TEST(WireBytes, OnlyDescriptorVersion5IsAccepted) {
-  // Versions 1 to 4 (before sink_tokens, value_groups, ASK, WITHDRAW) and any later
+TEST(WireBytes, OnlyDescriptorVersion6IsAccepted) {
+  // Versions 1 to 5 (before sink_tokens, value_groups, ASK, WITHDRAW, the answer
+  // to an ask) and any later
   // one are refused, as are a wrong magic, role, on_device or value_groups.
   const Bytes good = hex(kSenderDesc);
   xfer::Desc d;
-  for (uint8_t v : {0, 1, 2, 3, 4, 6, 0xff}) {
+  for (uint8_t v : {0, 1, 2, 3, 4, 5, 7, 0xff}) {
     Bytes b = good;
     b[4] = v;
     EXPECT_EQ(xfer::decode_desc(b.data(), b.size(), &d), KVXFER_ERR_CORRUPT) << int(v);
@@ -247,7 +248,7 @@ TEST(WireBytes, OnlyDescriptorVersion5IsAccepted) {
 }
 
 // ---------------------------------------------------------------------------
-// STATUS version 5: ok, an error with its text, the peer's cancel.
+// STATUS version 6: ok, an error with its text, the peer's cancel.
 // ---------------------------------------------------------------------------
 // `b` parses as a message of the rendezvous stream for request id
 // 0x0123456789abcdef, seq 0x4005, withdrawn with `want` (KVXFER_SUCCESS: an
@@ -265,7 +266,7 @@ void expect_rendezvous(const Bytes& b, kvxfer_result_t want) {
 // A by-id sender's announcement on its peer's rendezvous stream (protocol.h).
 TEST(WireBytes, RendezvousMessageIsFixed) {
   const Bytes want =
-      hex("4b 56 58 52 05 00 00 00"    // magic "KVXR", version 5, reserved 0
+      hex("4b 56 58 52 06 00 00 00"    // magic "KVXR", version 6, reserved 0
           "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
           "05 40 00 00 00 00 00 00");  // 16 u32 seq 0x4005 (the id space), u32 0
   EXPECT_EQ(to_hex(xfer::encode_rdv(0x0123456789abcdefull, 0x4005)), to_hex(want));
@@ -289,7 +290,7 @@ TEST(WireBytes, RendezvousMessageIsFixed) {
 // sender's result.
 TEST(WireBytes, WithdrawMessageIsFixed) {
   const Bytes want =
-      hex("4b 56 58 57 05 00 00 00"    // magic "KVXW", version 5, reserved 0
+      hex("4b 56 58 57 06 00 00 00"    // magic "KVXW", version 6, reserved 0
           "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
           "05 40 00 00 f3 ff ff ff");  // 16 u32 seq 0x4005, i32 result -13 (CANCELLED)
   EXPECT_EQ(to_hex(xfer::encode_withdraw(0x0123456789abcdefull, 0x4005, KVXFER_ERR_CANCELLED)),
@@ -312,12 +313,26 @@ TEST(WireBytes, WithdrawMessageIsFixed) {
   one[20] = 1;
   one[21] = one[22] = one[23] = 0;
   EXPECT_EQ(xfer::decode_rdv(one.data(), one.size(), &id, &seq, &why), KVXFER_ERR_CORRUPT);
+  // Seq kRdvSeq: the answer to an ask (version 6), no request's seq; an RDV
+  // may not carry it.
+  Bytes answer = want;
+  answer[16] = 0xff;
+  answer[17] = 0x7f;
+  ASSERT_EQ(xfer::decode_rdv(answer.data(), answer.size(), &id, &seq, &why), KVXFER_SUCCESS)
+      << last_error();
+  EXPECT_EQ(seq, xfer::kRdvSeq);
+  EXPECT_EQ(why, KVXFER_ERR_CANCELLED);
+  EXPECT_EQ(to_hex(xfer::encode_withdraw(0x0123456789abcdefull, xfer::kRdvSeq,
+                                         KVXFER_ERR_CANCELLED)),
+            to_hex(answer));
+  const Bytes rdv = xfer::encode_rdv(0x0123456789abcdefull, xfer::kRdvSeq);
+  EXPECT_EQ(xfer::decode_rdv(rdv.data(), rdv.size(), &id, &seq, &why), KVXFER_ERR_CORRUPT);
 }
 
 // A by-id receiver's ask on its peer's ask stream (protocol.h, ASK).
 TEST(WireBytes, AskMessageIsFixed) {
   const Bytes want =
-      hex("4b 56 58 41 05 00 00 00"    // magic "KVXA", version 5, reserved 0
+      hex("4b 56 58 41 06 00 00 00"    // magic "KVXA", version 6, reserved 0
           "ef cd ab 89 67 45 23 01"    // 8  u64 request id 0x0123456789abcdef
           "00 00 00 00 00 00 00 00");  // 16 u32 seq 0, u32 0
   EXPECT_EQ(to_hex(xfer::encode_ask(0x0123456789abcdefull)), to_hex(want));
@@ -347,16 +362,16 @@ TEST(WireBytes, StatusMessagesAreFixed) {
     const char* text;
     const char* bytes;
   } cases[] = {{KVXFER_SUCCESS, "",
-                "4b 56 58 53 05 00 00 00"  // magic "KVXS", version 5, flags 0
+                "4b 56 58 53 06 00 00 00"  // magic "KVXS", version 6, flags 0
                 "00 00 00 00"              // 8  i32 result 0 (SUCCESS)
                 "00 00 00 00"},            // 12 u32 text length 0
                {KVXFER_ERR_CORRUPT, "bad page",
-                "4b 56 58 53 05 00 00 00"
+                "4b 56 58 53 06 00 00 00"
                 "fa ff ff ff"                // result -6 (CORRUPT)
                 "08 00 00 00"                // length 8
                 "62 61 64 20 70 61 67 65"},  // "bad page", no NUL
                {KVXFER_ERR_CANCELLED, "stop",
-                "4b 56 58 53 05 00 00 00"
+                "4b 56 58 53 06 00 00 00"
                 "f3 ff ff ff"     // result -13 (CANCELLED): the peer's kvxfer_request_cancel
                 "04 00 00 00"     // length 4
                 "73 74 6f 70"}};  // "stop"
@@ -380,7 +395,7 @@ TEST(WireBytes, StatusMessagesAreFixed) {
   // and the flag on a success, are refused.
   {
     const Bytes want =
-        hex("4b 56 58 53 05 00 01 00"  // magic, version 5, flags 1 (kStatusNoDesc)
+        hex("4b 56 58 53 06 00 01 00"  // magic, version 6, flags 1 (kStatusNoDesc)
             "f4 ff ff ff"              // result -12 (TIMEOUT)
             "01 00 00 00 74");         // length 1, "t"
     EXPECT_EQ(to_hex(xfer::encode_status(KVXFER_ERR_TIMEOUT, "t", xfer::kStatusNoDesc)),
@@ -406,7 +421,7 @@ TEST(WireBytes, StatusMessagesAreFixed) {
   const Bytes big = xfer::encode_status(KVXFER_ERR_SYSTEM, std::string(1500, 'z'));
   ASSERT_EQ(big.size(), 16u + 1024u);
   EXPECT_EQ(to_hex(Bytes(big.begin(), big.begin() + 16)),
-            to_hex(hex("4b 56 58 53 05 00 00 00 f7 ff ff ff 00 04 00 00")));  // -9, 1024
+            to_hex(hex("4b 56 58 53 06 00 00 00 f7 ff ff ff 00 04 00 00")));  // -9, 1024
 }
 
 // The Link tag of a request message: seq (15) | from_receiver (1) | kind (2) | page (21).

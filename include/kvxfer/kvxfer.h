@@ -769,7 +769,8 @@ typedef struct {
  * layers while it waits.  Not for kvxfer_recv (KVXFER_ERR_INVALID_ARGUMENT).
  * A send nobody asks for fails after claim_timeout_ms; kvxfer_request_cancel
  * ends it at once.  Asks that find no send wait, per peer, for the
- * communicator's timeout.
+ * communicator's timeout; a receive whose ask comes after its send ended so
+ * (within that timeout) fails at once with the send's error.
  */
 #define KVXFER_ANY_PEER (-1)
 

@@ -362,6 +362,13 @@ struct Engine::Impl {
   // those of sends to KVXFER_ANY_PEER no peer has taken yet.
   std::unordered_map<int, std::unordered_set<uint64_t>> ids_send, ids_recv;
   std::unordered_set<uint64_t> ids_any;
+  // Ids of sends to KVXFER_ANY_PEER that failed (cancelled, claim timeout)
+  // before any peer took them, kept for the timeout (at most max_requests,
+  // the oldest goes): a peer that asks for one is answered with a WITHDRAW
+  // (answer_ask), so its receive fails at once.  A new send of the id drops it.
+  std::unordered_map<uint64_t, PeerIo::Refusal> any_withdrawn;
+  /** Answers `peer`'s ask of `id` with a WITHDRAW of seq kRdvSeq (protocol.h). */
+  void answer_ask(int peer, uint64_t id, const PeerIo::Refusal& why);
   /** Under mu: counts `r` against `peer` (KVXFER_MAX_REQUESTS, shm's
    *  limit, the ids in flight) and gives it its seq.  KVXFER_ERR_INVALID_USAGE
    *  or INVALID_ARGUMENT (a bad or gone peer) with nothing changed. */

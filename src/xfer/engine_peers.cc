@@ -122,6 +122,10 @@ void Engine::Impl::on_ask(int peer, const Completion& c) {
     const auto it = ids_send.find(peer);
     if (it != ids_send.end() && it->second.count(id) != 0) return;  // its send runs already
   }
+  if (const auto wd = any_withdrawn.find(id); wd != any_withdrawn.end()) {
+    answer_ask(peer, id, wd->second);
+    return;
+  }
   if (static_cast<int64_t>(pi.asks.size()) >= max_requests && pi.asks.count(id) == 0) {
     auto oldest =
         std::min_element(pi.asks.begin(), pi.asks.end(),
@@ -130,6 +134,17 @@ void Engine::Impl::on_ask(int peer, const Completion& c) {
   }
   pi.asks.emplace(id, now_ns());
   claims_dirty = true;
+}
+
+void Engine::Impl::answer_ask(int peer, uint64_t id, const PeerIo::Refusal& why) {
+  if (io(peer).draining) return;
+  std::vector<uint8_t> b = encode_withdraw(id, kRdvSeq, why.code);
+  const uint64_t tag =
+      make_tag(kRdvSeq, false, MsgKind::kStatus, io(peer).rdv_sent++ & (kMaxPages - 1));
+  uint64_t op = 0;
+  if (post_raw(peer, TrafficClass::kAnchor, tag, true, b.data(), b.size(), nullptr,
+               OpKind::kRdvSend, 0, &op) >= 0)
+    io(peer).drain_bufs[op] = std::move(b);  // the vector's storage moves: the Link keeps it
 }
 
 void Engine::Impl::try_claims() {
@@ -222,8 +237,9 @@ void Engine::Impl::sweep_claims() {
                        p, static_cast<unsigned long long>(r->request_id),
                        static_cast<long long>(timeout_ms)));
   }
-  // Asks no send took, and refusals no announcement came for: kept for the
-  // timeout (a sender that comes later times out on its own side).
+  // Asks no send took, refusals no announcement came for, and sends to
+  // KVXFER_ANY_PEER that ended unclaimed: kept for the timeout (a sender
+  // that comes later times out on its own side).
   for (const auto& pi : pio) {
     if (!pi) continue;
     for (auto it = pi->asks.begin(); it != pi->asks.end();)
@@ -232,6 +248,8 @@ void Engine::Impl::sweep_claims() {
       for (auto it = m->begin(); it != m->end();)
         it = now - it->second.t_ns > timeout_ms * 1000000 ? m->erase(it) : std::next(it);
   }
+  for (auto it = any_withdrawn.begin(); it != any_withdrawn.end();)
+    it = now - it->second.t_ns > timeout_ms * 1000000 ? any_withdrawn.erase(it) : std::next(it);
 }
 
 // The stream's receive is posted on every usable link (arm_streams), so that
@@ -318,6 +336,20 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
 // now, and a receive by its id posted later fails at once (bind_or_wait).
 // One a receive took goes on: that receive fails on the sender's STATUS.
 void Engine::Impl::on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why) {
+  if (seq == kRdvSeq) {  // the answer to this side's ask: no send of the id will come
+    auto& q = io(peer).rdv_waiting;
+    const auto w = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
+      return r->request_id == id && !r->work->failed;
+    });
+    if (w == q.end()) return;
+    const std::shared_ptr<Request> r = *w;
+    r->work->rdv_told = true;  // its sender is gone: nobody to refuse
+    fail(r, why,
+         strprintf("peer %d's kvxfer_send of request id %llu to KVXFER_ANY_PEER ended before any "
+                   "peer took it (%s)",
+                   peer, static_cast<unsigned long long>(id), kvxfer_get_error_string(why)));
+    return;
+  }
   const auto it = io(peer).rdv_parked.find(id);
   if (it == io(peer).rdv_parked.end() || it->second.seq != seq) return;
   io(peer).rdv_parked.erase(it);

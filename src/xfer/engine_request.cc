@@ -76,9 +76,17 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
   w.anchors_remaining = 0;
   KVXFER_INFO(LOG_NET, "kvxfer_%s #%u with peer %d failed: %s", r->is_send ? "send" : "recv",
               r->seq, r->peer, text.c_str());
-  if (r->unclaimed) {  // no peer took it: nobody to tell, nothing posted; its id is free
-    std::lock_guard<std::mutex> lk(mu);
-    ids_any.erase(r->request_id);
+  if (r->unclaimed) {  // no peer took it: nothing posted; its id is free
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      ids_any.erase(r->request_id);
+    }
+    // A peer that asks for it (or asked, and waits for a slot) is told.
+    const PeerIo::Refusal why{w.fail_code, text, now_ns()};
+    remember(any_withdrawn, r->request_id, why);
+    for (int p = 0; p < npeers() && !links_aborted; ++p)
+      if (pio[static_cast<size_t>(p)] && io(p).asks.erase(r->request_id) != 0)
+        answer_ask(p, r->request_id, why);
     return;
   }
   send_status(r, w.fail_code, text);

@@ -261,9 +261,9 @@ kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_
   const uint32_t magic = decode_id_message(buf, len, id, seq, &last);
   const auto why = static_cast<int32_t>(last);
   // The magic first: a message of the wrong length (magic 0) sets no *seq.
-  const bool ok = ((magic == kRdvMagic && last == 0) ||
+  const bool ok = ((magic == kRdvMagic && last == 0 && *seq < kRdvSeq) ||
                    (magic == kWithdrawMagic && why < 0 && why >= KVXFER_RESULT_MIN)) &&
-                  *seq >= kIdSeqBase && *seq < kRdvSeq;
+                  *seq >= kIdSeqBase && *seq <= kRdvSeq;
   if (!ok)
     return set_error(KVXFER_ERR_CORRUPT,
                      "rendezvous message is malformed (%zu bytes; not a kvxfer peer of this "

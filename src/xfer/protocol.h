@@ -94,7 +94,8 @@ struct Desc {
 constexpr size_t kDescBytes = 80;
 constexpr uint32_t kDescMagic = 0x4458564bu;    // "KVXD" little-endian
 constexpr uint32_t kStatusMagic = 0x5358564bu;  // "KVXS" little-endian
-constexpr uint16_t kProtocolVersion = 5;  // 2: sink_tokens, 3: value_groups, 4: ASK, 5: WITHDRAW
+// 2: sink_tokens, 3: value_groups, 4: ASK, 5: WITHDRAW, 6: WITHDRAW answering an ASK
+constexpr uint16_t kProtocolVersion = 6;
 constexpr size_t kMaxStatusText = 1024;
 constexpr size_t kStatusHeaderBytes = 16;
 
@@ -147,7 +148,10 @@ std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq);
  * (seq `seq`) failed with `why` (< 0) before the receiver's DESC came.  A
  * receiver that has no receive bound to it yet refuses it at once
  * (Engine::Impl::refuse_rdv), so the sender's id is free then, not at its
- * timeout.  RDV's layout with magic kWithdrawMagic and `why` (i32) at 20.
+ * timeout.  With seq kRdvSeq it answers an ASK of `id` (version 6): that
+ * id's send to KVXFER_ANY_PEER failed before any peer took it, and no send
+ * of it will come; the asking receive fails at once, not at its timeout.
+ * RDV's layout with magic kWithdrawMagic and `why` (i32) at 20.
  */
 constexpr uint32_t kWithdrawMagic = 0x5758564bu;  // "KVXW" little-endian
 std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t why);
@@ -156,7 +160,7 @@ std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t 
  * Parses a message of the rendezvous stream: an RDV (*withdrawn =
  * KVXFER_SUCCESS) or a WITHDRAW (*withdrawn = its result, in
  * [KVXFER_RESULT_MIN, -1]).  KVXFER_ERR_CORRUPT (with text) if malformed or
- * seq is outside the id space.
+ * seq is outside the id space (kRdvSeq only for a WITHDRAW).
  */
 kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq,
                            kvxfer_result_t* withdrawn);
