@@ -817,7 +817,8 @@ typedef struct {
  * saw COMPLETE may still be refused), and for a request that failed or was cancelled while messages
  * of it were still posted, once those complete or time out (KVXFER_TIMEOUT_MS). A send by id
  * cancelled before its peer posted the receive withdraws itself: its place is free within a round
- * trip, and a receive by that id posted within the timeout fails at once (docs/TRANSPORT.md); one
+ * trip, and a receive by that id posted within the timeout, with no new send of the id posted,
+ * fails within a round trip (docs/TRANSPORT.md); one
  * its peer refused because no receive came within the timeout frees its place when the refusal
  * comes. Later
  * failures (descriptor mismatch, NaN/Inf with the ERROR policy, a peer that dies, a corrupted

@@ -277,10 +277,11 @@ struct PeerIo {
     int64_t t_ns;  // kept for the timeout (sweep_claims), then dropped
   };
   std::unordered_map<uint64_t, Refusal> rdv_refused;
-  // Ids whose announced send was withdrawn (protocol.h, WITHDRAW) before a
-  // receive took it: a receive by that id posted within the timeout fails
-  // at once with the sender's reason; a new RDV of the id drops it.
-  std::unordered_map<uint64_t, Refusal> rdv_withdrawn;
+  // Sender: ids of this side's by-id sends to the peer that withdrew
+  // (protocol.h, WITHDRAW), kept for the timeout: an ask for one is answered
+  // with a WITHDRAW of seq kRdvSeq (answer_ask), so the receive fails after
+  // a round trip; a new send of the id drops it.
+  std::unordered_map<uint64_t, Refusal> withdrew;
   // The peer's ask stream (protocol.h, ASK): its standing receive and
   // buffer, the stream's counters both ways, and asks no send to
   // KVXFER_ANY_PEER has taken yet (id -> when, ns), kept for the timeout.
@@ -365,7 +366,8 @@ struct Engine::Impl {
   // Ids of sends to KVXFER_ANY_PEER that failed (cancelled, claim timeout)
   // before any peer took them, kept for the timeout (at most max_requests,
   // the oldest goes): a peer that asks for one is answered with a WITHDRAW
-  // (answer_ask), so its receive fails at once.  A new send of the id drops it.
+  // (answer_ask), so its receive fails at once.  A new send of the id drops
+  // it; so does, for PeerIo::withdrew, a new send of the id to any peer.
   std::unordered_map<uint64_t, PeerIo::Refusal> any_withdrawn;
   /** Answers `peer`'s ask of `id` with a WITHDRAW of seq kRdvSeq (protocol.h). */
   void answer_ask(int peer, uint64_t id, const PeerIo::Refusal& why);
@@ -479,7 +481,7 @@ struct Engine::Impl {
   void bind_or_wait(const std::shared_ptr<Request>& r);  // a new receive by id
   void arm_rdv(int peer);
   void withdraw(const std::shared_ptr<Request>& r);
-  // Adds `id` to a peer's rdv_refused or rdv_withdrawn, which keep at most
+  // Adds `id` to rdv_refused, withdrew or any_withdrawn, which keep at most
   // max_requests ids each (the oldest goes): a runtime cancelling requests
   // by new ids faster than the timeout retires them cannot grow them.
   void remember(std::unordered_map<uint64_t, PeerIo::Refusal>& ids, uint64_t id,

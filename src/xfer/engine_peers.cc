@@ -41,8 +41,9 @@ void Engine::Impl::withdraw(const std::shared_ptr<Request>& r) {
   w.withdraw_out = encode_withdraw(r->request_id, r->seq, w.fail_code);
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, io(r->peer).rdv_sent++ & (kMaxPages - 1));
-  post_for(r, TrafficClass::kAnchor, tag, true, w.withdraw_out.data(), w.withdraw_out.size(),
-           OpKind::kRdvSend, 0);
+  if (post_for(r, TrafficClass::kAnchor, tag, true, w.withdraw_out.data(), w.withdraw_out.size(),
+               OpKind::kRdvSend, 0))
+    remember(io(r->peer).withdrew, r->request_id, {w.fail_code, w.fail_text, now_ns()});
 }
 
 // A new receive by id: bound at once to an announcement that came first, else
@@ -60,13 +61,6 @@ void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
     return;
   }
   r->work->started = true;  // a cancel fails it while it waits (settle)
-  if (auto wd = io(p).rdv_withdrawn.find(r->request_id); wd != io(p).rdv_withdrawn.end()) {
-    const PeerIo::Refusal why = wd->second;
-    io(p).rdv_withdrawn.erase(wd);
-    r->work->rdv_told = true;  // its sender is gone: nobody to refuse
-    fail(r, why.code, why.text);
-    return;
-  }
   r->rdv_since = now_ns();
   io(p).rdv_waiting.push_back(r);
   if (links_aborted) {
@@ -117,15 +111,19 @@ void Engine::Impl::on_ask(int peer, const Completion& c) {
     KVXFER_WARN(LOG_NET, "peer %d sent a malformed ask (%zu bytes); ignored", peer, c.bytes);
     return;
   }
+  bool waits = false;  // a send to KVXFER_ANY_PEER of the id, posted and not yet claimed
   {
     std::lock_guard<std::mutex> lk(mu);
     const auto it = ids_send.find(peer);
     if (it != ids_send.end() && it->second.count(id) != 0) return;  // its send runs already
+    waits = ids_any.count(id) != 0;
   }
-  if (const auto wd = any_withdrawn.find(id); wd != any_withdrawn.end()) {
-    answer_ask(peer, id, wd->second);
-    return;
-  }
+  // No send of the id: one that withdrew is answered, the receive fails.
+  for (const auto* m : {&pi.withdrew, &any_withdrawn})
+    if (const auto wd = m->find(id); !waits && wd != m->end()) {
+      answer_ask(peer, id, wd->second);
+      return;
+    }
   if (static_cast<int64_t>(pi.asks.size()) >= max_requests && pi.asks.count(id) == 0) {
     auto oldest =
         std::min_element(pi.asks.begin(), pi.asks.end(),
@@ -244,7 +242,7 @@ void Engine::Impl::sweep_claims() {
     if (!pi) continue;
     for (auto it = pi->asks.begin(); it != pi->asks.end();)
       it = now - it->second > timeout_ms * 1000000 ? pi->asks.erase(it) : std::next(it);
-    for (auto* m : {&pi->rdv_refused, &pi->rdv_withdrawn})
+    for (auto* m : {&pi->rdv_refused, &pi->withdrew})
       for (auto it = m->begin(); it != m->end();)
         it = now - it->second.t_ns > timeout_ms * 1000000 ? m->erase(it) : std::next(it);
   }
@@ -298,7 +296,6 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
     arm_rdv(peer);
     return;
   }
-  io(peer).rdv_withdrawn.erase(id);  // a new send of the id
   // A receive by id takes its place among the engine's requests when its
   // sender's announcement arrives, which is the sender's post order: the
   // order its residuals come in (enqueue_residuals), whatever order the
@@ -333,10 +330,15 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
 }
 
 // A WITHDRAW (protocol.h): an announcement no receive has taken is refused
-// now, and a receive by its id posted later fails at once (bind_or_wait).
-// One a receive took goes on: that receive fails on the sender's STATUS.
+// now.  One a receive took goes on: that receive fails on the sender's
+// STATUS.  With seq kRdvSeq, the answer to this side's ask: no send of the
+// id will come, and the receive waiting for one fails.  A receive posted
+// later asks again, and is answered (or its sender's new RDV binds it).
 void Engine::Impl::on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why) {
-  if (seq == kRdvSeq) {  // the answer to this side's ask: no send of the id will come
+  const std::string text = strprintf(
+      "peer %d withdrew the kvxfer_send of request id %llu before a kvxfer_recv took it (%s)", peer,
+      static_cast<unsigned long long>(id), kvxfer_get_error_string(why));
+  if (seq == kRdvSeq) {
     auto& q = io(peer).rdv_waiting;
     const auto w = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
       return r->request_id == id && !r->work->failed;
@@ -344,21 +346,13 @@ void Engine::Impl::on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_resul
     if (w == q.end()) return;
     const std::shared_ptr<Request> r = *w;
     r->work->rdv_told = true;  // its sender is gone: nobody to refuse
-    fail(r, why,
-         strprintf("peer %d's kvxfer_send of request id %llu to KVXFER_ANY_PEER ended before any "
-                   "peer took it (%s)",
-                   peer, static_cast<unsigned long long>(id), kvxfer_get_error_string(why)));
+    fail(r, why, text);
     return;
   }
   const auto it = io(peer).rdv_parked.find(id);
   if (it == io(peer).rdv_parked.end() || it->second.seq != seq) return;
   io(peer).rdv_parked.erase(it);
-  const std::string text = strprintf(
-      "peer %d withdrew the kvxfer_send of request id %llu before a kvxfer_recv took it "
-      "(%s)",
-      peer, static_cast<unsigned long long>(id), kvxfer_get_error_string(why));
   refuse_rdv(peer, seq, why, text);
-  remember(io(peer).rdv_withdrawn, id, {why, text, now_ns()});
 }
 
 void Engine::Impl::remember(std::unordered_map<uint64_t, PeerIo::Refusal>& ids, uint64_t id,

@@ -126,7 +126,11 @@ bool Engine::Impl::step() {
   }
   for (auto& r : fresh) {
     active.push_back(r);
-    if (r->is_send && r->by_id) any_withdrawn.erase(r->request_id);  // a new send of the id
+    if (r->is_send && r->by_id) {  // a new send of the id: asks for it are not answered
+      any_withdrawn.erase(r->request_id);
+      for (const auto& pi : pio)
+        if (pi) pi->withdrew.erase(r->request_id);
+    }
     if (r->unclaimed) {         // a send to KVXFER_ANY_PEER: waits for a peer's ask
       r->work->started = true;  // a cancel fails it while it waits
       unclaimed.push_back(r);

@@ -149,8 +149,9 @@ std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq);
  * receiver that has no receive bound to it yet refuses it at once
  * (Engine::Impl::refuse_rdv), so the sender's id is free then, not at its
  * timeout.  With seq kRdvSeq it answers an ASK of `id` (version 6): that
- * id's send to KVXFER_ANY_PEER failed before any peer took it, and no send
- * of it will come; the asking receive fails at once, not at its timeout.
+ * id's send withdrew, or its send to KVXFER_ANY_PEER failed before any peer
+ * took it, and no send of it is posted; the asking receive fails at once,
+ * not at its timeout.
  * RDV's layout with magic kWithdrawMagic and `why` (i32) at 20.
  */
 constexpr uint32_t kWithdrawMagic = 0x5758564bu;  // "KVXW" little-endian
