@@ -578,8 +578,7 @@ TEST(Endpoint, SendsCancelledBeforeTheirReceivesAreWithdrawnAtOnce) {
 TEST(Endpoint, AReceivePostedRightAfterASendIsPostedAgainMeetsIt) {
   Ep a, b;
   const int ab = a.connect(b), ba = b.connect(a);
-  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  cfg.codec = KVXFER_CODEC_BF16;
+  const kvxfer_codec_config_t cfg = bf16();
   PagedKV src(1, 1, 8, 16, kBs), dst(1, 1, 8, 16, kBs);
   int failed = 0;
   for (uint64_t id = 500; id < 540; ++id) {
@@ -615,8 +614,7 @@ TEST(Endpoint, ARefusalThatCameAfterItsSendExpiredFailsNoLaterRequest) {
   constexpr int kT300 = 300;
   Ep a(nullptr, 0, kT300), b(nullptr, 0, kT300);
   const int ab = a.connect(b), ba = b.connect(a);
-  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  cfg.codec = KVXFER_CODEC_BF16;
+  const kvxfer_codec_config_t cfg = bf16();
   PagedKV orphan(1, 1, 8, 16, kBs);
   {
     const kvxfer_request_config_t rc = by_id(77);
@@ -668,8 +666,7 @@ TEST(Endpoint, ASendRefusedAtItsTimeoutOnABusyLinkFreesItsIdAtOnce) {
   constexpr int kT300 = 300;
   Ep a(nullptr, 0, kT300), b(nullptr, 0, kT300);
   const int ab = a.connect(b), ba = b.connect(a);
-  kvxfer_codec_config_t cfg = KVXFER_CODEC_CONFIG_INITIALIZER;
-  cfg.codec = KVXFER_CODEC_BF16;
+  const kvxfer_codec_config_t cfg = bf16();
   PagedKV orphan(kL, kHeads, kHd, kT, kBs), dst(kL, kHeads, kHd, kT, kBs);
   orphan.fill(88);
   const kvxfer_request_config_t rc = by_id(88);
