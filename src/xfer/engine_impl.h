@@ -93,6 +93,7 @@ struct Work {
   std::vector<uint8_t> rdv_out;       // a by-id sender's RDV (protocol.h)
   std::vector<uint8_t> withdraw_out;  // its WITHDRAW, if it fails before the receiver's DESC
   std::vector<uint8_t> ask_out;       // a by-id receiver's ASK (protocol.h)
+  uint32_t ask_n = 0;                 // its number on the peer's ask stream
   bool rdv_told = false;              // a failed receive by id whose RDV came: refused then
   size_t next_page_send = 0;          // sender: pages posted to the Link
   size_t next_residual_post = 0;      // receiver: residual receives posted
@@ -288,7 +289,11 @@ struct PeerIo {
   bool ask_armed = false;
   std::vector<uint8_t> ask_in = std::vector<uint8_t>(kAskBytes);
   uint32_t ask_sent = 0, ask_received = 0;
-  std::unordered_map<uint64_t, int64_t> asks;
+  struct Ask {
+    int64_t t_ns;  // arrival: the earliest asker takes a send (try_claims)
+    uint32_t n;    // its number on the stream, which a WITHDRAW answering it names
+  };
+  std::unordered_map<uint64_t, Ask> asks;
   std::unordered_map<uint64_t, std::vector<uint8_t>> drain_bufs;  // by Link op id
   bool draining = false;      // dropped: its Link goes once drained
   bool holding = false;       // dropped, its Link kept open until close_peer
@@ -369,8 +374,9 @@ struct Engine::Impl {
   // (answer_ask), so its receive fails at once.  A new send of the id drops
   // it; so does, for PeerIo::withdrew, a new send of the id to any peer.
   std::unordered_map<uint64_t, PeerIo::Refusal> any_withdrawn;
-  /** Answers `peer`'s ask of `id` with a WITHDRAW of seq kRdvSeq (protocol.h). */
-  void answer_ask(int peer, uint64_t id, const PeerIo::Refusal& why);
+  /** Answers `peer`'s ask number `n` of `id` with a WITHDRAW of seq kRdvSeq
+   *  (protocol.h). */
+  void answer_ask(int peer, uint64_t id, uint32_t n, const PeerIo::Refusal& why);
   /** Under mu: counts `r` against `peer` (KVXFER_MAX_REQUESTS, shm's
    *  limit, the ids in flight) and gives it its seq.  KVXFER_ERR_INVALID_USAGE
    *  or INVALID_ARGUMENT (a bad or gone peer) with nothing changed. */
@@ -486,7 +492,7 @@ struct Engine::Impl {
   // by new ids faster than the timeout retires them cannot grow them.
   void remember(std::unordered_map<uint64_t, PeerIo::Refusal>& ids, uint64_t id,
                 PeerIo::Refusal why);
-  void on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why);
+  void on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why, uint16_t ask);
   void on_rdv(int peer, const Completion& c);
   bool post_rdv_send(const std::shared_ptr<Request>& r);
   // Sends to KVXFER_ANY_PEER (kvxfer.h) waiting for a peer's ASK, in post

@@ -74,8 +74,8 @@ void Engine::Impl::bind_or_wait(const std::shared_ptr<Request>& r) {
 bool Engine::Impl::send_ask(const std::shared_ptr<Request>& r) {
   Work& w = *r->work;
   w.ask_out = encode_ask(r->request_id);
-  const uint64_t tag =
-      make_tag(kRdvSeq, true, MsgKind::kStatus, io(r->peer).ask_sent++ & (kMaxPages - 1));
+  w.ask_n = io(r->peer).ask_sent++;
+  const uint64_t tag = make_tag(kRdvSeq, true, MsgKind::kStatus, w.ask_n & (kMaxPages - 1));
   return post_for(r, TrafficClass::kAnchor, tag, true, w.ask_out.data(), w.ask_out.size(),
                   OpKind::kAskSend, 0);
 }
@@ -105,7 +105,7 @@ void Engine::Impl::on_ask(int peer, const Completion& c) {
   PeerIo& pi = io(peer);
   pi.ask_armed = false;
   if (c.status != KVXFER_SUCCESS && (c.status != KVXFER_ERR_BUFFER_TOO_SMALL)) return;
-  pi.ask_received++;  // the stream's message was consumed, good or not
+  const uint32_t n = pi.ask_received++;  // the stream's message was consumed, good or not
   uint64_t id = 0;
   if (c.status != KVXFER_SUCCESS || decode_ask(pi.ask_in.data(), c.bytes, &id) != KVXFER_SUCCESS) {
     KVXFER_WARN(LOG_NET, "peer %d sent a malformed ask (%zu bytes); ignored", peer, c.bytes);
@@ -121,22 +121,22 @@ void Engine::Impl::on_ask(int peer, const Completion& c) {
   // No send of the id: one that withdrew is answered, the receive fails.
   for (const auto* m : {&pi.withdrew, &any_withdrawn})
     if (const auto wd = m->find(id); !waits && wd != m->end()) {
-      answer_ask(peer, id, wd->second);
+      answer_ask(peer, id, n, wd->second);
       return;
     }
   if (static_cast<int64_t>(pi.asks.size()) >= max_requests && pi.asks.count(id) == 0) {
-    auto oldest =
-        std::min_element(pi.asks.begin(), pi.asks.end(),
-                         [](const auto& a, const auto& b) { return a.second < b.second; });
+    auto oldest = std::min_element(
+        pi.asks.begin(), pi.asks.end(),
+        [](const auto& a, const auto& b) { return a.second.t_ns < b.second.t_ns; });
     pi.asks.erase(oldest);
   }
-  pi.asks.emplace(id, now_ns());
+  pi.asks[id] = {now_ns(), n};  // a later ask of the id is the one to answer
   claims_dirty = true;
 }
 
-void Engine::Impl::answer_ask(int peer, uint64_t id, const PeerIo::Refusal& why) {
+void Engine::Impl::answer_ask(int peer, uint64_t id, uint32_t n, const PeerIo::Refusal& why) {
   if (io(peer).draining) return;
-  std::vector<uint8_t> b = encode_withdraw(id, kRdvSeq, why.code);
+  std::vector<uint8_t> b = encode_withdraw(id, kRdvSeq, why.code, static_cast<uint16_t>(n));
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, io(peer).rdv_sent++ & (kMaxPages - 1));
   uint64_t op = 0;
@@ -155,7 +155,7 @@ void Engine::Impl::try_claims() {
       if (!pio[static_cast<size_t>(p)] || io(p).draining) continue;
       if (Link* l = comm ? comm->link(p) : nullptr; l == nullptr || l->failed()) continue;
       auto it = io(p).asks.find(r->request_id);
-      if (it != io(p).asks.end()) askers.emplace_back(it->second, p);
+      if (it != io(p).asks.end()) askers.emplace_back(it->second.t_ns, p);
     }
     std::sort(askers.begin(), askers.end());
     bool taken = false;
@@ -241,7 +241,7 @@ void Engine::Impl::sweep_claims() {
   for (const auto& pi : pio) {
     if (!pi) continue;
     for (auto it = pi->asks.begin(); it != pi->asks.end();)
-      it = now - it->second > timeout_ms * 1000000 ? pi->asks.erase(it) : std::next(it);
+      it = now - it->second.t_ns > timeout_ms * 1000000 ? pi->asks.erase(it) : std::next(it);
     for (auto* m : {&pi->rdv_refused, &pi->withdrew})
       for (auto it = m->begin(); it != m->end();)
         it = now - it->second.t_ns > timeout_ms * 1000000 ? m->erase(it) : std::next(it);
@@ -278,9 +278,10 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
   uint64_t id = 0;
   uint32_t seq = 0;
   kvxfer_result_t rc = c.status, withdrawn = KVXFER_SUCCESS;
+  uint16_t ask = 0;
   std::string why = c.error;
   if (rc == KVXFER_SUCCESS) {
-    rc = decode_rdv(io(peer).rdv_in.data(), c.bytes, &id, &seq, &withdrawn);
+    rc = decode_rdv(io(peer).rdv_in.data(), c.bytes, &id, &seq, &withdrawn, &ask);
     if (rc < 0) why = last_error();
   }
   if (rc < 0) {  // the stream is broken (the link failed): every waiting receive fails
@@ -292,7 +293,7 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
   }
   io(peer).rdv_received++;
   if (withdrawn < 0) {
-    on_withdraw(peer, id, seq, withdrawn);
+    on_withdraw(peer, id, seq, withdrawn, ask);
     arm_rdv(peer);
     return;
   }
@@ -331,17 +332,20 @@ void Engine::Impl::on_rdv(int peer, const Completion& c) {
 
 // A WITHDRAW (protocol.h): an announcement no receive has taken is refused
 // now.  One a receive took goes on: that receive fails on the sender's
-// STATUS.  With seq kRdvSeq, the answer to this side's ask: no send of the
-// id will come, and the receive waiting for one fails.  A receive posted
-// later asks again, and is answered (or its sender's new RDV binds it).
-void Engine::Impl::on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why) {
+// STATUS.  With seq kRdvSeq, the answer to this side's ask number `ask`
+// (mod 2^16): no send of the id will come, and the receive that asked fails.
+// A receive posted later asks again, and is answered (or its sender's new
+// RDV binds it): an answer to an earlier ask of the id does not touch it.
+void Engine::Impl::on_withdraw(int peer, uint64_t id, uint32_t seq, kvxfer_result_t why,
+                               uint16_t ask) {
   const std::string text = strprintf(
       "peer %d withdrew the kvxfer_send of request id %llu before a kvxfer_recv took it (%s)", peer,
       static_cast<unsigned long long>(id), kvxfer_get_error_string(why));
   if (seq == kRdvSeq) {
     auto& q = io(peer).rdv_waiting;
     const auto w = std::find_if(q.begin(), q.end(), [&](const std::shared_ptr<Request>& r) {
-      return r->request_id == id && !r->work->failed;
+      return r->request_id == id && !r->work->failed && !r->work->ask_out.empty() &&
+             static_cast<uint16_t>(r->work->ask_n) == ask;
     });
     if (w == q.end()) return;
     const std::shared_ptr<Request> r = *w;

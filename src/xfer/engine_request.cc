@@ -84,9 +84,13 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
     // A peer that asks for it (or asked, and waits for a slot) is told.
     const PeerIo::Refusal why{w.fail_code, text, now_ns()};
     remember(any_withdrawn, r->request_id, why);
-    for (int p = 0; p < npeers() && !links_aborted; ++p)
-      if (pio[static_cast<size_t>(p)] && io(p).asks.erase(r->request_id) != 0)
-        answer_ask(p, r->request_id, why);
+    for (int p = 0; p < npeers() && !links_aborted; ++p) {
+      if (!pio[static_cast<size_t>(p)]) continue;
+      const auto a = io(p).asks.find(r->request_id);
+      if (a == io(p).asks.end()) continue;
+      answer_ask(p, r->request_id, a->second.n, why);
+      io(p).asks.erase(a);
+    }
     return;
   }
   send_status(r, w.fail_code, text);

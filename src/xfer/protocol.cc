@@ -215,34 +215,35 @@ kvxfer_result_t decode_status(const uint8_t* buf, size_t len, kvxfer_result_t* r
 
 namespace {
 
-// RDV, WITHDRAW and ASK: magic, version, 0, id, seq, last (kRdvBytes): last
-// is 0 but in a WITHDRAW (its result).
-std::vector<uint8_t> encode_id_message(uint32_t magic, uint64_t id, uint32_t seq,
-                                       uint32_t last = 0) {
+// RDV, WITHDRAW and ASK: magic, version, `ask`, id, seq, last (kRdvBytes):
+// last is 0 but in a WITHDRAW (its result), ask is 0 but in a WITHDRAW that
+// answers an ask.
+std::vector<uint8_t> encode_id_message(uint32_t magic, uint64_t id, uint32_t seq, uint32_t last = 0,
+                                       uint16_t ask = 0) {
   std::vector<uint8_t> b;
   b.reserve(kRdvBytes);
   put<uint32_t>(&b, magic);
   put<uint16_t>(&b, kProtocolVersion);
-  put<uint16_t>(&b, 0);
+  put<uint16_t>(&b, ask);
   put<uint64_t>(&b, id);
   put<uint32_t>(&b, seq);
   put<uint32_t>(&b, last);
   return b;
 }
 
-// The message's magic, or 0 if it is not kRdvBytes long, of this version,
-// with its reserved field 0.
+// The message's magic, or 0 if it is not kRdvBytes long or of another
+// version.  The u16 at 6 goes to *ask.
 uint32_t decode_id_message(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq,
-                           uint32_t* last) {
+                           uint32_t* last, uint16_t* ask) {
   if (len != kRdvBytes) return 0;
   const uint8_t* p = buf;
   const uint32_t magic = get<uint32_t>(p);
   const uint16_t version = get<uint16_t>(p);
-  const uint16_t zero = get<uint16_t>(p);
+  *ask = get<uint16_t>(p);
   *id = get<uint64_t>(p);
   *seq = get<uint32_t>(p);
   *last = get<uint32_t>(p);
-  return version == kProtocolVersion && zero == 0 ? magic : 0;
+  return version == kProtocolVersion ? magic : 0;
 }
 
 }  // namespace
@@ -251,18 +252,21 @@ std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq) {
   return encode_id_message(kRdvMagic, id, seq);
 }
 
-std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t why) {
-  return encode_id_message(kWithdrawMagic, id, seq, static_cast<uint32_t>(why));
+std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t why, uint16_t ask) {
+  return encode_id_message(kWithdrawMagic, id, seq, static_cast<uint32_t>(why),
+                           seq == kRdvSeq ? ask : 0);
 }
 
 kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq,
-                           kvxfer_result_t* withdrawn) {
+                           kvxfer_result_t* withdrawn, uint16_t* ask) {
   uint32_t last = 0;
-  const uint32_t magic = decode_id_message(buf, len, id, seq, &last);
+  uint16_t a = 0;
+  const uint32_t magic = decode_id_message(buf, len, id, seq, &last, &a);
   const auto why = static_cast<int32_t>(last);
   // The magic first: a message of the wrong length (magic 0) sets no *seq.
-  const bool ok = ((magic == kRdvMagic && last == 0 && *seq < kRdvSeq) ||
-                   (magic == kWithdrawMagic && why < 0 && why >= KVXFER_RESULT_MIN)) &&
+  const bool ok = ((magic == kRdvMagic && last == 0 && a == 0 && *seq < kRdvSeq) ||
+                   (magic == kWithdrawMagic && why < 0 && why >= KVXFER_RESULT_MIN &&
+                    (a == 0 || *seq == kRdvSeq))) &&
                   *seq >= kIdSeqBase && *seq <= kRdvSeq;
   if (!ok)
     return set_error(KVXFER_ERR_CORRUPT,
@@ -270,6 +274,7 @@ kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_
                      "version)",
                      len);
   *withdrawn = magic == kWithdrawMagic ? static_cast<kvxfer_result_t>(why) : KVXFER_SUCCESS;
+  if (ask != nullptr) *ask = a;
   return KVXFER_SUCCESS;
 }
 
@@ -277,7 +282,9 @@ std::vector<uint8_t> encode_ask(uint64_t id) { return encode_id_message(kAskMagi
 
 kvxfer_result_t decode_ask(const uint8_t* buf, size_t len, uint64_t* id) {
   uint32_t seq = 0, last = 0;
-  if (decode_id_message(buf, len, id, &seq, &last) != kAskMagic || seq != 0 || last != 0)
+  uint16_t zero = 0;
+  if (decode_id_message(buf, len, id, &seq, &last, &zero) != kAskMagic || zero != 0 || seq != 0 ||
+      last != 0)
     return set_error(KVXFER_ERR_CORRUPT,
                      "ask message is malformed (%zu bytes; not a kvxfer peer of this version)",
                      len);

@@ -148,23 +148,26 @@ std::vector<uint8_t> encode_rdv(uint64_t id, uint32_t seq);
  * (seq `seq`) failed with `why` (< 0) before the receiver's DESC came.  A
  * receiver that has no receive bound to it yet refuses it at once
  * (Engine::Impl::refuse_rdv), so the sender's id is free then, not at its
- * timeout.  With seq kRdvSeq it answers an ASK of `id` (version 6): that
- * id's send withdrew, or its send to KVXFER_ANY_PEER failed before any peer
- * took it, and no send of it is posted; the asking receive fails at once,
- * not at its timeout.
+ * timeout.  With seq kRdvSeq it answers an ASK of `id` (version 6), the
+ * n-th on the ask stream, `ask` = n mod 2^16 (u16 at 6): that id's send
+ * withdrew, or its send to KVXFER_ANY_PEER failed before any peer took it,
+ * and no send of it is posted; the receive that sent that ask fails at
+ * once, not at its timeout, and a later receive of the id is not touched.
  * RDV's layout with magic kWithdrawMagic and `why` (i32) at 20.
  */
 constexpr uint32_t kWithdrawMagic = 0x5758564bu;  // "KVXW" little-endian
-std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t why);
+std::vector<uint8_t> encode_withdraw(uint64_t id, uint32_t seq, kvxfer_result_t why,
+                                     uint16_t ask = 0);
 
 /**
  * Parses a message of the rendezvous stream: an RDV (*withdrawn =
  * KVXFER_SUCCESS) or a WITHDRAW (*withdrawn = its result, in
- * [KVXFER_RESULT_MIN, -1]).  KVXFER_ERR_CORRUPT (with text) if malformed or
- * seq is outside the id space (kRdvSeq only for a WITHDRAW).
+ * [KVXFER_RESULT_MIN, -1]), and the answered ask's number in *ask (may be
+ * null).  KVXFER_ERR_CORRUPT (with text) if malformed or seq is outside the
+ * id space (kRdvSeq only for a WITHDRAW, the only one with an ask number).
  */
 kvxfer_result_t decode_rdv(const uint8_t* buf, size_t len, uint64_t* id, uint32_t* seq,
-                           kvxfer_result_t* withdrawn);
+                           kvxfer_result_t* withdrawn, uint16_t* ask = nullptr);
 
 /**
  * ASK: a receiver's request for the send of `id`, the n-th on its peer's ask
