@@ -1040,85 +1040,157 @@ TEST(PeerMessages, ASenderReportingSuccessBeforeTheReceiveCompletedFailsIt) {
   }
 }
 
-// The answer to an ask (a WITHDRAW of seq kRdvSeq) names the ask it
-// answers.  One that comes after its receive was cancelled, and a new
-// receive of the id asked again, leaves the new receive alone (its sender's
-// send, posted again, may take it); the answer to the new ask fails it.
-// (A break-it run saw the stale answer fail the new receive, 2 times in 150.)
-TEST(PeerMessages, AnAnswerToAnEarlierAskLeavesALaterReceiveAlone) {
+// One request by id 77 of an Engine::testing_unlinked engine (rank 1; its
+// peer 0 is played here): 5 tokens of bf16 KV in blocks of its own.
+struct UnlinkedById {
   std::unique_ptr<xfer::Engine> engine = xfer::Engine::testing_unlinked(1, 2);
   xfer::Engine::Impl* m = engine->testing_impl();
-  std::vector<std::vector<uint8_t>> blocks(4, std::vector<uint8_t>(8 * 4 * 2));
+  std::vector<std::vector<uint8_t>> blocks =
+      std::vector<std::vector<uint8_t>>(4, std::vector<uint8_t>(8 * 4 * 2, 0x3f));
   std::vector<void*> k{blocks[0].data(), blocks[1].data()}, v{blocks[2].data(), blocks[3].data()};
-  kvxfer_kv_desc_t kv = KVXFER_KV_DESC_INITIALIZER;
-  kv.num_layers = 2;
-  kv.kv_heads = 1;
-  kv.head_dim = 4;
-  kv.dtype = KVXFER_DTYPE_BF16;
-  kv.num_tokens = 5;
-  kv.block_size = 8;
-  kv.num_blocks = 1;
-  kv.k_blocks = k.data();
-  kv.v_blocks = v.data();
-  kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
-  rc.match_by_id = 1;
-  rc.request_id = 77;
   std::vector<bool> done;
-  auto complete = [&](size_t i, size_t bytes) {
+
+  kvxfer_result_t post(bool is_send, std::shared_ptr<xfer::Request>* out) {
+    kvxfer_kv_desc_t kv = KVXFER_KV_DESC_INITIALIZER;
+    kv.num_layers = 2;
+    kv.kv_heads = 1;
+    kv.head_dim = 4;
+    kv.dtype = KVXFER_DTYPE_BF16;
+    kv.num_tokens = 5;
+    kv.block_size = 8;
+    kv.num_blocks = 1;
+    kv.k_blocks = k.data();
+    kv.v_blocks = v.data();
+    kvxfer_request_config_t rc = KVXFER_REQUEST_CONFIG_INITIALIZER;
+    rc.match_by_id = 1;
+    rc.request_id = 77;
+    const kvxfer_codec_config_t codec = KVXFER_CODEC_CONFIG_INITIALIZER;
+    const kvxfer_result_t r =
+        engine->post(is_send, 0, &kv, is_send ? &codec : nullptr, &rc, nullptr, out);
+    m->step();
+    return r;
+  }
+  void complete(size_t i, size_t bytes, kvxfer_result_t status = KVXFER_SUCCESS) {
+    done.resize(m->testing_posts.size(), false);
     done[i] = true;
     transport::Completion c;
     c.op_id = i + 1;
     c.tag = m->testing_posts[i].tag;
     c.cls = m->testing_posts[i].cls;
     c.is_send = m->testing_posts[i].is_send;
+    c.status = status;
     c.bytes = bytes;
     c.posted = c.done = transport::Clock::now();
     m->on_completion(0, c);
-  };
-  auto complete_sends = [&] {
+  }
+  /** Runs the codec jobs (a send encodes from its post), completes every
+   *  send, and runs a progress round. */
+  void complete_sends() {
+    for (auto& q : m->jobs)
+      while (!q.empty()) {
+        xfer::Job j = std::move(q.front());
+        q.pop_front();
+        m->run_job(j);
+      }
     done.resize(m->testing_posts.size(), false);
     for (size_t i = 0; i < m->testing_posts.size(); ++i)
       if (!done[i] && m->testing_posts[i].is_send) complete(i, m->testing_posts[i].len);
     m->step();
-  };
-  // The n-th message of the rendezvous stream: an answer to ask `ask`.
-  auto answer = [&](uint32_t n, uint16_t ask) {
-    const Bytes b = xfer::encode_withdraw(77, xfer::kRdvSeq, KVXFER_ERR_CANCELLED, ask);
-    const uint64_t tag = xfer::make_tag(xfer::kRdvSeq, false, xfer::MsgKind::kStatus, n);
+  }
+  /** The peer's message `b` into this side's receive of `tag`; false if none is posted. */
+  bool deliver(uint64_t tag, const Bytes& b) {
     done.resize(m->testing_posts.size(), false);
     for (size_t i = 0; i < m->testing_posts.size(); ++i) {
       const auto& p = m->testing_posts[i];
-      if (done[i] || p.is_send || p.tag != tag) continue;
-      ASSERT_GE(p.len, b.size());
-      std::memcpy(p.buf, b.data(), b.size());
+      if (done[i] || p.is_send || p.tag != tag || p.len < b.size()) continue;
+      if (!b.empty()) std::memcpy(p.buf, b.data(), b.size());
       complete(i, b.size());
       m->step();
-      return;
+      return true;
     }
-    FAIL() << "no receive posted on the rendezvous stream for its message " << n;
-  };
-  auto stage = [](const std::shared_ptr<xfer::Request>& r) {
+    return false;
+  }
+  /** The peer's ASK of id 77 (the ask stream's receive is the engine's own). */
+  void ask() {
+    xfer::PeerIo& pi = m->io(0);
+    const Bytes b = xfer::encode_ask(77);
+    std::memcpy(pi.ask_in.data(), b.data(), b.size());
+    transport::Completion c;
+    c.bytes = b.size();
+    m->on_ask(0, c);
+    m->step();
+  }
+  /** The WITHDRAW answers this side posted: the ask numbers they name. */
+  std::vector<uint16_t> answers() const {
+    std::vector<uint16_t> out;
+    for (const auto& p : m->testing_posts) {
+      uint64_t id = 0;
+      uint32_t seq = 0;
+      uint16_t n = 0;
+      kvxfer_result_t why = KVXFER_SUCCESS;
+      if (p.is_send && p.len == xfer::kRdvBytes &&
+          xfer::decode_rdv(p.buf, p.len, &id, &seq, &why, &n) == KVXFER_SUCCESS &&
+          seq == xfer::kRdvSeq && id == 77 && why < 0)
+        out.push_back(n);
+    }
+    return out;
+  }
+  static std::pair<kvxfer_stage_t, std::string> stage(const std::shared_ptr<xfer::Request>& r) {
     std::lock_guard<std::mutex> lk(r->mu);
-    return std::make_pair(r->stage, r->error);
-  };
+    return {r->stage, r->error};
+  }
+};
+
+// The answer to an ask (a WITHDRAW of seq kRdvSeq) names the ask it
+// answers.  One that comes after its receive was cancelled, and a new
+// receive of the id asked again, leaves the new receive alone (its sender's
+// send, posted again, may take it); the answer to the new ask fails it.
+// (A break-it run saw the stale answer fail the new receive, 2 times in 150.)
+TEST(PeerMessages, AnAnswerToAnEarlierAskLeavesALaterReceiveAlone) {
+  UnlinkedById e;
   std::shared_ptr<xfer::Request> r1, r2;
-  ASSERT_EQ(engine->post(false, 0, &kv, nullptr, &rc, nullptr, &r1), KVXFER_SUCCESS)
-      << last_error();
-  m->step();  // it asks (ask 0)
+  ASSERT_EQ(e.post(false, &r1), KVXFER_SUCCESS) << last_error();  // it asks (ask 0)
   ASSERT_EQ(xfer::request_cancel(r1), KVXFER_SUCCESS);
-  m->step();
-  complete_sends();
-  ASSERT_EQ(stage(r1).first, KVXFER_STAGE_ERROR);
-  ASSERT_EQ(engine->post(false, 0, &kv, nullptr, &rc, nullptr, &r2), KVXFER_SUCCESS)
-      << last_error();
-  m->step();  // it asks again (ask 1)
-  complete_sends();
-  answer(0, 0);  // the answer to r1's ask
-  EXPECT_NE(stage(r2).first, KVXFER_STAGE_ERROR) << stage(r2).second;
-  answer(1, 1);  // the answer to r2's
-  EXPECT_EQ(stage(r2).first, KVXFER_STAGE_ERROR);
-  EXPECT_NE(stage(r2).second.find("withdrew the kvxfer_send of request id 77"), std::string::npos)
-      << stage(r2).second;
+  e.m->step();
+  e.complete_sends();
+  ASSERT_EQ(e.stage(r1).first, KVXFER_STAGE_ERROR);
+  ASSERT_EQ(e.post(false, &r2), KVXFER_SUCCESS) << last_error();  // it asks again (ask 1)
+  e.complete_sends();
+  const auto answer = [](uint16_t ask) {
+    return xfer::encode_withdraw(77, xfer::kRdvSeq, KVXFER_ERR_CANCELLED, ask);
+  };
+  const auto stream = [](uint32_t n) {
+    return xfer::make_tag(xfer::kRdvSeq, false, xfer::MsgKind::kStatus, n);
+  };
+  ASSERT_TRUE(e.deliver(stream(0), answer(0)));  // the answer to r1's ask
+  EXPECT_NE(e.stage(r2).first, KVXFER_STAGE_ERROR) << e.stage(r2).second;
+  ASSERT_TRUE(e.deliver(stream(1), answer(1)));  // the answer to r2's
+  EXPECT_EQ(e.stage(r2).first, KVXFER_STAGE_ERROR);
+  EXPECT_NE(e.stage(r2).second.find("withdrew the kvxfer_send of request id 77"), std::string::npos)
+      << e.stage(r2).second;
+}
+
+// An ask that comes while the send of its id runs waits for it.  When the
+// send then fails before its receiver's DESC (the receiver refused it: the
+// receive whose ask took it was cancelled), the ask is answered, and so is
+// one that comes after; before, they were dropped and their receives waited
+// for the timeout.
+TEST(PeerMessages, AnAskWhileItsSendRunsIsAnsweredWhenTheSendIsRefused) {
+  UnlinkedById e;
+  std::shared_ptr<xfer::Request> s;
+  ASSERT_EQ(e.post(true, &s), KVXFER_SUCCESS) << last_error();  // its RDV, DESC and receives
+  e.complete_sends();
+  e.ask();  // ask 0, while the send waits for its receiver's DESC
+  EXPECT_TRUE(e.answers().empty());
+  const uint64_t status = xfer::make_tag(s->seq, true, xfer::MsgKind::kStatus, 0);
+  const uint64_t desc = xfer::make_tag(s->seq, true, xfer::MsgKind::kDesc, 0);
+  ASSERT_TRUE(e.deliver(status, xfer::encode_status(KVXFER_ERR_CANCELLED, "cancelled")));
+  ASSERT_TRUE(e.deliver(desc, {}));  // the refusal's empty DESC
+  EXPECT_EQ(e.answers(), std::vector<uint16_t>{0});
+  e.ask();  // ask 1, after the send failed
+  EXPECT_EQ(e.answers(), (std::vector<uint16_t>{0, 1}));
+  e.complete_sends();
+  EXPECT_EQ(e.stage(s).first, KVXFER_STAGE_ERROR) << e.stage(s).second;
 }
 
 }  // namespace

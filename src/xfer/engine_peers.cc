@@ -41,9 +41,8 @@ void Engine::Impl::withdraw(const std::shared_ptr<Request>& r) {
   w.withdraw_out = encode_withdraw(r->request_id, r->seq, w.fail_code);
   const uint64_t tag =
       make_tag(kRdvSeq, false, MsgKind::kStatus, io(r->peer).rdv_sent++ & (kMaxPages - 1));
-  if (post_for(r, TrafficClass::kAnchor, tag, true, w.withdraw_out.data(), w.withdraw_out.size(),
-               OpKind::kRdvSend, 0))
-    remember(io(r->peer).withdrew, r->request_id, {w.fail_code, w.fail_text, now_ns()});
+  post_for(r, TrafficClass::kAnchor, tag, true, w.withdraw_out.data(), w.withdraw_out.size(),
+           OpKind::kRdvSend, 0);
 }
 
 // A new receive by id: bound at once to an announcement that came first, else
@@ -111,16 +110,30 @@ void Engine::Impl::on_ask(int peer, const Completion& c) {
     KVXFER_WARN(LOG_NET, "peer %d sent a malformed ask (%zu bytes); ignored", peer, c.bytes);
     return;
   }
+  bool runs = false;   // a send of the id to this peer, posted: it is kept for it
   bool waits = false;  // a send to KVXFER_ANY_PEER of the id, posted and not yet claimed
   {
     std::lock_guard<std::mutex> lk(mu);
     const auto it = ids_send.find(peer);
-    if (it != ids_send.end() && it->second.count(id) != 0) return;  // its send runs already
+    runs = it != ids_send.end() && it->second.count(id) != 0;
     waits = ids_any.count(id) != 0;
+  }
+  // A send of the id that runs keeps the ask: its RDV answers it, or, if
+  // it fails before its receiver's DESC (the receive whose ask took it was
+  // cancelled), fail() does; one that failed so already answers now.
+  // Without either the receive would wait its timeout.
+  if (runs) {
+    const auto it = std::find_if(active.begin(), active.end(), [&](const auto& r) {
+      return r->is_send && r->by_id && !r->unclaimed && r->peer == peer && r->request_id == id;
+    });
+    if (it != active.end() && (*it)->work->failed && !(*it)->work->handshake_done) {
+      answer_ask(peer, id, n, {(*it)->work->fail_code, (*it)->work->fail_text, now_ns()});
+      return;
+    }
   }
   // No send of the id: one that withdrew is answered, the receive fails.
   for (const auto* m : {&pi.withdrew, &any_withdrawn})
-    if (const auto wd = m->find(id); !waits && wd != m->end()) {
+    if (const auto wd = m->find(id); !runs && !waits && wd != m->end()) {
       answer_ask(peer, id, n, wd->second);
       return;
     }

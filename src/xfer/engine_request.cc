@@ -95,6 +95,17 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
   }
   send_status(r, w.fail_code, text);
   withdraw(r);  // a by-id send its receiver has not taken yet (engine_peers.cc)
+  if (r->is_send && r->by_id && !w.handshake_done && pio[static_cast<size_t>(r->peer)]) {
+    // No receive of its peer has it: an ask of its id from that peer, come
+    // while it ran or within the timeout, is answered as after a WITHDRAW.
+    const PeerIo::Refusal why{w.fail_code, text, now_ns()};
+    PeerIo& pi = io(r->peer);
+    remember(pi.withdrew, r->request_id, why);
+    if (const auto a = pi.asks.find(r->request_id); a != pi.asks.end() && !links_aborted) {
+      answer_ask(r->peer, r->request_id, a->second.n, why);
+      pi.asks.erase(a);
+    }
+  }
   // Keep the message sequence whole (protocol.h): the sender sends what is
   // left as empty messages, the receiver drains its residual receives.  Page
   // messages already given to the Link but not started go out empty too, so
@@ -252,6 +263,9 @@ void Engine::Impl::finalise(const std::shared_ptr<Request>& r) {
       }
     }
   }
+  // An ask of its id that came while it ran was for it, or is answered (fail).
+  if (r->is_send && r->by_id && !r->unclaimed && pio[static_cast<size_t>(r->peer)])
+    io(r->peer).asks.erase(r->request_id);
   if (!unclaimed.empty()) claims_dirty = true;  // a slot of its peer is free
   active.erase(std::remove(active.begin(), active.end(), r), active.end());
 }
