@@ -818,11 +818,10 @@ typedef struct {
  * of it were still posted, once those complete or time out (KVXFER_TIMEOUT_MS). A send by id
  * cancelled before its peer posted the receive withdraws itself: its place is free within a round
  * trip, and a receive by that id posted within the timeout, with no new send of the id posted,
- * fails within a round trip (docs/TRANSPORT.md); one
- * its peer refused because no receive came within the timeout frees its place when the refusal
- * comes. Later
- * failures (descriptor mismatch, NaN/Inf with the ERROR policy, a peer that dies, a corrupted
- * section) put the request in stage ERROR. Thread-safety: any thread; posts from different threads
+ * fails within a round trip (docs/TRANSPORT.md); one its peer refused because no receive came
+ * within the timeout frees its place when the refusal comes. Later failures (descriptor mismatch,
+ * NaN/Inf with the ERROR policy, a peer that dies, a corrupted section) put the request in stage
+ * ERROR. Thread-safety: any thread; posts from different threads
  * to one peer are matched in the order the calls take the communicator's lock.
  */
 kvxfer_result_t kvxfer_send(kvxfer_comm_t comm, int peer, const kvxfer_kv_desc_t* kv,
