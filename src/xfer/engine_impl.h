@@ -377,6 +377,9 @@ struct Engine::Impl {
   /** Answers `peer`'s ask number `n` of `id` with a WITHDRAW of seq kRdvSeq
    *  (protocol.h). */
   void answer_ask(int peer, uint64_t id, uint32_t n, const PeerIo::Refusal& why);
+  /** answer_ask for the ask of `id` that `peer` sent and this side kept
+   *  (PeerIo::asks), which it drops; nothing if none is kept. */
+  void answer_kept_ask(int peer, uint64_t id, const PeerIo::Refusal& why);
   /** Under mu: counts `r` against `peer` (KVXFER_MAX_REQUESTS, shm's
    *  limit, the ids in flight) and gives it its seq.  KVXFER_ERR_INVALID_USAGE
    *  or INVALID_ARGUMENT (a bad or gone peer) with nothing changed. */

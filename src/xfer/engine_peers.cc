@@ -158,6 +158,14 @@ void Engine::Impl::answer_ask(int peer, uint64_t id, uint32_t n, const PeerIo::R
     io(peer).drain_bufs[op] = std::move(b);  // the vector's storage moves: the Link keeps it
 }
 
+void Engine::Impl::answer_kept_ask(int peer, uint64_t id, const PeerIo::Refusal& why) {
+  if (links_aborted || !pio[static_cast<size_t>(peer)]) return;
+  const auto a = io(peer).asks.find(id);
+  if (a == io(peer).asks.end()) return;
+  answer_ask(peer, id, a->second.n, why);
+  io(peer).asks.erase(a);
+}
+
 void Engine::Impl::try_claims() {
   claims_dirty = false;
   std::vector<std::pair<int64_t, int>> askers;  // (when, peer)

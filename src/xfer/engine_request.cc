@@ -84,13 +84,7 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
     // A peer that asks for it (or asked, and waits for a slot) is told.
     const PeerIo::Refusal why{w.fail_code, text, now_ns()};
     remember(any_withdrawn, r->request_id, why);
-    for (int p = 0; p < npeers() && !links_aborted; ++p) {
-      if (!pio[static_cast<size_t>(p)]) continue;
-      const auto a = io(p).asks.find(r->request_id);
-      if (a == io(p).asks.end()) continue;
-      answer_ask(p, r->request_id, a->second.n, why);
-      io(p).asks.erase(a);
-    }
+    for (int p = 0; p < npeers(); ++p) answer_kept_ask(p, r->request_id, why);
     return;
   }
   send_status(r, w.fail_code, text);
@@ -99,12 +93,8 @@ void Engine::Impl::fail(const std::shared_ptr<Request>& r, kvxfer_result_t code,
     // No receive of its peer has it: an ask of its id from that peer, come
     // while it ran or within the timeout, is answered as after a WITHDRAW.
     const PeerIo::Refusal why{w.fail_code, text, now_ns()};
-    PeerIo& pi = io(r->peer);
-    remember(pi.withdrew, r->request_id, why);
-    if (const auto a = pi.asks.find(r->request_id); a != pi.asks.end() && !links_aborted) {
-      answer_ask(r->peer, r->request_id, a->second.n, why);
-      pi.asks.erase(a);
-    }
+    remember(io(r->peer).withdrew, r->request_id, why);
+    answer_kept_ask(r->peer, r->request_id, why);
   }
   // Keep the message sequence whole (protocol.h): the sender sends what is
   // left as empty messages, the receiver drains its residual receives.  Page
