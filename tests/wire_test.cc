@@ -1042,22 +1042,25 @@ TEST(PeerMessages, ASenderReportingSuccessBeforeTheReceiveCompletedFailsIt) {
 
 // One request by id 77 of an Engine::testing_unlinked engine (rank 1; its
 // peer 0 is played here): 5 tokens of bf16 KV in blocks of its own.
-struct UnlinkedById {
-  std::unique_ptr<xfer::Engine> engine = xfer::Engine::testing_unlinked(1, 2);
-  xfer::Engine::Impl* m = engine->testing_impl();
-  std::vector<std::vector<uint8_t>> blocks =
-      std::vector<std::vector<uint8_t>>(4, std::vector<uint8_t>(8 * 4 * 2, 0x3f));
-  std::vector<void*> k{blocks[0].data(), blocks[1].data()}, v{blocks[2].data(), blocks[3].data()};
-  std::vector<bool> done;
+struct UnlinkedById : fuzz::peer::Harness {
+  UnlinkedById() {
+    using namespace fuzz::peer;
+    engine = xfer::Engine::testing_unlinked(1, 2);
+    m = engine->testing_impl();
+    blocks.assign(4, std::vector<uint8_t>(kBlock * kHeads * kHeadDim * 2, 0x3f));
+    k = {blocks[0].data(), blocks[1].data()};
+    v = {blocks[2].data(), blocks[3].data()};
+  }
 
   kvxfer_result_t post(bool is_send, std::shared_ptr<xfer::Request>* out) {
+    using namespace fuzz::peer;
     kvxfer_kv_desc_t kv = KVXFER_KV_DESC_INITIALIZER;
-    kv.num_layers = 2;
-    kv.kv_heads = 1;
-    kv.head_dim = 4;
+    kv.num_layers = kLayers;
+    kv.kv_heads = kHeads;
+    kv.head_dim = kHeadDim;
     kv.dtype = KVXFER_DTYPE_BF16;
     kv.num_tokens = 5;
-    kv.block_size = 8;
+    kv.block_size = kBlock;
     kv.num_blocks = 1;
     kv.k_blocks = k.data();
     kv.v_blocks = v.data();
@@ -1070,19 +1073,6 @@ struct UnlinkedById {
     m->step();
     return r;
   }
-  void complete(size_t i, size_t bytes, kvxfer_result_t status = KVXFER_SUCCESS) {
-    done.resize(m->testing_posts.size(), false);
-    done[i] = true;
-    transport::Completion c;
-    c.op_id = i + 1;
-    c.tag = m->testing_posts[i].tag;
-    c.cls = m->testing_posts[i].cls;
-    c.is_send = m->testing_posts[i].is_send;
-    c.status = status;
-    c.bytes = bytes;
-    c.posted = c.done = transport::Clock::now();
-    m->on_completion(0, c);
-  }
   /** Runs the codec jobs (a send encodes from its post), completes every
    *  send, and runs a progress round. */
   void complete_sends() {
@@ -1092,9 +1082,7 @@ struct UnlinkedById {
         q.pop_front();
         m->run_job(j);
       }
-    done.resize(m->testing_posts.size(), false);
-    for (size_t i = 0; i < m->testing_posts.size(); ++i)
-      if (!done[i] && m->testing_posts[i].is_send) complete(i, m->testing_posts[i].len);
+    Harness::complete_sends(false);
     m->step();
   }
   /** The peer's message `b` into this side's receive of `tag`; false if none is posted. */
@@ -1104,7 +1092,7 @@ struct UnlinkedById {
       const auto& p = m->testing_posts[i];
       if (done[i] || p.is_send || p.tag != tag || p.len < b.size()) continue;
       if (!b.empty()) std::memcpy(p.buf, b.data(), b.size());
-      complete(i, b.size());
+      complete(i, KVXFER_SUCCESS, b.size());
       m->step();
       return true;
     }
